@@ -1,0 +1,34 @@
+# Provides the imported target onnxruntime::onnxruntime.
+# Prefers a system installation (CMake package or pkg-config) and falls back to
+# third_party/onnxruntime, which scripts/setup.sh fills with the pinned 1.21.0.
+set(QUERN_ORT_ROOT "${PROJECT_SOURCE_DIR}/third_party/onnxruntime" CACHE PATH "Fallback ONNX Runtime prefix")
+
+find_package(onnxruntime CONFIG QUIET)
+if(TARGET onnxruntime::onnxruntime)
+  message(STATUS "ONNX Runtime: system CMake package ${onnxruntime_DIR}")
+  return()
+endif()
+
+find_package(PkgConfig QUIET)
+if(PkgConfig_FOUND)
+  pkg_check_modules(ORT_PC QUIET IMPORTED_TARGET libonnxruntime)
+  if(ORT_PC_FOUND)
+    add_library(onnxruntime::onnxruntime ALIAS PkgConfig::ORT_PC)
+    message(STATUS "ONNX Runtime: system pkg-config ${ORT_PC_VERSION}")
+    return()
+  endif()
+endif()
+
+find_path(QUERN_ORT_INCLUDE onnxruntime_cxx_api.h PATHS "${QUERN_ORT_ROOT}/include" NO_DEFAULT_PATH)
+find_library(QUERN_ORT_LIB NAMES onnxruntime PATHS "${QUERN_ORT_ROOT}/lib" NO_DEFAULT_PATH)
+if(NOT QUERN_ORT_INCLUDE OR NOT QUERN_ORT_LIB)
+  message(FATAL_ERROR "ONNX Runtime not found: run scripts/setup.sh (it installs 1.21.0 into ${QUERN_ORT_ROOT})")
+endif()
+add_library(onnxruntime::onnxruntime SHARED IMPORTED GLOBAL)
+set_target_properties(onnxruntime::onnxruntime PROPERTIES
+  IMPORTED_LOCATION "${QUERN_ORT_ROOT}/lib/libonnxruntime.so.1"
+  IMPORTED_SONAME "libonnxruntime.so.1"
+  INTERFACE_INCLUDE_DIRECTORIES "${QUERN_ORT_INCLUDE}")
+# Binaries find the library without LD_LIBRARY_PATH.
+set(CMAKE_BUILD_RPATH "${QUERN_ORT_ROOT}/lib" CACHE INTERNAL "")
+message(STATUS "ONNX Runtime: ${QUERN_ORT_ROOT}")

@@ -1,0 +1,179 @@
+// quern::Engine: the in-process API. Front ends (HTTP, gRPC, jobs) and
+// embedding applications submit InferRequests here and receive exactly one
+// InferResponse per request, through a future, a callback or a CompletionQueue.
+//
+// Thread safety: every Engine method may be called from any thread.
+// Latency: Infer* never blocks on model execution; it validates the request,
+// queues it (or rejects it at once when the queue is full) and returns.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "quern/clock.h"
+#include "quern/model.h"
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern {
+
+// Set by the caller to withdraw a request. A request that has not started to
+// run is removed from its queue and completes with CANCELLED; one already in a
+// running batch completes normally.
+class CancellationToken {
+ public:
+  void Cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<bool> cancelled_{false};
+};
+
+struct InferRequest {
+  std::string model;
+  int64_t version = -1;  // -1 = the highest ready version
+  // Batched models: every input has the batch dimension first, and all inputs
+  // agree on it (the request's item count).
+  std::vector<NamedTensor> inputs;
+  // Names of outputs to return; empty = all outputs.
+  std::vector<std::string> requested_outputs;
+  // 1 is the highest priority; 0 = the model's default level.
+  uint32_t priority = 0;
+  // Queue timeout in microseconds; 0 = the model's default. May only
+  // shorten the model's default timeout (see QueuePolicy).
+  uint64_t timeout_us = 0;
+  // Absolute deadline on the engine's clock (ns); 0 = none. Always honoured.
+  int64_t deadline_ns = 0;
+  std::shared_ptr<CancellationToken> cancel;
+  // Small caller metadata copied into the response (for correlation).
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+// Where the time went, for one request. Timestamps are on the engine clock.
+struct Telemetry {
+  int64_t batch_size = 0;     // items in the batch this request ran in (without padding)
+  int64_t padded_batch_size = 0;
+  int64_t queue_start_ns = 0;
+  int64_t compute_start_ns = 0;
+  int64_t compute_end_ns = 0;
+  int64_t response_ns = 0;
+  int64_t queue_ns() const { return compute_start_ns > 0 ? compute_start_ns - queue_start_ns : 0; }
+  int64_t compute_ns() const { return compute_end_ns - compute_start_ns; }
+  int64_t total_ns() const { return response_ns - queue_start_ns; }
+};
+
+struct InferResponse {
+  Status status;
+  uint64_t request_id = 0;
+  std::string model;
+  int64_t version = 0;
+  std::vector<NamedTensor> outputs;
+  Telemetry telemetry;
+  std::vector<std::pair<std::string, std::string>> metadata;
+
+  const Tensor* FindOutput(std::string_view name) const;
+};
+
+using InferCallback = std::function<void(InferResponse&&)>;
+
+// A queue of finished responses for callers that poll. Thread-safe.
+class CompletionQueue {
+ public:
+  // The next finished response, or nullopt when none is ready.
+  std::optional<InferResponse> TryPoll();
+  // Blocks until a response is ready.
+  InferResponse Wait();
+  size_t size() const;
+
+  void Push(InferResponse&& response);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<InferResponse> ready_;
+};
+
+enum class ModelState { kLoading, kReady, kUnavailable };
+std::string_view ModelStateName(ModelState state);
+
+struct ModelStatus {
+  std::string name;
+  int64_t version = 0;
+  ModelState state = ModelState::kLoading;
+  std::string reason;  // why it is unavailable
+  ModelConfig config;  // the configuration in force (parsed or derived)
+};
+
+struct EngineOptions {
+  // Triton-style model repository; empty = no repository (models registered in code).
+  std::string model_repository;
+  // Seconds between repository scans that reload changed models; 0 = no polling.
+  double repository_poll_interval_s = 0;
+  // Load every model of the repository at Create (else only on LoadModel).
+  bool load_all_models = true;
+  // Cores the engine may use in total; 0 = std::thread::hardware_concurrency().
+  // Default thread counts divide these among instances so they do not
+  // oversubscribe the machine.
+  int cores = 0;
+  // Time source for queue delays, timeouts and telemetry; null = real clock.
+  const Clock* clock = nullptr;
+};
+
+class EngineImpl;
+
+class Engine {
+ public:
+  // Opens the repository and loads its models. A model that fails to load is
+  // reported by ListModels with its error and does not fail Create; a missing
+  // repository does.
+  static Result<std::unique_ptr<Engine>> Create(EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Submits a request. Every form delivers exactly one response; errors
+  // (unknown model, bad input, queue full, timeout, cancellation, backend
+  // failure) arrive as a response with a non-OK status, never as exceptions.
+  std::future<InferResponse> Infer(InferRequest request);
+  // `done` runs on an engine thread (or inline when the request is rejected
+  // before queuing); it must not block for long.
+  void InferAsync(InferRequest request, InferCallback done);
+  // Returns the request id; the response, carrying it, is pushed to `queue`,
+  // which must outlive the request.
+  uint64_t InferAsync(InferRequest request, CompletionQueue* queue);
+
+  // Registers a model implemented in C++. `config` describes its inputs,
+  // outputs, batching and instance count; `factory` makes one Model per
+  // instance. Replaces a registered model of the same name.
+  Status RegisterModel(ModelConfig config, ModelFactory factory);
+
+  // Loads (or reloads) a repository model; in-flight requests of a previous
+  // version finish on it. Unload drains the model's queue, then removes it.
+  Status LoadModel(const std::string& name);
+  Status UnloadModel(const std::string& name);
+  // Rescans the repository now: loads new models, reloads changed ones and
+  // unloads removed ones (what polling does periodically).
+  Status PollRepository();
+
+  std::vector<ModelStatus> ListModels() const;
+  Result<ModelStatus> GetModel(const std::string& name, int64_t version = -1) const;
+  bool ModelReady(const std::string& name, int64_t version = -1) const;
+
+  const Clock& clock() const;
+
+ private:
+  explicit Engine(std::unique_ptr<EngineImpl> impl);
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace quern

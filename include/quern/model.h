@@ -1,0 +1,127 @@
+// Model configuration as Quern uses it, and the interface for models written
+// in C++ and registered in code.
+//
+// The configuration mirrors Triton's model configuration (config.pbtxt): a
+// repository's config files are parsed into this struct, a bare model.onnx is
+// described by one derived from the model, and code that registers a custom
+// model fills one in directly.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern {
+
+struct TensorConfig {
+  std::string name;
+  DataType dtype = DataType::kFp32;
+  // Dimensions without the batch dimension when max_batch_size > 0; -1 means
+  // any size.
+  Shape dims;
+  // Optional: the shape the backend sees (same element count as dims).
+  std::optional<Shape> reshape;
+  // Inputs only: the request may leave it out.
+  bool optional = false;
+  // Outputs only: a file of class labels, one per line, beside config.pbtxt.
+  std::string label_filename;
+};
+
+struct QueuePolicy {
+  enum class TimeoutAction { kReject, kDelay };
+  TimeoutAction timeout_action = TimeoutAction::kReject;
+  // 0 = no timeout.
+  uint64_t default_timeout_us = 0;
+  // Whether a request's own timeout may shorten default_timeout_us.
+  bool allow_timeout_override = false;
+  // 0 = unbounded. Counted in requests.
+  uint32_t max_queue_size = 0;
+};
+
+struct BatchingConfig {
+  // Batch sizes that are sent at once when they can be formed.
+  std::vector<int> preferred_batch_sizes;
+  // How long the oldest request may wait for more to arrive. 0 = send what is
+  // queued as soon as an instance is free.
+  uint64_t max_queue_delay_us = 0;
+  // Responses leave in the order requests arrived.
+  bool preserve_ordering = false;
+  // Number of priority levels (1 is highest); 0 means a single level.
+  uint32_t priority_levels = 0;
+  // Level used for requests that give none; must lie in [1, priority_levels].
+  // 0 means the lowest level (priority_levels).
+  uint32_t default_priority_level = 0;
+  QueuePolicy default_queue_policy;
+  // Per-level overrides of default_queue_policy.
+  std::map<uint32_t, QueuePolicy> priority_queue_policy;
+};
+
+struct WarmupInput {
+  DataType dtype = DataType::kFp32;
+  Shape dims;  // without the batch dimension
+  enum class Fill { kZero, kRandom, kFile } fill = Fill::kZero;
+  std::string file;  // for kFile: path relative to the model's warmup/ folder
+};
+
+struct WarmupSample {
+  std::string name;
+  uint32_t batch_size = 1;
+  uint32_t count = 1;
+  std::map<std::string, WarmupInput> inputs;
+};
+
+struct ModelConfig {
+  std::string name;
+  std::string platform;  // "onnxruntime_onnx" for ONNX models
+  std::string backend;   // "onnxruntime" or "custom"
+  // 0 = the model does not batch: request shapes are the model's shapes.
+  int max_batch_size = 0;
+  std::vector<TensorConfig> inputs;
+  std::vector<TensorConfig> outputs;
+  // Number of instances (each with its own session and worker thread).
+  int instance_count = 1;
+  // Dynamic batching is on when max_batch_size > 0 and this is set.
+  std::optional<BatchingConfig> batching;
+  // Quern: the model only runs at these batch sizes; smaller batches are
+  // padded up to the next size and the padding rows are dropped from the
+  // outputs. Empty = any size up to max_batch_size.
+  std::vector<int> fixed_batch_sizes;
+  std::vector<WarmupSample> warmup;
+  std::map<std::string, std::string> parameters;
+  // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.
+  int graph_optimization_level = 0;
+  std::string default_model_filename;  // empty = "model.onnx"
+
+  const TensorConfig* FindInput(const std::string& n) const;
+  const TensorConfig* FindOutput(const std::string& n) const;
+};
+
+// A model implemented in C++. Lifecycle contract: the constructor is cheap;
+// Load() does the expensive work once; Execute() is never called
+// concurrently on one instance (each instance is its own object, made by the
+// factory given at registration), but different instances run in parallel.
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // Called once before the first Execute. A non-OK status fails the load.
+  virtual Status Load() { return Status::Ok(); }
+
+  // Runs one batch. `inputs` hold every configured input, batched along the
+  // first dimension when max_batch_size > 0 (batch_size rows). On success
+  // `outputs` must hold the requested outputs with the same number of rows.
+  // An error fails every request of this batch; the model keeps serving.
+  virtual Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                         std::vector<NamedTensor>& outputs) = 0;
+};
+
+using ModelFactory = std::function<std::unique_ptr<Model>()>;
+
+}  // namespace quern

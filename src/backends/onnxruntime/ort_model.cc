@@ -1,0 +1,333 @@
+#include "backends/onnxruntime/ort_model.h"
+
+#include <onnxruntime_cxx_api.h>
+#include <onnxruntime_session_options_config_keys.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+namespace quern {
+namespace {
+
+Ort::Env& Env() {
+  static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
+  return *env;
+}
+
+DataType FromOrt(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return DataType::kBool;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return DataType::kUint8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return DataType::kUint16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return DataType::kUint32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return DataType::kUint64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return DataType::kInt8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return DataType::kInt16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return DataType::kInt32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return DataType::kInt64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return DataType::kFp16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return DataType::kFp32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return DataType::kFp64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return DataType::kBytes;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return DataType::kBf16;
+    default: return DataType::kInvalid;
+  }
+}
+
+ONNXTensorElementDataType ToOrt(DataType t) {
+  switch (t) {
+    case DataType::kBool: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    case DataType::kUint8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    case DataType::kUint16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16;
+    case DataType::kUint32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32;
+    case DataType::kUint64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64;
+    case DataType::kInt8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    case DataType::kInt16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16;
+    case DataType::kInt32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case DataType::kInt64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case DataType::kFp16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case DataType::kFp32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case DataType::kFp64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE;
+    case DataType::kBytes: return ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING;
+    case DataType::kBf16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+}
+
+Result<bool> ParseBool(const std::string& v, const std::string& what) {
+  if (v == "1" || v == "true" || v == "TRUE" || v == "True") return true;
+  if (v == "0" || v == "false" || v == "FALSE" || v == "False") return false;
+  return Err(InvalidArgument(what + ": '" + v + "' is not true/false"));
+}
+
+Result<int> ParsePositive(const std::string& v, const std::string& what) {
+  try {
+    size_t used = 0;
+    int n = std::stoi(v, &used);
+    if (used == v.size() && n >= 1) return n;
+  } catch (const std::exception&) {
+  }
+  return Err(InvalidArgument(what + ": '" + v + "' is not a positive integer"));
+}
+
+OnnxTensorInfo Describe(const std::string& name, const Ort::TypeInfo& info) {
+  OnnxTensorInfo t;
+  t.name = name;
+  if (info.GetONNXType() != ONNX_TYPE_TENSOR) return t;  // dtype stays kInvalid
+  auto ti = info.GetTensorTypeAndShapeInfo();
+  t.dtype = FromOrt(ti.GetElementType());
+  t.shape = ti.GetShape();
+  for (auto& d : t.shape) {
+    if (d < 0) d = -1;
+  }
+  return t;
+}
+
+const OnnxTensorInfo* Find(const std::vector<OnnxTensorInfo>& v, const std::string& name) {
+  for (const auto& t : v) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::string NameList(const std::vector<OnnxTensorInfo>& v) {
+  std::string s;
+  for (const auto& t : v) s += (s.empty() ? "" : ", ") + t.name;
+  return s;
+}
+
+Status CheckAgainstModel(const ModelConfig& c, const TensorConfig& t, const OnnxTensorInfo* m, const char* kind,
+                         const std::vector<OnnxTensorInfo>& all) {
+  const std::string where = "model '" + c.name + "' " + kind + " '" + t.name + "'";
+  if (!m) return InvalidArgument(where + " is not in the ONNX model (it has: " + NameList(all) + ")");
+  if (m->dtype != t.dtype) {
+    return InvalidArgument(where + ": configured as " + std::string(DataTypeName(t.dtype)) + " but the model has " +
+                           std::string(DataTypeName(m->dtype)));
+  }
+  const Shape& dims = t.reshape ? *t.reshape : t.dims;
+  const size_t batch = c.max_batch_size > 0 ? 1 : 0;
+  if (m->shape.size() != dims.size() + batch) {
+    return InvalidArgument(where + ": configured dims " + ShapeToString(dims) +
+                           (batch ? " (plus the batch dimension)" : "") + " do not match the model's shape " +
+                           ShapeToString(m->shape));
+  }
+  for (size_t i = 0; i < dims.size(); ++i) {
+    int64_t md = m->shape[i + batch];
+    if (md >= 0 && dims[i] != md) {
+      return InvalidArgument(where + ": configured dims " + ShapeToString(dims) + " do not match the model's shape " +
+                             ShapeToString(m->shape));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& c, int cores) {
+  OrtSessionOptions o;
+  o.intra_op_threads = std::max(1, cores / std::max(1, c.instance_count));
+  o.graph_optimization_level = c.graph_optimization_level;
+  const std::string m = "model '" + c.name + "' parameter ";
+  if (auto it = c.parameters.find("intra_op_thread_count"); it != c.parameters.end()) {
+    auto v = ParsePositive(it->second, m + it->first);
+    if (!v) return Err(v.error());
+    o.intra_op_threads = *v;
+  }
+  if (auto it = c.parameters.find("inter_op_thread_count"); it != c.parameters.end()) {
+    auto v = ParsePositive(it->second, m + it->first);
+    if (!v) return Err(v.error());
+    o.inter_op_threads = *v;
+  }
+  if (auto it = c.parameters.find("allow_spinning"); it != c.parameters.end()) {
+    auto v = ParseBool(it->second, m + it->first);
+    if (!v) return Err(v.error());
+    o.allow_spinning = *v;
+  }
+  return o;
+}
+
+Status CompleteConfigFromOnnx(ModelConfig& c, const OnnxModelIO& io, bool has_config_file) {
+  for (const auto* list : {&io.inputs, &io.outputs}) {
+    for (const auto& t : *list) {
+      if (t.dtype == DataType::kInvalid) {
+        return InvalidArgument("model '" + c.name + "': tensor '" + t.name +
+                               "' is not a tensor of a supported element type");
+      }
+    }
+  }
+  if (!has_config_file) {
+    bool batchable = true;
+    for (const auto* list : {&io.inputs, &io.outputs}) {
+      for (const auto& t : *list) batchable = batchable && !t.shape.empty() && t.shape[0] == -1;
+    }
+    c.max_batch_size = batchable ? kDefaultMaxBatchSize : 0;
+    if (batchable) c.batching = BatchingConfig{};
+  }
+  const size_t skip = c.max_batch_size > 0 ? 1 : 0;
+  auto derive = [&](const std::vector<OnnxTensorInfo>& from, std::vector<TensorConfig>& to) {
+    for (const auto& t : from) {
+      TensorConfig tc;
+      tc.name = t.name;
+      tc.dtype = t.dtype;
+      if (t.shape.size() >= skip) tc.dims.assign(t.shape.begin() + static_cast<std::ptrdiff_t>(skip), t.shape.end());
+      to.push_back(std::move(tc));
+    }
+  };
+  if (c.inputs.empty()) derive(io.inputs, c.inputs);
+  if (c.outputs.empty()) derive(io.outputs, c.outputs);
+
+  for (const auto& t : c.inputs) QUERN_RETURN_IF_ERROR(CheckAgainstModel(c, t, Find(io.inputs, t.name), "input", io.inputs));
+  for (const auto& t : c.outputs) {
+    QUERN_RETURN_IF_ERROR(CheckAgainstModel(c, t, Find(io.outputs, t.name), "output", io.outputs));
+  }
+  for (const auto& t : io.inputs) {
+    if (!c.FindInput(t.name)) {
+      return InvalidArgument("model '" + c.name + "': the ONNX model's input '" + t.name +
+                             "' is missing from the configuration");
+    }
+  }
+  // A batched model whose ONNX batch dimension is static runs only at that size.
+  if (c.max_batch_size > 0) {
+    int64_t fixed = -1;
+    for (const auto& t : io.inputs) {
+      if (!t.shape.empty() && t.shape[0] >= 0) fixed = t.shape[0];
+    }
+    if (fixed > 0) {
+      if (c.fixed_batch_sizes.empty() && fixed == c.max_batch_size) {
+        c.fixed_batch_sizes = {static_cast<int>(fixed)};
+      } else if (c.fixed_batch_sizes != std::vector<int>{static_cast<int>(fixed)}) {
+        return InvalidArgument("model '" + c.name + "': the ONNX model's batch dimension is fixed at " +
+                               std::to_string(fixed) + "; set max_batch_size: " + std::to_string(fixed) +
+                               " and parameters { key: \"quern.fixed_batch_sizes\" value { string_value: \"" +
+                               std::to_string(fixed) + "\" } }");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+struct OrtModel::Session {
+  Ort::Session session{nullptr};
+  Ort::MemoryInfo cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+  Ort::RunOptions run_options;
+  std::vector<std::string> output_names;
+  std::vector<const char*> output_cnames;
+};
+
+OrtModel::OrtModel(std::string model_name, std::filesystem::path file, OrtSessionOptions options,
+                   std::vector<std::string> output_names)
+    : model_name_(std::move(model_name)),
+      file_(std::move(file)),
+      options_(options),
+      output_names_(std::move(output_names)) {}
+
+OrtModel::~OrtModel() = default;
+
+Status OrtModel::Load() {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(file_, ec)) {
+    return NotFound("model '" + model_name_ + "': model file " + file_.string() + " does not exist");
+  }
+  try {
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(options_.intra_op_threads);
+    so.SetInterOpNumThreads(options_.inter_op_threads);
+    so.SetExecutionMode(ORT_SEQUENTIAL);
+    so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, options_.allow_spinning ? "1" : "0");
+    so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
+    so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+    GraphOptimizationLevel level = ORT_ENABLE_ALL;
+    if (options_.graph_optimization_level < 0) level = ORT_DISABLE_ALL;
+    if (options_.graph_optimization_level == 1) level = ORT_ENABLE_BASIC;
+    if (options_.graph_optimization_level == 2) level = ORT_ENABLE_EXTENDED;
+    so.SetGraphOptimizationLevel(level);
+
+    auto s = std::make_unique<Session>();
+    s->session = Ort::Session(Env(), file_.c_str(), so);
+    Ort::AllocatorWithDefaultOptions alloc;
+    io_ = {};
+    for (size_t i = 0; i < s->session.GetInputCount(); ++i) {
+      io_.inputs.push_back(Describe(s->session.GetInputNameAllocated(i, alloc).get(), s->session.GetInputTypeInfo(i)));
+    }
+    for (size_t i = 0; i < s->session.GetOutputCount(); ++i) {
+      io_.outputs.push_back(
+          Describe(s->session.GetOutputNameAllocated(i, alloc).get(), s->session.GetOutputTypeInfo(i)));
+    }
+    if (output_names_.empty()) {
+      for (const auto& o : io_.outputs) s->output_names.push_back(o.name);
+    } else {
+      s->output_names = output_names_;
+    }
+    for (const auto& n : s->output_names) s->output_cnames.push_back(n.c_str());
+    session_ = std::move(s);
+  } catch (const Ort::Exception& e) {
+    return InvalidArgument("model '" + model_name_ + "': onnxruntime cannot load " + file_.string() + ": " + e.what());
+  } catch (const std::exception& e) {
+    return Internal("model '" + model_name_ + "': loading " + file_.string() + " failed: " + e.what());
+  }
+  return Status::Ok();
+}
+
+Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch_size*/,
+                         std::vector<NamedTensor>& outputs) {
+  if (!session_) return FailedPrecondition("model '" + model_name_ + "' is not loaded");
+  try {
+    std::vector<const char*> names;
+    std::vector<Ort::Value> values;
+    names.reserve(inputs.size());
+    values.reserve(inputs.size());
+    for (const auto& in : inputs) {
+      const Tensor& t = in.tensor;
+      names.push_back(in.name.c_str());
+      if (t.dtype() == DataType::kBytes) {
+        auto strings = t.Strings();
+        if (!strings) return strings.error();
+        Ort::AllocatorWithDefaultOptions alloc;
+        Ort::Value v = Ort::Value::CreateTensor(alloc, t.shape().data(), t.shape().size(),
+                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING);
+        for (size_t i = 0; i < strings->size(); ++i) {
+          const auto& s = (*strings)[i];
+          char* dst = v.GetResizedStringTensorElementBuffer(i, s.size());
+          if (!s.empty()) std::memcpy(dst, s.data(), s.size());
+        }
+        values.push_back(std::move(v));
+      } else {
+        values.push_back(Ort::Value::CreateTensor(session_->cpu, const_cast<std::byte*>(t.data()), t.byte_size(),
+                                                  t.shape().data(), t.shape().size(), ToOrt(t.dtype())));
+      }
+    }
+    std::vector<Ort::Value> results =
+        session_->session.Run(session_->run_options, names.data(), values.data(), values.size(),
+                              session_->output_cnames.data(), session_->output_cnames.size());
+    outputs.clear();
+    outputs.reserve(results.size());
+    for (size_t i = 0; i < results.size(); ++i) {
+      auto info = results[i].GetTensorTypeAndShapeInfo();
+      Shape shape = info.GetShape();
+      DataType dtype = FromOrt(info.GetElementType());
+      if (dtype == DataType::kBytes) {
+        const size_t n = info.GetElementCount();
+        std::vector<std::string> strs(n);
+        for (size_t k = 0; k < n; ++k) {
+          strs[k].resize(results[i].GetStringTensorElementLength(k));
+          results[i].GetStringTensorElement(strs[k].size(), k, strs[k].data());
+        }
+        outputs.push_back({session_->output_names[i], Tensor::FromStrings(std::move(shape), strs)});
+        continue;
+      }
+      const size_t bytes = info.GetElementCount() * DataTypeByteSize(dtype);
+      auto owner = std::make_shared<Ort::Value>(std::move(results[i]));
+      const void* data = owner->GetTensorRawData();
+      outputs.push_back(
+          {session_->output_names[i], Tensor::Borrow(dtype, std::move(shape), data, bytes, std::move(owner))});
+    }
+  } catch (const Ort::Exception& e) {
+    return Internal("model '" + model_name_ + "': onnxruntime failed to run the batch: " + e.what());
+  } catch (const std::exception& e) {
+    return Internal("model '" + model_name_ + "': running the batch failed: " + e.what());
+  }
+  return Status::Ok();
+}
+
+}  // namespace quern

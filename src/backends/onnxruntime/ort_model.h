@@ -1,0 +1,76 @@
+// ONNX Runtime backend: one OrtModel per model instance, each with its own
+// Ort::Session. The process shares one Ort::Env.
+//
+// Lifecycle (the quern::Model contract): the constructor only records what to
+// load; Load() creates the session (expensive); Execute() runs one batch and
+// is never called concurrently on one instance. Every ONNX Runtime exception
+// is caught here and becomes a Status naming the model.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "quern/model.h"
+#include "quern/status.h"
+
+namespace quern {
+
+struct OnnxTensorInfo {
+  std::string name;
+  DataType dtype = DataType::kInvalid;
+  Shape shape;  // -1 for dynamic or symbolic dimensions
+};
+
+struct OnnxModelIO {
+  std::vector<OnnxTensorInfo> inputs;
+  std::vector<OnnxTensorInfo> outputs;
+};
+
+// Session settings, from the model configuration's `parameters`.
+struct OrtSessionOptions {
+  int intra_op_threads = 1;
+  int inter_op_threads = 1;
+  // Intra-op threads spin while a Run is in progress and stop when it returns
+  // (session.force_spinning_stop), so an idle server uses no CPU.
+  bool allow_spinning = true;
+  int graph_optimization_level = 0;  // ModelConfig::graph_optimization_level
+};
+
+// Reads parameters: "intra_op_thread_count", "inter_op_thread_count",
+// "allow_spinning" (true/false). Defaults divide `cores` among the instances.
+Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& config, int cores);
+
+// Default max_batch_size for a bare model.onnx whose first dimension is dynamic.
+inline constexpr int kDefaultMaxBatchSize = 16;
+
+// Fills what a configuration leaves out from the model (inputs, outputs,
+// types, dims; for a model without config.pbtxt also max_batch_size and
+// dynamic batching) and checks what it states against the model.
+Status CompleteConfigFromOnnx(ModelConfig& config, const OnnxModelIO& io, bool has_config_file);
+
+class OrtModel final : public Model {
+ public:
+  OrtModel(std::string model_name, std::filesystem::path file, OrtSessionOptions options,
+           std::vector<std::string> output_names);
+  ~OrtModel() override;
+
+  Status Load() override;
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override;
+
+  // Valid after a successful Load().
+  const OnnxModelIO& io() const { return io_; }
+
+ private:
+  struct Session;
+  std::string model_name_;
+  std::filesystem::path file_;
+  OrtSessionOptions options_;
+  std::vector<std::string> output_names_;  // empty = every model output
+  OnnxModelIO io_;
+  std::unique_ptr<Session> session_;
+};
+
+}  // namespace quern

@@ -1,0 +1,198 @@
+// quern: the command-line entry point.
+//   quern serve  --model-repository DIR   load a repository and serve it
+//   quern models DIR                      list models, their tensors and load errors
+//   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
+#include <CLI/CLI.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "cli/npy.h"
+#include "quern/engine.h"
+
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+
+std::string Dims(const quern::ModelConfig& c, const quern::TensorConfig& t) {
+  quern::Shape s = t.dims;
+  if (c.max_batch_size > 0) s.insert(s.begin(), -1);
+  return quern::ShapeToString(s);
+}
+
+void PrintModels(const quern::Engine& engine) {
+  for (const auto& m : engine.ListModels()) {
+    std::printf("%s v%lld  %s", m.name.c_str(), static_cast<long long>(m.version),
+                std::string(quern::ModelStateName(m.state)).c_str());
+    if (!m.reason.empty()) std::printf("  error: %s", m.reason.c_str());
+    std::printf("\n");
+    if (m.state != quern::ModelState::kReady) continue;
+    const auto& c = m.config;
+    std::printf("    max_batch_size %d, instances %d, dynamic batching %s\n", c.max_batch_size, c.instance_count,
+                c.batching ? "on" : "off");
+    for (const auto& t : c.inputs) {
+      std::printf("    input  %-20s %-6s %s\n", t.name.c_str(), std::string(quern::DataTypeName(t.dtype)).c_str(),
+                  Dims(c, t).c_str());
+    }
+    for (const auto& t : c.outputs) {
+      std::printf("    output %-20s %-6s %s\n", t.name.c_str(), std::string(quern::DataTypeName(t.dtype)).c_str(),
+                  Dims(c, t).c_str());
+    }
+  }
+}
+
+quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, double poll) {
+  quern::EngineOptions o;
+  o.model_repository = repo;
+  o.repository_poll_interval_s = poll;
+  return quern::Engine::Create(o);
+}
+
+template <typename T>
+void PrintValues(const quern::Tensor& t, size_t limit) {
+  auto v = t.values<T>();
+  for (size_t i = 0; i < v.size() && i < limit; ++i) std::cout << (i ? " " : "") << +v[i];
+  if (v.size() > limit) std::cout << " ...";
+}
+
+quern::Result<quern::Tensor> MakeInput(const quern::ModelConfig& c, const quern::TensorConfig& tc,
+                                       const std::string& spec) {
+  if (spec != "zeros" && spec != "random") return quern::ReadNpy(spec);
+  quern::Shape shape = tc.dims;
+  if (c.max_batch_size > 0) shape.insert(shape.begin(), 1);
+  if (quern::ElementCount(shape) < 0) {
+    return quern::Err(quern::InvalidArgument("input '" + tc.name + "' has a variable shape " +
+                                             quern::ShapeToString(shape) + "; give a .npy file"));
+  }
+  if (tc.dtype == quern::DataType::kBytes) {
+    return quern::Tensor::FromStrings(shape, std::vector<std::string>(quern::ElementCount(shape)));
+  }
+  const size_t bytes = quern::ElementCount(shape) * quern::DataTypeByteSize(tc.dtype);
+  quern::Tensor t = quern::Tensor::Allocate(tc.dtype, shape, bytes);
+  if (spec == "random" && tc.dtype == quern::DataType::kFp32) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> d(-1.f, 1.f);
+    auto* f = reinterpret_cast<float*>(t.mutable_data());
+    for (size_t i = 0; i < bytes / 4; ++i) f[i] = d(rng);
+  }
+  return t;
+}
+
+int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs) {
+  auto engine = Open(repo, 0);
+  if (!engine) {
+    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+    return 1;
+  }
+  auto status = (*engine)->GetModel(model);
+  if (!status) {
+    std::fprintf(stderr, "quern: %s\n", status.error().ToString().c_str());
+    return 1;
+  }
+  if (status->state != quern::ModelState::kReady) {
+    std::fprintf(stderr, "quern: model '%s' is not ready: %s\n", model.c_str(), status->reason.c_str());
+    return 1;
+  }
+  quern::InferRequest req;
+  req.model = model;
+  for (const auto& s : specs) {
+    auto eq = s.find('=');
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "quern: --input '%s' is not NAME=FILE.npy|zeros|random\n", s.c_str());
+      return 2;
+    }
+    const std::string name = s.substr(0, eq);
+    const quern::TensorConfig* tc = status->config.FindInput(name);
+    if (!tc) {
+      std::fprintf(stderr, "quern: model '%s' has no input '%s'\n", model.c_str(), name.c_str());
+      return 2;
+    }
+    auto t = MakeInput(status->config, *tc, s.substr(eq + 1));
+    if (!t) {
+      std::fprintf(stderr, "quern: %s\n", t.error().ToString().c_str());
+      return 2;
+    }
+    req.inputs.push_back({name, std::move(*t)});
+  }
+  quern::InferResponse r = (*engine)->Infer(std::move(req)).get();
+  if (!r.status.ok()) {
+    std::fprintf(stderr, "quern: %s\n", r.status.ToString().c_str());
+    return 1;
+  }
+  for (const auto& o : r.outputs) {
+    const quern::Tensor& t = o.tensor;
+    std::cout << o.name << " " << quern::DataTypeName(t.dtype()) << " " << quern::ShapeToString(t.shape()) << ": ";
+    switch (t.dtype()) {
+      case quern::DataType::kFp32: PrintValues<float>(t, 16); break;
+      case quern::DataType::kFp64: PrintValues<double>(t, 16); break;
+      case quern::DataType::kInt64: PrintValues<int64_t>(t, 16); break;
+      case quern::DataType::kInt32: PrintValues<int32_t>(t, 16); break;
+      case quern::DataType::kUint8: PrintValues<uint8_t>(t, 16); break;
+      case quern::DataType::kInt8: PrintValues<int8_t>(t, 16); break;
+      default: std::cout << t.byte_size() << " bytes";
+    }
+    std::cout << "\n";
+  }
+  std::printf("request %llu: batch %lld, queue %.3f ms, compute %.3f ms, total %.3f ms\n",
+              static_cast<unsigned long long>(r.request_id), static_cast<long long>(r.telemetry.batch_size),
+              r.telemetry.queue_ns() / 1e6, r.telemetry.compute_ns() / 1e6, r.telemetry.total_ns() / 1e6);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"quern: a fast model server for ONNX models"};
+  app.require_subcommand(1);
+
+  std::string repo;
+  double poll = 0;
+  auto* serve = app.add_subcommand("serve", "Load a model repository and serve it");
+  serve->add_option("--model-repository", repo, "Triton-style model repository")->required();
+  serve->add_option("--repository-poll-secs", poll, "Reload changed models every N seconds (0 = off)");
+
+  std::string models_repo;
+  auto* models = app.add_subcommand("models", "List a repository's models, their tensors and load errors");
+  models->add_option("repository", models_repo, "Model repository")->required();
+
+  std::string infer_repo, infer_model;
+  std::vector<std::string> inputs;
+  auto* infer = app.add_subcommand("infer", "Run one request and print the outputs");
+  infer->add_option("repository", infer_repo, "Model repository")->required();
+  infer->add_option("model", infer_model, "Model name")->required();
+  infer->add_option("--input,-i", inputs, "NAME=FILE.npy, NAME=zeros or NAME=random (batch of 1)");
+
+  CLI11_PARSE(app, argc, argv);
+
+  if (*models) {
+    auto engine = Open(models_repo, 0);
+    if (!engine) {
+      std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+      return 1;
+    }
+    PrintModels(**engine);
+    for (const auto& m : (*engine)->ListModels()) {
+      if (m.state != quern::ModelState::kReady) return 3;
+    }
+    return 0;
+  }
+  if (*infer) return Infer(infer_repo, infer_model, inputs);
+
+  auto engine = Open(repo, poll);
+  if (!engine) {
+    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+    return 1;
+  }
+  PrintModels(**engine);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::printf("quern: stopping\n");
+  return 0;
+}

@@ -1,0 +1,337 @@
+#include "core/model_config_parser.h"
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <set>
+
+namespace quern {
+namespace {
+
+class CollectErrors : public google::protobuf::io::ErrorCollector {
+ public:
+  explicit CollectErrors(const std::string& file) : file_(file) {}
+  void AddError(int line, google::protobuf::io::ColumnNumber column, const std::string& message) override {
+    if (!first_.empty()) return;
+    first_ = file_ + ":" + std::to_string(line + 1) + ":" + std::to_string(column + 1) + ": " + message;
+  }
+  const std::string& first() const { return first_; }
+
+ private:
+  std::string file_;
+  std::string first_;
+};
+
+DataType FromProtoType(inference::DataType t) { return static_cast<DataType>(static_cast<int>(t)); }
+inference::DataType ToProtoType(DataType t) { return static_cast<inference::DataType>(static_cast<int>(t)); }
+
+QueuePolicy ConvertQueuePolicy(const inference::ModelQueuePolicy& p) {
+  QueuePolicy q;
+  q.timeout_action = p.timeout_action() == inference::ModelQueuePolicy::DELAY ? QueuePolicy::TimeoutAction::kDelay
+                                                                              : QueuePolicy::TimeoutAction::kReject;
+  q.default_timeout_us = p.default_timeout_microseconds();
+  q.allow_timeout_override = p.allow_timeout_override();
+  q.max_queue_size = p.max_queue_size();
+  return q;
+}
+
+inference::ModelQueuePolicy QueuePolicyToProto(const QueuePolicy& q) {
+  inference::ModelQueuePolicy p;
+  p.set_timeout_action(q.timeout_action == QueuePolicy::TimeoutAction::kDelay ? inference::ModelQueuePolicy::DELAY
+                                                                              : inference::ModelQueuePolicy::REJECT);
+  p.set_default_timeout_microseconds(q.default_timeout_us);
+  p.set_allow_timeout_override(q.allow_timeout_override);
+  p.set_max_queue_size(q.max_queue_size);
+  return p;
+}
+
+Result<std::vector<int>> ParseIntList(std::string_view text, const std::string& what) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string_view::npos) comma = text.size();
+    std::string_view item = text.substr(pos, comma - pos);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    int v = 0;
+    auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || p != item.data() + item.size()) {
+      return Err(InvalidArgument(what + ": '" + std::string(text) + "' is not a comma-separated list of integers"));
+    }
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
+TensorConfig ConvertInput(const inference::ModelInput& in) {
+  TensorConfig t;
+  t.name = in.name();
+  t.dtype = FromProtoType(in.data_type());
+  t.dims.assign(in.dims().begin(), in.dims().end());
+  if (in.has_reshape()) t.reshape = Shape(in.reshape().shape().begin(), in.reshape().shape().end());
+  t.optional = in.optional();
+  return t;
+}
+
+TensorConfig ConvertOutput(const inference::ModelOutput& out) {
+  TensorConfig t;
+  t.name = out.name();
+  t.dtype = FromProtoType(out.data_type());
+  t.dims.assign(out.dims().begin(), out.dims().end());
+  if (out.has_reshape()) t.reshape = Shape(out.reshape().shape().begin(), out.reshape().shape().end());
+  t.label_filename = out.label_filename();
+  return t;
+}
+
+Status ValidateTensors(const ModelConfig& c, const std::vector<TensorConfig>& tensors, const char* kind) {
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    const std::string where = "model '" + c.name + "' " + kind + " '" + t.name + "'";
+    if (t.name.empty()) return InvalidArgument("model '" + c.name + "': an " + kind + " has no name");
+    if (!names.insert(t.name).second) return InvalidArgument(where + " is declared twice");
+    if (t.dtype == DataType::kInvalid) return InvalidArgument(where + ": data_type is missing or TYPE_INVALID");
+    for (int64_t d : t.dims) {
+      if (d < -1) return InvalidArgument(where + ": dims " + ShapeToString(t.dims) + " has a dimension below -1");
+    }
+    if (t.reshape) {
+      int64_t a = ElementCount(t.dims), b = ElementCount(*t.reshape);
+      if (a >= 0 && b >= 0 && a != b) {
+        return InvalidArgument(where + ": reshape " + ShapeToString(*t.reshape) + " has " + std::to_string(b) +
+                               " elements but dims " + ShapeToString(t.dims) + " has " + std::to_string(a));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::vector<int64_t> VersionPolicy::Select(std::vector<int64_t> available) const {
+  std::sort(available.begin(), available.end());
+  switch (kind) {
+    case Kind::kAll:
+      return available;
+    case Kind::kSpecific: {
+      std::vector<int64_t> out;
+      for (int64_t v : available) {
+        if (std::find(versions.begin(), versions.end(), v) != versions.end()) out.push_back(v);
+      }
+      return out;
+    }
+    case Kind::kLatest: {
+      size_t n = std::min<size_t>(std::max<uint32_t>(num_versions, 1), available.size());
+      return std::vector<int64_t>(available.end() - static_cast<std::ptrdiff_t>(n), available.end());
+    }
+  }
+  return {};
+}
+
+Result<inference::ModelConfig> ParseModelConfigText(std::string_view text, const std::string& file) {
+  inference::ModelConfig proto;
+  google::protobuf::TextFormat::Parser parser;
+  CollectErrors errors(file);
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(std::string(text), &proto)) {
+    return Err(InvalidArgument(errors.first().empty() ? file + ": malformed configuration" : errors.first()));
+  }
+  return proto;
+}
+
+VersionPolicy ConvertVersionPolicy(const inference::ModelConfig& proto) {
+  VersionPolicy v;
+  if (!proto.has_version_policy()) return v;
+  const auto& p = proto.version_policy();
+  if (p.has_all()) {
+    v.kind = VersionPolicy::Kind::kAll;
+  } else if (p.has_specific()) {
+    v.kind = VersionPolicy::Kind::kSpecific;
+    v.versions.assign(p.specific().versions().begin(), p.specific().versions().end());
+  } else if (p.has_latest()) {
+    v.num_versions = std::max<uint32_t>(1, p.latest().num_versions());
+  }
+  return v;
+}
+
+Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const std::string& source) {
+  ModelConfig c;
+  c.name = p.name();
+  c.platform = p.platform();
+  c.backend = p.backend();
+  if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
+  if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
+    return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
+                               "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
+                               "platform \"onnxruntime_onnx\")"));
+  }
+  c.platform = "onnxruntime_onnx";
+  if (p.max_batch_size() < 0) {
+    return Err(InvalidArgument(source + ": max_batch_size must be >= 0, got " + std::to_string(p.max_batch_size())));
+  }
+  c.max_batch_size = p.max_batch_size();
+  for (const auto& in : p.input()) c.inputs.push_back(ConvertInput(in));
+  for (const auto& out : p.output()) c.outputs.push_back(ConvertOutput(out));
+
+  if (p.instance_group_size() > 0) {
+    c.instance_count = 0;
+    for (const auto& g : p.instance_group()) {
+      if (g.kind() == inference::ModelInstanceGroup::KIND_GPU) {
+        return Err(InvalidArgument(source + ": instance_group kind KIND_GPU is not available; this build of "
+                                            "Quern runs models on the CPU (use KIND_CPU)"));
+      }
+      c.instance_count += g.count() > 0 ? g.count() : 1;
+    }
+  }
+
+  if (p.has_dynamic_batching()) {
+    const auto& db = p.dynamic_batching();
+    BatchingConfig b;
+    b.preferred_batch_sizes.assign(db.preferred_batch_size().begin(), db.preferred_batch_size().end());
+    b.max_queue_delay_us = db.max_queue_delay_microseconds();
+    b.preserve_ordering = db.preserve_ordering();
+    b.priority_levels = static_cast<uint32_t>(db.priority_levels());
+    b.default_priority_level = static_cast<uint32_t>(db.default_priority_level());
+    if (db.has_default_queue_policy()) b.default_queue_policy = ConvertQueuePolicy(db.default_queue_policy());
+    for (const auto& [level, policy] : db.priority_queue_policy()) {
+      b.priority_queue_policy[static_cast<uint32_t>(level)] = ConvertQueuePolicy(policy);
+    }
+    c.batching = std::move(b);
+  }
+
+  for (const auto& [key, value] : p.parameters()) c.parameters[key] = value.string_value();
+  if (auto it = c.parameters.find(std::string(kFixedBatchSizesParam)); it != c.parameters.end()) {
+    auto sizes = ParseIntList(it->second, source + ": parameter " + it->first);
+    if (!sizes) return Err(sizes.error());
+    c.fixed_batch_sizes = std::move(*sizes);
+  }
+  if (p.has_optimization() && p.optimization().has_graph()) {
+    c.graph_optimization_level = p.optimization().graph().level();
+  }
+  c.default_model_filename = p.default_model_filename();
+
+  for (const auto& w : p.model_warmup()) {
+    WarmupSample s;
+    s.name = w.name();
+    s.batch_size = w.batch_size() == 0 ? 1 : w.batch_size();
+    s.count = w.count() == 0 ? 1 : w.count();
+    for (const auto& [name, in] : w.inputs()) {
+      WarmupInput wi;
+      wi.dtype = FromProtoType(in.data_type());
+      wi.dims.assign(in.dims().begin(), in.dims().end());
+      if (in.has_random_data()) {
+        wi.fill = WarmupInput::Fill::kRandom;
+      } else if (in.has_input_data_file()) {
+        wi.fill = WarmupInput::Fill::kFile;
+        wi.file = in.input_data_file();
+      }
+      s.inputs[name] = std::move(wi);
+    }
+    c.warmup.push_back(std::move(s));
+  }
+  return c;
+}
+
+Status ValidateModelConfig(const ModelConfig& c) {
+  if (c.name.empty()) return InvalidArgument("model configuration has no name");
+  const std::string m = "model '" + c.name + "': ";
+  if (c.max_batch_size < 0) return InvalidArgument(m + "max_batch_size must be >= 0");
+  if (c.inputs.empty()) return InvalidArgument(m + "no inputs are configured");
+  if (c.outputs.empty()) return InvalidArgument(m + "no outputs are configured");
+  QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.inputs, "input"));
+  QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.outputs, "output"));
+  if (c.instance_count < 1) return InvalidArgument(m + "instance count must be >= 1");
+  if (c.batching) {
+    const BatchingConfig& b = *c.batching;
+    if (c.max_batch_size == 0) {
+      return InvalidArgument(m + "dynamic_batching needs max_batch_size > 0");
+    }
+    for (int s : b.preferred_batch_sizes) {
+      if (s < 1 || s > c.max_batch_size) {
+        return InvalidArgument(m + "dynamic_batching.preferred_batch_size " + std::to_string(s) + " is outside [1, " +
+                               std::to_string(c.max_batch_size) + "] (max_batch_size)");
+      }
+    }
+    const uint32_t levels = std::max<uint32_t>(b.priority_levels, 1);
+    if (b.priority_levels > 0 && b.default_priority_level > b.priority_levels) {
+      return InvalidArgument(m + "dynamic_batching.default_priority_level " + std::to_string(b.default_priority_level) +
+                             " is outside [1, " + std::to_string(b.priority_levels) + "] (priority_levels)");
+    }
+    for (const auto& [level, policy] : b.priority_queue_policy) {
+      if (level < 1 || level > levels) {
+        return InvalidArgument(m + "dynamic_batching.priority_queue_policy key " + std::to_string(level) +
+                               " is outside [1, " + std::to_string(levels) + "]");
+      }
+    }
+  }
+  if (!c.fixed_batch_sizes.empty()) {
+    if (c.max_batch_size == 0) return InvalidArgument(m + std::string(kFixedBatchSizesParam) + " needs max_batch_size > 0");
+    for (int s : c.fixed_batch_sizes) {
+      if (s < 1 || s > c.max_batch_size) {
+        return InvalidArgument(m + std::string(kFixedBatchSizesParam) + " entry " + std::to_string(s) +
+                               " is outside [1, " + std::to_string(c.max_batch_size) + "] (max_batch_size)");
+      }
+    }
+    if (*std::max_element(c.fixed_batch_sizes.begin(), c.fixed_batch_sizes.end()) != c.max_batch_size) {
+      return InvalidArgument(m + "the largest of " + std::string(kFixedBatchSizesParam) +
+                             " must equal max_batch_size " + std::to_string(c.max_batch_size));
+    }
+  }
+  for (const auto& w : c.warmup) {
+    if (c.max_batch_size > 0 && w.batch_size > static_cast<uint32_t>(c.max_batch_size)) {
+      return InvalidArgument(m + "model_warmup '" + w.name + "' batch_size " + std::to_string(w.batch_size) +
+                             " exceeds max_batch_size " + std::to_string(c.max_batch_size));
+    }
+    for (const auto& [name, in] : w.inputs) {
+      if (!c.FindInput(name)) return InvalidArgument(m + "model_warmup '" + w.name + "' names unknown input '" + name + "'");
+    }
+  }
+  return Status::Ok();
+}
+
+inference::ModelConfig ToProto(const ModelConfig& c) {
+  inference::ModelConfig p;
+  p.set_name(c.name);
+  p.set_platform(c.platform.empty() ? "onnxruntime_onnx" : c.platform);
+  p.set_backend(c.backend);
+  p.set_max_batch_size(c.max_batch_size);
+  for (const auto& t : c.inputs) {
+    auto* in = p.add_input();
+    in->set_name(t.name);
+    in->set_data_type(ToProtoType(t.dtype));
+    for (int64_t d : t.dims) in->add_dims(d);
+    if (t.reshape) for (int64_t d : *t.reshape) in->mutable_reshape()->add_shape(d);
+    in->set_optional(t.optional);
+  }
+  for (const auto& t : c.outputs) {
+    auto* out = p.add_output();
+    out->set_name(t.name);
+    out->set_data_type(ToProtoType(t.dtype));
+    for (int64_t d : t.dims) out->add_dims(d);
+    if (t.reshape) for (int64_t d : *t.reshape) out->mutable_reshape()->add_shape(d);
+    out->set_label_filename(t.label_filename);
+  }
+  auto* g = p.add_instance_group();
+  g->set_kind(inference::ModelInstanceGroup::KIND_CPU);
+  g->set_count(c.instance_count);
+  if (c.batching) {
+    auto* db = p.mutable_dynamic_batching();
+    for (int s : c.batching->preferred_batch_sizes) db->add_preferred_batch_size(s);
+    db->set_max_queue_delay_microseconds(c.batching->max_queue_delay_us);
+    db->set_preserve_ordering(c.batching->preserve_ordering);
+    db->set_priority_levels(c.batching->priority_levels);
+    db->set_default_priority_level(c.batching->default_priority_level);
+    *db->mutable_default_queue_policy() = QueuePolicyToProto(c.batching->default_queue_policy);
+    for (const auto& [level, policy] : c.batching->priority_queue_policy) {
+      (*db->mutable_priority_queue_policy())[level] = QueuePolicyToProto(policy);
+    }
+  }
+  for (const auto& [k, v] : c.parameters) (*p.mutable_parameters())[k].set_string_value(v);
+  if (c.graph_optimization_level != 0) p.mutable_optimization()->mutable_graph()->set_level(c.graph_optimization_level);
+  p.set_default_model_filename(c.default_model_filename);
+  return p;
+}
+
+}  // namespace quern

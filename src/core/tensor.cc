@@ -1,0 +1,167 @@
+#include "quern/tensor.h"
+
+#include <array>
+
+namespace quern {
+namespace {
+
+struct TypeInfo {
+  DataType type;
+  std::string_view name;
+  std::string_view config_name;
+  size_t size;
+};
+
+constexpr std::array<TypeInfo, 15> kTypes = {{
+    {DataType::kInvalid, "INVALID", "TYPE_INVALID", 0},
+    {DataType::kBool, "BOOL", "TYPE_BOOL", 1},
+    {DataType::kUint8, "UINT8", "TYPE_UINT8", 1},
+    {DataType::kUint16, "UINT16", "TYPE_UINT16", 2},
+    {DataType::kUint32, "UINT32", "TYPE_UINT32", 4},
+    {DataType::kUint64, "UINT64", "TYPE_UINT64", 8},
+    {DataType::kInt8, "INT8", "TYPE_INT8", 1},
+    {DataType::kInt16, "INT16", "TYPE_INT16", 2},
+    {DataType::kInt32, "INT32", "TYPE_INT32", 4},
+    {DataType::kInt64, "INT64", "TYPE_INT64", 8},
+    {DataType::kFp16, "FP16", "TYPE_FP16", 2},
+    {DataType::kFp32, "FP32", "TYPE_FP32", 4},
+    {DataType::kFp64, "FP64", "TYPE_FP64", 8},
+    {DataType::kBytes, "BYTES", "TYPE_STRING", 0},
+    {DataType::kBf16, "BF16", "TYPE_BF16", 2},
+}};
+
+}  // namespace
+
+size_t DataTypeByteSize(DataType type) { return kTypes[static_cast<size_t>(type)].size; }
+
+std::string_view DataTypeName(DataType type) { return kTypes[static_cast<size_t>(type)].name; }
+
+std::optional<DataType> DataTypeFromName(std::string_view name) {
+  for (const auto& t : kTypes) {
+    if (t.type == DataType::kInvalid) continue;
+    if (name == t.name || name == t.config_name) return t.type;
+  }
+  if (name == "STRING") return DataType::kBytes;
+  return std::nullopt;
+}
+
+int64_t ElementCount(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+std::string ShapeToString(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+Tensor Tensor::Allocate(DataType type, Shape shape, size_t byte_size) {
+  Tensor t;
+  t.dtype_ = type;
+  t.shape_ = std::move(shape);
+  // make_shared_for_overwrite would skip zeroing; zeroed padding is safer.
+  std::shared_ptr<std::byte[]> buf(new std::byte[byte_size == 0 ? 1 : byte_size]());
+  t.mutable_ = buf.get();
+  t.data_ = buf.get();
+  t.byte_size_ = byte_size;
+  t.owner_ = std::shared_ptr<const void>(buf, buf.get());
+  return t;
+}
+
+Tensor Tensor::Borrow(DataType type, Shape shape, const void* data, size_t byte_size,
+                      std::shared_ptr<const void> owner) {
+  Tensor t;
+  t.dtype_ = type;
+  t.shape_ = std::move(shape);
+  t.data_ = static_cast<const std::byte*>(data);
+  t.byte_size_ = byte_size;
+  t.owner_ = std::move(owner);
+  return t;
+}
+
+Tensor Tensor::FromStrings(Shape shape, const std::vector<std::string>& values) {
+  size_t total = 0;
+  for (const auto& v : values) total += 4 + v.size();
+  Tensor t = Allocate(DataType::kBytes, std::move(shape), total);
+  std::byte* p = t.mutable_data();
+  for (const auto& v : values) {
+    uint32_t len = static_cast<uint32_t>(v.size());
+    std::memcpy(p, &len, 4);  // little-endian hosts only (x86_64, aarch64)
+    std::memcpy(p + 4, v.data(), v.size());
+    p += 4 + v.size();
+  }
+  return t;
+}
+
+Result<std::vector<std::string_view>> Tensor::Strings() const {
+  if (dtype_ != DataType::kBytes) {
+    return Err(InvalidArgument("tensor of type " + std::string(DataTypeName(dtype_)) + " is not BYTES"));
+  }
+  std::vector<std::string_view> out;
+  int64_t n = element_count();
+  if (n < 0) return Err(InvalidArgument("BYTES tensor has an unknown shape " + ShapeToString(shape_)));
+  out.reserve(static_cast<size_t>(n));
+  size_t off = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (off + 4 > byte_size_) {
+      return Err(InvalidArgument("BYTES tensor holds " + std::to_string(i) + " elements, shape " +
+                                 ShapeToString(shape_) + " needs " + std::to_string(n)));
+    }
+    uint32_t len;
+    std::memcpy(&len, data_ + off, 4);
+    off += 4;
+    if (len > byte_size_ - off) {
+      return Err(InvalidArgument("BYTES element " + std::to_string(i) + " claims " + std::to_string(len) +
+                                 " bytes but only " + std::to_string(byte_size_ - off) + " remain"));
+    }
+    out.emplace_back(reinterpret_cast<const char*>(data_ + off), len);
+    off += len;
+  }
+  if (off != byte_size_) {
+    return Err(InvalidArgument("BYTES tensor has " + std::to_string(byte_size_ - off) +
+                               " trailing bytes after its " + std::to_string(n) + " elements"));
+  }
+  return out;
+}
+
+Tensor Tensor::Reshaped(Shape shape) const {
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::View(Shape shape, size_t byte_offset, size_t byte_size) const {
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  t.data_ = data_ + byte_offset;
+  t.mutable_ = nullptr;
+  t.byte_size_ = byte_size;
+  return t;
+}
+
+Status Tensor::Validate() const {
+  if (dtype_ == DataType::kInvalid) return InvalidArgument("tensor has no data type");
+  int64_t n = element_count();
+  if (n < 0) return InvalidArgument("tensor shape " + ShapeToString(shape_) + " has a negative dimension");
+  if (dtype_ == DataType::kBytes) {
+    auto s = Strings();
+    return s ? Status::Ok() : s.error();
+  }
+  size_t want = static_cast<size_t>(n) * DataTypeByteSize(dtype_);
+  if (want != byte_size_) {
+    return InvalidArgument("tensor of shape " + ShapeToString(shape_) + " and type " +
+                           std::string(DataTypeName(dtype_)) + " needs " + std::to_string(want) +
+                           " bytes, got " + std::to_string(byte_size_));
+  }
+  return Status::Ok();
+}
+
+}  // namespace quern

@@ -1,0 +1,404 @@
+#include "quern/engine.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <shared_mutex>
+#include <thread>
+
+#include "backends/onnxruntime/ort_model.h"
+#include "core/repository.h"
+#include "engine/served_model.h"
+
+namespace quern {
+
+std::string_view ModelStateName(ModelState state) {
+  switch (state) {
+    case ModelState::kLoading: return "LOADING";
+    case ModelState::kReady: return "READY";
+    case ModelState::kUnavailable: return "UNAVAILABLE";
+  }
+  return "UNKNOWN";
+}
+
+const Tensor* InferResponse::FindOutput(std::string_view name) const {
+  for (const auto& o : outputs) {
+    if (o.name == name) return &o.tensor;
+  }
+  return nullptr;
+}
+
+std::optional<InferResponse> CompletionQueue::TryPoll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ready_.empty()) return std::nullopt;
+  InferResponse r = std::move(ready_.front());
+  ready_.pop_front();
+  return r;
+}
+
+InferResponse CompletionQueue::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !ready_.empty(); });
+  InferResponse r = std::move(ready_.front());
+  ready_.pop_front();
+  return r;
+}
+
+size_t CompletionQueue::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ready_.size();
+}
+
+void CompletionQueue::Push(InferResponse&& response) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.push_back(std::move(response));
+  }
+  cv_.notify_one();
+}
+
+class EngineImpl {
+ public:
+  struct VersionSlot {
+    ModelStatus status;
+    std::shared_ptr<ServedModel> served;  // null unless ready
+  };
+  struct Entry {
+    bool custom = false;
+    std::string fingerprint;
+    std::map<int64_t, VersionSlot> versions;
+  };
+
+  explicit EngineImpl(EngineOptions options) : options_(std::move(options)) {
+    clock_ = options_.clock ? options_.clock : &RealClockInstance();
+    cores_ = options_.cores > 0 ? options_.cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    std::random_device rd;
+    next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
+    if (next_id_ == 0) next_id_ = 1;
+  }
+
+  ~EngineImpl() {
+    {
+      std::lock_guard<std::mutex> lock(poll_mu_);
+      stopping_ = true;
+    }
+    poll_cv_.notify_all();
+    if (poll_thread_.joinable()) poll_thread_.join();
+    std::map<std::string, Entry> models;
+    {
+      std::unique_lock lock(mu_);
+      models.swap(models_);
+    }
+    for (auto& [name, e] : models) ShutdownVersions(e.versions);
+  }
+
+  Status Start() {
+    if (options_.model_repository.empty()) return Status::Ok();
+    auto names = ListRepositoryModels(options_.model_repository);
+    if (!names) return names.error();
+    if (options_.load_all_models) {
+      for (const auto& n : *names) (void)LoadModel(n);
+    }
+    if (options_.repository_poll_interval_s > 0) {
+      poll_thread_ = std::thread([this] { PollLoop(); });
+    }
+    return Status::Ok();
+  }
+
+  uint64_t NextId() { return next_id_.fetch_add(1, std::memory_order_relaxed); }
+
+  void Submit(InferRequest&& request, uint64_t id, InferCallback done) {
+    auto served = Resolve(request.model, request.version);
+    if (!served) {
+      InferResponse r;
+      r.status = served.error();
+      r.request_id = id;
+      r.model = request.model;
+      r.version = request.version;
+      r.metadata = std::move(request.metadata);
+      r.telemetry.queue_start_ns = r.telemetry.response_ns = clock_->NowNs();
+      done(std::move(r));
+      return;
+    }
+    (*served)->Submit(std::move(request), id, std::move(done));
+  }
+
+  Result<std::shared_ptr<ServedModel>> Resolve(const std::string& name, int64_t version) const {
+    std::shared_lock lock(mu_);
+    auto it = models_.find(name);
+    if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
+    const auto& versions = it->second.versions;
+    if (version >= 0) {
+      auto v = versions.find(version);
+      if (v == versions.end()) {
+        return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+      }
+      if (!v->second.served) {
+        return Err(Unavailable("model '" + name + "' version " + std::to_string(version) + " is not ready: " +
+                               std::string(ModelStateName(v->second.status.state)) +
+                               (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason + ")")));
+      }
+      return v->second.served;
+    }
+    for (auto v = versions.rbegin(); v != versions.rend(); ++v) {
+      if (v->second.served) return v->second.served;
+    }
+    std::string reason;
+    for (const auto& [n, slot] : versions) {
+      if (!slot.status.reason.empty()) reason = slot.status.reason;
+    }
+    return Err(Unavailable("model '" + name + "' is not ready" + (reason.empty() ? "" : ": " + reason)));
+  }
+
+  Status LoadModel(const std::string& name) {
+    std::lock_guard<std::mutex> load_lock(load_mu_);
+    if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
+    {
+      std::shared_lock lock(mu_);
+      auto it = models_.find(name);
+      if (it != models_.end() && it->second.custom) {
+        return FailedPrecondition("model '" + name + "' is registered in code, not in the repository");
+      }
+    }
+    Entry entry;
+    Status overall;
+    auto repo_model = ReadRepositoryModel(options_.model_repository, name);
+    if (!repo_model) {
+      overall = repo_model.error();
+      VersionSlot slot;
+      slot.status = {name, 0, ModelState::kUnavailable, overall.message(), {}};
+      slot.status.config.name = name;
+      entry.versions[0] = std::move(slot);
+      entry.fingerprint = FingerprintModelDir(std::filesystem::path(options_.model_repository) / name);
+    } else {
+      entry.fingerprint = repo_model->fingerprint;
+      for (const auto& v : repo_model->versions) {
+        VersionSlot slot;
+        auto served = LoadVersion(*repo_model, v);
+        if (served) {
+          slot.served = *served;
+          slot.status = {name, v.version, ModelState::kReady, "", slot.served->config()};
+        } else {
+          overall = served.error();
+          slot.status = {name, v.version, ModelState::kUnavailable, served.error().message(), repo_model->config};
+        }
+        entry.versions[v.version] = std::move(slot);
+      }
+    }
+    std::map<int64_t, VersionSlot> old;
+    {
+      std::unique_lock lock(mu_);
+      auto& e = models_[name];
+      old.swap(e.versions);
+      e = std::move(entry);
+    }
+    ShutdownVersions(old);  // in-flight requests of the old versions finish first
+    return overall;
+  }
+
+  Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
+    ModelConfig config = m.config;
+    auto session_opts = SessionOptionsFor(config, cores_);
+    if (!session_opts) return Err(session_opts.error());
+    std::vector<std::string> outputs;
+    for (const auto& o : config.outputs) outputs.push_back(o.name);
+    auto first = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
+    QUERN_RETURN_IF_ERROR(first->Load());
+    QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, first->io(), m.has_config_file));
+    QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+    outputs.clear();
+    for (const auto& o : config.outputs) outputs.push_back(o.name);
+    std::vector<std::unique_ptr<Model>> instances;
+    if (outputs.size() == first->io().outputs.size()) {
+      instances.push_back(std::move(first));
+    } else {
+      // The configuration serves a subset of the outputs: reload with just those.
+      auto again = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
+      QUERN_RETURN_IF_ERROR(again->Load());
+      instances.push_back(std::move(again));
+    }
+    while (static_cast<int>(instances.size()) < config.instance_count) {
+      auto inst = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
+      QUERN_RETURN_IF_ERROR(inst->Load());
+      instances.push_back(std::move(inst));
+    }
+    return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir);
+  }
+
+  Status RegisterModel(ModelConfig config, ModelFactory factory) {
+    std::lock_guard<std::mutex> load_lock(load_mu_);
+    if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
+    if (config.backend.empty()) config.backend = "custom";
+    QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+    std::vector<std::unique_ptr<Model>> instances;
+    for (int i = 0; i < config.instance_count; ++i) {
+      auto inst = factory();
+      if (!inst) return Internal("model '" + config.name + "': the factory returned no model");
+      Status st = inst->Load();
+      if (!st.ok()) return Status(st.code(), "model '" + config.name + "' failed to load: " + st.message());
+      instances.push_back(std::move(inst));
+    }
+    const std::string name = config.name;
+    auto served = ServedModel::Create(std::move(config), 1, std::move(instances), clock_, {});
+    if (!served) return served.error();
+    Entry entry;
+    entry.custom = true;
+    VersionSlot slot;
+    slot.served = *served;
+    slot.status = {name, 1, ModelState::kReady, "", slot.served->config()};
+    entry.versions[1] = std::move(slot);
+    std::map<int64_t, VersionSlot> old;
+    {
+      std::unique_lock lock(mu_);
+      auto& e = models_[name];
+      old.swap(e.versions);
+      e = std::move(entry);
+    }
+    ShutdownVersions(old);
+    return Status::Ok();
+  }
+
+  Status UnloadModel(const std::string& name) {
+    std::lock_guard<std::mutex> load_lock(load_mu_);
+    std::map<int64_t, VersionSlot> old;
+    {
+      std::unique_lock lock(mu_);
+      auto it = models_.find(name);
+      if (it == models_.end()) return NotFound("unknown model '" + name + "'");
+      old.swap(it->second.versions);
+      models_.erase(it);
+    }
+    ShutdownVersions(old);
+    return Status::Ok();
+  }
+
+  Status PollRepository() {
+    if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
+    auto names = ListRepositoryModels(options_.model_repository);
+    if (!names) return names.error();
+    std::vector<std::string> to_load, to_unload;
+    {
+      std::shared_lock lock(mu_);
+      for (const auto& n : *names) {
+        auto it = models_.find(n);
+        if (it == models_.end()) {
+          to_load.push_back(n);
+        } else if (!it->second.custom &&
+                   it->second.fingerprint != FingerprintModelDir(std::filesystem::path(options_.model_repository) / n)) {
+          to_load.push_back(n);
+        }
+      }
+      for (const auto& [n, e] : models_) {
+        if (!e.custom && !std::binary_search(names->begin(), names->end(), n)) to_unload.push_back(n);
+      }
+    }
+    for (const auto& n : to_load) (void)LoadModel(n);
+    for (const auto& n : to_unload) (void)UnloadModel(n);
+    return Status::Ok();
+  }
+
+  std::vector<ModelStatus> ListModels() const {
+    std::shared_lock lock(mu_);
+    std::vector<ModelStatus> out;
+    for (const auto& [n, e] : models_) {
+      for (const auto& [v, slot] : e.versions) out.push_back(slot.status);
+    }
+    return out;
+  }
+
+  Result<ModelStatus> GetModel(const std::string& name, int64_t version) const {
+    std::shared_lock lock(mu_);
+    auto it = models_.find(name);
+    if (it == models_.end() || it->second.versions.empty()) return Err(NotFound("unknown model '" + name + "'"));
+    const auto& versions = it->second.versions;
+    if (version >= 0) {
+      auto v = versions.find(version);
+      if (v == versions.end()) return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+      return v->second.status;
+    }
+    for (auto v = versions.rbegin(); v != versions.rend(); ++v) {
+      if (v->second.served) return v->second.status;
+    }
+    return versions.rbegin()->second.status;
+  }
+
+  const Clock& clock() const { return *clock_; }
+
+ private:
+  static void ShutdownVersions(std::map<int64_t, VersionSlot>& versions) {
+    for (auto& [v, slot] : versions) {
+      if (slot.served) slot.served->Shutdown();
+    }
+    versions.clear();
+  }
+
+  void PollLoop() {
+    std::unique_lock<std::mutex> lock(poll_mu_);
+    const auto interval = std::chrono::duration<double>(options_.repository_poll_interval_s);
+    while (!stopping_) {
+      poll_cv_.wait_for(lock, interval, [this] { return stopping_; });
+      if (stopping_) break;
+      lock.unlock();
+      (void)PollRepository();
+      lock.lock();
+    }
+  }
+
+  EngineOptions options_;
+  const Clock* clock_ = nullptr;
+  int cores_ = 1;
+  std::atomic<uint64_t> next_id_{1};
+
+  mutable std::shared_mutex mu_;
+  std::map<std::string, Entry> models_;  // guarded by mu_
+  std::mutex load_mu_;                   // serialises loads, reloads and unloads
+
+  std::mutex poll_mu_;
+  std::condition_variable poll_cv_;
+  bool stopping_ = false;  // guarded by poll_mu_
+  std::thread poll_thread_;
+};
+
+Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
+  auto impl = std::make_unique<EngineImpl>(std::move(options));
+  QUERN_RETURN_IF_ERROR(impl->Start());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+std::future<InferResponse> Engine::Infer(InferRequest request) {
+  auto promise = std::make_shared<std::promise<InferResponse>>();
+  auto future = promise->get_future();
+  impl_->Submit(std::move(request), impl_->NextId(),
+                [promise](InferResponse&& r) { promise->set_value(std::move(r)); });
+  return future;
+}
+
+void Engine::InferAsync(InferRequest request, InferCallback done) {
+  impl_->Submit(std::move(request), impl_->NextId(), std::move(done));
+}
+
+uint64_t Engine::InferAsync(InferRequest request, CompletionQueue* queue) {
+  const uint64_t id = impl_->NextId();
+  impl_->Submit(std::move(request), id, [queue](InferResponse&& r) { queue->Push(std::move(r)); });
+  return id;
+}
+
+Status Engine::RegisterModel(ModelConfig config, ModelFactory factory) {
+  return impl_->RegisterModel(std::move(config), std::move(factory));
+}
+Status Engine::LoadModel(const std::string& name) { return impl_->LoadModel(name); }
+Status Engine::UnloadModel(const std::string& name) { return impl_->UnloadModel(name); }
+Status Engine::PollRepository() { return impl_->PollRepository(); }
+std::vector<ModelStatus> Engine::ListModels() const { return impl_->ListModels(); }
+Result<ModelStatus> Engine::GetModel(const std::string& name, int64_t version) const {
+  return impl_->GetModel(name, version);
+}
+bool Engine::ModelReady(const std::string& name, int64_t version) const {
+  return impl_->Resolve(name, version).has_value();
+}
+const Clock& Engine::clock() const { return impl_->clock(); }
+
+}  // namespace quern

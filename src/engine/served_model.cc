@@ -1,0 +1,434 @@
+#include "engine/served_model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+namespace quern {
+
+class ServedModel::Task final : public BatchTask {
+ public:
+  InferRequest request;
+  uint64_t id = 0;
+  int64_t items = 1;
+  uint64_t key = 0;
+  std::vector<int> output_indices;  // indices into config outputs
+  InferCallback done;
+  uint64_t ticket = 0;
+  Telemetry telemetry;
+
+  int64_t size() const override { return items; }
+  uint64_t batch_key() const override { return key; }
+  bool cancelled() const override { return request.cancel && request.cancel->cancelled(); }
+};
+
+namespace {
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h;
+}
+
+const NamedTensor* FindTensor(const std::vector<NamedTensor>& v, const std::string& name) {
+  for (const auto& t : v) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+// Builds the batched input named `name` from each task's rows; padding rows are zero.
+Tensor Concatenate(const std::vector<const Tensor*>& parts, int64_t padded_rows) {
+  const Tensor& first = *parts[0];
+  Shape shape = first.shape();
+  shape[0] = padded_rows;
+  if (first.dtype() == DataType::kBytes) {
+    int64_t rows = 0;
+    size_t bytes = 0;
+    for (const Tensor* t : parts) {
+      rows += t->shape()[0];
+      bytes += t->byte_size();
+    }
+    const int64_t per_row = rows > 0 ? first.element_count() / first.shape()[0] : 0;
+    const size_t pad_elems = static_cast<size_t>((padded_rows - rows) * per_row);
+    Tensor out = Tensor::Allocate(DataType::kBytes, std::move(shape), bytes + pad_elems * 4);
+    std::byte* p = out.mutable_data();
+    for (const Tensor* t : parts) {
+      std::memcpy(p, t->data(), t->byte_size());
+      p += t->byte_size();
+    }
+    return out;  // padding elements are zero lengths (already zero-filled)
+  }
+  const size_t row_bytes = first.byte_size() / static_cast<size_t>(first.shape()[0]);
+  Tensor out = Tensor::Allocate(first.dtype(), std::move(shape), row_bytes * static_cast<size_t>(padded_rows));
+  std::byte* p = out.mutable_data();
+  for (const Tensor* t : parts) {
+    std::memcpy(p, t->data(), t->byte_size());
+    p += t->byte_size();
+  }
+  return out;
+}
+
+// Rows [row, row + rows) of a batched output, without copying when possible.
+Result<Tensor> SliceRows(const Tensor& t, int64_t row, int64_t rows) {
+  Shape shape = t.shape();
+  const int64_t total = shape[0];
+  shape[0] = rows;
+  if (row == 0 && rows == total) return t;
+  if (t.dtype() != DataType::kBytes) {
+    const size_t row_bytes = t.byte_size() / static_cast<size_t>(total);
+    return t.View(std::move(shape), row_bytes * static_cast<size_t>(row), row_bytes * static_cast<size_t>(rows));
+  }
+  auto strings = t.Strings();
+  if (!strings) return Err(strings.error());
+  const int64_t per_row = total > 0 ? static_cast<int64_t>(strings->size()) / total : 0;
+  std::vector<std::string> mine;
+  for (int64_t i = row * per_row; i < (row + rows) * per_row; ++i) mine.emplace_back((*strings)[i]);
+  return Tensor::FromStrings(std::move(shape), mine);
+}
+
+Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesystem::path& dir, Status& error) {
+  const int64_t n = ElementCount(shape);
+  if (in.dtype == DataType::kBytes) {
+    return Tensor::FromStrings(std::move(shape), std::vector<std::string>(static_cast<size_t>(n)));
+  }
+  const size_t bytes = static_cast<size_t>(n) * DataTypeByteSize(in.dtype);
+  Tensor t = Tensor::Allocate(in.dtype, std::move(shape), bytes);
+  if (in.fill == WarmupInput::Fill::kRandom) {
+    std::mt19937 rng(42);
+    if (in.dtype == DataType::kFp32) {
+      std::uniform_real_distribution<float> dist(0.f, 1.f);
+      auto* f = reinterpret_cast<float*>(t.mutable_data());
+      for (int64_t i = 0; i < n; ++i) f[i] = dist(rng);
+    } else if (in.dtype != DataType::kBool) {
+      for (size_t i = 0; i < bytes; ++i) t.mutable_data()[i] = static_cast<std::byte>(rng() & 0x3f);
+    }
+  } else if (in.fill == WarmupInput::Fill::kFile) {
+    const auto path = dir / "warmup" / in.file;
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+      error = NotFound("warm-up data file " + path.string() + " cannot be opened");
+      return t;
+    }
+    f.read(reinterpret_cast<char*>(t.mutable_data()), static_cast<std::streamsize>(bytes));
+    if (static_cast<size_t>(f.gcount()) != bytes) {
+      error = InvalidArgument("warm-up data file " + path.string() + " holds " + std::to_string(f.gcount()) +
+                              " bytes, the input needs " + std::to_string(bytes));
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int64_t version,
+                                                         std::vector<std::unique_ptr<Model>> instances,
+                                                         const Clock* clock, std::filesystem::path model_dir) {
+  if (instances.empty()) return Err(Internal("model '" + config.name + "' has no instances"));
+  std::shared_ptr<ServedModel> m(new ServedModel(std::move(config), version, std::move(instances), clock));
+  QUERN_RETURN_IF_ERROR(m->Warmup(model_dir));
+
+  DynamicBatcherOptions opts;
+  opts.num_workers = static_cast<int>(m->instances_.size());
+  opts.clock = clock;
+  const ModelConfig& c = m->config_;
+  opts.queue.max_batch_size = std::max(c.max_batch_size, 1);
+  if (c.batching && c.max_batch_size > 0) {
+    const BatchingConfig& b = *c.batching;
+    opts.queue.preferred_batch_sizes.assign(b.preferred_batch_sizes.begin(), b.preferred_batch_sizes.end());
+    opts.queue.max_queue_delay_ns = static_cast<int64_t>(b.max_queue_delay_us) * 1000;
+    opts.queue.priority_levels = std::max<uint32_t>(b.priority_levels, 1);
+    opts.queue.default_priority_level =
+        b.default_priority_level == 0 ? opts.queue.priority_levels : b.default_priority_level;
+    for (uint32_t level = 1; level <= opts.queue.priority_levels; ++level) {
+      auto it = b.priority_queue_policy.find(level);
+      const QueuePolicy& q = it != b.priority_queue_policy.end() ? it->second : b.default_queue_policy;
+      opts.queue.level_policies.push_back({q.timeout_action == QueuePolicy::TimeoutAction::kDelay,
+                                           static_cast<int64_t>(q.default_timeout_us) * 1000,
+                                           q.allow_timeout_override, q.max_queue_size});
+    }
+  } else if (c.max_batch_size > 0) {
+    // No dynamic_batching: every request runs on its own.
+    opts.queue.max_batch_size = 1;
+  }
+  ServedModel* raw = m.get();
+  auto batcher = DynamicBatcher::Create(
+      std::move(opts), [raw](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        raw->ExecuteBatch(worker, std::move(batch));
+      },
+      [raw](std::unique_ptr<BatchTask> task, const Status& status) {
+        raw->Finish(std::unique_ptr<Task>(static_cast<Task*>(task.release())), status, {});
+      });
+  if (!batcher) return Err(Status(batcher.error().code(), "model '" + c.name + "': " + batcher.error().message()));
+  m->batcher_ = std::move(*batcher);
+  return m;
+}
+
+ServedModel::ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances,
+                         const Clock* clock)
+    : config_(std::move(config)),
+      version_(version),
+      clock_(clock),
+      instances_(std::move(instances)),
+      ordered_(config_.batching && config_.batching->preserve_ordering) {}
+
+ServedModel::~ServedModel() { Shutdown(); }
+
+void ServedModel::Shutdown() {
+  if (batcher_) batcher_->Shutdown();
+}
+
+Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
+  for (const WarmupSample& s : config_.warmup) {
+    std::vector<NamedTensor> inputs;
+    const int64_t rows = config_.max_batch_size > 0 ? PaddedSize(s.batch_size) : 0;
+    for (const auto& [name, in] : s.inputs) {
+      Shape shape = in.dims;
+      if (rows > 0) shape.insert(shape.begin(), rows);
+      Status error;
+      Tensor t = MakeWarmupTensor(in, std::move(shape), model_dir, error);
+      if (!error.ok()) return Status(error.code(), "model '" + config_.name + "' warm-up '" + s.name + "': " + error.message());
+      if (const TensorConfig* tc = config_.FindInput(name); tc && tc->reshape) {
+        Shape r = *tc->reshape;
+        if (rows > 0) r.insert(r.begin(), rows);
+        t = t.Reshaped(std::move(r));
+      }
+      inputs.push_back({name, std::move(t)});
+    }
+    for (auto& instance : instances_) {
+      for (uint32_t i = 0; i < s.count; ++i) {
+        std::vector<NamedTensor> outputs;
+        Status st = instance->Execute(inputs, rows, outputs);
+        if (!st.ok()) {
+          return Status(st.code(), "model '" + config_.name + "' warm-up '" + s.name + "' failed: " + st.message());
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+int64_t ServedModel::PaddedSize(int64_t items) const {
+  int64_t best = 0;
+  for (int s : config_.fixed_batch_sizes) {
+    if (s >= items && (best == 0 || s < best)) best = s;
+  }
+  return best > 0 ? best : items;
+}
+
+Status ServedModel::Validate(const InferRequest& r, int64_t& items, uint64_t& key,
+                             std::vector<int>& output_indices) const {
+  const std::string m = "model '" + config_.name + "'";
+  const bool batched = config_.max_batch_size > 0;
+  items = -1;
+  key = 0;
+  for (const auto& in : r.inputs) {
+    if (!config_.FindInput(in.name)) {
+      std::string names;
+      for (const auto& t : config_.inputs) names += (names.empty() ? "" : ", ") + t.name;
+      return InvalidArgument(m + " has no input '" + in.name + "' (inputs: " + names + ")");
+    }
+  }
+  for (size_t i = 0; i < config_.inputs.size(); ++i) {
+    const TensorConfig& tc = config_.inputs[i];
+    const NamedTensor* nt = FindTensor(r.inputs, tc.name);
+    if (!nt) {
+      if (tc.optional) {
+        key = Mix(key, 0xabcdef + i);
+        continue;
+      }
+      return InvalidArgument(m + ": input '" + tc.name + "' is missing from the request");
+    }
+    const Tensor& t = nt->tensor;
+    const std::string where = m + " input '" + tc.name + "'";
+    if (t.dtype() != tc.dtype) {
+      return InvalidArgument(where + ": expected data type " + std::string(DataTypeName(tc.dtype)) + ", got " +
+                             std::string(DataTypeName(t.dtype())));
+    }
+    const Shape& s = t.shape();
+    const size_t want_rank = tc.dims.size() + (batched ? 1 : 0);
+    bool shape_ok = s.size() == want_rank;
+    for (size_t d = 0; shape_ok && d < tc.dims.size(); ++d) {
+      const int64_t got = s[d + (batched ? 1 : 0)];
+      shape_ok = got >= 0 && (tc.dims[d] == -1 || tc.dims[d] == got);
+    }
+    if (shape_ok && batched) shape_ok = s[0] >= 1;
+    if (!shape_ok) {
+      Shape expected = tc.dims;
+      if (batched) expected.insert(expected.begin(), -1);
+      return InvalidArgument(where + ": expected shape " + ShapeToString(expected) + ", got " + ShapeToString(s) +
+                             (batched ? " (the first dimension is the batch)" : ""));
+    }
+    if (batched) {
+      if (items >= 0 && s[0] != items) {
+        return InvalidArgument(where + ": batch dimension " + std::to_string(s[0]) +
+                               " differs from the other inputs' " + std::to_string(items));
+      }
+      items = s[0];
+      if (items > config_.max_batch_size) {
+        return InvalidArgument(where + ": batch of " + std::to_string(items) + " exceeds max_batch_size " +
+                               std::to_string(config_.max_batch_size));
+      }
+    }
+    Status v = t.Validate();
+    if (!v.ok()) return InvalidArgument(where + ": " + v.message());
+    key = Mix(key, i + 1);
+    for (size_t d = batched ? 1 : 0; d < s.size(); ++d) key = Mix(key, static_cast<uint64_t>(s[d]));
+  }
+  if (!batched) items = 1;
+  if (items < 1) return InvalidArgument(m + ": the request has no inputs");
+  output_indices.clear();
+  if (r.requested_outputs.empty()) {
+    for (size_t i = 0; i < config_.outputs.size(); ++i) output_indices.push_back(static_cast<int>(i));
+  } else {
+    for (const auto& name : r.requested_outputs) {
+      int found = -1;
+      for (size_t i = 0; i < config_.outputs.size(); ++i) {
+        if (config_.outputs[i].name == name) found = static_cast<int>(i);
+      }
+      if (found < 0) return InvalidArgument(m + " has no output '" + name + "'");
+      output_indices.push_back(found);
+    }
+  }
+  return Status::Ok();
+}
+
+void ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback done) {
+  auto task = std::make_unique<Task>();
+  task->telemetry.queue_start_ns = clock_->NowNs();
+  task->id = request_id;
+  task->done = std::move(done);
+  Status st = Validate(request, task->items, task->key, task->output_indices);
+  task->request = std::move(request);
+  if (!st.ok()) {
+    task->ticket = UINT64_MAX;  // not sequenced
+    Finish(std::move(task), st, {});
+    return;
+  }
+  task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
+  ScheduleOptions so;
+  so.priority = task->request.priority;
+  so.timeout_ns = static_cast<int64_t>(task->request.timeout_us) * 1000;
+  so.deadline_ns = task->request.deadline_ns;
+  std::unique_ptr<BatchTask> base(task.release());
+  st = batcher_->Schedule(base, so);
+  if (!st.ok()) {
+    // Schedule left ownership with us.
+    std::unique_ptr<Task> back(static_cast<Task*>(base.release()));
+    Finish(std::move(back), Status(st.code(), "model '" + config_.name + "': " + st.message()), {});
+  }
+}
+
+void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs) {
+  InferResponse r;
+  r.status = std::move(status);
+  r.request_id = task->id;
+  r.model = config_.name;
+  r.version = version_;
+  r.outputs = std::move(outputs);
+  r.metadata = std::move(task->request.metadata);
+  r.telemetry = task->telemetry;
+  if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
+    if (r.status.message().find(config_.name) == std::string::npos) {
+      r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
+    }
+  }
+  auto release = [this, r = std::move(r), done = std::move(task->done)]() mutable {
+    r.telemetry.response_ns = clock_->NowNs();
+    done(std::move(r));
+  };
+  if (ordered_ && task->ticket != UINT64_MAX) {
+    sequencer_.Complete(task->ticket, std::move(release));
+  } else {
+    release();
+  }
+}
+
+void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+  std::vector<std::unique_ptr<Task>> tasks;
+  tasks.reserve(batch.size());
+  int64_t items = 0;
+  for (auto& b : batch) {
+    tasks.emplace_back(static_cast<Task*>(b.release()));
+    items += tasks.back()->items;
+  }
+  const bool batched = config_.max_batch_size > 0;
+  const int64_t padded = batched ? PaddedSize(items) : items;
+  const int64_t start = clock_->NowNs();
+
+  std::vector<NamedTensor> inputs;
+  inputs.reserve(config_.inputs.size());
+  std::vector<const Tensor*> parts(tasks.size());
+  for (const TensorConfig& tc : config_.inputs) {
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const NamedTensor* nt = FindTensor(tasks[i]->request.inputs, tc.name);
+      parts[i] = nt ? &nt->tensor : nullptr;
+    }
+    if (!parts[0]) continue;  // optional input absent (same for the whole batch: part of the key)
+    Tensor t = (tasks.size() == 1 && padded == items) ? *parts[0] : Concatenate(parts, padded);
+    if (tc.reshape) {
+      Shape r = *tc.reshape;
+      if (batched) r.insert(r.begin(), padded);
+      t = t.Reshaped(std::move(r));
+    }
+    inputs.push_back({tc.name, std::move(t)});
+  }
+
+  std::vector<NamedTensor> outputs;
+  Status st = instances_[static_cast<size_t>(worker)]->Execute(inputs, padded, outputs);
+  const int64_t end = clock_->NowNs();
+  inputs.clear();
+
+  if (st.ok()) {
+    // Outputs must come back in configuration order and, when batched, with
+    // one row per padded item.
+    if (outputs.size() != config_.outputs.size()) {
+      st = Internal("model '" + config_.name + "' returned " + std::to_string(outputs.size()) + " outputs, expected " +
+                    std::to_string(config_.outputs.size()));
+    }
+    for (size_t i = 0; st.ok() && i < outputs.size(); ++i) {
+      const Shape& s = outputs[i].tensor.shape();
+      if (batched && (s.empty() || s[0] != padded)) {
+        st = Internal("model '" + config_.name + "' output '" + outputs[i].name + "' has shape " + ShapeToString(s) +
+                      ", expected " + std::to_string(padded) + " rows (the batch size)");
+      }
+    }
+  }
+
+  int64_t row = 0;
+  for (auto& task : tasks) {
+    task->telemetry.compute_start_ns = start;
+    task->telemetry.compute_end_ns = end;
+    task->telemetry.batch_size = items;
+    task->telemetry.padded_batch_size = padded;
+    if (!st.ok()) {
+      Finish(std::move(task), st, {});
+      continue;
+    }
+    std::vector<NamedTensor> mine;
+    Status slice_status;
+    for (int idx : task->output_indices) {
+      const NamedTensor& out = outputs[static_cast<size_t>(idx)];
+      const TensorConfig& oc = config_.outputs[static_cast<size_t>(idx)];
+      Tensor t = out.tensor;
+      if (batched) {
+        auto s = SliceRows(out.tensor, row, task->items);
+        if (!s) {
+          slice_status = s.error();
+          break;
+        }
+        t = std::move(*s);
+      }
+      if (oc.reshape && ElementCount(oc.dims) >= 0) {
+        Shape shape = oc.dims;
+        if (batched) shape.insert(shape.begin(), task->items);
+        t = t.Reshaped(std::move(shape));
+      }
+      mine.push_back({out.name, std::move(t)});
+    }
+    row += task->items;
+    Finish(std::move(task), slice_status, std::move(mine));
+  }
+}
+
+}  // namespace quern

@@ -1,0 +1,65 @@
+// ServedModel: one loaded version of one model. It validates requests against
+// the configuration, queues them in its DynamicBatcher, and on each instance
+// worker concatenates a batch's inputs, runs the instance, splits the outputs
+// and completes every request with its own rows (padding rows never leave).
+//
+// Thread safety: Submit may be called from any thread. Shutdown drains the
+// queue (every queued request completes) and must not be called from a
+// completion callback. Ownership: holds its instances; requests hold no
+// reference to it, so the engine calls Shutdown before dropping it.
+#pragma once
+
+#include <atomic>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "quern/clock.h"
+#include "quern/engine.h"
+#include "quern/model.h"
+#include "scheduler/dynamic_batcher.h"
+#include "scheduler/response_sequencer.h"
+
+namespace quern {
+
+class ServedModel {
+ public:
+  // `instances` are loaded already. Runs the configured warm-up samples on
+  // every instance (files are read from `model_dir`/warmup/) before returning.
+  static Result<std::shared_ptr<ServedModel>> Create(ModelConfig config, int64_t version,
+                                                     std::vector<std::unique_ptr<Model>> instances,
+                                                     const Clock* clock, std::filesystem::path model_dir);
+  ~ServedModel();
+
+  // Validates and queues `request`; `done` receives exactly one response
+  // (inline on this thread when the request is rejected before queuing).
+  void Submit(InferRequest&& request, uint64_t request_id, InferCallback done);
+
+  // Stops intake and finishes every queued request. Idempotent.
+  void Shutdown();
+
+  const ModelConfig& config() const { return config_; }
+  int64_t version() const { return version_; }
+
+ private:
+  class Task;
+  ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances,
+              const Clock* clock);
+  Status Validate(const InferRequest& request, int64_t& items, uint64_t& key,
+                  std::vector<int>& output_indices) const;
+  Status Warmup(const std::filesystem::path& model_dir);
+  void ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch);
+  void Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs);
+  int64_t PaddedSize(int64_t items) const;
+
+  const ModelConfig config_;
+  const int64_t version_;
+  const Clock* clock_;
+  std::vector<std::unique_ptr<Model>> instances_;
+  std::unique_ptr<DynamicBatcher> batcher_;
+  ResponseSequencer sequencer_;
+  const bool ordered_;
+};
+
+}  // namespace quern

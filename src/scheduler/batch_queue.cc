@@ -1,0 +1,179 @@
+#include "scheduler/batch_queue.h"
+
+#include <algorithm>
+#include <string>
+
+namespace quern {
+
+Result<BatchQueue> BatchQueue::Create(BatchQueueOptions options) {
+  if (options.max_batch_size < 1) {
+    return Err(InvalidArgument("max_batch_size must be >= 1, got " + std::to_string(options.max_batch_size)));
+  }
+  if (options.priority_levels < 1) options.priority_levels = 1;
+  if (options.default_priority_level < 1 || options.default_priority_level > options.priority_levels) {
+    return Err(InvalidArgument("default_priority_level " + std::to_string(options.default_priority_level) +
+                               " is outside [1, " + std::to_string(options.priority_levels) + "]"));
+  }
+  for (int64_t p : options.preferred_batch_sizes) {
+    if (p < 1 || p > options.max_batch_size) {
+      return Err(InvalidArgument("preferred_batch_size " + std::to_string(p) + " is outside [1, " +
+                                 std::to_string(options.max_batch_size) + "]"));
+    }
+  }
+  if (options.max_queue_delay_ns < 0) return Err(InvalidArgument("max_queue_delay must not be negative"));
+  return BatchQueue(std::move(options));
+}
+
+BatchQueue::BatchQueue(BatchQueueOptions options) : options_(std::move(options)) {
+  levels_.resize(options_.priority_levels);
+  for (size_t i = 0; i < levels_.size() && i < options_.level_policies.size(); ++i) {
+    levels_[i].policy = options_.level_policies[i];
+  }
+}
+
+Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptions& opts, int64_t now_ns) {
+  const int64_t n = task->size();
+  if (n < 1 || n > options_.max_batch_size) {
+    return InvalidArgument("request has " + std::to_string(n) + " items; the model's max_batch_size is " +
+                           std::to_string(options_.max_batch_size));
+  }
+  uint32_t level = opts.priority == 0 ? options_.default_priority_level : opts.priority;
+  if (level > options_.priority_levels) {
+    return InvalidArgument("priority " + std::to_string(opts.priority) + " is outside [1, " +
+                           std::to_string(options_.priority_levels) + "]");
+  }
+  Level& lv = levels_[level - 1];
+  if (lv.policy.max_queue_size > 0 && lv.size() >= lv.policy.max_queue_size) {
+    return Unavailable("queue full: " + std::to_string(lv.size()) + " requests waiting at priority " +
+                       std::to_string(level) + " (max_queue_size " + std::to_string(lv.policy.max_queue_size) + ")");
+  }
+  int64_t timeout = lv.policy.default_timeout_ns;
+  if (opts.timeout_ns > 0) {
+    if (timeout == 0) {
+      timeout = opts.timeout_ns;
+    } else if (lv.policy.allow_timeout_override) {
+      timeout = std::min(timeout, opts.timeout_ns);  // may only shorten
+    }
+  }
+  Entry e;
+  e.enqueue_ns = now_ns;
+  e.timeout_at_ns = timeout > 0 ? now_ns + timeout : 0;
+  e.deadline_ns = opts.deadline_ns;
+  e.task = std::move(task);
+  lv.active.push_back(std::move(e));
+  ++size_;
+  return Status::Ok();
+}
+
+int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
+  int64_t next = 0;
+  auto note = [&next](int64_t t) {
+    if (t > 0 && (next == 0 || t < next)) next = t;
+  };
+  for (Level& lv : levels_) {
+    for (bool delayed_list : {false, true}) {
+      auto& q = delayed_list ? lv.delayed : lv.active;
+      auto out = q.begin();
+      for (auto it = q.begin(); it != q.end(); ++it) {
+        Entry& e = *it;
+        if (e.task->cancelled()) {
+          dropped.push_back({std::move(e.task), Cancelled("request was cancelled while queued")});
+          --size_;
+          continue;
+        }
+        if (e.deadline_ns > 0 && now_ns >= e.deadline_ns) {
+          dropped.push_back({std::move(e.task), DeadlineExceeded("request deadline passed while queued")});
+          --size_;
+          continue;
+        }
+        if (!delayed_list && e.timeout_at_ns > 0 && now_ns >= e.timeout_at_ns) {
+          if (lv.policy.delay_on_timeout) {
+            lv.delayed.push_back(std::move(e));
+          } else {
+            dropped.push_back({std::move(e.task), DeadlineExceeded("request timed out in the queue after " +
+                                                                   std::to_string((now_ns - e.enqueue_ns) / 1000) + " us")});
+            --size_;
+          }
+          continue;
+        }
+        note(e.deadline_ns);
+        if (!delayed_list) note(e.timeout_at_ns);
+        if (out != it) *out = std::move(e);
+        ++out;
+      }
+      q.erase(out, q.end());
+    }
+  }
+  return next;
+}
+
+BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
+  Decision d;
+  const int64_t next_deadline = Sweep(now_ns, d.dropped);
+  if (size_ == 0) return d;
+
+  // Walk the queues in service order and pick the tasks that would form the
+  // batch: same key as the first, as many items as fit.
+  struct Pick {
+    std::deque<Entry>* q;
+    size_t index;
+  };
+  std::vector<Pick> picks;
+  uint64_t key = 0;
+  int64_t total = 0;
+  int64_t oldest_ns = 0;
+  size_t preferred_prefix = 0;  // picks.size() when total last hit a preferred size
+  bool blocked = false;         // a same-key task did not fit: stop there (keep order)
+  const auto& pref = options_.preferred_batch_sizes;
+  for (Level& lv : levels_) {
+    for (auto* q : {&lv.active, &lv.delayed}) {
+      for (size_t i = 0; i < q->size() && !blocked && total < options_.max_batch_size; ++i) {
+        const Entry& e = (*q)[i];
+        if (picks.empty()) {
+          key = e.task->batch_key();
+          oldest_ns = e.enqueue_ns;
+        } else if (e.task->batch_key() != key) {
+          continue;
+        }
+        const int64_t n = e.task->size();
+        if (total + n > options_.max_batch_size) {
+          blocked = true;
+          break;
+        }
+        total += n;
+        picks.push_back({q, i});
+        if (std::find(pref.begin(), pref.end(), total) != pref.end()) preferred_prefix = picks.size();
+      }
+    }
+  }
+
+  size_t take = 0;
+  const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns;
+  if (flush || total >= options_.max_batch_size || blocked || delay_over) {
+    take = picks.size();
+  } else if (preferred_prefix > 0) {
+    take = preferred_prefix;
+  }
+
+  if (take == 0) {
+    int64_t wake = oldest_ns + options_.max_queue_delay_ns;
+    if (next_deadline > 0 && next_deadline < wake) wake = next_deadline;
+    d.wake_at_ns = wake;
+    return d;
+  }
+
+  picks.resize(take);
+  d.batch.reserve(take);
+  for (const Pick& p : picks) d.batch.push_back(std::move((*p.q)[p.index].task));
+  // Compact the queues: remove entries whose task was taken.
+  for (Level& lv : levels_) {
+    for (auto* q : {&lv.active, &lv.delayed}) {
+      std::erase_if(*q, [](const Entry& e) { return e.task == nullptr; });
+    }
+  }
+  size_ -= take;
+  if (size_ > 0) d.wake_at_ns = now_ns;  // more may be ready at once
+  return d;
+}
+
+}  // namespace quern

@@ -1,0 +1,131 @@
+// BatchQueue: the batching policy of a model, with no threads, no clock of its
+// own and no knowledge of models or transports (TF Serving's batch scheduler
+// and Triton's dynamic batcher are the models for its semantics).
+//
+// Tasks wait in priority levels (1 is the highest). Next() decides, for the
+// time `now`, which tasks leave as one batch, which are dropped (cancelled or
+// past their deadline: never computed) and when to ask again. Tasks with
+// different batch_key() values never share a batch.
+//
+// Thread safety: none; DynamicBatcher serialises access. Ownership: Enqueue
+// takes the task only when it returns OK; Next hands tasks back to the caller.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "quern/status.h"
+
+namespace quern {
+
+// What the batcher needs to know about a queued unit of work.
+class BatchTask {
+ public:
+  virtual ~BatchTask() = default;
+  // Items this task adds to a batch (a request with 4 rows has size 4).
+  virtual int64_t size() const = 0;
+  // Tasks with different keys (e.g. different non-batch shapes) never share a batch.
+  virtual uint64_t batch_key() const = 0;
+  // True once the caller withdrew the task.
+  virtual bool cancelled() const = 0;
+};
+
+struct QueueLevelPolicy {
+  // On timeout: false = drop with DEADLINE_EXCEEDED, true = move behind the
+  // level's requests that have not timed out (Triton's DELAY).
+  bool delay_on_timeout = false;
+  // Default queue timeout for this level; 0 = none.
+  int64_t default_timeout_ns = 0;
+  // Whether a request's own timeout may shorten default_timeout_ns.
+  bool allow_timeout_override = false;
+  // Requests this level may hold; 0 = unbounded.
+  uint32_t max_queue_size = 0;
+};
+
+struct BatchQueueOptions {
+  // Largest batch, in items. Tasks larger than this are rejected.
+  int64_t max_batch_size = 1;
+  // Sizes sent at once when the queue can form them (ascending or not).
+  std::vector<int64_t> preferred_batch_sizes;
+  // How long the oldest queued task may wait for a fuller batch.
+  int64_t max_queue_delay_ns = 0;
+  // Number of levels, >= 1; level 1 is served first.
+  uint32_t priority_levels = 1;
+  // Level for tasks that ask for priority 0.
+  uint32_t default_priority_level = 1;
+  // One per level (index 0 = level 1); missing levels use QueueLevelPolicy{}.
+  std::vector<QueueLevelPolicy> level_policies;
+};
+
+struct ScheduleOptions {
+  uint32_t priority = 0;       // 0 = default level
+  int64_t timeout_ns = 0;      // the task's own queue timeout; 0 = none
+  int64_t deadline_ns = 0;     // absolute hard deadline; 0 = none
+};
+
+class BatchQueue {
+ public:
+  struct Dropped {
+    std::unique_ptr<BatchTask> task;
+    Status status;  // CANCELLED or DEADLINE_EXCEEDED
+  };
+  struct Decision {
+    std::vector<std::unique_ptr<BatchTask>> batch;  // empty = no batch now
+    std::vector<Dropped> dropped;
+    // When to call Next again if nothing changes; 0 = only after an Enqueue.
+    int64_t wake_at_ns = 0;
+  };
+
+  BatchQueue(BatchQueue&&) = default;
+  BatchQueue& operator=(BatchQueue&&) = default;
+  BatchQueue(const BatchQueue&) = delete;
+  BatchQueue& operator=(const BatchQueue&) = delete;
+
+  // Validates the options (sizes positive, levels consistent).
+  static Result<BatchQueue> Create(BatchQueueOptions options);
+
+  // On OK the queue owns `task` (it is moved from). Errors leave `task` with
+  // the caller: INVALID_ARGUMENT for a task larger than max_batch_size or an
+  // unknown priority, UNAVAILABLE when the level's queue is full.
+  Status Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options, int64_t now_ns);
+
+  // Drops dead tasks and, if the policy says a batch should leave at `now`,
+  // returns it. `flush` sends whatever is queued without waiting (shutdown).
+  Decision Next(int64_t now_ns, bool flush = false);
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const BatchQueueOptions& options() const { return options_; }
+
+ private:
+  struct Entry {
+    std::unique_ptr<BatchTask> task;
+    int64_t enqueue_ns = 0;
+    int64_t timeout_at_ns = 0;   // queue-policy timeout; 0 = none
+    int64_t deadline_ns = 0;     // hard deadline; 0 = none
+  };
+  struct Level {
+    Level() = default;
+    Level(Level&&) = default;
+    Level& operator=(Level&&) = default;
+    Level(const Level&) = delete;
+    Level& operator=(const Level&) = delete;
+    QueueLevelPolicy policy;
+    std::deque<Entry> active;
+    std::deque<Entry> delayed;  // timed out under a DELAY policy
+    size_t size() const { return active.size() + delayed.size(); }
+  };
+
+  explicit BatchQueue(BatchQueueOptions options);
+  // Removes cancelled/expired entries into `dropped`; returns the earliest
+  // future deadline of what remains (0 = none).
+  int64_t Sweep(int64_t now_ns, std::vector<Dropped>& dropped);
+
+  BatchQueueOptions options_;
+  std::vector<Level> levels_;
+  size_t size_ = 0;
+};
+
+}  // namespace quern

@@ -1,0 +1,85 @@
+#include "scheduler/dynamic_batcher.h"
+
+#include <chrono>
+
+namespace quern {
+
+Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOptions options,
+                                                               BatchProcessor processor, DropHandler on_drop) {
+  if (options.num_workers < 1) return Err(InvalidArgument("a batcher needs at least one worker"));
+  auto queue = BatchQueue::Create(std::move(options.queue));
+  if (!queue) return Err(queue.error());
+  const Clock* clock = options.clock ? options.clock : &RealClockInstance();
+  std::unique_ptr<DynamicBatcher> b(
+      new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
+  b->workers_.reserve(options.num_workers);
+  for (int i = 0; i < options.num_workers; ++i) {
+    b->workers_.emplace_back([raw = b.get(), i] { raw->WorkerLoop(i); });
+  }
+  return b;
+}
+
+DynamicBatcher::DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop)
+    : clock_(clock), processor_(std::move(processor)), on_drop_(std::move(on_drop)), queue_(std::move(queue)) {}
+
+DynamicBatcher::~DynamicBatcher() { Shutdown(); }
+
+Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Unavailable("model is shutting down");
+    QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, clock_->NowNs()));
+  }
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+void DynamicBatcher::Kick() {
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
+void DynamicBatcher::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && workers_.empty()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  workers_.clear();
+}
+
+size_t DynamicBatcher::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size();
+}
+
+void DynamicBatcher::WorkerLoop(int worker) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (stopping_ && queue_.empty()) break;
+    const int64_t now = clock_->NowNs();
+    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_);
+    if (!d.batch.empty() || !d.dropped.empty()) {
+      const bool more = !queue_.empty();
+      lock.unlock();
+      if (more) cv_.notify_one();  // let another free instance take the next batch
+      for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
+      if (!d.batch.empty()) processor_(worker, std::move(d.batch));
+      lock.lock();
+      continue;
+    }
+    if (d.wake_at_ns == 0) {
+      cv_.wait(lock);
+    } else {
+      // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
+      cv_.wait_for(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
+    }
+  }
+}
+
+}  // namespace quern

@@ -1,0 +1,74 @@
+// DynamicBatcher: a BatchQueue served by N worker threads, one per model
+// instance. A worker that is free asks the queue for the next batch, so a
+// formed batch never waits while an instance is idle and load spreads to
+// whichever instance finishes first (least-loaded dispatch).
+//
+// Knows nothing of models or transports: batches leave through the
+// BatchProcessor callback (run on the worker that took the batch) and dead
+// tasks through the DropHandler.
+//
+// Thread safety: Schedule and Kick may be called from any thread.
+// Shutdown()/the destructor stop intake, run every queued task to completion
+// (nothing is lost) and join the workers; do not call them from a worker.
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "quern/clock.h"
+#include "scheduler/batch_queue.h"
+
+namespace quern {
+
+struct DynamicBatcherOptions {
+  BatchQueueOptions queue;
+  // Worker threads (= model instances), >= 1.
+  int num_workers = 1;
+  // Time source; null = the real clock.
+  const Clock* clock = nullptr;
+};
+
+class DynamicBatcher {
+ public:
+  // Runs one batch on worker `worker` (0 .. num_workers-1).
+  using BatchProcessor = std::function<void(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch)>;
+  // Completes a task that will never run (status CANCELLED or DEADLINE_EXCEEDED).
+  using DropHandler = std::function<void(std::unique_ptr<BatchTask> task, const Status& status)>;
+
+  static Result<std::unique_ptr<DynamicBatcher>> Create(DynamicBatcherOptions options, BatchProcessor processor,
+                                                        DropHandler on_drop);
+  ~DynamicBatcher();
+
+  // Takes ownership of `task` only on OK (see BatchQueue::Enqueue); after
+  // Shutdown returns UNAVAILABLE.
+  Status Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options);
+
+  // Makes waiting workers re-evaluate the queue now (for a FakeClock that moved).
+  void Kick();
+
+  // Stops intake, drains the queue through the processor and joins workers. Idempotent.
+  void Shutdown();
+
+  size_t queued() const;
+  int num_workers() const { return static_cast<int>(workers_.size()); }
+
+ private:
+  DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
+  void WorkerLoop(int worker);
+
+  const Clock* clock_;
+  BatchProcessor processor_;
+  DropHandler on_drop_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  BatchQueue queue_;      // guarded by mu_
+  bool stopping_ = false; // guarded by mu_
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace quern
