@@ -199,9 +199,31 @@ dynamic_batching { }
 """)
 
 
+def text_line(text, flipped):
+    """A text-line crop as the PP-OCR direction classifier expects it:
+    height 48, width 192 (right-padded), CHW, scaled to [-1, 1]."""
+    from PIL import Image, ImageDraw, ImageFont
+    font = ImageFont.load_default(size=30)
+    left, top, right, bottom = font.getbbox(text)
+    img = Image.new("RGB", (right + 16, 48), "white")
+    ImageDraw.Draw(img).text((8, (48 - bottom - top) // 2), text, fill="black", font=font)
+    if flipped:
+        img = img.rotate(180)
+    w = min(192, int(round(img.width * 48 / img.height)))
+    img = img.resize((w, 48), Image.BILINEAR)
+    x = (np.asarray(img, dtype=np.float32) / 255.0 - 0.5) / 0.5
+    out = np.zeros((1, 3, 48, 192), np.float32)
+    out[0, :, :, :w] = x.transpose(2, 0, 1)
+    return out
+
+
 def gen_examples(d, quiet):
     save(add_sub(), f"{d}/add_sub/1/model.onnx", quiet)
     save(small_cnn(np.random.default_rng(7)), f"{d}/small_cnn/1/model.onnx", quiet)
+    data = os.path.join(os.path.dirname(os.path.abspath(d)), "data")
+    os.makedirs(data, exist_ok=True)
+    np.save(f"{data}/text_upright.npy", text_line("Quern grinds", False))
+    np.save(f"{data}/text_flipped.npy", text_line("Quern grinds", True))
 
 
 def gen_bench(d, quiet):

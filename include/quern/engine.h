@@ -61,7 +61,7 @@ struct InferRequest {
 
 // Where the time went, for one request. Timestamps are on the engine clock.
 struct Telemetry {
-  int64_t batch_size = 0;     // items in the batch this request ran in (without padding)
+  int64_t batch_size = 0;  // items in the batch this request ran in (without padding)
   int64_t padded_batch_size = 0;
   int64_t queue_start_ns = 0;
   int64_t compute_start_ns = 0;

@@ -18,17 +18,17 @@ namespace quern {
 // identity and the mapping to HTTP is one table.
 enum class StatusCode : int {
   kOk = 0,
-  kCancelled = 1,          // the caller cancelled the request
+  kCancelled = 1,  // the caller cancelled the request
   kUnknown = 2,
-  kInvalidArgument = 3,    // bad input: permanent, do not retry
-  kDeadlineExceeded = 4,   // the request's deadline passed before it ran
-  kNotFound = 5,           // unknown model or version
+  kInvalidArgument = 3,   // bad input: permanent, do not retry
+  kDeadlineExceeded = 4,  // the request's deadline passed before it ran
+  kNotFound = 5,          // unknown model or version
   kAlreadyExists = 6,
   kResourceExhausted = 8,  // a size limit was exceeded
   kFailedPrecondition = 9,
   kUnimplemented = 12,
-  kInternal = 13,          // a bug or a backend failure
-  kUnavailable = 14,       // retryable: queue full, model not ready, shutting down
+  kInternal = 13,     // a bug or a backend failure
+  kUnavailable = 14,  // retryable: queue full, model not ready, shutting down
 };
 
 // Returns the canonical upper-case name, e.g. "INVALID_ARGUMENT".
@@ -56,22 +56,42 @@ class Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
-inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
-inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
-inline Status DeadlineExceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
-inline Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
-inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
-inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
-inline Status FailedPrecondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
-inline Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
+inline Status NotFound(std::string m) {
+  return {StatusCode::kNotFound, std::move(m)};
+}
+inline Status Unavailable(std::string m) {
+  return {StatusCode::kUnavailable, std::move(m)};
+}
+inline Status DeadlineExceeded(std::string m) {
+  return {StatusCode::kDeadlineExceeded, std::move(m)};
+}
+inline Status Cancelled(std::string m) {
+  return {StatusCode::kCancelled, std::move(m)};
+}
+inline Status Internal(std::string m) {
+  return {StatusCode::kInternal, std::move(m)};
+}
+inline Status Unimplemented(std::string m) {
+  return {StatusCode::kUnimplemented, std::move(m)};
+}
+inline Status FailedPrecondition(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
+inline Status ResourceExhausted(std::string m) {
+  return {StatusCode::kResourceExhausted, std::move(m)};
+}
 
 // Either a T or an error Status (never an OK Status).
 template <typename T>
 using Result = std::expected<T, Status>;
 
 // Wraps a Status for returning from a function that returns Result<T>.
-inline std::unexpected<Status> Err(Status s) { return std::unexpected<Status>(std::move(s)); }
+inline std::unexpected<Status> Err(Status s) {
+  return std::unexpected<Status>(std::move(s));
+}
 
 namespace internal {
 // Lets QUERN_RETURN_IF_ERROR return from functions returning Status or Result<T>.
@@ -88,8 +108,8 @@ struct ErrorReturn {
 }  // namespace quern
 
 // Returns early from the enclosing function when `expr` (a Status) is not OK.
-#define QUERN_RETURN_IF_ERROR(expr)             \
-  do {                                          \
-    ::quern::Status quern_status_ = (expr);     \
+#define QUERN_RETURN_IF_ERROR(expr)                                                           \
+  do {                                                                                        \
+    ::quern::Status quern_status_ = (expr);                                                   \
     if (!quern_status_.ok()) return ::quern::internal::ErrorReturn{std::move(quern_status_)}; \
   } while (0)

@@ -3,20 +3,21 @@
 //   quern models DIR                      list models, their tensors and load errors
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
 #include <CLI/CLI.hpp>
-
 #include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <random>
 #include <thread>
 
-#include "cli/npy.h"
+#include "core/npy.h"
 #include "quern/engine.h"
 
 namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
+void OnSignal(int) {
+  g_stop = 1;
+}
 
 std::string Dims(const quern::ModelConfig& c, const quern::TensorConfig& t) {
   quern::Shape s = t.dims;

@@ -24,8 +24,12 @@ class CollectErrors : public google::protobuf::io::ErrorCollector {
   std::string first_;
 };
 
-DataType FromProtoType(inference::DataType t) { return static_cast<DataType>(static_cast<int>(t)); }
-inference::DataType ToProtoType(DataType t) { return static_cast<inference::DataType>(static_cast<int>(t)); }
+DataType FromProtoType(inference::DataType t) {
+  return static_cast<DataType>(static_cast<int>(t));
+}
+inference::DataType ToProtoType(DataType t) {
+  return static_cast<inference::DataType>(static_cast<int>(t));
+}
 
 QueuePolicy ConvertQueuePolicy(const inference::ModelQueuePolicy& p) {
   QueuePolicy q;
@@ -113,8 +117,7 @@ Status ValidateTensors(const ModelConfig& c, const std::vector<TensorConfig>& te
 std::vector<int64_t> VersionPolicy::Select(std::vector<int64_t> available) const {
   std::sort(available.begin(), available.end());
   switch (kind) {
-    case Kind::kAll:
-      return available;
+    case Kind::kAll: return available;
     case Kind::kSpecific: {
       std::vector<int64_t> out;
       for (int64_t v : available) {
@@ -267,7 +270,8 @@ Status ValidateModelConfig(const ModelConfig& c) {
     }
   }
   if (!c.fixed_batch_sizes.empty()) {
-    if (c.max_batch_size == 0) return InvalidArgument(m + std::string(kFixedBatchSizesParam) + " needs max_batch_size > 0");
+    if (c.max_batch_size == 0)
+      return InvalidArgument(m + std::string(kFixedBatchSizesParam) + " needs max_batch_size > 0");
     for (int s : c.fixed_batch_sizes) {
       if (s < 1 || s > c.max_batch_size) {
         return InvalidArgument(m + std::string(kFixedBatchSizesParam) + " entry " + std::to_string(s) +
@@ -285,7 +289,8 @@ Status ValidateModelConfig(const ModelConfig& c) {
                              " exceeds max_batch_size " + std::to_string(c.max_batch_size));
     }
     for (const auto& [name, in] : w.inputs) {
-      if (!c.FindInput(name)) return InvalidArgument(m + "model_warmup '" + w.name + "' names unknown input '" + name + "'");
+      if (!c.FindInput(name))
+        return InvalidArgument(m + "model_warmup '" + w.name + "' names unknown input '" + name + "'");
     }
   }
   return Status::Ok();
@@ -302,7 +307,8 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
     in->set_name(t.name);
     in->set_data_type(ToProtoType(t.dtype));
     for (int64_t d : t.dims) in->add_dims(d);
-    if (t.reshape) for (int64_t d : *t.reshape) in->mutable_reshape()->add_shape(d);
+    if (t.reshape)
+      for (int64_t d : *t.reshape) in->mutable_reshape()->add_shape(d);
     in->set_optional(t.optional);
   }
   for (const auto& t : c.outputs) {
@@ -310,7 +316,8 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
     out->set_name(t.name);
     out->set_data_type(ToProtoType(t.dtype));
     for (int64_t d : t.dims) out->add_dims(d);
-    if (t.reshape) for (int64_t d : *t.reshape) out->mutable_reshape()->add_shape(d);
+    if (t.reshape)
+      for (int64_t d : *t.reshape) out->mutable_reshape()->add_shape(d);
     out->set_label_filename(t.label_filename);
   }
   auto* g = p.add_instance_group();

@@ -89,8 +89,8 @@ Result<RepositoryModel> ReadRepositoryModel(const fs::path& repo, const std::str
     if (e.is_directory() && ParseVersion(e.path().filename().string(), v)) available.push_back(v);
   }
   if (available.empty()) {
-    return Err(NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() +
-                        "/model.onnx)"));
+    return Err(
+        NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() + "/model.onnx)"));
   }
   const std::string file = m.config.default_model_filename.empty() ? "model.onnx" : m.config.default_model_filename;
   for (int64_t v : m.version_policy.Select(available)) {

@@ -32,9 +32,13 @@ constexpr std::array<TypeInfo, 15> kTypes = {{
 
 }  // namespace
 
-size_t DataTypeByteSize(DataType type) { return kTypes[static_cast<size_t>(type)].size; }
+size_t DataTypeByteSize(DataType type) {
+  return kTypes[static_cast<size_t>(type)].size;
+}
 
-std::string_view DataTypeName(DataType type) { return kTypes[static_cast<size_t>(type)].name; }
+std::string_view DataTypeName(DataType type) {
+  return kTypes[static_cast<size_t>(type)].name;
+}
 
 std::optional<DataType> DataTypeFromName(std::string_view name) {
   for (const auto& t : kTypes) {
@@ -126,8 +130,8 @@ Result<std::vector<std::string_view>> Tensor::Strings() const {
     off += len;
   }
   if (off != byte_size_) {
-    return Err(InvalidArgument("BYTES tensor has " + std::to_string(byte_size_ - off) +
-                               " trailing bytes after its " + std::to_string(n) + " elements"));
+    return Err(InvalidArgument("BYTES tensor has " + std::to_string(byte_size_ - off) + " trailing bytes after its " +
+                               std::to_string(n) + " elements"));
   }
   return out;
 }
@@ -158,8 +162,8 @@ Status Tensor::Validate() const {
   size_t want = static_cast<size_t>(n) * DataTypeByteSize(dtype_);
   if (want != byte_size_) {
     return InvalidArgument("tensor of shape " + ShapeToString(shape_) + " and type " +
-                           std::string(DataTypeName(dtype_)) + " needs " + std::to_string(want) +
-                           " bytes, got " + std::to_string(byte_size_));
+                           std::string(DataTypeName(dtype_)) + " needs " + std::to_string(want) + " bytes, got " +
+                           std::to_string(byte_size_));
   }
   return Status::Ok();
 }

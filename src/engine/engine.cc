@@ -134,8 +134,8 @@ class EngineImpl {
         return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
       }
       if (!v->second.served) {
-        return Err(Unavailable("model '" + name + "' version " + std::to_string(version) + " is not ready: " +
-                               std::string(ModelStateName(v->second.status.state)) +
+        return Err(Unavailable("model '" + name + "' version " + std::to_string(version) +
+                               " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
                                (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason + ")")));
       }
       return v->second.served;
@@ -284,7 +284,8 @@ class EngineImpl {
         if (it == models_.end()) {
           to_load.push_back(n);
         } else if (!it->second.custom &&
-                   it->second.fingerprint != FingerprintModelDir(std::filesystem::path(options_.model_repository) / n)) {
+                   it->second.fingerprint !=
+                       FingerprintModelDir(std::filesystem::path(options_.model_repository) / n)) {
           to_load.push_back(n);
         }
       }
@@ -389,16 +390,26 @@ uint64_t Engine::InferAsync(InferRequest request, CompletionQueue* queue) {
 Status Engine::RegisterModel(ModelConfig config, ModelFactory factory) {
   return impl_->RegisterModel(std::move(config), std::move(factory));
 }
-Status Engine::LoadModel(const std::string& name) { return impl_->LoadModel(name); }
-Status Engine::UnloadModel(const std::string& name) { return impl_->UnloadModel(name); }
-Status Engine::PollRepository() { return impl_->PollRepository(); }
-std::vector<ModelStatus> Engine::ListModels() const { return impl_->ListModels(); }
+Status Engine::LoadModel(const std::string& name) {
+  return impl_->LoadModel(name);
+}
+Status Engine::UnloadModel(const std::string& name) {
+  return impl_->UnloadModel(name);
+}
+Status Engine::PollRepository() {
+  return impl_->PollRepository();
+}
+std::vector<ModelStatus> Engine::ListModels() const {
+  return impl_->ListModels();
+}
 Result<ModelStatus> Engine::GetModel(const std::string& name, int64_t version) const {
   return impl_->GetModel(name, version);
 }
 bool Engine::ModelReady(const std::string& name, int64_t version) const {
   return impl_->Resolve(name, version).has_value();
 }
-const Clock& Engine::clock() const { return impl_->clock(); }
+const Clock& Engine::clock() const {
+  return impl_->clock();
+}
 
 }  // namespace quern

@@ -144,8 +144,8 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
       auto it = b.priority_queue_policy.find(level);
       const QueuePolicy& q = it != b.priority_queue_policy.end() ? it->second : b.default_queue_policy;
       opts.queue.level_policies.push_back({q.timeout_action == QueuePolicy::TimeoutAction::kDelay,
-                                           static_cast<int64_t>(q.default_timeout_us) * 1000,
-                                           q.allow_timeout_override, q.max_queue_size});
+                                           static_cast<int64_t>(q.default_timeout_us) * 1000, q.allow_timeout_override,
+                                           q.max_queue_size});
     }
   } else if (c.max_batch_size > 0) {
     // No dynamic_batching: every request runs on its own.
@@ -153,7 +153,8 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
   }
   ServedModel* raw = m.get();
   auto batcher = DynamicBatcher::Create(
-      std::move(opts), [raw](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+      std::move(opts),
+      [raw](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
         raw->ExecuteBatch(worker, std::move(batch));
       },
       [raw](std::unique_ptr<BatchTask> task, const Status& status) {
@@ -172,7 +173,9 @@ ServedModel::ServedModel(ModelConfig config, int64_t version, std::vector<std::u
       instances_(std::move(instances)),
       ordered_(config_.batching && config_.batching->preserve_ordering) {}
 
-ServedModel::~ServedModel() { Shutdown(); }
+ServedModel::~ServedModel() {
+  Shutdown();
+}
 
 void ServedModel::Shutdown() {
   if (batcher_) batcher_->Shutdown();
@@ -187,7 +190,8 @@ Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
       if (rows > 0) shape.insert(shape.begin(), rows);
       Status error;
       Tensor t = MakeWarmupTensor(in, std::move(shape), model_dir, error);
-      if (!error.ok()) return Status(error.code(), "model '" + config_.name + "' warm-up '" + s.name + "': " + error.message());
+      if (!error.ok())
+        return Status(error.code(), "model '" + config_.name + "' warm-up '" + s.name + "': " + error.message());
       if (const TensorConfig* tc = config_.FindInput(name); tc && tc->reshape) {
         Shape r = *tc->reshape;
         if (rows > 0) r.insert(r.begin(), rows);

@@ -28,8 +28,8 @@ class ServedModel {
   // `instances` are loaded already. Runs the configured warm-up samples on
   // every instance (files are read from `model_dir`/warmup/) before returning.
   static Result<std::shared_ptr<ServedModel>> Create(ModelConfig config, int64_t version,
-                                                     std::vector<std::unique_ptr<Model>> instances,
-                                                     const Clock* clock, std::filesystem::path model_dir);
+                                                     std::vector<std::unique_ptr<Model>> instances, const Clock* clock,
+                                                     std::filesystem::path model_dir);
   ~ServedModel();
 
   // Validates and queues `request`; `done` receives exactly one response
@@ -44,10 +44,8 @@ class ServedModel {
 
  private:
   class Task;
-  ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances,
-              const Clock* clock);
-  Status Validate(const InferRequest& request, int64_t& items, uint64_t& key,
-                  std::vector<int>& output_indices) const;
+  ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances, const Clock* clock);
+  Status Validate(const InferRequest& request, int64_t& items, uint64_t& key, std::vector<int>& output_indices) const;
   Status Warmup(const std::filesystem::path& model_dir);
   void ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch);
   void Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs);

@@ -90,8 +90,9 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
           if (lv.policy.delay_on_timeout) {
             lv.delayed.push_back(std::move(e));
           } else {
-            dropped.push_back({std::move(e.task), DeadlineExceeded("request timed out in the queue after " +
-                                                                   std::to_string((now_ns - e.enqueue_ns) / 1000) + " us")});
+            dropped.push_back(
+                {std::move(e.task), DeadlineExceeded("request timed out in the queue after " +
+                                                     std::to_string((now_ns - e.enqueue_ns) / 1000) + " us")});
             --size_;
           }
           continue;

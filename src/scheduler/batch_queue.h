@@ -60,9 +60,9 @@ struct BatchQueueOptions {
 };
 
 struct ScheduleOptions {
-  uint32_t priority = 0;       // 0 = default level
-  int64_t timeout_ns = 0;      // the task's own queue timeout; 0 = none
-  int64_t deadline_ns = 0;     // absolute hard deadline; 0 = none
+  uint32_t priority = 0;    // 0 = default level
+  int64_t timeout_ns = 0;   // the task's own queue timeout; 0 = none
+  int64_t deadline_ns = 0;  // absolute hard deadline; 0 = none
 };
 
 class BatchQueue {
@@ -103,8 +103,8 @@ class BatchQueue {
   struct Entry {
     std::unique_ptr<BatchTask> task;
     int64_t enqueue_ns = 0;
-    int64_t timeout_at_ns = 0;   // queue-policy timeout; 0 = none
-    int64_t deadline_ns = 0;     // hard deadline; 0 = none
+    int64_t timeout_at_ns = 0;  // queue-policy timeout; 0 = none
+    int64_t deadline_ns = 0;    // hard deadline; 0 = none
   };
   struct Level {
     Level() = default;

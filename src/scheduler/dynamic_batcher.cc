@@ -4,8 +4,8 @@
 
 namespace quern {
 
-Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOptions options,
-                                                               BatchProcessor processor, DropHandler on_drop) {
+Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOptions options, BatchProcessor processor,
+                                                               DropHandler on_drop) {
   if (options.num_workers < 1) return Err(InvalidArgument("a batcher needs at least one worker"));
   auto queue = BatchQueue::Create(std::move(options.queue));
   if (!queue) return Err(queue.error());
@@ -22,7 +22,9 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
 DynamicBatcher::DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop)
     : clock_(clock), processor_(std::move(processor)), on_drop_(std::move(on_drop)), queue_(std::move(queue)) {}
 
-DynamicBatcher::~DynamicBatcher() { Shutdown(); }
+DynamicBatcher::~DynamicBatcher() {
+  Shutdown();
+}
 
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
   {

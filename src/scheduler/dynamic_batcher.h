@@ -66,8 +66,8 @@ class DynamicBatcher {
   DropHandler on_drop_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  BatchQueue queue_;      // guarded by mu_
-  bool stopping_ = false; // guarded by mu_
+  BatchQueue queue_;       // guarded by mu_
+  bool stopping_ = false;  // guarded by mu_
   std::vector<std::thread> workers_;
 };
 

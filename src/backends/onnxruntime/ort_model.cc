@@ -177,7 +177,8 @@ Status CompleteConfigFromOnnx(ModelConfig& c, const OnnxModelIO& io, bool has_co
   if (c.inputs.empty()) derive(io.inputs, c.inputs);
   if (c.outputs.empty()) derive(io.outputs, c.outputs);
 
-  for (const auto& t : c.inputs) QUERN_RETURN_IF_ERROR(CheckAgainstModel(c, t, Find(io.inputs, t.name), "input", io.inputs));
+  for (const auto& t : c.inputs)
+    QUERN_RETURN_IF_ERROR(CheckAgainstModel(c, t, Find(io.inputs, t.name), "input", io.inputs));
   for (const auto& t : c.outputs) {
     QUERN_RETURN_IF_ERROR(CheckAgainstModel(c, t, Find(io.outputs, t.name), "output", io.outputs));
   }
@@ -284,8 +285,8 @@ Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch
         auto strings = t.Strings();
         if (!strings) return strings.error();
         Ort::AllocatorWithDefaultOptions alloc;
-        Ort::Value v = Ort::Value::CreateTensor(alloc, t.shape().data(), t.shape().size(),
-                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING);
+        Ort::Value v =
+            Ort::Value::CreateTensor(alloc, t.shape().data(), t.shape().size(), ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING);
         for (size_t i = 0; i < strings->size(); ++i) {
           const auto& s = (*strings)[i];
           char* dst = v.GetResizedStringTensorElementBuffer(i, s.size());

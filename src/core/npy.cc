@@ -1,4 +1,4 @@
-#include "cli/npy.h"
+#include "core/npy.h"
 
 #include <fstream>
 #include <sstream>

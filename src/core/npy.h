@@ -1,5 +1,5 @@
-// Minimal reader/writer for NumPy .npy files (version 1/2, little-endian,
-// C order), used by `quern infer` to take inputs from files.
+// Minimal reader for NumPy .npy files (version 1/2, little-endian,
+// C order): `quern infer` takes inputs from them, tests read reference data.
 #pragma once
 
 #include <string>

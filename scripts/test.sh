@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs the whole test suite: a release build with warnings
+# as errors, then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
+#   scripts/test.sh            # both
+#   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+scripts/setup.sh
+
+echo "== format check"
+mapfile -t sources < <(git ls-files '*.h' '*.cc' 2>/dev/null || true)
+if [ ${#sources[@]} -gt 0 ]; then
+  clang-format --dry-run --Werror "${sources[@]}"
+fi
+
+echo "== release build (warnings are errors)"
+cmake --preset ci >/dev/null
+cmake --build --preset ci
+ctest --preset ci -j2
+
+if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --preset asan -j2
+fi
+echo "== all tests passed"

@@ -1,0 +1,282 @@
+// BatchQueue policy tests: everything is driven by explicit times, no threads, no sleeps.
+#include "scheduler/batch_queue.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+
+namespace quern {
+namespace {
+
+constexpr int64_t kUs = 1000;
+
+class FakeTask : public BatchTask {
+ public:
+  FakeTask(int id, int64_t size = 1, uint64_t key = 0) : id_(id), size_(size), key_(key) {}
+  int64_t size() const override { return size_; }
+  uint64_t batch_key() const override { return key_; }
+  bool cancelled() const override { return cancelled_; }
+  int id() const { return id_; }
+  bool cancelled_ = false;
+
+ private:
+  int id_;
+  int64_t size_;
+  uint64_t key_;
+};
+
+BatchQueue MakeQueue(BatchQueueOptions o) {
+  auto q = BatchQueue::Create(std::move(o));
+  EXPECT_TRUE(q.has_value()) << q.error().ToString();
+  return std::move(*q);
+}
+
+// Enqueues a task and asserts success; returns a raw pointer for later inspection.
+FakeTask* Add(BatchQueue& q, int id, int64_t now, ScheduleOptions so = {}, int64_t size = 1, uint64_t key = 0) {
+  auto t = std::make_unique<FakeTask>(id, size, key);
+  FakeTask* raw = t.get();
+  std::unique_ptr<BatchTask> base = std::move(t);
+  Status st = q.Enqueue(base, so, now);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return raw;
+}
+
+std::vector<int> Ids(const std::vector<std::unique_ptr<BatchTask>>& batch) {
+  std::vector<int> ids;
+  for (const auto& t : batch) ids.push_back(static_cast<const FakeTask&>(*t).id());
+  return ids;
+}
+
+TEST(BatchQueue, ZeroDelaySendsWhatIsQueued) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  Add(q, 2, 0);
+  Add(q, 3, 0);
+  auto d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(q.empty());
+  EXPECT_EQ(q.Next(0).wake_at_ns, 0);  // nothing pending: wait for an enqueue
+}
+
+TEST(BatchQueue, MaxBatchSizeCountsItems) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {}, 3);
+  Add(q, 2, 0, {}, 2);  // 3 + 2 > 4: must wait for the next batch
+  Add(q, 3, 0, {}, 1);
+  auto d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1}));
+  d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{2, 3}));
+}
+
+TEST(BatchQueue, OversizeRequestIsRejectedPermanently) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  BatchQueue q = MakeQueue(o);
+  std::unique_ptr<BatchTask> t = std::make_unique<FakeTask>(1, 5);
+  Status st = q.Enqueue(t, {}, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t, nullptr) << "a rejected task stays with the caller";
+  EXPECT_NE(st.message().find("max_batch_size is 4"), std::string::npos) << st.message();
+}
+
+TEST(BatchQueue, DelayWaitsForMoreUntilTheOldestHasWaitedLongEnough) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.max_queue_delay_ns = 100 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  auto d = q.Next(10 * kUs);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 100 * kUs);
+  Add(q, 2, 50 * kUs);
+  d = q.Next(99 * kUs);
+  EXPECT_TRUE(d.batch.empty());
+  d = q.Next(100 * kUs);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2}));
+}
+
+TEST(BatchQueue, FullBatchLeavesBeforeTheDelay) {
+  BatchQueueOptions o;
+  o.max_batch_size = 3;
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  for (int i = 1; i <= 4; ++i) Add(q, i, 0);
+  auto d = q.Next(1 * kUs);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3}));
+  d = q.Next(2 * kUs);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 1000 * kUs);
+}
+
+TEST(BatchQueue, PreferredSizeLeavesAtOnce) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.preferred_batch_sizes = {2, 4};
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  EXPECT_TRUE(q.Next(0).batch.empty());
+  for (int i = 2; i <= 5; ++i) Add(q, i, 0);
+  // Five queued: the largest preferred size reachable (4) leaves now.
+  auto d = q.Next(1 * kUs);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3, 4}));
+  // The fifth waits for its delay.
+  d = q.Next(2 * kUs);
+  EXPECT_TRUE(d.batch.empty());
+  d = q.Next(1000 * kUs);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{5}));
+}
+
+TEST(BatchQueue, HigherPriorityLeavesFirst) {
+  BatchQueueOptions o;
+  o.max_batch_size = 2;
+  o.priority_levels = 3;
+  o.default_priority_level = 2;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {.priority = 3});
+  Add(q, 2, 0);  // default level 2
+  Add(q, 3, 0, {.priority = 1});
+  Add(q, 4, 0, {.priority = 1});
+  EXPECT_EQ(Ids(q.Next(0).batch), (std::vector<int>{3, 4}));
+  EXPECT_EQ(Ids(q.Next(0).batch), (std::vector<int>{2, 1}));
+}
+
+TEST(BatchQueue, UnknownPriorityIsInvalid) {
+  BatchQueueOptions o;
+  o.priority_levels = 2;
+  BatchQueue q = MakeQueue(o);
+  std::unique_ptr<BatchTask> t = std::make_unique<FakeTask>(1);
+  EXPECT_EQ(q.Enqueue(t, {.priority = 3}, 0).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BatchQueue, QueueFullRejectsAtOnceWithUnavailable) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.level_policies = {{.max_queue_size = 2}};
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  Add(q, 2, 0);
+  std::unique_ptr<BatchTask> t = std::make_unique<FakeTask>(3);
+  Status st = q.Enqueue(t, {}, 0);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("queue full"), std::string::npos);
+  q.Next(0);
+  EXPECT_TRUE(q.Enqueue(t, {}, 0).ok()) << "room again once the queue drained";
+}
+
+TEST(BatchQueue, TimeoutRejectDropsWithDeadlineExceeded) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.max_queue_delay_ns = 1000 * kUs;
+  o.level_policies = {{.default_timeout_ns = 100 * kUs}};
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  Add(q, 2, 50 * kUs);
+  auto d = q.Next(10 * kUs);
+  EXPECT_EQ(d.wake_at_ns, 100 * kUs) << "wakes for the first timeout, before the batching delay";
+  d = q.Next(100 * kUs);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 1);
+  EXPECT_EQ(d.dropped[0].status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(q.size(), 1u);
+}
+
+TEST(BatchQueue, RequestTimeoutMayOnlyShortenTheDefault) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.max_queue_delay_ns = 10'000 * kUs;
+  o.level_policies = {{.default_timeout_ns = 100 * kUs, .allow_timeout_override = true}};
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {.timeout_ns = 500 * kUs});  // longer: ignored, 100 us applies
+  Add(q, 2, 0, {.timeout_ns = 20 * kUs});   // shorter: applies
+  auto d = q.Next(20 * kUs);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 2);
+  d = q.Next(100 * kUs);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 1);
+}
+
+TEST(BatchQueue, TimeoutDelayMovesBehindTheLevel) {
+  BatchQueueOptions o;
+  o.max_batch_size = 1;
+  o.priority_levels = 2;
+  o.default_priority_level = 1;
+  o.level_policies = {{.delay_on_timeout = true, .default_timeout_ns = 100 * kUs}, {}};
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  Add(q, 2, 0, {.priority = 2});
+  Add(q, 3, 150 * kUs);
+  // At 200 us task 1 timed out: it is delayed behind task 3 (same level, not
+  // timed out) but still ahead of level 2. Nothing is dropped.
+  auto d = q.Next(200 * kUs);
+  EXPECT_TRUE(d.dropped.empty());
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{3}));
+  EXPECT_EQ(Ids(q.Next(200 * kUs).batch), (std::vector<int>{1}));
+  EXPECT_EQ(Ids(q.Next(200 * kUs).batch), (std::vector<int>{2}));
+}
+
+TEST(BatchQueue, HardDeadlineAlwaysDrops) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {.deadline_ns = 30 * kUs});
+  Add(q, 2, 0);
+  EXPECT_EQ(q.Next(0).wake_at_ns, 30 * kUs);
+  auto d = q.Next(30 * kUs);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(d.dropped[0].status.code(), StatusCode::kDeadlineExceeded);
+}
+
+TEST(BatchQueue, CancelledTasksAreRemovedAndNeverBatched) {
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  FakeTask* two = Add(q, 2, 0);
+  Add(q, 3, 0);
+  two->cancelled_ = true;
+  auto d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 3}));
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 2);
+  EXPECT_EQ(d.dropped[0].status.code(), StatusCode::kCancelled);
+}
+
+TEST(BatchQueue, DifferentKeysNeverShareABatch) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {}, 1, /*key=*/7);
+  Add(q, 2, 0, {}, 1, /*key=*/9);
+  Add(q, 3, 0, {}, 1, /*key=*/7);
+  Add(q, 4, 0, {}, 1, /*key=*/9);
+  EXPECT_EQ(Ids(q.Next(0).batch), (std::vector<int>{1, 3}));
+  EXPECT_EQ(Ids(q.Next(0).batch), (std::vector<int>{2, 4}));
+}
+
+TEST(BatchQueue, FlushSendsWithoutWaiting) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.max_queue_delay_ns = 1'000'000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  EXPECT_TRUE(q.Next(0).batch.empty());
+  EXPECT_EQ(Ids(q.Next(0, /*flush=*/true).batch), (std::vector<int>{1}));
+}
+
+TEST(BatchQueue, InvalidOptionsAreRejected) {
+  EXPECT_FALSE(BatchQueue::Create({.max_batch_size = 0}).has_value());
+  EXPECT_FALSE(BatchQueue::Create({.max_batch_size = 4, .preferred_batch_sizes = {8}}).has_value());
+  EXPECT_FALSE(
+      BatchQueue::Create({.max_batch_size = 4, .priority_levels = 2, .default_priority_level = 3}).has_value());
+}
+
+}  // namespace
+}  // namespace quern

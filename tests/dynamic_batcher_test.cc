@@ -1,0 +1,134 @@
+// DynamicBatcher with worker threads and a FakeClock: batches form from the
+// queue state and the injected time; nothing here sleeps to wait for batching.
+#include "scheduler/dynamic_batcher.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+
+namespace quern {
+namespace {
+
+class Item : public BatchTask {
+ public:
+  explicit Item(int i) : id(i) {}
+  int64_t size() const override { return 1; }
+  uint64_t batch_key() const override { return 0; }
+  bool cancelled() const override { return false; }
+  int id;
+};
+
+struct Recorder {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<int>> batches;
+  std::vector<int> workers;
+  int items = 0;
+
+  void Wait(int n) {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return items >= n; });
+  }
+};
+
+TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
+  FakeClock clock;
+  Recorder rec;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.queue.max_queue_delay_ns = 5'000'000;  // 5 ms of fake time
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        std::lock_guard lock(rec.mu);
+        std::vector<int> ids;
+        for (auto& t : batch) ids.push_back(static_cast<Item&>(*t).id);
+        rec.batches.push_back(ids);
+        rec.workers.push_back(worker);
+        rec.items += static_cast<int>(ids.size());
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  }
+  {
+    std::lock_guard lock(rec.mu);
+    EXPECT_TRUE(rec.batches.empty()) << "fake time has not moved: the batch must wait";
+  }
+  clock.AdvanceUs(5000);
+  (*b)->Kick();
+  rec.Wait(3);
+  ASSERT_EQ(rec.batches.size(), 1u);
+  EXPECT_EQ(rec.batches[0], (std::vector<int>{0, 1, 2}));
+}
+
+TEST(DynamicBatcher, ShutdownRunsEveryQueuedTask) {
+  FakeClock clock;
+  std::atomic<int> ran{0};
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.queue.max_queue_delay_ns = 1'000'000'000'000;  // would wait "forever"
+  o.num_workers = 2;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o, [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) { ran += static_cast<int>(batch.size()); },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  for (int i = 0; i < 10; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  }
+  (*b)->Shutdown();
+  EXPECT_EQ(ran.load(), 10);
+  std::unique_ptr<BatchTask> late = std::make_unique<Item>(99);
+  EXPECT_EQ((*b)->Schedule(late, {}).code(), StatusCode::kUnavailable);
+}
+
+TEST(DynamicBatcher, AFreeInstanceTakesTheNextBatchWhileAnotherIsBusy) {
+  Recorder rec;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> started{0};
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 1;
+  o.num_workers = 2;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        const int id = static_cast<Item&>(*batch[0]).id;
+        if (id == 0) {
+          ++started;
+          released.wait();  // instance busy with the first batch
+        }
+        std::lock_guard lock(rec.mu);
+        rec.workers.push_back(worker);
+        rec.batches.push_back({id});
+        ++rec.items;
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  std::unique_ptr<BatchTask> t0 = std::make_unique<Item>(0);
+  ASSERT_TRUE((*b)->Schedule(t0, {}).ok());
+  while (started.load() == 0) std::this_thread::yield();
+  std::unique_ptr<BatchTask> t1 = std::make_unique<Item>(1);
+  ASSERT_TRUE((*b)->Schedule(t1, {}).ok());
+  rec.Wait(1);  // the second batch ran although the first still blocks
+  {
+    std::lock_guard lock(rec.mu);
+    EXPECT_EQ(rec.batches[0], std::vector<int>{1});
+  }
+  release.set_value();
+  rec.Wait(2);
+  EXPECT_NE(rec.workers[0], rec.workers[1]);
+}
+
+}  // namespace
+}  // namespace quern

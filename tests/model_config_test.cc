@@ -1,0 +1,204 @@
+#include <gtest/gtest.h>
+
+#include "core/model_config_parser.h"
+
+namespace quern {
+namespace {
+
+// A config.pbtxt as Triton users write them for ONNX models.
+constexpr const char* kTritonConfig = R"pb(
+  name: "densenet_onnx"
+  platform: "onnxruntime_onnx"
+  max_batch_size: 8
+  version_policy: { latest: { num_versions: 2 } } input
+  [ {
+    name: "data_0"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 224, 224 ]
+    reshape: { shape: [ 3, 224, 224 ] }
+  }] output
+  [ {
+    name: "fc6_1"
+    data_type: TYPE_FP32
+    dims: [ 1000 ]
+    label_filename: "densenet_labels.txt"
+  }] instance_group
+  [ { count: 2, kind: KIND_CPU }]
+  dynamic_batching {
+    preferred_batch_size: [ 4, 8 ]
+    max_queue_delay_microseconds: 100
+    preserve_ordering: true
+    priority_levels: 3
+    default_priority_level: 2
+    default_queue_policy {
+      timeout_action: DELAY
+      default_timeout_microseconds: 5000
+      allow_timeout_override: true
+      max_queue_size: 16
+    }
+    priority_queue_policy {
+      key: 1
+      value { max_queue_size: 4 }
+    }
+  }
+  optimization { graph: { level: 1 } } model_warmup
+  [ {
+    name: "zeros"
+    batch_size: 2
+    inputs {
+      key: "data_0"
+      value: {
+        data_type: TYPE_FP32
+        dims: [ 3, 224, 224 ]
+        zero_data: true
+      }
+    }
+  }]
+  parameters {
+    key: "intra_op_thread_count"
+    value: { string_value: "1" }
+  }
+  parameters {
+    key: "quern.fixed_batch_sizes"
+    value: { string_value: "4, 8" }
+  }
+)pb";
+
+TEST(ModelConfig, ParsesATritonConfig) {
+  auto proto = ParseModelConfigText(kTritonConfig, "densenet/config.pbtxt");
+  ASSERT_TRUE(proto.has_value()) << proto.error().ToString();
+  auto c = ConvertModelConfig(*proto, "densenet/config.pbtxt");
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_EQ(c->name, "densenet_onnx");
+  EXPECT_EQ(c->backend, "onnxruntime");
+  EXPECT_EQ(c->max_batch_size, 8);
+  ASSERT_EQ(c->inputs.size(), 1u);
+  EXPECT_EQ(c->inputs[0].dtype, DataType::kFp32);
+  EXPECT_EQ(c->inputs[0].dims, (Shape{3, 224, 224}));
+  ASSERT_TRUE(c->inputs[0].reshape.has_value());
+  EXPECT_EQ(c->outputs[0].label_filename, "densenet_labels.txt");
+  EXPECT_EQ(c->instance_count, 2);
+  ASSERT_TRUE(c->batching.has_value());
+  EXPECT_EQ(c->batching->preferred_batch_sizes, (std::vector<int>{4, 8}));
+  EXPECT_EQ(c->batching->max_queue_delay_us, 100u);
+  EXPECT_TRUE(c->batching->preserve_ordering);
+  EXPECT_EQ(c->batching->priority_levels, 3u);
+  EXPECT_EQ(c->batching->default_priority_level, 2u);
+  EXPECT_EQ(c->batching->default_queue_policy.timeout_action, QueuePolicy::TimeoutAction::kDelay);
+  EXPECT_EQ(c->batching->default_queue_policy.default_timeout_us, 5000u);
+  EXPECT_TRUE(c->batching->default_queue_policy.allow_timeout_override);
+  EXPECT_EQ(c->batching->default_queue_policy.max_queue_size, 16u);
+  EXPECT_EQ(c->batching->priority_queue_policy.at(1).max_queue_size, 4u);
+  EXPECT_EQ(c->graph_optimization_level, 1);
+  ASSERT_EQ(c->warmup.size(), 1u);
+  EXPECT_EQ(c->warmup[0].batch_size, 2u);
+  EXPECT_EQ(c->warmup[0].inputs.at("data_0").dims, (Shape{3, 224, 224}));
+  EXPECT_EQ(c->parameters.at("intra_op_thread_count"), "1");
+  EXPECT_EQ(c->fixed_batch_sizes, (std::vector<int>{4, 8}));
+  EXPECT_TRUE(ValidateModelConfig(*c).ok()) << ValidateModelConfig(*c).ToString();
+
+  VersionPolicy vp = ConvertVersionPolicy(*proto);
+  EXPECT_EQ(vp.Select({1, 5, 3}), (std::vector<int64_t>{3, 5}));
+}
+
+TEST(ModelConfig, SyntaxErrorNamesFileLineAndColumn) {
+  auto r = ParseModelConfigText("name: \"m\"\nmax_batch_size: 4\ninput [ { name: \"x\" data_type: TYPE_FP33 } ]\n",
+                                "m/config.pbtxt");
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.error().message().rfind("m/config.pbtxt:3:", 0), 0u) << r.error().message();
+  EXPECT_NE(r.error().message().find("TYPE_FP33"), std::string::npos) << r.error().message();
+}
+
+TEST(ModelConfig, UnknownFieldIsNamed) {
+  auto r = ParseModelConfigText("name: \"m\"\nmax_batch_sise: 4\n", "m/config.pbtxt");
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message().find("m/config.pbtxt:2:"), std::string::npos) << r.error().message();
+  EXPECT_NE(r.error().message().find("max_batch_sise"), std::string::npos) << r.error().message();
+}
+
+TEST(ModelConfig, UnsupportedBackendIsRejected) {
+  auto p = ParseModelConfigText("platform: \"tensorrt_plan\"", "f");
+  ASSERT_TRUE(p.has_value());
+  auto c = ConvertModelConfig(*p, "f");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message().find("tensorrt_plan"), std::string::npos);
+}
+
+TEST(ModelConfig, BadFixedBatchSizesParameter) {
+  auto p = ParseModelConfigText(
+      "max_batch_size: 4 parameters { key: \"quern.fixed_batch_sizes\" value { string_value: \"2,x\" } }", "f");
+  ASSERT_TRUE(p.has_value());
+  auto c = ConvertModelConfig(*p, "f");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message().find("quern.fixed_batch_sizes"), std::string::npos) << c.error().message();
+}
+
+ModelConfig Minimal() {
+  ModelConfig c;
+  c.name = "m";
+  c.max_batch_size = 4;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {3}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {3}}};
+  return c;
+}
+
+TEST(ModelConfig, ValidationNamesTheProblem) {
+  ModelConfig c = Minimal();
+  EXPECT_TRUE(ValidateModelConfig(c).ok());
+
+  c = Minimal();
+  c.batching = BatchingConfig{.preferred_batch_sizes = {8}};
+  EXPECT_NE(ValidateModelConfig(c).message().find("preferred_batch_size 8"), std::string::npos);
+
+  c = Minimal();
+  c.inputs.push_back(c.inputs[0]);
+  EXPECT_NE(ValidateModelConfig(c).message().find("declared twice"), std::string::npos);
+
+  c = Minimal();
+  c.max_batch_size = 0;
+  c.batching = BatchingConfig{};
+  EXPECT_NE(ValidateModelConfig(c).message().find("needs max_batch_size > 0"), std::string::npos);
+
+  c = Minimal();
+  c.fixed_batch_sizes = {2};
+  EXPECT_NE(ValidateModelConfig(c).message().find("must equal max_batch_size"), std::string::npos);
+
+  c = Minimal();
+  c.inputs[0].reshape = Shape{2, 2};
+  EXPECT_NE(ValidateModelConfig(c).message().find("reshape"), std::string::npos);
+
+  c = Minimal();
+  c.batching = BatchingConfig{.priority_levels = 2, .default_priority_level = 3};
+  EXPECT_NE(ValidateModelConfig(c).message().find("default_priority_level 3"), std::string::npos);
+}
+
+TEST(ModelConfig, VersionPolicies) {
+  VersionPolicy all{.kind = VersionPolicy::Kind::kAll};
+  EXPECT_EQ(all.Select({3, 1, 2}), (std::vector<int64_t>{1, 2, 3}));
+  VersionPolicy specific{.kind = VersionPolicy::Kind::kSpecific, .versions = {2, 9}};
+  EXPECT_EQ(specific.Select({3, 1, 2}), (std::vector<int64_t>{2}));
+  VersionPolicy latest;
+  EXPECT_EQ(latest.Select({3, 1, 2}), (std::vector<int64_t>{3}));
+}
+
+TEST(Tensor, BytesRoundTripAndValidation) {
+  Tensor t = Tensor::FromStrings({3}, {"a", "", "hello"});
+  auto s = t.Strings();
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ((*s)[0], "a");
+  EXPECT_EQ((*s)[1], "");
+  EXPECT_EQ((*s)[2], "hello");
+  EXPECT_TRUE(t.Validate().ok());
+  Tensor bad = Tensor::Borrow(DataType::kBytes, {4}, t.data(), t.byte_size());
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+  std::vector<float> v{1, 2, 3};
+  Tensor f = Tensor::From<float>(DataType::kFp32, {2}, v);
+  EXPECT_NE(f.Validate().message().find("needs 8 bytes, got 12"), std::string::npos) << f.Validate().message();
+  EXPECT_EQ(DataTypeFromName("TYPE_STRING"), DataType::kBytes);
+  EXPECT_EQ(DataTypeFromName("FP16"), DataType::kFp16);
+}
+
+}  // namespace
+}  // namespace quern
