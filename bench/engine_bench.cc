@@ -1,0 +1,215 @@
+// engine_bench: raw ONNX Runtime throughput (the ceiling X*) beside Engine
+// throughput with concurrent submitters, measured in one run on one machine.
+//
+//   engine_bench --model bench/models/small_cnn/1/model.onnx --seconds 5
+//
+// Raw: one session with the same thread settings the engine uses, timed at
+// several batch sizes; X* is the best items/s. Engine: N submitter threads
+// each send single-item requests back to back through Engine::Infer; the
+// engine batches them (dynamic batching, max_batch_size as given). The
+// batching gain compares against the same engine with max_batch_size 1.
+#include <onnxruntime_cxx_api.h>
+#include <onnxruntime_session_options_config_keys.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "quern/engine.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct ModelShape {
+  std::string input, output;
+  std::vector<int64_t> item_shape;  // without batch
+};
+
+ModelShape Inspect(Ort::Session& s) {
+  Ort::AllocatorWithDefaultOptions a;
+  ModelShape m;
+  m.input = s.GetInputNameAllocated(0, a).get();
+  m.output = s.GetOutputNameAllocated(0, a).get();
+  auto shape = s.GetInputTypeInfo(0).GetTensorTypeAndShapeInfo().GetShape();
+  m.item_shape.assign(shape.begin() + 1, shape.end());
+  return m;
+}
+
+int64_t Elements(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+std::vector<float> RandomData(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double RawThroughput(const std::string& path, int threads, int batch, double seconds, const ModelShape& shape) {
+  Ort::Env& env = *new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "bench");
+  Ort::SessionOptions so;
+  so.SetIntraOpNumThreads(threads);
+  so.SetInterOpNumThreads(1);
+  so.SetExecutionMode(ORT_SEQUENTIAL);
+  so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+  Ort::Session s(env, path.c_str(), so);
+  std::vector<int64_t> dims = shape.item_shape;
+  dims.insert(dims.begin(), batch);
+  auto data = RandomData(static_cast<size_t>(Elements(dims)), 1);
+  auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+  Ort::Value in = Ort::Value::CreateTensor<float>(mem, data.data(), data.size(), dims.data(), dims.size());
+  const char* in_names[] = {shape.input.c_str()};
+  const char* out_names[] = {shape.output.c_str()};
+  for (int i = 0; i < 2; ++i) s.Run(Ort::RunOptions{nullptr}, in_names, &in, 1, out_names, 1);  // warm up
+  int64_t items = 0;
+  auto start = Clock::now();
+  auto end = start + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+    s.Run(Ort::RunOptions{nullptr}, in_names, &in, 1, out_names, 1);
+    items += batch;
+  }
+  return items / std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct EngineResult {
+  double throughput = 0;
+  double mean_batch = 0;
+  double p50_ms = 0, p99_ms = 0;
+};
+
+EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int submitters, double seconds,
+                              const ModelShape& shape) {
+  const fs::path repo = fs::temp_directory_path() / ("quern-bench-" + std::to_string(::getpid()));
+  fs::remove_all(repo);
+  fs::create_directories(repo / "m" / "1");
+  fs::create_symlink(fs::absolute(model_file), repo / "m" / "1" / "model.onnx");
+  std::ofstream(repo / "m" / "config.pbtxt") << "max_batch_size: " << max_batch << "\n"
+                                             << (max_batch > 1 ? "dynamic_batching { }\n" : "");
+  auto engine = quern::Engine::Create({.model_repository = repo.string()});
+  if (!engine || !(*engine)->ModelReady("m")) {
+    std::fprintf(stderr, "engine failed: %s\n",
+                 engine ? (*engine)->GetModel("m")->reason.c_str() : engine.error().ToString().c_str());
+    std::exit(1);
+  }
+  std::vector<int64_t> dims = shape.item_shape;
+  dims.insert(dims.begin(), 1);
+  std::atomic<bool> go{false}, stop{false};
+  std::vector<int64_t> counts(submitters), batch_sum(submitters);
+  std::vector<std::vector<double>> lat(submitters);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < submitters; ++t) {
+    threads.emplace_back([&, t] {
+      auto data = RandomData(static_cast<size_t>(Elements(dims)), 100 + t);
+      while (!go.load()) std::this_thread::yield();
+      while (!stop.load(std::memory_order_relaxed)) {
+        quern::InferRequest r;
+        r.model = "m";
+        r.inputs = {{shape.input, quern::Tensor::Borrow(quern::DataType::kFp32, dims, data.data(), data.size() * 4)}};
+        auto t0 = Clock::now();
+        quern::InferResponse resp = (*engine)->Infer(std::move(r)).get();
+        if (!resp.status.ok()) {
+          std::fprintf(stderr, "request failed: %s\n", resp.status.ToString().c_str());
+          std::exit(1);
+        }
+        lat[t].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+        ++counts[t];
+        batch_sum[t] += resp.telemetry.batch_size;
+      }
+    });
+  }
+  // Warm-up: let the engine run for a short while before timing.
+  go = true;
+  std::this_thread::sleep_for(std::chrono::duration<double>(std::min(1.0, seconds / 5)));
+  int64_t c0 = 0;
+  for (int t = 0; t < submitters; ++t) c0 += counts[t];
+  auto start = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  int64_t c1 = 0;
+  for (int t = 0; t < submitters; ++t) c1 += counts[t];
+  auto elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  stop = true;
+  for (auto& th : threads) th.join();
+  EngineResult r;
+  r.throughput = (c1 - c0) / elapsed;
+  int64_t n = 0, bs = 0;
+  std::vector<double> all;
+  for (int t = 0; t < submitters; ++t) {
+    n += counts[t];
+    bs += batch_sum[t];
+    all.insert(all.end(), lat[t].begin(), lat[t].end());
+  }
+  std::sort(all.begin(), all.end());
+  r.mean_batch = n ? static_cast<double>(bs) / n : 0;
+  if (!all.empty()) {
+    r.p50_ms = all[all.size() / 2];
+    r.p99_ms = all[std::min(all.size() - 1, all.size() * 99 / 100)];
+  }
+  engine->reset();
+  fs::remove_all(repo);
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Raw ONNX Runtime ceiling vs quern::Engine throughput"};
+  std::string model;
+  double seconds = 5;
+  int max_batch = 16;
+  std::vector<int> raw_batches{1, 2, 4, 8, 16, 32};
+  std::vector<int> submitters{1, 4, 16, 64};
+  int gain_submitters = 16;
+  app.add_option("--model", model, "ONNX model with a dynamic batch dimension")->required();
+  app.add_option("--seconds", seconds, "Measurement time per configuration");
+  app.add_option("--max-batch", max_batch, "Engine max_batch_size");
+  app.add_option("--raw-batches", raw_batches, "Batch sizes for the raw ONNX Runtime runs");
+  app.add_option("--submitters", submitters, "Concurrent submitter counts for the engine runs");
+  app.add_option("--gain-submitters", gain_submitters, "Submitters for the batching-gain comparison");
+  CLI11_PARSE(app, argc, argv);
+
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  Ort::Env env(ORT_LOGGING_LEVEL_WARNING, "inspect");
+  Ort::Session probe(env, model.c_str(), Ort::SessionOptions{});
+  const ModelShape shape = Inspect(probe);
+
+  std::printf("model %s, %d cores, %.1f s per configuration\n\n", model.c_str(), cores, seconds);
+  std::printf("raw ONNX Runtime (%d intra-op threads)\n  batch   items/s\n", cores);
+  double ceiling = 0;
+  int best_batch = 0;
+  for (int b : raw_batches) {
+    double t = RawThroughput(model, cores, b, seconds, shape);
+    std::printf("  %5d  %8.1f\n", b, t);
+    std::fflush(stdout);
+    if (t > ceiling) {
+      ceiling = t;
+      best_batch = b;
+    }
+  }
+  std::printf("  ceiling X* = %.1f items/s at batch %d\n\n", ceiling, best_batch);
+
+  std::printf("quern::Engine, max_batch_size %d, single-item requests\n", max_batch);
+  std::printf("  submitters   items/s   x X*   mean batch   p50 ms   p99 ms\n");
+  for (int n : submitters) {
+    EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape);
+    std::printf("  %10d  %8.1f  %5.3f  %11.2f  %7.2f  %7.2f\n", n, r.throughput, r.throughput / ceiling, r.mean_batch,
+                r.p50_ms, r.p99_ms);
+    std::fflush(stdout);
+  }
+  EngineResult batched = EngineThroughput(model, max_batch, gain_submitters, seconds, shape);
+  EngineResult single = EngineThroughput(model, 1, gain_submitters, seconds, shape);
+  std::printf(
+      "\nbatching gain with %d submitters: %.1f items/s (max_batch_size %d) vs %.1f (max_batch_size 1) = %.2fx\n",
+      gain_submitters, batched.throughput, max_batch, single.throughput, batched.throughput / single.throughput);
+  return 0;
+}
