@@ -59,6 +59,9 @@ class Tensor {
   // A new zero-filled buffer of `byte_size` bytes. For fixed-size types
   // byte_size must equal ElementCount(shape) * DataTypeByteSize(type).
   static Tensor Allocate(DataType type, Shape shape, size_t byte_size);
+  // Like Allocate, but the bytes are left uninitialised: for buffers the
+  // caller overwrites completely (batch concatenation).
+  static Tensor AllocateUninitialized(DataType type, Shape shape, size_t byte_size);
   // Views `data` without copying; `owner` (may be null when the caller
   // guarantees the bytes outlive every copy of the tensor) keeps them alive.
   static Tensor Borrow(DataType type, Shape shape, const void* data, size_t byte_size,

@@ -68,11 +68,16 @@ std::string ShapeToString(const Shape& shape) {
 }
 
 Tensor Tensor::Allocate(DataType type, Shape shape, size_t byte_size) {
+  Tensor t = AllocateUninitialized(type, std::move(shape), byte_size);
+  if (byte_size > 0) std::memset(t.mutable_, 0, byte_size);
+  return t;
+}
+
+Tensor Tensor::AllocateUninitialized(DataType type, Shape shape, size_t byte_size) {
   Tensor t;
   t.dtype_ = type;
   t.shape_ = std::move(shape);
-  // make_shared_for_overwrite would skip zeroing; zeroed padding is safer.
-  std::shared_ptr<std::byte[]> buf(new std::byte[byte_size == 0 ? 1 : byte_size]());
+  std::shared_ptr<std::byte[]> buf(new std::byte[byte_size == 0 ? 1 : byte_size]);
   t.mutable_ = buf.get();
   t.data_ = buf.get();
   t.byte_size_ = byte_size;

@@ -51,21 +51,24 @@ Tensor Concatenate(const std::vector<const Tensor*>& parts, int64_t padded_rows)
     }
     const int64_t per_row = rows > 0 ? first.element_count() / first.shape()[0] : 0;
     const size_t pad_elems = static_cast<size_t>((padded_rows - rows) * per_row);
-    Tensor out = Tensor::Allocate(DataType::kBytes, std::move(shape), bytes + pad_elems * 4);
+    Tensor out = Tensor::AllocateUninitialized(DataType::kBytes, std::move(shape), bytes + pad_elems * 4);
     std::byte* p = out.mutable_data();
     for (const Tensor* t : parts) {
       std::memcpy(p, t->data(), t->byte_size());
       p += t->byte_size();
     }
-    return out;  // padding elements are zero lengths (already zero-filled)
+    std::memset(p, 0, pad_elems * 4);  // padding elements: empty strings
+    return out;
   }
   const size_t row_bytes = first.byte_size() / static_cast<size_t>(first.shape()[0]);
-  Tensor out = Tensor::Allocate(first.dtype(), std::move(shape), row_bytes * static_cast<size_t>(padded_rows));
+  const size_t total = row_bytes * static_cast<size_t>(padded_rows);
+  Tensor out = Tensor::AllocateUninitialized(first.dtype(), std::move(shape), total);
   std::byte* p = out.mutable_data();
   for (const Tensor* t : parts) {
     std::memcpy(p, t->data(), t->byte_size());
     p += t->byte_size();
   }
+  std::memset(p, 0, static_cast<size_t>(out.mutable_data() + total - p));  // padding rows are zeros
   return out;
 }
 
@@ -337,15 +340,15 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
       r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
     }
   }
-  auto release = [this, r = std::move(r), done = std::move(task->done)]() mutable {
-    r.telemetry.response_ns = clock_->NowNs();
-    done(std::move(r));
-  };
   if (ordered_ && task->ticket != UINT64_MAX) {
-    sequencer_.Complete(task->ticket, std::move(release));
-  } else {
-    release();
+    sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
+      r.telemetry.response_ns = clock_->NowNs();
+      done(std::move(r));
+    });
+    return;
   }
+  r.telemetry.response_ns = clock_->NowNs();
+  task->done(std::move(r));
 }
 
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {

@@ -139,10 +139,13 @@ Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& c, int cores) {
     if (!v) return Err(v.error());
     o.inter_op_threads = *v;
   }
-  if (auto it = c.parameters.find("allow_spinning"); it != c.parameters.end()) {
-    auto v = ParseBool(it->second, m + it->first);
-    if (!v) return Err(v.error());
-    o.allow_spinning = *v;
+  for (auto [key, field] : {std::pair{"allow_spinning", &o.allow_spinning},
+                            std::pair{"stop_spinning_after_run", &o.stop_spinning_after_run}}) {
+    if (auto it = c.parameters.find(key); it != c.parameters.end()) {
+      auto v = ParseBool(it->second, m + it->first);
+      if (!v) return Err(v.error());
+      *field = *v;
+    }
   }
   return o;
 }
@@ -237,7 +240,7 @@ Status OrtModel::Load() {
     so.SetExecutionMode(ORT_SEQUENTIAL);
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, options_.allow_spinning ? "1" : "0");
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
-    so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+    if (options_.stop_spinning_after_run) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
     GraphOptimizationLevel level = ORT_ENABLE_ALL;
     if (options_.graph_optimization_level < 0) level = ORT_DISABLE_ALL;
     if (options_.graph_optimization_level == 1) level = ORT_ENABLE_BASIC;

@@ -32,14 +32,18 @@ struct OnnxModelIO {
 struct OrtSessionOptions {
   int intra_op_threads = 1;
   int inter_op_threads = 1;
-  // Intra-op threads spin while a Run is in progress and stop when it returns
-  // (session.force_spinning_stop), so an idle server uses no CPU.
+  // Intra-op threads spin briefly between parallel sections and after a run
+  // (ONNX Runtime's spin-then-block), then sleep: an idle server uses no CPU.
   bool allow_spinning = true;
+  // Stop spinning the moment a run returns (session.force_spinning_stop):
+  // leaves more CPU to other threads at the cost of small-batch throughput.
+  bool stop_spinning_after_run = false;
   int graph_optimization_level = 0;  // ModelConfig::graph_optimization_level
 };
 
 // Reads parameters: "intra_op_thread_count", "inter_op_thread_count",
-// "allow_spinning" (true/false). Defaults divide `cores` among the instances.
+// "allow_spinning" and "stop_spinning_after_run" (true/false). Thread
+// defaults divide `cores` among the instances.
 Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& config, int cores);
 
 // Default max_batch_size for a bare model.onnx whose first dimension is dynamic.
