@@ -154,10 +154,17 @@ class EngineImpl {
     std::lock_guard<std::mutex> load_lock(load_mu_);
     if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
     {
-      std::shared_lock lock(mu_);
+      std::unique_lock lock(mu_);
       auto it = models_.find(name);
       if (it != models_.end() && it->second.custom) {
         return FailedPrecondition("model '" + name + "' is registered in code, not in the repository");
+      }
+      if (it == models_.end()) {
+        // Visible as LOADING until the load below finishes; a reload keeps serving the old versions.
+        VersionSlot loading;
+        loading.status = {name, 0, ModelState::kLoading, "", {}};
+        loading.status.config.name = name;
+        models_[name].versions[0] = std::move(loading);
       }
     }
     Entry entry;
