@@ -56,31 +56,61 @@ std::vector<float> RandomData(size_t n, unsigned seed) {
   return v;
 }
 
-double RawThroughput(const std::string& path, int threads, int batch, double seconds, const ModelShape& shape,
-                     bool stop_spinning) {
-  Ort::Env& env = *new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "bench");
-  Ort::SessionOptions so;
-  so.SetIntraOpNumThreads(threads);
-  so.SetInterOpNumThreads(1);
-  so.SetExecutionMode(ORT_SEQUENTIAL);
-  if (stop_spinning) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
-  Ort::Session s(env, path.c_str(), so);
+struct RawConfig {
+  int sessions = 1;  // parallel sessions, each on its own thread with cores/sessions intra-op threads
+  bool stop_spinning = false;
+  std::string Name(int cores) const {
+    return std::to_string(sessions) + "x" + std::to_string(cores / sessions) + "t" + (stop_spinning ? " stop" : "");
+  }
+};
+
+// Items/s of `cfg.sessions` sessions running back to back in parallel.
+double RawThroughput(const std::string& path, int cores, int batch, double seconds, const ModelShape& shape,
+                     const RawConfig& cfg) {
+  static Ort::Env& env = *new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "bench");
   std::vector<int64_t> dims = shape.item_shape;
   dims.insert(dims.begin(), batch);
-  auto data = RandomData(static_cast<size_t>(Elements(dims)), 1);
-  auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-  Ort::Value in = Ort::Value::CreateTensor<float>(mem, data.data(), data.size(), dims.data(), dims.size());
-  const char* in_names[] = {shape.input.c_str()};
-  const char* out_names[] = {shape.output.c_str()};
-  for (int i = 0; i < 2; ++i) s.Run(Ort::RunOptions{nullptr}, in_names, &in, 1, out_names, 1);  // warm up
-  int64_t items = 0;
-  auto start = Clock::now();
-  auto end = start + std::chrono::duration<double>(seconds);
-  while (Clock::now() < end) {
-    s.Run(Ort::RunOptions{nullptr}, in_names, &in, 1, out_names, 1);
-    items += batch;
+  std::vector<std::unique_ptr<Ort::Session>> sessions;
+  for (int i = 0; i < cfg.sessions; ++i) {
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(std::max(1, cores / cfg.sessions));
+    so.SetInterOpNumThreads(1);
+    so.SetExecutionMode(ORT_SEQUENTIAL);
+    if (cfg.stop_spinning) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+    sessions.push_back(std::make_unique<Ort::Session>(env, path.c_str(), so));
   }
-  return items / std::chrono::duration<double>(Clock::now() - start).count();
+  std::atomic<int64_t> items{0};
+  std::atomic<bool> go{false};
+  const auto duration = std::chrono::duration<double>(seconds);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < cfg.sessions; ++t) {
+    threads.emplace_back([&, t] {
+      // Inputs rotate through several buffers, as a server's inputs would (a
+      // single buffer would stay hot in cache and flatter the ceiling).
+      constexpr int kBuffers = 4;
+      std::vector<std::vector<float>> data;
+      std::vector<Ort::Value> in;
+      auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+      for (int i = 0; i < kBuffers; ++i) {
+        data.push_back(RandomData(static_cast<size_t>(Elements(dims)), 1 + i + 10 * t));
+        in.push_back(Ort::Value::CreateTensor<float>(mem, data[i].data(), data[i].size(), dims.data(), dims.size()));
+      }
+      const char* in_names[] = {shape.input.c_str()};
+      const char* out_names[] = {shape.output.c_str()};
+      Ort::Session& s = *sessions[t];
+      for (int i = 0; i < 2; ++i) s.Run(Ort::RunOptions{nullptr}, in_names, &in[0], 1, out_names, 1);  // warm up
+      while (!go.load()) std::this_thread::yield();
+      const auto end = Clock::now() + duration;
+      for (int i = 0; Clock::now() < end; ++i) {
+        s.Run(Ort::RunOptions{nullptr}, in_names, &in[i % kBuffers], 1, out_names, 1);
+        items += batch;
+      }
+    });
+  }
+  auto start = Clock::now();
+  go = true;
+  for (auto& th : threads) th.join();
+  return items.load() / std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 struct EngineResult {
@@ -126,14 +156,18 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
   while (active.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+int g_instances = 0;  // 0 = the engine default (one per core)
+
 EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int submitters, double seconds,
                               const ModelShape& shape, bool callbacks) {
   const fs::path repo = fs::temp_directory_path() / ("quern-bench-" + std::to_string(::getpid()));
   fs::remove_all(repo);
   fs::create_directories(repo / "m" / "1");
   fs::create_symlink(fs::absolute(model_file), repo / "m" / "1" / "model.onnx");
-  std::ofstream(repo / "m" / "config.pbtxt") << "max_batch_size: " << max_batch << "\n"
-                                             << (max_batch > 1 ? "dynamic_batching { }\n" : "");
+  std::ofstream config(repo / "m" / "config.pbtxt");
+  config << "max_batch_size: " << max_batch << "\n" << (max_batch > 1 ? "dynamic_batching { }\n" : "");
+  if (g_instances > 0) config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
+  config.close();
   auto engine = quern::Engine::Create({.model_repository = repo.string()});
   if (!engine || !(*engine)->ModelReady("m")) {
     std::fprintf(stderr, "engine failed: %s\n",
@@ -216,12 +250,17 @@ int main(int argc, char** argv) {
   std::vector<int> submitters{1, 4, 16, 64};
   int gain_submitters = 16;
   std::string mode = "callbacks";
+  std::vector<int64_t> item_shape;
   app.add_option("--model", model, "ONNX model with a dynamic batch dimension")->required();
   app.add_option("--seconds", seconds, "Measurement time per configuration");
   app.add_option("--max-batch", max_batch, "Engine max_batch_size");
   app.add_option("--raw-batches", raw_batches, "Batch sizes for the raw ONNX Runtime runs");
   app.add_option("--submitters", submitters, "Concurrent submitter counts for the engine runs");
   app.add_option("--gain-submitters", gain_submitters, "Submitters for the batching-gain comparison");
+  app.add_option("--item-shape", item_shape,
+                 "Input shape without the batch dimension, for models with other "
+                 "dynamic dimensions (e.g. 3 48 192)");
+  app.add_option("--instances", g_instances, "Engine model instances (cores are divided among them)");
   app.add_option("--mode", mode,
                  "callbacks: N requests kept in flight by completion callbacks; "
                  "threads: N threads each blocking on Infer().get()")
@@ -231,33 +270,50 @@ int main(int argc, char** argv) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Ort::Env env(ORT_LOGGING_LEVEL_WARNING, "inspect");
   Ort::Session probe(env, model.c_str(), Ort::SessionOptions{});
-  const ModelShape shape = Inspect(probe);
-
-  std::printf("model %s, %d cores, %.1f s per configuration\n\n", model.c_str(), cores, seconds);
-  std::printf("raw ONNX Runtime (%d intra-op threads; spinning kept / stopped after each run)\n", cores);
-  std::printf("  batch   items/s  items/s\n");
-  double ceiling = 0;
-  int best_batch = 0;
-  for (int b : raw_batches) {
-    double spin = RawThroughput(model, cores, b, seconds, shape, false);
-    double stop = RawThroughput(model, cores, b, seconds, shape, true);
-    double t = std::max(spin, stop);
-    std::printf("  %5d  %8.1f  %8.1f\n", b, spin, stop);
-    std::fflush(stdout);
-    if (t > ceiling) {
-      ceiling = t;
-      best_batch = b;
+  ModelShape shape = Inspect(probe);
+  if (!item_shape.empty()) shape.item_shape = item_shape;
+  for (int64_t d : shape.item_shape) {
+    if (d < 0) {
+      std::fprintf(stderr, "the model's input has dynamic dimensions besides the batch: give --item-shape\n");
+      return 2;
     }
   }
-  std::printf("  ceiling X* = %.1f items/s at batch %d\n\n", ceiling, best_batch);
 
-  std::printf("quern::Engine, max_batch_size %d, single-item requests, %s\n", max_batch,
+  std::printf("model %s, %d cores, %.1f s per configuration\n\n", model.c_str(), cores, seconds);
+  std::vector<RawConfig> configs{{1, false}, {1, true}};
+  if (cores > 1) configs.push_back({cores, false});
+  std::printf("raw ONNX Runtime items/s (SxTt = S parallel sessions with T intra-op threads each)\n  batch");
+  for (const auto& c : configs) std::printf("  %10s", c.Name(cores).c_str());
+  std::printf("\n");
+  double ceiling = 0;
+  int best_batch = 0;
+  RawConfig best;
+  for (int b : raw_batches) {
+    std::printf("  %5d", b);
+    for (const auto& c : configs) {
+      double t = RawThroughput(model, cores, b, seconds, shape, c);
+      std::printf("  %10.1f", t);
+      std::fflush(stdout);
+      if (t > ceiling) {
+        ceiling = t;
+        best_batch = b;
+        best = c;
+      }
+    }
+    std::printf("\n");
+  }
+  std::printf("  ceiling X* = %.1f items/s at batch %d, %s\n\n", ceiling, best_batch, best.Name(cores).c_str());
+
+  std::printf("quern::Engine, max_batch_size %d, %d instance(s) (0 = one per core), single-item requests, %s\n",
+              max_batch, g_instances,
               mode == "callbacks" ? "N in flight via completion callbacks" : "N threads blocking on futures");
-  std::printf("  submitters   items/s   x X*   mean batch   p50 ms   p99 ms\n");
+  std::printf("  X*now = the ceiling configuration measured again right before each engine run\n");
+  std::printf("  in flight   items/s   x X*   X*now  x X*now  mean batch   p50 ms   p99 ms\n");
   for (int n : submitters) {
+    const double now = RawThroughput(model, cores, best_batch, seconds, shape, best);
     EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape, mode == "callbacks");
-    std::printf("  %10d  %8.1f  %5.3f  %11.2f  %7.2f  %7.2f\n", n, r.throughput, r.throughput / ceiling, r.mean_batch,
-                r.p50_ms, r.p99_ms);
+    std::printf("  %9d  %8.1f  %5.3f  %7.1f  %6.3f  %10.2f  %7.2f  %7.2f\n", n, r.throughput, r.throughput / ceiling,
+                now, r.throughput / now, r.mean_batch, r.p50_ms, r.p99_ms);
     std::fflush(stdout);
   }
   EngineResult batched = EngineThroughput(model, max_batch, gain_submitters, seconds, shape, mode == "callbacks");

@@ -53,6 +53,8 @@ TEST_F(EngineTest, BareModelIsAutoConfiguredAndServes) {
   EXPECT_EQ(st->state, ModelState::kReady);
   EXPECT_GT(st->config.max_batch_size, 0) << "dynamic first dimension means batching";
   EXPECT_TRUE(st->config.batching.has_value());
+  EXPECT_EQ(st->config.instance_count, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())))
+      << "no config: one instance per core";
   ASSERT_EQ(st->config.inputs.size(), 2u);
   EXPECT_EQ(st->config.inputs[0].dims, (Shape{4}));
 

@@ -178,8 +178,8 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   for (const auto& in : p.input()) c.inputs.push_back(ConvertInput(in));
   for (const auto& out : p.output()) c.outputs.push_back(ConvertOutput(out));
 
+  c.instance_count = 0;  // automatic unless instance_group says otherwise
   if (p.instance_group_size() > 0) {
-    c.instance_count = 0;
     for (const auto& g : p.instance_group()) {
       if (g.kind() == inference::ModelInstanceGroup::KIND_GPU) {
         return Err(InvalidArgument(source + ": instance_group kind KIND_GPU is not available; this build of "
@@ -245,7 +245,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.outputs.empty()) return InvalidArgument(m + "no outputs are configured");
   QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.inputs, "input"));
   QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.outputs, "output"));
-  if (c.instance_count < 1) return InvalidArgument(m + "instance count must be >= 1");
+  if (c.instance_count < 0) return InvalidArgument(m + "instance count must be >= 0 (0 = one per core)");
   if (c.batching) {
     const BatchingConfig& b = *c.batching;
     if (c.max_batch_size == 0) {

@@ -80,6 +80,7 @@ Result<RepositoryModel> ReadRepositoryModel(const fs::path& repo, const std::str
   } else {
     m.config.backend = "onnxruntime";
     m.config.platform = "onnxruntime_onnx";
+    m.config.instance_count = 0;  // automatic
   }
   m.config.name = name;
 

@@ -205,6 +205,7 @@ class EngineImpl {
 
   Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
     ModelConfig config = m.config;
+    if (config.instance_count == 0) config.instance_count = cores_;
     auto session_opts = SessionOptionsFor(config, cores_);
     if (!session_opts) return Err(session_opts.error());
     std::vector<std::string> outputs;
@@ -236,6 +237,7 @@ class EngineImpl {
     std::lock_guard<std::mutex> load_lock(load_mu_);
     if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
     if (config.backend.empty()) config.backend = "custom";
+    if (config.instance_count == 0) config.instance_count = cores_;
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
     std::vector<std::unique_ptr<Model>> instances;
     for (int i = 0; i < config.instance_count; ++i) {
