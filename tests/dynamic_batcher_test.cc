@@ -130,5 +130,44 @@ TEST(DynamicBatcher, AFreeInstanceTakesTheNextBatchWhileAnotherIsBusy) {
   EXPECT_NE(rec.workers[0], rec.workers[1]);
 }
 
+TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
+  FakeClock clock;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> started{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<int, StatusCode>> dropped;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 1;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&&) {
+        ++started;
+        released.wait();  // the only instance stays busy
+      },
+      [&](std::unique_ptr<BatchTask> task, const Status& st) {
+        std::lock_guard lock(mu);
+        dropped.emplace_back(static_cast<Item&>(*task).id, st.code());
+        cv.notify_all();
+      });
+  ASSERT_TRUE(b.has_value());
+  std::unique_ptr<BatchTask> busy = std::make_unique<Item>(0);
+  ASSERT_TRUE((*b)->Schedule(busy, {}).ok());
+  while (started.load() == 0) std::this_thread::yield();
+  std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(1);
+  ASSERT_TRUE((*b)->Schedule(waiting, {.deadline_ns = clock.NowNs() + 1'000'000}).ok());
+  clock.AdvanceUs(1000);
+  (*b)->Kick();
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return !dropped.empty(); });
+    EXPECT_EQ(dropped[0], (std::pair<int, StatusCode>{1, StatusCode::kDeadlineExceeded}));
+  }
+  EXPECT_EQ(started.load(), 1) << "the expired task never ran";
+  release.set_value();
+}
+
 }  // namespace
 }  // namespace quern

@@ -91,6 +91,10 @@ class BatchQueue {
   // unknown priority, UNAVAILABLE when the level's queue is full.
   Status Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options, int64_t now_ns);
 
+  // Only drops dead tasks (cancelled or past a deadline) into `dropped`.
+  // Returns the earliest deadline of what remains (0 = none).
+  int64_t Reap(int64_t now_ns, std::vector<Dropped>& dropped) { return Sweep(now_ns, dropped); }
+
   // Drops dead tasks and, if the policy says a batch should leave at `now`,
   // returns it. `flush` sends whatever is queued without waiting (shutdown).
   Decision Next(int64_t now_ns, bool flush = false);

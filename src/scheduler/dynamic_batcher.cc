@@ -12,10 +12,12 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   const Clock* clock = options.clock ? options.clock : &RealClockInstance();
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
+  b->num_workers_ = options.num_workers;
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
     b->workers_.emplace_back([raw = b.get(), i] { raw->WorkerLoop(i); });
   }
+  b->reaper_ = std::thread([raw = b.get()] { raw->ReaperLoop(); });
   return b;
 }
 
@@ -31,6 +33,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return Unavailable("model is shutting down");
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, clock_->NowNs()));
+    if (busy_workers_ == num_workers_) reaper_cv_.notify_one();
   }
   cv_.notify_one();
   return Status::Ok();
@@ -39,6 +42,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
 void DynamicBatcher::Kick() {
   { std::lock_guard<std::mutex> lock(mu_); }
   cv_.notify_all();
+  reaper_cv_.notify_all();
 }
 
 void DynamicBatcher::Shutdown() {
@@ -48,9 +52,11 @@ void DynamicBatcher::Shutdown() {
     stopping_ = true;
   }
   cv_.notify_all();
+  reaper_cv_.notify_all();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
+  if (reaper_.joinable()) reaper_.join();
   std::lock_guard<std::mutex> lock(mu_);
   workers_.clear();
 }
@@ -68,11 +74,14 @@ void DynamicBatcher::WorkerLoop(int worker) {
     BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_);
     if (!d.batch.empty() || !d.dropped.empty()) {
       const bool more = !queue_.empty();
+      ++busy_workers_;
+      if (busy_workers_ == num_workers_ && more) reaper_cv_.notify_one();
       lock.unlock();
       if (more) cv_.notify_one();  // let another free instance take the next batch
       for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
       if (!d.batch.empty()) processor_(worker, std::move(d.batch));
       lock.lock();
+      --busy_workers_;
       continue;
     }
     if (d.wake_at_ns == 0) {
@@ -81,6 +90,29 @@ void DynamicBatcher::WorkerLoop(int worker) {
       // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
       cv_.wait_for(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
     }
+  }
+}
+
+void DynamicBatcher::ReaperLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    // Idle workers sweep the queue themselves; the reaper covers the time when none is free.
+    if (busy_workers_ < num_workers_ || queue_.empty()) {
+      reaper_cv_.wait(lock);
+      continue;
+    }
+    std::vector<BatchQueue::Dropped> dropped;
+    const int64_t now = clock_->NowNs();
+    const int64_t next = queue_.Reap(now, dropped);
+    if (!dropped.empty()) {
+      lock.unlock();
+      for (auto& d : dropped) on_drop_(std::move(d.task), d.status);
+      lock.lock();
+      continue;
+    }
+    int64_t wait_ns = int64_t{kReapPollMs} * 1'000'000;
+    if (next > 0) wait_ns = std::min(wait_ns, std::max<int64_t>(next - now, 0));
+    reaper_cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns));
   }
 }
 

@@ -5,7 +5,10 @@
 //
 // Knows nothing of models or transports: batches leave through the
 // BatchProcessor callback (run on the worker that took the batch) and dead
-// tasks through the DropHandler.
+// tasks through the DropHandler. While every worker is busy, a reaper thread
+// drops tasks that pass their deadline or are cancelled, so their callers
+// hear at once rather than when an instance frees up (cancellation is
+// noticed within kReapPollMs).
 //
 // Thread safety: Schedule and Kick may be called from any thread.
 // Shutdown()/the destructor stop intake, run every queued task to completion
@@ -55,20 +58,28 @@ class DynamicBatcher {
   void Shutdown();
 
   size_t queued() const;
-  int num_workers() const { return static_cast<int>(workers_.size()); }
+
+  // How often the reaper looks for cancelled tasks while every worker is busy.
+  static constexpr int kReapPollMs = 5;
+  int num_workers() const { return num_workers_; }
 
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
   void WorkerLoop(int worker);
+  void ReaperLoop();
 
   const Clock* clock_;
+  int num_workers_ = 1;  // set before any thread starts
   BatchProcessor processor_;
   DropHandler on_drop_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   BatchQueue queue_;       // guarded by mu_
   bool stopping_ = false;  // guarded by mu_
+  int busy_workers_ = 0;   // guarded by mu_
+  std::condition_variable reaper_cv_;
   std::vector<std::thread> workers_;
+  std::thread reaper_;
 };
 
 }  // namespace quern
