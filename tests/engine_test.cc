@@ -367,6 +367,30 @@ TEST(EngineRepository, ABrokenModelDoesNotAffectTheOthers) {
   EXPECT_EQ(engine->Infer(std::move(req)).get().status.code(), StatusCode::kUnavailable);
 }
 
+TEST(EngineRepository, ConfigServingASubsetOfTheOutputs) {
+  TempDir repo;
+  CopyModel("add_sub", repo.path());
+  WriteFile(repo.path() / "add_sub" / "config.pbtxt",
+            "max_batch_size: 4\ninstance_group [ { count: 2 } ]\n"
+            "output [ { name: \"OUTPUT1\" data_type: TYPE_FP32 dims: [ 4 ] } ]\n");
+  auto engine = Open(repo.path());
+  auto st = engine->GetModel("add_sub");
+  ASSERT_TRUE(st.has_value());
+  ASSERT_EQ(st->state, ModelState::kReady) << st->reason;
+  EXPECT_EQ(st->config.inputs.size(), 2u) << "inputs derived from the model";
+  ASSERT_EQ(st->config.outputs.size(), 1u);
+  for (int i = 0; i < 4; ++i) {  // reaches both instances
+    InferRequest req;
+    req.model = "add_sub";
+    req.inputs = {{"INPUT0", Floats({1, 4}, {5, 6, 7, 8})}, {"INPUT1", Floats({1, 4}, {1, 1, 1, 1})}};
+    InferResponse r = engine->Infer(std::move(req)).get();
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    ASSERT_EQ(r.outputs.size(), 1u);
+    EXPECT_EQ(r.outputs[0].name, "OUTPUT1");
+    EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{4, 5, 6, 7}));
+  }
+}
+
 TEST(EngineRepository, PollingReloadsChangedModelsAndUnloadsRemovedOnes) {
   TempDir repo;
   CopyModel("versions", repo.path(), "m");

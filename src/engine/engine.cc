@@ -208,6 +208,10 @@ class EngineImpl {
     if (config.instance_count == 0) config.instance_count = cores_;
     auto session_opts = SessionOptionsFor(config, cores_);
     if (!session_opts) return Err(session_opts.error());
+    // The first instance is loaded before the configuration is complete: the
+    // model's own inputs and outputs fill what the configuration leaves out.
+    // Outputs it does not list are derived in the model's order, which is
+    // what an instance created without a list returns, so it is kept.
     std::vector<std::string> outputs;
     for (const auto& o : config.outputs) outputs.push_back(o.name);
     auto first = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
@@ -217,14 +221,7 @@ class EngineImpl {
     outputs.clear();
     for (const auto& o : config.outputs) outputs.push_back(o.name);
     std::vector<std::unique_ptr<Model>> instances;
-    if (outputs.size() == first->io().outputs.size()) {
-      instances.push_back(std::move(first));
-    } else {
-      // The configuration serves a subset of the outputs: reload with just those.
-      auto again = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
-      QUERN_RETURN_IF_ERROR(again->Load());
-      instances.push_back(std::move(again));
-    }
+    instances.push_back(std::move(first));
     while (static_cast<int>(instances.size()) < config.instance_count) {
       auto inst = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
       QUERN_RETURN_IF_ERROR(inst->Load());
