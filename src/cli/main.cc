@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "core/npy.h"
+#include "frontends/http/http_server.h"
+#include "frontends/http/kserve_handler.h"
 #include "quern/engine.h"
 
 namespace {
@@ -155,6 +157,10 @@ int main(int argc, char** argv) {
   auto* serve = app.add_subcommand("serve", "Load a model repository and serve it");
   serve->add_option("--model-repository", repo, "Triton-style model repository")->required();
   serve->add_option("--repository-poll-secs", poll, "Reload changed models every N seconds (0 = off)");
+  quern::HttpServerOptions http_opts;
+  serve->add_option("--http-port", http_opts.port, "KServe v2 HTTP port (0 = pick a free one and log it)");
+  serve->add_option("--host", http_opts.host, "Address to listen on");
+  serve->add_option("--http-threads", http_opts.io_threads, "HTTP I/O threads");
 
   std::string models_repo;
   auto* models = app.add_subcommand("models", "List a repository's models, their tensors and load errors");
@@ -189,11 +195,23 @@ int main(int argc, char** argv) {
     return 1;
   }
   PrintModels(**engine);
+  quern::KServeHandler handler(engine->get());
+  auto server = quern::HttpServer::Start(http_opts, [&handler](quern::HttpRequest&& r, quern::HttpDone done) {
+    handler.Handle(std::move(r), std::move(done));
+  });
+  if (!server) {
+    std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
+    return 1;
+  }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+  std::printf("quern: HTTP listening on %s:%d\n", http_opts.host.c_str(), (*server)->port());
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("quern: stopping\n");
+  (*server)->Stop();  // no new requests reach the engine
+  engine->reset();    // drains the queues; late responses are dropped with their connections
+  server->reset();
   return 0;
 }

@@ -1,0 +1,39 @@
+// Transport-neutral HTTP request/response values: handlers are functions of
+// these, testable without a socket; the Beast server only moves bytes.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace quern {
+
+struct HttpRequest {
+  std::string method;                                        // "GET", "POST", ...
+  std::string target;                                        // path and query, e.g. "/v2/models/m/infer"
+  std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
+  std::string body;
+
+  // The value of header `name` (lower case), or "" when absent.
+  std::string_view Header(std::string_view name) const {
+    for (const auto& [k, v] : headers) {
+      if (k == name) return v;
+    }
+    return {};
+  }
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;
+};
+
+// Receives the response exactly once, from any thread.
+using HttpDone = std::function<void(HttpResponse)>;
+using HttpHandler = std::function<void(HttpRequest&&, HttpDone)>;
+
+}  // namespace quern

@@ -1,0 +1,373 @@
+#include "frontends/http/kserve_handler.h"
+
+#include <rapidjson/document.h>
+#include <rapidjson/error/en.h>
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <charconv>
+#include <cstring>
+#include <memory>
+
+namespace quern {
+namespace {
+
+using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
+
+HttpResponse Json(int status, const rapidjson::StringBuffer& buf) {
+  HttpResponse r;
+  r.status = status;
+  r.body.assign(buf.GetString(), buf.GetSize());
+  return r;
+}
+
+HttpResponse Error(const Status& st) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("error");
+  w.String(st.message().c_str(), static_cast<rapidjson::SizeType>(st.message().size()));
+  w.EndObject();
+  return Json(HttpStatusFor(st), buf);
+}
+
+std::vector<std::string_view> SplitPath(std::string_view target) {
+  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
+  std::vector<std::string_view> parts;
+  size_t pos = 0;
+  while (pos < target.size()) {
+    if (target[pos] == '/') {
+      ++pos;
+      continue;
+    }
+    size_t end = target.find('/', pos);
+    if (end == std::string_view::npos) end = target.size();
+    parts.push_back(target.substr(pos, end - pos));
+    pos = end;
+  }
+  return parts;
+}
+
+void WriteShape(Writer& w, const Shape& s) {
+  w.StartArray();
+  for (int64_t d : s) w.Int64(d);
+  w.EndArray();
+}
+
+void WriteTensorMetadata(Writer& w, const TensorConfig& t, bool batched) {
+  w.StartObject();
+  w.Key("name");
+  w.String(t.name.c_str());
+  w.Key("datatype");
+  w.String(std::string(DataTypeName(t.dtype)).c_str());
+  w.Key("shape");
+  Shape s = t.dims;
+  if (batched) s.insert(s.begin(), -1);
+  WriteShape(w, s);
+  w.EndObject();
+}
+
+// Flattens (possibly nested) JSON arrays into `out` in row-major order.
+void Flatten(const rapidjson::Value& v, std::vector<const rapidjson::Value*>& out) {
+  if (v.IsArray()) {
+    for (const auto& e : v.GetArray()) Flatten(e, out);
+  } else {
+    out.push_back(&v);
+  }
+}
+
+template <typename T>
+Result<Tensor> Numbers(DataType type, Shape shape, const std::vector<const rapidjson::Value*>& vals,
+                       const std::string& where) {
+  std::vector<T> data;
+  data.reserve(vals.size());
+  for (const auto* v : vals) {
+    if constexpr (std::is_floating_point_v<T>) {
+      if (!v->IsNumber())
+        return Err(InvalidArgument(where + ": expected numbers for " + std::string(DataTypeName(type))));
+      data.push_back(static_cast<T>(v->GetDouble()));
+    } else if constexpr (std::is_same_v<T, bool>) {
+      if (!v->IsBool()) return Err(InvalidArgument(where + ": expected true/false for BOOL"));
+      data.push_back(v->GetBool());
+    } else if constexpr (std::is_signed_v<T>) {
+      if (!v->IsInt64())
+        return Err(InvalidArgument(where + ": expected integers for " + std::string(DataTypeName(type))));
+      data.push_back(static_cast<T>(v->GetInt64()));
+    } else {
+      if (!v->IsUint64()) {
+        return Err(InvalidArgument(where + ": expected non-negative integers for " + std::string(DataTypeName(type))));
+      }
+      data.push_back(static_cast<T>(v->GetUint64()));
+    }
+  }
+  if constexpr (std::is_same_v<T, bool>) {
+    std::vector<uint8_t> bytes(data.begin(), data.end());
+    return Tensor::From<uint8_t>(type, std::move(shape), bytes);
+  } else {
+    return Tensor::From<T>(type, std::move(shape), data);
+  }
+}
+
+Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name) {
+  if (!in.IsObject() || !in.HasMember("name") || !in["name"].IsString()) {
+    return Err(InvalidArgument("model '" + model + "': every input needs a string 'name'"));
+  }
+  name = in["name"].GetString();
+  const std::string where = "model '" + model + "' input '" + name + "'";
+  if (!in.HasMember("datatype") || !in["datatype"].IsString())
+    return Err(InvalidArgument(where + ": 'datatype' is missing"));
+  auto type = DataTypeFromName(in["datatype"].GetString());
+  if (!type)
+    return Err(InvalidArgument(where + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
+  if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where + ": 'shape' is missing"));
+  Shape shape;
+  for (const auto& d : in["shape"].GetArray()) {
+    if (!d.IsInt64() || d.GetInt64() < 0)
+      return Err(InvalidArgument(where + ": 'shape' must hold non-negative integers"));
+    shape.push_back(d.GetInt64());
+  }
+  if (!in.HasMember("data")) {
+    return Err(InvalidArgument(where + ": 'data' is missing (binary tensor data is not supported yet)"));
+  }
+  std::vector<const rapidjson::Value*> vals;
+  Flatten(in["data"], vals);
+  if (static_cast<int64_t>(vals.size()) != ElementCount(shape)) {
+    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " +
+                               std::to_string(ElementCount(shape)) + " values, 'data' has " +
+                               std::to_string(vals.size())));
+  }
+  switch (*type) {
+    case DataType::kBool: return Numbers<bool>(*type, shape, vals, where);
+    case DataType::kUint8: return Numbers<uint8_t>(*type, shape, vals, where);
+    case DataType::kUint16: return Numbers<uint16_t>(*type, shape, vals, where);
+    case DataType::kUint32: return Numbers<uint32_t>(*type, shape, vals, where);
+    case DataType::kUint64: return Numbers<uint64_t>(*type, shape, vals, where);
+    case DataType::kInt8: return Numbers<int8_t>(*type, shape, vals, where);
+    case DataType::kInt16: return Numbers<int16_t>(*type, shape, vals, where);
+    case DataType::kInt32: return Numbers<int32_t>(*type, shape, vals, where);
+    case DataType::kInt64: return Numbers<int64_t>(*type, shape, vals, where);
+    case DataType::kFp32: return Numbers<float>(*type, shape, vals, where);
+    case DataType::kFp64: return Numbers<double>(*type, shape, vals, where);
+    case DataType::kBytes: {
+      std::vector<std::string> strs;
+      for (const auto* v : vals) {
+        if (!v->IsString()) return Err(InvalidArgument(where + ": expected strings for BYTES"));
+        strs.emplace_back(v->GetString(), v->GetStringLength());
+      }
+      return Tensor::FromStrings(shape, strs);
+    }
+    default:
+      return Err(InvalidArgument(where + ": datatype " + std::string(DataTypeName(*type)) +
+                                 " cannot be sent as JSON; use binary tensor data"));
+  }
+}
+
+template <typename T>
+void WriteValues(Writer& w, const Tensor& t) {
+  for (T v : t.values<T>()) {
+    if constexpr (std::is_floating_point_v<T>) {
+      w.Double(static_cast<double>(v));
+    } else if constexpr (std::is_signed_v<T>) {
+      w.Int64(static_cast<int64_t>(v));
+    } else {
+      w.Uint64(static_cast<uint64_t>(v));
+    }
+  }
+}
+
+Status WriteData(Writer& w, const Tensor& t) {
+  w.StartArray();
+  switch (t.dtype()) {
+    case DataType::kBool:
+      for (uint8_t v : t.values<uint8_t>()) w.Bool(v != 0);
+      break;
+    case DataType::kUint8: WriteValues<uint8_t>(w, t); break;
+    case DataType::kUint16: WriteValues<uint16_t>(w, t); break;
+    case DataType::kUint32: WriteValues<uint32_t>(w, t); break;
+    case DataType::kUint64: WriteValues<uint64_t>(w, t); break;
+    case DataType::kInt8: WriteValues<int8_t>(w, t); break;
+    case DataType::kInt16: WriteValues<int16_t>(w, t); break;
+    case DataType::kInt32: WriteValues<int32_t>(w, t); break;
+    case DataType::kInt64: WriteValues<int64_t>(w, t); break;
+    case DataType::kFp32: WriteValues<float>(w, t); break;
+    case DataType::kFp64: WriteValues<double>(w, t); break;
+    case DataType::kBytes: {
+      auto strs = t.Strings();
+      if (!strs) return strs.error();
+      for (auto s : *strs) w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
+      break;
+    }
+    default:
+      return Unimplemented("output of type " + std::string(DataTypeName(t.dtype())) + " cannot be written as JSON yet");
+  }
+  w.EndArray();
+  return Status::Ok();
+}
+
+HttpResponse ServerMetadata() {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("name");
+  w.String("quern");
+  w.Key("version");
+  w.String("0.1.0");
+  w.Key("extensions");
+  w.StartArray();
+  w.EndArray();
+  w.EndObject();
+  return Json(200, buf);
+}
+
+HttpResponse ModelMetadata(const ModelStatus& m) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("name");
+  w.String(m.name.c_str());
+  w.Key("versions");
+  w.StartArray();
+  w.String(std::to_string(m.version).c_str());
+  w.EndArray();
+  w.Key("platform");
+  w.String(m.config.platform.empty() ? "onnxruntime_onnx" : m.config.platform.c_str());
+  const bool batched = m.config.max_batch_size > 0;
+  w.Key("inputs");
+  w.StartArray();
+  for (const auto& t : m.config.inputs) WriteTensorMetadata(w, t, batched);
+  w.EndArray();
+  w.Key("outputs");
+  w.StartArray();
+  for (const auto& t : m.config.outputs) WriteTensorMetadata(w, t, batched);
+  w.EndArray();
+  w.EndObject();
+  return Json(200, buf);
+}
+
+}  // namespace
+
+int HttpStatusFor(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kOk: return 200;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kFailedPrecondition: return 400;
+    case StatusCode::kNotFound: return 404;
+    case StatusCode::kResourceExhausted: return 413;
+    case StatusCode::kUnavailable: return 503;
+    case StatusCode::kDeadlineExceeded: return 504;
+    case StatusCode::kUnimplemented: return 501;
+    case StatusCode::kCancelled: return 499;
+    default: return 500;
+  }
+}
+
+void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
+  const auto parts = SplitPath(req.target);
+  const bool get = req.method == "GET" || req.method == "HEAD";
+  auto empty = [](int status) {
+    HttpResponse r;
+    r.status = status;
+    r.content_type.clear();
+    return r;
+  };
+  if (parts.empty() || parts[0] != "v2") return done(Error(NotFound("no route for " + req.target)));
+  if (parts.size() == 1 && get) return done(ServerMetadata());
+  if (parts.size() == 3 && parts[1] == "health" && get) {
+    if (parts[2] == "live") return done(empty(200));
+    if (parts[2] == "ready") {
+      bool ready = true;
+      for (const auto& m : engine_->ListModels()) ready = ready && m.state == ModelState::kReady;
+      return done(empty(ready ? 200 : 503));
+    }
+  }
+  if (parts.size() >= 3 && parts[1] == "models") {
+    const std::string model(parts[2]);
+    size_t next = 3;
+    int64_t version = -1;
+    if (parts.size() >= 5 && parts[3] == "versions") {
+      auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
+      if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) {
+        return done(Error(InvalidArgument("model version '" + std::string(parts[4]) + "' is not a number")));
+      }
+      next = 5;
+    }
+    const std::string_view action = parts.size() > next ? parts[next] : std::string_view();
+    if (parts.size() > next + 1) return done(Error(NotFound("no route for " + req.target)));
+    if (action.empty() && get) {
+      auto m = engine_->GetModel(model, version);
+      if (!m) return done(Error(m.error()));
+      return done(ModelMetadata(*m));
+    }
+    if (action == "ready" && get) return done(empty(engine_->ModelReady(model, version) ? 200 : 400));
+    if (action == "infer" && req.method == "POST") {
+      rapidjson::Document doc;
+      doc.Parse(req.body.data(), req.body.size());
+      if (doc.HasParseError()) {
+        return done(Error(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
+                                          std::to_string(doc.GetErrorOffset()) + ": " +
+                                          rapidjson::GetParseError_En(doc.GetParseError()))));
+      }
+      if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
+        return done(Error(InvalidArgument("model '" + model + "': the request needs an 'inputs' array")));
+      }
+      InferRequest ir;
+      ir.model = model;
+      ir.version = version;
+      for (const auto& in : doc["inputs"].GetArray()) {
+        std::string name;
+        auto t = ParseJsonTensor(in, model, name);
+        if (!t) return done(Error(t.error()));
+        ir.inputs.push_back({std::move(name), std::move(*t)});
+      }
+      if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
+        for (const auto& o : doc["outputs"].GetArray()) {
+          if (o.IsObject() && o.HasMember("name") && o["name"].IsString()) {
+            ir.requested_outputs.emplace_back(o["name"].GetString());
+          }
+        }
+      }
+      if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
+        const auto& p = doc["parameters"];
+        if (p.HasMember("priority") && p["priority"].IsUint()) ir.priority = p["priority"].GetUint();
+        if (p.HasMember("timeout") && p["timeout"].IsUint64()) ir.timeout_us = p["timeout"].GetUint64();
+      }
+      std::string id = doc.HasMember("id") && doc["id"].IsString() ? doc["id"].GetString() : "";
+      engine_->InferAsync(std::move(ir), [done = std::move(done), id = std::move(id)](InferResponse&& r) {
+        if (!r.status.ok()) return done(Error(r.status));
+        rapidjson::StringBuffer buf;
+        Writer w(buf);
+        w.StartObject();
+        if (!id.empty()) {
+          w.Key("id");
+          w.String(id.c_str(), static_cast<rapidjson::SizeType>(id.size()));
+        }
+        w.Key("model_name");
+        w.String(r.model.c_str());
+        w.Key("model_version");
+        w.String(std::to_string(r.version).c_str());
+        w.Key("outputs");
+        w.StartArray();
+        for (const auto& o : r.outputs) {
+          w.StartObject();
+          w.Key("name");
+          w.String(o.name.c_str());
+          w.Key("datatype");
+          w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
+          w.Key("shape");
+          WriteShape(w, o.tensor.shape());
+          w.Key("data");
+          Status st = WriteData(w, o.tensor);
+          if (!st.ok()) return done(Error(st));
+          w.EndObject();
+        }
+        w.EndArray();
+        w.EndObject();
+        done(Json(200, buf));
+      });
+      return;
+    }
+  }
+  done(Error(NotFound("no route for " + req.method + " " + req.target)));
+}
+
+}  // namespace quern
