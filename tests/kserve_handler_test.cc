@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <rapidjson/document.h>
 
+#include <cstring>
 #include <future>
 
 #include "test_util.h"
@@ -119,6 +120,73 @@ TEST_F(KServeHandlerTest, ErrorsAreMappedAndExplained) {
   EXPECT_EQ(Call("GET", "/v2/nothing/here").status, 404);
   EXPECT_EQ(HttpStatusFor(Unavailable("queue full")), 503);
   EXPECT_EQ(HttpStatusFor(Internal("x")), 500);
+}
+
+}  // namespace
+}  // namespace quern
+
+namespace quern {
+namespace {
+
+HttpResponse CallWithHeaders(Engine* engine, HttpRequest req) {
+  KServeHandler h(engine);
+  std::promise<HttpResponse> p;
+  h.Handle(std::move(req), [&](HttpResponse r) { p.set_value(std::move(r)); });
+  return p.get_future().get();
+}
+
+std::string BinaryBody(const std::string& json, const std::vector<float>& a, const std::vector<float>& b) {
+  std::string body = json;
+  body.append(reinterpret_cast<const char*>(a.data()), a.size() * 4);
+  body.append(reinterpret_cast<const char*>(b.data()), b.size() * 4);
+  return body;
+}
+
+TEST(KServeBinary, BinaryInputsAndOutputs) {
+  auto e = Engine::Create({.model_repository = testing::TestModels().string()});
+  ASSERT_TRUE(e.has_value());
+  const std::string json =
+      R"({"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","parameters":{"binary_data_size":16}},)"
+      R"({"name":"INPUT1","shape":[1,4],"datatype":"FP32","parameters":{"binary_data_size":16}}],)"
+      R"("outputs":[{"name":"OUTPUT1","parameters":{"binary_data":true}}]})";
+  std::vector<float> a{1, 2, 3, 4}, b{4, 3, 2, 1};
+  HttpRequest req{"POST",
+                  "/v2/models/add_sub/infer",
+                  {{"inference-header-content-length", std::to_string(json.size())}},
+                  BinaryBody(json, a, b)};
+  HttpResponse r = CallWithHeaders(e->get(), std::move(req));
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::string header_len;
+  for (const auto& [k, v] : r.headers) {
+    if (k == "Inference-Header-Content-Length") header_len = v;
+  }
+  ASSERT_FALSE(header_len.empty());
+  const size_t n = std::stoul(header_len);
+  ASSERT_EQ(r.body.size(), n + 16);
+  EXPECT_NE(r.body.substr(0, n).find("\"binary_data_size\":16"), std::string::npos) << r.body.substr(0, n);
+  std::vector<float> out(4);
+  std::memcpy(out.data(), r.body.data() + n, 16);
+  EXPECT_EQ(out, (std::vector<float>{-3, -1, 1, 3}));
+}
+
+TEST(KServeBinary, TruncatedBinaryBodyIsAClearError) {
+  auto e = Engine::Create({.model_repository = testing::TestModels().string()});
+  ASSERT_TRUE(e.has_value());
+  const std::string json =
+      R"({"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","parameters":{"binary_data_size":16}},)"
+      R"({"name":"INPUT1","shape":[1,4],"datatype":"FP32","parameters":{"binary_data_size":16}}]})";
+  std::string body = BinaryBody(json, {1, 2, 3, 4}, {1, 2, 3, 4});
+  body.resize(body.size() - 5);
+  HttpRequest req{
+      "POST", "/v2/models/add_sub/infer", {{"inference-header-content-length", std::to_string(json.size())}}, body};
+  HttpResponse r = CallWithHeaders(e->get(), std::move(req));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("input 'INPUT1': binary_data_size 16 but only 11 bytes"), std::string::npos) << r.body;
+
+  HttpRequest bad_len{"POST", "/v2/models/add_sub/infer", {{"inference-header-content-length", "99999"}}, json};
+  r = CallWithHeaders(e->get(), std::move(bad_len));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("Inference-Header-Content-Length"), std::string::npos) << r.body;
 }
 
 }  // namespace

@@ -73,3 +73,77 @@ def test_unknown_model_and_wrong_shape(server):
     y.set_data_from_numpy(np.zeros((1, 3), np.float32), binary_data=False)
     with pytest.raises(InferenceServerException, match=r"expected shape \[-1,4\], got \[1,3\]"):
         c.infer("add_sub", [x, y], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)])
+
+
+def dtypes_inputs(binary):
+    arrays = {
+        "in_bool": np.array([[True, False]]),
+        "in_uint8": np.array([[1, 255]], np.uint8),
+        "in_int8": np.array([[-1, 7]], np.int8),
+        "in_int32": np.array([[-70000, 5]], np.int32),
+        "in_int64": np.array([[1 << 40, -2]], np.int64),
+        "in_fp16": np.array([[1.5, -2.0]], np.float16),
+        "in_fp32": np.array([[1.25, 2.5]], np.float32),
+        "in_fp64": np.array([[1e300, -0.125]], np.float64),
+        "in_string": np.array([[b"quern", b"mill\x00stone"]], np.object_),
+    }
+    dt = {"in_bool": "BOOL", "in_uint8": "UINT8", "in_int8": "INT8", "in_int32": "INT32", "in_int64": "INT64",
+          "in_fp16": "FP16", "in_fp32": "FP32", "in_fp64": "FP64", "in_string": "BYTES"}
+    inputs = []
+    for name, a in arrays.items():
+        i = httpclient.InferInput(name, list(a.shape), dt[name])
+        i.set_data_from_numpy(a, binary_data=binary or name == "in_fp16")
+        inputs.append(i)
+    return arrays, inputs
+
+
+def test_binary_tensors_every_datatype(server):
+    c = httpclient.InferenceServerClient(server)
+    arrays, inputs = dtypes_inputs(binary=True)
+    r = c.infer("dtypes", inputs)  # tritonclient asks for binary outputs by default
+    for name, a in arrays.items():
+        got = r.as_numpy(name.replace("in_", "out_"))
+        assert got.shape == a.shape, name
+        assert (got == a).all(), name
+
+
+def test_bytes_as_json(server):
+    c = httpclient.InferenceServerClient(server)
+    arrays, inputs = dtypes_inputs(binary=False)
+    outputs = [httpclient.InferRequestedOutput("out_string", binary_data=False),
+               httpclient.InferRequestedOutput("out_int64", binary_data=False)]
+    r = c.infer("dtypes", inputs, outputs=outputs)
+    assert [o["name"] for o in r.get_response()["outputs"]] == ["out_string", "out_int64"]
+    assert (r.as_numpy("out_int64") == arrays["in_int64"]).all()
+    assert [s if isinstance(s, bytes) else s.encode() for s in r.as_numpy("out_string").ravel()] == \
+        [b"quern", b"mill\x00stone"]
+
+
+def test_async_infer_and_concurrent_clients_get_their_own_results(server):
+    c = httpclient.InferenceServerClient(server, concurrency=16)
+    pending = []
+    for k in range(64):
+        a = np.full((1 + k % 3, 4), k, np.float32)
+        b = np.arange(a.size, dtype=np.float32).reshape(a.shape)
+        inputs = [httpclient.InferInput("INPUT0", list(a.shape), "FP32"),
+                  httpclient.InferInput("INPUT1", list(a.shape), "FP32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        pending.append((a, b, c.async_infer("add_sub", inputs, request_id=str(k))))
+    for k, (a, b, fut) in enumerate(pending):
+        r = fut.get_result()
+        assert r.get_response()["id"] == str(k)
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - b)
+
+
+def test_priority_and_timeout_parameters(server):
+    c = httpclient.InferenceServerClient(server)
+    a = np.ones((1, 4), np.float32)
+    inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    r = c.infer("add_sub", inputs, priority=1, timeout=1_000_000)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + a)
+    with pytest.raises(InferenceServerException, match=r"priority 7 is outside"):
+        c.infer("add_sub", inputs, priority=7)

@@ -108,7 +108,15 @@ Result<Tensor> Numbers(DataType type, Shape shape, const std::vector<const rapid
   }
 }
 
-Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name) {
+// Where binary input data comes from: the request body after the JSON header,
+// consumed in input order (KServe binary tensor extension).
+struct BinaryCursor {
+  std::shared_ptr<const std::string> body;
+  size_t offset = 0;
+};
+
+Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name,
+                               BinaryCursor& binary) {
   if (!in.IsObject() || !in.HasMember("name") || !in["name"].IsString()) {
     return Err(InvalidArgument("model '" + model + "': every input needs a string 'name'"));
   }
@@ -126,8 +134,22 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
       return Err(InvalidArgument(where + ": 'shape' must hold non-negative integers"));
     shape.push_back(d.GetInt64());
   }
+  if (in.HasMember("parameters") && in["parameters"].IsObject() && in["parameters"].HasMember("binary_data_size")) {
+    const auto& size = in["parameters"]["binary_data_size"];
+    if (!size.IsUint64()) return Err(InvalidArgument(where + ": binary_data_size must be a non-negative integer"));
+    const uint64_t n = size.GetUint64();
+    const size_t left = binary.body ? binary.body->size() - binary.offset : 0;
+    if (n > left) {
+      return Err(InvalidArgument(where + ": binary_data_size " + std::to_string(n) + " but only " +
+                                 std::to_string(left) + " bytes of binary data remain in the request body"));
+    }
+    // Zero copy: the tensor views the request body, which it keeps alive.
+    Tensor t = Tensor::Borrow(*type, std::move(shape), binary.body->data() + binary.offset, n, binary.body);
+    binary.offset += n;
+    return t;
+  }
   if (!in.HasMember("data")) {
-    return Err(InvalidArgument(where + ": 'data' is missing (binary tensor data is not supported yet)"));
+    return Err(InvalidArgument(where + ": neither 'data' nor parameters.binary_data_size is given"));
   }
   std::vector<const rapidjson::Value*> vals;
   Flatten(in["data"], vals);
@@ -299,41 +321,89 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
       return done(ModelMetadata(*m));
     }
     if (action == "ready" && get) return done(empty(engine_->ModelReady(model, version) ? 200 : 400));
-    if (action == "infer" && req.method == "POST") {
-      rapidjson::Document doc;
-      doc.Parse(req.body.data(), req.body.size());
-      if (doc.HasParseError()) {
-        return done(Error(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
-                                          std::to_string(doc.GetErrorOffset()) + ": " +
-                                          rapidjson::GetParseError_En(doc.GetParseError()))));
+    if (action == "infer" && req.method == "POST") return Infer(model, version, std::move(req), std::move(done));
+  }
+  done(Error(NotFound("no route for " + req.method + " " + req.target)));
+}
+
+void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  auto body = std::make_shared<std::string>(std::move(req.body));
+  size_t json_size = body->size();
+  if (auto h = req.Header("inference-header-content-length"); !h.empty()) {
+    auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), json_size);
+    if (ec != std::errc() || p != h.data() + h.size() || json_size > body->size()) {
+      return done(Error(InvalidArgument("model '" + model + "': Inference-Header-Content-Length '" + std::string(h) +
+                                        "' is not a size within the " + std::to_string(body->size()) + "-byte body")));
+    }
+  }
+  rapidjson::Document doc;
+  doc.Parse(body->data(), json_size);
+  if (doc.HasParseError()) {
+    return done(Error(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
+                                      std::to_string(doc.GetErrorOffset()) + ": " +
+                                      rapidjson::GetParseError_En(doc.GetParseError()))));
+  }
+  if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
+    return done(Error(InvalidArgument("model '" + model + "': the request needs an 'inputs' array")));
+  }
+  InferRequest ir;
+  ir.model = model;
+  ir.version = version;
+  BinaryCursor binary{body, json_size};
+  for (const auto& in : doc["inputs"].GetArray()) {
+    std::string name;
+    auto t = ParseJsonTensor(in, model, name, binary);
+    if (!t) return done(Error(t.error()));
+    ir.inputs.push_back({std::move(name), std::move(*t)});
+  }
+  if (binary.offset != body->size()) {
+    return done(Error(InvalidArgument("model '" + model + "': " + std::to_string(body->size() - binary.offset) +
+                                      " bytes of binary data are not claimed by any input's binary_data_size")));
+  }
+  // Which outputs come back as binary: per output, else the request default.
+  bool binary_default = false;
+  if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
+    const auto& p = doc["parameters"];
+    if (p.HasMember("priority")) {
+      if (!p["priority"].IsUint())
+        return done(Error(InvalidArgument("parameter 'priority' must be an unsigned integer")));
+      ir.priority = p["priority"].GetUint();
+    }
+    if (p.HasMember("timeout")) {
+      if (!p["timeout"].IsUint64()) {
+        return done(Error(InvalidArgument("parameter 'timeout' must be microseconds as an unsigned integer")));
       }
-      if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
-        return done(Error(InvalidArgument("model '" + model + "': the request needs an 'inputs' array")));
+      ir.timeout_us = p["timeout"].GetUint64();
+    }
+    if (p.HasMember("binary_data_output") && p["binary_data_output"].IsBool()) {
+      binary_default = p["binary_data_output"].GetBool();
+    }
+  }
+  auto binary_outputs = std::make_shared<std::vector<std::pair<std::string, bool>>>();
+  if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
+    for (const auto& o : doc["outputs"].GetArray()) {
+      if (!o.IsObject() || !o.HasMember("name") || !o["name"].IsString()) {
+        return done(Error(InvalidArgument("model '" + model + "': every requested output needs a string 'name'")));
       }
-      InferRequest ir;
-      ir.model = model;
-      ir.version = version;
-      for (const auto& in : doc["inputs"].GetArray()) {
-        std::string name;
-        auto t = ParseJsonTensor(in, model, name);
-        if (!t) return done(Error(t.error()));
-        ir.inputs.push_back({std::move(name), std::move(*t)});
+      bool bin = binary_default;
+      if (o.HasMember("parameters") && o["parameters"].IsObject() && o["parameters"].HasMember("binary_data") &&
+          o["parameters"]["binary_data"].IsBool()) {
+        bin = o["parameters"]["binary_data"].GetBool();
       }
-      if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
-        for (const auto& o : doc["outputs"].GetArray()) {
-          if (o.IsObject() && o.HasMember("name") && o["name"].IsString()) {
-            ir.requested_outputs.emplace_back(o["name"].GetString());
-          }
-        }
-      }
-      if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
-        const auto& p = doc["parameters"];
-        if (p.HasMember("priority") && p["priority"].IsUint()) ir.priority = p["priority"].GetUint();
-        if (p.HasMember("timeout") && p["timeout"].IsUint64()) ir.timeout_us = p["timeout"].GetUint64();
-      }
-      std::string id = doc.HasMember("id") && doc["id"].IsString() ? doc["id"].GetString() : "";
-      engine_->InferAsync(std::move(ir), [done = std::move(done), id = std::move(id)](InferResponse&& r) {
+      ir.requested_outputs.emplace_back(o["name"].GetString());
+      binary_outputs->emplace_back(o["name"].GetString(), bin);
+    }
+  }
+  std::string id = doc.HasMember("id") && doc["id"].IsString() ? doc["id"].GetString() : "";
+  engine_->InferAsync(
+      std::move(ir), [done = std::move(done), id = std::move(id), binary_outputs, binary_default](InferResponse&& r) {
         if (!r.status.ok()) return done(Error(r.status));
+        auto wants_binary = [&](const std::string& name) {
+          for (const auto& [n, b] : *binary_outputs) {
+            if (n == name) return b;
+          }
+          return binary_default;
+        };
         rapidjson::StringBuffer buf;
         Writer w(buf);
         w.StartObject();
@@ -347,6 +417,7 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
         w.String(std::to_string(r.version).c_str());
         w.Key("outputs");
         w.StartArray();
+        std::vector<const Tensor*> binary_parts;
         for (const auto& o : r.outputs) {
           w.StartObject();
           w.Key("name");
@@ -355,19 +426,34 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
           w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
           w.Key("shape");
           WriteShape(w, o.tensor.shape());
-          w.Key("data");
-          Status st = WriteData(w, o.tensor);
-          if (!st.ok()) return done(Error(st));
+          if (wants_binary(o.name)) {
+            w.Key("parameters");
+            w.StartObject();
+            w.Key("binary_data_size");
+            w.Uint64(o.tensor.byte_size());
+            w.EndObject();
+            binary_parts.push_back(&o.tensor);
+          } else {
+            w.Key("data");
+            Status st = WriteData(w, o.tensor);
+            if (!st.ok()) return done(Error(st));
+          }
           w.EndObject();
         }
         w.EndArray();
         w.EndObject();
-        done(Json(200, buf));
+        HttpResponse resp = Json(200, buf);
+        if (!binary_parts.empty()) {
+          resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(resp.body.size()));
+          resp.content_type = "application/octet-stream";
+          size_t total = resp.body.size();
+          for (const Tensor* t : binary_parts) total += t->byte_size();
+          resp.body.reserve(total);
+          for (const Tensor* t : binary_parts)
+            resp.body.append(reinterpret_cast<const char*>(t->data()), t->byte_size());
+        }
+        done(std::move(resp));
       });
-      return;
-    }
-  }
-  done(Error(NotFound("no route for " + req.method + " " + req.target)));
 }
 
 }  // namespace quern

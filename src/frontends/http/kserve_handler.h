@@ -23,6 +23,10 @@ class KServeHandler {
   void Handle(HttpRequest&& request, HttpDone done);
 
  private:
+  // POST .../infer: JSON tensors and the binary tensor data extension
+  // (Inference-Header-Content-Length); binary inputs are used without copying.
+  void Infer(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
+
   Engine* engine_;
 };
 
