@@ -139,3 +139,50 @@ TEST(CustomModel, InvalidRegistrationIsRejected) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(Statistics, CountRequestsItemsBatchesAndFailures) {
+  auto engine = EmptyEngine();
+  std::atomic<int> max_batch{0};
+  ModelConfig c = RowSumConfig("stats", 1, false);
+  c.batching->max_queue_delay_us = 0;
+  ASSERT_TRUE(engine->RegisterModel(c, [&] { return std::make_unique<RowSum>(&max_batch); }).ok());
+  for (int i = 0; i < 3; ++i) {  // one after another: three batches of 2 rows
+    InferRequest r;
+    r.model = "stats";
+    r.inputs = {{"x", Floats({2, 4}, {1000, 0, 0, 0, 1000, 0, 0, 0})}};
+    ASSERT_TRUE(engine->Infer(std::move(r)).get().status.ok());
+  }
+  InferRequest bad;
+  bad.model = "stats";
+  bad.inputs = {{"x", Floats({1, 3}, {1, 2, 3})}};
+  EXPECT_EQ(engine->Infer(std::move(bad)).get().status.code(), StatusCode::kInvalidArgument);
+  InferRequest failing;
+  failing.model = "stats";
+  failing.inputs = {{"x", Floats({1, 4}, {-1, 0, 0, 0})}};
+  EXPECT_EQ(engine->Infer(std::move(failing)).get().status.code(), StatusCode::kInternal);
+
+  auto stats = engine->GetStatistics("stats");
+  ASSERT_TRUE(stats.has_value());
+  ASSERT_EQ(stats->size(), 1u);
+  const ModelStatistics& s = (*stats)[0];
+  EXPECT_EQ(s.success.count, 3u);
+  EXPECT_EQ(s.fail.count, 2u);
+  EXPECT_EQ(s.fail_invalid, 1u);
+  EXPECT_EQ(s.fail_backend, 1u);
+  EXPECT_EQ(s.inference_count, 7u) << "6 rows + the failing batch's row";
+  EXPECT_EQ(s.execution_count, 4u);
+  EXPECT_EQ(s.queue.count, 4u) << "requests that reached an instance";
+  EXPECT_EQ(s.compute_infer.count, 4u);
+  ASSERT_EQ(s.batch_stats.size(), 2u);
+  EXPECT_EQ(s.batch_stats[0].batch_size, 1);
+  EXPECT_EQ(s.batch_stats[1].batch_size, 2);
+  EXPECT_EQ(s.batch_stats[1].compute_infer.count, 3u);
+  EXPECT_GT(s.last_inference_ms, 0u);
+  EXPECT_FALSE(engine->GetStatistics("nope").has_value());
+}
+
+}  // namespace
+}  // namespace quern

@@ -114,6 +114,34 @@ struct ModelStatus {
   ModelConfig config;  // the configuration in force (parsed or derived)
 };
 
+// Cumulative counters of one model version, in Triton's statistics terms.
+struct DurationStat {
+  uint64_t count = 0;
+  uint64_t ns = 0;
+};
+struct BatchSizeStats {
+  int64_t batch_size = 0;
+  DurationStat compute_input, compute_infer, compute_output;
+};
+struct ModelStatistics {
+  std::string name;
+  int64_t version = 0;
+  uint64_t last_inference_ms = 0;  // wall-clock ms since the epoch; 0 = never
+  uint64_t inference_count = 0;    // items (rows) computed, without padding
+  uint64_t execution_count = 0;    // batches run
+  DurationStat success;            // requests answered OK: count and total time in the engine
+  DurationStat fail;               // requests that failed, any reason
+  DurationStat queue;              // time requests waited before their batch started
+  DurationStat compute_input;      // gathering a batch's inputs (per request)
+  DurationStat compute_infer;      // running the model (per request)
+  DurationStat compute_output;     // splitting outputs (per request)
+  // Failures by reason: rejected (queue full / unavailable), cancelled,
+  // timeout (deadline exceeded), invalid (bad input), backend (model error).
+  uint64_t fail_rejected = 0, fail_cancelled = 0, fail_timeout = 0, fail_invalid = 0, fail_backend = 0;
+  uint64_t pending = 0;                     // requests queued now
+  std::vector<BatchSizeStats> batch_stats;  // by batch size, ascending
+};
+
 struct EngineOptions {
   // Triton-style model repository; empty = no repository (models registered in code).
   std::string model_repository;
@@ -168,6 +196,10 @@ class Engine {
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version = -1) const;
   bool ModelReady(const std::string& name, int64_t version = -1) const;
+
+  // Statistics of every loaded version of `name` (every model when empty).
+  // NOT_FOUND for an unknown model or version.
+  Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name = "", int64_t version = -1) const;
 
   const Clock& clock() const;
 

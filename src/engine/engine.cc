@@ -329,6 +329,25 @@ class EngineImpl {
     return versions.rbegin()->second.status;
   }
 
+  Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const {
+    std::shared_lock lock(mu_);
+    std::vector<ModelStatistics> out;
+    if (!name.empty()) {
+      auto it = models_.find(name);
+      if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
+      if (version >= 0 && !it->second.versions.count(version)) {
+        return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+      }
+    }
+    for (const auto& [n, e] : models_) {
+      if (!name.empty() && n != name) continue;
+      for (const auto& [v, slot] : e.versions) {
+        if ((version < 0 || v == version) && slot.served) out.push_back(slot.served->Statistics());
+      }
+    }
+    return out;
+  }
+
   const Clock& clock() const { return *clock_; }
 
  private:
@@ -416,6 +435,10 @@ bool Engine::ModelReady(const std::string& name, int64_t version) const {
 }
 const Clock& Engine::clock() const {
   return impl_->clock();
+}
+
+Result<std::vector<ModelStatistics>> Engine::GetStatistics(const std::string& name, int64_t version) const {
+  return impl_->GetStatistics(name, version);
 }
 
 }  // namespace quern

@@ -1,6 +1,7 @@
 #include "engine/served_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -17,6 +18,8 @@ class ServedModel::Task final : public BatchTask {
   InferCallback done;
   uint64_t ticket = 0;
   Telemetry telemetry;
+  int64_t input_ns = 0;   // this request's batch: gathering inputs
+  int64_t output_ns = 0;  // this request's batch: splitting outputs
 
   int64_t size() const override { return items; }
   uint64_t batch_key() const override { return key; }
@@ -340,6 +343,33 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
       r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
     }
   }
+  {
+    const int64_t now = clock_->NowNs();
+    const Telemetry& t = r.telemetry;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    DurationStat& outcome = r.status.ok() ? stats_.success : stats_.fail;
+    ++outcome.count;
+    outcome.ns += static_cast<uint64_t>(std::max<int64_t>(now - t.queue_start_ns, 0));
+    switch (r.status.code()) {
+      case StatusCode::kOk: break;
+      case StatusCode::kUnavailable: ++stats_.fail_rejected; break;
+      case StatusCode::kCancelled: ++stats_.fail_cancelled; break;
+      case StatusCode::kDeadlineExceeded: ++stats_.fail_timeout; break;
+      case StatusCode::kInvalidArgument: ++stats_.fail_invalid; break;
+      default: ++stats_.fail_backend; break;
+    }
+    if (t.compute_start_ns > 0) {
+      stats_.queue.count++;
+      stats_.queue.ns += static_cast<uint64_t>(t.compute_start_ns - t.queue_start_ns);
+      const int64_t infer_ns = t.compute_end_ns - t.compute_start_ns - task->input_ns;
+      for (auto [stat, ns] :
+           {std::pair{&stats_.compute_input, task->input_ns}, std::pair{&stats_.compute_infer, infer_ns},
+            std::pair{&stats_.compute_output, task->output_ns}}) {
+        stat->count++;
+        stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
+      }
+    }
+  }
   if (ordered_ && task->ticket != UINT64_MAX) {
     sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
       r.telemetry.response_ns = clock_->NowNs();
@@ -381,6 +411,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     inputs.push_back({tc.name, std::move(t)});
   }
 
+  const int64_t gathered = clock_->NowNs();
   std::vector<NamedTensor> outputs;
   Status st = instances_[static_cast<size_t>(worker)]->Execute(inputs, padded, outputs);
   const int64_t end = clock_->NowNs();
@@ -402,40 +433,70 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     }
   }
 
+  // Split the outputs for every request first, then answer them: the split
+  // time is measured per batch (compute_output).
+  std::vector<std::vector<NamedTensor>> per_task(tasks.size());
+  std::vector<Status> per_status(tasks.size(), st);
   int64_t row = 0;
-  for (auto& task : tasks) {
-    task->telemetry.compute_start_ns = start;
-    task->telemetry.compute_end_ns = end;
-    task->telemetry.batch_size = items;
-    task->telemetry.padded_batch_size = padded;
-    if (!st.ok()) {
-      Finish(std::move(task), st, {});
-      continue;
-    }
-    std::vector<NamedTensor> mine;
-    Status slice_status;
-    for (int idx : task->output_indices) {
+  for (size_t k = 0; st.ok() && k < tasks.size(); ++k) {
+    const Task& task = *tasks[k];
+    for (int idx : task.output_indices) {
       const NamedTensor& out = outputs[static_cast<size_t>(idx)];
       const TensorConfig& oc = config_.outputs[static_cast<size_t>(idx)];
       Tensor t = out.tensor;
       if (batched) {
-        auto s = SliceRows(out.tensor, row, task->items);
-        if (!s) {
-          slice_status = s.error();
+        auto sliced = SliceRows(out.tensor, row, task.items);
+        if (!sliced) {
+          per_status[k] = sliced.error();
           break;
         }
-        t = std::move(*s);
+        t = std::move(*sliced);
       }
       if (oc.reshape && ElementCount(oc.dims) >= 0) {
         Shape shape = oc.dims;
-        if (batched) shape.insert(shape.begin(), task->items);
+        if (batched) shape.insert(shape.begin(), task.items);
         t = t.Reshaped(std::move(shape));
       }
-      mine.push_back({out.name, std::move(t)});
+      per_task[k].push_back({out.name, std::move(t)});
     }
-    row += task->items;
-    Finish(std::move(task), slice_status, std::move(mine));
+    row += task.items;
   }
+  const int64_t split_end = clock_->NowNs();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.execution_count++;
+    stats_.inference_count += static_cast<uint64_t>(items);
+    stats_.last_inference_ms = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count());
+    BatchSizeStats& b = batch_stats_[items];
+    b.batch_size = items;
+    for (auto [stat, ns] : {std::pair{&b.compute_input, gathered - start}, std::pair{&b.compute_infer, end - gathered},
+                            std::pair{&b.compute_output, split_end - end}}) {
+      stat->count++;
+      stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
+    }
+  }
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    Telemetry& t = tasks[k]->telemetry;
+    t.compute_start_ns = start;
+    t.compute_end_ns = end;
+    t.batch_size = items;
+    t.padded_batch_size = padded;
+    tasks[k]->input_ns = gathered - start;
+    tasks[k]->output_ns = split_end - end;
+    Finish(std::move(tasks[k]), per_status[k], std::move(per_task[k]));
+  }
+}
+
+ModelStatistics ServedModel::Statistics() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  ModelStatistics s = stats_;
+  s.name = config_.name;
+  s.version = version_;
+  s.pending = batcher_ ? batcher_->queued() : 0;
+  for (const auto& [size, b] : batch_stats_) s.batch_stats.push_back(b);
+  return s;
 }
 
 }  // namespace quern

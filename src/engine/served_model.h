@@ -11,7 +11,9 @@
 
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,7 @@ class ServedModel {
   void Shutdown();
 
   const ModelConfig& config() const { return config_; }
+  ModelStatistics Statistics() const;
   int64_t version() const { return version_; }
 
  private:
@@ -58,6 +61,10 @@ class ServedModel {
   std::unique_ptr<DynamicBatcher> batcher_;
   ResponseSequencer sequencer_;
   const bool ordered_;
+
+  mutable std::mutex stats_mu_;
+  ModelStatistics stats_;                          // guarded by stats_mu_
+  std::map<int64_t, BatchSizeStats> batch_stats_;  // guarded by stats_mu_
 };
 
 }  // namespace quern

@@ -147,3 +147,54 @@ def test_priority_and_timeout_parameters(server):
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + a)
     with pytest.raises(InferenceServerException, match=r"priority 7 is outside"):
         c.infer("add_sub", inputs, priority=7)
+
+
+def post(server, path, body, headers=None):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"http://{server}{path}", data=body, headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_repository_load_unload_index_and_config(server):
+    c = httpclient.InferenceServerClient(server)
+    index = {(m["name"], m["version"]): m["state"] for m in c.get_model_repository_index()}
+    assert index[("versions", "2")] == "READY"
+    cfg = c.get_model_config("versions")
+    assert cfg["name"] == "versions"
+    assert cfg["max_batch_size"] == 8
+    c.unload_model("versions")
+    assert not c.is_model_ready("versions")
+    c.load_model("versions")
+    assert c.is_model_ready("versions", "1") and c.is_model_ready("versions", "2")
+    with pytest.raises(InferenceServerException):
+        c.load_model("no_such_model")
+
+
+def test_statistics_count_what_ran(server):
+    c = httpclient.InferenceServerClient(server)
+    before = c.get_inference_statistics("linear")["model_stats"][0]
+    x = np.ones((3, 8), np.float32)
+    i = httpclient.InferInput("x", [3, 8], "FP32")
+    i.set_data_from_numpy(x)
+    for _ in range(2):
+        c.infer("linear", [i])
+    after = c.get_inference_statistics("linear")["model_stats"][0]
+    assert after["inference_count"] - before["inference_count"] == 6
+    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 2
+    assert any(b["batch_size"] == 3 for b in after["batch_stats"])
+    all_stats = c.get_inference_statistics()["model_stats"]
+    assert {"add_sub", "linear"} <= {m["name"] for m in all_stats}
+
+
+def test_malformed_json_and_truncated_binary(server):
+    status, body = post(server, "/v2/models/add_sub/infer", b'{"inputs": [')
+    assert status == 400 and b"malformed JSON" in body
+    header = b'{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","parameters":{"binary_data_size":16}}]}'
+    status, body = post(server, "/v2/models/add_sub/infer", header + b"\0" * 10,
+                        {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and b"binary_data_size 16 but only 10 bytes" in body

@@ -1,5 +1,6 @@
 #include "frontends/http/kserve_handler.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <rapidjson/document.h>
 #include <rapidjson/error/en.h>
 #include <rapidjson/stringbuffer.h>
@@ -8,6 +9,8 @@
 #include <charconv>
 #include <cstring>
 #include <memory>
+
+#include "core/model_config_parser.h"
 
 namespace quern {
 namespace {
@@ -266,6 +269,86 @@ HttpResponse ModelMetadata(const ModelStatus& m) {
   return Json(200, buf);
 }
 
+void WriteDuration(Writer& w, const char* key, const DurationStat& d) {
+  w.Key(key);
+  w.StartObject();
+  w.Key("count");
+  w.Uint64(d.count);
+  w.Key("ns");
+  w.Uint64(d.ns);
+  w.EndObject();
+}
+
+// Triton's statistics JSON (GET /v2/models[/{m}[/versions/{v}]]/stats).
+HttpResponse StatisticsJson(const std::vector<ModelStatistics>& all) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("model_stats");
+  w.StartArray();
+  for (const auto& s : all) {
+    w.StartObject();
+    w.Key("name");
+    w.String(s.name.c_str());
+    w.Key("version");
+    w.String(std::to_string(s.version).c_str());
+    w.Key("last_inference");
+    w.Uint64(s.last_inference_ms);
+    w.Key("inference_count");
+    w.Uint64(s.inference_count);
+    w.Key("execution_count");
+    w.Uint64(s.execution_count);
+    w.Key("inference_stats");
+    w.StartObject();
+    WriteDuration(w, "success", s.success);
+    WriteDuration(w, "fail", s.fail);
+    WriteDuration(w, "queue", s.queue);
+    WriteDuration(w, "compute_input", s.compute_input);
+    WriteDuration(w, "compute_infer", s.compute_infer);
+    WriteDuration(w, "compute_output", s.compute_output);
+    WriteDuration(w, "cache_hit", {});
+    WriteDuration(w, "cache_miss", {});
+    w.EndObject();
+    w.Key("batch_stats");
+    w.StartArray();
+    for (const auto& b : s.batch_stats) {
+      w.StartObject();
+      w.Key("batch_size");
+      w.Int64(b.batch_size);
+      WriteDuration(w, "compute_input", b.compute_input);
+      WriteDuration(w, "compute_infer", b.compute_infer);
+      WriteDuration(w, "compute_output", b.compute_output);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
+  return Json(200, buf);
+}
+
+HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_only) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartArray();
+  for (const auto& m : models) {
+    if (ready_only && m.state != ModelState::kReady) continue;
+    w.StartObject();
+    w.Key("name");
+    w.String(m.name.c_str());
+    w.Key("version");
+    w.String(std::to_string(m.version).c_str());
+    w.Key("state");
+    w.String(std::string(ModelStateName(m.state)).c_str());
+    w.Key("reason");
+    w.String(m.reason.c_str());
+    w.EndObject();
+  }
+  w.EndArray();
+  return Json(200, buf);
+}
+
 }  // namespace
 
 int HttpStatusFor(const Status& s) {
@@ -302,6 +385,33 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
       return done(empty(ready ? 200 : 503));
     }
   }
+  if (parts.size() == 2 && parts[1] == "repository") return done(Error(NotFound("no route for " + req.target)));
+  if (parts.size() == 3 && parts[1] == "repository" && parts[2] == "index" && req.method == "POST") {
+    rapidjson::Document doc;
+    bool ready_only = false;
+    if (!req.body.empty() && !doc.Parse(req.body.c_str()).HasParseError() && doc.IsObject() && doc.HasMember("ready") &&
+        doc["ready"].IsBool()) {
+      ready_only = doc["ready"].GetBool();
+    }
+    return done(RepositoryIndex(engine_->ListModels(), ready_only));
+  }
+  if (parts.size() == 5 && parts[1] == "repository" && parts[2] == "models" && req.method == "POST" &&
+      (parts[4] == "load" || parts[4] == "unload")) {
+    const std::string model(parts[3]);
+    Status st = parts[4] == "load" ? engine_->LoadModel(model) : engine_->UnloadModel(model);
+    if (!st.ok()) {
+      // Triton answers a failed load with 400 and the reason.
+      return done(Error(st.code() == StatusCode::kNotFound ? st : InvalidArgument(st.message())));
+    }
+    HttpResponse ok;
+    ok.body = "{}";
+    return done(std::move(ok));
+  }
+  if (parts.size() == 3 && parts[1] == "models" && parts[2] == "stats" && get) {
+    auto stats = engine_->GetStatistics();
+    if (!stats) return done(Error(stats.error()));
+    return done(StatisticsJson(*stats));
+  }
   if (parts.size() >= 3 && parts[1] == "models") {
     const std::string model(parts[2]);
     size_t next = 3;
@@ -321,6 +431,21 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
       return done(ModelMetadata(*m));
     }
     if (action == "ready" && get) return done(empty(engine_->ModelReady(model, version) ? 200 : 400));
+    if (action == "stats" && get) {
+      auto stats = engine_->GetStatistics(model, version);
+      if (!stats) return done(Error(stats.error()));
+      return done(StatisticsJson(*stats));
+    }
+    if (action == "config" && get) {
+      auto m = engine_->GetModel(model, version);
+      if (!m) return done(Error(m.error()));
+      google::protobuf::util::JsonPrintOptions opts;
+      opts.preserve_proto_field_names = true;
+      HttpResponse r;
+      auto st = google::protobuf::util::MessageToJsonString(ToProto(m->config), &r.body, opts);
+      if (!st.ok()) return done(Error(Internal("cannot write the configuration of '" + model + "' as JSON")));
+      return done(std::move(r));
+    }
     if (action == "infer" && req.method == "POST") return Infer(model, version, std::move(req), std::move(done));
   }
   done(Error(NotFound("no route for " + req.method + " " + req.target)));
