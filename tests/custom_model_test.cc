@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "metrics/prometheus.h"
 #include "quern/engine.h"
 #include "test_util.h"
 
@@ -182,6 +183,20 @@ TEST(Statistics, CountRequestsItemsBatchesAndFailures) {
   EXPECT_EQ(s.batch_stats[1].compute_infer.count, 3u);
   EXPECT_GT(s.last_inference_ms, 0u);
   EXPECT_FALSE(engine->GetStatistics("nope").has_value());
+  EXPECT_EQ(s.batch_size.count, 4u);
+  EXPECT_EQ(s.request_us.count, 5u);
+
+  const std::string text = RenderPrometheus(*engine);
+  EXPECT_NE(text.find("quern_request_success_total{model=\"stats\",version=\"1\"} 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("quern_request_failure_total{model=\"stats\",version=\"1\",reason=\"invalid\"} 1\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("quern_inference_count_total{model=\"stats\",version=\"1\"} 7\n"), std::string::npos);
+  // Batch sizes 2, 2, 2, 1: three are <= 2, all four <= 4.
+  EXPECT_NE(text.find("quern_batch_size_bucket{model=\"stats\",version=\"1\",le=\"1\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("quern_batch_size_bucket{model=\"stats\",version=\"1\",le=\"2\"} 4\n"), std::string::npos);
+  EXPECT_NE(text.find("quern_batch_size_sum{model=\"stats\",version=\"1\"} 7\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE quern_request_duration_us histogram"), std::string::npos);
+  EXPECT_NE(text.find("process_resident_memory_bytes "), std::string::npos);
 }
 
 }  // namespace

@@ -119,6 +119,25 @@ struct DurationStat {
   uint64_t count = 0;
   uint64_t ns = 0;
 };
+// A cumulative histogram with fixed upper bounds (Prometheus semantics:
+// counts[i] = observations <= bounds[i]; the last count is +Inf).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts;  // bounds.size() + 1, cumulative
+  double sum = 0;
+  uint64_t count = 0;
+
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void Observe(double v) {
+    for (size_t i = 0; i < bounds.size(); ++i) {
+      if (v <= bounds[i]) ++counts[i];
+    }
+    ++counts.back();
+    sum += v;
+    ++count;
+  }
+};
+
 struct BatchSizeStats {
   int64_t batch_size = 0;
   DurationStat compute_input, compute_infer, compute_output;
@@ -138,7 +157,14 @@ struct ModelStatistics {
   // Failures by reason: rejected (queue full / unavailable), cancelled,
   // timeout (deadline exceeded), invalid (bad input), backend (model error).
   uint64_t fail_rejected = 0, fail_cancelled = 0, fail_timeout = 0, fail_invalid = 0, fail_backend = 0;
-  uint64_t pending = 0;                     // requests queued now
+  uint64_t pending = 0;  // requests queued now
+  // Distributions, in microseconds (durations) and items (batch size).
+  Histogram request_us{{100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000}};
+  Histogram queue_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000, 100000, 500000, 1000000}};
+  Histogram compute_input_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000}};
+  Histogram compute_infer_us{{100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000}};
+  Histogram compute_output_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000}};
+  Histogram batch_size{{1, 2, 4, 8, 16, 32, 64, 128}};
   std::vector<BatchSizeStats> batch_stats;  // by batch size, ascending
 };
 

@@ -12,6 +12,7 @@
 #include "core/npy.h"
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
+#include "metrics/prometheus.h"
 #include "quern/engine.h"
 
 namespace {
@@ -161,6 +162,9 @@ int main(int argc, char** argv) {
   serve->add_option("--http-port", http_opts.port, "KServe v2 HTTP port (0 = pick a free one and log it)");
   serve->add_option("--host", http_opts.host, "Address to listen on");
   serve->add_option("--http-threads", http_opts.io_threads, "HTTP I/O threads");
+  quern::HttpServerOptions metrics_opts;
+  metrics_opts.port = 8002;
+  serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
 
   std::string models_repo;
   auto* models = app.add_subcommand("models", "List a repository's models, their tensors and load errors");
@@ -203,13 +207,32 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
     return 1;
   }
+  metrics_opts.host = http_opts.host;
+  const quern::Engine* engine_ptr = engine->get();
+  auto metrics = quern::HttpServer::Start(metrics_opts, [engine_ptr](quern::HttpRequest&& r, quern::HttpDone done) {
+    quern::HttpResponse resp;
+    if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
+      resp.status = 404;
+      resp.body = "{\"error\":\"metrics are served at GET /metrics\"}";
+      return done(std::move(resp));
+    }
+    resp.content_type = "text/plain; version=0.0.4";
+    resp.body = quern::RenderPrometheus(*engine_ptr);
+    done(std::move(resp));
+  });
+  if (!metrics) {
+    std::fprintf(stderr, "quern: metrics: %s\n", metrics.error().ToString().c_str());
+    return 1;
+  }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::printf("quern: HTTP listening on %s:%d\n", http_opts.host.c_str(), (*server)->port());
+  std::printf("quern: metrics listening on %s:%d\n", metrics_opts.host.c_str(), (*metrics)->port());
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("quern: stopping\n");
+  (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine
   engine->reset();    // drains the queues; late responses are dropped with their connections
   server->reset();

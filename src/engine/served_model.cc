@@ -348,8 +348,10 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
     const Telemetry& t = r.telemetry;
     std::lock_guard<std::mutex> lock(stats_mu_);
     DurationStat& outcome = r.status.ok() ? stats_.success : stats_.fail;
+    const int64_t total_ns = std::max<int64_t>(now - t.queue_start_ns, 0);
     ++outcome.count;
-    outcome.ns += static_cast<uint64_t>(std::max<int64_t>(now - t.queue_start_ns, 0));
+    outcome.ns += static_cast<uint64_t>(total_ns);
+    stats_.request_us.Observe(static_cast<double>(total_ns) / 1e3);
     switch (r.status.code()) {
       case StatusCode::kOk: break;
       case StatusCode::kUnavailable: ++stats_.fail_rejected; break;
@@ -361,6 +363,7 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
     if (t.compute_start_ns > 0) {
       stats_.queue.count++;
       stats_.queue.ns += static_cast<uint64_t>(t.compute_start_ns - t.queue_start_ns);
+      stats_.queue_us.Observe(static_cast<double>(t.compute_start_ns - t.queue_start_ns) / 1e3);
       const int64_t infer_ns = t.compute_end_ns - t.compute_start_ns - task->input_ns;
       for (auto [stat, ns] :
            {std::pair{&stats_.compute_input, task->input_ns}, std::pair{&stats_.compute_infer, infer_ns},
@@ -466,6 +469,10 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_.execution_count++;
     stats_.inference_count += static_cast<uint64_t>(items);
+    stats_.batch_size.Observe(static_cast<double>(items));
+    stats_.compute_input_us.Observe(static_cast<double>(gathered - start) / 1e3);
+    stats_.compute_infer_us.Observe(static_cast<double>(end - gathered) / 1e3);
+    stats_.compute_output_us.Observe(static_cast<double>(split_end - end) / 1e3);
     stats_.last_inference_ms = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
             .count());

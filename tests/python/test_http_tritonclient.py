@@ -13,24 +13,27 @@ from tritonclient.utils import InferenceServerException
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
+METRICS = None  # host:port of /metrics, set by the server fixture
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--host", "127.0.0.1"],
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--metrics-port", "0",
+                             "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = None
+    ports = {}
     deadline = time.time() + 60
-    while time.time() < deadline:
+    while time.time() < deadline and len(ports) < 2:
         line = proc.stdout.readline()
         if not line:
             break
-        m = re.search(r"HTTP listening on [^:]+:(\d+)", line)
+        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
         if m:
-            port = int(m.group(1))
-            break
-    assert port, "server did not report its port"
-    yield f"127.0.0.1:{port}"
+            ports[m.group(1)] = int(m.group(2))
+    assert len(ports) == 2, "server did not report its ports"
+    global METRICS
+    METRICS = f"127.0.0.1:{ports['metrics']}"
+    yield f"127.0.0.1:{ports['HTTP']}"
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -198,3 +201,17 @@ def test_malformed_json_and_truncated_binary(server):
     status, body = post(server, "/v2/models/add_sub/infer", header + b"\0" * 10,
                         {"Inference-Header-Content-Length": str(len(header))})
     assert status == 400 and b"binary_data_size 16 but only 10 bytes" in body
+
+
+def test_prometheus_metrics(server):
+    import urllib.request
+    c = httpclient.InferenceServerClient(server)
+    x = np.ones((2, 8), np.float32)
+    i = httpclient.InferInput("x", [2, 8], "FP32")
+    i.set_data_from_numpy(x)
+    c.infer("linear", [i])
+    text = urllib.request.urlopen(f"http://{METRICS}/metrics").read().decode()
+    stats = c.get_inference_statistics("linear")["model_stats"][0]
+    assert f'quern_inference_count_total{{model="linear",version="1"}} {stats["inference_count"]}' in text
+    assert 'quern_request_duration_us_bucket{model="linear",version="1",le="+Inf"}' in text
+    assert "process_cpu_seconds_total" in text
