@@ -226,7 +226,13 @@ def gen_examples(d, quiet):
     np.save(f"{data}/text_flipped.npy", text_line("Quern grinds", True))
 
 
+def identity(name, n):
+    return graph_model([helper.make_node("Identity", ["x"], ["y"])], name,
+                       [vi("x", TensorProto.FLOAT, ["N", n])], [vi("y", TensorProto.FLOAT, ["N", n])])
+
+
 def gen_bench(d, quiet):
+    save(identity("identity", 4), f"{d}/identity/1/model.onnx", quiet)
     save(small_cnn(np.random.default_rng(7)), f"{d}/small_cnn/1/model.onnx", quiet)
     if not os.path.exists(f"{d}/resnet50/1/model.onnx"):
         save(resnet50(np.random.default_rng(50)), f"{d}/resnet50/1/model.onnx", quiet)

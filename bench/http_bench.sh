@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# HTTP benchmark: wrk (Debian) posts KServe v2 binary-tensor requests to a
+# real `quern serve`; reports throughput, latency and the server's CPU time
+# per request (from /proc, user + system, all threads).
+#   bench/http_bench.sh [seconds per run, default 5]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SECS="${1:-5}"
+command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk"; exit 1; }
+build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
+cmake --preset release >/dev/null
+cmake --build --preset release --target quern >/dev/null
+WORK=$(mktemp -d)
+trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/repo"
+for m in identity small_cnn; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
+
+build/release/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --metrics-port 0 \
+  --host 127.0.0.1 > "$WORK/log" 2>&1 &
+SERVER=$!
+for _ in $(seq 100); do grep -q "HTTP listening" "$WORK/log" && break; sleep 0.2; done
+PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
+
+# One request body per model: JSON header + binary input (batch 1).
+build/venv/bin/python - "$WORK" <<'PY'
+import json, sys, numpy as np
+work = sys.argv[1]
+for name, shape, inp in [("identity", [1, 4], "x"), ("small_cnn", [1, 3, 64, 64], "input")]:
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
+    header = json.dumps({"inputs": [{"name": inp, "shape": shape, "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(data)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    open(f"{work}/{name}.body", "wb").write(header + data)
+    open(f"{work}/{name}.len", "w").write(str(len(header)))
+PY
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
+TCK=$(getconf CLK_TCK)
+echo "model        conns   req/s      p50        p99        server CPU us/request"
+for model in identity small_cnn; do
+  cat > "$WORK/$model.lua" <<LUA
+wrk.method = "POST"
+local f = io.open("$WORK/$model.body", "rb"); wrk.body = f:read("*a"); f:close()
+wrk.headers["Inference-Header-Content-Length"] = "$(cat "$WORK/$model.len")"
+wrk.headers["Content-Type"] = "application/octet-stream"
+LUA
+  for c in 1 4 16 64; do
+    t0=$(cpu_ticks)
+    out=$(wrk -t 1 -c "$c" -d "${SECS}s" --latency -s "$WORK/$model.lua" "http://127.0.0.1:$PORT/v2/models/$model/infer")
+    t1=$(cpu_ticks)
+    reqs=$(echo "$out" | awk '/requests in/ {print $1}')
+    rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+    p50=$(echo "$out" | awk '$1 == "50%" {print $2}')
+    p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
+    errors=$(echo "$out" | grep -E "Non-2xx|Socket errors" || true)
+    us=$(awk -v t="$((t1 - t0))" -v k="$TCK" -v n="$reqs" 'BEGIN {printf "%.1f", t / k * 1e6 / n}')
+    printf "%-12s %5s  %9s  %9s  %9s  %s %s\n" "$model" "$c" "$rps" "$p50" "$p99" "$us" "$errors"
+  done
+done
