@@ -190,6 +190,9 @@ dynamic_batching { max_queue_delay_microseconds: 20000 }
 parameters { key: "quern.fixed_batch_sizes" value { string_value: "4" } }
 """)
     save(scale("nobatch", 2, [3], factor=3.0), f"{d}/nobatch/1/model.onnx", quiet)
+    # Requests wait up to a second for company: time for a client to go away.
+    save(scale("slow_batch", "N", [3]), f"{d}/slow_batch/1/model.onnx", quiet)
+    write_config(f"{d}/slow_batch/config.pbtxt", "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 1000000 }\n")
     # Two versions with different factors, served under an "all" policy.
     save(scale("versions", "N", [3], factor=1.0), f"{d}/versions/1/model.onnx", quiet)
     save(scale("versions", "N", [3], factor=10.0), f"{d}/versions/2/model.onnx", quiet)

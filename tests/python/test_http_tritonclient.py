@@ -215,3 +215,21 @@ def test_prometheus_metrics(server):
     assert f'quern_inference_count_total{{model="linear",version="1"}} {stats["inference_count"]}' in text
     assert 'quern_request_duration_us_bucket{model="linear",version="1",le="+Inf"}' in text
     assert "process_cpu_seconds_total" in text
+
+
+def test_client_disconnect_cancels_the_queued_request(server):
+    import json
+    import socket
+    c = httpclient.InferenceServerClient(server)
+    before = c.get_inference_statistics("slow_batch")["model_stats"][0]
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}).encode()
+    host, port = server.split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v2/models/slow_batch/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(0.2)  # queued: the model waits up to 1 s for a fuller batch
+    s.close()
+    time.sleep(1.5)  # past the batching delay: the batch would have run by now
+    after = c.get_inference_statistics("slow_batch")["model_stats"][0]
+    assert after["execution_count"] == before["execution_count"], "the abandoned request was computed"
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1

@@ -64,10 +64,25 @@ class Session : public std::enable_shared_from_this<Session> {
       req.headers.emplace_back(std::move(name), std::string(f.value()));
     }
     req.body = std::move(msg.body());
+    req.cancel = std::make_shared<CancellationToken>();
     stream_.expires_never();
+    WatchForDisconnect(req.cancel);
     handler_(std::move(req), [self = shared_from_this()](HttpResponse r) {
       asio::post(self->stream_.get_executor(), [self, r = std::move(r)]() mutable { self->Write(std::move(r)); });
     });
+  }
+
+  // While a request is in flight, a readable socket with nothing to read
+  // means the client closed it: its queued work is cancelled. Pipelined
+  // bytes (the next request) stop the watch; Read() picks them up.
+  void WatchForDisconnect(std::shared_ptr<CancellationToken> cancel) {
+    stream_.socket().async_wait(tcp::socket::wait_read,
+                                [self = shared_from_this(), cancel = std::move(cancel)](beast::error_code ec) {
+                                  if (ec == asio::error::operation_aborted) return;
+                                  beast::error_code avail_ec;
+                                  const size_t n = self->stream_.socket().available(avail_ec);
+                                  if (ec || avail_ec || n == 0) cancel->Cancel();
+                                });
   }
 
   void Write(HttpResponse r) {
@@ -78,6 +93,8 @@ class Session : public std::enable_shared_from_this<Session> {
     res->body() = std::move(r.body);
     res->keep_alive(keep_alive_);
     res->prepare_payload();  // Content-Length, never chunked
+    beast::error_code ignored;
+    stream_.socket().cancel(ignored);  // ends the disconnect watch
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
       if (ec || !self->keep_alive_) return self->Close();
       self->Read();

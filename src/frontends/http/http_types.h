@@ -3,10 +3,13 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "quern/engine.h"
 
 namespace quern {
 
@@ -15,6 +18,9 @@ struct HttpRequest {
   std::string target;                                        // path and query, e.g. "/v2/models/m/infer"
   std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
   std::string body;
+  // Set by the server when the client disconnects before the response is
+  // written; handlers pass it on so queued work is withdrawn.
+  std::shared_ptr<CancellationToken> cancel;
 
   // The value of header `name` (lower case), or "" when absent.
   std::string_view Header(std::string_view name) const {

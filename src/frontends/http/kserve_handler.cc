@@ -474,6 +474,7 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   InferRequest ir;
   ir.model = model;
   ir.version = version;
+  ir.cancel = req.cancel;
   BinaryCursor binary{body, json_size};
   for (const auto& in : doc["inputs"].GetArray()) {
     std::string name;
