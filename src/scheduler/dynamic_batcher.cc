@@ -32,8 +32,11 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return Unavailable("model is shutting down");
-    QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, clock_->NowNs()));
-    if (busy_workers_ == num_workers_) reaper_cv_.notify_one();
+    const int64_t now = clock_->NowNs();
+    QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
+    int64_t due = options.deadline_ns;
+    if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
+    if (busy_workers_ == num_workers_ && ReaperNeedsWake(due)) reaper_cv_.notify_one();
   }
   cv_.notify_one();
   return Status::Ok();
@@ -75,7 +78,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (!d.batch.empty() || !d.dropped.empty()) {
       const bool more = !queue_.empty();
       ++busy_workers_;
-      if (busy_workers_ == num_workers_ && more) reaper_cv_.notify_one();
+      if (busy_workers_ == num_workers_ && more && ReaperNeedsWake(0)) reaper_cv_.notify_one();
       lock.unlock();
       if (more) cv_.notify_one();  // let another free instance take the next batch
       for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
@@ -93,12 +96,19 @@ void DynamicBatcher::WorkerLoop(int worker) {
   }
 }
 
+bool DynamicBatcher::ReaperNeedsWake(int64_t due_ns) const {
+  if (reaper_wake_ns_ == 0) return true;  // asleep until told
+  return due_ns > 0 && reaper_wake_ns_ > 0 && due_ns < reaper_wake_ns_;
+}
+
 void DynamicBatcher::ReaperLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     // Idle workers sweep the queue themselves; the reaper covers the time when none is free.
     if (busy_workers_ < num_workers_ || queue_.empty()) {
+      reaper_wake_ns_ = 0;
       reaper_cv_.wait(lock);
+      reaper_wake_ns_ = -1;
       continue;
     }
     std::vector<BatchQueue::Dropped> dropped;
@@ -112,7 +122,9 @@ void DynamicBatcher::ReaperLoop() {
     }
     int64_t wait_ns = int64_t{kReapPollMs} * 1'000'000;
     if (next > 0) wait_ns = std::min(wait_ns, std::max<int64_t>(next - now, 0));
+    reaper_wake_ns_ = now + wait_ns;
     reaper_cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns));
+    reaper_wake_ns_ = -1;
   }
 }
 

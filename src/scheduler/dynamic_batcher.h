@@ -67,6 +67,9 @@ class DynamicBatcher {
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
   void WorkerLoop(int worker);
   void ReaperLoop();
+  // Called with mu_ held: would a task due at `due_ns` (0 = no deadline of
+  // its own) be reaped late without a wake-up?
+  bool ReaperNeedsWake(int64_t due_ns) const;
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts
@@ -77,6 +80,10 @@ class DynamicBatcher {
   BatchQueue queue_;       // guarded by mu_
   bool stopping_ = false;  // guarded by mu_
   int busy_workers_ = 0;   // guarded by mu_
+  // When the reaper wakes by itself: 0 = only when notified, -1 = it is
+  // running. Schedule notifies it only when a new task could need it sooner,
+  // so a saturated model does not wake it once per request. Guarded by mu_.
+  int64_t reaper_wake_ns_ = -1;
   std::condition_variable reaper_cv_;
   std::vector<std::thread> workers_;
   std::thread reaper_;
