@@ -256,7 +256,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", max_batch, "Engine max_batch_size");
   app.add_option("--raw-batches", raw_batches, "Batch sizes for the raw ONNX Runtime runs");
   app.add_option("--submitters", submitters, "Concurrent submitter counts for the engine runs");
-  app.add_option("--gain-submitters", gain_submitters, "Submitters for the batching-gain comparison");
+  app.add_option("--gain-submitters", gain_submitters, "Submitters for the batching-gain comparison (0 = skip it)");
   app.add_option("--item-shape", item_shape,
                  "Input shape without the batch dimension, for models with other "
                  "dynamic dimensions (e.g. 3 48 192)");
@@ -316,6 +316,7 @@ int main(int argc, char** argv) {
                 now, r.throughput / now, r.mean_batch, r.p50_ms, r.p99_ms);
     std::fflush(stdout);
   }
+  if (gain_submitters <= 0) return 0;
   EngineResult batched = EngineThroughput(model, max_batch, gain_submitters, seconds, shape, mode == "callbacks");
   EngineResult single = EngineThroughput(model, 1, gain_submitters, seconds, shape, mode == "callbacks");
   std::printf(

@@ -2,7 +2,10 @@
 //   quern serve  --model-repository DIR   load a repository and serve it
 //   quern models DIR                      list models, their tensors and load errors
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
+#include <sys/resource.h>
+
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -147,6 +150,15 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
   return 0;
 }
 
+// Connections need file descriptors; the usual soft limit (1024) is far
+// below the hard one.
+void RaiseOpenFileLimit(int wanted) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= static_cast<rlim_t>(wanted)) return;
+  lim.rlim_cur = std::min(lim.rlim_max, static_cast<rlim_t>(wanted));
+  setrlimit(RLIMIT_NOFILE, &lim);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -162,6 +174,14 @@ int main(int argc, char** argv) {
   serve->add_option("--http-port", http_opts.port, "KServe v2 HTTP port (0 = pick a free one and log it)");
   serve->add_option("--host", http_opts.host, "Address to listen on");
   serve->add_option("--http-threads", http_opts.io_threads, "HTTP I/O threads");
+  serve->add_option("--http-max-body-bytes", http_opts.max_body_bytes, "Largest request body (larger: 413)");
+  serve->add_option("--http-max-header-bytes", http_opts.max_header_bytes,
+                    "Largest request line + headers (larger: 431)");
+  serve->add_option("--http-max-connections", http_opts.max_connections, "Open HTTP connections (more: 503)");
+  serve->add_option("--http-idle-timeout-secs", http_opts.idle_timeout_s,
+                    "Close a keep-alive connection idle for this long");
+  serve->add_option("--http-read-timeout-secs", http_opts.read_timeout_s,
+                    "Close a connection whose request (or response) takes longer than this to transfer");
   quern::HttpServerOptions metrics_opts;
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
@@ -199,6 +219,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   PrintModels(**engine);
+  RaiseOpenFileLimit(http_opts.max_connections + 64);
   quern::KServeHandler handler(engine->get());
   auto server = quern::HttpServer::Start(http_opts, [&handler](quern::HttpRequest&& r, quern::HttpDone done) {
     handler.Handle(std::move(r), std::move(done));

@@ -1,8 +1,19 @@
 #include "frontends/http/http_server.h"
 
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -16,45 +27,169 @@ using tcp = asio::ip::tcp;
 
 namespace {
 
-constexpr size_t kReadBufferBytes = 64 * 1024;
+// A chunked body is read in pieces of this size (the read buffer of a
+// connection grows to it only when a request needs it).
+constexpr size_t kMaxReadChunk = 64 * 1024;
+// Connections over the limit are still answered (503) while there are fewer
+// than this many of them; beyond, they are closed without a word.
+constexpr int kMaxRejecting = 64;
+// How long a closing connection may take to send its last bytes to us.
+constexpr int64_t kLingerNs = 2'000'000'000;
+constexpr auto kSweepInterval = std::chrono::milliseconds(500);
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string JsonError(const std::string& message) {
+  std::string out = "{\"error\":\"";
+  for (char c : message) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += (static_cast<unsigned char>(c) < 0x20) ? ' ' : c;
+  }
+  return out + "\"}";
+}
+
+// A limited warning log: at most one line per second per call site.
+void WarnRateLimited(std::atomic<int64_t>& last_ns, const char* message) {
+  const int64_t now = NowNs();
+  int64_t last = last_ns.load(std::memory_order_relaxed);
+  if (now - last < 1'000'000'000 || !last_ns.compare_exchange_strong(last, now)) return;
+  std::fprintf(stderr, "quern: warning: %s\n", message);
+}
+
+class Session;
+
+// One I/O thread with its own io_context: a connection's handlers all run on
+// its loop's thread, so no strand is needed.
+struct Loop {
+  asio::io_context io{1};
+  asio::steady_timer sweep_timer{io};
+  std::vector<std::weak_ptr<Session>> sessions;  // loop thread only
+  char discard[4096];                            // sink for bytes read while closing
+  std::thread thread;
+};
+
+struct Shared {
+  HttpServerOptions options;
+  HttpHandler handler;
+  std::atomic<int> open{0};       // served connections
+  std::atomic<int> rejecting{0};  // over-limit connections being answered 503
+  std::atomic<int64_t> last_limit_warning{0};
+};
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, const HttpServerOptions& options, const HttpHandler& handler)
-      : stream_(std::move(socket)), options_(options), handler_(handler) {
-    // Beast reads at most the buffer's free capacity per system call: a
-    // small buffer turns a 50 KiB tensor body into a hundred reads.
-    buffer_.reserve(kReadBufferBytes);
-  }
+  Session(tcp::socket socket, Loop& loop, Shared& shared, bool reject)
+      : socket_(std::move(socket)), fd_(socket_.native_handle()), loop_(loop), shared_(shared), reject_(reject) {}
 
-  void Run() {
-    asio::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->Read(); });
+  ~Session() { (reject_ ? shared_.rejecting : shared_.open).fetch_sub(1, std::memory_order_relaxed); }
+
+  void Start() { ReadNext(); }
+
+  // Loop thread: closes the connection when its idle, read or write time is up.
+  void Sweep(int64_t now) {
+    if (closed_) return;
+    int64_t deadline = deadline_ns_.load(std::memory_order_acquire);
+    if (deadline == 0) return;  // a request is in flight: the engine's timeouts govern it
+    if (reading_ && !read_clock_started_ && parser_ && parser_->got_some()) {
+      read_clock_started_ = true;
+      deadline = std::min(deadline, now + int64_t{shared_.options.read_timeout_s} * 1'000'000'000);
+      deadline_ns_.store(deadline, std::memory_order_release);
+    }
+    if (now >= deadline) HardClose();
   }
 
  private:
-  void Read() {
+  enum : uint32_t { kResponded = 1, kWatchFired = 2 };
+
+  // Loop thread.
+  void ReadNext() {
+    if (closing_ || closed_) return;
     parser_.emplace();
-    parser_->body_limit(options_.max_body_bytes);
-    stream_.expires_after(std::chrono::seconds(options_.read_timeout_s));
-    http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+    parser_->header_limit(static_cast<uint32_t>(std::min<size_t>(shared_.options.max_header_bytes, UINT32_MAX)));
+    parser_->body_limit(shared_.options.max_body_bytes);
+    reading_ = true;
+    read_clock_started_ = false;
+    deadline_ns_.store(NowNs() + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
+    http::async_read_header(socket_, buffer_, *parser_,
+                            [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
 
-  void OnRead(beast::error_code ec) {
-    if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == asio::error::connection_reset) {
-      return Close();
+  void OnHeader(beast::error_code ec) {
+    if (ec) return OnReadError(ec);
+    if (parser_->is_done()) return Dispatch();
+    if (const auto length = parser_->content_length()) {
+      // A body of known length (already checked against the limit) is read
+      // straight into the request's string: one copy, from the kernel.
+      const size_t len = static_cast<size_t>(*length);
+      const size_t have = std::min(len, buffer_.size());
+      body_.resize_and_overwrite(len, [&](char* p, size_t n) {
+        if (have > 0) std::memcpy(p, buffer_.data().data(), have);
+        return n;
+      });
+      buffer_.consume(have);
+      body_by_length_ = true;
+      if (have == len) return Dispatch();
+      asio::async_read(socket_, asio::buffer(body_.data() + have, len - have),
+                       [self = shared_from_this()](beast::error_code e, size_t) {
+                         if (e == asio::error::eof) e = http::error::partial_message;
+                         self->OnBody(e);
+                       });
+      return;
     }
+    // Chunked: Beast's parser assembles the body.
+    if (buffer_.capacity() < kMaxReadChunk) buffer_.reserve(kMaxReadChunk);
+    http::async_read(socket_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code e, size_t) { self->OnBody(e); });
+  }
+
+  void OnBody(beast::error_code ec) {
+    if (ec) return OnReadError(ec);
+    Dispatch();
+  }
+
+  void OnReadError(beast::error_code ec) {
+    reading_ = false;
+    if (ec == asio::error::operation_aborted || closed_) return;
+    if (ec == http::error::end_of_stream || ec == asio::error::eof || ec == asio::error::connection_reset ||
+        ec == http::error::partial_message) {
+      return HardClose();
+    }
+    if (reject_) return Reject();
     if (ec == http::error::body_limit) {
-      HttpResponse r;
-      r.status = 413;
-      r.body =
-          "{\"error\":\"request body exceeds the limit of " + std::to_string(options_.max_body_bytes) + " bytes\"}";
-      keep_alive_ = false;
-      return Write(std::move(r));
+      return Fail(413, "request body exceeds the limit of " + std::to_string(shared_.options.max_body_bytes) +
+                           " bytes (--http-max-body-bytes)");
     }
-    if (ec) return Close();
+    if (ec == http::error::header_limit) {
+      return Fail(431, "request line and headers exceed the limit of " +
+                           std::to_string(shared_.options.max_header_bytes) + " bytes (--http-max-header-bytes)");
+    }
+    return Fail(400, "malformed HTTP request: " + ec.message());
+  }
+
+  void Reject() {
+    Fail(503, "too many open connections (limit " + std::to_string(shared_.options.max_connections) +
+                  ", --http-max-connections); try again later");
+  }
+
+  // Answers an error and closes the connection.
+  void Fail(int status, std::string message) {
+    reading_ = false;
+    keep_alive_ = false;
+    HttpResponse r;
+    r.status = status;
+    r.body = JsonError(message);
+    Respond(std::move(r));
+  }
+
+  void Dispatch() {
+    reading_ = false;
+    if (reject_) return Reject();
     auto msg = parser_->release();
     keep_alive_ = msg.keep_alive();
+    http10_ = msg.version() == 10;
     HttpRequest req;
     req.method = std::string(msg.method_string());
     req.target = std::string(msg.target());
@@ -63,106 +198,321 @@ class Session : public std::enable_shared_from_this<Session> {
       for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       req.headers.emplace_back(std::move(name), std::string(f.value()));
     }
-    req.body = std::move(msg.body());
-    req.cancel = std::make_shared<CancellationToken>();
-    stream_.expires_never();
-    WatchForDisconnect(req.cancel);
-    handler_(std::move(req), [self = shared_from_this()](HttpResponse r) {
-      asio::post(self->stream_.get_executor(), [self, r = std::move(r)]() mutable { self->Write(std::move(r)); });
-    });
+    if (body_by_length_) {
+      req.body = std::move(body_);
+      body_ = std::string();
+      body_by_length_ = false;
+    } else {
+      req.body = std::move(msg.body());
+    }
+    cancel_ = std::make_shared<CancellationToken>();
+    req.cancel = cancel_;
+    deadline_ns_.store(0, std::memory_order_release);
+    state_.store(0, std::memory_order_relaxed);
+    // Bytes of a pipelined next request already sit in our buffer: the
+    // socket may never become readable again, so no watch.
+    pipelined_ = buffer_.size() > 0;
+    if (!pipelined_) {
+      socket_.async_wait(tcp::socket::wait_read,
+                         [self = shared_from_this()](beast::error_code ec) { self->OnWatch(ec); });
+    }
+    shared_.handler(std::move(req), [self = shared_from_this()](HttpResponse r) { self->Respond(std::move(r)); });
   }
 
-  // While a request is in flight, a readable socket with nothing to read
-  // means the client closed it: its queued work is cancelled. Pipelined
-  // bytes (the next request) stop the watch; Read() picks them up.
-  void WatchForDisconnect(std::shared_ptr<CancellationToken> cancel) {
-    stream_.socket().async_wait(tcp::socket::wait_read,
-                                [self = shared_from_this(), cancel = std::move(cancel)](beast::error_code ec) {
-                                  if (ec == asio::error::operation_aborted) return;
-                                  beast::error_code avail_ec;
-                                  const size_t n = self->stream_.socket().available(avail_ec);
-                                  if (ec || avail_ec || n == 0) cancel->Cancel();
-                                });
+  // Loop thread. Fires once per request: the client closed the connection
+  // (cancel the request), sent more bytes (pipelining; the next read picks
+  // them up), or sent the next request after the response went out.
+  void OnWatch(beast::error_code ec) {
+    if (ec == asio::error::operation_aborted || closed_) return;
+    const uint32_t prev = state_.fetch_or(kWatchFired, std::memory_order_acq_rel);
+    if (prev & kResponded) return ReadNext();
+    beast::error_code avail_ec;
+    const size_t n = socket_.available(avail_ec);
+    if (ec || avail_ec || n == 0) cancel_->Cancel();
   }
 
-  void Write(HttpResponse r) {
-    auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(r.status), 11);
-    res->set(http::field::server, "quern");
-    if (!r.content_type.empty()) res->set(http::field::content_type, r.content_type);
-    for (const auto& [k, v] : r.headers) res->set(k, v);
-    res->body() = std::move(r.body);
-    res->keep_alive(keep_alive_);
-    res->prepare_payload();  // Content-Length, never chunked
-    beast::error_code ignored;
-    stream_.socket().cancel(ignored);  // ends the disconnect watch
-    http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
-      if (ec || !self->keep_alive_) return self->Close();
-      self->Read();
-    });
+  // Any thread, once per request: writes the response with a non-blocking
+  // send; what the socket does not take is finished on the loop thread.
+  void Respond(HttpResponse r) {
+    std::string head;
+    head.reserve(128 + r.content_type.size());
+    head += "HTTP/1.1 ";
+    head += std::to_string(r.status);
+    head += ' ';
+    const auto reason = http::obsolete_reason(static_cast<http::status>(r.status));
+    head.append(reason.data(), reason.size());
+    head += "\r\nServer: quern\r\n";
+    if (!r.content_type.empty()) {
+      head += "Content-Type: ";
+      head += r.content_type;
+      head += "\r\n";
+    }
+    for (const auto& [k, v] : r.headers) {
+      head += k;
+      head += ": ";
+      head += v;
+      head += "\r\n";
+    }
+    head += "Content-Length: ";
+    head += std::to_string(r.body.size());
+    if (!keep_alive_) {
+      head += "\r\nConnection: close";
+    } else if (http10_) {
+      head += "\r\nConnection: keep-alive";
+    }
+    head += "\r\n\r\n";
+
+    const size_t total = head.size() + r.body.size();
+    size_t sent = 0;
+    while (sent < total) {
+      iovec iov[2];
+      int count = 0;
+      if (sent < head.size()) {
+        iov[count++] = {head.data() + sent, head.size() - sent};
+        if (!r.body.empty()) iov[count++] = {r.body.data(), r.body.size()};
+      } else {
+        iov[count++] = {r.body.data() + (sent - head.size()), total - sent};
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<size_t>(count);
+      const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        sent += static_cast<size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        return Finish(/*failed=*/true);
+      }
+    }
+    if (sent == total) return Finish(/*failed=*/false);
+    // The socket's send buffer is full (a large response or a slow reader).
+    out_head_ = std::move(head);
+    out_body_ = std::move(r.body);
+    out_sent_ = sent;
+    asio::post(loop_.io, [self = shared_from_this()] { self->WriteRest(); });
   }
 
-  void Close() {
+  // Loop thread.
+  void WriteRest() {
+    if (closed_) return Finish(true);
+    deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
+    std::array<asio::const_buffer, 2> bufs;
+    size_t count = 0;
+    if (out_sent_ < out_head_.size()) {
+      bufs[count++] = asio::buffer(out_head_.data() + out_sent_, out_head_.size() - out_sent_);
+      bufs[count++] = asio::buffer(out_body_);
+    } else {
+      bufs[count++] = asio::buffer(out_body_.data() + (out_sent_ - out_head_.size()),
+                                   out_body_.size() - (out_sent_ - out_head_.size()));
+    }
+    auto on_done = [self = shared_from_this()](beast::error_code ec, size_t) {
+      self->out_head_.clear();
+      self->out_body_.clear();
+      self->Finish(static_cast<bool>(ec));
+    };
+    if (count == 2) {
+      asio::async_write(socket_, bufs, std::move(on_done));
+    } else {
+      asio::async_write(socket_, bufs[0], std::move(on_done));
+    }
+  }
+
+  // Any thread: the response is out (or the connection broke).
+  void Finish(bool failed) {
+    deadline_ns_.store(NowNs() + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
+    if (failed || !keep_alive_) {
+      asio::post(loop_.io, [self = shared_from_this(), failed] { failed ? self->HardClose() : self->LingerClose(); });
+      return;
+    }
+    if (pipelined_) {
+      asio::post(loop_.io, [self = shared_from_this()] { self->ReadNext(); });
+      return;
+    }
+    const uint32_t prev = state_.fetch_or(kResponded, std::memory_order_acq_rel);
+    if (prev & kWatchFired) asio::post(loop_.io, [self = shared_from_this()] { self->ReadNext(); });
+    // Otherwise the pending watch starts the next read when the next request
+    // arrives (or sees the close).
+  }
+
+  // Loop thread: no more responses; let the client read what we sent before
+  // the socket closes (closing with unread input would send a reset that can
+  // destroy our last response on the way).
+  void LingerClose() {
+    if (closing_ || closed_) return;
+    closing_ = true;
     beast::error_code ec;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    socket_.shutdown(tcp::socket::shutdown_send, ec);
+    deadline_ns_.store(NowNs() + kLingerNs, std::memory_order_release);
+    Drain();
   }
 
-  beast::tcp_stream stream_;
+  void Drain() {
+    socket_.async_read_some(asio::buffer(loop_.discard), [self = shared_from_this()](beast::error_code ec, size_t) {
+      if (ec) return self->HardClose();
+      self->Drain();
+    });
+  }
+
+  // Loop thread. Never called while a request is in flight (the responding
+  // thread may be sending on fd_).
+  void HardClose() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ec;
+    socket_.close(ec);
+  }
+
+  tcp::socket socket_;
+  const int fd_;
+  Loop& loop_;
+  Shared& shared_;
+  const bool reject_;  // over the connection limit: answer 503 and close
+
+  // Loop thread only.
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
-  const HttpServerOptions& options_;
-  const HttpHandler& handler_;
+  std::shared_ptr<CancellationToken> cancel_;
+  std::string body_;  // a body of known length, read directly
+  bool body_by_length_ = false;
+  bool reading_ = false;
+  bool read_clock_started_ = false;
+  bool closing_ = false;
+  bool closed_ = false;
+
+  // Written on the loop thread before the handler runs, read by the
+  // responding thread (ordered by the handler's hand-off).
   bool keep_alive_ = true;
+  bool http10_ = false;
+  bool pipelined_ = false;
+
+  // Response handed to the loop thread when the socket did not take it all.
+  std::string out_head_;
+  std::string out_body_;
+  size_t out_sent_ = 0;
+
+  std::atomic<uint32_t> state_{0};       // kResponded | kWatchFired for the request in flight
+  std::atomic<int64_t> deadline_ns_{0};  // idle/read/write/linger deadline; 0 = request in flight
 };
 
 }  // namespace
 
 class HttpServer::Impl {
  public:
-  Impl(HttpServerOptions options, HttpHandler handler)
-      : options_(std::move(options)), handler_(std::move(handler)), acceptor_(io_) {}
+  Impl(HttpServerOptions options, HttpHandler handler) {
+    shared_.options = std::move(options);
+    shared_.handler = std::move(handler);
+    const int n = std::max(1, shared_.options.io_threads);
+    for (int i = 0; i < n; ++i) loops_.push_back(std::make_unique<Loop>());
+    acceptor_.emplace(loops_[0]->io);
+    retry_timer_.emplace(loops_[0]->io);
+  }
 
   Status Listen() {
+    const auto& o = shared_.options;
+    if (o.max_connections < 1) return InvalidArgument("--http-max-connections must be at least 1");
+    if (o.max_header_bytes < 256) return InvalidArgument("--http-max-header-bytes must be at least 256");
+    if (o.idle_timeout_s < 1 || o.read_timeout_s < 1) return InvalidArgument("HTTP timeouts must be at least 1 s");
     beast::error_code ec;
-    auto address = asio::ip::make_address(options_.host, ec);
-    if (ec) return InvalidArgument("--host '" + options_.host + "' is not an IP address");
-    tcp::endpoint ep(address, static_cast<unsigned short>(options_.port));
-    acceptor_.open(ep.protocol(), ec);
-    if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(ep, ec);
-    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) {
-      return Unavailable("cannot listen on " + options_.host + ":" + std::to_string(options_.port) + ": " +
-                         ec.message());
-    }
+    auto address = asio::ip::make_address(o.host, ec);
+    if (ec) return InvalidArgument("--host '" + o.host + "' is not an IP address");
+    tcp::endpoint ep(address, static_cast<unsigned short>(o.port));
+    acceptor_->open(ep.protocol(), ec);
+    if (!ec) acceptor_->set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_->bind(ep, ec);
+    if (!ec) acceptor_->listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return Unavailable("cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " + ec.message());
     Accept();
-    for (int i = 0; i < std::max(1, options_.io_threads); ++i) threads_.emplace_back([this] { io_.run(); });
+    for (auto& loop : loops_) {
+      ScheduleSweep(*loop);
+      loop->thread = std::thread([l = loop.get()] { l->io.run(); });
+    }
     return Status::Ok();
   }
 
-  ~Impl() { Stop(); }
+  ~Impl() {
+    Stop();
+    // Sessions with pending operations are freed with their io_context.
+    acceptor_.reset();
+    retry_timer_.reset();
+    loops_.clear();
+  }
 
   void Stop() {
-    io_.stop();
-    for (auto& t : threads_) {
-      if (t.joinable()) t.join();
+    for (auto& loop : loops_) loop->io.stop();
+    for (auto& loop : loops_) {
+      if (loop->thread.joinable()) loop->thread.join();
     }
   }
 
-  int port() const { return acceptor_.local_endpoint().port(); }
+  int port() const { return acceptor_->local_endpoint().port(); }
+  int open_connections() const { return shared_.open.load(std::memory_order_relaxed); }
 
  private:
   void Accept() {
-    acceptor_.async_accept(asio::make_strand(io_), [this](beast::error_code ec, tcp::socket socket) {
-      if (!ec) std::make_shared<Session>(std::move(socket), options_, handler_)->Run();
-      if (acceptor_.is_open()) Accept();
+    Loop& target = *loops_[next_loop_++ % loops_.size()];
+    acceptor_->async_accept(target.io, [this, &target](beast::error_code ec, tcp::socket socket) {
+      if (ec == asio::error::operation_aborted) return;
+      if (ec) {
+        // Out of file descriptors, most likely: wait instead of spinning.
+        WarnRateLimited(accept_warning_, ("cannot accept a connection: " + ec.message()).c_str());
+        retry_timer_->expires_after(std::chrono::milliseconds(100));
+        retry_timer_->async_wait([this](beast::error_code e) {
+          if (!e) Accept();
+        });
+        return;
+      }
+      Admit(target, std::move(socket));
+      Accept();
     });
   }
 
-  HttpServerOptions options_;
-  HttpHandler handler_;
-  asio::io_context io_;
-  tcp::acceptor acceptor_;
-  std::vector<std::thread> threads_;
+  void Admit(Loop& target, tcp::socket socket) {
+    bool reject = false;
+    if (shared_.open.fetch_add(1, std::memory_order_relaxed) >= shared_.options.max_connections) {
+      shared_.open.fetch_sub(1, std::memory_order_relaxed);
+      WarnRateLimited(shared_.last_limit_warning, "HTTP connection limit reached; answering 503");
+      if (shared_.rejecting.fetch_add(1, std::memory_order_relaxed) >= kMaxRejecting) {
+        shared_.rejecting.fetch_sub(1, std::memory_order_relaxed);
+        return;  // closes the socket
+      }
+      reject = true;
+    }
+    beast::error_code ec;
+    socket.set_option(tcp::no_delay(true), ec);
+    auto session = std::make_shared<Session>(std::move(socket), target, shared_, reject);
+    asio::post(target.io, [&target, session = std::move(session)] {
+      target.sessions.push_back(session);
+      session->Start();
+    });
+  }
+
+  void ScheduleSweep(Loop& loop) {
+    loop.sweep_timer.expires_after(kSweepInterval);
+    loop.sweep_timer.async_wait([this, &loop](beast::error_code ec) {
+      if (ec) return;
+      const int64_t now = NowNs();
+      auto& s = loop.sessions;
+      size_t kept = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (auto session = s[i].lock()) {
+          session->Sweep(now);
+          s[kept++] = std::move(s[i]);
+        }
+      }
+      s.resize(kept);
+      ScheduleSweep(loop);
+    });
+  }
+
+  Shared shared_;
+  std::vector<std::unique_ptr<Loop>> loops_;
+  std::optional<tcp::acceptor> acceptor_;
+  std::optional<asio::steady_timer> retry_timer_;
+  size_t next_loop_ = 0;
+  std::atomic<int64_t> accept_warning_{0};
 };
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -172,6 +522,9 @@ void HttpServer::Stop() {
 }
 int HttpServer::port() const {
   return impl_->port();
+}
+int HttpServer::open_connections() const {
+  return impl_->open_connections();
 }
 
 Result<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options, HttpHandler handler) {

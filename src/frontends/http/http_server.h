@@ -1,9 +1,15 @@
-// HttpServer: HTTP/1.1 on Boost.Beast with a small pool of I/O threads,
-// keep-alive, a body limit (a larger request gets 413 before its body is
-// read) and a read timeout. Requests go to an HttpHandler; its response may
-// arrive from any thread and is written back on the connection's strand.
+// HttpServer: HTTP/1.1 on Boost.Beast with one io_context per I/O thread,
+// keep-alive, bounded header and body sizes (431 / 413 before the body is
+// read), idle and read timeouts, and a limit on open connections.
 //
-// Thread safety: Start/Stop from one thread; the handler runs on I/O threads.
+// A response is written by whichever thread produces it (usually an engine
+// worker): a non-blocking send that almost always completes at once, so no
+// hop back to the I/O thread is needed. While a request is in flight its
+// connection is watched for readability; a client that closes it cancels
+// the request, and the next request's arrival starts the next read.
+//
+// Thread safety: Start/Stop from one thread; the handler runs on I/O threads
+// and its HttpDone may be called from any thread, exactly once.
 #pragma once
 
 #include <memory>
@@ -18,8 +24,11 @@ struct HttpServerOptions {
   std::string host = "0.0.0.0";
   int port = 8000;  // 0 = pick a free port (see HttpServer::port)
   int io_threads = 1;
-  size_t max_body_bytes = 64 << 20;
-  int read_timeout_s = 60;  // a client that sends nothing for this long is disconnected
+  size_t max_body_bytes = 64 << 20;   // larger: 413, answered from Content-Length
+  size_t max_header_bytes = 16 << 10;  // request line + headers; larger: 431
+  int max_connections = 4096;          // more: 503 and closed at once
+  int idle_timeout_s = 60;             // keep-alive connection with no request
+  int read_timeout_s = 30;             // from a request's first byte to its last; also bounds a write
 };
 
 class HttpServer {
@@ -27,11 +36,14 @@ class HttpServer {
   static Result<std::unique_ptr<HttpServer>> Start(HttpServerOptions options, HttpHandler handler);
   ~HttpServer();  // Stop(), then frees the connections
 
-  // Stops the I/O threads: no request reaches the handler afterwards, and
-  // responses still arriving are dropped. Idempotent.
+  // Stops the I/O threads: no request reaches the handler afterwards.
+  // Responses still arriving are written if the socket takes them at once.
+  // Idempotent. Callers must let in-flight handlers finish (drain the
+  // engine) before destroying the server.
   void Stop();
 
   int port() const;
+  int open_connections() const;
 
   class Impl;
 
