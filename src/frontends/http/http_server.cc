@@ -9,8 +9,14 @@
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
+// GCC 12 with sanitizers reports a boost::optional inside Beast's parser as
+// maybe-uninitialized (a false positive in Beast's own code).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <boost/beast/http.hpp>
+#pragma GCC diagnostic pop
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -120,10 +126,12 @@ class Session : public std::enable_shared_from_this<Session> {
   void OnHeader(beast::error_code ec) {
     if (ec) return OnReadError(ec);
     if (parser_->is_done()) return Dispatch();
-    if (const auto length = parser_->content_length()) {
+    size_t len = 0;
+    const auto length_field = parser_->get()[http::field::content_length];
+    if (!parser_->chunked() &&
+        std::from_chars(length_field.data(), length_field.data() + length_field.size(), len).ec == std::errc()) {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
-      const size_t len = static_cast<size_t>(*length);
       const size_t have = std::min(len, buffer_.size());
       body_.resize_and_overwrite(len, [&](char* p, size_t n) {
         if (have > 0) std::memcpy(p, buffer_.data().data(), have);
@@ -499,7 +507,8 @@ class HttpServer::Impl {
       for (size_t i = 0; i < s.size(); ++i) {
         if (auto session = s[i].lock()) {
           session->Sweep(now);
-          s[kept++] = std::move(s[i]);
+          if (kept != i) s[kept] = std::move(s[i]);  // (a self-move would empty it)
+          ++kept;
         }
       }
       s.resize(kept);

@@ -1,0 +1,258 @@
+"""The HTTP transport of a real `quern serve`, through raw sockets: keep-alive,
+pipelining, chunked bodies, HTTP/1.0, size limits (413/431), the connection
+limit (503), idle and read timeouts, malformed requests.
+
+The server runs with small limits so that each one can be reached."""
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+MAX_BODY = 4096
+MAX_HEADER = 1024
+MAX_CONNECTIONS = 4
+IDLE_S = 2
+READ_S = 1
+
+
+def start_server(*extra):
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--metrics-port", "0",
+                             "--host", "127.0.0.1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"HTTP listening on [^:]+:(\d+)", line)
+        if m:
+            return proc, int(m.group(1))
+    proc.kill()
+    raise AssertionError("server did not report its port")
+
+
+@pytest.fixture(scope="module")
+def port():
+    proc, p = start_server("--http-max-body-bytes", str(MAX_BODY), "--http-max-header-bytes", str(MAX_HEADER),
+                           "--http-max-connections", str(MAX_CONNECTIONS), "--http-idle-timeout-secs", str(IDLE_S),
+                           "--http-read-timeout-secs", str(READ_S))
+    yield p
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+class Conn:
+    """One TCP connection that reads HTTP/1.1 responses (Content-Length framed)."""
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.buf = b""
+
+    def send(self, data):
+        self.sock.sendall(data)
+
+    def _fill(self):
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise EOFError("connection closed by the server")
+        self.buf += chunk
+
+    def response(self):
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        assert "chunked" not in headers.get("transfer-encoding", ""), "responses are never chunked"
+        length = int(headers["content-length"])
+        while len(self.buf) < length:
+            self._fill()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return status, headers, body
+
+    def closed_by_server(self, within_s):
+        """True when the server closes the connection within `within_s` seconds."""
+        self.sock.settimeout(within_s)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except (socket.timeout, TimeoutError):
+            return False
+        except ConnectionResetError:
+            return True
+
+    def close(self):
+        self.sock.close()
+
+
+def add_sub_request(a, b, extra_headers=b"", version=b"HTTP/1.1"):
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": a.tolist()},
+        {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": b.tolist()}]}).encode()
+    return (b"POST /v2/models/add_sub/infer " + version + b"\r\nHost: t\r\nContent-Type: application/json\r\n" +
+            extra_headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def outputs(body):
+    return {o["name"]: np.array(o["data"], np.float32) for o in json.loads(body)["outputs"]}
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(port):
+    c = Conn(port)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        a, b = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+        c.send(add_sub_request(a, b))
+        status, headers, body = c.response()
+        assert status == 200
+        assert "close" not in headers.get("connection", "")
+        np.testing.assert_allclose(outputs(body)["OUTPUT0"], a + b, rtol=1e-6)
+    c.close()
+
+
+def test_pipelined_requests_are_answered_in_order(port):
+    c = Conn(port)
+    pairs = [(np.full(4, i, np.float32), np.arange(4, dtype=np.float32)) for i in range(4)]
+    c.send(b"".join(add_sub_request(a, b) for a, b in pairs))
+    for a, b in pairs:
+        status, _, body = c.response()
+        assert status == 200
+        np.testing.assert_allclose(outputs(body)["OUTPUT1"], a - b)
+    c.close()
+
+
+def test_chunked_request_body(port):
+    a, b = np.array([1, 2, 3, 4], np.float32), np.array([10, 20, 30, 40], np.float32)
+    full = add_sub_request(a, b)
+    body = full.split(b"\r\n\r\n", 1)[1]
+    chunks = [body[:10], body[10:]]
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(ch), ch) for ch in chunks) + b"0\r\n\r\n"
+    c = Conn(port)
+    c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + wire)
+    status, _, resp = c.response()
+    assert status == 200, resp
+    np.testing.assert_allclose(outputs(resp)["OUTPUT0"], a + b)
+    c.close()
+
+
+def test_http10_request_gets_its_answer_and_the_connection_closes(port):
+    c = Conn(port)
+    c.send(add_sub_request(np.ones(4, np.float32), np.ones(4, np.float32), version=b"HTTP/1.0"))
+    status, headers, body = c.response()
+    assert status == 200
+    np.testing.assert_allclose(outputs(body)["OUTPUT0"], np.full(4, 2, np.float32))
+    assert c.closed_by_server(5)
+
+
+def test_body_over_the_limit_gets_413_before_the_body_is_sent(port):
+    c = Conn(port)
+    # Only the head goes out: the answer must come from Content-Length alone.
+    c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: " + str(MAX_BODY + 1).encode() +
+           b"\r\n\r\n")
+    status, headers, body = c.response()
+    assert status == 413
+    assert str(MAX_BODY) in json.loads(body)["error"]
+    assert headers.get("connection") == "close"
+    assert c.closed_by_server(5)
+
+
+def test_headers_over_the_limit_get_431(port):
+    c = Conn(port)
+    c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nX-Padding: " + b"a" * (MAX_HEADER + 10) + b"\r\n\r\n")
+    status, _, body = c.response()
+    assert status == 431
+    assert str(MAX_HEADER) in json.loads(body)["error"]
+    assert c.closed_by_server(5)
+
+
+def test_malformed_request_gets_400_with_the_reason(port):
+    c = Conn(port)
+    c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n")
+    status, _, body = c.response()
+    assert status == 400
+    assert "malformed HTTP request" in json.loads(body)["error"]
+
+
+def test_connection_limit_answers_503_and_recovers(port):
+    # Other tests' connections may still be closing: wait until the server has room for exactly MAX_CONNECTIONS.
+    held = []
+    deadline = time.time() + 10
+    while len(held) < MAX_CONNECTIONS and time.time() < deadline:
+        c = Conn(port)
+        c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, _ = c.response()
+        if status == 200:
+            held.append(c)
+        else:
+            c.close()
+            time.sleep(0.2)
+    assert len(held) == MAX_CONNECTIONS
+    extra = Conn(port)
+    extra.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+    status, headers, body = extra.response()
+    assert status == 503
+    assert "too many open connections" in json.loads(body)["error"]
+    assert extra.closed_by_server(5)
+    held.pop().close()
+    deadline = time.time() + 5
+    while True:  # the server notices the close when it reads EOF
+        c = Conn(port)
+        c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, _ = c.response()
+        c.close()
+        if status == 200 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert status == 200
+    for c in held:
+        c.close()
+
+
+def test_idle_connection_is_closed_after_the_idle_timeout(port):
+    c = Conn(port)
+    c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert c.response()[0] == 200
+    t0 = time.time()
+    assert c.closed_by_server(IDLE_S + 3)
+    assert time.time() - t0 >= IDLE_S - 0.6  # the sweep runs every 0.5 s
+
+
+def test_slow_request_is_closed_after_the_read_timeout(port):
+    c = Conn(port)
+    c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"inp")
+    t0 = time.time()
+    assert c.closed_by_server(READ_S + 3)
+    # The idle timeout is longer: the read timeout is what closed it.
+    assert time.time() - t0 < IDLE_S + 0.5
+
+
+def test_many_concurrent_connections_each_get_their_own_result():
+    # A server without the tight connection limit.
+    proc, p = start_server()
+    try:
+        conns = [Conn(p) for _ in range(32)]
+        rng = np.random.default_rng(7)
+        expected = []
+        for c in conns:
+            a, b = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+            c.send(add_sub_request(a, b))
+            expected.append(a + b)
+        for c, e in zip(conns, expected):
+            status, _, body = c.response()
+            assert status == 200
+            np.testing.assert_allclose(outputs(body)["OUTPUT0"], e, rtol=1e-6)
+        for c in conns:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
