@@ -24,7 +24,7 @@ struct HttpServerOptions {
   std::string host = "0.0.0.0";
   int port = 8000;  // 0 = pick a free port (see HttpServer::port)
   int io_threads = 1;
-  size_t max_body_bytes = 64 << 20;   // larger: 413, answered from Content-Length
+  size_t max_body_bytes = 64 << 20;    // larger: 413, answered from Content-Length
   size_t max_header_bytes = 16 << 10;  // request line + headers; larger: 431
   int max_connections = 4096;          // more: 503 and closed at once
   int idle_timeout_s = 60;             // keep-alive connection with no request
