@@ -113,3 +113,14 @@ struct ErrorReturn {
     ::quern::Status quern_status_ = (expr);                                                   \
     if (!quern_status_.ok()) return ::quern::internal::ErrorReturn{std::move(quern_status_)}; \
   } while (0)
+
+// `lhs = value of expr` (a Result<T>), or returns its error early:
+//   QUERN_ASSIGN_OR_RETURN(Tensor t, MakeTensor());
+#define QUERN_ASSIGN_OR_RETURN(lhs, expr) \
+  QUERN_ASSIGN_OR_RETURN_IMPL_(QUERN_STATUS_CONCAT_(quern_result_, __LINE__), lhs, expr)
+#define QUERN_STATUS_CONCAT_INNER_(a, b) a##b
+#define QUERN_STATUS_CONCAT_(a, b) QUERN_STATUS_CONCAT_INNER_(a, b)
+#define QUERN_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)                               \
+  auto tmp = (expr);                                                               \
+  if (!tmp) return ::quern::internal::ErrorReturn{std::move(tmp).error()}; \
+  lhs = std::move(*tmp)

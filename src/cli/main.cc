@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/npy.h"
+#include "frontends/grpc/grpc_server.h"
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
 #include "metrics/prometheus.h"
@@ -182,6 +183,10 @@ int main(int argc, char** argv) {
                     "Close a keep-alive connection idle for this long");
   serve->add_option("--http-read-timeout-secs", http_opts.read_timeout_s,
                     "Close a connection whose request (or response) takes longer than this to transfer");
+  quern::GrpcServerOptions grpc_opts;
+  serve->add_option("--grpc-port", grpc_opts.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
+  serve->add_option("--grpc-max-message-bytes", grpc_opts.max_receive_bytes,
+                    "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");
   quern::HttpServerOptions metrics_opts;
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
@@ -228,6 +233,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
     return 1;
   }
+  std::unique_ptr<quern::GrpcServer> grpc;
+  if (grpc_opts.port >= 0) {
+    grpc_opts.host = http_opts.host;
+    grpc_opts.max_send_bytes = grpc_opts.max_receive_bytes;
+    auto started = quern::GrpcServer::Start(grpc_opts, engine->get());
+    if (!started) {
+      std::fprintf(stderr, "quern: gRPC: %s\n", started.error().ToString().c_str());
+      return 1;
+    }
+    grpc = std::move(*started);
+  }
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
   auto metrics = quern::HttpServer::Start(metrics_opts, [engine_ptr](quern::HttpRequest&& r, quern::HttpDone done) {
@@ -248,6 +264,7 @@ int main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::printf("quern: HTTP listening on %s:%d\n", http_opts.host.c_str(), (*server)->port());
+  if (grpc) std::printf("quern: gRPC listening on %s:%d\n", grpc_opts.host.c_str(), grpc->port());
   std::printf("quern: metrics listening on %s:%d\n", metrics_opts.host.c_str(), (*metrics)->port());
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
@@ -255,6 +272,7 @@ int main(int argc, char** argv) {
   std::printf("quern: stopping\n");
   (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine
+  if (grpc) grpc->Stop();
   engine->reset();    // drains the queues; late responses are dropped with their connections
   server->reset();
   return 0;

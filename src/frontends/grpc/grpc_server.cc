@@ -1,0 +1,629 @@
+#include "frontends/grpc/grpc_server.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <charconv>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "core/model_config_parser.h"
+#include "grpc_service.grpc.pb.h"
+
+namespace quern {
+namespace {
+
+using inference::GRPCInferenceService;
+
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(s.code())), s.message());
+}
+
+// "" = the highest ready version.
+Result<int64_t> ParseVersion(const std::string& model, const std::string& v) {
+  if (v.empty()) return int64_t{-1};
+  int64_t out = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || p != v.data() + v.size() || out < 1) {
+    return std::unexpected(InvalidArgument("model '" + model + "': version '" + v + "' is not a positive integer"));
+  }
+  return out;
+}
+
+Result<uint64_t> UnsignedParameter(const inference::InferParameter& p, const char* name, const char* what) {
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kInt64Param:
+      if (p.int64_param() >= 0) return static_cast<uint64_t>(p.int64_param());
+      break;
+    case inference::InferParameter::kUint64Param:
+      return p.uint64_param();
+    default:
+      break;
+  }
+  return std::unexpected(InvalidArgument(std::string("parameter '") + name + "' must be " + what + " as a non-negative integer"));
+}
+
+// Copies typed contents into a tensor after checking the element count.
+template <typename T, typename Field>
+Result<Tensor> FromContents(DataType type, const Shape& shape, const Field& values, const std::string& where) {
+  const int64_t n = ElementCount(shape);
+  if (static_cast<int64_t>(values.size()) != n) {
+    return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " + std::to_string(n) +
+                           " values, the contents hold " + std::to_string(values.size())));
+  }
+  Tensor t = Tensor::AllocateUninitialized(type, shape, static_cast<size_t>(n) * sizeof(T));
+  T* out = reinterpret_cast<T*>(t.mutable_data());
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(values[static_cast<int>(i)]);
+  return t;
+}
+
+Result<Tensor> TypedTensor(DataType type, const Shape& shape, const inference::InferTensorContents& c,
+                           const std::string& where) {
+  switch (type) {
+    case DataType::kBool:
+      return FromContents<uint8_t>(type, shape, c.bool_contents(), where);
+    case DataType::kUint8:
+      return FromContents<uint8_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint16:
+      return FromContents<uint16_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint32:
+      return FromContents<uint32_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint64:
+      return FromContents<uint64_t>(type, shape, c.uint64_contents(), where);
+    case DataType::kInt8:
+      return FromContents<int8_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt16:
+      return FromContents<int16_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt32:
+      return FromContents<int32_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt64:
+      return FromContents<int64_t>(type, shape, c.int64_contents(), where);
+    case DataType::kFp32:
+      return FromContents<float>(type, shape, c.fp32_contents(), where);
+    case DataType::kFp64:
+      return FromContents<double>(type, shape, c.fp64_contents(), where);
+    case DataType::kBytes: {
+      const int64_t n = ElementCount(shape);
+      if (c.bytes_contents_size() != n) {
+        return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " + std::to_string(n) +
+                               " values, bytes_contents holds " + std::to_string(c.bytes_contents_size())));
+      }
+      return Tensor::FromStrings(shape, {c.bytes_contents().begin(), c.bytes_contents().end()});
+    }
+    default:
+      return std::unexpected(InvalidArgument(where + ": datatype " + std::string(DataTypeName(type)) +
+                             " cannot travel in typed contents; use raw_input_contents"));
+  }
+}
+
+// Builds the engine request. Raw inputs are viewed in place: `msg` must
+// outlive the request's execution.
+Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
+  InferRequest ir;
+  ir.model = msg.model_name();
+  if (ir.model.empty()) return std::unexpected(InvalidArgument("ModelInferRequest.model_name is empty"));
+  QUERN_ASSIGN_OR_RETURN(ir.version, ParseVersion(ir.model, msg.model_version()));
+  const bool raw = msg.raw_input_contents_size() > 0;
+  if (raw && msg.raw_input_contents_size() != msg.inputs_size()) {
+    return std::unexpected(InvalidArgument("model '" + ir.model + "': " + std::to_string(msg.inputs_size()) + " inputs but " +
+                           std::to_string(msg.raw_input_contents_size()) +
+                           " raw_input_contents entries; send one per input, or none and typed contents"));
+  }
+  ir.inputs.reserve(static_cast<size_t>(msg.inputs_size()));
+  for (int i = 0; i < msg.inputs_size(); ++i) {
+    const auto& in = msg.inputs(i);
+    const std::string where = "model '" + ir.model + "', input '" + in.name() + "'";
+    auto type = DataTypeFromName(in.datatype());
+    if (!type) return std::unexpected(InvalidArgument(where + ": unknown datatype '" + in.datatype() + "'"));
+    Shape shape(in.shape().begin(), in.shape().end());
+    for (int64_t d : shape) {
+      if (d < 0) return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " has a negative dimension"));
+    }
+    Tensor t;
+    if (raw) {
+      const std::string& bytes = msg.raw_input_contents(i);
+      t = Tensor::Borrow(*type, shape, bytes.data(), bytes.size());
+      if (Status st = t.Validate(); !st.ok()) {
+        return std::unexpected(InvalidArgument(where + ": raw_input_contents holds " + std::to_string(bytes.size()) +
+                               " bytes, which do not match datatype " + in.datatype() + " and shape " +
+                               ShapeToString(shape) + " (" + st.message() + ")"));
+      }
+    } else {
+      QUERN_ASSIGN_OR_RETURN(t, TypedTensor(*type, shape, in.contents(), where));
+    }
+    ir.inputs.push_back({in.name(), std::move(t)});
+  }
+  for (const auto& o : msg.outputs()) ir.requested_outputs.push_back(o.name());
+  for (const auto& [key, value] : msg.parameters()) {
+    if (key == "priority") {
+      QUERN_ASSIGN_OR_RETURN(uint64_t p, UnsignedParameter(value, "priority", "a priority level"));
+      ir.priority = static_cast<uint32_t>(std::min<uint64_t>(p, UINT32_MAX));
+    } else if (key == "timeout") {
+      QUERN_ASSIGN_OR_RETURN(ir.timeout_us, UnsignedParameter(value, "timeout", "microseconds"));
+    }
+  }
+  return ir;
+}
+
+// Writes the engine's response; every output travels in raw_output_contents.
+void ToInferResponse(const InferResponse& r, const std::string& id, inference::ModelInferResponse* out) {
+  out->set_model_name(r.model);
+  out->set_model_version(std::to_string(r.version));
+  if (!id.empty()) out->set_id(id);
+  for (const auto& o : r.outputs) {
+    auto* t = out->add_outputs();
+    t->set_name(o.name);
+    t->set_datatype(std::string(DataTypeName(o.tensor.dtype())));
+    for (int64_t d : o.tensor.shape()) t->add_shape(d);
+    out->add_raw_output_contents(reinterpret_cast<const char*>(o.tensor.data()), o.tensor.byte_size());
+  }
+}
+
+void FillMetadata(const ModelStatus& m, inference::ModelMetadataResponse* out) {
+  out->set_name(m.name);
+  out->add_versions(std::to_string(m.version));
+  out->set_platform(m.config.platform.empty() ? "onnxruntime_onnx" : m.config.platform);
+  const bool batched = m.config.max_batch_size > 0;
+  auto add = [&](const TensorConfig& t, inference::ModelMetadataResponse::TensorMetadata* md) {
+    md->set_name(t.name);
+    md->set_datatype(std::string(DataTypeName(t.dtype)));
+    if (batched) md->add_shape(-1);
+    for (int64_t d : t.dims) md->add_shape(d);
+  };
+  for (const auto& t : m.config.inputs) add(t, out->add_inputs());
+  for (const auto& t : m.config.outputs) add(t, out->add_outputs());
+}
+
+void FillDuration(const DurationStat& d, inference::StatisticDuration* out) {
+  out->set_count(d.count);
+  out->set_ns(d.ns);
+}
+
+void FillStatistics(const ModelStatistics& s, inference::ModelStatistics* out) {
+  out->set_name(s.name);
+  out->set_version(std::to_string(s.version));
+  out->set_last_inference(s.last_inference_ms);
+  out->set_inference_count(s.inference_count);
+  out->set_execution_count(s.execution_count);
+  auto* is = out->mutable_inference_stats();
+  FillDuration(s.success, is->mutable_success());
+  FillDuration(s.fail, is->mutable_fail());
+  FillDuration(s.queue, is->mutable_queue());
+  FillDuration(s.compute_input, is->mutable_compute_input());
+  FillDuration(s.compute_infer, is->mutable_compute_infer());
+  FillDuration(s.compute_output, is->mutable_compute_output());
+  is->mutable_cache_hit();
+  is->mutable_cache_miss();
+  for (const auto& b : s.batch_stats) {
+    auto* bs = out->add_batch_stats();
+    bs->set_batch_size(static_cast<uint64_t>(b.batch_size));
+    FillDuration(b.compute_input, bs->mutable_compute_input());
+    FillDuration(b.compute_infer, bs->mutable_compute_infer());
+    FillDuration(b.compute_output, bs->mutable_compute_output());
+  }
+}
+
+// The remaining time of a client deadline on the engine's clock; 0 = none.
+int64_t DeadlineNs(const grpc::CallbackServerContext* ctx, const Engine& engine) {
+  const auto deadline = ctx->deadline();
+  if (deadline >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) return 0;
+  const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::system_clock::now());
+  return engine.clock().NowNs() + std::max<int64_t>(left.count(), 1);
+}
+
+// One unary ModelInfer call. Deletes itself when gRPC is done with it; the
+// engine's callback always comes before that (Finish is called from it).
+class InferReactor final : public grpc::ServerUnaryReactor {
+ public:
+  InferReactor(Engine* engine, grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* request,
+               inference::ModelInferResponse* response)
+      : response_(response), cancel_(std::make_shared<CancellationToken>()) {
+    auto ir = ToInferRequest(*request);
+    if (!ir) {
+      Finish(ToGrpc(ir.error()));
+      return;
+    }
+    ir->cancel = cancel_;
+    ir->deadline_ns = DeadlineNs(ctx, *engine);
+    engine->InferAsync(std::move(*ir), [this, id = request->id()](InferResponse&& r) {
+      if (!r.status.ok()) return Finish(ToGrpc(r.status));
+      ToInferResponse(r, id, response_);
+      Finish(grpc::Status::OK);
+    });
+  }
+
+  void OnCancel() override { cancel_->Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  inference::ModelInferResponse* response_;
+  std::shared_ptr<CancellationToken> cancel_;
+};
+
+// ModelStreamInfer: reads requests one after another, submits each at once,
+// and writes responses in completion order (one write in flight at a time).
+// Lives until gRPC is done with the stream and every request has answered.
+class StreamReactor final : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+ public:
+  StreamReactor(Engine* engine, grpc::CallbackServerContext* ctx) : engine_(engine), ctx_(ctx) {
+    StartNextRead();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client finished sending (or the stream broke)
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    auto request = std::move(reading_);
+    StartNextRead();
+    Submit(std::move(request));
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    writes_.pop_front();
+    if (!ok) broken_ = true;
+    if (!broken_ && !writes_.empty()) {
+      writing_ = true;
+      StartWrite(writes_.front().get());
+      return;
+    }
+    if (broken_) writes_.clear();
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;
+    for (auto& c : cancels_) c->Cancel();
+  }
+
+  void OnDone() override {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+      last = pending_ == 0;
+    }
+    if (last) delete this;
+  }
+
+ private:
+  void StartNextRead() {
+    reading_ = std::make_unique<inference::ModelInferRequest>();
+    StartRead(reading_.get());
+  }
+
+  void Submit(std::unique_ptr<inference::ModelInferRequest> request) {
+    auto ir = ToInferRequest(*request);
+    if (!ir) return Answer(request->id(), ir.error(), nullptr);
+    auto cancel = std::make_shared<CancellationToken>();
+    ir->cancel = cancel;
+    ir->deadline_ns = DeadlineNs(ctx_, *engine_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++pending_;
+      if (broken_) cancel->Cancel();
+      cancels_.push_back(cancel);
+    }
+    // The request message owns the raw input bytes: it lives in the callback.
+    const inference::ModelInferRequest* msg = request.get();
+    engine_->InferAsync(std::move(*ir), [this, request = std::shared_ptr<inference::ModelInferRequest>(
+                                                    std::move(request)),
+                                         cancel](InferResponse&& r) {
+      Answer(request->id(), r.status, &r);
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::erase(cancels_, cancel);
+        --pending_;
+        MaybeFinishLocked();
+        last = done_ && pending_ == 0;
+      }
+      if (last) delete this;
+    });
+    (void)msg;
+  }
+
+  // Queues a response (or an error for this request only) for writing.
+  void Answer(const std::string& id, const Status& status, const InferResponse* r) {
+    auto out = std::make_unique<inference::ModelStreamInferResponse>();
+    if (!status.ok()) {
+      out->set_error_message(status.message());
+      out->mutable_infer_response()->set_id(id);
+    } else {
+      ToInferResponse(*r, id, out->mutable_infer_response());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_ || finished_) return;
+    writes_.push_back(std::move(out));
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(writes_.front().get());
+    }
+  }
+
+  // The stream ends when the client has finished sending, every request has
+  // answered and every answer is written (or the stream broke).
+  void MaybeFinishLocked() {
+    if (finished_ || writing_ || pending_ > 0 || (!reads_done_ && !broken_)) return;
+    if (!reads_done_) return;  // a broken stream still waits for OnReadDone(false)
+    finished_ = true;
+    Finish(grpc::Status::OK);
+  }
+
+  Engine* engine_;
+  grpc::CallbackServerContext* ctx_;
+  std::unique_ptr<inference::ModelInferRequest> reading_;  // gRPC's read target (one read in flight)
+
+  std::mutex mu_;
+  std::deque<std::unique_ptr<inference::ModelStreamInferResponse>> writes_;  // front = being written
+  std::vector<std::shared_ptr<CancellationToken>> cancels_;
+  int pending_ = 0;  // submitted requests without an answer yet
+  bool writing_ = false;
+  bool reads_done_ = false;
+  bool broken_ = false;    // cancelled or a write failed: no more writes
+  bool finished_ = false;  // Finish called
+  bool done_ = false;      // OnDone called
+};
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(status);
+  return r;
+}
+
+grpc::ServerUnaryReactor* NotImplemented(grpc::CallbackServerContext* ctx, const char* what) {
+  return Reply(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                 std::string(what) + " is not implemented by Quern (no shared memory, tracing or "
+                                                     "log settings over gRPC)"));
+}
+
+class Service final : public GRPCInferenceService::CallbackService {
+ public:
+  explicit Service(Engine* engine) : engine_(engine) {}
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx, const inference::ServerLiveRequest*,
+                                       inference::ServerLiveResponse* out) override {
+    out->set_live(true);
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx, const inference::ServerReadyRequest*,
+                                        inference::ServerReadyResponse* out) override {
+    out->set_ready(AllReady(*engine_));
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx, const inference::ModelReadyRequest* in,
+                                       inference::ModelReadyResponse* out) override {
+    auto v = ParseVersion(in->name(), in->version());
+    if (!v) return Reply(ctx, ToGrpc(v.error()));
+    out->set_ready(engine_->ModelReady(in->name(), *v));
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
+                                           inference::ServerMetadataResponse* out) override {
+    out->set_name("quern");
+    out->set_version("0.1.0");
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* in,
+                                          inference::ModelMetadataResponse* out) override {
+    auto m = Model(in->name(), in->version());
+    if (!m) return Reply(ctx, ToGrpc(m.error()));
+    FillMetadata(*m, out);
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* ctx, const inference::ModelConfigRequest* in,
+                                        inference::ModelConfigResponse* out) override {
+    auto m = Model(in->name(), in->version());
+    if (!m) return Reply(ctx, ToGrpc(m.error()));
+    *out->mutable_config() = ToProto(m->config);
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* ctx,
+                                            const inference::ModelStatisticsRequest* in,
+                                            inference::ModelStatisticsResponse* out) override {
+    auto v = ParseVersion(in->name(), in->version());
+    if (!v) return Reply(ctx, ToGrpc(v.error()));
+    auto stats = engine_->GetStatistics(in->name(), *v);
+    if (!stats) return Reply(ctx, ToGrpc(stats.error()));
+    for (const auto& s : *stats) FillStatistics(s, out->add_model_stats());
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* ctx,
+                                            const inference::RepositoryIndexRequest* in,
+                                            inference::RepositoryIndexResponse* out) override {
+    for (const auto& m : engine_->ListModels()) {
+      if (in->ready() && m.state != ModelState::kReady) continue;
+      auto* e = out->add_models();
+      e->set_name(m.name);
+      e->set_version(std::to_string(m.version));
+      e->set_state(std::string(ModelStateName(m.state)));
+      e->set_reason(m.reason);
+    }
+    return Reply(ctx, grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* RepositoryModelLoad(grpc::CallbackServerContext* ctx,
+                                                const inference::RepositoryModelLoadRequest* in,
+                                                inference::RepositoryModelLoadResponse*) override {
+    return Reply(ctx, ToGrpc(engine_->LoadModel(in->model_name())));
+  }
+
+  grpc::ServerUnaryReactor* RepositoryModelUnload(grpc::CallbackServerContext* ctx,
+                                                  const inference::RepositoryModelUnloadRequest* in,
+                                                  inference::RepositoryModelUnloadResponse*) override {
+    return Reply(ctx, ToGrpc(engine_->UnloadModel(in->model_name())));
+  }
+
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* in,
+                                       inference::ModelInferResponse* out) override {
+    return new InferReactor(engine_, ctx, in, out);
+  }
+
+  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
+      grpc::CallbackServerContext* ctx) override {
+    return new StreamReactor(engine_, ctx);
+  }
+
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                     const inference::SystemSharedMemoryStatusRequest*,
+                                                     inference::SystemSharedMemoryStatusResponse*) override {
+    return NotImplemented(ctx, "SystemSharedMemoryStatus");
+  }
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(grpc::CallbackServerContext* ctx,
+                                                       const inference::SystemSharedMemoryRegisterRequest*,
+                                                       inference::SystemSharedMemoryRegisterResponse*) override {
+    return NotImplemented(ctx, "SystemSharedMemoryRegister");
+  }
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
+                                                         const inference::SystemSharedMemoryUnregisterRequest*,
+                                                         inference::SystemSharedMemoryUnregisterResponse*) override {
+    return NotImplemented(ctx, "SystemSharedMemoryUnregister");
+  }
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                   const inference::CudaSharedMemoryStatusRequest*,
+                                                   inference::CudaSharedMemoryStatusResponse*) override {
+    return NotImplemented(ctx, "CudaSharedMemoryStatus");
+  }
+  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(grpc::CallbackServerContext* ctx,
+                                                     const inference::CudaSharedMemoryRegisterRequest*,
+                                                     inference::CudaSharedMemoryRegisterResponse*) override {
+    return NotImplemented(ctx, "CudaSharedMemoryRegister");
+  }
+  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
+                                                       const inference::CudaSharedMemoryUnregisterRequest*,
+                                                       inference::CudaSharedMemoryUnregisterResponse*) override {
+    return NotImplemented(ctx, "CudaSharedMemoryUnregister");
+  }
+  grpc::ServerUnaryReactor* TraceSetting(grpc::CallbackServerContext* ctx, const inference::TraceSettingRequest*,
+                                         inference::TraceSettingResponse*) override {
+    return NotImplemented(ctx, "TraceSetting");
+  }
+  grpc::ServerUnaryReactor* LogSettings(grpc::CallbackServerContext* ctx, const inference::LogSettingsRequest*,
+                                        inference::LogSettingsResponse*) override {
+    return NotImplemented(ctx, "LogSettings");
+  }
+
+  static bool AllReady(const Engine& engine) {
+    for (const auto& m : engine.ListModels()) {
+      if (m.state != ModelState::kReady) return false;
+    }
+    return true;
+  }
+
+ private:
+  Result<ModelStatus> Model(const std::string& name, const std::string& version) {
+    QUERN_ASSIGN_OR_RETURN(int64_t v, ParseVersion(name, version));
+    return engine_->GetModel(name, v);
+  }
+
+  Engine* engine_;
+};
+
+}  // namespace
+
+class GrpcServer::Impl {
+ public:
+  Impl(GrpcServerOptions options, Engine* engine) : options_(std::move(options)), engine_(engine), service_(engine) {}
+
+  Status Start() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    const std::string address = (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]"
+                                                                               : options_.host) +
+                                ":" + std::to_string(options_.port);
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
+    builder.SetMaxSendMessageSize(options_.max_send_bytes);
+    server_ = builder.BuildAndStart();
+    if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);
+    UpdateHealth();
+    health_thread_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stopping_) {
+        cv_.wait_for(lock, std::chrono::milliseconds(options_.health_poll_ms));
+        if (stopping_) break;
+        lock.unlock();
+        UpdateHealth();
+        lock.lock();
+      }
+    });
+    return Status::Ok();
+  }
+
+  ~Impl() { Stop(); }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (health_thread_.joinable()) health_thread_.join();
+    if (server_) {
+      // Calls still running after a second are cancelled (their requests
+      // are withdrawn from the batcher); Shutdown returns when all are done.
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    }
+  }
+
+  int port() const { return port_; }
+
+ private:
+  // grpc.health.v1: SERVING when every model is ready (service "" and
+  // "inference.GRPCInferenceService").
+  void UpdateHealth() {
+    auto* health = server_->GetHealthCheckService();
+    if (!health) return;
+    const bool ready = Service::AllReady(*engine_);
+    if (ready == last_ready_) return;
+    last_ready_ = ready;
+    health->SetServingStatus(ready);
+  }
+
+  GrpcServerOptions options_;
+  Engine* engine_;
+  Service service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::optional<bool> last_ready_;
+  std::thread health_thread_;
+};
+
+GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GrpcServer::~GrpcServer() = default;
+void GrpcServer::Stop() {
+  impl_->Stop();
+}
+int GrpcServer::port() const {
+  return impl_->port();
+}
+
+Result<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options, Engine* engine) {
+  auto impl = std::make_unique<Impl>(std::move(options), engine);
+  QUERN_RETURN_IF_ERROR(impl->Start());
+  return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));
+}
+
+}  // namespace quern

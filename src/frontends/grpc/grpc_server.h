@@ -1,0 +1,51 @@
+// GrpcServer: the KServe v2 GRPCInferenceService (Triton's flavour) and the
+// standard grpc.health.v1.Health service over a quern::Engine, on gRPC's
+// callback API (no thread per request).
+//
+// ModelInfer takes raw_input_contents without copying (the tensors view the
+// request message until the response is sent) or typed contents; answers
+// carry raw_output_contents. A client deadline becomes the request's
+// deadline in the batcher, and a cancelled call withdraws its request.
+// ModelStreamInfer runs many requests on one stream and writes each
+// response as soon as it is ready; a failed request yields an error_message
+// response and the stream goes on.
+//
+// Thread safety: Start/Stop from one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "quern/engine.h"
+#include "quern/status.h"
+
+namespace quern {
+
+struct GrpcServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 8001;                          // 0 = pick a free port (see GrpcServer::port)
+  int max_receive_bytes = 64 << 20;         // larger requests: RESOURCE_EXHAUSTED
+  int max_send_bytes = 64 << 20;            // larger responses: RESOURCE_EXHAUSTED
+  int health_poll_ms = 500;                 // how often the health service re-reads readiness
+};
+
+class GrpcServer {
+ public:
+  // `engine` must outlive the server.
+  static Result<std::unique_ptr<GrpcServer>> Start(GrpcServerOptions options, Engine* engine);
+  ~GrpcServer();  // Stop()
+
+  // Stops accepting calls, cancels those in flight and waits for them.
+  // Idempotent.
+  void Stop();
+
+  int port() const;
+
+  class Impl;
+
+ private:
+  explicit GrpcServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace quern
