@@ -120,7 +120,7 @@ struct ErrorReturn {
   QUERN_ASSIGN_OR_RETURN_IMPL_(QUERN_STATUS_CONCAT_(quern_result_, __LINE__), lhs, expr)
 #define QUERN_STATUS_CONCAT_INNER_(a, b) a##b
 #define QUERN_STATUS_CONCAT_(a, b) QUERN_STATUS_CONCAT_INNER_(a, b)
-#define QUERN_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)                               \
-  auto tmp = (expr);                                                               \
+#define QUERN_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)                       \
+  auto tmp = (expr);                                                       \
   if (!tmp) return ::quern::internal::ErrorReturn{std::move(tmp).error()}; \
   lhs = std::move(*tmp)

@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
   (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine
   if (grpc) grpc->Stop();
-  engine->reset();    // drains the queues; late responses are dropped with their connections
+  engine->reset();  // drains the queues; late responses are dropped with their connections
   server->reset();
   return 0;
 }

@@ -40,12 +40,11 @@ Result<uint64_t> UnsignedParameter(const inference::InferParameter& p, const cha
     case inference::InferParameter::kInt64Param:
       if (p.int64_param() >= 0) return static_cast<uint64_t>(p.int64_param());
       break;
-    case inference::InferParameter::kUint64Param:
-      return p.uint64_param();
-    default:
-      break;
+    case inference::InferParameter::kUint64Param: return p.uint64_param();
+    default: break;
   }
-  return std::unexpected(InvalidArgument(std::string("parameter '") + name + "' must be " + what + " as a non-negative integer"));
+  return std::unexpected(
+      InvalidArgument(std::string("parameter '") + name + "' must be " + what + " as a non-negative integer"));
 }
 
 // Copies typed contents into a tensor after checking the element count.
@@ -54,7 +53,7 @@ Result<Tensor> FromContents(DataType type, const Shape& shape, const Field& valu
   const int64_t n = ElementCount(shape);
   if (static_cast<int64_t>(values.size()) != n) {
     return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " + std::to_string(n) +
-                           " values, the contents hold " + std::to_string(values.size())));
+                                           " values, the contents hold " + std::to_string(values.size())));
   }
   Tensor t = Tensor::AllocateUninitialized(type, shape, static_cast<size_t>(n) * sizeof(T));
   T* out = reinterpret_cast<T*>(t.mutable_data());
@@ -65,39 +64,29 @@ Result<Tensor> FromContents(DataType type, const Shape& shape, const Field& valu
 Result<Tensor> TypedTensor(DataType type, const Shape& shape, const inference::InferTensorContents& c,
                            const std::string& where) {
   switch (type) {
-    case DataType::kBool:
-      return FromContents<uint8_t>(type, shape, c.bool_contents(), where);
-    case DataType::kUint8:
-      return FromContents<uint8_t>(type, shape, c.uint_contents(), where);
-    case DataType::kUint16:
-      return FromContents<uint16_t>(type, shape, c.uint_contents(), where);
-    case DataType::kUint32:
-      return FromContents<uint32_t>(type, shape, c.uint_contents(), where);
-    case DataType::kUint64:
-      return FromContents<uint64_t>(type, shape, c.uint64_contents(), where);
-    case DataType::kInt8:
-      return FromContents<int8_t>(type, shape, c.int_contents(), where);
-    case DataType::kInt16:
-      return FromContents<int16_t>(type, shape, c.int_contents(), where);
-    case DataType::kInt32:
-      return FromContents<int32_t>(type, shape, c.int_contents(), where);
-    case DataType::kInt64:
-      return FromContents<int64_t>(type, shape, c.int64_contents(), where);
-    case DataType::kFp32:
-      return FromContents<float>(type, shape, c.fp32_contents(), where);
-    case DataType::kFp64:
-      return FromContents<double>(type, shape, c.fp64_contents(), where);
+    case DataType::kBool: return FromContents<uint8_t>(type, shape, c.bool_contents(), where);
+    case DataType::kUint8: return FromContents<uint8_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint16: return FromContents<uint16_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint32: return FromContents<uint32_t>(type, shape, c.uint_contents(), where);
+    case DataType::kUint64: return FromContents<uint64_t>(type, shape, c.uint64_contents(), where);
+    case DataType::kInt8: return FromContents<int8_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt16: return FromContents<int16_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt32: return FromContents<int32_t>(type, shape, c.int_contents(), where);
+    case DataType::kInt64: return FromContents<int64_t>(type, shape, c.int64_contents(), where);
+    case DataType::kFp32: return FromContents<float>(type, shape, c.fp32_contents(), where);
+    case DataType::kFp64: return FromContents<double>(type, shape, c.fp64_contents(), where);
     case DataType::kBytes: {
       const int64_t n = ElementCount(shape);
       if (c.bytes_contents_size() != n) {
-        return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " + std::to_string(n) +
-                               " values, bytes_contents holds " + std::to_string(c.bytes_contents_size())));
+        return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " +
+                                               std::to_string(n) + " values, bytes_contents holds " +
+                                               std::to_string(c.bytes_contents_size())));
       }
       return Tensor::FromStrings(shape, {c.bytes_contents().begin(), c.bytes_contents().end()});
     }
     default:
       return std::unexpected(InvalidArgument(where + ": datatype " + std::string(DataTypeName(type)) +
-                             " cannot travel in typed contents; use raw_input_contents"));
+                                             " cannot travel in typed contents; use raw_input_contents"));
   }
 }
 
@@ -110,9 +99,10 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
   QUERN_ASSIGN_OR_RETURN(ir.version, ParseVersion(ir.model, msg.model_version()));
   const bool raw = msg.raw_input_contents_size() > 0;
   if (raw && msg.raw_input_contents_size() != msg.inputs_size()) {
-    return std::unexpected(InvalidArgument("model '" + ir.model + "': " + std::to_string(msg.inputs_size()) + " inputs but " +
-                           std::to_string(msg.raw_input_contents_size()) +
-                           " raw_input_contents entries; send one per input, or none and typed contents"));
+    return std::unexpected(
+        InvalidArgument("model '" + ir.model + "': " + std::to_string(msg.inputs_size()) + " inputs but " +
+                        std::to_string(msg.raw_input_contents_size()) +
+                        " raw_input_contents entries; send one per input, or none and typed contents"));
   }
   ir.inputs.reserve(static_cast<size_t>(msg.inputs_size()));
   for (int i = 0; i < msg.inputs_size(); ++i) {
@@ -122,7 +112,9 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
     if (!type) return std::unexpected(InvalidArgument(where + ": unknown datatype '" + in.datatype() + "'"));
     Shape shape(in.shape().begin(), in.shape().end());
     for (int64_t d : shape) {
-      if (d < 0) return std::unexpected(InvalidArgument(where + ": shape " + ShapeToString(shape) + " has a negative dimension"));
+      if (d < 0)
+        return std::unexpected(
+            InvalidArgument(where + ": shape " + ShapeToString(shape) + " has a negative dimension"));
     }
     Tensor t;
     if (raw) {
@@ -130,8 +122,8 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
       t = Tensor::Borrow(*type, shape, bytes.data(), bytes.size());
       if (Status st = t.Validate(); !st.ok()) {
         return std::unexpected(InvalidArgument(where + ": raw_input_contents holds " + std::to_string(bytes.size()) +
-                               " bytes, which do not match datatype " + in.datatype() + " and shape " +
-                               ShapeToString(shape) + " (" + st.message() + ")"));
+                                               " bytes, which do not match datatype " + in.datatype() + " and shape " +
+                                               ShapeToString(shape) + " (" + st.message() + ")"));
       }
     } else {
       QUERN_ASSIGN_OR_RETURN(t, TypedTensor(*type, shape, in.contents(), where));
@@ -248,11 +240,10 @@ class InferReactor final : public grpc::ServerUnaryReactor {
 // ModelStreamInfer: reads requests one after another, submits each at once,
 // and writes responses in completion order (one write in flight at a time).
 // Lives until gRPC is done with the stream and every request has answered.
-class StreamReactor final : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+class StreamReactor final
+    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
  public:
-  StreamReactor(Engine* engine, grpc::CallbackServerContext* ctx) : engine_(engine), ctx_(ctx) {
-    StartNextRead();
-  }
+  StreamReactor(Engine* engine, grpc::CallbackServerContext* ctx) : engine_(engine), ctx_(ctx) { StartNextRead(); }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client finished sending (or the stream broke)
@@ -316,20 +307,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<inference::ModelInfer
     }
     // The request message owns the raw input bytes: it lives in the callback.
     const inference::ModelInferRequest* msg = request.get();
-    engine_->InferAsync(std::move(*ir), [this, request = std::shared_ptr<inference::ModelInferRequest>(
-                                                    std::move(request)),
-                                         cancel](InferResponse&& r) {
-      Answer(request->id(), r.status, &r);
-      bool last;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        std::erase(cancels_, cancel);
-        --pending_;
-        MaybeFinishLocked();
-        last = done_ && pending_ == 0;
-      }
-      if (last) delete this;
-    });
+    engine_->InferAsync(
+        std::move(*ir),
+        [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)), cancel](InferResponse&& r) {
+          Answer(request->id(), r.status, &r);
+          bool last;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            std::erase(cancels_, cancel);
+            --pending_;
+            MaybeFinishLocked();
+            last = done_ && pending_ == 0;
+          }
+          if (last) delete this;
+        });
     (void)msg;
   }
 
@@ -545,9 +536,9 @@ class GrpcServer::Impl {
   Status Start() {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
-    const std::string address = (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]"
-                                                                               : options_.host) +
-                                ":" + std::to_string(options_.port);
+    const std::string address =
+        (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host) + ":" +
+        std::to_string(options_.port);
     builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);

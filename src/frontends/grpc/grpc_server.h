@@ -23,10 +23,10 @@ namespace quern {
 
 struct GrpcServerOptions {
   std::string host = "0.0.0.0";
-  int port = 8001;                          // 0 = pick a free port (see GrpcServer::port)
-  int max_receive_bytes = 64 << 20;         // larger requests: RESOURCE_EXHAUSTED
-  int max_send_bytes = 64 << 20;            // larger responses: RESOURCE_EXHAUSTED
-  int health_poll_ms = 500;                 // how often the health service re-reads readiness
+  int port = 8001;                   // 0 = pick a free port (see GrpcServer::port)
+  int max_receive_bytes = 64 << 20;  // larger requests: RESOURCE_EXHAUSTED
+  int max_send_bytes = 64 << 20;     // larger responses: RESOURCE_EXHAUSTED
+  int health_poll_ms = 500;          // how often the health service re-reads readiness
 };
 
 class GrpcServer {
