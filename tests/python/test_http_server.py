@@ -52,8 +52,12 @@ def port():
 class Conn:
     """One TCP connection that reads HTTP/1.1 responses (Content-Length framed)."""
 
-    def __init__(self, port):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port, rcvbuf=None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf:  # before connect, so the window stays small
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(10)
+        self.sock.connect(("127.0.0.1", port))
         self.buf = b""
 
     def send(self, data):
@@ -260,6 +264,48 @@ def test_many_concurrent_connections_each_get_their_own_result():
             np.testing.assert_allclose(outputs(body)["OUTPUT0"], e, rtol=1e-6)
         for c in conns:
             c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_response_larger_than_the_socket_takes_is_finished_in_order():
+    """A slow reader with a small window: the server's first send cannot take the whole response, the rest
+    is written as the client reads, and the next request on the connection is still answered."""
+    import tritonclient.http as httpclient
+    from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES
+    proc, p = start_server()
+    try:
+        rows = 16
+        arrays = {name: np.repeat(a, rows, axis=0) for name, a in DTYPE_ARRAYS.items()}
+        arrays["in_string"] = np.array([[bytes([65 + (r + k) % 26]) * 300_000 for k in range(2)] for r in range(rows)],
+                                       np.object_)  # ~9.6 MB of strings
+        inputs = []
+        for name, a in arrays.items():
+            i = httpclient.InferInput(name, list(a.shape), DTYPE_NAMES[name])
+            i.set_data_from_numpy(a, binary_data=True)
+            inputs.append(i)
+        requested = [httpclient.InferRequestedOutput(n.replace("in_", "out_"), binary_data=True) for n in arrays]
+        body, json_size = httpclient.InferenceServerClient.generate_request_body(inputs, outputs=requested)
+        head = (b"POST /v2/models/dtypes/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+                b"Inference-Header-Content-Length: " + str(json_size).encode() + b"\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        c = Conn(p, rcvbuf=16384)
+        c.send(head + body)
+        time.sleep(0.5)  # let the server's send buffer fill up before reading
+        status, headers, resp = c.response()
+        assert status == 200
+        r = httpclient.InferenceServerClient.parse_response_body(
+            resp, header_length=int(headers["inference-header-content-length"]))
+        for name, a in arrays.items():
+            got = r.as_numpy(name.replace("in_", "out_"))
+            assert got.shape == a.shape, name
+            assert (got == a).all(), name
+        c.send(add_sub_request(np.ones(4, np.float32), np.ones(4, np.float32)))
+        status, _, small = c.response()
+        assert status == 200
+        np.testing.assert_allclose(outputs(small)["OUTPUT0"], np.full(4, 2, np.float32))
+        c.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -11,6 +11,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES
+
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
 METRICS = None  # host:port of /metrics, set by the server fixture
@@ -79,19 +81,8 @@ def test_unknown_model_and_wrong_shape(server):
 
 
 def dtypes_inputs(binary):
-    arrays = {
-        "in_bool": np.array([[True, False]]),
-        "in_uint8": np.array([[1, 255]], np.uint8),
-        "in_int8": np.array([[-1, 7]], np.int8),
-        "in_int32": np.array([[-70000, 5]], np.int32),
-        "in_int64": np.array([[1 << 40, -2]], np.int64),
-        "in_fp16": np.array([[1.5, -2.0]], np.float16),
-        "in_fp32": np.array([[1.25, 2.5]], np.float32),
-        "in_fp64": np.array([[1e300, -0.125]], np.float64),
-        "in_string": np.array([[b"quern", b"mill\x00stone"]], np.object_),
-    }
-    dt = {"in_bool": "BOOL", "in_uint8": "UINT8", "in_int8": "INT8", "in_int32": "INT32", "in_int64": "INT64",
-          "in_fp16": "FP16", "in_fp32": "FP32", "in_fp64": "FP64", "in_string": "BYTES"}
+    arrays = DTYPE_ARRAYS
+    dt = DTYPE_NAMES
     inputs = []
     for name, a in arrays.items():
         i = httpclient.InferInput(name, list(a.shape), dt[name])

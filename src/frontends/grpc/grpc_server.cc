@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/model_config_parser.h"
@@ -306,7 +307,6 @@ class StreamReactor final
       cancels_.push_back(cancel);
     }
     // The request message owns the raw input bytes: it lives in the callback.
-    const inference::ModelInferRequest* msg = request.get();
     engine_->InferAsync(
         std::move(*ir),
         [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)), cancel](InferResponse&& r) {
@@ -321,7 +321,6 @@ class StreamReactor final
           }
           if (last) delete this;
         });
-    (void)msg;
   }
 
   // Queues a response (or an error for this request only) for writing.
@@ -345,8 +344,9 @@ class StreamReactor final
   // The stream ends when the client has finished sending, every request has
   // answered and every answer is written (or the stream broke).
   void MaybeFinishLocked() {
-    if (finished_ || writing_ || pending_ > 0 || (!reads_done_ && !broken_)) return;
-    if (!reads_done_) return;  // a broken stream still waits for OnReadDone(false)
+    // A cancelled stream also ends its reads (OnReadDone(false)), so
+    // reads_done_ covers it.
+    if (finished_ || writing_ || pending_ > 0 || !reads_done_) return;
     finished_ = true;
     Finish(grpc::Status::OK);
   }
