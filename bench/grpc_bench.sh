@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# gRPC benchmark: ghz (from the Go module proxy) calls ModelInfer (unary) on
-# a real `quern serve` with raw_input_contents; reports throughput, latency and the
-# server's CPU time per request (from /proc, user + system, all threads).
+# gRPC benchmark: bench/grpc_load (C++, the project's proto, gRPC callback
+# client) drives a real `quern serve` with ModelInfer (unary, one call in flight
+# per connection) and ModelStreamInfer (requests in flight on bidirectional
+# streams, at most 16 per stream); reports throughput, latency and the
+# server's CPU time per request (from /proc, user + system, all threads),
+# beside the raw ONNX Runtime ceiling X* measured in the same run. A ServerLive
+# row gives gRPC's own cost per unary call (no engine work) on this machine.
 #   bench/grpc_bench.sh [seconds per run, default 5]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-5}"
-GHZ="$(command -v ghz || echo "$HOME/go/bin/ghz")"
-if [ ! -x "$GHZ" ]; then
-  command -v go >/dev/null || { echo "needs Go (for ghz): apt-get install golang"; exit 1; }
-  go install github.com/bojand/ghz/cmd/ghz@v0.120.0
-fi
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
 cmake --preset release >/dev/null
-cmake --build --preset release --target quern >/dev/null
+cmake --build --preset release --target quern engine_bench grpc_load >/dev/null
 WORK=$(mktemp -d)
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/repo"
-MODELS="identity small_cnn"
+MODELS="identity small_cnn resnet50"
 for m in $MODELS; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
+
+declare -A XSTAR SHAPE INPUT
+SHAPE=([identity]=1,4 [small_cnn]=1,3,64,64 [resnet50]=1,3,224,224)
+INPUT=([identity]=x [small_cnn]=input [resnet50]=input)
+for m in small_cnn resnet50; do
+  if [ "$m" = small_cnn ]; then args=(--max-batch 32 --raw-batches 8 32); else args=(--max-batch 8 --raw-batches 1 2 4); fi
+  out=$(build/release/bench/engine_bench --model "bench/models/$m/1/model.onnx" --seconds "$SECS" "${args[@]}" \
+        --submitters 1 --gain-submitters 0)
+  XSTAR[$m]=$(echo "$out" | awk '/ceiling X\*/ {print $4}')
+  echo "$m: X* ${XSTAR[$m]} items/s"
+done
 
 build/release/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --grpc-port 0 --metrics-port 0 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
@@ -27,40 +37,33 @@ SERVER=$!
 for _ in $(seq 100); do grep -q "gRPC listening" "$WORK/log" && break; sleep 0.2; done
 PORT=$(grep -o 'gRPC listening on [^ ]*' "$WORK/log" | sed 's/.*://')
 
-# One request per model (batch 1, raw_input_contents), as ghz's JSON (bytes in base64).
-build/venv/bin/python - "$WORK" <<'PY'
-import base64, json, sys, numpy as np
-work = sys.argv[1]
-for name, shape, inp in [("identity", [1, 4], "x"), ("small_cnn", [1, 3, 64, 64], "input")]:
-    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
-    msg = {"model_name": name, "inputs": [{"name": inp, "datatype": "FP32", "shape": shape}],
-           "raw_input_contents": [base64.b64encode(data).decode()]}
-    json.dump(msg, open(f"{work}/{name}.json", "w"))
-PY
-
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
 TCK=$(getconf CLK_TCK)
-echo "model        call     conns   req/s      p50        p99        server CPU us/request"
+# run MODEL CALL CONCURRENCY: one row.
+run() {
+  local model=$1 call=$2 c=$3 conns inflight mode=$2
+  if [ "$call" = stream ]; then conns=$(((c + 15) / 16)); inflight=$((c / conns)); else conns=$c; inflight=1; fi
+  build/release/bench/grpc_load --target "127.0.0.1:$PORT" --mode "$mode" --model "$model" \
+    --input "${INPUT[$model]}" --shape "${SHAPE[$model]}" --connections "$conns" --inflight "$inflight" \
+    --seconds 1 --warmup 0 >/dev/null  # warm-up, not measured
+  local t0 t1 out
+  t0=$(cpu_ticks)
+  out=$(build/release/bench/grpc_load --target "127.0.0.1:$PORT" --mode "$mode" --model "$model" \
+    --input "${INPUT[$model]}" --shape "${SHAPE[$model]}" --connections "$conns" --inflight "$inflight" \
+    --seconds "$SECS" --warmup 0)
+  t1=$(cpu_ticks)
+  echo "$out" | awk -v m="$model" -v call="$call" -v c="$c" -v t="$((t1 - t0))" -v k="$TCK" -v x="${XSTAR[$model]:-0}" '
+    { for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } }
+    END {
+      ratio = (x > 0 && call != "live") ? sprintf("%.3f", v["rps"] / x) : "-"
+      printf "%-12s %-7s %5s  %9s  %6s  %7sus  %7sus  %6.1f%s\n", m, call, c, v["rps"], ratio, v["p50_us"], v["p99_us"],
+             t / k * 1e6 / (v["ok"] > 0 ? v["ok"] : 1), (v["errors"] > 0 ? "  errors " v["errors"] : "")
+    }'
+}
+echo "model        call    conc.   req/s      x X*    p50        p99        server CPU us/request"
+run identity live 16
 for model in $MODELS; do
-  for call in unary; do
-    for c in 1 4 16 64; do
-      t0=$(cpu_ticks)
-      "$GHZ" --insecure --proto proto/grpc_service.proto --import-paths proto \
-        --call inference.GRPCInferenceService.ModelInfer -D "$WORK/$model.json" -c "$c" --connections "$c" \
-        -z "${SECS}s" --format json "127.0.0.1:$PORT" > "$WORK/out.json" 2>/dev/null || true
-      t1=$(cpu_ticks)
-      build/venv/bin/python - "$WORK/out.json" "$model" "$call" "$c" "$((t1 - t0))" "$TCK" <<'PY'
-import json, sys
-path, model, call, c, ticks, tck = sys.argv[1:]
-r = json.load(open(path))
-ok = r.get("statusCodeDistribution", {}).get("OK", 0)
-lat = {d["percentage"]: d["latency"] / 1e3 for d in r.get("latencyDistribution") or []}
-cpu_us = int(ticks) / int(tck) * 1e6 / max(ok, 1)
-rps = ok / (r["total"] / 1e9) if r.get("total") else 0
-errors = {k: v for k, v in r.get("statusCodeDistribution", {}).items() if k != "OK"}
-print(f"{model:<12} {call:<7} {c:>5}  {rps:9.0f}  {lat.get(50, 0):8.0f}us  {lat.get(99, 0):8.0f}us  {cpu_us:.1f}"
-      + (f"  errors {errors}" if errors else ""))
-PY
-    done
+  for call in unary stream; do
+    for c in 1 4 16 64; do run "$model" "$call" "$c"; done
   done
 done

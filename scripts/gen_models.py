@@ -91,6 +91,13 @@ def scale(name, batch, dims, factor=2.0):
                        [vi("x", TensorProto.FLOAT, [batch] + dims)], [vi("y", TensorProto.FLOAT, [batch] + dims)], [f])
 
 
+def tile4():
+    """y = x repeated four times along the last axis: a response four times the size of its request."""
+    reps = numpy_helper.from_array(np.array([1, 4], dtype=np.int64), "reps")
+    return graph_model([helper.make_node("Tile", ["x", "reps"], ["y"])], "tile4",
+                       [vi("x", TensorProto.FLOAT, ["N", "K"])], [vi("y", TensorProto.FLOAT, ["N", "K4"])], [reps])
+
+
 # ---------------------------------------------------------------- CNNs
 class Builder:
     def __init__(self, rng):
@@ -190,6 +197,7 @@ dynamic_batching { max_queue_delay_microseconds: 20000 }
 parameters { key: "quern.fixed_batch_sizes" value { string_value: "4" } }
 """)
     save(scale("nobatch", 2, [3], factor=3.0), f"{d}/nobatch/1/model.onnx", quiet)
+    save(tile4(), f"{d}/tile4/1/model.onnx", quiet)
     # Requests wait up to a second for company: time for a client to go away.
     save(scale("slow_batch", "N", [3]), f"{d}/slow_batch/1/model.onnx", quiet)
     write_config(f"{d}/slow_batch/config.pbtxt", "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 1000000 }\n")

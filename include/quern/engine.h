@@ -222,6 +222,9 @@ class Engine {
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version = -1) const;
   bool ModelReady(const std::string& name, int64_t version = -1) const;
+  // Server readiness (HTTP /v2/health/ready, gRPC ServerReady and health):
+  // every loaded or failed model version is ready.
+  bool AllModelsReady() const;
 
   // Statistics of every loaded version of `name` (every model when empty).
   // NOT_FOUND for an unknown model or version.

@@ -433,6 +433,12 @@ Result<ModelStatus> Engine::GetModel(const std::string& name, int64_t version) c
 bool Engine::ModelReady(const std::string& name, int64_t version) const {
   return impl_->Resolve(name, version).has_value();
 }
+bool Engine::AllModelsReady() const {
+  for (const auto& m : impl_->ListModels()) {
+    if (m.state != ModelState::kReady) return false;
+  }
+  return true;
+}
 const Clock& Engine::clock() const {
   return impl_->clock();
 }

@@ -3,6 +3,7 @@ own health-checking client). Expected values are computed with numpy from the in
 import os
 import queue
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -22,10 +23,10 @@ MODELS = os.environ["QUERN_TEST_MODELS"]
 PROTO_DIR = os.environ.get("QUERN_PROTO_DIR", "")
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--grpc-port", "0",
-                             "--metrics-port", "0", "--host", "127.0.0.1", "--grpc-max-message-bytes", "1000000"],
+def start_server(repo, *extra):
+    """Starts `quern serve` on free ports; returns (process, "host:port" of gRPC)."""
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     port = None
     deadline = time.time() + 60
@@ -39,7 +40,13 @@ def server():
     assert port, "server did not report its gRPC port"
     # Keep reading the log so the server never blocks on a full pipe.
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    yield f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, address = start_server(MODELS, "--grpc-max-message-bytes", "1000000")
+    yield address
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -201,6 +208,48 @@ def test_oversize_message_is_resource_exhausted(server):
     with pytest.raises(InferenceServerException) as e:
         c.infer("add_sub", add_sub_inputs(big, big))
     assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_oversize_response_is_resource_exhausted_and_the_server_goes_on(server):
+    c = grpcclient.InferenceServerClient(server)
+    x = grpcclient.InferInput("x", [1, 100000], "FP32")  # 400 kB in; tile4 answers 1.6 MB, over the 1 MB limit
+    x.set_data_from_numpy(np.ones((1, 100000), np.float32))
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("tile4", [x])
+    assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    small = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = grpcclient.InferInput("x", [2, 3], "FP32")
+    x.set_data_from_numpy(small)
+    np.testing.assert_array_equal(c.infer("tile4", [x]).as_numpy("y"), np.tile(small, (1, 4)))
+
+
+def test_health_follows_readiness_of_every_model(tmp_path):
+    """A model that fails to load makes the server not ready (ServerReady and grpc.health.v1 NOT_SERVING);
+    once it loads, both turn ready."""
+    (tmp_path / "late" / "1").mkdir(parents=True)
+    (tmp_path / "late" / "1" / "model.onnx").write_bytes(b"not an onnx model")
+    os.symlink(os.path.join(MODELS, "add_sub"), tmp_path / "add_sub")
+    proc, address = start_server(str(tmp_path))
+    try:
+        c = grpcclient.InferenceServerClient(address)
+        assert c.is_server_live()
+        assert not c.is_server_ready()
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "inference.GRPCInferenceService"):
+                r = health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            shutil.copy(os.path.join(MODELS, "add_sub", "1", "model.onnx"), tmp_path / "late" / "1" / "model.onnx")
+            c.load_model("late")
+            assert c.is_server_ready()
+            deadline = time.time() + 10
+            while health.Check(health_pb2.HealthCheckRequest(service="")).status != \
+                    health_pb2.HealthCheckResponse.SERVING:
+                assert time.time() < deadline, "grpc.health.v1 did not turn SERVING"
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_unimplemented_rpcs_say_so(server):

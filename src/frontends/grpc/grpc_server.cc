@@ -1,5 +1,6 @@
 #include "frontends/grpc/grpc_server.h"
 
+#include <absl/synchronization/mutex.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -390,7 +391,7 @@ class Service final : public GRPCInferenceService::CallbackService {
 
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx, const inference::ServerReadyRequest*,
                                         inference::ServerReadyResponse* out) override {
-    out->set_ready(AllReady(*engine_));
+    out->set_ready(engine_->AllModelsReady());
     return Reply(ctx, grpc::Status::OK);
   }
 
@@ -511,13 +512,6 @@ class Service final : public GRPCInferenceService::CallbackService {
     return NotImplemented(ctx, "LogSettings");
   }
 
-  static bool AllReady(const Engine& engine) {
-    for (const auto& m : engine.ListModels()) {
-      if (m.state != ModelState::kReady) return false;
-    }
-    return true;
-  }
-
  private:
   Result<ModelStatus> Model(const std::string& name, const std::string& version) {
     QUERN_ASSIGN_OR_RETURN(int64_t v, ParseVersion(name, version));
@@ -534,6 +528,10 @@ class GrpcServer::Impl {
   Impl(GrpcServerOptions options, Engine* engine) : options_(std::move(options)), engine_(engine), service_(engine) {}
 
   Status Start() {
+    // Debian's Abseil is built with mutex deadlock detection on: every lock
+    // of gRPC's mutexes then updates a global lock graph (a tenth of gRPC's
+    // CPU time per call). Quern's own locks are std::mutex.
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     const std::string address =
@@ -584,10 +582,11 @@ class GrpcServer::Impl {
   void UpdateHealth() {
     auto* health = server_->GetHealthCheckService();
     if (!health) return;
-    const bool ready = Service::AllReady(*engine_);
+    const bool ready = engine_->AllModelsReady();
     if (ready == last_ready_) return;
     last_ready_ = ready;
-    health->SetServingStatus(ready);
+    health->SetServingStatus("inference.GRPCInferenceService", ready);
+    health->SetServingStatus(ready);  // every service known, "" included
   }
 
   GrpcServerOptions options_;

@@ -380,9 +380,7 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   if (parts.size() == 3 && parts[1] == "health" && get) {
     if (parts[2] == "live") return done(empty(200));
     if (parts[2] == "ready") {
-      bool ready = true;
-      for (const auto& m : engine_->ListModels()) ready = ready && m.state == ModelState::kReady;
-      return done(empty(ready ? 200 : 503));
+      return done(empty(engine_->AllModelsReady() ? 200 : 503));
     }
   }
   if (parts.size() == 2 && parts[1] == "repository") return done(Error(NotFound("no route for " + req.target)));
