@@ -1,0 +1,277 @@
+// Decoding: libjpeg-turbo (TurboJPEG API, DCT-domain scaling), libpng
+// (simplified API), libwebp, stb_image (BMP). EXIF orientation is read from
+// the JPEG's APP1 segment.
+#include <png.h>
+#include <stb_image.h>
+#include <turbojpeg.h>
+#include <webp/decode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "pipeline/image.h"
+
+namespace quern {
+namespace {
+
+std::string SizeText(int64_t w, int64_t h) {
+  return std::to_string(w) + "x" + std::to_string(h);
+}
+
+Status CheckSize(int64_t w, int64_t h, const DecodeOptions& o, ImageFormat f) {
+  if (w <= 0 || h <= 0) {
+    return InvalidArgument(std::string(ImageFormatName(f)) + " image has no pixels (" + SizeText(w, h) + ")");
+  }
+  if (w * h > o.max_pixels) {
+    return InvalidArgument(std::string(ImageFormatName(f)) + " image is " + SizeText(w, h) + " = " +
+                           std::to_string(w * h) + " pixels, over the limit of " + std::to_string(o.max_pixels) +
+                           " pixels");
+  }
+  return Status::Ok();
+}
+
+uint32_t Read16(const uint8_t* p, bool little) {
+  return little ? (p[0] | (p[1] << 8)) : ((p[0] << 8) | p[1]);
+}
+uint32_t Read32(const uint8_t* p, bool little) {
+  return little ? (p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24))
+                : ((static_cast<uint32_t>(p[0]) << 24) | (p[1] << 16) | (p[2] << 8) | p[3]);
+}
+
+// The orientation tag (0x0112) of a TIFF block (the body of an Exif APP1).
+int TiffOrientation(const uint8_t* tiff, size_t size) {
+  if (size < 8) return 1;
+  bool little;
+  if (tiff[0] == 'I' && tiff[1] == 'I') {
+    little = true;
+  } else if (tiff[0] == 'M' && tiff[1] == 'M') {
+    little = false;
+  } else {
+    return 1;
+  }
+  if (Read16(tiff + 2, little) != 42) return 1;
+  const uint32_t ifd = Read32(tiff + 4, little);
+  if (ifd > size - 2) return 1;
+  const uint32_t count = Read16(tiff + ifd, little);
+  for (uint32_t i = 0; i < count; ++i) {
+    const size_t entry = ifd + 2 + static_cast<size_t>(i) * 12;
+    if (entry + 12 > size) return 1;
+    if (Read16(tiff + entry, little) != 0x0112) continue;
+    if (Read16(tiff + entry + 2, little) != 3) return 1;  // SHORT
+    const uint32_t v = Read16(tiff + entry + 8, little);
+    return v >= 1 && v <= 8 ? static_cast<int>(v) : 1;
+  }
+  return 1;
+}
+
+struct TjHandle {
+  tjhandle h = tjInitDecompress();
+  ~TjHandle() {
+    if (h) tjDestroy(h);
+  }
+};
+
+Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) {
+  thread_local TjHandle tj;
+  if (!tj.h) return std::unexpected(Internal("cannot initialise libjpeg-turbo"));
+  auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
+  const auto size = static_cast<unsigned long>(bytes.size());
+  int w = 0, h = 0, subsamp = 0, colorspace = 0;
+  if (tjDecompressHeader3(tj.h, data, size, &w, &h, &subsamp, &colorspace) != 0) {
+    return std::unexpected(InvalidArgument(std::string("not a readable JPEG image: ") + tjGetErrorStr2(tj.h)));
+  }
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kJpeg));
+  const int orientation = o.apply_exif_orientation ? JpegExifOrientation(bytes) : 1;
+  const bool transposed = orientation >= 5;
+  // The size the resize needs, in the stored orientation.
+  int need_w = w, need_h = h;
+  if (o.target) {
+    const int dw = transposed ? h : w, dh = transposed ? w : h;  // displayed
+    const ImageTransform t = ComputeTransform(dw, dh, *o.target);
+    const int nw = static_cast<int>(std::ceil(dw * t.scale_x)), nh = static_cast<int>(std::ceil(dh * t.scale_y));
+    need_w = transposed ? nh : nw;
+    need_h = transposed ? nw : nh;
+  }
+  int n = 0;
+  const tjscalingfactor* factors = tjGetScalingFactors(&n);
+  tjscalingfactor best{1, 1};
+  for (int i = 0; i < n && factors; ++i) {
+    const auto& f = factors[i];
+    if (f.num > f.denom) continue;  // never enlarge
+    const int sw = TJSCALED(w, f), sh = TJSCALED(h, f);
+    if (sw >= need_w && sh >= need_h && sw * static_cast<int64_t>(sh) < TJSCALED(w, best) * int64_t{TJSCALED(h, best)}) {
+      best = f;
+    }
+  }
+  Image img;
+  img.width = TJSCALED(w, best);
+  img.height = TJSCALED(h, best);
+  img.pixels.resize(static_cast<size_t>(img.width) * static_cast<size_t>(img.height) * 3);
+  if (tjDecompress2(tj.h, data, size, img.pixels.data(), img.width, 0, img.height, TJPF_RGB,
+                    TJFLAG_FASTDCT | TJFLAG_STOPONWARNING) != 0) {
+    return std::unexpected(InvalidArgument(std::string("corrupt or truncated JPEG image (") + SizeText(w, h) +
+                                           "): " + tjGetErrorStr2(tj.h)));
+  }
+  DecodedImage out;
+  out.format = ImageFormat::kJpeg;
+  out.exif_orientation = orientation;
+  out.source_width = transposed ? h : w;
+  out.source_height = transposed ? w : h;
+  out.image = orientation == 1 ? std::move(img) : ApplyOrientation(img, orientation);
+  return out;
+}
+
+Result<DecodedImage> DecodePng(std::string_view bytes, const DecodeOptions& o) {
+  png_image png;
+  std::memset(&png, 0, sizeof(png));
+  png.version = PNG_IMAGE_VERSION;
+  if (!png_image_begin_read_from_memory(&png, bytes.data(), bytes.size())) {
+    return std::unexpected(InvalidArgument(std::string("not a readable PNG image: ") + png.message));
+  }
+  if (Status st = CheckSize(png.width, png.height, o, ImageFormat::kPng); !st.ok()) {
+    png_image_free(&png);
+    return std::unexpected(st);
+  }
+  png.format = PNG_FORMAT_RGB;
+  DecodedImage out;
+  out.format = ImageFormat::kPng;
+  out.image.width = out.source_width = static_cast<int>(png.width);
+  out.image.height = out.source_height = static_cast<int>(png.height);
+  out.image.pixels.resize(PNG_IMAGE_SIZE(png));
+  const png_color black{0, 0, 0};  // transparent pixels are composed onto black
+  if (!png_image_finish_read(&png, &black, out.image.pixels.data(), 0, nullptr)) {
+    std::string msg = png.message;
+    png_image_free(&png);
+    return std::unexpected(InvalidArgument("corrupt or truncated PNG image (" + SizeText(png.width, png.height) +
+                                           "): " + msg));
+  }
+  return out;
+}
+
+Result<DecodedImage> DecodeWebp(std::string_view bytes, const DecodeOptions& o) {
+  auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  int w = 0, h = 0;
+  if (!WebPGetInfo(data, bytes.size(), &w, &h)) return std::unexpected(InvalidArgument("not a readable WebP image"));
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kWebp));
+  DecodedImage out;
+  out.format = ImageFormat::kWebp;
+  out.image.width = out.source_width = w;
+  out.image.height = out.source_height = h;
+  out.image.pixels.resize(static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
+  if (!WebPDecodeRGBInto(data, bytes.size(), out.image.pixels.data(), out.image.pixels.size(), w * 3)) {
+    return std::unexpected(InvalidArgument("corrupt or truncated WebP image (" + SizeText(w, h) + ")"));
+  }
+  return out;
+}
+
+Result<DecodedImage> DecodeBmp(std::string_view bytes, const DecodeOptions& o) {
+  auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
+  const int len = static_cast<int>(std::min<size_t>(bytes.size(), INT32_MAX));
+  int w = 0, h = 0, comp = 0;
+  if (!stbi_info_from_memory(data, len, &w, &h, &comp)) {
+    return std::unexpected(InvalidArgument(std::string("not a readable BMP image: ") + stbi_failure_reason()));
+  }
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kBmp));
+  std::unique_ptr<stbi_uc, void (*)(void*)> px(stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
+  if (!px) {
+    return std::unexpected(
+        InvalidArgument("corrupt or truncated BMP image (" + SizeText(w, h) + "): " + stbi_failure_reason()));
+  }
+  DecodedImage out;
+  out.format = ImageFormat::kBmp;
+  out.image.width = out.source_width = w;
+  out.image.height = out.source_height = h;
+  out.image.pixels.assign(px.get(), px.get() + static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
+  return out;
+}
+
+}  // namespace
+
+std::string_view ImageFormatName(ImageFormat f) {
+  switch (f) {
+    case ImageFormat::kJpeg: return "JPEG";
+    case ImageFormat::kPng: return "PNG";
+    case ImageFormat::kBmp: return "BMP";
+    case ImageFormat::kWebp: return "WebP";
+  }
+  return "image";
+}
+
+int JpegExifOrientation(std::string_view jpeg) {
+  auto* p = reinterpret_cast<const uint8_t*>(jpeg.data());
+  const size_t n = jpeg.size();
+  if (n < 4 || p[0] != 0xFF || p[1] != 0xD8) return 1;
+  size_t pos = 2;
+  while (pos + 4 <= n) {
+    if (p[pos] != 0xFF) return 1;
+    const uint8_t marker = p[pos + 1];
+    if (marker == 0xFF) {  // fill byte
+      ++pos;
+      continue;
+    }
+    if (marker == 0xDA || marker == 0xD9) return 1;  // image data / end: no EXIF before it
+    if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD7)) {
+      pos += 2;
+      continue;
+    }
+    const size_t len = (static_cast<size_t>(p[pos + 2]) << 8) | p[pos + 3];
+    if (len < 2 || pos + 2 + len > n) return 1;
+    const uint8_t* seg = p + pos + 4;
+    const size_t seg_len = len - 2;
+    if (marker == 0xE1 && seg_len >= 6 && std::memcmp(seg, "Exif\0\0", 6) == 0) {
+      return TiffOrientation(seg + 6, seg_len - 6);
+    }
+    pos += 2 + len;
+  }
+  return 1;
+}
+
+Image ApplyOrientation(const Image& in, int orientation) {
+  if (orientation < 2 || orientation > 8) return in;
+  const int w = in.width, h = in.height;
+  const bool transposed = orientation >= 5;
+  Image out;
+  out.width = transposed ? h : w;
+  out.height = transposed ? w : h;
+  out.pixels.resize(in.pixels.size());
+  for (int y = 0; y < out.height; ++y) {
+    for (int x = 0; x < out.width; ++x) {
+      int sx = x, sy = y;
+      switch (orientation) {
+        case 2: sx = w - 1 - x; break;
+        case 3: sx = w - 1 - x, sy = h - 1 - y; break;
+        case 4: sy = h - 1 - y; break;
+        case 5: sx = y, sy = x; break;
+        case 6: sx = y, sy = h - 1 - x; break;
+        case 7: sx = w - 1 - y, sy = h - 1 - x; break;
+        case 8: sx = w - 1 - y, sy = x; break;
+        default: break;
+      }
+      const uint8_t* s = &in.pixels[(static_cast<size_t>(sy) * static_cast<size_t>(w) + static_cast<size_t>(sx)) * 3];
+      uint8_t* d = &out.pixels[(static_cast<size_t>(y) * static_cast<size_t>(out.width) + static_cast<size_t>(x)) * 3];
+      d[0] = s[0];
+      d[1] = s[1];
+      d[2] = s[2];
+    }
+  }
+  return out;
+}
+
+Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& options) {
+  auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  const size_t n = bytes.size();
+  if (n >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF) return DecodeJpeg(bytes, options);
+  if (n >= 8 && std::memcmp(p, "\x89PNG\r\n\x1a\n", 8) == 0) return DecodePng(bytes, options);
+  if (n >= 12 && std::memcmp(p, "RIFF", 4) == 0 && std::memcmp(p + 8, "WEBP", 4) == 0) {
+    return DecodeWebp(bytes, options);
+  }
+  if (n >= 2 && p[0] == 'B' && p[1] == 'M') return DecodeBmp(bytes, options);
+  if (n == 0) return std::unexpected(InvalidArgument("the image is empty (0 bytes)"));
+  return std::unexpected(
+      InvalidArgument("the data is not an image Quern can decode (JPEG, PNG, BMP or WebP; " + std::to_string(n) +
+                      " bytes, none of these signatures)"));
+}
+
+}  // namespace quern

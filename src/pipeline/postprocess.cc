@@ -1,0 +1,296 @@
+#include "pipeline/postprocess.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace quern {
+namespace {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400u)) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A numeric tensor's values as floats; the output's name is used in errors.
+Result<std::vector<float>> AsFloats(const NamedTensor& t) {
+  const size_t n = static_cast<size_t>(ElementCount(t.tensor.shape()));
+  std::vector<float> out(n);
+  const auto* p = t.tensor.data();
+  switch (t.tensor.dtype()) {
+    case DataType::kFp32: std::memcpy(out.data(), p, n * 4); break;
+    case DataType::kFp16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + i * 2, 2);
+        out[i] = HalfToFloat(h);
+      }
+      break;
+    case DataType::kFp64:
+      for (size_t i = 0; i < n; ++i) {
+        double d;
+        std::memcpy(&d, p + i * 8, 8);
+        out[i] = static_cast<float>(d);
+      }
+      break;
+    case DataType::kInt64:
+      for (size_t i = 0; i < n; ++i) {
+        int64_t v;
+        std::memcpy(&v, p + i * 8, 8);
+        out[i] = static_cast<float>(v);
+      }
+      break;
+    case DataType::kInt32:
+      for (size_t i = 0; i < n; ++i) {
+        int32_t v;
+        std::memcpy(&v, p + i * 4, 4);
+        out[i] = static_cast<float>(v);
+      }
+      break;
+    default:
+      return std::unexpected(InvalidArgument("output '" + t.name + "' has datatype " +
+                                             std::string(DataTypeName(t.tensor.dtype())) +
+                                             "; a detection or classification output must be numeric"));
+  }
+  return out;
+}
+
+// The shape without a leading batch dimension of 1.
+Shape ItemShape(const Shape& s, size_t rank) {
+  if (s.size() == rank + 1 && s[0] == 1) return Shape(s.begin() + 1, s.end());
+  return s;
+}
+
+float Sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
+
+void SoftmaxInPlace(float* v, size_t n) {
+  if (n == 0) return;
+  const float m = *std::max_element(v, v + n);
+  float sum = 0;
+  for (size_t i = 0; i < n; ++i) sum += (v[i] = std::exp(v[i] - m));
+  for (size_t i = 0; i < n; ++i) v[i] /= sum;
+}
+
+Detection BoxFrom(float a, float b, float c, float d, const DetectionSpec& spec, int w, int h) {
+  if (spec.normalized) {
+    a *= static_cast<float>(w), c *= static_cast<float>(w);
+    b *= static_cast<float>(h), d *= static_cast<float>(h);
+  }
+  Detection det;
+  if (spec.box == BoxEncoding::kCxCyWh) {
+    det.x_min = a - c / 2, det.x_max = a + c / 2, det.y_min = b - d / 2, det.y_max = b + d / 2;
+  } else {
+    det.x_min = a, det.y_min = b, det.x_max = c, det.y_max = d;
+  }
+  return det;
+}
+
+std::string ShapeOf(const NamedTensor& t) {
+  return "output '" + t.name + "' has shape " + ShapeToString(t.tensor.shape());
+}
+
+}  // namespace
+
+std::vector<Classification> TopK(const std::vector<float>& scores, int k, SoftmaxMode softmax,
+                                 const std::vector<std::string>& labels) {
+  std::vector<float> p = scores;
+  bool apply = softmax == SoftmaxMode::kAlways;
+  if (softmax == SoftmaxMode::kAuto) {
+    double sum = 0;
+    bool in_range = true;
+    for (float v : p) {
+      sum += v;
+      in_range = in_range && v >= 0.0f && v <= 1.0f;
+    }
+    apply = !(in_range && std::abs(sum - 1.0) < 1e-3);
+  }
+  if (apply) SoftmaxInPlace(p.data(), p.size());
+  std::vector<int> idx(p.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  const size_t n = std::min(idx.size(), static_cast<size_t>(std::max(k, 0)));
+  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(n), idx.end(), [&](int a, int b) {
+    return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] || (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
+  });
+  std::vector<Classification> out;
+  for (size_t i = 0; i < n; ++i) {
+    const int id = idx[i];
+    out.push_back({id, static_cast<size_t>(id) < labels.size() ? labels[static_cast<size_t>(id)] : std::to_string(id),
+                   p[static_cast<size_t>(id)]});
+  }
+  return out;
+}
+
+float IntersectionOverUnion(const Detection& a, const Detection& b) {
+  const float iw = std::min(a.x_max, b.x_max) - std::max(a.x_min, b.x_min);
+  const float ih = std::min(a.y_max, b.y_max) - std::max(a.y_min, b.y_min);
+  if (iw <= 0 || ih <= 0) return 0;
+  const float inter = iw * ih;
+  const float area_a = (a.x_max - a.x_min) * (a.y_max - a.y_min), area_b = (b.x_max - b.x_min) * (b.y_max - b.y_min);
+  return inter / (area_a + area_b - inter);
+}
+
+std::vector<Detection> NonMaxSuppression(std::vector<Detection> boxes, float iou_threshold, int max_detections) {
+  std::stable_sort(boxes.begin(), boxes.end(),
+                   [](const Detection& a, const Detection& b) { return a.confidence > b.confidence; });
+  std::vector<Detection> kept;
+  for (const auto& b : boxes) {
+    if (static_cast<int>(kept.size()) >= max_detections) break;
+    bool suppressed = false;
+    for (const auto& k : kept) {
+      if (k.class_id == b.class_id && IntersectionOverUnion(k, b) > iou_threshold) {
+        suppressed = true;
+        break;
+      }
+    }
+    if (!suppressed) kept.push_back(b);
+  }
+  return kept;
+}
+
+Result<std::vector<Detection>> DecodeDetections(const std::vector<NamedTensor>& outputs, const DetectionSpec& spec,
+                                                float min_confidence, int input_width, int input_height) {
+  std::vector<Detection> found;
+  auto activate = [&](float v) { return spec.activation == ScoreActivation::kSigmoid ? Sigmoid(v) : v; };
+  if (spec.format == DetectionFormat::kYoloV5 || spec.format == DetectionFormat::kYoloV8) {
+    if (outputs.empty()) return std::unexpected(InvalidArgument("the detection model returned no output"));
+    const NamedTensor& out = outputs[0];
+    const Shape s = ItemShape(out.tensor.shape(), 2);
+    const bool v5 = spec.format == DetectionFormat::kYoloV5;
+    if (s.size() != 2 || (v5 ? s[1] < 6 : s[0] < 5)) {
+      return std::unexpected(InvalidArgument(
+          ShapeOf(out) + (v5 ? "; the YOLOv5 layout is [1, boxes, 5 + classes]" :
+                               "; the YOLOv8 layout is [1, 4 + classes, boxes]")));
+    }
+    QUERN_ASSIGN_OR_RETURN(std::vector<float> v, AsFloats(out));
+    const size_t boxes = static_cast<size_t>(v5 ? s[0] : s[1]);
+    const size_t classes = static_cast<size_t>(v5 ? s[1] - 5 : s[0] - 4);
+    std::vector<float> cls(classes);
+    for (size_t i = 0; i < boxes; ++i) {
+      // Element j of box i.
+      auto at = [&](size_t j) { return v5 ? v[i * static_cast<size_t>(s[1]) + j] : v[j * boxes + i]; };
+      const size_t first = v5 ? 5 : 4;
+      for (size_t c = 0; c < classes; ++c) cls[c] = at(first + c);
+      if (spec.activation == ScoreActivation::kSoftmax) SoftmaxInPlace(cls.data(), classes);
+      size_t best = 0;
+      float score = -INFINITY;
+      for (size_t c = 0; c < classes; ++c) {
+        const float sc = activate(cls[c]);
+        if (sc > score) score = sc, best = c;
+      }
+      if (v5) score *= activate(at(4));
+      if (!(score >= min_confidence)) continue;
+      Detection d = BoxFrom(at(0), at(1), at(2), at(3), spec, input_width, input_height);
+      d.class_id = static_cast<int>(best);
+      d.confidence = score;
+      found.push_back(d);
+    }
+  } else {
+    const NamedTensor *boxes = nullptr, *scores = nullptr, *labels = nullptr;
+    for (const auto& o : outputs) {
+      const Shape& sh = o.tensor.shape();
+      const bool integer = o.tensor.dtype() == DataType::kInt64 || o.tensor.dtype() == DataType::kInt32;
+      if (!boxes && sh.size() >= 2 && sh.back() == 4 && !integer) {
+        boxes = &o;
+      } else if (integer) {
+        labels = &o;
+      } else if (!scores) {
+        scores = &o;
+      }
+    }
+    if (!boxes || !scores) {
+      return std::unexpected(InvalidArgument(
+          "the DETR layout needs a boxes output [1, queries, 4] and a scores output ([1, queries, classes] or "
+          "[1, queries] with labels [1, queries]); the model has " +
+          std::to_string(outputs.size()) + " outputs"));
+    }
+    const Shape bs = ItemShape(boxes->tensor.shape(), 2);
+    if (bs.size() != 2 || bs[1] != 4) {
+      return std::unexpected(InvalidArgument(ShapeOf(*boxes) + "; DETR boxes are [1, queries, 4]"));
+    }
+    const size_t q = static_cast<size_t>(bs[0]);
+    QUERN_ASSIGN_OR_RETURN(std::vector<float> bv, AsFloats(*boxes));
+    QUERN_ASSIGN_OR_RETURN(std::vector<float> sv, AsFloats(*scores));
+    std::vector<float> lv;
+    size_t classes = 0;
+    if (labels) {
+      QUERN_ASSIGN_OR_RETURN(lv, AsFloats(*labels));
+      if (lv.size() != q || sv.size() != q) {
+        return std::unexpected(InvalidArgument(ShapeOf(*scores) + " and " + ShapeOf(*labels) + "; with " +
+                                               std::to_string(q) + " boxes both must be [1, " + std::to_string(q) +
+                                               "]"));
+      }
+    } else {
+      const Shape ss = ItemShape(scores->tensor.shape(), 2);
+      if (ss.size() != 2 || static_cast<size_t>(ss[0]) != q || ss[1] < 1) {
+        return std::unexpected(InvalidArgument(ShapeOf(*scores) + "; with " + std::to_string(q) +
+                                               " boxes the class scores must be [1, " + std::to_string(q) +
+                                               ", classes]"));
+      }
+      classes = static_cast<size_t>(ss[1]);
+    }
+    for (size_t i = 0; i < q; ++i) {
+      size_t best = 0;
+      float score;
+      if (labels) {
+        best = static_cast<size_t>(std::max(0.0f, lv[i]));
+        score = activate(sv[i]);
+      } else {
+        float* row = &sv[i * classes];
+        size_t usable = classes;
+        if (spec.activation == ScoreActivation::kSoftmax) {
+          SoftmaxInPlace(row, classes);
+          if (classes > 1) usable = classes - 1;  // drop "no object"
+        }
+        score = -INFINITY;
+        for (size_t c = 0; c < usable; ++c) {
+          const float sc = activate(row[c]);
+          if (sc > score) score = sc, best = c;
+        }
+      }
+      if (!(score >= min_confidence)) continue;
+      Detection d = BoxFrom(bv[i * 4], bv[i * 4 + 1], bv[i * 4 + 2], bv[i * 4 + 3], spec, input_width, input_height);
+      d.class_id = static_cast<int>(best);
+      d.confidence = score;
+      found.push_back(d);
+    }
+  }
+  if (spec.nms) return NonMaxSuppression(std::move(found), spec.iou_threshold, spec.max_detections);
+  std::stable_sort(found.begin(), found.end(),
+                   [](const Detection& a, const Detection& b) { return a.confidence > b.confidence; });
+  if (static_cast<int>(found.size()) > spec.max_detections) found.resize(static_cast<size_t>(spec.max_detections));
+  return found;
+}
+
+Detection MapToSource(const Detection& d, const ImageTransform& t) {
+  Detection out = d;
+  const auto w = static_cast<double>(t.source_width), h = static_cast<double>(t.source_height);
+  out.x_min = static_cast<float>(std::clamp(t.ToSourceX(d.x_min), 0.0, w));
+  out.x_max = static_cast<float>(std::clamp(t.ToSourceX(d.x_max), 0.0, w));
+  out.y_min = static_cast<float>(std::clamp(t.ToSourceY(d.y_min), 0.0, h));
+  out.y_max = static_cast<float>(std::clamp(t.ToSourceY(d.y_max), 0.0, h));
+  return out;
+}
+
+}  // namespace quern
