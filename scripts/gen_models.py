@@ -98,6 +98,88 @@ def tile4():
                        [vi("x", TensorProto.FLOAT, ["N", "K"])], [vi("y", TensorProto.FLOAT, ["N", "K4"])], [reps])
 
 
+# ---------------------------------------------------------------- synthetic detectors
+# A 64x64 RGB input (scaled to [0, 1]) is cut into a 4x4 grid of 16-pixel
+# cells. Class c's score for a cell is the mean of channel c over the cell
+# (red, green, blue). Each cell proposes its own box (16x16) and a larger
+# box around it (20x20, IoU 0.64 with the first) at 0.9 of the score, which
+# NMS must suppress. Tests paint coloured squares on grid cells and compute
+# the expected boxes themselves.
+DET_SIZE, DET_CELL = 64, 16
+
+
+def detector(name, layout):
+    g = DET_SIZE // DET_CELL
+    cells = g * g
+    centres = [((k % g) * DET_CELL + DET_CELL / 2, (k // g) * DET_CELL + DET_CELL / 2) for k in range(cells)]
+    boxes = np.array([[cx, cy, DET_CELL, DET_CELL] for cx, cy in centres] +
+                     [[cx, cy, DET_CELL + 4, DET_CELL + 4] for cx, cy in centres], np.float32).T  # [4, 2*cells]
+    nodes = [
+        helper.make_node("AveragePool", ["images"], ["pooled"], kernel_shape=[DET_CELL, DET_CELL],
+                         strides=[DET_CELL, DET_CELL]),
+        helper.make_node("Reshape", ["pooled", "score_shape"], ["s"]),  # [N, 3, cells]
+        helper.make_node("Mul", ["s", "ninety"], ["s9"]),
+        helper.make_node("Concat", ["s", "s9"], ["scores"], axis=2),  # [N, 3, 2*cells]
+        helper.make_node("Shape", ["images"], ["in_shape"]),
+        helper.make_node("Slice", ["in_shape", "zero", "one"], ["n"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([0, 3, cells], np.int64), "score_shape"),
+             numpy_helper.from_array(np.array(0.9, np.float32), "ninety"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "one")]
+    n = 2 * cells
+    if layout == "detr":  # normalised boxes [N, cells, 4] and logits [N, cells, 3]; only the cell boxes
+        inits += [numpy_helper.from_array((boxes[:, :cells].T / DET_SIZE)[None].astype(np.float32), "boxes_c"),
+                  numpy_helper.from_array(np.array([cells, 4], np.int64), "btail"),
+                  numpy_helper.from_array(np.array(10.0, np.float32), "ten"),
+                  numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+        nodes += [helper.make_node("Concat", ["n", "btail"], ["bshape"], axis=0),
+                  helper.make_node("Expand", ["boxes_c", "bshape"], ["pred_boxes"]),
+                  helper.make_node("Transpose", ["s"], ["st"], perm=[0, 2, 1]),
+                  helper.make_node("Sub", ["st", "half"], ["centred"]),
+                  helper.make_node("Mul", ["centred", "ten"], ["pred_logits"])]  # sigmoid(10 (s - 0.5))
+        outputs = [vi("pred_logits", TensorProto.FLOAT, ["N", cells, 3]),
+                   vi("pred_boxes", TensorProto.FLOAT, ["N", cells, 4])]
+    else:
+        inits += [numpy_helper.from_array(boxes[None], "boxes_c"),
+                  numpy_helper.from_array(np.ones((1, 1, n), np.float32), "ones_c"),
+                  numpy_helper.from_array(np.array([4, n], np.int64), "btail"),
+                  numpy_helper.from_array(np.array([1, n], np.int64), "otail")]
+        nodes += [helper.make_node("Concat", ["n", "btail"], ["bshape"], axis=0),
+                  helper.make_node("Expand", ["boxes_c", "bshape"], ["b"]),
+                  helper.make_node("Concat", ["n", "otail"], ["oshape"], axis=0),
+                  helper.make_node("Expand", ["ones_c", "oshape"], ["obj"])]
+        if layout == "yolov8":  # [N, 4 + 3, boxes]
+            nodes.append(helper.make_node("Concat", ["b", "scores"], ["output0"], axis=1))
+            outputs = [vi("output0", TensorProto.FLOAT, ["N", 7, n])]
+        else:  # yolov5: [N, boxes, 5 + 3]
+            nodes += [helper.make_node("Concat", ["b", "obj", "scores"], ["v5t"], axis=1),
+                      helper.make_node("Transpose", ["v5t"], ["output0"], perm=[0, 2, 1])]
+            outputs = [vi("output0", TensorProto.FLOAT, ["N", n, 8])]
+    return graph_model(nodes, name, [vi("images", TensorProto.FLOAT, ["N", 3, DET_SIZE, DET_SIZE])], outputs, inits)
+
+
+def write_detector(d, layout, quiet, name=None, batching="dynamic_batching { }"):
+    name = name or f"detect_{layout}"
+    save(detector(name, layout), f"{d}/{name}/1/model.onnx", quiet)
+    cells = (DET_SIZE // DET_CELL) ** 2
+    outputs = {"yolov5": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ {2 * cells}, 8 ] label_filename: "labels.txt" }}',
+               "yolov8": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ 7, {2 * cells} ] label_filename: "labels.txt" }}',
+               "detr": f'{{ name: "pred_logits" data_type: TYPE_FP32 dims: [ {cells}, 3 ] label_filename: "labels.txt" }}, '
+                       f'{{ name: "pred_boxes" data_type: TYPE_FP32 dims: [ {cells}, 4 ] }}'}[layout]
+    extra = 'parameters { key: "quern.detection.activation" value { string_value: "sigmoid" } }\n' \
+        if layout == "detr" else ""
+    write_config(f"{d}/{name}/config.pbtxt", f"""max_batch_size: 8
+input [ {{ name: "images" data_type: TYPE_FP32 dims: [ 3, {DET_SIZE}, {DET_SIZE} ] }} ]
+output [ {outputs} ]
+{batching}
+parameters {{ key: "quern.task" value {{ string_value: "detection" }} }}
+parameters {{ key: "quern.detection.format" value {{ string_value: "{layout}" }} }}
+{extra}""")
+    with open(f"{d}/{name}/labels.txt", "w") as f:
+        f.write("red\ngreen\nblue\n")
+
+
 # ---------------------------------------------------------------- CNNs
 class Builder:
     def __init__(self, rng):
@@ -198,6 +280,11 @@ parameters { key: "quern.fixed_batch_sizes" value { string_value: "4" } }
 """)
     save(scale("nobatch", 2, [3], factor=3.0), f"{d}/nobatch/1/model.onnx", quiet)
     save(tile4(), f"{d}/tile4/1/model.onnx", quiet)
+    for layout in ("yolov5", "yolov8", "detr"):
+        write_detector(d, layout, quiet)
+    # A request waits up to a second for company: time to test overload and timeouts.
+    write_detector(d, "yolov8", quiet, name="detect_slow",
+                   batching="dynamic_batching { max_queue_delay_microseconds: 1000000 }")
     # Requests wait up to a second for company: time for a client to go away.
     save(scale("slow_batch", "N", [3]), f"{d}/slow_batch/1/model.onnx", quiet)
     write_config(f"{d}/slow_batch/config.pbtxt", "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 1000000 }\n")

@@ -24,6 +24,7 @@ enum class StatusCode : int {
   kDeadlineExceeded = 4,  // the request's deadline passed before it ran
   kNotFound = 5,          // unknown model or version
   kAlreadyExists = 6,
+  kPermissionDenied = 7,   // a required credential (API key) is missing or wrong
   kResourceExhausted = 8,  // a size limit was exceeded
   kFailedPrecondition = 9,
   kUnimplemented = 12,
@@ -79,6 +80,9 @@ inline Status Unimplemented(std::string m) {
 }
 inline Status FailedPrecondition(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
+}
+inline Status PermissionDenied(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
 }
 inline Status ResourceExhausted(std::string m) {
   return {StatusCode::kResourceExhausted, std::move(m)};

@@ -16,6 +16,7 @@
 #include "frontends/grpc/grpc_server.h"
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
+#include "frontends/vision/vision_handler.h"
 #include "metrics/prometheus.h"
 #include "quern/engine.h"
 
@@ -187,6 +188,21 @@ int main(int argc, char** argv) {
   serve->add_option("--grpc-port", grpc_opts.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
   serve->add_option("--grpc-max-message-bytes", grpc_opts.max_receive_bytes,
                     "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");
+  quern::VisionOptions vision_opts;
+  int vision_port = -1;
+  serve->add_option("--detection-model", vision_opts.detection_model,
+                    "Model behind POST /v1/vision/detection (default: the first detection model)");
+  serve->add_option("--vision-port", vision_port,
+                    "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
+  serve->add_option("--vision-api-key", vision_opts.api_key, "Require this api_key on CodeProject.AI requests");
+  serve->add_option("--vision-timeout-ms", vision_opts.request_timeout_ms,
+                    "Vision requests not answered within this are dropped (and answered with an error)");
+  serve->add_option("--vision-queue-capacity", vision_opts.queue_capacity,
+                    "Images admitted at once (0 = timeout / measured time per image)");
+  serve->add_option("--vision-threads", vision_opts.stage_threads,
+                    "Decode / pre- / post-processing threads (0 = one per core)");
+  serve->add_option("--vision-max-image-pixels", vision_opts.max_image_pixels,
+                    "Larger images are refused before decoding");
   quern::HttpServerOptions metrics_opts;
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
@@ -226,7 +242,10 @@ int main(int argc, char** argv) {
   PrintModels(**engine);
   RaiseOpenFileLimit(http_opts.max_connections + 64);
   quern::KServeHandler handler(engine->get());
-  auto server = quern::HttpServer::Start(http_opts, [&handler](quern::HttpRequest&& r, quern::HttpDone done) {
+  vision_opts.model_repository = repo;
+  quern::VisionHandler vision(engine->get(), vision_opts);
+  auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
+    if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
     handler.Handle(std::move(r), std::move(done));
   });
   if (!server) {
@@ -244,19 +263,36 @@ int main(int argc, char** argv) {
     }
     grpc = std::move(*started);
   }
+  quern::Result<std::unique_ptr<quern::HttpServer>> vision_server = std::unique_ptr<quern::HttpServer>();
+  if (vision_port >= 0) {
+    quern::HttpServerOptions o = http_opts;
+    o.port = vision_port;
+    vision_server = quern::HttpServer::Start(o, [&](quern::HttpRequest&& r, quern::HttpDone done) {
+      if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
+      quern::HttpResponse resp;
+      resp.status = 404;
+      resp.body = "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
+      done(std::move(resp));
+    });
+    if (!vision_server) {
+      std::fprintf(stderr, "quern: vision: %s\n", vision_server.error().ToString().c_str());
+      return 1;
+    }
+  }
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
-  auto metrics = quern::HttpServer::Start(metrics_opts, [engine_ptr](quern::HttpRequest&& r, quern::HttpDone done) {
-    quern::HttpResponse resp;
-    if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
-      resp.status = 404;
-      resp.body = "{\"error\":\"metrics are served at GET /metrics\"}";
-      return done(std::move(resp));
-    }
-    resp.content_type = "text/plain; version=0.0.4";
-    resp.body = quern::RenderPrometheus(*engine_ptr);
-    done(std::move(resp));
-  });
+  auto metrics =
+      quern::HttpServer::Start(metrics_opts, [engine_ptr, &vision](quern::HttpRequest&& r, quern::HttpDone done) {
+        quern::HttpResponse resp;
+        if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
+          resp.status = 404;
+          resp.body = "{\"error\":\"metrics are served at GET /metrics\"}";
+          return done(std::move(resp));
+        }
+        resp.content_type = "text/plain; version=0.0.4";
+        resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision.stats());
+        done(std::move(resp));
+      });
   if (!metrics) {
     std::fprintf(stderr, "quern: metrics: %s\n", metrics.error().ToString().c_str());
     return 1;
@@ -265,6 +301,8 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   std::printf("quern: HTTP listening on %s:%d\n", http_opts.host.c_str(), (*server)->port());
   if (grpc) std::printf("quern: gRPC listening on %s:%d\n", grpc_opts.host.c_str(), grpc->port());
+  if (*vision_server)
+    std::printf("quern: vision listening on %s:%d\n", http_opts.host.c_str(), (*vision_server)->port());
   std::printf("quern: metrics listening on %s:%d\n", metrics_opts.host.c_str(), (*metrics)->port());
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
@@ -272,6 +310,7 @@ int main(int argc, char** argv) {
   std::printf("quern: stopping\n");
   (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine
+  if (*vision_server) (*vision_server)->Stop();
   if (grpc) grpc->Stop();
   engine->reset();  // drains the queues; late responses are dropped with their connections
   server->reset();

@@ -80,7 +80,7 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
   const auto size = static_cast<unsigned long>(bytes.size());
   int w = 0, h = 0, subsamp = 0, colorspace = 0;
   if (tjDecompressHeader3(tj.h, data, size, &w, &h, &subsamp, &colorspace) != 0) {
-    return std::unexpected(InvalidArgument(std::string("not a readable JPEG image: ") + tjGetErrorStr2(tj.h)));
+    return std::unexpected(InvalidArgument(std::string("corrupt or truncated JPEG image: ") + tjGetErrorStr2(tj.h)));
   }
   QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kJpeg));
   const int orientation = o.apply_exif_orientation ? JpegExifOrientation(bytes) : 1;
@@ -101,7 +101,8 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
     const auto& f = factors[i];
     if (f.num > f.denom) continue;  // never enlarge
     const int sw = TJSCALED(w, f), sh = TJSCALED(h, f);
-    if (sw >= need_w && sh >= need_h && sw * static_cast<int64_t>(sh) < TJSCALED(w, best) * int64_t{TJSCALED(h, best)}) {
+    if (sw >= need_w && sh >= need_h &&
+        sw * static_cast<int64_t>(sh) < TJSCALED(w, best) * int64_t{TJSCALED(h, best)}) {
       best = f;
     }
   }
@@ -128,7 +129,7 @@ Result<DecodedImage> DecodePng(std::string_view bytes, const DecodeOptions& o) {
   std::memset(&png, 0, sizeof(png));
   png.version = PNG_IMAGE_VERSION;
   if (!png_image_begin_read_from_memory(&png, bytes.data(), bytes.size())) {
-    return std::unexpected(InvalidArgument(std::string("not a readable PNG image: ") + png.message));
+    return std::unexpected(InvalidArgument(std::string("corrupt or truncated PNG image: ") + png.message));
   }
   if (Status st = CheckSize(png.width, png.height, o, ImageFormat::kPng); !st.ok()) {
     png_image_free(&png);
@@ -144,8 +145,8 @@ Result<DecodedImage> DecodePng(std::string_view bytes, const DecodeOptions& o) {
   if (!png_image_finish_read(&png, &black, out.image.pixels.data(), 0, nullptr)) {
     std::string msg = png.message;
     png_image_free(&png);
-    return std::unexpected(InvalidArgument("corrupt or truncated PNG image (" + SizeText(png.width, png.height) +
-                                           "): " + msg));
+    return std::unexpected(
+        InvalidArgument("corrupt or truncated PNG image (" + SizeText(png.width, png.height) + "): " + msg));
   }
   return out;
 }
@@ -153,7 +154,9 @@ Result<DecodedImage> DecodePng(std::string_view bytes, const DecodeOptions& o) {
 Result<DecodedImage> DecodeWebp(std::string_view bytes, const DecodeOptions& o) {
   auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   int w = 0, h = 0;
-  if (!WebPGetInfo(data, bytes.size(), &w, &h)) return std::unexpected(InvalidArgument("not a readable WebP image"));
+  if (!WebPGetInfo(data, bytes.size(), &w, &h)) {
+    return std::unexpected(InvalidArgument("corrupt or truncated WebP image (its header cannot be read)"));
+  }
   QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kWebp));
   DecodedImage out;
   out.format = ImageFormat::kWebp;
@@ -171,7 +174,7 @@ Result<DecodedImage> DecodeBmp(std::string_view bytes, const DecodeOptions& o) {
   const int len = static_cast<int>(std::min<size_t>(bytes.size(), INT32_MAX));
   int w = 0, h = 0, comp = 0;
   if (!stbi_info_from_memory(data, len, &w, &h, &comp)) {
-    return std::unexpected(InvalidArgument(std::string("not a readable BMP image: ") + stbi_failure_reason()));
+    return std::unexpected(InvalidArgument(std::string("corrupt or truncated BMP image: ") + stbi_failure_reason()));
   }
   QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kBmp));
   std::unique_ptr<stbi_uc, void (*)(void*)> px(stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
@@ -269,9 +272,8 @@ Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& op
   }
   if (n >= 2 && p[0] == 'B' && p[1] == 'M') return DecodeBmp(bytes, options);
   if (n == 0) return std::unexpected(InvalidArgument("the image is empty (0 bytes)"));
-  return std::unexpected(
-      InvalidArgument("the data is not an image Quern can decode (JPEG, PNG, BMP or WebP; " + std::to_string(n) +
-                      " bytes, none of these signatures)"));
+  return std::unexpected(InvalidArgument("the data is not an image Quern can decode (JPEG, PNG, BMP or WebP; " +
+                                         std::to_string(n) + " bytes, none of these signatures)"));
 }
 
 }  // namespace quern

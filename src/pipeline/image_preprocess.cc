@@ -112,8 +112,8 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
   uint16_t lut_h[3][256];
   for (int c = 0; c < 3; ++c) {
     for (int v = 0; v < 256; ++v) {
-      lut_f[c][v] = (static_cast<float>(v) * spec.scale - spec.mean[static_cast<size_t>(c)]) /
-                    spec.std[static_cast<size_t>(c)];
+      lut_f[c][v] =
+          (static_cast<float>(v) * spec.scale - spec.mean[static_cast<size_t>(c)]) / spec.std[static_cast<size_t>(c)];
       lut_h[c][v] = FloatToHalf(lut_f[c][v]);
     }
   }

@@ -32,8 +32,9 @@ float HalfToFloat(uint16_t h) {
   return f;
 }
 
-// A numeric tensor's values as floats; the output's name is used in errors.
-Result<std::vector<float>> AsFloats(const NamedTensor& t) {
+}  // namespace
+
+Result<std::vector<float>> OutputAsFloats(const NamedTensor& t) {
   const size_t n = static_cast<size_t>(ElementCount(t.tensor.shape()));
   std::vector<float> out(n);
   const auto* p = t.tensor.data();
@@ -73,6 +74,12 @@ Result<std::vector<float>> AsFloats(const NamedTensor& t) {
                                              "; a detection or classification output must be numeric"));
   }
   return out;
+}
+
+namespace {
+
+Result<std::vector<float>> AsFloats(const NamedTensor& t) {
+  return OutputAsFloats(t);
 }
 
 // The shape without a leading batch dimension of 1.
@@ -131,7 +138,8 @@ std::vector<Classification> TopK(const std::vector<float>& scores, int k, Softma
   std::iota(idx.begin(), idx.end(), 0);
   const size_t n = std::min(idx.size(), static_cast<size_t>(std::max(k, 0)));
   std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(n), idx.end(), [&](int a, int b) {
-    return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] || (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
+    return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] ||
+           (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
   });
   std::vector<Classification> out;
   for (size_t i = 0; i < n; ++i) {
@@ -179,9 +187,8 @@ Result<std::vector<Detection>> DecodeDetections(const std::vector<NamedTensor>& 
     const Shape s = ItemShape(out.tensor.shape(), 2);
     const bool v5 = spec.format == DetectionFormat::kYoloV5;
     if (s.size() != 2 || (v5 ? s[1] < 6 : s[0] < 5)) {
-      return std::unexpected(InvalidArgument(
-          ShapeOf(out) + (v5 ? "; the YOLOv5 layout is [1, boxes, 5 + classes]" :
-                               "; the YOLOv8 layout is [1, 4 + classes, boxes]")));
+      return std::unexpected(InvalidArgument(ShapeOf(out) + (v5 ? "; the YOLOv5 layout is [1, boxes, 5 + classes]"
+                                                                : "; the YOLOv8 layout is [1, 4 + classes, boxes]")));
     }
     QUERN_ASSIGN_OR_RETURN(std::vector<float> v, AsFloats(out));
     const size_t boxes = static_cast<size_t>(v5 ? s[0] : s[1]);

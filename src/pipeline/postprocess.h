@@ -13,10 +13,14 @@
 
 namespace quern {
 
+// A numeric output's values as floats (FP32, FP16, FP64, INT32, INT64);
+// InvalidArgument naming the output otherwise.
+Result<std::vector<float>> OutputAsFloats(const NamedTensor& output);
+
 // ---------------------------------------------------------------- classification
 
 enum class SoftmaxMode {
-  kAuto,    // apply it unless the scores already are probabilities (in [0,1], summing to 1)
+  kAuto,  // apply it unless the scores already are probabilities (in [0,1], summing to 1)
   kAlways,
   kNever,
 };

@@ -92,8 +92,7 @@ class Params {
 
 const std::string& VisionModel::Label(int class_id) const {
   static const std::string kNone;
-  return class_id >= 0 && static_cast<size_t>(class_id) < labels.size() ? labels[static_cast<size_t>(class_id)]
-                                                                         : kNone;
+  return class_id >= 0 && static_cast<size_t>(class_id) < labels.size() ? labels[static_cast<size_t>(class_id)] : kNone;
 }
 
 bool IsVisionModel(const ModelConfig& config) {
@@ -122,7 +121,9 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   const TensorConfig* input = nullptr;
   if (const std::string* name = p.Get("quern.image.input")) {
     input = c.FindInput(*name);
-    if (!input) return std::unexpected(InvalidArgument(where + ": quern.image.input names '" + *name + "', which is not an input"));
+    if (!input)
+      return std::unexpected(
+          InvalidArgument(where + ": quern.image.input names '" + *name + "', which is not an input"));
   } else if (c.inputs.size() == 1) {
     input = &c.inputs[0];
   } else {
@@ -140,18 +141,16 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
                                            "dimension)"));
   }
   m.image.layout = dims[0] == 3 ? TensorLayout::kNchw : TensorLayout::kNhwc;
-  QUERN_RETURN_IF_ERROR(p.Choice<TensorLayout>("quern.image.layout",
-                                               {{"NCHW", TensorLayout::kNchw}, {"NHWC", TensorLayout::kNhwc}},
-                                               &m.image.layout));
+  QUERN_RETURN_IF_ERROR(p.Choice<TensorLayout>(
+      "quern.image.layout", {{"NCHW", TensorLayout::kNchw}, {"NHWC", TensorLayout::kNhwc}}, &m.image.layout));
   int64_t h = m.image.layout == TensorLayout::kNchw ? dims[1] : dims[0];
   int64_t w = m.image.layout == TensorLayout::kNchw ? dims[2] : dims[1];
   if (const std::string* size = p.Get("quern.image.size")) {
     const auto x = size->find('x');
     int sw = 0, sh = 0;
-    if (x == std::string::npos ||
-        std::from_chars(size->data(), size->data() + x, sw).ec != std::errc() ||
-        std::from_chars(size->data() + x + 1, size->data() + size->size(), sh).ec != std::errc() || sw < 1 ||
-        sh < 1 || sw > 16384 || sh > 16384) {
+    if (x == std::string::npos || std::from_chars(size->data(), size->data() + x, sw).ec != std::errc() ||
+        std::from_chars(size->data() + x + 1, size->data() + size->size(), sh).ec != std::errc() || sw < 1 || sh < 1 ||
+        sw > 16384 || sh > 16384) {
       return std::unexpected(p.Error("quern.image.size", *size, "WIDTHxHEIGHT, e.g. 640x640"));
     }
     w = sw, h = sh;
@@ -175,17 +174,17 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
 
   const bool detection = m.task == VisionTask::kDetection;
   m.image.resize = detection ? ResizeMode::kLetterbox : ResizeMode::kStretch;
-  QUERN_RETURN_IF_ERROR(p.Choice<ResizeMode>(
-      "quern.image.resize",
-      {{"stretch", ResizeMode::kStretch}, {"letterbox", ResizeMode::kLetterbox}, {"center_crop", ResizeMode::kCenterCrop}},
-      &m.image.resize));
+  QUERN_RETURN_IF_ERROR(p.Choice<ResizeMode>("quern.image.resize",
+                                             {{"stretch", ResizeMode::kStretch},
+                                              {"letterbox", ResizeMode::kLetterbox},
+                                              {"center_crop", ResizeMode::kCenterCrop}},
+                                             &m.image.resize));
   int pad = m.image.pad_value;
   QUERN_RETURN_IF_ERROR(p.Int("quern.image.pad_value", &pad, 0, 255));
   m.image.pad_value = static_cast<uint8_t>(pad);
   QUERN_RETURN_IF_ERROR(p.Int("quern.image.resize_shortest", &m.image.resize_shortest, 1, 16384));
-  QUERN_RETURN_IF_ERROR(
-      p.Choice<ChannelOrder>("quern.image.channels", {{"RGB", ChannelOrder::kRgb}, {"BGR", ChannelOrder::kBgr}},
-                             &m.image.channels));
+  QUERN_RETURN_IF_ERROR(p.Choice<ChannelOrder>(
+      "quern.image.channels", {{"RGB", ChannelOrder::kRgb}, {"BGR", ChannelOrder::kBgr}}, &m.image.channels));
   QUERN_RETURN_IF_ERROR(p.Float("quern.image.scale", &m.image.scale, -1e6f, 1e6f));
   QUERN_RETURN_IF_ERROR(p.Triple("quern.image.mean", &m.image.mean));
   QUERN_RETURN_IF_ERROR(p.Triple("quern.image.std", &m.image.std));
@@ -208,13 +207,14 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
     d.activation = ScoreActivation::kSoftmax;
     d.nms = false;
   }
-  QUERN_RETURN_IF_ERROR(p.Choice<BoxEncoding>("quern.detection.box",
-                                              {{"cxcywh", BoxEncoding::kCxCyWh}, {"xyxy", BoxEncoding::kXyXy}}, &d.box));
+  QUERN_RETURN_IF_ERROR(p.Choice<BoxEncoding>(
+      "quern.detection.box", {{"cxcywh", BoxEncoding::kCxCyWh}, {"xyxy", BoxEncoding::kXyXy}}, &d.box));
   QUERN_RETURN_IF_ERROR(p.Bool("quern.detection.normalized", &d.normalized));
-  QUERN_RETURN_IF_ERROR(p.Choice<ScoreActivation>(
-      "quern.detection.activation",
-      {{"none", ScoreActivation::kNone}, {"sigmoid", ScoreActivation::kSigmoid}, {"softmax", ScoreActivation::kSoftmax}},
-      &d.activation));
+  QUERN_RETURN_IF_ERROR(p.Choice<ScoreActivation>("quern.detection.activation",
+                                                  {{"none", ScoreActivation::kNone},
+                                                   {"sigmoid", ScoreActivation::kSigmoid},
+                                                   {"softmax", ScoreActivation::kSoftmax}},
+                                                  &d.activation));
   QUERN_RETURN_IF_ERROR(p.Bool("quern.detection.nms", &d.nms));
   QUERN_RETURN_IF_ERROR(p.Float("quern.detection.iou_threshold", &d.iou_threshold, 0.0f, 1.0f));
   QUERN_RETURN_IF_ERROR(p.Int("quern.detection.max_detections", &d.max_detections, 1, 100000));
@@ -224,8 +224,8 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
     const auto path = model_dir / o.label_filename;
     std::ifstream in(path);
     if (!in) {
-      return std::unexpected(InvalidArgument(where + ": output '" + o.name + "' names label file '" +
-                                             o.label_filename + "', which cannot be read at " + path.string()));
+      return std::unexpected(InvalidArgument(where + ": output '" + o.name + "' names label file '" + o.label_filename +
+                                             "', which cannot be read at " + path.string()));
     }
     for (std::string line; std::getline(in, line);) {
       if (!line.empty() && line.back() == '\r') line.pop_back();

@@ -358,6 +358,7 @@ int HttpStatusFor(const Status& s) {
     case StatusCode::kFailedPrecondition: return 400;
     case StatusCode::kNotFound: return 404;
     case StatusCode::kResourceExhausted: return 413;
+    case StatusCode::kPermissionDenied: return 403;
     case StatusCode::kUnavailable: return 503;
     case StatusCode::kDeadlineExceeded: return 504;
     case StatusCode::kUnimplemented: return 501;

@@ -1,0 +1,608 @@
+#include "frontends/vision/vision_handler.h"
+
+#include <rapidjson/document.h>
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <random>
+
+#include "frontends/http/kserve_handler.h"
+#include "frontends/vision/multipart.h"
+
+namespace quern {
+namespace {
+
+using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string Path(const std::string& target) {
+  return target.substr(0, target.find('?'));
+}
+
+std::string TimestampUtc() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%a, %d %b %Y %H:%M:%S GMT", &tm);
+  return buf;
+}
+
+std::string RequestId() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  const uint64_t a = rng(), b = rng();
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
+                static_cast<unsigned>((a >> 16) & 0xFFFF), static_cast<unsigned>(a & 0xFFF),
+                static_cast<unsigned>(0x8000 | ((b >> 48) & 0x3FFF)),
+                static_cast<unsigned long long>(b & 0xFFFFFFFFFFFFull));
+  return buf;
+}
+
+// RFC 4648 base64 (standard alphabet; padding optional; whitespace skipped).
+Result<std::string> Base64Decode(std::string_view in) {
+  static const auto table = [] {
+    std::array<int8_t, 256> t{};
+    t.fill(-1);
+    const char* a = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    for (int i = 0; i < 64; ++i) t[static_cast<unsigned char>(a[i])] = static_cast<int8_t>(i);
+    t['-'] = 62;  // URL-safe alphabet too
+    t['_'] = 63;
+    return t;
+  }();
+  std::string out;
+  out.reserve(in.size() / 4 * 3);
+  uint32_t acc = 0;
+  int bits = 0;
+  size_t i = 0;
+  for (; i < in.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(in[i]);
+    if (c == '=') break;
+    if (c == ' ' || c == '\n' || c == '\r' || c == '\t') continue;
+    const int v = table[c];
+    if (v < 0) {
+      return std::unexpected(InvalidArgument("'image' is not valid base64 (character " + std::to_string(i) + ")"));
+    }
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((acc >> bits) & 0xFF));
+    }
+  }
+  for (; i < in.size(); ++i) {
+    if (in[i] != '=' && in[i] != '\n' && in[i] != '\r') {
+      return std::unexpected(InvalidArgument("'image' is not valid base64 (data after the padding)"));
+    }
+  }
+  return out;
+}
+
+HttpResponse Json(int status, std::string body) {
+  HttpResponse r;
+  r.status = status;
+  r.body = std::move(body);
+  return r;
+}
+
+HttpResponse JsonError(int status, const std::string& message) {
+  rapidjson::StringBuffer sb;
+  Writer w(sb);
+  w.StartObject();
+  w.Key("error");
+  w.String(message.c_str(), static_cast<rapidjson::SizeType>(message.size()));
+  w.EndObject();
+  return Json(status, sb.GetString());
+}
+
+void String(Writer& w, std::string_view s) {
+  w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
+}
+
+}  // namespace
+
+struct VisionHandler::Job {
+  enum class Kind { kCpai, kPredict };
+  Kind kind = Kind::kCpai;
+  std::string command = "detect";
+  HttpRequest request;  // owns the body the image is viewed in
+  HttpDone done;
+  std::string image_storage;  // decoded base64 (/predict)
+  std::string_view image;
+  std::shared_ptr<const VisionModel> model;
+  float min_confidence = 0.4f;
+  int64_t received_ns = 0;  // steady clock
+  int64_t deadline_ns = 0;  // steady clock
+  ImageTransform transform;
+  bool admitted = false;  // holds an admission slot
+  int64_t stage_start_ns = 0, decode_ns = 0, preprocess_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+};
+
+VisionHandler::VisionHandler(Engine* engine, VisionOptions options) : engine_(engine), options_(std::move(options)) {
+  char host[256] = {};
+  hostname_ = gethostname(host, sizeof(host) - 1) == 0 ? host : "quern";
+  int n = options_.stage_threads > 0 ? options_.stage_threads
+                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options_.stage_threads = n;
+  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { StageLoop(); });
+}
+
+VisionHandler::~VisionHandler() {
+  {
+    std::unique_lock<std::mutex> lock(idle_mu_);
+    idle_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return in_flight_.load() == 0; });
+  }
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    stopping_ = true;
+  }
+  pool_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+std::string RenderVisionPrometheus(const VisionStats& s) {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, double value) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " ";
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.17g\n", value);
+    out += buf;
+  };
+  metric("quern_vision_requests_total", "counter", "Images admitted to the vision pipeline.",
+         static_cast<double>(s.requests));
+  metric("quern_vision_rejected_overload_total", "counter",
+         "Vision requests refused at once because the queue was at capacity.",
+         static_cast<double>(s.rejected_overload));
+  metric("quern_vision_dropped_total", "counter",
+         "Vision requests dropped before inference: client gone or timeout passed.", static_cast<double>(s.dropped));
+  metric("quern_vision_failed_total", "counter", "Vision requests answered with an error.",
+         static_cast<double>(s.failed));
+  metric("quern_vision_in_flight", "gauge", "Images in the vision pipeline now.", static_cast<double>(s.in_flight));
+  metric("quern_vision_queue_capacity", "gauge", "Images admitted at once.", static_cast<double>(s.capacity));
+  metric("quern_vision_ms_per_image", "gauge", "Measured pipeline time per image behind the derived capacity.",
+         s.ms_per_image);
+  return out;
+}
+
+bool VisionHandler::Handles(std::string_view target) {
+  return target.starts_with("/v1/") || target.starts_with("/predict/") || target == "/predict";
+}
+
+VisionStats VisionHandler::stats() const {
+  VisionStats s;
+  s.requests = requests_.load();
+  s.rejected_overload = rejected_.load();
+  s.dropped = dropped_.load();
+  s.failed = failed_.load();
+  s.in_flight = in_flight_.load();
+  s.capacity = Capacity();
+  s.ms_per_image = ms_per_image_.load();
+  return s;
+}
+
+int64_t VisionHandler::Capacity() const {
+  if (options_.queue_capacity > 0) return options_.queue_capacity;
+  const double per_image = std::max(0.01, ms_per_image_.load());
+  return std::max<int64_t>(options_.stage_threads,
+                           static_cast<int64_t>(static_cast<double>(options_.request_timeout_ms) / per_image));
+}
+
+void VisionHandler::Post(std::function<void()> task, bool urgent) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (urgent) {
+      tasks_.push_front(std::move(task));
+    } else {
+      tasks_.push_back(std::move(task));
+    }
+  }
+  pool_cv_.notify_one();
+}
+
+void VisionHandler::StageLoop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(pool_mu_);
+      pool_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+Result<std::shared_ptr<const VisionModel>> VisionHandler::Model(const std::string& name) {
+  QUERN_ASSIGN_OR_RETURN(ModelStatus status, engine_->GetModel(name));
+  if (status.state != ModelState::kReady) {
+    return std::unexpected(Unavailable("model '" + name + "' is not ready (" +
+                                       std::string(ModelStateName(status.state)) +
+                                       (status.reason.empty() ? "" : ": " + status.reason) + ")"));
+  }
+  if (!IsVisionModel(status.config)) {
+    return std::unexpected(InvalidArgument("model '" + name +
+                                           "' has no image pipeline (declare one with quern.task / quern.image.* "
+                                           "parameters in its config.pbtxt)"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(models_mu_);
+    auto it = models_.find(name);
+    if (it != models_.end() && it->second->version == status.version) return it->second;
+  }
+  QUERN_ASSIGN_OR_RETURN(VisionModel m, VisionModelFromStatus(status, options_.model_repository / name));
+  auto shared = std::make_shared<const VisionModel>(std::move(m));
+  std::lock_guard<std::mutex> lock(models_mu_);
+  models_[name] = shared;
+  return shared;
+}
+
+std::string VisionHandler::DefaultDetectionModel() {
+  if (!options_.detection_model.empty()) return options_.detection_model;
+  for (const auto& m : engine_->ListModels()) {  // sorted by name
+    auto it = m.config.parameters.find("quern.task");
+    const bool detection = it != m.config.parameters.end() ? it->second == "detection"
+                                                           : m.config.parameters.contains("quern.detection.format");
+    if (detection && m.state == ModelState::kReady) return m.name;
+  }
+  return "";
+}
+
+void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
+  const std::string path = Path(request.target);
+  auto job = std::make_shared<Job>();
+  job->received_ns = SteadyNs();
+  job->deadline_ns = job->received_ns + options_.request_timeout_ms * 1'000'000;
+
+  if (path.starts_with("/predict")) {
+    job->kind = Job::Kind::kPredict;
+    const std::string model = path.size() > 9 ? path.substr(9) : "";
+    if (request.method != "POST")
+      return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
+    if (model.empty() || model.find('/') != std::string::npos) {
+      return done(JsonError(404, "no such route; use POST /predict/{model}"));
+    }
+    rapidjson::Document doc;
+    if (doc.Parse(request.body.data(), request.body.size()).HasParseError() || !doc.IsObject()) {
+      return done(JsonError(400, "model '" + model + "': the body must be a JSON object {\"image\": \"<base64>\"}"));
+    }
+    auto it = doc.FindMember("image");
+    if (it == doc.MemberEnd() || !it->value.IsString()) {
+      return done(JsonError(400, "model '" + model + "': field 'image' (a base64 string) is missing"));
+    }
+    std::string_view b64(it->value.GetString(), it->value.GetStringLength());
+    if (b64.starts_with("data:")) b64.remove_prefix(std::min(b64.size(), b64.find(',') + 1));  // data URL
+    auto bytes = Base64Decode(b64);
+    if (!bytes) return done(JsonError(400, "model '" + model + "': " + bytes.error().message()));
+    auto m = Model(model);
+    if (!m) return done(JsonError(HttpStatusFor(m.error()), m.error().message()));
+    if ((*m)->task != VisionTask::kClassification) {
+      return done(JsonError(
+          400, "model '" + model + "' is a detection model; /predict classifies. Use POST /v1/vision/custom/" + model));
+    }
+    job->image_storage = std::move(*bytes);
+    job->image = job->image_storage;
+    job->model = std::move(*m);
+    job->request = std::move(request);
+    job->done = std::move(done);
+    return Admit(std::move(job));
+  }
+
+  // CodeProject.AI routes.
+  job->request = std::move(request);
+  job->done = std::move(done);
+  if (path == "/v1/status/ping") {
+    return Respond(job, Json(200, "{\"success\":true}"));
+  }
+  if (job->request.method != "POST") {
+    return Fail(job, InvalidArgument(job->request.method + " " + path + ": vision routes take POST"));
+  }
+  if (path == "/v1/vision/custom/list") {
+    job->command = "list";
+    rapidjson::StringBuffer sb;
+    Writer w(sb);
+    w.StartObject();
+    w.Key("success");
+    w.Bool(true);
+    w.Key("models");
+    w.StartArray();
+    std::string last;
+    for (const auto& m : engine_->ListModels()) {
+      if (m.name == last || m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
+      auto vm = Model(m.name);
+      if (!vm || (*vm)->task != VisionTask::kDetection) continue;
+      String(w, m.name);
+      last = m.name;
+    }
+    w.EndArray();
+    w.Key("moduleId");
+    w.String("quern");
+    w.Key("command");
+    w.String("list");
+    w.EndObject();
+    return Respond(job, Json(200, sb.GetString()));
+  }
+  std::string model;
+  if (path == "/v1/vision/detection") {
+    model = DefaultDetectionModel();
+    if (model.empty()) {
+      return Fail(job, Unavailable("no detection model is loaded (set --detection-model, or give a model "
+                                   "quern.task: detection)"));
+    }
+  } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
+    model = path.substr(18);
+    job->command = "custom";
+  } else {
+    return Fail(job, NotFound("no vision route " + path +
+                              " (routes: /v1/vision/detection, /v1/vision/custom/{model}, /v1/vision/custom/list, "
+                              "/v1/status/ping)"));
+  }
+  auto boundary = MultipartBoundary(job->request.Header("content-type"));
+  if (!boundary) return Fail(job, boundary.error());
+  auto parts = ParseMultipart(job->request.body, *boundary);
+  if (!parts) return Fail(job, parts.error());
+  const FormPart* image = nullptr;
+  for (const auto& p : *parts) {
+    if (p.name == "image" && !image) image = &p;
+    if (p.name == "min_confidence") {
+      const std::string v(p.data);
+      char* end = nullptr;
+      const float f = std::strtof(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !(f >= 0.0f && f <= 1.0f)) {
+        return Fail(job, InvalidArgument("min_confidence is '" + v + "'; expected a number from 0 to 1"));
+      }
+      job->min_confidence = f;
+    }
+    if (p.name == "api_key" && !options_.api_key.empty() && p.data != options_.api_key) {
+      return Fail(job, PermissionDenied("the api_key is not valid"));
+    }
+  }
+  if (!options_.api_key.empty()) {
+    bool has_key = false;
+    for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
+    if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));
+  }
+  if (!image) return Fail(job, InvalidArgument("no image was sent: expected a multipart form field named 'image'"));
+  if (image->data.empty()) return Fail(job, InvalidArgument("the 'image' field is empty (0 bytes)"));
+  job->image = image->data;
+  auto m = Model(model);
+  if (!m) return Fail(job, m.error());
+  if ((*m)->task != VisionTask::kDetection) {
+    return Fail(job, InvalidArgument("model '" + model + "' is a classification model; use POST /predict/" + model));
+  }
+  job->model = std::move(*m);
+  Admit(std::move(job));
+}
+
+void VisionHandler::Admit(std::shared_ptr<Job> job) {
+  const int64_t capacity = Capacity();
+  if (in_flight_.fetch_add(1) >= capacity) {
+    in_flight_.fetch_sub(1);
+    rejected_.fetch_add(1);
+    const int64_t now = SteadyNs();
+    int64_t last = last_overload_log_ns_.load();
+    if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
+      std::fprintf(stderr,
+                   "quern: warning: vision queue full (%lld images, capacity %lld = %lld ms timeout / %.1f ms per "
+                   "image); refusing requests\n",
+                   static_cast<long long>(capacity), static_cast<long long>(capacity),
+                   static_cast<long long>(options_.request_timeout_ms), ms_per_image_.load());
+    }
+    HttpResponse r;
+    const std::string msg = "the server is busy: " + std::to_string(capacity) +
+                            " images are already waiting, as many as it can finish within the " +
+                            std::to_string(options_.request_timeout_ms) + " ms request timeout; try again later";
+    if (job->kind == Job::Kind::kPredict) {
+      r = JsonError(503, msg);
+      r.headers.emplace_back("Retry-After", "1");
+      return job->done(std::move(r));
+    }
+    return Fail(job, Unavailable(msg));
+  }
+  job->admitted = true;
+  requests_.fetch_add(1);
+  Post([this, job] { Process(job); }, false);
+}
+
+void VisionHandler::Process(const std::shared_ptr<Job>& job) {
+  job->stage_start_ns = SteadyNs();
+  if (job->request.cancel && job->request.cancel->cancelled()) {
+    dropped_.fetch_add(1);
+    return Respond(job, JsonError(499, "client closed the request"));  // nobody reads it
+  }
+  if (job->stage_start_ns > job->deadline_ns) {
+    dropped_.fetch_add(1);
+    return Fail(job, DeadlineExceeded("the image waited " +
+                                      std::to_string((job->stage_start_ns - job->received_ns) / 1'000'000) +
+                                      " ms before decoding, over the request timeout of " +
+                                      std::to_string(options_.request_timeout_ms) + " ms"));
+  }
+  const VisionModel& m = *job->model;
+  DecodeOptions dopt;
+  dopt.target = &m.image;
+  dopt.max_pixels = options_.max_image_pixels;
+  auto decoded = DecodeImage(job->image, dopt);
+  const int64_t t1 = SteadyNs();
+  job->decode_ns = t1 - job->stage_start_ns;
+  if (!decoded) return Fail(job, decoded.error());
+  Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
+  job->transform = Preprocess(*decoded, m.image, input.mutable_data());
+  const int64_t t2 = SteadyNs();
+  job->preprocess_ns = t2 - t1;
+  job->image = {};
+  job->image_storage.clear();
+
+  InferRequest ir;
+  ir.model = m.name;
+  ir.version = m.version;
+  ir.inputs.push_back({m.input_name, std::move(input)});
+  ir.cancel = job->request.cancel;
+  ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - t2, 1);
+  engine_->InferAsync(std::move(ir), [this, job](InferResponse&& r) {
+    auto response = std::make_shared<InferResponse>(std::move(r));
+    Post([this, job, response] { Finish(job, std::move(*response)); }, true);
+  });
+}
+
+void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
+  const int64_t t0 = SteadyNs();
+  job->queue_ns = r.telemetry.queue_ns();
+  job->infer_ns = r.telemetry.compute_ns();
+  if (!r.status.ok()) {
+    if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
+      dropped_.fetch_add(1);
+    }
+    return Fail(job, r.status);
+  }
+  const VisionModel& m = *job->model;
+  rapidjson::StringBuffer sb;
+  Writer w(sb);
+  if (job->kind == Job::Kind::kPredict) {
+    if (r.outputs.empty()) return Fail(job, Internal("model '" + m.name + "' returned no output"));
+    auto scores = OutputAsFloats(r.outputs[0]);
+    if (!scores) return Fail(job, scores.error());
+    const auto top = TopK(*scores, m.top_k, m.softmax, m.labels);
+    job->post_ns = SteadyNs() - t0;
+    w.StartObject();
+    w.Key("predictions");
+    w.StartArray();
+    for (const auto& c : top) {
+      w.StartObject();
+      w.Key("class_id");
+      w.Int(c.class_id);
+      w.Key("label");
+      String(w, c.label);
+      w.Key("confidence");
+      w.Double(c.confidence);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.Key("inference_time_ms");
+    w.Double(static_cast<double>(job->infer_ns) / 1e6);
+    w.EndObject();
+    return Respond(job, Json(200, sb.GetString()));
+  }
+
+  auto found = DecodeDetections(r.outputs, m.detection, job->min_confidence, m.image.width, m.image.height);
+  if (!found) return Fail(job, Status(found.error().code(), "model '" + m.name + "': " + found.error().message()));
+  job->post_ns = SteadyNs() - t0;
+  std::string message;
+  w.StartObject();
+  w.Key("success");
+  w.Bool(true);
+  w.Key("predictions");
+  w.StartArray();
+  for (const auto& d : *found) {
+    const Detection s = MapToSource(d, job->transform);
+    const std::string& label = m.Label(d.class_id);
+    const std::string name = label.empty() ? std::to_string(d.class_id) : label;
+    if (message.find(name) == std::string::npos) message += (message.empty() ? "" : ", ") + name;
+    w.StartObject();
+    w.Key("label");
+    String(w, name);
+    w.Key("confidence");
+    w.Double(d.confidence);
+    w.Key("x_min");
+    w.Int(static_cast<int>(std::lround(s.x_min)));
+    w.Key("y_min");
+    w.Int(static_cast<int>(std::lround(s.y_min)));
+    w.Key("x_max");
+    w.Int(static_cast<int>(std::lround(s.x_max)));
+    w.Key("y_max");
+    w.Int(static_cast<int>(std::lround(s.y_max)));
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("count");
+  w.Int(static_cast<int>(found->size()));
+  w.Key("message");
+  String(w, found->empty() ? std::string("No objects found") : "Found " + message);
+  w.Key("error");
+  w.Null();
+  // The meta fields are written by Respond: close the object there.
+  std::string body = sb.GetString();
+  return Respond(job, Json(200, std::move(body)));
+}
+
+void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) {
+  failed_.fetch_add(1);
+  if (job->kind == Job::Kind::kPredict) return Respond(job, JsonError(HttpStatusFor(status), status.message()));
+  rapidjson::StringBuffer sb;
+  Writer w(sb);
+  w.StartObject();
+  w.Key("success");
+  w.Bool(false);
+  w.Key("predictions");
+  w.StartArray();
+  w.EndArray();
+  w.Key("count");
+  w.Int(0);
+  w.Key("message");
+  w.String("");
+  w.Key("error");
+  String(w, status.message());
+  return Respond(job, Json(200, sb.GetString()));
+}
+
+// Completes the response (CodeProject.AI meta fields for an open object),
+// releases the admission slot and sends it.
+void VisionHandler::Respond(const std::shared_ptr<Job>& job, HttpResponse response) {
+  const int64_t now = SteadyNs();
+  if (job->kind == Job::Kind::kCpai && !response.body.empty() && response.body.back() != '}') {
+    rapidjson::StringBuffer sb;
+    Writer w(sb);
+    // Continue the open object: write the fields as a fragment.
+    w.StartObject();
+    w.Key("command");
+    String(w, job->command);
+    w.Key("moduleId");
+    w.String("quern");
+    w.Key("moduleName");
+    w.String("Quern");
+    w.Key("executionProvider");
+    w.String("CPU");
+    w.Key("canUseGPU");
+    w.Bool(false);
+    w.Key("inferenceMs");
+    w.Int64(job->infer_ns / 1'000'000);
+    w.Key("processMs");
+    w.Int64(job->stage_start_ns > 0 ? (now - job->stage_start_ns) / 1'000'000 : 0);
+    w.Key("analysisRoundTripMs");
+    w.Int64((now - job->received_ns) / 1'000'000);
+    w.Key("processedBy");
+    String(w, hostname_);
+    w.Key("timestampUTC");
+    String(w, TimestampUtc());
+    w.Key("requestId");
+    String(w, RequestId());
+    w.EndObject();
+    std::string meta = sb.GetString();
+    response.body += ",";
+    response.body.append(meta, 1, std::string::npos);  // without the '{'
+  }
+  HttpDone done = std::move(job->done);
+  if (job->admitted) {
+    // Update the time per image behind the derived capacity: the time this
+    // image kept the pipeline busy (since it arrived or since the previous
+    // image finished, whichever is later) — under load, 1 / throughput.
+    const int64_t last = last_completion_ns_.exchange(now);
+    const double busy_ms = static_cast<double>(now - std::max(job->received_ns, last)) / 1e6;
+    ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
+    if (in_flight_.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> lock(idle_mu_);
+      idle_cv_.notify_all();
+    }
+  }
+  if (done) done(std::move(response));
+}
+
+}  // namespace quern

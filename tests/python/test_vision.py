@@ -1,0 +1,358 @@
+"""The CodeProject.AI / DeepStack detection API and /predict against a real `quern serve`.
+
+The detection models are synthetic (scripts/gen_models.py): a 64x64 letterboxed input cut into a 4x4 grid of
+16-pixel cells, class c's score for a cell = mean of colour channel c over it. The tests paint coloured squares
+on cells of images of several sizes and formats, and compute the expected boxes in the original image's pixels
+with their own letterbox arithmetic. /predict is checked with the real PP-OCR text-direction classifier."""
+import base64
+import http.client
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models")
+SIZE, CELL = 64, 16
+CPAI_FIELDS = {"success", "message", "error", "predictions", "count", "command", "moduleId", "moduleName",
+               "executionProvider", "canUseGPU", "inferenceMs", "processMs", "analysisRoundTripMs", "processedBy",
+               "timestampUTC", "requestId"}
+
+
+def start(repo, *extra):
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "-1",
+                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ports = {}
+    deadline = time.time() + 60
+    while time.time() < deadline and len(ports) < 2:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
+        if m:
+            ports[m.group(1)] = int(m.group(2))
+    assert len(ports) == 2, "server did not report its ports"
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, ports["HTTP"], ports["metrics"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    d = tmp_path_factory.mktemp("repo")
+    for m in ("detect_yolov5", "detect_yolov8", "detect_detr", "detect_slow", "add_sub"):
+        os.symlink(os.path.join(MODELS, m), d / m)
+    os.symlink(os.path.abspath(os.path.join(EXAMPLES, "text_direction")), d / "text_direction")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    proc, port, metrics = start(repo, "--detection-model", "detect_yolov8", "--vision-max-image-pixels", "3000000")
+    yield port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def request(port, method, path, body=b"", headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request(method, path, body=body, headers=headers or {})
+    r = c.getresponse()
+    data = r.read()
+    out = (r.status, dict((k.lower(), v) for k, v in r.getheaders()), data)
+    c.close()
+    return out
+
+
+def multipart(fields):
+    """fields: list of (name, value bytes, filename or None)."""
+    boundary = uuid.uuid4().hex
+    body = b""
+    for name, value, filename in fields:
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        body += f"--{boundary}\r\nContent-Disposition: {disp}\r\n".encode()
+        if filename:
+            body += b"Content-Type: application/octet-stream\r\n"
+        body += b"\r\n" + value + b"\r\n"
+    body += f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def detect(port, image_bytes, path="/v1/vision/detection", min_confidence=None, extra=()):
+    fields = [("image", image_bytes, "frame.jpg")] + list(extra)
+    if min_confidence is not None:
+        fields.append(("min_confidence", str(min_confidence).encode(), None))
+    body, headers = multipart(fields)
+    status, h, data = request(port, "POST", path, body, headers)
+    assert status == 200, data
+    assert "content-length" in h and "chunked" not in h.get("transfer-encoding", "")
+    return json.loads(data)
+
+
+# ---------------------------------------------------------------- expected values, computed here
+
+def letterbox(w, h):
+    s = min(SIZE / w, SIZE / h)
+    return s, math.floor((SIZE - round(w * s)) / 2), math.floor((SIZE - round(h * s)) / 2)
+
+
+def cell_in_source(w, h, gx, gy, grow=0):
+    """The source-pixel box of grid cell (gx, gy) (grown by `grow` model pixels per side), clipped."""
+    s, ox, oy = letterbox(w, h)
+    x0, y0 = gx * CELL - grow, gy * CELL - grow
+    x1, y1 = x0 + CELL + 2 * grow, y0 + CELL + 2 * grow
+    return (max(0, (x0 - ox) / s), max(0, (y0 - oy) / s), min(w, (x1 - ox) / s), min(h, (y1 - oy) / s))
+
+
+def painted(w, h, squares):
+    """A black w x h image with each (gx, gy, rgb) cell painted."""
+    img = Image.new("RGB", (w, h), (0, 0, 0))
+    draw = ImageDraw.Draw(img)
+    for gx, gy, rgb in squares:
+        x0, y0, x1, y1 = cell_in_source(w, h, gx, gy)
+        draw.rectangle([x0, y0, x1 - 1, y1 - 1], fill=rgb)
+    return img
+
+
+def encode(img, fmt, **kw):
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def expected(w, h, squares, layout, min_confidence=0.4):
+    """(label, confidence, box) for every painted square, best first; NMS leaves only the cell's own box."""
+    labels = ["red", "green", "blue"]
+    out = []
+    for gx, gy, rgb in squares:
+        for c in range(3):
+            mean = rgb[c] / 255.0
+            conf = 1 / (1 + math.exp(-10 * (mean - 0.5))) if layout == "detr" else mean
+            if conf >= min_confidence:
+                out.append((labels[c], conf, tuple(round(v) for v in cell_in_source(w, h, gx, gy))))
+    return sorted(out, key=lambda e: -e[1])
+
+
+def check(result, want, tol=0.03):
+    assert result["success"] is True, result
+    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in result["predictions"]]
+    assert result["count"] == len(got)
+    assert len(got) == len(want), (got, want)
+    got_sorted = sorted(got, key=lambda e: (e[0], e[2]))
+    want_sorted = sorted(want, key=lambda e: (e[0], e[2]))
+    for g, e in zip(got_sorted, want_sorted):
+        assert g[0] == e[0] and g[2] == e[2], (got, want)
+        assert abs(g[1] - e[1]) < tol, (got, want)
+
+
+SQUARES = [(2, 1, (255, 0, 0)), (1, 2, (0, 0, 255))]  # cells inside the image at every tested size
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("layout", ["yolov5", "yolov8", "detr"])
+@pytest.mark.parametrize("w,h", [(128, 96), (96, 128), (640, 480), (64, 64)])
+def test_detection_layouts_sizes_and_coordinates(server, layout, w, h):
+    img = painted(w, h, SQUARES)
+    r = detect(server, encode(img, "PNG"), path=f"/v1/vision/custom/detect_{layout}")
+    check(r, expected(w, h, SQUARES, layout))
+    assert r["command"] == "custom"
+
+
+@pytest.mark.parametrize("fmt,kw,tol", [("JPEG", {"quality": 95, "subsampling": 0}, 0.05), ("PNG", {}, 0.01), ("BMP", {}, 0.01),
+                                        ("WEBP", {"lossless": True}, 0.01)])
+def test_every_image_format(server, fmt, kw, tol):
+    img = painted(640, 480, SQUARES)
+    r = detect(server, encode(img, fmt, **kw))  # /v1/vision/detection: --detection-model detect_yolov8
+    check(r, expected(640, 480, SQUARES, "yolov8"), tol)
+    assert r["command"] == "detect"
+
+
+def test_large_jpeg_decoded_with_dct_scaling_keeps_coordinates(server):
+    img = painted(1920, 1080, [(1, 2, (255, 0, 0))])  # 1920x1080 letterboxes to 64x36 (offset 14)
+    r = detect(server, encode(img, "JPEG", quality=95, subsampling=0))
+    check(r, expected(1920, 1080, [(1, 2, (255, 0, 0))], "yolov8"), 0.05)
+
+
+def test_exif_orientation_is_applied(server):
+    shown = painted(128, 96, SQUARES)
+    stored = shown.transpose(Image.Transpose.ROTATE_90)  # counter-clockwise; orientation 6 turns it back
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    r = detect(server, encode(stored, "JPEG", quality=95, subsampling=0, exif=exif.tobytes()))
+    check(r, expected(128, 96, SQUARES, "yolov8"), 0.05)
+
+
+def test_min_confidence_threshold(server):
+    squares = SQUARES + [(3, 2, (153, 0, 0))]  # a dark red square scores 0.6
+    img = encode(painted(128, 96, squares), "PNG")
+    check(detect(server, img, min_confidence=0.5), expected(128, 96, squares, "yolov8", 0.5))
+    check(detect(server, img, min_confidence=0.7), expected(128, 96, squares, "yolov8", 0.7))
+    assert len(detect(server, img, min_confidence=0.5)["predictions"]) == 3
+    assert len(detect(server, img, min_confidence=0.7)["predictions"]) == 2
+
+
+def test_response_field_set(server):
+    ok = detect(server, encode(painted(128, 96, SQUARES), "PNG"))
+    assert set(ok) == CPAI_FIELDS
+    assert ok["error"] is None and ok["moduleId"] == "quern" and re.match(r"[0-9a-f-]{36}$", ok["requestId"])
+    assert ok["analysisRoundTripMs"] >= ok["processMs"] >= ok["inferenceMs"] >= 0
+    p = ok["predictions"][0]
+    assert set(p) == {"label", "confidence", "x_min", "y_min", "x_max", "y_max"}
+    assert all(isinstance(p[k], int) for k in ("x_min", "y_min", "x_max", "y_max"))
+    bad = detect(server, b"not an image at all")
+    assert set(bad) == CPAI_FIELDS
+    assert bad["success"] is False and bad["predictions"] == [] and bad["count"] == 0
+
+
+def test_errors_come_back_the_codeproject_way(server):
+    jpeg = encode(painted(128, 96, SQUARES), "JPEG")
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8))
+    noisy, png = encode(noise, "JPEG"), encode(noise, "PNG")
+    cases = [
+        (multipart([("min_confidence", b"0.5", None)]), "no image was sent"),
+        (multipart([("image", b"", "empty.jpg")]), "empty"),
+        (multipart([("image", b"GIF89a not supported", "x.gif")]), "not an image"),
+        (multipart([("image", jpeg[: len(jpeg) // 2], "cut.jpg")]), "corrupt or truncated JPEG"),
+        (multipart([("image", noisy[: len(noisy) * 3 // 5], "cut.jpg")]), "corrupt or truncated JPEG"),
+        (multipart([("image", png[: len(png) * 3 // 5], "cut.png")]), "corrupt or truncated PNG"),
+        (multipart([("image", encode(Image.new("RGB", (2000, 2000)), "PNG"), "big.png")]), "over the limit"),
+        (multipart([("image", jpeg, "a.jpg"), ("min_confidence", b"1.5", None)]), "min_confidence"),
+        ((jpeg, {"Content-Type": "image/jpeg"}), "multipart/form-data"),
+    ]
+    for (body, headers), needle in cases:
+        status, h, data = request(server, "POST", "/v1/vision/detection", body, headers)
+        assert status == 200 and "content-length" in h
+        r = json.loads(data)
+        assert r["success"] is False and needle in r["error"], (needle, r)
+    body, headers = multipart([("image", jpeg, "a.jpg")])
+    r = json.loads(request(server, "POST", "/v1/vision/custom/no_such_model", body, headers)[2])
+    assert r["success"] is False and "no_such_model" in r["error"]
+    r = json.loads(request(server, "POST", "/v1/vision/custom/add_sub", body, headers)[2])
+    assert r["success"] is False and "no image pipeline" in r["error"]
+    # A multipart body cut short (no closing boundary).
+    r = json.loads(request(server, "POST", "/v1/vision/detection", body[:-20], headers)[2])
+    assert r["success"] is False and "closing boundary" in r["error"]
+
+
+def test_list_and_ping(server):
+    status, _, data = request(server, "POST", "/v1/vision/custom/list")
+    r = json.loads(data)
+    assert r["success"] is True
+    assert sorted(r["models"]) == ["detect_detr", "detect_slow", "detect_yolov5", "detect_yolov8"]
+    status, _, data = request(server, "GET", "/v1/status/ping")
+    assert status == 200 and json.loads(data)["success"] is True
+
+
+def text_image(flipped):
+    font = ImageFont.load_default(size=30)
+    text = "Quern 2026 hello"
+    left, top, right, bottom = font.getbbox(text)
+    img = Image.new("RGB", (right + 16, 48), "white")
+    ImageDraw.Draw(img).text((8, (48 - bottom - top) // 2), text, fill="black", font=font)
+    if flipped:
+        img = img.rotate(180)
+    w = min(192, round(img.width * 48 / img.height))
+    canvas = Image.new("RGB", (192, 48), (128, 128, 128))
+    canvas.paste(img.resize((w, 48), Image.BILINEAR), (0, 0))
+    return encode(canvas, "PNG")
+
+
+def predict(port, model, image_bytes):
+    body = json.dumps({"image": base64.b64encode(image_bytes).decode()}).encode()
+    return request(port, "POST", f"/predict/{model}", body, {"Content-Type": "application/json"})
+
+
+def test_predict_real_text_direction_model(server):
+    results = {}
+    for flipped in (False, True):
+        status, _, data = predict(server, "text_direction", text_image(flipped))
+        assert status == 200, data
+        r = json.loads(data)
+        preds = r["predictions"]
+        assert [p["label"] for p in preds] in (["0", "180"], ["180", "0"])
+        assert {p["class_id"] for p in preds} == {0, 1}
+        assert abs(sum(p["confidence"] for p in preds) - 1) < 1e-4  # already probabilities: no second softmax
+        assert preds[0]["confidence"] >= preds[1]["confidence"]
+        assert r["inference_time_ms"] > 0
+        results[flipped] = preds[0]["label"]
+    assert results == {False: "0", True: "180"}
+
+
+def test_predict_errors(server):
+    status, _, data = request(server, "POST", "/predict/text_direction", b"{not json", {})
+    assert status == 400 and "JSON" in json.loads(data)["error"]
+    status, _, data = request(server, "POST", "/predict/text_direction", b'{"image": "***"}', {})
+    assert status == 400 and "base64" in json.loads(data)["error"]
+    status, _, data = predict(server, "text_direction", b"garbage")
+    assert status == 400 and "not an image" in json.loads(data)["error"]
+    status, _, data = predict(server, "nope", text_image(False))
+    assert status == 404 and "nope" in json.loads(data)["error"]
+    status, _, data = predict(server, "detect_yolov8", text_image(False))
+    assert status == 400 and "detection model" in json.loads(data)["error"]
+
+
+def test_concurrent_clients_get_their_own_boxes(server):
+    errors = []
+
+    def client(i):
+        gx, gy = i % 4, 1 + i % 2
+        squares = [(gx, gy, (255, 0, 0))]
+        try:
+            for _ in range(5):
+                check(detect(server, encode(painted(128, 96, squares), "PNG")), expected(128, 96, squares, "yolov8"))
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def metric(port, name):
+    data = request(port, "GET", "/metrics")[2].decode()
+    m = re.search(rf"^{name} (\S+)$", data, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
+    proc, port, metrics = start(repo, "--vision-queue-capacity", "1", "--vision-timeout-ms", "400")
+    try:
+        img = encode(painted(128, 96, SQUARES), "PNG")
+        results = {}
+
+        def slow():  # detect_slow waits up to 1 s for a batch: past the 400 ms timeout
+            results["slow"] = detect(port, img, path="/v1/vision/custom/detect_slow")
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(0.1)
+        start_t = time.time()
+        busy = detect(port, img, path="/v1/vision/custom/detect_yolov8")
+        assert time.time() - start_t < 0.3, "an over-capacity request must be refused at once"
+        assert busy["success"] is False and "busy" in busy["error"]
+        t.join()
+        assert results["slow"]["success"] is False and "deadline" in results["slow"]["error"].lower()
+        assert metric(metrics, "quern_vision_rejected_overload_total") == 1
+        assert metric(metrics, "quern_vision_dropped_total") == 1
+        stats = json.loads(request(port, "GET", "/v2/models/detect_slow/stats")[2])["model_stats"][0]
+        assert stats["execution_count"] == 0, "the timed-out image was computed"
+        # The pipeline is free again.
+        check(detect(port, img, path="/v1/vision/custom/detect_yolov8"), expected(128, 96, SQUARES, "yolov8"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
