@@ -80,15 +80,16 @@ ImageTransform ComputeTransform(int source_width, int source_height, const Image
     case ResizeMode::kLetterbox: {
       const double s = std::min(W / sw, H / sh);
       t.scale_x = t.scale_y = s;
-      t.offset_x = std::floor((W - std::round(sw * s)) / 2.0);
-      t.offset_y = std::floor((H - std::round(sh * s)) / 2.0);
+      t.offset_x = std::floor((W - std::round(sw * s)) / 2.0 + 1e-9);
+      t.offset_y = std::floor((H - std::round(sh * s)) / 2.0 + 1e-9);
       break;
     }
     case ResizeMode::kCenterCrop: {
       const double s = spec.resize_shortest > 0 ? spec.resize_shortest / std::min(sw, sh) : std::max(W / sw, H / sh);
       t.scale_x = t.scale_y = s;
-      t.offset_x = -std::floor((sw * s - W) / 2.0);
-      t.offset_y = -std::floor((sh * s - H) / 2.0);
+      // (+ 1e-9: 96 * (64 / 96) may come out a hair under 64.)
+      t.offset_x = -std::floor((sw * s - W) / 2.0 + 1e-9);
+      t.offset_y = -std::floor((sh * s - H) / 2.0 + 1e-9);
       break;
     }
   }

@@ -133,9 +133,12 @@ class Session : public std::enable_shared_from_this<Session> {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
       const size_t have = std::min(len, buffer_.size());
-      body_.resize_and_overwrite(len, [&](char* p, size_t n) {
+      // Returns `len`, not the size handed to the lambda: GCC 12's libstdc++
+      // passes the grown capacity there when it reallocates (bodies of 16-29
+      // bytes came out 30 bytes long, the tail uninitialised).
+      body_.resize_and_overwrite(len, [&](char* p, size_t) {
         if (have > 0) std::memcpy(p, buffer_.data().data(), have);
-        return n;
+        return len;
       });
       buffer_.consume(have);
       body_by_length_ = true;

@@ -109,6 +109,10 @@ Result<std::vector<FormPart>> ParseMultipart(std::string_view body, std::string_
       return std::unexpected(InvalidArgument("multipart part " + std::to_string(parts.size() + 1) +
                                              " has no blank line after its headers"));
     }
+    if (data_start > end) {
+      return std::unexpected(InvalidArgument("multipart part " + std::to_string(parts.size() + 1) +
+                                             " has no blank line after its headers"));
+    }
     part.data = body.substr(data_start, end - data_start);
     parts.push_back(std::move(part));
     pos = end + 2;  // at the next delimiter

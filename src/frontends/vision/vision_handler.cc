@@ -1,6 +1,7 @@
 #include "frontends/vision/vision_handler.h"
 
 #include <rapidjson/document.h>
+#include <rapidjson/error/en.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 #include <unistd.h>
@@ -272,7 +273,13 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
       return done(JsonError(404, "no such route; use POST /predict/{model}"));
     }
     rapidjson::Document doc;
-    if (doc.Parse(request.body.data(), request.body.size()).HasParseError() || !doc.IsObject()) {
+    doc.Parse(request.body.data(), request.body.size());
+    if (doc.HasParseError()) {
+      return done(JsonError(400, "model '" + model + "': the body is not valid JSON (" +
+                                     rapidjson::GetParseError_En(doc.GetParseError()) + " at offset " +
+                                     std::to_string(doc.GetErrorOffset()) + "); expected {\"image\": \"<base64>\"}"));
+    }
+    if (!doc.IsObject()) {
       return done(JsonError(400, "model '" + model + "': the body must be a JSON object {\"image\": \"<base64>\"}"));
     }
     auto it = doc.FindMember("image");

@@ -1,0 +1,216 @@
+// Image pipeline pieces without a server: EXIF orientation, the resize
+// transform, NMS, top-k, the detection decoders and multipart parsing.
+// Expected values are derived by hand in the comments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "frontends/vision/multipart.h"
+#include "pipeline/image.h"
+#include "pipeline/postprocess.h"
+
+namespace quern {
+namespace {
+
+// A 3x2 image whose pixel (x, y) has red = 10 * y + x.
+Image Numbered() {
+  Image img;
+  img.width = 3;
+  img.height = 2;
+  for (int y = 0; y < 2; ++y) {
+    for (int x = 0; x < 3; ++x) img.pixels.insert(img.pixels.end(), {static_cast<uint8_t>(10 * y + x), 0, 0});
+  }
+  return img;
+}
+
+std::vector<int> Reds(const Image& img) {
+  std::vector<int> out;
+  for (size_t i = 0; i < img.pixels.size(); i += 3) out.push_back(img.pixels[i]);
+  return out;
+}
+
+TEST(Orientation, EveryExifCaseMatchesItsDefinition) {
+  // Stored:  0  1  2
+  //         10 11 12
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 1)), (std::vector<int>{0, 1, 2, 10, 11, 12}));
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 2)), (std::vector<int>{2, 1, 0, 12, 11, 10}));  // mirrored
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 3)), (std::vector<int>{12, 11, 10, 2, 1, 0}));  // 180
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 4)), (std::vector<int>{10, 11, 12, 0, 1, 2}));  // flipped
+  // 6: rotate 90 clockwise → 2 wide, 3 high: the left column read bottom-up becomes the top row.
+  const Image r6 = ApplyOrientation(Numbered(), 6);
+  EXPECT_EQ(r6.width, 2);
+  EXPECT_EQ(r6.height, 3);
+  EXPECT_EQ(Reds(r6), (std::vector<int>{10, 0, 11, 1, 12, 2}));
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 8)), (std::vector<int>{2, 12, 1, 11, 0, 10}));  // 90 counter-clockwise
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 5)), (std::vector<int>{0, 10, 1, 11, 2, 12}));  // transpose
+  EXPECT_EQ(Reds(ApplyOrientation(Numbered(), 7)), (std::vector<int>{12, 2, 11, 1, 10, 0}));  // transverse
+}
+
+TEST(Orientation, ReadFromExifAndSafeOnGarbage) {
+  // SOI, APP1 "Exif\0\0" + little-endian TIFF with one IFD entry: 0x0112 SHORT 1 value 6.
+  const uint8_t tiff[] = {'I', 'I', 42, 0, 8, 0, 0, 0, 1, 0, 0x12, 0x01, 3, 0, 1, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0};
+  std::string jpeg = "\xFF\xD8\xFF\xE1";
+  const size_t len = 2 + 6 + sizeof(tiff);
+  jpeg += static_cast<char>(len >> 8);
+  jpeg += static_cast<char>(len & 0xFF);
+  jpeg += std::string("Exif\0\0", 6);
+  jpeg += std::string(reinterpret_cast<const char*>(tiff), sizeof(tiff));
+  jpeg += "\xFF\xDA";
+  EXPECT_EQ(JpegExifOrientation(jpeg), 6);
+  // Truncated anywhere: never read past the end, orientation 1.
+  for (size_t n = 0; n < jpeg.size() - 2; ++n) {
+    const int o = JpegExifOrientation(jpeg.substr(0, n));
+    EXPECT_TRUE(o == 1 || o == 6) << n;
+  }
+  EXPECT_EQ(JpegExifOrientation(std::string("\xFF\xD8\xFF\xE1\xFF\xFF", 6)), 1);
+}
+
+TEST(Transform, LetterboxStretchAndCrop) {
+  ImageSpec spec;
+  spec.width = spec.height = 64;
+  spec.resize = ResizeMode::kLetterbox;
+  // 128x96 → scale 0.5, 64x48 placed 8 rows down.
+  ImageTransform t = ComputeTransform(128, 96, spec);
+  EXPECT_DOUBLE_EQ(t.scale_x, 0.5);
+  EXPECT_DOUBLE_EQ(t.offset_x, 0);
+  EXPECT_DOUBLE_EQ(t.offset_y, 8);
+  EXPECT_DOUBLE_EQ(t.ToSourceY(16), 16);  // (16 - 8) / 0.5
+  spec.resize = ResizeMode::kStretch;
+  t = ComputeTransform(128, 96, spec);
+  EXPECT_DOUBLE_EQ(t.ToSourceX(64), 128);
+  EXPECT_DOUBLE_EQ(t.ToSourceY(64), 96);
+  spec.resize = ResizeMode::kCenterCrop;
+  // Shortest side 96 → 64 (scale 2/3): 85.33 wide, 10 columns cut on the left.
+  t = ComputeTransform(128, 96, spec);
+  EXPECT_DOUBLE_EQ(t.offset_x, -10);
+  EXPECT_NEAR(t.ToSourceX(0), 15, 1e-9);
+  EXPECT_DOUBLE_EQ(t.offset_y, 0);
+}
+
+TEST(Preprocess, NormalisesIntoNchwWithPadding) {
+  DecodedImage d;
+  d.source_width = 4;
+  d.source_height = 2;
+  d.image.width = 4;
+  d.image.height = 2;
+  d.image.pixels.assign(4 * 2 * 3, 0);
+  for (size_t i = 0; i < d.image.pixels.size(); i += 3) d.image.pixels[i] = 255;  // all red
+  ImageSpec spec;
+  spec.width = spec.height = 4;
+  spec.resize = ResizeMode::kLetterbox;  // 4x2 into 4x4: rows 1-2 image, rows 0 and 3 padding
+  spec.pad_value = 0;
+  spec.channels = ChannelOrder::kBgr;
+  spec.mean = {0.5f, 0.5f, 0.5f};
+  spec.std = {0.5f, 0.5f, 0.5f};
+  std::vector<float> out(3 * 16);
+  Preprocess(d, spec, out.data());
+  // BGR: plane 2 is red. Image rows: red = (1 - 0.5) / 0.5 = 1, blue = -1; padding: -1 everywhere.
+  EXPECT_FLOAT_EQ(out[2 * 16 + 1 * 4 + 0], 1.0f);
+  EXPECT_FLOAT_EQ(out[0 * 16 + 1 * 4 + 0], -1.0f);
+  EXPECT_FLOAT_EQ(out[2 * 16 + 0 * 4 + 0], -1.0f);
+  EXPECT_FLOAT_EQ(out[2 * 16 + 3 * 4 + 3], -1.0f);
+}
+
+TEST(Nms, ClassWiseAndOrdered) {
+  std::vector<Detection> in = {
+      {0, 0.9f, 0, 0, 10, 10},  // kept
+      {0, 0.8f, 1, 1, 11, 11},  // IoU 81/119 = 0.68 with the first: suppressed
+      {1, 0.7f, 1, 1, 11, 11},  // other class: kept
+      {0, 0.6f, 20, 20, 30, 30},
+  };
+  auto out = NonMaxSuppression(in, 0.45f, 10);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_FLOAT_EQ(out[0].confidence, 0.9f);
+  EXPECT_EQ(out[1].class_id, 1);
+  EXPECT_FLOAT_EQ(out[2].confidence, 0.6f);
+  EXPECT_EQ(NonMaxSuppression(in, 0.45f, 1).size(), 1u);
+  EXPECT_NEAR(IntersectionOverUnion(in[0], in[1]), 81.0 / 119.0, 1e-6);
+}
+
+TEST(TopK, SoftmaxOnlyWhenNotProbabilities) {
+  auto logits = TopK({1.0f, 3.0f, 2.0f}, 2, SoftmaxMode::kAuto, {"a", "b", "c"});
+  ASSERT_EQ(logits.size(), 2u);
+  EXPECT_EQ(logits[0].label, "b");
+  // softmax(3 | 1, 3, 2) = 1 / (e^-2 + 1 + e^-1)
+  EXPECT_NEAR(logits[0].confidence, 1.0 / (std::exp(-2.0) + 1.0 + std::exp(-1.0)), 1e-6);
+  auto probs = TopK({0.2f, 0.5f, 0.3f}, 5, SoftmaxMode::kAuto, {});
+  ASSERT_EQ(probs.size(), 3u);
+  EXPECT_FLOAT_EQ(probs[0].confidence, 0.5f);
+  EXPECT_EQ(probs[0].label, "1");
+}
+
+NamedTensor FloatTensor(const std::string& name, Shape shape, const std::vector<float>& v) {
+  return {name, Tensor::From<float>(DataType::kFp32, std::move(shape), std::span<const float>(v))};
+}
+
+TEST(Decoders, YoloV5V8AndDetrAgree) {
+  // One box at (cx 20, cy 30, w 10, h 20), class 1 with 0.8; a second box under the threshold.
+  DetectionSpec spec;
+  spec.format = DetectionFormat::kYoloV5;
+  // [1, 2 boxes, 5 + 2 classes]: objectness 1.
+  auto v5 = DecodeDetections({FloatTensor("o", {1, 2, 7}, {20, 30, 10, 20, 1, 0.1f, 0.8f, 5, 5, 2, 2, 1, 0.2f, 0.1f})},
+                             spec, 0.5f, 64, 64);
+  ASSERT_TRUE(v5.has_value());
+  ASSERT_EQ(v5->size(), 1u);
+  EXPECT_EQ((*v5)[0].class_id, 1);
+  EXPECT_FLOAT_EQ((*v5)[0].x_min, 15);
+  EXPECT_FLOAT_EQ((*v5)[0].y_max, 40);
+  spec.format = DetectionFormat::kYoloV8;
+  // [1, 4 + 2, 2 boxes], box-major columns.
+  auto v8 = DecodeDetections({FloatTensor("o", {1, 6, 2}, {20, 5, 30, 5, 10, 2, 20, 2, 0.1f, 0.2f, 0.8f, 0.1f})}, spec,
+                             0.5f, 64, 64);
+  ASSERT_TRUE(v8.has_value());
+  ASSERT_EQ(v8->size(), 1u);
+  EXPECT_FLOAT_EQ((*v8)[0].x_max, 25);
+  spec.format = DetectionFormat::kDetr;
+  spec.normalized = true;
+  spec.activation = ScoreActivation::kNone;
+  // Labels + scores + normalised boxes (64x64 input).
+  std::vector<NamedTensor> detr = {
+      FloatTensor("boxes", {1, 1, 4}, {20.0f / 64, 30.0f / 64, 10.0f / 64, 20.0f / 64}),
+      FloatTensor("scores", {1, 1}, {0.8f}),
+      {"labels", Tensor::From<int64_t>(DataType::kInt64, {1, 1}, std::span<const int64_t>(std::vector<int64_t>{1}))}};
+  auto d = DecodeDetections(detr, spec, 0.5f, 64, 64);
+  ASSERT_TRUE(d.has_value());
+  ASSERT_EQ(d->size(), 1u);
+  EXPECT_EQ((*d)[0].class_id, 1);
+  EXPECT_NEAR((*d)[0].y_min, 20, 1e-4);
+  // A wrong shape names the output and the layout.
+  spec.format = DetectionFormat::kYoloV8;
+  auto bad = DecodeDetections({FloatTensor("out", {1, 3}, {1, 2, 3})}, spec, 0.5f, 64, 64);
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message().find("output 'out'"), std::string::npos);
+  EXPECT_NE(bad.error().message().find("[1, 4 + classes, boxes]"), std::string::npos);
+}
+
+TEST(Multipart, PartsAndErrors) {
+  const std::string body =
+      "preamble\r\n--XyZ\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.jpg\"\r\n"
+      "Content-Type: image/jpeg\r\n\r\n\x01\x02\r\n\x03\r\n--XyZ\r\nContent-Disposition: form-data; "
+      "name=min_confidence\r\n\r\n0.5\r\n--XyZ--\r\n";
+  auto b = MultipartBoundary("multipart/form-data; boundary=\"XyZ\"");
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(*b, "XyZ");
+  auto parts = ParseMultipart(body, *b);
+  ASSERT_TRUE(parts.has_value()) << parts.error().message();
+  ASSERT_EQ(parts->size(), 2u);
+  EXPECT_EQ((*parts)[0].name, "image");
+  EXPECT_EQ((*parts)[0].filename, "a.jpg");
+  EXPECT_EQ((*parts)[0].data, std::string_view("\x01\x02\r\n\x03", 5));  // a CRLF inside the data is data
+  EXPECT_EQ((*parts)[1].name, "min_confidence");
+  EXPECT_EQ((*parts)[1].data, "0.5");
+  EXPECT_FALSE(MultipartBoundary("application/json").has_value());
+  EXPECT_FALSE(MultipartBoundary("multipart/form-data").has_value());
+  // Every truncation is an error or a shorter well-formed list, never a crash.
+  for (size_t n = 0; n < body.size(); ++n) {
+    auto p = ParseMultipart(std::string_view(body).substr(0, n), "XyZ");
+    if (p) {
+      EXPECT_LE(p->size(), 2u);
+    }
+  }
+  EXPECT_FALSE(ParseMultipart(body.substr(0, body.size() - 9), "XyZ").has_value());
+}
+
+}  // namespace
+}  // namespace quern
