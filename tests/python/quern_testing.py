@@ -15,3 +15,31 @@ DTYPE_ARRAYS = {
 }
 DTYPE_NAMES = {"in_bool": "BOOL", "in_uint8": "UINT8", "in_int8": "INT8", "in_int32": "INT32", "in_int64": "INT64",
                "in_fp16": "FP16", "in_fp32": "FP32", "in_fp64": "FP64", "in_string": "BYTES"}
+
+
+def start_quern(binary, repo, *extra):
+    """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves.
+    Returns (process, {"HTTP": port, "gRPC": port, "metrics": port}); its log is drained in the background."""
+    import re
+    import subprocess
+    import threading
+    import time
+
+    proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ports = {}
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line or line.startswith("quern: serving "):
+            break
+        m = re.search(r"(HTTP|gRPC|metrics) listening on [^:]+:(\d+)", line)
+        if m:
+            ports[m.group(1)] = int(m.group(2))
+    if len(ports) < 3:
+        proc.kill()
+        raise AssertionError(f"quern serve did not report its ports (got {ports})")
+    # Keep reading the log so the server never blocks on a full pipe.
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, ports

@@ -2,10 +2,8 @@
 own health-checking client). Expected values are computed with numpy from the inputs."""
 import os
 import queue
-import re
 import shutil
 import subprocess
-import threading
 import time
 
 import grpc
@@ -16,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES
+from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -24,23 +22,9 @@ PROTO_DIR = os.environ.get("QUERN_PROTO_DIR", "")
 
 
 def start_server(repo, *extra):
-    """Starts `quern serve` on free ports; returns (process, "host:port" of gRPC)."""
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
-                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = None
-    deadline = time.time() + 60
-    while time.time() < deadline and port is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"gRPC listening on [^:]+:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-    assert port, "server did not report its gRPC port"
-    # Keep reading the log so the server never blocks on a full pipe.
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return proc, f"127.0.0.1:{port}"
+    """Starts `quern serve`; returns (process, "host:port" of gRPC)."""
+    proc, ports = start_quern(QUERN, repo, *extra)
+    return proc, f"127.0.0.1:{ports['gRPC']}"
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ limit (503), idle and read timeouts, malformed requests.
 The server runs with small limits so that each one can be reached."""
 import json
 import os
-import re
 import socket
-import subprocess
 import time
 
 import numpy as np
 import pytest
+
+from quern_testing import start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -24,19 +24,8 @@ READ_S = 1
 
 
 def start_server(*extra):
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--metrics-port", "0",
-                             "--host", "127.0.0.1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"HTTP listening on [^:]+:(\d+)", line)
-        if m:
-            return proc, int(m.group(1))
-    proc.kill()
-    raise AssertionError("server did not report its port")
+    proc, ports = start_quern(QUERN, MODELS, *extra)
+    return proc, ports["HTTP"]
 
 
 @pytest.fixture(scope="module")

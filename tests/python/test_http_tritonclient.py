@@ -2,8 +2,6 @@
 
 Expected values are computed with numpy from the inputs."""
 import os
-import re
-import subprocess
 import time
 
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES
+from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -20,19 +18,7 @@ METRICS = None  # host:port of /metrics, set by the server fixture
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", MODELS, "--http-port", "0", "--metrics-port", "0",
-                             "--host", "127.0.0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ports = {}
-    deadline = time.time() + 60
-    while time.time() < deadline and len(ports) < 2:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
-        if m:
-            ports[m.group(1)] = int(m.group(2))
-    assert len(ports) == 2, "server did not report its ports"
+    proc, ports = start_quern(QUERN, MODELS)
     global METRICS
     METRICS = f"127.0.0.1:{ports['metrics']}"
     yield f"127.0.0.1:{ports['HTTP']}"

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import threading
 import time
 import uuid
@@ -19,6 +18,8 @@ import uuid
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
+
+from quern_testing import start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -30,20 +31,7 @@ CPAI_FIELDS = {"success", "message", "error", "predictions", "count", "command",
 
 
 def start(repo, *extra):
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "-1",
-                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ports = {}
-    deadline = time.time() + 60
-    while time.time() < deadline and len(ports) < 2:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
-        if m:
-            ports[m.group(1)] = int(m.group(2))
-    assert len(ports) == 2, "server did not report its ports"
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    proc, ports = start_quern(QUERN, repo, *extra)
     return proc, ports["HTTP"], ports["metrics"]
 
 

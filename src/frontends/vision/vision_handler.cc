@@ -6,6 +6,7 @@
 #include <rapidjson/writer.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -124,8 +125,9 @@ struct VisionHandler::Job {
   int64_t received_ns = 0;  // steady clock
   int64_t deadline_ns = 0;  // steady clock
   ImageTransform transform;
-  bool admitted = false;  // holds an admission slot
-  int64_t stage_start_ns = 0, decode_ns = 0, preprocess_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+  bool admitted = false;       // holds an admission slot
+  int64_t stage_start_ns = 0;  // steady clock, when a stage thread took it
+  int64_t infer_ns = 0;        // the engine's compute time for its batch
 };
 
 VisionHandler::VisionHandler(Engine* engine, VisionOptions options) : engine_(engine), options_(std::move(options)) {
@@ -249,13 +251,19 @@ Result<std::shared_ptr<const VisionModel>> VisionHandler::Model(const std::strin
 
 std::string VisionHandler::DefaultDetectionModel() {
   if (!options_.detection_model.empty()) return options_.detection_model;
-  for (const auto& m : engine_->ListModels()) {  // sorted by name
-    auto it = m.config.parameters.find("quern.task");
-    const bool detection = it != m.config.parameters.end() ? it->second == "detection"
-                                                           : m.config.parameters.contains("quern.detection.format");
-    if (detection && m.state == ModelState::kReady) return m.name;
-  }
+  for (const auto& name : DetectionModels()) return name;
   return "";
+}
+
+std::vector<std::string> VisionHandler::DetectionModels() {
+  std::vector<std::string> out;
+  for (const auto& m : engine_->ListModels()) {  // sorted by name
+    if (m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
+    if (!out.empty() && out.back() == m.name) continue;  // another version
+    auto vm = Model(m.name);
+    if (vm && (*vm)->task == VisionTask::kDetection) out.push_back(m.name);
+  }
+  return out;
 }
 
 void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
@@ -322,14 +330,7 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     w.Bool(true);
     w.Key("models");
     w.StartArray();
-    std::string last;
-    for (const auto& m : engine_->ListModels()) {
-      if (m.name == last || m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
-      auto vm = Model(m.name);
-      if (!vm || (*vm)->task != VisionTask::kDetection) continue;
-      String(w, m.name);
-      last = m.name;
-    }
+    for (const auto& name : DetectionModels()) String(w, name);
     w.EndArray();
     w.Key("moduleId");
     w.String("quern");
@@ -438,13 +439,10 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
   dopt.target = &m.image;
   dopt.max_pixels = options_.max_image_pixels;
   auto decoded = DecodeImage(job->image, dopt);
-  const int64_t t1 = SteadyNs();
-  job->decode_ns = t1 - job->stage_start_ns;
   if (!decoded) return Fail(job, decoded.error());
   Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
   job->transform = Preprocess(*decoded, m.image, input.mutable_data());
   const int64_t t2 = SteadyNs();
-  job->preprocess_ns = t2 - t1;
   job->image = {};
   job->image_storage.clear();
 
@@ -461,8 +459,6 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
 }
 
 void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
-  const int64_t t0 = SteadyNs();
-  job->queue_ns = r.telemetry.queue_ns();
   job->infer_ns = r.telemetry.compute_ns();
   if (!r.status.ok()) {
     if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
@@ -478,7 +474,6 @@ void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
     auto scores = OutputAsFloats(r.outputs[0]);
     if (!scores) return Fail(job, scores.error());
     const auto top = TopK(*scores, m.top_k, m.softmax, m.labels);
-    job->post_ns = SteadyNs() - t0;
     w.StartObject();
     w.Key("predictions");
     w.StartArray();
@@ -501,8 +496,7 @@ void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
 
   auto found = DecodeDetections(r.outputs, m.detection, job->min_confidence, m.image.width, m.image.height);
   if (!found) return Fail(job, Status(found.error().code(), "model '" + m.name + "': " + found.error().message()));
-  job->post_ns = SteadyNs() - t0;
-  std::string message;
+  std::vector<std::string> names;  // distinct labels found, for the message
   w.StartObject();
   w.Key("success");
   w.Bool(true);
@@ -512,7 +506,7 @@ void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
     const Detection s = MapToSource(d, job->transform);
     const std::string& label = m.Label(d.class_id);
     const std::string name = label.empty() ? std::to_string(d.class_id) : label;
-    if (message.find(name) == std::string::npos) message += (message.empty() ? "" : ", ") + name;
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
     w.StartObject();
     w.Key("label");
     String(w, name);
@@ -532,12 +526,14 @@ void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
   w.Key("count");
   w.Int(static_cast<int>(found->size()));
   w.Key("message");
-  String(w, found->empty() ? std::string("No objects found") : "Found " + message);
+  std::string message = found->empty() ? "No objects found" : "Found ";
+  for (size_t i = 0; i < names.size(); ++i) message += (i ? ", " : "") + names[i];
+  String(w, message);
   w.Key("error");
   w.Null();
-  // The meta fields are written by Respond: close the object there.
-  std::string body = sb.GetString();
-  return Respond(job, Json(200, std::move(body)));
+  WriteCpaiMeta(w, *job);
+  w.EndObject();
+  return Respond(job, Json(200, sb.GetString()));
 }
 
 void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) {
@@ -557,45 +553,42 @@ void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) 
   w.String("");
   w.Key("error");
   String(w, status.message());
+  WriteCpaiMeta(w, *job);
+  w.EndObject();
   return Respond(job, Json(200, sb.GetString()));
 }
 
-// Completes the response (CodeProject.AI meta fields for an open object),
-// releases the admission slot and sends it.
+// CodeProject.AI's fields that every detection answer carries, written into
+// the open object `w`.
+void VisionHandler::WriteCpaiMeta(Writer& w, const Job& job) const {
+  const int64_t now = SteadyNs();
+  w.Key("command");
+  String(w, job.command);
+  w.Key("moduleId");
+  w.String("quern");
+  w.Key("moduleName");
+  w.String("Quern");
+  w.Key("executionProvider");
+  w.String("CPU");
+  w.Key("canUseGPU");
+  w.Bool(false);
+  w.Key("inferenceMs");
+  w.Int64(job.infer_ns / 1'000'000);
+  w.Key("processMs");
+  w.Int64(job.stage_start_ns > 0 ? (now - job.stage_start_ns) / 1'000'000 : 0);
+  w.Key("analysisRoundTripMs");
+  w.Int64((now - job.received_ns) / 1'000'000);
+  w.Key("processedBy");
+  String(w, hostname_);
+  w.Key("timestampUTC");
+  String(w, TimestampUtc());
+  w.Key("requestId");
+  String(w, RequestId());
+}
+
+// Releases the admission slot (if the job holds one) and sends the response.
 void VisionHandler::Respond(const std::shared_ptr<Job>& job, HttpResponse response) {
   const int64_t now = SteadyNs();
-  if (job->kind == Job::Kind::kCpai && !response.body.empty() && response.body.back() != '}') {
-    rapidjson::StringBuffer sb;
-    Writer w(sb);
-    // Continue the open object: write the fields as a fragment.
-    w.StartObject();
-    w.Key("command");
-    String(w, job->command);
-    w.Key("moduleId");
-    w.String("quern");
-    w.Key("moduleName");
-    w.String("Quern");
-    w.Key("executionProvider");
-    w.String("CPU");
-    w.Key("canUseGPU");
-    w.Bool(false);
-    w.Key("inferenceMs");
-    w.Int64(job->infer_ns / 1'000'000);
-    w.Key("processMs");
-    w.Int64(job->stage_start_ns > 0 ? (now - job->stage_start_ns) / 1'000'000 : 0);
-    w.Key("analysisRoundTripMs");
-    w.Int64((now - job->received_ns) / 1'000'000);
-    w.Key("processedBy");
-    String(w, hostname_);
-    w.Key("timestampUTC");
-    String(w, TimestampUtc());
-    w.Key("requestId");
-    String(w, RequestId());
-    w.EndObject();
-    std::string meta = sb.GetString();
-    response.body += ",";
-    response.body.append(meta, 1, std::string::npos);  // without the '{'
-  }
   HttpDone done = std::move(job->done);
   if (job->admitted) {
     // Update the time per image behind the derived capacity: the time this

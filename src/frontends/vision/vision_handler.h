@@ -24,6 +24,9 @@
 // destructor waits for requests in the handler to finish.
 #pragma once
 
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -96,6 +99,8 @@ class VisionHandler {
   struct Job;
   Result<std::shared_ptr<const VisionModel>> Model(const std::string& name);
   std::string DefaultDetectionModel();
+  std::vector<std::string> DetectionModels();  // ready detection models, by name
+  void WriteCpaiMeta(rapidjson::Writer<rapidjson::StringBuffer>& w, const Job& job) const;
   void Admit(std::shared_ptr<Job> job);
   void Process(const std::shared_ptr<Job>& job);
   void Finish(const std::shared_ptr<Job>& job, InferResponse&& response);
