@@ -19,7 +19,7 @@ DTYPE_NAMES = {"in_bool": "BOOL", "in_uint8": "UINT8", "in_int8": "INT8", "in_in
 
 def start_quern(binary, repo, *extra):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves.
-    Returns (process, {"HTTP": port, "gRPC": port, "metrics": port}); its log is drained in the background."""
+    Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background."""
     import re
     import subprocess
     import threading
@@ -34,7 +34,7 @@ def start_quern(binary, repo, *extra):
         line = proc.stdout.readline()
         if not line or line.startswith("quern: serving "):
             break
-        m = re.search(r"(HTTP|gRPC|metrics) listening on [^:]+:(\d+)", line)
+        m = re.search(r"(HTTP|gRPC|metrics|vision) listening on [^:]+:(\d+)", line)
         if m:
             ports[m.group(1)] = int(m.group(2))
     if len(ports) < 3:

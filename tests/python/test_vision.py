@@ -344,3 +344,23 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_vision_port_and_api_key(repo):
+    """--vision-port serves the vision routes on a second port (and only those); --vision-api-key is required."""
+    proc, ports = start_quern(QUERN, repo, "--vision-port", "0", "--vision-api-key", "s3cret")
+    try:
+        port = ports["vision"]
+        assert json.loads(request(port, "GET", "/v1/status/ping")[2])["success"] is True
+        img = encode(painted(128, 96, SQUARES), "PNG")
+        # No --detection-model: the first detection model by name, detect_detr.
+        check(detect(port, img, extra=[("api_key", b"s3cret", None)]), expected(128, 96, SQUARES, "detr"), 0.001)
+        missing = detect(port, img)
+        assert missing["success"] is False and "api_key" in missing["error"]
+        wrong = detect(ports["HTTP"], img, extra=[("api_key", b"nope", None)])
+        assert wrong["success"] is False and "api_key is not valid" in wrong["error"]
+        status, _, data = request(port, "GET", "/v2/health/live")
+        assert status == 404 and "vision routes" in json.loads(data)["error"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
