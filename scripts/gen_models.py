@@ -108,28 +108,43 @@ def tile4():
 DET_SIZE, DET_CELL = 64, 16
 
 
-def detector(name, layout):
-    g = DET_SIZE // DET_CELL
+def detector(name, layout, size=DET_SIZE, cell=DET_CELL, backbone=False):
+    """backbone=True adds a strided CNN (~1 GFLOP at 640x640, the order of a small YOLO) whose result is
+    multiplied by zero and added to the scores: real compute, outputs unchanged."""
+    g = size // cell
     cells = g * g
-    centres = [((k % g) * DET_CELL + DET_CELL / 2, (k // g) * DET_CELL + DET_CELL / 2) for k in range(cells)]
-    boxes = np.array([[cx, cy, DET_CELL, DET_CELL] for cx, cy in centres] +
-                     [[cx, cy, DET_CELL + 4, DET_CELL + 4] for cx, cy in centres], np.float32).T  # [4, 2*cells]
-    nodes = [
-        helper.make_node("AveragePool", ["images"], ["pooled"], kernel_shape=[DET_CELL, DET_CELL],
-                         strides=[DET_CELL, DET_CELL]),
-        helper.make_node("Reshape", ["pooled", "score_shape"], ["s"]),  # [N, 3, cells]
+    centres = [((k % g) * cell + cell / 2, (k // g) * cell + cell / 2) for k in range(cells)]
+    boxes = np.array([[cx, cy, cell, cell] for cx, cy in centres] +
+                     [[cx, cy, cell + 4, cell + 4] for cx, cy in centres], np.float32).T  # [4, 2*cells]
+    nodes = [helper.make_node("AveragePool", ["images"], ["pooled"], kernel_shape=[cell, cell], strides=[cell, cell])]
+    inits = []
+    if backbone:
+        bld = Builder(np.random.default_rng(640))
+        x, cin = "images", 3
+        for cout in (16, 32, 64, 128, 256):
+            x, cin = bld.conv(x, cin, cout, 3, stride=2), cout
+        nodes += bld.nodes
+        inits += bld.inits
+        nodes += [helper.make_node("ReduceMean", [x], ["feat"], axes=[1, 2, 3], keepdims=1),
+                  helper.make_node("Mul", ["feat", "zero_f"], ["feat0"]),
+                  helper.make_node("Add", ["pooled", "feat0"], ["pooled_all"])]
+        inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero_f"))
+    else:
+        nodes.append(helper.make_node("Identity", ["pooled"], ["pooled_all"]))
+    nodes += [
+        helper.make_node("Reshape", ["pooled_all", "score_shape"], ["s"]),  # [N, 3, cells]
         helper.make_node("Mul", ["s", "ninety"], ["s9"]),
         helper.make_node("Concat", ["s", "s9"], ["scores"], axis=2),  # [N, 3, 2*cells]
         helper.make_node("Shape", ["images"], ["in_shape"]),
         helper.make_node("Slice", ["in_shape", "zero", "one"], ["n"]),
     ]
-    inits = [numpy_helper.from_array(np.array([0, 3, cells], np.int64), "score_shape"),
+    inits += [numpy_helper.from_array(np.array([0, 3, cells], np.int64), "score_shape"),
              numpy_helper.from_array(np.array(0.9, np.float32), "ninety"),
              numpy_helper.from_array(np.array([0], np.int64), "zero"),
              numpy_helper.from_array(np.array([1], np.int64), "one")]
     n = 2 * cells
     if layout == "detr":  # normalised boxes [N, cells, 4] and logits [N, cells, 3]; only the cell boxes
-        inits += [numpy_helper.from_array((boxes[:, :cells].T / DET_SIZE)[None].astype(np.float32), "boxes_c"),
+        inits += [numpy_helper.from_array((boxes[:, :cells].T / size)[None].astype(np.float32), "boxes_c"),
                   numpy_helper.from_array(np.array([cells, 4], np.int64), "btail"),
                   numpy_helper.from_array(np.array(10.0, np.float32), "ten"),
                   numpy_helper.from_array(np.array(0.5, np.float32), "half")]
@@ -156,13 +171,14 @@ def detector(name, layout):
             nodes += [helper.make_node("Concat", ["b", "obj", "scores"], ["v5t"], axis=1),
                       helper.make_node("Transpose", ["v5t"], ["output0"], perm=[0, 2, 1])]
             outputs = [vi("output0", TensorProto.FLOAT, ["N", n, 8])]
-    return graph_model(nodes, name, [vi("images", TensorProto.FLOAT, ["N", 3, DET_SIZE, DET_SIZE])], outputs, inits)
+    return graph_model(nodes, name, [vi("images", TensorProto.FLOAT, ["N", 3, size, size])], outputs, inits)
 
 
-def write_detector(d, layout, quiet, name=None, batching="dynamic_batching { }"):
+def write_detector(d, layout, quiet, name=None, batching="dynamic_batching { }", size=DET_SIZE, cell=DET_CELL,
+                   backbone=False):
     name = name or f"detect_{layout}"
-    save(detector(name, layout), f"{d}/{name}/1/model.onnx", quiet)
-    cells = (DET_SIZE // DET_CELL) ** 2
+    save(detector(name, layout, size, cell, backbone), f"{d}/{name}/1/model.onnx", quiet)
+    cells = (size // cell) ** 2
     outputs = {"yolov5": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ {2 * cells}, 8 ] label_filename: "labels.txt" }}',
                "yolov8": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ 7, {2 * cells} ] label_filename: "labels.txt" }}',
                "detr": f'{{ name: "pred_logits" data_type: TYPE_FP32 dims: [ {cells}, 3 ] label_filename: "labels.txt" }}, '
@@ -170,7 +186,7 @@ def write_detector(d, layout, quiet, name=None, batching="dynamic_batching { }")
     extra = 'parameters { key: "quern.detection.activation" value { string_value: "sigmoid" } }\n' \
         if layout == "detr" else ""
     write_config(f"{d}/{name}/config.pbtxt", f"""max_batch_size: 8
-input [ {{ name: "images" data_type: TYPE_FP32 dims: [ 3, {DET_SIZE}, {DET_SIZE} ] }} ]
+input [ {{ name: "images" data_type: TYPE_FP32 dims: [ 3, {size}, {size} ] }} ]
 output [ {outputs} ]
 {batching}
 parameters {{ key: "quern.task" value {{ string_value: "detection" }} }}
@@ -331,6 +347,8 @@ def identity(name, n):
 
 def gen_bench(d, quiet):
     save(identity("identity", 4), f"{d}/identity/1/model.onnx", quiet)
+    # A 640x640 YOLOv8-layout detector with a small-YOLO-sized backbone (vision benchmark).
+    write_detector(d, "yolov8", quiet, name="detect_640", size=640, cell=32, backbone=True)
     save(small_cnn(np.random.default_rng(7)), f"{d}/small_cnn/1/model.onnx", quiet)
     if not os.path.exists(f"{d}/resnet50/1/model.onnx"):
         save(resnet50(np.random.default_rng(50)), f"{d}/resnet50/1/model.onnx", quiet)

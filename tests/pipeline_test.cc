@@ -112,6 +112,49 @@ TEST(Preprocess, NormalisesIntoNchwWithPadding) {
   EXPECT_FLOAT_EQ(out[2 * 16 + 3 * 4 + 3], -1.0f);
 }
 
+// A checkerboard of 5x5-pixel squares, shifted by 2 pixels, shrunk 10x:
+// each output pixel covers source columns of square parities even/odd/even
+// 3/5/2 times (rows likewise), so half its area is white and area averaging
+// gives 255 / 2 = 127.5 everywhere. Bilinear sampling at the output pixel's
+// centre (source 10x + 4.5) reads two pixels of the same odd/odd square:
+// black everywhere (aliasing).
+TEST(Preprocess, LargeDownscaleAveragesInsteadOfAliasing) {
+  DecodedImage d;
+  d.source_width = d.image.width = 640;
+  d.source_height = d.image.height = 480;
+  d.image.pixels.resize(640 * 480 * 3);
+  for (int y = 0; y < 480; ++y) {
+    for (int x = 0; x < 640; ++x) {
+      const uint8_t v = ((x + 2) / 5 + (y + 2) / 5) % 2 ? 255 : 0;
+      for (int c = 0; c < 3; ++c) d.image.pixels[static_cast<size_t>((y * 640 + x) * 3 + c)] = v;
+    }
+  }
+  ImageSpec spec;
+  spec.width = 64;
+  spec.height = 48;
+  spec.dtype = DataType::kUint8;
+  std::vector<uint8_t> out(3 * 64 * 48);
+  Preprocess(d, spec, out.data());
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_NEAR(out[i], 127.5, 1.0) << "element " << i;
+  }
+  // Coordinates still map exactly: a white 40x40 square at (200, 120) lands
+  // on output pixels 20..23 x 12..15 (a tenth), with black around it.
+  std::fill(d.image.pixels.begin(), d.image.pixels.end(), 0);
+  for (int y = 120; y < 160; ++y) {
+    for (int x = 200; x < 240; ++x) {
+      for (int c = 0; c < 3; ++c) d.image.pixels[static_cast<size_t>((y * 640 + x) * 3 + c)] = 255;
+    }
+  }
+  Preprocess(d, spec, out.data());
+  for (int y = 0; y < 48; ++y) {
+    for (int x = 0; x < 64; ++x) {
+      const bool inside = x >= 20 && x < 24 && y >= 12 && y < 16;
+      EXPECT_EQ(out[static_cast<size_t>(y * 64 + x)], inside ? 255 : 0) << "pixel " << x << "," << y;
+    }
+  }
+}
+
 TEST(Nms, ClassWiseAndOrdered) {
   std::vector<Detection> in = {
       {0, 0.9f, 0, 0, 10, 10},  // kept

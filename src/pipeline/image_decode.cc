@@ -169,6 +169,25 @@ Result<DecodedImage> DecodeWebp(std::string_view bytes, const DecodeOptions& o) 
   return out;
 }
 
+// stb_image reads past the end of a BMP as zeros, so a cut file would decode
+// as a partly black picture. For uncompressed BMPs (BI_RGB, BI_BITFIELDS)
+// the size of the pixel array follows from the header: a shorter file is
+// refused. Other variants are left to stb_image's own checks.
+Status CheckBmpLength(std::string_view bytes, int w, int h) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (bytes.size() < 34 || Read32(p + 14, true) < 40) return Status::Ok();
+  const uint32_t compression = Read32(p + 30, true);
+  if (compression != 0 && compression != 3) return Status::Ok();
+  const uint64_t bits = Read16(p + 28, true);
+  const uint64_t stride = (static_cast<uint64_t>(w) * bits + 31) / 32 * 4;
+  const uint64_t needed = Read32(p + 10, true) + stride * static_cast<uint64_t>(h);
+  if (bytes.size() < needed) {
+    return InvalidArgument("corrupt or truncated BMP image (" + SizeText(w, h) + "): its pixel data needs " +
+                           std::to_string(needed) + " bytes, the file has " + std::to_string(bytes.size()));
+  }
+  return Status::Ok();
+}
+
 Result<DecodedImage> DecodeBmp(std::string_view bytes, const DecodeOptions& o) {
   auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
   const int len = static_cast<int>(std::min<size_t>(bytes.size(), INT32_MAX));
@@ -177,6 +196,7 @@ Result<DecodedImage> DecodeBmp(std::string_view bytes, const DecodeOptions& o) {
     return std::unexpected(InvalidArgument(std::string("corrupt or truncated BMP image: ") + stbi_failure_reason()));
   }
   QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kBmp));
+  QUERN_RETURN_IF_ERROR(CheckBmpLength(bytes, w, h));
   std::unique_ptr<stbi_uc, void (*)(void*)> px(stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
   if (!px) {
     return std::unexpected(

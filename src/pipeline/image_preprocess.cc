@@ -1,7 +1,10 @@
 // Pre-processing: one bilinear resampling pass from the decoded RGB image
 // into the model's geometry (stretch / letterbox / centre crop), then a
 // per-channel lookup table turns each 8-bit value into the model's dtype
-// with scale, mean and std applied.
+// with scale, mean and std applied. An image more than twice the size the
+// model needs (a PNG, or a JPEG that DCT scaling could not shrink enough) is
+// resampled by area averaging instead: bilinear sampling would skip source
+// pixels and alias fine detail.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -65,6 +68,126 @@ Axis MakeAxis(int out_size, double offset, double scale, int source_size, int de
   return a;
 }
 
+// Decoded pixels per output pixel along one axis.
+double Reduction(int decoded_size, int source_size, double scale) {
+  return static_cast<double>(decoded_size) / source_size / scale;
+}
+
+// Area resampling along one axis: output pixel o averages the decoded
+// pixels its footprint covers, partly covered ones by the covered fraction.
+struct AreaAxis {
+  std::vector<uint8_t> valid;
+  std::vector<int> first;     // first decoded pixel of o's footprint
+  std::vector<size_t> begin;  // o's weights: weights[begin[o] .. begin[o + 1])
+  std::vector<float> weights;
+};
+
+AreaAxis MakeAreaAxis(int out_size, double offset, double scale, int source_size, int decoded_size) {
+  AreaAxis a;
+  const auto n = static_cast<size_t>(out_size);
+  a.valid.resize(n);
+  a.first.resize(n);
+  a.begin.resize(n + 1);
+  const double to_decoded = static_cast<double>(decoded_size) / source_size;
+  for (int o = 0; o < out_size; ++o) {
+    const auto k = static_cast<size_t>(o);
+    const double centre = (o + 0.5 - offset) / scale;
+    a.valid[k] = centre >= 0.0 && centre < source_size;
+    a.begin[k] = a.weights.size();
+    double d0 = std::clamp((o - offset) / scale * to_decoded, 0.0, static_cast<double>(decoded_size));
+    double d1 = std::clamp((o + 1 - offset) / scale * to_decoded, 0.0, static_cast<double>(decoded_size));
+    if (d1 - d0 < 1e-9) {  // footprint outside the image (padding) or empty: nearest pixel
+      d0 = std::min(d0, decoded_size - 1.0);
+      d1 = d0 + 1e-3;
+    }
+    const int i0 = static_cast<int>(d0);
+    const int i1 = std::min(static_cast<int>(std::ceil(d1)), decoded_size);
+    a.first[k] = i0;
+    const double total = d1 - d0;
+    for (int i = i0; i < std::max(i1, i0 + 1); ++i) {
+      const double w = std::min<double>(i + 1, d1) - std::max<double>(i, d0);
+      a.weights.push_back(static_cast<float>(std::max(w, 0.0) / total));
+    }
+  }
+  a.begin[n] = a.weights.size();
+  return a;
+}
+
+// Converts one resampled RGB row into the model's channel order, layout and
+// dtype at output row `y`.
+void WriteRow(const std::vector<uint8_t>& row, size_t y, size_t W, size_t plane, const int (&src_channel)[3],
+              const ImageSpec& spec, const float (&lut_f)[3][256], const uint16_t (&lut_h)[3][256], void* out) {
+  for (int c = 0; c < 3; ++c) {
+    const size_t s = static_cast<size_t>(src_channel[c]);
+    const auto cc = static_cast<size_t>(c);
+    switch (spec.dtype) {
+      case DataType::kUint8: {
+        auto* o = static_cast<uint8_t*>(out);
+        if (spec.layout == TensorLayout::kNchw) {
+          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = row[x * 3 + s];
+        } else {
+          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = row[x * 3 + s];
+        }
+        break;
+      }
+      case DataType::kFp16: {
+        auto* o = static_cast<uint16_t*>(out);
+        if (spec.layout == TensorLayout::kNchw) {
+          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_h[c][row[x * 3 + s]];
+        } else {
+          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_h[c][row[x * 3 + s]];
+        }
+        break;
+      }
+      default: {
+        auto* o = static_cast<float*>(out);
+        if (spec.layout == TensorLayout::kNchw) {
+          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_f[c][row[x * 3 + s]];
+        } else {
+          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_f[c][row[x * 3 + s]];
+        }
+        break;
+      }
+    }
+  }
+}
+
+// One output row by area resampling: vertical weighted sums of the rows the
+// output row covers, then horizontal weighted sums of those.
+void AreaRow(const Image& img, const AreaAxis& ax, const AreaAxis& ay, size_t y, uint8_t pad, std::vector<float>& sums,
+             std::vector<uint8_t>& row) {
+  const size_t W = ax.valid.size(), row_bytes = static_cast<size_t>(img.width) * 3;
+  if (!ay.valid[y]) {
+    std::fill(row.begin(), row.end(), pad);
+    return;
+  }
+  std::fill(sums.begin(), sums.end(), 0.0f);
+  for (size_t j = ay.begin[y]; j < ay.begin[y + 1]; ++j) {
+    const float w = ay.weights[j];
+    const uint8_t* src =
+        img.pixels.data() + static_cast<size_t>(ay.first[y] + static_cast<int>(j - ay.begin[y])) * row_bytes;
+    for (size_t i = 0; i < row_bytes; ++i) sums[i] += w * src[i];
+  }
+  for (size_t x = 0; x < W; ++x) {
+    uint8_t* d = &row[x * 3];
+    if (!ax.valid[x]) {
+      d[0] = d[1] = d[2] = pad;
+      continue;
+    }
+    float r = 0, g = 0, b = 0;
+    const float* s = &sums[static_cast<size_t>(ax.first[x]) * 3];
+    for (size_t j = ax.begin[x]; j < ax.begin[x + 1]; ++j, s += 3) {
+      const float w = ax.weights[j];
+      r += w * s[0];
+      g += w * s[1];
+      b += w * s[2];
+    }
+    d[0] = static_cast<uint8_t>(std::clamp(r + 0.5f, 0.0f, 255.0f));
+    d[1] = static_cast<uint8_t>(std::clamp(g + 0.5f, 0.0f, 255.0f));
+    d[2] = static_cast<uint8_t>(std::clamp(b + 0.5f, 0.0f, 255.0f));
+  }
+}
+
 }  // namespace
 
 ImageTransform ComputeTransform(int source_width, int source_height, const ImageSpec& spec) {
@@ -103,8 +226,19 @@ size_t PreprocessedBytes(const ImageSpec& spec) {
 ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, void* out) {
   const ImageTransform t = ComputeTransform(decoded.source_width, decoded.source_height, spec);
   const Image& img = decoded.image;
+  // Area resampling when the decoded image is at least twice the output's
+  // size along an axis; bilinear otherwise.
+  const bool area = Reduction(img.width, decoded.source_width, t.scale_x) >= 2.0 ||
+                    Reduction(img.height, decoded.source_height, t.scale_y) >= 2.0;
   const Axis ax = MakeAxis(spec.width, t.offset_x, t.scale_x, decoded.source_width, img.width);
   const Axis ay = MakeAxis(spec.height, t.offset_y, t.scale_y, decoded.source_height, img.height);
+  AreaAxis aax, aay;
+  std::vector<float> column_sums;  // area: one output row's vertical sums, RGB per decoded column
+  if (area) {
+    aax = MakeAreaAxis(spec.width, t.offset_x, t.scale_x, decoded.source_width, img.width);
+    aay = MakeAreaAxis(spec.height, t.offset_y, t.scale_y, decoded.source_height, img.height);
+    column_sums.resize(static_cast<size_t>(img.width) * 3);
+  }
 
   // Per output channel: which RGB channel it reads, and its value table.
   int src_channel[3];
@@ -123,6 +257,11 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
   const size_t row_bytes = static_cast<size_t>(img.width) * 3;
   std::vector<uint8_t> row(W * 3);  // one resampled output row, RGB
   for (size_t y = 0; y < H; ++y) {
+    if (area) {
+      AreaRow(img, aax, aay, y, spec.pad_value, column_sums, row);
+      WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
+      continue;
+    }
     const bool yvalid = ay.valid[y];
     const uint8_t* r0 = img.pixels.data() + static_cast<size_t>(ay.i0[y]) * row_bytes;
     const uint8_t* r1 = img.pixels.data() + static_cast<size_t>(ay.i1[y]) * row_bytes;
@@ -141,39 +280,7 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
         d[c] = static_cast<uint8_t>((top * wy0 + bottom * wy1 + (1 << 15)) >> 16);
       }
     }
-    for (int c = 0; c < 3; ++c) {
-      const size_t s = static_cast<size_t>(src_channel[c]);
-      const auto cc = static_cast<size_t>(c);
-      switch (spec.dtype) {
-        case DataType::kUint8: {
-          auto* o = static_cast<uint8_t*>(out);
-          if (spec.layout == TensorLayout::kNchw) {
-            for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = row[x * 3 + s];
-          } else {
-            for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = row[x * 3 + s];
-          }
-          break;
-        }
-        case DataType::kFp16: {
-          auto* o = static_cast<uint16_t*>(out);
-          if (spec.layout == TensorLayout::kNchw) {
-            for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_h[c][row[x * 3 + s]];
-          } else {
-            for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_h[c][row[x * 3 + s]];
-          }
-          break;
-        }
-        default: {
-          auto* o = static_cast<float*>(out);
-          if (spec.layout == TensorLayout::kNchw) {
-            for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_f[c][row[x * 3 + s]];
-          } else {
-            for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_f[c][row[x * 3 + s]];
-          }
-          break;
-        }
-      }
-    }
+    WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
   }
   return t;
 }

@@ -208,6 +208,7 @@ def test_errors_come_back_the_codeproject_way(server):
     rng = np.random.default_rng(0)
     noise = Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8))
     noisy, png = encode(noise, "JPEG"), encode(noise, "PNG")
+    bmp, webp = encode(noise, "BMP"), encode(noise, "WEBP", quality=80)
     cases = [
         (multipart([("min_confidence", b"0.5", None)]), "no image was sent"),
         (multipart([("image", b"", "empty.jpg")]), "empty"),
@@ -215,6 +216,10 @@ def test_errors_come_back_the_codeproject_way(server):
         (multipart([("image", jpeg[: len(jpeg) // 2], "cut.jpg")]), "corrupt or truncated JPEG"),
         (multipart([("image", noisy[: len(noisy) * 3 // 5], "cut.jpg")]), "corrupt or truncated JPEG"),
         (multipart([("image", png[: len(png) * 3 // 5], "cut.png")]), "corrupt or truncated PNG"),
+        (multipart([("image", bmp[: len(bmp) * 3 // 5], "cut.bmp")]), "corrupt or truncated BMP"),
+        (multipart([("image", bmp[:40], "cut.bmp")]), "corrupt or truncated BMP"),
+        (multipart([("image", webp[: len(webp) * 3 // 5], "cut.webp")]), "corrupt or truncated WebP"),
+        (multipart([("image", webp[:20], "cut.webp")]), "corrupt or truncated WebP"),
         (multipart([("image", encode(Image.new("RGB", (2000, 2000)), "PNG"), "big.png")]), "over the limit"),
         (multipart([("image", jpeg, "a.jpg"), ("min_confidence", b"1.5", None)]), "min_confidence"),
         ((jpeg, {"Content-Type": "image/jpeg"}), "multipart/form-data"),

@@ -127,7 +127,10 @@ struct VisionHandler::Job {
   ImageTransform transform;
   bool admitted = false;       // holds an admission slot
   int64_t stage_start_ns = 0;  // steady clock, when a stage thread took it
-  int64_t infer_ns = 0;        // the engine's compute time for its batch
+  // Stage durations: decode, resize (+ normalise), queue in the batcher,
+  // compute of its batch, post-processing (until the response is written).
+  int64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0;
+  int64_t post_start_ns = 0;  // steady clock, when post-processing began
 };
 
 VisionHandler::VisionHandler(Engine* engine, VisionOptions options) : engine_(engine), options_(std::move(options)) {
@@ -173,6 +176,24 @@ std::string RenderVisionPrometheus(const VisionStats& s) {
   metric("quern_vision_queue_capacity", "gauge", "Images admitted at once.", static_cast<double>(s.capacity));
   metric("quern_vision_ms_per_image", "gauge", "Measured pipeline time per image behind the derived capacity.",
          s.ms_per_image);
+  metric("quern_vision_timed_images_total", "counter",
+         "Answered images whose stage durations are summed in quern_vision_stage_seconds_total.",
+         static_cast<double>(s.timed_images));
+  out +=
+      "# HELP quern_vision_stage_seconds_total Time answered images spent in each stage: decode, resize (with "
+      "normalisation), queue (waiting in the model's batcher), infer (their batch's compute), post (decoding "
+      "outputs, NMS, JSON).\n# TYPE quern_vision_stage_seconds_total counter\n";
+  const std::pair<const char*, uint64_t> stages[] = {{"decode", s.decode_ns},
+                                                     {"resize", s.resize_ns},
+                                                     {"queue", s.queue_ns},
+                                                     {"infer", s.infer_ns},
+                                                     {"post", s.post_ns}};
+  for (const auto& [stage, ns] : stages) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "quern_vision_stage_seconds_total{stage=\"%s\"} %.9f\n", stage,
+                  static_cast<double>(ns) / 1e9);
+    out += buf;
+  }
   return out;
 }
 
@@ -189,6 +210,12 @@ VisionStats VisionHandler::stats() const {
   s.in_flight = in_flight_.load();
   s.capacity = Capacity();
   s.ms_per_image = ms_per_image_.load();
+  s.timed_images = timed_images_.load(std::memory_order_relaxed);
+  s.decode_ns = decode_ns_.load(std::memory_order_relaxed);
+  s.resize_ns = resize_ns_.load(std::memory_order_relaxed);
+  s.queue_ns = queue_ns_.load(std::memory_order_relaxed);
+  s.infer_ns = infer_ns_.load(std::memory_order_relaxed);
+  s.post_ns = post_ns_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -440,9 +467,12 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
   dopt.max_pixels = options_.max_image_pixels;
   auto decoded = DecodeImage(job->image, dopt);
   if (!decoded) return Fail(job, decoded.error());
+  const int64_t t1 = SteadyNs();
   Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
   job->transform = Preprocess(*decoded, m.image, input.mutable_data());
   const int64_t t2 = SteadyNs();
+  job->decode_ns = t1 - job->stage_start_ns;
+  job->resize_ns = t2 - t1;
   job->image = {};
   job->image_storage.clear();
 
@@ -459,7 +489,9 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
 }
 
 void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
+  job->post_start_ns = SteadyNs();
   job->infer_ns = r.telemetry.compute_ns();
+  job->queue_ns = r.telemetry.queue_ns();
   if (!r.status.ok()) {
     if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
       dropped_.fetch_add(1);
@@ -538,6 +570,7 @@ void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
 
 void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) {
   failed_.fetch_add(1);
+  job->post_start_ns = 0;  // only answered images are timed
   if (job->kind == Job::Kind::kPredict) return Respond(job, JsonError(HttpStatusFor(status), status.message()));
   rapidjson::StringBuffer sb;
   Writer w(sb);
@@ -590,6 +623,22 @@ void VisionHandler::WriteCpaiMeta(Writer& w, const Job& job) const {
 void VisionHandler::Respond(const std::shared_ptr<Job>& job, HttpResponse response) {
   const int64_t now = SteadyNs();
   HttpDone done = std::move(job->done);
+  if (job->post_start_ns > 0 && response.status == 200) {
+    const int64_t post_ns = now - job->post_start_ns;
+    char timing[160];
+    std::snprintf(timing, sizeof(timing),
+                  "decode;dur=%.3f, resize;dur=%.3f, queue;dur=%.3f, infer;dur=%.3f, post;dur=%.3f",
+                  static_cast<double>(job->decode_ns) / 1e6, static_cast<double>(job->resize_ns) / 1e6,
+                  static_cast<double>(job->queue_ns) / 1e6, static_cast<double>(job->infer_ns) / 1e6,
+                  static_cast<double>(post_ns) / 1e6);
+    response.headers.emplace_back("Server-Timing", timing);
+    timed_images_.fetch_add(1, std::memory_order_relaxed);
+    decode_ns_.fetch_add(static_cast<uint64_t>(job->decode_ns), std::memory_order_relaxed);
+    resize_ns_.fetch_add(static_cast<uint64_t>(job->resize_ns), std::memory_order_relaxed);
+    queue_ns_.fetch_add(static_cast<uint64_t>(job->queue_ns), std::memory_order_relaxed);
+    infer_ns_.fetch_add(static_cast<uint64_t>(job->infer_ns), std::memory_order_relaxed);
+    post_ns_.fetch_add(static_cast<uint64_t>(post_ns), std::memory_order_relaxed);
+  }
   if (job->admitted) {
     // Update the time per image behind the derived capacity: the time this
     // image kept the pipeline busy (since it arrived or since the previous

@@ -10,7 +10,8 @@
 //
 // CodeProject.AI routes answer errors as HTTP 200 with success:false and a
 // clear `error` (what its clients expect); /predict answers with HTTP error
-// codes and {"error": ...}.
+// codes and {"error": ...}. Answered images carry a Server-Timing header
+// with their decode, resize, queue, infer and post durations (ms).
 //
 // Work: the I/O thread only parses the form and admits the request; decoding,
 // pre-processing and post-processing run on the handler's stage threads,
@@ -75,6 +76,12 @@ struct VisionStats {
   int64_t in_flight = 0;
   int64_t capacity = 0;
   double ms_per_image = 0;  // the measure behind the derived capacity
+  // Where answered images spent their time, summed over `timed_images`
+  // (images that went through every stage): decoding, resizing and
+  // normalising, waiting in the model's queue, running in a batch, and
+  // post-processing (decoders, NMS, top-k, JSON).
+  uint64_t timed_images = 0;
+  uint64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
 };
 
 // Prometheus text for the vision counters (quern_vision_*).
@@ -126,6 +133,7 @@ class VisionHandler {
 
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> requests_{0}, rejected_{0}, dropped_{0}, failed_{0};
+  std::atomic<uint64_t> timed_images_{0}, decode_ns_{0}, resize_ns_{0}, queue_ns_{0}, infer_ns_{0}, post_ns_{0};
   std::atomic<int64_t> last_completion_ns_{0};
   std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
   std::atomic<int64_t> last_overload_log_ns_{0};
