@@ -255,30 +255,38 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
 
   const size_t W = static_cast<size_t>(spec.width), H = static_cast<size_t>(spec.height), plane = W * H;
   const size_t row_bytes = static_cast<size_t>(img.width) * 3;
-  std::vector<uint8_t> row(W * 3);  // one resampled output row, RGB
+  std::vector<uint8_t> row(W * 3);                      // one resampled output row, RGB
+  std::vector<uint16_t> blended(area ? 0 : row_bytes);  // bilinear: two source rows blended, x 256
   for (size_t y = 0; y < H; ++y) {
     if (area) {
       AreaRow(img, aax, aay, y, spec.pad_value, column_sums, row);
       WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
       continue;
     }
-    const bool yvalid = ay.valid[y];
+    if (!ay.valid[y]) {
+      std::fill(row.begin(), row.end(), spec.pad_value);
+      WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
+      continue;
+    }
+    // Separable: blend the two source rows (vectorises), then the columns.
+    // The same integer arithmetic as blending columns first, so the result
+    // is exact either way.
     const uint8_t* r0 = img.pixels.data() + static_cast<size_t>(ay.i0[y]) * row_bytes;
     const uint8_t* r1 = img.pixels.data() + static_cast<size_t>(ay.i1[y]) * row_bytes;
-    const int wy1 = ay.w1[y], wy0 = 256 - wy1;
+    const uint32_t wy1 = static_cast<uint32_t>(ay.w1[y]), wy0 = 256 - wy1;
+    for (size_t i = 0; i < row_bytes; ++i) blended[i] = static_cast<uint16_t>(r0[i] * wy0 + r1[i] * wy1);
     for (size_t x = 0; x < W; ++x) {
       uint8_t* d = &row[x * 3];
-      if (!yvalid || !ax.valid[x]) {
+      if (!ax.valid[x]) {
         d[0] = d[1] = d[2] = spec.pad_value;
         continue;
       }
-      const size_t x0 = static_cast<size_t>(ax.i0[x]) * 3, x1 = static_cast<size_t>(ax.i1[x]) * 3;
-      const int wx1 = ax.w1[x], wx0 = 256 - wx1;
-      for (size_t c = 0; c < 3; ++c) {
-        const int top = r0[x0 + c] * wx0 + r0[x1 + c] * wx1;
-        const int bottom = r1[x0 + c] * wx0 + r1[x1 + c] * wx1;
-        d[c] = static_cast<uint8_t>((top * wy0 + bottom * wy1 + (1 << 15)) >> 16);
-      }
+      const uint16_t* b0 = &blended[static_cast<size_t>(ax.i0[x]) * 3];
+      const uint16_t* b1 = &blended[static_cast<size_t>(ax.i1[x]) * 3];
+      const uint32_t wx1 = static_cast<uint32_t>(ax.w1[x]), wx0 = 256 - wx1;
+      d[0] = static_cast<uint8_t>((b0[0] * wx0 + b1[0] * wx1 + (1u << 15)) >> 16);
+      d[1] = static_cast<uint8_t>((b0[1] * wx0 + b1[1] * wx1 + (1u << 15)) >> 16);
+      d[2] = static_cast<uint8_t>((b0[2] * wx0 + b1[2] * wx1 + (1u << 15)) >> 16);
     }
     WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
   }
