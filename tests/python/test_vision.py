@@ -369,3 +369,31 @@ def test_vision_port_and_api_key(repo):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_stage_timings_in_header_and_metrics(repo):
+    proc, port, metrics = start(repo, "--detection-model", "detect_yolov8")
+    try:
+        sums = {}
+        img = encode(painted(1920, 1080, SQUARES), "JPEG", quality=90)
+        for _ in range(3):
+            body, headers = multipart([("image", img, "frame.jpg")])
+            status, h, data = request(port, "POST", "/v1/vision/detection", body, headers)
+            assert status == 200 and json.loads(data)["success"] is True
+            stages = dict(re.fullmatch(r"(\w+);dur=([0-9.]+)", part.strip()).groups()
+                          for part in h["server-timing"].split(","))
+            assert list(stages) == ["decode", "resize", "queue", "infer", "post"], h["server-timing"]
+            assert float(stages["decode"]) > 0 and float(stages["infer"]) > 0
+            for k, v in stages.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        # A failed request is answered but not timed.
+        body, headers = multipart([("image", b"not an image", "x.jpg")])
+        assert "server-timing" not in request(port, "POST", "/v1/vision/detection", body, headers)[1]
+        assert metric(metrics, "quern_vision_timed_images_total") == 3
+        text = request(metrics, "GET", "/metrics")[2].decode()
+        for k, total_ms in sums.items():
+            m = re.search(rf'^quern_vision_stage_seconds_total{{stage="{k}"}} (\S+)$', text, re.M)
+            assert m and abs(float(m.group(1)) * 1000 - total_ms) < 0.01, (k, total_ms, m and m.group(1))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
