@@ -57,12 +57,18 @@ struct InferRequest {
   std::shared_ptr<CancellationToken> cancel;
   // Small caller metadata copied into the response (for correlation).
   std::vector<std::pair<std::string, std::string>> metadata;
+  // Optional: called once, on an engine thread, when the batch holding this
+  // request starts to run; never for a request that does not run. Must be
+  // quick (it delays the batch).
+  std::function<void()> on_start;
 };
 
 // Where the time went, for one request. Timestamps are on the engine clock.
 struct Telemetry {
   int64_t batch_size = 0;  // items in the batch this request ran in (without padding)
   int64_t padded_batch_size = 0;
+  int64_t batch_requests = 0;  // requests in that batch
+  uint64_t batch_id = 0;       // the batch: shared by its requests, unique within the process
   int64_t queue_start_ns = 0;
   int64_t compute_start_ns = 0;
   int64_t compute_end_ns = 0;

@@ -16,9 +16,11 @@
 #include "frontends/grpc/grpc_server.h"
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
+#include "frontends/jobs/job_handler.h"
 #include "frontends/vision/vision_handler.h"
 #include "metrics/prometheus.h"
 #include "quern/engine.h"
+#include "store/result_store.h"
 
 namespace {
 
@@ -203,6 +205,11 @@ int main(int argc, char** argv) {
                     "Decode / pre- / post-processing threads (0 = one per core)");
   serve->add_option("--vision-max-image-pixels", vision_opts.max_image_pixels,
                     "Larger images are refused before decoding");
+  quern::MemoryResultStoreOptions store_opts;
+  serve->add_option("--job-result-ttl-secs", store_opts.ttl_s,
+                    "Seconds a finished job's result is kept (0 = until evicted)");
+  serve->add_option("--job-store-max-bytes", store_opts.max_bytes,
+                    "Bytes of finished job results kept in memory; the oldest are evicted beyond it");
   quern::HttpServerOptions metrics_opts;
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
@@ -244,8 +251,11 @@ int main(int argc, char** argv) {
   quern::KServeHandler handler(engine->get());
   vision_opts.model_repository = repo;
   quern::VisionHandler vision(engine->get(), vision_opts);
+  quern::MemoryResultStore store(store_opts);
+  quern::JobHandler jobs(engine->get(), &store);
   auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
     if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
+    if (quern::JobHandler::Handles(r.target)) return jobs.Handle(std::move(r), std::move(done));
     handler.Handle(std::move(r), std::move(done));
   });
   if (!server) {
@@ -281,8 +291,8 @@ int main(int argc, char** argv) {
   }
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
-  auto metrics =
-      quern::HttpServer::Start(metrics_opts, [engine_ptr, &vision](quern::HttpRequest&& r, quern::HttpDone done) {
+  auto metrics = quern::HttpServer::Start(
+      metrics_opts, [engine_ptr, &vision, &jobs](quern::HttpRequest&& r, quern::HttpDone done) {
         quern::HttpResponse resp;
         if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
           resp.status = 404;
@@ -290,7 +300,8 @@ int main(int argc, char** argv) {
           return done(std::move(resp));
         }
         resp.content_type = "text/plain; version=0.0.4";
-        resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision.stats());
+        resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision.stats()) +
+                    quern::RenderJobPrometheus(jobs.stats());
         done(std::move(resp));
       });
   if (!metrics) {

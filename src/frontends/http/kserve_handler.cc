@@ -450,27 +450,35 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   done(Error(NotFound("no route for " + req.method + " " + req.target)));
 }
 
-void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+bool KServeInfer::WantsBinary(const std::string& name) const {
+  for (const auto& [n, b] : binary_outputs) {
+    if (n == name) return b;
+  }
+  return binary_default;
+}
+
+Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, HttpRequest& req) {
   auto body = std::make_shared<std::string>(std::move(req.body));
   size_t json_size = body->size();
   if (auto h = req.Header("inference-header-content-length"); !h.empty()) {
     auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), json_size);
     if (ec != std::errc() || p != h.data() + h.size() || json_size > body->size()) {
-      return done(Error(InvalidArgument("model '" + model + "': Inference-Header-Content-Length '" + std::string(h) +
-                                        "' is not a size within the " + std::to_string(body->size()) + "-byte body")));
+      return Err(InvalidArgument("model '" + model + "': Inference-Header-Content-Length '" + std::string(h) +
+                                 "' is not a size within the " + std::to_string(body->size()) + "-byte body"));
     }
   }
   rapidjson::Document doc;
   doc.Parse(body->data(), json_size);
   if (doc.HasParseError()) {
-    return done(Error(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
-                                      std::to_string(doc.GetErrorOffset()) + ": " +
-                                      rapidjson::GetParseError_En(doc.GetParseError()))));
+    return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
+                               std::to_string(doc.GetErrorOffset()) + ": " +
+                               rapidjson::GetParseError_En(doc.GetParseError())));
   }
   if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
-    return done(Error(InvalidArgument("model '" + model + "': the request needs an 'inputs' array")));
+    return Err(InvalidArgument("model '" + model + "': the request needs an 'inputs' array"));
   }
-  InferRequest ir;
+  KServeInfer out;
+  InferRequest& ir = out.request;
   ir.model = model;
   ir.version = version;
   ir.cancel = req.cancel;
@@ -478,107 +486,119 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   for (const auto& in : doc["inputs"].GetArray()) {
     std::string name;
     auto t = ParseJsonTensor(in, model, name, binary);
-    if (!t) return done(Error(t.error()));
+    if (!t) return Err(t.error());
     ir.inputs.push_back({std::move(name), std::move(*t)});
   }
   if (binary.offset != body->size()) {
-    return done(Error(InvalidArgument("model '" + model + "': " + std::to_string(body->size() - binary.offset) +
-                                      " bytes of binary data are not claimed by any input's binary_data_size")));
+    return Err(InvalidArgument("model '" + model + "': " + std::to_string(body->size() - binary.offset) +
+                               " bytes of binary data are not claimed by any input's binary_data_size"));
   }
   // Which outputs come back as binary: per output, else the request default.
-  bool binary_default = false;
   if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
     const auto& p = doc["parameters"];
     if (p.HasMember("priority")) {
-      if (!p["priority"].IsUint())
-        return done(Error(InvalidArgument("parameter 'priority' must be an unsigned integer")));
+      if (!p["priority"].IsUint()) return Err(InvalidArgument("parameter 'priority' must be an unsigned integer"));
       ir.priority = p["priority"].GetUint();
     }
     if (p.HasMember("timeout")) {
       if (!p["timeout"].IsUint64()) {
-        return done(Error(InvalidArgument("parameter 'timeout' must be microseconds as an unsigned integer")));
+        return Err(InvalidArgument("parameter 'timeout' must be microseconds as an unsigned integer"));
       }
       ir.timeout_us = p["timeout"].GetUint64();
     }
     if (p.HasMember("binary_data_output") && p["binary_data_output"].IsBool()) {
-      binary_default = p["binary_data_output"].GetBool();
+      out.binary_default = p["binary_data_output"].GetBool();
     }
   }
-  auto binary_outputs = std::make_shared<std::vector<std::pair<std::string, bool>>>();
   if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
     for (const auto& o : doc["outputs"].GetArray()) {
       if (!o.IsObject() || !o.HasMember("name") || !o["name"].IsString()) {
-        return done(Error(InvalidArgument("model '" + model + "': every requested output needs a string 'name'")));
+        return Err(InvalidArgument("model '" + model + "': every requested output needs a string 'name'"));
       }
-      bool bin = binary_default;
+      bool bin = out.binary_default;
       if (o.HasMember("parameters") && o["parameters"].IsObject() && o["parameters"].HasMember("binary_data") &&
           o["parameters"]["binary_data"].IsBool()) {
         bin = o["parameters"]["binary_data"].GetBool();
       }
       ir.requested_outputs.emplace_back(o["name"].GetString());
-      binary_outputs->emplace_back(o["name"].GetString(), bin);
+      out.binary_outputs.emplace_back(o["name"].GetString(), bin);
     }
   }
-  std::string id = doc.HasMember("id") && doc["id"].IsString() ? doc["id"].GetString() : "";
-  engine_->InferAsync(
-      std::move(ir), [done = std::move(done), id = std::move(id), binary_outputs, binary_default](InferResponse&& r) {
-        if (!r.status.ok()) return done(Error(r.status));
-        auto wants_binary = [&](const std::string& name) {
-          for (const auto& [n, b] : *binary_outputs) {
-            if (n == name) return b;
-          }
-          return binary_default;
-        };
-        rapidjson::StringBuffer buf;
-        Writer w(buf);
-        w.StartObject();
-        if (!id.empty()) {
-          w.Key("id");
-          w.String(id.c_str(), static_cast<rapidjson::SizeType>(id.size()));
-        }
-        w.Key("model_name");
-        w.String(r.model.c_str());
-        w.Key("model_version");
-        w.String(std::to_string(r.version).c_str());
-        w.Key("outputs");
-        w.StartArray();
-        std::vector<const Tensor*> binary_parts;
-        for (const auto& o : r.outputs) {
-          w.StartObject();
-          w.Key("name");
-          w.String(o.name.c_str());
-          w.Key("datatype");
-          w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
-          w.Key("shape");
-          WriteShape(w, o.tensor.shape());
-          if (wants_binary(o.name)) {
-            w.Key("parameters");
-            w.StartObject();
-            w.Key("binary_data_size");
-            w.Uint64(o.tensor.byte_size());
-            w.EndObject();
-            binary_parts.push_back(&o.tensor);
-          } else {
-            w.Key("data");
-            Status st = WriteData(w, o.tensor);
-            if (!st.ok()) return done(Error(st));
-          }
-          w.EndObject();
-        }
-        w.EndArray();
-        w.EndObject();
-        HttpResponse resp = Json(200, buf);
-        if (!binary_parts.empty()) {
-          resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(resp.body.size()));
-          resp.content_type = "application/octet-stream";
-          size_t total = resp.body.size();
-          for (const Tensor* t : binary_parts) total += t->byte_size();
-          resp.body.reserve(total);
-          for (const Tensor* t : binary_parts)
-            resp.body.append(reinterpret_cast<const char*>(t->data()), t->byte_size());
-        }
-        done(std::move(resp));
-      });
+  if (doc.HasMember("id") && doc["id"].IsString()) out.id = doc["id"].GetString();
+  return out;
+}
+
+Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
+                          const KServeInfer& format, std::vector<const Tensor*>& binary_parts) {
+  w.StartArray();
+  for (const auto& o : outputs) {
+    w.StartObject();
+    w.Key("name");
+    w.String(o.name.c_str());
+    w.Key("datatype");
+    w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
+    w.Key("shape");
+    WriteShape(w, o.tensor.shape());
+    if (format.WantsBinary(o.name)) {
+      w.Key("parameters");
+      w.StartObject();
+      w.Key("binary_data_size");
+      w.Uint64(o.tensor.byte_size());
+      w.EndObject();
+      binary_parts.push_back(&o.tensor);
+    } else {
+      w.Key("data");
+      QUERN_RETURN_IF_ERROR(WriteData(w, o.tensor));
+    }
+    w.EndObject();
+  }
+  w.EndArray();
+  return Status::Ok();
+}
+
+HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
+                        const std::vector<const Tensor*>& binary_parts) {
+  HttpResponse resp = Json(status, json);
+  if (!binary_parts.empty()) {
+    resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(resp.body.size()));
+    resp.content_type = "application/octet-stream";
+    size_t total = resp.body.size();
+    for (const Tensor* t : binary_parts) total += t->byte_size();
+    resp.body.reserve(total);
+    for (const Tensor* t : binary_parts) resp.body.append(reinterpret_cast<const char*>(t->data()), t->byte_size());
+  }
+  return resp;
+}
+
+HttpResponse ErrorResponse(const Status& status) {
+  return Error(status);
+}
+
+void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  auto parsed = ParseKServeInfer(model, version, req);
+  if (!parsed) return done(Error(parsed.error()));
+  InferRequest ir = std::move(parsed->request);
+  auto format = std::make_shared<KServeInfer>(std::move(*parsed));
+  engine_->InferAsync(std::move(ir), [done = std::move(done), format](InferResponse&& r) {
+    if (!r.status.ok()) return done(Error(r.status));
+    rapidjson::StringBuffer buf;
+    Writer w(buf);
+    w.StartObject();
+    if (!format->id.empty()) {
+      w.Key("id");
+      w.String(format->id.c_str(), static_cast<rapidjson::SizeType>(format->id.size()));
+    }
+    w.Key("model_name");
+    w.String(r.model.c_str());
+    w.Key("model_version");
+    w.String(std::to_string(r.version).c_str());
+    w.Key("outputs");
+    std::vector<const Tensor*> binary_parts;
+    Status st = WriteKServeOutputs(w, r.outputs, *format, binary_parts);
+    if (!st.ok()) return done(Error(st));
+    w.EndObject();
+    done(KServeBody(200, buf, binary_parts));
+  });
 }
 
 }  // namespace quern

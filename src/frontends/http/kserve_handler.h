@@ -6,10 +6,48 @@
 // threads; inference responses complete on engine threads.
 #pragma once
 
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "frontends/http/http_types.h"
 #include "quern/engine.h"
 
 namespace quern {
+
+// A KServe v2 infer request body, parsed: the engine request and what the
+// caller wants the response to look like.
+struct KServeInfer {
+  InferRequest request;
+  std::string id;                                            // the request's "id", echoed
+  bool binary_default = false;                               // parameters.binary_data_output
+  std::vector<std::pair<std::string, bool>> binary_outputs;  // requested outputs: binary or not
+  // Whether output `name` is sent as binary data.
+  bool WantsBinary(const std::string& name) const;
+};
+
+// Parses an infer body (JSON, or JSON + binary tensors with
+// Inference-Header-Content-Length). Takes the request's body: binary inputs
+// are views into it, kept alive by the returned tensors. INVALID_ARGUMENT
+// names the model, the input and what was wrong.
+Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, HttpRequest& request);
+
+// Writes the KServe "outputs" array (the key must already be written) into
+// `w`; binary outputs are listed with binary_data_size and collected in
+// `binary_parts`, to be appended after the JSON by KServeBody.
+Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
+                          const KServeInfer& format, std::vector<const Tensor*>& binary_parts);
+
+// A response of `json` followed by the binary parts (with
+// Inference-Header-Content-Length when there are any).
+HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
+                        const std::vector<const Tensor*>& binary_parts);
+
+// {"error": message} with the status mapped by HttpStatusFor.
+HttpResponse ErrorResponse(const Status& status);
 
 // Triton's mapping: 400 invalid input, 404 unknown model, 503 unavailable or
 // queue full, 504 deadline exceeded, 500 everything else.

@@ -1,0 +1,393 @@
+#include "frontends/jobs/job_handler.h"
+
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <thread>
+#include <vector>
+
+#include "frontends/http/kserve_handler.h"
+
+namespace quern {
+
+using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
+
+namespace {
+
+int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// RFC 3339 UTC with milliseconds, e.g. 2026-11-22T10:15:03.042Z.
+std::string Rfc3339(int64_t ms) {
+  const std::time_t secs = static_cast<std::time_t>(ms / 1000);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[40];
+  const size_t n = std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%S", &tm);
+  std::snprintf(buf + n, sizeof(buf) - n, ".%03dZ", static_cast<int>(ms % 1000));
+  return buf;
+}
+
+std::vector<std::string_view> PathParts(std::string_view target) {
+  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
+  std::vector<std::string_view> parts;
+  size_t pos = 0;
+  while (pos < target.size()) {
+    if (target[pos] == '/') {
+      ++pos;
+      continue;
+    }
+    size_t end = target.find('/', pos);
+    if (end == std::string_view::npos) end = target.size();
+    parts.push_back(target.substr(pos, end - pos));
+    pos = end;
+  }
+  return parts;
+}
+
+std::string_view Query(std::string_view target) {
+  const auto q = target.find('?');
+  return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
+}
+
+// The value of `key` in a query string; nullopt when absent.
+std::optional<std::string_view> QueryValue(std::string_view query, std::string_view key) {
+  while (!query.empty()) {
+    const auto amp = query.find('&');
+    const std::string_view pair = query.substr(0, amp);
+    const auto eq = pair.find('=');
+    if (pair.substr(0, eq) == key) return eq == std::string_view::npos ? std::string_view() : pair.substr(eq + 1);
+    if (amp == std::string_view::npos) break;
+    query = query.substr(amp + 1);
+  }
+  return std::nullopt;
+}
+
+void String(Writer& w, std::string_view s) {
+  w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
+}
+
+HttpResponse JsonResponse(int status, const rapidjson::StringBuffer& buf) {
+  HttpResponse r;
+  r.status = status;
+  r.body.assign(buf.GetString(), buf.GetSize());
+  return r;
+}
+
+HttpResponse Conflict(const std::string& message) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("error");
+  String(w, message);
+  w.EndObject();
+  return JsonResponse(409, buf);
+}
+
+// An owned, compact copy: a response's outputs may view a whole batch's
+// buffer, which a stored result must not keep alive.
+Tensor OwnedCopy(const Tensor& t) {
+  Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
+  if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
+  return copy;
+}
+
+std::string CancelledMessage(const std::string& id) {
+  return "job '" + id + "' was cancelled (DELETE /v2/jobs/" + id + ")";
+}
+
+enum PendingState : int { kQueued = 0, kRunning = 1, kCancelRequested = 2 };
+
+}  // namespace
+
+struct JobHandler::Pending {
+  std::string id;
+  std::string model;
+  int64_t version = -1;
+  int64_t submitted_ms = 0;
+  std::atomic<int64_t> started_ms{0};
+  std::atomic<int64_t> cancelled_ms{0};
+  std::atomic<int> state{kQueued};
+  std::shared_ptr<CancellationToken> cancel = std::make_shared<CancellationToken>();
+  bool binary_default = false;
+  std::vector<std::pair<std::string, bool>> binary_outputs;
+  // Rejection inside InferAsync (bad input, unknown model, queue full)
+  // arrives on the submitting thread before InferAsync returns.
+  std::thread::id submitter;
+  std::atomic<bool> queued{false};
+  Status rejection;
+};
+
+std::string RenderJobPrometheus(const JobStats& s) {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, const std::string& samples) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + samples;
+  };
+  auto sample = [](const std::string& series, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
+    return series + buf;
+  };
+  metric("quern_jobs_submitted_total", "counter", "Asynchronous jobs accepted.",
+         sample("quern_jobs_submitted_total", static_cast<double>(s.submitted)));
+  metric("quern_jobs_rejected_total", "counter",
+         "Job submissions refused at once (bad input, unknown model, queue full).",
+         sample("quern_jobs_rejected_total", static_cast<double>(s.rejected)));
+  metric("quern_jobs_finished_total", "counter", "Jobs finished, by final status.",
+         sample("quern_jobs_finished_total{status=\"done\"}", static_cast<double>(s.done)) +
+             sample("quern_jobs_finished_total{status=\"failed\"}", static_cast<double>(s.failed)) +
+             sample("quern_jobs_finished_total{status=\"cancelled\"}", static_cast<double>(s.cancelled)));
+  metric("quern_jobs_pending", "gauge", "Jobs queued or running now.",
+         sample("quern_jobs_pending", static_cast<double>(s.pending)));
+  return out;
+}
+
+JobHandler::JobHandler(Engine* engine, ResultStore* store) : engine_(engine), store_(store) {}
+
+JobHandler::~JobHandler() = default;
+
+bool JobHandler::Handles(std::string_view target) {
+  const auto parts = PathParts(target);
+  if (parts.size() >= 2 && parts[0] == "v2" && parts[1] == "jobs") return true;
+  return parts.size() >= 4 && parts[0] == "v2" && parts[1] == "models" && parts.back() == "jobs";
+}
+
+JobStats JobHandler::stats() const {
+  JobStats s;
+  s.submitted = submitted_.load();
+  s.rejected = rejected_.load();
+  s.done = done_.load();
+  s.failed = failed_.load();
+  s.cancelled = cancelled_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  s.pending = static_cast<int64_t>(pending_.size());
+  return s;
+}
+
+void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
+  const auto parts = PathParts(req.target);
+  if (parts.size() == 3 && parts[1] == "jobs") {
+    const std::string id(parts[2]);
+    if (req.method == "GET" || req.method == "HEAD") return Get(id, Query(req.target), std::move(done));
+    if (req.method == "DELETE") return Cancel(id, std::move(done));
+    return done(ErrorResponse(
+        InvalidArgument("/v2/jobs/{id} takes GET (status and result) or DELETE (cancel), not " + req.method)));
+  }
+  if (parts.size() >= 4 && parts[1] == "models" && parts.back() == "jobs") {
+    if (req.method != "POST") return done(ErrorResponse(InvalidArgument("jobs are submitted with POST")));
+    const std::string model(parts[2]);
+    int64_t version = -1;
+    if (parts.size() == 6 && parts[3] == "versions") {
+      auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
+      if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) {
+        return done(ErrorResponse(InvalidArgument("model version '" + std::string(parts[4]) + "' is not a number")));
+      }
+    } else if (parts.size() != 4) {
+      return done(ErrorResponse(NotFound("no route for " + req.method + " " + req.target)));
+    }
+    return Submit(model, version, std::move(req), std::move(done));
+  }
+  done(ErrorResponse(NotFound("no route for " + req.method + " " + req.target)));
+}
+
+void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  auto parsed = ParseKServeInfer(model, version, req);
+  if (!parsed) {
+    rejected_.fetch_add(1);
+    return done(ErrorResponse(parsed.error()));
+  }
+  auto job = std::make_shared<Pending>();
+  job->submitted_ms = WallMs();
+  job->id = NewJobId(job->submitted_ms);
+  job->model = model;
+  job->version = version;
+  job->binary_default = parsed->binary_default;
+  job->binary_outputs = std::move(parsed->binary_outputs);
+  job->submitter = std::this_thread::get_id();
+
+  InferRequest ir = std::move(parsed->request);
+  ir.cancel = job->cancel;  // the job outlives the connection that submitted it
+  ir.on_start = [job] {
+    int queued = kQueued;
+    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(WallMs());
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.emplace(job->id, job);
+  }
+  engine_->InferAsync(std::move(ir), [this, job](InferResponse&& r) { Complete(job, std::move(r)); });
+  job->queued.store(true);
+  if (!job->rejection.ok()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.erase(job->id);
+    }
+    rejected_.fetch_add(1);
+    return done(ErrorResponse(job->rejection));
+  }
+  submitted_.fetch_add(1);
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, job->id);
+  w.Key("status");
+  w.String("queued");
+  w.EndObject();
+  HttpResponse resp = JsonResponse(202, buf);
+  resp.headers.emplace_back("Location", "/v2/jobs/" + job->id);
+  done(std::move(resp));
+}
+
+void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r) {
+  if (!job->queued.load() && std::this_thread::get_id() == job->submitter && !r.status.ok()) {
+    job->rejection = r.status;  // refused inside InferAsync: Submit answers it
+    return;
+  }
+  auto record = std::make_shared<JobRecord>();
+  record->id = job->id;
+  record->model = job->model;
+  record->version = r.version > 0 ? r.version : std::max<int64_t>(job->version, 0);
+  record->submitted_ms = job->submitted_ms;
+  record->started_ms = job->started_ms.load();
+  record->finished_ms = WallMs();
+  record->binary_default = job->binary_default;
+  record->binary_outputs = job->binary_outputs;
+  if (job->state.load() == kCancelRequested) {
+    record->state = JobState::kCancelled;
+    record->error = Cancelled(CancelledMessage(job->id));
+    record->finished_ms = job->cancelled_ms.load();
+  } else if (r.status.ok()) {
+    record->state = JobState::kDone;
+    record->outputs.reserve(r.outputs.size());
+    for (const auto& o : r.outputs) record->outputs.push_back({o.name, OwnedCopy(o.tensor)});
+  } else {
+    record->state = r.status.code() == StatusCode::kCancelled ? JobState::kCancelled : JobState::kFailed;
+    record->error = r.status;
+  }
+  const JobState state = record->state;
+  // Stored before it leaves the pending map, so a poll always finds it.
+  store_->Put({std::move(record)});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.erase(job->id);
+  }
+  (state == JobState::kDone ? done_ : state == JobState::kFailed ? failed_ : cancelled_).fetch_add(1);
+}
+
+void JobHandler::Get(const std::string& id, std::string_view query, HttpDone done) {
+  std::shared_ptr<Pending> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
+  }
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  auto timestamps = [&w](int64_t submitted, int64_t started, int64_t finished) {
+    for (auto [key, ms] :
+         {std::pair{"submitted", submitted}, std::pair{"started", started}, std::pair{"finished", finished}}) {
+      w.Key(key);
+      if (ms > 0) {
+        String(w, Rfc3339(ms));
+      } else {
+        w.Null();
+      }
+    }
+  };
+  if (pending) {
+    const int state = pending->state.load();
+    w.StartObject();
+    w.Key("job_id");
+    String(w, id);
+    w.Key("status");
+    w.String(state == kQueued ? "queued" : state == kRunning ? "running" : "cancelled");
+    w.Key("model_name");
+    String(w, pending->model);
+    timestamps(pending->submitted_ms, pending->started_ms.load(),
+               state == kCancelRequested ? pending->cancelled_ms.load() : 0);
+    if (state == kCancelRequested) {
+      w.Key("error");
+      String(w, CancelledMessage(id));
+    }
+    w.EndObject();
+    return done(JsonResponse(200, buf));
+  }
+  auto stored = store_->Get(id);
+  if (!stored) return done(ErrorResponse(stored.error()));
+  const JobRecord& rec = **stored;
+  KServeInfer format;
+  format.binary_default = rec.binary_default;
+  format.binary_outputs = rec.binary_outputs;
+  if (auto b = QueryValue(query, "binary_data_output")) {
+    format.binary_default = *b == "true" || *b == "1";
+    format.binary_outputs.clear();
+  }
+  w.StartObject();
+  w.Key("job_id");
+  String(w, rec.id);
+  w.Key("status");
+  String(w, JobStateName(rec.state));
+  w.Key("model_name");
+  String(w, rec.model);
+  w.Key("model_version");
+  String(w, std::to_string(rec.version));
+  timestamps(rec.submitted_ms, rec.started_ms, rec.finished_ms);
+  std::vector<const Tensor*> binary_parts;
+  if (rec.state == JobState::kDone) {
+    w.Key("result");
+    w.StartObject();
+    w.Key("model_name");
+    String(w, rec.model);
+    w.Key("model_version");
+    String(w, std::to_string(rec.version));
+    w.Key("outputs");
+    Status st = WriteKServeOutputs(w, rec.outputs, format, binary_parts);
+    if (!st.ok()) return done(ErrorResponse(st));
+    w.EndObject();
+  } else {
+    w.Key("error");
+    String(w, rec.error.message());
+  }
+  w.EndObject();
+  // The body views the stored record's tensors: copy them out now.
+  done(KServeBody(200, buf, binary_parts));
+}
+
+void JobHandler::Cancel(const std::string& id, HttpDone done) {
+  std::shared_ptr<Pending> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
+  }
+  if (!pending) {
+    auto stored = store_->Get(id);
+    if (!stored) return done(ErrorResponse(stored.error()));
+    return done(Conflict("job '" + id + "' has already finished (" + std::string(JobStateName((*stored)->state)) +
+                         "); only a queued job can be cancelled"));
+  }
+  int queued = kQueued;
+  if (!pending->state.compare_exchange_strong(queued, kCancelRequested)) {
+    if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));
+    return done(Conflict("job '" + id + "' is running; only a queued job can be cancelled"));
+  }
+  pending->cancelled_ms.store(WallMs());
+  pending->cancel->Cancel();
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, id);
+  w.Key("status");
+  w.String("cancelled");
+  w.EndObject();
+  done(JsonResponse(200, buf));
+}
+
+}  // namespace quern

@@ -1,0 +1,75 @@
+// Asynchronous jobs over HTTP: submit an inference now, collect its result
+// later.
+//
+//   POST   /v2/models/{m}[/versions/{v}]/jobs   body as for .../infer → 202 {"job_id", "status"}
+//   GET    /v2/jobs/{id}                        status, timestamps, and the result or the error
+//   DELETE /v2/jobs/{id}                        cancels a queued job
+//
+// A submitted job is validated and queued in the model's batcher at once: a
+// bad request or a full queue is answered with the same errors as infer
+// (400 / 404 / 503), never with a job id. A job is independent of the
+// connection that submitted it. Queued and running jobs live here; finished
+// ones (done, failed, cancelled) go to the ResultStore, which bounds how long
+// and how many are kept. GET answers the result in the KServe v2 response
+// format under "result", with binary outputs (the binary tensor extension)
+// when the submission asked for them or when the query says
+// ?binary_data_output=true.
+//
+// Thread safety: Handle may be called from any number of threads. The
+// engine must be drained (its callbacks delivered) before the handler is
+// destroyed; the store must outlive the handler.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "frontends/http/http_types.h"
+#include "quern/engine.h"
+#include "store/result_store.h"
+
+namespace quern {
+
+// Job counters, cumulative.
+struct JobStats {
+  uint64_t submitted = 0;  // accepted (got a job id)
+  uint64_t rejected = 0;   // refused at submission (bad input, unknown model, queue full)
+  uint64_t done = 0, failed = 0, cancelled = 0;
+  int64_t pending = 0;  // queued or running now
+};
+
+// Prometheus text for the job counters (quern_jobs_*).
+std::string RenderJobPrometheus(const JobStats& stats);
+
+class JobHandler {
+ public:
+  // `engine` and `store` must outlive the handler.
+  JobHandler(Engine* engine, ResultStore* store);
+  ~JobHandler();
+  JobHandler(const JobHandler&) = delete;
+  JobHandler& operator=(const JobHandler&) = delete;
+
+  // True for the paths this handler serves.
+  static bool Handles(std::string_view target);
+
+  void Handle(HttpRequest&& request, HttpDone done);
+
+  JobStats stats() const;
+
+ private:
+  struct Pending;
+  void Submit(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
+  void Get(const std::string& id, std::string_view query, HttpDone done);
+  void Cancel(const std::string& id, HttpDone done);
+  void Complete(const std::shared_ptr<Pending>& job, InferResponse&& response);
+
+  Engine* engine_;
+  ResultStore* store_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<Pending>> pending_;  // queued or running; guarded by mu_
+  std::atomic<uint64_t> submitted_{0}, rejected_{0}, done_{0}, failed_{0}, cancelled_{0};
+};
+
+}  // namespace quern

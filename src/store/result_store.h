@@ -1,0 +1,120 @@
+// Results of asynchronous jobs: what a job is, and where finished jobs are
+// kept until their owners fetch them.
+//
+// A ResultStore holds finished jobs (done, failed or cancelled) by id. Two
+// implementations: MemoryResultStore (embedded, the default: bounded by
+// bytes, oldest finished results evicted first, TTL) and, later, Redis.
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "quern/clock.h"
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern {
+
+enum class JobState { kQueued, kRunning, kDone, kFailed, kCancelled };
+std::string_view JobStateName(JobState state);
+
+// One job, as its owner sees it.
+struct JobRecord {
+  std::string id;
+  std::string model;
+  int64_t version = 0;  // the version that ran it (0 = not known yet)
+  JobState state = JobState::kQueued;
+  // Wall clock, milliseconds since the Unix epoch; 0 = not reached.
+  int64_t submitted_ms = 0, started_ms = 0, finished_ms = 0;
+  Status error;                      // kFailed and kCancelled: why
+  std::vector<NamedTensor> outputs;  // kDone: the results (owned)
+  // How the submitter wants the outputs back: names sent as binary data,
+  // or every output when binary_default (KServe's binary_data_output).
+  bool binary_default = false;
+  std::vector<std::pair<std::string, bool>> binary_outputs;
+
+  bool finished() const {
+    return state == JobState::kDone || state == JobState::kFailed || state == JobState::kCancelled;
+  }
+  // Bytes this record holds (outputs and strings), for store bounds.
+  size_t ByteSize() const;
+};
+
+// Job ids carry their submission time: 12 hex digits of milliseconds since
+// the epoch, '-', 16 random hex digits. A store can so tell an id that has
+// expired from one it never saw.
+std::string NewJobId(int64_t submitted_ms);
+// The submission time inside a job id; -1 when `id` is not a job id.
+int64_t JobIdSubmittedMs(std::string_view id);
+
+class ResultStore {
+ public:
+  virtual ~ResultStore() = default;
+
+  // Stores finished jobs; a record with an id already stored replaces it (a
+  // job processed twice keeps one result). A remote store writes the
+  // records of one call in one round trip.
+  virtual void Put(std::vector<std::shared_ptr<const JobRecord>> records) = 0;
+
+  // The finished job `id`. NOT_FOUND for an id never stored, and NOT_FOUND
+  // with a message saying so for one whose result expired or was evicted.
+  virtual Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) = 0;
+
+  // OK, or UNAVAILABLE saying why results cannot be stored durably now.
+  virtual Status Health() const = 0;
+};
+
+struct MemoryResultStoreOptions {
+  // Bytes of results kept; beyond it the oldest finished results are evicted.
+  size_t max_bytes = size_t{256} << 20;
+  // Seconds a finished result is kept; 0 = until evicted.
+  int64_t ttl_s = 3600;
+  // Ids of evicted results remembered (to say "evicted" rather than
+  // "unknown").
+  size_t max_tombstones = 65536;
+  // Time source for TTLs; null = the real clock.
+  const Clock* clock = nullptr;
+};
+
+// The embedded store: results in process memory, lost on restart.
+class MemoryResultStore final : public ResultStore {
+ public:
+  explicit MemoryResultStore(MemoryResultStoreOptions options = {});
+
+  void Put(std::vector<std::shared_ptr<const JobRecord>> records) override;
+  Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
+  Status Health() const override { return Status::Ok(); }
+
+  size_t bytes() const;
+  size_t size() const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<const JobRecord> record;
+    size_t bytes = 0;
+    int64_t expires_ns = 0;  // on options_.clock; 0 = never
+    uint64_t seq = 0;        // insertion number, to match the order queue
+  };
+  void EvictLocked(int64_t now_ns);
+  void ForgetLocked(const std::string& id, const char* why);
+
+  MemoryResultStoreOptions options_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, Entry> entries_;           // guarded by mu_
+  std::deque<std::pair<uint64_t, std::string>> order_;       // (seq, id), oldest first; guarded by mu_
+  std::unordered_map<std::string, const char*> tombstones_;  // id -> why it is gone; guarded by mu_
+  std::deque<std::string> tombstone_order_;                  // guarded by mu_
+  size_t bytes_ = 0;                                         // guarded by mu_
+  uint64_t next_seq_ = 1;                                    // guarded by mu_
+};
+
+}  // namespace quern
