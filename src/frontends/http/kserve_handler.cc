@@ -34,23 +34,6 @@ HttpResponse Error(const Status& st) {
   return Json(HttpStatusFor(st), buf);
 }
 
-std::vector<std::string_view> SplitPath(std::string_view target) {
-  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  std::vector<std::string_view> parts;
-  size_t pos = 0;
-  while (pos < target.size()) {
-    if (target[pos] == '/') {
-      ++pos;
-      continue;
-    }
-    size_t end = target.find('/', pos);
-    if (end == std::string_view::npos) end = target.size();
-    parts.push_back(target.substr(pos, end - pos));
-    pos = end;
-  }
-  return parts;
-}
-
 void WriteShape(Writer& w, const Shape& s) {
   w.StartArray();
   for (int64_t d : s) w.Int64(d);
@@ -351,6 +334,23 @@ HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_
 
 }  // namespace
 
+std::vector<std::string_view> SplitTargetPath(std::string_view target) {
+  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
+  std::vector<std::string_view> parts;
+  size_t pos = 0;
+  while (pos < target.size()) {
+    if (target[pos] == '/') {
+      ++pos;
+      continue;
+    }
+    size_t end = target.find('/', pos);
+    if (end == std::string_view::npos) end = target.size();
+    parts.push_back(target.substr(pos, end - pos));
+    pos = end;
+  }
+  return parts;
+}
+
 int HttpStatusFor(const Status& s) {
   switch (s.code()) {
     case StatusCode::kOk: return 200;
@@ -368,7 +368,7 @@ int HttpStatusFor(const Status& s) {
 }
 
 void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
-  const auto parts = SplitPath(req.target);
+  const auto parts = SplitTargetPath(req.target);
   const bool get = req.method == "GET" || req.method == "HEAD";
   auto empty = [](int status) {
     HttpResponse r;

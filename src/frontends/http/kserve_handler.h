@@ -46,6 +46,10 @@ Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const s
 HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
                         const std::vector<const Tensor*>& binary_parts);
 
+// The non-empty segments of a request target's path (the query dropped):
+// "/v2/models/m/infer?x=1" -> {"v2", "models", "m", "infer"}.
+std::vector<std::string_view> SplitTargetPath(std::string_view target);
+
 // {"error": message} with the status mapped by HttpStatusFor.
 HttpResponse ErrorResponse(const Status& status);
 

@@ -35,23 +35,6 @@ std::string Rfc3339(int64_t ms) {
   return buf;
 }
 
-std::vector<std::string_view> PathParts(std::string_view target) {
-  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  std::vector<std::string_view> parts;
-  size_t pos = 0;
-  while (pos < target.size()) {
-    if (target[pos] == '/') {
-      ++pos;
-      continue;
-    }
-    size_t end = target.find('/', pos);
-    if (end == std::string_view::npos) end = target.size();
-    parts.push_back(target.substr(pos, end - pos));
-    pos = end;
-  }
-  return parts;
-}
-
 std::string_view Query(std::string_view target) {
   const auto q = target.find('?');
   return q == std::string_view::npos ? std::string_view() : target.substr(q + 1);
@@ -154,7 +137,7 @@ JobHandler::JobHandler(Engine* engine, ResultStore* store) : engine_(engine), st
 JobHandler::~JobHandler() = default;
 
 bool JobHandler::Handles(std::string_view target) {
-  const auto parts = PathParts(target);
+  const auto parts = SplitTargetPath(target);
   if (parts.size() >= 2 && parts[0] == "v2" && parts[1] == "jobs") return true;
   return parts.size() >= 4 && parts[0] == "v2" && parts[1] == "models" && parts.back() == "jobs";
 }
@@ -172,7 +155,7 @@ JobStats JobHandler::stats() const {
 }
 
 void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
-  const auto parts = PathParts(req.target);
+  const auto parts = SplitTargetPath(req.target);
   if (parts.size() == 3 && parts[1] == "jobs") {
     const std::string id(parts[2]);
     if (req.method == "GET" || req.method == "HEAD") return Get(id, Query(req.target), std::move(done));
