@@ -67,8 +67,6 @@ struct InferRequest {
 struct Telemetry {
   int64_t batch_size = 0;  // items in the batch this request ran in (without padding)
   int64_t padded_batch_size = 0;
-  int64_t batch_requests = 0;  // requests in that batch
-  uint64_t batch_id = 0;       // the batch: shared by its requests, unique within the process
   int64_t queue_start_ns = 0;
   int64_t compute_start_ns = 0;
   int64_t compute_end_ns = 0;

@@ -1,7 +1,6 @@
 #include "engine/served_model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -395,8 +394,6 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   }
   const bool batched = config_.max_batch_size > 0;
   const int64_t padded = batched ? PaddedSize(items) : items;
-  static std::atomic<uint64_t> next_batch_id{1};
-  const uint64_t batch_id = next_batch_id.fetch_add(1, std::memory_order_relaxed);
   for (const auto& task : tasks) {
     if (task->request.on_start) task->request.on_start();
   }
@@ -496,8 +493,6 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     t.compute_end_ns = end;
     t.batch_size = items;
     t.padded_batch_size = padded;
-    t.batch_requests = static_cast<int64_t>(tasks.size());
-    t.batch_id = batch_id;
     tasks[k]->input_ns = gathered - start;
     tasks[k]->output_ns = split_end - end;
     Finish(std::move(tasks[k]), per_status[k], std::move(per_task[k]));

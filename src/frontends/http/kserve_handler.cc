@@ -450,7 +450,7 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   done(Error(NotFound("no route for " + req.method + " " + req.target)));
 }
 
-bool KServeInfer::WantsBinary(const std::string& name) const {
+bool KServeOutputFormat::WantsBinary(const std::string& name) const {
   for (const auto& [n, b] : binary_outputs) {
     if (n == name) return b;
   }
@@ -507,7 +507,7 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
       ir.timeout_us = p["timeout"].GetUint64();
     }
     if (p.HasMember("binary_data_output") && p["binary_data_output"].IsBool()) {
-      out.binary_default = p["binary_data_output"].GetBool();
+      out.format.binary_default = p["binary_data_output"].GetBool();
     }
   }
   if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
@@ -515,21 +515,21 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
       if (!o.IsObject() || !o.HasMember("name") || !o["name"].IsString()) {
         return Err(InvalidArgument("model '" + model + "': every requested output needs a string 'name'"));
       }
-      bool bin = out.binary_default;
+      bool bin = out.format.binary_default;
       if (o.HasMember("parameters") && o["parameters"].IsObject() && o["parameters"].HasMember("binary_data") &&
           o["parameters"]["binary_data"].IsBool()) {
         bin = o["parameters"]["binary_data"].GetBool();
       }
       ir.requested_outputs.emplace_back(o["name"].GetString());
-      out.binary_outputs.emplace_back(o["name"].GetString(), bin);
+      out.format.binary_outputs.emplace_back(o["name"].GetString(), bin);
     }
   }
-  if (doc.HasMember("id") && doc["id"].IsString()) out.id = doc["id"].GetString();
+  if (doc.HasMember("id") && doc["id"].IsString()) out.format.id = doc["id"].GetString();
   return out;
 }
 
 Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
-                          const KServeInfer& format, std::vector<const Tensor*>& binary_parts) {
+                          const KServeOutputFormat& format, std::vector<const Tensor*>& binary_parts) {
   w.StartArray();
   for (const auto& o : outputs) {
     w.StartObject();
@@ -577,9 +577,8 @@ HttpResponse ErrorResponse(const Status& status) {
 void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
   auto parsed = ParseKServeInfer(model, version, req);
   if (!parsed) return done(Error(parsed.error()));
-  InferRequest ir = std::move(parsed->request);
-  auto format = std::make_shared<KServeInfer>(std::move(*parsed));
-  engine_->InferAsync(std::move(ir), [done = std::move(done), format](InferResponse&& r) {
+  auto format = std::make_shared<KServeOutputFormat>(std::move(parsed->format));
+  engine_->InferAsync(std::move(parsed->request), [done = std::move(done), format](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
     rapidjson::StringBuffer buf;
     Writer w(buf);

@@ -18,15 +18,19 @@
 
 namespace quern {
 
-// A KServe v2 infer request body, parsed: the engine request and what the
-// caller wants the response to look like.
-struct KServeInfer {
-  InferRequest request;
+// What a KServe v2 caller wants its response to look like.
+struct KServeOutputFormat {
   std::string id;                                            // the request's "id", echoed
   bool binary_default = false;                               // parameters.binary_data_output
   std::vector<std::pair<std::string, bool>> binary_outputs;  // requested outputs: binary or not
   // Whether output `name` is sent as binary data.
   bool WantsBinary(const std::string& name) const;
+};
+
+// A KServe v2 infer request body, parsed.
+struct KServeInfer {
+  InferRequest request;
+  KServeOutputFormat format;
 };
 
 // Parses an infer body (JSON, or JSON + binary tensors with
@@ -39,7 +43,7 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
 // `w`; binary outputs are listed with binary_data_size and collected in
 // `binary_parts`, to be appended after the JSON by KServeBody.
 Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
-                          const KServeInfer& format, std::vector<const Tensor*>& binary_parts);
+                          const KServeOutputFormat& format, std::vector<const Tensor*>& binary_parts);
 
 // A response of `json` followed by the binary parts (with
 // Inference-Header-Content-Length when there are any).

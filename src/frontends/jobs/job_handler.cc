@@ -192,8 +192,8 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   job->id = NewJobId(job->submitted_ms);
   job->model = model;
   job->version = version;
-  job->binary_default = parsed->binary_default;
-  job->binary_outputs = std::move(parsed->binary_outputs);
+  job->binary_default = parsed->format.binary_default;
+  job->binary_outputs = std::move(parsed->format.binary_outputs);
   job->submitter = std::this_thread::get_id();
 
   InferRequest ir = std::move(parsed->request);
@@ -306,7 +306,7 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
   auto stored = store_->Get(id);
   if (!stored) return done(ErrorResponse(stored.error()));
   const JobRecord& rec = **stored;
-  KServeInfer format;
+  KServeOutputFormat format;
   format.binary_default = rec.binary_default;
   format.binary_outputs = rec.binary_outputs;
   if (auto b = QueryValue(query, "binary_data_output")) {

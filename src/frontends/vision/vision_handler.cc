@@ -623,7 +623,7 @@ void VisionHandler::WriteCpaiMeta(Writer& w, const Job& job) const {
 void VisionHandler::Respond(const std::shared_ptr<Job>& job, HttpResponse response) {
   const int64_t now = SteadyNs();
   HttpDone done = std::move(job->done);
-  if (job->post_start_ns > 0 && response.status == 200) {
+  if (job->post_start_ns > 0) {  // answered by Finish (Fail clears it)
     const int64_t post_ns = now - job->post_start_ns;
     char timing[160];
     std::snprintf(timing, sizeof(timing),
