@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <random>
 #include <thread>
@@ -17,9 +18,11 @@
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
 #include "frontends/jobs/job_handler.h"
+#include "frontends/jobs/stream_consumer.h"
 #include "frontends/vision/vision_handler.h"
 #include "metrics/prometheus.h"
 #include "quern/engine.h"
+#include "store/redis_store.h"
 #include "store/result_store.h"
 
 namespace {
@@ -210,6 +213,31 @@ int main(int argc, char** argv) {
                     "Seconds a finished job's result is kept (0 = until evicted)");
   serve->add_option("--job-store-max-bytes", store_opts.max_bytes,
                     "Bytes of finished job results kept in memory; the oldest are evicted beyond it");
+  std::string redis_url;
+  quern::RedisOptions redis_opts;
+  serve->add_option("--redis-url", redis_url,
+                    "Keep job results in Redis: redis://[[user]:password@]host[:port][/db], rediss:// for TLS "
+                    "(the password may instead come from QUERN_REDIS_PASSWORD)");
+  serve->add_option("--redis-tls-ca-file", redis_opts.tls_ca_file,
+                    "CA certificates for rediss:// (default: the system's)");
+  serve->add_option("--redis-tls-cert-file", redis_opts.tls_cert_file, "Client certificate for rediss://");
+  serve->add_option("--redis-tls-key-file", redis_opts.tls_key_file, "Client key for rediss://");
+  serve->add_flag("--redis-tls-skip-verify", redis_opts.tls_skip_verify,
+                  "Do not check the Redis server's certificate (testing only)");
+  bool consume = false;
+  quern::StreamConsumerOptions consume_opts;
+  serve->add_flag("--consume", consume,
+                  "Take jobs from the Redis streams quern:jobs:{model} (XREADGROUP, group quern); needs --redis-url");
+  serve->add_option("--consume-models", consume_opts.models, "Models whose streams to take jobs from (default: all)")
+      ->delimiter(',');
+  serve->add_option("--consumer-name", consume_opts.consumer,
+                    "This instance's name in the consumer group (default: host-pid)");
+  serve->add_option("--consume-claim-idle-ms", consume_opts.claim_idle_ms,
+                    "Take over jobs another consumer left unacknowledged this long (it died)");
+  serve->add_option("--consume-max-deliveries", consume_opts.max_deliveries,
+                    "Deliveries of a failing job before it moves to quern:dead:{model}");
+  serve->add_option("--consume-max-inflight", consume_opts.max_inflight,
+                    "Jobs taken from the streams and not yet finished (0 = 2 x batch size x instances)");
   quern::HttpServerOptions metrics_opts;
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
@@ -251,8 +279,42 @@ int main(int argc, char** argv) {
   quern::KServeHandler handler(engine->get());
   vision_opts.model_repository = repo;
   quern::VisionHandler vision(engine->get(), vision_opts);
-  quern::MemoryResultStore store(store_opts);
-  quern::JobHandler jobs(engine->get(), &store);
+  std::unique_ptr<quern::ResultStore> store;
+  quern::RedisResultStore* redis_store = nullptr;
+  if (!redis_url.empty()) {
+    quern::RedisResultStoreOptions o;
+    o.redis = redis_opts;
+    if (auto s = quern::ParseRedisUrl(redis_url, o.redis); !s.ok()) {
+      std::fprintf(stderr, "quern: %s\n", s.message().c_str());
+      return 2;
+    }
+    if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && o.redis.password.empty()) {
+      o.redis.password = pw;
+    }
+    o.ttl_s = store_opts.ttl_s;
+    o.max_backlog_bytes = store_opts.max_bytes;
+    auto rs = std::make_unique<quern::RedisResultStore>(o);
+    redis_store = rs.get();
+    store = std::move(rs);
+    handler.set_ready_check([redis_store] { return redis_store->Health(); });
+  } else {
+    store = std::make_unique<quern::MemoryResultStore>(store_opts);
+  }
+  quern::JobHandler jobs(engine->get(), store.get());
+  std::unique_ptr<quern::StreamConsumer> consumer;
+  if (consume) {
+    if (redis_store == nullptr) {
+      std::fprintf(stderr, "quern: --consume takes jobs from Redis streams: give --redis-url too\n");
+      return 2;
+    }
+    consume_opts.redis = redis_store->options().redis;
+    auto started = quern::StreamConsumer::Start(consume_opts, engine->get(), redis_store);
+    if (!started) {
+      std::fprintf(stderr, "quern: %s\n", started.error().ToString().c_str());
+      return 2;
+    }
+    consumer = std::move(*started);
+  }
   auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
     if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
     if (quern::JobHandler::Handles(r.target)) return jobs.Handle(std::move(r), std::move(done));
@@ -292,7 +354,7 @@ int main(int argc, char** argv) {
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
   auto metrics = quern::HttpServer::Start(
-      metrics_opts, [engine_ptr, &vision, &jobs](quern::HttpRequest&& r, quern::HttpDone done) {
+      metrics_opts, [engine_ptr, &vision, &jobs, redis_store, &consumer](quern::HttpRequest&& r, quern::HttpDone done) {
         quern::HttpResponse resp;
         if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
           resp.status = 404;
@@ -302,6 +364,8 @@ int main(int argc, char** argv) {
         resp.content_type = "text/plain; version=0.0.4";
         resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision.stats()) +
                     quern::RenderJobPrometheus(jobs.stats());
+        if (redis_store) resp.body += quern::RenderRedisStorePrometheus(redis_store->stats());
+        if (consumer) resp.body += quern::RenderStreamPrometheus(consumer->stats());
         done(std::move(resp));
       });
   if (!metrics) {
@@ -315,6 +379,10 @@ int main(int argc, char** argv) {
   if (*vision_server)
     std::printf("quern: vision listening on %s:%d\n", http_opts.host.c_str(), (*vision_server)->port());
   std::printf("quern: metrics listening on %s:%d\n", metrics_opts.host.c_str(), (*metrics)->port());
+  if (consumer) {
+    std::printf("quern: taking jobs from redis at %s as consumer %s\n", redis_store->options().redis.Address().c_str(),
+                consumer->consumer_name().c_str());
+  }
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -323,7 +391,8 @@ int main(int argc, char** argv) {
   (*server)->Stop();  // no new requests reach the engine
   if (*vision_server) (*vision_server)->Stop();
   if (grpc) grpc->Stop();
-  engine->reset();  // drains the queues; late responses are dropped with their connections
+  if (consumer) consumer->Stop();  // takes no more jobs; those in flight finish below
+  engine->reset();                 // drains the queues; late responses are dropped with their connections
   server->reset();
   return 0;
 }

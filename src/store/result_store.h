@@ -71,6 +71,10 @@ class ResultStore {
 
   // OK, or UNAVAILABLE saying why results cannot be stored durably now.
   virtual Status Health() const = 0;
+
+  // OK, or UNAVAILABLE when the store cannot take more results now (new
+  // jobs are then refused rather than finished results dropped).
+  virtual Status CanAccept() const { return Status::Ok(); }
 };
 
 struct MemoryResultStoreOptions {

@@ -381,7 +381,11 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   if (parts.size() == 3 && parts[1] == "health" && get) {
     if (parts[2] == "live") return done(empty(200));
     if (parts[2] == "ready") {
-      return done(empty(engine_->AllModelsReady() ? 200 : 503));
+      if (!engine_->AllModelsReady()) return done(empty(503));
+      if (ready_check_) {
+        if (Status s = ready_check_(); !s.ok()) return done(Error(Unavailable("not ready: " + s.message())));
+      }
+      return done(empty(200));
     }
   }
   if (parts.size() == 2 && parts[1] == "repository") return done(Error(NotFound("no route for " + req.target)));

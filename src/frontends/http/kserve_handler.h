@@ -9,6 +9,7 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,12 +69,17 @@ class KServeHandler {
 
   void Handle(HttpRequest&& request, HttpDone done);
 
+  // An extra condition for /v2/health/ready (e.g. the job result store is
+  // reachable): not OK answers 503 with its message. Set before serving.
+  void set_ready_check(std::function<Status()> check) { ready_check_ = std::move(check); }
+
  private:
   // POST .../infer: JSON tensors and the binary tensor data extension
   // (Inference-Header-Content-Length); binary inputs are used without copying.
   void Infer(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
 
   Engine* engine_;
+  std::function<Status()> ready_check_;
 };
 
 }  // namespace quern

@@ -182,6 +182,10 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
 }
 
 void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  if (Status s = store_->CanAccept(); !s.ok()) {
+    rejected_.fetch_add(1);
+    return done(ErrorResponse(s));
+  }
   auto parsed = ParseKServeInfer(model, version, req);
   if (!parsed) {
     rejected_.fetch_add(1);

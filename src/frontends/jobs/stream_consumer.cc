@@ -1,0 +1,575 @@
+#include "frontends/jobs/stream_consumer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+#include <utility>
+
+#include "frontends/http/kserve_handler.h"
+
+namespace quern {
+
+namespace {
+
+int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t ParseInt64(std::string_view s, int64_t fallback) {
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  return ec == std::errc() && p == s.data() + s.size() ? v : fallback;
+}
+
+// Errors that the same request would get again: no point retrying.
+bool Deterministic(StatusCode code) {
+  switch (code) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kUnimplemented:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kAlreadyExists:
+    case StatusCode::kDeadlineExceeded: return true;
+    default: return false;
+  }
+}
+
+Tensor OwnedCopy(const Tensor& t) {
+  Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
+  if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
+  return copy;
+}
+
+std::string DefaultConsumerName() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "quern");
+  return std::string(host) + "-" + std::to_string(getpid());
+}
+
+}  // namespace
+
+class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  struct Model {
+    std::string name, stream, dead;
+    int count = 1;  // entries per read (its batch size)
+    std::string claim_cursor = "0-0";
+    int64_t length = -1, pending = -1;  // guarded by mu_
+  };
+
+  // One stream entry taken by this consumer.
+  struct Entry {
+    size_t model = 0;
+    std::string entry_id;
+    std::vector<std::pair<std::string, std::string>> fields;
+    int64_t deliveries = 1;
+    std::string_view Field(std::string_view name) const {
+      for (const auto& [k, v] : fields) {
+        if (k == name) return v;
+      }
+      return {};
+    }
+  };
+  enum class Kind { kDone, kFailed, kDead, kRetry };
+  struct Outcome {
+    Kind kind = Kind::kRetry;
+    std::shared_ptr<JobRecord> record;
+  };
+  // Entries read together, finished together: their results and XACKs go
+  // to Redis in one MULTI/EXEC.
+  struct Group {
+    std::vector<Entry> entries;
+    std::vector<Outcome> outcomes;
+    std::atomic<size_t> remaining{0};
+  };
+
+  Impl(StreamConsumerOptions options, Engine* engine, RedisResultStore* store)
+      : options_(std::move(options)), engine_(engine), store_(store) {}
+
+  Status Init() {
+    if (options_.consumer.empty()) options_.consumer = DefaultConsumerName();
+    const auto all = engine_->ListModels();
+    std::vector<std::string> names = options_.models;
+    if (names.empty()) {
+      for (const auto& m : all) {
+        if (m.state == ModelState::kReady && std::find(names.begin(), names.end(), m.name) == names.end()) {
+          names.push_back(m.name);
+        }
+      }
+    }
+    if (names.empty()) return InvalidArgument("--consume: no ready model to take jobs for");
+    int auto_inflight = 0;
+    for (const auto& name : names) {
+      const ModelStatus* found = nullptr;
+      for (const auto& m : all) {
+        if (m.name == name && (found == nullptr || m.version > found->version)) found = &m;
+      }
+      if (found == nullptr) return NotFound("--consume: no model '" + name + "' in the repository");
+      Model m;
+      m.name = name;
+      m.stream = options_.stream_prefix + name;
+      m.dead = options_.dead_prefix + name;
+      m.count = std::max(1, found->config.max_batch_size);
+      auto_inflight += m.count * std::max(1, found->config.instance_count);
+      models_.push_back(std::move(m));
+    }
+    if (options_.max_inflight <= 0) options_.max_inflight = std::max(2, 2 * auto_inflight);
+    if (options_.max_deliveries < 1) options_.max_deliveries = 1;
+    return Status::Ok();
+  }
+
+  void Run() {
+    reader_ = std::thread([self = shared_from_this()] { self->Loop(); });
+  }
+
+  void Stop() {
+    stop_.store(true);
+    cv_.notify_all();
+    if (reader_.joinable()) reader_.join();
+  }
+
+  StreamConsumerStats stats() const {
+    StreamConsumerStats s;
+    s.taken = taken_.load();
+    s.reclaimed = reclaimed_.load();
+    s.done = done_.load();
+    s.failed = failed_.load();
+    s.dead = dead_.load();
+    s.retried = retried_.load();
+    s.connected = connected_.load();
+    std::lock_guard<std::mutex> lock(mu_);
+    s.inflight = inflight_;
+    for (const auto& m : models_) s.streams.push_back({m.name, m.length, m.pending});
+    return s;
+  }
+
+  const std::string& name() const { return options_.consumer; }
+
+ private:
+  void Loop() {
+    auto backoff = std::chrono::milliseconds(50);
+    auto next_claim = std::chrono::steady_clock::now();
+    auto next_stats = next_claim;
+    const auto claim_every = std::chrono::milliseconds(std::clamp<int64_t>(options_.claim_idle_ms / 4, 50, 5000));
+    while (!stop_.load()) {
+      if (!conn_ || conn_->broken()) {
+        connected_.store(false);
+        Status s = Connect();
+        if (!s.ok()) {
+          if (s.message() != last_error_) {
+            std::fprintf(stderr, "quern: job streams: %s (retrying)\n", s.message().c_str());
+            last_error_ = s.message();
+          }
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait_for(lock, backoff, [&] { return stop_.load(); });
+          backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+          continue;
+        }
+        last_error_.clear();
+        backoff = std::chrono::milliseconds(50);
+        connected_.store(true);
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= next_stats) {
+        UpdateStreamStats();
+        next_stats = now + std::chrono::seconds(1);
+      }
+      if (now >= next_claim) {
+        Reclaim();
+        next_claim = std::chrono::steady_clock::now() + claim_every;
+      }
+      int slots = 0;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, std::chrono::milliseconds(200),
+                     [&] { return stop_.load() || inflight_ < options_.max_inflight; });
+        slots = options_.max_inflight - inflight_;
+      }
+      if (stop_.load() || slots <= 0) continue;
+      const auto until_claim =
+          std::chrono::duration_cast<std::chrono::milliseconds>(next_claim - std::chrono::steady_clock::now());
+      const int64_t block = std::clamp<int64_t>(until_claim.count(), 1, options_.block_ms);
+      Read(slots, block);
+    }
+  }
+
+  Status Connect() {
+    conn_.reset();
+    auto c = RedisConnection::Connect(options_.redis);
+    if (!c) return c.error();
+    conn_ = std::move(*c);
+    return CreateGroups();
+  }
+
+  Status CreateGroups() {
+    RedisPipeline p;
+    for (const auto& m : models_) p.Add({"XGROUP", "CREATE", m.stream, options_.group, "0", "MKSTREAM"});
+    auto r = conn_->Execute(p);
+    if (!r) return r.error();
+    for (const auto& reply : *r) {
+      if (reply.is_error() && !reply.str.starts_with("BUSYGROUP")) {
+        return Internal("redis XGROUP CREATE: " + reply.str);
+      }
+    }
+    return Status::Ok();
+  }
+
+  static bool ParseEntry(const RedisReply& e, Entry& out) {
+    if (!e.is_array() || e.elements.size() != 2 || !e.elements[0].is_string() || !e.elements[1].is_array()) {
+      return false;
+    }
+    out.entry_id = e.elements[0].str;
+    const auto& f = e.elements[1].elements;
+    for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(f[i].str, f[i + 1].str);
+    return true;
+  }
+
+  void Read(int slots, int64_t block_ms) {
+    int count = 1;
+    for (const auto& m : models_) count = std::max(count, m.count);
+    count = std::min(count, slots);
+    std::vector<std::string_view> args{"XREADGROUP", "GROUP", options_.group, options_.consumer, "COUNT"};
+    const std::string count_s = std::to_string(count), block_s = std::to_string(block_ms);
+    args.insert(args.end(), {count_s, "BLOCK", block_s, "STREAMS"});
+    for (const auto& m : models_) args.push_back(m.stream);
+    for (size_t i = 0; i < models_.size(); ++i) args.push_back(">");
+    RedisPipeline p;
+    p.Add(args);
+    auto r = conn_->Execute(p, std::chrono::milliseconds(block_ms));
+    if (!r) return;  // the connection is broken: the loop reconnects
+    const RedisReply& reply = r->front();
+    if (reply.is_error()) {
+      if (reply.str.starts_with("NOGROUP")) {
+        (void)CreateGroups();  // a stream was deleted: make it again
+      } else {
+        std::fprintf(stderr, "quern: job streams: XREADGROUP: %s\n", reply.str.c_str());
+      }
+      return;
+    }
+    if (!reply.is_array()) return;  // timed out, nothing new
+    auto group = std::make_shared<Group>();
+    for (const auto& stream : reply.elements) {
+      if (!stream.is_array() || stream.elements.size() != 2) continue;
+      const size_t model = ModelOf(stream.elements[0].str);
+      if (model == models_.size()) continue;
+      for (const auto& e : stream.elements[1].elements) {
+        Entry entry;
+        entry.model = model;
+        if (ParseEntry(e, entry)) group->entries.push_back(std::move(entry));
+      }
+    }
+    Dispatch(group, false);
+  }
+
+  // Takes over entries idle for claim_idle_ms (their consumer died, or a
+  // transient failure left them pending), with their delivery counts.
+  void Reclaim() {
+    int slots;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slots = options_.max_inflight - inflight_;
+    }
+    if (slots <= 0) return;
+    const std::string idle = std::to_string(options_.claim_idle_ms);
+    const std::string count = std::to_string(slots);
+    RedisPipeline p;
+    for (const auto& m : models_) {
+      p.Add({"XAUTOCLAIM", m.stream, options_.group, options_.consumer, idle, m.claim_cursor, "COUNT", count});
+    }
+    auto r = conn_->Execute(p);
+    if (!r) return;
+    auto group = std::make_shared<Group>();
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const RedisReply& reply = (*r)[i];
+      if (reply.is_error()) {
+        if (reply.str.starts_with("NOGROUP")) (void)CreateGroups();
+        continue;
+      }
+      if (!reply.is_array() || reply.elements.size() < 2) continue;
+      models_[i].claim_cursor = reply.elements[0].is_string() ? reply.elements[0].str : "0-0";
+      for (const auto& e : reply.elements[1].elements) {
+        Entry entry;
+        entry.model = i;
+        if (!ParseEntry(e, entry)) continue;  // deleted from the stream meanwhile
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (mine_.contains(models_[i].stream + " " + entry.entry_id)) continue;  // still running here
+        }
+        group->entries.push_back(std::move(entry));
+      }
+    }
+    if (group->entries.empty()) return;
+    RedisPipeline q;
+    for (const auto& e : group->entries) {
+      q.Add({"XPENDING", models_[e.model].stream, options_.group, e.entry_id, e.entry_id, "1"});
+    }
+    auto counts = conn_->Execute(q);
+    if (!counts) return;  // not dispatched: they will be claimed again
+    for (size_t i = 0; i < group->entries.size(); ++i) {
+      const RedisReply& c = (*counts)[i];
+      if (c.is_array() && !c.elements.empty() && c.elements[0].is_array() && c.elements[0].elements.size() == 4) {
+        group->entries[i].deliveries = std::max<int64_t>(1, c.elements[0].elements[3].integer);
+      }
+    }
+    reclaimed_.fetch_add(group->entries.size());
+    Dispatch(group, true);
+  }
+
+  void UpdateStreamStats() {
+    RedisPipeline p;
+    for (const auto& m : models_) {
+      p.Add({"XLEN", m.stream});
+      p.Add({"XPENDING", m.stream, options_.group});
+    }
+    auto r = conn_->Execute(p);
+    if (!r) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const RedisReply& len = (*r)[2 * i];
+      const RedisReply& pend = (*r)[2 * i + 1];
+      if (len.type == RedisReply::Type::kInteger) models_[i].length = len.integer;
+      if (pend.is_array() && !pend.elements.empty() && pend.elements[0].type == RedisReply::Type::kInteger) {
+        models_[i].pending = pend.elements[0].integer;
+      }
+    }
+  }
+
+  size_t ModelOf(const std::string& stream) const {
+    for (size_t i = 0; i < models_.size(); ++i) {
+      if (models_[i].stream == stream) return i;
+    }
+    return models_.size();
+  }
+
+  void Dispatch(const std::shared_ptr<Group>& group, bool reclaimed) {
+    (void)reclaimed;
+    const size_t n = group->entries.size();
+    if (n == 0) return;
+    taken_.fetch_add(n);
+    group->outcomes.resize(n);
+    group->remaining.store(n);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_ += static_cast<int>(n);
+      for (const auto& e : group->entries) mine_.insert(models_[e.model].stream + " " + e.entry_id);
+    }
+    for (size_t i = 0; i < n; ++i) Submit(group, i);
+  }
+
+  std::shared_ptr<JobRecord> NewRecord(const Entry& e) const {
+    auto rec = std::make_shared<JobRecord>();
+    const std::string_view id = e.Field("id");
+    rec->id = id.empty() ? e.entry_id : std::string(id);
+    rec->model = models_[e.model].name;
+    rec->submitted_ms = ParseInt64(std::string_view(e.entry_id).substr(0, e.entry_id.find('-')), 0);
+    return rec;
+  }
+
+  void Submit(const std::shared_ptr<Group>& group, size_t i) {
+    const Entry& e = group->entries[i];
+    auto rec = NewRecord(e);
+    auto fail = [&](Status s) {
+      rec->state = JobState::kFailed;
+      rec->error = s;
+      rec->finished_ms = WallMs();
+      Finish(group, i, std::move(rec), std::move(s));
+    };
+    const std::string_view body = e.Field("body");
+    if (body.empty()) {
+      return fail(InvalidArgument("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
+                                  " has no 'body' field (the KServe v2 infer request)"));
+    }
+    int64_t deadline_ms = 0;
+    if (auto d = e.Field("deadline_ms"); !d.empty()) {
+      deadline_ms = ParseInt64(d, -1);
+      if (deadline_ms < 0) {
+        return fail(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d) +
+                                    "' is not a Unix time in milliseconds"));
+      }
+      if (deadline_ms <= WallMs()) {
+        return fail(DeadlineExceeded("job '" + rec->id + "' reached its deadline before it could run"));
+      }
+    }
+    HttpRequest req;
+    req.method = "POST";
+    req.body.assign(body);
+    if (auto h = e.Field("header_length"); !h.empty()) {
+      req.headers.emplace_back("inference-header-content-length", std::string(h));
+    }
+    auto parsed = ParseKServeInfer(models_[e.model].name, -1, req);
+    if (!parsed) return fail(parsed.error());
+    rec->binary_default = parsed->format.binary_default;
+    rec->binary_outputs = std::move(parsed->format.binary_outputs);
+    InferRequest ir = std::move(parsed->request);
+    if (deadline_ms > 0) {
+      ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - WallMs()) * 1'000'000;
+    }
+    auto started = std::make_shared<std::atomic<int64_t>>(0);
+    ir.on_start = [started] { started->store(WallMs()); };
+    engine_->InferAsync(std::move(ir), [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
+      rec->started_ms = started->load();
+      rec->finished_ms = WallMs();
+      rec->version = r.version;
+      if (r.status.ok()) {
+        rec->state = JobState::kDone;
+        rec->outputs.reserve(r.outputs.size());
+        for (const auto& o : r.outputs) rec->outputs.push_back({o.name, OwnedCopy(o.tensor)});
+      } else {
+        rec->state = JobState::kFailed;
+        rec->error = r.status;
+      }
+      Status status = r.status;
+      self->Finish(group, i, rec, std::move(status));
+    });
+  }
+
+  void Finish(const std::shared_ptr<Group>& group, size_t i, std::shared_ptr<JobRecord> rec, Status status) {
+    Outcome& out = group->outcomes[i];
+    const Entry& e = group->entries[i];
+    if (status.ok()) {
+      out.kind = Kind::kDone;
+    } else if (status.code() == StatusCode::kDeadlineExceeded) {
+      out.kind = Kind::kFailed;
+    } else if (Deterministic(status.code()) || e.deliveries >= options_.max_deliveries) {
+      out.kind = Kind::kDead;
+    } else {
+      out.kind = Kind::kRetry;
+    }
+    out.record = std::move(rec);
+    if (group->remaining.fetch_sub(1) == 1) Complete(group);
+  }
+
+  // All entries of a group finished: store results, dead letters and
+  // acknowledgements in one transaction.
+  void Complete(const std::shared_ptr<Group>& group) {
+    std::vector<std::shared_ptr<const JobRecord>> records;
+    RedisPipeline extra;
+    std::vector<std::string> settled;  // mine_ keys of entries acknowledged by this write
+    size_t retry = 0;
+    for (size_t i = 0; i < group->entries.size(); ++i) {
+      const Entry& e = group->entries[i];
+      const Outcome& out = group->outcomes[i];
+      const Model& m = models_[e.model];
+      if (out.kind == Kind::kRetry) {
+        ++retry;
+        retried_.fetch_add(1);
+        std::fprintf(stderr, "quern: job '%s' (%s, delivery %lld of %d) failed, will be retried: %s\n",
+                     out.record->id.c_str(), m.stream.c_str(), static_cast<long long>(e.deliveries),
+                     options_.max_deliveries, out.record->error.message().c_str());
+        std::lock_guard<std::mutex> lock(mu_);
+        mine_.erase(m.stream + " " + e.entry_id);
+        continue;
+      }
+      if (out.kind == Kind::kDead) {
+        const std::string deliveries = std::to_string(e.deliveries);
+        extra.Add({"XADD", m.dead, "*", "id", out.record->id, "entry", e.entry_id, "error", out.record->error.message(),
+                   "code", StatusCodeName(out.record->error.code()), "deliveries", deliveries, "consumer",
+                   options_.consumer, "body", e.Field("body"), "header_length", e.Field("header_length")});
+        dead_.fetch_add(1);
+      }
+      extra.Add({"XACK", m.stream, options_.group, e.entry_id});
+      (out.kind == Kind::kDone ? done_ : failed_).fetch_add(1);
+      settled.push_back(m.stream + " " + e.entry_id);
+      records.push_back(out.record);
+    }
+    if (retry > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_ -= static_cast<int>(retry);
+    }
+    cv_.notify_all();
+    if (records.empty()) return;
+    const int n = static_cast<int>(records.size());
+    store_->Put(std::move(records), std::move(extra), [self = shared_from_this(), n, settled = std::move(settled)] {
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->inflight_ -= n;
+        for (const auto& k : settled) self->mine_.erase(k);
+      }
+      self->cv_.notify_all();
+    });
+  }
+
+  StreamConsumerOptions options_;
+  Engine* engine_;
+  RedisResultStore* store_;
+  std::vector<Model> models_;              // fixed after Init; length/pending guarded by mu_
+  std::unique_ptr<RedisConnection> conn_;  // reader thread only
+  std::string last_error_;                 // reader thread only
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int inflight_ = 0;                      // guarded by mu_
+  std::unordered_set<std::string> mine_;  // "stream entry-id" in flight here; guarded by mu_
+  std::atomic<bool> stop_{false}, connected_{false};
+  std::atomic<uint64_t> taken_{0}, reclaimed_{0}, done_{0}, failed_{0}, dead_{0}, retried_{0};
+  std::thread reader_;
+};
+
+StreamConsumer::StreamConsumer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+StreamConsumer::~StreamConsumer() {
+  Stop();
+}
+
+Result<std::unique_ptr<StreamConsumer>> StreamConsumer::Start(StreamConsumerOptions options, Engine* engine,
+                                                              RedisResultStore* store) {
+  auto impl = std::make_shared<Impl>(std::move(options), engine, store);
+  if (Status s = impl->Init(); !s.ok()) return Err(s);
+  impl->Run();
+  return std::unique_ptr<StreamConsumer>(new StreamConsumer(std::move(impl)));
+}
+
+void StreamConsumer::Stop() {
+  impl_->Stop();
+}
+
+StreamConsumerStats StreamConsumer::stats() const {
+  return impl_->stats();
+}
+
+const std::string& StreamConsumer::consumer_name() const {
+  return impl_->name();
+}
+
+std::string RenderStreamPrometheus(const StreamConsumerStats& s) {
+  std::string out;
+  auto head = [&](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  auto sample = [&](const std::string& series, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
+    out += series + buf;
+  };
+  head("quern_stream_entries_total", "counter",
+       "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead (dead-lettered), "
+       "retried (left pending after a transient failure).");
+  for (auto [k, v] : {std::pair{"taken", s.taken}, std::pair{"reclaimed", s.reclaimed}, std::pair{"done", s.done},
+                      std::pair{"failed", s.failed}, std::pair{"dead", s.dead}, std::pair{"retried", s.retried}}) {
+    sample(std::string("quern_stream_entries_total{outcome=\"") + k + "\"}", static_cast<double>(v));
+  }
+  head("quern_stream_inflight", "gauge", "Job stream entries taken by this instance and not yet finished.");
+  sample("quern_stream_inflight", static_cast<double>(s.inflight));
+  head("quern_stream_connected", "gauge", "1 while the job stream reader is connected to Redis.");
+  sample("quern_stream_connected", s.connected ? 1 : 0);
+  head("quern_stream_length", "gauge", "Entries in each model's job stream (XLEN).");
+  for (const auto& m : s.streams) {
+    if (m.length >= 0) sample("quern_stream_length{model=\"" + m.model + "\"}", static_cast<double>(m.length));
+  }
+  head("quern_stream_pending", "gauge", "Entries delivered to some consumer and not yet acknowledged (XPENDING).");
+  for (const auto& m : s.streams) {
+    if (m.pending >= 0) sample("quern_stream_pending{model=\"" + m.model + "\"}", static_cast<double>(m.pending));
+  }
+  return out;
+}
+
+}  // namespace quern

@@ -1,0 +1,98 @@
+// StreamConsumer: takes jobs from Redis streams, so that any number of Quern
+// instances share one queue of work.
+//
+// Producers add a job with
+//   XADD quern:jobs:{model} * id {job id} body {KServe v2 infer request}
+//        [header_length {n}] [deadline_ms {Unix ms}]
+// (`body` is the JSON request, or with header_length the JSON header
+// followed by binary tensors, as in Inference-Header-Content-Length; `id`
+// defaults to the entry id). Each instance reads with XREADGROUP in group
+// "quern" (up to the model's batch size per call, a bounded number in
+// flight), feeds the dynamic batcher, and writes each result to
+// results:{id} (see RedisResultStore) together with the XACK, in one
+// MULTI/EXEC per batch: a result and its acknowledgement land together or
+// not at all.
+//
+// Failures: a job whose request is invalid, or that fails with a
+// deterministic error, is stored as failed, copied to quern:dead:{model}
+// (fields id, error, code, deliveries, body) and acknowledged. A job that
+// fails with a transient error (queue full, a backend error) is left
+// pending and is retried; one delivered max_deliveries times goes to the
+// dead-letter stream. Entries left pending by a dead instance are reclaimed
+// with XAUTOCLAIM once idle for claim_idle_ms. Processing is at least once;
+// results are keyed by job id, so a job processed twice has one result. A
+// job whose deadline has passed is stored as failed (DEADLINE_EXCEEDED) and
+// acknowledged, without running.
+//
+// Thread safety: Start/Stop from one thread. The engine and the store must
+// outlive the consumer, and the engine must be drained before the store is
+// destroyed.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "quern/engine.h"
+#include "store/redis_store.h"
+
+namespace quern {
+
+struct StreamConsumerOptions {
+  RedisOptions redis;
+  std::vector<std::string> models;  // empty = every model ready at start
+  std::string stream_prefix = "quern:jobs:";
+  std::string dead_prefix = "quern:dead:";
+  std::string group = "quern";
+  std::string consumer;           // this instance's name in the group; empty = host-pid
+  int max_inflight = 0;           // jobs taken and not finished; 0 = 2 x the models' batch sizes x instances
+  int64_t claim_idle_ms = 30000;  // reclaim entries pending (unacknowledged) this long
+  int max_deliveries = 3;         // deliveries before a failing job is dead-lettered
+  int block_ms = 500;             // XREADGROUP BLOCK
+};
+
+// Counters, cumulative unless noted.
+struct StreamModelStats {
+  std::string model;
+  int64_t length = -1;   // XLEN (gauge; -1 = not known yet)
+  int64_t pending = -1;  // entries delivered and not acknowledged, all consumers (gauge)
+};
+struct StreamConsumerStats {
+  uint64_t taken = 0;      // entries read (new or reclaimed)
+  uint64_t reclaimed = 0;  // of which taken over with XAUTOCLAIM
+  uint64_t done = 0;       // results stored as done and acknowledged
+  uint64_t failed = 0;     // stored as failed and acknowledged
+  uint64_t dead = 0;       // of which copied to the dead-letter stream
+  uint64_t retried = 0;    // left pending after a transient failure
+  int64_t inflight = 0;    // (gauge)
+  bool connected = false;  // (gauge)
+  std::vector<StreamModelStats> streams;
+};
+
+std::string RenderStreamPrometheus(const StreamConsumerStats& stats);
+
+class StreamConsumer {
+ public:
+  // Creates the consumer group on each model's stream (from the start of the
+  // stream, so entries added before any consumer existed are not missed) and
+  // starts reading. Redis may be away at start: it keeps trying.
+  static Result<std::unique_ptr<StreamConsumer>> Start(StreamConsumerOptions options, Engine* engine,
+                                                       RedisResultStore* store);
+  ~StreamConsumer();  // Stop()
+
+  // Stops taking entries; jobs in flight finish through the engine.
+  void Stop();
+
+  StreamConsumerStats stats() const;
+  const std::string& consumer_name() const;
+
+  class Impl;
+
+ private:
+  explicit StreamConsumer(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace quern

@@ -1,0 +1,121 @@
+// A small synchronous Redis client: RESP2 over TCP or TLS, with timeouts.
+//
+// Commands are encoded into a RedisPipeline and sent in one write; the
+// replies come back in order, so any number of commands costs one round
+// trip. A RedisConnection is used by one thread at a time; a caller that
+// gets UNAVAILABLE drops the connection and makes a new one (see
+// RedisConnection::Connect).
+//
+//   redis://[[user]:password@]host[:port][/db]    plain TCP
+//   rediss://...                                  TLS (certificate checked
+//                                                 unless tls_skip_verify)
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "quern/status.h"
+
+namespace quern {
+
+struct RedisOptions {
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  int db = 0;
+  std::string user, password;  // AUTH when password is set
+  bool tls = false;
+  std::string tls_ca_file;                  // trust anchors; empty = the system's
+  std::string tls_cert_file, tls_key_file;  // client certificate, when the server asks for one
+  bool tls_skip_verify = false;             // no certificate check (testing only)
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds io_timeout{5000};  // one round trip, on top of a command's own blocking time
+
+  // "host:port" (for messages; never the password).
+  std::string Address() const;
+};
+
+// Parses a redis:// or rediss:// URL into `options` (TLS file settings are
+// kept). INVALID_ARGUMENT says what part is wrong.
+Status ParseRedisUrl(std::string_view url, RedisOptions& options);
+
+struct RedisReply {
+  enum class Type { kString, kStatus, kError, kInteger, kNil, kArray };
+  Type type = Type::kNil;
+  std::string str;  // kString, kStatus, kError
+  int64_t integer = 0;
+  std::vector<RedisReply> elements;  // kArray
+
+  bool is_error() const { return type == Type::kError; }
+  bool is_nil() const { return type == Type::kNil; }
+  bool is_array() const { return type == Type::kArray; }
+  bool is_string() const { return type == Type::kString || type == Type::kStatus; }
+};
+
+// Parses one reply from the front of `data`. Returns the reply and sets
+// `consumed`; nullopt when `data` holds only part of a reply; INVALID_ARGUMENT
+// for bytes that are not RESP.
+Result<std::optional<RedisReply>> ParseRedisReply(std::string_view data, size_t& consumed);
+
+// Commands encoded back to back, sent in one write.
+class RedisPipeline {
+ public:
+  void Add(std::initializer_list<std::string_view> args);
+  void Add(const std::vector<std::string_view>& args);
+  void Add(const std::vector<std::string>& args);
+
+  // Appends `other`'s commands after these.
+  void Append(const RedisPipeline& other) {
+    data_ += other.data_;
+    count_ += other.count_;
+  }
+
+  size_t size() const { return count_; }
+  bool empty() const { return count_ == 0; }
+  const std::string& data() const { return data_; }
+  void Clear() {
+    data_.clear();
+    count_ = 0;
+  }
+
+ private:
+  void Begin(size_t n);
+  void Arg(std::string_view a);
+
+  std::string data_;
+  size_t count_ = 0;
+};
+
+class RedisConnection {
+ public:
+  // Connects, authenticates and selects the database. UNAVAILABLE when the
+  // server cannot be reached; PERMISSION_DENIED when AUTH is refused.
+  static Result<std::unique_ptr<RedisConnection>> Connect(const RedisOptions& options);
+  ~RedisConnection();
+
+  // Sends the pipeline and reads one reply per command, in order. Error
+  // replies are returned as replies; UNAVAILABLE when the connection failed
+  // or timed out (the connection is then unusable). `block` is extra time
+  // the server may take (a blocking command's timeout).
+  Result<std::vector<RedisReply>> Execute(const RedisPipeline& pipeline,
+                                          std::chrono::milliseconds block = std::chrono::milliseconds(0));
+  // One command; an error reply is returned as INTERNAL with its text.
+  Result<RedisReply> Command(std::initializer_list<std::string_view> args,
+                             std::chrono::milliseconds block = std::chrono::milliseconds(0));
+
+  bool broken() const;
+  const RedisOptions& options() const;
+
+  class Impl;
+
+ private:
+  explicit RedisConnection(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace quern

@@ -1,0 +1,488 @@
+#include "store/redis_store.h"
+
+#include <rapidjson/document.h>
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+
+#include "frontends/http/kserve_handler.h"
+
+namespace quern {
+
+namespace {
+
+using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
+
+void String(Writer& w, std::string_view s) {
+  w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
+}
+
+constexpr const char* kNotYet = "redis: not connected yet";
+
+int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// JSON can carry these exactly; the rest go as binary values.
+bool JsonFriendly(DataType t) {
+  return t != DataType::kBytes && t != DataType::kFp16 && t != DataType::kBf16 && t != DataType::kInvalid;
+}
+
+std::string BinaryKey(const RedisResultStoreOptions& o, const std::string& id, size_t k) {
+  return o.key_prefix + id + ":bin:" + std::to_string(k);
+}
+
+int64_t Int(const rapidjson::Value& v, const char* key) {
+  auto it = v.FindMember(key);
+  return it != v.MemberEnd() && it->value.IsInt64() ? it->value.GetInt64() : 0;
+}
+
+std::string Str(const rapidjson::Value& v, const char* key) {
+  auto it = v.FindMember(key);
+  return it != v.MemberEnd() && it->value.IsString() ? std::string(it->value.GetString(), it->value.GetStringLength())
+                                                     : std::string();
+}
+
+}  // namespace
+
+Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec, const RedisResultStoreOptions& o) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, rec.id);
+  w.Key("status");
+  String(w, JobStateName(rec.state));
+  w.Key("model_name");
+  String(w, rec.model);
+  w.Key("model_version");
+  String(w, std::to_string(rec.version));
+  w.Key("submitted_ms");
+  w.Int64(rec.submitted_ms);
+  w.Key("started_ms");
+  w.Int64(rec.started_ms);
+  w.Key("finished_ms");
+  w.Int64(rec.finished_ms);
+  w.Key("binary_data_output");
+  w.Bool(rec.binary_default);
+  w.Key("binary_outputs");
+  w.StartObject();
+  for (const auto& [name, binary] : rec.binary_outputs) {
+    String(w, name);
+    w.Bool(binary);
+  }
+  w.EndObject();
+  Encoded out;
+  if (rec.state == JobState::kDone) {
+    KServeOutputFormat format;  // binary: what JSON cannot carry exactly, or would bloat
+    for (const auto& o2 : rec.outputs) {
+      format.binary_outputs.emplace_back(
+          o2.name, o2.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(o2.tensor.dtype()));
+    }
+    std::vector<const Tensor*> parts;
+    w.Key("result");
+    w.StartObject();
+    w.Key("model_name");
+    String(w, rec.model);
+    w.Key("model_version");
+    String(w, std::to_string(rec.version));
+    w.Key("outputs");
+    QUERN_RETURN_IF_ERROR(WriteKServeOutputs(w, rec.outputs, format, parts));
+    w.EndObject();
+    w.Key("binary_keys");
+    w.StartArray();
+    for (size_t k = 0; k < parts.size(); ++k) {
+      std::string key = BinaryKey(o, rec.id, k);
+      String(w, key);
+      out.binary.emplace_back(std::move(key),
+                              std::string_view(reinterpret_cast<const char*>(parts[k]->data()), parts[k]->byte_size()));
+    }
+    w.EndArray();
+  } else {
+    w.Key("error");
+    w.StartObject();
+    w.Key("code");
+    String(w, StatusCodeName(rec.error.code()));
+    w.Key("grpc_code");
+    w.Int(static_cast<int>(rec.error.code()));
+    w.Key("message");
+    String(w, rec.error.message());
+    w.EndObject();
+  }
+  w.EndObject();
+  out.json.assign(buf.GetString(), buf.GetSize());
+  return out;
+}
+
+Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_view json,
+                                                                  const std::vector<std::string>& binary) {
+  rapidjson::Document doc;
+  doc.Parse(json.data(), json.size());
+  if (doc.HasParseError() || !doc.IsObject()) return Err(Internal("a stored job result is not valid JSON"));
+  auto rec = std::make_shared<JobRecord>();
+  rec->id = Str(doc, "job_id");
+  rec->model = Str(doc, "model_name");
+  rec->version = std::atoll(Str(doc, "model_version").c_str());
+  rec->submitted_ms = Int(doc, "submitted_ms");
+  rec->started_ms = Int(doc, "started_ms");
+  rec->finished_ms = Int(doc, "finished_ms");
+  const std::string status = Str(doc, "status");
+  if (status == "done") {
+    rec->state = JobState::kDone;
+  } else if (status == "failed") {
+    rec->state = JobState::kFailed;
+  } else if (status == "cancelled") {
+    rec->state = JobState::kCancelled;
+  } else {
+    return Err(Internal("stored job '" + rec->id + "' has status '" + status + "', not a finished one"));
+  }
+  if (auto it = doc.FindMember("binary_data_output"); it != doc.MemberEnd() && it->value.IsBool()) {
+    rec->binary_default = it->value.GetBool();
+  }
+  if (auto it = doc.FindMember("binary_outputs"); it != doc.MemberEnd() && it->value.IsObject()) {
+    for (const auto& m : it->value.GetObject()) {
+      if (m.value.IsBool()) rec->binary_outputs.emplace_back(m.name.GetString(), m.value.GetBool());
+    }
+  }
+  if (rec->state != JobState::kDone) {
+    auto it = doc.FindMember("error");
+    if (it == doc.MemberEnd() || !it->value.IsObject())
+      return Err(Internal("stored job '" + rec->id + "' has no error"));
+    const int code = static_cast<int>(Int(it->value, "grpc_code"));
+    rec->error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown,
+                        Str(it->value, "message"));
+    return std::shared_ptr<const JobRecord>(std::move(rec));
+  }
+  auto result = doc.FindMember("result");
+  if (result == doc.MemberEnd() || !result->value.IsObject() || !result->value.HasMember("outputs") ||
+      !result->value["outputs"].IsArray()) {
+    return Err(Internal("stored job '" + rec->id + "' has no result.outputs"));
+  }
+  // The outputs are in KServe's tensor format: read them back with the
+  // infer request parser, as the "inputs" of a request.
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("inputs");
+  result->value["outputs"].Accept(w);
+  w.EndObject();
+  HttpRequest req;
+  req.method = "POST";
+  req.body.assign(buf.GetString(), buf.GetSize());
+  if (!binary.empty()) {
+    req.headers.emplace_back("inference-header-content-length", std::to_string(req.body.size()));
+    for (const auto& b : binary) req.body += b;
+  }
+  auto parsed = ParseKServeInfer(rec->model, rec->version, req);
+  if (!parsed) return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + parsed.error().message()));
+  rec->outputs = std::move(parsed->request.inputs);
+  return std::shared_ptr<const JobRecord>(std::move(rec));
+}
+
+RedisResultStore::RedisResultStore(RedisResultStoreOptions options) : options_(std::move(options)) {
+  health_ = Unavailable(kNotYet);
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+RedisResultStore::~RedisResultStore() {
+  Flush(std::chrono::seconds(5));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  writer_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!unwritten_.empty()) {
+    std::fprintf(stderr, "quern: %zu job results could not be written to redis at %s before exit\n", unwritten_.size(),
+                 options_.redis.Address().c_str());
+  }
+}
+
+void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records) {
+  Put(std::move(records), RedisPipeline(), nullptr);
+}
+
+void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
+                           std::function<void()> on_written) {
+  Batch b;
+  for (const auto& r : records) b.bytes += r->ByteSize();
+  b.bytes += extra.data().size();
+  b.records = std::move(records);
+  b.extra = std::move(extra);
+  b.on_written = std::move(on_written);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& r : b.records) unwritten_[r->id] = r;
+    backlog_bytes_ += b.bytes;
+    ++queued_seq_;
+    queue_.push_back(std::move(b));
+  }
+  cv_.notify_one();
+}
+
+Status RedisResultStore::EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect) {
+  if (conn && !conn->broken()) return Status::Ok();
+  conn.reset();
+  auto c = RedisConnection::Connect(options_.redis);
+  if (!c) return c.error();
+  conn = std::move(*c);
+  if (count_reconnect) reconnects_.fetch_add(1);
+  return Status::Ok();
+}
+
+Status RedisResultStore::Write(std::vector<Batch>& batches) {
+  RedisPipeline p;
+  p.Add({"MULTI"});
+  const std::string ttl_ms = std::to_string(options_.ttl_s * 1000);
+  for (const Batch& b : batches) {
+    for (const auto& r : b.records) {
+      auto enc = Encode(*r, options_);
+      if (!enc) {
+        // Cannot happen for records the engine produced; never block the
+        // queue on one: store the reason instead.
+        JobRecord failed = *r;
+        failed.outputs.clear();
+        failed.state = JobState::kFailed;
+        failed.error = Internal("the result could not be stored: " + enc.error().message());
+        enc = Encode(failed, options_);
+        if (!enc) return enc.error();
+      }
+      const std::string key = options_.key_prefix + r->id;
+      if (options_.ttl_s > 0) {
+        p.Add({"SET", key, enc->json, "PX", ttl_ms});
+        for (const auto& [k, v] : enc->binary) p.Add({"SET", k, v, "PX", ttl_ms});
+      } else {
+        p.Add({"SET", key, enc->json});
+        for (const auto& [k, v] : enc->binary) p.Add({"SET", k, v});
+      }
+    }
+  }
+  for (const Batch& b : batches) p.Append(b.extra);
+  p.Add({"EXEC"});
+  std::unique_ptr<RedisConnection>& conn = writer_conn_;
+  if (Status s = EnsureConnected(conn, ever_connected_.load()); !s.ok()) return s;
+  ever_connected_.store(true);
+  connected_.store(true);
+  auto replies = conn->Execute(p);
+  if (!replies) {
+    connected_.store(false);
+    return replies.error();
+  }
+  const RedisReply& exec = replies->back();
+  if (exec.is_error() || exec.is_nil()) {
+    std::string why = exec.is_nil() ? "transaction aborted" : exec.str;
+    for (const RedisReply& r : *replies) {
+      if (r.is_error()) {
+        why = r.str;
+        break;
+      }
+    }
+    return Unavailable("redis at " + options_.redis.Address() + " refused the write: " + why);
+  }
+  return Status::Ok();
+}
+
+void RedisResultStore::WriterLoop() {
+  auto backoff = std::chrono::milliseconds(50);
+  constexpr size_t kMaxWriteBytes = size_t{64} << 20;
+  std::vector<Batch> batches;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (batches.empty()) {
+      // Idle: check the connection every second, so readiness tells the
+      // truth before the next write needs it.
+      if (!cv_.wait_for(lock, health_ok_since_write_ ? std::chrono::milliseconds(1000) : backoff,
+                        [&] { return stop_ || !queue_.empty(); })) {
+        lock.unlock();
+        Status s = Ping();
+        lock.lock();
+        SetHealthLocked(s);
+        if (s.ok()) {
+          backoff = std::chrono::milliseconds(50);
+        } else {
+          backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+        }
+        continue;
+      }
+      if (queue_.empty()) {
+        if (stop_) break;
+        continue;
+      }
+      size_t bytes = 0;
+      while (!queue_.empty() && (batches.empty() || bytes + queue_.front().bytes <= kMaxWriteBytes)) {
+        bytes += queue_.front().bytes;
+        batches.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    lock.unlock();
+    Status s = Write(batches);
+    lock.lock();
+    if (!s.ok()) {
+      write_errors_.fetch_add(1);
+      SetHealthLocked(s);
+      if (stop_) break;
+      // Keep the batches; try again after the backoff (a stop wakes it).
+      cv_.wait_for(lock, backoff, [&] { return stop_; });
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+      continue;
+    }
+    SetHealthLocked(Status::Ok());
+    backoff = std::chrono::milliseconds(50);
+    writes_.fetch_add(1);
+    for (Batch& b : batches) {
+      records_written_.fetch_add(b.records.size());
+      for (const auto& r : b.records) {
+        auto it = unwritten_.find(r->id);
+        if (it != unwritten_.end() && it->second == r) unwritten_.erase(it);
+      }
+      backlog_bytes_ -= b.bytes;
+      ++written_seq_;
+    }
+    std::vector<std::function<void()>> callbacks;
+    for (Batch& b : batches) {
+      if (b.on_written) callbacks.push_back(std::move(b.on_written));
+    }
+    batches.clear();
+    written_cv_.notify_all();
+    if (!callbacks.empty()) {
+      lock.unlock();
+      for (auto& cb : callbacks) cb();
+      lock.lock();
+    }
+  }
+}
+
+Status RedisResultStore::Ping() {
+  if (Status s = EnsureConnected(writer_conn_, ever_connected_.load()); !s.ok()) {
+    connected_.store(false);
+    return s;
+  }
+  ever_connected_.store(true);
+  auto r = writer_conn_->Command({"PING"});
+  connected_.store(r.has_value());
+  return r ? Status::Ok() : r.error();
+}
+
+void RedisResultStore::SetHealthLocked(const Status& s) {
+  if (!s.ok() && (health_.ok() || health_.message() != s.message())) {
+    std::fprintf(stderr, "quern: job results wait in memory: %s\n", s.message().c_str());
+  } else if (s.ok() && !health_.ok() && health_.message() != kNotYet) {
+    std::fprintf(stderr, "quern: redis at %s is reachable again\n", options_.redis.Address().c_str());
+  }
+  health_ = s;
+  health_ok_since_write_ = s.ok();
+}
+
+bool RedisResultStore::Flush(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t target = queued_seq_;
+  return written_cv_.wait_for(lock, timeout, [&] { return written_seq_ >= target; });
+}
+
+Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string& id) {
+  using Err = std::unexpected<Status>;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = unwritten_.find(id); it != unwritten_.end()) return it->second;
+  }
+  std::lock_guard<std::mutex> lock(read_mu_);
+  if (Status s = EnsureConnected(reader_, false); !s.ok()) {
+    return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + s.message()));
+  }
+  auto missing = [&]() -> Result<std::shared_ptr<const JobRecord>> {
+    const int64_t submitted = JobIdSubmittedMs(id);
+    if (submitted >= 0 && options_.ttl_s > 0 && WallMs() - submitted >= options_.ttl_s * 1000) {
+      return Err(NotFound("the result of job '" + id + "' expired (results are kept " + std::to_string(options_.ttl_s) +
+                          " s)"));
+    }
+    return Err(NotFound("no job '" + id + "'"));
+  };
+  auto reply = reader_->Command({"GET", options_.key_prefix + id});
+  if (!reply) return Err(Unavailable("job results are kept in redis, which failed: " + reply.error().message()));
+  if (reply->is_nil()) return missing();
+  if (!reply->is_string()) return Err(Internal("redis key " + options_.key_prefix + id + " is not a job result"));
+  std::vector<std::string> binary;
+  {
+    rapidjson::Document doc;
+    doc.Parse(reply->str.data(), reply->str.size());
+    if (doc.IsObject()) {
+      if (auto it = doc.FindMember("binary_keys"); it != doc.MemberEnd() && it->value.IsArray() && !it->value.Empty()) {
+        RedisPipeline p;
+        std::vector<std::string_view> args{"MGET"};
+        for (const auto& k : it->value.GetArray()) {
+          if (k.IsString()) args.emplace_back(k.GetString(), k.GetStringLength());
+        }
+        p.Add(args);
+        auto parts = reader_->Execute(p);
+        if (!parts) return Err(Unavailable("job results are kept in redis, which failed: " + parts.error().message()));
+        const RedisReply& arr = parts->front();
+        if (!arr.is_array()) return Err(Internal("redis MGET: " + arr.str));
+        for (const RedisReply& e : arr.elements) {
+          if (e.is_nil()) return missing();  // expired between the two reads
+          binary.push_back(e.str);
+        }
+      }
+    }
+  }
+  return Decode(reply->str, binary);
+}
+
+Status RedisResultStore::Health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return health_;
+}
+
+Status RedisResultStore::CanAccept() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (backlog_bytes_ > options_.max_backlog_bytes) {
+    return Unavailable("job results are waiting for redis (" + std::to_string(backlog_bytes_ >> 20) +
+                       " MiB held in memory, the limit): no new jobs until it is back. " + health_.message());
+  }
+  return Status::Ok();
+}
+
+RedisStoreStats RedisResultStore::stats() const {
+  RedisStoreStats s;
+  s.writes = writes_.load();
+  s.records_written = records_written_.load();
+  s.write_errors = write_errors_.load();
+  s.reconnects = reconnects_.load();
+  s.connected = connected_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  s.backlog = static_cast<int64_t>(unwritten_.size());
+  s.backlog_bytes = static_cast<int64_t>(backlog_bytes_);
+  return s;
+}
+
+std::string RenderRedisStorePrometheus(const RedisStoreStats& s) {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + buf;
+  };
+  metric("quern_redis_connected", "gauge", "1 while the job result store's connection to Redis is up.",
+         s.connected ? 1 : 0);
+  metric("quern_redis_writes_total", "counter", "MULTI/EXEC round trips that wrote job results.",
+         static_cast<double>(s.writes));
+  metric("quern_redis_results_written_total", "counter", "Job results written to Redis.",
+         static_cast<double>(s.records_written));
+  metric("quern_redis_write_errors_total", "counter", "Result writes that failed and were retried.",
+         static_cast<double>(s.write_errors));
+  metric("quern_redis_reconnects_total", "counter", "Connections to Redis made again after a failure.",
+         static_cast<double>(s.reconnects));
+  metric("quern_redis_backlog", "gauge", "Job results held in memory, waiting to be written to Redis.",
+         static_cast<double>(s.backlog));
+  metric("quern_redis_backlog_bytes", "gauge", "Bytes of job results waiting to be written to Redis.",
+         static_cast<double>(s.backlog_bytes));
+  return out;
+}
+
+}  // namespace quern

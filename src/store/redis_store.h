@@ -1,0 +1,135 @@
+// RedisResultStore: finished jobs kept in Redis, shared by every Quern
+// instance that points at the same server, surviving their restarts.
+//
+// Layout (one job):
+//   results:{id}          JSON: job_id, status, model_name, model_version,
+//                         submitted_ms/started_ms/finished_ms, error
+//                         {code, grpc_code, message} when it failed, and
+//                         "result": the KServe v2 response ("outputs" with
+//                         name, datatype, shape and data). An output larger
+//                         than inline_max_bytes (or of type BYTES/FP16/BF16)
+//                         carries parameters.binary_data_size instead of
+//                         data, and its raw bytes are in the key named by
+//                         "binary_keys" (in output order).
+//   results:{id}:bin:{k}  the raw little-endian bytes of such an output
+// Every key expires after ttl_s (PX), written together.
+//
+// Writes are asynchronous: Put queues the records and a writer thread sends
+// everything queued in one MULTI ... EXEC round trip (the records of one
+// batch, and whatever finished while the previous write was in flight).
+// Until a record is written it is served from memory, so a poll right after
+// Put finds it. When Redis is away the writer reconnects with backoff and
+// Health() reports UNAVAILABLE; results wait in memory (bounded by
+// max_backlog_bytes: beyond it CanAccept refuses new jobs rather than drop
+// finished ones) and are written when Redis is back.
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "store/redis_client.h"
+#include "store/result_store.h"
+
+namespace quern {
+
+struct RedisResultStoreOptions {
+  RedisOptions redis;
+  int64_t ttl_s = 3600;                          // 0 = results never expire
+  size_t inline_max_bytes = 4096;                // larger outputs go in a binary key
+  size_t max_backlog_bytes = size_t{256} << 20;  // results waiting for Redis
+  std::string key_prefix = "results:";
+};
+
+// Counters, cumulative unless noted.
+struct RedisStoreStats {
+  uint64_t writes = 0;           // MULTI/EXEC round trips that succeeded
+  uint64_t records_written = 0;  // job results written
+  uint64_t write_errors = 0;     // round trips that failed (retried)
+  uint64_t reconnects = 0;       // connections made after the first
+  int64_t backlog = 0;           // results waiting to be written (gauge)
+  int64_t backlog_bytes = 0;     // (gauge)
+  bool connected = false;        // (gauge)
+};
+
+// Prometheus text for the store (quern_redis_*).
+std::string RenderRedisStorePrometheus(const RedisStoreStats& stats);
+
+class RedisResultStore final : public ResultStore {
+ public:
+  // Starts the writer; does not wait for Redis (it may come later).
+  explicit RedisResultStore(RedisResultStoreOptions options);
+  // Writes what is queued (waiting up to 5 s for Redis), then stops.
+  ~RedisResultStore() override;
+
+  void Put(std::vector<std::shared_ptr<const JobRecord>> records) override;
+  // As Put, and `extra` commands (e.g. XACK) run in the same MULTI/EXEC
+  // as the records, so they take effect together or not at all.
+  // `on_written` (optional) runs on the writer thread after the EXEC.
+  void Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
+           std::function<void()> on_written = nullptr);
+  Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
+  Status Health() const override;
+  Status CanAccept() const override;
+
+  // Blocks until everything queued so far is written, or `timeout` passes.
+  bool Flush(std::chrono::milliseconds timeout);
+
+  RedisStoreStats stats() const;
+  const RedisResultStoreOptions& options() const { return options_; }
+
+  // The JSON and binary values of one record, as written (exposed for tests).
+  struct Encoded {
+    std::string json;
+    std::vector<std::pair<std::string, std::string>> binary;  // key, bytes
+  };
+  static Result<Encoded> Encode(const JobRecord& record, const RedisResultStoreOptions& options);
+  static Result<std::shared_ptr<const JobRecord>> Decode(std::string_view json, const std::vector<std::string>& binary);
+
+ private:
+  struct Batch {
+    std::vector<std::shared_ptr<const JobRecord>> records;
+    RedisPipeline extra;
+    std::function<void()> on_written;
+    size_t bytes = 0;
+  };
+  void WriterLoop();
+  Status Write(std::vector<Batch>& batches);
+  Status Ping();
+  void SetHealthLocked(const Status& s);  // logs changes
+  Status EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect);
+
+  RedisResultStoreOptions options_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;          // writer: work or stop
+  std::condition_variable written_cv_;  // Flush: progress
+  std::deque<Batch> queue_;             // guarded by mu_
+  // Records queued or being written, by id: served by Get until written.
+  std::unordered_map<std::string, std::shared_ptr<const JobRecord>> unwritten_;  // guarded by mu_
+  size_t backlog_bytes_ = 0;                                                     // guarded by mu_
+  uint64_t queued_seq_ = 0, written_seq_ = 0;                                    // guarded by mu_
+  bool stop_ = false;                                                            // guarded by mu_
+  Status health_;                                                                // guarded by mu_
+  bool health_ok_since_write_ = false;                                           // guarded by mu_
+
+  std::mutex read_mu_;
+  std::unique_ptr<RedisConnection> reader_;  // guarded by read_mu_
+
+  std::atomic<uint64_t> writes_{0}, records_written_{0}, write_errors_{0}, reconnects_{0};
+  std::atomic<bool> connected_{false};
+  std::atomic<bool> ever_connected_{false};
+  std::unique_ptr<RedisConnection> writer_conn_;  // writer thread only
+  std::thread writer_;
+};
+
+}  // namespace quern
