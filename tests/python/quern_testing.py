@@ -43,3 +43,56 @@ def start_quern(binary, repo, *extra):
     # Keep reading the log so the server never blocks on a full pipe.
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     return proc, ports
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server for one test: its own port and data directory, append-only file on
+    (fsync on every write), so a restart keeps what was acknowledged. Extra arguments go to
+    redis-server as they are (e.g. "--requirepass", "pw")."""
+
+    def __init__(self, directory, *extra, port=None, tls=False):
+        self.dir = str(directory)
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.tls = tls
+        self.proc = None
+        self.start()
+
+    def start(self):
+        import subprocess
+        import time
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", self.dir, "--appendonly", "yes",
+             "--appendfsync", "always", "--save", "", "--daemonize", "no", *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        import socket
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    def client(self, **kwargs):
+        import redis
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def stop(self, kill=False):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def url(self, db=0):
+        return f"redis://127.0.0.1:{self.port}/{db}"

@@ -1,5 +1,6 @@
 """Asynchronous jobs over HTTP against a real `quern serve`: submit (POST /v2/models/{m}/jobs), poll
-(GET /v2/jobs/{id}) and cancel (DELETE), with the embedded result store. Expected outputs come from numpy."""
+(GET /v2/jobs/{id}) and cancel (DELETE), with the embedded result store and with Redis. Expected outputs
+come from numpy."""
 import http.client
 import json
 import os
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import start_quern
+from quern_testing import RedisServer, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -38,12 +39,19 @@ def start(repo, *extra):
     return proc, ports["HTTP"], ports["metrics"]
 
 
-@pytest.fixture(scope="module")
-def server(repo):
-    proc, port, _ = start(repo)
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def server(request, repo, tmp_path_factory):
+    """A server with each result store: the embedded one, and a real redis-server."""
+    redis_server, extra = None, []
+    if request.param == "redis":
+        redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
+        extra = ["--redis-url", redis_server.url(1)]
+    proc, port, _ = start(repo, *extra)
     yield port
     proc.terminate()
     proc.wait(timeout=30)
+    if redis_server:
+        redis_server.stop()
 
 
 def request(port, method, path, body=None, headers=None):

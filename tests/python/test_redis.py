@@ -1,0 +1,399 @@
+"""Quern with a real redis-server (started here on a free port, with its own data directory): the
+result layout, TTLs, a Redis restart, AUTH and TLS, and the job streams (XADD by a producer using
+`redis` from PyPI; one or two `quern serve --consume` instances; SIGKILL; dead letters; pipelining
+counted by Redis itself in INFO commandstats). Expected outputs come from numpy."""
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from quern_testing import RedisServer, start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    d = tmp_path_factory.mktemp("repo")
+    for m in ("add_sub", "slow_batch", "fail_on_3", "tile4"):
+        os.symlink(os.path.join(MODELS, m), d / m)
+    return str(d)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    r = RedisServer(tmp_path)
+    yield r
+    r.stop()
+
+
+class Quern:
+    def __init__(self, repo, *extra):
+        self.proc, ports = start_quern(QUERN, repo, *extra)
+        self.port, self.metrics = ports["HTTP"], ports["metrics"]
+
+    def request(self, method, path, body=None, headers=None, port=None):
+        c = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=30)
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        c.close()
+        return out
+
+    def metric(self, series):
+        text = self.request("GET", "/metrics", port=self.metrics)[2].decode()
+        m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    def ready(self):
+        return self.request("GET", "/v2/health/ready")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+
+def add_sub_body(a, b):
+    return {"inputs": [{"name": "INPUT0", "shape": list(a.shape), "datatype": "FP32", "data": a.flatten().tolist()},
+                       {"name": "INPUT1", "shape": list(b.shape), "datatype": "FP32", "data": b.flatten().tolist()}]}
+
+
+def slow_body(x):
+    return {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}]}
+
+
+def submit(q, model, body):
+    status, _, data = q.request("POST", f"/v2/models/{model}/jobs", body)
+    assert status == 202, data
+    return json.loads(data)["job_id"]
+
+
+def wait_until(pred, timeout=20, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stored(r, job_id):
+    raw = r.get(f"results:{job_id}")
+    return json.loads(raw) if raw else None
+
+
+def outputs_of(doc, r=None):
+    """The outputs of a stored result as numpy arrays, reading binary values from Redis."""
+    out, k = {}, 0
+    dtypes = {"FP32": np.float32, "INT64": np.int64}
+    for o in doc["result"]["outputs"]:
+        if "data" in o:
+            out[o["name"]] = np.array(o["data"], dtypes[o["datatype"]]).reshape(o["shape"])
+        else:
+            raw = r.get(doc["binary_keys"][k])
+            k += 1
+            assert len(raw) == o["parameters"]["binary_data_size"]
+            out[o["name"]] = np.frombuffer(raw, dtypes[o["datatype"]]).reshape(o["shape"])
+    return out
+
+
+def test_result_layout_in_redis(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--job-result-ttl-secs", "600")
+    try:
+        small_a, small_b = np.arange(8, dtype=np.float32).reshape(2, 4), np.full((2, 4), 0.5, np.float32)
+        job = submit(q, "add_sub", add_sub_body(small_a, small_b))
+        doc = wait_until(lambda: stored(r, job), what="the result in redis")
+        assert doc["job_id"] == job and doc["status"] == "done" and doc["model_name"] == "add_sub"
+        assert doc["model_version"] == "1" and doc["binary_keys"] == []
+        assert doc["submitted_ms"] <= doc["started_ms"] <= doc["finished_ms"]
+        assert [(o["name"], o["datatype"], o["shape"]) for o in doc["result"]["outputs"]] == [
+            ("OUTPUT0", "FP32", [2, 4]), ("OUTPUT1", "FP32", [2, 4])]
+        out = outputs_of(doc)
+        np.testing.assert_array_equal(out["OUTPUT0"], small_a + small_b)
+        np.testing.assert_array_equal(out["OUTPUT1"], small_a - small_b)
+        assert 590_000 < r.pttl(f"results:{job}") <= 600_000
+
+        # tile4's output of 2x1200 FP32 (9600 bytes) is kept as a binary value, not JSON numbers.
+        x = np.random.default_rng(5).standard_normal((2, 300)).astype(np.float32)
+        body = {"inputs": [{"name": "x", "shape": [2, 300], "datatype": "FP32", "data": x.flatten().tolist()}]}
+        job = submit(q, "tile4", body)
+        doc = wait_until(lambda: stored(r, job), what="the result in redis")
+        assert doc["binary_keys"] == [f"results:{job}:bin:0"]
+        assert "data" not in doc["result"]["outputs"][0]
+        assert len(r.get(f"results:{job}")) < 1000  # no bloated JSON
+        np.testing.assert_array_equal(outputs_of(doc, r)["y"], np.tile(x, (1, 4)))
+        assert 590_000 < r.pttl(f"results:{job}:bin:0") <= 600_000
+        # Read back through the job API (from Redis: this server holds nothing in memory now).
+        status, _, data = q.request("GET", f"/v2/jobs/{job}")
+        assert status == 200
+        (o,) = json.loads(data)["result"]["outputs"]
+        np.testing.assert_array_equal(np.array(o["data"], np.float32).reshape(o["shape"]), np.tile(x, (1, 4)))
+    finally:
+        q.stop()
+
+    # Another instance on the same Redis serves the result it never computed.
+    q2 = Quern(repo, "--redis-url", redis_server.url())
+    try:
+        status, _, data = q2.request("GET", f"/v2/jobs/{job}")
+        assert status == 200 and json.loads(data)["status"] == "done"
+    finally:
+        q2.stop()
+
+
+def test_ttl_expiry_in_redis(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--job-result-ttl-secs", "1")
+    try:
+        one = np.ones((1, 4), np.float32)
+        job = submit(q, "add_sub", add_sub_body(one, one))
+        wait_until(lambda: stored(r, job), what="the result in redis")
+        assert q.request("GET", f"/v2/jobs/{job}")[0] == 200
+        wait_until(lambda: r.exists(f"results:{job}") == 0, timeout=5, what="redis to expire the key")
+        time.sleep(0.2)
+        status, _, data = q.request("GET", f"/v2/jobs/{job}")
+        assert status == 404 and "expired" in json.loads(data)["error"]
+    finally:
+        q.stop()
+
+
+def test_redis_restart_loses_no_finished_result(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url())
+    try:
+        wait_until(lambda: q.ready()[0] == 200, what="readiness")
+        expected = {}
+
+        def run(k):
+            a, b = np.full((1, 4), k, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+            job = submit(q, "add_sub", add_sub_body(a, b))
+            expected[job] = a + b
+            return job
+
+        before = [run(k) for k in range(10)]
+        wait_until(lambda: all(stored(r, j) for j in before), what="results before the restart")
+        redis_server.stop(kill=True)  # appendfsync always: everything acknowledged is on disk
+        # Redis is away: readiness says so, and new jobs still run; their results wait in memory.
+        status, _, data = wait_until(lambda: (lambda s: s if s[0] == 503 else None)(q.ready()),
+                                     what="readiness to drop")
+        assert "redis" in json.loads(data)["error"]
+        during = [run(k) for k in range(10, 20)]
+        for job in during:
+            status, _, data = wait_until(lambda: (lambda s: s if json.loads(s[2])["status"] == "done" else None)(
+                q.request("GET", f"/v2/jobs/{job}")), what="a job to finish while redis is away")
+        assert q.metric("quern_redis_backlog") == 10
+        redis_server.start()
+        wait_until(lambda: q.ready()[0] == 200, what="readiness after the restart")
+        wait_until(lambda: q.metric("quern_redis_backlog") == 0, what="the backlog to be written")
+        r = redis_server.client()
+        for job, want in expected.items():
+            doc = stored(r, job)
+            assert doc is not None, f"result of {job} lost"
+            np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], want)
+        assert q.metric("quern_redis_reconnects_total") >= 1
+    finally:
+        q.stop()
+
+
+def test_auth_and_tls(repo, tmp_path):
+    # A CA and a server certificate for 127.0.0.1, made here.
+    def ssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=quern test CA")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    rs = RedisServer(data_dir, "--requirepass", "s3cret", "--tls-cert-file", str(tmp_path / "server.pem"),
+                     "--tls-key-file", str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.pem"),
+                     "--tls-auth-clients", "no", tls=True)
+    try:
+        r = rs.client(password="s3cret", ssl=True, ssl_ca_certs=str(tmp_path / "ca.pem"))
+        url = f"rediss://:s3cret@127.0.0.1:{rs.port}/0"
+        q = Quern(repo, "--redis-url", url, "--redis-tls-ca-file", str(tmp_path / "ca.pem"))
+        try:
+            wait_until(lambda: q.ready()[0] == 200, what="readiness over TLS")
+            one = np.ones((1, 4), np.float32)
+            job = submit(q, "add_sub", add_sub_body(one * 3, one))
+            doc = wait_until(lambda: stored(r, job), what="the result over TLS")
+            np.testing.assert_array_equal(outputs_of(doc)["OUTPUT1"], one * 2)
+        finally:
+            q.stop()
+        # A wrong password, or a certificate nobody vouched for: not ready, and the reason says why.
+        for extra, needle in ((["--redis-url", f"rediss://:wrong@127.0.0.1:{rs.port}/0", "--redis-tls-ca-file",
+                                str(tmp_path / "ca.pem")], "AUTH"),
+                              (["--redis-url", url, "--redis-tls-ca-file", str(tmp_path / "server.pem")], "TLS")):
+            q = Quern(repo, *extra)
+            try:
+                time.sleep(0.5)
+                status, _, data = q.ready()
+                assert status == 503 and needle in json.loads(data)["error"], data
+            finally:
+                q.stop()
+    finally:
+        rs.stop()
+
+
+# ---- job streams ----
+
+def xadd_jobs(r, model, bodies, prefix):
+    """Adds jobs to quern:jobs:{model} in one pipeline; returns their ids."""
+    p = r.pipeline(transaction=False)
+    ids = []
+    for k, body in enumerate(bodies):
+        ids.append(f"{prefix}-{k}")
+        p.xadd(f"quern:jobs:{model}", {"id": ids[-1], "body": json.dumps(body)})
+    p.execute()
+    return ids
+
+
+def cmdstats(r):
+    s = r.info("commandstats")
+    return {k[len("cmdstat_"):]: v["calls"] for k, v in s.items()}
+
+
+def test_stream_results_and_one_round_trip_per_batch(repo, redis_server):
+    r = redis_server.client()
+    xs = [np.arange(3, dtype=np.float32).reshape(1, 3) + 10 * k for k in range(8)]
+    ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs], "pipe")  # before any consumer exists
+    before = cmdstats(r)
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch")
+    try:
+        wait_until(lambda: all(stored(r, j) for j in ids), what="the stream's results")
+        for job, x in zip(ids, xs):
+            doc = stored(r, job)
+            assert doc["status"] == "done" and doc["model_name"] == "slow_batch"
+            np.testing.assert_array_equal(outputs_of(doc)["y"], 2 * x)
+        wait_until(lambda: r.xpending("quern:jobs:slow_batch", "quern")["pending"] == 0, what="the acks")
+        after = cmdstats(r)
+        status, _, data = q.request("GET", "/v2/models/slow_batch/stats")
+        batches = json.loads(data)["model_stats"][0]["execution_count"]
+        # Two full batches of 4 ran at once (no 1 s wait) and each wrote its results and acks in
+        # one MULTI/EXEC: 8 SETs and 8 XACKs in 2 transactions.
+        assert batches == 2
+        assert after.get("exec", 0) - before.get("exec", 0) == batches
+        assert after.get("set", 0) - before.get("set", 0) == 8
+        assert after.get("xack", 0) - before.get("xack", 0) == 8
+        assert q.metric('quern_stream_entries_total{outcome="done"}') == 8
+        wait_until(lambda: q.metric('quern_stream_length{model="slow_batch"}') == 8, what="the length metric")
+        assert q.metric('quern_stream_pending{model="slow_batch"}') == 0
+        # The job API serves stream jobs too.
+        status, _, data = q.request("GET", f"/v2/jobs/{ids[3]}")
+        assert status == 200 and json.loads(data)["result"]["outputs"][0]["data"] == (2 * xs[3]).flatten().tolist()
+    finally:
+        q.stop()
+
+
+def test_two_instances_share_one_stream(repo, redis_server):
+    r = redis_server.client()
+    common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
+              "--consume-max-inflight", "4"]
+    a = Quern(repo, *common, "--consumer-name", "a")
+    b = Quern(repo, *common, "--consumer-name", "b")
+    try:
+        xs = [np.full((1, 3), k, np.float32) for k in range(40)]
+        ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs], "share")
+        wait_until(lambda: all(stored(r, j) for j in ids), timeout=60, what="every result")
+        for job, x in zip(ids, xs):
+            np.testing.assert_array_equal(outputs_of(stored(r, job))["y"], 2 * x)
+        done_a = a.metric('quern_stream_entries_total{outcome="done"}')
+        done_b = b.metric('quern_stream_entries_total{outcome="done"}')
+        assert done_a + done_b == 40 and done_a >= 4 and done_b >= 4, (done_a, done_b)
+        consumers = {c["name"].decode(): c for c in r.xinfo_consumers("quern:jobs:slow_batch", "quern")}
+        assert set(consumers) == {"a", "b"} and all(c["pending"] == 0 for c in consumers.values())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_sigkill_mid_batch_every_job_gets_exactly_one_result(repo, redis_server):
+    r = redis_server.client()
+    common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
+              "--consume-claim-idle-ms", "1500"]
+    a = Quern(repo, *common, "--consumer-name", "doomed")
+    b = None
+    try:
+        # Three jobs: a batch of 4 is not full, so `doomed` holds them for its 1 s batching delay.
+        xs = [np.full((1, 3), k + 1, np.float32) for k in range(3)]
+        ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs], "kill")
+        wait_until(lambda: a.metric("quern_stream_inflight") == 3, timeout=5, what="doomed to take the jobs")
+        a.stop(signal.SIGKILL)  # mid-batch: taken, not computed, not acknowledged
+        assert not any(stored(r, j) for j in ids)
+        pending = r.xpending_range("quern:jobs:slow_batch", "quern", "-", "+", 10)
+        assert [p["consumer"].decode() for p in pending] == ["doomed"] * 3
+        b = Quern(repo, *common, "--consumer-name", "survivor")
+        wait_until(lambda: all(stored(r, j) for j in ids), timeout=30, what="the survivor to finish them")
+        for job, x in zip(ids, xs):
+            np.testing.assert_array_equal(outputs_of(stored(r, job))["y"], 2 * x)
+        wait_until(lambda: r.xpending("quern:jobs:slow_batch", "quern")["pending"] == 0, what="the acks")
+        assert b.metric('quern_stream_entries_total{outcome="reclaimed"}') == 3
+        assert b.metric('quern_stream_entries_total{outcome="done"}') == 3
+        # Exactly one result each: one key per job (plus nothing else), no dead letters.
+        assert sorted(k.decode() for k in r.scan_iter("results:*")) == sorted(f"results:{j}" for j in ids)
+        assert r.xlen("quern:dead:slow_batch") == 0
+    finally:
+        a.stop(signal.SIGKILL)
+        if b:
+            b.stop()
+
+
+def test_poison_jobs_go_to_the_dead_letter_stream(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "fail_on_3,add_sub",
+              "--consume-claim-idle-ms", "300", "--consume-max-deliveries", "3")
+    try:
+        # fail_on_3 fails inside ONNX Runtime for an input of 3 values: retried, then dead-lettered.
+        r.xadd("quern:jobs:fail_on_3", {"id": "poison", "body": json.dumps(slow_body(np.ones((1, 3), np.float32)))})
+        # A malformed request can never succeed: dead-lettered at once.
+        r.xadd("quern:jobs:add_sub", {"id": "garbled", "body": "{not json"})
+        good = np.ones((1, 4), np.float32)
+        r.xadd("quern:jobs:add_sub", {"id": "fine", "body": json.dumps(add_sub_body(good, good))})
+        dead = wait_until(lambda: r.xrange("quern:dead:fail_on_3"), timeout=30, what="the poison job's dead letter")
+        assert len(dead) == 1
+        fields = {k.decode(): v.decode() for k, v in dead[0][1].items()}
+        assert fields["id"] == "poison" and fields["deliveries"] == "3" and "fail_on_3" in fields["error"]
+        assert json.loads(fields["body"]) == slow_body(np.ones((1, 3), np.float32))
+        doc = stored(r, "poison")
+        assert doc["status"] == "failed" and "fail_on_3" in doc["error"]["message"]
+        garbled = {k.decode(): v.decode() for k, v in r.xrange("quern:dead:add_sub")[0][1].items()}
+        assert garbled["id"] == "garbled" and garbled["deliveries"] == "1" and garbled["code"] == "INVALID_ARGUMENT"
+        assert stored(r, "garbled")["error"]["code"] == "INVALID_ARGUMENT"
+        assert stored(r, "fine")["status"] == "done"
+        wait_until(lambda: r.xpending("quern:jobs:fail_on_3", "quern")["pending"] == 0, what="the poison ack")
+        assert q.metric('quern_stream_entries_total{outcome="retried"}') == 2
+        assert q.metric('quern_stream_entries_total{outcome="dead"}') == 2
+        # The job API reports the failure with its error.
+        status, _, data = q.request("GET", "/v2/jobs/poison")
+        assert status == 200 and json.loads(data)["status"] == "failed"
+    finally:
+        q.stop()
+
+
+def test_deadline_passed_in_the_stream_fails_without_running(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub")
+    try:
+        one = np.ones((1, 4), np.float32)
+        r.xadd("quern:jobs:add_sub", {"id": "late", "body": json.dumps(add_sub_body(one, one)),
+                                      "deadline_ms": str(int(time.time() * 1000) - 1000)})
+        doc = wait_until(lambda: stored(r, "late"), what="the late job's result")
+        assert doc["status"] == "failed" and doc["error"]["code"] == "DEADLINE_EXCEEDED"
+        assert r.xlen("quern:dead:add_sub") == 0
+        status, _, data = q.request("GET", "/v2/models/add_sub/stats")
+        assert json.loads(data)["model_stats"][0]["inference_count"] == 0
+    finally:
+        q.stop()

@@ -1,0 +1,198 @@
+// The Redis pieces that need no server: RESP parsing and encoding, URL
+// parsing, and the stored form of a job result. Talking to a real
+// redis-server is tested in tests/python/test_redis.py.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "store/redis_client.h"
+#include "store/redis_store.h"
+
+namespace quern {
+namespace {
+
+RedisReply ParseAll(std::string_view data) {
+  size_t consumed = 0;
+  auto r = ParseRedisReply(data, consumed);
+  EXPECT_TRUE(r.has_value());
+  EXPECT_TRUE(r.has_value() && r->has_value()) << data;
+  EXPECT_EQ(consumed, data.size());
+  return r.has_value() && r->has_value() ? **r : RedisReply{};
+}
+
+TEST(Resp, ParsesEveryReplyType) {
+  EXPECT_EQ(ParseAll("+OK\r\n").type, RedisReply::Type::kStatus);
+  EXPECT_EQ(ParseAll("+OK\r\n").str, "OK");
+  const RedisReply err = ParseAll("-NOGROUP no such key\r\n");
+  EXPECT_TRUE(err.is_error());
+  EXPECT_EQ(err.str, "NOGROUP no such key");
+  EXPECT_EQ(ParseAll(":-42\r\n").integer, -42);
+  EXPECT_TRUE(ParseAll("$-1\r\n").is_nil());
+  EXPECT_TRUE(ParseAll("*-1\r\n").is_nil());
+  // A bulk string may hold CRLF and NUL bytes: its length decides.
+  const std::string binary("a\r\nb\0c", 6);
+  const RedisReply bulk = ParseAll("$6\r\n" + binary + "\r\n");
+  EXPECT_EQ(bulk.type, RedisReply::Type::kString);
+  EXPECT_EQ(bulk.str, binary);
+  EXPECT_EQ(ParseAll("$0\r\n\r\n").str, "");
+  // XREADGROUP's shape: [[stream, [[id, [field, value]]]]].
+  const RedisReply nested = ParseAll("*1\r\n*2\r\n$3\r\nkey\r\n*1\r\n*2\r\n$3\r\n1-0\r\n*2\r\n$2\r\nid\r\n$1\r\nx\r\n");
+  ASSERT_TRUE(nested.is_array());
+  ASSERT_EQ(nested.elements.size(), 1u);
+  EXPECT_EQ(nested.elements[0].elements[0].str, "key");
+  EXPECT_EQ(nested.elements[0].elements[1].elements[0].elements[1].elements[1].str, "x");
+  EXPECT_TRUE(ParseAll("*0\r\n").elements.empty());
+}
+
+TEST(Resp, IncompleteReplyAsksForMoreAtEveryCut) {
+  const std::string full = "*3\r\n$5\r\nhello\r\n:7\r\n*2\r\n+a\r\n$-1\r\n";
+  for (size_t cut = 0; cut < full.size(); ++cut) {
+    size_t consumed = 0;
+    auto r = ParseRedisReply(std::string_view(full).substr(0, cut), consumed);
+    ASSERT_TRUE(r.has_value()) << cut;
+    EXPECT_FALSE(r->has_value()) << "a reply from only " << cut << " bytes";
+  }
+  // Two replies back to back: the first is taken, the rest left.
+  size_t consumed = 0;
+  auto r = ParseRedisReply(":1\r\n:2\r\n", consumed);
+  ASSERT_TRUE(r.has_value() && r->has_value());
+  EXPECT_EQ((*r)->integer, 1);
+  EXPECT_EQ(consumed, 4u);
+}
+
+TEST(Resp, GarbageIsAnErrorNotACrash) {
+  for (std::string bad : {std::string("?what\r\n"), std::string(":12x\r\n"), std::string("$-5\r\n"),
+                          std::string("$3\r\nabcde\r\n"), std::string("*-2\r\n")}) {
+    size_t consumed = 0;
+    EXPECT_FALSE(ParseRedisReply(bad, consumed).has_value()) << bad;
+  }
+  // Deep nesting is refused rather than recursed into without bound.
+  std::string deep;
+  for (int i = 0; i < 100; ++i) deep += "*1\r\n";
+  deep += ":1\r\n";
+  size_t consumed = 0;
+  EXPECT_FALSE(ParseRedisReply(deep, consumed).has_value());
+  // An array claiming a huge length with few bytes waits for more.
+  auto r = ParseRedisReply("*2000000000\r\n:1\r\n", consumed);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_FALSE(r->has_value());
+}
+
+TEST(Resp, PipelineEncodesCommandsBackToBack) {
+  RedisPipeline p;
+  p.Add({"SET", "k", std::string_view("v\r\n\0", 4)});
+  p.Add(std::vector<std::string>{"PING"});
+  EXPECT_EQ(p.size(), 2u);
+  EXPECT_EQ(p.data(), std::string("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\nv\r\n") + std::string(1, '\0') +
+                          std::string("\r\n*1\r\n$4\r\nPING\r\n"));
+  RedisPipeline q;
+  q.Add({"MULTI"});
+  q.Append(p);
+  EXPECT_EQ(q.size(), 3u);
+  EXPECT_EQ(q.data(), "*1\r\n$5\r\nMULTI\r\n" + p.data());
+}
+
+TEST(RedisUrl, ParsesHostPortDbAndCredentials) {
+  RedisOptions o;
+  ASSERT_TRUE(ParseRedisUrl("redis://cache.local:6380/3", o).ok());
+  EXPECT_EQ(o.host, "cache.local");
+  EXPECT_EQ(o.port, 6380);
+  EXPECT_EQ(o.db, 3);
+  EXPECT_FALSE(o.tls);
+  EXPECT_TRUE(o.password.empty());
+
+  ASSERT_TRUE(ParseRedisUrl("rediss://app:p%40ss:w@10.0.0.2", o).ok());
+  EXPECT_TRUE(o.tls);
+  EXPECT_EQ(o.user, "app");
+  EXPECT_EQ(o.password, "p@ss:w");
+  EXPECT_EQ(o.port, 6379);
+  EXPECT_EQ(o.db, 0);
+
+  ASSERT_TRUE(ParseRedisUrl("redis://:secret@[::1]:7000", o).ok());
+  EXPECT_EQ(o.host, "::1");
+  EXPECT_EQ(o.port, 7000);
+  EXPECT_EQ(o.user, "");
+  EXPECT_EQ(o.password, "secret");
+
+  for (const char* bad : {"http://host", "redis://", "redis://host:0", "redis://host:99999", "redis://host:x",
+                          "redis://host/db1", "redis://[::1"}) {
+    Status s = ParseRedisUrl(bad, o);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("--redis-url"), std::string::npos) << s.message();
+  }
+}
+
+TEST(RedisResultStore, RecordRoundTripsThroughJsonAndBinaryValues) {
+  JobRecord rec;
+  rec.id = NewJobId(1'700'000'000'123);
+  rec.model = "m";
+  rec.version = 2;
+  rec.state = JobState::kDone;
+  rec.submitted_ms = 1'700'000'000'123;
+  rec.started_ms = rec.submitted_ms + 5;
+  rec.finished_ms = rec.submitted_ms + 9;
+  rec.binary_default = true;
+  rec.binary_outputs = {{"small", false}};
+  const std::vector<float> small{1.5f, -2.25f, 3.0f};
+  rec.outputs.push_back({"small", Tensor::From(DataType::kFp32, Shape{1, 3}, std::span<const float>(small))});
+  std::vector<int64_t> big(1000);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<int64_t>(i * i) - 7;
+  rec.outputs.push_back({"big", Tensor::From(DataType::kInt64, Shape{10, 100}, std::span<const int64_t>(big))});
+
+  RedisResultStoreOptions o;
+  o.inline_max_bytes = 4096;
+  auto enc = RedisResultStore::Encode(rec, o);
+  ASSERT_TRUE(enc.has_value()) << enc.error().ToString();
+  // The small output is JSON data; the 8000-byte one is a separate value.
+  EXPECT_NE(enc->json.find("\"data\":[1.5,-2.25,3.0]"), std::string::npos) << enc->json;
+  ASSERT_EQ(enc->binary.size(), 1u);
+  EXPECT_EQ(enc->binary[0].first, "results:" + rec.id + ":bin:0");
+  ASSERT_EQ(enc->binary[0].second.size(), 8000u);
+  EXPECT_EQ(std::memcmp(enc->binary[0].second.data(), big.data(), 8000), 0);
+
+  auto dec = RedisResultStore::Decode(enc->json, {std::string(enc->binary[0].second)});
+  ASSERT_TRUE(dec.has_value()) << dec.error().ToString();
+  const JobRecord& back = **dec;
+  EXPECT_EQ(back.id, rec.id);
+  EXPECT_EQ(back.model, "m");
+  EXPECT_EQ(back.version, 2);
+  EXPECT_EQ(back.state, JobState::kDone);
+  EXPECT_EQ(back.started_ms, rec.started_ms);
+  EXPECT_EQ(back.finished_ms, rec.finished_ms);
+  EXPECT_TRUE(back.binary_default);
+  EXPECT_EQ(back.binary_outputs, rec.binary_outputs);
+  ASSERT_EQ(back.outputs.size(), 2u);
+  EXPECT_EQ(back.outputs[0].name, "small");
+  EXPECT_EQ(back.outputs[0].tensor.shape(), (Shape{1, 3}));
+  EXPECT_EQ(
+      std::vector<float>(back.outputs[0].tensor.values<float>().begin(), back.outputs[0].tensor.values<float>().end()),
+      small);
+  EXPECT_EQ(back.outputs[1].tensor.dtype(), DataType::kInt64);
+  EXPECT_EQ(back.outputs[1].tensor.shape(), (Shape{10, 100}));
+  EXPECT_EQ(std::memcmp(back.outputs[1].tensor.data(), big.data(), 8000), 0);
+
+  // A missing binary value is damage, reported as such.
+  EXPECT_FALSE(RedisResultStore::Decode(enc->json, {}).has_value());
+}
+
+TEST(RedisResultStore, FailedRecordKeepsItsError) {
+  JobRecord rec;
+  rec.id = "job-1";
+  rec.model = "m";
+  rec.state = JobState::kFailed;
+  rec.error = InvalidArgument("model 'm': input 'x' has 3 values, expected 4");
+  auto enc = RedisResultStore::Encode(rec, RedisResultStoreOptions{});
+  ASSERT_TRUE(enc.has_value());
+  EXPECT_TRUE(enc->binary.empty());
+  auto dec = RedisResultStore::Decode(enc->json, {});
+  ASSERT_TRUE(dec.has_value());
+  EXPECT_EQ((*dec)->state, JobState::kFailed);
+  EXPECT_EQ((*dec)->error, rec.error);
+  EXPECT_TRUE((*dec)->outputs.empty());
+  EXPECT_FALSE(RedisResultStore::Decode("{\"job_id\": ", {}).has_value());
+}
+
+}  // namespace
+}  // namespace quern
