@@ -397,3 +397,16 @@ def test_deadline_passed_in_the_stream_fails_without_running(repo, redis_server)
         assert json.loads(data)["model_stats"][0]["inference_count"] == 0
     finally:
         q.stop()
+
+
+def test_python_producer_example(repo, redis_server):
+    import sys
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "redis", "jobs.py")
+    q = Quern(repo, "--redis-url", redis_server.url(3), "--consume", "--consume-models", "add_sub")
+    try:
+        out = subprocess.run([sys.executable, example, "--redis-url", redis_server.url(3), "--jobs", "50"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.startswith("50 done, 0 failed, 0 not finished"), out.stdout
+    finally:
+        q.stop()
