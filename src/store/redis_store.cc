@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 
 #include "frontends/http/kserve_handler.h"
@@ -180,7 +181,14 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
   }
   auto parsed = ParseKServeInfer(rec->model, rec->version, req);
   if (!parsed) return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + parsed.error().message()));
-  rec->outputs = std::move(parsed->request.inputs);
+  // Binary parts sit at arbitrary offsets of the body: copy each into its
+  // own (aligned) buffer, which also frees the body.
+  rec->outputs.reserve(parsed->request.inputs.size());
+  for (const auto& t : parsed->request.inputs) {
+    Tensor copy = Tensor::AllocateUninitialized(t.tensor.dtype(), t.tensor.shape(), t.tensor.byte_size());
+    if (t.tensor.byte_size() > 0) std::memcpy(copy.mutable_data(), t.tensor.data(), t.tensor.byte_size());
+    rec->outputs.push_back({t.name, std::move(copy)});
+  }
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 
