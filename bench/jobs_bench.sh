@@ -4,14 +4,16 @@
 # with XREADGROUP, writes results:{id} and XACKs in one MULTI/EXEC per batch)
 # with one and with two Quern instances, beside direct HTTP infer (wrk, 16
 # connections) against one instance, in the same run. Redis runs here without
-# persistence. Reports jobs/s and Redis command counts per batch.
-#   bench/jobs_bench.sh [seconds of HTTP load, default 5] [jobs per stream run, default 3000]
+# persistence. The stream is filled before the consumers start; jobs/s is
+# measured over the servers' own timestamps (first job started to last job
+# finished). Reports jobs/s and Redis command counts per batch.
+#   bench/jobs_bench.sh [seconds of HTTP load, default 5] [jobs per stream run, default 10000]
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-5}"
-JOBS="${2:-3000}"
+JOBS="${2:-10000}"
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk"; exit 1; }
 command -v redis-server >/dev/null || { echo "needs redis-server: scripts/setup.sh"; exit 1; }
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
@@ -62,11 +64,13 @@ kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
 echo "direct HTTP infer, 16 connections, 1 instance: $HTTP_RPS req/s"
 
 URL="redis://127.0.0.1:$RPORT/0"
-start_quern c1 --redis-url "$URL" --consume --consumer-name c1
-M1=$METRICS_PORT
-build/venv/bin/python bench/jobs_load.py "$RPORT" 500 "$M1" >/dev/null  # warm-up
-echo "stream, 1 instance:  $(build/venv/bin/python bench/jobs_load.py "$RPORT" "$JOBS" "$M1")"
-start_quern c2 --redis-url "$URL" --consume --consumer-name c2
-M2=$METRICS_PORT
-build/venv/bin/python bench/jobs_load.py "$RPORT" 500 "$M1" "$M2" >/dev/null  # warm-up
-echo "stream, 2 instances: $(build/venv/bin/python bench/jobs_load.py "$RPORT" "$JOBS" "$M1" "$M2")"
+for n in 1 2; do
+  build/venv/bin/python bench/jobs_load.py produce "$RPORT" "$JOBS"
+  ports=()
+  for i in $(seq "$n"); do
+    start_quern "c$n$i" --redis-url "$URL" --consume --consumer-name "c$n$i"
+    ports+=("$METRICS_PORT")
+  done
+  echo "stream, $n instance(s): $(build/venv/bin/python bench/jobs_load.py drain "$RPORT" "$JOBS" "${ports[@]}")"
+  for i in $(seq "$n"); do kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'; done
+done

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Load for the Redis job streams: adds N small_cnn jobs (binary tensors, batch 1) to quern:jobs:small_cnn
-with pipelined XADDs, waits until the consumer group has read and acknowledged all of them, and prints
-jobs/s with Redis's own command counts per batch (INFO commandstats) and the batches the servers ran.
+"""Load for the Redis job streams. `produce` adds N small_cnn jobs (binary tensors, batch 1) to
+quern:jobs:small_cnn with pipelined XADDs (before the consumers start, so the producer's own speed is
+not measured); `drain` waits until the consumer group has read and acknowledged all of them and prints
+jobs/s over the servers' own timestamps (first job started to last job finished, from results:{id}),
+Redis's command counts per batch (INFO commandstats) and the batches the servers ran.
 
-    bench/jobs_load.py REDIS_PORT N METRICS_PORT [METRICS_PORT...]
+    bench/jobs_load.py produce REDIS_PORT N
+    bench/jobs_load.py drain REDIS_PORT N METRICS_PORT [METRICS_PORT...]
 """
 import json
 import re
@@ -14,7 +17,7 @@ import urllib.request
 import numpy as np
 import redis
 
-port, n, metrics = int(sys.argv[1]), int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+mode, port, n, metrics = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(p) for p in sys.argv[4:]]
 r = redis.Redis(port=port)
 stream = "quern:jobs:small_cnn"
 
@@ -28,35 +31,40 @@ def batches():
     return total
 
 
-x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32).tobytes()
-header = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 64, 64], "datatype": "FP32",
-                                 "parameters": {"binary_data_size": len(x)}}]}).encode()
-body = header + x
-stats0 = {k: v["calls"] for k, v in r.info("commandstats").items()}
-b0 = batches()
-t0 = time.perf_counter()
-for start in range(0, n, 200):
-    p = r.pipeline(transaction=False)
-    for k in range(start, min(n, start + 200)):
-        p.xadd(stream, {"id": f"b{k}", "body": body, "header_length": len(header)})
-    p.execute()
-t_produced = time.perf_counter() - t0
+if mode == "produce":
+    r.delete(stream)
+    r.delete(*[f"results:b{k}" for k in range(n)])
+    x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32).tobytes()
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 64, 64], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(x)}}]}).encode()
+    for start in range(0, n, 500):
+        p = r.pipeline(transaction=False)
+        for k in range(start, min(n, start + 500)):
+            p.xadd(stream, {"id": f"b{k}", "body": header + x, "header_length": len(header)})
+        p.execute()
+    r.config_resetstat()
+    sys.exit(0)
+
 while True:
-    g = r.xinfo_groups(stream)[0]
-    if g["entries-read"] is not None and g["entries-read"] >= n and g["pending"] == 0:
+    groups = r.xinfo_groups(stream)
+    if groups and groups[0]["entries-read"] is not None and groups[0]["entries-read"] >= n and groups[0]["pending"] == 0:
         break
-    time.sleep(0.002)
-elapsed = time.perf_counter() - t0
-stats1 = {k: v["calls"] for k, v in r.info("commandstats").items()}
-ran = batches() - b0
-d = {k.removeprefix("cmdstat_"): stats1.get(k, 0) - stats0.get(k, 0) for k in stats1}
-missing = sum(1 for v in r.mget([f"results:b{k}" for k in range(n)]) if v is None)
-consumer_trips = d.get("exec", 0) + d.get("xreadgroup", 0) + d.get("xautoclaim", 0) + d.get("xlen", 0)
+    time.sleep(0.02)
+stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+ran = batches()
+started, finished, missing = [], [], 0
+for k in range(0, n, 1000):
+    for raw in r.mget([f"results:b{i}" for i in range(k, min(n, k + 1000))]):
+        if raw is None:
+            missing += 1
+            continue
+        doc = json.loads(raw)
+        started.append(doc["started_ms"])
+        finished.append(doc["finished_ms"])
+window = (max(finished) - min(started)) / 1000
+trips = sum(stats.get(c, 0) for c in ("exec", "xreadgroup", "xautoclaim", "xlen", "xpending"))
 print(json.dumps({
-    "jobs": n, "jobs_per_s": round(n / elapsed, 1), "produce_s": round(t_produced, 3),
-    "batches": int(ran), "jobs_per_batch": round(n / ran, 2) if ran else None,
-    "exec_per_batch": round(d.get("exec", 0) / ran, 3) if ran else None,
-    "xreadgroup_per_batch": round(d.get("xreadgroup", 0) / ran, 3) if ran else None,
-    "consumer_round_trips_per_batch": round(consumer_trips / ran, 3) if ran else None,
-    "results_missing": missing}))
-r.delete(stream, *[f"results:b{k}" for k in range(n)])
+    "jobs": n, "jobs_per_s": round(n / window), "batches": int(ran), "jobs_per_batch": round(n / ran, 2),
+    "exec_per_batch": round(stats.get("exec", 0) / ran, 3),
+    "xreadgroup_per_batch": round(stats.get("xreadgroup", 0) / ran, 3),
+    "round_trips_per_batch": round(trips / ran, 3), "results_missing": missing}))

@@ -125,7 +125,9 @@ std::optional<std::string_view> Line(std::string_view data, size_t pos, size_t& 
 
 constexpr int kMaxDepth = 16;
 
-Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, int depth) {
+// With build == false only checks that a whole reply is there (nothing is
+// copied); the reply returned is then empty.
+Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, int depth, bool build) {
   if (pos >= data.size()) return std::optional<RedisReply>();
   if (depth > kMaxDepth) return Err(InvalidArgument("redis reply nested too deeply"));
   const char kind = data[pos];
@@ -158,7 +160,7 @@ Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, in
         return Err(InvalidArgument("redis bulk string not followed by CRLF"));
       }
       r.type = RedisReply::Type::kString;
-      r.str.assign(data.substr(next, static_cast<size_t>(n)));
+      if (build) r.str.assign(data.substr(next, static_cast<size_t>(n)));
       pos = next + static_cast<size_t>(n) + 2;
       return std::optional<RedisReply>(std::move(r));
     case '*': {
@@ -171,12 +173,12 @@ Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, in
       size_t p = next;
       // Each element takes at least 3 bytes: do not reserve more than the
       // data could hold.
-      r.elements.reserve(std::min<size_t>(static_cast<size_t>(n), (data.size() - p) / 3 + 1));
+      if (build) r.elements.reserve(std::min<size_t>(static_cast<size_t>(n), (data.size() - p) / 3 + 1));
       for (int64_t i = 0; i < n; ++i) {
-        auto e = ParseAt(data, p, depth + 1);
+        auto e = ParseAt(data, p, depth + 1, build);
         if (!e) return Err(e.error());
         if (!*e) return std::optional<RedisReply>();
-        r.elements.push_back(std::move(**e));
+        if (build) r.elements.push_back(std::move(**e));
       }
       pos = p;
       return std::optional<RedisReply>(std::move(r));
@@ -191,8 +193,13 @@ Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, in
 }  // namespace
 
 Result<std::optional<RedisReply>> ParseRedisReply(std::string_view data, size_t& consumed) {
+  // Check first that the whole reply is there: a large reply arrives in many
+  // reads, and building it on each try would copy it again and again.
   size_t pos = 0;
-  auto r = ParseAt(data, pos, 0);
+  auto whole = ParseAt(data, pos, 0, false);
+  if (!whole || !*whole) return whole;
+  pos = 0;
+  auto r = ParseAt(data, pos, 0, true);
   if (r && *r) consumed = pos;
   return r;
 }

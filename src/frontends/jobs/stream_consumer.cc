@@ -224,13 +224,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     return Status::Ok();
   }
 
-  static bool ParseEntry(const RedisReply& e, Entry& out) {
+  // Moves the entry's strings out of the reply.
+  static bool ParseEntry(RedisReply& e, Entry& out) {
     if (!e.is_array() || e.elements.size() != 2 || !e.elements[0].is_string() || !e.elements[1].is_array()) {
       return false;
     }
-    out.entry_id = e.elements[0].str;
-    const auto& f = e.elements[1].elements;
-    for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(f[i].str, f[i + 1].str);
+    out.entry_id = std::move(e.elements[0].str);
+    auto& f = e.elements[1].elements;
+    for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(std::move(f[i].str), std::move(f[i + 1].str));
     return true;
   }
 
@@ -247,7 +248,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     p.Add(args);
     auto r = conn_->Execute(p, std::chrono::milliseconds(block_ms));
     if (!r) return;  // the connection is broken: the loop reconnects
-    const RedisReply& reply = r->front();
+    RedisReply& reply = r->front();
     if (reply.is_error()) {
       if (reply.str.starts_with("NOGROUP")) {
         (void)CreateGroups();  // a stream was deleted: make it again
@@ -258,11 +259,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     if (!reply.is_array()) return;  // timed out, nothing new
     auto group = std::make_shared<Group>();
-    for (const auto& stream : reply.elements) {
+    for (auto& stream : reply.elements) {
       if (!stream.is_array() || stream.elements.size() != 2) continue;
       const size_t model = ModelOf(stream.elements[0].str);
       if (model == models_.size()) continue;
-      for (const auto& e : stream.elements[1].elements) {
+      for (auto& e : stream.elements[1].elements) {
         Entry entry;
         entry.model = model;
         if (ParseEntry(e, entry)) group->entries.push_back(std::move(entry));
@@ -290,14 +291,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     if (!r) return;
     auto group = std::make_shared<Group>();
     for (size_t i = 0; i < models_.size(); ++i) {
-      const RedisReply& reply = (*r)[i];
+      RedisReply& reply = (*r)[i];
       if (reply.is_error()) {
         if (reply.str.starts_with("NOGROUP")) (void)CreateGroups();
         continue;
       }
       if (!reply.is_array() || reply.elements.size() < 2) continue;
       models_[i].claim_cursor = reply.elements[0].is_string() ? reply.elements[0].str : "0-0";
-      for (const auto& e : reply.elements[1].elements) {
+      for (auto& e : reply.elements[1].elements) {
         Entry entry;
         entry.model = i;
         if (!ParseEntry(e, entry)) continue;  // deleted from the stream meanwhile
