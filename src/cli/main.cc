@@ -302,18 +302,9 @@ int main(int argc, char** argv) {
   }
   quern::JobHandler jobs(engine->get(), store.get());
   std::unique_ptr<quern::StreamConsumer> consumer;
-  if (consume) {
-    if (redis_store == nullptr) {
-      std::fprintf(stderr, "quern: --consume takes jobs from Redis streams: give --redis-url too\n");
-      return 2;
-    }
-    consume_opts.redis = redis_store->options().redis;
-    auto started = quern::StreamConsumer::Start(consume_opts, engine->get(), redis_store);
-    if (!started) {
-      std::fprintf(stderr, "quern: %s\n", started.error().ToString().c_str());
-      return 2;
-    }
-    consumer = std::move(*started);
+  if (consume && redis_store == nullptr) {
+    std::fprintf(stderr, "quern: --consume takes jobs from Redis streams: give --redis-url too\n");
+    return 2;
   }
   auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
     if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
@@ -371,6 +362,17 @@ int main(int argc, char** argv) {
   if (!metrics) {
     std::fprintf(stderr, "quern: metrics: %s\n", metrics.error().ToString().c_str());
     return 1;
+  }
+  // Last: an early return above must not leave jobs in the engine that
+  // complete into a consumer already destroyed.
+  if (consume) {
+    consume_opts.redis = redis_store->options().redis;
+    auto started = quern::StreamConsumer::Start(consume_opts, engine->get(), redis_store);
+    if (!started) {
+      std::fprintf(stderr, "quern: %s\n", started.error().ToString().c_str());
+      return 2;
+    }
+    consumer = std::move(*started);
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

@@ -273,7 +273,7 @@ class RedisConnection::Impl {
     if (tls_) {
       if (!options_.tls_skip_verify) {
         SSL_set_tlsext_host_name(tls_->native_handle(), options_.host.c_str());
-        tls_->set_verify_callback(asio::ssl::host_name_verification(options_.host));
+        tls_->set_verify_callback(asio::ssl::host_name_verification(options_.host), ec);
       }
       done = false;
       tls_->async_handshake(asio::ssl::stream_base::client, [&](const boost::system::error_code& e) {
@@ -395,9 +395,9 @@ class RedisConnection::Impl {
   Status SetUpTls() {
     boost::system::error_code ec;
     if (options_.tls_skip_verify) {
-      ssl_.set_verify_mode(asio::ssl::verify_none);
+      ssl_.set_verify_mode(asio::ssl::verify_none, ec);
     } else {
-      ssl_.set_verify_mode(asio::ssl::verify_peer);
+      ssl_.set_verify_mode(asio::ssl::verify_peer, ec);
       if (options_.tls_ca_file.empty()) {
         ssl_.set_default_verify_paths(ec);
       } else {
@@ -451,9 +451,15 @@ RedisConnection::RedisConnection(std::unique_ptr<Impl> impl) : impl_(std::move(i
 RedisConnection::~RedisConnection() = default;
 
 Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisOptions& options) {
-  auto impl = std::make_unique<Impl>(options);
-  if (Status s = impl->Connect(); !s.ok()) return Err(s);
-  return std::unique_ptr<RedisConnection>(new RedisConnection(std::move(impl)));
+  // Asio and OpenSSL set-up report some failures (out of memory, a broken
+  // OpenSSL) only by throwing: never let that end a thread.
+  try {
+    auto impl = std::make_unique<Impl>(options);
+    if (Status s = impl->Connect(); !s.ok()) return Err(s);
+    return std::unique_ptr<RedisConnection>(new RedisConnection(std::move(impl)));
+  } catch (const std::exception& e) {
+    return Err(Unavailable("redis at " + options.Address() + ": " + e.what()));
+  }
 }
 
 Result<std::vector<RedisReply>> RedisConnection::Execute(const RedisPipeline& pipeline,

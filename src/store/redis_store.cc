@@ -291,7 +291,24 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
         break;
       }
     }
-    return Unavailable("redis at " + options_.redis.Address() + " refused the write: " + why);
+    // Errors that pass (memory, loading, failover) are retried; others
+    // (permissions, sizes) would fail again and again.
+    const bool transient = why.starts_with("OOM") || why.starts_with("LOADING") || why.starts_with("READONLY") ||
+                           why.starts_with("TRYAGAIN") || why.starts_with("BUSY") || why.starts_with("MASTERDOWN") ||
+                           why.starts_with("CLUSTERDOWN") || why == "transaction aborted";
+    const std::string message = "redis at " + options_.redis.Address() + " refused the write: " + why;
+    return transient ? Unavailable(message) : FailedPrecondition(message);
+  }
+  // A command inside the transaction can fail on its own (e.g. WRONGTYPE on
+  // a key that is not a stream): the rest took effect; say so.
+  if (exec.is_array()) {
+    for (const RedisReply& r : exec.elements) {
+      if (r.is_error()) {
+        std::fprintf(stderr, "quern: redis at %s: a command written with job results failed: %s\n",
+                     options_.redis.Address().c_str(), r.str.c_str());
+        break;
+      }
+    }
   }
   return Status::Ok();
 }
@@ -332,6 +349,22 @@ void RedisResultStore::WriterLoop() {
     lock.unlock();
     Status s = Write(batches);
     lock.lock();
+    if (s.code() == StatusCode::kFailedPrecondition) {
+      write_errors_.fetch_add(1);
+      if (batches.size() > 1) {
+        // Find the batch Redis will not take: write them one at a time.
+        for (size_t i = batches.size(); i-- > 1;) queue_.push_front(std::move(batches[i]));
+        batches.resize(1);
+        continue;
+      }
+      // This one can never be written: give it up rather than hold every
+      // later result behind it.
+      size_t n = batches[0].records.size();
+      std::fprintf(stderr, "quern: %zu job result(s) dropped (first: %s): %s\n", n,
+                   n > 0 ? batches[0].records[0]->id.c_str() : "-", s.message().c_str());
+      Settle(batches, lock, /*written=*/false);
+      continue;
+    }
     if (!s.ok()) {
       write_errors_.fetch_add(1);
       SetHealthLocked(s);
@@ -344,26 +377,28 @@ void RedisResultStore::WriterLoop() {
     SetHealthLocked(Status::Ok());
     backoff = std::chrono::milliseconds(50);
     writes_.fetch_add(1);
-    for (Batch& b : batches) {
-      records_written_.fetch_add(b.records.size());
-      for (const auto& r : b.records) {
-        auto it = unwritten_.find(r->id);
-        if (it != unwritten_.end() && it->second == r) unwritten_.erase(it);
-      }
-      backlog_bytes_ -= b.bytes;
-      ++written_seq_;
+    Settle(batches, lock, /*written=*/true);
+  }
+}
+
+void RedisResultStore::Settle(std::vector<Batch>& batches, std::unique_lock<std::mutex>& lock, bool written) {
+  std::vector<std::function<void()>> callbacks;
+  for (Batch& b : batches) {
+    if (written) records_written_.fetch_add(b.records.size());
+    for (const auto& r : b.records) {
+      auto it = unwritten_.find(r->id);
+      if (it != unwritten_.end() && it->second == r) unwritten_.erase(it);
     }
-    std::vector<std::function<void()>> callbacks;
-    for (Batch& b : batches) {
-      if (b.on_written) callbacks.push_back(std::move(b.on_written));
-    }
-    batches.clear();
-    written_cv_.notify_all();
-    if (!callbacks.empty()) {
-      lock.unlock();
-      for (auto& cb : callbacks) cb();
-      lock.lock();
-    }
+    backlog_bytes_ -= b.bytes;
+    ++written_seq_;
+    if (b.on_written) callbacks.push_back(std::move(b.on_written));
+  }
+  batches.clear();
+  written_cv_.notify_all();
+  if (!callbacks.empty()) {
+    lock.unlock();
+    for (auto& cb : callbacks) cb();
+    lock.lock();
   }
 }
 
@@ -401,8 +436,18 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
     if (auto it = unwritten_.find(id); it != unwritten_.end()) return it->second;
   }
   std::lock_guard<std::mutex> lock(read_mu_);
-  if (Status s = EnsureConnected(reader_, false); !s.ok()) {
-    return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + s.message()));
+  if (!reader_ || reader_->broken()) {
+    // While Redis is away, answer at once rather than have every poll wait
+    // for a connect timeout: one attempt per second.
+    const auto now = std::chrono::steady_clock::now();
+    if (now - reader_failed_at_ < std::chrono::seconds(1)) {
+      return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + reader_error_));
+    }
+    if (Status s = EnsureConnected(reader_, false); !s.ok()) {
+      reader_failed_at_ = now;
+      reader_error_ = s.message();
+      return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + s.message()));
+    }
   }
   auto missing = [&]() -> Result<std::shared_ptr<const JobRecord>> {
     const int64_t submitted = JobIdSubmittedMs(id);

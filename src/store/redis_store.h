@@ -75,7 +75,8 @@ class RedisResultStore final : public ResultStore {
   void Put(std::vector<std::shared_ptr<const JobRecord>> records) override;
   // As Put, and `extra` commands (e.g. XACK) run in the same MULTI/EXEC
   // as the records, so they take effect together or not at all.
-  // `on_written` (optional) runs on the writer thread after the EXEC.
+  // `on_written` (optional) runs on the writer thread after the EXEC (or
+  // after the write was given up: Redis refused it for good, e.g. NOPERM).
   void Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
            std::function<void()> on_written = nullptr);
   Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
@@ -105,6 +106,8 @@ class RedisResultStore final : public ResultStore {
   };
   void WriterLoop();
   Status Write(std::vector<Batch>& batches);
+  // Batches written (or given up): forgets them, runs their on_written.
+  void Settle(std::vector<Batch>& batches, std::unique_lock<std::mutex>& lock, bool written);
   Status Ping();
   void SetHealthLocked(const Status& s);  // logs changes
   Status EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect);
@@ -123,7 +126,9 @@ class RedisResultStore final : public ResultStore {
   bool health_ok_since_write_ = false;                                           // guarded by mu_
 
   std::mutex read_mu_;
-  std::unique_ptr<RedisConnection> reader_;  // guarded by read_mu_
+  std::unique_ptr<RedisConnection> reader_;                 // guarded by read_mu_
+  std::chrono::steady_clock::time_point reader_failed_at_;  // guarded by read_mu_
+  std::string reader_error_;                                // guarded by read_mu_
 
   std::atomic<uint64_t> writes_{0}, records_written_{0}, write_errors_{0}, reconnects_{0};
   std::atomic<bool> connected_{false};

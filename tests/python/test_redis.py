@@ -410,3 +410,26 @@ def test_python_producer_example(repo, redis_server):
         assert out.stdout.startswith("50 done, 0 failed, 0 not finished"), out.stdout
     finally:
         q.stop()
+
+
+def test_a_job_waiting_longer_than_the_claim_idle_time_is_not_taken_over(repo, redis_server):
+    # Jobs held for slow_batch's 1 s batching delay, with a claim idle time of 300 ms: the holder
+    # keeps them fresh (XCLAIM JUSTID), so neither the other instance nor itself reclaims them.
+    r = redis_server.client()
+    common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
+              "--consume-claim-idle-ms", "300"]
+    a = Quern(repo, *common, "--consumer-name", "a")
+    b = Quern(repo, *common, "--consumer-name", "b")
+    try:
+        xs = [np.full((1, 3), k, np.float32) for k in range(3)]
+        ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs], "fresh")
+        wait_until(lambda: all(stored(r, j) for j in ids), timeout=20, what="the results")
+        for job, x in zip(ids, xs):
+            np.testing.assert_array_equal(outputs_of(stored(r, job))["y"], 2 * x)
+        for q in (a, b):
+            assert q.metric('quern_stream_entries_total{outcome="reclaimed"}') == 0
+        assert a.metric('quern_stream_entries_total{outcome="done"}') + \
+            b.metric('quern_stream_entries_total{outcome="done"}') == 3
+    finally:
+        a.stop()
+        b.stop()

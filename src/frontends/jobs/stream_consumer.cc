@@ -133,7 +133,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void Stop() {
-    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // no lost wakeup for a reader about to wait
+      stop_.store(true);
+    }
     cv_.notify_all();
     if (reader_.joinable()) reader_.join();
   }
@@ -185,6 +188,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         next_stats = now + std::chrono::seconds(1);
       }
       if (now >= next_claim) {
+        Heartbeat();
         Reclaim();
         next_claim = std::chrono::steady_clock::now() + claim_every;
       }
@@ -196,6 +200,15 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         slots = options_.max_inflight - inflight_;
       }
       if (stop_.load() || slots <= 0) continue;
+      // After an error reply, or while the engine refuses work (queue full):
+      // wait instead of asking again at once.
+      const auto pause = std::chrono::steady_clock::time_point(
+          std::chrono::steady_clock::duration(pause_until_.load(std::memory_order_relaxed)));
+      if (std::chrono::steady_clock::now() < pause) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_until(lock, pause, [&] { return stop_.load(); });
+        continue;
+      }
       const auto until_claim =
           std::chrono::duration_cast<std::chrono::milliseconds>(next_claim - std::chrono::steady_clock::now());
       const int64_t block = std::clamp<int64_t>(until_claim.count(), 1, options_.block_ms);
@@ -208,7 +221,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     auto c = RedisConnection::Connect(options_.redis);
     if (!c) return c.error();
     conn_ = std::move(*c);
-    return CreateGroups();
+    Status s = CreateGroups();
+    if (!s.ok()) conn_.reset();  // try again after the backoff, not at once
+    return s;
   }
 
   Status CreateGroups() {
@@ -250,13 +265,17 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     if (!r) return;  // the connection is broken: the loop reconnects
     RedisReply& reply = r->front();
     if (reply.is_error()) {
-      if (reply.str.starts_with("NOGROUP")) {
-        (void)CreateGroups();  // a stream was deleted: make it again
-      } else {
-        std::fprintf(stderr, "quern: job streams: XREADGROUP: %s\n", reply.str.c_str());
+      if (reply.str.starts_with("NOGROUP") && CreateGroups().ok()) return;  // a stream was deleted: made again
+      // READONLY, NOPERM, WRONGTYPE, LOADING...: say so once, and back off.
+      if (reply.str != last_error_) {
+        std::fprintf(stderr, "quern: job streams: XREADGROUP: %s (backing off)\n", reply.str.c_str());
+        last_error_ = reply.str;
       }
+      error_backoff_ = std::clamp(error_backoff_ * 2, std::chrono::milliseconds(100), std::chrono::milliseconds(2000));
+      PauseFor(error_backoff_);
       return;
     }
+    error_backoff_ = std::chrono::milliseconds(0);
     if (!reply.is_array()) return;  // timed out, nothing new
     auto group = std::make_shared<Group>();
     for (auto& stream : reply.elements) {
@@ -270,6 +289,37 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     Dispatch(group, false);
+  }
+
+  void PauseFor(std::chrono::milliseconds d) {
+    const auto until = (std::chrono::steady_clock::now() + d).time_since_epoch().count();
+    int64_t cur = pause_until_.load(std::memory_order_relaxed);
+    while (cur < until && !pause_until_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
+    }
+  }
+
+  // Resets the idle time of the entries running here (XCLAIM ... JUSTID does
+  // not count a delivery), so no other consumer takes over a job that is
+  // only waiting in this instance's queue.
+  void Heartbeat() {
+    std::vector<std::vector<std::string>> per_model(models_.size());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& key : mine_) {
+        const auto space = key.find(' ');
+        const size_t m = ModelOf(key.substr(0, space));
+        if (m < models_.size()) per_model[m].push_back(key.substr(space + 1));
+      }
+    }
+    RedisPipeline p;
+    for (size_t m = 0; m < models_.size(); ++m) {
+      if (per_model[m].empty()) continue;
+      std::vector<std::string_view> args{"XCLAIM", models_[m].stream, options_.group, options_.consumer, "0"};
+      for (const auto& id : per_model[m]) args.push_back(id);
+      args.push_back("JUSTID");
+      p.Add(args);
+    }
+    if (!p.empty()) (void)conn_->Execute(p);
   }
 
   // Takes over entries idle for claim_idle_ms (their consumer died, or a
@@ -445,6 +495,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       out.kind = Kind::kDead;
     } else {
       out.kind = Kind::kRetry;
+      // The engine refused it (queue full, shutting down): read no more for a moment.
+      if (status.code() == StatusCode::kUnavailable) PauseFor(std::chrono::milliseconds(50));
     }
     out.record = std::move(rec);
     if (group->remaining.fetch_sub(1) == 1) Complete(group);
@@ -503,9 +555,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   StreamConsumerOptions options_;
   Engine* engine_;
   RedisResultStore* store_;
-  std::vector<Model> models_;              // fixed after Init; length/pending guarded by mu_
-  std::unique_ptr<RedisConnection> conn_;  // reader thread only
-  std::string last_error_;                 // reader thread only
+  std::vector<Model> models_;                   // fixed after Init; length/pending guarded by mu_
+  std::unique_ptr<RedisConnection> conn_;       // reader thread only
+  std::string last_error_;                      // reader thread only
+  std::chrono::milliseconds error_backoff_{0};  // reader thread only
+  std::atomic<int64_t> pause_until_{0};         // steady_clock ticks: no reads before
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int inflight_ = 0;                      // guarded by mu_
