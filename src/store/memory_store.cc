@@ -1,5 +1,6 @@
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "store/result_store.h"
@@ -15,6 +16,17 @@ std::string_view JobStateName(JobState state) {
     case JobState::kCancelled: return "cancelled";
   }
   return "unknown";
+}
+
+int64_t WallClockMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+Tensor OwnedCopy(const Tensor& t) {
+  Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
+  if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
+  return copy;
 }
 
 size_t JobRecord::ByteSize() const {
@@ -112,10 +124,7 @@ Result<std::shared_ptr<const JobRecord>> MemoryResultStore::Get(const std::strin
   }
   // Forgotten tombstones and restarts: the id's own timestamp tells.
   const int64_t submitted = JobIdSubmittedMs(id);
-  const int64_t wall_ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count();
-  if (submitted >= 0 && options_.ttl_s > 0 && submitted + options_.ttl_s * 1000 < wall_ms) {
+  if (submitted >= 0 && options_.ttl_s > 0 && submitted + options_.ttl_s * 1000 < WallClockMs()) {
     return Err(
         NotFound("the result of job '" + id + "' expired (results are kept " + std::to_string(options_.ttl_s) + " s)"));
   }

@@ -24,11 +24,6 @@ void String(Writer& w, std::string_view s) {
 
 constexpr const char* kNotYet = "redis: not connected yet";
 
-int64_t WallMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 // JSON can carry these exactly; the rest go as binary values.
 bool JsonFriendly(DataType t) {
   return t != DataType::kBytes && t != DataType::kFp16 && t != DataType::kBf16 && t != DataType::kInvalid;
@@ -184,11 +179,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
   // Binary parts sit at arbitrary offsets of the body: copy each into its
   // own (aligned) buffer, which also frees the body.
   rec->outputs.reserve(parsed->request.inputs.size());
-  for (const auto& t : parsed->request.inputs) {
-    Tensor copy = Tensor::AllocateUninitialized(t.tensor.dtype(), t.tensor.shape(), t.tensor.byte_size());
-    if (t.tensor.byte_size() > 0) std::memcpy(copy.mutable_data(), t.tensor.data(), t.tensor.byte_size());
-    rec->outputs.push_back({t.name, std::move(copy)});
-  }
+  for (const auto& t : parsed->request.inputs) rec->outputs.push_back({t.name, OwnedCopy(t.tensor)});
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 
@@ -451,7 +442,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
   }
   auto missing = [&]() -> Result<std::shared_ptr<const JobRecord>> {
     const int64_t submitted = JobIdSubmittedMs(id);
-    if (submitted >= 0 && options_.ttl_s > 0 && WallMs() - submitted >= options_.ttl_s * 1000) {
+    if (submitted >= 0 && options_.ttl_s > 0 && WallClockMs() - submitted >= options_.ttl_s * 1000) {
       return Err(NotFound("the result of job '" + id + "' expired (results are kept " + std::to_string(options_.ttl_s) +
                           " s)"));
     }

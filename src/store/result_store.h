@@ -49,6 +49,13 @@ struct JobRecord {
   size_t ByteSize() const;
 };
 
+// Wall clock, milliseconds since the Unix epoch: job timestamps.
+int64_t WallClockMs();
+
+// A compact copy of `t` in a buffer of its own (aligned): a stored result
+// must not keep a whole batch's output alive, nor view a request body.
+Tensor OwnedCopy(const Tensor& t);
+
 // Job ids carry their submission time: 12 hex digits of milliseconds since
 // the epoch, '-', 16 random hex digits. A store can so tell an id that has
 // expired from one it never saw.

@@ -20,11 +20,6 @@ using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
 
 namespace {
 
-int64_t WallMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 // RFC 3339 UTC with milliseconds, e.g. 2026-11-22T10:15:03.042Z.
 std::string Rfc3339(int64_t ms) {
   const std::time_t secs = static_cast<std::time_t>(ms / 1000);
@@ -73,14 +68,6 @@ HttpResponse Conflict(const std::string& message) {
   String(w, message);
   w.EndObject();
   return JsonResponse(409, buf);
-}
-
-// An owned, compact copy: a response's outputs may view a whole batch's
-// buffer, which a stored result must not keep alive.
-Tensor OwnedCopy(const Tensor& t) {
-  Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
-  if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
-  return copy;
 }
 
 std::string CancelledMessage(const std::string& id) {
@@ -192,7 +179,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     return done(ErrorResponse(parsed.error()));
   }
   auto job = std::make_shared<Pending>();
-  job->submitted_ms = WallMs();
+  job->submitted_ms = WallClockMs();
   job->id = NewJobId(job->submitted_ms);
   job->model = model;
   job->version = version;
@@ -204,7 +191,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   ir.cancel = job->cancel;  // the job outlives the connection that submitted it
   ir.on_start = [job] {
     int queued = kQueued;
-    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(WallMs());
+    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(WallClockMs());
   };
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -245,7 +232,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   record->version = r.version > 0 ? r.version : std::max<int64_t>(job->version, 0);
   record->submitted_ms = job->submitted_ms;
   record->started_ms = job->started_ms.load();
-  record->finished_ms = WallMs();
+  record->finished_ms = WallClockMs();
   record->binary_default = job->binary_default;
   record->binary_outputs = job->binary_outputs;
   if (job->state.load() == kCancelRequested) {
@@ -365,7 +352,7 @@ void JobHandler::Cancel(const std::string& id, HttpDone done) {
     if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));
     return done(Conflict("job '" + id + "' is running; only a queued job can be cancelled"));
   }
-  pending->cancelled_ms.store(WallMs());
+  pending->cancelled_ms.store(WallClockMs());
   pending->cancel->Cancel();
   rapidjson::StringBuffer buf;
   Writer w(buf);

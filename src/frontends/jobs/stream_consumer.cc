@@ -18,11 +18,6 @@ namespace quern {
 
 namespace {
 
-int64_t WallMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 int64_t ParseInt64(std::string_view s, int64_t fallback) {
   int64_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
@@ -42,12 +37,6 @@ bool Deterministic(StatusCode code) {
     case StatusCode::kDeadlineExceeded: return true;
     default: return false;
   }
-}
-
-Tensor OwnedCopy(const Tensor& t) {
-  Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
-  if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
-  return copy;
 }
 
 std::string DefaultConsumerName() {
@@ -288,7 +277,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         if (ParseEntry(e, entry)) group->entries.push_back(std::move(entry));
       }
     }
-    Dispatch(group, false);
+    Dispatch(group);
   }
 
   void PauseFor(std::chrono::milliseconds d) {
@@ -373,7 +362,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     reclaimed_.fetch_add(group->entries.size());
-    Dispatch(group, true);
+    Dispatch(group);
   }
 
   void UpdateStreamStats() {
@@ -402,8 +391,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     return models_.size();
   }
 
-  void Dispatch(const std::shared_ptr<Group>& group, bool reclaimed) {
-    (void)reclaimed;
+  void Dispatch(const std::shared_ptr<Group>& group) {
     const size_t n = group->entries.size();
     if (n == 0) return;
     taken_.fetch_add(n);
@@ -432,7 +420,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     auto fail = [&](Status s) {
       rec->state = JobState::kFailed;
       rec->error = s;
-      rec->finished_ms = WallMs();
+      rec->finished_ms = WallClockMs();
       Finish(group, i, std::move(rec), std::move(s));
     };
     const std::string_view body = e.Field("body");
@@ -447,7 +435,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         return fail(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d) +
                                     "' is not a Unix time in milliseconds"));
       }
-      if (deadline_ms <= WallMs()) {
+      if (deadline_ms <= WallClockMs()) {
         return fail(DeadlineExceeded("job '" + rec->id + "' reached its deadline before it could run"));
       }
     }
@@ -463,13 +451,13 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     rec->binary_outputs = std::move(parsed->format.binary_outputs);
     InferRequest ir = std::move(parsed->request);
     if (deadline_ms > 0) {
-      ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - WallMs()) * 1'000'000;
+      ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - WallClockMs()) * 1'000'000;
     }
     auto started = std::make_shared<std::atomic<int64_t>>(0);
-    ir.on_start = [started] { started->store(WallMs()); };
+    ir.on_start = [started] { started->store(WallClockMs()); };
     engine_->InferAsync(std::move(ir), [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
       rec->started_ms = started->load();
-      rec->finished_ms = WallMs();
+      rec->finished_ms = WallClockMs();
       rec->version = r.version;
       if (r.status.ok()) {
         rec->state = JobState::kDone;
