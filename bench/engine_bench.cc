@@ -117,6 +117,7 @@ struct EngineResult {
   double throughput = 0;
   double mean_batch = 0;
   double p50_ms = 0, p99_ms = 0;
+  int64_t batch_limit = 0;
 };
 
 // Keeps `inflight` requests in the engine at all times: each completion
@@ -156,10 +157,11 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
   while (active.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
-int g_instances = 0;  // 0 = the engine default (one per core)
+int g_instances = 0;    // 0 = the engine default (one per core)
+double g_warmup_s = 2;  // load before timing (the batch size tuner settles here)
 
 EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int submitters, double seconds,
-                              const ModelShape& shape, bool callbacks) {
+                              const ModelShape& shape, bool callbacks, bool tuning = true) {
   const fs::path repo = fs::temp_directory_path() / ("quern-bench-" + std::to_string(::getpid()));
   fs::remove_all(repo);
   fs::create_directories(repo / "m" / "1");
@@ -167,6 +169,7 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   std::ofstream config(repo / "m" / "config.pbtxt");
   config << "max_batch_size: " << max_batch << "\n" << (max_batch > 1 ? "dynamic_batching { }\n" : "");
   if (g_instances > 0) config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
+  if (!tuning) config << "parameters { key: \"quern.batch_size_tuning\" value { string_value: \"off\" } }\n";
   config.close();
   auto engine = quern::Engine::Create({.model_repository = repo.string()});
   if (!engine || !(*engine)->ModelReady("m")) {
@@ -209,27 +212,29 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   }
   // Warm-up: let the engine run for a short while before timing.
   go = true;
-  std::this_thread::sleep_for(std::chrono::duration<double>(std::min(1.0, seconds / 5)));
-  int64_t c0 = 0;
-  for (int t = 0; t < submitters; ++t) c0 += counts[t];
+  std::this_thread::sleep_for(std::chrono::duration<double>(g_warmup_s));
+  int64_t c0 = 0, b0 = 0;
+  for (int t = 0; t < submitters; ++t) {
+    c0 += counts[t];
+    b0 += batch_sum[t];
+  }
   auto start = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  int64_t c1 = 0;
-  for (int t = 0; t < submitters; ++t) c1 += counts[t];
+  int64_t c1 = 0, b1 = 0;
+  for (int t = 0; t < submitters; ++t) {
+    c1 += counts[t];
+    b1 += batch_sum[t];
+  }
   auto elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  EngineResult r;
+  if (auto stats = (*engine)->GetStatistics("m"); stats && !stats->empty()) r.batch_limit = stats->front().batch_limit;
   stop = true;
   for (auto& th : threads) th.join();
-  EngineResult r;
   r.throughput = (c1 - c0) / elapsed;
-  int64_t n = 0, bs = 0;
   std::vector<double> all;
-  for (int t = 0; t < submitters; ++t) {
-    n += counts[t];
-    bs += batch_sum[t];
-    all.insert(all.end(), lat[t].begin(), lat[t].end());
-  }
+  for (int t = 0; t < submitters; ++t) all.insert(all.end(), lat[t].begin(), lat[t].end());
   std::sort(all.begin(), all.end());
-  r.mean_batch = n ? static_cast<double>(bs) / n : 0;
+  r.mean_batch = c1 > c0 ? static_cast<double>(b1 - b0) / static_cast<double>(c1 - c0) : 0;
   if (!all.empty()) {
     r.p50_ms = all[all.size() / 2];
     r.p99_ms = all[std::min(all.size() - 1, all.size() * 99 / 100)];
@@ -261,6 +266,11 @@ int main(int argc, char** argv) {
                  "Input shape without the batch dimension, for models with other "
                  "dynamic dimensions (e.g. 3 48 192)");
   app.add_option("--instances", g_instances, "Engine model instances (cores are divided among them)");
+  app.add_option("--warmup", g_warmup_s, "Seconds of load before each engine measurement");
+  std::string tuning = "on";
+  app.add_option("--tuning", tuning,
+                 "Batch size tuning in the engine runs: on, off, or both (each engine row twice, side by side)")
+      ->check(CLI::IsMember({"on", "off", "both"}));
   app.add_option("--mode", mode,
                  "callbacks: N requests kept in flight by completion callbacks; "
                  "threads: N threads each blocking on Infer().get()")
@@ -308,13 +318,20 @@ int main(int argc, char** argv) {
               max_batch, g_instances,
               mode == "callbacks" ? "N in flight via completion callbacks" : "N threads blocking on futures");
   std::printf("  X*now = the ceiling configuration measured again right before each engine run\n");
-  std::printf("  in flight   items/s   x X*   X*now  x X*now  mean batch   p50 ms   p99 ms\n");
+  std::printf("  limit = the batch size limit at the end of the run (tuning on: what the tuner settled on)\n");
+  std::printf("  in flight  tuning   items/s   x X*   X*now  x X*now  mean batch  limit   p50 ms   p99 ms\n");
+  std::vector<bool> tunings;
+  if (tuning != "off") tunings.push_back(true);
+  if (tuning != "on") tunings.push_back(false);
   for (int n : submitters) {
-    const double now = RawThroughput(model, cores, best_batch, seconds, shape, best);
-    EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape, mode == "callbacks");
-    std::printf("  %9d  %8.1f  %5.3f  %7.1f  %6.3f  %10.2f  %7.2f  %7.2f\n", n, r.throughput, r.throughput / ceiling,
-                now, r.throughput / now, r.mean_batch, r.p50_ms, r.p99_ms);
-    std::fflush(stdout);
+    for (bool tuned : tunings) {
+      const double now = RawThroughput(model, cores, best_batch, seconds, shape, best);
+      EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape, mode == "callbacks", tuned);
+      std::printf("  %9d  %6s  %8.1f  %5.3f  %7.1f  %6.3f  %10.2f  %5lld  %7.2f  %7.2f\n", n, tuned ? "on" : "off",
+                  r.throughput, r.throughput / ceiling, now, r.throughput / now, r.mean_batch,
+                  static_cast<long long>(r.batch_limit), r.p50_ms, r.p99_ms);
+      std::fflush(stdout);
+    }
   }
   if (gain_submitters <= 0) return 0;
   EngineResult batched = EngineThroughput(model, max_batch, gain_submitters, seconds, shape, mode == "callbacks");

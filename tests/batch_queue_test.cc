@@ -73,6 +73,39 @@ TEST(BatchQueue, MaxBatchSizeCountsItems) {
   EXPECT_EQ(Ids(d.batch), (std::vector<int>{2, 3}));
 }
 
+TEST(BatchQueue, BatchLimitCapsBatchesAndSaysWhenItCutOne) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  EXPECT_EQ(q.batch_limit(), 8);
+  q.set_batch_limit(2);
+  for (int i = 1; i <= 5; ++i) Add(q, i, 0);
+  auto d = q.Next(0);  // the limit is reached: no waiting for the delay
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2}));
+  EXPECT_EQ(d.items, 2);
+  EXPECT_TRUE(d.capped);
+  d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{3, 4}));
+  d = q.Next(0);  // one left, under the limit: waits for the delay
+  EXPECT_TRUE(d.batch.empty());
+  d = q.Next(1000 * kUs);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{5}));
+  EXPECT_FALSE(d.capped);
+  // A request larger than the limit (but within max_batch_size) still runs, alone.
+  Add(q, 6, 0, {}, 3);
+  Add(q, 7, 0);
+  d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{6}));
+  EXPECT_EQ(d.items, 3);
+  EXPECT_TRUE(d.capped);
+  // The limit stays within [1, max_batch_size].
+  q.set_batch_limit(100);
+  EXPECT_EQ(q.batch_limit(), 8);
+  q.set_batch_limit(0);
+  EXPECT_EQ(q.batch_limit(), 1);
+}
+
 TEST(BatchQueue, OversizeRequestIsRejectedPermanently) {
   BatchQueueOptions o;
   o.max_batch_size = 4;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <future>
+#include <map>
 #include <mutex>
 
 namespace quern {
@@ -167,6 +168,62 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
   }
   EXPECT_EQ(started.load(), 1) << "the expired task never ran";
   release.set_value();
+}
+
+TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
+  // Each batch "runs" by moving the fake clock by its cost: 50 us per item at
+  // batch 2, more at every other size. The tuner measures those times.
+  FakeClock clock;
+  const std::map<int64_t, int64_t> per_item_us{{1, 100}, {2, 50}, {4, 80}, {8, 120}};
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.clock = &clock;
+  BatchSizeTunerOptions t;
+  t.candidates = {1, 2, 4, 8};
+  t.samples = 3;
+  t.min_phase_ns = 0;
+  t.interval = 2;
+  o.tuner = t;
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  Recorder rec;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        gate.wait();  // the whole queue is in place before the first batch runs
+        const auto n = static_cast<int64_t>(batch.size());
+        clock.AdvanceUs(per_item_us.at(n) * n);
+        std::lock_guard lock(rec.mu);
+        rec.batches.push_back(std::vector<int>(batch.size()));
+        rec.items += static_cast<int>(n);
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)->batch_limit(), 8);
+  constexpr int kTasks = 600;
+  for (int i = 0; i < kTasks; ++i) {
+    std::unique_ptr<BatchTask> task = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(task, {}).ok());
+  }
+  go.set_value();
+  rec.Wait(kTasks);
+  std::map<size_t, int> items_by_size;
+  for (const auto& batch : rec.batches) items_by_size[batch.size()] += static_cast<int>(batch.size());
+  EXPECT_GT(items_by_size[2], kTasks * 6 / 10)
+      << "items in batches of 1/2/4/8: " << items_by_size[1] << "/" << items_by_size[2] << "/" << items_by_size[4]
+      << "/" << items_by_size[8];
+}
+
+TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o, [](int, std::vector<std::unique_ptr<BatchTask>>&&) {}, [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)->batch_limit(), 8);
 }
 
 }  // namespace

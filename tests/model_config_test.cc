@@ -135,6 +135,31 @@ TEST(ModelConfig, BadFixedBatchSizesParameter) {
   EXPECT_NE(c.error().message().find("quern.fixed_batch_sizes"), std::string::npos) << c.error().message();
 }
 
+TEST(ModelConfig, BatchSizeTuningParameter) {
+  auto convert = [](const std::string& value) {
+    auto p = ParseModelConfigText(
+        "max_batch_size: 4 parameters { key: \"quern.batch_size_tuning\" value { string_value: \"" + value + "\" } }",
+        "m/config.pbtxt");
+    EXPECT_TRUE(p.has_value());
+    return ConvertModelConfig(*p, "m/config.pbtxt");
+  };
+  auto off = convert("off");
+  ASSERT_TRUE(off.has_value()) << off.error().ToString();
+  EXPECT_EQ(off->batch_size_tuning, std::optional<bool>(false));
+  auto on = convert("on");
+  ASSERT_TRUE(on.has_value()) << on.error().ToString();
+  EXPECT_EQ(on->batch_size_tuning, std::optional<bool>(true));
+  auto none = ConvertModelConfig(*ParseModelConfigText("max_batch_size: 4", "f"), "f");
+  ASSERT_TRUE(none.has_value());
+  EXPECT_FALSE(none->batch_size_tuning.has_value());
+  auto bad = convert("sometimes");
+  ASSERT_FALSE(bad.has_value());
+  const std::string msg = bad.error().message();
+  EXPECT_NE(msg.find("m/config.pbtxt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("quern.batch_size_tuning"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"sometimes\""), std::string::npos) << msg;
+}
+
 ModelConfig Minimal() {
   ModelConfig c;
   c.name = "m";

@@ -162,6 +162,9 @@ struct ModelStatistics {
   // timeout (deadline exceeded), invalid (bad input), backend (model error).
   uint64_t fail_rejected = 0, fail_cancelled = 0, fail_timeout = 0, fail_invalid = 0, fail_backend = 0;
   uint64_t pending = 0;  // requests queued now
+  // Largest batch formed now: max_batch_size, or less where the batch size
+  // tuner found a smaller batch faster (0 = the model does not batch).
+  int64_t batch_limit = 0;
   // Distributions, in microseconds (durations) and items (batch size).
   Histogram request_us{{100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000}};
   Histogram queue_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000, 100000, 500000, 1000000}};

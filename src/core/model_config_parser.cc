@@ -210,6 +210,16 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     if (!sizes) return Err(sizes.error());
     c.fixed_batch_sizes = std::move(*sizes);
   }
+  if (auto it = c.parameters.find(std::string(kBatchSizeTuningParam)); it != c.parameters.end()) {
+    if (it->second == "on" || it->second == "true") {
+      c.batch_size_tuning = true;
+    } else if (it->second == "off" || it->second == "false") {
+      c.batch_size_tuning = false;
+    } else {
+      return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
+                                 it->second + "\""));
+    }
+  }
   if (p.has_optimization() && p.optimization().has_graph()) {
     c.graph_optimization_level = p.optimization().graph().level();
   }

@@ -20,6 +20,9 @@ namespace quern {
 // unknown parameters, so the file stays loadable there):
 //   parameters { key: "quern.fixed_batch_sizes" value { string_value: "1,4,8" } }
 inline constexpr std::string_view kFixedBatchSizesParam = "quern.fixed_batch_sizes";
+// Turns the batch size tuner on or off ("on" / "off"):
+//   parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }
+inline constexpr std::string_view kBatchSizeTuningParam = "quern.batch_size_tuning";
 
 struct VersionPolicy {
   enum class Kind { kLatest, kAll, kSpecific };

@@ -153,6 +153,16 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
                                            static_cast<int64_t>(q.default_timeout_us) * 1000, q.allow_timeout_override,
                                            q.max_queue_size});
     }
+    if (c.max_batch_size > 1 && c.batch_size_tuning.value_or(b.preferred_batch_sizes.empty())) {
+      BatchSizeTunerOptions t;
+      if (!c.fixed_batch_sizes.empty()) {
+        t.candidates.assign(c.fixed_batch_sizes.begin(), c.fixed_batch_sizes.end());
+      } else {
+        for (int64_t s = 1; s < c.max_batch_size; s *= 2) t.candidates.push_back(s);
+        t.candidates.push_back(c.max_batch_size);
+      }
+      opts.tuner = std::move(t);
+    }
   } else if (c.max_batch_size > 0) {
     // No dynamic_batching: every request runs on its own.
     opts.queue.max_batch_size = 1;
@@ -505,6 +515,7 @@ ModelStatistics ServedModel::Statistics() const {
   s.name = config_.name;
   s.version = version_;
   s.pending = batcher_ ? batcher_->queued() : 0;
+  s.batch_limit = batcher_ && config_.max_batch_size > 0 ? batcher_->batch_limit() : 0;
   for (const auto& [size, b] : batch_stats_) s.batch_stats.push_back(b);
   return s;
 }

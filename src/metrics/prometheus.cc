@@ -77,6 +77,10 @@ std::string RenderPrometheus(const Engine& engine) {
   for (const auto& s : all) o << "quern_execution_count_total" << Labels(s) << " " << s.execution_count << "\n";
   Family(o, "quern_pending_requests", "gauge", "Requests waiting in the model's queue.");
   for (const auto& s : all) o << "quern_pending_requests" << Labels(s) << " " << s.pending << "\n";
+  Family(o, "quern_batch_size_limit", "gauge",
+         "Largest batch formed now: max_batch_size, or less where the batch size tuner found a smaller batch "
+         "faster.");
+  for (const auto& s : all) o << "quern_batch_size_limit" << Labels(s) << " " << s.batch_limit << "\n";
 
   struct H {
     const char* name;

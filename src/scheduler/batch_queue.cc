@@ -24,7 +24,7 @@ Result<BatchQueue> BatchQueue::Create(BatchQueueOptions options) {
   return BatchQueue(std::move(options));
 }
 
-BatchQueue::BatchQueue(BatchQueueOptions options) : options_(std::move(options)) {
+BatchQueue::BatchQueue(BatchQueueOptions options) : options_(std::move(options)), limit_(options_.max_batch_size) {
   levels_.resize(options_.priority_levels);
   for (size_t i = 0; i < levels_.size() && i < options_.level_policies.size(); ++i) {
     levels_[i].policy = options_.level_policies[i];
@@ -126,9 +126,10 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
   size_t preferred_prefix = 0;  // picks.size() when total last hit a preferred size
   bool blocked = false;         // a same-key task did not fit: stop there (keep order)
   const auto& pref = options_.preferred_batch_sizes;
+  const int64_t limit = limit_;
   for (Level& lv : levels_) {
     for (auto* q : {&lv.active, &lv.delayed}) {
-      for (size_t i = 0; i < q->size() && !blocked && total < options_.max_batch_size; ++i) {
+      for (size_t i = 0; i < q->size() && !blocked && total < limit; ++i) {
         const Entry& e = (*q)[i];
         if (picks.empty()) {
           key = e.task->batch_key();
@@ -137,7 +138,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
           continue;
         }
         const int64_t n = e.task->size();
-        if (total + n > options_.max_batch_size) {
+        if (total + n > limit && !picks.empty()) {
           blocked = true;
           break;
         }
@@ -150,7 +151,8 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
 
   size_t take = 0;
   const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns;
-  if (flush || total >= options_.max_batch_size || blocked || delay_over) {
+  const bool full = total >= limit || blocked;
+  if (flush || full || delay_over) {
     take = picks.size();
   } else if (preferred_prefix > 0) {
     take = preferred_prefix;
@@ -163,9 +165,13 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
     return d;
   }
 
+  d.capped = full && take == picks.size();
   picks.resize(take);
   d.batch.reserve(take);
-  for (const Pick& p : picks) d.batch.push_back(std::move((*p.q)[p.index].task));
+  for (const Pick& p : picks) {
+    d.items += (*p.q)[p.index].task->size();
+    d.batch.push_back(std::move((*p.q)[p.index].task));
+  }
   // Compact the queues: remove entries whose task was taken.
   for (Level& lv : levels_) {
     for (auto* q : {&lv.active, &lv.delayed}) {

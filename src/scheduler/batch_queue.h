@@ -11,6 +11,7 @@
 // takes the task only when it returns OK; Next hands tasks back to the caller.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -76,6 +77,10 @@ class BatchQueue {
     std::vector<Dropped> dropped;
     // When to call Next again if nothing changes; 0 = only after an Enqueue.
     int64_t wake_at_ns = 0;
+    // Items in `batch`, and whether the batch limit cut it short (more
+    // same-key work was waiting).
+    int64_t items = 0;
+    bool capped = false;
   };
 
   BatchQueue(BatchQueue&&) = default;
@@ -98,6 +103,11 @@ class BatchQueue {
   // Drops dead tasks and, if the policy says a batch should leave at `now`,
   // returns it. `flush` sends whatever is queued without waiting (shutdown).
   Decision Next(int64_t now_ns, bool flush = false);
+
+  // Largest batch Next forms, in [1, max_batch_size] (a batch tuner lowers
+  // it). A single task larger than the limit still leaves alone.
+  void set_batch_limit(int64_t limit) { limit_ = std::clamp<int64_t>(limit, 1, options_.max_batch_size); }
+  int64_t batch_limit() const { return limit_; }
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
@@ -130,6 +140,7 @@ class BatchQueue {
   BatchQueueOptions options_;
   std::vector<Level> levels_;
   size_t size_ = 0;
+  int64_t limit_ = 1;
 };
 
 }  // namespace quern

@@ -13,6 +13,10 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
   b->num_workers_ = options.num_workers;
+  if (options.tuner) {
+    b->tuner_.emplace(std::move(*options.tuner));
+    b->queue_.set_batch_limit(b->tuner_->limit());
+  }
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
     b->workers_.emplace_back([raw = b.get(), i] { raw->WorkerLoop(i); });
@@ -69,6 +73,11 @@ size_t DynamicBatcher::queued() const {
   return queue_.size();
 }
 
+int64_t DynamicBatcher::batch_limit() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.batch_limit();
+}
+
 void DynamicBatcher::WorkerLoop(int worker) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -82,9 +91,17 @@ void DynamicBatcher::WorkerLoop(int worker) {
       lock.unlock();
       if (more) cv_.notify_one();  // let another free instance take the next batch
       for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
-      if (!d.batch.empty()) processor_(worker, std::move(d.batch));
+      int64_t ran_ns = 0;
+      if (!d.batch.empty()) {
+        const int64_t start = clock_->NowNs();
+        processor_(worker, std::move(d.batch));
+        ran_ns = clock_->NowNs() - start;
+      }
       lock.lock();
       --busy_workers_;
+      if (tuner_ && d.items > 0 && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
+        queue_.set_batch_limit(tuner_->limit());
+      }
       continue;
     }
     if (d.wake_at_ns == 0) {

@@ -19,12 +19,14 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "quern/clock.h"
 #include "scheduler/batch_queue.h"
+#include "scheduler/batch_size_tuner.h"
 
 namespace quern {
 
@@ -34,6 +36,9 @@ struct DynamicBatcherOptions {
   int num_workers = 1;
   // Time source; null = the real clock.
   const Clock* clock = nullptr;
+  // When set, the batch size limit is tuned while the queue is saturated
+  // (see BatchSizeTuner); batch run times are taken with `clock`.
+  std::optional<BatchSizeTunerOptions> tuner;
 };
 
 class DynamicBatcher {
@@ -58,6 +63,8 @@ class DynamicBatcher {
   void Shutdown();
 
   size_t queued() const;
+  // The largest batch formed now (max_batch_size unless a tuner lowered it).
+  int64_t batch_limit() const;
 
   // How often the reaper looks for cancelled tasks while every worker is busy.
   static constexpr int kReapPollMs = 5;
@@ -77,9 +84,10 @@ class DynamicBatcher {
   DropHandler on_drop_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  BatchQueue queue_;       // guarded by mu_
-  bool stopping_ = false;  // guarded by mu_
-  int busy_workers_ = 0;   // guarded by mu_
+  BatchQueue queue_;                     // guarded by mu_
+  std::optional<BatchSizeTuner> tuner_;  // guarded by mu_
+  bool stopping_ = false;                // guarded by mu_
+  int busy_workers_ = 0;                 // guarded by mu_
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
   // so a saturated model does not wake it once per request. Guarded by mu_.

@@ -192,6 +192,9 @@ def test_prometheus_metrics(server):
     assert f'quern_inference_count_total{{model="linear",version="1"}} {stats["inference_count"]}' in text
     assert 'quern_request_duration_us_bucket{model="linear",version="1",le="+Inf"}' in text
     assert "process_cpu_seconds_total" in text
+    # An idle model forms batches up to max_batch_size (4 in slow_batch's config.pbtxt); 0 = does not batch.
+    assert 'quern_batch_size_limit{model="slow_batch",version="1"} 4\n' in text
+    assert 'quern_batch_size_limit{model="nobatch",version="1"} 0\n' in text
 
 
 def test_client_disconnect_cancels_the_queued_request(server):

@@ -1,0 +1,139 @@
+// BatchSizeTuner fed with synthetic cost curves: where it settles, how it
+// treats noise, an unsaturated queue and a cost curve that changes.
+#include "scheduler/batch_size_tuner.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+
+namespace quern {
+namespace {
+
+BatchSizeTunerOptions Fast(std::vector<int64_t> candidates) {
+  BatchSizeTunerOptions o;
+  o.candidates = std::move(candidates);
+  o.samples = 5;
+  o.min_phase_ns = 0;
+  o.interval = 4;
+  o.max_interval = 64;
+  return o;
+}
+
+// Runs `batches` saturated batches (each as large as the limit allows) whose
+// cost per item is `per_item(size)`; returns how often each limit was used.
+std::map<int64_t, int> RunSaturated(BatchSizeTuner& t, int batches, const std::function<double(int64_t)>& per_item) {
+  std::map<int64_t, int> used;
+  for (int i = 0; i < batches; ++i) {
+    const int64_t n = t.limit();
+    ++used[n];
+    t.Observe(n, static_cast<int64_t>(per_item(n) * static_cast<double>(n)), /*capped=*/true);
+  }
+  return used;
+}
+
+TEST(BatchSizeTuner, StartsAtTheLargestCandidate) {
+  BatchSizeTuner t(Fast({8, 1, 4, 2}));
+  EXPECT_EQ(t.limit(), 8);
+  EXPECT_EQ(t.settled_limit(), 8);
+}
+
+TEST(BatchSizeTuner, SettlesOnTheCheapestSizeBelowTheMaximum) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  const std::map<int64_t, double> cost{{1, 100}, {2, 90}, {4, 80}, {8, 120}};
+  RunSaturated(t, 200, [&](int64_t n) { return cost.at(n); });
+  EXPECT_EQ(t.settled_limit(), 4);
+  // Once settled, nearly every batch runs at the best size.
+  auto used = RunSaturated(t, 1000, [&](int64_t n) { return cost.at(n); });
+  EXPECT_GT(used[4], 900);
+}
+
+TEST(BatchSizeTuner, WalksAllTheWayDownWhenSmallerIsAlwaysCheaper) {
+  // A large model falling out of cache: batch 1 is 1.3x cheaper per item than 8.
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  RunSaturated(t, 300, [](int64_t n) { return 1000.0 + 40.0 * static_cast<double>(n); });
+  EXPECT_EQ(t.settled_limit(), 1);
+}
+
+TEST(BatchSizeTuner, StaysAtTheMaximumWhenItIsCheapestAndProbesLessOften) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8, 16, 32}));
+  auto cost = [](int64_t n) { return 100.0 + 800.0 / static_cast<double>(n); };  // per-call overhead
+  RunSaturated(t, 200, cost);
+  EXPECT_EQ(t.settled_limit(), 32);
+  auto used = RunSaturated(t, 5000, cost);
+  // Probes are spaced out to max_interval (64 batches): at most ~15% of batches probe.
+  EXPECT_GT(used[32], 4250);
+}
+
+TEST(BatchSizeTuner, DifferencesWithinTheMarginDoNotMoveIt) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  const std::map<int64_t, double> cost{{1, 101}, {2, 100}, {4, 99}, {8, 100}};  // within 3%
+  RunSaturated(t, 2000, [&](int64_t n) { return cost.at(n); });
+  EXPECT_EQ(t.settled_limit(), 8);
+}
+
+TEST(BatchSizeTuner, OutliersDoNotDecide) {
+  // Every fourth batch is preempted and takes 50x longer; the median ignores it.
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  const std::map<int64_t, double> cost{{1, 300}, {2, 200}, {4, 100}, {8, 150}};
+  int i = 0;
+  for (int k = 0; k < 400; ++k) {
+    const int64_t n = t.limit();
+    const double c = cost.at(n) * (++i % 4 == 0 ? 50 : 1);
+    t.Observe(n, static_cast<int64_t>(c * static_cast<double>(n)), true);
+  }
+  EXPECT_EQ(t.settled_limit(), 4);
+}
+
+TEST(BatchSizeTuner, UncappedBatchesNeverStartAProbe) {
+  // Light load: batches are smaller than the limit because the queue is short.
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  for (int i = 0; i < 1000; ++i) {
+    EXPECT_FALSE(t.Observe(1 + i % 3, 10, /*capped=*/false));
+    EXPECT_EQ(t.limit(), 8);
+  }
+}
+
+TEST(BatchSizeTuner, AProbeTheQueueCannotFillIsAbandoned) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  // Saturated at 8 until the tuner starts a probe at 4.
+  int steps = 0;
+  while (t.limit() == 8 && steps++ < 100) t.Observe(8, 8000, true);
+  ASSERT_EQ(t.limit(), 4);
+  // Load drops: batches no longer reach the probe size.
+  bool back = false;
+  for (int i = 0; i < 200 && !back; ++i) back = t.Observe(1, 10, false);
+  EXPECT_TRUE(back);
+  EXPECT_EQ(t.limit(), 8);
+  EXPECT_EQ(t.settled_limit(), 8);
+}
+
+TEST(BatchSizeTuner, FollowsACostCurveThatChanges) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  RunSaturated(t, 300, [](int64_t n) { return 100.0 + 20.0 * static_cast<double>(n); });
+  ASSERT_EQ(t.settled_limit(), 1);
+  // Another model starts sharing the cores and per-call overhead now dominates.
+  RunSaturated(t, 3000, [](int64_t n) { return 100.0 + 1000.0 / static_cast<double>(n); });
+  EXPECT_EQ(t.settled_limit(), 8);
+}
+
+TEST(BatchSizeTuner, RequestsOfSeveralItemsCountForTheLimitTheyFilled) {
+  // Requests of 3 items under a limit of 8 make capped batches of 6.
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  const std::map<int64_t, double> cost{{3, 60}, {6, 100}};
+  for (int i = 0; i < 400; ++i) {
+    // Whole requests of 3; under a limit below 3 a request still leaves alone.
+    const int64_t n = std::max<int64_t>(3, (t.limit() / 3) * 3);
+    t.Observe(n, static_cast<int64_t>(cost.at(n) * static_cast<double>(n)), true);
+  }
+  EXPECT_EQ(t.settled_limit(), 4);  // limit 4 forms batches of 3, the cheapest
+}
+
+TEST(BatchSizeTuner, ASingleCandidateNeverChanges) {
+  BatchSizeTuner t(Fast({4}));
+  for (int i = 0; i < 500; ++i) EXPECT_FALSE(t.Observe(4, 100 + i, true));
+  EXPECT_EQ(t.limit(), 4);
+}
+
+}  // namespace
+}  // namespace quern
