@@ -85,12 +85,39 @@ TEST(BatchSizeTuner, OutliersDoNotDecide) {
   EXPECT_EQ(t.settled_limit(), 4);
 }
 
-TEST(BatchSizeTuner, UncappedBatchesNeverStartAProbe) {
-  // Light load: batches are smaller than the limit because the queue is short.
+TEST(BatchSizeTuner, LightLoadNeverStartsAProbe) {
+  // Single requests that find the queue empty: nothing a limit could change.
   BatchSizeTuner t(Fast({1, 2, 4, 8}));
   for (int i = 0; i < 1000; ++i) {
-    EXPECT_FALSE(t.Observe(1 + i % 3, 10, /*capped=*/false));
+    EXPECT_FALSE(t.Observe(1, 10 + i % 7, /*capped=*/false));
     EXPECT_EQ(t.limit(), 8);
+  }
+}
+
+TEST(BatchSizeTuner, BatchesSmallerThanTheLimitAreTunedToo) {
+  // Moderate load: three requests wait whenever an instance frees up, so
+  // batches of 3 form under a limit of 8. Batch 2 is the cheapest per item.
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  const std::map<int64_t, double> cost{{1, 70}, {2, 60}, {3, 100}};
+  for (int i = 0; i < 500; ++i) {
+    const int64_t n = std::min<int64_t>(3, t.limit());
+    t.Observe(n, static_cast<int64_t>(cost.at(n) * static_cast<double>(n)), /*capped=*/3 > t.limit());
+  }
+  EXPECT_EQ(t.settled_limit(), 2);
+}
+
+TEST(BatchSizeTuner, NeverProbesAboveALimitTheQueueDoesNotFill) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  // Saturated, batch 4 cheapest: the limit settles at 4.
+  const std::map<int64_t, double> saturated{{1, 100}, {2, 100}, {4, 50}, {8, 100}};
+  RunSaturated(t, 300, [&](int64_t n) { return saturated.at(n); });
+  ASSERT_EQ(t.settled_limit(), 4);
+  // Now only three requests wait at a time: batches of 3 that the limit does
+  // not cut. A larger limit would change nothing, so it is never tried.
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_LE(t.limit(), 4);
+    const int64_t n = std::min<int64_t>(3, t.limit());
+    t.Observe(n, 300 * n, 3 > t.limit());
   }
 }
 

@@ -19,6 +19,13 @@ BatchSizeTuner::BatchSizeTuner(BatchSizeTunerOptions options) : options_(std::mo
   options_.max_interval = std::max(options_.max_interval, options_.interval);
   current_ = static_cast<int>(candidates_.size()) - 1;
   interval_ = options_.interval;
+  landed_.assign(candidates_.size(), 0);
+}
+
+void BatchSizeTuner::Sample::Add(int64_t items, int64_t ns, bool was_capped) {
+  per_item_ns.push_back(static_cast<double>(ns) / static_cast<double>(items));
+  total_ns += ns;
+  if (was_capped) ++capped;
 }
 
 bool BatchSizeTuner::PhaseDone(const Sample& s) const {
@@ -33,44 +40,59 @@ double BatchSizeTuner::Median(std::vector<double> v) {
   return *mid;
 }
 
-bool BatchSizeTuner::Matches(int64_t items, int index) const {
-  const auto i = static_cast<size_t>(index);
-  return items <= candidates_[i] && (i == 0 || items > candidates_[i - 1]);
+int BatchSizeTuner::Bucket(int64_t items) const {
+  auto it = std::lower_bound(candidates_.begin(), candidates_.end(), items);
+  if (it == candidates_.end()) return static_cast<int>(candidates_.size());  // above every candidate
+  return static_cast<int>(it - candidates_.begin());
 }
 
-int BatchSizeTuner::NextProbe() const {
-  const int n = static_cast<int>(candidates_.size());
-  for (int dir : {direction_, -direction_}) {
-    const int i = current_ + dir;
-    if (i >= 0 && i < n) return i;
-  }
-  return -1;
+bool BatchSizeTuner::CanProbeFrom(int b, bool capped_at_limit) const {
+  if (b > current_) return false;  // a lone request larger than the limit
+  if (b > 0) return true;          // a smaller limit would cut these batches
+  return b == current_ && capped_at_limit && current_ + 1 < static_cast<int>(candidates_.size());
+}
+
+void BatchSizeTuner::ToSteady() {
+  phase_ = Phase::kSteady;
+  std::fill(landed_.begin(), landed_.end(), 0);
 }
 
 bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
+  if (items < 1) return false;
   ns = std::max<int64_t>(ns, 0);
+  const int b = Bucket(items);
   switch (phase_) {
     case Phase::kSteady:
-      if (capped && Matches(items, current_) && ++waited_ >= interval_) {
+      if (CanProbeFrom(b, capped) && ++landed_[static_cast<size_t>(b)] >= interval_) {
+        operating_ = b;
         phase_ = Phase::kBaseline;
         baseline_.Clear();
       }
       return false;
 
     case Phase::kBaseline: {
-      if (!capped || !Matches(items, current_)) return false;
-      baseline_.per_item_ns.push_back(static_cast<double>(ns) / static_cast<double>(items));
-      baseline_.total_ns += ns;
+      if (b != operating_) return false;
+      baseline_.Add(items, ns, capped);
       if (!PhaseDone(baseline_)) return false;
       baseline_cost_ = Median(baseline_.per_item_ns);
-      probe_ = NextProbe();
-      if (probe_ < 0) {  // a single candidate: nothing to tune
-        phase_ = Phase::kSteady;
-        waited_ = 0;
-        interval_ = options_.max_interval;
+      // Down: a smaller limit cuts these batches. Up: only when the limit
+      // itself cut most of them short.
+      const int down = operating_ - 1;
+      const bool up_ok = operating_ == current_ && current_ + 1 < static_cast<int>(candidates_.size()) &&
+                         2 * baseline_.capped >= static_cast<int>(baseline_.per_item_ns.size());
+      int pick = -1;
+      for (int dir : {direction_, -direction_}) {
+        if (dir < 0 && down >= 0) pick = down;
+        if (dir > 0 && up_ok) pick = current_ + 1;
+        if (pick >= 0) break;
+      }
+      if (pick < 0) {
+        if (++failures_ >= 2) interval_ = std::min(interval_ * 2, options_.max_interval);
+        ToSteady();
         return false;
       }
-      direction_ = probe_ > current_ ? 1 : -1;
+      direction_ = pick > operating_ ? 1 : -1;
+      probe_ = pick;
       phase_ = Phase::kProbe;
       probe_sample_.Clear();
       probe_misses_ = 0;
@@ -78,45 +100,46 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
     }
 
     case Phase::kProbe: {
-      if (!capped || !Matches(items, probe_)) {
+      if (b != probe_) {
         // Batches formed before the probe began, or a queue that no longer
         // fills the probe size: give up after a while (not a failure).
         if (++probe_misses_ > 4 * options_.samples + 16) {
           direction_ = -direction_;
-          phase_ = Phase::kSteady;
-          waited_ = 0;
+          ToSteady();
           return true;
         }
         return false;
       }
-      probe_sample_.per_item_ns.push_back(static_cast<double>(ns) / static_cast<double>(items));
-      probe_sample_.total_ns += ns;
+      probe_sample_.Add(items, ns, capped);
       if (!PhaseDone(probe_sample_)) return false;
       const double cost = Median(probe_sample_.per_item_ns);
       if (cost < baseline_cost_ * (1.0 - options_.margin)) {
         // Better: take it and try the next size the same way at once, with
         // this probe's cost as the baseline.
         current_ = probe_;
+        operating_ = probe_;
         failures_ = 0;
         interval_ = options_.interval;
         baseline_cost_ = cost;
         const int next = current_ + direction_;
-        if (next >= 0 && next < static_cast<int>(candidates_.size())) {
+        const bool next_ok = direction_ < 0
+                                 ? next >= 0
+                                 : next < static_cast<int>(candidates_.size()) &&
+                                       2 * probe_sample_.capped >= static_cast<int>(probe_sample_.per_item_ns.size());
+        if (next_ok) {
           probe_ = next;
           probe_sample_.Clear();
           probe_misses_ = 0;
           return true;
         }
-        phase_ = Phase::kSteady;
-        waited_ = 0;
+        ToSteady();
         return false;  // the probe size is now the settled limit
       }
       // Not better: back to the settled limit; the other direction next time,
-      // and after both failed, wait longer before probing again.
+      // and after two failures in a row, wait longer before probing again.
       direction_ = -direction_;
       if (++failures_ >= 2) interval_ = std::min(interval_ * 2, options_.max_interval);
-      phase_ = Phase::kSteady;
-      waited_ = 0;
+      ToSteady();
       return true;
     }
   }

@@ -1,16 +1,20 @@
-// BatchSizeTuner: finds, while a model is saturated, the batch size limit at
-// which its instances compute the most items per second.
+// BatchSizeTuner: finds the batch size limit at which a busy model's
+// instances compute the most items per second.
 //
 // The largest batch is not always the fastest: on a CPU a large batch can
-// fall out of cache (a 640x640 detector runs 1.3x faster per image at batch 1
-// than at batch 8), and one instance per core already keeps every core busy.
-// The tuner only acts on batches that the limit cut short (the queue held
-// more): those are the ones the limit decides. It hill-climbs over candidate
-// sizes with paired measurements: the per-item cost at the current limit,
-// measured again right before each probe, against the cost at a neighbouring
-// candidate. It moves when the neighbour is cheaper by `margin`, keeps going
-// in that direction, and spaces out probes (up to `max_interval` batches)
-// while they keep failing, so a model at its best pays little for probing.
+// fall out of cache (a 640x640 detector runs 1.5x more images per second at
+// batch 1 than at batch 8), and one instance per core already keeps every
+// core busy. Candidate sizes split batches into buckets (size in (c[i-1],
+// c[i]]). The tuner watches where batches land: once `interval` batches land
+// in one bucket it measures them (the baseline), then probes a neighbour by
+// moving the limit: one size down (batches would be cut smaller), or one size
+// up when the limit itself cut the batches short (the queue held more). The
+// comparison is paired (baseline re-measured right before each probe, median
+// time per item); the probe is kept when it is cheaper by `margin`, and the
+// tuner goes on in that direction. Probes that fail flip the direction and,
+// two in a row, space the next ones out (up to `max_interval` batches), so a
+// model at its best size pays little for probing. Batches of a light load
+// (smaller than the limit, in the lowest bucket) never start a probe.
 //
 // Pure logic with no clock or threads; the caller serialises access.
 #pragma once
@@ -22,15 +26,16 @@
 namespace quern {
 
 struct BatchSizeTunerOptions {
-  // Sizes the limit may take, ascending; the last one is the starting limit.
+  // Sizes the limit may take (sorted and deduplicated); the largest is the
+  // starting limit.
   std::vector<int64_t> candidates;
   // Batches measured per phase (baseline, probe), and at least this much
   // batch time in total, so that tiny batches are not judged on a few
   // microseconds.
   int samples = 8;
   int64_t min_phase_ns = 20'000'000;
-  // Capped batches at the current limit between probes: at first and after a
-  // move, and the most it grows to while probes fail.
+  // Batches in one bucket before a probe: at first and after a move, and the
+  // most it grows to while probes fail.
   int interval = 16;
   int max_interval = 4096;
   // A neighbour must be this much cheaper per item to be taken.
@@ -41,9 +46,9 @@ class BatchSizeTuner {
  public:
   explicit BatchSizeTuner(BatchSizeTunerOptions options);
 
-  // The limit to form batches with now.
+  // The limit to form batches with now (a probe's size while one runs).
   int64_t limit() const { return candidates_[static_cast<std::size_t>(phase_ == Phase::kProbe ? probe_ : current_)]; }
-  // The limit the tuner has settled on (not a probe in progress).
+  // The limit the tuner has settled on.
   int64_t settled_limit() const { return candidates_[static_cast<std::size_t>(current_)]; }
 
   // Reports one executed batch: `items` in it, `ns` it took, `capped` when
@@ -56,27 +61,31 @@ class BatchSizeTuner {
   struct Sample {
     std::vector<double> per_item_ns;
     int64_t total_ns = 0;
+    int capped = 0;
     void Clear() {
       per_item_ns.clear();
       total_ns = 0;
+      capped = 0;
     }
+    void Add(int64_t items, int64_t ns, bool was_capped);
   };
   bool PhaseDone(const Sample& s) const;
-  // Whether a capped batch of `items` was formed under candidates_[index]
-  // (requests of several items can stop a batch short of the limit).
-  bool Matches(int64_t items, int index) const;
   static double Median(std::vector<double> v);
-  // Picks the neighbour to probe next, or -1 when there is none.
-  int NextProbe() const;
+  // The bucket a batch of `items` falls in.
+  int Bucket(int64_t items) const;
+  // Whether a probe could start from batches in bucket `b`.
+  bool CanProbeFrom(int b, bool capped_at_limit) const;
+  void ToSteady();
 
   BatchSizeTunerOptions options_;
   std::vector<int64_t> candidates_;
-  int current_ = 0;  // index into candidates_
+  int current_ = 0;    // index into candidates_: the settled limit
+  int operating_ = 0;  // the bucket being measured (baseline)
   int probe_ = 0;
   Phase phase_ = Phase::kSteady;
   int direction_ = -1;  // -1 = probe a smaller size next, +1 = larger
-  int interval_ = 0;    // capped batches to wait before the next probe
-  int waited_ = 0;      // capped batches seen in kSteady
+  int interval_ = 0;
+  std::vector<int> landed_;  // kSteady: batches per bucket since the last phase
   int probe_misses_ = 0;
   int failures_ = 0;  // probes in a row that found nothing better
   Sample baseline_, probe_sample_;
