@@ -283,9 +283,10 @@ def test_stream_results_and_one_round_trip_per_batch(repo, redis_server):
         status, _, data = q.request("GET", "/v2/models/slow_batch/stats")
         batches = json.loads(data)["model_stats"][0]["execution_count"]
         # Two full batches of 4 ran at once (no 1 s wait) and each wrote its results and acks in
-        # one MULTI/EXEC: 8 SETs and 8 XACKs in 2 transactions.
+        # one MULTI/EXEC: 8 SETs and 8 XACKs in at most 2 transactions (two batches that finish
+        # together on the two instances may share one: the store commits what is queued at once).
         assert batches == 2
-        assert after.get("exec", 0) - before.get("exec", 0) == batches
+        assert 1 <= after.get("exec", 0) - before.get("exec", 0) <= batches
         assert after.get("set", 0) - before.get("set", 0) == 8
         assert after.get("xack", 0) - before.get("xack", 0) == 8
         assert q.metric('quern_stream_entries_total{outcome="done"}') == 8
