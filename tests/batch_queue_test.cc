@@ -106,6 +106,36 @@ TEST(BatchQueue, BatchLimitCapsBatchesAndSaysWhenItCutOne) {
   EXPECT_EQ(q.batch_limit(), 1);
 }
 
+TEST(BatchQueue, WithoutADelayFreeInstancesShareTheQueue) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  BatchQueue q = MakeQueue(o);
+  for (int i = 1; i <= 7; ++i) Add(q, i, 0);
+  auto d = q.Next(0, false, /*free_workers=*/2);  // two instances free: this one takes its half
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_FALSE(d.capped) << "cut by sharing, not by the batch limit";
+  d = q.Next(0, false, 1);  // the other takes the rest
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{5, 6, 7}));
+  // Requests of several items: shares count items.
+  Add(q, 8, 0, {}, 3);
+  Add(q, 9, 0, {}, 3);
+  d = q.Next(0, false, 2);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{8}));
+  EXPECT_EQ(q.Next(0, false, 2).items, 3);
+}
+
+TEST(BatchQueue, WithADelayBatchesAreNotShared) {
+  // A batching delay asks for fuller batches: free instances do not split them.
+  BatchQueueOptions o;
+  o.max_batch_size = 4;
+  o.max_queue_delay_ns = 100 * kUs;
+  BatchQueue q = MakeQueue(o);
+  for (int i = 1; i <= 4; ++i) Add(q, i, 0);
+  auto d = q.Next(0, false, 2);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_TRUE(d.capped);
+}
+
 TEST(BatchQueue, OversizeRequestIsRejectedPermanently) {
   BatchQueueOptions o;
   o.max_batch_size = 4;

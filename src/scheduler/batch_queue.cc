@@ -62,6 +62,7 @@ Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptio
   e.task = std::move(task);
   lv.active.push_back(std::move(e));
   ++size_;
+  items_ += n;
   return Status::Ok();
 }
 
@@ -77,11 +78,13 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
       for (auto it = q.begin(); it != q.end(); ++it) {
         Entry& e = *it;
         if (e.task->cancelled()) {
+          items_ -= e.task->size();
           dropped.push_back({std::move(e.task), Cancelled("request was cancelled while queued")});
           --size_;
           continue;
         }
         if (e.deadline_ns > 0 && now_ns >= e.deadline_ns) {
+          items_ -= e.task->size();
           dropped.push_back({std::move(e.task), DeadlineExceeded("request deadline passed while queued")});
           --size_;
           continue;
@@ -90,6 +93,7 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
           if (lv.policy.delay_on_timeout) {
             lv.delayed.push_back(std::move(e));
           } else {
+            items_ -= e.task->size();
             dropped.push_back(
                 {std::move(e.task), DeadlineExceeded("request timed out in the queue after " +
                                                      std::to_string((now_ns - e.enqueue_ns) / 1000) + " us")});
@@ -108,7 +112,7 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
   return next;
 }
 
-BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
+BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_workers) {
   Decision d;
   const int64_t next_deadline = Sweep(now_ns, d.dropped);
   if (size_ == 0) return d;
@@ -126,7 +130,12 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
   size_t preferred_prefix = 0;  // picks.size() when total last hit a preferred size
   bool blocked = false;         // a same-key task did not fit: stop there (keep order)
   const auto& pref = options_.preferred_batch_sizes;
-  const int64_t limit = limit_;
+  // Without a batching delay, what is queued is shared among the instances
+  // free now: one instance taking it all would leave the others idle.
+  int64_t limit = limit_;
+  if (free_workers > 1 && options_.max_queue_delay_ns == 0 && !flush) {
+    limit = std::min(limit, std::max<int64_t>(1, (items_ + free_workers - 1) / free_workers));
+  }
   for (Level& lv : levels_) {
     for (auto* q : {&lv.active, &lv.delayed}) {
       for (size_t i = 0; i < q->size() && !blocked && total < limit; ++i) {
@@ -152,6 +161,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
   size_t take = 0;
   const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns;
   const bool full = total >= limit || blocked;
+  const bool cut_by_limit = limit == limit_ && full;
   if (flush || full || delay_over) {
     take = picks.size();
   } else if (preferred_prefix > 0) {
@@ -165,7 +175,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
     return d;
   }
 
-  d.capped = full && take == picks.size();
+  d.capped = cut_by_limit && take == picks.size();
   picks.resize(take);
   d.batch.reserve(take);
   for (const Pick& p : picks) {
@@ -179,6 +189,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush) {
     }
   }
   size_ -= take;
+  items_ -= d.items;
   if (size_ > 0) d.wake_at_ns = now_ns;  // more may be ready at once
   return d;
 }

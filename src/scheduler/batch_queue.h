@@ -102,7 +102,10 @@ class BatchQueue {
 
   // Drops dead tasks and, if the policy says a batch should leave at `now`,
   // returns it. `flush` sends whatever is queued without waiting (shutdown).
-  Decision Next(int64_t now_ns, bool flush = false);
+  // `free_workers` instances (the caller included) are free to run batches
+  // now: with no batching delay, the batch takes only its share of the
+  // queued items so that the others get the rest.
+  Decision Next(int64_t now_ns, bool flush = false, int free_workers = 1);
 
   // Largest batch Next forms, in [1, max_batch_size] (a batch tuner lowers
   // it). A single task larger than the limit still leaves alone.
@@ -140,6 +143,7 @@ class BatchQueue {
   BatchQueueOptions options_;
   std::vector<Level> levels_;
   size_t size_ = 0;
+  int64_t items_ = 0;  // items in the queued tasks
   int64_t limit_ = 1;
 };
 

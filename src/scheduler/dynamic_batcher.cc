@@ -83,7 +83,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
   while (true) {
     if (stopping_ && queue_.empty()) break;
     const int64_t now = clock_->NowNs();
-    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_);
+    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, num_workers_ - busy_workers_);
     if (!d.batch.empty() || !d.dropped.empty()) {
       const bool more = !queue_.empty();
       ++busy_workers_;

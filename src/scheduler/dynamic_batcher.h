@@ -1,7 +1,10 @@
 // DynamicBatcher: a BatchQueue served by N worker threads, one per model
 // instance. A worker that is free asks the queue for the next batch, so a
 // formed batch never waits while an instance is idle and load spreads to
-// whichever instance finishes first (least-loaded dispatch).
+// whichever instance finishes first (least-loaded dispatch). Without a
+// batching delay, a worker that finds other instances free takes only its
+// share of the queue and wakes one of them for the rest, so a burst does not
+// run as one batch on one core while the others idle.
 //
 // Knows nothing of models or transports: batches leave through the
 // BatchProcessor callback (run on the worker that took the batch) and dead
