@@ -27,7 +27,7 @@ for m in small_cnn resnet50; do
   out=$(build/$PRESET/bench/engine_bench --model "bench/models/$m/1/model.onnx" --seconds "$SECS" "${args[@]}" \
         --submitters 64 --gain-submitters 0)
   XSTAR[$m]=$(echo "$out" | awk '/ceiling X\*/ {print $4}')
-  ENGINE[$m]=$(echo "$out" | awk '$1 == "64" {print $2}')
+  ENGINE[$m]=$(echo "$out" | awk '$1 == "64" {print $3}')
   echo "$m: X* ${XSTAR[$m]} items/s, Engine-direct ${ENGINE[$m]} items/s at 64 in flight"
 done
 
