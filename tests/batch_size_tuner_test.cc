@@ -121,6 +121,21 @@ TEST(BatchSizeTuner, NeverProbesAboveALimitTheQueueDoesNotFill) {
   }
 }
 
+TEST(BatchSizeTuner, ABaselineTheLoadLeftIsDropped) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  // Saturated long enough to start measuring batches of 8 ...
+  for (int i = 0; i < 6; ++i) t.Observe(8, 800, true);
+  // ... then the load falls away, and later settles at batches of 3 under
+  // the limit of 8, where batch 2 would be cheaper.
+  for (int i = 0; i < 200; ++i) t.Observe(1, 100, false);
+  const std::map<int64_t, double> cost{{1, 70}, {2, 60}, {3, 100}};
+  for (int i = 0; i < 500; ++i) {
+    const int64_t n = std::min<int64_t>(3, t.limit());
+    t.Observe(n, static_cast<int64_t>(cost.at(n) * static_cast<double>(n)), 3 > t.limit());
+  }
+  EXPECT_EQ(t.settled_limit(), 2);
+}
+
 TEST(BatchSizeTuner, AProbeTheQueueCannotFillIsAbandoned) {
   BatchSizeTuner t(Fast({1, 2, 4, 8}));
   // Saturated at 8 until the tuner starts a probe at 4.

@@ -67,11 +67,16 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         operating_ = b;
         phase_ = Phase::kBaseline;
         baseline_.Clear();
+        baseline_misses_ = 0;
       }
       return false;
 
     case Phase::kBaseline: {
-      if (b != operating_) return false;
+      if (b != operating_) {
+        // The load moved to another bucket: start over from there.
+        if (++baseline_misses_ > 4 * options_.samples + 16) ToSteady();
+        return false;
+      }
       baseline_.Add(items, ns, capped);
       if (!PhaseDone(baseline_)) return false;
       baseline_cost_ = Median(baseline_.per_item_ns);

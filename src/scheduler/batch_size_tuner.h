@@ -87,6 +87,7 @@ class BatchSizeTuner {
   int interval_ = 0;
   std::vector<int> landed_;  // kSteady: batches per bucket since the last phase
   int probe_misses_ = 0;
+  int baseline_misses_ = 0;
   int failures_ = 0;  // probes in a row that found nothing better
   Sample baseline_, probe_sample_;
   double baseline_cost_ = 0;
