@@ -2,7 +2,7 @@
 // instances compute the most items per second.
 //
 // The largest batch is not always the fastest: on a CPU a large batch can
-// fall out of cache (a 640x640 detector runs 1.5x more images per second at
+// fall out of cache (a 640x640 detector runs 1.2-1.3x more images per second at
 // batch 1 than at batch 8), and one instance per core already keeps every
 // core busy. Candidate sizes split batches into buckets (size in (c[i-1],
 // c[i]]). The tuner watches where batches land: once `interval` batches land
