@@ -97,8 +97,8 @@ struct ModelConfig {
   // padded up to the next size and the padding rows are dropped from the
   // outputs. Empty = any size up to max_batch_size.
   std::vector<int> fixed_batch_sizes;
-  // Quern: whether the dynamic batcher tunes its batch size limit while the
-  // queue is saturated, to the size with the most items per second
+  // Quern: whether the dynamic batcher tunes its batch size limit under
+  // load, to the size with the most items per second
   // (parameter quern.batch_size_tuning "on" / "off"). Unset = on unless
   // preferred_batch_size is given.
   std::optional<bool> batch_size_tuning;

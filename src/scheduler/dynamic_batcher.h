@@ -39,8 +39,8 @@ struct DynamicBatcherOptions {
   int num_workers = 1;
   // Time source; null = the real clock.
   const Clock* clock = nullptr;
-  // When set, the batch size limit is tuned while the queue is saturated
-  // (see BatchSizeTuner); batch run times are taken with `clock`.
+  // When set, the batch size limit is tuned under load (see
+  // BatchSizeTuner); batch run times are taken with `clock`.
   std::optional<BatchSizeTunerOptions> tuner;
 };
 
