@@ -9,6 +9,10 @@ namespace {
 constexpr size_t kMaxPhaseSamples = 8192;
 }  // namespace
 
+int BatchSizeTuner::MissBudget() const {
+  return 4 * options_.samples + 16;
+}
+
 BatchSizeTuner::BatchSizeTuner(BatchSizeTunerOptions options) : options_(std::move(options)) {
   candidates_ = options_.candidates;
   std::sort(candidates_.begin(), candidates_.end());
@@ -22,6 +26,10 @@ BatchSizeTuner::BatchSizeTuner(BatchSizeTunerOptions options) : options_(std::mo
   landed_.assign(candidates_.size(), 0);
 }
 
+bool BatchSizeTuner::Sample::MostlyCapped() const {
+  return 2 * capped >= static_cast<int>(per_item_ns.size());
+}
+
 void BatchSizeTuner::Sample::Add(int64_t items, int64_t ns, bool was_capped) {
   per_item_ns.push_back(static_cast<double>(ns) / static_cast<double>(items));
   total_ns += ns;
@@ -33,7 +41,7 @@ bool BatchSizeTuner::PhaseDone(const Sample& s) const {
   return s.per_item_ns.size() >= static_cast<size_t>(options_.samples) && s.total_ns >= options_.min_phase_ns;
 }
 
-double BatchSizeTuner::Median(std::vector<double> v) {
+double BatchSizeTuner::Median(std::vector<double>& v) {
   if (v.empty()) return 0;
   auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
   std::nth_element(v.begin(), mid, v.end());
@@ -57,6 +65,17 @@ void BatchSizeTuner::ToSteady() {
   std::fill(landed_.begin(), landed_.end(), 0);
 }
 
+void BatchSizeTuner::StartProbe(int index) {
+  probe_ = index;
+  phase_ = Phase::kProbe;
+  probe_sample_.Clear();
+  misses_ = 0;
+}
+
+void BatchSizeTuner::NoteFailure() {
+  if (++failures_ >= 2) interval_ = std::min(interval_ * 2, options_.max_interval);
+}
+
 bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
   if (items < 1) return false;
   ns = std::max<int64_t>(ns, 0);
@@ -67,14 +86,14 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         operating_ = b;
         phase_ = Phase::kBaseline;
         baseline_.Clear();
-        baseline_misses_ = 0;
+        misses_ = 0;
       }
       return false;
 
     case Phase::kBaseline: {
       if (b != operating_) {
         // The load moved to another bucket: start over from there.
-        if (++baseline_misses_ > 4 * options_.samples + 16) ToSteady();
+        if (++misses_ > MissBudget()) ToSteady();
         return false;
       }
       baseline_.Add(items, ns, capped);
@@ -83,8 +102,8 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       // Down: a smaller limit cuts these batches. Up: only when the limit
       // itself cut most of them short.
       const int down = operating_ - 1;
-      const bool up_ok = operating_ == current_ && current_ + 1 < static_cast<int>(candidates_.size()) &&
-                         2 * baseline_.capped >= static_cast<int>(baseline_.per_item_ns.size());
+      const bool up_ok =
+          operating_ == current_ && current_ + 1 < static_cast<int>(candidates_.size()) && baseline_.MostlyCapped();
       int pick = -1;
       for (int dir : {direction_, -direction_}) {
         if (dir < 0 && down >= 0) pick = down;
@@ -92,15 +111,12 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         if (pick >= 0) break;
       }
       if (pick < 0) {
-        if (++failures_ >= 2) interval_ = std::min(interval_ * 2, options_.max_interval);
+        NoteFailure();
         ToSteady();
         return false;
       }
       direction_ = pick > operating_ ? 1 : -1;
-      probe_ = pick;
-      phase_ = Phase::kProbe;
-      probe_sample_.Clear();
-      probe_misses_ = 0;
+      StartProbe(pick);
       return true;
     }
 
@@ -108,7 +124,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       if (b != probe_) {
         // Batches formed before the probe began, or a queue that no longer
         // fills the probe size: give up after a while (not a failure).
-        if (++probe_misses_ > 4 * options_.samples + 16) {
+        if (++misses_ > MissBudget()) {
           direction_ = -direction_;
           ToSteady();
           return true;
@@ -127,14 +143,10 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         interval_ = options_.interval;
         baseline_cost_ = cost;
         const int next = current_ + direction_;
-        const bool next_ok = direction_ < 0
-                                 ? next >= 0
-                                 : next < static_cast<int>(candidates_.size()) &&
-                                       2 * probe_sample_.capped >= static_cast<int>(probe_sample_.per_item_ns.size());
+        const bool next_ok =
+            direction_ < 0 ? next >= 0 : next < static_cast<int>(candidates_.size()) && probe_sample_.MostlyCapped();
         if (next_ok) {
-          probe_ = next;
-          probe_sample_.Clear();
-          probe_misses_ = 0;
+          StartProbe(next);
           return true;
         }
         ToSteady();
@@ -143,7 +155,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       // Not better: back to the settled limit; the other direction next time,
       // and after two failures in a row, wait longer before probing again.
       direction_ = -direction_;
-      if (++failures_ >= 2) interval_ = std::min(interval_ * 2, options_.max_interval);
+      NoteFailure();
       ToSteady();
       return true;
     }

@@ -68,14 +68,22 @@ class BatchSizeTuner {
       capped = 0;
     }
     void Add(int64_t items, int64_t ns, bool was_capped);
+    // Whether the limit cut at least half of these batches short.
+    bool MostlyCapped() const;
   };
   bool PhaseDone(const Sample& s) const;
-  static double Median(std::vector<double> v);
+  // Reorders `v`.
+  static double Median(std::vector<double>& v);
   // The bucket a batch of `items` falls in.
   int Bucket(int64_t items) const;
   // Whether a probe could start from batches in bucket `b`.
   bool CanProbeFrom(int b, bool capped_at_limit) const;
   void ToSteady();
+  void StartProbe(int index);
+  // A probe found nothing better: after two in a row, probe less often.
+  void NoteFailure();
+  // Batches outside the measured bucket before a phase is given up.
+  int MissBudget() const;
 
   BatchSizeTunerOptions options_;
   std::vector<int64_t> candidates_;
@@ -86,9 +94,8 @@ class BatchSizeTuner {
   int direction_ = -1;  // -1 = probe a smaller size next, +1 = larger
   int interval_ = 0;
   std::vector<int> landed_;  // kSteady: batches per bucket since the last phase
-  int probe_misses_ = 0;
-  int baseline_misses_ = 0;
-  int failures_ = 0;  // probes in a row that found nothing better
+  int misses_ = 0;           // kBaseline / kProbe: batches outside the measured bucket
+  int failures_ = 0;         // probes in a row that found nothing better
   Sample baseline_, probe_sample_;
   double baseline_cost_ = 0;
 };
