@@ -11,6 +11,7 @@
 #include <functional>
 
 #include "frontends/http/kserve_handler.h"
+#include "metrics/text_format.h"
 
 namespace quern {
 
@@ -507,10 +508,8 @@ RedisStoreStats RedisResultStore::stats() const {
 
 std::string RenderRedisStorePrometheus(const RedisStoreStats& s) {
   std::string out;
-  auto metric = [&](const char* name, const char* type, const char* help, double v) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + buf;
+  auto metric = [&out](const char* name, const char* type, const char* help, double v) {
+    AppendMetric(out, name, type, help, v);
   };
   metric("quern_redis_connected", "gauge", "1 while the job result store's connection to Redis is up.",
          s.connected ? 1 : 0);

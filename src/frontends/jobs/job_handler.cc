@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "frontends/http/kserve_handler.h"
+#include "metrics/text_format.h"
 
 namespace quern {
 
@@ -98,25 +99,16 @@ struct JobHandler::Pending {
 
 std::string RenderJobPrometheus(const JobStats& s) {
   std::string out;
-  auto metric = [&](const char* name, const char* type, const char* help, const std::string& samples) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + samples;
-  };
-  auto sample = [](const std::string& series, double v) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
-    return series + buf;
-  };
-  metric("quern_jobs_submitted_total", "counter", "Asynchronous jobs accepted.",
-         sample("quern_jobs_submitted_total", static_cast<double>(s.submitted)));
-  metric("quern_jobs_rejected_total", "counter",
-         "Job submissions refused at once (bad input, unknown model, queue full).",
-         sample("quern_jobs_rejected_total", static_cast<double>(s.rejected)));
-  metric("quern_jobs_finished_total", "counter", "Jobs finished, by final status.",
-         sample("quern_jobs_finished_total{status=\"done\"}", static_cast<double>(s.done)) +
-             sample("quern_jobs_finished_total{status=\"failed\"}", static_cast<double>(s.failed)) +
-             sample("quern_jobs_finished_total{status=\"cancelled\"}", static_cast<double>(s.cancelled)));
-  metric("quern_jobs_pending", "gauge", "Jobs queued or running now.",
-         sample("quern_jobs_pending", static_cast<double>(s.pending)));
+  AppendMetric(out, "quern_jobs_submitted_total", "counter", "Asynchronous jobs accepted.",
+               static_cast<double>(s.submitted));
+  AppendMetric(out, "quern_jobs_rejected_total", "counter",
+               "Job submissions refused at once (bad input, unknown model, queue full).",
+               static_cast<double>(s.rejected));
+  AppendMetricFamily(out, "quern_jobs_finished_total", "counter", "Jobs finished, by final status.");
+  AppendMetricSample(out, "quern_jobs_finished_total{status=\"done\"}", static_cast<double>(s.done));
+  AppendMetricSample(out, "quern_jobs_finished_total{status=\"failed\"}", static_cast<double>(s.failed));
+  AppendMetricSample(out, "quern_jobs_finished_total{status=\"cancelled\"}", static_cast<double>(s.cancelled));
+  AppendMetric(out, "quern_jobs_pending", "gauge", "Jobs queued or running now.", static_cast<double>(s.pending));
   return out;
 }
 

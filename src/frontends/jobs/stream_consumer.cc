@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "frontends/http/kserve_handler.h"
+#include "metrics/text_format.h"
 
 namespace quern {
 
@@ -585,14 +586,10 @@ const std::string& StreamConsumer::consumer_name() const {
 
 std::string RenderStreamPrometheus(const StreamConsumerStats& s) {
   std::string out;
-  auto head = [&](const char* name, const char* type, const char* help) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  auto head = [&out](const char* name, const char* type, const char* help) {
+    AppendMetricFamily(out, name, type, help);
   };
-  auto sample = [&](const std::string& series, double v) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " %.17g\n", v);
-    out += series + buf;
-  };
+  auto sample = [&out](const std::string& series, double v) { AppendMetricSample(out, series, v); };
   head("quern_stream_entries_total", "counter",
        "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead (dead-lettered), "
        "retried (left pending after a transient failure).");

@@ -15,6 +15,7 @@
 
 #include "frontends/http/kserve_handler.h"
 #include "frontends/vision/multipart.h"
+#include "metrics/text_format.h"
 
 namespace quern {
 namespace {
@@ -157,11 +158,8 @@ VisionHandler::~VisionHandler() {
 
 std::string RenderVisionPrometheus(const VisionStats& s) {
   std::string out;
-  auto metric = [&](const char* name, const char* type, const char* help, double value) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " ";
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%.17g\n", value);
-    out += buf;
+  auto metric = [&out](const char* name, const char* type, const char* help, double value) {
+    AppendMetric(out, name, type, help, value);
   };
   metric("quern_vision_requests_total", "counter", "Images admitted to the vision pipeline.",
          static_cast<double>(s.requests));
@@ -179,20 +177,18 @@ std::string RenderVisionPrometheus(const VisionStats& s) {
   metric("quern_vision_timed_images_total", "counter",
          "Answered images whose stage durations are summed in quern_vision_stage_seconds_total.",
          static_cast<double>(s.timed_images));
-  out +=
-      "# HELP quern_vision_stage_seconds_total Time answered images spent in each stage: decode, resize (with "
-      "normalisation), queue (waiting in the model's batcher), infer (their batch's compute), post (decoding "
-      "outputs, NMS, JSON).\n# TYPE quern_vision_stage_seconds_total counter\n";
+  AppendMetricFamily(out, "quern_vision_stage_seconds_total", "counter",
+                     "Time answered images spent in each stage: decode, resize (with normalisation), queue "
+                     "(waiting in the model's batcher), infer (their batch's compute), post (decoding outputs, "
+                     "NMS, JSON).");
   const std::pair<const char*, uint64_t> stages[] = {{"decode", s.decode_ns},
                                                      {"resize", s.resize_ns},
                                                      {"queue", s.queue_ns},
                                                      {"infer", s.infer_ns},
                                                      {"post", s.post_ns}};
   for (const auto& [stage, ns] : stages) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), "quern_vision_stage_seconds_total{stage=\"%s\"} %.9f\n", stage,
-                  static_cast<double>(ns) / 1e9);
-    out += buf;
+    AppendMetricSample(out, std::string("quern_vision_stage_seconds_total{stage=\"") + stage + "\"}",
+                       static_cast<double>(ns) / 1e9);
   }
   return out;
 }
