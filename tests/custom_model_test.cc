@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -197,6 +199,96 @@ TEST(Statistics, CountRequestsItemsBatchesAndFailures) {
   EXPECT_NE(text.find("quern_batch_size_sum{model=\"stats\",version=\"1\"} 7\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE quern_request_duration_us histogram"), std::string::npos);
   EXPECT_NE(text.find("process_resident_memory_bytes "), std::string::npos);
+}
+
+// Costs its batch on a FakeClock: per item 100 + 25 x (batch size) us, so
+// smaller batches are cheaper per item and batch 1 is the fastest. Runs
+// nothing before `gate` opens (the whole load is queued by then).
+class CostsMoreInBatches : public Model {
+ public:
+  CostsMoreInBatches(FakeClock* clock, std::shared_future<void> gate) : clock_(clock), gate_(std::move(gate)) {}
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    gate_.wait();
+    clock_->AdvanceUs(batch_size * (100 + 25 * batch_size));
+    outputs = {{"y", inputs.at(0).tensor}};
+    return Status::Ok();
+  }
+
+ private:
+  FakeClock* clock_;
+  std::shared_future<void> gate_;
+};
+
+struct AfterLoad {
+  int64_t limit = -1;      // batch size limit at the end
+  double small_share = 0;  // share of the items that ran in batches of 1 or 2
+};
+
+// Runs 1000 requests submitted at once through a model configured by `adjust`.
+AfterLoad RunLoad(const std::function<void(ModelConfig&)>& adjust) {
+  FakeClock clock;
+  auto engine = Engine::Create({.clock = &clock});
+  EXPECT_TRUE(engine.has_value());
+  ModelConfig c;
+  c.name = "costly";
+  c.max_batch_size = 8;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
+  c.instance_count = 1;
+  c.batching = BatchingConfig{};
+  adjust(c);
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  EXPECT_TRUE((*engine)->RegisterModel(c, [&] { return std::make_unique<CostsMoreInBatches>(&clock, gate); }).ok());
+  constexpr int kRequests = 1000;
+  std::vector<std::future<InferResponse>> fs;
+  for (int i = 0; i < kRequests; ++i) {
+    InferRequest r;
+    r.model = "costly";
+    r.inputs = {{"x", Floats({1, 1}, {static_cast<float>(i)})}};
+    fs.push_back((*engine)->Infer(std::move(r)));
+  }
+  open.set_value();
+  for (int i = 0; i < kRequests; ++i) {
+    InferResponse r = fs[static_cast<size_t>(i)].get();
+    EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_EQ(ToFloats(r.outputs.at(0).tensor), std::vector<float>{static_cast<float>(i)});
+  }
+  auto stats = (*engine)->GetStatistics("costly");
+  AfterLoad out;
+  if (!stats || stats->size() != 1) {
+    ADD_FAILURE() << "no statistics";
+    return out;
+  }
+  out.limit = stats->front().batch_limit;
+  int64_t small = 0;
+  for (const BatchSizeStats& b : stats->front().batch_stats) {
+    if (b.batch_size <= 2) small += b.batch_size * static_cast<int64_t>(b.compute_infer.count);
+  }
+  out.small_share = static_cast<double>(small) / kRequests;
+  return out;
+}
+
+TEST(BatchSizeTuning, TheEngineTunesDynamicBatchingByDefault) {
+  AfterLoad r = RunLoad([](ModelConfig&) {});
+  EXPECT_LE(r.limit, 2);  // settled at 1; a probe of 2 may be running at the end
+  EXPECT_GT(r.small_share, 0.3);
+}
+
+TEST(BatchSizeTuning, ParameterOffKeepsMaxBatchSize) {
+  AfterLoad r = RunLoad([](ModelConfig& c) { c.batch_size_tuning = false; });
+  EXPECT_EQ(r.limit, 8);
+  EXPECT_LT(r.small_share, 0.05);
+}
+
+TEST(BatchSizeTuning, PreferredBatchSizesTurnItOffUnlessAskedFor) {
+  EXPECT_EQ(RunLoad([](ModelConfig& c) { c.batching->preferred_batch_sizes = {8}; }).limit, 8);
+  EXPECT_LE(RunLoad([](ModelConfig& c) {
+              c.batching->preferred_batch_sizes = {8};
+              c.batch_size_tuning = true;
+            }).limit,
+            2);
 }
 
 }  // namespace
