@@ -182,12 +182,21 @@ struct EngineOptions {
   double repository_poll_interval_s = 0;
   // Load every model of the repository at Create (else only on LoadModel).
   bool load_all_models = true;
+  // Every file a model reads must lie inside the repository (symbolic links
+  // resolved); with this set, a model folder may be a symbolic link to a
+  // folder elsewhere, whose files must then lie inside it.
+  bool allow_links_outside_repository = false;
   // Cores the engine may use in total; 0 = std::thread::hardware_concurrency().
   // Default thread counts divide these among instances so they do not
   // oversubscribe the machine.
   int cores = 0;
   // Time source for queue delays, timeouts and telemetry; null = real clock.
   const Clock* clock = nullptr;
+  // An extra check every repository model version must pass before it
+  // serves (e.g. its vision parameters and label files), called with the
+  // loaded version's status and the model's folder; an error fails that
+  // version's load with the error's message. Null = none.
+  std::function<Status(const ModelStatus& status, const std::string& model_dir)> check_model;
 };
 
 class EngineImpl;

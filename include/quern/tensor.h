@@ -47,8 +47,16 @@ std::optional<DataType> DataTypeFromName(std::string_view name);
 
 using Shape = std::vector<int64_t>;
 
-// Product of the dimensions; -1 when any dimension is negative (unknown).
+// The most dimensions a tensor arriving from a client may have (ONNX Runtime
+// and every real model stay far below).
+inline constexpr size_t kMaxTensorRank = 64;
+
+// Product of the dimensions; -1 when any dimension is negative (unknown) or
+// when the product does not fit in int64_t (no such tensor can exist).
 int64_t ElementCount(const Shape& shape);
+// ElementCount(shape) * bytes_per_element, or -1 when the count is -1 or the
+// product does not fit in int64_t.
+int64_t ByteCount(const Shape& shape, size_t bytes_per_element);
 // "[1,3,224,224]"
 std::string ShapeToString(const Shape& shape);
 

@@ -21,6 +21,7 @@
 #include "frontends/jobs/stream_consumer.h"
 #include "frontends/vision/vision_handler.h"
 #include "metrics/prometheus.h"
+#include "pipeline/vision_model.h"
 #include "quern/engine.h"
 #include "store/redis_store.h"
 #include "store/result_store.h"
@@ -59,10 +60,18 @@ void PrintModels(const quern::Engine& engine) {
   }
 }
 
-quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, double poll) {
+quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, double poll, bool allow_links = false) {
   quern::EngineOptions o;
   o.model_repository = repo;
+  o.allow_links_outside_repository = allow_links;
   o.repository_poll_interval_s = poll;
+  // A vision model's parameters and label files are checked while it loads,
+  // not at its first image.
+  o.check_model = [](const quern::ModelStatus& status, const std::string& model_dir) {
+    if (!quern::IsVisionModel(status.config)) return quern::Status::Ok();
+    auto vision = quern::VisionModelFromStatus(status, model_dir);
+    return vision ? quern::Status::Ok() : vision.error();
+  };
   return quern::Engine::Create(o);
 }
 
@@ -177,6 +186,10 @@ int main(int argc, char** argv) {
   auto* serve = app.add_subcommand("serve", "Load a model repository and serve it");
   serve->add_option("--model-repository", repo, "Triton-style model repository")->required();
   serve->add_option("--repository-poll-secs", poll, "Reload changed models every N seconds (0 = off)");
+  bool allow_links = false;
+  serve->add_flag("--allow-links-outside-repository", allow_links,
+                  "Let a model folder be a symbolic link to a folder outside the repository (its files must stay "
+                  "inside that folder); by default every model file must lie inside the repository");
   quern::HttpServerOptions http_opts;
   serve->add_option("--http-port", http_opts.port, "KServe v2 HTTP port (0 = pick a free one and log it)");
   serve->add_option("--host", http_opts.host, "Address to listen on");
@@ -269,7 +282,7 @@ int main(int argc, char** argv) {
   }
   if (*infer) return Infer(infer_repo, infer_model, inputs);
 
-  auto engine = Open(repo, poll);
+  auto engine = Open(repo, poll, allow_links);
   if (!engine) {
     std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
     return 1;

@@ -98,8 +98,15 @@ Status ValidateTensors(const ModelConfig& c, const std::vector<TensorConfig>& te
     if (t.name.empty()) return InvalidArgument("model '" + c.name + "': an " + kind + " has no name");
     if (!names.insert(t.name).second) return InvalidArgument(where + " is declared twice");
     if (t.dtype == DataType::kInvalid) return InvalidArgument(where + ": data_type is missing or TYPE_INVALID");
+    if (t.dims.size() > kMaxTensorRank) {
+      return InvalidArgument(where + ": dims has more than " + std::to_string(kMaxTensorRank) + " dimensions");
+    }
     for (int64_t d : t.dims) {
       if (d < -1) return InvalidArgument(where + ": dims " + ShapeToString(t.dims) + " has a dimension below -1");
+      if (d > kMaxDim) {
+        return InvalidArgument(where + ": dims " + ShapeToString(t.dims) + " has a dimension above " +
+                               std::to_string(kMaxDim));
+      }
     }
     if (t.reshape) {
       int64_t a = ElementCount(t.dims), b = ElementCount(*t.reshape);
@@ -171,8 +178,38 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
                                "platform \"onnxruntime_onnx\")"));
   }
   c.platform = "onnxruntime_onnx";
-  if (p.max_batch_size() < 0) {
-    return Err(InvalidArgument(source + ": max_batch_size must be >= 0, got " + std::to_string(p.max_batch_size())));
+  if (p.max_batch_size() < 0 || p.max_batch_size() > kMaxBatchSize) {
+    return Err(InvalidArgument(source + ": max_batch_size must be in [0, " + std::to_string(kMaxBatchSize) + "], got " +
+                               std::to_string(p.max_batch_size())));
+  }
+  if (static_cast<size_t>(p.input_size()) > kMaxConfigTensors ||
+      static_cast<size_t>(p.output_size()) > kMaxConfigTensors) {
+    return Err(InvalidArgument(source + ": more than " + std::to_string(kMaxConfigTensors) + " inputs or outputs"));
+  }
+  auto check_dims = [&](const std::string& field, const auto& dims) -> Status {
+    if (static_cast<size_t>(dims.size()) > kMaxTensorRank) {
+      return InvalidArgument(source + ": " + field + " has " + std::to_string(dims.size()) + " dimensions; at most " +
+                             std::to_string(kMaxTensorRank));
+    }
+    int64_t elements = 1;
+    for (int64_t d : dims) {
+      if (d < -1 || d > kMaxDim) {
+        return InvalidArgument(source + ": " + field + " dimension " + std::to_string(d) + " is outside [-1, " +
+                               std::to_string(kMaxDim) + "]");
+      }
+      if (d > 0 && __builtin_mul_overflow(elements, d, &elements)) {
+        return InvalidArgument(source + ": " + field + " has more elements than fit in 64 bits");
+      }
+    }
+    return Status::Ok();
+  };
+  for (const auto& in : p.input()) {
+    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' dims", in.dims()));
+    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' reshape", in.reshape().shape()));
+  }
+  for (const auto& out : p.output()) {
+    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' dims", out.dims()));
+    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' reshape", out.reshape().shape()));
   }
   c.max_batch_size = p.max_batch_size();
   for (const auto& in : p.input()) c.inputs.push_back(ConvertInput(in));
@@ -185,12 +222,43 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
         return Err(InvalidArgument(source + ": instance_group kind KIND_GPU is not available; this build of "
                                             "Quern runs models on the CPU (use KIND_CPU)"));
       }
-      c.instance_count += g.count() > 0 ? g.count() : 1;
+      const int64_t count = g.count() > 0 ? g.count() : 1;
+      if (count > kMaxInstances - c.instance_count) {
+        return Err(InvalidArgument(source + ": instance_group count " + std::to_string(g.count()) +
+                                   " brings the model's instances above the limit of " +
+                                   std::to_string(kMaxInstances)));
+      }
+      c.instance_count += static_cast<int>(count);
     }
   }
 
   if (p.has_dynamic_batching()) {
     const auto& db = p.dynamic_batching();
+    if (db.preferred_batch_size_size() > 64) {
+      return Err(InvalidArgument(source + ": dynamic_batching lists more than 64 preferred_batch_size values"));
+    }
+    if (db.max_queue_delay_microseconds() > kMaxQueueDelayUs) {
+      return Err(InvalidArgument(source + ": dynamic_batching.max_queue_delay_microseconds " +
+                                 std::to_string(db.max_queue_delay_microseconds()) + " is above the limit of " +
+                                 std::to_string(kMaxQueueDelayUs) + " (1 hour)"));
+    }
+    if (db.priority_levels() > kMaxPriorityLevels) {
+      return Err(InvalidArgument(source + ": dynamic_batching.priority_levels " + std::to_string(db.priority_levels()) +
+                                 " is above the limit of " + std::to_string(kMaxPriorityLevels)));
+    }
+    auto check_policy = [&](const inference::ModelQueuePolicy& q, const std::string& field) -> Status {
+      if (q.default_timeout_microseconds() > kMaxQueueTimeoutUs) {
+        return InvalidArgument(source + ": " + field + ".default_timeout_microseconds " +
+                               std::to_string(q.default_timeout_microseconds()) + " is above the limit of " +
+                               std::to_string(kMaxQueueTimeoutUs) + " (30 days)");
+      }
+      return Status::Ok();
+    };
+    QUERN_RETURN_IF_ERROR(check_policy(db.default_queue_policy(), "dynamic_batching.default_queue_policy"));
+    for (const auto& [level, policy] : db.priority_queue_policy()) {
+      QUERN_RETURN_IF_ERROR(
+          check_policy(policy, "dynamic_batching.priority_queue_policy[" + std::to_string(level) + "]"));
+    }
     BatchingConfig b;
     b.preferred_batch_sizes.assign(db.preferred_batch_size().begin(), db.preferred_batch_size().end());
     b.max_queue_delay_us = db.max_queue_delay_microseconds();
@@ -204,7 +272,14 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     c.batching = std::move(b);
   }
 
-  for (const auto& [key, value] : p.parameters()) c.parameters[key] = value.string_value();
+  for (const auto& [key, value] : p.parameters()) {
+    c.parameters[key] = value.string_value();
+    if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
+        key != "quern.task" && !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
+        !key.starts_with("quern.classification.")) {
+      return Err(InvalidArgument(source + ": unknown parameter " + key));
+    }
+  }
   if (auto it = c.parameters.find(std::string(kFixedBatchSizesParam)); it != c.parameters.end()) {
     auto sizes = ParseIntList(it->second, source + ": parameter " + it->first);
     if (!sizes) return Err(sizes.error());
@@ -222,10 +297,21 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   }
   if (p.has_optimization() && p.optimization().has_graph()) {
     c.graph_optimization_level = p.optimization().graph().level();
+    if (c.graph_optimization_level < -1 || c.graph_optimization_level > 2) {
+      return Err(InvalidArgument(source + ": optimization.graph.level " + std::to_string(c.graph_optimization_level) +
+                                 " is outside [-1, 2]"));
+    }
   }
   c.default_model_filename = p.default_model_filename();
 
   for (const auto& w : p.model_warmup()) {
+    if (w.count() > kMaxWarmupCount) {
+      return Err(InvalidArgument(source + ": model_warmup '" + w.name() + "' count " + std::to_string(w.count()) +
+                                 " is above the limit of " + std::to_string(kMaxWarmupCount)));
+    }
+    for (const auto& [name, in] : w.inputs()) {
+      QUERN_RETURN_IF_ERROR(check_dims("model_warmup '" + w.name() + "' input '" + name + "' dims", in.dims()));
+    }
     WarmupSample s;
     s.name = w.name();
     s.batch_size = w.batch_size() == 0 ? 1 : w.batch_size();
@@ -250,14 +336,23 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
 Status ValidateModelConfig(const ModelConfig& c) {
   if (c.name.empty()) return InvalidArgument("model configuration has no name");
   const std::string m = "model '" + c.name + "': ";
-  if (c.max_batch_size < 0) return InvalidArgument(m + "max_batch_size must be >= 0");
+  if (c.max_batch_size < 0 || c.max_batch_size > kMaxBatchSize) {
+    return InvalidArgument(m + "max_batch_size must be in [0, " + std::to_string(kMaxBatchSize) + "]");
+  }
   if (c.inputs.empty()) return InvalidArgument(m + "no inputs are configured");
   if (c.outputs.empty()) return InvalidArgument(m + "no outputs are configured");
   QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.inputs, "input"));
   QUERN_RETURN_IF_ERROR(ValidateTensors(c, c.outputs, "output"));
-  if (c.instance_count < 0) return InvalidArgument(m + "instance count must be >= 0 (0 = one per core)");
+  if (c.instance_count < 0 || c.instance_count > kMaxInstances) {
+    return InvalidArgument(m + "instance count must be in [0, " + std::to_string(kMaxInstances) +
+                           "] (0 = one per core)");
+  }
   if (c.batching) {
     const BatchingConfig& b = *c.batching;
+    if (b.priority_levels > kMaxPriorityLevels || b.max_queue_delay_us > kMaxQueueDelayUs) {
+      return InvalidArgument(m + "dynamic_batching.priority_levels must be <= " + std::to_string(kMaxPriorityLevels) +
+                             " and max_queue_delay_microseconds <= " + std::to_string(kMaxQueueDelayUs));
+    }
     if (c.max_batch_size == 0) {
       return InvalidArgument(m + "dynamic_batching needs max_batch_size > 0");
     }

@@ -24,6 +24,18 @@ inline constexpr std::string_view kFixedBatchSizesParam = "quern.fixed_batch_siz
 //   parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }
 inline constexpr std::string_view kBatchSizeTuningParam = "quern.batch_size_tuning";
 
+// Bounds on configured numbers, checked at load so that a typo fails that
+// model's load with an error naming the file and field instead of taking
+// the server's memory or threads.
+inline constexpr int kMaxInstances = 256;                          // instance_group counts, summed
+inline constexpr int kMaxBatchSize = 1 << 16;                      // max_batch_size
+inline constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;         // one configured dimension
+inline constexpr uint32_t kMaxPriorityLevels = 256;                // dynamic_batching.priority_levels
+inline constexpr uint64_t kMaxQueueDelayUs = 3'600'000'000;        // max_queue_delay_microseconds: 1 hour
+inline constexpr uint64_t kMaxQueueTimeoutUs = 2'592'000'000'000;  // default_timeout_microseconds: 30 days
+inline constexpr uint32_t kMaxWarmupCount = 1000;                  // model_warmup count
+inline constexpr size_t kMaxConfigTensors = 1024;                  // inputs or outputs
+
 struct VersionPolicy {
   enum class Kind { kLatest, kAll, kSpecific };
   Kind kind = Kind::kLatest;

@@ -10,59 +10,79 @@ namespace fs = std::filesystem;
 namespace quern {
 namespace {
 
+// config.pbtxt files larger than this are refused (real ones are a few KiB).
+constexpr uintmax_t kMaxConfigBytes = 4 << 20;
+
 bool ParseVersion(const std::string& s, int64_t& out) {
   if (s.empty() || s.size() > 18) return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && p == s.data() + s.size() && out >= 0;
 }
 
-}  // namespace
-
-Result<std::vector<std::string>> ListRepositoryModels(const fs::path& repo) {
-  std::error_code ec;
-  if (!fs::is_directory(repo, ec)) {
-    return Err(NotFound("model repository '" + repo.string() + "' is not a directory"));
+// True when `p` is `root` or lies below it (both absolute and normal).
+bool IsWithin(const fs::path& root, const fs::path& p) {
+  auto r = root.begin(), q = p.begin();
+  for (; r != root.end(); ++r, ++q) {
+    if (r->empty() && std::next(r) == root.end()) break;  // trailing separator
+    if (q == p.end() || *r != *q) return false;
   }
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(repo, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!n.empty() && n[0] != '.' && e.is_directory()) names.push_back(n);
-  }
-  if (ec) return Err(Unavailable("cannot read model repository '" + repo.string() + "': " + ec.message()));
-  std::sort(names.begin(), names.end());
-  return names;
+  return true;
 }
 
-std::string FingerprintModelDir(const fs::path& dir) {
-  std::vector<std::string> parts;
-  std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
-    if (!it->is_regular_file(ec)) continue;
-    auto size = it->file_size(ec);
-    auto mtime = it->last_write_time(ec).time_since_epoch().count();
-    parts.push_back(fs::relative(it->path(), dir, ec).string() + ":" + std::to_string(size) + ":" +
-                    std::to_string(mtime));
+std::string Quoted(std::string_view name) {
+  std::string out = "'";
+  for (unsigned char c : name.substr(0, 64)) {
+    if (c < 0x20 || c == 0x7f) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
   }
-  std::sort(parts.begin(), parts.end());
-  std::string out;
-  for (const auto& p : parts) out += p + ";";
-  return out;
+  if (name.size() > 64) out += "...";
+  return out + "'";
 }
 
-Result<RepositoryModel> ReadRepositoryModel(const fs::path& repo, const std::string& name) {
+Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string& name, bool allow_links_outside) {
   RepositoryModel m;
   m.name = name;
-  m.dir = repo / name;
   std::error_code ec;
+  const fs::path link = repository / name;
+  const auto link_status = fs::symlink_status(link, ec);
+  if (ec || !fs::exists(link_status)) return Err(NotFound("unknown model '" + name + "': not in the repository"));
+  // `repo` below: the folder every file of this model must stay inside.
+  fs::path repo = repository;
+  if (allow_links_outside && fs::is_symlink(link_status)) {
+    repo = fs::weakly_canonical(fs::absolute(link, ec), ec);
+    if (ec) return Err(InvalidArgument("model '" + name + "' folder cannot be resolved: " + ec.message()));
+  }
+  QUERN_ASSIGN_OR_RETURN(m.dir, ResolveInRepository(repo, repository, name, "model '" + name + "' folder"));
   if (!fs::is_directory(m.dir, ec)) {
-    return Err(NotFound("model '" + name + "' is not in repository '" + repo.string() + "'"));
+    return Err(NotFound("model '" + name + "' is not a folder in the repository" +
+                        (ec ? " (" + ec.message() + ")" : std::string())));
   }
   m.fingerprint = FingerprintModelDir(m.dir);
 
   const fs::path config_file = m.dir / "config.pbtxt";
-  if (fs::exists(config_file, ec)) {
-    std::ifstream in(config_file);
+  const auto config_status = fs::status(config_file, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return Err(Unavailable("model '" + name + "': cannot read config.pbtxt: " + ec.message()));
+  }
+  if (fs::exists(config_status)) {
+    QUERN_ASSIGN_OR_RETURN(fs::path resolved,
+                           ResolveInRepository(repo, m.dir, "config.pbtxt", "model '" + name + "' config.pbtxt"));
+    if (!fs::is_regular_file(resolved, ec)) {
+      return Err(InvalidArgument(config_file.string() + " is not a regular file"));
+    }
+    const uintmax_t size = fs::file_size(resolved, ec);
+    if (ec || size > kMaxConfigBytes) {
+      return Err(InvalidArgument(
+          config_file.string() +
+          (ec ? ": " + ec.message() : " is larger than " + std::to_string(kMaxConfigBytes) + " bytes")));
+    }
+    std::ifstream in(resolved);
     if (!in) return Err(Unavailable("cannot read " + config_file.string()));
     std::stringstream text;
     text << in.rdbuf();
@@ -85,22 +105,116 @@ Result<RepositoryModel> ReadRepositoryModel(const fs::path& repo, const std::str
   m.config.name = name;
 
   std::vector<int64_t> available;
-  for (const auto& e : fs::directory_iterator(m.dir, ec)) {
+  for (auto it = fs::directory_iterator(m.dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
     int64_t v;
-    if (e.is_directory() && ParseVersion(e.path().filename().string(), v)) available.push_back(v);
+    std::error_code dir_ec;
+    if (ParseVersion(it->path().filename().string(), v) && it->is_directory(dir_ec)) available.push_back(v);
   }
+  if (ec) return Err(Unavailable("model '" + name + "': cannot list its folder: " + ec.message()));
   if (available.empty()) {
     return Err(
         NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() + "/model.onnx)"));
   }
-  const std::string file = m.config.default_model_filename.empty() ? "model.onnx" : m.config.default_model_filename;
+  const std::string& file = m.config.default_model_filename.empty() ? "model.onnx" : m.config.default_model_filename;
+  if (file.find('/') != std::string::npos || file == "." || file == "..") {
+    return Err(InvalidArgument(config_file.string() + ": default_model_filename '" + file +
+                               "' must be a file name inside the version folder"));
+  }
   for (int64_t v : m.version_policy.Select(available)) {
-    m.versions.push_back({v, m.dir / std::to_string(v) / file});
+    const fs::path version_dir = m.dir / std::to_string(v);
+    QUERN_ASSIGN_OR_RETURN(
+        fs::path model_file,
+        ResolveInRepository(repo, version_dir, file, "model '" + name + "' version " + std::to_string(v) + " file"));
+    m.versions.push_back({v, std::move(model_file)});
   }
   if (m.versions.empty()) {
     return Err(NotFound("model '" + name + "': the version_policy selects none of the versions present"));
   }
   return m;
+}
+
+}  // namespace
+
+Status CheckModelName(std::string_view name) {
+  if (name.empty()) return InvalidArgument("a model name must not be empty");
+  if (name.size() > kMaxModelNameBytes) {
+    return InvalidArgument("model name " + Quoted(name) + " is longer than " + std::to_string(kMaxModelNameBytes) +
+                           " bytes");
+  }
+  if (name == "." || name == "..") return InvalidArgument("model name " + Quoted(name) + " is not a name");
+  for (unsigned char c : name) {
+    if (c == '/' || c == '\\' || c < 0x20 || c == 0x7f) {
+      return InvalidArgument("model name " + Quoted(name) +
+                             " is not a name: model names cannot hold '/', '\\\\' or control characters");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<fs::path> ResolveInRepository(const fs::path& repo, const fs::path& base, const fs::path& path,
+                                     const std::string& what) {
+  std::error_code ec;
+  const fs::path root = fs::weakly_canonical(fs::absolute(repo, ec), ec);
+  if (ec) return Err(Unavailable("cannot resolve the model repository: " + ec.message()));
+  const fs::path full = path.is_absolute() ? path : base / path;
+  fs::path resolved = fs::weakly_canonical(fs::absolute(full, ec), ec);
+  if (ec) return Err(InvalidArgument(what + " '" + path.string() + "' cannot be resolved: " + ec.message()));
+  if (!IsWithin(root, resolved)) {
+    return Err(InvalidArgument(what + " '" + path.string() + "' lies outside the model repository"));
+  }
+  return resolved;
+}
+
+Result<std::vector<std::string>> ListRepositoryModels(const fs::path& repo) {
+  std::error_code ec;
+  if (!fs::is_directory(repo, ec)) {
+    return Err(NotFound("model repository '" + repo.string() + "' is not a directory"));
+  }
+  std::vector<std::string> names;
+  for (auto it = fs::directory_iterator(repo, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.empty() || n[0] == '.' || !CheckModelName(n).ok()) continue;
+    // A symbolic link loop or an unreadable entry is listed: loading it
+    // reports the error for that model alone.
+    std::error_code entry_ec;
+    if (it->is_directory(entry_ec) || entry_ec || it->is_symlink(entry_ec)) names.push_back(n);
+  }
+  if (ec) return Err(Unavailable("cannot read model repository '" + repo.string() + "': " + ec.message()));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string FingerprintModelDir(const fs::path& dir) {
+  try {
+    std::vector<std::string> parts;
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      std::error_code file_ec;
+      if (!it->is_regular_file(file_ec)) continue;
+      auto size = it->file_size(file_ec);
+      auto mtime = it->last_write_time(file_ec).time_since_epoch().count();
+      parts.push_back(fs::relative(it->path(), dir, file_ec).string() + ":" + std::to_string(size) + ":" +
+                      std::to_string(mtime));
+      if (parts.size() > 100000) break;  // a folder this large is not a model; enough to see changes
+    }
+    if (ec) parts.push_back("error:" + ec.message());
+    std::sort(parts.begin(), parts.end());
+    std::string out;
+    for (const auto& p : parts) out += p + ";";
+    return out;
+  } catch (const std::exception& e) {
+    return std::string("error:") + e.what();
+  }
+}
+
+Result<RepositoryModel> ReadRepositoryModel(const fs::path& repo, const std::string& name, bool allow_links_outside) {
+  QUERN_RETURN_IF_ERROR(CheckModelName(name));
+  try {
+    return ReadModel(repo, name, allow_links_outside);
+  } catch (const std::exception& e) {
+    return Err(Unavailable("model '" + name + "' cannot be read from the repository: " + e.what()));
+  }
 }
 
 }  // namespace quern

@@ -5,11 +5,19 @@
 //
 // Only reads files; loading models is the engine's job. Thread-compatible
 // (free functions over the file system).
+//
+// Confinement: a model name is a name, never a path (CheckModelName), and
+// every file a model reads (its folder, model files, label and warm-up files)
+// must resolve, symbolic links followed, to a place inside the repository
+// (or, where allowed, inside the model's own folder); anything else is that
+// model's load error. No function here throws: file
+// system errors (permissions, symbolic link loops) become errors.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/model_config_parser.h"
@@ -36,11 +44,32 @@ struct RepositoryModel {
   std::string fingerprint;
 };
 
-// Names of the model folders (sorted). NOT_FOUND when `repo` is not a folder.
+// The longest model name accepted (a file name on every common file system).
+inline constexpr size_t kMaxModelNameBytes = 255;
+
+// OK when `name` can name a model: 1..255 bytes, not "." or "..", no '/',
+// '\\', NUL or other control characters. INVALID_ARGUMENT otherwise, quoting
+// the name with control characters escaped.
+Status CheckModelName(std::string_view name);
+
+// `path` (relative paths are taken from `base`) with symbolic links resolved,
+// when it lies inside `repo`; INVALID_ARGUMENT naming `what` otherwise. The
+// file need not exist.
+Result<std::filesystem::path> ResolveInRepository(const std::filesystem::path& repo, const std::filesystem::path& base,
+                                                  const std::filesystem::path& path, const std::string& what);
+
+// Names of the model folders (sorted); folders whose names fail
+// CheckModelName or that start with '.' are skipped. NOT_FOUND when `repo` is
+// not a folder.
 Result<std::vector<std::string>> ListRepositoryModels(const std::filesystem::path& repo);
 
-// Reads one model folder. Errors name the file (and line for syntax errors).
-Result<RepositoryModel> ReadRepositoryModel(const std::filesystem::path& repo, const std::string& name);
+// Reads one model folder. Errors name the file (and line for syntax errors);
+// NOT_FOUND when the repository has no folder `name`. With
+// `allow_links_outside`, a model folder may be a symbolic link to a folder
+// outside the repository (the operator's choice); the model's files must
+// then lie inside that folder.
+Result<RepositoryModel> ReadRepositoryModel(const std::filesystem::path& repo, const std::string& name,
+                                            bool allow_links_outside = false);
 
 // A cheap change detector for a model folder (names, sizes, modification times).
 std::string FingerprintModelDir(const std::filesystem::path& dir);

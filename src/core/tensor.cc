@@ -1,5 +1,6 @@
 #include "quern/tensor.h"
 
+#include <algorithm>
 #include <array>
 
 namespace quern {
@@ -51,11 +52,22 @@ std::optional<DataType> DataTypeFromName(std::string_view name) {
 
 int64_t ElementCount(const Shape& shape) {
   int64_t n = 1;
+  bool overflow = false, zero = false;
   for (int64_t d : shape) {
     if (d < 0) return -1;
-    n *= d;
+    // A zero dimension makes the count 0 whatever the others are.
+    zero = zero || d == 0;
+    overflow = overflow || __builtin_mul_overflow(n, d, &n);
   }
-  return n;
+  if (zero) return 0;
+  return overflow ? -1 : n;
+}
+
+int64_t ByteCount(const Shape& shape, size_t bytes_per_element) {
+  const int64_t n = ElementCount(shape);
+  int64_t bytes = 0;
+  if (n < 0 || __builtin_mul_overflow(n, static_cast<int64_t>(bytes_per_element), &bytes)) return -1;
+  return bytes;
 }
 
 std::string ShapeToString(const Shape& shape) {
@@ -116,8 +128,10 @@ Result<std::vector<std::string_view>> Tensor::Strings() const {
   }
   std::vector<std::string_view> out;
   int64_t n = element_count();
-  if (n < 0) return Err(InvalidArgument("BYTES tensor has an unknown shape " + ShapeToString(shape_)));
-  out.reserve(static_cast<size_t>(n));
+  if (n < 0) return Err(InvalidArgument("BYTES tensor has an unknown or too large shape " + ShapeToString(shape_)));
+  // Every element takes at least its 4-byte length: a shape claiming more
+  // elements than that fails below, before anything large is reserved.
+  out.reserve(std::min(static_cast<size_t>(n), byte_size_ / 4));
   size_t off = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (off + 4 > byte_size_) {
@@ -158,14 +172,21 @@ Tensor Tensor::View(Shape shape, size_t byte_offset, size_t byte_size) const {
 
 Status Tensor::Validate() const {
   if (dtype_ == DataType::kInvalid) return InvalidArgument("tensor has no data type");
-  int64_t n = element_count();
-  if (n < 0) return InvalidArgument("tensor shape " + ShapeToString(shape_) + " has a negative dimension");
+  const int64_t n = element_count();
+  if (n < 0) {
+    return InvalidArgument("tensor shape " + ShapeToString(shape_) +
+                           " has a negative dimension or more elements than fit in 64 bits");
+  }
   if (dtype_ == DataType::kBytes) {
     auto s = Strings();
     return s ? Status::Ok() : s.error();
   }
-  size_t want = static_cast<size_t>(n) * DataTypeByteSize(dtype_);
-  if (want != byte_size_) {
+  const int64_t want = ByteCount(shape_, DataTypeByteSize(dtype_));
+  if (want < 0 || static_cast<uint64_t>(want) != byte_size_) {
+    if (want < 0) {
+      return InvalidArgument("tensor of shape " + ShapeToString(shape_) + " and type " +
+                             std::string(DataTypeName(dtype_)) + " would need more bytes than fit in 64 bits");
+    }
     return InvalidArgument("tensor of shape " + ShapeToString(shape_) + " and type " +
                            std::string(DataTypeName(dtype_)) + " needs " + std::to_string(want) + " bytes, got " +
                            std::to_string(byte_size_));

@@ -151,25 +151,37 @@ class EngineImpl {
   }
 
   Status LoadModel(const std::string& name) {
+    QUERN_RETURN_IF_ERROR(CheckModelName(name));
     std::lock_guard<std::mutex> load_lock(load_mu_);
     if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
+    bool known = false;
     {
       std::unique_lock lock(mu_);
       auto it = models_.find(name);
       if (it != models_.end() && it->second.custom) {
         return FailedPrecondition("model '" + name + "' is registered in code, not in the repository");
       }
-      if (it == models_.end()) {
-        // Visible as LOADING until the load below finishes; a reload keeps serving the old versions.
-        VersionSlot loading;
-        loading.status = {name, 0, ModelState::kLoading, "", {}};
-        loading.status.config.name = name;
-        models_[name].versions[0] = std::move(loading);
-      }
+      known = it != models_.end();
+    }
+    std::error_code ec;
+    if (!std::filesystem::exists(
+            std::filesystem::symlink_status(std::filesystem::path(options_.model_repository) / name, ec))) {
+      // Not in the repository: a request to load it leaves no trace, and a
+      // model whose folder is gone is unloaded (as a repository poll would).
+      if (known) UnloadLocked(name);
+      return NotFound("unknown model '" + name + "': not in the model repository");
+    }
+    auto repo_model = ReadRepositoryModel(options_.model_repository, name, options_.allow_links_outside_repository);
+    if (!known) {
+      // Visible as LOADING until the load below finishes; a reload keeps serving the old versions.
+      std::unique_lock lock(mu_);
+      VersionSlot loading;
+      loading.status = {name, 0, ModelState::kLoading, "", {}};
+      loading.status.config.name = name;
+      models_[name].versions[0] = std::move(loading);
     }
     Entry entry;
     Status overall;
-    auto repo_model = ReadRepositoryModel(options_.model_repository, name);
     if (!repo_model) {
       overall = repo_model.error();
       VersionSlot slot;
@@ -181,7 +193,7 @@ class EngineImpl {
       entry.fingerprint = repo_model->fingerprint;
       for (const auto& v : repo_model->versions) {
         VersionSlot slot;
-        auto served = LoadVersion(*repo_model, v);
+        auto served = LoadVersionSafely(*repo_model, v);
         if (served) {
           slot.served = *served;
           slot.status = {name, v.version, ModelState::kReady, "", slot.served->config()};
@@ -201,6 +213,28 @@ class EngineImpl {
     }
     ShutdownVersions(old);  // in-flight requests of the old versions finish first
     return overall;
+  }
+
+  // LoadVersion, with anything thrown on the way (threads or memory running
+  // out, ONNX Runtime errors outside its own checks) made that version's
+  // load error, and the optional extra check applied.
+  Result<std::shared_ptr<ServedModel>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v) {
+    Result<std::shared_ptr<ServedModel>> served = Err(Internal("model '" + m.name + "' did not load"));
+    try {
+      served = LoadVersion(m, v);
+    } catch (const std::exception& e) {
+      return Err(
+          Unavailable("model '" + m.name + "' version " + std::to_string(v.version) + " failed to load: " + e.what()));
+    }
+    if (served && options_.check_model) {
+      ModelStatus status{m.name, v.version, ModelState::kReady, "", (*served)->config()};
+      Status st = options_.check_model(status, m.dir.string());
+      if (!st.ok()) {
+        (*served)->Shutdown();
+        return Err(st);
+      }
+    }
+    return served;
   }
 
   Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
@@ -266,6 +300,11 @@ class EngineImpl {
 
   Status UnloadModel(const std::string& name) {
     std::lock_guard<std::mutex> load_lock(load_mu_);
+    return UnloadLocked(name);
+  }
+
+  // Callers hold load_mu_.
+  Status UnloadLocked(const std::string& name) {
     std::map<int64_t, VersionSlot> old;
     {
       std::unique_lock lock(mu_);

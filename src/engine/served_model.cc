@@ -6,6 +6,8 @@
 #include <fstream>
 #include <random>
 
+#include "core/repository.h"
+
 namespace quern {
 
 class ServedModel::Task final : public BatchTask {
@@ -93,12 +95,22 @@ Result<Tensor> SliceRows(const Tensor& t, int64_t row, int64_t rows) {
   return Tensor::FromStrings(std::move(shape), mine);
 }
 
+// Warm-up tensors larger than this are refused (a typo in dims must not
+// exhaust memory while loading).
+constexpr int64_t kMaxWarmupBytes = int64_t{1} << 30;
+
 Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesystem::path& dir, Status& error) {
   const int64_t n = ElementCount(shape);
+  const int64_t total = ByteCount(shape, in.dtype == DataType::kBytes ? 4 : DataTypeByteSize(in.dtype));
+  if (n < 0 || total < 0 || total > kMaxWarmupBytes) {
+    error = InvalidArgument("warm-up input of shape " + ShapeToString(shape) + " would take more than " +
+                            std::to_string(kMaxWarmupBytes) + " bytes");
+    return Tensor();
+  }
   if (in.dtype == DataType::kBytes) {
     return Tensor::FromStrings(std::move(shape), std::vector<std::string>(static_cast<size_t>(n)));
   }
-  const size_t bytes = static_cast<size_t>(n) * DataTypeByteSize(in.dtype);
+  const size_t bytes = static_cast<size_t>(total);
   Tensor t = Tensor::Allocate(in.dtype, std::move(shape), bytes);
   if (in.fill == WarmupInput::Fill::kRandom) {
     std::mt19937 rng(42);
@@ -110,7 +122,12 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
       for (size_t i = 0; i < bytes; ++i) t.mutable_data()[i] = static_cast<std::byte>(rng() & 0x3f);
     }
   } else if (in.fill == WarmupInput::Fill::kFile) {
-    const auto path = dir / "warmup" / in.file;
+    auto resolved = ResolveInRepository(dir, dir / "warmup", in.file, "warm-up data file");
+    if (!resolved) {
+      error = resolved.error();
+      return t;
+    }
+    const auto& path = *resolved;
     std::ifstream f(path, std::ios::binary);
     if (!f) {
       error = NotFound("warm-up data file " + path.string() + " cannot be opened");

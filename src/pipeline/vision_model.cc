@@ -1,16 +1,24 @@
 #include "pipeline/vision_model.h"
 
 #include <charconv>
+#include <filesystem>
 #include <fstream>
+#include <set>
+
+#include "core/repository.h"
 
 namespace quern {
 namespace {
+
+// Label files larger than this are refused (ImageNet's 1000 labels take 30 KiB).
+constexpr uintmax_t kMaxLabelFileBytes = 16 << 20;
 
 class Params {
  public:
   Params(const ModelConfig& c) : c_(c) {}
 
   const std::string* Get(const std::string& key) const {
+    known_.insert(key);
     auto it = c_.parameters.find(key);
     return it == c_.parameters.end() ? nullptr : &it->second;
   }
@@ -84,8 +92,25 @@ class Params {
     return Status::Ok();
   }
 
+  // Every quern.* vision parameter of the model was read by a Get: a
+  // misspelt one fails the load instead of being ignored.
+  Status CheckAllKnown() const {
+    for (const auto& [k, v] : c_.parameters) {
+      if (IsVisionKey(k) && !known_.contains(k)) {
+        return InvalidArgument("model '" + c_.name + "': unknown parameter " + k);
+      }
+    }
+    return Status::Ok();
+  }
+
+  static bool IsVisionKey(const std::string& k) {
+    return k == "quern.task" || k.starts_with("quern.image.") || k.starts_with("quern.detection.") ||
+           k.starts_with("quern.classification.");
+  }
+
  private:
   const ModelConfig& c_;
+  mutable std::set<std::string> known_;
 };
 
 }  // namespace
@@ -97,10 +122,7 @@ const std::string& VisionModel::Label(int class_id) const {
 
 bool IsVisionModel(const ModelConfig& config) {
   for (const auto& [k, v] : config.parameters) {
-    if (k == "quern.task" || k.starts_with("quern.image.") || k.starts_with("quern.detection.") ||
-        k.starts_with("quern.classification.")) {
-      return true;
-    }
+    if (Params::IsVisionKey(k)) return true;
   }
   return false;
 }
@@ -219,13 +241,23 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   QUERN_RETURN_IF_ERROR(p.Float("quern.detection.iou_threshold", &d.iou_threshold, 0.0f, 1.0f));
   QUERN_RETURN_IF_ERROR(p.Int("quern.detection.max_detections", &d.max_detections, 1, 100000));
 
+  QUERN_RETURN_IF_ERROR(p.CheckAllKnown());
+
   for (const auto& o : c.outputs) {
     if (o.label_filename.empty()) continue;
-    const auto path = model_dir / o.label_filename;
+    const std::string what = where + ": output '" + o.name + "' label file";
+    QUERN_ASSIGN_OR_RETURN(const auto path, ResolveInRepository(model_dir, model_dir, o.label_filename, what));
+    std::error_code ec;
+    const bool regular = std::filesystem::is_regular_file(path, ec);
+    const uintmax_t size = regular ? std::filesystem::file_size(path, ec) : 0;
+    if (!regular || ec || size > kMaxLabelFileBytes) {
+      return std::unexpected(InvalidArgument(what + " '" + o.label_filename +
+                                             "' is not a readable regular file of at most " +
+                                             std::to_string(kMaxLabelFileBytes) + " bytes"));
+    }
     std::ifstream in(path);
     if (!in) {
-      return std::unexpected(InvalidArgument(where + ": output '" + o.name + "' names label file '" + o.label_filename +
-                                             "', which cannot be read at " + path.string()));
+      return std::unexpected(InvalidArgument(what + " '" + o.label_filename + "' cannot be read"));
     }
     for (std::string line; std::getline(in, line);) {
       if (!line.empty() && line.back() == '\r') line.pop_back();

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 
+#include "core/json.h"
 #include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
 
@@ -119,8 +120,9 @@ Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec,
 Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_view json,
                                                                   const std::vector<std::string>& binary) {
   rapidjson::Document doc;
-  doc.Parse(json.data(), json.size());
-  if (doc.HasParseError() || !doc.IsObject()) return Err(Internal("a stored job result is not valid JSON"));
+  if (JsonParseError e; !ParseJson(doc, json.data(), json.size(), e) || !doc.IsObject()) {
+    return Err(Internal("a stored job result is not valid JSON"));
+  }
   auto rec = std::make_shared<JobRecord>();
   rec->id = Str(doc, "job_id");
   rec->model = Str(doc, "model_name");
@@ -456,8 +458,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
   std::vector<std::string> binary;
   {
     rapidjson::Document doc;
-    doc.Parse(reply->str.data(), reply->str.size());
-    if (doc.IsObject()) {
+    if (JsonParseError bad; ParseJson(doc, reply->str.data(), reply->str.size(), bad) && doc.IsObject()) {
       if (auto it = doc.FindMember("binary_keys"); it != doc.MemberEnd() && it->value.IsArray() && !it->value.Empty()) {
         RedisPipeline p;
         std::vector<std::string_view> args{"MGET"};

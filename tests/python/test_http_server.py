@@ -194,21 +194,47 @@ def test_slow_request_is_closed_after_the_read_timeout(port):
     assert time.time() - t0 < IDLE_S + 0.5
 
 
-def test_connection_limit_answers_503_and_recovers(port):
-    # Last of the tests on this server: it leaves connections closing behind it.
-    # Other tests' connections may still be closing: wait until the server has room for exactly MAX_CONNECTIONS.
+def hold_connections(port, n):
+    """n connections that each had a request answered and now sit idle, oldest first. Other tests'
+    connections may still be closing: waits until the server has room for them."""
     held = []
     deadline = time.time() + 10
-    while len(held) < MAX_CONNECTIONS and time.time() < deadline:
+    while len(held) < n and time.time() < deadline:
         c = Conn(port)
         c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
         status, _, _ = c.response()
         if status == 200:
             held.append(c)
+            time.sleep(0.01)  # distinct idle times
         else:
             c.close()
             time.sleep(0.2)
-    assert len(held) == MAX_CONNECTIONS
+    assert len(held) == n
+    return held
+
+
+def test_at_the_connection_limit_the_oldest_idle_connection_makes_room(port):
+    held = hold_connections(port, MAX_CONNECTIONS)
+    extra = Conn(port)
+    extra.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+    status, _, _ = extra.response()
+    assert status == 200
+    assert held[0].closed_by_server(2), "the oldest idle connection was not closed"
+    # The others were left alone and still serve.
+    for c in held[1:]:
+        c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert c.response()[0] == 200
+    for c in held + [extra]:
+        c.close()
+
+
+def test_connection_limit_answers_503_when_no_connection_is_idle_and_recovers(port):
+    # Last of the tests on this server: it leaves connections closing behind it.
+    held = hold_connections(port, MAX_CONNECTIONS)
+    # Each held connection starts a request that has not finished arriving: busy, not idle.
+    for c in held:
+        c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n")
+    time.sleep(0.05)
     extra = Conn(port)
     extra.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
     status, headers, body = extra.response()

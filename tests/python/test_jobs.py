@@ -24,7 +24,7 @@ TS_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 def repo(tmp_path_factory):
     d = tmp_path_factory.mktemp("repo")
     for m in ("add_sub", "slow_batch", "fail_on_3"):
-        os.symlink(os.path.join(MODELS, m), d / m)
+        shutil.copytree(os.path.join(MODELS, m), d / m)
     # slow_batch with a queue of two: a third queued request is refused at once.
     os.makedirs(d / "small_queue" / "1")
     shutil.copy(os.path.join(MODELS, "slow_batch", "1", "model.onnx"), d / "small_queue" / "1" / "model.onnx")

@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -23,7 +24,7 @@ MODELS = os.environ["QUERN_TEST_MODELS"]
 def repo(tmp_path_factory):
     d = tmp_path_factory.mktemp("repo")
     for m in ("add_sub", "slow_batch", "fail_on_3", "tile4"):
-        os.symlink(os.path.join(MODELS, m), d / m)
+        shutil.copytree(os.path.join(MODELS, m), d / m)
     return str(d)
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -39,8 +40,8 @@ def start(repo, *extra):
 def repo(tmp_path_factory):
     d = tmp_path_factory.mktemp("repo")
     for m in ("detect_yolov5", "detect_yolov8", "detect_detr", "detect_slow", "add_sub"):
-        os.symlink(os.path.join(MODELS, m), d / m)
-    os.symlink(os.path.abspath(os.path.join(EXAMPLES, "text_direction")), d / "text_direction")
+        shutil.copytree(os.path.join(MODELS, m), d / m)
+    shutil.copytree(os.path.join(EXAMPLES, "text_direction"), d / "text_direction")
     return str(d)
 
 

@@ -4,6 +4,7 @@
 #include <onnxruntime_session_options_config_keys.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <mutex>
 
@@ -61,14 +62,18 @@ Result<bool> ParseBool(const std::string& v, const std::string& what) {
   return Err(InvalidArgument(what + ": '" + v + "' is not true/false"));
 }
 
-Result<int> ParsePositive(const std::string& v, const std::string& what) {
-  try {
-    size_t used = 0;
-    int n = std::stoi(v, &used);
-    if (used == v.size() && n >= 1) return n;
-  } catch (const std::exception&) {
+// Thread counts above this per session are refused (a typo such as
+// "100000" would otherwise start that many threads while loading).
+constexpr int kMaxSessionThreads = 256;
+
+Result<int> ParseThreadCount(const std::string& v, const std::string& what) {
+  int n = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc() || p != v.data() + v.size() || n < 1 || n > kMaxSessionThreads) {
+    return Err(InvalidArgument(what + ": '" + v + "' is not a thread count in [1, " +
+                               std::to_string(kMaxSessionThreads) + "]"));
   }
-  return Err(InvalidArgument(what + ": '" + v + "' is not a positive integer"));
+  return n;
 }
 
 OnnxTensorInfo Describe(const std::string& name, const Ort::TypeInfo& info) {
@@ -130,14 +135,22 @@ Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& c, int cores) {
   o.graph_optimization_level = c.graph_optimization_level;
   const std::string m = "model '" + c.name + "' parameter ";
   if (auto it = c.parameters.find("intra_op_thread_count"); it != c.parameters.end()) {
-    auto v = ParsePositive(it->second, m + it->first);
+    auto v = ParseThreadCount(it->second, m + it->first);
     if (!v) return Err(v.error());
     o.intra_op_threads = *v;
   }
   if (auto it = c.parameters.find("inter_op_thread_count"); it != c.parameters.end()) {
-    auto v = ParsePositive(it->second, m + it->first);
+    auto v = ParseThreadCount(it->second, m + it->first);
     if (!v) return Err(v.error());
     o.inter_op_threads = *v;
+  }
+  const int64_t threads =
+      int64_t{std::max(1, c.instance_count)} * (o.intra_op_threads + std::max(0, o.inter_op_threads));
+  if (threads > 4 * kMaxSessionThreads) {
+    return Err(InvalidArgument("model '" + c.name + "': " + std::to_string(c.instance_count) + " instances x " +
+                               std::to_string(o.intra_op_threads) + " intra-op threads would start " +
+                               std::to_string(threads) + " threads; at most " + std::to_string(4 * kMaxSessionThreads) +
+                               " are allowed per model"));
   }
   for (auto [key, field] : {std::pair{"allow_spinning", &o.allow_spinning},
                             std::pair{"stop_spinning_after_run", &o.stop_spinning_after_run}}) {

@@ -3,6 +3,7 @@
 #include <absl/synchronization/mutex.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include <atomic>
 #include <charconv>
@@ -112,11 +113,20 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
     const std::string where = "model '" + ir.model + "', input '" + in.name() + "'";
     auto type = DataTypeFromName(in.datatype());
     if (!type) return std::unexpected(InvalidArgument(where + ": unknown datatype '" + in.datatype() + "'"));
+    if (static_cast<size_t>(in.shape_size()) > kMaxTensorRank) {
+      return std::unexpected(InvalidArgument(where + ": shape has " + std::to_string(in.shape_size()) +
+                                             " dimensions; at most " + std::to_string(kMaxTensorRank) +
+                                             " are accepted"));
+    }
     Shape shape(in.shape().begin(), in.shape().end());
     for (int64_t d : shape) {
       if (d < 0)
         return std::unexpected(
             InvalidArgument(where + ": shape " + ShapeToString(shape) + " has a negative dimension"));
+    }
+    if (ElementCount(shape) < 0) {
+      return std::unexpected(
+          InvalidArgument(where + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
     }
     Tensor t;
     if (raw) {
@@ -521,6 +531,45 @@ class Service final : public GRPCInferenceService::CallbackService {
   Engine* engine_;
 };
 
+// gRPC 1.51 answers a request message that does not parse as its method's
+// protobuf with UNIMPLEMENTED and no message. This turns that answer into
+// INVALID_ARGUMENT naming the method. Every status Quern sends itself
+// carries a message, so an empty UNIMPLEMENTED for one of the service's own
+// methods can only come from there.
+class UnparseableMessageInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit UnparseableMessageInterceptor(std::string method) : method_(std::move(method)) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && s.error_message().empty()) {
+        methods->ModifySendStatus(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "the request is not a valid message for " + method_ + " (protobuf parsing failed)"));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string method_;
+};
+
+class UnparseableMessageInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    // Only the service's own methods: an unknown method stays UNIMPLEMENTED.
+    constexpr std::string_view kPrefix = "/inference.GRPCInferenceService/";
+    const std::string_view method = info->method() ? info->method() : "";
+    if (!method.starts_with(kPrefix)) return nullptr;
+    const auto* service =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("inference.GRPCInferenceService");
+    if (!service || !service->FindMethodByName(std::string(method.substr(kPrefix.size())))) return nullptr;
+    return new UnparseableMessageInterceptor(std::string(method));
+  }
+};
+
 }  // namespace
 
 class GrpcServer::Impl {
@@ -539,6 +588,9 @@ class GrpcServer::Impl {
         std::to_string(options_.port);
     builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
     builder.SetMaxSendMessageSize(options_.max_send_bytes);
     server_ = builder.BuildAndStart();

@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "frontends/http/content_encoding.h"
+
 namespace quern {
 
 namespace asio = boost::asio;
@@ -73,7 +75,10 @@ struct Loop {
   asio::io_context io{1};
   asio::steady_timer sweep_timer{io};
   std::vector<std::weak_ptr<Session>> sessions;  // loop thread only
-  char discard[4096];                            // sink for bytes read while closing
+  // The oldest idle sessions found by the last scan, oldest last; popped
+  // (and checked again) to make room for new connections. Loop thread only.
+  std::vector<std::pair<int64_t, std::weak_ptr<Session>>> evictable;
+  char discard[4096];  // sink for bytes read while closing
   std::thread thread;
 };
 
@@ -90,9 +95,32 @@ class Session : public std::enable_shared_from_this<Session> {
   Session(tcp::socket socket, Loop& loop, Shared& shared, bool reject)
       : socket_(std::move(socket)), fd_(socket_.native_handle()), loop_(loop), shared_(shared), reject_(reject) {}
 
-  ~Session() { (reject_ ? shared_.rejecting : shared_.open).fetch_sub(1, std::memory_order_relaxed); }
+  ~Session() {
+    if (counted_) (reject_ ? shared_.rejecting : shared_.open).fetch_sub(1, std::memory_order_relaxed);
+  }
 
   void Start() { ReadNext(); }
+
+  // Loop thread: when the connection waits for a request of which no byte
+  // has arrived, since when (steady clock ns); otherwise 0.
+  int64_t IdleSince() const {
+    if (reject_ || closing_ || closed_) return 0;
+    if (reading_) return parser_ && !parser_->got_some() ? idle_since_ns_.load(std::memory_order_relaxed) : 0;
+    // Between requests a keep-alive connection waits on the watch: idle
+    // once its response is out (nothing is sending on it any more).
+    const uint32_t state = state_.load(std::memory_order_acquire);
+    if ((state & kResponded) && !(state & kWatchFired) && !pipelined_) {
+      return idle_since_ns_.load(std::memory_order_relaxed);
+    }
+    return 0;
+  }
+
+  // Loop thread: closes an idle connection to make room for a new one,
+  // which takes over its place in the open-connection count.
+  void Evict() {
+    counted_ = false;
+    HardClose();
+  }
 
   // Loop thread: closes the connection when its idle, read or write time is up.
   void Sweep(int64_t now) {
@@ -114,11 +142,14 @@ class Session : public std::enable_shared_from_this<Session> {
   void ReadNext() {
     if (closing_ || closed_) return;
     parser_.emplace();
+    head_ = false;
     parser_->header_limit(static_cast<uint32_t>(std::min<size_t>(shared_.options.max_header_bytes, UINT32_MAX)));
     parser_->body_limit(shared_.options.max_body_bytes);
     reading_ = true;
     read_clock_started_ = false;
-    deadline_ns_.store(NowNs() + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
+    const int64_t now = NowNs();
+    idle_since_ns_.store(now, std::memory_order_relaxed);
+    deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
     http::async_read_header(socket_, buffer_, *parser_,
                             [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
@@ -216,6 +247,7 @@ class Session : public std::enable_shared_from_this<Session> {
     } else {
       req.body = std::move(msg.body());
     }
+    head_ = msg.method() == http::verb::head;
     cancel_ = std::make_shared<CancellationToken>();
     req.cancel = cancel_;
     deadline_ns_.store(0, std::memory_order_release);
@@ -226,6 +258,18 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!pipelined_) {
       socket_.async_wait(tcp::socket::wait_read,
                          [self = shared_from_this()](beast::error_code ec) { self->OnWatch(ec); });
+    }
+    if (auto encoding = req.Header("content-encoding"); !encoding.empty()) {
+      auto decoded = DecodeContentEncoding(encoding, std::move(req.body), shared_.options.max_body_bytes);
+      if (!decoded) {
+        HttpResponse r;
+        const StatusCode code = decoded.error().code();
+        r.status = code == StatusCode::kResourceExhausted ? 413 : code == StatusCode::kUnimplemented ? 415 : 400;
+        r.body = JsonError(decoded.error().message());
+        return Respond(std::move(r));
+      }
+      req.body = std::move(*decoded);
+      std::erase_if(req.headers, [](const auto& h) { return h.first == "content-encoding"; });
     }
     shared_.handler(std::move(req), [self = shared_from_this()](HttpResponse r) { self->Respond(std::move(r)); });
   }
@@ -245,6 +289,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // Any thread, once per request: writes the response with a non-blocking
   // send; what the socket does not take is finished on the loop thread.
   void Respond(HttpResponse r) {
+    if (head_) {
+      // HEAD: the headers a GET would get (Content-Length included), no body.
+      r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
+      r.body.clear();
+    }
     std::string head;
     head.reserve(128 + r.content_type.size());
     head += "HTTP/1.1 ";
@@ -264,14 +313,17 @@ class Session : public std::enable_shared_from_this<Session> {
       head += v;
       head += "\r\n";
     }
-    head += "Content-Length: ";
-    head += std::to_string(r.body.size());
-    if (!keep_alive_) {
-      head += "\r\nConnection: close";
-    } else if (http10_) {
-      head += "\r\nConnection: keep-alive";
+    if (!head_) {
+      head += "Content-Length: ";
+      head += std::to_string(r.body.size());
+      head += "\r\n";
     }
-    head += "\r\n\r\n";
+    if (!keep_alive_) {
+      head += "Connection: close\r\n";
+    } else if (http10_) {
+      head += "Connection: keep-alive\r\n";
+    }
+    head += "\r\n";
 
     const size_t total = head.size() + r.body.size();
     size_t sent = 0;
@@ -333,7 +385,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Any thread: the response is out (or the connection broke).
   void Finish(bool failed) {
-    deadline_ns_.store(NowNs() + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
+    const int64_t now = NowNs();
+    idle_since_ns_.store(now, std::memory_order_relaxed);
+    deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
     if (failed || !keep_alive_) {
       asio::post(loop_.io, [self = shared_from_this(), failed] { failed ? self->HardClose() : self->LingerClose(); });
       return;
@@ -390,6 +444,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool body_by_length_ = false;
   bool reading_ = false;
   bool read_clock_started_ = false;
+  bool counted_ = true;  // holds a place in Shared::open (or rejecting)
   bool closing_ = false;
   bool closed_ = false;
 
@@ -397,6 +452,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // responding thread (ordered by the handler's hand-off).
   bool keep_alive_ = true;
   bool http10_ = false;
+  bool head_ = false;  // a HEAD request: the response carries no body
   bool pipelined_ = false;
 
   // Response handed to the loop thread when the socket did not take it all.
@@ -404,8 +460,9 @@ class Session : public std::enable_shared_from_this<Session> {
   std::string out_body_;
   size_t out_sent_ = 0;
 
-  std::atomic<uint32_t> state_{0};       // kResponded | kWatchFired for the request in flight
-  std::atomic<int64_t> deadline_ns_{0};  // idle/read/write/linger deadline; 0 = request in flight
+  std::atomic<uint32_t> state_{0};         // kResponded | kWatchFired for the request in flight
+  std::atomic<int64_t> idle_since_ns_{0};  // when the connection last began to wait for a request
+  std::atomic<int64_t> deadline_ns_{0};    // idle/read/write/linger deadline; 0 = request in flight
 };
 
 }  // namespace
@@ -481,23 +538,101 @@ class HttpServer::Impl {
   }
 
   void Admit(Loop& target, tcp::socket socket) {
-    bool reject = false;
     if (shared_.open.fetch_add(1, std::memory_order_relaxed) >= shared_.options.max_connections) {
       shared_.open.fetch_sub(1, std::memory_order_relaxed);
-      WarnRateLimited(shared_.last_limit_warning, "HTTP connection limit reached; answering 503");
-      if (shared_.rejecting.fetch_add(1, std::memory_order_relaxed) >= kMaxRejecting) {
-        shared_.rejecting.fetch_sub(1, std::memory_order_relaxed);
-        return;  // closes the socket
-      }
-      reject = true;
+      // At the limit: the oldest idle connection (one that has not sent a
+      // byte of a request) makes room, so idle connections cannot lock
+      // clients out. The search starts on the target loop and visits each
+      // loop once.
+      asio::post(target.io, [this, &target, s = std::make_shared<tcp::socket>(std::move(socket))] {
+        EvictAndAdmit(target, target, std::move(*s), 1);
+      });
+      return;
     }
+    StartSession(target, std::move(socket), false);
+  }
+
+  // Loop thread of `loop`. The new connection's session runs on `home`, the
+  // loop its socket belongs to (the place in the count is shared by all).
+  void EvictAndAdmit(Loop& loop, Loop& home, tcp::socket socket, size_t visited) {
+    if (EvictOldestIdle(loop)) return StartSession(home, std::move(socket), false, /*posted=*/&loop != &home);
+    if (visited < loops_.size()) {
+      Loop& next = *loops_[(IndexOf(loop) + 1) % loops_.size()];
+      asio::post(next.io, [this, &next, &home, visited, s = std::make_shared<tcp::socket>(std::move(socket))] {
+        EvictAndAdmit(next, home, std::move(*s), visited + 1);
+      });
+      return;
+    }
+    if (&loop != &home) {
+      // Answer from the socket's own loop.
+      asio::post(home.io, [this, &home, s = std::make_shared<tcp::socket>(std::move(socket))] {
+        EvictAndAdmit(home, home, std::move(*s), loops_.size() + 1);
+      });
+      return;
+    }
+    // Every connection is busy: answer 503 while few are being answered so.
+    WarnRateLimited(shared_.last_limit_warning,
+                    "HTTP connection limit reached and no connection is idle; answering 503");
+    if (shared_.rejecting.fetch_add(1, std::memory_order_relaxed) >= kMaxRejecting) {
+      shared_.rejecting.fetch_sub(1, std::memory_order_relaxed);
+      return;  // closes the socket
+    }
+    StartSession(loop, std::move(socket), true, /*posted=*/false);
+  }
+
+  // Loop thread of `loop`: closes its oldest idle session, whose place in
+  // the connection count passes to the caller. False when none is idle.
+  bool EvictOldestIdle(Loop& loop) {
+    for (int scan = 0; scan < 2; ++scan) {
+      while (!loop.evictable.empty()) {
+        auto [since, weak] = std::move(loop.evictable.back());
+        loop.evictable.pop_back();
+        auto session = weak.lock();
+        if (session && session->IdleSince() == since) {
+          session->Evict();
+          return true;
+        }
+      }
+      if (scan == 1) break;
+      // Refill: the oldest idle sessions, enough for a burst of newcomers.
+      for (const auto& weak : loop.sessions) {
+        if (auto session = weak.lock()) {
+          if (const int64_t since = session->IdleSince(); since > 0) loop.evictable.emplace_back(since, weak);
+        }
+      }
+      const size_t keep = std::max<size_t>(16, static_cast<size_t>(shared_.options.max_connections) / 16);
+      auto newest_first = [](const auto& a, const auto& b) { return a.first > b.first; };
+      if (loop.evictable.size() > keep) {
+        std::nth_element(loop.evictable.begin(), loop.evictable.end() - static_cast<std::ptrdiff_t>(keep),
+                         loop.evictable.end(), newest_first);
+        loop.evictable.erase(loop.evictable.begin(), loop.evictable.end() - static_cast<std::ptrdiff_t>(keep));
+      }
+      std::sort(loop.evictable.begin(), loop.evictable.end(), newest_first);
+    }
+    return false;
+  }
+
+  size_t IndexOf(const Loop& loop) const {
+    for (size_t i = 0; i < loops_.size(); ++i) {
+      if (loops_[i].get() == &loop) return i;
+    }
+    return 0;
+  }
+
+  // `posted`: called off the loop's thread, so the start is posted to it.
+  void StartSession(Loop& target, tcp::socket socket, bool reject, bool posted = true) {
     beast::error_code ec;
     socket.set_option(tcp::no_delay(true), ec);
     auto session = std::make_shared<Session>(std::move(socket), target, shared_, reject);
-    asio::post(target.io, [&target, session = std::move(session)] {
+    auto start = [&target, session = std::move(session)] {
       target.sessions.push_back(session);
       session->Start();
-    });
+    };
+    if (posted) {
+      asio::post(target.io, std::move(start));
+    } else {
+      start();
+    }
   }
 
   void ScheduleSweep(Loop& loop) {

@@ -6,10 +6,12 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstring>
 #include <memory>
 
+#include "core/json.h"
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -114,11 +116,18 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
   if (!type)
     return Err(InvalidArgument(where + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
   if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where + ": 'shape' is missing"));
+  if (in["shape"].Size() > kMaxTensorRank) {
+    return Err(InvalidArgument(where + ": 'shape' has " + std::to_string(in["shape"].Size()) + " dimensions; at most " +
+                               std::to_string(kMaxTensorRank) + " are accepted"));
+  }
   Shape shape;
   for (const auto& d : in["shape"].GetArray()) {
     if (!d.IsInt64() || d.GetInt64() < 0)
       return Err(InvalidArgument(where + ": 'shape' must hold non-negative integers"));
     shape.push_back(d.GetInt64());
+  }
+  if (ElementCount(shape) < 0) {
+    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
   }
   if (in.HasMember("parameters") && in["parameters"].IsObject() && in["parameters"].HasMember("binary_data_size")) {
     const auto& size = in["parameters"]["binary_data_size"];
@@ -222,6 +231,10 @@ HttpResponse ServerMetadata() {
   w.String("0.1.0");
   w.Key("extensions");
   w.StartArray();
+  for (const char* e : {"binary_tensor_data", "statistics", "model_repository", "model_configuration",
+                        "schedule_policy", "parameters"}) {
+    w.String(e);
+  }
   w.EndArray();
   w.EndObject();
   return Json(200, buf);
@@ -311,6 +324,43 @@ HttpResponse StatisticsJson(const std::vector<ModelStatistics>& all) {
   return Json(200, buf);
 }
 
+std::string JsonString(const std::string& s) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.String(s.c_str(), static_cast<rapidjson::SizeType>(s.size()));
+  return std::string(buf.GetString(), buf.GetSize());
+}
+
+HttpResponse MethodNotAllowed(const HttpRequest& req, const char* allowed) {
+  HttpResponse r = Error(
+      InvalidArgument(req.method.substr(0, 32) + " " + req.target.substr(0, 256) + ": this route takes " + allowed));
+  r.status = 405;
+  r.headers.emplace_back("Allow", std::string(allowed) + (std::string_view(allowed) == "GET" ? ", HEAD" : ""));
+  return r;
+}
+
+// The method a KServe route takes, or null when `parts` names no route.
+const char* AllowedMethod(const std::vector<std::string>& parts) {
+  if (parts.empty() || parts[0] != "v2") return nullptr;
+  const size_t n = parts.size();
+  if (n == 1) return "GET";
+  if (n == 3 && parts[1] == "health" && (parts[2] == "live" || parts[2] == "ready")) return "GET";
+  if (n == 3 && parts[1] == "repository" && parts[2] == "index") return "POST";
+  if (n == 5 && parts[1] == "repository" && parts[2] == "models" && (parts[4] == "load" || parts[4] == "unload")) {
+    return "POST";
+  }
+  if (parts[1] != "models" || n < 3) return nullptr;
+  if (n == 3) return "GET";  // /v2/models/stats or /v2/models/{m}
+  size_t next = 3;
+  if (n >= 5 && parts[3] == "versions") next = 5;
+  if (n == next) return "GET";
+  if (n != next + 1) return nullptr;
+  const std::string& action = parts[next];
+  if (action == "ready" || action == "stats" || action == "config") return "GET";
+  if (action == "infer") return "POST";
+  return nullptr;
+}
+
 HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_only) {
   rapidjson::StringBuffer buf;
   Writer w(buf);
@@ -334,9 +384,29 @@ HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_
 
 }  // namespace
 
-std::vector<std::string_view> SplitTargetPath(std::string_view target) {
+std::string PercentDecode(std::string_view s) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && hex(s[i + 1]) >= 0 && hex(s[i + 2]) >= 0) {
+      out += static_cast<char>(hex(s[i + 1]) * 16 + hex(s[i + 2]));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> SplitTargetPath(std::string_view target) {
   if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  std::vector<std::string_view> parts;
+  std::vector<std::string> parts;
   size_t pos = 0;
   while (pos < target.size()) {
     if (target[pos] == '/') {
@@ -345,7 +415,8 @@ std::vector<std::string_view> SplitTargetPath(std::string_view target) {
     }
     size_t end = target.find('/', pos);
     if (end == std::string_view::npos) end = target.size();
-    parts.push_back(target.substr(pos, end - pos));
+    const std::string_view segment = target.substr(pos, end - pos);
+    parts.push_back(segment.find('%') == std::string_view::npos ? std::string(segment) : PercentDecode(segment));
     pos = end;
   }
   return parts;
@@ -370,30 +441,53 @@ int HttpStatusFor(const Status& s) {
 void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   const auto parts = SplitTargetPath(req.target);
   const bool get = req.method == "GET" || req.method == "HEAD";
-  auto empty = [](int status) {
-    HttpResponse r;
-    r.status = status;
-    r.content_type.clear();
-    return r;
-  };
-  if (parts.empty() || parts[0] != "v2") return done(Error(NotFound("no route for " + req.target)));
-  if (parts.size() == 1 && get) return done(ServerMetadata());
-  if (parts.size() == 3 && parts[1] == "health" && get) {
-    if (parts[2] == "live") return done(empty(200));
-    if (parts[2] == "ready") {
-      if (!engine_->AllModelsReady()) return done(empty(503));
-      if (ready_check_) {
-        if (Status s = ready_check_(); !s.ok()) return done(Error(Unavailable("not ready: " + s.message())));
-      }
-      return done(empty(200));
+  // {"<key>": value[, "error": reason]} (health and readiness answers).
+  auto flag = [](int status, const char* key, bool value, const std::string& error = {}) {
+    rapidjson::StringBuffer buf;
+    Writer w(buf);
+    w.StartObject();
+    w.Key(key);
+    w.Bool(value);
+    if (!error.empty()) {
+      w.Key("error");
+      w.String(error.c_str(), static_cast<rapidjson::SizeType>(error.size()));
     }
+    w.EndObject();
+    return Json(status, buf);
+  };
+  static constexpr std::string_view kMethods[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"};
+  if (std::find(std::begin(kMethods), std::end(kMethods), req.method) == std::end(kMethods)) {
+    HttpResponse r = Error(Status(StatusCode::kUnimplemented, "method " + req.method.substr(0, 32) +
+                                                                  " is not supported (routes take GET, HEAD or POST)"));
+    r.status = 501;
+    return done(std::move(r));
+  }
+  if (parts.empty() || parts[0] != "v2") return done(Error(NotFound("no route for " + req.target)));
+  if (parts.size() == 1) return get ? done(ServerMetadata()) : done(MethodNotAllowed(req, "GET"));
+  if (parts.size() == 3 && parts[1] == "health" && (parts[2] == "live" || parts[2] == "ready")) {
+    if (!get) return done(MethodNotAllowed(req, "GET"));
+    if (parts[2] == "live") return done(flag(200, "live", true));
+    if (!engine_->AllModelsReady()) {
+      std::string why;
+      for (const auto& m : engine_->ListModels()) {
+        if (m.state != ModelState::kReady) {
+          why = "model '" + m.name + "' is " + std::string(ModelStateName(m.state));
+          break;
+        }
+      }
+      return done(flag(503, "ready", false, "not ready: " + why));
+    }
+    if (ready_check_) {
+      if (Status s = ready_check_(); !s.ok()) return done(flag(503, "ready", false, "not ready: " + s.message()));
+    }
+    return done(flag(200, "ready", true));
   }
   if (parts.size() == 2 && parts[1] == "repository") return done(Error(NotFound("no route for " + req.target)));
   if (parts.size() == 3 && parts[1] == "repository" && parts[2] == "index" && req.method == "POST") {
     rapidjson::Document doc;
     bool ready_only = false;
-    if (!req.body.empty() && !doc.Parse(req.body.c_str()).HasParseError() && doc.IsObject() && doc.HasMember("ready") &&
-        doc["ready"].IsBool()) {
+    if (JsonParseError e; !req.body.empty() && ParseJson(doc, req.body.data(), req.body.size(), e) && doc.IsObject() &&
+                          doc.HasMember("ready") && doc["ready"].IsBool()) {
       ready_only = doc["ready"].GetBool();
     }
     return done(RepositoryIndex(engine_->ListModels(), ready_only));
@@ -401,6 +495,31 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   if (parts.size() == 5 && parts[1] == "repository" && parts[2] == "models" && req.method == "POST" &&
       (parts[4] == "load" || parts[4] == "unload")) {
     const std::string model(parts[3]);
+    // Triton's load takes parameters "config" (a configuration override)
+    // and "file:<path>" (model files in the request); Quern loads what the
+    // repository holds, so a request asking for more is refused rather than
+    // half applied. Unload's "unload_dependents" has nothing to act on.
+    if (!req.body.empty()) {
+      rapidjson::Document doc;
+      JsonParseError e;
+      if (!ParseJson(doc, req.body.data(), req.body.size(), e) || !doc.IsObject()) {
+        return done(Error(InvalidArgument("model '" + model + "': the " + std::string(parts[4]) +
+                                          " request body must be a JSON object (" +
+                                          (e.message.empty() ? "not an object" : e.message) + ")")));
+      }
+      if (auto it = doc.FindMember("parameters"); it != doc.MemberEnd()) {
+        if (!it->value.IsObject()) {
+          return done(Error(InvalidArgument("model '" + model + "': 'parameters' must be an object")));
+        }
+        for (const auto& m : it->value.GetObject()) {
+          const std::string key(m.name.GetString(), m.name.GetStringLength());
+          if (parts[4] == "unload" && key == "unload_dependents") continue;
+          return done(Error(InvalidArgument(
+              "model '" + model + "': " + std::string(parts[4]) + " parameter '" + key.substr(0, 64) +
+              "' is not supported; Quern loads the model's files and config.pbtxt from the repository as they are")));
+        }
+      }
+    }
     Status st = parts[4] == "load" ? engine_->LoadModel(model) : engine_->UnloadModel(model);
     if (!st.ok()) {
       // Triton answers a failed load with 400 and the reason.
@@ -433,7 +552,12 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
       if (!m) return done(Error(m.error()));
       return done(ModelMetadata(*m));
     }
-    if (action == "ready" && get) return done(empty(engine_->ModelReady(model, version) ? 200 : 400));
+    if (action == "ready" && get) {
+      const bool ready = engine_->ModelReady(model, version);
+      HttpResponse r = flag(ready ? 200 : 400, "ready", ready);
+      r.body.insert(1, "\"name\":" + JsonString(model) + ",");
+      return done(std::move(r));
+    }
     if (action == "stats" && get) {
       auto stats = engine_->GetStatistics(model, version);
       if (!stats) return done(Error(stats.error()));
@@ -451,6 +575,7 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
     }
     if (action == "infer" && req.method == "POST") return Infer(model, version, std::move(req), std::move(done));
   }
+  if (const char* allowed = AllowedMethod(parts)) return done(MethodNotAllowed(req, allowed));
   done(Error(NotFound("no route for " + req.method + " " + req.target)));
 }
 
@@ -472,11 +597,9 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
     }
   }
   rapidjson::Document doc;
-  doc.Parse(body->data(), json_size);
-  if (doc.HasParseError()) {
-    return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " +
-                               std::to_string(doc.GetErrorOffset()) + ": " +
-                               rapidjson::GetParseError_En(doc.GetParseError())));
+  if (JsonParseError e; !ParseJson(doc, body->data(), json_size, e)) {
+    return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " + std::to_string(e.offset) +
+                               ": " + e.message));
   }
   if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
     return Err(InvalidArgument("model '" + model + "': the request needs an 'inputs' array"));

@@ -51,9 +51,14 @@ Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const s
 HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
                         const std::vector<const Tensor*>& binary_parts);
 
-// The non-empty segments of a request target's path (the query dropped):
-// "/v2/models/m/infer?x=1" -> {"v2", "models", "m", "infer"}.
-std::vector<std::string_view> SplitTargetPath(std::string_view target);
+// The non-empty segments of a request target's path (the query dropped),
+// each percent-decoded: "/v2/models/my%20model/infer?x=1" ->
+// {"v2", "models", "my model", "infer"}. An encoded '/' stays inside its
+// segment; a '%' not followed by two hex digits is kept as it is.
+std::vector<std::string> SplitTargetPath(std::string_view target);
+
+// `s` with %XX sequences decoded (others kept as they are).
+std::string PercentDecode(std::string_view s);
 
 // {"error": message} with the status mapped by HttpStatusFor.
 HttpResponse ErrorResponse(const Status& status);

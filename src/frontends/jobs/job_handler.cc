@@ -140,11 +140,19 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
     const std::string id(parts[2]);
     if (req.method == "GET" || req.method == "HEAD") return Get(id, Query(req.target), std::move(done));
     if (req.method == "DELETE") return Cancel(id, std::move(done));
-    return done(ErrorResponse(
-        InvalidArgument("/v2/jobs/{id} takes GET (status and result) or DELETE (cancel), not " + req.method)));
+    HttpResponse r = ErrorResponse(InvalidArgument(
+        "/v2/jobs/{id} takes GET (status and result) or DELETE (cancel), not " + req.method.substr(0, 32)));
+    r.status = 405;
+    r.headers.emplace_back("Allow", "GET, HEAD, DELETE");
+    return done(std::move(r));
   }
   if (parts.size() >= 4 && parts[1] == "models" && parts.back() == "jobs") {
-    if (req.method != "POST") return done(ErrorResponse(InvalidArgument("jobs are submitted with POST")));
+    if (req.method != "POST") {
+      HttpResponse r = ErrorResponse(InvalidArgument("jobs are submitted with POST"));
+      r.status = 405;
+      r.headers.emplace_back("Allow", "POST");
+      return done(std::move(r));
+    }
     const std::string model(parts[2]);
     int64_t version = -1;
     if (parts.size() == 6 && parts[3] == "versions") {

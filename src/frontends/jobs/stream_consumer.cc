@@ -424,6 +424,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       rec->finished_ms = WallClockMs();
       Finish(group, i, std::move(rec), std::move(s));
     };
+    if (e.deliveries > options_.max_deliveries) {
+      // Every earlier delivery ended without a result: its consumer died
+      // with it, or could not record it. Whatever the entry holds, it is
+      // neither parsed nor run again.
+      return fail(Internal("job stream entry " + e.entry_id + " of " + models_[e.model].stream + " was delivered " +
+                           std::to_string(e.deliveries) + " times without finishing (limit " +
+                           std::to_string(options_.max_deliveries) + ", --consume-max-deliveries)"));
+    }
     const std::string_view body = e.Field("body");
     if (body.empty()) {
       return fail(InvalidArgument("job stream entry " + e.entry_id + " of " + models_[e.model].stream +

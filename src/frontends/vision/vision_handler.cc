@@ -13,6 +13,7 @@
 #include <ctime>
 #include <random>
 
+#include "core/json.h"
 #include "frontends/http/kserve_handler.h"
 #include "frontends/vision/multipart.h"
 #include "metrics/text_format.h"
@@ -297,18 +298,16 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
 
   if (path.starts_with("/predict")) {
     job->kind = Job::Kind::kPredict;
-    const std::string model = path.size() > 9 ? path.substr(9) : "";
+    const std::string model = path.size() > 9 ? PercentDecode(path.substr(9)) : "";
     if (request.method != "POST")
       return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
     if (model.empty() || model.find('/') != std::string::npos) {
       return done(JsonError(404, "no such route; use POST /predict/{model}"));
     }
     rapidjson::Document doc;
-    doc.Parse(request.body.data(), request.body.size());
-    if (doc.HasParseError()) {
-      return done(JsonError(400, "model '" + model + "': the body is not valid JSON (" +
-                                     rapidjson::GetParseError_En(doc.GetParseError()) + " at offset " +
-                                     std::to_string(doc.GetErrorOffset()) + "); expected {\"image\": \"<base64>\"}"));
+    if (JsonParseError e; !ParseJson(doc, request.body.data(), request.body.size(), e)) {
+      return done(JsonError(400, "model '" + model + "': the body is not valid JSON (" + e.message + " at offset " +
+                                     std::to_string(e.offset) + "); expected {\"image\": \"<base64>\"}"));
     }
     if (!doc.IsObject()) {
       return done(JsonError(400, "model '" + model + "': the body must be a JSON object {\"image\": \"<base64>\"}"));
@@ -370,7 +369,7 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
                                    "quern.task: detection)"));
     }
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
-    model = path.substr(18);
+    model = PercentDecode(path.substr(18));
     job->command = "custom";
   } else {
     return Fail(job, NotFound("no vision route " + path +

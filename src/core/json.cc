@@ -1,0 +1,78 @@
+#include "core/json.h"
+
+#include <rapidjson/error/en.h>
+#include <rapidjson/memorystream.h>
+#include <rapidjson/reader.h>
+
+#include <cstdint>
+
+namespace quern {
+namespace {
+
+// Forwards SAX events to the document and stops the parse when arrays and
+// objects nest deeper than the limit.
+class DepthLimit {
+ public:
+  DepthLimit(rapidjson::Document& doc, int max_depth) : doc_(doc), max_depth_(max_depth) {}
+
+  bool Null() { return doc_.Null(); }
+  bool Bool(bool b) { return doc_.Bool(b); }
+  bool Int(int i) { return doc_.Int(i); }
+  bool Uint(unsigned u) { return doc_.Uint(u); }
+  bool Int64(int64_t i) { return doc_.Int64(i); }
+  bool Uint64(uint64_t u) { return doc_.Uint64(u); }
+  bool Double(double d) { return doc_.Double(d); }
+  bool RawNumber(const char* s, rapidjson::SizeType n, bool copy) { return doc_.RawNumber(s, n, copy); }
+  bool String(const char* s, rapidjson::SizeType n, bool copy) { return doc_.String(s, n, copy); }
+  bool Key(const char* s, rapidjson::SizeType n, bool copy) { return doc_.Key(s, n, copy); }
+  bool StartObject() { return Enter() && doc_.StartObject(); }
+  bool EndObject(rapidjson::SizeType n) {
+    --depth_;
+    return doc_.EndObject(n);
+  }
+  bool StartArray() { return Enter() && doc_.StartArray(); }
+  bool EndArray(rapidjson::SizeType n) {
+    --depth_;
+    return doc_.EndArray(n);
+  }
+
+  bool too_deep() const { return too_deep_; }
+
+ private:
+  bool Enter() {
+    if (++depth_ > max_depth_) {
+      too_deep_ = true;
+      return false;
+    }
+    return true;
+  }
+
+  rapidjson::Document& doc_;
+  const int max_depth_;
+  int depth_ = 0;
+  bool too_deep_ = false;
+};
+
+}  // namespace
+
+bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonParseError& error, int max_depth) {
+  rapidjson::ParseResult result;
+  bool too_deep = false;
+  auto generate = [&](rapidjson::Document& d) {
+    DepthLimit handler(d, max_depth);
+    rapidjson::MemoryStream ms(data, size);
+    rapidjson::Reader reader;
+    result = reader.Parse<rapidjson::kParseIterativeFlag>(ms, handler);
+    too_deep = handler.too_deep();
+    return !result.IsError();
+  };
+  doc.Populate(generate);
+  if (!result.IsError()) return true;
+  doc.SetNull();
+  error.offset = result.Offset();
+  error.message = too_deep ? "nested deeper than " + std::to_string(max_depth) + " levels"
+                           : std::string(rapidjson::GetParseError_En(result.Code()));
+  return false;
+}
+
+}  // namespace quern
