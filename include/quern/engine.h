@@ -241,6 +241,9 @@ class Engine {
   // Server readiness (HTTP /v2/health/ready, gRPC ServerReady and health):
   // every loaded or failed model version is ready.
   bool AllModelsReady() const;
+  // Requests submitted to the models in service and not yet answered
+  // (queued or running); 0 once a draining server may stop.
+  int64_t InFlight() const;
 
   // Statistics of every loaded version of `name` (every model when empty).
   // NOT_FOUND for an unknown model or version.

@@ -28,8 +28,9 @@ enum class StatusCode : int {
   kResourceExhausted = 8,  // a size limit was exceeded
   kFailedPrecondition = 9,
   kUnimplemented = 12,
-  kInternal = 13,     // a bug or a backend failure
-  kUnavailable = 14,  // retryable: queue full, model not ready, shutting down
+  kInternal = 13,         // a bug or a backend failure
+  kUnavailable = 14,      // retryable: queue full, model not ready, shutting down
+  kUnauthenticated = 16,  // no valid credential (API key) was presented
 };
 
 // Returns the canonical upper-case name, e.g. "INVALID_ARGUMENT".
@@ -80,6 +81,9 @@ inline Status Unimplemented(std::string m) {
 }
 inline Status FailedPrecondition(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
+}
+inline Status Unauthenticated(std::string m) {
+  return Status(StatusCode::kUnauthenticated, std::move(m));
 }
 inline Status PermissionDenied(std::string m) {
   return {StatusCode::kPermissionDenied, std::move(m)};

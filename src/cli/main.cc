@@ -6,10 +6,12 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -23,6 +25,7 @@
 #include "metrics/prometheus.h"
 #include "pipeline/vision_model.h"
 #include "quern/engine.h"
+#include "server/api_keys.h"
 #include "store/redis_store.h"
 #include "store/result_store.h"
 
@@ -166,6 +169,11 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
   return 0;
 }
 
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // Connections need file descriptors; the usual soft limit (1024) is far
 // below the hard one.
 void RaiseOpenFileLimit(int wanted) {
@@ -255,6 +263,32 @@ int main(int argc, char** argv) {
   metrics_opts.port = 8002;
   serve->add_option("--metrics-port", metrics_opts.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
 
+  std::string model_control = "none";
+  serve
+      ->add_option("--model-control", model_control,
+                   "none: the repository is loaded at start and never changed over the API (poll with "
+                   "--repository-poll-secs); explicit: load and unload over the API as well")
+      ->check(CLI::IsMember({"none", "poll", "explicit"}));
+  quern::ApiKeyOptions key_opts;
+  serve->add_option("--api-keys", key_opts.keys_file,
+                    "File of API keys (one per line): every HTTP route and gRPC call then needs one "
+                    "(Authorization: Bearer <key>); also from QUERN_API_KEYS (comma-separated)");
+  serve->add_option("--admin-keys", key_opts.admin_keys_file,
+                    "File of admin keys: the only keys that may load and unload models (also every other route); "
+                    "also from QUERN_ADMIN_KEYS");
+  serve->add_option("--api-key-rate-limit", key_opts.rate_limit_per_s,
+                    "Requests per second each key may make (more: 429 / RESOURCE_EXHAUSTED); 0 = no limit");
+  double drain_timeout_s = 30;
+  serve->add_option("--drain-timeout-secs", drain_timeout_s,
+                    "On SIGTERM/SIGINT: readiness turns false, new requests get 503 / UNAVAILABLE, and requests "
+                    "already taken finish for up to this long before the server exits");
+  bool metrics_need_key = false;
+  serve->add_flag("--metrics-need-key", metrics_need_key, "With API keys, /metrics needs a key too");
+  serve->add_option("--grpc-tls-cert-file", grpc_opts.tls_cert_file, "gRPC over TLS: PEM certificate chain");
+  serve->add_option("--grpc-tls-key-file", grpc_opts.tls_key_file, "gRPC over TLS: PEM private key");
+  serve->add_option("--grpc-tls-client-ca-file", grpc_opts.tls_client_ca_file,
+                    "gRPC over TLS: require client certificates signed by these PEM CAs");
+
   std::string models_repo;
   auto* models = app.add_subcommand("models", "List a repository's models, their tensors and load errors");
   models->add_option("repository", models_repo, "Model repository")->required();
@@ -289,8 +323,47 @@ int main(int argc, char** argv) {
   }
   PrintModels(**engine);
   RaiseOpenFileLimit(http_opts.max_connections + 64);
+  if (const char* k = std::getenv("QUERN_API_KEYS")) key_opts.keys_env = k;
+  if (const char* k = std::getenv("QUERN_ADMIN_KEYS")) key_opts.admin_keys_env = k;
+  auto api_keys = quern::ApiKeys::Load(key_opts);
+  if (!api_keys) {
+    std::fprintf(stderr, "quern: %s\n", api_keys.error().message().c_str());
+    return 2;
+  }
+  quern::ApiKeys* keys = api_keys->get();
+  const bool explicit_control = model_control == "explicit";
+  // HTTP: the key a request presents, checked before any handler sees it
+  // (the vision routes check it themselves: CodeProject.AI clients send it
+  // as a form field and expect errors as 200 with success false).
+  auto http_denied = [keys](const quern::HttpRequest& r) -> std::optional<quern::HttpResponse> {
+    if (!keys->enabled()) return std::nullopt;
+    const auto parts = quern::SplitTargetPath(r.target);
+    const bool admin = parts.size() == 5 && parts[0] == "v2" && parts[1] == "repository" && parts[2] == "models" &&
+                       (parts[4] == "load" || parts[4] == "unload");
+    quern::Status st =
+        keys->Authorize(quern::PresentedKey(r.Header("authorization"), r.Header("x-api-key")), admin, SteadyNowNs());
+    if (st.ok()) return std::nullopt;
+    quern::HttpResponse resp = quern::ErrorResponse(st);
+    resp.status = quern::AuthHttpStatus(st);
+    if (resp.status == 401) resp.headers.emplace_back("WWW-Authenticate", "Bearer");
+    return resp;
+  };
+  // Set on SIGTERM/SIGINT: the server answers what it has taken and refuses the rest.
+  std::atomic<bool> draining{false};
+  auto http_draining = [&draining](const quern::HttpRequest& r) -> std::optional<quern::HttpResponse> {
+    if (!draining.load(std::memory_order_acquire)) return std::nullopt;
+    const auto parts = quern::SplitTargetPath(r.target);
+    if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health") return std::nullopt;  // answered below
+    quern::HttpResponse resp = quern::ErrorResponse(quern::Unavailable("the server is shutting down"));
+    resp.headers.emplace_back("Connection", "close");
+    return resp;
+  };
   quern::KServeHandler handler(engine->get());
+  handler.set_model_control(explicit_control);
   vision_opts.model_repository = repo;
+  if (keys->enabled()) {
+    vision_opts.authorize = [keys](std::string_view key) { return keys->Authorize(key, false, SteadyNowNs()); };
+  }
   quern::VisionHandler vision(engine->get(), vision_opts);
   std::unique_ptr<quern::ResultStore> store;
   quern::RedisResultStore* redis_store = nullptr;
@@ -309,9 +382,18 @@ int main(int argc, char** argv) {
     auto rs = std::make_unique<quern::RedisResultStore>(o);
     redis_store = rs.get();
     store = std::move(rs);
-    handler.set_ready_check([redis_store] { return redis_store->Health(); });
+    handler.set_ready_check([redis_store, &draining] {
+      if (draining.load(std::memory_order_acquire)) return quern::Unavailable("the server is shutting down");
+      return redis_store->Health();
+    });
   } else {
     store = std::make_unique<quern::MemoryResultStore>(store_opts);
+  }
+  if (!redis_store) {
+    handler.set_ready_check([&draining] {
+      return draining.load(std::memory_order_acquire) ? quern::Unavailable("the server is shutting down")
+                                                      : quern::Status::Ok();
+    });
   }
   quern::JobHandler jobs(engine->get(), store.get());
   std::unique_ptr<quern::StreamConsumer> consumer;
@@ -320,7 +402,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
+    if (auto refused = http_draining(r)) return done(std::move(*refused));
     if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
+    if (auto denied = http_denied(r)) return done(std::move(*denied));
     if (quern::JobHandler::Handles(r.target)) return jobs.Handle(std::move(r), std::move(done));
     handler.Handle(std::move(r), std::move(done));
   });
@@ -332,6 +416,13 @@ int main(int argc, char** argv) {
   if (grpc_opts.port >= 0) {
     grpc_opts.host = http_opts.host;
     grpc_opts.max_send_bytes = grpc_opts.max_receive_bytes;
+    grpc_opts.model_control = explicit_control;
+    grpc_opts.draining = &draining;
+    if (keys->enabled()) {
+      grpc_opts.authorize = [keys](std::string_view key, bool admin) {
+        return keys->Authorize(key, admin, SteadyNowNs());
+      };
+    }
     auto started = quern::GrpcServer::Start(grpc_opts, engine->get());
     if (!started) {
       std::fprintf(stderr, "quern: gRPC: %s\n", started.error().ToString().c_str());
@@ -344,6 +435,7 @@ int main(int argc, char** argv) {
     quern::HttpServerOptions o = http_opts;
     o.port = vision_port;
     vision_server = quern::HttpServer::Start(o, [&](quern::HttpRequest&& r, quern::HttpDone done) {
+      if (auto refused = http_draining(r)) return done(std::move(*refused));
       if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
       quern::HttpResponse resp;
       resp.status = 404;
@@ -357,8 +449,12 @@ int main(int argc, char** argv) {
   }
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
-  auto metrics = quern::HttpServer::Start(
-      metrics_opts, [engine_ptr, &vision, &jobs, redis_store, &consumer](quern::HttpRequest&& r, quern::HttpDone done) {
+  auto metrics =
+      quern::HttpServer::Start(metrics_opts, [engine_ptr, &vision, &jobs, redis_store, &consumer, metrics_need_key,
+                                              &http_denied](quern::HttpRequest&& r, quern::HttpDone done) {
+        if (metrics_need_key) {
+          if (auto denied = http_denied(r)) return done(std::move(*denied));
+        }
         quern::HttpResponse resp;
         if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
           resp.status = 404;
@@ -401,13 +497,28 @@ int main(int argc, char** argv) {
   std::printf("quern: serving %s (Ctrl-C to stop)\n", repo.c_str());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Drain: not ready any more, new requests refused, requests already taken
+  // (queued, running, or being decoded for the vision routes) answered.
+  std::printf("quern: draining (up to %.0f s)\n", drain_timeout_s);
+  std::fflush(stdout);
+  draining.store(true, std::memory_order_release);
+  if (consumer) consumer->Stop();  // takes no more stream jobs; those taken finish below
+  const auto drain_deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, drain_timeout_s));
+  while (((*engine)->InFlight() > 0 || vision.stats().in_flight > 0) &&
+         std::chrono::steady_clock::now() < drain_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const int64_t left = (*engine)->InFlight() + vision.stats().in_flight;
+  if (left > 0) std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
+  // Answers written by engine threads have left; give slow readers a moment.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("quern: stopping\n");
   (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine
   if (*vision_server) (*vision_server)->Stop();
   if (grpc) grpc->Stop();
-  if (consumer) consumer->Stop();  // takes no more jobs; those in flight finish below
-  engine->reset();                 // drains the queues; late responses are dropped with their connections
+  engine->reset();  // drains the queues; late responses are dropped with their connections
   server->reset();
   return 0;
 }

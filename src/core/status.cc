@@ -17,6 +17,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kUnimplemented: return "UNIMPLEMENTED";
     case StatusCode::kInternal: return "INTERNAL";
     case StatusCode::kUnavailable: return "UNAVAILABLE";
+    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
   }
   return "UNKNOWN";
 }

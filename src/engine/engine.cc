@@ -389,6 +389,17 @@ class EngineImpl {
 
   const Clock& clock() const { return *clock_; }
 
+  int64_t InFlight() const {
+    std::shared_lock lock(mu_);
+    int64_t n = 0;
+    for (const auto& [name, e] : models_) {
+      for (const auto& [v, slot] : e.versions) {
+        if (slot.served) n += slot.served->in_flight();
+      }
+    }
+    return n;
+  }
+
  private:
   static void ShutdownVersions(std::map<int64_t, VersionSlot>& versions) {
     for (auto& [v, slot] : versions) {
@@ -477,6 +488,9 @@ bool Engine::AllModelsReady() const {
     if (m.state != ModelState::kReady) return false;
   }
   return true;
+}
+int64_t Engine::InFlight() const {
+  return impl_->InFlight();
 }
 const Clock& Engine::clock() const {
   return impl_->clock();

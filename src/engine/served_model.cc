@@ -331,6 +331,7 @@ Status ServedModel::Validate(const InferRequest& r, int64_t& items, uint64_t& ke
 }
 
 void ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback done) {
+  in_flight_.fetch_add(1, std::memory_order_relaxed);
   auto task = std::make_unique<Task>();
   task->telemetry.queue_start_ns = clock_->NowNs();
   task->id = request_id;
@@ -404,11 +405,13 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
     sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
       r.telemetry.response_ns = clock_->NowNs();
       done(std::move(r));
+      in_flight_.fetch_sub(1, std::memory_order_release);
     });
     return;
   }
   r.telemetry.response_ns = clock_->NowNs();
   task->done(std::move(r));
+  in_flight_.fetch_sub(1, std::memory_order_release);
 }
 
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {

@@ -43,6 +43,9 @@ class ServedModel {
 
   const ModelConfig& config() const { return config_; }
   ModelStatistics Statistics() const;
+  // Requests submitted and not yet answered (queued, running or waiting
+  // for their turn to be answered).
+  int64_t in_flight() const { return in_flight_.load(std::memory_order_acquire); }
   int64_t version() const { return version_; }
 
  private:
@@ -62,6 +65,7 @@ class ServedModel {
   ResponseSequencer sequencer_;
   const bool ordered_;
 
+  std::atomic<int64_t> in_flight_{0};
   mutable std::mutex stats_mu_;
   ModelStatistics stats_;                          // guarded by stats_mu_
   std::map<int64_t, BatchSizeStats> batch_stats_;  // guarded by stats_mu_

@@ -29,7 +29,7 @@ def start_server(repo, *extra):
 
 @pytest.fixture(scope="module")
 def server():
-    proc, address = start_server(MODELS, "--grpc-max-message-bytes", "1000000")
+    proc, address = start_server(MODELS, "--grpc-max-message-bytes", "1000000", "--model-control", "explicit")
     yield address
     proc.terminate()
     proc.wait(timeout=30)
@@ -213,7 +213,7 @@ def test_health_follows_readiness_of_every_model(tmp_path):
     (tmp_path / "late" / "1").mkdir(parents=True)
     (tmp_path / "late" / "1" / "model.onnx").write_bytes(b"not an onnx model")
     shutil.copytree(os.path.join(MODELS, "add_sub"), tmp_path / "add_sub")
-    proc, address = start_server(str(tmp_path))
+    proc, address = start_server(str(tmp_path), "--model-control", "explicit")
     try:
         c = grpcclient.InferenceServerClient(address)
         assert c.is_server_live()

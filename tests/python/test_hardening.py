@@ -68,7 +68,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = make_repo(tmp_path_factory.mktemp("repo") / "models", "add_sub", "detect_yolov8", "dtypes")
-    s = Server(repo)
+    s = Server(repo, "--model-control", "explicit")
     yield s
     s.stop()
 
@@ -153,7 +153,7 @@ def test_model_names_cannot_be_paths(tmp_path):
     # A model folder outside the repository that an attacker wants served.
     outside = tmp_path / "outside"
     shutil.copytree(os.path.join(MODELS, "add_sub"), outside)
-    s = Server(repo)
+    s = Server(repo, "--model-control", "explicit")
     try:
         c = grpcclient.InferenceServerClient(s.grpc)
         for name in (str(outside), "../outside", "..", ".", "add_sub/../add_sub", "a\0b", "a\nb", ""):
@@ -184,7 +184,7 @@ def test_model_names_cannot_be_paths(tmp_path):
 
 def test_loading_an_unknown_model_leaves_no_state(tmp_path):
     repo = make_repo(tmp_path / "repo", "add_sub")
-    s = Server(repo)
+    s = Server(repo, "--model-control", "explicit")
     try:
         status, _, body = s.request("POST", "/v2/repository/models/nope/load")
         assert status == 404, body
@@ -491,3 +491,50 @@ def test_idle_connections_do_not_lock_clients_out(tmp_path):
             sock.close()
         s.stop()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# --- Shutdown ------------------------------------------------------------------------------------
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    """SIGTERM: readiness false first, requests already queued finish with their results, new ones
+    get 503 / UNAVAILABLE, exit 0 within --drain-timeout-secs."""
+    import signal
+    import threading
+    repo = make_repo(tmp_path / "repo", "slow_batch", "add_sub")
+    s = Server(repo, "--drain-timeout-secs", "20")
+    results = {}
+
+    def infer(k):
+        x = np.full((1, 3), k, np.float32).tolist()
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]}).encode()
+        results[k] = s.request("POST", "/v2/models/slow_batch/infer", body=body, timeout=60)
+
+    # slow_batch holds up to 4 requests for 1 s: three requests wait in its queue.
+    threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the three requests wait in the batcher (its delay is 1 s)
+    started = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    status, _, body = s.request("GET", "/v2/health/ready")
+    assert status == 503 and json.loads(body)["ready"] is False
+    status, _, body = s.request("POST", "/v2/models/add_sub/infer", body=add_sub_body())
+    assert status == 503 and "shutting down" in json.loads(body)["error"]
+    g = grpcclient.InferenceServerClient(s.grpc)
+    assert not g.is_server_ready()
+    x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 4), np.float32))
+    y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
+    y.set_data_from_numpy(np.ones((1, 4), np.float32))
+    with pytest.raises(InferenceServerException) as e:
+        g.infer("add_sub", [x, y])
+    assert "UNAVAILABLE" in str(e.value.status())
+    for t in threads:
+        t.join(timeout=30)
+    for k in (1, 2, 3):
+        status, _, body = results[k]
+        assert status == 200, body
+        assert json.loads(body)["outputs"][0]["data"] == [2.0 * k] * 3
+    assert s.proc.wait(timeout=20) == 0
+    assert time.time() - started < 20

@@ -18,7 +18,7 @@ METRICS = None  # host:port of /metrics, set by the server fixture
 
 @pytest.fixture(scope="module")
 def server():
-    proc, ports = start_quern(QUERN, MODELS)
+    proc, ports = start_quern(QUERN, MODELS, "--model-control", "explicit")
     global METRICS
     METRICS = f"127.0.0.1:{ports['metrics']}"
     yield f"127.0.0.1:{ports['HTTP']}"

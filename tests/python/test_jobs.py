@@ -166,7 +166,7 @@ def test_bad_submissions_get_no_job_id(server):
         assert status == code and needle in json.loads(data)["error"], (model, status, data)
         assert "job_id" not in json.loads(data)
     status, _, data = request(server, "GET", "/v2/models/add_sub/jobs")
-    assert status == 400 and "POST" in json.loads(data)["error"]
+    assert status == 405 and "POST" in json.loads(data)["error"]
 
 
 def test_unknown_and_malformed_ids(server):

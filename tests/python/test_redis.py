@@ -385,6 +385,67 @@ def test_poison_jobs_go_to_the_dead_letter_stream(repo, redis_server):
         q.stop()
 
 
+def test_sigterm_finishes_taken_jobs_and_flushes_their_results(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
+              "--drain-timeout-secs", "20")
+    # Three jobs over HTTP and three from the stream wait in slow_batch's 1 s batching delay.
+    xs = [np.full((1, 3), k + 1, np.float32) for k in range(6)]
+    http_ids = [submit(q, "slow_batch", slow_body(x)) for x in xs[:3]]
+    stream_ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs[3:]], "drain")
+    wait_until(lambda: q.metric("quern_stream_inflight") == 3, timeout=5, what="the stream jobs to be taken")
+    q.proc.send_signal(signal.SIGTERM)
+    assert q.proc.wait(timeout=25) == 0
+    for job, x in zip(http_ids + stream_ids, xs):
+        doc = stored(r, job)
+        assert doc and doc["status"] == "done", (job, doc)
+        np.testing.assert_array_equal(outputs_of(doc, r)["y"], 2 * x)
+    assert r.xpending("quern:jobs:slow_batch", "quern")["pending"] == 0
+
+
+def test_a_hostile_entry_cannot_kill_consumers(repo, redis_server):
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub",
+              "--consume-claim-idle-ms", "300", "--consume-max-deliveries", "3")
+    try:
+        # 130,000 nested '[' exhausted the parser's stack: every consumer that read it died.
+        r.xadd("quern:jobs:add_sub", {"id": "deep", "body": "[" * 130_000})
+        r.xadd("quern:jobs:add_sub", {"id": "deep2", "body": '{"inputs": ' + "[" * 130_000})
+        for job in ("deep", "deep2"):
+            doc = wait_until(lambda: stored(r, job), timeout=30, what=f"{job}'s result")
+            assert doc["status"] == "failed" and doc["error"]["code"] == "INVALID_ARGUMENT", doc
+        dead = {f[b"id"].decode(): f for _, f in r.xrange("quern:dead:add_sub")}
+        assert set(dead) == {"deep", "deep2"} and dead["deep"][b"deliveries"] == b"1"
+        assert q.proc.poll() is None
+    finally:
+        q.stop()
+
+
+def test_an_entry_delivered_beyond_the_limit_is_dead_lettered_before_it_runs(repo, redis_server):
+    # Consumers that died with an entry (deliveries 1..3 never finished) must not hand it to the next
+    # one: whatever it holds, the 4th delivery goes to the dead letters without being parsed or run.
+    r = redis_server.client()
+    one = np.ones((1, 4), np.float32)
+    r.xgroup_create("quern:jobs:add_sub", "quern", id="0", mkstream=True)
+    entry = r.xadd("quern:jobs:add_sub", {"id": "cursed", "body": json.dumps(add_sub_body(one, one))})
+    r.xreadgroup("quern", "ghost1", {"quern:jobs:add_sub": ">"}, count=1)
+    r.xclaim("quern:jobs:add_sub", "quern", "ghost2", 0, [entry])
+    r.xclaim("quern:jobs:add_sub", "quern", "ghost3", 0, [entry])
+    assert r.xpending_range("quern:jobs:add_sub", "quern", "-", "+", 1)[0]["times_delivered"] == 3
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub",
+              "--consume-claim-idle-ms", "300", "--consume-max-deliveries", "3")
+    try:
+        doc = wait_until(lambda: stored(r, "cursed"), timeout=30, what="the cursed job's result")
+        assert doc["status"] == "failed" and "delivered 4 times" in doc["error"]["message"], doc
+        fields = {k.decode(): v.decode() for k, v in r.xrange("quern:dead:add_sub")[0][1].items()}
+        assert fields["id"] == "cursed" and fields["deliveries"] == "4"
+        wait_until(lambda: r.xpending("quern:jobs:add_sub", "quern")["pending"] == 0, what="the ack")
+        status, _, data = q.request("GET", "/v2/models/add_sub/stats")
+        assert json.loads(data)["model_stats"][0]["inference_count"] == 0  # never run
+    finally:
+        q.stop()
+
+
 def test_deadline_passed_in_the_stream_fails_without_running(repo, redis_server):
     r = redis_server.client()
     q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub")

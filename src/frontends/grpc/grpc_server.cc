@@ -10,12 +10,15 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "core/model_config_parser.h"
 #include "grpc_service.grpc.pb.h"
+#include "server/api_keys.h"
 
 namespace quern {
 namespace {
@@ -383,30 +386,46 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const grpc::St
   return r;
 }
 
+Status ModelControlOff() {
+  return FailedPrecondition(
+      "model load and unload over the API are off; start quern serve with --model-control explicit");
+}
+
 grpc::ServerUnaryReactor* NotImplemented(grpc::CallbackServerContext* ctx, const char* what) {
   return Reply(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                                  std::string(what) + " is not implemented by Quern (no shared memory, tracing or "
                                                      "log settings over gRPC)"));
 }
 
+// A stream refused before it starts (no valid key).
+class RefusedStream final
+    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 class Service final : public GRPCInferenceService::CallbackService {
  public:
-  explicit Service(Engine* engine) : engine_(engine) {}
+  Service(Engine* engine, const GrpcServerOptions& options) : engine_(engine), options_(options) {}
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx, const inference::ServerLiveRequest*,
                                        inference::ServerLiveResponse* out) override {
+    if (auto* denied = Deny(ctx, false, true)) return denied;
     out->set_live(true);
     return Reply(ctx, grpc::Status::OK);
   }
 
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx, const inference::ServerReadyRequest*,
                                         inference::ServerReadyResponse* out) override {
-    out->set_ready(engine_->AllModelsReady());
+    if (auto* denied = Deny(ctx, false, true)) return denied;
+    out->set_ready(!draining() && engine_->AllModelsReady());
     return Reply(ctx, grpc::Status::OK);
   }
 
   grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx, const inference::ModelReadyRequest* in,
                                        inference::ModelReadyResponse* out) override {
+    if (auto* denied = Deny(ctx, false, true)) return denied;
     auto v = ParseVersion(in->name(), in->version());
     if (!v) return Reply(ctx, ToGrpc(v.error()));
     out->set_ready(engine_->ModelReady(in->name(), *v));
@@ -415,6 +434,7 @@ class Service final : public GRPCInferenceService::CallbackService {
 
   grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
                                            inference::ServerMetadataResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     out->set_name("quern");
     out->set_version("0.1.0");
     return Reply(ctx, grpc::Status::OK);
@@ -422,6 +442,7 @@ class Service final : public GRPCInferenceService::CallbackService {
 
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* in,
                                           inference::ModelMetadataResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     auto m = Model(in->name(), in->version());
     if (!m) return Reply(ctx, ToGrpc(m.error()));
     FillMetadata(*m, out);
@@ -430,6 +451,7 @@ class Service final : public GRPCInferenceService::CallbackService {
 
   grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* ctx, const inference::ModelConfigRequest* in,
                                         inference::ModelConfigResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     auto m = Model(in->name(), in->version());
     if (!m) return Reply(ctx, ToGrpc(m.error()));
     *out->mutable_config() = ToProto(m->config);
@@ -439,6 +461,7 @@ class Service final : public GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* ctx,
                                             const inference::ModelStatisticsRequest* in,
                                             inference::ModelStatisticsResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     auto v = ParseVersion(in->name(), in->version());
     if (!v) return Reply(ctx, ToGrpc(v.error()));
     auto stats = engine_->GetStatistics(in->name(), *v);
@@ -450,6 +473,7 @@ class Service final : public GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* ctx,
                                             const inference::RepositoryIndexRequest* in,
                                             inference::RepositoryIndexResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     for (const auto& m : engine_->ListModels()) {
       if (in->ready() && m.state != ModelState::kReady) continue;
       auto* e = out->add_models();
@@ -464,61 +488,76 @@ class Service final : public GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* RepositoryModelLoad(grpc::CallbackServerContext* ctx,
                                                 const inference::RepositoryModelLoadRequest* in,
                                                 inference::RepositoryModelLoadResponse*) override {
+    if (auto* denied = Deny(ctx, true)) return denied;
+    if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
     return Reply(ctx, ToGrpc(engine_->LoadModel(in->model_name())));
   }
 
   grpc::ServerUnaryReactor* RepositoryModelUnload(grpc::CallbackServerContext* ctx,
                                                   const inference::RepositoryModelUnloadRequest* in,
                                                   inference::RepositoryModelUnloadResponse*) override {
+    if (auto* denied = Deny(ctx, true)) return denied;
+    if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
     return Reply(ctx, ToGrpc(engine_->UnloadModel(in->model_name())));
   }
 
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* in,
                                        inference::ModelInferResponse* out) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return new InferReactor(engine_, ctx, in, out);
   }
 
   grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
       grpc::CallbackServerContext* ctx) override {
+    if (Status st = Authorize(ctx, false); !st.ok()) return new RefusedStream(ToGrpc(st));
+    if (draining()) return new RefusedStream(ToGrpc(Unavailable("the server is shutting down")));
     return new StreamReactor(engine_, ctx);
   }
 
   grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
                                                      const inference::SystemSharedMemoryStatusRequest*,
                                                      inference::SystemSharedMemoryStatusResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "SystemSharedMemoryStatus");
   }
   grpc::ServerUnaryReactor* SystemSharedMemoryRegister(grpc::CallbackServerContext* ctx,
                                                        const inference::SystemSharedMemoryRegisterRequest*,
                                                        inference::SystemSharedMemoryRegisterResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "SystemSharedMemoryRegister");
   }
   grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
                                                          const inference::SystemSharedMemoryUnregisterRequest*,
                                                          inference::SystemSharedMemoryUnregisterResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "SystemSharedMemoryUnregister");
   }
   grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
                                                    const inference::CudaSharedMemoryStatusRequest*,
                                                    inference::CudaSharedMemoryStatusResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "CudaSharedMemoryStatus");
   }
   grpc::ServerUnaryReactor* CudaSharedMemoryRegister(grpc::CallbackServerContext* ctx,
                                                      const inference::CudaSharedMemoryRegisterRequest*,
                                                      inference::CudaSharedMemoryRegisterResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "CudaSharedMemoryRegister");
   }
   grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
                                                        const inference::CudaSharedMemoryUnregisterRequest*,
                                                        inference::CudaSharedMemoryUnregisterResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "CudaSharedMemoryUnregister");
   }
   grpc::ServerUnaryReactor* TraceSetting(grpc::CallbackServerContext* ctx, const inference::TraceSettingRequest*,
                                          inference::TraceSettingResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "TraceSetting");
   }
   grpc::ServerUnaryReactor* LogSettings(grpc::CallbackServerContext* ctx, const inference::LogSettingsRequest*,
                                         inference::LogSettingsResponse*) override {
+    if (auto* denied = Deny(ctx)) return denied;
     return NotImplemented(ctx, "LogSettings");
   }
 
@@ -528,7 +567,30 @@ class Service final : public GRPCInferenceService::CallbackService {
     return engine_->GetModel(name, v);
   }
 
+  // Not OK when the call presents no acceptable key.
+  Status Authorize(grpc::CallbackServerContext* ctx, bool admin) const {
+    if (!options_.authorize) return Status::Ok();
+    std::string_view authorization, x_api_key;
+    for (const auto& [k, v] : ctx->client_metadata()) {
+      const std::string_view key(k.data(), k.size());
+      if (key == "authorization") authorization = std::string_view(v.data(), v.size());
+      if (key == "x-api-key") x_api_key = std::string_view(v.data(), v.size());
+    }
+    return options_.authorize(PresentedKey(authorization, x_api_key), admin);
+  }
+
+  bool draining() const { return options_.draining && options_.draining->load(std::memory_order_acquire); }
+
+  // A finished reactor when the call may not proceed, else null. `probe`:
+  // liveness and readiness, answered while draining too.
+  grpc::ServerUnaryReactor* Deny(grpc::CallbackServerContext* ctx, bool admin = false, bool probe = false) const {
+    Status st = Authorize(ctx, admin);
+    if (st.ok() && !probe && draining()) st = Unavailable("the server is shutting down");
+    return st.ok() ? nullptr : Reply(ctx, ToGrpc(st));
+  }
+
   Engine* engine_;
+  const GrpcServerOptions& options_;
 };
 
 // gRPC 1.51 answers a request message that does not parse as its method's
@@ -574,7 +636,8 @@ class UnparseableMessageInterceptorFactory final : public grpc::experimental::Se
 
 class GrpcServer::Impl {
  public:
-  Impl(GrpcServerOptions options, Engine* engine) : options_(std::move(options)), engine_(engine), service_(engine) {}
+  Impl(GrpcServerOptions options, Engine* engine)
+      : options_(std::move(options)), engine_(engine), service_(engine, options_) {}
 
   Status Start() {
     // Debian's Abseil is built with mutex deadlock detection on: every lock
@@ -586,7 +649,27 @@ class GrpcServer::Impl {
     const std::string address =
         (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host) + ":" +
         std::to_string(options_.port);
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (!options_.tls_cert_file.empty() || !options_.tls_key_file.empty()) {
+      auto read = [](const std::string& path, const char* what) -> Result<std::string> {
+        std::ifstream in(path, std::ios::binary);
+        if (!in) return Err(InvalidArgument(std::string("cannot read the gRPC TLS ") + what + " file '" + path + "'"));
+        std::ostringstream text;
+        text << in.rdbuf();
+        return text.str();
+      };
+      grpc::SslServerCredentialsOptions ssl;
+      grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+      QUERN_ASSIGN_OR_RETURN(pair.cert_chain, read(options_.tls_cert_file, "certificate"));
+      QUERN_ASSIGN_OR_RETURN(pair.private_key, read(options_.tls_key_file, "key"));
+      ssl.pem_key_cert_pairs.push_back(std::move(pair));
+      if (!options_.tls_client_ca_file.empty()) {
+        QUERN_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options_.tls_client_ca_file, "client CA"));
+        ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+      }
+      credentials = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(address, credentials, &port_);
     builder.RegisterService(&service_);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
@@ -634,7 +717,8 @@ class GrpcServer::Impl {
   void UpdateHealth() {
     auto* health = server_->GetHealthCheckService();
     if (!health) return;
-    const bool ready = engine_->AllModelsReady();
+    const bool ready =
+        !(options_.draining && options_.draining->load(std::memory_order_acquire)) && engine_->AllModelsReady();
     if (ready == last_ready_) return;
     last_ready_ = ready;
     health->SetServingStatus("inference.GRPCInferenceService", ready);

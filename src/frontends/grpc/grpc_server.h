@@ -13,8 +13,11 @@
 // Thread safety: Start/Stop from one thread.
 #pragma once
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "quern/engine.h"
 #include "quern/status.h"
@@ -27,6 +30,23 @@ struct GrpcServerOptions {
   int max_receive_bytes = 64 << 20;  // larger requests: RESOURCE_EXHAUSTED
   int max_send_bytes = 64 << 20;     // larger responses: RESOURCE_EXHAUSTED
   int health_poll_ms = 500;          // how often the health service re-reads readiness
+  // Model control (RepositoryModelLoad / Unload); off: FAILED_PRECONDITION.
+  bool model_control = true;
+  // When set, every call must present a key this accepts, in the metadata
+  // "authorization: Bearer <key>" (or "x-api-key: <key>"); `admin` is true
+  // for model control. Its error is the call's status. grpc.health.v1 stays
+  // open for load balancers.
+  std::function<Status(std::string_view key, bool admin)> authorize;
+  // When set and true, the server is draining (shutting down): ServerReady
+  // and grpc.health.v1 answer not ready, and new calls other than liveness
+  // and readiness get UNAVAILABLE.
+  const std::atomic<bool>* draining = nullptr;
+  // TLS: PEM certificate chain and private key files; both empty = plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA certificates to verify client certificates against; when set,
+  // clients must present a certificate signed by one of them.
+  std::string tls_client_ca_file;
 };
 
 class GrpcServer {

@@ -430,6 +430,7 @@ int HttpStatusFor(const Status& s) {
     case StatusCode::kNotFound: return 404;
     case StatusCode::kResourceExhausted: return 413;
     case StatusCode::kPermissionDenied: return 403;
+    case StatusCode::kUnauthenticated: return 401;
     case StatusCode::kUnavailable: return 503;
     case StatusCode::kDeadlineExceeded: return 504;
     case StatusCode::kUnimplemented: return 501;
@@ -495,6 +496,10 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   if (parts.size() == 5 && parts[1] == "repository" && parts[2] == "models" && req.method == "POST" &&
       (parts[4] == "load" || parts[4] == "unload")) {
     const std::string model(parts[3]);
+    if (!model_control_) {
+      return done(Error(FailedPrecondition(
+          "model load and unload over the API are off; start quern serve with --model-control explicit")));
+    }
     // Triton's load takes parameters "config" (a configuration override)
     // and "file:<path>" (model files in the request); Quern loads what the
     // repository holds, so a request asking for more is refused rather than

@@ -78,6 +78,10 @@ class KServeHandler {
   // reachable): not OK answers 503 with its message. Set before serving.
   void set_ready_check(std::function<Status()> check) { ready_check_ = std::move(check); }
 
+  // Whether POST /v2/repository/models/{m}/load and /unload act (Triton's
+  // --model-control-mode explicit); off, they answer 400. On by default.
+  void set_model_control(bool on) { model_control_ = on; }
+
  private:
   // POST .../infer: JSON tensors and the binary tensor data extension
   // (Inference-Header-Content-Length); binary inputs are used without copying.
@@ -85,6 +89,7 @@ class KServeHandler {
 
   Engine* engine_;
   std::function<Status()> ready_check_;
+  bool model_control_ = true;
 };
 
 }  // namespace quern

@@ -17,6 +17,7 @@
 #include "frontends/http/kserve_handler.h"
 #include "frontends/vision/multipart.h"
 #include "metrics/text_format.h"
+#include "server/api_keys.h"
 
 namespace quern {
 namespace {
@@ -30,6 +31,24 @@ int64_t SteadyNs() {
 
 std::string Path(const std::string& target) {
   return target.substr(0, target.find('?'));
+}
+
+// The key a request presents in a header or in the api_key query parameter.
+std::string RequestKey(const HttpRequest& r) {
+  std::string_view key = PresentedKey(r.Header("authorization"), r.Header("x-api-key"));
+  if (!key.empty()) return std::string(key);
+  const size_t q = r.target.find('?');
+  if (q == std::string::npos) return {};
+  std::string_view query(r.target);
+  query.remove_prefix(q + 1);
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    const std::string_view pair = query.substr(0, amp);
+    if (pair.starts_with("api_key=")) return PercentDecode(pair.substr(8));
+    if (amp == std::string_view::npos) break;
+    query.remove_prefix(amp + 1);
+  }
+  return {};
 }
 
 std::string TimestampUtc() {
@@ -295,9 +314,20 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   auto job = std::make_shared<Job>();
   job->received_ns = SteadyNs();
   job->deadline_ns = job->received_ns + options_.request_timeout_ms * 1'000'000;
+  // A key in a header or the query; CodeProject.AI forms may carry one in a
+  // field instead (checked with the form below).
+  const std::string header_key = RequestKey(request);
+  const bool form_route =
+      request.method == "POST" &&
+      (path == "/v1/vision/detection" || (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
   if (path.starts_with("/predict")) {
     job->kind = Job::Kind::kPredict;
+    if (options_.authorize) {
+      if (Status st = options_.authorize(header_key); !st.ok()) {
+        return done(JsonError(AuthHttpStatus(st), st.message()));
+      }
+    }
     const std::string model = path.size() > 9 ? PercentDecode(path.substr(9)) : "";
     if (request.method != "POST")
       return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
@@ -337,6 +367,9 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // CodeProject.AI routes.
   job->request = std::move(request);
   job->done = std::move(done);
+  if (options_.authorize && (!form_route || !header_key.empty())) {
+    if (Status st = options_.authorize(header_key); !st.ok()) return Fail(job, st);
+  }
   if (path == "/v1/status/ping") {
     return Respond(job, Json(200, "{\"success\":true}"));
   }
@@ -392,11 +425,17 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
       }
       job->min_confidence = f;
     }
-    if (p.name == "api_key" && !options_.api_key.empty() && p.data != options_.api_key) {
+    if (p.name == "api_key" && !options_.authorize && !options_.api_key.empty() && p.data != options_.api_key) {
       return Fail(job, PermissionDenied("the api_key is not valid"));
     }
   }
-  if (!options_.api_key.empty()) {
+  if (options_.authorize && header_key.empty()) {
+    std::string_view field_key;
+    for (const auto& p : *parts) {
+      if (p.name == "api_key") field_key = p.data;
+    }
+    if (Status st = options_.authorize(field_key); !st.ok()) return Fail(job, st);
+  } else if (!options_.authorize && !options_.api_key.empty()) {
     bool has_key = false;
     for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
     if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));

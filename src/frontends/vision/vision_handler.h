@@ -55,6 +55,11 @@ struct VisionOptions {
   std::string detection_model;
   // When set, CodeProject.AI requests must carry it in the api_key field.
   std::string api_key;
+  // When set, every vision request must present a key this accepts (its
+  // error is the answer): from "Authorization: Bearer <key>", "X-API-Key",
+  // the api_key query parameter or, on CodeProject.AI routes, the api_key
+  // form field. Replaces `api_key`.
+  std::function<Status(std::string_view key)> authorize;
   // Decode / pre-process / post-process threads; 0 = one per core.
   int stage_threads = 0;
   // A request not answered within this is dropped (before decoding or

@@ -1,0 +1,302 @@
+"""Keys, model control, rate limits and TLS on a real `quern serve`, driven by real clients
+(tritonclient over HTTP and gRPC, raw HTTP for the vision routes), with certificates the test
+makes with openssl."""
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+USER_KEY = "user-key-0123456789"
+ADMIN_KEY = "admin-key-9876543210"
+ENV_KEY = "env-key-abcdef"
+
+
+def request(port, method, path, body=None, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request(method, path, body=body, headers=headers or {})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), data
+
+
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def grpc_bearer(key):
+    return {"authorization": f"Bearer {key}"}  # gRPC metadata keys are lower case
+
+
+def add_sub_body():
+    return json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]}]}).encode()
+
+
+def png_bytes():
+    import struct
+    import zlib
+    raw = b"".join(b"\x00" + b"\xff\x00\x00" * 64 for _ in range(64))
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0)) +
+            chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def multipart(fields):
+    body = b""
+    for name, (filename, data) in fields.items():
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        body += b"--xx\r\nContent-Disposition: " + disp.encode() + b"\r\n\r\n" + data + b"\r\n"
+    return body + b"--xx--\r\n", {"Content-Type": "multipart/form-data; boundary=xx"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    (d / "keys.txt").write_text(f"# users\n{USER_KEY}\n\n")
+    (d / "admin.txt").write_text(f"{ADMIN_KEY}\n")
+    repo = d / "repo"
+    repo.mkdir()
+    for m in ("add_sub", "detect_yolov8"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    old = os.environ.get("QUERN_API_KEYS")
+    os.environ["QUERN_API_KEYS"] = ENV_KEY
+    try:
+        proc, ports = start_quern(QUERN, str(repo), "--api-keys", str(d / "keys.txt"), "--admin-keys",
+                                  str(d / "admin.txt"), "--model-control", "explicit", "--metrics-need-key")
+    finally:
+        if old is None:
+            del os.environ["QUERN_API_KEYS"]
+        else:
+            os.environ["QUERN_API_KEYS"] = old
+    yield ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+KSERVE_ROUTES = [("GET", "/v2", None), ("GET", "/v2/health/live", None), ("GET", "/v2/health/ready", None),
+                 ("GET", "/v2/models/add_sub", None), ("GET", "/v2/models/add_sub/ready", None),
+                 ("GET", "/v2/models/add_sub/config", None), ("GET", "/v2/models/stats", None),
+                 ("POST", "/v2/models/add_sub/infer", add_sub_body()), ("POST", "/v2/repository/index", b"{}"),
+                 ("POST", "/v2/models/add_sub/jobs", add_sub_body()), ("GET", "/v2/jobs/nope", None)]
+
+
+@pytest.mark.parametrize("method,path,body", KSERVE_ROUTES)
+def test_every_kserve_and_job_route_needs_a_key(keyed, method, path, body):
+    port = keyed["HTTP"]
+    for headers in ({}, bearer("wrong"), {"Authorization": "Basic dXNlcjpwYXNz"}):
+        status, h, data = request(port, method, path, body, headers)
+        assert status == 401, (path, headers, status, data)
+        assert h.get("WWW-Authenticate") == "Bearer"
+        assert "key" in json.loads(data)["error"]
+    for key in (USER_KEY, ADMIN_KEY, ENV_KEY):
+        status, _, data = request(port, method, path, body, bearer(key))
+        assert status != 401, (path, key, data)
+    status, _, _ = request(port, method, path, body, {"X-API-Key": USER_KEY})
+    assert status != 401
+
+
+def test_tritonclient_http_with_a_key(keyed):
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{keyed['HTTP']}")
+    assert not c.is_server_ready()
+    assert c.is_server_ready(headers=bearer(USER_KEY))
+    x = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 4), np.float32))
+    y = httpclient.InferInput("INPUT1", [1, 4], "FP32")
+    y.set_data_from_numpy(np.ones((1, 4), np.float32))
+    r = c.infer("add_sub", [x, y], headers=bearer(USER_KEY))
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((1, 4), 2, np.float32))
+
+
+def test_model_control_needs_an_admin_key(keyed):
+    port = keyed["HTTP"]
+    status, _, _ = request(port, "POST", "/v2/repository/models/add_sub/load", b"", bearer(USER_KEY))
+    assert status == 403
+    status, _, data = request(port, "POST", "/v2/repository/models/add_sub/load", b"", bearer(ADMIN_KEY))
+    assert status == 200, data
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{keyed['gRPC']}")
+    with pytest.raises(InferenceServerException) as e:
+        c.load_model("add_sub", headers=grpc_bearer(USER_KEY))
+    assert "PERMISSION_DENIED" in str(e.value.status())
+    c.load_model("add_sub", headers=grpc_bearer(ADMIN_KEY))
+
+
+def test_grpc_calls_need_a_key(keyed):
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{keyed['gRPC']}")
+    for call in (lambda h: c.is_server_live(headers=h), lambda h: c.get_model_metadata("add_sub", headers=h),
+                 lambda h: c.get_model_repository_index(headers=h)):
+        with pytest.raises(InferenceServerException) as e:
+            call({})
+        assert "UNAUTHENTICATED" in str(e.value.status())
+        with pytest.raises(InferenceServerException):
+            call(grpc_bearer("wrong"))
+        call(grpc_bearer(USER_KEY))
+    x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 4), np.float32))
+    y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
+    y.set_data_from_numpy(np.ones((1, 4), np.float32))
+    with pytest.raises(InferenceServerException):
+        c.infer("add_sub", [x, y])
+    r = c.infer("add_sub", [x, y], headers=grpc_bearer(USER_KEY))
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((1, 4), 2, np.float32))
+    # Streaming: refused without a key, served with one.
+    import queue
+    results = queue.Queue()
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        c.async_stream_infer("add_sub", [x, y])
+    except InferenceServerException:
+        pass  # the stream may already have ended with the error
+    result, error = results.get(timeout=10)
+    assert error is not None and "UNAUTHENTICATED" in str(error)
+    c.stop_stream()
+    c.start_stream(callback=lambda result, error: results.put((result, error)), headers=grpc_bearer(USER_KEY))
+    c.async_stream_infer("add_sub", [x, y])
+    result, error = results.get(timeout=10)
+    assert error is None
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), 2, np.float32))
+    c.stop_stream()
+
+
+def test_vision_routes_answer_the_codeproject_way(keyed):
+    port = keyed["HTTP"]
+    body, headers = multipart({"image": ("a.png", png_bytes())})
+    status, _, data = request(port, "POST", "/v1/vision/custom/detect_yolov8", body, headers)
+    assert status == 200
+    doc = json.loads(data)
+    assert doc["success"] is False and "key" in doc["error"]
+    # The key as a form field (CodeProject.AI clients), a header, or a query parameter.
+    body, headers = multipart({"image": ("a.png", png_bytes()), "api_key": (None, USER_KEY.encode())})
+    doc = json.loads(request(port, "POST", "/v1/vision/custom/detect_yolov8", body, headers)[2])
+    assert doc["success"] is True and doc["predictions"], doc
+    body, headers = multipart({"image": ("a.png", png_bytes())})
+    doc = json.loads(request(port, "POST", "/v1/vision/detection", body, {**headers, **bearer(USER_KEY)})[2])
+    assert doc["success"] is True, doc
+    doc = json.loads(request(port, "POST", f"/v1/vision/detection?api_key={USER_KEY}", body, headers)[2])
+    assert doc["success"] is True, doc
+    body, headers = multipart({"image": ("a.png", png_bytes()), "api_key": (None, b"wrong")})
+    doc = json.loads(request(port, "POST", "/v1/vision/detection", body, headers)[2])
+    assert doc["success"] is False
+    doc = json.loads(request(port, "POST", "/v1/vision/custom/list", b"", {})[2])
+    assert doc["success"] is False
+    # /predict is not a CodeProject.AI route: a plain 401.
+    status, _, _ = request(port, "POST", "/predict/detect_yolov8", b"{}", {})
+    assert status == 401
+
+
+def test_metrics_need_a_key_when_asked(keyed):
+    port = keyed["metrics"]
+    assert request(port, "GET", "/metrics")[0] == 401
+    status, _, data = request(port, "GET", "/metrics", None, bearer(USER_KEY))
+    assert status == 200 and b"quern_" in data
+
+
+def test_model_control_is_off_unless_explicit(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        status, _, data = request(ports["HTTP"], "POST", "/v2/repository/models/add_sub/unload", b"")
+        assert status == 400 and "--model-control explicit" in json.loads(data)["error"]
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        with pytest.raises(InferenceServerException) as e:
+            c.unload_model("add_sub")
+        assert "FAILED_PRECONDITION" in str(e.value.status())
+        assert c.is_model_ready("add_sub")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_keys_have_their_own_rate_limits(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    (tmp_path / "keys").write_text("a-key\nb-key\n")
+    proc, ports = start_quern(QUERN, str(repo), "--api-keys", str(tmp_path / "keys"), "--api-key-rate-limit", "5")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=30)
+        codes = []
+        for _ in range(20):
+            conn.request("GET", "/v2/health/live", headers=bearer("a-key"))
+            r = conn.getresponse()
+            r.read()
+            codes.append(r.status)
+        assert codes[:5] == [200] * 5 and 429 in codes, codes
+        # Another key has its own bucket.
+        assert request(ports["HTTP"], "GET", "/v2/health/live", None, bearer("b-key"))[0] == 200
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        with pytest.raises(InferenceServerException) as e:
+            for _ in range(20):
+                c.is_server_live(headers=grpc_bearer("b-key"))
+        assert "RESOURCE_EXHAUSTED" in str(e.value.status())
+        time.sleep(1.2)  # the bucket refills at 5 per second
+        assert request(ports["HTTP"], "GET", "/v2/health/live", None, bearer("a-key"))[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def make_certificates(d):
+    def ssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=quern test CA")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
+    # A client certificate from another CA, which the server must refuse.
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2",
+        "-subj", "/CN=rogue")
+
+
+def test_grpc_over_tls_with_client_certificates(tmp_path):
+    make_certificates(tmp_path)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo), "--grpc-tls-cert-file", str(tmp_path / "server.pem"),
+                              "--grpc-tls-key-file", str(tmp_path / "server.key"),
+                              "--grpc-tls-client-ca-file", str(tmp_path / "ca.pem"))
+    url = f"localhost:{ports['gRPC']}"
+    try:
+        c = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(tmp_path / "ca.pem"),
+                                             private_key=str(tmp_path / "client.key"),
+                                             certificate_chain=str(tmp_path / "client.pem"))
+        x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
+        y.set_data_from_numpy(np.ones((1, 4), np.float32))
+        np.testing.assert_array_equal(c.infer("add_sub", [x, y]).as_numpy("OUTPUT0"), np.full((1, 4), 2, np.float32))
+        for kwargs in ({}, {"private_key": str(tmp_path / "rogue.key"),
+                            "certificate_chain": str(tmp_path / "rogue.pem")}):
+            bad = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(tmp_path / "ca.pem"), **kwargs)
+            with pytest.raises(InferenceServerException):
+                bad.is_server_live(client_timeout=5)
+        plain = grpcclient.InferenceServerClient(url)
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live(client_timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
