@@ -284,10 +284,16 @@ int main(int argc, char** argv) {
                     "already taken finish for up to this long before the server exits");
   bool metrics_need_key = false;
   serve->add_flag("--metrics-need-key", metrics_need_key, "With API keys, /metrics needs a key too");
-  serve->add_option("--grpc-tls-cert-file", grpc_opts.tls_cert_file, "gRPC over TLS: PEM certificate chain");
-  serve->add_option("--grpc-tls-key-file", grpc_opts.tls_key_file, "gRPC over TLS: PEM private key");
+  serve->add_option("--tls-cert-file", http_opts.tls_cert_file,
+                    "TLS for HTTP (and the vision port) and gRPC: PEM certificate chain");
+  serve->add_option("--tls-key-file", http_opts.tls_key_file, "TLS: PEM private key");
+  serve->add_option("--tls-client-ca-file", http_opts.tls_client_ca_file,
+                    "TLS: require client certificates signed by these PEM CAs");
+  serve->add_option("--grpc-tls-cert-file", grpc_opts.tls_cert_file,
+                    "gRPC only: PEM certificate chain (default: --tls-cert-file)");
+  serve->add_option("--grpc-tls-key-file", grpc_opts.tls_key_file, "gRPC only: PEM private key (default: --tls-key-file)");
   serve->add_option("--grpc-tls-client-ca-file", grpc_opts.tls_client_ca_file,
-                    "gRPC over TLS: require client certificates signed by these PEM CAs");
+                    "gRPC only: client certificate CAs (default: --tls-client-ca-file)");
 
   std::string models_repo;
   auto* models = app.add_subcommand("models", "List a repository's models, their tensors and load errors");
@@ -416,6 +422,11 @@ int main(int argc, char** argv) {
   if (grpc_opts.port >= 0) {
     grpc_opts.host = http_opts.host;
     grpc_opts.max_send_bytes = grpc_opts.max_receive_bytes;
+    if (grpc_opts.tls_cert_file.empty() && grpc_opts.tls_key_file.empty()) {
+      grpc_opts.tls_cert_file = http_opts.tls_cert_file;
+      grpc_opts.tls_key_file = http_opts.tls_key_file;
+      if (grpc_opts.tls_client_ca_file.empty()) grpc_opts.tls_client_ca_file = http_opts.tls_client_ca_file;
+    }
     grpc_opts.model_control = explicit_control;
     grpc_opts.draining = &draining;
     if (keys->enabled()) {

@@ -300,3 +300,77 @@ def test_grpc_over_tls_with_client_certificates(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_http_and_grpc_over_tls_with_the_same_certificates(tmp_path):
+    make_certificates(tmp_path)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo), "--tls-cert-file", str(tmp_path / "server.pem"),
+                              "--tls-key-file", str(tmp_path / "server.key"), "--vision-port", "0")
+    try:
+        a = np.arange(4, dtype=np.float32).reshape(1, 4)
+        for binary in (True, False):
+            c = httpclient.InferenceServerClient(f"localhost:{ports['HTTP']}", ssl=True,
+                                                 ssl_options={"ca_certs": str(tmp_path / "ca.pem")})
+            assert c.is_server_ready()
+            x = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+            x.set_data_from_numpy(a, binary_data=binary)
+            y = httpclient.InferInput("INPUT1", [1, 4], "FP32")
+            y.set_data_from_numpy(a, binary_data=binary)
+            for _ in range(3):  # keep-alive over TLS
+                np.testing.assert_array_equal(c.infer("add_sub", [x, y]).as_numpy("OUTPUT0"), 2 * a)
+            c.close()
+        g = grpcclient.InferenceServerClient(f"localhost:{ports['gRPC']}", ssl=True,
+                                             root_certificates=str(tmp_path / "ca.pem"))
+        assert g.is_server_ready()
+        # Plain HTTP to a TLS port gets no answer it could mistake for one.
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            status, _, _ = request(ports["HTTP"], "GET", "/v2/health/ready")
+            assert status != 200
+            raise ConnectionError("answered")
+        # A client that never finishes its handshake is closed after the read timeout, and does not
+        # block others meanwhile.
+        import socket
+        import ssl
+        stalled = socket.create_connection(("127.0.0.1", ports["HTTP"]))
+        stalled.sendall(b"\x16\x03\x01")  # the start of a ClientHello
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        with socket.create_connection(("localhost", ports["vision"])) as raw:
+            with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+                tls.sendall(b"GET /v1/status/ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := tls.recv(65536):
+                    data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and b'"success":true' in data
+        stalled.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_https_with_client_certificates(tmp_path):
+    make_certificates(tmp_path)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo), "--tls-cert-file", str(tmp_path / "server.pem"),
+                              "--tls-key-file", str(tmp_path / "server.key"),
+                              "--tls-client-ca-file", str(tmp_path / "ca.pem"))
+    url = f"localhost:{ports['HTTP']}"
+    try:
+        good = httpclient.InferenceServerClient(url, ssl=True, ssl_options={
+            "ca_certs": str(tmp_path / "ca.pem"), "certfile": str(tmp_path / "client.pem"),
+            "keyfile": str(tmp_path / "client.key")})
+        assert good.is_server_live()
+        for opts in ({"ca_certs": str(tmp_path / "ca.pem")},
+                     {"ca_certs": str(tmp_path / "ca.pem"), "certfile": str(tmp_path / "rogue.pem"),
+                      "keyfile": str(tmp_path / "rogue.key")}):
+            bad = httpclient.InferenceServerClient(url, ssl=True, ssl_options=opts, network_timeout=5)
+            with pytest.raises(Exception):
+                assert bad.is_server_live()
+                raise AssertionError("served without a valid client certificate")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

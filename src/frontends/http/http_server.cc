@@ -8,6 +8,7 @@
 #include <array>
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 // GCC 12 with sanitizers reports a boost::optional inside Beast's parser as
 // maybe-uninitialized (a false positive in Beast's own code).
@@ -29,6 +30,7 @@
 namespace quern {
 
 namespace asio = boost::asio;
+namespace ssl = boost::asio::ssl;
 namespace beast = boost::beast;
 namespace http = beast::http;
 using tcp = asio::ip::tcp;
@@ -88,23 +90,42 @@ struct Shared {
   std::atomic<int> open{0};       // served connections
   std::atomic<int> rejecting{0};  // over-limit connections being answered 503
   std::atomic<int64_t> last_limit_warning{0};
+  std::unique_ptr<ssl::context> tls;  // null: plaintext
 };
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, Loop& loop, Shared& shared, bool reject)
-      : socket_(std::move(socket)), fd_(socket_.native_handle()), loop_(loop), shared_(shared), reject_(reject) {}
+      : fd_(socket.native_handle()), loop_(loop), shared_(shared), reject_(reject) {
+    if (shared_.tls) {
+      tls_.emplace(std::move(socket), *shared_.tls);
+    } else {
+      plain_.emplace(std::move(socket));
+    }
+  }
 
   ~Session() {
     if (counted_) (reject_ ? shared_.rejecting : shared_.open).fetch_sub(1, std::memory_order_relaxed);
   }
 
-  void Start() { ReadNext(); }
+  void Start() {
+    if (!tls_) return ReadNext();
+    handshaking_ = true;
+    const int64_t now = NowNs();
+    idle_since_ns_.store(now, std::memory_order_relaxed);
+    deadline_ns_.store(now + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
+    tls_->async_handshake(ssl::stream_base::server, [self = shared_from_this()](beast::error_code ec) {
+      self->handshaking_ = false;
+      if (ec) return self->HardClose();
+      self->ReadNext();
+    });
+  }
 
   // Loop thread: when the connection waits for a request of which no byte
   // has arrived, since when (steady clock ns); otherwise 0.
   int64_t IdleSince() const {
     if (reject_ || closing_ || closed_) return 0;
+    if (handshaking_) return idle_since_ns_.load(std::memory_order_relaxed);
     if (reading_) return parser_ && !parser_->got_some() ? idle_since_ns_.load(std::memory_order_relaxed) : 0;
     // Between requests a keep-alive connection waits on the watch: idle
     // once its response is out (nothing is sending on it any more).
@@ -150,8 +171,10 @@ class Session : public std::enable_shared_from_this<Session> {
     const int64_t now = NowNs();
     idle_since_ns_.store(now, std::memory_order_relaxed);
     deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
-    http::async_read_header(socket_, buffer_, *parser_,
-                            [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+    WithStream([&](auto& stream) {
+      http::async_read_header(stream, buffer_, *parser_,
+                              [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+    });
   }
 
   void OnHeader(beast::error_code ec) {
@@ -174,17 +197,23 @@ class Session : public std::enable_shared_from_this<Session> {
       buffer_.consume(have);
       body_by_length_ = true;
       if (have == len) return Dispatch();
-      asio::async_read(socket_, asio::buffer(body_.data() + have, len - have),
-                       [self = shared_from_this()](beast::error_code e, size_t) {
-                         if (e == asio::error::eof) e = http::error::partial_message;
-                         self->OnBody(e);
-                       });
+      WithStream([&](auto& stream) {
+        asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
+                         [self = shared_from_this()](beast::error_code e, size_t) {
+                           if (e == asio::error::eof || e == ssl::error::stream_truncated) {
+                             e = http::error::partial_message;
+                           }
+                           self->OnBody(e);
+                         });
+      });
       return;
     }
     // Chunked: Beast's parser assembles the body.
     if (buffer_.capacity() < kMaxReadChunk) buffer_.reserve(kMaxReadChunk);
-    http::async_read(socket_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code e, size_t) { self->OnBody(e); });
+    WithStream([&](auto& stream) {
+      http::async_read(stream, buffer_, *parser_,
+                       [self = shared_from_this()](beast::error_code e, size_t) { self->OnBody(e); });
+    });
   }
 
   void OnBody(beast::error_code ec) {
@@ -196,7 +225,7 @@ class Session : public std::enable_shared_from_this<Session> {
     reading_ = false;
     if (ec == asio::error::operation_aborted || closed_) return;
     if (ec == http::error::end_of_stream || ec == asio::error::eof || ec == asio::error::connection_reset ||
-        ec == http::error::partial_message) {
+        ec == http::error::partial_message || ec == ssl::error::stream_truncated) {
       return HardClose();
     }
     if (reject_) return Reject();
@@ -254,9 +283,11 @@ class Session : public std::enable_shared_from_this<Session> {
     state_.store(0, std::memory_order_relaxed);
     // Bytes of a pipelined next request already sit in our buffer: the
     // socket may never become readable again, so no watch.
-    pipelined_ = buffer_.size() > 0;
+    // Over TLS, decrypted bytes may wait inside the TLS layer where the
+    // socket cannot show them: read on as soon as the response is out.
+    pipelined_ = buffer_.size() > 0 || tls_.has_value();
     if (!pipelined_) {
-      socket_.async_wait(tcp::socket::wait_read,
+      plain_->async_wait(tcp::socket::wait_read,
                          [self = shared_from_this()](beast::error_code ec) { self->OnWatch(ec); });
     }
     if (auto encoding = req.Header("content-encoding"); !encoding.empty()) {
@@ -282,7 +313,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const uint32_t prev = state_.fetch_or(kWatchFired, std::memory_order_acq_rel);
     if (prev & kResponded) return ReadNext();
     beast::error_code avail_ec;
-    const size_t n = socket_.available(avail_ec);
+    const size_t n = plain_->available(avail_ec);
     if (ec || avail_ec || n == 0) cancel_->Cancel();
   }
 
@@ -325,6 +356,14 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     head += "\r\n";
 
+    if (tls_) {
+      // Encryption happens on the loop thread.
+      out_head_ = std::move(head);
+      out_body_ = std::move(r.body);
+      out_sent_ = 0;
+      asio::post(loop_.io, [self = shared_from_this()] { self->WriteRest(); });
+      return;
+    }
     const size_t total = head.size() + r.body.size();
     size_t sent = 0;
     while (sent < total) {
@@ -376,11 +415,13 @@ class Session : public std::enable_shared_from_this<Session> {
       self->out_body_.clear();
       self->Finish(static_cast<bool>(ec));
     };
-    if (count == 2) {
-      asio::async_write(socket_, bufs, std::move(on_done));
-    } else {
-      asio::async_write(socket_, bufs[0], std::move(on_done));
-    }
+    WithStream([&](auto& stream) {
+      if (count == 2) {
+        asio::async_write(stream, bufs, std::move(on_done));
+      } else {
+        asio::async_write(stream, bufs[0], std::move(on_done));
+      }
+    });
   }
 
   // Any thread: the response is out (or the connection broke).
@@ -408,14 +449,19 @@ class Session : public std::enable_shared_from_this<Session> {
   void LingerClose() {
     if (closing_ || closed_) return;
     closing_ = true;
-    beast::error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_send, ec);
     deadline_ns_.store(NowNs() + kLingerNs, std::memory_order_release);
+    if (tls_) {
+      // close_notify, then wait (up to the linger time) for the client's.
+      tls_->async_shutdown([self = shared_from_this()](beast::error_code) { self->HardClose(); });
+      return;
+    }
+    beast::error_code ec;
+    plain_->shutdown(tcp::socket::shutdown_send, ec);
     Drain();
   }
 
   void Drain() {
-    socket_.async_read_some(asio::buffer(loop_.discard), [self = shared_from_this()](beast::error_code ec, size_t) {
+    plain_->async_read_some(asio::buffer(loop_.discard), [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->HardClose();
       self->Drain();
     });
@@ -427,10 +473,23 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closed_) return;
     closed_ = true;
     beast::error_code ec;
-    socket_.close(ec);
+    Socket().close(ec);
   }
 
-  tcp::socket socket_;
+  tcp::socket& Socket() { return tls_ ? tls_->next_layer() : *plain_; }
+
+  // Runs `f` with the stream requests are read from and responses written to.
+  template <typename F>
+  void WithStream(F&& f) {
+    if (tls_) {
+      f(*tls_);
+    } else {
+      f(*plain_);
+    }
+  }
+
+  std::optional<tcp::socket> plain_;             // plaintext connections
+  std::optional<ssl::stream<tcp::socket>> tls_;  // TLS connections
   const int fd_;
   Loop& loop_;
   Shared& shared_;
@@ -445,6 +504,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool reading_ = false;
   bool read_clock_started_ = false;
   bool counted_ = true;  // holds a place in Shared::open (or rejecting)
+  bool handshaking_ = false;
   bool closing_ = false;
   bool closed_ = false;
 
@@ -484,6 +544,21 @@ class HttpServer::Impl {
     if (o.max_header_bytes < 256) return InvalidArgument("--http-max-header-bytes must be at least 256");
     if (o.idle_timeout_s < 1 || o.read_timeout_s < 1) return InvalidArgument("HTTP timeouts must be at least 1 s");
     beast::error_code ec;
+    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
+      auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
+      ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
+                       ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
+      ctx->use_certificate_chain_file(o.tls_cert_file, ec);
+      if (ec) return InvalidArgument("TLS certificate file '" + o.tls_cert_file + "': " + ec.message());
+      ctx->use_private_key_file(o.tls_key_file, ssl::context::pem, ec);
+      if (ec) return InvalidArgument("TLS key file '" + o.tls_key_file + "': " + ec.message());
+      if (!o.tls_client_ca_file.empty()) {
+        ctx->load_verify_file(o.tls_client_ca_file, ec);
+        if (ec) return InvalidArgument("TLS client CA file '" + o.tls_client_ca_file + "': " + ec.message());
+        ctx->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
+      }
+      shared_.tls = std::move(ctx);
+    }
     auto address = asio::ip::make_address(o.host, ec);
     if (ec) return InvalidArgument("--host '" + o.host + "' is not an IP address");
     tcp::endpoint ep(address, static_cast<unsigned short>(o.port));

@@ -1,12 +1,15 @@
 // HttpServer: HTTP/1.1 on Boost.Beast with one io_context per I/O thread,
 // keep-alive, bounded header and body sizes (431 / 413 before the body is
-// read), idle and read timeouts, and a limit on open connections.
+// read), idle and read timeouts, a limit on open connections (the oldest
+// idle connection makes room for a new one), and optional TLS.
 //
 // A response is written by whichever thread produces it (usually an engine
 // worker): a non-blocking send that almost always completes at once, so no
 // hop back to the I/O thread is needed. While a request is in flight its
 // connection is watched for readability; a client that closes it cancels
-// the request, and the next request's arrival starts the next read.
+// the request, and the next request's arrival starts the next read. Over
+// TLS, responses are written by the I/O thread and the next read starts as
+// soon as a response is out (a client that disconnects is noticed then).
 //
 // Thread safety: Start/Stop from one thread; the handler runs on I/O threads
 // and its HttpDone may be called from any thread, exactly once.
@@ -29,6 +32,13 @@ struct HttpServerOptions {
   int max_connections = 4096;          // more: 503 and closed at once
   int idle_timeout_s = 60;             // keep-alive connection with no request
   int read_timeout_s = 30;             // from a request's first byte to its last; also bounds a write
+  // TLS (HTTPS): PEM certificate chain and private key files; both empty =
+  // plaintext. TLS 1.2 and later.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA certificates to verify client certificates against; when set,
+  // clients must present a certificate signed by one of them.
+  std::string tls_client_ca_file;
 };
 
 class HttpServer {
