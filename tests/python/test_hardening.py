@@ -397,6 +397,10 @@ def test_load_with_a_config_override_is_refused_not_ignored(server):
     status, _, body = server.request("POST", "/v2/repository/models/add_sub/load",
                                      body=json.dumps({"parameters": {"config": '{"max_batch_size": 2}'}}).encode())
     assert status == 400 and "config" in json.loads(body)["error"], body
+    c = grpcclient.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException) as e:
+        c.load_model("add_sub", config='{"max_batch_size": 2}')
+    assert "INVALID_ARGUMENT" in str(e.value.status()) and "config" in e.value.message()
     assert server.request("GET", "/v2/health/ready")[0] == 200
 
 

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -490,6 +491,14 @@ class Service final : public GRPCInferenceService::CallbackService {
                                                 inference::RepositoryModelLoadResponse*) override {
     if (auto* denied = Deny(ctx, true)) return denied;
     if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
+    if (!in->parameters().empty()) {
+      // "config" (an override) and "file:..." (model files in the request):
+      // Quern loads what the repository holds; refused rather than ignored.
+      return Reply(ctx, ToGrpc(InvalidArgument("model '" + in->model_name() + "': load parameter '" +
+                                               in->parameters().begin()->first.substr(0, 64) +
+                                               "' is not supported; Quern loads the model's files and "
+                                               "config.pbtxt from the repository as they are")));
+    }
     return Reply(ctx, ToGrpc(engine_->LoadModel(in->model_name())));
   }
 
@@ -600,36 +609,44 @@ class Service final : public GRPCInferenceService::CallbackService {
 // methods can only come from there.
 class UnparseableMessageInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit UnparseableMessageInterceptor(std::string method) : method_(std::move(method)) {}
+  // `method` outlives the call (gRPC's registered method name).
+  explicit UnparseableMessageInterceptor(const char* method) : method_(method) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status s = methods->GetSendStatus();
       if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && s.error_message().empty()) {
-        methods->ModifySendStatus(
-            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                         "the request is not a valid message for " + method_ + " (protobuf parsing failed)"));
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            std::string("the request is not a valid message for ") + method_ + " (protobuf parsing failed)"));
       }
     }
     methods->Proceed();
   }
 
  private:
-  std::string method_;
+  const char* method_;
 };
 
 class UnparseableMessageInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
-    // Only the service's own methods: an unknown method stays UNIMPLEMENTED.
-    constexpr std::string_view kPrefix = "/inference.GRPCInferenceService/";
-    const std::string_view method = info->method() ? info->method() : "";
-    if (!method.starts_with(kPrefix)) return nullptr;
+  UnparseableMessageInterceptorFactory() {
     const auto* service =
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("inference.GRPCInferenceService");
-    if (!service || !service->FindMethodByName(std::string(method.substr(kPrefix.size())))) return nullptr;
-    return new UnparseableMessageInterceptor(std::string(method));
+    for (int i = 0; service && i < service->method_count(); ++i) {
+      methods_.insert("/" + service->full_name() + "/" + service->method(i)->name());
+    }
   }
+
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    // Only the service's own methods: an unknown method stays UNIMPLEMENTED.
+    const char* method = info->method();
+    if (!method || !methods_.contains(std::string_view(method))) return nullptr;
+    return new UnparseableMessageInterceptor(method);
+  }
+
+ private:
+  std::set<std::string, std::less<>> methods_;
 };
 
 }  // namespace
