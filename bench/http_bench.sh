@@ -31,7 +31,7 @@ for m in small_cnn resnet50; do
   echo "$m: X* ${XSTAR[$m]} items/s, Engine-direct ${ENGINE[$m]} items/s at 64 in flight"
 done
 
-build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --metrics-port 0 \
+build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --metrics-port 0 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do grep -q "HTTP listening" "$WORK/log" && break; sleep 0.2; done

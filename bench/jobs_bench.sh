@@ -33,7 +33,7 @@ for _ in $(seq 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sle
 # start_quern NAME [args...]: starts a server, sets HTTP_PORT / METRICS_PORT.
 start_quern() {
   local name=$1; shift
-  build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --grpc-port -1 --metrics-port 0 \
+  build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --grpc-port -1 --metrics-port 0 \
     --host 127.0.0.1 "$@" > "$WORK/$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 200); do grep -q "quern: serving" "$WORK/$name.log" && break; sleep 0.1; done

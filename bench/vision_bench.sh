@@ -30,7 +30,7 @@ build/$PRESET/bench/engine_bench --model bench/models/detect_640/1/model.onnx --
 
 mkdir -p "$WORK/repo"
 ln -s "$ROOT/bench/models/detect_640" "$WORK/repo/detect_640"
-build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --metrics-port 0 --grpc-port -1 \
+build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --metrics-port 0 --grpc-port -1 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done

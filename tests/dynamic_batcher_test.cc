@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <thread>
 
 namespace quern {
 namespace {
@@ -213,6 +214,62 @@ TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
   EXPECT_GT(items_by_size[2], kTasks * 6 / 10)
       << "items in batches of 1/2/4/8: " << items_by_size[1] << "/" << items_by_size[2] << "/" << items_by_size[4]
       << "/" << items_by_size[8];
+}
+
+TEST(DynamicBatcher, AdmissionRefusesWorkBeyondTheWaitingTimeLimit) {
+  // Each item "runs" for 10 ms of fake time on one of two workers; the queue
+  // may hold 100 ms of work: 2 workers x 100 ms / 10 ms = 20 items.
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 1;
+  o.num_workers = 2;
+  o.clock = &clock;
+  o.max_queue_wait_ns = 100'000'000;
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  Recorder rec;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        clock.AdvanceNs(10'000'000 * static_cast<int64_t>(batch.size()));
+        const int id = static_cast<Item&>(*batch[0]).id;
+        if (id >= 2) gate.wait();  // the first two measure the cost; then both workers are held
+        std::lock_guard lock(rec.mu);
+        rec.items += static_cast<int>(batch.size());
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  for (int i = 0; i < 2; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());  // no estimate yet: always admitted
+  }
+  rec.Wait(2);
+  EXPECT_NEAR((*b)->ns_per_item(), 10'000'000.0, 1.0);
+  // Two items occupy the workers, then the queue fills to its 100 ms.
+  int admitted = 0;
+  Status refused;
+  for (int i = 2; i < 100; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    Status st = (*b)->Schedule(t, {});
+    if (st.ok()) {
+      ++admitted;
+      EXPECT_EQ(t, nullptr);
+    } else {
+      refused = st;
+      EXPECT_NE(t, nullptr) << "a refused task stays with the caller";
+      break;
+    }
+    // Let the workers take the first two before counting the queue.
+    if (i == 3) {
+      while ((*b)->queued() > 0) std::this_thread::yield();
+    }
+  }
+  EXPECT_EQ(admitted, 2 + 20);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("over the limit of 100 ms"), std::string::npos) << refused.message();
+  go.set_value();
+  rec.Wait(2 + admitted);
 }
 
 TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {

@@ -186,6 +186,12 @@ struct EngineOptions {
   // resolved); with this set, a model folder may be a symbolic link to a
   // folder elsewhere, whose files must then lie inside it.
   bool allow_links_outside_repository = false;
+  // Admission by waiting time for models that do not set
+  // quern.max_queue_wait_ms: a request is refused with UNAVAILABLE when the
+  // work already queued for its model would take longer than this to run
+  // (estimated from measured batch times). 0 = queues are not bounded by
+  // time.
+  int64_t max_queue_wait_ms = 0;
   // Cores the engine may use in total; 0 = std::thread::hardware_concurrency().
   // Default thread counts divide these among instances so they do not
   // oversubscribe the machine.

@@ -102,6 +102,11 @@ struct ModelConfig {
   // (parameter quern.batch_size_tuning "on" / "off"). Unset = on unless
   // preferred_batch_size is given.
   std::optional<bool> batch_size_tuning;
+  // Admission by waiting time (Quern-specific, parameter
+  // quern.max_queue_wait_ms): a request is refused with UNAVAILABLE when the
+  // work already queued would take longer than this to run. Unset = the
+  // engine's default (EngineOptions::max_queue_wait_ms); 0 = no bound.
+  std::optional<int64_t> max_queue_wait_ms;
   std::vector<WarmupSample> warmup;
   std::map<std::string, std::string> parameters;
   // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.

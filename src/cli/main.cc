@@ -63,9 +63,11 @@ void PrintModels(const quern::Engine& engine) {
   }
 }
 
-quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, double poll, bool allow_links = false) {
+quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, double poll, bool allow_links = false,
+                                                   int64_t max_queue_wait_ms = 0) {
   quern::EngineOptions o;
   o.model_repository = repo;
+  o.max_queue_wait_ms = max_queue_wait_ms;
   o.allow_links_outside_repository = allow_links;
   o.repository_poll_interval_s = poll;
   // A vision model's parameters and label files are checked while it loads,
@@ -278,6 +280,12 @@ int main(int argc, char** argv) {
                     "also from QUERN_ADMIN_KEYS");
   serve->add_option("--api-key-rate-limit", key_opts.rate_limit_per_s,
                     "Requests per second each key may make (more: 429 / RESOURCE_EXHAUSTED); 0 = no limit");
+  int64_t max_queue_wait_ms = 5000;
+  serve
+      ->add_option("--max-queue-wait-ms", max_queue_wait_ms,
+                   "Refuse a request (503 / UNAVAILABLE) when the work queued for its model would take longer "
+                   "than this to run (per model: parameter quern.max_queue_wait_ms); 0 = no bound")
+      ->check(CLI::Range(int64_t{0}, int64_t{3'600'000}));
   double drain_timeout_s = 30;
   serve->add_option("--drain-timeout-secs", drain_timeout_s,
                     "On SIGTERM/SIGINT: readiness turns false, new requests get 503 / UNAVAILABLE, and requests "
@@ -291,7 +299,8 @@ int main(int argc, char** argv) {
                     "TLS: require client certificates signed by these PEM CAs");
   serve->add_option("--grpc-tls-cert-file", grpc_opts.tls_cert_file,
                     "gRPC only: PEM certificate chain (default: --tls-cert-file)");
-  serve->add_option("--grpc-tls-key-file", grpc_opts.tls_key_file, "gRPC only: PEM private key (default: --tls-key-file)");
+  serve->add_option("--grpc-tls-key-file", grpc_opts.tls_key_file,
+                    "gRPC only: PEM private key (default: --tls-key-file)");
   serve->add_option("--grpc-tls-client-ca-file", grpc_opts.tls_client_ca_file,
                     "gRPC only: client certificate CAs (default: --tls-client-ca-file)");
 
@@ -322,7 +331,7 @@ int main(int argc, char** argv) {
   }
   if (*infer) return Infer(infer_repo, infer_model, inputs);
 
-  auto engine = Open(repo, poll, allow_links);
+  auto engine = Open(repo, poll, allow_links, max_queue_wait_ms);
   if (!engine) {
     std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
     return 1;

@@ -275,8 +275,8 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   for (const auto& [key, value] : p.parameters()) {
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
-        key != "quern.task" && !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
-        !key.starts_with("quern.classification.")) {
+        key != kMaxQueueWaitParam && key != "quern.task" && !key.starts_with("quern.image.") &&
+        !key.starts_with("quern.detection.") && !key.starts_with("quern.classification.")) {
       return Err(InvalidArgument(source + ": unknown parameter " + key));
     }
   }
@@ -294,6 +294,15 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
       return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
                                  it->second + "\""));
     }
+  }
+  if (auto it = c.parameters.find(std::string(kMaxQueueWaitParam)); it != c.parameters.end()) {
+    int64_t ms = -1;
+    auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);
+    if (ec != std::errc() || ptr != it->second.data() + it->second.size() || ms < 0 || ms > 3'600'000) {
+      return Err(InvalidArgument(source + ": parameter " + it->first + " must be milliseconds in [0, 3600000], got \"" +
+                                 it->second + "\""));
+    }
+    c.max_queue_wait_ms = ms;
   }
   if (p.has_optimization() && p.optimization().has_graph()) {
     c.graph_optimization_level = p.optimization().graph().level();

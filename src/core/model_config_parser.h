@@ -23,6 +23,9 @@ inline constexpr std::string_view kFixedBatchSizesParam = "quern.fixed_batch_siz
 // Turns the batch size tuner on or off ("on" / "off"):
 //   parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }
 inline constexpr std::string_view kBatchSizeTuningParam = "quern.batch_size_tuning";
+// Admission by waiting time in ms (0 = no bound):
+//   parameters { key: "quern.max_queue_wait_ms" value { string_value: "2000" } }
+inline constexpr std::string_view kMaxQueueWaitParam = "quern.max_queue_wait_ms";
 
 // Bounds on configured numbers, checked at load so that a typo fails that
 // model's load with an error naming the file and field instead of taking

@@ -240,6 +240,7 @@ class EngineImpl {
   Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
     ModelConfig config = m.config;
     if (config.instance_count == 0) config.instance_count = cores_;
+    if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
     auto session_opts = SessionOptionsFor(config, cores_);
     if (!session_opts) return Err(session_opts.error());
     // The first instance is loaded before the configuration is complete: the
@@ -269,6 +270,7 @@ class EngineImpl {
     if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
     if (config.backend.empty()) config.backend = "custom";
     if (config.instance_count == 0) config.instance_count = cores_;
+    if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
     std::vector<std::unique_ptr<Model>> instances;
     for (int i = 0; i < config.instance_count; ++i) {

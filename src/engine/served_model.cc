@@ -156,6 +156,7 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
   opts.clock = clock;
   const ModelConfig& c = m->config_;
   opts.queue.max_batch_size = std::max(c.max_batch_size, 1);
+  opts.max_queue_wait_ns = c.max_queue_wait_ms.value_or(0) * 1'000'000;
   if (c.batching && c.max_batch_size > 0) {
     const BatchingConfig& b = *c.batching;
     opts.queue.preferred_batch_sizes.assign(b.preferred_batch_sizes.begin(), b.preferred_batch_sizes.end());

@@ -113,6 +113,8 @@ class BatchQueue {
   int64_t batch_limit() const { return limit_; }
 
   size_t size() const { return size_; }
+  // Items in the queued tasks.
+  int64_t items() const { return items_; }
   bool empty() const { return size_ == 0; }
   const BatchQueueOptions& options() const { return options_; }
 

@@ -13,6 +13,8 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
   b->num_workers_ = options.num_workers;
+  if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
+  b->max_queue_wait_ns_ = options.max_queue_wait_ns;
   if (options.tuner) {
     b->tuner_.emplace(std::move(*options.tuner));
     b->queue_.set_batch_limit(b->tuner_->limit());
@@ -36,6 +38,15 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return Unavailable("model is shutting down");
+    if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0) {
+      const double wait_ns =
+          static_cast<double>(queue_.items() + task->size()) * ns_per_item_ / static_cast<double>(num_workers_);
+      if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
+        return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
+                           std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
+                           std::to_string(max_queue_wait_ns_ / 1'000'000) + " ms; try again later");
+      }
+    }
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     int64_t due = options.deadline_ns;
@@ -73,6 +84,11 @@ size_t DynamicBatcher::queued() const {
   return queue_.size();
 }
 
+double DynamicBatcher::ns_per_item() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ns_per_item_;
+}
+
 int64_t DynamicBatcher::batch_limit() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.batch_limit();
@@ -99,6 +115,10 @@ void DynamicBatcher::WorkerLoop(int worker) {
       }
       lock.lock();
       --busy_workers_;
+      if (d.items > 0 && ran_ns > 0) {
+        const double sample = static_cast<double>(ran_ns) / static_cast<double>(d.items);
+        ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
+      }
       if (tuner_ && d.items > 0 && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
         queue_.set_batch_limit(tuner_->limit());
       }

@@ -42,6 +42,13 @@ struct DynamicBatcherOptions {
   // When set, the batch size limit is tuned under load (see
   // BatchSizeTuner); batch run times are taken with `clock`.
   std::optional<BatchSizeTunerOptions> tuner;
+  // Admission by waiting time: a task is refused (UNAVAILABLE, without
+  // taking it) when the items already queued would take longer than this to
+  // run on all workers, estimated from the measured time per item of recent
+  // batches (no estimate before the first batch). Under overload the queue
+  // then holds about this much work: admitted tasks are answered within it,
+  // the rest are refused at once, and memory stays bounded. 0 = no bound.
+  int64_t max_queue_wait_ns = 0;
 };
 
 class DynamicBatcher {
@@ -66,6 +73,9 @@ class DynamicBatcher {
   void Shutdown();
 
   size_t queued() const;
+  // The measured run time per item (ns, a moving average over recent
+  // batches); 0 before the first batch.
+  double ns_per_item() const;
   // The largest batch formed now (max_batch_size unless a tuner lowered it).
   int64_t batch_limit() const;
 
@@ -90,6 +100,8 @@ class DynamicBatcher {
   BatchQueue queue_;                     // guarded by mu_
   std::optional<BatchSizeTuner> tuner_;  // guarded by mu_
   bool stopping_ = false;                // guarded by mu_
+  int64_t max_queue_wait_ns_ = 0;        // set before any thread starts
+  double ns_per_item_ = 0;               // guarded by mu_
   int busy_workers_ = 0;                 // guarded by mu_
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
