@@ -45,6 +45,14 @@ def start_quern(binary, repo, *extra):
     return proc, ports
 
 
+def sanitized(binary):
+    """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident
+    memory says little about leaks there; LeakSanitizer checks those at exit)."""
+    import subprocess
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
+    return "libasan" in out
+
+
 def free_port():
     import socket
     with socket.socket() as s:

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Overload: open-loop load at a constant arrival rate (vegeta, from the Go
+# module proxy) against a real `quern serve`, at 1x, 2x and 3x the capacity
+# measured just before with the same tool (closed loop). For each run:
+# offered and achieved rate, goodput (200s per second) against capacity,
+# refusals (503) and their latency, the latency of served requests, and the
+# server's resident memory (min and max over the run, sampled every 0.5 s).
+#   bench/overload_bench.sh [seconds per run, default 15] [targets...]
+#   targets: small_cnn resnet50 vision (default: all)
+#   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SECS="${1:-15}"
+shift || true
+TARGETS="${*:-small_cnn resnet50 vision}"
+VEGETA="$ROOT/build/tools/bin/vegeta"
+if [ ! -x "$VEGETA" ]; then
+  command -v go >/dev/null || { echo "needs Go to install vegeta"; exit 1; }
+  GOBIN="$ROOT/build/tools/bin" go install github.com/tsenart/vegeta/v12@v12.12.0
+fi
+build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
+PRESET="${QUERN_BENCH_PRESET:-release}"
+cmake --preset "$PRESET" >/dev/null
+cmake --build --preset "$PRESET" --target quern image_bench >/dev/null
+WORK=$(mktemp -d)
+trap 'kill $SERVER $SAMPLER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+SERVER=""
+SAMPLER=""
+mkdir -p "$WORK/repo"
+for m in small_cnn resnet50 detect_640; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
+build/$PRESET/bench/image_bench --iterations 1 --out-dir "$WORK" >/dev/null
+
+build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 \
+  --grpc-port -1 --metrics-port 0 --host 127.0.0.1 > "$WORK/log" 2>&1 &
+SERVER=$!
+for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
+PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
+
+# Request bodies and vegeta targets.
+build/venv/bin/python - "$WORK" "$PORT" <<'PY'
+import json, sys, numpy as np
+work, port = sys.argv[1], sys.argv[2]
+for name, shape in [("small_cnn", [1, 3, 64, 64]), ("resnet50", [1, 3, 224, 224])]:
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
+    header = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(data)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    open(f"{work}/{name}.body", "wb").write(header + data)
+    open(f"{work}/{name}.targets", "w").write(
+        f"POST http://127.0.0.1:{port}/v2/models/{name}/infer\n"
+        f"Inference-Header-Content-Length: {len(header)}\nContent-Type: application/octet-stream\n"
+        f"@{work}/{name}.body\n")
+jpeg = open(f"{work}/640x480.jpg", "rb").read()
+b = "quernbenchboundary"
+body = (f"--{b}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"frame.jpg\"\r\n"
+        f"Content-Type: image/jpeg\r\n\r\n").encode() + jpeg + f"\r\n--{b}--\r\n".encode()
+open(f"{work}/vision.body", "wb").write(body)
+open(f"{work}/vision.targets", "w").write(
+    f"POST http://127.0.0.1:{port}/v1/vision/detection\n"
+    f"Content-Type: multipart/form-data; boundary={b}\n@{work}/vision.body\n")
+PY
+
+# Prints: achieved rate, goodput (200/s), 200 p50/p99 (ms), refusals, refusal p99 (ms), others.
+summarise() {
+  "$VEGETA" encode --to json < "$1" | build/venv/bin/python -c '
+import json, sys
+import numpy as np
+rows = [json.loads(line) for line in sys.stdin]
+t = np.array([r["timestamp"] for r in rows], dtype="datetime64[ns]").astype(np.int64)
+span = (t.max() - t.min()) / 1e9 if len(rows) > 1 else 1.0
+ok = np.array([r["latency"] for r in rows if r["code"] == 200]) / 1e6
+refused = np.array([r["latency"] for r in rows if r["code"] in (503, 429)]) / 1e6
+other = sum(1 for r in rows if r["code"] not in (200, 503, 429))
+pct = lambda a, q: f"{np.percentile(a, q):.2f}" if len(a) else "-"
+print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other}")'
+}
+
+rss_sampler() {  # writes VmRSS (KiB) every 0.5 s
+  while kill -0 "$SERVER" 2>/dev/null; do awk '/VmRSS/ {print $2}' "/proc/$SERVER/status"; sleep 0.5; done
+}
+
+echo "target     load   offered/s  achieved/s  goodput/s  x cap   200 p50 ms  200 p99 ms  refused  refused p99 ms  other  RSS MiB (min-max)"
+for target in $TARGETS; do
+  # Capacity: closed loop, enough workers to keep every instance busy.
+  workers=16
+  [ "$target" = small_cnn ] && workers=64
+  "$VEGETA" attack -targets "$WORK/$target.targets" -rate 0 -max-workers "$workers" -duration "${SECS}s" \
+    -timeout 30s > "$WORK/cap.bin"
+  read -r _ cap _ <<< "$(summarise "$WORK/cap.bin")"
+  printf "%-10s %-5s %10s  %10s  %9s  %5s\n" "$target" closed - - "$cap" 1.00
+  for mult in 1 2 3; do
+    rate=$(awk -v c="$cap" -v m="$mult" 'BEGIN {printf "%d", c * m}')
+    rss_sampler > "$WORK/rss" &
+    SAMPLER=$!
+    "$VEGETA" attack -targets "$WORK/$target.targets" -rate "${rate}/s" -duration "${SECS}s" -timeout 30s \
+      > "$WORK/run.bin"
+    kill $SAMPLER 2>/dev/null || true
+    wait $SAMPLER 2>/dev/null || true
+    read -r achieved good p50 p99 refused rp99 other <<< "$(summarise "$WORK/run.bin")"
+    rss=$(sort -n "$WORK/rss" | awk 'NR == 1 {min = $1} {max = $1} END {printf "%d-%d", min / 1024, max / 1024}')
+    ratio=$(awk -v g="$good" -v c="$cap" 'BEGIN {printf "%.2f", g / c}')
+    printf "%-10s %-5s %10s  %10s  %9s  %5s  %10s  %10s  %7s  %14s  %5s  %s\n" "$target" "${mult}x" "$rate" \
+      "$achieved" "$good" "$ratio" "$p50" "$p99" "$refused" "$rp99" "$other" "$rss"
+    sleep 2  # let the queue empty between runs
+  done
+done
