@@ -62,7 +62,8 @@ bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonPars
     DepthLimit handler(d, max_depth);
     rapidjson::MemoryStream ms(data, size);
     rapidjson::Reader reader;
-    result = reader.Parse<rapidjson::kParseIterativeFlag>(ms, handler);
+    // NaN and Infinity as Python's json module and JavaScript write them.
+    result = reader.Parse<rapidjson::kParseIterativeFlag | rapidjson::kParseNanAndInfFlag>(ms, handler);
     too_deep = handler.too_deep();
     return !result.IsError();
   };

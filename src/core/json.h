@@ -4,6 +4,8 @@
 // records read back from Redis) goes through ParseJson: RapidJSON's iterative
 // parser (no recursion, so no stack to exhaust) with a bound on nesting depth,
 // so that code walking the document recursively afterwards is bounded too.
+// NaN, Infinity and -Infinity are read as numbers (Python's json module and
+// JavaScript write them; Quern writes non-finite outputs so).
 // Thread-compatible: a free function.
 #pragma once
 

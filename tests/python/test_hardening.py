@@ -99,6 +99,20 @@ def test_deeply_nested_json_is_refused_and_the_server_lives(server, path):
     server.alive()
 
 
+def test_non_finite_values_travel_as_python_writes_them(server):
+    # 3e38 + 3e38 overflows FP32 to infinity; NaN comes in as Python's json module writes it.
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [3e38, float("nan"), -3e38, 1]},
+        {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [3e38, 1, -3e38, 1]}]}).encode()
+    status, _, data = server.request("POST", "/v2/models/add_sub/infer", body=body)
+    assert status == 200, data
+    out = {o["name"]: o["data"] for o in json.loads(data)["outputs"]}  # Python's json reads Infinity / NaN
+    assert out["OUTPUT0"][0] == float("inf") and np.isnan(out["OUTPUT0"][1]) and out["OUTPUT0"][2] == float("-inf")
+    assert out["OUTPUT0"][3] == 2
+    status, _, data = server.request("POST", "/v2/models/add_sub/jobs", body=body)
+    assert status == 202, data
+
+
 def test_nesting_within_the_limit_still_works(server):
     # A [1, 4] tensor sent as nested data: [[1, 2, 3, 4]].
     body = add_sub_body(data=[[1, 2, 3, 4]])

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <memory>
 
@@ -183,6 +184,13 @@ template <typename T>
 void WriteValues(Writer& w, const Tensor& t) {
   for (T v : t.values<T>()) {
     if constexpr (std::is_floating_point_v<T>) {
+      if (!std::isfinite(v)) {
+        // JSON has no infinities or NaN; written as JavaScript and Python's
+        // json module write (and read) them, as Triton does.
+        const char* text = std::isnan(v) ? "NaN" : v > 0 ? "Infinity" : "-Infinity";
+        w.RawValue(text, std::strlen(text), rapidjson::kNumberType);
+        continue;
+      }
       w.Double(static_cast<double>(v));
     } else if constexpr (std::is_signed_v<T>) {
       w.Int64(static_cast<int64_t>(v));
