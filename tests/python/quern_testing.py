@@ -45,6 +45,17 @@ def start_quern(binary, repo, *extra):
     return proc, ports
 
 
+def http_request(port, method, path, body=None, headers=None, timeout=30):
+    """One request on a new connection to 127.0.0.1:port: (status, headers, body)."""
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request(method, path, body=body, headers=headers or {})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), data
+
+
 def sanitized(binary):
     """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident
     memory says little about leaks there; LeakSanitizer checks those at exit)."""

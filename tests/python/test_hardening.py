@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import sanitized, start_quern
+from quern_testing import http_request, sanitized, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -41,12 +41,7 @@ class Server:
         self.grpc = f"127.0.0.1:{self.ports['gRPC']}"
 
     def request(self, method, path, body=None, headers=None, timeout=30):
-        c = http.client.HTTPConnection("127.0.0.1", self.http, timeout=timeout)
-        c.request(method, path, body=body, headers=headers or {})
-        r = c.getresponse()
-        data = r.read()
-        c.close()
-        return r.status, dict(r.getheaders()), data
+        return http_request(self.http, method, path, body, headers, timeout)
 
     def alive(self):
         assert self.proc.poll() is None, f"quern exited with {self.proc.returncode}"

@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern
+from quern_testing import http_request, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -25,13 +25,7 @@ ADMIN_KEY = "admin-key-9876543210"
 ENV_KEY = "env-key-abcdef"
 
 
-def request(port, method, path, body=None, headers=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request(method, path, body=body, headers=headers or {})
-    r = c.getresponse()
-    data = r.read()
-    c.close()
-    return r.status, dict(r.getheaders()), data
+request = http_request
 
 
 def bearer(key):
@@ -271,14 +265,20 @@ def make_certificates(d):
         "-subj", "/CN=rogue")
 
 
-def test_grpc_over_tls_with_client_certificates(tmp_path):
-    make_certificates(tmp_path)
-    repo = tmp_path / "repo"
+def tls_server(d, *flags):
+    """Certificates in `d` and `quern serve` of add_sub with `flags`, each ending in .pem or .key
+    naming a file in `d` (e.g. "--tls-cert-file", "server.pem")."""
+    make_certificates(d)
+    repo = d / "repo"
     repo.mkdir()
     shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
-    proc, ports = start_quern(QUERN, str(repo), "--grpc-tls-cert-file", str(tmp_path / "server.pem"),
-                              "--grpc-tls-key-file", str(tmp_path / "server.key"),
-                              "--grpc-tls-client-ca-file", str(tmp_path / "ca.pem"))
+    args = [str(d / a) if a.endswith((".pem", ".key")) else a for a in flags]
+    return start_quern(QUERN, str(repo), *args)
+
+
+def test_grpc_over_tls_with_client_certificates(tmp_path):
+    proc, ports = tls_server(tmp_path, "--grpc-tls-cert-file", "server.pem", "--grpc-tls-key-file", "server.key",
+                             "--grpc-tls-client-ca-file", "ca.pem")
     url = f"localhost:{ports['gRPC']}"
     try:
         c = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(tmp_path / "ca.pem"),
@@ -303,12 +303,8 @@ def test_grpc_over_tls_with_client_certificates(tmp_path):
 
 
 def test_http_and_grpc_over_tls_with_the_same_certificates(tmp_path):
-    make_certificates(tmp_path)
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
-    proc, ports = start_quern(QUERN, str(repo), "--tls-cert-file", str(tmp_path / "server.pem"),
-                              "--tls-key-file", str(tmp_path / "server.key"), "--vision-port", "0")
+    proc, ports = tls_server(tmp_path, "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
+                             "--vision-port", "0")
     try:
         a = np.arange(4, dtype=np.float32).reshape(1, 4)
         for binary in (True, False):
@@ -351,13 +347,8 @@ def test_http_and_grpc_over_tls_with_the_same_certificates(tmp_path):
 
 
 def test_https_with_client_certificates(tmp_path):
-    make_certificates(tmp_path)
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
-    proc, ports = start_quern(QUERN, str(repo), "--tls-cert-file", str(tmp_path / "server.pem"),
-                              "--tls-key-file", str(tmp_path / "server.key"),
-                              "--tls-client-ca-file", str(tmp_path / "ca.pem"))
+    proc, ports = tls_server(tmp_path, "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
+                             "--tls-client-ca-file", "ca.pem")
     url = f"localhost:{ports['HTTP']}"
     try:
         good = httpclient.InferenceServerClient(url, ssl=True, ssl_options={
