@@ -48,6 +48,47 @@ std::string DefaultConsumerName() {
 
 }  // namespace
 
+std::string_view StreamEntry::Field(std::string_view name) const {
+  for (const auto& [k, v] : fields) {
+    if (k == name) return v;
+  }
+  return {};
+}
+
+bool ParseStreamEntry(RedisReply& e, StreamEntry& out) {
+  if (!e.is_array() || e.elements.size() != 2 || !e.elements[0].is_string() || !e.elements[1].is_array()) {
+    return false;
+  }
+  out.entry_id = std::move(e.elements[0].str);
+  auto& f = e.elements[1].elements;
+  for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(std::move(f[i].str), std::move(f[i + 1].str));
+  return true;
+}
+
+Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model, const std::string& stream) {
+  StreamJob job;
+  const std::string_view body = e.Field("body");
+  if (body.empty()) {
+    return Err(InvalidArgument("job stream entry " + e.entry_id + " of " + stream +
+                               " has no 'body' field (the KServe v2 infer request)"));
+  }
+  if (auto d = e.Field("deadline_ms"); !d.empty()) {
+    job.deadline_ms = ParseInt64(d, -1);
+    if (job.deadline_ms < 0) {
+      return Err(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d.substr(0, 64)) +
+                                 "' is not a Unix time in milliseconds"));
+    }
+  }
+  HttpRequest req;
+  req.method = "POST";
+  req.body.assign(body);
+  if (auto h = e.Field("header_length"); !h.empty()) {
+    req.headers.emplace_back("inference-header-content-length", std::string(h));
+  }
+  QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInfer(model, -1, req));
+  return job;
+}
+
 class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
  public:
   struct Model {
@@ -58,17 +99,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   };
 
   // One stream entry taken by this consumer.
-  struct Entry {
+  struct Entry : StreamEntry {
     size_t model = 0;
-    std::string entry_id;
-    std::vector<std::pair<std::string, std::string>> fields;
     int64_t deliveries = 1;
-    std::string_view Field(std::string_view name) const {
-      for (const auto& [k, v] : fields) {
-        if (k == name) return v;
-      }
-      return {};
-    }
   };
   enum class Kind { kDone, kFailed, kDead, kRetry };
   struct Outcome {
@@ -229,17 +262,6 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     return Status::Ok();
   }
 
-  // Moves the entry's strings out of the reply.
-  static bool ParseEntry(RedisReply& e, Entry& out) {
-    if (!e.is_array() || e.elements.size() != 2 || !e.elements[0].is_string() || !e.elements[1].is_array()) {
-      return false;
-    }
-    out.entry_id = std::move(e.elements[0].str);
-    auto& f = e.elements[1].elements;
-    for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(std::move(f[i].str), std::move(f[i + 1].str));
-    return true;
-  }
-
   void Read(int slots, int64_t block_ms) {
     int count = 1;
     for (const auto& m : models_) count = std::max(count, m.count);
@@ -275,7 +297,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       for (auto& e : stream.elements[1].elements) {
         Entry entry;
         entry.model = model;
-        if (ParseEntry(e, entry)) group->entries.push_back(std::move(entry));
+        if (ParseStreamEntry(e, entry)) group->entries.push_back(std::move(entry));
       }
     }
     Dispatch(group);
@@ -341,7 +363,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       for (auto& e : reply.elements[1].elements) {
         Entry entry;
         entry.model = i;
-        if (!ParseEntry(e, entry)) continue;  // deleted from the stream meanwhile
+        if (!ParseStreamEntry(e, entry)) continue;  // deleted from the stream meanwhile
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (mine_.contains(models_[i].stream + " " + entry.entry_id)) continue;  // still running here
@@ -432,33 +454,15 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
                            std::to_string(e.deliveries) + " times without finishing (limit " +
                            std::to_string(options_.max_deliveries) + ", --consume-max-deliveries)"));
     }
-    const std::string_view body = e.Field("body");
-    if (body.empty()) {
-      return fail(InvalidArgument("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
-                                  " has no 'body' field (the KServe v2 infer request)"));
+    auto job = DecodeStreamJob(e, models_[e.model].name, models_[e.model].stream);
+    if (!job) return fail(job.error());
+    const int64_t deadline_ms = job->deadline_ms;
+    if (deadline_ms > 0 && deadline_ms <= WallClockMs()) {
+      return fail(DeadlineExceeded("job '" + rec->id + "' reached its deadline before it could run"));
     }
-    int64_t deadline_ms = 0;
-    if (auto d = e.Field("deadline_ms"); !d.empty()) {
-      deadline_ms = ParseInt64(d, -1);
-      if (deadline_ms < 0) {
-        return fail(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d) +
-                                    "' is not a Unix time in milliseconds"));
-      }
-      if (deadline_ms <= WallClockMs()) {
-        return fail(DeadlineExceeded("job '" + rec->id + "' reached its deadline before it could run"));
-      }
-    }
-    HttpRequest req;
-    req.method = "POST";
-    req.body.assign(body);
-    if (auto h = e.Field("header_length"); !h.empty()) {
-      req.headers.emplace_back("inference-header-content-length", std::string(h));
-    }
-    auto parsed = ParseKServeInfer(models_[e.model].name, -1, req);
-    if (!parsed) return fail(parsed.error());
-    rec->binary_default = parsed->format.binary_default;
-    rec->binary_outputs = std::move(parsed->format.binary_outputs);
-    InferRequest ir = std::move(parsed->request);
+    rec->binary_default = job->infer.format.binary_default;
+    rec->binary_outputs = std::move(job->infer.format.binary_outputs);
+    InferRequest ir = std::move(job->infer.request);
     if (deadline_ms > 0) {
       ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - WallClockMs()) * 1'000'000;
     }

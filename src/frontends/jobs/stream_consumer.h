@@ -35,10 +35,36 @@
 #include <thread>
 #include <vector>
 
+#include "frontends/http/kserve_handler.h"
 #include "quern/engine.h"
+#include "store/redis_client.h"
 #include "store/redis_store.h"
 
 namespace quern {
+
+// One entry of a job stream, as XREADGROUP and XAUTOCLAIM return it.
+struct StreamEntry {
+  std::string entry_id;  // "<ms>-<seq>"
+  std::vector<std::pair<std::string, std::string>> fields;
+  // The value of field `name`, or "" when absent.
+  std::string_view Field(std::string_view name) const;
+};
+
+// Moves an entry's strings out of a reply element [id, [field, value, ...]].
+// False when the element has another shape (an entry deleted meanwhile
+// comes back as [id, nil]).
+bool ParseStreamEntry(RedisReply& element, StreamEntry& out);
+
+// What a job stream entry asks for.
+struct StreamJob {
+  int64_t deadline_ms = 0;  // field `deadline_ms` (Unix ms); 0 = none
+  KServeInfer infer;        // the request in `body` (+ `header_length`), for `model`
+};
+
+// Decodes an entry's job for `model` (`stream` names it in errors).
+// INVALID_ARGUMENT names the entry and what was wrong with it; the
+// deadline is not checked against the clock here.
+Result<StreamJob> DecodeStreamJob(const StreamEntry& entry, const std::string& model, const std::string& stream);
 
 struct StreamConsumerOptions {
   RedisOptions redis;
