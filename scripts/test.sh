@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite: a release build with warnings
-# as errors, then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
-#   scripts/test.sh            # both
+# as errors, then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer,
+# then every fuzz target for a short time (scripts/fuzz.sh in its CI mode).
+#   scripts/test.sh            # all three
 #   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
+#   QUERN_TEST_FUZZ=0 ...      # skip the fuzzing step (libFuzzer, every target briefly)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,5 +28,9 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   cmake --build --preset asan
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan -j2
+fi
+if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
+  echo "== fuzzing (libFuzzer under ASan + UBSan, every target briefly; scripts/fuzz.sh runs long)"
+  QUERN_FUZZ_CI=1 scripts/fuzz.sh
 fi
 echo "== all tests passed"

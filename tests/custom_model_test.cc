@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -58,6 +59,39 @@ std::unique_ptr<Engine> EmptyEngine() {
   auto e = Engine::Create({});
   EXPECT_TRUE(e.has_value());
   return std::move(*e);
+}
+
+// Fails unless every input's data is aligned for its element type.
+class AlignmentCheck : public Model {
+ public:
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    const Tensor& x = inputs.at(0).tensor;
+    if (reinterpret_cast<uintptr_t>(x.data()) % alignof(float) != 0) return Internal("misaligned input");
+    std::vector<float> y(static_cast<size_t>(batch_size));
+    auto v = x.values<float>();
+    for (int64_t r = 0; r < batch_size; ++r) y[r] = v[r * 4] + v[r * 4 + 3];
+    outputs = {{"y", Floats({batch_size, 1}, y)}};
+    return Status::Ok();
+  }
+};
+
+TEST(CustomModel, InputsReachModelsAligned) {
+  // Binary tensors of an HTTP request are views at arbitrary offsets of its
+  // body (after a JSON header of any length); a request that ran alone was
+  // handed to the model as that view.
+  auto engine = EmptyEngine();
+  ASSERT_TRUE(
+      engine->RegisterModel(RowSumConfig("aligned", 1, false), [] { return std::make_unique<AlignmentCheck>(); }).ok());
+  auto body = std::make_shared<std::vector<char>>(1 + 4 * sizeof(float));
+  const float values[4] = {1.5f, 2.f, 3.f, 4.25f};
+  std::memcpy(body->data() + 1, values, sizeof(values));
+  InferRequest r;
+  r.model = "aligned";
+  r.inputs = {{"x", Tensor::Borrow(DataType::kFp32, {1, 4}, body->data() + 1, sizeof(values), body)}};
+  InferResponse out = engine->Infer(std::move(r)).get();
+  ASSERT_TRUE(out.status.ok()) << out.status.ToString();
+  EXPECT_EQ(ToFloats(*out.FindOutput("y")), (std::vector<float>{5.75f}));
 }
 
 TEST(CustomModel, BatchesConcurrentRequestsAndSplitsResults) {

@@ -257,3 +257,37 @@ TEST(Multipart, PartsAndErrors) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(Decode, BmpWithACoreHeaderCannotClaimPixelsItDoesNotHold) {
+  // A 26-byte OS/2 BMP (12-byte BITMAPCOREHEADER) claiming 7000 x 7000
+  // pixels of 24 bits decoded as 49 million black pixels (147 MB).
+  std::string bmp(26, '\0');
+  auto put16 = [&](size_t at, uint16_t v) {
+    bmp[at] = static_cast<char>(v & 0xff);
+    bmp[at + 1] = static_cast<char>(v >> 8);
+  };
+  auto put32 = [&](size_t at, uint32_t v) {
+    put16(at, static_cast<uint16_t>(v & 0xffff));
+    put16(at + 2, static_cast<uint16_t>(v >> 16));
+  };
+  bmp[0] = 'B';
+  bmp[1] = 'M';
+  put32(2, 26);   // file size
+  put32(10, 26);  // pixel data offset
+  put32(14, 12);  // header size
+  put16(18, 7000);
+  put16(20, 7000);
+  put16(22, 1);   // planes
+  put16(24, 24);  // bits per pixel
+  DecodeOptions o;
+  o.max_pixels = 100'000'000;
+  auto r = DecodeImage(bmp, o);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message().find("truncated"), std::string::npos) << r.error().message();
+}
+
+}  // namespace
+}  // namespace quern

@@ -3,7 +3,9 @@
 // redis-server is tested in tests/python/test_redis.py.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -175,6 +177,42 @@ TEST(RedisResultStore, RecordRoundTripsThroughJsonAndBinaryValues) {
 
   // A missing binary value is damage, reported as such.
   EXPECT_FALSE(RedisResultStore::Decode(enc->json, {}).has_value());
+}
+
+TEST(RedisResultStore, NonFiniteOutputsRoundTrip) {
+  // A stored result with NaN or infinite outputs was read back as damaged
+  // (the plain writer refused them).
+  JobRecord rec;
+  rec.id = "job-nan";
+  rec.model = "m";
+  rec.state = JobState::kDone;
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> values{std::numeric_limits<float>::quiet_NaN(), inf, -inf, 1.0f};
+  rec.outputs.push_back({"y", Tensor::From(DataType::kFp32, Shape{1, 4}, std::span<const float>(values))});
+  auto enc = RedisResultStore::Encode(rec, RedisResultStoreOptions{});
+  ASSERT_TRUE(enc.has_value());
+  auto dec = RedisResultStore::Decode(enc->json, {});
+  ASSERT_TRUE(dec.has_value()) << dec.error().ToString();
+  auto back = (*dec)->outputs.at(0).tensor.values<float>();
+  ASSERT_EQ(back.size(), 4u);
+  EXPECT_TRUE(std::isnan(back[0]));
+  EXPECT_EQ(back[1], inf);
+  EXPECT_EQ(back[2], -inf);
+  EXPECT_EQ(back[3], 1.0f);
+}
+
+TEST(RedisResultStore, BinaryValuesMustMatchTheirShape) {
+  // An INT8 [1,4] output with 16 bytes was accepted and served as 16 values.
+  const std::string json = R"({"job_id":"j","status":"done","model_name":"m","model_version":"1","result":{"outputs":[)"
+                           R"({"name":"y","datatype":"INT8","shape":[1,4],"parameters":{"binary_data_size":16}}]}})";
+  auto dec = RedisResultStore::Decode(json, {std::string(16, '\1')});
+  ASSERT_FALSE(dec.has_value());
+  EXPECT_NE(dec.error().message().find("damaged"), std::string::npos) << dec.error().message();
+  std::string fitting = json;
+  fitting.replace(fitting.find("\"binary_data_size\":16"), 21, "\"binary_data_size\":4");
+  auto right = RedisResultStore::Decode(fitting, {std::string(4, '\1')});
+  ASSERT_TRUE(right.has_value()) << right.error().ToString();
+  EXPECT_EQ((*right)->outputs.at(0).tensor.byte_size(), 4u);
 }
 
 TEST(RedisResultStore, FailedRecordKeepsItsError) {

@@ -175,10 +175,18 @@ Result<DecodedImage> DecodeWebp(std::string_view bytes, const DecodeOptions& o) 
 // refused. Other variants are left to stb_image's own checks.
 Status CheckBmpLength(std::string_view bytes, int w, int h) {
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
-  if (bytes.size() < 34 || Read32(p + 14, true) < 40) return Status::Ok();
-  const uint32_t compression = Read32(p + 30, true);
-  if (compression != 0 && compression != 3) return Status::Ok();
-  const uint64_t bits = Read16(p + 28, true);
+  if (bytes.size() < 18) return Status::Ok();  // stb refuses it
+  const uint32_t header = Read32(p + 14, true);
+  uint64_t bits = 0;
+  if (header == 12 && bytes.size() >= 26) {
+    bits = Read16(p + 24, true);  // OS/2 BITMAPCOREHEADER: never compressed
+  } else if (header >= 40 && bytes.size() >= 34) {
+    const uint32_t compression = Read32(p + 30, true);
+    if (compression != 0 && compression != 3) return Status::Ok();
+    bits = Read16(p + 28, true);
+  } else {
+    return Status::Ok();  // a header stb does not read: it refuses the file
+  }
   const uint64_t stride = (static_cast<uint64_t>(w) * bits + 31) / 32 * 4;
   const uint64_t needed = Read32(p + 10, true) + stride * static_cast<uint64_t>(h);
   if (bytes.size() < needed) {

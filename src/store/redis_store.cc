@@ -165,10 +165,15 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
   // The outputs are in KServe's tensor format: read them back with the
   // infer request parser, as the "inputs" of a request.
   rapidjson::StringBuffer buf;
-  Writer w(buf);
+  // NaN and infinities are stored as NaN / Infinity (see WriteKServeOutputs).
+  rapidjson::Writer<rapidjson::StringBuffer, rapidjson::UTF8<>, rapidjson::UTF8<>, rapidjson::CrtAllocator,
+                    rapidjson::kWriteNanAndInfFlag>
+      w(buf);
   w.StartObject();
   w.Key("inputs");
-  result->value["outputs"].Accept(w);
+  if (!result->value["outputs"].Accept(w)) {
+    return Err(Internal("stored result of job '" + rec->id + "' is damaged: its outputs cannot be read"));
+  }
   w.EndObject();
   HttpRequest req;
   req.method = "POST";
@@ -182,7 +187,13 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
   // Binary parts sit at arbitrary offsets of the body: copy each into its
   // own (aligned) buffer, which also frees the body.
   rec->outputs.reserve(parsed->request.inputs.size());
-  for (const auto& t : parsed->request.inputs) rec->outputs.push_back({t.name, OwnedCopy(t.tensor)});
+  for (const auto& t : parsed->request.inputs) {
+    if (Status st = t.tensor.Validate(); !st.ok()) {
+      return Err(
+          Internal("stored result of job '" + rec->id + "' is damaged: output '" + t.name + "': " + st.message()));
+    }
+    rec->outputs.push_back({t.name, OwnedCopy(t.tensor)});
+  }
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 

@@ -12,10 +12,14 @@
 #include <boost/beast/core.hpp>
 // GCC 12 with sanitizers reports a boost::optional inside Beast's parser as
 // maybe-uninitialized (a false positive in Beast's own code).
+#if defined(__clang__)
+#include <boost/beast/http.hpp>
+#else
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <boost/beast/http.hpp>
 #pragma GCC diagnostic pop
+#endif
 #include <cerrno>
 #include <charconv>
 #include <chrono>

@@ -1,0 +1,65 @@
+// Fuzz target: the KServe v2 infer body (ParseKServeInfer), JSON alone and
+// JSON followed by binary tensors (Inference-Header-Content-Length), then
+// the parsed inputs written back out as a KServe response.
+//
+// Input: byte 0 chooses how the rest is sent:
+//   low two bits 0: the rest is a JSON body, no header;
+//                1: bytes 1-2 are the header's value (little-endian), the
+//                   rest is the body (JSON header, then binary data);
+//                2: the header's value is the text up to the first '\n', the
+//                   body follows it (malformed header values);
+//                3: the header is "0" (an empty JSON header).
+//   bit 2: version 1 instead of "the highest ready version".
+// Inputs run on a small stack (fuzz_util.h): deep nesting overflows early.
+#include <cstdint>
+#include <string>
+
+#include "frontends/http/kserve_handler.h"
+#include "fuzz_util.h"
+
+namespace {
+
+void FuzzOne(const uint8_t* data, size_t size) {
+  const uint8_t mode = data[0];
+  std::string_view rest = quern::fuzz::AsView(data + 1, size - 1);
+  quern::HttpRequest req;
+  req.method = "POST";
+  req.target = "/v2/models/m/infer";
+  switch (mode & 3) {
+    case 0: break;
+    case 1: {
+      if (rest.size() < 2) return;
+      const unsigned n = static_cast<uint8_t>(rest[0]) | static_cast<unsigned>(static_cast<uint8_t>(rest[1])) << 8;
+      req.headers.emplace_back("inference-header-content-length", std::to_string(n));
+      rest.remove_prefix(2);
+      break;
+    }
+    case 2: {
+      const size_t nl = rest.find('\n');
+      if (nl == std::string_view::npos) return;
+      req.headers.emplace_back("inference-header-content-length", std::string(rest.substr(0, nl)));
+      rest.remove_prefix(nl + 1);
+      break;
+    }
+    case 3: req.headers.emplace_back("inference-header-content-length", "0"); break;
+  }
+  req.body.assign(rest);
+  const int64_t version = (mode & 4) ? 1 : -1;
+  auto parsed = quern::ParseKServeInfer("m", version, req);
+  if (!parsed) {
+    if (parsed.error().ok()) quern::fuzz::Fail("ParseKServeInfer failed with an OK status");
+    return;
+  }
+  if (parsed->request.model != "m" || parsed->request.version != version) {
+    quern::fuzz::Fail("ParseKServeInfer changed the model or version");
+  }
+  for (const auto& in : parsed->request.inputs) quern::fuzz::TouchTensor(in.tensor);
+  quern::fuzz::WriteBack(parsed->request.inputs, parsed->format);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size >= 1) quern::fuzz::SmallStack::Run([&] { FuzzOne(data, size); });
+  return 0;
+}

@@ -1,0 +1,64 @@
+// Fuzz target: what the Redis client reads and is configured with. The input
+// is read as a stream of RESP2 replies (ParseRedisReply, back to back, as a
+// pipeline's answers arrive) and as a redis:// URL (ParseRedisUrl). Then its
+// lines are sent through RedisPipeline's encoder and parsed back, which must
+// give the same strings.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fuzz_util.h"
+#include "store/redis_client.h"
+
+namespace {
+
+size_t CountReplies(const quern::RedisReply& r) {
+  size_t n = 1;
+  for (const auto& e : r.elements) n += CountReplies(e);
+  return n;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view in = quern::fuzz::AsView(data, size);
+
+  size_t pos = 0;
+  while (pos < in.size()) {
+    size_t consumed = 0;
+    auto r = quern::ParseRedisReply(in.substr(pos), consumed);
+    if (!r || !*r) break;
+    if (consumed == 0 || consumed > in.size() - pos) quern::fuzz::Fail("ParseRedisReply consumed nothing or too much");
+    (void)CountReplies(**r);
+    pos += consumed;
+  }
+
+  quern::RedisOptions options;
+  if (quern::ParseRedisUrl(in, options).ok()) {
+    if (options.port < 0 || options.port > 65535) quern::fuzz::Fail("ParseRedisUrl accepted a port out of range");
+    (void)options.Address();
+  }
+
+  // Encoder round trip: one command, its arguments the input's lines.
+  std::vector<std::string> args;
+  size_t start = 0;
+  while (start <= in.size() && args.size() < 64) {
+    const size_t nl = in.find('\n', start);
+    args.emplace_back(in.substr(start, nl == std::string_view::npos ? std::string_view::npos : nl - start));
+    if (nl == std::string_view::npos) break;
+    start = nl + 1;
+  }
+  quern::RedisPipeline pipeline;
+  pipeline.Add(args);
+  size_t consumed = 0;
+  auto back = quern::ParseRedisReply(pipeline.data(), consumed);
+  if (!back || !*back || consumed != pipeline.data().size()) quern::fuzz::Fail("an encoded command does not parse");
+  const quern::RedisReply& cmd = **back;
+  if (!cmd.is_array() || cmd.elements.size() != args.size()) quern::fuzz::Fail("an encoded command lost arguments");
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (cmd.elements[i].type != quern::RedisReply::Type::kString || cmd.elements[i].str != args[i]) {
+      quern::fuzz::Fail("an encoded argument came back different", std::to_string(i));
+    }
+  }
+  return 0;
+}
