@@ -265,11 +265,39 @@ TEST(DynamicBatcher, AdmissionRefusesWorkBeyondTheWaitingTimeLimit) {
       while ((*b)->queued() > 0) std::this_thread::yield();
     }
   }
-  EXPECT_EQ(admitted, 2 + 20);
+  // 20 queued items are 100 ms of work: the 21st still fits behind them, the 22nd does not.
+  EXPECT_EQ(admitted, 2 + 21);
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
   EXPECT_NE(refused.message().find("over the limit of 100 ms"), std::string::npos) << refused.message();
   go.set_value();
   rec.Wait(2 + admitted);
+}
+
+TEST(DynamicBatcher, AdmissionNeverLocksAModelOut) {
+  // One item takes 6 s of fake time, over the 5 s limit: later tasks are
+  // still admitted whenever a worker is free or nothing waits.
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 1;
+  o.clock = &clock;
+  o.max_queue_wait_ns = 5'000'000'000;
+  Recorder rec;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        clock.AdvanceNs(6'000'000'000);
+        std::lock_guard lock(rec.mu);
+        rec.items += static_cast<int>(batch.size());
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok()) << "task " << i;
+    rec.Wait(i + 1);
+  }
+  EXPECT_GT((*b)->ns_per_item(), 5e9);
 }
 
 TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {

@@ -158,6 +158,11 @@ TEST_F(RepositoryConfinement, ResolvesOnlyInside) {
   EXPECT_FALSE(ResolveInRepository(repo(), repo() / "m", "../../outside/1/model.onnx", "file").has_value());
   EXPECT_FALSE(ResolveInRepository(repo(), repo() / "m", root_ / "outside", "file").has_value());
   EXPECT_FALSE(ResolveInRepository(repo(), repo() / "m", "/etc/passwd", "file").has_value());
+  // Past a missing component ".." is resolved by text while opening follows
+  // links: "missing/../out/x" with `out` a link outside would pass.
+  fs::create_directory_symlink(root_ / "outside", repo() / "m" / "out");
+  EXPECT_FALSE(ResolveInRepository(repo(), repo() / "m", "missing/../out/1/model.onnx", "file").has_value());
+  EXPECT_FALSE(ResolveInRepository(repo(), repo() / "m", "out/1/model.onnx", "file").has_value());
   // A sibling whose name starts with the repository's is outside too.
   fs::create_directories(root_ / "repo2");
   EXPECT_FALSE(ResolveInRepository(repo(), repo(), "../repo2", "file").has_value());

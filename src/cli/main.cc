@@ -369,9 +369,7 @@ int main(int argc, char** argv) {
     if (!draining.load(std::memory_order_acquire)) return std::nullopt;
     const auto parts = quern::SplitTargetPath(r.target);
     if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health") return std::nullopt;  // answered below
-    quern::HttpResponse resp = quern::ErrorResponse(quern::Unavailable("the server is shutting down"));
-    resp.headers.emplace_back("Connection", "close");
-    return resp;
+    return quern::ErrorResponse(quern::Unavailable("the server is shutting down"));
   };
   quern::KServeHandler handler(engine->get());
   handler.set_model_control(explicit_control);
@@ -531,8 +529,13 @@ int main(int argc, char** argv) {
   }
   const int64_t left = (*engine)->InFlight() + vision.stats().in_flight;
   if (left > 0) std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
-  // Answers written by engine threads have left; give slow readers a moment.
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Answers the I/O threads still write (large ones, every one over TLS).
+  auto writing = [&] {
+    return (*server)->pending_writes() + (*vision_server ? (*vision_server)->pending_writes() : 0);
+  };
+  while (writing() > 0 && std::chrono::steady_clock::now() < drain_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   std::printf("quern: stopping\n");
   (*metrics)->Stop();
   (*server)->Stop();  // no new requests reach the engine

@@ -156,6 +156,12 @@ Result<fs::path> ResolveInRepository(const fs::path& repo, const fs::path& base,
   std::error_code ec;
   const fs::path root = fs::weakly_canonical(fs::absolute(repo, ec), ec);
   if (ec) return Err(Unavailable("cannot resolve the model repository: " + ec.message()));
+  // ".." is refused outright: past a component that does not exist,
+  // weakly_canonical resolves ".." by text, while opening the file would
+  // follow the links on the way ("missing/../link/x").
+  for (const auto& part : path) {
+    if (part == "..") return Err(InvalidArgument(what + " '" + path.string() + "' must not contain '..'"));
+  }
   const fs::path full = path.is_absolute() ? path : base / path;
   fs::path resolved = fs::weakly_canonical(fs::absolute(full, ec), ec);
   if (ec) return Err(InvalidArgument(what + " '" + path.string() + "' cannot be resolved: " + ec.message()));

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "backends/onnxruntime/ort_model.h"
+#include "core/model_config_parser.h"
 #include "core/repository.h"
 #include "engine/served_model.h"
 
@@ -164,8 +165,11 @@ class EngineImpl {
       known = it != models_.end();
     }
     std::error_code ec;
-    if (!std::filesystem::exists(
-            std::filesystem::symlink_status(std::filesystem::path(options_.model_repository) / name, ec))) {
+    const auto entry_status =
+        std::filesystem::symlink_status(std::filesystem::path(options_.model_repository) / name, ec);
+    // Only a name the repository surely lacks is absent (an I/O error on a
+    // served model's folder must not unload it).
+    if (entry_status.type() == std::filesystem::file_type::not_found) {
       // Not in the repository: a request to load it leaves no trace, and a
       // model whose folder is gone is unloaded (as a repository poll would).
       if (known) UnloadLocked(name);
@@ -222,24 +226,25 @@ class EngineImpl {
     Result<std::shared_ptr<ServedModel>> served = Err(Internal("model '" + m.name + "' did not load"));
     try {
       served = LoadVersion(m, v);
+      if (served && options_.check_model) {
+        ModelStatus status{m.name, v.version, ModelState::kReady, "", (*served)->config()};
+        Status st = options_.check_model(status, m.dir.string());
+        if (!st.ok()) {
+          (*served)->Shutdown();
+          return Err(st);
+        }
+      }
     } catch (const std::exception& e) {
+      if (served) (*served)->Shutdown();
       return Err(
           Unavailable("model '" + m.name + "' version " + std::to_string(v.version) + " failed to load: " + e.what()));
-    }
-    if (served && options_.check_model) {
-      ModelStatus status{m.name, v.version, ModelState::kReady, "", (*served)->config()};
-      Status st = options_.check_model(status, m.dir.string());
-      if (!st.ok()) {
-        (*served)->Shutdown();
-        return Err(st);
-      }
     }
     return served;
   }
 
   Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
     ModelConfig config = m.config;
-    if (config.instance_count == 0) config.instance_count = cores_;
+    if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
     if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
     auto session_opts = SessionOptionsFor(config, cores_);
     if (!session_opts) return Err(session_opts.error());
@@ -269,7 +274,7 @@ class EngineImpl {
     std::lock_guard<std::mutex> load_lock(load_mu_);
     if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
     if (config.backend.empty()) config.backend = "custom";
-    if (config.instance_count == 0) config.instance_count = cores_;
+    if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
     if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
     std::vector<std::unique_ptr<Model>> instances;

@@ -38,9 +38,11 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return Unavailable("model is shutting down");
-    if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0) {
-      const double wait_ns =
-          static_cast<double>(queue_.items() + task->size()) * ns_per_item_ / static_cast<double>(num_workers_);
+    // Admitted whenever an instance is free or nothing waits (a slow first
+    // batch must not lock a model out); otherwise while the work queued
+    // ahead of it fits in the limit.
+    if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && busy_workers_ == num_workers_ && queue_.items() > 0) {
+      const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(num_workers_);
       if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
         return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
                            std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +

@@ -42,10 +42,11 @@ struct DynamicBatcherOptions {
   // When set, the batch size limit is tuned under load (see
   // BatchSizeTuner); batch run times are taken with `clock`.
   std::optional<BatchSizeTunerOptions> tuner;
-  // Admission by waiting time: a task is refused (UNAVAILABLE, without
-  // taking it) when the items already queued would take longer than this to
-  // run on all workers, estimated from the measured time per item of recent
-  // batches (no estimate before the first batch). Under overload the queue
+  // Admission by waiting time: while every worker is busy, a task is
+  // refused (UNAVAILABLE, without taking it) when the items already queued
+  // would take longer than this to run on all workers, estimated from the
+  // measured time per item of recent batches (no estimate before the first
+  // batch; a free worker or an empty queue always admits). Under overload the queue
   // then holds about this much work: admitted tasks are answered within it,
   // the rest are refused at once, and memory stays bounded. 0 = no bound.
   int64_t max_queue_wait_ns = 0;

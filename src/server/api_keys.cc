@@ -73,7 +73,9 @@ Result<std::unique_ptr<ApiKeys>> ApiKeys::Load(const ApiKeyOptions& o) {
   }
   QUERN_RETURN_IF_ERROR(keys->AddKeys(SplitList(o.keys_env), false, "QUERN_API_KEYS"));
   QUERN_RETURN_IF_ERROR(keys->AddKeys(SplitList(o.admin_keys_env), true, "QUERN_ADMIN_KEYS"));
-  if (o.rate_limit_per_s < 0) return Err(InvalidArgument("the API key rate limit must be >= 0"));
+  if (!(o.rate_limit_per_s >= 0) || o.rate_limit_per_s > 1e9) {
+    return Err(InvalidArgument("the API key rate limit must be a number of requests per second >= 0"));
+  }
   keys->rate_ = o.rate_limit_per_s;
   keys->burst_ = std::max(1.0, o.rate_limit_per_s);
   return keys;
@@ -121,7 +123,9 @@ int AuthHttpStatus(const Status& status) {
 std::string_view PresentedKey(std::string_view authorization, std::string_view x_api_key) {
   std::string_view a = Trim(authorization);
   if (!a.empty()) {
-    if (a.size() > 7 && (a.substr(0, 7) == "Bearer " || a.substr(0, 7) == "bearer ")) a = Trim(a.substr(7));
+    if (a.size() > 7 && (a[0] == 'B' || a[0] == 'b') && (a.substr(1, 6) == "earer " || a.substr(1, 6) == "EARER ")) {
+      a = Trim(a.substr(7));
+    }
     return a;
   }
   return Trim(x_api_key);

@@ -244,6 +244,21 @@ def test_keys_have_their_own_rate_limits(tmp_path):
         assert "RESOURCE_EXHAUSTED" in str(e.value.status())
         time.sleep(1.2)  # the bucket refills at 5 per second
         assert request(ports["HTTP"], "GET", "/v2/health/live", None, bearer("a-key"))[0] == 200
+        # Every message of a stream is a request: one stream cannot pass the limit.
+        import queue
+        results = queue.Queue()
+        time.sleep(1.2)
+        c.start_stream(callback=lambda result, error: results.put(error), headers=grpc_bearer("b-key"))
+        x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
+        y.set_data_from_numpy(np.ones((1, 4), np.float32))
+        for _ in range(20):
+            c.async_stream_infer("add_sub", [x, y])
+        errors = [results.get(timeout=10) for _ in range(20)]
+        c.stop_stream()
+        limited = [e for e in errors if e is not None and "rate limit" in str(e)]
+        assert 10 <= len(limited) <= 16, [str(e) for e in errors]
     finally:
         proc.terminate()
         proc.wait(timeout=30)

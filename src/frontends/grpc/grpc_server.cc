@@ -259,7 +259,12 @@ class InferReactor final : public grpc::ServerUnaryReactor {
 class StreamReactor final
     : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
  public:
-  StreamReactor(Engine* engine, grpc::CallbackServerContext* ctx) : engine_(engine), ctx_(ctx) { StartNextRead(); }
+  // `admit` (may be empty) runs for every message: a request it refuses is
+  // answered with its error (rate limits, draining) and the stream goes on.
+  StreamReactor(Engine* engine, grpc::CallbackServerContext* ctx, std::function<Status()> admit)
+      : engine_(engine), ctx_(ctx), admit_(std::move(admit)) {
+    StartNextRead();
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client finished sending (or the stream broke)
@@ -310,6 +315,9 @@ class StreamReactor final
   }
 
   void Submit(std::unique_ptr<inference::ModelInferRequest> request) {
+    if (admit_) {
+      if (Status st = admit_(); !st.ok()) return Answer(request->id(), st, nullptr);
+    }
     auto ir = ToInferRequest(*request);
     if (!ir) return Answer(request->id(), ir.error(), nullptr);
     auto cancel = std::make_shared<CancellationToken>();
@@ -368,6 +376,7 @@ class StreamReactor final
 
   Engine* engine_;
   grpc::CallbackServerContext* ctx_;
+  std::function<Status()> admit_;
   std::unique_ptr<inference::ModelInferRequest> reading_;  // gRPC's read target (one read in flight)
 
   std::mutex mu_;
@@ -520,7 +529,12 @@ class Service final : public GRPCInferenceService::CallbackService {
       grpc::CallbackServerContext* ctx) override {
     if (Status st = Authorize(ctx, false); !st.ok()) return new RefusedStream(ToGrpc(st));
     if (draining()) return new RefusedStream(ToGrpc(Unavailable("the server is shutting down")));
-    return new StreamReactor(engine_, ctx);
+    // Every message is a request: each one takes its key's rate-limit token
+    // and is refused while the server drains.
+    return new StreamReactor(engine_, ctx, [this, ctx] {
+      if (draining()) return Unavailable("the server is shutting down");
+      return Authorize(ctx, false);
+    });
   }
 
   grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
@@ -666,6 +680,10 @@ class GrpcServer::Impl {
     const std::string address =
         (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host) + ":" +
         std::to_string(options_.port);
+    if (options_.tls_cert_file.empty() != options_.tls_key_file.empty() ||
+        (!options_.tls_client_ca_file.empty() && options_.tls_cert_file.empty())) {
+      return InvalidArgument("gRPC TLS needs both a certificate and a key file (and them for client certificates)");
+    }
     std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
     if (!options_.tls_cert_file.empty() || !options_.tls_key_file.empty()) {
       auto read = [](const std::string& path, const char* what) -> Result<std::string> {

@@ -95,6 +95,7 @@ struct Shared {
   std::atomic<int> rejecting{0};  // over-limit connections being answered 503
   std::atomic<int64_t> last_limit_warning{0};
   std::unique_ptr<ssl::context> tls;  // null: plaintext
+  std::atomic<int> writing{0};        // responses handed to a loop thread, not yet written
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -365,6 +366,7 @@ class Session : public std::enable_shared_from_this<Session> {
       out_head_ = std::move(head);
       out_body_ = std::move(r.body);
       out_sent_ = 0;
+      shared_.writing.fetch_add(1, std::memory_order_acq_rel);
       asio::post(loop_.io, [self = shared_from_this()] { self->WriteRest(); });
       return;
     }
@@ -398,12 +400,16 @@ class Session : public std::enable_shared_from_this<Session> {
     out_head_ = std::move(head);
     out_body_ = std::move(r.body);
     out_sent_ = sent;
+    shared_.writing.fetch_add(1, std::memory_order_acq_rel);
     asio::post(loop_.io, [self = shared_from_this()] { self->WriteRest(); });
   }
 
   // Loop thread.
   void WriteRest() {
-    if (closed_) return Finish(true);
+    if (closed_) {
+      shared_.writing.fetch_sub(1, std::memory_order_acq_rel);
+      return Finish(true);
+    }
     deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
     std::array<asio::const_buffer, 2> bufs;
     size_t count = 0;
@@ -417,6 +423,7 @@ class Session : public std::enable_shared_from_this<Session> {
     auto on_done = [self = shared_from_this()](beast::error_code ec, size_t) {
       self->out_head_.clear();
       self->out_body_.clear();
+      self->shared_.writing.fetch_sub(1, std::memory_order_acq_rel);
       self->Finish(static_cast<bool>(ec));
     };
     WithStream([&](auto& stream) {
@@ -548,7 +555,11 @@ class HttpServer::Impl {
     if (o.max_header_bytes < 256) return InvalidArgument("--http-max-header-bytes must be at least 256");
     if (o.idle_timeout_s < 1 || o.read_timeout_s < 1) return InvalidArgument("HTTP timeouts must be at least 1 s");
     beast::error_code ec;
-    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
+    if (o.tls_cert_file.empty() != o.tls_key_file.empty() ||
+        (!o.tls_client_ca_file.empty() && o.tls_cert_file.empty())) {
+      return InvalidArgument("TLS needs both a certificate and a key file (and them for client certificates)");
+    }
+    if (!o.tls_cert_file.empty()) {
       auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
       ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
                        ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
@@ -596,6 +607,7 @@ class HttpServer::Impl {
 
   int port() const { return acceptor_->local_endpoint().port(); }
   int open_connections() const { return shared_.open.load(std::memory_order_relaxed); }
+  int pending_writes() const { return shared_.writing.load(std::memory_order_acquire); }
 
  private:
   void Accept() {
@@ -751,6 +763,9 @@ int HttpServer::port() const {
 }
 int HttpServer::open_connections() const {
   return impl_->open_connections();
+}
+int HttpServer::pending_writes() const {
+  return impl_->pending_writes();
 }
 
 Result<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options, HttpHandler handler) {

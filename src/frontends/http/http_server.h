@@ -29,7 +29,7 @@ struct HttpServerOptions {
   int io_threads = 1;
   size_t max_body_bytes = 64 << 20;    // larger: 413, answered from Content-Length
   size_t max_header_bytes = 16 << 10;  // request line + headers; larger: 431
-  int max_connections = 4096;          // more: 503 and closed at once
+  int max_connections = 4096;          // more: the oldest idle one is closed; none idle: 503
   int idle_timeout_s = 60;             // keep-alive connection with no request
   int read_timeout_s = 30;             // from a request's first byte to its last; also bounds a write
   // TLS (HTTPS): PEM certificate chain and private key files; both empty =
@@ -54,6 +54,10 @@ class HttpServer {
 
   int port() const;
   int open_connections() const;
+  // Responses given to the server and not yet written out (large ones, and
+  // every one over TLS, are written by the I/O threads): a draining server
+  // waits for 0 before it stops.
+  int pending_writes() const;
 
   class Impl;
 
