@@ -389,11 +389,12 @@ def test_sigterm_finishes_taken_jobs_and_flushes_their_results(repo, redis_serve
     r = redis_server.client()
     q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
               "--drain-timeout-secs", "20")
-    # Three jobs over HTTP and three from the stream wait in slow_batch's 1 s batching delay.
-    xs = [np.full((1, 3), k + 1, np.float32) for k in range(6)]
-    http_ids = [submit(q, "slow_batch", slow_body(x)) for x in xs[:3]]
-    stream_ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs[3:]], "drain")
-    wait_until(lambda: q.metric("quern_stream_inflight") == 3, timeout=5, what="the stream jobs to be taken")
+    # Two jobs over HTTP and one from the stream wait in slow_batch's 1 s batching delay (a batch of
+    # 4 would leave at once).
+    xs = [np.full((1, 3), k + 1, np.float32) for k in range(3)]
+    http_ids = [submit(q, "slow_batch", slow_body(x)) for x in xs[:2]]
+    stream_ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs[2:]], "drain")
+    wait_until(lambda: q.metric("quern_stream_inflight") == 1, timeout=10, what="the stream job to be taken")
     q.proc.send_signal(signal.SIGTERM)
     assert q.proc.wait(timeout=25) == 0
     for job, x in zip(http_ids + stream_ids, xs):
