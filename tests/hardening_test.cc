@@ -239,6 +239,22 @@ TEST(ModelConfigBounds, EveryConfiguredNumberHasABound) {
                   .has_value());
 }
 
+TEST(ModelConfigBounds, UnknownDataTypeNumbersAreInvalid) {
+  // Text format takes any integer for an enum: data_type 32 indexed past the
+  // type table (found by fuzzing).
+  auto c = Convert(
+      "input [ { name: \"x\" data_type: 32 dims: [ 3 ] } ]\n"
+      "output [ { name: \"y\" data_type: -5 dims: [ 3 ] } ]");
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_EQ(c->inputs[0].dtype, DataType::kInvalid);
+  EXPECT_EQ(c->outputs[0].dtype, DataType::kInvalid);
+  c->name = "m";
+  Status st = ValidateModelConfig(*c);
+  EXPECT_NE(st.message().find("data_type"), std::string::npos) << st.message();
+  EXPECT_EQ(DataTypeName(static_cast<DataType>(32)), "INVALID");
+  EXPECT_EQ(DataTypeByteSize(static_cast<DataType>(-1)), 0u);
+}
+
 TEST(ModelConfigBounds, ValidationBoundsConfigsMadeInCode) {
   ModelConfig c;
   c.name = "m";

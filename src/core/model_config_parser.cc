@@ -25,7 +25,9 @@ class CollectErrors : public google::protobuf::io::ErrorCollector {
 };
 
 DataType FromProtoType(inference::DataType t) {
-  return static_cast<DataType>(static_cast<int>(t));
+  // Text format takes any integer for an enum field ("data_type: 32").
+  const int v = static_cast<int>(t);
+  return v >= 0 && v <= static_cast<int>(DataType::kBf16) ? static_cast<DataType>(v) : DataType::kInvalid;
 }
 inference::DataType ToProtoType(DataType t) {
   return static_cast<inference::DataType>(static_cast<int>(t));

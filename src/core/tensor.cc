@@ -33,12 +33,18 @@ constexpr std::array<TypeInfo, 15> kTypes = {{
 
 }  // namespace
 
+// Values outside the enum (an integer from a config file, say) read as kInvalid.
+const TypeInfo& Info(DataType type) {
+  const auto i = static_cast<size_t>(type);
+  return i < kTypes.size() ? kTypes[i] : kTypes[0];
+}
+
 size_t DataTypeByteSize(DataType type) {
-  return kTypes[static_cast<size_t>(type)].size;
+  return Info(type).size;
 }
 
 std::string_view DataTypeName(DataType type) {
-  return kTypes[static_cast<size_t>(type)].name;
+  return Info(type).name;
 }
 
 std::optional<DataType> DataTypeFromName(std::string_view name) {
