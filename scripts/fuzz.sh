@@ -12,7 +12,9 @@
 #
 # Environment: QUERN_FUZZ_JOBS (targets run at once; 1, or 2 in CI),
 # QUERN_FUZZ_RESULTS (file a line per target is appended to;
-# build/fuzz/results.txt), QUERN_FUZZ_MERGE=0 (do not merge back).
+# build/fuzz/results.txt), QUERN_FUZZ_MERGE=0 (do not merge back),
+# QUERN_FUZZ_RUNS (stop a target after this many executions, or at the time
+# given, whichever comes first).
 # Prints the executions per target and exits non-zero on any crash, leak,
 # timeout, out-of-memory or undefined behaviour; the input that caused it is
 # kept in build/fuzz/artifacts/<target>/ (run the target on that file to
@@ -77,6 +79,7 @@ run_target() {
   local args=(-max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
               -artifact_prefix="$artifacts/")
   [ -f "$dict" ] && args+=(-dict="$dict")
+  [ -n "${QUERN_FUZZ_RUNS:-}" ] && args+=(-runs="$QUERN_FUZZ_RUNS")
   local rc=0
   "$bin" "${args[@]}" "$corpus" >"$LOGS/$t.log" 2>&1 || rc=$?
   local execs rate

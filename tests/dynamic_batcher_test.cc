@@ -269,8 +269,10 @@ TEST(DynamicBatcher, AdmissionRefusesWorkBeyondTheWaitingTimeLimit) {
   EXPECT_EQ(admitted, 2 + 21);
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
   EXPECT_NE(refused.message().find("over the limit of 100 ms"), std::string::npos) << refused.message();
+  EXPECT_EQ((*b)->CheckAdmission().code(), StatusCode::kUnavailable) << "the same answer without a task";
   go.set_value();
   rec.Wait(2 + admitted);
+  EXPECT_TRUE((*b)->CheckAdmission().ok());
 }
 
 TEST(DynamicBatcher, AdmissionNeverLocksAModelOut) {

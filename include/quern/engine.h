@@ -228,6 +228,14 @@ class Engine {
   // which must outlive the request.
   uint64_t InferAsync(InferRequest request, CompletionQueue* queue);
 
+  // Admission alone, before a request exists: UNAVAILABLE when a request
+  // for `name` (and `version`, -1 = the latest ready) would be refused now
+  // because its model's queue is full; OK otherwise, including for unknown
+  // or unready models (Infer reports those). Lets a front end refuse a
+  // request before reading its body. A refusal counts as a rejected request
+  // in the model's statistics.
+  Status CheckAdmission(const std::string& name, int64_t version = -1) const;
+
   // Registers a model implemented in C++. `config` describes its inputs,
   // outputs, batching and instance count; `factory` makes one Model per
   // instance. Replaces a registered model of the same name.

@@ -231,6 +231,12 @@ int main(int argc, char** argv) {
                     "Decode / pre- / post-processing threads (0 = one per core)");
   serve->add_option("--vision-max-image-pixels", vision_opts.max_image_pixels,
                     "Larger images are refused before decoding");
+  int64_t vision_max_memory_mb = vision_opts.max_in_flight_bytes >> 20;
+  serve
+      ->add_option("--vision-max-memory-mb", vision_max_memory_mb,
+                   "Memory the images admitted at once may hold (bodies and model inputs); more are refused "
+                   "(0 = no bound)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   quern::MemoryResultStoreOptions store_opts;
   serve->add_option("--job-result-ttl-secs", store_opts.ttl_s,
                     "Seconds a finished job's result is kept (0 = until evicted)");
@@ -374,6 +380,7 @@ int main(int argc, char** argv) {
   quern::KServeHandler handler(engine->get());
   handler.set_model_control(explicit_control);
   vision_opts.model_repository = repo;
+  vision_opts.max_in_flight_bytes = vision_max_memory_mb << 20;
   if (keys->enabled()) {
     vision_opts.authorize = [keys](std::string_view key) { return keys->Authorize(key, false, SteadyNowNs()); };
   }
@@ -414,13 +421,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "quern: --consume takes jobs from Redis streams: give --redis-url too\n");
     return 2;
   }
-  auto server = quern::HttpServer::Start(http_opts, [&](quern::HttpRequest&& r, quern::HttpDone done) {
-    if (auto refused = http_draining(r)) return done(std::move(*refused));
-    if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
-    if (auto denied = http_denied(r)) return done(std::move(*denied));
-    if (quern::JobHandler::Handles(r.target)) return jobs.Handle(std::move(r), std::move(done));
-    handler.Handle(std::move(r), std::move(done));
-  });
+  // Decided from a request's line and headers, before its body is read:
+  // draining, keys (the vision routes check theirs themselves), and
+  // inference requests whose model's queue is full.
+  auto http_head = [&](const quern::HttpRequest& r) -> std::optional<quern::HttpResponse> {
+    if (auto refused = http_draining(r)) return refused;
+    if (quern::VisionHandler::Handles(r.target)) return vision.CheckHead(r);
+    if (auto denied = http_denied(r)) return denied;
+    return handler.CheckHead(r);
+  };
+  auto server = quern::HttpServer::Start(
+      http_opts,
+      [&](quern::HttpRequest&& r, quern::HttpDone done) {
+        // Draining may have begun while the body arrived.
+        if (auto refused = http_draining(r)) return done(std::move(*refused));
+        if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
+        if (quern::JobHandler::Handles(r.target)) return jobs.Handle(std::move(r), std::move(done));
+        handler.Handle(std::move(r), std::move(done));
+      },
+      http_head);
   if (!server) {
     std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
     return 1;
@@ -452,14 +471,22 @@ int main(int argc, char** argv) {
   if (vision_port >= 0) {
     quern::HttpServerOptions o = http_opts;
     o.port = vision_port;
-    vision_server = quern::HttpServer::Start(o, [&](quern::HttpRequest&& r, quern::HttpDone done) {
-      if (auto refused = http_draining(r)) return done(std::move(*refused));
-      if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
-      quern::HttpResponse resp;
-      resp.status = 404;
-      resp.body = "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
-      done(std::move(resp));
-    });
+    vision_server = quern::HttpServer::Start(
+        o,
+        [&](quern::HttpRequest&& r, quern::HttpDone done) {
+          if (auto refused = http_draining(r)) return done(std::move(*refused));
+          if (quern::VisionHandler::Handles(r.target)) return vision.Handle(std::move(r), std::move(done));
+          quern::HttpResponse resp;
+          resp.status = 404;
+          resp.body =
+              "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
+          done(std::move(resp));
+        },
+        [&](const quern::HttpRequest& r) -> std::optional<quern::HttpResponse> {
+          if (auto refused = http_draining(r)) return refused;
+          if (quern::VisionHandler::Handles(r.target)) return vision.CheckHead(r);
+          return std::nullopt;
+        });
     if (!vision_server) {
       std::fprintf(stderr, "quern: vision: %s\n", vision_server.error().ToString().c_str());
       return 1;

@@ -496,6 +496,12 @@ bool Engine::AllModelsReady() const {
   }
   return true;
 }
+Status Engine::CheckAdmission(const std::string& name, int64_t version) const {
+  auto served = impl_->Resolve(name, version);
+  if (!served) return Status::Ok();
+  return (*served)->CheckAdmission();
+}
+
 int64_t Engine::InFlight() const {
   return impl_->InFlight();
 }

@@ -358,6 +358,18 @@ void ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallb
   }
 }
 
+Status ServedModel::CheckAdmission() {
+  Status st = batcher_->CheckAdmission();
+  if (st.ok()) return st;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.fail.count;
+    ++stats_.fail_rejected;
+    stats_.request_us.Observe(0);
+  }
+  return Status(st.code(), "model '" + config_.name + "': " + st.message());
+}
+
 void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs) {
   InferResponse r;
   r.status = std::move(status);

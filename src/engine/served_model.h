@@ -38,6 +38,11 @@ class ServedModel {
   // (inline on this thread when the request is rejected before queuing).
   void Submit(InferRequest&& request, uint64_t request_id, InferCallback done);
 
+  // OK, or the UNAVAILABLE a request would get now because the queue is
+  // full (counted in the statistics as a rejected request: the caller
+  // answers it without submitting it).
+  Status CheckAdmission();
+
   // Stops intake and finishes every queued request. Idempotent.
   void Shutdown();
 

@@ -37,18 +37,7 @@ DynamicBatcher::~DynamicBatcher() {
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return Unavailable("model is shutting down");
-    // Admitted whenever an instance is free or nothing waits (a slow first
-    // batch must not lock a model out); otherwise while the work queued
-    // ahead of it fits in the limit.
-    if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && busy_workers_ == num_workers_ && queue_.items() > 0) {
-      const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(num_workers_);
-      if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
-        return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
-                           std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
-                           std::to_string(max_queue_wait_ns_ / 1'000'000) + " ms; try again later");
-      }
-    }
+    QUERN_RETURN_IF_ERROR(AdmissionLocked());
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     int64_t due = options.deadline_ns;
@@ -57,6 +46,27 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   }
   cv_.notify_one();
   return Status::Ok();
+}
+
+Status DynamicBatcher::AdmissionLocked() const {
+  if (stopping_) return Unavailable("model is shutting down");
+  // Admitted whenever an instance is free or nothing waits (a slow first
+  // batch must not lock a model out); otherwise while the work queued
+  // ahead of it fits in the limit.
+  if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && busy_workers_ == num_workers_ && queue_.items() > 0) {
+    const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(num_workers_);
+    if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
+      return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
+                         std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
+                         std::to_string(max_queue_wait_ns_ / 1'000'000) + " ms; try again later");
+    }
+  }
+  return Status::Ok();
+}
+
+Status DynamicBatcher::CheckAdmission() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return AdmissionLocked();
 }
 
 void DynamicBatcher::Kick() {

@@ -67,6 +67,11 @@ class DynamicBatcher {
   // Shutdown returns UNAVAILABLE.
   Status Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options);
 
+  // What Schedule would answer now for admission alone (without a task):
+  // UNAVAILABLE while the queue is full or the batcher stops. Lets a front
+  // end refuse a request before it reads and parses the request's body.
+  Status CheckAdmission() const;
+
   // Makes waiting workers re-evaluate the queue now (for a FakeClock that moved).
   void Kick();
 
@@ -91,6 +96,8 @@ class DynamicBatcher {
   // Called with mu_ held: would a task due at `due_ns` (0 = no deadline of
   // its own) be reaped late without a wake-up?
   bool ReaperNeedsWake(int64_t due_ns) const;
+  // Called with mu_ held: Schedule's admission decision.
+  Status AdmissionLocked() const;
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts

@@ -214,6 +214,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     call->response.set_value(std::move(r));
   };
   quern::fuzz::SmallStack::Run([&] {
+    // The checks the server makes from a request's head first (their
+    // answer, when there is one, is not the request's: it goes on anyway).
+    if (quern::VisionHandler::Handles(target)) {
+      (void)world->vision->CheckHead(request);
+    } else {
+      (void)world->kserve->CheckHead(request);
+    }
     if (quern::VisionHandler::Handles(target)) {
       world->vision->Handle(std::move(request), std::move(done));
     } else if (quern::JobHandler::Handles(target)) {

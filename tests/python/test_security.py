@@ -195,6 +195,47 @@ def test_vision_routes_answer_the_codeproject_way(keyed):
     assert status == 401
 
 
+def test_requests_without_a_key_are_refused_before_their_body_is_read(keyed):
+    """The key is checked from the request's head: a client without one gets its 401 before it has sent
+    its body, and no body of it is decoded (a compressed one included)."""
+    import gzip
+    import socket
+    with socket.create_connection(("127.0.0.1", keyed["HTTP"]), timeout=5) as sock:
+        sock.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 60000000\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 401"), data
+    for body in (b"not gzip at all", gzip.compress(add_sub_body())):
+        status, _, data = request(keyed["HTTP"], "POST", "/v2/models/add_sub/infer", body,
+                                  {"Content-Encoding": "gzip"})
+        assert status == 401, data
+    status, _, data = request(keyed["HTTP"], "POST", "/v2/models/add_sub/infer", gzip.compress(add_sub_body()),
+                              {"Content-Encoding": "gzip", **bearer(USER_KEY)})
+    assert status == 200, data
+
+
+def test_vision_answers_nothing_about_models_without_a_key(tmp_path):
+    """Without a key, /v1/vision/detection says the key is missing, not whether a detection model is loaded."""
+    (tmp_path / "keys.txt").write_text(USER_KEY + "\n")
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo), "--api-keys", str(tmp_path / "keys.txt"))
+    try:
+        body, headers = multipart({"image": ("a.png", png_bytes())})
+        doc = json.loads(request(ports["HTTP"], "POST", "/v1/vision/detection", body, headers)[2])
+        assert doc["success"] is False and "key" in doc["error"] and "detection model" not in doc["error"], doc
+        body, headers = multipart({"image": ("a.png", png_bytes()), "api_key": (None, USER_KEY.encode())})
+        doc = json.loads(request(ports["HTTP"], "POST", "/v1/vision/detection", body, headers)[2])
+        assert doc["success"] is False and "no detection model" in doc["error"], doc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_metrics_need_a_key_when_asked(keyed):
     port = keyed["metrics"]
     assert request(port, "GET", "/metrics")[0] == 401

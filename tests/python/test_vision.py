@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -339,14 +340,74 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
         busy = detect(port, img, path="/v1/vision/custom/detect_yolov8")
         assert time.time() - start_t < 0.3, "an over-capacity request must be refused at once"
         assert busy["success"] is False and "busy" in busy["error"]
+        # Refused from the request's head: the answer comes before any of the body is sent.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/vision/custom/detect_yolov8 HTTP/1.1\r\nHost: q\r\n"
+                         b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 5000000\r\n\r\n")
+            head = read_http_response(sock)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        early = json.loads(head.split(b"\r\n\r\n", 1)[1])
+        assert early["success"] is False and "busy" in early["error"] and CPAI_FIELDS <= set(early)
         t.join()
         assert results["slow"]["success"] is False and "deadline" in results["slow"]["error"].lower()
-        assert metric(metrics, "quern_vision_rejected_overload_total") == 1
+        assert metric(metrics, "quern_vision_rejected_overload_total") == 2
         assert metric(metrics, "quern_vision_dropped_total") == 1
         stats = json.loads(request(port, "GET", "/v2/models/detect_slow/stats")[2])["model_stats"][0]
         assert stats["execution_count"] == 0, "the timed-out image was computed"
         # The pipeline is free again.
         check(detect(port, img, path="/v1/vision/custom/detect_yolov8"), expected(128, 96, SQUARES, "yolov8"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def read_http_response(sock):
+    """One HTTP response (headers and Content-Length bytes of body) from a socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_admitted_images_are_bounded_by_memory(repo):
+    """--vision-max-memory-mb bounds what admitted images hold (their bodies and model inputs): one
+    image is always admitted; the next that would pass the bound is refused until memory is free."""
+    proc, port, metrics = start(repo, "--vision-max-memory-mb", "1")
+    try:
+        img = encode(painted(128, 96, SQUARES), "PNG")
+        padding = [("note", b"x" * 700_000, None)]  # a 700 KB body
+        results = {}
+
+        def slow():  # detect_slow holds its image up to 1 s, waiting for a batch
+            results["slow"] = detect(port, img, path="/v1/vision/custom/detect_slow", extra=padding)
+
+        t = threading.Thread(target=slow)
+        t.start()
+        deadline = time.time() + 10
+        while metric(metrics, "quern_vision_in_flight") != 1 and time.time() < deadline:
+            time.sleep(0.01)
+        held = metric(metrics, "quern_vision_in_flight_bytes")
+        assert held >= 700_000 + 3 * 64 * 64 * 4, held  # body + the FP32 model input
+        busy = detect(port, img, path="/v1/vision/custom/detect_yolov8", extra=padding)
+        assert busy["success"] is False and "MiB" in busy["error"] and "--vision-max-memory-mb" in busy["error"]
+        small = detect(port, img, path="/v1/vision/custom/detect_yolov8")  # fits beside it
+        check(small, expected(128, 96, SQUARES, "yolov8"))
+        t.join()
+        assert results["slow"]["success"] is True
+        assert metric(metrics, "quern_vision_in_flight_bytes") == 0
+        check(detect(port, img, path="/v1/vision/custom/detect_yolov8", extra=padding),
+              expected(128, 96, SQUARES, "yolov8"))
+        assert metric(metrics, "quern_vision_rejected_overload_total") == 1
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -91,6 +91,7 @@ struct Loop {
 struct Shared {
   HttpServerOptions options;
   HttpHandler handler;
+  HttpHeadCheck head_check;       // may be empty
   std::atomic<int> open{0};       // served connections
   std::atomic<int> rejecting{0};  // over-limit connections being answered 503
   std::atomic<int64_t> last_limit_warning{0};
@@ -167,6 +168,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // Loop thread.
   void ReadNext() {
     if (closing_ || closed_) return;
+    if (discard_ > 0) return SkipBody();
     parser_.emplace();
     head_ = false;
     parser_->header_limit(static_cast<uint32_t>(std::min<size_t>(shared_.options.max_header_bytes, UINT32_MAX)));
@@ -184,11 +186,28 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnHeader(beast::error_code ec) {
     if (ec) return OnReadError(ec);
+    if (reject_) return Reject();
+    const auto& msg = parser_->get();
+    request_ = HttpRequest();
+    request_.method = std::string(msg.method_string());
+    request_.target = std::string(msg.target());
+    request_.headers.reserve(16);
+    for (const auto& f : msg) {
+      std::string name(f.name_string());
+      for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      request_.headers.emplace_back(std::move(name), std::string(f.value()));
+    }
+    keep_alive_ = msg.keep_alive();
+    http10_ = msg.version() == 10;
+    head_ = msg.method() == http::verb::head;
+    // The head alone may settle the request (a key missing, a queue full):
+    // answered before a byte of the body is read.
+    if (shared_.head_check) {
+      if (auto early = shared_.head_check(request_)) return RespondEarly(std::move(*early));
+    }
     if (parser_->is_done()) return Dispatch();
     size_t len = 0;
-    const auto length_field = parser_->get()[http::field::content_length];
-    if (!parser_->chunked() &&
-        std::from_chars(length_field.data(), length_field.data() + length_field.size(), len).ec == std::errc()) {
+    if (!parser_->chunked() && KnownLength(len)) {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
       const size_t have = std::min(len, buffer_.size());
@@ -260,28 +279,67 @@ class Session : public std::enable_shared_from_this<Session> {
     Respond(std::move(r));
   }
 
+  // The request's Content-Length, when it has one that parses.
+  bool KnownLength(size_t& len) const {
+    const auto field = parser_->get()[http::field::content_length];
+    return !field.empty() && std::from_chars(field.data(), field.data() + field.size(), len).ec == std::errc();
+  }
+
+  // Loop thread: answers from the request's head; the body (if any) is not
+  // read. A body of known length is skipped before the next request (the
+  // client may go on sending it after our answer, as HTTP/1.1 allows);
+  // otherwise the connection closes after the answer.
+  void RespondEarly(HttpResponse r) {
+    reading_ = false;
+    size_t len = 0;
+    if (!parser_->is_done()) {
+      if (!parser_->chunked() && KnownLength(len)) {
+        const size_t have = std::min(len, buffer_.size());
+        buffer_.consume(have);
+        discard_ = len - have;
+      } else {
+        keep_alive_ = false;
+      }
+    }
+    request_ = HttpRequest();
+    state_.store(0, std::memory_order_relaxed);
+    deadline_ns_.store(0, std::memory_order_release);
+    pipelined_ = true;  // the next read (or the skip) starts as soon as the answer is out
+    Respond(std::move(r));
+  }
+
+  // Loop thread: reads and drops the rest of a body that was answered
+  // early, then the next request. Bounded by the read timeout.
+  void SkipBody() {
+    if (closing_ || closed_) return;
+    const size_t from_buffer = std::min(discard_, buffer_.size());
+    buffer_.consume(from_buffer);
+    discard_ -= from_buffer;
+    if (discard_ == 0) return ReadNext();
+    reading_ = true;
+    deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
+    WithStream([&](auto& stream) {
+      stream.async_read_some(asio::buffer(loop_.discard, std::min(discard_, sizeof(loop_.discard))),
+                             [self = shared_from_this()](beast::error_code ec, size_t n) {
+                               self->reading_ = false;
+                               if (ec) return self->HardClose();
+                               self->discard_ -= std::min(n, self->discard_);
+                               self->SkipBody();
+                             });
+    });
+  }
+
   void Dispatch() {
     reading_ = false;
-    if (reject_) return Reject();
-    auto msg = parser_->release();
-    keep_alive_ = msg.keep_alive();
-    http10_ = msg.version() == 10;
-    HttpRequest req;
-    req.method = std::string(msg.method_string());
-    req.target = std::string(msg.target());
-    for (const auto& f : msg) {
-      std::string name(f.name_string());
-      for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-      req.headers.emplace_back(std::move(name), std::string(f.value()));
-    }
+    HttpRequest req = std::move(request_);
+    request_ = HttpRequest();
     if (body_by_length_) {
       req.body = std::move(body_);
       body_ = std::string();
       body_by_length_ = false;
     } else {
-      req.body = std::move(msg.body());
+      req.body = std::move(parser_->get().body());
     }
-    head_ = msg.method() == http::verb::head;
     cancel_ = std::make_shared<CancellationToken>();
     req.cancel = cancel_;
     deadline_ns_.store(0, std::memory_order_release);
@@ -510,7 +568,9 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   std::shared_ptr<CancellationToken> cancel_;
-  std::string body_;  // a body of known length, read directly
+  HttpRequest request_;  // the request being read: line and headers, then its body
+  std::string body_;     // a body of known length, read directly
+  size_t discard_ = 0;   // bytes of a body answered early, still to skip
   bool body_by_length_ = false;
   bool reading_ = false;
   bool read_clock_started_ = false;
@@ -540,9 +600,10 @@ class Session : public std::enable_shared_from_this<Session> {
 
 class HttpServer::Impl {
  public:
-  Impl(HttpServerOptions options, HttpHandler handler) {
+  Impl(HttpServerOptions options, HttpHandler handler, HttpHeadCheck head_check) {
     shared_.options = std::move(options);
     shared_.handler = std::move(handler);
+    shared_.head_check = std::move(head_check);
     const int n = std::max(1, shared_.options.io_threads);
     for (int i = 0; i < n; ++i) loops_.push_back(std::make_unique<Loop>());
     acceptor_.emplace(loops_[0]->io);
@@ -768,8 +829,9 @@ int HttpServer::pending_writes() const {
   return impl_->pending_writes();
 }
 
-Result<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options, HttpHandler handler) {
-  auto impl = std::make_unique<Impl>(std::move(options), std::move(handler));
+Result<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options, HttpHandler handler,
+                                                      HttpHeadCheck head_check) {
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(handler), std::move(head_check));
   QUERN_RETURN_IF_ERROR(impl->Listen());
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }

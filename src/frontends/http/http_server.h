@@ -43,7 +43,13 @@ struct HttpServerOptions {
 
 class HttpServer {
  public:
-  static Result<std::unique_ptr<HttpServer>> Start(HttpServerOptions options, HttpHandler handler);
+  // `head_check`, when set, sees every request's line and headers (body
+  // empty) on the I/O thread before the body is read; a response it returns
+  // is sent at once and the request goes no further (its body is skipped,
+  // or the connection closes when the body's length is not known). It must
+  // be quick: a key check, a flag, a queue's state.
+  static Result<std::unique_ptr<HttpServer>> Start(HttpServerOptions options, HttpHandler handler,
+                                                   HttpHeadCheck head_check = nullptr);
   ~HttpServer();  // Stop(), then frees the connections
 
   // Stops the I/O threads: no request reaches the handler afterwards.

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -41,5 +42,8 @@ struct HttpResponse {
 // Receives the response exactly once, from any thread.
 using HttpDone = std::function<void(HttpResponse)>;
 using HttpHandler = std::function<void(HttpRequest&&, HttpDone)>;
+// Decides a request from its line and headers alone (the body not read):
+// a response settles it, nothing lets it go on.
+using HttpHeadCheck = std::function<std::optional<HttpResponse>(const HttpRequest& head)>;
 
 }  // namespace quern

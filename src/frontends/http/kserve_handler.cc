@@ -592,6 +592,25 @@ void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
   done(Error(NotFound("no route for " + req.method + " " + req.target)));
 }
 
+std::optional<HttpResponse> KServeHandler::CheckHead(const HttpRequest& head) const {
+  if (head.method != "POST") return std::nullopt;
+  // Only a path that ends in /infer is split (the common case for a POST).
+  const std::string_view target = std::string_view(head.target).substr(0, head.target.find('?'));
+  if (!target.ends_with("/infer")) return std::nullopt;
+  const auto parts = SplitTargetPath(target);
+  int64_t version = -1;
+  if (parts.size() == 6 && parts[3] == "versions") {
+    auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
+    if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) return std::nullopt;
+  } else if (parts.size() != 4) {
+    return std::nullopt;
+  }
+  if (parts[0] != "v2" || parts[1] != "models" || parts.back() != "infer") return std::nullopt;
+  Status st = engine_->CheckAdmission(parts[2], version);
+  if (st.ok()) return std::nullopt;
+  return Error(st);
+}
+
 bool KServeOutputFormat::WantsBinary(const std::string& name) const {
   for (const auto& [n, b] : binary_outputs) {
     if (n == name) return b;

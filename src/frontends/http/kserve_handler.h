@@ -10,6 +10,7 @@
 #include <rapidjson/writer.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,6 +74,11 @@ class KServeHandler {
   explicit KServeHandler(Engine* engine) : engine_(engine) {}
 
   void Handle(HttpRequest&& request, HttpDone done);
+
+  // Given a request's line and headers alone (body not read yet): the 503
+  // an inference request would get because its model's queue is full, or
+  // nothing. Lets the server refuse before it reads and parses the body.
+  std::optional<HttpResponse> CheckHead(const HttpRequest& head) const;
 
   // An extra condition for /v2/health/ready (e.g. the job result store is
   // reachable): not OK answers 503 with its message. Set before serving.

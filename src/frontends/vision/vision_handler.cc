@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -147,6 +148,7 @@ struct VisionHandler::Job {
   int64_t deadline_ns = 0;  // steady clock
   ImageTransform transform;
   bool admitted = false;       // holds an admission slot
+  int64_t charged_bytes = 0;   // counted in in_flight_bytes_ while admitted
   int64_t stage_start_ns = 0;  // steady clock, when a stage thread took it
   // Stage durations: decode, resize (+ normalise), queue in the batcher,
   // compute of its batch, post-processing (until the response is written).
@@ -192,6 +194,9 @@ std::string RenderVisionPrometheus(const VisionStats& s) {
          static_cast<double>(s.failed));
   metric("quern_vision_in_flight", "gauge", "Images in the vision pipeline now.", static_cast<double>(s.in_flight));
   metric("quern_vision_queue_capacity", "gauge", "Images admitted at once.", static_cast<double>(s.capacity));
+  metric("quern_vision_in_flight_bytes", "gauge",
+         "Memory held by the images in the vision pipeline (request bodies and model inputs).",
+         static_cast<double>(s.in_flight_bytes));
   metric("quern_vision_ms_per_image", "gauge", "Measured pipeline time per image behind the derived capacity.",
          s.ms_per_image);
   metric("quern_vision_timed_images_total", "counter",
@@ -224,6 +229,7 @@ VisionStats VisionHandler::stats() const {
   s.dropped = dropped_.load();
   s.failed = failed_.load();
   s.in_flight = in_flight_.load();
+  s.in_flight_bytes = in_flight_bytes_.load();
   s.capacity = Capacity();
   s.ms_per_image = ms_per_image_.load();
   s.timed_images = timed_images_.load(std::memory_order_relaxed);
@@ -396,11 +402,7 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   }
   std::string model;
   if (path == "/v1/vision/detection") {
-    model = DefaultDetectionModel();
-    if (model.empty()) {
-      return Fail(job, Unavailable("no detection model is loaded (set --detection-model, or give a model "
-                                   "quern.task: detection)"));
-    }
+    model = DefaultDetectionModel();  // none: answered after the key check
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
     model = PercentDecode(path.substr(18));
     job->command = "custom";
@@ -440,6 +442,10 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
     if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));
   }
+  if (model.empty()) {
+    return Fail(job, Unavailable("no detection model is loaded (set --detection-model, or give a model "
+                                 "quern.task: detection)"));
+  }
   if (!image) return Fail(job, InvalidArgument("no image was sent: expected a multipart form field named 'image'"));
   if (image->data.empty()) return Fail(job, InvalidArgument("the 'image' field is empty (0 bytes)"));
   job->image = image->data;
@@ -452,31 +458,82 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   Admit(std::move(job));
 }
 
-void VisionHandler::Admit(std::shared_ptr<Job> job) {
+Status VisionHandler::Full(int64_t bytes) const {
   const int64_t capacity = Capacity();
-  if (in_flight_.fetch_add(1) >= capacity) {
-    in_flight_.fetch_sub(1);
-    rejected_.fetch_add(1);
-    const int64_t now = SteadyNs();
-    int64_t last = last_overload_log_ns_.load();
-    if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
-      std::fprintf(stderr,
-                   "quern: warning: vision queue full (%lld images, capacity %lld = %lld ms timeout / %.1f ms per "
-                   "image); refusing requests\n",
-                   static_cast<long long>(capacity), static_cast<long long>(capacity),
-                   static_cast<long long>(options_.request_timeout_ms), ms_per_image_.load());
-    }
-    HttpResponse r;
-    const std::string msg = "the server is busy: " + std::to_string(capacity) +
-                            " images are already waiting, as many as it can finish within the " +
-                            std::to_string(options_.request_timeout_ms) + " ms request timeout; try again later";
-    if (job->kind == Job::Kind::kPredict) {
-      r = JsonError(503, msg);
-      r.headers.emplace_back("Retry-After", "1");
-      return job->done(std::move(r));
-    }
-    return Fail(job, Unavailable(msg));
+  if (in_flight_.load() >= capacity) {
+    return Unavailable("the server is busy: " + std::to_string(capacity) +
+                       " images are already waiting, as many as it can finish within the " +
+                       std::to_string(options_.request_timeout_ms) + " ms request timeout; try again later");
   }
+  const int64_t held = in_flight_bytes_.load();
+  // One image is always let in, however large (within the body limit).
+  if (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes) {
+    return Unavailable("the server is busy: the images already admitted hold " + std::to_string(held >> 20) +
+                       " MiB, and this one would pass the limit of " +
+                       std::to_string(options_.max_in_flight_bytes >> 20) +
+                       " MiB (--vision-max-memory-mb); try again later");
+  }
+  return Status::Ok();
+}
+
+HttpResponse VisionHandler::Refusal(const Job& job, const Status& status) const {
+  const int64_t now = SteadyNs();
+  int64_t last = last_overload_log_ns_.load();
+  if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
+    std::fprintf(stderr, "quern: warning: vision pipeline full, refusing requests: %s\n", status.message().c_str());
+  }
+  if (job.kind == Job::Kind::kPredict) {
+    HttpResponse r = JsonError(503, status.message());
+    r.headers.emplace_back("Retry-After", "1");
+    return r;
+  }
+  return CpaiError(job, status);
+}
+
+std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
+  if (head.method != "POST" || options_.authorize || !options_.api_key.empty()) return std::nullopt;
+  const std::string path = Path(head.target);
+  Job job;
+  if (path.starts_with("/predict/")) {
+    job.kind = Job::Kind::kPredict;
+  } else if (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list") {
+    job.command = "custom";
+  } else if (path != "/v1/vision/detection") {
+    return std::nullopt;
+  }
+  int64_t body = 0;
+  const std::string_view length = head.Header("content-length");
+  (void)std::from_chars(length.data(), length.data() + length.size(), body);
+  Status st = Full(body);
+  if (st.ok()) return std::nullopt;
+  rejected_.fetch_add(1);
+  job.received_ns = SteadyNs();
+  return Refusal(job, st);
+}
+
+void VisionHandler::Admit(std::shared_ptr<Job> job) {
+  const int64_t bytes =
+      static_cast<int64_t>(job->request.body.size() + job->image_storage.size() + PreprocessedBytes(job->model->image));
+  // Both bounds are claimed first and given back on refusal, so that
+  // concurrent admissions cannot pass them together.
+  const int64_t capacity = Capacity();
+  const int64_t before = in_flight_.fetch_add(1);
+  const int64_t held = in_flight_bytes_.fetch_add(bytes);
+  Status st = Status::Ok();
+  if (before >= capacity ||
+      (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes)) {
+    in_flight_.fetch_sub(1);
+    in_flight_bytes_.fetch_sub(bytes);
+    st = before >= capacity ? Full(0) : Full(bytes);
+    if (st.ok()) {  // room was made meanwhile: the refusal is still this one's
+      st = Unavailable("the server is busy; try again later");
+    }
+  }
+  if (!st.ok()) {
+    rejected_.fetch_add(1);
+    return job->done(Refusal(*job, st));
+  }
+  job->charged_bytes = bytes;
   job->admitted = true;
   requests_.fetch_add(1);
   Post([this, job] { Process(job); }, false);
@@ -606,6 +663,11 @@ void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) 
   failed_.fetch_add(1);
   job->post_start_ns = 0;  // only answered images are timed
   if (job->kind == Job::Kind::kPredict) return Respond(job, JsonError(HttpStatusFor(status), status.message()));
+  Respond(job, CpaiError(*job, status));
+}
+
+// CodeProject.AI's answer to a request that failed: 200, success false.
+HttpResponse VisionHandler::CpaiError(const Job& job, const Status& status) const {
   rapidjson::StringBuffer sb;
   Writer w(sb);
   w.StartObject();
@@ -620,9 +682,9 @@ void VisionHandler::Fail(const std::shared_ptr<Job>& job, const Status& status) 
   w.String("");
   w.Key("error");
   String(w, status.message());
-  WriteCpaiMeta(w, *job);
+  WriteCpaiMeta(w, job);
   w.EndObject();
-  return Respond(job, Json(200, sb.GetString()));
+  return Json(200, sb.GetString());
 }
 
 // CodeProject.AI's fields that every detection answer carries, written into
@@ -680,6 +742,7 @@ void VisionHandler::Respond(const std::shared_ptr<Job>& job, HttpResponse respon
     const int64_t last = last_completion_ns_.exchange(now);
     const double busy_ms = static_cast<double>(now - std::max(job->received_ns, last)) / 1e6;
     ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
+    in_flight_bytes_.fetch_sub(job->charged_bytes);
     if (in_flight_.fetch_sub(1) == 1) {
       std::lock_guard<std::mutex> lock(idle_mu_);
       idle_cv_.notify_all();

@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +71,10 @@ struct VisionOptions {
   int queue_capacity = 0;
   // Larger images are refused before decoding.
   int64_t max_image_pixels = 50'000'000;
+  // Memory admitted images may hold at once: each is charged its request
+  // body and its model input tensor (a 640x640 FP32 input is 4.9 MB); an
+  // image that would pass this is refused as the capacity is. 0 = no bound.
+  int64_t max_in_flight_bytes = int64_t{1} << 30;
 };
 
 // Counters for the metrics endpoint; cumulative.
@@ -80,7 +85,8 @@ struct VisionStats {
   uint64_t failed = 0;             // bad input or model errors
   int64_t in_flight = 0;
   int64_t capacity = 0;
-  double ms_per_image = 0;  // the measure behind the derived capacity
+  int64_t in_flight_bytes = 0;  // what admitted images hold (see max_in_flight_bytes)
+  double ms_per_image = 0;      // the measure behind the derived capacity
   // Where answered images spent their time, summed over `timed_images`
   // (images that went through every stage): decoding, resizing and
   // normalising, waiting in the model's queue, running in a batch, and
@@ -105,6 +111,12 @@ class VisionHandler {
 
   void Handle(HttpRequest&& request, HttpDone done);
 
+  // Given a request's line and headers alone: the refusal an image request
+  // would get because the pipeline is full (by count or by memory), or
+  // nothing. Not used when keys are checked here (a CodeProject.AI form may
+  // carry its key in a field): such requests are refused after the check.
+  std::optional<HttpResponse> CheckHead(const HttpRequest& head);
+
   VisionStats stats() const;
 
  private:
@@ -114,6 +126,10 @@ class VisionHandler {
   std::vector<std::string> DetectionModels();  // ready detection models, by name
   void WriteCpaiMeta(rapidjson::Writer<rapidjson::StringBuffer>& w, const Job& job) const;
   void Admit(std::shared_ptr<Job> job);
+  // Status::Ok when an image charged `bytes` fits now; else the refusal.
+  Status Full(int64_t bytes) const;
+  HttpResponse Refusal(const Job& job, const Status& status) const;
+  HttpResponse CpaiError(const Job& job, const Status& status) const;
   void Process(const std::shared_ptr<Job>& job);
   void Finish(const std::shared_ptr<Job>& job, InferResponse&& response);
   void Fail(const std::shared_ptr<Job>& job, const Status& status);
@@ -137,11 +153,12 @@ class VisionHandler {
   std::vector<std::thread> threads_;
 
   std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> in_flight_bytes_{0};
   std::atomic<uint64_t> requests_{0}, rejected_{0}, dropped_{0}, failed_{0};
   std::atomic<uint64_t> timed_images_{0}, decode_ns_{0}, resize_ns_{0}, queue_ns_{0}, infer_ns_{0}, post_ns_{0};
   std::atomic<int64_t> last_completion_ns_{0};
   std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
-  std::atomic<int64_t> last_overload_log_ns_{0};
+  mutable std::atomic<int64_t> last_overload_log_ns_{0};
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
 };

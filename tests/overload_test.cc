@@ -1,0 +1,265 @@
+// Refusing before reading: the engine says whether a model's queue is full
+// now, the KServe handler turns that into a 503 from a request's line and
+// headers, and the HTTP server answers from the head alone, then skips the
+// body and serves the next request on the same connection.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "frontends/http/http_server.h"
+#include "frontends/http/kserve_handler.h"
+#include "quern/engine.h"
+#include "test_util.h"
+
+namespace quern {
+namespace {
+
+using testing::Floats;
+
+// Runs 5 ms; from the second call on, waits for `gate` first.
+class Gated : public Model {
+ public:
+  Gated(std::shared_future<void> gate, std::atomic<int>* calls) : gate_(std::move(gate)), calls_(calls) {}
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    if (calls_->fetch_add(1) > 0) gate_.wait();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    outputs = {{"y", inputs.at(0).tensor}};
+    (void)batch_size;
+    return Status::Ok();
+  }
+
+ private:
+  std::shared_future<void> gate_;
+  std::atomic<int>* calls_;
+};
+
+InferRequest Request() {
+  InferRequest r;
+  r.model = "gated";
+  r.inputs = {{"x", Floats({1, 2}, {1, 2})}};
+  return r;
+}
+
+template <typename F>
+bool WaitFor(F cond) {
+  for (int i = 0; i < 5000 && !cond(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return cond();
+}
+
+TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
+  auto engine = Engine::Create({});
+  ASSERT_TRUE(engine.has_value());
+  Engine& e = **engine;
+  ModelConfig c;
+  c.name = "gated";
+  c.max_batch_size = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {2}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {2}}};
+  c.instance_count = 1;
+  c.batching = BatchingConfig{};
+  c.max_queue_wait_ms = 1;
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  std::atomic<int> calls{0};
+  ASSERT_TRUE(e.RegisterModel(c, [&] { return std::unique_ptr<Model>(new Gated(gate, &calls)); }).ok());
+  KServeHandler handler(&e);
+  HttpRequest head;
+  head.method = "POST";
+  head.target = "/v2/models/gated/infer";
+
+  EXPECT_TRUE(e.CheckAdmission("gated").ok()) << "nothing measured yet";
+  EXPECT_TRUE(e.CheckAdmission("unknown").ok()) << "Infer reports unknown models";
+  ASSERT_TRUE(e.Infer(Request()).get().status.ok());  // measures ~5 ms per item
+  EXPECT_TRUE(e.CheckAdmission("gated").ok()) << "the instance is free";
+  EXPECT_FALSE(handler.CheckHead(head).has_value());
+
+  auto running = e.Infer(Request());  // holds the only instance at the gate
+  ASSERT_TRUE(WaitFor([&] { return calls.load() == 2; }));
+  EXPECT_TRUE(e.CheckAdmission("gated").ok()) << "nothing waits: always admitted";
+  auto queued = e.Infer(Request());
+  ASSERT_TRUE(WaitFor([&] { return e.GetStatistics("gated").value()[0].pending == 1; }));
+
+  // One queued item is ~5 ms of work, over the 1 ms limit.
+  Status refused = e.CheckAdmission("gated");
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("model 'gated'"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("queue is full"), std::string::npos) << refused.message();
+  auto answer = handler.CheckHead(head);
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(answer->status, 503);
+  EXPECT_NE(answer->body.find("queue is full"), std::string::npos) << answer->body;
+  head.target = "/v2/models/gated/versions/" + std::to_string(e.GetModel("gated")->version) + "/infer?x=1";
+  EXPECT_TRUE(handler.CheckHead(head).has_value()) << head.target;
+  // Only inference requests are refused from their head.
+  for (const char* target : {"/v2/models/gated", "/v2/models/gated/ready", "/v2/models/gated/infer/x",
+                             "/v2/models/unknown/infer", "/v2/models/gated/versions/x/infer", "/v2/health/ready"}) {
+    head.target = target;
+    EXPECT_FALSE(handler.CheckHead(head).has_value()) << target;
+  }
+  head.target = "/v2/models/gated/infer";
+  head.method = "GET";
+  EXPECT_FALSE(handler.CheckHead(head).has_value());
+
+  open.set_value();
+  EXPECT_TRUE(running.get().status.ok());
+  EXPECT_TRUE(queued.get().status.ok());
+  EXPECT_TRUE(e.CheckAdmission("gated").ok());
+  auto stats = e.GetStatistics("gated");
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_EQ((*stats)[0].fail_rejected, 3u) << "refusals from the head count as rejected requests";
+  EXPECT_EQ((*stats)[0].success.count, 3u);
+}
+
+// A blocking loopback client with a deadline on every read.
+class Client {
+ public:
+  explicit Client(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  }
+  ~Client() { ::close(fd_); }
+  bool connected() const { return connected_; }
+
+  bool Send(const std::string& s) {
+    size_t sent = 0;
+    while (sent < s.size()) {
+      const ssize_t n = ::send(fd_, s.data() + sent, s.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      sent += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  // One response (headers and Content-Length bytes of body), or what came
+  // before the deadline, EOF or an error.
+  std::string ReadResponse(int timeout_ms = 5000) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (true) {
+      const size_t end = in_.find("\r\n\r\n");
+      if (end != std::string::npos) {
+        size_t length = 0;
+        const size_t at = in_.find("Content-Length: ");
+        if (at != std::string::npos && at < end) length = std::stoul(in_.substr(at + 16));
+        if (in_.size() >= end + 4 + length) {
+          std::string out = in_.substr(0, end + 4 + length);
+          in_.erase(0, end + 4 + length);
+          return out;
+        }
+      }
+      if (!ReadSome(deadline)) {
+        std::string out;
+        out.swap(in_);
+        return out;
+      }
+    }
+  }
+
+  // True when the server closes the connection before the deadline.
+  bool ClosedByServer(int timeout_ms = 5000) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (ReadSome(deadline)) {
+    }
+    return eof_;
+  }
+
+ private:
+  bool ReadSome(std::chrono::steady_clock::time_point deadline) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+    char buf[4096];
+    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      eof_ = true;
+      return false;
+    }
+    in_.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+
+  int fd_ = -1;
+  bool connected_ = false;
+  bool eof_ = false;
+  std::string in_;
+};
+
+TEST(EarlyAdmission, ServerAnswersFromTheHeadThenSkipsTheBody) {
+  std::atomic<int> handled{0};
+  HttpServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  auto server = HttpServer::Start(
+      o,
+      [&](HttpRequest&& r, HttpDone done) {
+        handled.fetch_add(1);
+        HttpResponse resp;
+        resp.body = r.target + " read " + std::to_string(r.body.size()) + " bytes";
+        done(std::move(resp));
+      },
+      [](const HttpRequest& head) -> std::optional<HttpResponse> {
+        if (head.target != "/refuse") return std::nullopt;
+        EXPECT_TRUE(head.body.empty());
+        EXPECT_EQ(head.Header("x-test"), "yes") << "headers reach the check, in lower case";
+        HttpResponse r;
+        r.status = 503;
+        r.body = "{\"error\":\"full\"}";
+        return r;
+      });
+  ASSERT_TRUE(server.has_value()) << server.error().ToString();
+  const int port = (*server)->port();
+
+  // The answer comes while the body has not been sent at all.
+  Client c(port);
+  ASSERT_TRUE(c.connected());
+  const std::string body(3'000'000, 'x');
+  ASSERT_TRUE(c.Send("POST /refuse HTTP/1.1\r\nHost: a\r\nX-Test: yes\r\nContent-Length: " +
+                     std::to_string(body.size()) + "\r\n\r\n" + body.substr(0, 1000)));
+  std::string r = c.ReadResponse();
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 503")) << r;
+  EXPECT_NE(r.find("{\"error\":\"full\"}"), std::string::npos) << r;
+  EXPECT_EQ(r.find("Connection: close"), std::string::npos) << "a body of known length keeps the connection";
+  EXPECT_EQ(handled.load(), 0);
+  // The rest of the body is skipped; the next request on the connection is read whole.
+  ASSERT_TRUE(c.Send(body.substr(1000)));
+  ASSERT_TRUE(c.Send("POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"));
+  r = c.ReadResponse();
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 200")) << r;
+  EXPECT_NE(r.find("/echo read 5 bytes"), std::string::npos) << r;
+  EXPECT_EQ(handled.load(), 1);
+
+  // Body and next request arriving together with the head (pipelined).
+  ASSERT_TRUE(
+      c.Send("POST /refuse HTTP/1.1\r\nX-Test: yes\r\nContent-Length: 4\r\n\r\nabcdGET /next HTTP/1.1\r\n\r\n"));
+  r = c.ReadResponse();
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 503")) << r;
+  r = c.ReadResponse();
+  EXPECT_NE(r.find("/next read 0 bytes"), std::string::npos) << r;
+
+  // A body of unknown length cannot be skipped: answered, then closed.
+  Client chunked(port);
+  ASSERT_TRUE(chunked.Send("POST /refuse HTTP/1.1\r\nX-Test: yes\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"));
+  r = chunked.ReadResponse();
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 503")) << r;
+  EXPECT_NE(r.find("Connection: close"), std::string::npos) << r;
+  EXPECT_TRUE(chunked.ClosedByServer());
+  EXPECT_EQ(handled.load(), 2);
+}
+
+}  // namespace
+}  // namespace quern
