@@ -120,6 +120,63 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   EXPECT_EQ((*stats)[0].success.count, 3u);
 }
 
+TEST(Draining, InFlightCountsRequestsOfVersionsBeingReplaced) {
+  // A draining server waits for Engine::InFlight() to reach 0: requests of a
+  // version being replaced (or unloaded) must count until they finish.
+  auto engine = Engine::Create({});
+  ASSERT_TRUE(engine.has_value());
+  Engine& e = **engine;
+  ModelConfig c;
+  c.name = "gated";
+  c.max_batch_size = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {2}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {2}}};
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  std::atomic<int> calls{1};  // every call waits for the gate
+  std::atomic<int> created{0};
+  auto factory = [&] {
+    created.fetch_add(1);
+    return std::unique_ptr<Model>(new Gated(gate, &calls));
+  };
+  ASSERT_TRUE(e.RegisterModel(c, factory).ok());
+  auto running = e.Infer(Request());
+  ASSERT_TRUE(WaitFor([&] { return calls.load() == 2; }));
+  EXPECT_EQ(e.InFlight(), 1);
+  // Replacing the model retires the old version: it waits for the request at the gate.
+  auto replaced = std::async(std::launch::async, [&] { return e.RegisterModel(c, factory); });
+  ASSERT_TRUE(WaitFor([&] { return created.load() == 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the old version leaves the model table
+  EXPECT_EQ(replaced.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  EXPECT_EQ(e.InFlight(), 1) << "the retiring version's request is still in flight";
+  open.set_value();
+  EXPECT_TRUE(running.get().status.ok());
+  EXPECT_TRUE(replaced.get().ok());
+  EXPECT_EQ(e.InFlight(), 0);
+}
+
+TEST(Draining, NoRepositoryPollAfterPollingStops) {
+  testing::TempDir repo;
+  testing::CopyModel("add_sub", repo.path(), "a");
+  EngineOptions o;
+  o.model_repository = repo.path().string();
+  o.repository_poll_interval_s = 0.02;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.has_value());
+  Engine& e = **engine;
+  // Polling works: a new model appears...
+  testing::CopyModel("add_sub", repo.path(), "b");
+  EXPECT_TRUE(WaitFor([&] { return e.ModelReady("b"); }));
+  // ...until it stops: then nothing loads or unloads.
+  e.StopRepositoryPolling();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a poll in progress ends
+  testing::CopyModel("add_sub", repo.path(), "c");
+  std::filesystem::remove_all(repo.path() / "a");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(e.GetModel("c").has_value());
+  EXPECT_TRUE(e.ModelReady("a"));
+}
+
 // A blocking loopback client with a deadline on every read.
 class Client {
  public:

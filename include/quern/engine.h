@@ -255,8 +255,13 @@ class Engine {
   // Server readiness (HTTP /v2/health/ready, gRPC ServerReady and health):
   // every loaded or failed model version is ready.
   bool AllModelsReady() const;
+  // Ends repository polling (a draining server loads and unloads nothing
+  // more): no poll starts after this returns (one in progress finishes).
+  // Idempotent.
+  void StopRepositoryPolling();
   // Requests submitted to the models in service and not yet answered
-  // (queued or running); 0 once a draining server may stop.
+  // (queued or running, in versions being replaced or unloaded too); 0 once
+  // a draining server may stop.
   int64_t InFlight() const;
 
   // Statistics of every loaded version of `name` (every model when empty).

@@ -547,7 +547,8 @@ int main(int argc, char** argv) {
   std::printf("quern: draining (up to %.0f s)\n", drain_timeout_s);
   std::fflush(stdout);
   draining.store(true, std::memory_order_release);
-  if (consumer) consumer->Stop();  // takes no more stream jobs; those taken finish below
+  (*engine)->StopRepositoryPolling();  // the models in service stay as they are
+  if (consumer) consumer->Stop();      // takes no more stream jobs; those taken finish below
   const auto drain_deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, drain_timeout_s));
   while (((*engine)->InFlight() > 0 || vision.stats().in_flight > 0) &&

@@ -89,8 +89,9 @@ class EngineImpl {
     {
       std::unique_lock lock(mu_);
       models.swap(models_);
+      for (auto& [name, e] : models) HoldRetiringLocked(e.versions);
     }
-    for (auto& [name, e] : models) ShutdownVersions(e.versions);
+    for (auto& [name, e] : models) RetireVersions(e.versions);
   }
 
   Status Start() {
@@ -214,8 +215,9 @@ class EngineImpl {
       auto& e = models_[name];
       old.swap(e.versions);
       e = std::move(entry);
+      HoldRetiringLocked(old);
     }
-    ShutdownVersions(old);  // in-flight requests of the old versions finish first
+    RetireVersions(old);  // in-flight requests of the old versions finish first
     return overall;
   }
 
@@ -300,8 +302,9 @@ class EngineImpl {
       auto& e = models_[name];
       old.swap(e.versions);
       e = std::move(entry);
+      HoldRetiringLocked(old);
     }
-    ShutdownVersions(old);
+    RetireVersions(old);
     return Status::Ok();
   }
 
@@ -319,8 +322,9 @@ class EngineImpl {
       if (it == models_.end()) return NotFound("unknown model '" + name + "'");
       old.swap(it->second.versions);
       models_.erase(it);
+      HoldRetiringLocked(old);
     }
-    ShutdownVersions(old);
+    RetireVersions(old);
     return Status::Ok();
   }
 
@@ -396,6 +400,14 @@ class EngineImpl {
 
   const Clock& clock() const { return *clock_; }
 
+  void StopPolling() {
+    {
+      std::lock_guard<std::mutex> lock(poll_mu_);
+      stopping_ = true;
+    }
+    poll_cv_.notify_all();  // the thread is joined at destruction
+  }
+
   int64_t InFlight() const {
     std::shared_lock lock(mu_);
     int64_t n = 0;
@@ -404,14 +416,32 @@ class EngineImpl {
         if (slot.served) n += slot.served->in_flight();
       }
     }
+    for (const auto& served : retiring_) n += served->in_flight();
     return n;
   }
 
  private:
-  static void ShutdownVersions(std::map<int64_t, VersionSlot>& versions) {
+  // With mu_ held: versions taken out of models_ stay counted by InFlight
+  // until RetireVersions has finished their requests.
+  void HoldRetiringLocked(const std::map<int64_t, VersionSlot>& versions) {
+    for (const auto& [v, slot] : versions) {
+      if (slot.served) retiring_.push_back(slot.served);
+    }
+  }
+
+  // Finishes the requests of versions taken out of service (held first by
+  // HoldRetiringLocked), then lets them go.
+  void RetireVersions(std::map<int64_t, VersionSlot>& versions) {
     for (auto& [v, slot] : versions) {
       if (slot.served) slot.served->Shutdown();
     }
+    std::unique_lock lock(mu_);
+    for (const auto& [v, slot] : versions) {
+      if (!slot.served) continue;
+      auto it = std::find(retiring_.begin(), retiring_.end(), slot.served);
+      if (it != retiring_.end()) retiring_.erase(it);
+    }
+    lock.unlock();
     versions.clear();
   }
 
@@ -434,7 +464,9 @@ class EngineImpl {
 
   mutable std::shared_mutex mu_;
   std::map<std::string, Entry> models_;  // guarded by mu_
-  std::mutex load_mu_;                   // serialises loads, reloads and unloads
+  // Versions out of service whose requests are finishing; guarded by mu_.
+  std::vector<std::shared_ptr<ServedModel>> retiring_;
+  std::mutex load_mu_;  // serialises loads, reloads and unloads
 
   std::mutex poll_mu_;
   std::condition_variable poll_cv_;
@@ -500,6 +532,10 @@ Status Engine::CheckAdmission(const std::string& name, int64_t version) const {
   auto served = impl_->Resolve(name, version);
   if (!served) return Status::Ok();
   return (*served)->CheckAdmission();
+}
+
+void Engine::StopRepositoryPolling() {
+  impl_->StopPolling();
 }
 
 int64_t Engine::InFlight() const {

@@ -436,6 +436,24 @@ def test_unparseable_grpc_message_gets_invalid_argument(server):
                 call(b"\xff\xff\xff\xff\x0f garbage", timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.code())
             assert e.value.details(), method
+        # On a stream, the message that does not parse gets an error answer and the stream goes on.
+        req = service_pb2.ModelInferRequest(model_name="add_sub", id="valid")
+        for name in ("INPUT0", "INPUT1"):
+            t = req.inputs.add(name=name, datatype="FP32", shape=[1, 4])
+            req.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
+        del t
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  request_serializer=lambda b: b,
+                                  response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        answers = list(stream(iter([b"\xff\xff\xff\xff\x0f garbage", req.SerializeToString()]), timeout=10))
+        assert len(answers) == 2, answers
+        bad = [a for a in answers if a.error_message]
+        good = [a for a in answers if not a.error_message]
+        assert len(bad) == 1 and "not a valid inference.ModelInferRequest" in bad[0].error_message, answers
+        assert len(good) == 1 and good[0].infer_response.id == "valid"
+        out = {o.name: i for i, o in enumerate(good[0].infer_response.outputs)}
+        got = np.frombuffer(good[0].infer_response.raw_output_contents[out["OUTPUT0"]], np.float32)
+        assert got.tolist() == (2 * np.arange(4, dtype=np.float32)).tolist()
     server.alive()
 
 

@@ -256,8 +256,10 @@ class InferReactor final : public grpc::ServerUnaryReactor {
 // ModelStreamInfer: reads requests one after another, submits each at once,
 // and writes responses in completion order (one write in flight at a time).
 // Lives until gRPC is done with the stream and every request has answered.
-class StreamReactor final
-    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+// Messages travel as raw bytes and are parsed here: gRPC would end the
+// stream with OK on a message that does not parse, without a word to the
+// client; here it is answered with an error and the stream goes on.
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // `admit` (may be empty) runs for every message: a request it refuses is
   // answered with its error (rate limits, draining) and the stream goes on.
@@ -273,8 +275,18 @@ class StreamReactor final
       MaybeFinishLocked();
       return;
     }
-    auto request = std::move(reading_);
+    auto request = std::make_unique<inference::ModelInferRequest>();
+    const grpc::Status parsed =
+        grpc::SerializationTraits<inference::ModelInferRequest>::Deserialize(&reading_, request.get());
+    ++messages_;
+    const uint64_t n = messages_;
     StartNextRead();
+    if (!parsed.ok()) {
+      return Answer("",
+                    InvalidArgument("stream message " + std::to_string(n) +
+                                    " is not a valid inference.ModelInferRequest (protobuf parsing failed)"),
+                    nullptr);
+    }
     Submit(std::move(request));
   }
 
@@ -310,8 +322,8 @@ class StreamReactor final
 
  private:
   void StartNextRead() {
-    reading_ = std::make_unique<inference::ModelInferRequest>();
-    StartRead(reading_.get());
+    reading_.Clear();
+    StartRead(&reading_);
   }
 
   void Submit(std::unique_ptr<inference::ModelInferRequest> request) {
@@ -348,16 +360,26 @@ class StreamReactor final
 
   // Queues a response (or an error for this request only) for writing.
   void Answer(const std::string& id, const Status& status, const InferResponse* r) {
-    auto out = std::make_unique<inference::ModelStreamInferResponse>();
+    inference::ModelStreamInferResponse out;
     if (!status.ok()) {
-      out->set_error_message(status.message());
-      out->mutable_infer_response()->set_id(id);
+      out.set_error_message(status.message());
+      out.mutable_infer_response()->set_id(id);
     } else {
-      ToInferResponse(*r, id, out->mutable_infer_response());
+      ToInferResponse(*r, id, out.mutable_infer_response());
+    }
+    auto bytes = std::make_unique<grpc::ByteBuffer>();
+    bool own = false;
+    if (!grpc::SerializationTraits<inference::ModelStreamInferResponse>::Serialize(out, bytes.get(), &own).ok()) {
+      // Only a response over 2 GiB fails to serialize.
+      out.Clear();
+      out.set_error_message("the response could not be serialized (over the protobuf size limit)");
+      out.mutable_infer_response()->set_id(id);
+      bytes = std::make_unique<grpc::ByteBuffer>();
+      (void)grpc::SerializationTraits<inference::ModelStreamInferResponse>::Serialize(out, bytes.get(), &own);
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_ || finished_) return;
-    writes_.push_back(std::move(out));
+    writes_.push_back(std::move(bytes));
     if (!writing_) {
       writing_ = true;
       StartWrite(writes_.front().get());
@@ -377,10 +399,11 @@ class StreamReactor final
   Engine* engine_;
   grpc::CallbackServerContext* ctx_;
   std::function<Status()> admit_;
-  std::unique_ptr<inference::ModelInferRequest> reading_;  // gRPC's read target (one read in flight)
+  grpc::ByteBuffer reading_;  // gRPC's read target (one read in flight)
+  uint64_t messages_ = 0;     // read so far (the reading thread only)
 
   std::mutex mu_;
-  std::deque<std::unique_ptr<inference::ModelStreamInferResponse>> writes_;  // front = being written
+  std::deque<std::unique_ptr<grpc::ByteBuffer>> writes_;  // front = being written
   std::vector<std::shared_ptr<CancellationToken>> cancels_;
   int pending_ = 0;  // submitted requests without an answer yet
   bool writing_ = false;
@@ -408,14 +431,27 @@ grpc::ServerUnaryReactor* NotImplemented(grpc::CallbackServerContext* ctx, const
 }
 
 // A stream refused before it starts (no valid key).
-class RefusedStream final
-    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   explicit RefusedStream(const grpc::Status& status) { Finish(status); }
   void OnDone() override { delete this; }
 };
 
-class Service final : public GRPCInferenceService::CallbackService {
+// GRPCInferenceService::CallbackService with ModelStreamInfer on raw bytes
+// (see StreamReactor); every other method as generated.
+using G = GRPCInferenceService;
+using ServiceBase = G::WithCallbackMethod_ServerLive<G::WithCallbackMethod_ServerReady<
+    G::WithCallbackMethod_ModelReady<G::WithCallbackMethod_ServerMetadata<G::WithCallbackMethod_ModelMetadata<
+        G::WithCallbackMethod_ModelInfer<G::WithRawCallbackMethod_ModelStreamInfer<G::WithCallbackMethod_ModelConfig<
+            G::WithCallbackMethod_ModelStatistics<G::WithCallbackMethod_RepositoryIndex<
+                G::WithCallbackMethod_RepositoryModelLoad<G::WithCallbackMethod_RepositoryModelUnload<
+                    G::WithCallbackMethod_SystemSharedMemoryStatus<G::WithCallbackMethod_SystemSharedMemoryRegister<
+                        G::WithCallbackMethod_SystemSharedMemoryUnregister<
+                            G::WithCallbackMethod_CudaSharedMemoryStatus<G::WithCallbackMethod_CudaSharedMemoryRegister<
+                                G::WithCallbackMethod_CudaSharedMemoryUnregister<G::WithCallbackMethod_TraceSetting<
+                                    G::WithCallbackMethod_LogSettings<G::Service>>>>>>>>>>>>>>>>>>>>;
+
+class Service final : public ServiceBase {
  public:
   Service(Engine* engine, const GrpcServerOptions& options) : engine_(engine), options_(options) {}
 
@@ -525,7 +561,7 @@ class Service final : public GRPCInferenceService::CallbackService {
     return new InferReactor(engine_, ctx, in, out);
   }
 
-  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
       grpc::CallbackServerContext* ctx) override {
     if (Status st = Authorize(ctx, false); !st.ok()) return new RefusedStream(ToGrpc(st));
     if (draining()) return new RefusedStream(ToGrpc(Unavailable("the server is shutting down")));
