@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# Overload: open-loop load at a constant arrival rate (vegeta, from the Go
-# module proxy) against a real `quern serve`, at 1x, 2x and 3x the capacity
-# measured just before with the same tool (closed loop). For each run:
-# offered and achieved rate, goodput (200s per second) against capacity,
-# refusals (503) and their latency, the latency of served requests, and the
-# server's resident memory (min and max over the run, sampled every 0.5 s).
+# Overload: open-loop load at a constant arrival rate against a real
+# `quern serve`, at 1x, 2x and 3x the capacity measured just before with the
+# same tool (closed loop, 64 workers): vegeta for HTTP and ghz for gRPC,
+# both from the Go module proxy. For each run: offered and achieved rate,
+# goodput (answers OK per second) against capacity, refusals (503 /
+# UNAVAILABLE / RESOURCE_EXHAUSTED) and their latency, the latency of served
+# requests, and the server's resident memory (min and max over the run,
+# sampled every 0.5 s).
+#
+# The server runs on QUERN_BENCH_SERVER_CPUS (default: CPU 0) and the load
+# generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs), so that
+# the generator's own cost at 3x does not take the server's cores; the
+# server sizes its instances for the CPUs it is given.
 #   bench/overload_bench.sh [seconds per run, default 15] [targets...]
-#   targets: small_cnn resnet50 vision (default: all)
+#   targets: small_cnn small_cnn_grpc resnet50 vision (default: all)
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-15}"
 shift || true
-TARGETS="${*:-small_cnn resnet50 vision}"
+TARGETS="${*:-small_cnn small_cnn_grpc resnet50 vision}"
 VEGETA="$ROOT/build/tools/bin/vegeta"
-if [ ! -x "$VEGETA" ]; then
-  command -v go >/dev/null || { echo "needs Go to install vegeta"; exit 1; }
+GHZ="$ROOT/build/tools/bin/ghz"
+if [ ! -x "$VEGETA" ] || [ ! -x "$GHZ" ]; then
+  command -v go >/dev/null || { echo "needs Go to install vegeta and ghz"; exit 1; }
   GOBIN="$ROOT/build/tools/bin" go install github.com/tsenart/vegeta/v12@v12.12.0
+  GOBIN="$ROOT/build/tools/bin" GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
 fi
+NCPU=$(nproc)
+SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
+CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
+if [ "$NCPU" -lt 2 ]; then SERVER_CPUS=0; CLIENT_CPUS=0; fi
+ON_SERVER=(taskset -c "$SERVER_CPUS")
+ON_CLIENT=(taskset -c "$CLIENT_CPUS")
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
 PRESET="${QUERN_BENCH_PRESET:-release}"
 cmake --preset "$PRESET" >/dev/null
@@ -31,11 +46,13 @@ mkdir -p "$WORK/repo"
 for m in small_cnn resnet50 detect_640; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
 build/$PRESET/bench/image_bench --iterations 1 --out-dir "$WORK" >/dev/null
 
-build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 \
-  --grpc-port -1 --metrics-port 0 --host 127.0.0.1 > "$WORK/log" 2>&1 &
+"${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository \
+  --http-port 0 --grpc-port 0 --metrics-port 0 --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
 PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
+GRPC_PORT=$(grep -o 'gRPC listening on [^ ]*' "$WORK/log" | sed 's/.*://')
+echo "server on CPUs $SERVER_CPUS, load generator on CPUs $CLIENT_CPUS ($PRESET build)" 
 
 # Request bodies and vegeta targets.
 build/venv/bin/python - "$WORK" "$PORT" <<'PY'
@@ -47,6 +64,12 @@ for name, shape in [("small_cnn", [1, 3, 64, 64]), ("resnet50", [1, 3, 224, 224]
                                      "parameters": {"binary_data_size": len(data)}}],
                          "parameters": {"binary_data_output": True}}).encode()
     open(f"{work}/{name}.body", "wb").write(header + data)
+    if name == "small_cnn":  # the same request as a gRPC ModelInferRequest (ghz -B)
+        from tritonclient.grpc import service_pb2
+        req = service_pb2.ModelInferRequest(model_name=name)
+        req.inputs.add(name="input", datatype="FP32", shape=shape)
+        req.raw_input_contents.append(data)
+        open(f"{work}/{name}.pb", "wb").write(req.SerializeToString())
     open(f"{work}/{name}.targets", "w").write(
         f"POST http://127.0.0.1:{port}/v2/models/{name}/infer\n"
         f"Inference-Header-Content-Length: {len(header)}\nContent-Type: application/octet-stream\n"
@@ -76,6 +99,43 @@ pct = lambda a, q: f"{np.percentile(a, q):.2f}" if len(a) else "-"
 print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other}")'
 }
 
+# The same line from a ghz JSON report (its per-request details).
+summarise_ghz() {
+  build/venv/bin/python -c '
+import json, sys
+import numpy as np
+rep = json.load(open(sys.argv[1]))
+rows = rep.get("details") or []
+if not rows:
+    print("0 0 - - 0 - 0"); sys.exit()
+t = np.array([np.datetime64(r["timestamp"][:26]) for r in rows]).astype("datetime64[ns]").astype(np.int64)
+span = (t.max() - t.min()) / 1e9 if len(rows) > 1 else 1.0
+ok = np.array([r["latency"] for r in rows if r["status"] == "OK"]) / 1e6
+refused = np.array([r["latency"] for r in rows if r["status"] in ("Unavailable", "ResourceExhausted")]) / 1e6
+other = sum(1 for r in rows if r["status"] not in ("OK", "Unavailable", "ResourceExhausted"))
+pct = lambda a, q: f"{np.percentile(a, q):.2f}" if len(a) else "-"
+print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other}")' "$1"
+}
+
+# attack TARGET RATE OUT: RATE 0 = closed loop with 64 workers; prints the summary line.
+attack() {
+  local target="$1" rate="$2" out="$3"
+  if [ "$target" = small_cnn_grpc ]; then
+    local load=(--concurrency 64)
+    [ "$rate" != 0 ] && load=(--rps "$rate" --async --concurrency 256)
+    "${ON_CLIENT[@]}" "$GHZ" --insecure --proto proto/grpc_service.proto --import-paths proto \
+      --call inference.GRPCInferenceService/ModelInfer -B "$WORK/small_cnn.pb" "${load[@]}" --duration "${SECS}s" \
+      --timeout 30s --format json --output "$out" "127.0.0.1:$GRPC_PORT" >/dev/null 2>&1 || true
+    summarise_ghz "$out"
+  else
+    local load=(-rate 0 -max-workers 64)
+    [ "$rate" != 0 ] && load=(-rate "${rate}/s")
+    "${ON_CLIENT[@]}" "$VEGETA" attack -targets "$WORK/$target.targets" "${load[@]}" -duration "${SECS}s" \
+      -timeout 30s > "$out"
+    summarise "$out"
+  fi
+}
+
 rss_sampler() {  # writes VmRSS (KiB) every 0.5 s
   while kill -0 "$SERVER" 2>/dev/null; do awk '/VmRSS/ {print $2}' "/proc/$SERVER/status"; sleep 0.5; done
 }
@@ -83,21 +143,16 @@ rss_sampler() {  # writes VmRSS (KiB) every 0.5 s
 echo "target     load   offered/s  achieved/s  goodput/s  x cap   200 p50 ms  200 p99 ms  refused  refused p99 ms  other  RSS MiB (min-max)"
 for target in $TARGETS; do
   # Capacity: closed loop, enough workers to keep every instance busy.
-  workers=16
-  [ "$target" = small_cnn ] && workers=64
-  "$VEGETA" attack -targets "$WORK/$target.targets" -rate 0 -max-workers "$workers" -duration "${SECS}s" \
-    -timeout 30s > "$WORK/cap.bin"
-  read -r _ cap _ <<< "$(summarise "$WORK/cap.bin")"
+  read -r _ cap _ <<< "$(attack "$target" 0 "$WORK/cap.out")"
   printf "%-10s %-5s %10s  %10s  %9s  %5s\n" "$target" closed - - "$cap" 1.00
   for mult in 1 2 3; do
     rate=$(awk -v c="$cap" -v m="$mult" 'BEGIN {printf "%d", c * m}')
     rss_sampler > "$WORK/rss" &
     SAMPLER=$!
-    "$VEGETA" attack -targets "$WORK/$target.targets" -rate "${rate}/s" -duration "${SECS}s" -timeout 30s \
-      > "$WORK/run.bin"
+    line="$(attack "$target" "$rate" "$WORK/run.out")"
     kill $SAMPLER 2>/dev/null || true
     wait $SAMPLER 2>/dev/null || true
-    read -r achieved good p50 p99 refused rp99 other <<< "$(summarise "$WORK/run.bin")"
+    read -r achieved good p50 p99 refused rp99 other <<< "$line"
     rss=$(sort -n "$WORK/rss" | awk 'NR == 1 {min = $1} {max = $1} END {printf "%d-%d", min / 1024, max / 1024}')
     ratio=$(awk -v g="$good" -v c="$cap" 'BEGIN {printf "%.2f", g / c}')
     printf "%-10s %-5s %10s  %10s  %9s  %5s  %10s  %10s  %7s  %14s  %5s  %s\n" "$target" "${mult}x" "$rate" \

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "core/cpus.h"
 #include "frontends/http/http_server.h"
 #include "frontends/http/kserve_handler.h"
 #include "quern/engine.h"
@@ -175,6 +177,38 @@ TEST(Draining, NoRepositoryPollAfterPollingStops) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_FALSE(e.GetModel("c").has_value());
   EXPECT_TRUE(e.ModelReady("a"));
+}
+
+TEST(UsableCores, FollowTheAffinityMask) {
+  // Default thread counts divide the cores a process may use (taskset, a
+  // container's cpuset), not every CPU of the host.
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  EXPECT_LE(UsableCores(), CPU_COUNT(&all));
+  EXPECT_GE(UsableCores(), 1);
+  // On this thread alone (the affinity mask is per thread), then restored.
+  std::thread([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &all)) {
+        CPU_SET(c, &one);
+        break;
+      }
+    }
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    EXPECT_EQ(UsableCores(), 1);
+    // A repository model without instance_group gets one instance per usable core.
+    testing::TempDir repo;
+    testing::CopyModel("add_sub", repo.path());
+    EngineOptions o;
+    o.model_repository = repo.path().string();
+    auto engine = Engine::Create(o);
+    ASSERT_TRUE(engine.has_value());
+    auto m = (*engine)->GetModel("add_sub");
+    ASSERT_TRUE(m.has_value());
+    EXPECT_EQ(m->config.instance_count, 1);
+  }).join();
 }
 
 // A blocking loopback client with a deadline on every read.

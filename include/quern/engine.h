@@ -192,7 +192,8 @@ struct EngineOptions {
   // (estimated from measured batch times). 0 = queues are not bounded by
   // time.
   int64_t max_queue_wait_ms = 0;
-  // Cores the engine may use in total; 0 = std::thread::hardware_concurrency().
+  // Cores the engine may use in total; 0 = UsableCores() (the affinity mask
+  // and cgroup CPU quota of the process, not every CPU of the host).
   // Default thread counts divide these among instances so they do not
   // oversubscribe the machine.
   int cores = 0;

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "backends/onnxruntime/ort_model.h"
+#include "core/cpus.h"
 #include "core/model_config_parser.h"
 #include "core/repository.h"
 #include "engine/served_model.h"
@@ -72,7 +73,7 @@ class EngineImpl {
 
   explicit EngineImpl(EngineOptions options) : options_(std::move(options)) {
     clock_ = options_.clock ? options_.clock : &RealClockInstance();
-    cores_ = options_.cores > 0 ? options_.cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    cores_ = options_.cores > 0 ? options_.cores : UsableCores();
     std::random_device rd;
     next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
     if (next_id_ == 0) next_id_ = 1;

@@ -14,6 +14,7 @@
 #include <ctime>
 #include <random>
 
+#include "core/cpus.h"
 #include "core/json.h"
 #include "frontends/http/kserve_handler.h"
 #include "frontends/vision/multipart.h"
@@ -159,8 +160,7 @@ struct VisionHandler::Job {
 VisionHandler::VisionHandler(Engine* engine, VisionOptions options) : engine_(engine), options_(std::move(options)) {
   char host[256] = {};
   hostname_ = gethostname(host, sizeof(host) - 1) == 0 ? host : "quern";
-  int n = options_.stage_threads > 0 ? options_.stage_threads
-                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
   options_.stage_threads = n;
   for (int i = 0; i < n; ++i) threads_.emplace_back([this] { StageLoop(); });
 }
