@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Overload: open-loop load at a constant arrival rate against a real
 # `quern serve`, at 1x, 2x and 3x the capacity measured just before with the
-# same tool (closed loop, 64 workers): vegeta for HTTP and ghz for gRPC,
+# same tool (closed loop): vegeta for HTTP and ghz for gRPC,
 # both from the Go module proxy. For each run: offered and achieved rate,
 # goodput (answers OK per second) against capacity, refusals (503 /
 # UNAVAILABLE / RESOURCE_EXHAUSTED) and their latency, the latency of served
@@ -15,6 +15,7 @@
 #   bench/overload_bench.sh [seconds per run, default 15] [targets...]
 #   targets: small_cnn small_cnn_grpc resnet50 vision (default: all)
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
+#   QUERN_BENCH_SERVER_FLAGS="--max-queue-wait-ms 500" ...   # extra `quern serve` flags
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -46,7 +47,8 @@ mkdir -p "$WORK/repo"
 for m in small_cnn resnet50 detect_640; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
 build/$PRESET/bench/image_bench --iterations 1 --out-dir "$WORK" >/dev/null
 
-"${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository \
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # open loop: one connection per request in flight
+"${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve ${QUERN_BENCH_SERVER_FLAGS:-} --model-repository "$WORK/repo" --allow-links-outside-repository \
   --http-port 0 --grpc-port 0 --metrics-port 0 --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
 for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
@@ -92,11 +94,15 @@ import numpy as np
 rows = [json.loads(line) for line in sys.stdin]
 t = np.array([r["timestamp"] for r in rows], dtype="datetime64[ns]").astype(np.int64)
 span = (t.max() - t.min()) / 1e9 if len(rows) > 1 else 1.0
+# Steady goodput: answers OK completed in the last two thirds of the run.
+done = np.array([ti + r["latency"] for ti, r in zip(t, rows) if r["code"] == 200])
+lo, hi = t.min() + (t.max() - t.min()) / 3, t.max()
+steady = ((done >= lo) & (done <= hi)).sum() / ((hi - lo) / 1e9) if len(done) else 0
 ok = np.array([r["latency"] for r in rows if r["code"] == 200]) / 1e6
 refused = np.array([r["latency"] for r in rows if r["code"] in (503, 429)]) / 1e6
 other = sum(1 for r in rows if r["code"] not in (200, 503, 429))
 pct = lambda a, q: f"{np.percentile(a, q):.2f}" if len(a) else "-"
-print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other}")'
+print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other} {steady:.1f}")'
 }
 
 # The same line from a ghz JSON report (its per-request details).
@@ -108,27 +114,34 @@ rep = json.load(open(sys.argv[1]))
 rows = rep.get("details") or []
 if not rows:
     print("0 0 - - 0 - 0"); sys.exit()
-t = np.array([np.datetime64(r["timestamp"][:26]) for r in rows]).astype("datetime64[ns]").astype(np.int64)
+t = np.array([np.datetime64(r["timestamp"][:26].replace("T", " ")) for r in rows]).astype("datetime64[ns]").astype(np.int64)
 span = (t.max() - t.min()) / 1e9 if len(rows) > 1 else 1.0
+done = np.array([ti + r["latency"] for ti, r in zip(t, rows) if r["status"] == "OK"])
+lo, hi = t.min() + (t.max() - t.min()) / 3, t.max()
+steady = ((done >= lo) & (done <= hi)).sum() / ((hi - lo) / 1e9) if len(done) else 0
 ok = np.array([r["latency"] for r in rows if r["status"] == "OK"]) / 1e6
 refused = np.array([r["latency"] for r in rows if r["status"] in ("Unavailable", "ResourceExhausted")]) / 1e6
 other = sum(1 for r in rows if r["status"] not in ("OK", "Unavailable", "ResourceExhausted"))
 pct = lambda a, q: f"{np.percentile(a, q):.2f}" if len(a) else "-"
-print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other}")' "$1"
+print(f"{len(rows) / span:.1f} {len(ok) / span:.1f} {pct(ok, 50)} {pct(ok, 99)} {len(refused)} {pct(refused, 99)} {other} {steady:.1f}")' "$1"
 }
 
-# attack TARGET RATE OUT: RATE 0 = closed loop with 64 workers; prints the summary line.
+# attack TARGET RATE OUT: RATE 0 = closed loop (64 workers for the small CNN, 16 for the slower
+# models: as many as keep their batches full without queueing past the admission bound, where
+# refused workers retrying at once would spend the server's CPU on refusals); prints the summary.
 attack() {
   local target="$1" rate="$2" out="$3"
+  local workers=16
+  case "$target" in small_cnn*) workers=64 ;; esac
   if [ "$target" = small_cnn_grpc ]; then
-    local load=(--concurrency 64)
+    local load=(--concurrency "$workers")
     [ "$rate" != 0 ] && load=(--rps "$rate" --async --concurrency 256)
     "${ON_CLIENT[@]}" "$GHZ" --insecure --proto proto/grpc_service.proto --import-paths proto \
       --call inference.GRPCInferenceService/ModelInfer -B "$WORK/small_cnn.pb" "${load[@]}" --duration "${SECS}s" \
       --timeout 30s --format json --output "$out" "127.0.0.1:$GRPC_PORT" >/dev/null 2>&1 || true
     summarise_ghz "$out"
   else
-    local load=(-rate 0 -max-workers 64)
+    local load=(-rate 0 -max-workers "$workers")
     [ "$rate" != 0 ] && load=(-rate "${rate}/s")
     "${ON_CLIENT[@]}" "$VEGETA" attack -targets "$WORK/$target.targets" "${load[@]}" -duration "${SECS}s" \
       -timeout 30s > "$out"
@@ -140,10 +153,15 @@ rss_sampler() {  # writes VmRSS (KiB) every 0.5 s
   while kill -0 "$SERVER" 2>/dev/null; do awk '/VmRSS/ {print $2}' "/proc/$SERVER/status"; sleep 0.5; done
 }
 
+# The floor of this machine and tool: GET /v2/health/live at 100/s on the idle server.
+echo "GET http://127.0.0.1:$PORT/v2/health/live" > "$WORK/live.targets"
+"${ON_CLIENT[@]}" "$VEGETA" attack -targets "$WORK/live.targets" -rate 100/s -duration 10s > "$WORK/live.bin"
+echo "idle floor (vegeta, GET /v2/health/live at 100/s): $("$VEGETA" report < "$WORK/live.bin" | sed -n 's/^Latencies *//p')"
+echo "(goodput: answers OK per second over the last two thirds of a run, after queues have filled)"
 echo "target     load   offered/s  achieved/s  goodput/s  x cap   200 p50 ms  200 p99 ms  refused  refused p99 ms  other  RSS MiB (min-max)"
 for target in $TARGETS; do
   # Capacity: closed loop, enough workers to keep every instance busy.
-  read -r _ cap _ <<< "$(attack "$target" 0 "$WORK/cap.out")"
+  read -r _ _ _ _ _ _ _ cap <<< "$(attack "$target" 0 "$WORK/cap.out")"
   printf "%-10s %-5s %10s  %10s  %9s  %5s\n" "$target" closed - - "$cap" 1.00
   for mult in 1 2 3; do
     rate=$(awk -v c="$cap" -v m="$mult" 'BEGIN {printf "%d", c * m}')
@@ -152,7 +170,7 @@ for target in $TARGETS; do
     line="$(attack "$target" "$rate" "$WORK/run.out")"
     kill $SAMPLER 2>/dev/null || true
     wait $SAMPLER 2>/dev/null || true
-    read -r achieved good p50 p99 refused rp99 other <<< "$line"
+    read -r achieved _ p50 p99 refused rp99 other good <<< "$line"
     rss=$(sort -n "$WORK/rss" | awk 'NR == 1 {min = $1} {max = $1} END {printf "%d-%d", min / 1024, max / 1024}')
     ratio=$(awk -v g="$good" -v c="$cap" 'BEGIN {printf "%.2f", g / c}')
     printf "%-10s %-5s %10s  %10s  %9s  %5s  %10s  %10s  %7s  %14s  %5s  %s\n" "$target" "${mult}x" "$rate" \

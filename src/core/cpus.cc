@@ -1,9 +1,15 @@
 #include "core/cpus.h"
 
+#include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -11,24 +17,34 @@
 namespace quern {
 namespace {
 
-// The CPU quota of this process's cgroup (v2) in cores, or 0 when none.
+// The CPU quota of this process's cgroup in cores, or 0 when none: cgroup
+// v2's cpu.max, or v1's cpu.cfs_quota_us / cpu.cfs_period_us.
 double CgroupQuotaCores() {
   std::ifstream cgroup("/proc/self/cgroup");
-  std::string line, path;
+  std::string line;
+  double cores = 0;
+  auto lower = [&cores](double q) {
+    if (q > 0 && (cores == 0 || q < cores)) cores = q;
+  };
   while (std::getline(cgroup, line)) {
-    if (line.starts_with("0::")) path = line.substr(3);
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (path.find("..") != std::string::npos) continue;
+    if (line.starts_with("0::")) {
+      std::ifstream max("/sys/fs/cgroup" + path + "/cpu.max");
+      std::string quota;
+      double period = 0;
+      if (max >> quota >> period && quota != "max" && period > 0) lower(std::strtod(quota.c_str(), nullptr) / period);
+    } else if (controllers == "cpu" || controllers == "cpu,cpuacct" || controllers == "cpuacct,cpu") {
+      const std::string dir = "/sys/fs/cgroup/" + controllers + path;
+      double quota = -1, period = 0;
+      std::ifstream(dir + "/cpu.cfs_quota_us") >> quota;
+      std::ifstream(dir + "/cpu.cfs_period_us") >> period;
+      if (quota > 0 && period > 0) lower(quota / period);
+    }
   }
-  if (path.empty() || path.find("..") != std::string::npos) return 0;
-  std::ifstream max("/sys/fs/cgroup" + path + "/cpu.max");
-  std::string quota;
-  double period = 0;
-  if (!(max >> quota >> period) || quota == "max" || period <= 0) return 0;
-  try {
-    const double q = std::stod(quota);
-    return q > 0 ? q / period : 0;
-  } catch (...) {
-    return 0;
-  }
+  return cores;
 }
 
 }  // namespace
@@ -41,6 +57,33 @@ int UsableCores() {
   const double quota = CgroupQuotaCores();
   if (quota > 0) n = std::min(n, std::max(1, static_cast<int>(std::ceil(quota))));
   return n;
+}
+
+void NameThisThread(const char* name) {
+  char shortened[16] = {};
+  for (int i = 0; i < 15 && name[i] != '\0'; ++i) shortened[i] = name[i];
+  pthread_setname_np(pthread_self(), shortened);
+}
+
+void PreferShortSlices() {
+  // sched_setattr(2) with SCHED_OTHER and sched_runtime as the requested
+  // slice (EEVDF custom slices); the struct is declared here because glibc
+  // 2.36 has no wrapper.
+  struct {
+    uint32_t size, sched_policy;
+    uint64_t sched_flags;
+    int32_t sched_nice;
+    uint32_t sched_priority;
+    uint64_t sched_runtime, sched_deadline, sched_period;
+    uint32_t sched_util_min, sched_util_max;
+  } attr{};
+  attr.size = sizeof(attr);
+  attr.sched_policy = SCHED_OTHER;
+  attr.sched_nice = getpriority(PRIO_PROCESS, 0);  // keep the thread's nice value
+  attr.sched_runtime = 100'000;                    // 0.1 ms
+#ifdef SYS_sched_setattr
+  (void)syscall(SYS_sched_setattr, 0, &attr, 0);
+#endif
 }
 
 }  // namespace quern

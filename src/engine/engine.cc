@@ -103,7 +103,10 @@ class EngineImpl {
       for (const auto& n : *names) (void)LoadModel(n);
     }
     if (options_.repository_poll_interval_s > 0) {
-      poll_thread_ = std::thread([this] { PollLoop(); });
+      poll_thread_ = std::thread([this] {
+        NameThisThread("quern-poll");
+        PollLoop();
+      });
     }
     return Status::Ok();
   }

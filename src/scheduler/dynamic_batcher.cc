@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "core/cpus.h"
+
 namespace quern {
 
 Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOptions options, BatchProcessor processor,
@@ -21,9 +23,15 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   }
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
-    b->workers_.emplace_back([raw = b.get(), i] { raw->WorkerLoop(i); });
+    b->workers_.emplace_back([raw = b.get(), i] {
+      NameThisThread("quern-infer");
+      raw->WorkerLoop(i);
+    });
   }
-  b->reaper_ = std::thread([raw = b.get()] { raw->ReaperLoop(); });
+  b->reaper_ = std::thread([raw = b.get()] {
+    NameThisThread("quern-reaper");
+    raw->ReaperLoop();
+  });
   return b;
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 
+#include "core/cpus.h"
 #include "core/json.h"
 #include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
@@ -199,7 +200,10 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
 
 RedisResultStore::RedisResultStore(RedisResultStoreOptions options) : options_(std::move(options)) {
   health_ = Unavailable(kNotYet);
-  writer_ = std::thread([this] { WriterLoop(); });
+  writer_ = std::thread([this] {
+    NameThisThread("quern-redis");
+    WriterLoop();
+  });
 }
 
 RedisResultStore::~RedisResultStore() {

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
 #include "frontends/http/content_encoding.h"
 
 namespace quern {
@@ -84,7 +85,9 @@ struct Loop {
   // The oldest idle sessions found by the last scan, oldest last; popped
   // (and checked again) to make room for new connections. Loop thread only.
   std::vector<std::pair<int64_t, std::weak_ptr<Session>>> evictable;
-  char discard[4096];  // sink for bytes read while closing
+  // Sink for bytes read and dropped (bodies answered early, input while
+  // closing): one read takes what a socket buffer holds.
+  std::vector<char> discard = std::vector<char>(size_t{64} << 10);
   std::thread thread;
 };
 
@@ -319,7 +322,7 @@ class Session : public std::enable_shared_from_this<Session> {
     reading_ = true;
     deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
     WithStream([&](auto& stream) {
-      stream.async_read_some(asio::buffer(loop_.discard, std::min(discard_, sizeof(loop_.discard))),
+      stream.async_read_some(asio::buffer(loop_.discard.data(), std::min(discard_, loop_.discard.size())),
                              [self = shared_from_this()](beast::error_code ec, size_t n) {
                                self->reading_ = false;
                                if (ec) return self->HardClose();
@@ -646,7 +649,11 @@ class HttpServer::Impl {
     Accept();
     for (auto& loop : loops_) {
       ScheduleSweep(*loop);
-      loop->thread = std::thread([l = loop.get()] { l->io.run(); });
+      loop->thread = std::thread([l = loop.get()] {
+        NameThisThread("quern-http");
+        PreferShortSlices();
+        l->io.run();
+      });
     }
     return Status::Ok();
   }

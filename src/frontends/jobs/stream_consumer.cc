@@ -12,6 +12,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "core/cpus.h"
 #include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
 
@@ -152,7 +153,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void Run() {
-    reader_ = std::thread([self = shared_from_this()] { self->Loop(); });
+    reader_ = std::thread([self = shared_from_this()] {
+      NameThisThread("quern-stream");
+      self->Loop();
+    });
   }
 
   void Stop() {

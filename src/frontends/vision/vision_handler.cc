@@ -162,7 +162,11 @@ VisionHandler::VisionHandler(Engine* engine, VisionOptions options) : engine_(en
   hostname_ = gethostname(host, sizeof(host) - 1) == 0 ? host : "quern";
   int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
   options_.stage_threads = n;
-  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { StageLoop(); });
+  for (int i = 0; i < n; ++i)
+    threads_.emplace_back([this] {
+      NameThisThread("quern-vision");
+      StageLoop();
+    });
 }
 
 VisionHandler::~VisionHandler() {
