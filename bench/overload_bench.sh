@@ -48,13 +48,26 @@ for m in small_cnn resnet50 detect_640; do ln -s "$ROOT/bench/models/$m" "$WORK/
 build/$PRESET/bench/image_bench --iterations 1 --out-dir "$WORK" >/dev/null
 
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # open loop: one connection per request in flight
-"${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve ${QUERN_BENCH_SERVER_FLAGS:-} --model-repository "$WORK/repo" --allow-links-outside-repository \
-  --http-port 0 --grpc-port 0 --metrics-port 0 --host 127.0.0.1 > "$WORK/log" 2>&1 &
-SERVER=$!
-for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
-PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-GRPC_PORT=$(grep -o 'gRPC listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-echo "server on CPUs $SERVER_CPUS, load generator on CPUs $CLIENT_CPUS ($PRESET build)" 
+read -r PORT GRPC_PORT <<< "$(build/venv/bin/python -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])')"
+# A fresh server for every target: what one target leaves queued must not weigh on the next.
+start_server() {
+  "${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve ${QUERN_BENCH_SERVER_FLAGS:-} --model-repository "$WORK/repo" \
+    --allow-links-outside-repository --http-port "$PORT" --grpc-port "$GRPC_PORT" --metrics-port 0 --host 127.0.0.1 \
+    > "$WORK/log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done
+  echo "quern did not start:"; cat "$WORK/log"; exit 1
+}
+stop_server() {
+  kill "$SERVER" 2>/dev/null || true
+  wait "$SERVER" 2>/dev/null || true
+}
+start_server
+echo "server on CPUs $SERVER_CPUS, load generator on CPUs $CLIENT_CPUS ($PRESET build)"
 
 # Request bodies and vegeta targets.
 build/venv/bin/python - "$WORK" "$PORT" <<'PY'
@@ -91,7 +104,11 @@ summarise() {
   "$VEGETA" encode --to json < "$1" | build/venv/bin/python -c '
 import json, sys
 import numpy as np
+import base64
 rows = [json.loads(line) for line in sys.stdin]
+for r in rows:  # CodeProject.AI answers refusals and errors as 200 with success false
+    if r["code"] == 200 and b"\"success\":false" in base64.b64decode(r.get("body") or ""):
+        r["code"] = 503 if b"try again later" in base64.b64decode(r["body"]) else 500
 t = np.array([r["timestamp"] for r in rows], dtype="datetime64[ns]").astype(np.int64)
 span = (t.max() - t.min()) / 1e9 if len(rows) > 1 else 1.0
 # Steady goodput: answers OK completed in the last two thirds of the run.
@@ -159,7 +176,9 @@ echo "GET http://127.0.0.1:$PORT/v2/health/live" > "$WORK/live.targets"
 echo "idle floor (vegeta, GET /v2/health/live at 100/s): $("$VEGETA" report < "$WORK/live.bin" | sed -n 's/^Latencies *//p')"
 echo "(goodput: answers OK per second over the last two thirds of a run, after queues have filled)"
 echo "target     load   offered/s  achieved/s  goodput/s  x cap   200 p50 ms  200 p99 ms  refused  refused p99 ms  other  RSS MiB (min-max)"
+stop_server
 for target in $TARGETS; do
+  start_server
   # Capacity: closed loop, enough workers to keep every instance busy.
   read -r _ _ _ _ _ _ _ cap <<< "$(attack "$target" 0 "$WORK/cap.out")"
   printf "%-10s %-5s %10s  %10s  %9s  %5s\n" "$target" closed - - "$cap" 1.00
@@ -177,4 +196,5 @@ for target in $TARGETS; do
       "$achieved" "$good" "$ratio" "$p50" "$p99" "$refused" "$rp99" "$other" "$rss"
     sleep 2  # let the queue empty between runs
   done
+  stop_server
 done

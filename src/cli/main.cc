@@ -216,6 +216,10 @@ int main(int argc, char** argv) {
   serve->add_option("--grpc-port", grpc_opts.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
   serve->add_option("--grpc-max-message-bytes", grpc_opts.max_receive_bytes,
                     "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");
+  serve
+      ->add_option("--grpc-max-concurrent-streams", grpc_opts.max_concurrent_streams,
+                   "Calls one gRPC connection may have open at once; more wait on the client (0 = no limit)")
+      ->check(CLI::Range(0, 1 << 30));
   quern::VisionOptions vision_opts;
   int vision_port = -1;
   serve->add_option("--detection-model", vision_opts.detection_model,
@@ -381,6 +385,7 @@ int main(int argc, char** argv) {
   handler.set_model_control(explicit_control);
   vision_opts.model_repository = repo;
   vision_opts.max_in_flight_bytes = vision_max_memory_mb << 20;
+  vision_opts.max_queue_wait_ms = max_queue_wait_ms;
   if (keys->enabled()) {
     vision_opts.authorize = [keys](std::string_view key) { return keys->Authorize(key, false, SteadyNowNs()); };
   }

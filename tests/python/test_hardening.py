@@ -528,6 +528,38 @@ def test_idle_connections_do_not_lock_clients_out(tmp_path):
 
 # --- Shutdown ------------------------------------------------------------------------------------
 
+def test_grpc_calls_in_flight_per_connection_are_bounded(tmp_path):
+    """--grpc-max-concurrent-streams: a connection's calls beyond the bound wait on the client (HTTP/2
+    flow control) instead of piling into the server. slow_batch waits 1 s for a batch of 4: with at most
+    2 calls open, the third of three concurrent calls only starts when the first two are answered."""
+    import threading
+    repo = make_repo(tmp_path / "repo", "slow_batch")
+    s = Server(repo, "--grpc-max-concurrent-streams", "2")
+    try:
+        g = grpcclient.InferenceServerClient(s.grpc)
+        times = []
+
+        def call(k):
+            x = grpcclient.InferInput("x", [1, 3], "FP32")
+            x.set_data_from_numpy(np.full((1, 3), k, np.float32))
+            t0 = time.time()
+            r = g.infer("slow_batch", [x], client_timeout=30)
+            times.append(time.time() - t0)
+            assert r.as_numpy(r.get_response().outputs[0].name).shape == (1, 3)
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(times) == 3
+        times.sort()
+        assert times[1] < 1.8, times  # the first two: one batching delay
+        assert times[2] > 1.8, times  # the third waited for a free stream, then its own delay
+    finally:
+        s.stop()
+
+
 def test_sigterm_drains_then_exits_zero(tmp_path):
     """SIGTERM: readiness false first, requests already queued finish with their results, new ones
     get 503 / UNAVAILABLE, exit 0 within --drain-timeout-secs."""

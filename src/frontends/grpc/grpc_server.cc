@@ -746,6 +746,9 @@ class GrpcServer::Impl {
     interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
+    if (options_.max_concurrent_streams > 0) {
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
+    }
     builder.SetMaxSendMessageSize(options_.max_send_bytes);
     server_ = builder.BuildAndStart();
     if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);

@@ -28,8 +28,13 @@ struct GrpcServerOptions {
   std::string host = "0.0.0.0";
   int port = 8001;                   // 0 = pick a free port (see GrpcServer::port)
   int max_receive_bytes = 64 << 20;  // larger requests: RESOURCE_EXHAUSTED
-  int max_send_bytes = 64 << 20;     // larger responses: RESOURCE_EXHAUSTED
-  int health_poll_ms = 500;          // how often the health service re-reads readiness
+  // Calls a connection may have open at once (HTTP/2
+  // SETTINGS_MAX_CONCURRENT_STREAMS): a client with more waits for one to
+  // finish, so an open-loop client cannot pile unbounded work and memory
+  // into the server ahead of admission. 0 = gRPC's default (no limit).
+  int max_concurrent_streams = 1024;
+  int max_send_bytes = 64 << 20;  // larger responses: RESOURCE_EXHAUSTED
+  int health_poll_ms = 500;       // how often the health service re-reads readiness
   // Model control (RepositoryModelLoad / Unload); off: FAILED_PRECONDITION.
   bool model_control = true;
   // When set, every call must present a key this accepts, in the metadata

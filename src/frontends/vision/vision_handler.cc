@@ -248,8 +248,9 @@ VisionStats VisionHandler::stats() const {
 int64_t VisionHandler::Capacity() const {
   if (options_.queue_capacity > 0) return options_.queue_capacity;
   const double per_image = std::max(0.01, ms_per_image_.load());
-  return std::max<int64_t>(options_.stage_threads,
-                           static_cast<int64_t>(static_cast<double>(options_.request_timeout_ms) / per_image));
+  int64_t budget_ms = options_.request_timeout_ms;
+  if (options_.max_queue_wait_ms > 0) budget_ms = std::min(budget_ms, options_.max_queue_wait_ms);
+  return std::max<int64_t>(options_.stage_threads, static_cast<int64_t>(static_cast<double>(budget_ms) / per_image));
 }
 
 void VisionHandler::Post(std::function<void()> task, bool urgent) {
@@ -304,8 +305,14 @@ Result<std::shared_ptr<const VisionModel>> VisionHandler::Model(const std::strin
 
 std::string VisionHandler::DefaultDetectionModel() {
   if (!options_.detection_model.empty()) return options_.detection_model;
-  for (const auto& name : DetectionModels()) return name;
-  return "";
+  std::string name;
+  for (auto& n : DetectionModels()) {
+    name = std::move(n);
+    break;
+  }
+  std::lock_guard<std::mutex> lock(models_mu_);
+  last_default_model_ = name;
+  return name;
 }
 
 std::vector<std::string> VisionHandler::DetectionModels() {
@@ -509,6 +516,17 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
   const std::string_view length = head.Header("content-length");
   (void)std::from_chars(length.data(), length.data() + length.size(), body);
   Status st = Full(body);
+  if (st.ok()) {
+    // The model's queue, when the route names the model.
+    std::string model = job.kind == Job::Kind::kPredict ? PercentDecode(path.substr(9))
+                        : job.command == "custom"       ? PercentDecode(path.substr(18))
+                                                        : options_.detection_model;
+    if (model.empty() && job.kind != Job::Kind::kPredict && job.command != "custom") {
+      std::lock_guard<std::mutex> lock(models_mu_);
+      model = last_default_model_;  // as the last detection request found it
+    }
+    if (!model.empty()) st = engine_->CheckAdmission(model);
+  }
   if (st.ok()) return std::nullopt;
   rejected_.fetch_add(1);
   job.received_ns = SteadyNs();
@@ -523,9 +541,14 @@ void VisionHandler::Admit(std::shared_ptr<Job> job) {
   const int64_t capacity = Capacity();
   const int64_t before = in_flight_.fetch_add(1);
   const int64_t held = in_flight_bytes_.fetch_add(bytes);
-  Status st = Status::Ok();
-  if (before >= capacity ||
-      (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes)) {
+  // The model's own queue is asked first: an image it would refuse is not
+  // decoded and resized for nothing.
+  Status st = engine_->CheckAdmission(job->model->name, job->model->version);
+  if (!st.ok()) {
+    in_flight_.fetch_sub(1);
+    in_flight_bytes_.fetch_sub(bytes);
+  } else if (before >= capacity ||
+             (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes)) {
     in_flight_.fetch_sub(1);
     in_flight_bytes_.fetch_sub(bytes);
     st = before >= capacity ? Full(0) : Full(bytes);

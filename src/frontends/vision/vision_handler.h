@@ -66,9 +66,15 @@ struct VisionOptions {
   // A request not answered within this is dropped (before decoding or
   // before inference) and answered with an error.
   int64_t request_timeout_ms = 15000;
-  // Images admitted at once; 0 = request_timeout_ms / measured ms per image
-  // (at least the number of stage threads).
+  // Images admitted at once; 0 = the smaller of request_timeout_ms and
+  // max_queue_wait_ms over the measured ms per image (at least the number
+  // of stage threads).
   int queue_capacity = 0;
+  // The engine's bound on queueing (EngineOptions::max_queue_wait_ms): the
+  // pipeline admits no more images than it can finish within it, so that
+  // images are not decoded only to be refused by their model's queue.
+  // 0 = none.
+  int64_t max_queue_wait_ms = 0;
   // Larger images are refused before decoding.
   int64_t max_image_pixels = 50'000'000;
   // Memory admitted images may hold at once: each is charged its request
@@ -144,6 +150,7 @@ class VisionHandler {
 
   std::mutex models_mu_;
   std::map<std::string, std::shared_ptr<const VisionModel>> models_;
+  std::string last_default_model_;  // DefaultDetectionModel's last answer; guarded by models_mu_
 
   // The stage pool: urgent tasks (post-processing) go first.
   std::mutex pool_mu_;
