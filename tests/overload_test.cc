@@ -342,6 +342,23 @@ TEST(EarlyAdmission, ServerAnswersFromTheHeadThenSkipsTheBody) {
   r = c.ReadResponse();
   EXPECT_NE(r.find("/next read 0 bytes"), std::string::npos) << r;
 
+  // "Expect: 100-continue": the client is told to send its body...
+  ASSERT_TRUE(c.Send("POST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"));
+  r = c.ReadResponse();
+  EXPECT_EQ(r, "HTTP/1.1 100 Continue\r\n\r\n");
+  ASSERT_TRUE(c.Send("hello"));
+  r = c.ReadResponse();
+  EXPECT_NE(r.find("/echo read 5 bytes"), std::string::npos) << r;
+  // ...unless it is answered from the head: then the connection closes, as
+  // the client may send the body or not.
+  Client expecting(port);
+  ASSERT_TRUE(
+      expecting.Send("POST /refuse HTTP/1.1\r\nX-Test: yes\r\nExpect: 100-Continue\r\nContent-Length: 9\r\n\r\n"));
+  r = expecting.ReadResponse();
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 503")) << r;
+  EXPECT_NE(r.find("Connection: close"), std::string::npos) << r;
+  EXPECT_TRUE(expecting.ClosedByServer());
+
   // A body of unknown length cannot be skipped: answered, then closed.
   Client chunked(port);
   ASSERT_TRUE(chunked.Send("POST /refuse HTTP/1.1\r\nX-Test: yes\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"));
@@ -349,7 +366,7 @@ TEST(EarlyAdmission, ServerAnswersFromTheHeadThenSkipsTheBody) {
   EXPECT_TRUE(r.starts_with("HTTP/1.1 503")) << r;
   EXPECT_NE(r.find("Connection: close"), std::string::npos) << r;
   EXPECT_TRUE(chunked.ClosedByServer());
-  EXPECT_EQ(handled.load(), 2);
+  EXPECT_EQ(handled.load(), 3);
 }
 
 }  // namespace
