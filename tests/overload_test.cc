@@ -52,6 +52,16 @@ InferRequest Request() {
   return r;
 }
 
+// "gated": one FP32 row of 2 in, the same out, batches of one.
+ModelConfig GatedConfig() {
+  ModelConfig c;
+  c.name = "gated";
+  c.max_batch_size = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {2}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {2}}};
+  return c;
+}
+
 template <typename F>
 bool WaitFor(F cond) {
   for (int i = 0; i < 5000 && !cond(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -62,11 +72,7 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   auto engine = Engine::Create({});
   ASSERT_TRUE(engine.has_value());
   Engine& e = **engine;
-  ModelConfig c;
-  c.name = "gated";
-  c.max_batch_size = 1;
-  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {2}}};
-  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {2}}};
+  ModelConfig c = GatedConfig();
   c.instance_count = 1;
   c.batching = BatchingConfig{};
   c.max_queue_wait_ms = 1;
@@ -128,11 +134,7 @@ TEST(Draining, InFlightCountsRequestsOfVersionsBeingReplaced) {
   auto engine = Engine::Create({});
   ASSERT_TRUE(engine.has_value());
   Engine& e = **engine;
-  ModelConfig c;
-  c.name = "gated";
-  c.max_batch_size = 1;
-  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {2}}};
-  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {2}}};
+  const ModelConfig c = GatedConfig();
   std::promise<void> open;
   std::shared_future<void> gate = open.get_future().share();
   std::atomic<int> calls{1};  // every call waits for the gate

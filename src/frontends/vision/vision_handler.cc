@@ -248,9 +248,13 @@ VisionStats VisionHandler::stats() const {
 int64_t VisionHandler::Capacity() const {
   if (options_.queue_capacity > 0) return options_.queue_capacity;
   const double per_image = std::max(0.01, ms_per_image_.load());
-  int64_t budget_ms = options_.request_timeout_ms;
-  if (options_.max_queue_wait_ms > 0) budget_ms = std::min(budget_ms, options_.max_queue_wait_ms);
-  return std::max<int64_t>(options_.stage_threads, static_cast<int64_t>(static_cast<double>(budget_ms) / per_image));
+  return std::max<int64_t>(options_.stage_threads,
+                           static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
+}
+
+int64_t VisionHandler::QueueBudgetMs() const {
+  if (options_.max_queue_wait_ms > 0) return std::min(options_.request_timeout_ms, options_.max_queue_wait_ms);
+  return options_.request_timeout_ms;
 }
 
 void VisionHandler::Post(std::function<void()> task, bool urgent) {
@@ -469,14 +473,12 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   Admit(std::move(job));
 }
 
-Status VisionHandler::Full(int64_t bytes) const {
-  const int64_t capacity = Capacity();
-  if (in_flight_.load() >= capacity) {
+Status VisionHandler::Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const {
+  if (in_flight >= capacity) {
     return Unavailable("the server is busy: " + std::to_string(capacity) +
-                       " images are already waiting, as many as it can finish within the " +
-                       std::to_string(options_.request_timeout_ms) + " ms request timeout; try again later");
+                       " images are already waiting, as many as it can finish within " +
+                       std::to_string(QueueBudgetMs()) + " ms; try again later");
   }
-  const int64_t held = in_flight_bytes_.load();
   // One image is always let in, however large (within the body limit).
   if (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes) {
     return Unavailable("the server is busy: the images already admitted hold " + std::to_string(held >> 20) +
@@ -515,7 +517,7 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
   int64_t body = 0;
   const std::string_view length = head.Header("content-length");
   (void)std::from_chars(length.data(), length.data() + length.size(), body);
-  Status st = Full(body);
+  Status st = Busy(in_flight_.load(), Capacity(), in_flight_bytes_.load(), body);
   if (st.ok()) {
     // The model's queue, when the route names the model.
     std::string model = job.kind == Job::Kind::kPredict ? PercentDecode(path.substr(9))
@@ -536,24 +538,19 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
 void VisionHandler::Admit(std::shared_ptr<Job> job) {
   const int64_t bytes =
       static_cast<int64_t>(job->request.body.size() + job->image_storage.size() + PreprocessedBytes(job->model->image));
-  // Both bounds are claimed first and given back on refusal, so that
-  // concurrent admissions cannot pass them together.
-  const int64_t capacity = Capacity();
-  const int64_t before = in_flight_.fetch_add(1);
-  const int64_t held = in_flight_bytes_.fetch_add(bytes);
   // The model's own queue is asked first: an image it would refuse is not
   // decoded and resized for nothing.
   Status st = engine_->CheckAdmission(job->model->name, job->model->version);
-  if (!st.ok()) {
-    in_flight_.fetch_sub(1);
-    in_flight_bytes_.fetch_sub(bytes);
-  } else if (before >= capacity ||
-             (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes)) {
-    in_flight_.fetch_sub(1);
-    in_flight_bytes_.fetch_sub(bytes);
-    st = before >= capacity ? Full(0) : Full(bytes);
-    if (st.ok()) {  // room was made meanwhile: the refusal is still this one's
-      st = Unavailable("the server is busy; try again later");
+  if (st.ok()) {
+    // Both bounds are claimed first and given back on refusal, so that
+    // concurrent admissions cannot pass them together.
+    const int64_t capacity = Capacity();
+    const int64_t before = in_flight_.fetch_add(1);
+    const int64_t held = in_flight_bytes_.fetch_add(bytes);
+    st = Busy(before, capacity, held, bytes);
+    if (!st.ok()) {
+      in_flight_.fetch_sub(1);
+      in_flight_bytes_.fetch_sub(bytes);
     }
   }
   if (!st.ok()) {

@@ -132,8 +132,12 @@ class VisionHandler {
   std::vector<std::string> DetectionModels();  // ready detection models, by name
   void WriteCpaiMeta(rapidjson::Writer<rapidjson::StringBuffer>& w, const Job& job) const;
   void Admit(std::shared_ptr<Job> job);
-  // Status::Ok when an image charged `bytes` fits now; else the refusal.
-  Status Full(int64_t bytes) const;
+  // Status::Ok when an image charged `bytes` fits beside `in_flight` images
+  // holding `held` bytes, under `capacity`; else the refusal.
+  Status Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const;
+  // The time admitted images may take: the request timeout, or the
+  // engine's queueing bound when smaller.
+  int64_t QueueBudgetMs() const;
   HttpResponse Refusal(const Job& job, const Status& status) const;
   HttpResponse CpaiError(const Job& job, const Status& status) const;
   void Process(const std::shared_ptr<Job>& job);
