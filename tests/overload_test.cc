@@ -118,14 +118,23 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   head.method = "GET";
   EXPECT_FALSE(handler.CheckHead(head).has_value());
 
+  // A request its caller admitted already (asked CheckAdmission when it took
+  // it, and bounds what it holds) is not refused by the same bound again.
+  auto refused_now = e.Infer(Request()).get();
+  EXPECT_EQ(refused_now.status.code(), StatusCode::kUnavailable) << refused_now.status.message();
+  InferRequest admitted = Request();
+  admitted.admitted = true;
+  auto taken = e.Infer(std::move(admitted));
+
   open.set_value();
   EXPECT_TRUE(running.get().status.ok());
   EXPECT_TRUE(queued.get().status.ok());
+  EXPECT_TRUE(taken.get().status.ok());
   EXPECT_TRUE(e.CheckAdmission("gated").ok());
   auto stats = e.GetStatistics("gated");
   ASSERT_TRUE(stats.has_value());
-  EXPECT_EQ((*stats)[0].fail_rejected, 3u) << "refusals from the head count as rejected requests";
-  EXPECT_EQ((*stats)[0].success.count, 3u);
+  EXPECT_EQ((*stats)[0].fail_rejected, 4u) << "refusals from the head count as rejected requests";
+  EXPECT_EQ((*stats)[0].success.count, 4u);
 }
 
 TEST(Draining, InFlightCountsRequestsOfVersionsBeingReplaced) {

@@ -57,6 +57,12 @@ struct InferRequest {
   std::shared_ptr<CancellationToken> cancel;
   // Small caller metadata copied into the response (for correlation).
   std::vector<std::pair<std::string, std::string>> metadata;
+  // The caller admitted this request already: it asked CheckAdmission when
+  // it took the request and bounds the work it holds itself (the vision
+  // pipeline does, for the images it decodes). The queue-waiting bound is
+  // not applied a second time, so work admitted upstream is not thrown away
+  // downstream; queue sizes, timeouts and deadlines still apply.
+  bool admitted = false;
   // Optional: called once, on an engine thread, when the batch holding this
   // request starts to run; never for a request that does not run. Must be
   // quick (it delays the batch).

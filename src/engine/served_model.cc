@@ -349,6 +349,7 @@ void ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallb
   so.priority = task->request.priority;
   so.timeout_ns = static_cast<int64_t>(task->request.timeout_us) * 1000;
   so.deadline_ns = task->request.deadline_ns;
+  so.admitted = task->request.admitted;
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);
   if (!st.ok()) {

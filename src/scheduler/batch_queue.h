@@ -64,6 +64,7 @@ struct ScheduleOptions {
   uint32_t priority = 0;    // 0 = default level
   int64_t timeout_ns = 0;   // the task's own queue timeout; 0 = none
   int64_t deadline_ns = 0;  // absolute hard deadline; 0 = none
+  bool admitted = false;    // the caller admitted it: no queue-wait bound
 };
 
 class BatchQueue {

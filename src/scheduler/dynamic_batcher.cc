@@ -45,7 +45,7 @@ DynamicBatcher::~DynamicBatcher() {
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    QUERN_RETURN_IF_ERROR(AdmissionLocked());
+    QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     int64_t due = options.deadline_ns;
@@ -56,8 +56,9 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   return Status::Ok();
 }
 
-Status DynamicBatcher::AdmissionLocked() const {
+Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   if (stopping_) return Unavailable("model is shutting down");
+  if (!queue_wait) return Status::Ok();
   // Admitted whenever an instance is free or nothing waits (a slow first
   // batch must not lock a model out); otherwise while the work queued
   // ahead of it fits in the limit.
@@ -74,7 +75,7 @@ Status DynamicBatcher::AdmissionLocked() const {
 
 Status DynamicBatcher::CheckAdmission() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return AdmissionLocked();
+  return AdmissionLocked(/*queue_wait=*/true);
 }
 
 void DynamicBatcher::Kick() {

@@ -96,8 +96,9 @@ class DynamicBatcher {
   // Called with mu_ held: would a task due at `due_ns` (0 = no deadline of
   // its own) be reaped late without a wake-up?
   bool ReaperNeedsWake(int64_t due_ns) const;
-  // Called with mu_ held: Schedule's admission decision.
-  Status AdmissionLocked() const;
+  // Called with mu_ held: Schedule's admission decision; `queue_wait` false
+  // for work its caller admitted already (only a stopping model refuses it).
+  Status AdmissionLocked(bool queue_wait) const;
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts

@@ -596,6 +596,7 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
   ir.version = m.version;
   ir.inputs.push_back({m.input_name, std::move(input)});
   ir.cancel = job->request.cancel;
+  ir.admitted = true;  // by Admit, within this pipeline's own bounds
   ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - t2, 1);
   engine_->InferAsync(std::move(ir), [this, job](InferResponse&& r) {
     auto response = std::make_shared<InferResponse>(std::move(r));
