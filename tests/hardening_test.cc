@@ -92,23 +92,19 @@ TEST(ElementCount, TensorsWithHugeShapesFailValidation) {
 }
 
 TEST(KServeParse, HugeShapesAndDeepDataAreInvalidArgument) {
-  HttpRequest req;
-  req.body = R"({"inputs": [{"name": "x", "shape": [4611686018427387904, 4], "datatype": "FP32", "data": []}]})";
-  auto r = ParseKServeInfer("m", -1, req);
+  auto r = ParseKServeInferBody(
+      "m", -1, R"({"inputs": [{"name": "x", "shape": [4611686018427387904, 4], "datatype": "FP32", "data": []}]})", "");
   ASSERT_FALSE(r.has_value());
   EXPECT_NE(r.error().message().find("64 bits"), std::string::npos) << r.error().message();
 
-  HttpRequest deep;
-  deep.body = std::string(200'000, '[');
-  r = ParseKServeInfer("m", -1, deep);
+  r = ParseKServeInferBody("m", -1, std::string(200'000, '['), "");
   ASSERT_FALSE(r.has_value());
   EXPECT_EQ(r.error().code(), StatusCode::kInvalidArgument);
 
-  HttpRequest rank;
   std::string dims = "1";
   for (int i = 1; i < 100; ++i) dims += ",1";
-  rank.body = R"({"inputs": [{"name": "x", "datatype": "FP32", "data": [1], "shape": [)" + dims + "]}]}";
-  r = ParseKServeInfer("m", -1, rank);
+  r = ParseKServeInferBody(
+      "m", -1, R"({"inputs": [{"name": "x", "datatype": "FP32", "data": [1], "shape": [)" + dims + "]}]}", "");
   ASSERT_FALSE(r.has_value());
   EXPECT_NE(r.error().message().find("at most 64"), std::string::npos) << r.error().message();
 }

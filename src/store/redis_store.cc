@@ -10,9 +10,9 @@
 #include <cstring>
 #include <functional>
 
+#include "codec/kserve_codec.h"
 #include "core/cpus.h"
 #include "core/json.h"
-#include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
 
 namespace quern {
@@ -85,14 +85,7 @@ Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec,
     }
     std::vector<const Tensor*> parts;
     w.Key("result");
-    w.StartObject();
-    w.Key("model_name");
-    String(w, rec.model);
-    w.Key("model_version");
-    String(w, std::to_string(rec.version));
-    w.Key("outputs");
-    QUERN_RETURN_IF_ERROR(WriteKServeOutputs(w, rec.outputs, format, parts));
-    w.EndObject();
+    QUERN_RETURN_IF_ERROR(WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, parts));
     w.Key("binary_keys");
     w.StartArray();
     for (size_t k = 0; k < parts.size(); ++k) {
@@ -176,14 +169,10 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
     return Err(Internal("stored result of job '" + rec->id + "' is damaged: its outputs cannot be read"));
   }
   w.EndObject();
-  HttpRequest req;
-  req.method = "POST";
-  req.body.assign(buf.GetString(), buf.GetSize());
-  if (!binary.empty()) {
-    req.headers.emplace_back("inference-header-content-length", std::to_string(req.body.size()));
-    for (const auto& b : binary) req.body += b;
-  }
-  auto parsed = ParseKServeInfer(rec->model, rec->version, req);
+  std::string joined;
+  for (const auto& b : binary) joined += b;
+  auto parsed = ParseKServeInfer(rec->model, rec->version, std::string_view(buf.GetString(), buf.GetSize()), joined,
+                                 nullptr);  // the outputs are copied out below, while `joined` lives
   if (!parsed) return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + parsed.error().message()));
   // Binary parts sit at arbitrary offsets of the body: copy each into its
   // own (aligned) buffer, which also frees the body.

@@ -21,7 +21,7 @@
 #include <string_view>
 #include <vector>
 
-#include "frontends/http/kserve_handler.h"
+#include "codec/kserve_codec.h"
 #include "quern/tensor.h"
 #include "store/result_store.h"
 
@@ -82,11 +82,11 @@ inline void WriteBack(const std::vector<NamedTensor>& tensors, const KServeOutpu
   std::vector<const Tensor*> binary_parts;
   if (!WriteKServeOutputs(w, valid, format, binary_parts).ok()) return;
   w.EndObject();
-  HttpResponse r = KServeBody(200, sb, binary_parts);
+  KServeMessage m = JoinKServeMessage(sb, binary_parts);
   size_t binary_bytes = 0;
   for (const Tensor* t : binary_parts) binary_bytes += t->byte_size();
-  if (r.body.size() < binary_bytes) Fail("a KServe body is shorter than its binary parts");
-  CheckJson(std::string_view(r.body).substr(0, r.body.size() - binary_bytes), "a KServe response is not JSON");
+  if (m.bytes.size() != m.json_size + binary_bytes) Fail("a KServe message is not its JSON and its binary parts");
+  CheckJson(std::string_view(m.bytes).substr(0, m.json_size), "a KServe response is not JSON");
 }
 
 // Runs each input on a thread with a small stack (1 MiB; a server thread

@@ -1,4 +1,4 @@
-// Fuzz target: the KServe v2 infer body (ParseKServeInfer), JSON alone and
+// Fuzz target: the KServe v2 infer body (ParseKServeInferBody), JSON alone and
 // JSON followed by binary tensors (Inference-Header-Content-Length), then
 // the parsed inputs written back out as a KServe response.
 //
@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <string>
 
-#include "frontends/http/kserve_handler.h"
+#include "codec/kserve_codec.h"
 #include "fuzz_util.h"
 
 namespace {
@@ -22,30 +22,27 @@ namespace {
 void FuzzOne(const uint8_t* data, size_t size) {
   const uint8_t mode = data[0];
   std::string_view rest = quern::fuzz::AsView(data + 1, size - 1);
-  quern::HttpRequest req;
-  req.method = "POST";
-  req.target = "/v2/models/m/infer";
+  std::string json_length;  // the Inference-Header-Content-Length value
   switch (mode & 3) {
     case 0: break;
     case 1: {
       if (rest.size() < 2) return;
       const unsigned n = static_cast<uint8_t>(rest[0]) | static_cast<unsigned>(static_cast<uint8_t>(rest[1])) << 8;
-      req.headers.emplace_back("inference-header-content-length", std::to_string(n));
+      json_length = std::to_string(n);
       rest.remove_prefix(2);
       break;
     }
     case 2: {
       const size_t nl = rest.find('\n');
       if (nl == std::string_view::npos) return;
-      req.headers.emplace_back("inference-header-content-length", std::string(rest.substr(0, nl)));
+      json_length = rest.substr(0, nl);
       rest.remove_prefix(nl + 1);
       break;
     }
-    case 3: req.headers.emplace_back("inference-header-content-length", "0"); break;
+    case 3: json_length = "0"; break;
   }
-  req.body.assign(rest);
   const int64_t version = (mode & 4) ? 1 : -1;
-  auto parsed = quern::ParseKServeInfer("m", version, req);
+  auto parsed = quern::ParseKServeInferBody("m", version, std::string(rest), json_length);
   if (!parsed) {
     if (parsed.error().ok()) quern::fuzz::Fail("ParseKServeInfer failed with an OK status");
     return;

@@ -56,179 +56,6 @@ void WriteTensorMetadata(Writer& w, const TensorConfig& t, bool batched) {
   w.EndObject();
 }
 
-// Flattens (possibly nested) JSON arrays into `out` in row-major order.
-void Flatten(const rapidjson::Value& v, std::vector<const rapidjson::Value*>& out) {
-  if (v.IsArray()) {
-    for (const auto& e : v.GetArray()) Flatten(e, out);
-  } else {
-    out.push_back(&v);
-  }
-}
-
-template <typename T>
-Result<Tensor> Numbers(DataType type, Shape shape, const std::vector<const rapidjson::Value*>& vals,
-                       const std::string& where) {
-  std::vector<T> data;
-  data.reserve(vals.size());
-  for (const auto* v : vals) {
-    if constexpr (std::is_floating_point_v<T>) {
-      if (!v->IsNumber())
-        return Err(InvalidArgument(where + ": expected numbers for " + std::string(DataTypeName(type))));
-      data.push_back(static_cast<T>(v->GetDouble()));
-    } else if constexpr (std::is_same_v<T, bool>) {
-      if (!v->IsBool()) return Err(InvalidArgument(where + ": expected true/false for BOOL"));
-      data.push_back(v->GetBool());
-    } else if constexpr (std::is_signed_v<T>) {
-      if (!v->IsInt64())
-        return Err(InvalidArgument(where + ": expected integers for " + std::string(DataTypeName(type))));
-      data.push_back(static_cast<T>(v->GetInt64()));
-    } else {
-      if (!v->IsUint64()) {
-        return Err(InvalidArgument(where + ": expected non-negative integers for " + std::string(DataTypeName(type))));
-      }
-      data.push_back(static_cast<T>(v->GetUint64()));
-    }
-  }
-  if constexpr (std::is_same_v<T, bool>) {
-    std::vector<uint8_t> bytes(data.begin(), data.end());
-    return Tensor::From<uint8_t>(type, std::move(shape), bytes);
-  } else {
-    return Tensor::From<T>(type, std::move(shape), data);
-  }
-}
-
-// Where binary input data comes from: the request body after the JSON header,
-// consumed in input order (KServe binary tensor extension).
-struct BinaryCursor {
-  std::shared_ptr<const std::string> body;
-  size_t offset = 0;
-};
-
-Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name,
-                               BinaryCursor& binary) {
-  if (!in.IsObject() || !in.HasMember("name") || !in["name"].IsString()) {
-    return Err(InvalidArgument("model '" + model + "': every input needs a string 'name'"));
-  }
-  name = in["name"].GetString();
-  const std::string where = "model '" + model + "' input '" + name + "'";
-  if (!in.HasMember("datatype") || !in["datatype"].IsString())
-    return Err(InvalidArgument(where + ": 'datatype' is missing"));
-  auto type = DataTypeFromName(in["datatype"].GetString());
-  if (!type)
-    return Err(InvalidArgument(where + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
-  if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where + ": 'shape' is missing"));
-  if (in["shape"].Size() > kMaxTensorRank) {
-    return Err(InvalidArgument(where + ": 'shape' has " + std::to_string(in["shape"].Size()) + " dimensions; at most " +
-                               std::to_string(kMaxTensorRank) + " are accepted"));
-  }
-  Shape shape;
-  for (const auto& d : in["shape"].GetArray()) {
-    if (!d.IsInt64() || d.GetInt64() < 0)
-      return Err(InvalidArgument(where + ": 'shape' must hold non-negative integers"));
-    shape.push_back(d.GetInt64());
-  }
-  if (ElementCount(shape) < 0) {
-    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
-  }
-  if (in.HasMember("parameters") && in["parameters"].IsObject() && in["parameters"].HasMember("binary_data_size")) {
-    const auto& size = in["parameters"]["binary_data_size"];
-    if (!size.IsUint64()) return Err(InvalidArgument(where + ": binary_data_size must be a non-negative integer"));
-    const uint64_t n = size.GetUint64();
-    const size_t left = binary.body ? binary.body->size() - binary.offset : 0;
-    if (n > left) {
-      return Err(InvalidArgument(where + ": binary_data_size " + std::to_string(n) + " but only " +
-                                 std::to_string(left) + " bytes of binary data remain in the request body"));
-    }
-    // Zero copy: the tensor views the request body, which it keeps alive.
-    Tensor t = Tensor::Borrow(*type, std::move(shape), binary.body->data() + binary.offset, n, binary.body);
-    binary.offset += n;
-    return t;
-  }
-  if (!in.HasMember("data")) {
-    return Err(InvalidArgument(where + ": neither 'data' nor parameters.binary_data_size is given"));
-  }
-  std::vector<const rapidjson::Value*> vals;
-  Flatten(in["data"], vals);
-  if (static_cast<int64_t>(vals.size()) != ElementCount(shape)) {
-    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " +
-                               std::to_string(ElementCount(shape)) + " values, 'data' has " +
-                               std::to_string(vals.size())));
-  }
-  switch (*type) {
-    case DataType::kBool: return Numbers<bool>(*type, shape, vals, where);
-    case DataType::kUint8: return Numbers<uint8_t>(*type, shape, vals, where);
-    case DataType::kUint16: return Numbers<uint16_t>(*type, shape, vals, where);
-    case DataType::kUint32: return Numbers<uint32_t>(*type, shape, vals, where);
-    case DataType::kUint64: return Numbers<uint64_t>(*type, shape, vals, where);
-    case DataType::kInt8: return Numbers<int8_t>(*type, shape, vals, where);
-    case DataType::kInt16: return Numbers<int16_t>(*type, shape, vals, where);
-    case DataType::kInt32: return Numbers<int32_t>(*type, shape, vals, where);
-    case DataType::kInt64: return Numbers<int64_t>(*type, shape, vals, where);
-    case DataType::kFp32: return Numbers<float>(*type, shape, vals, where);
-    case DataType::kFp64: return Numbers<double>(*type, shape, vals, where);
-    case DataType::kBytes: {
-      std::vector<std::string> strs;
-      for (const auto* v : vals) {
-        if (!v->IsString()) return Err(InvalidArgument(where + ": expected strings for BYTES"));
-        strs.emplace_back(v->GetString(), v->GetStringLength());
-      }
-      return Tensor::FromStrings(shape, strs);
-    }
-    default:
-      return Err(InvalidArgument(where + ": datatype " + std::string(DataTypeName(*type)) +
-                                 " cannot be sent as JSON; use binary tensor data"));
-  }
-}
-
-template <typename T>
-void WriteValues(Writer& w, const Tensor& t) {
-  for (T v : t.values<T>()) {
-    if constexpr (std::is_floating_point_v<T>) {
-      if (!std::isfinite(v)) {
-        // JSON has no infinities or NaN; written as JavaScript and Python's
-        // json module write (and read) them, as Triton does.
-        const char* text = std::isnan(v) ? "NaN" : v > 0 ? "Infinity" : "-Infinity";
-        w.RawValue(text, std::strlen(text), rapidjson::kNumberType);
-        continue;
-      }
-      w.Double(static_cast<double>(v));
-    } else if constexpr (std::is_signed_v<T>) {
-      w.Int64(static_cast<int64_t>(v));
-    } else {
-      w.Uint64(static_cast<uint64_t>(v));
-    }
-  }
-}
-
-Status WriteData(Writer& w, const Tensor& t) {
-  w.StartArray();
-  switch (t.dtype()) {
-    case DataType::kBool:
-      for (uint8_t v : t.values<uint8_t>()) w.Bool(v != 0);
-      break;
-    case DataType::kUint8: WriteValues<uint8_t>(w, t); break;
-    case DataType::kUint16: WriteValues<uint16_t>(w, t); break;
-    case DataType::kUint32: WriteValues<uint32_t>(w, t); break;
-    case DataType::kUint64: WriteValues<uint64_t>(w, t); break;
-    case DataType::kInt8: WriteValues<int8_t>(w, t); break;
-    case DataType::kInt16: WriteValues<int16_t>(w, t); break;
-    case DataType::kInt32: WriteValues<int32_t>(w, t); break;
-    case DataType::kInt64: WriteValues<int64_t>(w, t); break;
-    case DataType::kFp32: WriteValues<float>(w, t); break;
-    case DataType::kFp64: WriteValues<double>(w, t); break;
-    case DataType::kBytes: {
-      auto strs = t.Strings();
-      if (!strs) return strs.error();
-      for (auto s : *strs) w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
-      break;
-    }
-    default:
-      return Unimplemented("output of type " + std::string(DataTypeName(t.dtype())) + " cannot be written as JSON yet");
-  }
-  w.EndArray();
-  return Status::Ok();
-}
-
 HttpResponse ServerMetadata() {
   rapidjson::StringBuffer buf;
   Writer w(buf);
@@ -611,120 +438,15 @@ std::optional<HttpResponse> KServeHandler::CheckHead(const HttpRequest& head) co
   return Error(st);
 }
 
-bool KServeOutputFormat::WantsBinary(const std::string& name) const {
-  for (const auto& [n, b] : binary_outputs) {
-    if (n == name) return b;
-  }
-  return binary_default;
-}
-
-Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, HttpRequest& req) {
-  auto body = std::make_shared<std::string>(std::move(req.body));
-  size_t json_size = body->size();
-  if (auto h = req.Header("inference-header-content-length"); !h.empty()) {
-    auto [p, ec] = std::from_chars(h.data(), h.data() + h.size(), json_size);
-    if (ec != std::errc() || p != h.data() + h.size() || json_size > body->size()) {
-      return Err(InvalidArgument("model '" + model + "': Inference-Header-Content-Length '" + std::string(h) +
-                                 "' is not a size within the " + std::to_string(body->size()) + "-byte body"));
-    }
-  }
-  rapidjson::Document doc;
-  if (JsonParseError e; !ParseJson(doc, body->data(), json_size, e)) {
-    return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " + std::to_string(e.offset) +
-                               ": " + e.message));
-  }
-  if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
-    return Err(InvalidArgument("model '" + model + "': the request needs an 'inputs' array"));
-  }
-  KServeInfer out;
-  InferRequest& ir = out.request;
-  ir.model = model;
-  ir.version = version;
-  ir.cancel = req.cancel;
-  BinaryCursor binary{body, json_size};
-  for (const auto& in : doc["inputs"].GetArray()) {
-    std::string name;
-    auto t = ParseJsonTensor(in, model, name, binary);
-    if (!t) return Err(t.error());
-    ir.inputs.push_back({std::move(name), std::move(*t)});
-  }
-  if (binary.offset != body->size()) {
-    return Err(InvalidArgument("model '" + model + "': " + std::to_string(body->size() - binary.offset) +
-                               " bytes of binary data are not claimed by any input's binary_data_size"));
-  }
-  // Which outputs come back as binary: per output, else the request default.
-  if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
-    const auto& p = doc["parameters"];
-    if (p.HasMember("priority")) {
-      if (!p["priority"].IsUint()) return Err(InvalidArgument("parameter 'priority' must be an unsigned integer"));
-      ir.priority = p["priority"].GetUint();
-    }
-    if (p.HasMember("timeout")) {
-      if (!p["timeout"].IsUint64()) {
-        return Err(InvalidArgument("parameter 'timeout' must be microseconds as an unsigned integer"));
-      }
-      ir.timeout_us = p["timeout"].GetUint64();
-    }
-    if (p.HasMember("binary_data_output") && p["binary_data_output"].IsBool()) {
-      out.format.binary_default = p["binary_data_output"].GetBool();
-    }
-  }
-  if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
-    for (const auto& o : doc["outputs"].GetArray()) {
-      if (!o.IsObject() || !o.HasMember("name") || !o["name"].IsString()) {
-        return Err(InvalidArgument("model '" + model + "': every requested output needs a string 'name'"));
-      }
-      bool bin = out.format.binary_default;
-      if (o.HasMember("parameters") && o["parameters"].IsObject() && o["parameters"].HasMember("binary_data") &&
-          o["parameters"]["binary_data"].IsBool()) {
-        bin = o["parameters"]["binary_data"].GetBool();
-      }
-      ir.requested_outputs.emplace_back(o["name"].GetString());
-      out.format.binary_outputs.emplace_back(o["name"].GetString(), bin);
-    }
-  }
-  if (doc.HasMember("id") && doc["id"].IsString()) out.format.id = doc["id"].GetString();
-  return out;
-}
-
-Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
-                          const KServeOutputFormat& format, std::vector<const Tensor*>& binary_parts) {
-  w.StartArray();
-  for (const auto& o : outputs) {
-    w.StartObject();
-    w.Key("name");
-    w.String(o.name.c_str());
-    w.Key("datatype");
-    w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
-    w.Key("shape");
-    WriteShape(w, o.tensor.shape());
-    if (format.WantsBinary(o.name)) {
-      w.Key("parameters");
-      w.StartObject();
-      w.Key("binary_data_size");
-      w.Uint64(o.tensor.byte_size());
-      w.EndObject();
-      binary_parts.push_back(&o.tensor);
-    } else {
-      w.Key("data");
-      QUERN_RETURN_IF_ERROR(WriteData(w, o.tensor));
-    }
-    w.EndObject();
-  }
-  w.EndArray();
-  return Status::Ok();
-}
-
 HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
                         const std::vector<const Tensor*>& binary_parts) {
-  HttpResponse resp = Json(status, json);
-  if (!binary_parts.empty()) {
-    resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(resp.body.size()));
+  KServeMessage m = JoinKServeMessage(json, binary_parts);
+  HttpResponse resp;
+  resp.status = status;
+  resp.body = std::move(m.bytes);
+  if (m.binary) {
+    resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(m.json_size));
     resp.content_type = "application/octet-stream";
-    size_t total = resp.body.size();
-    for (const Tensor* t : binary_parts) total += t->byte_size();
-    resp.body.reserve(total);
-    for (const Tensor* t : binary_parts) resp.body.append(reinterpret_cast<const char*>(t->data()), t->byte_size());
   }
   return resp;
 }
@@ -734,27 +456,18 @@ HttpResponse ErrorResponse(const Status& status) {
 }
 
 void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
-  auto parsed = ParseKServeInfer(model, version, req);
+  auto parsed =
+      ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));
+  parsed->request.cancel = std::move(req.cancel);
   auto format = std::make_shared<KServeOutputFormat>(std::move(parsed->format));
   engine_->InferAsync(std::move(parsed->request), [done = std::move(done), format](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
     rapidjson::StringBuffer buf;
     Writer w(buf);
-    w.StartObject();
-    if (!format->id.empty()) {
-      w.Key("id");
-      w.String(format->id.c_str(), static_cast<rapidjson::SizeType>(format->id.size()));
-    }
-    w.Key("model_name");
-    w.String(r.model.c_str());
-    w.Key("model_version");
-    w.String(std::to_string(r.version).c_str());
-    w.Key("outputs");
     std::vector<const Tensor*> binary_parts;
-    Status st = WriteKServeOutputs(w, r.outputs, *format, binary_parts);
+    Status st = WriteKServeResult(w, format->id, r.model, r.version, r.outputs, *format, binary_parts);
     if (!st.ok()) return done(Error(st));
-    w.EndObject();
     done(KServeBody(200, buf, binary_parts));
   });
 }

@@ -15,39 +15,13 @@
 #include <utility>
 #include <vector>
 
+#include "codec/kserve_codec.h"
 #include "frontends/http/http_types.h"
 #include "quern/engine.h"
 
 namespace quern {
 
-// What a KServe v2 caller wants its response to look like.
-struct KServeOutputFormat {
-  std::string id;                                            // the request's "id", echoed
-  bool binary_default = false;                               // parameters.binary_data_output
-  std::vector<std::pair<std::string, bool>> binary_outputs;  // requested outputs: binary or not
-  // Whether output `name` is sent as binary data.
-  bool WantsBinary(const std::string& name) const;
-};
-
-// A KServe v2 infer request body, parsed.
-struct KServeInfer {
-  InferRequest request;
-  KServeOutputFormat format;
-};
-
-// Parses an infer body (JSON, or JSON + binary tensors with
-// Inference-Header-Content-Length). Takes the request's body: binary inputs
-// are views into it, kept alive by the returned tensors. INVALID_ARGUMENT
-// names the model, the input and what was wrong.
-Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, HttpRequest& request);
-
-// Writes the KServe "outputs" array (the key must already be written) into
-// `w`; binary outputs are listed with binary_data_size and collected in
-// `binary_parts`, to be appended after the JSON by KServeBody.
-Status WriteKServeOutputs(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<NamedTensor>& outputs,
-                          const KServeOutputFormat& format, std::vector<const Tensor*>& binary_parts);
-
-// A response of `json` followed by the binary parts (with
+// An HTTP response of `json` followed by the binary parts (with
 // Inference-Header-Content-Length when there are any).
 HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
                         const std::vector<const Tensor*>& binary_parts);

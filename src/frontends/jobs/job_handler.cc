@@ -173,7 +173,8 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     rejected_.fetch_add(1);
     return done(ErrorResponse(s));
   }
-  auto parsed = ParseKServeInfer(model, version, req);
+  auto parsed =
+      ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) {
     rejected_.fetch_add(1);
     return done(ErrorResponse(parsed.error()));
@@ -317,15 +318,8 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
   std::vector<const Tensor*> binary_parts;
   if (rec.state == JobState::kDone) {
     w.Key("result");
-    w.StartObject();
-    w.Key("model_name");
-    String(w, rec.model);
-    w.Key("model_version");
-    String(w, std::to_string(rec.version));
-    w.Key("outputs");
-    Status st = WriteKServeOutputs(w, rec.outputs, format, binary_parts);
+    Status st = WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, binary_parts);
     if (!st.ok()) return done(ErrorResponse(st));
-    w.EndObject();
   } else {
     w.Key("error");
     String(w, rec.error.message());

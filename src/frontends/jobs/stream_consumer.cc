@@ -80,13 +80,7 @@ Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model
                                  "' is not a Unix time in milliseconds"));
     }
   }
-  HttpRequest req;
-  req.method = "POST";
-  req.body.assign(body);
-  if (auto h = e.Field("header_length"); !h.empty()) {
-    req.headers.emplace_back("inference-header-content-length", std::string(h));
-  }
-  QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInfer(model, -1, req));
+  QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInferBody(model, -1, std::string(body), e.Field("header_length")));
   return job;
 }
 

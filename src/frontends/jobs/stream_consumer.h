@@ -35,7 +35,7 @@
 #include <thread>
 #include <vector>
 
-#include "frontends/http/kserve_handler.h"
+#include "codec/kserve_codec.h"
 #include "quern/engine.h"
 #include "store/redis_client.h"
 #include "store/redis_store.h"

@@ -1,0 +1,84 @@
+// KServe v2 (Open Inference Protocol) tensors as JSON, and the binary tensor
+// data extension: parsing infer requests and writing infer results.
+//
+// A codec, not a front end: it takes and gives bytes (a JSON header and the
+// binary data after it) and knows no transport. The HTTP handler, the job
+// API, the Redis result store and the stream consumer all read and write
+// KServe messages through it.
+#pragma once
+
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "quern/engine.h"
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern {
+
+using JsonWriter = rapidjson::Writer<rapidjson::StringBuffer>;
+
+// What a KServe v2 caller wants its response to look like.
+struct KServeOutputFormat {
+  std::string id;                                            // the request's "id", echoed
+  bool binary_default = false;                               // parameters.binary_data_output
+  std::vector<std::pair<std::string, bool>> binary_outputs;  // requested outputs: binary or not
+  // Whether output `name` is sent as binary data.
+  bool WantsBinary(const std::string& name) const;
+};
+
+// A KServe v2 infer request, parsed.
+struct KServeInfer {
+  InferRequest request;
+  KServeOutputFormat format;
+};
+
+// Parses an infer request from its JSON header and the binary data that
+// follows it (inputs with parameters.binary_data_size take their bytes from
+// `binary` in input order, and together must claim all of it). Binary inputs
+// are views into `binary`, kept alive by `owner`: nothing is copied.
+// INVALID_ARGUMENT names the model, the input and what was wrong.
+Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, std::string_view json,
+                                     std::string_view binary, std::shared_ptr<const void> owner);
+
+// The same for one body: its first `json_length` bytes are the JSON header
+// (the Inference-Header-Content-Length value as sent, "" = the whole body is
+// JSON) and the rest binary data. Takes the body; binary inputs view it.
+Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version, std::string body,
+                                         std::string_view json_length);
+
+// Writes KServe's "outputs" array (the key must already be written) into
+// `w`; outputs the format wants as binary are listed with binary_data_size
+// and collected in `binary_parts`, in order, to follow the JSON.
+Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs, const KServeOutputFormat& format,
+                          std::vector<const Tensor*>& binary_parts);
+
+// Writes an infer result object: {"id" (when not empty), "model_name",
+// "model_version", "outputs"}. The same object answers an infer request and
+// is a finished job's "result".
+Status WriteKServeResult(JsonWriter& w, std::string_view id, std::string_view model, int64_t version,
+                         const std::vector<NamedTensor>& outputs, const KServeOutputFormat& format,
+                         std::vector<const Tensor*>& binary_parts);
+
+// A message as sent: the JSON, then the binary parts. `json_size` is the
+// Inference-Header-Content-Length (meaningful when `binary` is true).
+struct KServeMessage {
+  std::string bytes;
+  size_t json_size = 0;
+  bool binary = false;
+};
+KServeMessage JoinKServeMessage(const rapidjson::StringBuffer& json, const std::vector<const Tensor*>& binary_parts);
+
+// Writes a tensor's values as a flat JSON array. Floating-point NaN and
+// infinities are written NaN / Infinity / -Infinity, as Python's json module
+// and Triton write (and read) them. UNIMPLEMENTED for types JSON cannot carry
+// (FP16, BF16).
+Status WriteKServeData(JsonWriter& w, const Tensor& t);
+
+}  // namespace quern

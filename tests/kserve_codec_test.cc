@@ -1,0 +1,155 @@
+// The KServe v2 codec on bytes alone: a JSON header with the binary data in
+// a buffer of its own (as Redis stores them), one body with both (as HTTP
+// and stream entries carry them), and results written back.
+#include "codec/kserve_codec.h"
+
+#include <gtest/gtest.h>
+#include <rapidjson/document.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace quern {
+namespace {
+
+using testing::Floats;
+using testing::ToFloats;
+
+std::string Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+TEST(KServeCodec, BinaryInputsViewTheCallersBytesWithoutCopying) {
+  const std::string json =
+      R"({"id": "r1", "inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}},
+                                 {"name": "b", "shape": [1, 2], "datatype": "INT64", "data": [[7, -9]]},
+                                 {"name": "c", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}],
+          "outputs": [{"name": "y", "parameters": {"binary_data": true}}, {"name": "z"}],
+          "parameters": {"priority": 2, "timeout": 5000}})";
+  auto binary = std::make_shared<const std::string>(Bytes({1.5f, -2.0f}) + Bytes({3.25f}));
+  std::weak_ptr<const std::string> watch = binary;
+  auto parsed = ParseKServeInfer("m", 3, json, *binary, binary);
+  ASSERT_TRUE(parsed.has_value()) << parsed.error().ToString();
+  binary.reset();
+  EXPECT_FALSE(watch.expired()) << "the binary inputs keep their bytes alive";
+  const InferRequest& r = parsed->request;
+  EXPECT_EQ(r.model, "m");
+  EXPECT_EQ(r.version, 3);
+  EXPECT_EQ(r.priority, 2u);
+  EXPECT_EQ(r.timeout_us, 5000u);
+  ASSERT_EQ(r.inputs.size(), 3u);
+  EXPECT_EQ(r.inputs[0].name, "a");
+  EXPECT_EQ(ToFloats(r.inputs[0].tensor), (std::vector<float>{1.5f, -2.0f}));
+  EXPECT_EQ(static_cast<const void*>(r.inputs[0].tensor.data()), static_cast<const void*>(watch.lock()->data()));
+  EXPECT_EQ(r.inputs[1].tensor.shape(), (Shape{1, 2}));
+  EXPECT_EQ(r.inputs[1].tensor.values<int64_t>()[1], -9);
+  EXPECT_EQ(ToFloats(r.inputs[2].tensor), (std::vector<float>{3.25f}));
+  EXPECT_EQ(r.requested_outputs, (std::vector<std::string>{"y", "z"}));
+  EXPECT_EQ(parsed->format.id, "r1");
+  EXPECT_TRUE(parsed->format.WantsBinary("y"));
+  EXPECT_FALSE(parsed->format.WantsBinary("z"));
+}
+
+TEST(KServeCodec, BinaryDataMustBeClaimedExactly) {
+  const std::string json =
+      R"({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}]})";
+  const std::string extra = Bytes({1.0f}) + "x";
+  auto r = ParseKServeInfer("m", -1, json, extra, nullptr);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message().find("1 bytes of binary data are not claimed"), std::string::npos)
+      << r.error().message();
+  r = ParseKServeInfer("m", -1, json, "ab", nullptr);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message().find("input 'a': binary_data_size 4 but only 2 bytes"), std::string::npos)
+      << r.error().message();
+}
+
+TEST(KServeCodec, OneBodySplitsWhereTheHeaderLengthSays) {
+  const std::string json =
+      R"({"inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]})";
+  auto r = ParseKServeInferBody("m", -1, json + Bytes({4.0f, 5.0f}), std::to_string(json.size()));
+  ASSERT_TRUE(r.has_value()) << r.error().ToString();
+  EXPECT_EQ(ToFloats(r->request.inputs[0].tensor), (std::vector<float>{4.0f, 5.0f}));
+
+  for (const std::string& bad :
+       std::vector<std::string>{"x", "-1", "12 ", std::to_string(json.size() + 9), "99999999999999999999999"}) {
+    auto e = ParseKServeInferBody("m", -1, json + Bytes({4.0f, 5.0f}), bad);
+    ASSERT_FALSE(e.has_value()) << bad;
+    EXPECT_EQ(e.error().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(e.error().message().find("Inference-Header-Content-Length"), std::string::npos) << e.error().message();
+  }
+  // No header length: the whole body is JSON.
+  auto j = ParseKServeInferBody("m", -1,
+                                R"({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [2]}]})", "");
+  ASSERT_TRUE(j.has_value()) << j.error().ToString();
+  EXPECT_EQ(ToFloats(j->request.inputs[0].tensor), (std::vector<float>{2.0f}));
+}
+
+TEST(KServeCodec, ResultsAreJsonThenBinaryPartsInOrder) {
+  std::vector<NamedTensor> outputs = {
+      {"y", Floats({2}, {0.5f, 1e30f})}, {"z", Floats({1, 2}, {-1.0f, 0.25f})}, {"w", Floats({1}, {7.0f})}};
+  KServeOutputFormat format;
+  format.binary_default = true;
+  format.binary_outputs = {{"z", false}};
+  rapidjson::StringBuffer sb;
+  JsonWriter w(sb);
+  std::vector<const Tensor*> parts;
+  ASSERT_TRUE(WriteKServeResult(w, "req-7", "m", 4, outputs, format, parts).ok());
+  KServeMessage m = JoinKServeMessage(sb, parts);
+  EXPECT_TRUE(m.binary);
+  ASSERT_EQ(m.bytes.size(), m.json_size + 12);
+  EXPECT_EQ(m.bytes.substr(m.json_size), Bytes({0.5f, 1e30f}) + Bytes({7.0f}));
+
+  rapidjson::Document d;
+  d.Parse(m.bytes.data(), m.json_size);
+  ASSERT_FALSE(d.HasParseError()) << m.bytes.substr(0, m.json_size);
+  EXPECT_STREQ(d["id"].GetString(), "req-7");
+  EXPECT_STREQ(d["model_name"].GetString(), "m");
+  EXPECT_STREQ(d["model_version"].GetString(), "4");
+  const auto& out = d["outputs"];
+  ASSERT_EQ(out.Size(), 3u);
+  EXPECT_EQ(out[0]["parameters"]["binary_data_size"].GetUint64(), 8u);
+  EXPECT_FALSE(out[1].HasMember("parameters"));
+  EXPECT_EQ(out[1]["data"][0].GetDouble(), -1.0);
+  EXPECT_EQ(out[1]["data"][1].GetDouble(), 0.25);
+  EXPECT_EQ(out[1]["shape"][1].GetInt(), 2);
+  EXPECT_EQ(out[2]["parameters"]["binary_data_size"].GetUint64(), 4u);
+
+  // Without an id the key is left out; without binary parts there is JSON only.
+  rapidjson::StringBuffer sb2;
+  JsonWriter w2(sb2);
+  std::vector<const Tensor*> none;
+  ASSERT_TRUE(WriteKServeResult(w2, "", "m", 1, {outputs[1]}, KServeOutputFormat{}, none).ok());
+  KServeMessage m2 = JoinKServeMessage(sb2, none);
+  EXPECT_FALSE(m2.binary);
+  EXPECT_EQ(m2.bytes.size(), m2.json_size);
+  EXPECT_EQ(m2.bytes.find("\"id\""), std::string::npos) << m2.bytes;
+}
+
+TEST(KServeCodec, ARequestWrittenAsResultsReadsBackTheSameTensors) {
+  // What the Redis store does: results written, read back as the "inputs" of
+  // a request (the tensor format is the same both ways).
+  std::vector<NamedTensor> outputs = {{"y", Floats({3}, {1.0f, -0.0f, 3.5f})}, {"z", Floats({1}, {9.0f})}};
+  KServeOutputFormat format;
+  format.binary_outputs = {{"z", true}};
+  rapidjson::StringBuffer sb;
+  JsonWriter w(sb);
+  std::vector<const Tensor*> parts;
+  w.StartObject();
+  w.Key("inputs");
+  ASSERT_TRUE(WriteKServeOutputs(w, outputs, format, parts).ok());
+  w.EndObject();
+  KServeMessage m = JoinKServeMessage(sb, parts);
+  auto back = ParseKServeInferBody("m", -1, m.bytes, std::to_string(m.json_size));
+  ASSERT_TRUE(back.has_value()) << back.error().ToString();
+  ASSERT_EQ(back->request.inputs.size(), 2u);
+  EXPECT_EQ(ToFloats(back->request.inputs[0].tensor), (std::vector<float>{1.0f, -0.0f, 3.5f}));
+  EXPECT_EQ(ToFloats(back->request.inputs[1].tensor), (std::vector<float>{9.0f}));
+}
+
+}  // namespace
+}  // namespace quern
