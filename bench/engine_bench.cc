@@ -137,7 +137,7 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
     r.model = "m";
     r.inputs = {{input, quern::Tensor::Borrow(quern::DataType::kFp32, dims, s.data.data(), s.data.size() * 4)}};
     s.t0 = Clock::now();
-    engine.InferAsync(std::move(r), [&, i](quern::InferResponse&& resp) {
+    quern::InferCallback done = [&, i](quern::InferResponse&& resp) {
       if (!resp.status.ok()) {
         std::fprintf(stderr, "request failed: %s\n", resp.status.ToString().c_str());
         std::exit(1);
@@ -150,7 +150,11 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
         return;
       }
       submit(i);
-    });
+    };
+    if (quern::Status st = engine.InferAsync(std::move(r), done); !st.ok()) {
+      std::fprintf(stderr, "request refused: %s\n", st.ToString().c_str());
+      std::exit(1);
+    }
   };
   active = inflight;
   for (int i = 0; i < inflight; ++i) submit(i);

@@ -155,11 +155,12 @@ TEST(CustomModel, PreserveOrderingAcrossInstances) {
     r.model = "ordered";
     r.inputs = {{"x", Floats({1, 4}, {i == 0 ? 80.f : 1000.f, 0, 0, 0})}};
     r.metadata = {{"i", std::to_string(i)}};
-    engine->InferAsync(std::move(r), [&](InferResponse&& resp) {
+    InferCallback cb = [&](InferResponse&& resp) {
       std::lock_guard lock(mu);
       order.push_back(std::stoi(resp.metadata.at(0).second));
       ++done;
-    });
+    };
+    ASSERT_TRUE(engine->InferAsync(std::move(r), cb).ok());
   }
   while (done.load() < 2) std::this_thread::yield();
   EXPECT_EQ(order, (std::vector<int>{0, 1}));

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <thread>
 
@@ -267,7 +269,9 @@ TEST_F(EngineTest, VersionsAreServedSeparately) {
 
 TEST_F(EngineTest, CallbackAndCompletionQueueForms) {
   std::promise<InferResponse> p;
-  engine_->InferAsync(AddSub({1, 1, 1, 1}, {1, 1, 1, 1}, 1), [&](InferResponse&& r) { p.set_value(std::move(r)); });
+  InferCallback done = [&](InferResponse&& r) { p.set_value(std::move(r)); };
+  ASSERT_TRUE(engine_->InferAsync(AddSub({1, 1, 1, 1}, {1, 1, 1, 1}, 1), done).ok());
+  EXPECT_FALSE(done) << "a request taken takes its callback";
   InferResponse r = p.get_future().get();
   ASSERT_TRUE(r.status.ok());
   EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{2, 2, 2, 2}));
@@ -276,8 +280,9 @@ TEST_F(EngineTest, CallbackAndCompletionQueueForms) {
   std::map<uint64_t, float> expected;
   for (int i = 0; i < 8; ++i) {
     float v = static_cast<float>(i);
-    uint64_t id = engine_->InferAsync(AddSub({v, v, v, v}, {v, v, v, v}, 1), &cq);
-    expected[id] = 2 * v;
+    auto id = engine_->InferAsync(AddSub({v, v, v, v}, {v, v, v, v}, 1), &cq);
+    ASSERT_TRUE(id.has_value()) << id.error().ToString();
+    expected[*id] = 2 * v;
   }
   for (int i = 0; i < 8; ++i) {
     InferResponse got = cq.Wait();
@@ -287,6 +292,35 @@ TEST_F(EngineTest, CallbackAndCompletionQueueForms) {
     expected.erase(got.request_id);
   }
   EXPECT_FALSE(cq.TryPoll().has_value());
+}
+
+TEST_F(EngineTest, RefusalsAtSubmissionAreReturnedAndTheCallbackNeverRuns) {
+  std::atomic<int> calls{0};
+  InferCallback done = [&](InferResponse&&) { calls.fetch_add(1); };
+  InferRequest unknown;
+  unknown.model = "no_such_model";
+  Status st = engine_->InferAsync(std::move(unknown), done);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  ASSERT_TRUE(done) << "a refused request leaves its callback with the caller";
+
+  InferRequest bad = AddSub({1, 1, 1, 1}, {1, 1, 1, 1}, 1);
+  bad.inputs.pop_back();  // one input missing
+  st = engine_->InferAsync(std::move(bad), done);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  ASSERT_TRUE(done);
+
+  CompletionQueue cq;
+  InferRequest unknown2;
+  unknown2.model = "no_such_model";
+  auto id = engine_->InferAsync(std::move(unknown2), &cq);
+  ASSERT_FALSE(id.has_value());
+  EXPECT_EQ(id.error().code(), StatusCode::kNotFound);
+
+  // The callback is still usable, and taken by the next accepted request.
+  ASSERT_TRUE(engine_->InferAsync(AddSub({1, 1, 1, 1}, {1, 1, 1, 1}, 1), done).ok());
+  for (int i = 0; i < 5000 && calls.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(calls.load(), 1) << "only the accepted request answers";
+  EXPECT_FALSE(cq.TryPoll().has_value()) << "nothing is pushed for a refusal";
 }
 
 TEST_F(EngineTest, ManyThreadsEachGetTheirOwnResult) {

@@ -224,16 +224,24 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Submits a request. Every form delivers exactly one response; errors
+  // Submits a request; its future holds exactly one response. Every error
   // (unknown model, bad input, queue full, timeout, cancellation, backend
-  // failure) arrive as a response with a non-OK status, never as exceptions.
+  // failure) is a response with a non-OK status, never an exception.
   std::future<InferResponse> Infer(InferRequest request);
-  // `done` runs on an engine thread (or inline when the request is rejected
-  // before queuing); it must not block for long.
-  void InferAsync(InferRequest request, InferCallback done);
-  // Returns the request id; the response, carrying it, is pushed to `queue`,
-  // which must outlive the request.
-  uint64_t InferAsync(InferRequest request, CompletionQueue* queue);
+
+  // Submits a request without waiting, in two steps, as a batch scheduler
+  // takes a task. Admission is synchronous: a request refused at submission
+  // (unknown or unready model, invalid input, queue full, model stopping)
+  // returns the refusal, and `done` is left with the caller, untouched,
+  // never to run. A request taken returns OK, `done` is moved out, and it
+  // runs exactly once, on an engine thread, with the response (which may
+  // still carry a timeout, a cancellation or a backend failure). `done`
+  // must not block for long.
+  Status InferAsync(InferRequest request, InferCallback& done);
+  // The same with a completion queue: the request id, and the response,
+  // carrying it, is pushed to `queue` (which must outlive the request); a
+  // refusal is returned and nothing is pushed.
+  Result<uint64_t> InferAsync(InferRequest request, CompletionQueue* queue);
 
   // Admission alone, before a request exists: UNAVAILABLE when a request
   // for `name` (and `version`, -1 = the latest ready) would be refused now

@@ -113,20 +113,10 @@ class EngineImpl {
 
   uint64_t NextId() { return next_id_.fetch_add(1, std::memory_order_relaxed); }
 
-  void Submit(InferRequest&& request, uint64_t id, InferCallback done) {
+  Status Submit(InferRequest&& request, uint64_t id, InferCallback& done) {
     auto served = Resolve(request.model, request.version);
-    if (!served) {
-      InferResponse r;
-      r.status = served.error();
-      r.request_id = id;
-      r.model = request.model;
-      r.version = request.version;
-      r.metadata = std::move(request.metadata);
-      r.telemetry.queue_start_ns = r.telemetry.response_ns = clock_->NowNs();
-      done(std::move(r));
-      return;
-    }
-    (*served)->Submit(std::move(request), id, std::move(done));
+    if (!served) return served.error();
+    return (*served)->Submit(std::move(request), id, done);
   }
 
   Result<std::shared_ptr<ServedModel>> Resolve(const std::string& name, int64_t version) const {
@@ -487,21 +477,45 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
 Engine::Engine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
+namespace {
+
+// The response a refused request would have had.
+InferResponse Refusal(Status status, uint64_t id, const std::string& model, int64_t version, int64_t now_ns) {
+  InferResponse r;
+  r.status = std::move(status);
+  r.request_id = id;
+  r.model = model;
+  r.version = version;
+  r.telemetry.queue_start_ns = r.telemetry.response_ns = now_ns;
+  return r;
+}
+
+}  // namespace
+
 std::future<InferResponse> Engine::Infer(InferRequest request) {
   auto promise = std::make_shared<std::promise<InferResponse>>();
   auto future = promise->get_future();
-  impl_->Submit(std::move(request), impl_->NextId(),
-                [promise](InferResponse&& r) { promise->set_value(std::move(r)); });
+  const uint64_t id = impl_->NextId();
+  std::string model = request.model;
+  const int64_t version = request.version;
+  auto metadata = request.metadata;
+  InferCallback done = [promise](InferResponse&& r) { promise->set_value(std::move(r)); };
+  if (Status st = impl_->Submit(std::move(request), id, done); !st.ok()) {
+    InferResponse r = Refusal(std::move(st), id, model, version, clock().NowNs());
+    r.metadata = std::move(metadata);
+    promise->set_value(std::move(r));
+  }
   return future;
 }
 
-void Engine::InferAsync(InferRequest request, InferCallback done) {
-  impl_->Submit(std::move(request), impl_->NextId(), std::move(done));
+Status Engine::InferAsync(InferRequest request, InferCallback& done) {
+  return impl_->Submit(std::move(request), impl_->NextId(), done);
 }
 
-uint64_t Engine::InferAsync(InferRequest request, CompletionQueue* queue) {
+Result<uint64_t> Engine::InferAsync(InferRequest request, CompletionQueue* queue) {
   const uint64_t id = impl_->NextId();
-  impl_->Submit(std::move(request), id, [queue](InferResponse&& r) { queue->Push(std::move(r)); });
+  InferCallback done = [queue](InferResponse&& r) { queue->Push(std::move(r)); };
+  QUERN_RETURN_IF_ERROR(impl_->Submit(std::move(request), id, done));
   return id;
 }
 

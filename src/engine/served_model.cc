@@ -331,32 +331,36 @@ Status ServedModel::Validate(const InferRequest& r, int64_t& items, uint64_t& ke
   return Status::Ok();
 }
 
-void ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback done) {
+Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   auto task = std::make_unique<Task>();
   task->telemetry.queue_start_ns = clock_->NowNs();
   task->id = request_id;
-  task->done = std::move(done);
   Status st = Validate(request, task->items, task->key, task->output_indices);
   task->request = std::move(request);
-  if (!st.ok()) {
-    task->ticket = UINT64_MAX;  // not sequenced
-    Finish(std::move(task), st, {});
-    return;
-  }
+  if (!st.ok()) return Refuse(*task, std::move(st));
   task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
   ScheduleOptions so;
   so.priority = task->request.priority;
   so.timeout_ns = static_cast<int64_t>(task->request.timeout_us) * 1000;
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
+  task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);
-  if (!st.ok()) {
-    // Schedule left ownership with us.
-    std::unique_ptr<Task> back(static_cast<Task*>(base.release()));
-    Finish(std::move(back), Status(st.code(), "model '" + config_.name + "': " + st.message()), {});
-  }
+  if (st.ok()) return st;
+  // Schedule left ownership with us: the callback goes back to the caller,
+  // and the ticket is given up so that later responses are not held back.
+  std::unique_ptr<Task> back(static_cast<Task*>(base.release()));
+  done = std::move(back->done);
+  if (ordered_) sequencer_.Complete(back->ticket, [] {});
+  return Refuse(*back, Status(st.code(), "model '" + config_.name + "': " + st.message()));
+}
+
+Status ServedModel::Refuse(const Task& task, Status status) {
+  RecordOutcome(task, status);
+  in_flight_.fetch_sub(1, std::memory_order_release);
+  return status;
 }
 
 Status ServedModel::CheckAdmission() {
@@ -369,6 +373,36 @@ Status ServedModel::CheckAdmission() {
     stats_.request_us.Observe(0);
   }
   return Status(st.code(), "model '" + config_.name + "': " + st.message());
+}
+
+void ServedModel::RecordOutcome(const Task& task, const Status& status) {
+  const int64_t now = clock_->NowNs();
+  const Telemetry& t = task.telemetry;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  DurationStat& outcome = status.ok() ? stats_.success : stats_.fail;
+  const int64_t total_ns = std::max<int64_t>(now - t.queue_start_ns, 0);
+  ++outcome.count;
+  outcome.ns += static_cast<uint64_t>(total_ns);
+  stats_.request_us.Observe(static_cast<double>(total_ns) / 1e3);
+  switch (status.code()) {
+    case StatusCode::kOk: break;
+    case StatusCode::kUnavailable: ++stats_.fail_rejected; break;
+    case StatusCode::kCancelled: ++stats_.fail_cancelled; break;
+    case StatusCode::kDeadlineExceeded: ++stats_.fail_timeout; break;
+    case StatusCode::kInvalidArgument: ++stats_.fail_invalid; break;
+    default: ++stats_.fail_backend; break;
+  }
+  if (t.compute_start_ns > 0) {
+    stats_.queue.count++;
+    stats_.queue.ns += static_cast<uint64_t>(t.compute_start_ns - t.queue_start_ns);
+    stats_.queue_us.Observe(static_cast<double>(t.compute_start_ns - t.queue_start_ns) / 1e3);
+    const int64_t infer_ns = t.compute_end_ns - t.compute_start_ns - task.input_ns;
+    for (auto [stat, ns] : {std::pair{&stats_.compute_input, task.input_ns}, std::pair{&stats_.compute_infer, infer_ns},
+                            std::pair{&stats_.compute_output, task.output_ns}}) {
+      stat->count++;
+      stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
+    }
+  }
 }
 
 void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs) {
@@ -385,37 +419,8 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
       r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
     }
   }
-  {
-    const int64_t now = clock_->NowNs();
-    const Telemetry& t = r.telemetry;
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    DurationStat& outcome = r.status.ok() ? stats_.success : stats_.fail;
-    const int64_t total_ns = std::max<int64_t>(now - t.queue_start_ns, 0);
-    ++outcome.count;
-    outcome.ns += static_cast<uint64_t>(total_ns);
-    stats_.request_us.Observe(static_cast<double>(total_ns) / 1e3);
-    switch (r.status.code()) {
-      case StatusCode::kOk: break;
-      case StatusCode::kUnavailable: ++stats_.fail_rejected; break;
-      case StatusCode::kCancelled: ++stats_.fail_cancelled; break;
-      case StatusCode::kDeadlineExceeded: ++stats_.fail_timeout; break;
-      case StatusCode::kInvalidArgument: ++stats_.fail_invalid; break;
-      default: ++stats_.fail_backend; break;
-    }
-    if (t.compute_start_ns > 0) {
-      stats_.queue.count++;
-      stats_.queue.ns += static_cast<uint64_t>(t.compute_start_ns - t.queue_start_ns);
-      stats_.queue_us.Observe(static_cast<double>(t.compute_start_ns - t.queue_start_ns) / 1e3);
-      const int64_t infer_ns = t.compute_end_ns - t.compute_start_ns - task->input_ns;
-      for (auto [stat, ns] :
-           {std::pair{&stats_.compute_input, task->input_ns}, std::pair{&stats_.compute_infer, infer_ns},
-            std::pair{&stats_.compute_output, task->output_ns}}) {
-        stat->count++;
-        stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
-      }
-    }
-  }
-  if (ordered_ && task->ticket != UINT64_MAX) {
+  RecordOutcome(*task, r.status);
+  if (ordered_) {
     sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
       r.telemetry.response_ns = clock_->NowNs();
       done(std::move(r));

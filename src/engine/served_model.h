@@ -34,9 +34,11 @@ class ServedModel {
                                                      std::filesystem::path model_dir);
   ~ServedModel();
 
-  // Validates and queues `request`; `done` receives exactly one response
-  // (inline on this thread when the request is rejected before queuing).
-  void Submit(InferRequest&& request, uint64_t request_id, InferCallback done);
+  // Validates and queues `request`. Queued: `done` is moved out and later
+  // receives exactly one response on an engine thread. Refused (invalid
+  // input, queue full, stopping): the refusal is returned, counted in the
+  // statistics, and `done` is left with the caller, untouched.
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done);
 
   // OK, or the UNAVAILABLE a request would get now because the queue is
   // full (counted in the statistics as a rejected request: the caller
@@ -60,6 +62,9 @@ class ServedModel {
   Status Warmup(const std::filesystem::path& model_dir);
   void ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch);
   void Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs);
+  // A request refused at submission: counted, and its status returned.
+  Status Refuse(const Task& task, Status status);
+  void RecordOutcome(const Task& task, const Status& status);
   int64_t PaddedSize(int64_t items) const;
 
   const ModelConfig config_;

@@ -238,11 +238,12 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     }
     ir->cancel = cancel_;
     ir->deadline_ns = DeadlineNs(ctx, *engine);
-    engine->InferAsync(std::move(*ir), [this, id = request->id()](InferResponse&& r) {
+    InferCallback done = [this, id = request->id()](InferResponse&& r) {
       if (!r.status.ok()) return Finish(ToGrpc(r.status));
       ToInferResponse(r, id, response_);
       Finish(grpc::Status::OK);
-    });
+    };
+    if (Status st = engine->InferAsync(std::move(*ir), done); !st.ok()) Finish(ToGrpc(st));
   }
 
   void OnCancel() override { cancel_->Cancel(); }
@@ -342,20 +343,24 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       cancels_.push_back(cancel);
     }
     // The request message owns the raw input bytes: it lives in the callback.
-    engine_->InferAsync(
-        std::move(*ir),
-        [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)), cancel](InferResponse&& r) {
-          Answer(request->id(), r.status, &r);
-          bool last;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            std::erase(cancels_, cancel);
-            --pending_;
-            MaybeFinishLocked();
-            last = done_ && pending_ == 0;
-          }
-          if (last) delete this;
-        });
+    InferCallback done = [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)),
+                          cancel](InferResponse&& r) {
+      Answer(request->id(), r.status, &r);
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::erase(cancels_, cancel);
+        --pending_;
+        MaybeFinishLocked();
+        last = done_ && pending_ == 0;
+      }
+      if (last) delete this;
+    };
+    if (Status st = engine_->InferAsync(std::move(*ir), done); !st.ok()) {
+      InferResponse refused;  // answered and counted as the callback does
+      refused.status = std::move(st);
+      done(std::move(refused));
+    }
   }
 
   // Queues a response (or an error for this request only) for writing.

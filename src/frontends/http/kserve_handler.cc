@@ -460,16 +460,20 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
-  auto format = std::make_shared<KServeOutputFormat>(std::move(parsed->format));
-  engine_->InferAsync(std::move(parsed->request), [done = std::move(done), format](InferResponse&& r) {
+  InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
     rapidjson::StringBuffer buf;
     Writer w(buf);
     std::vector<const Tensor*> binary_parts;
-    Status st = WriteKServeResult(w, format->id, r.model, r.version, r.outputs, *format, binary_parts);
+    Status st = WriteKServeResult(w, format.id, r.model, r.version, r.outputs, format, binary_parts);
     if (!st.ok()) return done(Error(st));
     done(KServeBody(200, buf, binary_parts));
-  });
+  };
+  if (Status st = engine_->InferAsync(std::move(parsed->request), respond); !st.ok()) {
+    InferResponse refused;  // the callback is still ours: it answers
+    refused.status = std::move(st);
+    respond(std::move(refused));
+  }
 }
 
 }  // namespace quern

@@ -90,11 +90,6 @@ struct JobHandler::Pending {
   std::shared_ptr<CancellationToken> cancel = std::make_shared<CancellationToken>();
   bool binary_default = false;
   std::vector<std::pair<std::string, bool>> binary_outputs;
-  // Rejection inside InferAsync (bad input, unknown model, queue full)
-  // arrives on the submitting thread before InferAsync returns.
-  std::thread::id submitter;
-  std::atomic<bool> queued{false};
-  Status rejection;
 };
 
 std::string RenderJobPrometheus(const JobStats& s) {
@@ -186,7 +181,6 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   job->version = version;
   job->binary_default = parsed->format.binary_default;
   job->binary_outputs = std::move(parsed->format.binary_outputs);
-  job->submitter = std::this_thread::get_id();
 
   InferRequest ir = std::move(parsed->request);
   ir.cancel = job->cancel;  // the job outlives the connection that submitted it
@@ -195,18 +189,19 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(WallClockMs());
   };
   {
+    // Listed before it is submitted: it may complete (and be unlisted) at once.
     std::lock_guard<std::mutex> lock(mu_);
     pending_.emplace(job->id, job);
   }
-  engine_->InferAsync(std::move(ir), [this, job](InferResponse&& r) { Complete(job, std::move(r)); });
-  job->queued.store(true);
-  if (!job->rejection.ok()) {
+  InferCallback complete = [this, job](InferResponse&& r) { Complete(job, std::move(r)); };
+  if (Status st = engine_->InferAsync(std::move(ir), complete); !st.ok()) {
+    // Refused at submission (bad input, unknown model, queue full): no job.
     {
       std::lock_guard<std::mutex> lock(mu_);
       pending_.erase(job->id);
     }
     rejected_.fetch_add(1);
-    return done(ErrorResponse(job->rejection));
+    return done(ErrorResponse(st));
   }
   submitted_.fetch_add(1);
   rapidjson::StringBuffer buf;
@@ -223,10 +218,6 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
 }
 
 void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r) {
-  if (!job->queued.load() && std::this_thread::get_id() == job->submitter && !r.status.ok()) {
-    job->rejection = r.status;  // refused inside InferAsync: Submit answers it
-    return;
-  }
   auto record = std::make_shared<JobRecord>();
   record->id = job->id;
   record->model = job->model;

@@ -466,7 +466,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     auto started = std::make_shared<std::atomic<int64_t>>(0);
     ir.on_start = [started] { started->store(WallClockMs()); };
-    engine_->InferAsync(std::move(ir), [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
+    InferCallback done = [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
       rec->started_ms = started->load();
       rec->finished_ms = WallClockMs();
       rec->version = r.version;
@@ -480,7 +480,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       }
       Status status = r.status;
       self->Finish(group, i, rec, std::move(status));
-    });
+    };
+    if (Status st = engine_->InferAsync(std::move(ir), done); !st.ok()) fail(std::move(st));
   }
 
   void Finish(const std::shared_ptr<Group>& group, size_t i, std::shared_ptr<JobRecord> rec, Status status) {

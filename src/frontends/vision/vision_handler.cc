@@ -598,10 +598,11 @@ void VisionHandler::Process(const std::shared_ptr<Job>& job) {
   ir.cancel = job->request.cancel;
   ir.admitted = true;  // by Admit, within this pipeline's own bounds
   ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - t2, 1);
-  engine_->InferAsync(std::move(ir), [this, job](InferResponse&& r) {
+  InferCallback done = [this, job](InferResponse&& r) {
     auto response = std::make_shared<InferResponse>(std::move(r));
     Post([this, job, response] { Finish(job, std::move(*response)); }, true);
-  });
+  };
+  if (Status st = engine_->InferAsync(std::move(ir), done); !st.ok()) Fail(job, st);
 }
 
 void VisionHandler::Finish(const std::shared_ptr<Job>& job, InferResponse&& r) {
