@@ -6,10 +6,10 @@
 #include <shared_mutex>
 #include <thread>
 
-#include "backends/onnxruntime/ort_model.h"
 #include "core/cpus.h"
 #include "core/model_config_parser.h"
 #include "core/repository.h"
+#include "engine/backend.h"
 #include "engine/served_model.h"
 
 namespace quern {
@@ -74,6 +74,7 @@ class EngineImpl {
   explicit EngineImpl(EngineOptions options) : options_(std::move(options)) {
     clock_ = options_.clock ? options_.clock : &RealClockInstance();
     cores_ = options_.cores > 0 ? options_.cores : UsableCores();
+    RegisterBuiltinBackends(backends_);
     std::random_device rd;
     next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
     if (next_id_ == 0) next_id_ = 1;
@@ -242,25 +243,18 @@ class EngineImpl {
     ModelConfig config = m.config;
     if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
     if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
-    auto session_opts = SessionOptionsFor(config, cores_);
-    if (!session_opts) return Err(session_opts.error());
+    Backend* backend = backends_.Find(config.backend);
+    if (!backend) {
+      return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
+    }
     // The first instance is loaded before the configuration is complete: the
     // model's own inputs and outputs fill what the configuration leaves out.
-    // Outputs it does not list are derived in the model's order, which is
-    // what an instance created without a list returns, so it is kept.
-    std::vector<std::string> outputs;
-    for (const auto& o : config.outputs) outputs.push_back(o.name);
-    auto first = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
-    QUERN_RETURN_IF_ERROR(first->Load());
-    QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, first->io(), m.has_config_file));
+    QUERN_ASSIGN_OR_RETURN(auto first, backend->LoadFirst(config, v.model_file, m.has_config_file, cores_));
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
-    outputs.clear();
-    for (const auto& o : config.outputs) outputs.push_back(o.name);
     std::vector<std::unique_ptr<Model>> instances;
     instances.push_back(std::move(first));
     while (static_cast<int>(instances.size()) < config.instance_count) {
-      auto inst = std::make_unique<OrtModel>(m.name, v.model_file, *session_opts, outputs);
-      QUERN_RETURN_IF_ERROR(inst->Load());
+      QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadAnother(config, v.model_file, cores_));
       instances.push_back(std::move(inst));
     }
     return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir);
@@ -454,6 +448,7 @@ class EngineImpl {
   EngineOptions options_;
   const Clock* clock_ = nullptr;
   int cores_ = 1;
+  BackendRegistry backends_;  // filled at construction, read-only after
   std::atomic<uint64_t> next_id_{1};
 
   mutable std::shared_mutex mu_;
