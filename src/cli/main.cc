@@ -221,21 +221,22 @@ int main(int argc, char** argv) {
                    "Calls one gRPC connection may have open at once; more wait on the client (0 = no limit)")
       ->check(CLI::Range(0, 1 << 30));
   quern::VisionOptions vision_opts;
+  quern::VisionServiceOptions vision_service_opts;
   int vision_port = -1;
   serve->add_option("--detection-model", vision_opts.detection_model,
                     "Model behind POST /v1/vision/detection (default: the first detection model)");
   serve->add_option("--vision-port", vision_port,
                     "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
   serve->add_option("--vision-api-key", vision_opts.api_key, "Require this api_key on CodeProject.AI requests");
-  serve->add_option("--vision-timeout-ms", vision_opts.request_timeout_ms,
+  serve->add_option("--vision-timeout-ms", vision_service_opts.request_timeout_ms,
                     "Vision requests not answered within this are dropped (and answered with an error)");
-  serve->add_option("--vision-queue-capacity", vision_opts.queue_capacity,
+  serve->add_option("--vision-queue-capacity", vision_service_opts.queue_capacity,
                     "Images admitted at once (0 = timeout / measured time per image)");
-  serve->add_option("--vision-threads", vision_opts.stage_threads,
+  serve->add_option("--vision-threads", vision_service_opts.stage_threads,
                     "Decode / pre- / post-processing threads (0 = one per core)");
-  serve->add_option("--vision-max-image-pixels", vision_opts.max_image_pixels,
+  serve->add_option("--vision-max-image-pixels", vision_service_opts.max_image_pixels,
                     "Larger images are refused before decoding");
-  int64_t vision_max_memory_mb = vision_opts.max_in_flight_bytes >> 20;
+  int64_t vision_max_memory_mb = vision_service_opts.max_in_flight_bytes >> 20;
   serve
       ->add_option("--vision-max-memory-mb", vision_max_memory_mb,
                    "Memory the images admitted at once may hold (bodies and model inputs); more are refused "
@@ -383,13 +384,14 @@ int main(int argc, char** argv) {
   };
   quern::KServeHandler handler(engine->get());
   handler.set_model_control(explicit_control);
-  vision_opts.model_repository = repo;
-  vision_opts.max_in_flight_bytes = vision_max_memory_mb << 20;
-  vision_opts.max_queue_wait_ms = max_queue_wait_ms;
+  vision_service_opts.model_repository = repo;
+  vision_service_opts.max_in_flight_bytes = vision_max_memory_mb << 20;
+  vision_service_opts.max_queue_wait_ms = max_queue_wait_ms;
+  quern::VisionService vision_service(engine->get(), vision_service_opts);
   if (keys->enabled()) {
     vision_opts.authorize = [keys](std::string_view key) { return keys->Authorize(key, false, SteadyNowNs()); };
   }
-  quern::VisionHandler vision(engine->get(), vision_opts);
+  quern::VisionHandler vision(&vision_service, vision_opts);
   std::unique_ptr<quern::ResultStore> store;
   quern::RedisResultStore* redis_store = nullptr;
   if (!redis_url.empty()) {
@@ -499,9 +501,9 @@ int main(int argc, char** argv) {
   }
   metrics_opts.host = http_opts.host;
   const quern::Engine* engine_ptr = engine->get();
-  auto metrics =
-      quern::HttpServer::Start(metrics_opts, [engine_ptr, &vision, &jobs, redis_store, &consumer, metrics_need_key,
-                                              &http_denied](quern::HttpRequest&& r, quern::HttpDone done) {
+  auto metrics = quern::HttpServer::Start(
+      metrics_opts, [engine_ptr, &vision_service, &jobs, redis_store, &consumer, metrics_need_key, &http_denied](
+                        quern::HttpRequest&& r, quern::HttpDone done) {
         if (metrics_need_key) {
           if (auto denied = http_denied(r)) return done(std::move(*denied));
         }
@@ -512,7 +514,7 @@ int main(int argc, char** argv) {
           return done(std::move(resp));
         }
         resp.content_type = "text/plain; version=0.0.4";
-        resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision.stats()) +
+        resp.body = quern::RenderPrometheus(*engine_ptr) + quern::RenderVisionPrometheus(vision_service.stats()) +
                     quern::RenderJobPrometheus(jobs.stats());
         if (redis_store) resp.body += quern::RenderRedisStorePrometheus(redis_store->stats());
         if (consumer) resp.body += quern::RenderStreamPrometheus(consumer->stats());
@@ -556,11 +558,11 @@ int main(int argc, char** argv) {
   if (consumer) consumer->Stop();      // takes no more stream jobs; those taken finish below
   const auto drain_deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, drain_timeout_s));
-  while (((*engine)->InFlight() > 0 || vision.stats().in_flight > 0) &&
+  while (((*engine)->InFlight() > 0 || vision_service.stats().in_flight > 0) &&
          std::chrono::steady_clock::now() < drain_deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  const int64_t left = (*engine)->InFlight() + vision.stats().in_flight;
+  const int64_t left = (*engine)->InFlight() + vision_service.stats().in_flight;
   if (left > 0) std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
   // Answers the I/O threads still write (large ones, every one over TLS).
   auto writing = [&] {

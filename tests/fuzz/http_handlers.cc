@@ -50,6 +50,7 @@ struct World {
   fs::path repo;
   quern::Engine* engine = nullptr;
   quern::KServeHandler* kserve = nullptr;
+  quern::VisionService* vision_service = nullptr;
   quern::VisionHandler* vision = nullptr;
   quern::MemoryResultStore* store = nullptr;
   quern::JobHandler* jobs = nullptr;
@@ -103,7 +104,8 @@ parameters { key: "quern.image.resize" value { string_value: "center_crop" } }
 
 void Shutdown() {
   if (world == nullptr) return;
-  delete world->vision;  // waits for its images, which need the engine
+  delete world->vision_service;  // waits for its images, which need the engine and the handler
+  delete world->vision;
   delete world->kserve;
   delete world->engine;  // drains: job callbacks still reach the job handler
   delete world->jobs;
@@ -188,11 +190,12 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
     if (m.state != quern::ModelState::kReady) Die("model " + m.name + " did not load: " + m.reason);
   }
   world->kserve = new quern::KServeHandler(world->engine);
-  quern::VisionOptions vo;
+  quern::VisionServiceOptions vo;
   vo.model_repository = world->repo;
   vo.stage_threads = 1;
   vo.max_image_pixels = int64_t{1} << 22;
-  world->vision = new quern::VisionHandler(world->engine, vo);
+  world->vision_service = new quern::VisionService(world->engine, vo);
+  world->vision = new quern::VisionHandler(world->vision_service, {});
   quern::MemoryResultStoreOptions so;
   so.max_bytes = size_t{16} << 20;
   so.max_tombstones = 1024;

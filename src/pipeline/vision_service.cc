@@ -1,0 +1,353 @@
+#include "pipeline/vision_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "core/cpus.h"
+#include "metrics/text_format.h"
+
+namespace quern {
+
+struct VisionService::Job {
+  VisionRequest request;
+  VisionCallback done;
+  int64_t deadline_ns = 0;  // service clock
+  int64_t charged_bytes = 0;
+  ImageTransform transform;
+  VisionTimings timings;
+  int64_t post_start_ns = 0;
+};
+
+VisionService::VisionService(Engine* engine, VisionServiceOptions options)
+    : engine_(engine), options_(std::move(options)), clock_(options_.clock ? options_.clock : &RealClockInstance()) {
+  if (options_.executor) return;
+  const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
+  options_.stage_threads = n;
+  for (int i = 0; i < n; ++i) {
+    threads_.emplace_back([this] {
+      NameThisThread("quern-vision");
+      StageLoop();
+    });
+  }
+}
+
+VisionService::~VisionService() {
+  {
+    std::unique_lock<std::mutex> lock(idle_mu_);
+    idle_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return in_flight_.load() == 0; });
+  }
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    stopping_ = true;
+  }
+  pool_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+std::string RenderVisionPrometheus(const VisionStats& s) {
+  std::string out;
+  auto metric = [&out](const char* name, const char* type, const char* help, double value) {
+    AppendMetric(out, name, type, help, value);
+  };
+  metric("quern_vision_requests_total", "counter", "Images admitted to the vision pipeline.",
+         static_cast<double>(s.requests));
+  metric("quern_vision_rejected_overload_total", "counter",
+         "Vision requests refused at once because the queue was at capacity.",
+         static_cast<double>(s.rejected_overload));
+  metric("quern_vision_dropped_total", "counter",
+         "Vision requests dropped before inference: client gone or timeout passed.", static_cast<double>(s.dropped));
+  metric("quern_vision_failed_total", "counter", "Vision requests answered with an error.",
+         static_cast<double>(s.failed));
+  metric("quern_vision_in_flight", "gauge", "Images in the vision pipeline now.", static_cast<double>(s.in_flight));
+  metric("quern_vision_queue_capacity", "gauge", "Images admitted at once.", static_cast<double>(s.capacity));
+  metric("quern_vision_in_flight_bytes", "gauge",
+         "Memory held by the images in the vision pipeline (request bodies and model inputs).",
+         static_cast<double>(s.in_flight_bytes));
+  metric("quern_vision_ms_per_image", "gauge", "Measured pipeline time per image behind the derived capacity.",
+         s.ms_per_image);
+  metric("quern_vision_timed_images_total", "counter",
+         "Answered images whose stage durations are summed in quern_vision_stage_seconds_total.",
+         static_cast<double>(s.timed_images));
+  AppendMetricFamily(out, "quern_vision_stage_seconds_total", "counter",
+                     "Time answered images spent in each stage: decode, resize (with normalisation), queue "
+                     "(waiting in the model's batcher), infer (their batch's compute), post (decoding outputs, "
+                     "NMS, top-k).");
+  const std::pair<const char*, uint64_t> stages[] = {{"decode", s.decode_ns},
+                                                     {"resize", s.resize_ns},
+                                                     {"queue", s.queue_ns},
+                                                     {"infer", s.infer_ns},
+                                                     {"post", s.post_ns}};
+  for (const auto& [stage, ns] : stages) {
+    AppendMetricSample(out, std::string("quern_vision_stage_seconds_total{stage=\"") + stage + "\"}",
+                       static_cast<double>(ns) / 1e9);
+  }
+  return out;
+}
+
+VisionStats VisionService::stats() const {
+  VisionStats s;
+  s.requests = requests_.load();
+  s.rejected_overload = rejected_.load();
+  s.dropped = dropped_.load();
+  s.failed = failed_.load();
+  s.in_flight = in_flight_.load();
+  s.in_flight_bytes = in_flight_bytes_.load();
+  s.capacity = Capacity();
+  s.ms_per_image = ms_per_image_.load();
+  s.timed_images = timed_images_.load(std::memory_order_relaxed);
+  s.decode_ns = decode_ns_.load(std::memory_order_relaxed);
+  s.resize_ns = resize_ns_.load(std::memory_order_relaxed);
+  s.queue_ns = queue_ns_.load(std::memory_order_relaxed);
+  s.infer_ns = infer_ns_.load(std::memory_order_relaxed);
+  s.post_ns = post_ns_.load(std::memory_order_relaxed);
+  return s;
+}
+
+int64_t VisionService::Capacity() const {
+  if (options_.queue_capacity > 0) return options_.queue_capacity;
+  const double per_image = std::max(0.01, ms_per_image_.load());
+  return std::max<int64_t>(std::max(options_.stage_threads, 1),
+                           static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
+}
+
+int64_t VisionService::QueueBudgetMs() const {
+  if (options_.max_queue_wait_ms > 0) return std::min(options_.request_timeout_ms, options_.max_queue_wait_ms);
+  return options_.request_timeout_ms;
+}
+
+void VisionService::Post(std::function<void()> task, bool urgent) {
+  if (options_.executor) return options_.executor(std::move(task), urgent);
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (urgent) {
+      tasks_.push_front(std::move(task));
+    } else {
+      tasks_.push_back(std::move(task));
+    }
+  }
+  pool_cv_.notify_one();
+}
+
+void VisionService::StageLoop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(pool_mu_);
+      pool_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+Result<std::shared_ptr<const VisionModel>> VisionService::Model(const std::string& name) {
+  QUERN_ASSIGN_OR_RETURN(ModelStatus status, engine_->GetModel(name));
+  if (status.state != ModelState::kReady) {
+    return std::unexpected(Unavailable("model '" + name + "' is not ready (" +
+                                       std::string(ModelStateName(status.state)) +
+                                       (status.reason.empty() ? "" : ": " + status.reason) + ")"));
+  }
+  if (!IsVisionModel(status.config)) {
+    return std::unexpected(InvalidArgument("model '" + name +
+                                           "' has no image pipeline (declare one with quern.task / quern.image.* "
+                                           "parameters in its config.pbtxt)"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(models_mu_);
+    auto it = models_.find(name);
+    if (it != models_.end() && it->second->version == status.version) return it->second;
+  }
+  QUERN_ASSIGN_OR_RETURN(VisionModel m, VisionModelFromStatus(status, options_.model_repository / name));
+  auto shared = std::make_shared<const VisionModel>(std::move(m));
+  std::lock_guard<std::mutex> lock(models_mu_);
+  models_[name] = shared;
+  return shared;
+}
+
+std::vector<std::string> VisionService::DetectionModels() {
+  std::vector<std::string> out;
+  for (const auto& m : engine_->ListModels()) {  // sorted by name
+    if (m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
+    if (!out.empty() && out.back() == m.name) continue;  // another version
+    auto vm = Model(m.name);
+    if (vm && (*vm)->task == VisionTask::kDetection) out.push_back(m.name);
+  }
+  return out;
+}
+
+Status VisionService::Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const {
+  if (in_flight >= capacity) {
+    return Unavailable("the server is busy: " + std::to_string(capacity) +
+                       " images are already waiting, as many as it can finish within " +
+                       std::to_string(QueueBudgetMs()) + " ms; try again later");
+  }
+  // One image is always let in, however large (within the body limit).
+  if (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes) {
+    return Unavailable("the server is busy: the images already admitted hold " + std::to_string(held >> 20) +
+                       " MiB, and this one would pass the limit of " +
+                       std::to_string(options_.max_in_flight_bytes >> 20) +
+                       " MiB (--vision-max-memory-mb); try again later");
+  }
+  return Status::Ok();
+}
+
+Status VisionService::Refused(Status status) {
+  rejected_.fetch_add(1);
+  const int64_t now = clock_->NowNs();
+  int64_t last = last_overload_log_ns_.load();
+  if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
+    std::fprintf(stderr, "quern: warning: vision pipeline full, refusing requests: %s\n", status.message().c_str());
+  }
+  return status;
+}
+
+Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
+  Status st = Busy(in_flight_.load(), Capacity(), in_flight_bytes_.load(), bytes);
+  if (st.ok() && !model.empty()) st = engine_->CheckAdmission(model);
+  return st.ok() ? st : Refused(std::move(st));
+}
+
+Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
+  const std::shared_ptr<const VisionModel>& m = request.model;
+  if (!m) return InvalidArgument("a vision request needs a model");
+  const int64_t bytes = request.held_bytes + static_cast<int64_t>(PreprocessedBytes(m->image));
+  // The model's own queue is asked first: an image it would refuse is not
+  // decoded and resized for nothing.
+  Status st = engine_->CheckAdmission(m->name, m->version);
+  if (st.ok()) {
+    // Both bounds are claimed first and given back on refusal, so that
+    // concurrent admissions cannot pass them together.
+    const int64_t capacity = Capacity();
+    const int64_t before = in_flight_.fetch_add(1);
+    const int64_t held = in_flight_bytes_.fetch_add(bytes);
+    st = Busy(before, capacity, held, bytes);
+    if (!st.ok()) {
+      in_flight_.fetch_sub(1);
+      in_flight_bytes_.fetch_sub(bytes);
+    }
+  }
+  if (!st.ok()) return Refused(std::move(st));
+  auto job = std::make_shared<Job>();
+  job->request = std::move(request);
+  job->done = std::move(done);
+  job->charged_bytes = bytes;
+  job->timings.received_ns = clock_->NowNs();
+  job->deadline_ns = job->timings.received_ns + options_.request_timeout_ms * 1'000'000;
+  requests_.fetch_add(1);
+  Post([this, job] { Process(job); }, false);
+  return Status::Ok();
+}
+
+void VisionService::Process(const std::shared_ptr<Job>& job) {
+  VisionTimings& t = job->timings;
+  t.stage_start_ns = clock_->NowNs();
+  if (job->request.cancel && job->request.cancel->cancelled()) {
+    return Fail(job, Cancelled("the client closed the request"), /*dropped=*/true);
+  }
+  if (t.stage_start_ns > job->deadline_ns) {
+    return Fail(job,
+                DeadlineExceeded("the image waited " + std::to_string((t.stage_start_ns - t.received_ns) / 1'000'000) +
+                                 " ms before decoding, over the request timeout of " +
+                                 std::to_string(options_.request_timeout_ms) + " ms"),
+                /*dropped=*/true);
+  }
+  const VisionModel& m = *job->request.model;
+  DecodeOptions dopt;
+  dopt.target = &m.image;
+  dopt.max_pixels = options_.max_image_pixels;
+  auto decoded = DecodeImage(job->request.image, dopt);
+  if (!decoded) return Fail(job, decoded.error(), false);
+  const int64_t t1 = clock_->NowNs();
+  Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
+  job->transform = Preprocess(*decoded, m.image, input.mutable_data());
+  const int64_t t2 = clock_->NowNs();
+  t.decode_ns = t1 - t.stage_start_ns;
+  t.resize_ns = t2 - t1;
+
+  InferRequest ir;
+  ir.model = m.name;
+  ir.version = m.version;
+  ir.inputs.push_back({m.input_name, std::move(input)});
+  ir.cancel = job->request.cancel;
+  ir.admitted = true;  // by Submit, within this service's own bounds
+  ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - t2, 1);
+  InferCallback infer_done = [this, job](InferResponse&& r) {
+    auto response = std::make_shared<InferResponse>(std::move(r));
+    Post([this, job, response] { PostProcess(job, std::move(*response)); }, true);
+  };
+  if (Status st = engine_->InferAsync(std::move(ir), infer_done); !st.ok()) Fail(job, st, false);
+}
+
+void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&& r) {
+  job->post_start_ns = clock_->NowNs();
+  job->timings.infer_ns = r.telemetry.compute_ns();
+  job->timings.queue_ns = r.telemetry.queue_ns();
+  if (!r.status.ok()) {
+    const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
+    return Fail(job, r.status, dropped);
+  }
+  const VisionModel& m = *job->request.model;
+  VisionResult result;
+  if (m.task == VisionTask::kClassification) {
+    if (r.outputs.empty()) return Fail(job, Internal("model '" + m.name + "' returned no output"), false);
+    auto scores = OutputAsFloats(r.outputs[0]);
+    if (!scores) return Fail(job, scores.error(), false);
+    result.classes = TopK(*scores, m.top_k, m.softmax, m.labels);
+  } else {
+    auto found = DecodeDetections(r.outputs, m.detection, job->request.min_confidence, m.image.width, m.image.height);
+    if (!found) {
+      return Fail(job, Status(found.error().code(), "model '" + m.name + "': " + found.error().message()), false);
+    }
+    result.detections.reserve(found->size());
+    for (const auto& d : *found) {
+      const std::string& label = m.Label(d.class_id);
+      result.detections.push_back({MapToSource(d, job->transform), label.empty() ? std::to_string(d.class_id) : label});
+    }
+  }
+  job->timings.post_ns = clock_->NowNs() - job->post_start_ns;
+  result.timed = true;
+  VisionTimings& t = job->timings;
+  timed_images_.fetch_add(1, std::memory_order_relaxed);
+  decode_ns_.fetch_add(static_cast<uint64_t>(t.decode_ns), std::memory_order_relaxed);
+  resize_ns_.fetch_add(static_cast<uint64_t>(t.resize_ns), std::memory_order_relaxed);
+  queue_ns_.fetch_add(static_cast<uint64_t>(t.queue_ns), std::memory_order_relaxed);
+  infer_ns_.fetch_add(static_cast<uint64_t>(t.infer_ns), std::memory_order_relaxed);
+  post_ns_.fetch_add(static_cast<uint64_t>(t.post_ns), std::memory_order_relaxed);
+  Deliver(job, std::move(result));
+}
+
+void VisionService::Fail(const std::shared_ptr<Job>& job, Status status, bool dropped) {
+  if (dropped) dropped_.fetch_add(1);
+  // An image dropped because its caller left is answered to nobody.
+  if (!(dropped && status.code() == StatusCode::kCancelled)) failed_.fetch_add(1);
+  VisionResult result;
+  result.status = std::move(status);
+  Deliver(job, std::move(result));
+}
+
+void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& result) {
+  result.model = job->request.model;
+  result.timings = job->timings;
+  VisionCallback done = std::move(job->done);
+  if (done) done(std::move(result));
+  // Given back after the callback: whoever waits for the service to be idle
+  // (a draining server) finds the answer already handed on.
+  const int64_t now = clock_->NowNs();
+  // The time per image behind the derived capacity: the time this image
+  // kept the pipeline busy (since it arrived or since the previous image
+  // finished, whichever is later) — under load, 1 / throughput.
+  const int64_t last = last_completion_ns_.exchange(now);
+  const double busy_ms = static_cast<double>(now - std::max(job->timings.received_ns, last)) / 1e6;
+  ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
+  in_flight_bytes_.fetch_sub(job->charged_bytes);
+  job->request.owner.reset();
+  if (in_flight_.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace quern

@@ -1,0 +1,211 @@
+// The vision service: one image through its model's pipeline — decode,
+// pre-process, infer (in the model's batcher), post-process — with bounded
+// admission, beside the engine and apart from any transport. The HTTP vision
+// routes (CodeProject.AI, /predict) call it; gRPC, jobs or Python can too.
+//
+// Admission ("the glass of water") is synchronous: Submit refuses at once
+// (returning the refusal) when the model's queue is full, when as many images
+// are in the service as it can finish within its time budget (the request
+// timeout, or the engine's queue-waiting bound when smaller, over the
+// measured time per image), or when admitted images hold more memory than
+// allowed. An admitted image always gets exactly one result; one whose
+// caller has gone (its cancellation token) or whose timeout has passed is
+// dropped before decoding and before inference.
+//
+// Work: decoding, pre-processing and post-processing run on stage tasks
+// (the service's own threads, or an executor the caller gives); inference
+// runs in the engine. Time comes from the injected Clock.
+//
+// Thread safety: every method may be called from any thread. The destructor
+// waits (up to 30 s) for admitted images to finish.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "pipeline/vision_model.h"
+#include "quern/clock.h"
+#include "quern/engine.h"
+
+namespace quern {
+
+struct VisionServiceOptions {
+  // Label files are read from <model_repository>/<model>/<label_filename>.
+  std::filesystem::path model_repository;
+  // Decode / pre-process / post-process threads; 0 = one per core.
+  int stage_threads = 0;
+  // Runs stage tasks instead of the service's own threads when set (tests,
+  // embedders with their own pool). Urgent tasks (post-processing, which
+  // frees an image's memory) should run before the others.
+  std::function<void(std::function<void()> task, bool urgent)> executor;
+  // An image not answered within this is dropped (before decoding or before
+  // inference) and answered with DEADLINE_EXCEEDED.
+  int64_t request_timeout_ms = 15000;
+  // Images admitted at once; 0 = the time budget over the measured time per
+  // image (at least the number of stage threads).
+  int queue_capacity = 0;
+  // The engine's bound on queueing (EngineOptions::max_queue_wait_ms): the
+  // service admits no more images than it can finish within it, so that
+  // images are not decoded only to be refused by their model's queue.
+  // 0 = none.
+  int64_t max_queue_wait_ms = 0;
+  // Larger images are refused before decoding.
+  int64_t max_image_pixels = 50'000'000;
+  // Memory admitted images may hold at once: each is charged what its caller
+  // holds for it and its model input tensor (a 640x640 FP32 input is 4.9
+  // MB); an image that would pass this is refused. 0 = no bound.
+  int64_t max_in_flight_bytes = int64_t{1} << 30;
+  // Null = the real clock.
+  const Clock* clock = nullptr;
+};
+
+// One image for a vision model.
+struct VisionRequest {
+  std::shared_ptr<const VisionModel> model;  // from VisionService::Model
+  std::string_view image;                    // encoded: JPEG, PNG, BMP or WebP
+  // Keeps `image` alive until the result is delivered (may be null when the
+  // caller guarantees it).
+  std::shared_ptr<const void> owner;
+  // Bytes the caller holds for this image (its request body, say), charged
+  // against max_in_flight_bytes with the model input.
+  int64_t held_bytes = 0;
+  float min_confidence = 0.4f;  // detection
+  std::shared_ptr<CancellationToken> cancel;
+};
+
+// Where an image's time went (ns on the service's clock); the stage
+// durations are set for images that reached them.
+struct VisionTimings {
+  int64_t received_ns = 0;     // Submit
+  int64_t stage_start_ns = 0;  // a stage task took it; 0 = never
+  int64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+};
+
+struct LabelledDetection {
+  Detection box;  // in the source image's pixels, clipped to it
+  std::string label;
+};
+
+struct VisionResult {
+  Status status;
+  std::shared_ptr<const VisionModel> model;
+  std::vector<LabelledDetection> detections;  // detection models, best first
+  std::vector<Classification> classes;        // classification models, best first
+  VisionTimings timings;
+  bool timed = false;  // answered after every stage (its timings are complete)
+};
+
+using VisionCallback = std::function<void(VisionResult&&)>;
+
+// Counters for the metrics endpoint; cumulative.
+struct VisionStats {
+  uint64_t requests = 0;           // images admitted
+  uint64_t rejected_overload = 0;  // refused at admission (capacity, memory or the model's queue)
+  uint64_t dropped = 0;            // caller gone or timeout passed before inference
+  uint64_t failed = 0;             // answered with an error (bad input, model errors, timeouts)
+  int64_t in_flight = 0;
+  int64_t capacity = 0;
+  int64_t in_flight_bytes = 0;  // what admitted images hold (see max_in_flight_bytes)
+  double ms_per_image = 0;      // the measure behind the derived capacity
+  // Where answered images spent their time, summed over `timed_images`
+  // (images that went through every stage): decoding, resizing and
+  // normalising, waiting in the model's queue, running in a batch, and
+  // post-processing (decoding outputs, NMS, top-k).
+  uint64_t timed_images = 0;
+  uint64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+};
+
+// Prometheus text for the vision counters (quern_vision_*).
+std::string RenderVisionPrometheus(const VisionStats& stats);
+
+class VisionService {
+ public:
+  // `engine` must outlive the service.
+  VisionService(Engine* engine, VisionServiceOptions options);
+  ~VisionService();
+  VisionService(const VisionService&) = delete;
+  VisionService& operator=(const VisionService&) = delete;
+
+  // A ready vision model's pipeline (cached per version). NOT_FOUND,
+  // UNAVAILABLE (not ready) or INVALID_ARGUMENT (no image pipeline, or one
+  // that does not read).
+  Result<std::shared_ptr<const VisionModel>> Model(const std::string& name);
+  // Ready detection models, by name.
+  std::vector<std::string> DetectionModels();
+
+  // What Submit would answer now for an image of `bytes` for `model` ("" =
+  // not known yet), from what is known before the image is read: the
+  // refusal, counted as one, or OK.
+  Status CheckAdmission(const std::string& model, int64_t bytes);
+
+  // Admits the image or refuses it. Refused: the refusal is returned
+  // (UNAVAILABLE), counted, and `done` is left with the caller, untouched.
+  // Admitted: `done` is moved out and runs exactly once, on a stage task,
+  // with the result (which may be an error: undecodable image, timeout,
+  // caller gone, model failure).
+  Status Submit(VisionRequest request, VisionCallback& done);
+
+  // Counts a request that failed before it reached the service (a form
+  // without an image, say), so that `failed` covers every failed request.
+  void CountFailure() { failed_.fetch_add(1, std::memory_order_relaxed); }
+
+  VisionStats stats() const;
+  const Clock& clock() const { return *clock_; }
+  int64_t request_timeout_ms() const { return options_.request_timeout_ms; }
+
+ private:
+  struct Job;
+  int64_t Capacity() const;
+  // The time admitted images may take: the request timeout, or the
+  // engine's queueing bound when smaller.
+  int64_t QueueBudgetMs() const;
+  // OK when an image charged `bytes` fits beside `in_flight` images holding
+  // `held` bytes, under `capacity`; else the refusal.
+  Status Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const;
+  Status Refused(Status status);
+  void Post(std::function<void()> task, bool urgent);
+  void StageLoop();
+  void Process(const std::shared_ptr<Job>& job);
+  void PostProcess(const std::shared_ptr<Job>& job, InferResponse&& response);
+  // Delivers the result and gives the job's admission back.
+  void Deliver(const std::shared_ptr<Job>& job, VisionResult&& result);
+  // An error result; `dropped`: the caller left or the timeout passed.
+  void Fail(const std::shared_ptr<Job>& job, Status status, bool dropped);
+
+  Engine* engine_;
+  VisionServiceOptions options_;
+  const Clock* clock_;
+
+  std::mutex models_mu_;
+  std::map<std::string, std::shared_ptr<const VisionModel>> models_;
+
+  // The stage pool (unless options_.executor): urgent tasks go first.
+  std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+
+  std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> in_flight_bytes_{0};
+  std::atomic<uint64_t> requests_{0}, rejected_{0}, dropped_{0}, failed_{0};
+  std::atomic<uint64_t> timed_images_{0}, decode_ns_{0}, resize_ns_{0}, queue_ns_{0}, infer_ns_{0}, post_ns_{0};
+  std::atomic<int64_t> last_completion_ns_{0};
+  std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
+  mutable std::atomic<int64_t> last_overload_log_ns_{0};
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+};
+
+}  // namespace quern

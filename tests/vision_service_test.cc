@@ -1,0 +1,266 @@
+// The vision service without a transport: admission by count and by memory,
+// timeouts on a fake clock, images whose caller left, and a result computed
+// by hand. Stage tasks run when the test says (an executor it holds), so
+// every step is deterministic.
+#include "pipeline/vision_service.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+
+namespace quern {
+namespace {
+
+// A 24-bit BMP of `w` x `h` pixels, all (r, g, b).
+std::string SolidBmp(int w, int h, uint8_t r, uint8_t g, uint8_t b) {
+  const int row = (w * 3 + 3) / 4 * 4;
+  const uint32_t pixels = static_cast<uint32_t>(row * h);
+  std::string out(54 + pixels, '\0');
+  auto put32 = [&](size_t at, uint32_t v) {
+    for (int i = 0; i < 4; ++i) out[at + i] = static_cast<char>((v >> (8 * i)) & 0xFF);
+  };
+  out[0] = 'B';
+  out[1] = 'M';
+  put32(2, 54 + pixels);
+  put32(10, 54);
+  put32(14, 40);
+  put32(18, static_cast<uint32_t>(w));
+  put32(22, static_cast<uint32_t>(h));
+  out[26] = 1;   // planes
+  out[28] = 24;  // bits per pixel
+  put32(34, pixels);
+  for (int y = 0; y < h; ++y) {
+    for (int x = 0; x < w; ++x) {
+      const size_t at = 54 + static_cast<size_t>(y * row + x * 3);
+      out[at] = static_cast<char>(b);
+      out[at + 1] = static_cast<char>(g);
+      out[at + 2] = static_cast<char>(r);
+    }
+  }
+  return out;
+}
+
+// Scores are the mean of each colour channel: a pure colour scores 1 for
+// its own channel and 0 for the others.
+class ChannelMeans : public Model {
+ public:
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    const auto in = inputs.at(0).tensor.values<float>();
+    const size_t plane = in.size() / static_cast<size_t>(batch_size) / 3;
+    std::vector<float> scores;
+    for (int64_t n = 0; n < batch_size; ++n) {
+      for (int c = 0; c < 3; ++c) {
+        float sum = 0;
+        for (size_t i = 0; i < plane; ++i) sum += in[(static_cast<size_t>(n) * 3 + c) * plane + i];
+        scores.push_back(sum / static_cast<float>(plane));
+      }
+    }
+    outputs = {{"scores", testing::Floats({batch_size, 3}, scores)}};
+    return Status::Ok();
+  }
+};
+
+class VisionServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto e = Engine::Create({});
+    ASSERT_TRUE(e.has_value());
+    engine_ = std::move(*e);
+    ModelConfig c;
+    c.name = "colour";
+    c.max_batch_size = 1;
+    c.instance_count = 1;
+    c.inputs = {{.name = "image", .dtype = DataType::kFp32, .dims = {3, 4, 4}}};
+    c.outputs = {{.name = "scores", .dtype = DataType::kFp32, .dims = {3}}};
+    c.parameters = {{"quern.task", "classification"}};
+    ASSERT_TRUE(engine_->RegisterModel(c, [] { return std::make_unique<ChannelMeans>(); }).ok());
+  }
+
+  VisionServiceOptions Options() {
+    VisionServiceOptions o;
+    o.clock = &clock_;
+    o.executor = [this](std::function<void()> task, bool urgent) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (urgent) {
+        tasks_.push_front(std::move(task));
+      } else {
+        tasks_.push_back(std::move(task));
+      }
+    };
+    return o;
+  }
+
+  // Runs the stage tasks queued now.
+  void RunTasks() {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  // Runs stage tasks as they come (post-processing is posted from an engine
+  // thread when an inference ends) until `finished` or 10 s.
+  template <typename F>
+  bool Drive(F finished) {
+    for (int i = 0; i < 10000 && !finished(); ++i) {
+      RunTasks();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return finished();
+  }
+
+  // The result a callback sets, running stage tasks meanwhile (bounded: a
+  // result that never comes fails the test instead of hanging it).
+  VisionResult Await(std::promise<VisionResult>& got) {
+    auto future = got.get_future();
+    if (!Drive([&] { return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready; })) {
+      ADD_FAILURE() << "no result within 10 s";
+      VisionResult none;
+      none.status = Internal("no result");
+      return none;
+    }
+    return future.get();
+  }
+
+  VisionRequest Red(VisionService& s) {
+    auto m = s.Model("colour");
+    EXPECT_TRUE(m.has_value()) << m.error().ToString();
+    VisionRequest r;
+    r.model = *m;
+    r.image = image_;
+    r.held_bytes = static_cast<int64_t>(image_.size());
+    return r;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<Engine> engine_;
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;
+  const std::string image_ = SolidBmp(4, 4, 255, 0, 0);
+};
+
+TEST_F(VisionServiceTest, AnImageGoesThroughEveryStage) {
+  VisionService s(engine_.get(), Options());
+  std::promise<VisionResult> got;
+  VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+  ASSERT_TRUE(s.Submit(Red(s), done).ok());
+  EXPECT_FALSE(done) << "an admitted image takes its callback";
+  EXPECT_EQ(s.stats().in_flight, 1);
+  VisionResult r = Await(got);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_EQ(r.classes.size(), 3u);
+  EXPECT_EQ(r.classes[0].class_id, 0) << "red";
+  EXPECT_NEAR(r.classes[0].confidence, 1.0f, 1e-6);
+  EXPECT_NEAR(r.classes[1].confidence, 0.0f, 1e-6);
+  EXPECT_TRUE(r.timed);
+  EXPECT_EQ(r.timings.received_ns, 1'000'000'000) << "the service's clock";
+  const VisionStats st = s.stats();
+  EXPECT_EQ(st.requests, 1u);
+  EXPECT_EQ(st.timed_images, 1u);
+  EXPECT_EQ(st.in_flight, 0);
+  EXPECT_EQ(st.in_flight_bytes, 0);
+}
+
+TEST_F(VisionServiceTest, AdmissionIsBoundedByCountAndRefusalsLeaveTheCallback) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 2;
+  VisionService s(engine_.get(), o);
+  std::atomic<int> answers{0};
+  for (int i = 0; i < 2; ++i) {
+    VisionCallback done = [&](VisionResult&&) { answers.fetch_add(1); };
+    ASSERT_TRUE(s.Submit(Red(s), done).ok());
+  }
+  VisionCallback third = [&](VisionResult&&) { answers.fetch_add(100); };
+  Status refused = s.Submit(Red(s), third);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("2 images are already waiting"), std::string::npos) << refused.message();
+  EXPECT_TRUE(third) << "a refused image leaves its callback with the caller";
+  EXPECT_EQ(s.CheckAdmission("colour", 100).code(), StatusCode::kUnavailable) << "the same answer before the body";
+  EXPECT_EQ(s.stats().rejected_overload, 2u);
+  ASSERT_TRUE(Drive([&] { return answers.load() >= 2 && s.stats().in_flight == 0; }));
+  EXPECT_EQ(answers.load(), 2) << "each admitted image is answered once; the refused one never";
+  EXPECT_TRUE(s.CheckAdmission("colour", 100).ok());
+}
+
+TEST_F(VisionServiceTest, AdmissionIsBoundedByMemory) {
+  VisionServiceOptions o = Options();
+  // A 3x4x4 FP32 input is 192 bytes; the first image always gets in.
+  o.max_in_flight_bytes = 300;
+  VisionService s(engine_.get(), o);
+  VisionCallback a = [](VisionResult&&) {};
+  ASSERT_TRUE(s.Submit(Red(s), a).ok());
+  VisionCallback b = [](VisionResult&&) {};
+  Status refused = s.Submit(Red(s), b);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("--vision-max-memory-mb"), std::string::npos) << refused.message();
+  EXPECT_GT(s.stats().in_flight_bytes, 192);
+  ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
+  EXPECT_EQ(s.stats().in_flight_bytes, 0);
+}
+
+TEST_F(VisionServiceTest, AnImagePastItsTimeoutIsDroppedBeforeDecoding) {
+  VisionServiceOptions o = Options();
+  o.request_timeout_ms = 50;
+  VisionService s(engine_.get(), o);
+  std::promise<VisionResult> got;
+  VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+  ASSERT_TRUE(s.Submit(Red(s), done).ok());
+  clock_.AdvanceNs(51'000'000);  // waited 51 ms for a stage thread
+  VisionResult r = Await(got);
+  EXPECT_EQ(r.status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(r.status.message().find("waited 51 ms before decoding"), std::string::npos) << r.status.message();
+  EXPECT_EQ(r.timings.decode_ns, 0) << "never decoded";
+  const VisionStats st = s.stats();
+  EXPECT_EQ(st.dropped, 1u);
+  EXPECT_EQ(st.failed, 1u) << "answered with an error";
+  EXPECT_EQ(st.in_flight, 0) << "its admission is given back";
+  EXPECT_EQ(engine_->GetStatistics("colour").value()[0].success.count, 0u) << "never inferred";
+}
+
+TEST_F(VisionServiceTest, AnImageWhoseCallerLeftIsDroppedUnanswered) {
+  VisionService s(engine_.get(), Options());
+  std::promise<VisionResult> got;
+  VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+  VisionRequest r = Red(s);
+  r.cancel = std::make_shared<CancellationToken>();
+  ASSERT_TRUE(s.Submit(r, done).ok());
+  r.cancel->Cancel();
+  VisionResult out = Await(got);
+  EXPECT_EQ(out.status.code(), StatusCode::kCancelled);
+  const VisionStats st = s.stats();
+  EXPECT_EQ(st.dropped, 1u);
+  EXPECT_EQ(st.failed, 0u) << "nobody reads the answer";
+  EXPECT_EQ(st.in_flight, 0);
+}
+
+TEST_F(VisionServiceTest, UndecodableImagesFailWithTheDecodersReason) {
+  VisionService s(engine_.get(), Options());
+  std::promise<VisionResult> got;
+  VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+  VisionRequest r = Red(s);
+  const std::string junk = "not an image at all";
+  r.image = junk;
+  ASSERT_TRUE(s.Submit(r, done).ok());
+  VisionResult out = Await(got);
+  EXPECT_EQ(out.status.code(), StatusCode::kInvalidArgument) << out.status.ToString();
+  EXPECT_EQ(s.stats().failed, 1u);
+}
+
+}  // namespace
+}  // namespace quern
