@@ -22,11 +22,6 @@ std::shared_ptr<const JobRecord> Done(std::string id, size_t output_bytes) {
   return r;
 }
 
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 TEST(JobId, CarriesItsSubmissionTime) {
   const std::string id = NewJobId(0x0193A7C2F1E0);
   ASSERT_EQ(id.size(), 29u);
@@ -79,7 +74,7 @@ TEST(MemoryResultStore, TtlOnTheInjectedClock) {
   o.clock = &clock;
   o.ttl_s = 10;
   MemoryResultStore store(o);
-  const std::string id = NewJobId(NowMs());
+  const std::string id = NewJobId(clock.WallMs());
   store.Put({Done(id, 8)});
   clock.AdvanceUs(9'000'000);
   store.Put({Done("later", 8)});
@@ -90,12 +85,13 @@ TEST(MemoryResultStore, TtlOnTheInjectedClock) {
   EXPECT_NE(gone.error().message().find("expired"), std::string::npos) << gone.error().message();
   EXPECT_TRUE(store.Get("later").has_value());
   EXPECT_EQ(store.size(), 1u);
-  // Without a tombstone, an id older than the TTL still reads as expired.
-  const std::string old = NewJobId(NowMs() - 60'000);
+  // Without a tombstone, an id older than the TTL (by the clock's date)
+  // still reads as expired.
+  const std::string old = NewJobId(clock.WallMs() - 60'000);
   auto o2 = store.Get(old);
   ASSERT_FALSE(o2.has_value());
   EXPECT_NE(o2.error().message().find("expired"), std::string::npos);
-  const std::string fresh = NewJobId(NowMs());
+  const std::string fresh = NewJobId(clock.WallMs());
   EXPECT_NE(store.Get(fresh).error().message().find("no job"), std::string::npos);
 }
 

@@ -530,9 +530,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     stats_.compute_input_us.Observe(static_cast<double>(gathered - start) / 1e3);
     stats_.compute_infer_us.Observe(static_cast<double>(end - gathered) / 1e3);
     stats_.compute_output_us.Observe(static_cast<double>(split_end - end) / 1e3);
-    stats_.last_inference_ms = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-            .count());
+    stats_.last_inference_ms = static_cast<uint64_t>(clock_->WallMs());
     BatchSizeStats& b = batch_stats_[items];
     b.batch_size = items;
     for (auto [stat, ns] : {std::pair{&b.compute_input, gathered - start}, std::pair{&b.compute_infer, end - gathered},

@@ -18,11 +18,6 @@ std::string_view JobStateName(JobState state) {
   return "unknown";
 }
 
-int64_t WallClockMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 Tensor OwnedCopy(const Tensor& t) {
   Tensor copy = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
   if (t.byte_size() > 0) std::memcpy(copy.mutable_data(), t.data(), t.byte_size());
@@ -124,7 +119,7 @@ Result<std::shared_ptr<const JobRecord>> MemoryResultStore::Get(const std::strin
   }
   // Forgotten tombstones and restarts: the id's own timestamp tells.
   const int64_t submitted = JobIdSubmittedMs(id);
-  if (submitted >= 0 && options_.ttl_s > 0 && submitted + options_.ttl_s * 1000 < WallClockMs()) {
+  if (submitted >= 0 && options_.ttl_s > 0 && submitted + options_.ttl_s * 1000 < options_.clock->WallMs()) {
     return Err(
         NotFound("the result of job '" + id + "' expired (results are kept " + std::to_string(options_.ttl_s) + " s)"));
   }

@@ -188,6 +188,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
 }
 
 RedisResultStore::RedisResultStore(RedisResultStoreOptions options) : options_(std::move(options)) {
+  if (!options_.clock) options_.clock = &RealClockInstance();
   health_ = Unavailable(kNotYet);
   writer_ = std::thread([this] {
     NameThisThread("quern-redis");
@@ -449,7 +450,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
   }
   auto missing = [&]() -> Result<std::shared_ptr<const JobRecord>> {
     const int64_t submitted = JobIdSubmittedMs(id);
-    if (submitted >= 0 && options_.ttl_s > 0 && WallClockMs() - submitted >= options_.ttl_s * 1000) {
+    if (submitted >= 0 && options_.ttl_s > 0 && options_.clock->WallMs() - submitted >= options_.ttl_s * 1000) {
       return Err(NotFound("the result of job '" + id + "' expired (results are kept " + std::to_string(options_.ttl_s) +
                           " s)"));
     }

@@ -49,6 +49,7 @@ struct RedisResultStoreOptions {
   size_t inline_max_bytes = 4096;                // larger outputs go in a binary key
   size_t max_backlog_bytes = size_t{256} << 20;  // results waiting for Redis
   std::string key_prefix = "results:";
+  const Clock* clock = nullptr;  // job ages for TTLs; null = the real clock
 };
 
 // Counters, cumulative unless noted.

@@ -49,9 +49,6 @@ struct JobRecord {
   size_t ByteSize() const;
 };
 
-// Wall clock, milliseconds since the Unix epoch: job timestamps.
-int64_t WallClockMs();
-
 // A compact copy of `t` in a buffer of its own (aligned): a stored result
 // must not keep a whole batch's output alive, nor view a request body.
 Tensor OwnedCopy(const Tensor& t);

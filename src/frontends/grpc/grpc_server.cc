@@ -217,6 +217,8 @@ void FillStatistics(const ModelStatistics& s, inference::ModelStatistics* out) {
 }
 
 // The remaining time of a client deadline on the engine's clock; 0 = none.
+// gRPC turned the client's timeout into a date on the real clock, so the
+// time left is read against that clock.
 int64_t DeadlineNs(const grpc::CallbackServerContext* ctx, const Engine& engine) {
   const auto deadline = ctx->deadline();
   if (deadline >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) return 0;

@@ -175,7 +175,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     return done(ErrorResponse(parsed.error()));
   }
   auto job = std::make_shared<Pending>();
-  job->submitted_ms = WallClockMs();
+  job->submitted_ms = engine_->clock().WallMs();
   job->id = NewJobId(job->submitted_ms);
   job->model = model;
   job->version = version;
@@ -184,9 +184,9 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
 
   InferRequest ir = std::move(parsed->request);
   ir.cancel = job->cancel;  // the job outlives the connection that submitted it
-  ir.on_start = [job] {
+  ir.on_start = [job, clock = &engine_->clock()] {
     int queued = kQueued;
-    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(WallClockMs());
+    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(clock->WallMs());
   };
   {
     // Listed before it is submitted: it may complete (and be unlisted) at once.
@@ -224,7 +224,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   record->version = r.version > 0 ? r.version : std::max<int64_t>(job->version, 0);
   record->submitted_ms = job->submitted_ms;
   record->started_ms = job->started_ms.load();
-  record->finished_ms = WallClockMs();
+  record->finished_ms = engine_->clock().WallMs();
   record->binary_default = job->binary_default;
   record->binary_outputs = job->binary_outputs;
   if (job->state.load() == kCancelRequested) {
@@ -337,7 +337,7 @@ void JobHandler::Cancel(const std::string& id, HttpDone done) {
     if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));
     return done(Conflict("job '" + id + "' is running; only a queued job can be cancelled"));
   }
-  pending->cancelled_ms.store(WallClockMs());
+  pending->cancelled_ms.store(engine_->clock().WallMs());
   pending->cancel->Cancel();
   rapidjson::StringBuffer buf;
   Writer w(buf);

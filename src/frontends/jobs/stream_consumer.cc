@@ -441,7 +441,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     auto fail = [&](Status s) {
       rec->state = JobState::kFailed;
       rec->error = s;
-      rec->finished_ms = WallClockMs();
+      rec->finished_ms = engine_->clock().WallMs();
       Finish(group, i, std::move(rec), std::move(s));
     };
     if (e.deliveries > options_.max_deliveries) {
@@ -455,20 +455,20 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     auto job = DecodeStreamJob(e, models_[e.model].name, models_[e.model].stream);
     if (!job) return fail(job.error());
     const int64_t deadline_ms = job->deadline_ms;
-    if (deadline_ms > 0 && deadline_ms <= WallClockMs()) {
+    if (deadline_ms > 0 && deadline_ms <= engine_->clock().WallMs()) {
       return fail(DeadlineExceeded("job '" + rec->id + "' reached its deadline before it could run"));
     }
     rec->binary_default = job->infer.format.binary_default;
     rec->binary_outputs = std::move(job->infer.format.binary_outputs);
     InferRequest ir = std::move(job->infer.request);
     if (deadline_ms > 0) {
-      ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - WallClockMs()) * 1'000'000;
+      ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - engine_->clock().WallMs()) * 1'000'000;
     }
     auto started = std::make_shared<std::atomic<int64_t>>(0);
-    ir.on_start = [started] { started->store(WallClockMs()); };
+    ir.on_start = [started, clock = &engine_->clock()] { started->store(clock->WallMs()); };
     InferCallback done = [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
       rec->started_ms = started->load();
-      rec->finished_ms = WallClockMs();
+      rec->finished_ms = self->engine_->clock().WallMs();
       rec->version = r.version;
       if (r.status.ok()) {
         rec->state = JobState::kDone;

@@ -48,8 +48,8 @@ std::string RequestKey(const HttpRequest& r) {
   return {};
 }
 
-std::string TimestampUtc() {
-  const std::time_t now = std::time(nullptr);
+std::string TimestampUtc(int64_t wall_ns) {
+  const std::time_t now = static_cast<std::time_t>(wall_ns / 1'000'000'000);
   std::tm tm{};
   gmtime_r(&now, &tm);
   char buf[64];
@@ -503,7 +503,7 @@ void VisionHandler::WriteCpaiMeta(Writer& w, const Job& job, const VisionTimings
   w.Key("processedBy");
   String(w, hostname_);
   w.Key("timestampUTC");
-  String(w, TimestampUtc());
+  String(w, TimestampUtc(service_->clock().WallNs()));
   w.Key("requestId");
   String(w, RequestId());
 }

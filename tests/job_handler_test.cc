@@ -1,0 +1,77 @@
+// The job API without sockets, on a fake clock: its timestamps are the
+// engine clock's date, so they are known exactly without sleeping.
+#include "frontends/jobs/job_handler.h"
+
+#include <gtest/gtest.h>
+#include <rapidjson/document.h>
+
+#include <future>
+#include <string>
+
+#include "store/result_store.h"
+#include "test_util.h"
+
+namespace quern {
+namespace {
+
+class Echo : public Model {
+ public:
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
+    outputs = {{"y", inputs.at(0).tensor}};
+    return Status::Ok();
+  }
+};
+
+HttpResponse Call(JobHandler& h, std::string method, std::string target, std::string body = "") {
+  std::promise<HttpResponse> p;
+  h.Handle({std::move(method), std::move(target), {}, std::move(body)},
+           [&](HttpResponse r) { p.set_value(std::move(r)); });
+  return p.get_future().get();
+}
+
+TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
+  // 2026-03-04T05:06:07.089Z on the fake clock's calendar.
+  FakeClock clock(1'000'000'000, 1'772'600'767'089'000'000);
+  auto engine = Engine::Create({.clock = &clock});
+  ASSERT_TRUE(engine.has_value());
+  ModelConfig c;
+  c.name = "echo";
+  c.max_batch_size = 1;
+  c.instance_count = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
+  ASSERT_TRUE((*engine)->RegisterModel(c, [] { return std::make_unique<Echo>(); }).ok());
+  MemoryResultStoreOptions so;
+  so.clock = &clock;
+  so.ttl_s = 60;
+  MemoryResultStore store(so);
+  JobHandler jobs(engine->get(), &store);
+
+  HttpResponse submitted = Call(jobs, "POST", "/v2/models/echo/jobs",
+                                R"({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [2.5]}]})");
+  ASSERT_EQ(submitted.status, 202) << submitted.body;
+  rapidjson::Document d;
+  d.Parse(submitted.body.c_str());
+  const std::string id = d["job_id"].GetString();
+  EXPECT_EQ(JobIdSubmittedMs(id), 1'772'600'767'089) << "the id carries the clock's date";
+
+  rapidjson::Document done;
+  for (int i = 0; i < 5000; ++i) {
+    HttpResponse got = Call(jobs, "GET", "/v2/jobs/" + id);
+    done.Parse(got.body.c_str());
+    if (done.HasMember("status") && std::string(done["status"].GetString()) == "done") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_STREQ(done["status"].GetString(), "done");
+  EXPECT_STREQ(done["submitted"].GetString(), "2026-03-04T05:06:07.089Z");
+  EXPECT_STREQ(done["finished"].GetString(), "2026-03-04T05:06:07.089Z") << "the fake clock did not move";
+  EXPECT_EQ(done["result"]["outputs"][0]["data"][0].GetDouble(), 2.5);
+
+  clock.AdvanceUs(61'000'000);  // past the 60 s TTL
+  HttpResponse expired = Call(jobs, "GET", "/v2/jobs/" + id);
+  EXPECT_EQ(expired.status, 404);
+  EXPECT_NE(expired.body.find("expired"), std::string::npos) << expired.body;
+}
+
+}  // namespace
+}  // namespace quern
