@@ -28,7 +28,7 @@ check_sha() { # file expected
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
-  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libgtest-dev libgmock-dev
+  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libtomlplusplus-dev libgtest-dev libgmock-dev
   libboost-dev libboost-system-dev rapidjson-dev zlib1g-dev
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl redis-server
   python3 python3-venv curl ca-certificates clang-format

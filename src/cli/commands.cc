@@ -1,0 +1,124 @@
+// `quern models` and `quern infer`: a repository's models, and one request.
+#include "cli/commands.h"
+
+#include <cstdio>
+#include <iostream>
+#include <random>
+
+#include "core/npy.h"
+#include "server/server.h"
+
+namespace quern::cli {
+namespace {
+
+template <typename T>
+void PrintValues(const quern::Tensor& t, size_t limit) {
+  auto v = t.values<T>();
+  for (size_t i = 0; i < v.size() && i < limit; ++i) std::cout << (i ? " " : "") << +v[i];
+  if (v.size() > limit) std::cout << " ...";
+}
+
+quern::Result<quern::Tensor> MakeInput(const quern::ModelConfig& c, const quern::TensorConfig& tc,
+                                       const std::string& spec) {
+  if (spec != "zeros" && spec != "random") return quern::ReadNpy(spec);
+  quern::Shape shape = tc.dims;
+  if (c.max_batch_size > 0) shape.insert(shape.begin(), 1);
+  if (quern::ElementCount(shape) < 0) {
+    return quern::Err(quern::InvalidArgument("input '" + tc.name + "' has a variable shape " +
+                                             quern::ShapeToString(shape) + "; give a .npy file"));
+  }
+  if (tc.dtype == quern::DataType::kBytes) {
+    return quern::Tensor::FromStrings(shape, std::vector<std::string>(quern::ElementCount(shape)));
+  }
+  const size_t bytes = quern::ElementCount(shape) * quern::DataTypeByteSize(tc.dtype);
+  quern::Tensor t = quern::Tensor::Allocate(tc.dtype, shape, bytes);
+  if (spec == "random" && tc.dtype == quern::DataType::kFp32) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> d(-1.f, 1.f);
+    auto* f = reinterpret_cast<float*>(t.mutable_data());
+    for (size_t i = 0; i < bytes / 4; ++i) f[i] = d(rng);
+  }
+  return t;
+}
+
+}  // namespace
+
+int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs) {
+  quern::ServerOptions options;
+  options.model_repository = repo;
+  auto engine = quern::OpenEngine(options);
+  if (!engine) {
+    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+    return 1;
+  }
+  auto status = (*engine)->GetModel(model);
+  if (!status) {
+    std::fprintf(stderr, "quern: %s\n", status.error().ToString().c_str());
+    return 1;
+  }
+  if (status->state != quern::ModelState::kReady) {
+    std::fprintf(stderr, "quern: model '%s' is not ready: %s\n", model.c_str(), status->reason.c_str());
+    return 1;
+  }
+  quern::InferRequest req;
+  req.model = model;
+  for (const auto& s : specs) {
+    auto eq = s.find('=');
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "quern: --input '%s' is not NAME=FILE.npy|zeros|random\n", s.c_str());
+      return 2;
+    }
+    const std::string name = s.substr(0, eq);
+    const quern::TensorConfig* tc = status->config.FindInput(name);
+    if (!tc) {
+      std::fprintf(stderr, "quern: model '%s' has no input '%s'\n", model.c_str(), name.c_str());
+      return 2;
+    }
+    auto t = MakeInput(status->config, *tc, s.substr(eq + 1));
+    if (!t) {
+      std::fprintf(stderr, "quern: %s\n", t.error().ToString().c_str());
+      return 2;
+    }
+    req.inputs.push_back({name, std::move(*t)});
+  }
+  quern::InferResponse r = (*engine)->Infer(std::move(req)).get();
+  if (!r.status.ok()) {
+    std::fprintf(stderr, "quern: %s\n", r.status.ToString().c_str());
+    return 1;
+  }
+  for (const auto& o : r.outputs) {
+    const quern::Tensor& t = o.tensor;
+    std::cout << o.name << " " << quern::DataTypeName(t.dtype()) << " " << quern::ShapeToString(t.shape()) << ": ";
+    switch (t.dtype()) {
+      case quern::DataType::kFp32: PrintValues<float>(t, 16); break;
+      case quern::DataType::kFp64: PrintValues<double>(t, 16); break;
+      case quern::DataType::kInt64: PrintValues<int64_t>(t, 16); break;
+      case quern::DataType::kInt32: PrintValues<int32_t>(t, 16); break;
+      case quern::DataType::kUint8: PrintValues<uint8_t>(t, 16); break;
+      case quern::DataType::kInt8: PrintValues<int8_t>(t, 16); break;
+      default: std::cout << t.byte_size() << " bytes";
+    }
+    std::cout << "\n";
+  }
+  std::printf("request %llu: batch %lld, queue %.3f ms, compute %.3f ms, total %.3f ms\n",
+              static_cast<unsigned long long>(r.request_id), static_cast<long long>(r.telemetry.batch_size),
+              r.telemetry.queue_ns() / 1e6, r.telemetry.compute_ns() / 1e6, r.telemetry.total_ns() / 1e6);
+  return 0;
+}
+
+int Models(const std::string& repo) {
+  quern::ServerOptions options;
+  options.model_repository = repo;
+  auto engine = quern::OpenEngine(options);
+  if (!engine) {
+    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+    return 1;
+  }
+  quern::PrintModels(**engine);
+  for (const auto& m : (*engine)->ListModels()) {
+    if (m.state != quern::ModelState::kReady) return 3;
+  }
+  return 0;
+}
+
+}  // namespace quern::cli

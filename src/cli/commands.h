@@ -1,0 +1,17 @@
+// The `quern` subcommands besides serve.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace quern::cli {
+
+// Lists a repository's models, their tensors and load errors; 3 when a
+// model did not load.
+int Models(const std::string& repo);
+
+// Runs one request: each spec is NAME=FILE.npy, NAME=zeros or NAME=random
+// (a batch of 1), and prints the outputs and the request's timings.
+int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs);
+
+}  // namespace quern::cli

@@ -1,0 +1,340 @@
+#include "server/server.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <thread>
+
+#include "frontends/http/kserve_handler.h"
+#include "frontends/jobs/job_handler.h"
+#include "metrics/prometheus.h"
+#include "pipeline/vision_model.h"
+
+namespace quern {
+namespace {
+
+std::string Dims(const ModelConfig& c, const TensorConfig& t) {
+  Shape s = t.dims;
+  if (c.max_batch_size > 0) s.insert(s.begin(), -1);
+  return ShapeToString(s);
+}
+
+// Connections need file descriptors; the usual soft limit (1024) is far
+// below the hard one.
+void RaiseOpenFileLimit(int wanted) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= static_cast<rlim_t>(wanted)) return;
+  lim.rlim_cur = std::min(lim.rlim_max, static_cast<rlim_t>(wanted));
+  setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+bool IsHealthRoute(const std::string& target) {
+  const auto parts = SplitTargetPath(target);
+  return parts.size() == 3 && parts[0] == "v2" && parts[1] == "health";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options) {
+  EngineOptions o;
+  o.model_repository = options.model_repository;
+  o.max_queue_wait_ms = options.max_queue_wait_ms;
+  o.allow_links_outside_repository = options.allow_links_outside_repository;
+  o.repository_poll_interval_s = options.repository_poll_secs;
+  // A vision model's parameters and label files are checked while it loads,
+  // not at its first image.
+  o.check_model = [](const ModelStatus& status, const std::string& model_dir) {
+    if (!IsVisionModel(status.config)) return Status::Ok();
+    auto vision = VisionModelFromStatus(status, model_dir);
+    return vision ? Status::Ok() : vision.error();
+  };
+  return Engine::Create(o);
+}
+
+void PrintModels(const Engine& engine) {
+  for (const auto& m : engine.ListModels()) {
+    std::printf("%s v%lld  %s", m.name.c_str(), static_cast<long long>(m.version),
+                std::string(ModelStateName(m.state)).c_str());
+    if (!m.reason.empty()) std::printf("  error: %s", m.reason.c_str());
+    std::printf("\n");
+    if (m.state != ModelState::kReady) continue;
+    const auto& c = m.config;
+    std::printf("    max_batch_size %d, instances %d, dynamic batching %s\n", c.max_batch_size, c.instance_count,
+                c.batching ? "on" : "off");
+    for (const auto& t : c.inputs) {
+      std::printf("    input  %-20s %-6s %s\n", t.name.c_str(), std::string(DataTypeName(t.dtype)).c_str(),
+                  Dims(c, t).c_str());
+    }
+    for (const auto& t : c.outputs) {
+      std::printf("    output %-20s %-6s %s\n", t.name.c_str(), std::string(DataTypeName(t.dtype)).c_str(),
+                  Dims(c, t).c_str());
+    }
+  }
+}
+
+// Declared in the order they are made; Shutdown takes them down in the order
+// the top of server.h gives.
+struct Server::Parts {
+  ServerOptions options;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<ApiKeys> keys;
+  // Set when draining begins: the server answers what it has taken and
+  // refuses the rest.
+  std::atomic<bool> draining{false};
+  std::unique_ptr<KServeHandler> kserve;
+  std::unique_ptr<VisionService> vision_service;
+  std::unique_ptr<VisionHandler> vision;
+  std::unique_ptr<ResultStore> store;
+  RedisResultStore* redis_store = nullptr;  // = store when results go to Redis
+  std::unique_ptr<JobHandler> jobs;
+  std::unique_ptr<HttpServer> http;
+  std::unique_ptr<GrpcServer> grpc;
+  std::unique_ptr<HttpServer> vision_http;
+  std::unique_ptr<HttpServer> metrics;
+  std::unique_ptr<StreamConsumer> consumer;
+  bool shut_down = false;
+
+  int64_t NowNs() const { return engine->clock().NowNs(); }
+
+  // The key a request presents, checked before any handler sees it (the
+  // vision routes check theirs themselves: CodeProject.AI clients send it
+  // as a form field and expect errors as 200 with success false).
+  std::optional<HttpResponse> Denied(const HttpRequest& r) const {
+    if (!keys->enabled()) return std::nullopt;
+    // Decoded path segments: "/v2/repository/models/m/lo%61d" is a load.
+    const auto parts = SplitTargetPath(r.target);
+    const bool admin = parts.size() == 5 && parts[0] == "v2" && parts[1] == "repository" && parts[2] == "models" &&
+                       (parts[4] == "load" || parts[4] == "unload");
+    Status st = keys->Authorize(PresentedKey(r.Header("authorization"), r.Header("x-api-key")), admin, NowNs());
+    if (st.ok()) return std::nullopt;
+    HttpResponse resp = ErrorResponse(st);
+    resp.status = AuthHttpStatus(st);
+    if (resp.status == 401) resp.headers.emplace_back("WWW-Authenticate", "Bearer");
+    return resp;
+  }
+
+  std::optional<HttpResponse> Draining(const HttpRequest& r) const {
+    if (!draining.load(std::memory_order_acquire) || IsHealthRoute(r.target)) return std::nullopt;
+    return ErrorResponse(Unavailable("the server is shutting down"));
+  }
+
+  // Decided from a request's line and headers, before its body is read:
+  // draining, keys, and inference requests whose model's queue is full.
+  std::optional<HttpResponse> Head(const HttpRequest& r) const {
+    if (auto refused = Draining(r)) return refused;
+    if (VisionHandler::Handles(r.target)) return vision->CheckHead(r);
+    if (auto denied = Denied(r)) return denied;
+    return kserve->CheckHead(r);
+  }
+
+  void Route(HttpRequest&& r, HttpDone done) {
+    // Draining may have begun while the body arrived.
+    if (auto refused = Draining(r)) return done(std::move(*refused));
+    if (VisionHandler::Handles(r.target)) return vision->Handle(std::move(r), std::move(done));
+    if (JobHandler::Handles(r.target)) return jobs->Handle(std::move(r), std::move(done));
+    kserve->Handle(std::move(r), std::move(done));
+  }
+
+  void Metrics(HttpRequest&& r, HttpDone done) const {
+    if (options.metrics_need_key) {
+      if (auto denied = Denied(r)) return done(std::move(*denied));
+    }
+    HttpResponse resp;
+    if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
+      resp.status = 404;
+      resp.body = "{\"error\":\"metrics are served at GET /metrics\"}";
+      return done(std::move(resp));
+    }
+    resp.content_type = "text/plain; version=0.0.4";
+    resp.body = RenderPrometheus(*engine) + RenderVisionPrometheus(vision_service->stats()) +
+                RenderJobPrometheus(jobs->stats());
+    if (redis_store) resp.body += RenderRedisStorePrometheus(redis_store->stats());
+    if (consumer) resp.body += RenderStreamPrometheus(consumer->stats());
+    done(std::move(resp));
+  }
+};
+
+Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
+  auto p = std::make_unique<Parts>();
+  p->options = std::move(options);
+  ServerOptions& o = p->options;
+  if (o.consume && o.redis_url.empty()) {
+    return Err(InvalidArgument("--consume takes jobs from Redis streams: give --redis-url too"));
+  }
+  QUERN_ASSIGN_OR_RETURN(p->engine, OpenEngine(o));
+  Parts* parts = p.get();
+  PrintModels(*p->engine);
+  RaiseOpenFileLimit(o.http.max_connections + 64);
+  if (const char* k = std::getenv("QUERN_API_KEYS")) o.keys.keys_env = k;
+  if (const char* k = std::getenv("QUERN_ADMIN_KEYS")) o.keys.admin_keys_env = k;
+  auto keys = ApiKeys::Load(o.keys);
+  if (!keys) return Err(InvalidArgument(keys.error().message()));
+  p->keys = std::move(*keys);
+  const bool explicit_control = o.model_control == "explicit";
+
+  p->kserve = std::make_unique<KServeHandler>(p->engine.get());
+  p->kserve->set_model_control(explicit_control);
+  o.vision_service.model_repository = o.model_repository;
+  o.vision_service.max_in_flight_bytes = o.vision_max_memory_mb << 20;
+  o.vision_service.max_queue_wait_ms = o.max_queue_wait_ms;
+  o.vision_service.clock = &p->engine->clock();
+  p->vision_service = std::make_unique<VisionService>(p->engine.get(), o.vision_service);
+  if (p->keys->enabled()) {
+    o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
+  }
+  p->vision = std::make_unique<VisionHandler>(p->vision_service.get(), o.vision);
+
+  if (!o.redis_url.empty()) {
+    RedisResultStoreOptions ro;
+    ro.redis = o.redis;
+    if (Status s = ParseRedisUrl(o.redis_url, ro.redis); !s.ok()) return Err(InvalidArgument(s.message()));
+    if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && ro.redis.password.empty()) {
+      ro.redis.password = pw;
+    }
+    ro.ttl_s = o.store.ttl_s;
+    ro.max_backlog_bytes = o.store.max_bytes;
+    ro.clock = &p->engine->clock();
+    auto rs = std::make_unique<RedisResultStore>(ro);
+    p->redis_store = rs.get();
+    p->store = std::move(rs);
+  } else {
+    o.store.clock = &p->engine->clock();
+    p->store = std::make_unique<MemoryResultStore>(o.store);
+  }
+  p->kserve->set_ready_check([parts] {
+    if (parts->draining.load(std::memory_order_acquire)) return Unavailable("the server is shutting down");
+    return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
+  });
+  p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get());
+
+  QUERN_ASSIGN_OR_RETURN(
+      p->http, HttpServer::Start(
+                   o.http, [parts](HttpRequest&& r, HttpDone done) { parts->Route(std::move(r), std::move(done)); },
+                   [parts](const HttpRequest& r) { return parts->Head(r); }));
+  if (o.grpc.port >= 0) {
+    GrpcServerOptions g = o.grpc;
+    g.host = o.http.host;
+    g.max_send_bytes = g.max_receive_bytes;
+    if (g.tls_cert_file.empty() && g.tls_key_file.empty()) {
+      g.tls_cert_file = o.http.tls_cert_file;
+      g.tls_key_file = o.http.tls_key_file;
+      if (g.tls_client_ca_file.empty()) g.tls_client_ca_file = o.http.tls_client_ca_file;
+    }
+    g.model_control = explicit_control;
+    g.draining = &p->draining;
+    if (p->keys->enabled()) {
+      g.authorize = [parts](std::string_view key, bool admin) {
+        return parts->keys->Authorize(key, admin, parts->NowNs());
+      };
+    }
+    auto grpc = GrpcServer::Start(g, p->engine.get());
+    if (!grpc) return Err(Status(grpc.error().code(), "gRPC: " + grpc.error().message()));
+    p->grpc = std::move(*grpc);
+  }
+  if (o.vision_port >= 0) {
+    HttpServerOptions vo = o.http;
+    vo.port = o.vision_port;
+    auto vision_http = HttpServer::Start(
+        vo,
+        [parts](HttpRequest&& r, HttpDone done) {
+          if (auto refused = parts->Draining(r)) return done(std::move(*refused));
+          if (VisionHandler::Handles(r.target)) return parts->vision->Handle(std::move(r), std::move(done));
+          HttpResponse resp;
+          resp.status = 404;
+          resp.body =
+              "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
+          done(std::move(resp));
+        },
+        [parts](const HttpRequest& r) -> std::optional<HttpResponse> {
+          if (auto refused = parts->Draining(r)) return refused;
+          if (VisionHandler::Handles(r.target)) return parts->vision->CheckHead(r);
+          return std::nullopt;
+        });
+    if (!vision_http) return Err(Status(vision_http.error().code(), "vision: " + vision_http.error().message()));
+    p->vision_http = std::move(*vision_http);
+  }
+  o.metrics.host = o.http.host;
+  auto metrics = HttpServer::Start(
+      o.metrics, [parts](HttpRequest&& r, HttpDone done) { parts->Metrics(std::move(r), std::move(done)); });
+  if (!metrics) return Err(Status(metrics.error().code(), "metrics: " + metrics.error().message()));
+  p->metrics = std::move(*metrics);
+  // Last: a failure above must not leave jobs in the engine that complete
+  // into a consumer already destroyed.
+  if (o.consume) {
+    StreamConsumerOptions co = o.consumer;
+    co.redis = p->redis_store->options().redis;
+    auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
+    if (!consumer) return Err(InvalidArgument(consumer.error().message()));
+    p->consumer = std::move(*consumer);
+  }
+
+  std::printf("quern: HTTP listening on %s:%d\n", o.http.host.c_str(), p->http->port());
+  if (p->grpc) std::printf("quern: gRPC listening on %s:%d\n", o.http.host.c_str(), p->grpc->port());
+  if (p->vision_http) std::printf("quern: vision listening on %s:%d\n", o.http.host.c_str(), p->vision_http->port());
+  std::printf("quern: metrics listening on %s:%d\n", o.metrics.host.c_str(), p->metrics->port());
+  if (p->consumer) {
+    std::printf("quern: taking jobs from redis at %s as consumer %s\n",
+                p->redis_store->options().redis.Address().c_str(), p->consumer->consumer_name().c_str());
+  }
+  std::printf("quern: serving %s (Ctrl-C to stop)\n", o.model_repository.c_str());
+  std::fflush(stdout);
+  return std::unique_ptr<Server>(new Server(std::move(p)));
+}
+
+Server::Server(std::unique_ptr<Parts> parts) : parts_(std::move(parts)) {}
+
+Server::~Server() {
+  Shutdown();
+}
+
+void Server::Shutdown() {
+  Parts& p = *parts_;
+  if (p.shut_down) return;
+  p.shut_down = true;
+  // Drain: not ready any more, new requests refused, requests already taken
+  // (queued, running, or being decoded for the vision routes) answered.
+  std::printf("quern: draining (up to %.0f s)\n", p.options.drain_timeout_s);
+  std::fflush(stdout);
+  p.draining.store(true, std::memory_order_release);
+  p.engine->StopRepositoryPolling();   // the models in service stay as they are
+  if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, p.options.drain_timeout_s));
+  auto in_flight = [&p] { return p.engine->InFlight() + p.vision_service->stats().in_flight; };
+  while (in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (const int64_t left = in_flight(); left > 0) {
+    std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
+  }
+  // Answers the I/O threads still write (large ones, every one over TLS).
+  auto writing = [&p] { return p.http->pending_writes() + (p.vision_http ? p.vision_http->pending_writes() : 0); };
+  while (writing() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::printf("quern: stopping\n");
+  std::fflush(stdout);
+  p.metrics->Stop();
+  p.http->Stop();  // no new requests reach the engine
+  if (p.vision_http) p.vision_http->Stop();
+  if (p.grpc) p.grpc->Stop();
+  // Images still in the vision service need the engine to finish; their
+  // answers need the handler.
+  p.vision.reset();
+  p.vision_service.reset();
+  p.engine.reset();  // drains the queues; late responses are dropped with their connections
+  p.consumer.reset();
+  p.http.reset();
+  p.vision_http.reset();
+  p.grpc.reset();
+  p.metrics.reset();
+  p.jobs.reset();
+  p.store.reset();  // Redis: writes what is queued
+}
+
+}  // namespace quern

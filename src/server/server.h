@@ -1,0 +1,94 @@
+// A serving process's wiring: the engine, the vision service, the job store,
+// the front ends (KServe HTTP and gRPC, the vision routes, jobs, the stream
+// consumer, /metrics) and the order in which they start and stop.
+//
+//   auto server = Server::Start(options);   // loads, listens, prints where
+//   ... until SIGTERM ...
+//   server->Shutdown();                      // drains, then stops in order
+//
+// Shutdown order: readiness turns false and new requests are refused; the
+// repository is no longer polled and the consumer takes no more stream jobs;
+// requests already taken (queued, running, being decoded) finish for up to
+// the drain timeout; responses still being written go out; then the
+// listeners stop, the engine drains its queues, and the stores flush.
+//
+// Thread safety: Shutdown may be called from any one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "frontends/grpc/grpc_server.h"
+#include "frontends/http/http_server.h"
+#include "frontends/jobs/stream_consumer.h"
+#include "frontends/vision/vision_handler.h"
+#include "pipeline/vision_service.h"
+#include "quern/status.h"
+#include "server/api_keys.h"
+#include "store/redis_store.h"
+#include "store/result_store.h"
+
+namespace quern {
+
+// Every setting of `quern serve` (see serve_flags.h for their flags).
+struct ServerOptions {
+  std::string model_repository;
+  double repository_poll_secs = 0;
+  bool allow_links_outside_repository = false;
+  // "none" (or "poll"): the repository is loaded at start and changed only
+  // by polling; "explicit": models load and unload over the API as well.
+  std::string model_control = "none";
+  int64_t max_queue_wait_ms = 5000;
+  double drain_timeout_s = 30;
+
+  HttpServerOptions http;
+  GrpcServerOptions grpc;
+  HttpServerOptions metrics = [] {
+    HttpServerOptions o;
+    o.port = 8002;
+    return o;
+  }();
+  bool metrics_need_key = false;
+  ApiKeyOptions keys;
+
+  VisionOptions vision;
+  VisionServiceOptions vision_service;
+  int vision_port = -1;  // -1 = off
+  int64_t vision_max_memory_mb = (int64_t{1} << 30) >> 20;
+
+  MemoryResultStoreOptions store;
+  std::string redis_url;  // "" = results in memory
+  RedisOptions redis;
+  bool consume = false;
+  StreamConsumerOptions consumer;
+};
+
+// The engine as `quern serve` opens it: vision pipelines are checked while
+// their models load.
+Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options);
+
+// Each model with its state, tensors and load error (stdout).
+void PrintModels(const Engine& engine);
+
+class Server {
+ public:
+  // Loads the repository and starts every listener; prints the models and
+  // where it listens. INVALID_ARGUMENT for settings that do not fit
+  // together (keys files, Redis URL, --consume without --redis-url); other
+  // codes when a listener or the consumer cannot start.
+  static Result<std::unique_ptr<Server>> Start(ServerOptions options);
+  ~Server();  // Shutdown()
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Drains, then stops everything in order (see the top of this file).
+  // Idempotent.
+  void Shutdown();
+
+ private:
+  struct Parts;
+  explicit Server(std::unique_ptr<Parts> parts);
+  std::unique_ptr<Parts> parts_;
+};
+
+}  // namespace quern
