@@ -283,12 +283,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         grpc::SerializationTraits<inference::ModelInferRequest>::Deserialize(&reading_, request.get());
     ++messages_;
     const uint64_t n = messages_;
+    {
+      // Counted before the next read starts: that read may end (the client
+      // half-closing) on another thread while this message is handled, and
+      // the stream must not finish before this message is answered.
+      std::lock_guard<std::mutex> lock(mu_);
+      ++pending_;
+    }
     StartNextRead();
     if (!parsed.ok()) {
-      return Answer("",
-                    InvalidArgument("stream message " + std::to_string(n) +
-                                    " is not a valid inference.ModelInferRequest (protobuf parsing failed)"),
-                    nullptr);
+      Answer("",
+             InvalidArgument("stream message " + std::to_string(n) +
+                             " is not a valid inference.ModelInferRequest (protobuf parsing failed)"),
+             nullptr);
+      return Release();
     }
     Submit(std::move(request));
   }
@@ -329,18 +337,25 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     StartRead(&reading_);
   }
 
+  // Answers the request (counted in pending_ by OnReadDone) now or when the
+  // engine does, then releases it.
   void Submit(std::unique_ptr<inference::ModelInferRequest> request) {
     if (admit_) {
-      if (Status st = admit_(); !st.ok()) return Answer(request->id(), st, nullptr);
+      if (Status st = admit_(); !st.ok()) {
+        Answer(request->id(), st, nullptr);
+        return Release();
+      }
     }
     auto ir = ToInferRequest(*request);
-    if (!ir) return Answer(request->id(), ir.error(), nullptr);
+    if (!ir) {
+      Answer(request->id(), ir.error(), nullptr);
+      return Release();
+    }
     auto cancel = std::make_shared<CancellationToken>();
     ir->cancel = cancel;
     ir->deadline_ns = DeadlineNs(ctx_, *engine_);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++pending_;
       if (broken_) cancel->Cancel();
       cancels_.push_back(cancel);
     }
@@ -348,15 +363,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     InferCallback done = [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)),
                           cancel](InferResponse&& r) {
       Answer(request->id(), r.status, &r);
-      bool last;
       {
         std::lock_guard<std::mutex> lock(mu_);
         std::erase(cancels_, cancel);
-        --pending_;
-        MaybeFinishLocked();
-        last = done_ && pending_ == 0;
       }
-      if (last) delete this;
+      Release();
     };
     if (Status st = engine_->InferAsync(std::move(*ir), done); !st.ok()) {
       InferResponse refused;  // answered and counted as the callback does
@@ -393,6 +404,19 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
   }
 
+  // One message answered (its answer queued for writing): the stream may
+  // end now, and the reactor may go once gRPC is done with it.
+  void Release() {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+      MaybeFinishLocked();
+      last = done_ && pending_ == 0;
+    }
+    if (last) delete this;
+  }
+
   // The stream ends when the client has finished sending, every request has
   // answered and every answer is written (or the stream broke).
   void MaybeFinishLocked() {
@@ -412,7 +436,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::mutex mu_;
   std::deque<std::unique_ptr<grpc::ByteBuffer>> writes_;  // front = being written
   std::vector<std::shared_ptr<CancellationToken>> cancels_;
-  int pending_ = 0;  // submitted requests without an answer yet
+  int pending_ = 0;  // messages read and not answered yet
   bool writing_ = false;
   bool reads_done_ = false;
   bool broken_ = false;    // cancelled or a write failed: no more writes
