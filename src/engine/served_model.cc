@@ -7,6 +7,8 @@
 #include <random>
 
 #include "core/repository.h"
+#include "engine/batch_assembly.h"
+#include "engine/request_validation.h"
 
 namespace quern {
 
@@ -29,71 +31,6 @@ class ServedModel::Task final : public BatchTask {
 };
 
 namespace {
-
-uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-  return h;
-}
-
-const NamedTensor* FindTensor(const std::vector<NamedTensor>& v, const std::string& name) {
-  for (const auto& t : v) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
-}
-
-// Builds the batched input named `name` from each task's rows; padding rows are zero.
-Tensor Concatenate(const std::vector<const Tensor*>& parts, int64_t padded_rows) {
-  const Tensor& first = *parts[0];
-  Shape shape = first.shape();
-  shape[0] = padded_rows;
-  if (first.dtype() == DataType::kBytes) {
-    int64_t rows = 0;
-    size_t bytes = 0;
-    for (const Tensor* t : parts) {
-      rows += t->shape()[0];
-      bytes += t->byte_size();
-    }
-    const int64_t per_row = rows > 0 ? first.element_count() / first.shape()[0] : 0;
-    const size_t pad_elems = static_cast<size_t>((padded_rows - rows) * per_row);
-    Tensor out = Tensor::AllocateUninitialized(DataType::kBytes, std::move(shape), bytes + pad_elems * 4);
-    std::byte* p = out.mutable_data();
-    for (const Tensor* t : parts) {
-      std::memcpy(p, t->data(), t->byte_size());
-      p += t->byte_size();
-    }
-    std::memset(p, 0, pad_elems * 4);  // padding elements: empty strings
-    return out;
-  }
-  const size_t row_bytes = first.byte_size() / static_cast<size_t>(first.shape()[0]);
-  const size_t total = row_bytes * static_cast<size_t>(padded_rows);
-  Tensor out = Tensor::AllocateUninitialized(first.dtype(), std::move(shape), total);
-  std::byte* p = out.mutable_data();
-  for (const Tensor* t : parts) {
-    std::memcpy(p, t->data(), t->byte_size());
-    p += t->byte_size();
-  }
-  std::memset(p, 0, static_cast<size_t>(out.mutable_data() + total - p));  // padding rows are zeros
-  return out;
-}
-
-// Rows [row, row + rows) of a batched output, without copying when possible.
-Result<Tensor> SliceRows(const Tensor& t, int64_t row, int64_t rows) {
-  Shape shape = t.shape();
-  const int64_t total = shape[0];
-  shape[0] = rows;
-  if (row == 0 && rows == total) return t;
-  if (t.dtype() != DataType::kBytes) {
-    const size_t row_bytes = t.byte_size() / static_cast<size_t>(total);
-    return t.View(std::move(shape), row_bytes * static_cast<size_t>(row), row_bytes * static_cast<size_t>(rows));
-  }
-  auto strings = t.Strings();
-  if (!strings) return Err(strings.error());
-  const int64_t per_row = total > 0 ? static_cast<int64_t>(strings->size()) / total : 0;
-  std::vector<std::string> mine;
-  for (int64_t i = row * per_row; i < (row + rows) * per_row; ++i) mine.emplace_back((*strings)[i]);
-  return Tensor::FromStrings(std::move(shape), mine);
-}
 
 // Warm-up tensors larger than this are refused (a typo in dims must not
 // exhaust memory while loading).
@@ -218,7 +155,7 @@ void ServedModel::Shutdown() {
 Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
   for (const WarmupSample& s : config_.warmup) {
     std::vector<NamedTensor> inputs;
-    const int64_t rows = config_.max_batch_size > 0 ? PaddedSize(s.batch_size) : 0;
+    const int64_t rows = config_.max_batch_size > 0 ? PaddedBatchSize(config_.fixed_batch_sizes, s.batch_size) : 0;
     for (const auto& [name, in] : s.inputs) {
       Shape shape = in.dims;
       if (rows > 0) shape.insert(shape.begin(), rows);
@@ -246,97 +183,12 @@ Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
   return Status::Ok();
 }
 
-int64_t ServedModel::PaddedSize(int64_t items) const {
-  int64_t best = 0;
-  for (int s : config_.fixed_batch_sizes) {
-    if (s >= items && (best == 0 || s < best)) best = s;
-  }
-  return best > 0 ? best : items;
-}
-
-Status ServedModel::Validate(const InferRequest& r, int64_t& items, uint64_t& key,
-                             std::vector<int>& output_indices) const {
-  const std::string m = "model '" + config_.name + "'";
-  const bool batched = config_.max_batch_size > 0;
-  items = -1;
-  key = 0;
-  for (const auto& in : r.inputs) {
-    if (!config_.FindInput(in.name)) {
-      std::string names;
-      for (const auto& t : config_.inputs) names += (names.empty() ? "" : ", ") + t.name;
-      return InvalidArgument(m + " has no input '" + in.name + "' (inputs: " + names + ")");
-    }
-  }
-  for (size_t i = 0; i < config_.inputs.size(); ++i) {
-    const TensorConfig& tc = config_.inputs[i];
-    const NamedTensor* nt = FindTensor(r.inputs, tc.name);
-    if (!nt) {
-      if (tc.optional) {
-        key = Mix(key, 0xabcdef + i);
-        continue;
-      }
-      return InvalidArgument(m + ": input '" + tc.name + "' is missing from the request");
-    }
-    const Tensor& t = nt->tensor;
-    const std::string where = m + " input '" + tc.name + "'";
-    if (t.dtype() != tc.dtype) {
-      return InvalidArgument(where + ": expected data type " + std::string(DataTypeName(tc.dtype)) + ", got " +
-                             std::string(DataTypeName(t.dtype())));
-    }
-    const Shape& s = t.shape();
-    const size_t want_rank = tc.dims.size() + (batched ? 1 : 0);
-    bool shape_ok = s.size() == want_rank;
-    for (size_t d = 0; shape_ok && d < tc.dims.size(); ++d) {
-      const int64_t got = s[d + (batched ? 1 : 0)];
-      shape_ok = got >= 0 && (tc.dims[d] == -1 || tc.dims[d] == got);
-    }
-    if (shape_ok && batched) shape_ok = s[0] >= 1;
-    if (!shape_ok) {
-      Shape expected = tc.dims;
-      if (batched) expected.insert(expected.begin(), -1);
-      return InvalidArgument(where + ": expected shape " + ShapeToString(expected) + ", got " + ShapeToString(s) +
-                             (batched ? " (the first dimension is the batch)" : ""));
-    }
-    if (batched) {
-      if (items >= 0 && s[0] != items) {
-        return InvalidArgument(where + ": batch dimension " + std::to_string(s[0]) +
-                               " differs from the other inputs' " + std::to_string(items));
-      }
-      items = s[0];
-      if (items > config_.max_batch_size) {
-        return InvalidArgument(where + ": batch of " + std::to_string(items) + " exceeds max_batch_size " +
-                               std::to_string(config_.max_batch_size));
-      }
-    }
-    Status v = t.Validate();
-    if (!v.ok()) return InvalidArgument(where + ": " + v.message());
-    key = Mix(key, i + 1);
-    for (size_t d = batched ? 1 : 0; d < s.size(); ++d) key = Mix(key, static_cast<uint64_t>(s[d]));
-  }
-  if (!batched) items = 1;
-  if (items < 1) return InvalidArgument(m + ": the request has no inputs");
-  output_indices.clear();
-  if (r.requested_outputs.empty()) {
-    for (size_t i = 0; i < config_.outputs.size(); ++i) output_indices.push_back(static_cast<int>(i));
-  } else {
-    for (const auto& name : r.requested_outputs) {
-      int found = -1;
-      for (size_t i = 0; i < config_.outputs.size(); ++i) {
-        if (config_.outputs[i].name == name) found = static_cast<int>(i);
-      }
-      if (found < 0) return InvalidArgument(m + " has no output '" + name + "'");
-      output_indices.push_back(found);
-    }
-  }
-  return Status::Ok();
-}
-
 Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   auto task = std::make_unique<Task>();
   task->telemetry.queue_start_ns = clock_->NowNs();
   task->id = request_id;
-  Status st = Validate(request, task->items, task->key, task->output_indices);
+  Status st = ValidateRequest(config_, request, task->items, task->key, task->output_indices);
   task->request = std::move(request);
   if (!st.ok()) return Refuse(*task, std::move(st));
   task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
@@ -366,43 +218,15 @@ Status ServedModel::Refuse(const Task& task, Status status) {
 Status ServedModel::CheckAdmission() {
   Status st = batcher_->CheckAdmission();
   if (st.ok()) return st;
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.fail.count;
-    ++stats_.fail_rejected;
-    stats_.request_us.Observe(0);
-  }
+  // Counted as a request refused at once (it never reaches Submit).
+  Telemetry refused;
+  refused.queue_start_ns = clock_->NowNs();
+  stats_.RecordRequest(st, refused, 0, 0, refused.queue_start_ns);
   return Status(st.code(), "model '" + config_.name + "': " + st.message());
 }
 
 void ServedModel::RecordOutcome(const Task& task, const Status& status) {
-  const int64_t now = clock_->NowNs();
-  const Telemetry& t = task.telemetry;
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  DurationStat& outcome = status.ok() ? stats_.success : stats_.fail;
-  const int64_t total_ns = std::max<int64_t>(now - t.queue_start_ns, 0);
-  ++outcome.count;
-  outcome.ns += static_cast<uint64_t>(total_ns);
-  stats_.request_us.Observe(static_cast<double>(total_ns) / 1e3);
-  switch (status.code()) {
-    case StatusCode::kOk: break;
-    case StatusCode::kUnavailable: ++stats_.fail_rejected; break;
-    case StatusCode::kCancelled: ++stats_.fail_cancelled; break;
-    case StatusCode::kDeadlineExceeded: ++stats_.fail_timeout; break;
-    case StatusCode::kInvalidArgument: ++stats_.fail_invalid; break;
-    default: ++stats_.fail_backend; break;
-  }
-  if (t.compute_start_ns > 0) {
-    stats_.queue.count++;
-    stats_.queue.ns += static_cast<uint64_t>(t.compute_start_ns - t.queue_start_ns);
-    stats_.queue_us.Observe(static_cast<double>(t.compute_start_ns - t.queue_start_ns) / 1e3);
-    const int64_t infer_ns = t.compute_end_ns - t.compute_start_ns - task.input_ns;
-    for (auto [stat, ns] : {std::pair{&stats_.compute_input, task.input_ns}, std::pair{&stats_.compute_infer, infer_ns},
-                            std::pair{&stats_.compute_output, task.output_ns}}) {
-      stat->count++;
-      stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
-    }
-  }
+  stats_.RecordRequest(status, task.telemetry, task.input_ns, task.output_ns, clock_->NowNs());
 }
 
 void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs) {
@@ -442,7 +266,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     items += tasks.back()->items;
   }
   const bool batched = config_.max_batch_size > 0;
-  const int64_t padded = batched ? PaddedSize(items) : items;
+  const int64_t padded = batched ? PaddedBatchSize(config_.fixed_batch_sizes, items) : items;
   for (const auto& task : tasks) {
     if (task->request.on_start) task->request.on_start();
   }
@@ -462,7 +286,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     // body at any offset): the batch copy aligns it.
     const bool aligned =
         reinterpret_cast<uintptr_t>(parts[0]->data()) % std::max<size_t>(DataTypeByteSize(tc.dtype), 1) == 0;
-    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? *parts[0] : Concatenate(parts, padded);
+    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? *parts[0] : ConcatenateRows(parts, padded);
     if (tc.reshape) {
       Shape r = *tc.reshape;
       if (batched) r.insert(r.begin(), padded);
@@ -522,23 +346,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     row += task.items;
   }
   const int64_t split_end = clock_->NowNs();
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.execution_count++;
-    stats_.inference_count += static_cast<uint64_t>(items);
-    stats_.batch_size.Observe(static_cast<double>(items));
-    stats_.compute_input_us.Observe(static_cast<double>(gathered - start) / 1e3);
-    stats_.compute_infer_us.Observe(static_cast<double>(end - gathered) / 1e3);
-    stats_.compute_output_us.Observe(static_cast<double>(split_end - end) / 1e3);
-    stats_.last_inference_ms = static_cast<uint64_t>(clock_->WallMs());
-    BatchSizeStats& b = batch_stats_[items];
-    b.batch_size = items;
-    for (auto [stat, ns] : {std::pair{&b.compute_input, gathered - start}, std::pair{&b.compute_infer, end - gathered},
-                            std::pair{&b.compute_output, split_end - end}}) {
-      stat->count++;
-      stat->ns += static_cast<uint64_t>(std::max<int64_t>(ns, 0));
-    }
-  }
+  stats_.RecordBatch(items, start, gathered, end, split_end, clock_->WallMs());
   for (size_t k = 0; k < tasks.size(); ++k) {
     Telemetry& t = tasks[k]->telemetry;
     t.compute_start_ns = start;
@@ -552,13 +360,11 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
 }
 
 ModelStatistics ServedModel::Statistics() const {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  ModelStatistics s = stats_;
+  ModelStatistics s = stats_.Snapshot();
   s.name = config_.name;
   s.version = version_;
   s.pending = batcher_ ? batcher_->queued() : 0;
   s.batch_limit = batcher_ && config_.max_batch_size > 0 ? batcher_->batch_limit() : 0;
-  for (const auto& [size, b] : batch_stats_) s.batch_stats.push_back(b);
   return s;
 }
 

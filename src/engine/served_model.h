@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/model_statistics.h"
 #include "quern/clock.h"
 #include "quern/engine.h"
 #include "quern/model.h"
@@ -58,14 +59,12 @@ class ServedModel {
  private:
   class Task;
   ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances, const Clock* clock);
-  Status Validate(const InferRequest& request, int64_t& items, uint64_t& key, std::vector<int>& output_indices) const;
   Status Warmup(const std::filesystem::path& model_dir);
   void ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch);
   void Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs);
   // A request refused at submission: counted, and its status returned.
   Status Refuse(const Task& task, Status status);
   void RecordOutcome(const Task& task, const Status& status);
-  int64_t PaddedSize(int64_t items) const;
 
   const ModelConfig config_;
   const int64_t version_;
@@ -76,9 +75,7 @@ class ServedModel {
   const bool ordered_;
 
   std::atomic<int64_t> in_flight_{0};
-  mutable std::mutex stats_mu_;
-  ModelStatistics stats_;                          // guarded by stats_mu_
-  std::map<int64_t, BatchSizeStats> batch_stats_;  // guarded by stats_mu_
+  ModelStatisticsRecorder stats_;
 };
 
 }  // namespace quern
