@@ -3,17 +3,13 @@
 // it) and converted into a quern::InferRequest as ModelInfer does (raw
 // contents viewed in place, typed contents copied); the converted inputs are
 // then written back as a ModelInferResponse.
-//
-// The conversion lives in grpc_server.cc's anonymous namespace, so this file
-// compiles grpc_server.cc into itself (and does not link
-// quern_grpc_frontend). A public ToInferRequest/ToInferResponse header would
-// let it link the library instead.
+#include "frontends/grpc/grpc_convert.h"
+
 #include <google/protobuf/stubs/logging.h>
 
 #include <cstdint>
 #include <string>
 
-#include "frontends/grpc/grpc_server.cc"  // NOLINT(bugprone-suspicious-include)
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
