@@ -212,7 +212,7 @@ struct EngineOptions {
   std::function<Status(const ModelStatus& status, const std::string& model_dir)> check_model;
 };
 
-class EngineImpl;
+class ModelRegistry;
 
 class Engine {
  public:
@@ -286,8 +286,8 @@ class Engine {
   const Clock& clock() const;
 
  private:
-  explicit Engine(std::unique_ptr<EngineImpl> impl);
-  std::unique_ptr<EngineImpl> impl_;
+  explicit Engine(std::unique_ptr<ModelRegistry> impl);
+  std::unique_ptr<ModelRegistry> impl_;
 };
 
 }  // namespace quern

@@ -1,0 +1,372 @@
+#include "engine/model_registry.h"
+
+#include <algorithm>
+#include <random>
+
+#include "core/cpus.h"
+#include "core/model_config_parser.h"
+
+namespace quern {
+
+ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options)) {
+  clock_ = options_.clock ? options_.clock : &RealClockInstance();
+  cores_ = options_.cores > 0 ? options_.cores : UsableCores();
+  RegisterBuiltinBackends(backends_);
+  std::random_device rd;
+  next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
+  if (next_id_ == 0) next_id_ = 1;
+}
+
+ModelRegistry::~ModelRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(poll_mu_);
+    stopping_ = true;
+  }
+  poll_cv_.notify_all();
+  if (poll_thread_.joinable()) poll_thread_.join();
+  std::map<std::string, Entry> models;
+  {
+    std::unique_lock lock(mu_);
+    models.swap(models_);
+    for (auto& [name, e] : models) HoldRetiringLocked(e.versions);
+  }
+  for (auto& [name, e] : models) RetireVersions(e.versions);
+}
+
+Status ModelRegistry::Start() {
+  if (options_.model_repository.empty()) return Status::Ok();
+  auto names = ListRepositoryModels(options_.model_repository);
+  if (!names) return names.error();
+  if (options_.load_all_models) {
+    for (const auto& n : *names) (void)LoadModel(n);
+  }
+  if (options_.repository_poll_interval_s > 0) {
+    poll_thread_ = std::thread([this] {
+      NameThisThread("quern-poll");
+      PollLoop();
+    });
+  }
+  return Status::Ok();
+}
+
+Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done) {
+  auto served = Resolve(request.model, request.version);
+  if (!served) return served.error();
+  return (*served)->Submit(std::move(request), id, done);
+}
+
+Result<std::shared_ptr<ServedModel>> ModelRegistry::Resolve(const std::string& name, int64_t version) const {
+  std::shared_lock lock(mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
+  const auto& versions = it->second.versions;
+  if (version >= 0) {
+    auto v = versions.find(version);
+    if (v == versions.end()) {
+      return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+    }
+    if (!v->second.served) {
+      return Err(Unavailable("model '" + name + "' version " + std::to_string(version) +
+                             " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
+                             (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason + ")")));
+    }
+    return v->second.served;
+  }
+  for (auto v = versions.rbegin(); v != versions.rend(); ++v) {
+    if (v->second.served) return v->second.served;
+  }
+  std::string reason;
+  for (const auto& [n, slot] : versions) {
+    if (!slot.status.reason.empty()) reason = slot.status.reason;
+  }
+  return Err(Unavailable("model '" + name + "' is not ready" + (reason.empty() ? "" : ": " + reason)));
+}
+
+Status ModelRegistry::LoadModel(const std::string& name) {
+  QUERN_RETURN_IF_ERROR(CheckModelName(name));
+  std::lock_guard<std::mutex> load_lock(load_mu_);
+  if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
+  bool known = false;
+  {
+    std::unique_lock lock(mu_);
+    auto it = models_.find(name);
+    if (it != models_.end() && it->second.custom) {
+      return FailedPrecondition("model '" + name + "' is registered in code, not in the repository");
+    }
+    known = it != models_.end();
+  }
+  std::error_code ec;
+  const auto entry_status =
+      std::filesystem::symlink_status(std::filesystem::path(options_.model_repository) / name, ec);
+  // Only a name the repository surely lacks is absent (an I/O error on a
+  // served model's folder must not unload it).
+  if (entry_status.type() == std::filesystem::file_type::not_found) {
+    // Not in the repository: a request to load it leaves no trace, and a
+    // model whose folder is gone is unloaded (as a repository poll would).
+    if (known) UnloadLocked(name);
+    return NotFound("unknown model '" + name + "': not in the model repository");
+  }
+  auto repo_model = ReadRepositoryModel(options_.model_repository, name, options_.allow_links_outside_repository);
+  if (!known) {
+    // Visible as LOADING until the load below finishes; a reload keeps serving the old versions.
+    std::unique_lock lock(mu_);
+    VersionSlot loading;
+    loading.status = {name, 0, ModelState::kLoading, "", {}};
+    loading.status.config.name = name;
+    models_[name].versions[0] = std::move(loading);
+  }
+  Entry entry;
+  Status overall;
+  if (!repo_model) {
+    overall = repo_model.error();
+    VersionSlot slot;
+    slot.status = {name, 0, ModelState::kUnavailable, overall.message(), {}};
+    slot.status.config.name = name;
+    entry.versions[0] = std::move(slot);
+    entry.fingerprint = FingerprintModelDir(std::filesystem::path(options_.model_repository) / name);
+  } else {
+    entry.fingerprint = repo_model->fingerprint;
+    for (const auto& v : repo_model->versions) {
+      VersionSlot slot;
+      auto served = LoadVersionSafely(*repo_model, v);
+      if (served) {
+        slot.served = *served;
+        slot.status = {name, v.version, ModelState::kReady, "", slot.served->config()};
+      } else {
+        overall = served.error();
+        slot.status = {name, v.version, ModelState::kUnavailable, served.error().message(), repo_model->config};
+      }
+      entry.versions[v.version] = std::move(slot);
+    }
+  }
+  std::map<int64_t, VersionSlot> old;
+  {
+    std::unique_lock lock(mu_);
+    auto& e = models_[name];
+    old.swap(e.versions);
+    e = std::move(entry);
+    HoldRetiringLocked(old);
+  }
+  RetireVersions(old);  // in-flight requests of the old versions finish first
+  return overall;
+}
+
+Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersionSafely(const RepositoryModel& m,
+                                                                      const RepositoryVersion& v) {
+  Result<std::shared_ptr<ServedModel>> served = Err(Internal("model '" + m.name + "' did not load"));
+  try {
+    served = LoadVersion(m, v);
+    if (served && options_.check_model) {
+      ModelStatus status{m.name, v.version, ModelState::kReady, "", (*served)->config()};
+      Status st = options_.check_model(status, m.dir.string());
+      if (!st.ok()) {
+        (*served)->Shutdown();
+        return Err(st);
+      }
+    }
+  } catch (const std::exception& e) {
+    if (served) (*served)->Shutdown();
+    return Err(
+        Unavailable("model '" + m.name + "' version " + std::to_string(v.version) + " failed to load: " + e.what()));
+  }
+  return served;
+}
+
+Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
+  ModelConfig config = m.config;
+  if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
+  if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
+  Backend* backend = backends_.Find(config.backend);
+  if (!backend) {
+    return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
+  }
+  // The first instance is loaded before the configuration is complete: the
+  // model's own inputs and outputs fill what the configuration leaves out.
+  QUERN_ASSIGN_OR_RETURN(auto first, backend->LoadFirst(config, v.model_file, m.has_config_file, cores_));
+  QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+  std::vector<std::unique_ptr<Model>> instances;
+  instances.push_back(std::move(first));
+  while (static_cast<int>(instances.size()) < config.instance_count) {
+    QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadAnother(config, v.model_file, cores_));
+    instances.push_back(std::move(inst));
+  }
+  return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir);
+}
+
+Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
+  std::lock_guard<std::mutex> load_lock(load_mu_);
+  if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
+  if (config.backend.empty()) config.backend = "custom";
+  if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
+  if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
+  QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+  std::vector<std::unique_ptr<Model>> instances;
+  for (int i = 0; i < config.instance_count; ++i) {
+    auto inst = factory();
+    if (!inst) return Internal("model '" + config.name + "': the factory returned no model");
+    Status st = inst->Load();
+    if (!st.ok()) return Status(st.code(), "model '" + config.name + "' failed to load: " + st.message());
+    instances.push_back(std::move(inst));
+  }
+  const std::string name = config.name;
+  auto served = ServedModel::Create(std::move(config), 1, std::move(instances), clock_, {});
+  if (!served) return served.error();
+  Entry entry;
+  entry.custom = true;
+  VersionSlot slot;
+  slot.served = *served;
+  slot.status = {name, 1, ModelState::kReady, "", slot.served->config()};
+  entry.versions[1] = std::move(slot);
+  std::map<int64_t, VersionSlot> old;
+  {
+    std::unique_lock lock(mu_);
+    auto& e = models_[name];
+    old.swap(e.versions);
+    e = std::move(entry);
+    HoldRetiringLocked(old);
+  }
+  RetireVersions(old);
+  return Status::Ok();
+}
+
+Status ModelRegistry::UnloadModel(const std::string& name) {
+  std::lock_guard<std::mutex> load_lock(load_mu_);
+  return UnloadLocked(name);
+}
+
+Status ModelRegistry::UnloadLocked(const std::string& name) {
+  std::map<int64_t, VersionSlot> old;
+  {
+    std::unique_lock lock(mu_);
+    auto it = models_.find(name);
+    if (it == models_.end()) return NotFound("unknown model '" + name + "'");
+    old.swap(it->second.versions);
+    models_.erase(it);
+    HoldRetiringLocked(old);
+  }
+  RetireVersions(old);
+  return Status::Ok();
+}
+
+Status ModelRegistry::PollRepository() {
+  if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
+  auto names = ListRepositoryModels(options_.model_repository);
+  if (!names) return names.error();
+  std::vector<std::string> to_load, to_unload;
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& n : *names) {
+      auto it = models_.find(n);
+      if (it == models_.end()) {
+        to_load.push_back(n);
+      } else if (!it->second.custom &&
+                 it->second.fingerprint != FingerprintModelDir(std::filesystem::path(options_.model_repository) / n)) {
+        to_load.push_back(n);
+      }
+    }
+    for (const auto& [n, e] : models_) {
+      if (!e.custom && !std::binary_search(names->begin(), names->end(), n)) to_unload.push_back(n);
+    }
+  }
+  for (const auto& n : to_load) (void)LoadModel(n);
+  for (const auto& n : to_unload) (void)UnloadModel(n);
+  return Status::Ok();
+}
+
+std::vector<ModelStatus> ModelRegistry::ListModels() const {
+  std::shared_lock lock(mu_);
+  std::vector<ModelStatus> out;
+  for (const auto& [n, e] : models_) {
+    for (const auto& [v, slot] : e.versions) out.push_back(slot.status);
+  }
+  return out;
+}
+
+Result<ModelStatus> ModelRegistry::GetModel(const std::string& name, int64_t version) const {
+  std::shared_lock lock(mu_);
+  auto it = models_.find(name);
+  if (it == models_.end() || it->second.versions.empty()) return Err(NotFound("unknown model '" + name + "'"));
+  const auto& versions = it->second.versions;
+  if (version >= 0) {
+    auto v = versions.find(version);
+    if (v == versions.end()) return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+    return v->second.status;
+  }
+  for (auto v = versions.rbegin(); v != versions.rend(); ++v) {
+    if (v->second.served) return v->second.status;
+  }
+  return versions.rbegin()->second.status;
+}
+
+Result<std::vector<ModelStatistics>> ModelRegistry::GetStatistics(const std::string& name, int64_t version) const {
+  std::shared_lock lock(mu_);
+  std::vector<ModelStatistics> out;
+  if (!name.empty()) {
+    auto it = models_.find(name);
+    if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
+    if (version >= 0 && !it->second.versions.count(version)) {
+      return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
+    }
+  }
+  for (const auto& [n, e] : models_) {
+    if (!name.empty() && n != name) continue;
+    for (const auto& [v, slot] : e.versions) {
+      if ((version < 0 || v == version) && slot.served) out.push_back(slot.served->Statistics());
+    }
+  }
+  return out;
+}
+
+void ModelRegistry::StopPolling() {
+  {
+    std::lock_guard<std::mutex> lock(poll_mu_);
+    stopping_ = true;
+  }
+  poll_cv_.notify_all();  // the thread is joined at destruction
+}
+
+int64_t ModelRegistry::InFlight() const {
+  std::shared_lock lock(mu_);
+  int64_t n = 0;
+  for (const auto& [name, e] : models_) {
+    for (const auto& [v, slot] : e.versions) {
+      if (slot.served) n += slot.served->in_flight();
+    }
+  }
+  for (const auto& served : retiring_) n += served->in_flight();
+  return n;
+}
+
+void ModelRegistry::HoldRetiringLocked(const std::map<int64_t, VersionSlot>& versions) {
+  for (const auto& [v, slot] : versions) {
+    if (slot.served) retiring_.push_back(slot.served);
+  }
+}
+
+void ModelRegistry::RetireVersions(std::map<int64_t, VersionSlot>& versions) {
+  for (auto& [v, slot] : versions) {
+    if (slot.served) slot.served->Shutdown();
+  }
+  std::unique_lock lock(mu_);
+  for (const auto& [v, slot] : versions) {
+    if (!slot.served) continue;
+    auto it = std::find(retiring_.begin(), retiring_.end(), slot.served);
+    if (it != retiring_.end()) retiring_.erase(it);
+  }
+  lock.unlock();
+  versions.clear();
+}
+
+void ModelRegistry::PollLoop() {
+  std::unique_lock<std::mutex> lock(poll_mu_);
+  const auto interval = std::chrono::duration<double>(options_.repository_poll_interval_s);
+  while (!stopping_) {
+    poll_cv_.wait_for(lock, interval, [this] { return stopping_; });
+    if (stopping_) break;
+    lock.unlock();
+    (void)PollRepository();
+    lock.lock();
+  }
+}
+
+}  // namespace quern

@@ -1,0 +1,101 @@
+// The model registry: which models and versions the engine serves, and how
+// they come and go — loading from the repository (through the backend
+// registry), registering models made in code, unloading, polling the
+// repository for changes, and retiring replaced versions once their
+// requests have finished. The public Engine forwards to it.
+//
+// Thread safety: every public method may be called from any thread; loads,
+// reloads and unloads are serialised (load_mu_), lookups take mu_ shared.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/repository.h"
+#include "engine/backend.h"
+#include "engine/served_model.h"
+#include "quern/engine.h"
+
+namespace quern {
+
+class ModelRegistry {
+ public:
+  struct VersionSlot {
+    ModelStatus status;
+    std::shared_ptr<ServedModel> served;  // null unless ready
+  };
+  struct Entry {
+    bool custom = false;
+    std::string fingerprint;
+    std::map<int64_t, VersionSlot> versions;
+  };
+  explicit ModelRegistry(EngineOptions options);
+  ~ModelRegistry();  // stops polling, then finishes every version's requests
+
+  // Loads the repository's models (each failure is that model's state) and
+  // starts polling when asked. Fails only when the repository cannot be read.
+  Status Start();
+
+  uint64_t NextId() { return next_id_.fetch_add(1, std::memory_order_relaxed); }
+  // Engine::InferAsync's contract: a refusal is returned, `done` left.
+  Status Submit(InferRequest&& request, uint64_t id, InferCallback& done);
+  // The ready version `version` (-1 = the highest) of `name`.
+  Result<std::shared_ptr<ServedModel>> Resolve(const std::string& name, int64_t version) const;
+
+  Status LoadModel(const std::string& name);
+  Status RegisterModel(ModelConfig config, ModelFactory factory);
+  Status UnloadModel(const std::string& name);
+  Status PollRepository();
+  void StopPolling();
+
+  std::vector<ModelStatus> ListModels() const;
+  Result<ModelStatus> GetModel(const std::string& name, int64_t version) const;
+  Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const;
+  // Requests submitted and not answered, in every version (retiring ones too).
+  int64_t InFlight() const;
+  const Clock& clock() const { return *clock_; }
+
+ private:
+  // LoadVersion, with anything thrown on the way (threads or memory running
+  // out, ONNX Runtime errors outside its own checks) made that version's
+  // load error, and the optional extra check applied.
+  Result<std::shared_ptr<ServedModel>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v);
+  Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v);
+
+  // Callers hold load_mu_.
+  Status UnloadLocked(const std::string& name);
+
+  // With mu_ held: versions taken out of models_ stay counted by InFlight
+  // until RetireVersions has finished their requests.
+  void HoldRetiringLocked(const std::map<int64_t, VersionSlot>& versions);
+
+  // Finishes the requests of versions taken out of service (held first by
+  // HoldRetiringLocked), then lets them go.
+  void RetireVersions(std::map<int64_t, VersionSlot>& versions);
+  void PollLoop();
+
+  EngineOptions options_;
+  const Clock* clock_ = nullptr;
+  int cores_ = 1;
+  BackendRegistry backends_;  // filled at construction, read-only after
+  std::atomic<uint64_t> next_id_{1};
+  mutable std::shared_mutex mu_;
+  std::map<std::string, Entry> models_;  // guarded by mu_
+  // Versions out of service whose requests are finishing; guarded by mu_.
+  std::vector<std::shared_ptr<ServedModel>> retiring_;
+  std::mutex load_mu_;  // serialises loads, reloads and unloads
+
+  std::mutex poll_mu_;
+  std::condition_variable poll_cv_;
+  bool stopping_ = false;  // guarded by poll_mu_
+  std::thread poll_thread_;
+};
+
+}  // namespace quern
