@@ -169,7 +169,8 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   const fs::path repo = fs::temp_directory_path() / ("quern-bench-" + std::to_string(::getpid()));
   fs::remove_all(repo);
   fs::create_directories(repo / "m" / "1");
-  fs::create_symlink(fs::absolute(model_file), repo / "m" / "1" / "model.onnx");
+  // A copy: the engine refuses model files that lie outside its repository.
+  fs::copy_file(model_file, repo / "m" / "1" / "model.onnx");
   std::ofstream config(repo / "m" / "config.pbtxt");
   config << "max_batch_size: " << max_batch << "\n" << (max_batch > 1 ? "dynamic_batching { }\n" : "");
   if (g_instances > 0) config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
