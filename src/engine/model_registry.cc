@@ -19,14 +19,14 @@ ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options
 
 ModelRegistry::~ModelRegistry() {
   {
-    std::lock_guard<std::mutex> lock(poll_mu_);
+    MutexLock lock(poll_mu_);
     stopping_ = true;
   }
-  poll_cv_.notify_all();
+  poll_cv_.SignalAll();
   if (poll_thread_.joinable()) poll_thread_.join();
   std::map<std::string, Entry> models;
   {
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     models.swap(models_);
     for (auto& [name, e] : models) HoldRetiringLocked(e.versions);
   }
@@ -56,7 +56,7 @@ Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback&
 }
 
 Result<std::shared_ptr<ServedModel>> ModelRegistry::Resolve(const std::string& name, int64_t version) const {
-  std::shared_lock lock(mu_);
+  ReaderLock lock(mu_);
   auto it = models_.find(name);
   if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
   const auto& versions = it->second.versions;
@@ -84,11 +84,11 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::Resolve(const std::string& n
 
 Status ModelRegistry::LoadModel(const std::string& name) {
   QUERN_RETURN_IF_ERROR(CheckModelName(name));
-  std::lock_guard<std::mutex> load_lock(load_mu_);
+  MutexLock load_lock(load_mu_);
   if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
   bool known = false;
   {
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     auto it = models_.find(name);
     if (it != models_.end() && it->second.custom) {
       return FailedPrecondition("model '" + name + "' is registered in code, not in the repository");
@@ -109,7 +109,7 @@ Status ModelRegistry::LoadModel(const std::string& name) {
   auto repo_model = ReadRepositoryModel(options_.model_repository, name, options_.allow_links_outside_repository);
   if (!known) {
     // Visible as LOADING until the load below finishes; a reload keeps serving the old versions.
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     VersionSlot loading;
     loading.status = {name, 0, ModelState::kLoading, "", {}};
     loading.status.config.name = name;
@@ -141,7 +141,7 @@ Status ModelRegistry::LoadModel(const std::string& name) {
   }
   std::map<int64_t, VersionSlot> old;
   {
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     auto& e = models_[name];
     old.swap(e.versions);
     e = std::move(entry);
@@ -194,7 +194,7 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const Repository
 }
 
 Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
-  std::lock_guard<std::mutex> load_lock(load_mu_);
+  MutexLock load_lock(load_mu_);
   if (!factory) return InvalidArgument("model '" + config.name + "': no factory given");
   if (config.backend.empty()) config.backend = "custom";
   if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
@@ -219,7 +219,7 @@ Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
   entry.versions[1] = std::move(slot);
   std::map<int64_t, VersionSlot> old;
   {
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     auto& e = models_[name];
     old.swap(e.versions);
     e = std::move(entry);
@@ -230,14 +230,14 @@ Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
 }
 
 Status ModelRegistry::UnloadModel(const std::string& name) {
-  std::lock_guard<std::mutex> load_lock(load_mu_);
+  MutexLock load_lock(load_mu_);
   return UnloadLocked(name);
 }
 
 Status ModelRegistry::UnloadLocked(const std::string& name) {
   std::map<int64_t, VersionSlot> old;
   {
-    std::unique_lock lock(mu_);
+    WriterLock lock(mu_);
     auto it = models_.find(name);
     if (it == models_.end()) return NotFound("unknown model '" + name + "'");
     old.swap(it->second.versions);
@@ -254,7 +254,7 @@ Status ModelRegistry::PollRepository() {
   if (!names) return names.error();
   std::vector<std::string> to_load, to_unload;
   {
-    std::shared_lock lock(mu_);
+    ReaderLock lock(mu_);
     for (const auto& n : *names) {
       auto it = models_.find(n);
       if (it == models_.end()) {
@@ -274,7 +274,7 @@ Status ModelRegistry::PollRepository() {
 }
 
 std::vector<ModelStatus> ModelRegistry::ListModels() const {
-  std::shared_lock lock(mu_);
+  ReaderLock lock(mu_);
   std::vector<ModelStatus> out;
   for (const auto& [n, e] : models_) {
     for (const auto& [v, slot] : e.versions) out.push_back(slot.status);
@@ -283,7 +283,7 @@ std::vector<ModelStatus> ModelRegistry::ListModels() const {
 }
 
 Result<ModelStatus> ModelRegistry::GetModel(const std::string& name, int64_t version) const {
-  std::shared_lock lock(mu_);
+  ReaderLock lock(mu_);
   auto it = models_.find(name);
   if (it == models_.end() || it->second.versions.empty()) return Err(NotFound("unknown model '" + name + "'"));
   const auto& versions = it->second.versions;
@@ -299,7 +299,7 @@ Result<ModelStatus> ModelRegistry::GetModel(const std::string& name, int64_t ver
 }
 
 Result<std::vector<ModelStatistics>> ModelRegistry::GetStatistics(const std::string& name, int64_t version) const {
-  std::shared_lock lock(mu_);
+  ReaderLock lock(mu_);
   std::vector<ModelStatistics> out;
   if (!name.empty()) {
     auto it = models_.find(name);
@@ -319,14 +319,14 @@ Result<std::vector<ModelStatistics>> ModelRegistry::GetStatistics(const std::str
 
 void ModelRegistry::StopPolling() {
   {
-    std::lock_guard<std::mutex> lock(poll_mu_);
+    MutexLock lock(poll_mu_);
     stopping_ = true;
   }
-  poll_cv_.notify_all();  // the thread is joined at destruction
+  poll_cv_.SignalAll();  // the thread is joined at destruction
 }
 
 int64_t ModelRegistry::InFlight() const {
-  std::shared_lock lock(mu_);
+  ReaderLock lock(mu_);
   int64_t n = 0;
   for (const auto& [name, e] : models_) {
     for (const auto& [v, slot] : e.versions) {
@@ -347,25 +347,26 @@ void ModelRegistry::RetireVersions(std::map<int64_t, VersionSlot>& versions) {
   for (auto& [v, slot] : versions) {
     if (slot.served) slot.served->Shutdown();
   }
-  std::unique_lock lock(mu_);
-  for (const auto& [v, slot] : versions) {
-    if (!slot.served) continue;
-    auto it = std::find(retiring_.begin(), retiring_.end(), slot.served);
-    if (it != retiring_.end()) retiring_.erase(it);
+  {
+    WriterLock lock(mu_);
+    for (const auto& [v, slot] : versions) {
+      if (!slot.served) continue;
+      auto it = std::find(retiring_.begin(), retiring_.end(), slot.served);
+      if (it != retiring_.end()) retiring_.erase(it);
+    }
   }
-  lock.unlock();
   versions.clear();
 }
 
 void ModelRegistry::PollLoop() {
-  std::unique_lock<std::mutex> lock(poll_mu_);
+  MutexLock lock(poll_mu_);
   const auto interval = std::chrono::duration<double>(options_.repository_poll_interval_s);
   while (!stopping_) {
-    poll_cv_.wait_for(lock, interval, [this] { return stopping_; });
+    poll_cv_.WaitFor(lock, interval, [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
     if (stopping_) break;
-    lock.unlock();
+    lock.Unlock();
     (void)PollRepository();
-    lock.lock();
+    lock.Lock();
   }
 }
 

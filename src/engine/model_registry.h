@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/mutex.h"
 #include "core/repository.h"
 #include "engine/backend.h"
 #include "engine/served_model.h"
@@ -69,12 +70,11 @@ class ModelRegistry {
   Result<std::shared_ptr<ServedModel>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v);
   Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v);
 
-  // Callers hold load_mu_.
-  Status UnloadLocked(const std::string& name);
+  Status UnloadLocked(const std::string& name) QUERN_REQUIRES(load_mu_);
 
   // With mu_ held: versions taken out of models_ stay counted by InFlight
   // until RetireVersions has finished their requests.
-  void HoldRetiringLocked(const std::map<int64_t, VersionSlot>& versions);
+  void HoldRetiringLocked(const std::map<int64_t, VersionSlot>& versions) QUERN_REQUIRES(mu_);
 
   // Finishes the requests of versions taken out of service (held first by
   // HoldRetiringLocked), then lets them go.
@@ -86,15 +86,15 @@ class ModelRegistry {
   int cores_ = 1;
   BackendRegistry backends_;  // filled at construction, read-only after
   std::atomic<uint64_t> next_id_{1};
-  mutable std::shared_mutex mu_;
-  std::map<std::string, Entry> models_;  // guarded by mu_
-  // Versions out of service whose requests are finishing; guarded by mu_.
-  std::vector<std::shared_ptr<ServedModel>> retiring_;
-  std::mutex load_mu_;  // serialises loads, reloads and unloads
+  mutable SharedMutex mu_;
+  std::map<std::string, Entry> models_ QUERN_GUARDED_BY(mu_);
+  // Versions out of service whose requests are finishing.
+  std::vector<std::shared_ptr<ServedModel>> retiring_ QUERN_GUARDED_BY(mu_);
+  Mutex load_mu_;  // serialises loads, reloads and unloads
 
-  std::mutex poll_mu_;
-  std::condition_variable poll_cv_;
-  bool stopping_ = false;  // guarded by poll_mu_
+  Mutex poll_mu_;
+  CondVar poll_cv_;
+  bool stopping_ QUERN_GUARDED_BY(poll_mu_) = false;
   std::thread poll_thread_;
 };
 

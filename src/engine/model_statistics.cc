@@ -7,7 +7,7 @@ namespace quern {
 
 void ModelStatisticsRecorder::RecordRequest(const Status& status, const Telemetry& t, int64_t input_ns,
                                             int64_t output_ns, int64_t now_ns) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   DurationStat& outcome = status.ok() ? stats_.success : stats_.fail;
   const int64_t total_ns = std::max<int64_t>(now_ns - t.queue_start_ns, 0);
   ++outcome.count;
@@ -36,7 +36,7 @@ void ModelStatisticsRecorder::RecordRequest(const Status& status, const Telemetr
 
 void ModelStatisticsRecorder::RecordBatch(int64_t items, int64_t start, int64_t gathered, int64_t end,
                                           int64_t split_end, int64_t wall_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   stats_.execution_count++;
   stats_.inference_count += static_cast<uint64_t>(items);
   stats_.batch_size.Observe(static_cast<double>(items));
@@ -54,7 +54,7 @@ void ModelStatisticsRecorder::RecordBatch(int64_t items, int64_t start, int64_t 
 }
 
 ModelStatistics ModelStatisticsRecorder::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ModelStatistics s = stats_;
   for (const auto& [size, b] : batch_stats_) s.batch_stats.push_back(b);
   return s;

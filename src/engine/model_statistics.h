@@ -7,8 +7,8 @@
 
 #include <cstdint>
 #include <map>
-#include <mutex>
 
+#include "core/mutex.h"
 #include "quern/engine.h"
 
 namespace quern {
@@ -31,9 +31,9 @@ class ModelStatisticsRecorder {
   ModelStatistics Snapshot() const;
 
  private:
-  mutable std::mutex mu_;
-  ModelStatistics stats_;                          // guarded by mu_
-  std::map<int64_t, BatchSizeStats> batch_stats_;  // guarded by mu_
+  mutable Mutex mu_;
+  ModelStatistics stats_ QUERN_GUARDED_BY(mu_);
+  std::map<int64_t, BatchSizeStats> batch_stats_ QUERN_GUARDED_BY(mu_);
 };
 
 }  // namespace quern

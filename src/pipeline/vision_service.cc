@@ -34,14 +34,14 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
 
 VisionService::~VisionService() {
   {
-    std::unique_lock<std::mutex> lock(idle_mu_);
-    idle_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return in_flight_.load() == 0; });
+    MutexLock lock(idle_mu_);
+    idle_cv_.WaitFor(lock, std::chrono::seconds(30), [this] { return in_flight_.load() == 0; });
   }
   {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    MutexLock lock(pool_mu_);
     stopping_ = true;
   }
-  pool_cv_.notify_all();
+  pool_cv_.SignalAll();
   for (auto& t : threads_) t.join();
 }
 
@@ -119,22 +119,22 @@ int64_t VisionService::QueueBudgetMs() const {
 void VisionService::Post(std::function<void()> task, bool urgent) {
   if (options_.executor) return options_.executor(std::move(task), urgent);
   {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    MutexLock lock(pool_mu_);
     if (urgent) {
       tasks_.push_front(std::move(task));
     } else {
       tasks_.push_back(std::move(task));
     }
   }
-  pool_cv_.notify_one();
+  pool_cv_.Signal();
 }
 
 void VisionService::StageLoop() {
   while (true) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(pool_mu_);
-      pool_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      MutexLock lock(pool_mu_);
+      pool_cv_.Wait(lock, [this]() QUERN_REQUIRES(pool_mu_) { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -156,13 +156,13 @@ Result<std::shared_ptr<const VisionModel>> VisionService::Model(const std::strin
                                            "parameters in its config.pbtxt)"));
   }
   {
-    std::lock_guard<std::mutex> lock(models_mu_);
+    MutexLock lock(models_mu_);
     auto it = models_.find(name);
     if (it != models_.end() && it->second->version == status.version) return it->second;
   }
   QUERN_ASSIGN_OR_RETURN(VisionModel m, VisionModelFromStatus(status, options_.model_repository / name));
   auto shared = std::make_shared<const VisionModel>(std::move(m));
-  std::lock_guard<std::mutex> lock(models_mu_);
+  MutexLock lock(models_mu_);
   models_[name] = shared;
   return shared;
 }
@@ -345,8 +345,8 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   in_flight_bytes_.fetch_sub(job->charged_bytes);
   job->request.owner.reset();
   if (in_flight_.fetch_sub(1) == 1) {
-    std::lock_guard<std::mutex> lock(idle_mu_);
-    idle_cv_.notify_all();
+    MutexLock lock(idle_mu_);
+    idle_cv_.SignalAll();
   }
 }
 

@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/mutex.h"
 #include "pipeline/vision_model.h"
 #include "quern/clock.h"
 #include "quern/engine.h"
@@ -187,14 +188,14 @@ class VisionService {
   VisionServiceOptions options_;
   const Clock* clock_;
 
-  std::mutex models_mu_;
-  std::map<std::string, std::shared_ptr<const VisionModel>> models_;
+  Mutex models_mu_;
+  std::map<std::string, std::shared_ptr<const VisionModel>> models_ QUERN_GUARDED_BY(models_mu_);
 
   // The stage pool (unless options_.executor): urgent tasks go first.
-  std::mutex pool_mu_;
-  std::condition_variable pool_cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stopping_ = false;
+  Mutex pool_mu_;
+  CondVar pool_cv_;
+  std::deque<std::function<void()>> tasks_ QUERN_GUARDED_BY(pool_mu_);
+  bool stopping_ QUERN_GUARDED_BY(pool_mu_) = false;
   std::vector<std::thread> threads_;
 
   std::atomic<int64_t> in_flight_{0};
@@ -204,8 +205,8 @@ class VisionService {
   std::atomic<int64_t> last_completion_ns_{0};
   std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
   mutable std::atomic<int64_t> last_overload_log_ns_{0};
-  std::mutex idle_mu_;
-  std::condition_variable idle_cv_;
+  Mutex idle_mu_;
+  CondVar idle_cv_;
 };
 
 }  // namespace quern

@@ -18,6 +18,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
   if (options.tuner) {
+    MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
     b->tuner_.emplace(std::move(*options.tuner));
     b->queue_.set_batch_limit(b->tuner_->limit());
   }
@@ -44,15 +45,15 @@ DynamicBatcher::~DynamicBatcher() {
 
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     int64_t due = options.deadline_ns;
     if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
-    if (busy_workers_ == num_workers_ && ReaperNeedsWake(due)) reaper_cv_.notify_one();
+    if (busy_workers_ == num_workers_ && ReaperNeedsWake(due)) reaper_cv_.Signal();
   }
-  cv_.notify_one();
+  cv_.Signal();
   return Status::Ok();
 }
 
@@ -74,49 +75,49 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
 }
 
 Status DynamicBatcher::CheckAdmission() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return AdmissionLocked(/*queue_wait=*/true);
 }
 
 void DynamicBatcher::Kick() {
-  { std::lock_guard<std::mutex> lock(mu_); }
-  cv_.notify_all();
-  reaper_cv_.notify_all();
+  { MutexLock lock(mu_); }
+  cv_.SignalAll();
+  reaper_cv_.SignalAll();
 }
 
 void DynamicBatcher::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_ && workers_.empty()) return;
     stopping_ = true;
   }
-  cv_.notify_all();
-  reaper_cv_.notify_all();
+  cv_.SignalAll();
+  reaper_cv_.SignalAll();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
   if (reaper_.joinable()) reaper_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   workers_.clear();
 }
 
 size_t DynamicBatcher::queued() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return queue_.size();
 }
 
 double DynamicBatcher::ns_per_item() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return ns_per_item_;
 }
 
 int64_t DynamicBatcher::batch_limit() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return queue_.batch_limit();
 }
 
 void DynamicBatcher::WorkerLoop(int worker) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   while (true) {
     if (stopping_ && queue_.empty()) break;
     const int64_t now = clock_->NowNs();
@@ -124,9 +125,9 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (!d.batch.empty() || !d.dropped.empty()) {
       const bool more = !queue_.empty();
       ++busy_workers_;
-      if (busy_workers_ == num_workers_ && more && ReaperNeedsWake(0)) reaper_cv_.notify_one();
-      lock.unlock();
-      if (more) cv_.notify_one();  // let another free instance take the next batch
+      if (busy_workers_ == num_workers_ && more && ReaperNeedsWake(0)) reaper_cv_.Signal();
+      lock.Unlock();
+      if (more) cv_.Signal();  // let another free instance take the next batch
       for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
       int64_t ran_ns = 0;
       if (!d.batch.empty()) {
@@ -134,7 +135,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
         processor_(worker, std::move(d.batch));
         ran_ns = clock_->NowNs() - start;
       }
-      lock.lock();
+      lock.Lock();
       --busy_workers_;
       if (d.items > 0 && ran_ns > 0) {
         const double sample = static_cast<double>(ran_ns) / static_cast<double>(d.items);
@@ -146,10 +147,10 @@ void DynamicBatcher::WorkerLoop(int worker) {
       continue;
     }
     if (d.wake_at_ns == 0) {
-      cv_.wait(lock);
+      cv_.Wait(lock);
     } else {
       // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
-      cv_.wait_for(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
+      cv_.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
     }
   }
 }
@@ -160,12 +161,12 @@ bool DynamicBatcher::ReaperNeedsWake(int64_t due_ns) const {
 }
 
 void DynamicBatcher::ReaperLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   while (!stopping_) {
     // Idle workers sweep the queue themselves; the reaper covers the time when none is free.
     if (busy_workers_ < num_workers_ || queue_.empty()) {
       reaper_wake_ns_ = 0;
-      reaper_cv_.wait(lock);
+      reaper_cv_.Wait(lock);
       reaper_wake_ns_ = -1;
       continue;
     }
@@ -173,15 +174,15 @@ void DynamicBatcher::ReaperLoop() {
     const int64_t now = clock_->NowNs();
     const int64_t next = queue_.Reap(now, dropped);
     if (!dropped.empty()) {
-      lock.unlock();
+      lock.Unlock();
       for (auto& d : dropped) on_drop_(std::move(d.task), d.status);
-      lock.lock();
+      lock.Lock();
       continue;
     }
     int64_t wait_ns = int64_t{kReapPollMs} * 1'000'000;
     if (next > 0) wait_ns = std::min(wait_ns, std::max<int64_t>(next - now, 0));
     reaper_wake_ns_ = now + wait_ns;
-    reaper_cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns));
+    reaper_cv_.WaitFor(lock, std::chrono::nanoseconds(wait_ns));
     reaper_wake_ns_ = -1;
   }
 }

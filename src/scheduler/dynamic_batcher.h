@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/mutex.h"
 #include "quern/clock.h"
 #include "scheduler/batch_queue.h"
 #include "scheduler/batch_size_tuner.h"
@@ -93,30 +94,30 @@ class DynamicBatcher {
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
   void WorkerLoop(int worker);
   void ReaperLoop();
-  // Called with mu_ held: would a task due at `due_ns` (0 = no deadline of
-  // its own) be reaped late without a wake-up?
-  bool ReaperNeedsWake(int64_t due_ns) const;
-  // Called with mu_ held: Schedule's admission decision; `queue_wait` false
-  // for work its caller admitted already (only a stopping model refuses it).
-  Status AdmissionLocked(bool queue_wait) const;
+  // Would a task due at `due_ns` (0 = no deadline of its own) be reaped
+  // late without a wake-up?
+  bool ReaperNeedsWake(int64_t due_ns) const QUERN_REQUIRES(mu_);
+  // Schedule's admission decision; `queue_wait` false for work its caller
+  // admitted already (only a stopping model refuses it).
+  Status AdmissionLocked(bool queue_wait) const QUERN_REQUIRES(mu_);
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts
   BatchProcessor processor_;
   DropHandler on_drop_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  BatchQueue queue_;                     // guarded by mu_
-  std::optional<BatchSizeTuner> tuner_;  // guarded by mu_
-  bool stopping_ = false;                // guarded by mu_
-  int64_t max_queue_wait_ns_ = 0;        // set before any thread starts
-  double ns_per_item_ = 0;               // guarded by mu_
-  int busy_workers_ = 0;                 // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  BatchQueue queue_ QUERN_GUARDED_BY(mu_);
+  std::optional<BatchSizeTuner> tuner_ QUERN_GUARDED_BY(mu_);
+  bool stopping_ QUERN_GUARDED_BY(mu_) = false;
+  int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
+  double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
+  int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
-  // so a saturated model does not wake it once per request. Guarded by mu_.
-  int64_t reaper_wake_ns_ = -1;
-  std::condition_variable reaper_cv_;
+  // so a saturated model does not wake it once per request.
+  int64_t reaper_wake_ns_ QUERN_GUARDED_BY(mu_) = -1;
+  CondVar reaper_cv_;
   std::vector<std::thread> workers_;
   std::thread reaper_;
 };
