@@ -91,7 +91,7 @@ Status ApiKeys::Authorize(std::string_view presented, bool admin, int64_t now_ns
   if (it == digests_.end()) return Unauthenticated("the API key is not valid");
   if (admin && !it->second) return PermissionDenied("model control needs an admin key");
   if (rate_ > 0) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto [b, fresh] = buckets_.try_emplace(d);
     if (fresh) {
       b->second.tokens = burst_;

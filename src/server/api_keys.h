@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/mutex.h"
 #include "quern/status.h"
 
 namespace quern {
@@ -63,8 +64,8 @@ class ApiKeys {
   std::map<Digest, bool> digests_;  // digest -> admin; fixed after Load
   double rate_ = 0;
   double burst_ = 0;
-  std::mutex mu_;
-  std::map<Digest, Bucket> buckets_;  // guarded by mu_
+  Mutex mu_;
+  std::map<Digest, Bucket> buckets_ QUERN_GUARDED_BY(mu_);
 };
 
 // The HTTP status for an Authorize error: 401 (with UNAUTHENTICATED), 403,

@@ -57,7 +57,7 @@ MemoryResultStore::MemoryResultStore(MemoryResultStoreOptions options) : options
 }
 
 void MemoryResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const int64_t now = options_.clock->NowNs();
   for (auto& r : records) {
     if (!r) continue;
@@ -111,7 +111,7 @@ void MemoryResultStore::ForgetLocked(const std::string& id, const char* why) {
 }
 
 Result<std::shared_ptr<const JobRecord>> MemoryResultStore::Get(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   EvictLocked(options_.clock->NowNs());
   if (auto it = entries_.find(id); it != entries_.end()) return it->second.record;
   if (auto t = tombstones_.find(id); t != tombstones_.end()) {
@@ -127,12 +127,12 @@ Result<std::shared_ptr<const JobRecord>> MemoryResultStore::Get(const std::strin
 }
 
 size_t MemoryResultStore::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return bytes_;
 }
 
 size_t MemoryResultStore::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return entries_.size();
 }
 

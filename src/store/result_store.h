@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/mutex.h"
 #include "quern/clock.h"
 #include "quern/status.h"
 #include "quern/tensor.h"
@@ -112,17 +113,17 @@ class MemoryResultStore final : public ResultStore {
     int64_t expires_ns = 0;  // on options_.clock; 0 = never
     uint64_t seq = 0;        // insertion number, to match the order queue
   };
-  void EvictLocked(int64_t now_ns);
-  void ForgetLocked(const std::string& id, const char* why);
+  void EvictLocked(int64_t now_ns) QUERN_REQUIRES(mu_);
+  void ForgetLocked(const std::string& id, const char* why) QUERN_REQUIRES(mu_);
 
   MemoryResultStoreOptions options_;
-  mutable std::mutex mu_;
-  std::unordered_map<std::string, Entry> entries_;           // guarded by mu_
-  std::deque<std::pair<uint64_t, std::string>> order_;       // (seq, id), oldest first; guarded by mu_
-  std::unordered_map<std::string, const char*> tombstones_;  // id -> why it is gone; guarded by mu_
-  std::deque<std::string> tombstone_order_;                  // guarded by mu_
-  size_t bytes_ = 0;                                         // guarded by mu_
-  uint64_t next_seq_ = 1;                                    // guarded by mu_
+  mutable Mutex mu_;
+  std::unordered_map<std::string, Entry> entries_ QUERN_GUARDED_BY(mu_);
+  std::deque<std::pair<uint64_t, std::string>> order_ QUERN_GUARDED_BY(mu_);       // (seq, id), oldest first
+  std::unordered_map<std::string, const char*> tombstones_ QUERN_GUARDED_BY(mu_);  // id -> why it is gone
+  std::deque<std::string> tombstone_order_ QUERN_GUARDED_BY(mu_);
+  size_t bytes_ QUERN_GUARDED_BY(mu_) = 0;
+  uint64_t next_seq_ QUERN_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace quern

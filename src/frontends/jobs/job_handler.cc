@@ -124,7 +124,7 @@ JobStats JobHandler::stats() const {
   s.done = done_.load();
   s.failed = failed_.load();
   s.cancelled = cancelled_.load();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   s.pending = static_cast<int64_t>(pending_.size());
   return s;
 }
@@ -190,14 +190,14 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   };
   {
     // Listed before it is submitted: it may complete (and be unlisted) at once.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     pending_.emplace(job->id, job);
   }
   InferCallback complete = [this, job](InferResponse&& r) { Complete(job, std::move(r)); };
   if (Status st = engine_->InferAsync(std::move(ir), complete); !st.ok()) {
     // Refused at submission (bad input, unknown model, queue full): no job.
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       pending_.erase(job->id);
     }
     rejected_.fetch_add(1);
@@ -243,7 +243,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   // Stored before it leaves the pending map, so a poll always finds it.
   store_->Put({std::move(record)});
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     pending_.erase(job->id);
   }
   (state == JobState::kDone ? done_ : state == JobState::kFailed ? failed_ : cancelled_).fetch_add(1);
@@ -252,7 +252,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
 void JobHandler::Get(const std::string& id, std::string_view query, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
   rapidjson::StringBuffer buf;
@@ -323,7 +323,7 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
 void JobHandler::Cancel(const std::string& id, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
   if (!pending) {

@@ -26,6 +26,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/mutex.h"
 #include "frontends/http/http_types.h"
 #include "quern/engine.h"
 #include "store/result_store.h"
@@ -67,8 +68,8 @@ class JobHandler {
 
   Engine* engine_;
   ResultStore* store_;
-  mutable std::mutex mu_;
-  std::unordered_map<std::string, std::shared_ptr<Pending>> pending_;  // queued or running; guarded by mu_
+  mutable Mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<Pending>> pending_ QUERN_GUARDED_BY(mu_);  // queued or running
   std::atomic<uint64_t> submitted_{0}, rejected_{0}, done_{0}, failed_{0}, cancelled_{0};
 };
 

@@ -149,8 +149,8 @@ VisionHandler::VisionHandler(VisionService* service, VisionOptions options)
 }
 
 VisionHandler::~VisionHandler() {
-  std::unique_lock<std::mutex> lock(pending_mu_);
-  pending_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return pending_ == 0; });
+  MutexLock lock(pending_mu_);
+  pending_cv_.WaitFor(lock, std::chrono::seconds(30), [this]() QUERN_REQUIRES(pending_mu_) { return pending_ == 0; });
 }
 
 bool VisionHandler::Handles(std::string_view target) {
@@ -164,7 +164,7 @@ std::string VisionHandler::DefaultDetectionModel() {
     name = std::move(n);
     break;
   }
-  std::lock_guard<std::mutex> lock(models_mu_);
+  MutexLock lock(models_mu_);
   last_default_model_ = name;
   return name;
 }
@@ -337,7 +337,7 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
                       : job.command == "custom"       ? PercentDecode(path.substr(18))
                                                       : options_.detection_model;
   if (model.empty() && job.kind != Job::Kind::kPredict && job.command != "custom") {
-    std::lock_guard<std::mutex> lock(models_mu_);
+    MutexLock lock(models_mu_);
     model = last_default_model_;  // as the last detection request found it
   }
   Status st = service_->CheckAdmission(model, body);
@@ -356,16 +356,16 @@ void VisionHandler::Submit(std::shared_ptr<Job> job, std::shared_ptr<const Visio
   r.cancel = job->request.cancel;
   VisionCallback answer = [this, job](VisionResult&& result) {
     Answer(job, std::move(result));
-    std::lock_guard<std::mutex> lock(pending_mu_);
-    if (--pending_ == 0) pending_cv_.notify_all();
+    MutexLock lock(pending_mu_);
+    if (--pending_ == 0) pending_cv_.SignalAll();
   };
   {
-    std::lock_guard<std::mutex> lock(pending_mu_);
+    MutexLock lock(pending_mu_);
     ++pending_;
   }
   if (Status st = service_->Submit(std::move(r), answer); !st.ok()) {
     {
-      std::lock_guard<std::mutex> lock(pending_mu_);
+      MutexLock lock(pending_mu_);
       --pending_;
     }
     Respond(job, Refusal(*job, st));

@@ -24,7 +24,6 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
-#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -32,6 +31,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/mutex.h"
 #include "frontends/http/http_types.h"
 #include "pipeline/vision_service.h"
 #include "quern/engine.h"
@@ -88,12 +88,12 @@ class VisionHandler {
   VisionOptions options_;
   std::string hostname_;
 
-  std::mutex models_mu_;
-  std::string last_default_model_;  // DefaultDetectionModel's last answer; guarded by models_mu_
+  Mutex models_mu_;
+  std::string last_default_model_ QUERN_GUARDED_BY(models_mu_);  // DefaultDetectionModel's last answer
 
-  std::mutex pending_mu_;
-  std::condition_variable pending_cv_;
-  int64_t pending_ = 0;  // images with the service, answer not yet written; guarded by pending_mu_
+  Mutex pending_mu_;
+  CondVar pending_cv_;
+  int64_t pending_ QUERN_GUARDED_BY(pending_mu_) = 0;  // images with the service, answer not yet written
 };
 
 }  // namespace quern
