@@ -199,12 +199,12 @@ RedisResultStore::RedisResultStore(RedisResultStoreOptions options) : options_(s
 RedisResultStore::~RedisResultStore() {
   Flush(std::chrono::seconds(5));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   writer_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!unwritten_.empty()) {
     std::fprintf(stderr, "quern: %zu job results could not be written to redis at %s before exit\n", unwritten_.size(),
                  options_.redis.Address().c_str());
@@ -224,13 +224,13 @@ void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records
   b.extra = std::move(extra);
   b.on_written = std::move(on_written);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (const auto& r : b.records) unwritten_[r->id] = r;
     backlog_bytes_ += b.bytes;
     ++queued_seq_;
     queue_.push_back(std::move(b));
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 Status RedisResultStore::EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect) {
@@ -316,16 +316,16 @@ void RedisResultStore::WriterLoop() {
   auto backoff = std::chrono::milliseconds(50);
   constexpr size_t kMaxWriteBytes = size_t{64} << 20;
   std::vector<Batch> batches;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   while (true) {
     if (batches.empty()) {
       // Idle: check the connection every second, so readiness tells the
       // truth before the next write needs it.
-      if (!cv_.wait_for(lock, health_ok_since_write_ ? std::chrono::milliseconds(1000) : backoff,
-                        [&] { return stop_ || !queue_.empty(); })) {
-        lock.unlock();
+      if (!cv_.WaitFor(lock, health_ok_since_write_ ? std::chrono::milliseconds(1000) : backoff,
+                       [&]() QUERN_REQUIRES(mu_) { return stop_ || !queue_.empty(); })) {
+        lock.Unlock();
         Status s = Ping();
-        lock.lock();
+        lock.Lock();
         SetHealthLocked(s);
         if (s.ok()) {
           backoff = std::chrono::milliseconds(50);
@@ -345,9 +345,9 @@ void RedisResultStore::WriterLoop() {
         queue_.pop_front();
       }
     }
-    lock.unlock();
+    lock.Unlock();
     Status s = Write(batches);
-    lock.lock();
+    lock.Lock();
     if (s.code() == StatusCode::kFailedPrecondition) {
       write_errors_.fetch_add(1);
       if (batches.size() > 1) {
@@ -361,7 +361,7 @@ void RedisResultStore::WriterLoop() {
       size_t n = batches[0].records.size();
       std::fprintf(stderr, "quern: %zu job result(s) dropped (first: %s): %s\n", n,
                    n > 0 ? batches[0].records[0]->id.c_str() : "-", s.message().c_str());
-      Settle(batches, lock, /*written=*/false);
+      Settle(batches, /*written=*/false);
       continue;
     }
     if (!s.ok()) {
@@ -369,18 +369,18 @@ void RedisResultStore::WriterLoop() {
       SetHealthLocked(s);
       if (stop_) break;
       // Keep the batches; try again after the backoff (a stop wakes it).
-      cv_.wait_for(lock, backoff, [&] { return stop_; });
+      cv_.WaitFor(lock, backoff, [&]() QUERN_REQUIRES(mu_) { return stop_; });
       backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
       continue;
     }
     SetHealthLocked(Status::Ok());
     backoff = std::chrono::milliseconds(50);
     writes_.fetch_add(1);
-    Settle(batches, lock, /*written=*/true);
+    Settle(batches, /*written=*/true);
   }
 }
 
-void RedisResultStore::Settle(std::vector<Batch>& batches, std::unique_lock<std::mutex>& lock, bool written) {
+void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
   std::vector<std::function<void()>> callbacks;
   for (Batch& b : batches) {
     if (written) records_written_.fetch_add(b.records.size());
@@ -393,11 +393,11 @@ void RedisResultStore::Settle(std::vector<Batch>& batches, std::unique_lock<std:
     if (b.on_written) callbacks.push_back(std::move(b.on_written));
   }
   batches.clear();
-  written_cv_.notify_all();
+  written_cv_.SignalAll();
   if (!callbacks.empty()) {
-    lock.unlock();
+    mu_.Unlock();
     for (auto& cb : callbacks) cb();
-    lock.lock();
+    mu_.Lock();
   }
 }
 
@@ -423,18 +423,18 @@ void RedisResultStore::SetHealthLocked(const Status& s) {
 }
 
 bool RedisResultStore::Flush(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const uint64_t target = queued_seq_;
-  return written_cv_.wait_for(lock, timeout, [&] { return written_seq_ >= target; });
+  return written_cv_.WaitFor(lock, timeout, [&]() QUERN_REQUIRES(mu_) { return written_seq_ >= target; });
 }
 
 Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string& id) {
   using Err = std::unexpected<Status>;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = unwritten_.find(id); it != unwritten_.end()) return it->second;
   }
-  std::lock_guard<std::mutex> lock(read_mu_);
+  MutexLock lock(read_mu_);
   if (!reader_ || reader_->broken()) {
     // While Redis is away, answer at once rather than have every poll wait
     // for a connect timeout: one attempt per second.
@@ -486,12 +486,12 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
 }
 
 Status RedisResultStore::Health() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return health_;
 }
 
 Status RedisResultStore::CanAccept() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (backlog_bytes_ > options_.max_backlog_bytes) {
     return Unavailable("job results are waiting for redis (" + std::to_string(backlog_bytes_ >> 20) +
                        " MiB held in memory, the limit): no new jobs until it is back. " + health_.message());
@@ -506,7 +506,7 @@ RedisStoreStats RedisResultStore::stats() const {
   s.write_errors = write_errors_.load();
   s.reconnects = reconnects_.load();
   s.connected = connected_.load();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   s.backlog = static_cast<int64_t>(unwritten_.size());
   s.backlog_bytes = static_cast<int64_t>(backlog_bytes_);
   return s;

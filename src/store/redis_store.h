@@ -27,7 +27,6 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -38,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/mutex.h"
 #include "store/redis_client.h"
 #include "store/result_store.h"
 
@@ -108,28 +108,30 @@ class RedisResultStore final : public ResultStore {
   void WriterLoop();
   Status Write(std::vector<Batch>& batches);
   // Batches written (or given up): forgets them, runs their on_written.
-  void Settle(std::vector<Batch>& batches, std::unique_lock<std::mutex>& lock, bool written);
+  // Called with mu_ held; lets it go while the callbacks run.
+  void Settle(std::vector<Batch>& batches, bool written) QUERN_REQUIRES(mu_);
   Status Ping();
-  void SetHealthLocked(const Status& s);  // logs changes
+  void SetHealthLocked(const Status& s) QUERN_REQUIRES(mu_);  // logs changes
   Status EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect);
 
   RedisResultStoreOptions options_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;          // writer: work or stop
-  std::condition_variable written_cv_;  // Flush: progress
-  std::deque<Batch> queue_;             // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;          // writer: work or stop
+  CondVar written_cv_;  // Flush: progress
+  std::deque<Batch> queue_ QUERN_GUARDED_BY(mu_);
   // Records queued or being written, by id: served by Get until written.
-  std::unordered_map<std::string, std::shared_ptr<const JobRecord>> unwritten_;  // guarded by mu_
-  size_t backlog_bytes_ = 0;                                                     // guarded by mu_
-  uint64_t queued_seq_ = 0, written_seq_ = 0;                                    // guarded by mu_
-  bool stop_ = false;                                                            // guarded by mu_
-  Status health_;                                                                // guarded by mu_
-  bool health_ok_since_write_ = false;                                           // guarded by mu_
+  std::unordered_map<std::string, std::shared_ptr<const JobRecord>> unwritten_ QUERN_GUARDED_BY(mu_);
+  size_t backlog_bytes_ QUERN_GUARDED_BY(mu_) = 0;
+  uint64_t queued_seq_ QUERN_GUARDED_BY(mu_) = 0;
+  uint64_t written_seq_ QUERN_GUARDED_BY(mu_) = 0;
+  bool stop_ QUERN_GUARDED_BY(mu_) = false;
+  Status health_ QUERN_GUARDED_BY(mu_);
+  bool health_ok_since_write_ QUERN_GUARDED_BY(mu_) = false;
 
-  std::mutex read_mu_;
-  std::unique_ptr<RedisConnection> reader_;                 // guarded by read_mu_
-  std::chrono::steady_clock::time_point reader_failed_at_;  // guarded by read_mu_
-  std::string reader_error_;                                // guarded by read_mu_
+  Mutex read_mu_;
+  std::unique_ptr<RedisConnection> reader_ QUERN_GUARDED_BY(read_mu_);
+  std::chrono::steady_clock::time_point reader_failed_at_ QUERN_GUARDED_BY(read_mu_);
+  std::string reader_error_ QUERN_GUARDED_BY(read_mu_);
 
   std::atomic<uint64_t> writes_{0}, records_written_{0}, write_errors_{0}, reconnects_{0};
   std::atomic<bool> connected_{false};

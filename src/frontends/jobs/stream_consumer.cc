@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -13,6 +12,7 @@
 #include <utility>
 
 #include "core/cpus.h"
+#include "core/mutex.h"
 #include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
 
@@ -155,10 +155,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
 
   void Stop() {
     {
-      std::lock_guard<std::mutex> lock(mu_);  // no lost wakeup for a reader about to wait
+      MutexLock lock(mu_);  // no lost wakeup for a reader about to wait
       stop_.store(true);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     if (reader_.joinable()) reader_.join();
   }
 
@@ -171,7 +171,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     s.dead = dead_.load();
     s.retried = retried_.load();
     s.connected = connected_.load();
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     s.inflight = inflight_;
     for (const auto& m : models_) s.streams.push_back({m.name, m.length, m.pending});
     return s;
@@ -194,8 +194,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
             std::fprintf(stderr, "quern: job streams: %s (retrying)\n", s.message().c_str());
             last_error_ = s.message();
           }
-          std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait_for(lock, backoff, [&] { return stop_.load(); });
+          MutexLock lock(mu_);
+          cv_.WaitFor(lock, backoff, [&] { return stop_.load(); });
           backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
           continue;
         }
@@ -215,9 +215,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       }
       int slots = 0;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_for(lock, std::chrono::milliseconds(200),
-                     [&] { return stop_.load() || inflight_ < options_.max_inflight; });
+        MutexLock lock(mu_);
+        cv_.WaitFor(lock, std::chrono::milliseconds(200),
+                    [&]() QUERN_REQUIRES(mu_) { return stop_.load() || inflight_ < options_.max_inflight; });
         slots = options_.max_inflight - inflight_;
       }
       if (stop_.load() || slots <= 0) continue;
@@ -226,8 +226,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       const auto pause = std::chrono::steady_clock::time_point(
           std::chrono::steady_clock::duration(pause_until_.load(std::memory_order_relaxed)));
       if (std::chrono::steady_clock::now() < pause) {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, pause, [&] { return stop_.load(); });
+        MutexLock lock(mu_);
+        cv_.WaitUntil(lock, pause, [&] { return stop_.load(); });
         continue;
       }
       const auto until_claim =
@@ -314,7 +314,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   void Heartbeat() {
     std::vector<std::vector<std::string>> per_model(models_.size());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (const auto& key : mine_) {
         const auto space = key.find(' ');
         const size_t m = ModelOf(key.substr(0, space));
@@ -337,7 +337,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   void Reclaim() {
     int slots;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       slots = options_.max_inflight - inflight_;
     }
     if (slots <= 0) return;
@@ -363,7 +363,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         entry.model = i;
         if (!ParseStreamEntry(e, entry)) continue;  // deleted from the stream meanwhile
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           if (mine_.contains(models_[i].stream + " " + entry.entry_id)) continue;  // still running here
         }
         group->entries.push_back(std::move(entry));
@@ -394,7 +394,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     auto r = conn_->Execute(p);
     if (!r) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (size_t i = 0; i < models_.size(); ++i) {
       const RedisReply& len = (*r)[2 * i];
       const RedisReply& pend = (*r)[2 * i + 1];
@@ -419,7 +419,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     group->outcomes.resize(n);
     group->remaining.store(n);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       inflight_ += static_cast<int>(n);
       for (const auto& e : group->entries) mine_.insert(models_[e.model].stream + " " + e.entry_id);
     }
@@ -519,7 +519,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         std::fprintf(stderr, "quern: job '%s' (%s, delivery %lld of %d) failed, will be retried: %s\n",
                      out.record->id.c_str(), m.stream.c_str(), static_cast<long long>(e.deliveries),
                      options_.max_deliveries, out.record->error.message().c_str());
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         mine_.erase(m.stream + " " + e.entry_id);
         continue;
       }
@@ -536,19 +536,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       records.push_back(out.record);
     }
     if (retry > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       inflight_ -= static_cast<int>(retry);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     if (records.empty()) return;
     const int n = static_cast<int>(records.size());
     store_->Put(std::move(records), std::move(extra), [self = shared_from_this(), n, settled = std::move(settled)] {
       {
-        std::lock_guard<std::mutex> lock(self->mu_);
+        MutexLock lock(self->mu_);
         self->inflight_ -= n;
         for (const auto& k : settled) self->mine_.erase(k);
       }
-      self->cv_.notify_all();
+      self->cv_.SignalAll();
     });
   }
 
@@ -560,10 +560,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   std::string last_error_;                      // reader thread only
   std::chrono::milliseconds error_backoff_{0};  // reader thread only
   std::atomic<int64_t> pause_until_{0};         // steady_clock ticks: no reads before
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  int inflight_ = 0;                      // guarded by mu_
-  std::unordered_set<std::string> mine_;  // "stream entry-id" in flight here; guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  int inflight_ QUERN_GUARDED_BY(mu_) = 0;
+  std::unordered_set<std::string> mine_ QUERN_GUARDED_BY(mu_);  // "stream entry-id" in flight here
   std::atomic<bool> stop_{false}, connected_{false};
   std::atomic<uint64_t> taken_{0}, reclaimed_{0}, done_{0}, failed_{0}, dead_{0}, retried_{0};
   std::thread reader_;
