@@ -67,13 +67,15 @@ int main(int argc, char** argv) {
   if (*models) return quern::cli::Models(models_repo);
   if (*infer) return quern::cli::Infer(infer_repo, infer_model, inputs);
 
+  // Before the server says it serves: a SIGTERM right after that line must
+  // drain it, not kill it.
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
   auto server = quern::Server::Start(std::move(options));
   if (!server) {
     std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
     return server.error().code() == quern::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   (*server)->Shutdown();
   return 0;

@@ -565,6 +565,23 @@ def test_grpc_calls_in_flight_per_connection_are_bounded(tmp_path):
         s.stop()
 
 
+def test_sigterm_right_after_start_drains_instead_of_killing(tmp_path):
+    """A SIGTERM that arrives as soon as the server says it serves (a supervisor stopping it at once)
+    drains it and exits 0: the handler is in place before that line is printed."""
+    repo = make_repo(tmp_path / "repo", "add_sub")
+    codes = []
+    for _ in range(20):
+        p = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0",
+                              "--grpc-port", "-1", "--metrics-port", "0", "--host", "127.0.0.1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            if line.startswith("quern: serving"):
+                break
+        p.terminate()
+        codes.append(p.wait(timeout=30))
+    assert codes == [0] * 20, codes
+
+
 def test_sigterm_drains_then_exits_zero(tmp_path):
     """SIGTERM: readiness false first, requests already queued finish with their results, new ones
     get 503 / UNAVAILABLE, exit 0 within --drain-timeout-secs."""
