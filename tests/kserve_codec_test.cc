@@ -1,7 +1,7 @@
 // The KServe v2 codec on bytes alone: a JSON header with the binary data in
 // a buffer of its own (as Redis stores them), one body with both (as HTTP
 // and stream entries carry them), and results written back.
-#include "codec/kserve_codec.h"
+#include "protocol/kserve_codec.h"
 
 #include <gtest/gtest.h>
 #include <rapidjson/document.h>

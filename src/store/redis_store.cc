@@ -10,10 +10,10 @@
 #include <cstring>
 #include <functional>
 
-#include "codec/kserve_codec.h"
 #include "core/cpus.h"
 #include "core/json.h"
 #include "metrics/text_format.h"
+#include "protocol/kserve_codec.h"
 
 namespace quern {
 

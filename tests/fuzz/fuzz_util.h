@@ -21,7 +21,7 @@
 #include <string_view>
 #include <vector>
 
-#include "codec/kserve_codec.h"
+#include "protocol/kserve_codec.h"
 #include "quern/tensor.h"
 #include "store/result_store.h"
 

@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <string>
 
-#include "codec/kserve_codec.h"
 #include "fuzz_util.h"
+#include "protocol/kserve_codec.h"
 
 namespace {
 

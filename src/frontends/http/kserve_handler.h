@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "codec/kserve_codec.h"
 #include "frontends/http/http_types.h"
+#include "protocol/kserve_codec.h"
 #include "quern/engine.h"
 
 namespace quern {

@@ -35,7 +35,7 @@
 #include <thread>
 #include <vector>
 
-#include "codec/kserve_codec.h"
+#include "protocol/kserve_codec.h"
 #include "quern/engine.h"
 #include "store/redis_client.h"
 #include "store/redis_store.h"

@@ -1,4 +1,4 @@
-#include "codec/kserve_codec.h"
+#include "protocol/kserve_codec.h"
 
 #include <rapidjson/document.h>
 
