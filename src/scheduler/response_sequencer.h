@@ -10,21 +10,22 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
+
+#include "core/mutex.h"
 
 namespace quern {
 
 class ResponseSequencer {
  public:
   uint64_t NextTicket() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return issued_++;
   }
 
   // Runs `release` now if `ticket` is the oldest outstanding one (followed by
   // any later ones already waiting), else parks it.
   void Complete(uint64_t ticket, std::function<void()> release) {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     parked_.emplace(ticket, std::move(release));
     if (releasing_) return;  // the releasing thread will pick it up
     releasing_ = true;
@@ -32,19 +33,19 @@ class ResponseSequencer {
       auto fn = std::move(parked_.begin()->second);
       parked_.erase(parked_.begin());
       ++next_;
-      lock.unlock();
+      lock.Unlock();
       fn();
-      lock.lock();
+      lock.Lock();
     }
     releasing_ = false;
   }
 
  private:
-  std::mutex mu_;
-  uint64_t issued_ = 0;
-  uint64_t next_ = 0;
-  bool releasing_ = false;
-  std::map<uint64_t, std::function<void()>> parked_;
+  Mutex mu_;
+  uint64_t issued_ QUERN_GUARDED_BY(mu_) = 0;
+  uint64_t next_ QUERN_GUARDED_BY(mu_) = 0;
+  bool releasing_ QUERN_GUARDED_BY(mu_) = false;
+  std::map<uint64_t, std::function<void()>> parked_ QUERN_GUARDED_BY(mu_);
 };
 
 }  // namespace quern

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "core/model_config_parser.h"
+#include "core/mutex.h"
 #include "frontends/grpc/grpc_convert.h"
 #include "grpc_service.grpc.pb.h"
 #include "server/api_keys.h"
@@ -89,7 +90,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client finished sending (or the stream broke)
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       reads_done_ = true;
       MaybeFinishLocked();
       return;
@@ -103,7 +104,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // Counted before the next read starts: that read may end (the client
       // half-closing) on another thread while this message is handled, and
       // the stream must not finish before this message is answered.
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ++pending_;
     }
     StartNextRead();
@@ -118,7 +119,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     writing_ = false;
     writes_.pop_front();
     if (!ok) broken_ = true;
@@ -132,7 +133,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnCancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     broken_ = true;
     for (auto& c : cancels_) c->Cancel();
   }
@@ -140,7 +141,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnDone() override {
     bool last;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       done_ = true;
       last = pending_ == 0;
     }
@@ -171,7 +172,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     ir->cancel = cancel;
     ir->deadline_ns = DeadlineNs(ctx_, *engine_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (broken_) cancel->Cancel();
       cancels_.push_back(cancel);
     }
@@ -180,7 +181,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                           cancel](InferResponse&& r) {
       Answer(request->id(), r.status, &r);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         std::erase(cancels_, cancel);
       }
       Release();
@@ -211,7 +212,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       bytes = std::make_unique<grpc::ByteBuffer>();
       (void)grpc::SerializationTraits<inference::ModelStreamInferResponse>::Serialize(out, bytes.get(), &own);
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (broken_ || finished_) return;
     writes_.push_back(std::move(bytes));
     if (!writing_) {
@@ -225,7 +226,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Release() {
     bool last;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       --pending_;
       MaybeFinishLocked();
       last = done_ && pending_ == 0;
@@ -235,7 +236,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // The stream ends when the client has finished sending, every request has
   // answered and every answer is written (or the stream broke).
-  void MaybeFinishLocked() {
+  void MaybeFinishLocked() QUERN_REQUIRES(mu_) {
     // A cancelled stream also ends its reads (OnReadDone(false)), so
     // reads_done_ covers it.
     if (finished_ || writing_ || pending_ > 0 || !reads_done_) return;
@@ -249,15 +250,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::ByteBuffer reading_;  // gRPC's read target (one read in flight)
   uint64_t messages_ = 0;     // read so far (the reading thread only)
 
-  std::mutex mu_;
-  std::deque<std::unique_ptr<grpc::ByteBuffer>> writes_;  // front = being written
-  std::vector<std::shared_ptr<CancellationToken>> cancels_;
-  int pending_ = 0;  // messages read and not answered yet
-  bool writing_ = false;
-  bool reads_done_ = false;
-  bool broken_ = false;    // cancelled or a write failed: no more writes
-  bool finished_ = false;  // Finish called
-  bool done_ = false;      // OnDone called
+  Mutex mu_;
+  std::deque<std::unique_ptr<grpc::ByteBuffer>> writes_ QUERN_GUARDED_BY(mu_);  // front = being written
+  std::vector<std::shared_ptr<CancellationToken>> cancels_ QUERN_GUARDED_BY(mu_);
+  int pending_ QUERN_GUARDED_BY(mu_) = 0;  // messages read and not answered yet
+  bool writing_ QUERN_GUARDED_BY(mu_) = false;
+  bool reads_done_ QUERN_GUARDED_BY(mu_) = false;
+  bool broken_ QUERN_GUARDED_BY(mu_) = false;    // cancelled or a write failed: no more writes
+  bool finished_ QUERN_GUARDED_BY(mu_) = false;  // Finish called
+  bool done_ QUERN_GUARDED_BY(mu_) = false;      // OnDone called
 };
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
@@ -601,13 +602,13 @@ class GrpcServer::Impl {
     if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);
     UpdateHealth();
     health_thread_ = std::thread([this] {
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       while (!stopping_) {
-        cv_.wait_for(lock, std::chrono::milliseconds(options_.health_poll_ms));
+        cv_.WaitFor(lock, std::chrono::milliseconds(options_.health_poll_ms));
         if (stopping_) break;
-        lock.unlock();
+        lock.Unlock();
         UpdateHealth();
-        lock.lock();
+        lock.Lock();
       }
     });
     return Status::Ok();
@@ -617,11 +618,11 @@ class GrpcServer::Impl {
 
   void Stop() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (stopping_) return;
       stopping_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     if (health_thread_.joinable()) health_thread_.join();
     if (server_) {
       // Calls still running after a second are cancelled (their requests
@@ -651,10 +652,10 @@ class GrpcServer::Impl {
   Service service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-  std::optional<bool> last_ready_;
+  Mutex mu_;
+  CondVar cv_;
+  bool stopping_ QUERN_GUARDED_BY(mu_) = false;
+  std::optional<bool> last_ready_;  // the health thread's (and Start's, before it runs)
   std::thread health_thread_;
 };
 
