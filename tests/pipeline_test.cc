@@ -2,9 +2,12 @@
 // transform, NMS, top-k, the detection decoders and multipart parsing.
 // Expected values are derived by hand in the comments.
 #include <gtest/gtest.h>
+#include <turbojpeg.h>
 
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "frontends/vision/multipart.h"
 #include "pipeline/image.h"
@@ -287,6 +290,46 @@ TEST(Decode, BmpWithACoreHeaderCannotClaimPixelsItDoesNotHold) {
   auto r = DecodeImage(bmp, o);
   ASSERT_FALSE(r.has_value());
   EXPECT_NE(r.error().message().find("truncated"), std::string::npos) << r.error().message();
+}
+
+}  // namespace
+}  // namespace quern
+
+namespace quern {
+namespace {
+
+// A JPEG of noise (libjpeg-turbo's own encoder).
+std::string NoiseJpeg(int w, int h) {
+  std::vector<unsigned char> rgb(static_cast<size_t>(w * h * 3));
+  uint32_t x = 12345;
+  for (auto& b : rgb) {
+    x = x * 1103515245u + 12345u;
+    b = static_cast<unsigned char>(x >> 24);
+  }
+  tjhandle tj = tjInitCompress();
+  unsigned char* out = nullptr;
+  unsigned long size = 0;
+  EXPECT_EQ(tjCompress2(tj, rgb.data(), w, 0, h, TJPF_RGB, &out, &size, TJSAMP_420, 90, 0), 0);
+  std::string jpeg(reinterpret_cast<char*>(out), size);
+  tjFree(out);
+  tjDestroy(tj);
+  return jpeg;
+}
+
+TEST(Decode, ACorruptJpegDoesNotSpoilTheNextOneOnTheSameThread) {
+  // The decoder keeps one libjpeg-turbo handle per thread; a decode that
+  // failed half-way must not leave it unable to read the next image.
+  const std::string good = NoiseJpeg(64, 48);
+  ASSERT_TRUE(DecodeImage(good).has_value());
+  for (const size_t cut : {good.size() * 3 / 5, good.size() / 2, size_t{200}}) {
+    auto bad = DecodeImage(std::string_view(good).substr(0, cut));
+    ASSERT_FALSE(bad.has_value()) << cut;
+    EXPECT_NE(bad.error().message().find("corrupt or truncated JPEG"), std::string::npos) << bad.error().message();
+    auto again = DecodeImage(good);
+    ASSERT_TRUE(again.has_value()) << "after a " << cut << "-byte cut: " << again.error().message();
+    EXPECT_EQ(again->image.width, 64);
+    EXPECT_EQ(again->image.height, 48);
+  }
 }
 
 }  // namespace

@@ -71,6 +71,13 @@ struct TjHandle {
   ~TjHandle() {
     if (h) tjDestroy(h);
   }
+  // A decode that failed part-way leaves libjpeg-turbo's decompressor in a
+  // state the next image on this thread would inherit (it then misreads a
+  // valid file): start from a fresh handle.
+  void Reset() {
+    if (h) tjDestroy(h);
+    h = tjInitDecompress();
+  }
 };
 
 Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) {
@@ -80,7 +87,9 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
   const auto size = static_cast<unsigned long>(bytes.size());
   int w = 0, h = 0, subsamp = 0, colorspace = 0;
   if (tjDecompressHeader3(tj.h, data, size, &w, &h, &subsamp, &colorspace) != 0) {
-    return std::unexpected(InvalidArgument(std::string("corrupt or truncated JPEG image: ") + tjGetErrorStr2(tj.h)));
+    Status error = InvalidArgument(std::string("corrupt or truncated JPEG image: ") + tjGetErrorStr2(tj.h));
+    tj.Reset();
+    return std::unexpected(std::move(error));
   }
   QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kJpeg));
   const int orientation = o.apply_exif_orientation ? JpegExifOrientation(bytes) : 1;
@@ -112,8 +121,10 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
   img.pixels.resize(static_cast<size_t>(img.width) * static_cast<size_t>(img.height) * 3);
   if (tjDecompress2(tj.h, data, size, img.pixels.data(), img.width, 0, img.height, TJPF_RGB,
                     TJFLAG_FASTDCT | TJFLAG_STOPONWARNING) != 0) {
-    return std::unexpected(InvalidArgument(std::string("corrupt or truncated JPEG image (") + SizeText(w, h) +
-                                           "): " + tjGetErrorStr2(tj.h)));
+    Status error = InvalidArgument(std::string("corrupt or truncated JPEG image (") + SizeText(w, h) +
+                                   "): " + tjGetErrorStr2(tj.h));
+    tj.Reset();
+    return std::unexpected(std::move(error));
   }
   DecodedImage out;
   out.format = ImageFormat::kJpeg;
