@@ -6,7 +6,11 @@
 // image_decode_{jpeg,png,bmp,webp} (QUERN_FUZZ_FORMAT) write their format's
 // signature over the first bytes, so each decoder gets the whole budget.
 // The input's last byte (part of the image too) also chooses the decode
-// options and the model geometry.
+// options and the model geometry. After every input a small valid JPEG must
+// still decode on the same thread: no input may leave a decoder's state
+// spoiled for the images after it.
+#include <turbojpeg.h>
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -45,10 +49,41 @@ void ForceSignature(std::string& bytes) {
   }
 }
 
+// An 8x8 JPEG made by libjpeg-turbo's encoder.
+const std::string& ValidJpeg() {
+  static const std::string jpeg = [] {
+    unsigned char rgb[8 * 8 * 3];
+    for (size_t i = 0; i < sizeof(rgb); ++i) rgb[i] = static_cast<unsigned char>(i * 37);
+    tjhandle tj = tjInitCompress();
+    unsigned char* out = nullptr;
+    unsigned long n = 0;
+    if (tjCompress2(tj, rgb, 8, 0, 8, TJPF_RGB, &out, &n, TJSAMP_444, 90, 0) != 0) quern::fuzz::Fail("tjCompress2");
+    std::string s(reinterpret_cast<char*>(out), n);
+    tjFree(out);
+    tjDestroy(tj);
+    return s;
+  }();
+  return jpeg;
+}
+
+void CheckOne(const uint8_t* data, size_t size);
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size < 1) return 0;
+  CheckOne(data, size);
+  auto valid = quern::DecodeImage(ValidJpeg());
+  if (!valid || valid->image.width != 8 || valid->image.height != 8) {
+    quern::fuzz::Fail("a valid JPEG no longer decodes after this input",
+                      valid ? std::string("wrong size") : valid.error().message());
+  }
+  return 0;
+}
+
+namespace {
+
+void CheckOne(const uint8_t* data, size_t size) {
+  if (size < 1) return;
   std::string bytes(quern::fuzz::AsView(data, size));
   ForceSignature(bytes);
   const uint8_t b = data[size - 1];
@@ -74,7 +109,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     quern::fuzz::Fail("EXIF orientation out of 1..8", std::to_string(orientation));
 
   auto decoded = quern::DecodeImage(bytes, options);
-  if (!decoded) return 0;
+  if (!decoded) return;
   const quern::Image& img = decoded->image;
   if (img.width <= 0 || img.height <= 0 || decoded->source_width <= 0 || decoded->source_height <= 0) {
     quern::fuzz::Fail("decoded an image with no pixels");
@@ -96,5 +131,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (r.pixels.size() != img.pixels.size()) quern::fuzz::Fail("ApplyOrientation changed the pixel count");
     }
   }
-  return 0;
 }
+
+}  // namespace
