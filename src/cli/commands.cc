@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <random>
 
 #include "core/npy.h"
@@ -41,16 +42,20 @@ quern::Result<quern::Tensor> MakeInput(const quern::ModelConfig& c, const quern:
   return t;
 }
 
-}  // namespace
-
-int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs) {
+// The repository opened as `quern serve` opens it; the error printed.
+quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo) {
   quern::ServerOptions options;
   options.model_repository = repo;
   auto engine = quern::OpenEngine(options);
-  if (!engine) {
-    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
-    return 1;
-  }
+  if (!engine) std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
+  return engine;
+}
+
+}  // namespace
+
+int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs) {
+  auto engine = Open(repo);
+  if (!engine) return 1;
   auto status = (*engine)->GetModel(model);
   if (!status) {
     std::fprintf(stderr, "quern: %s\n", status.error().ToString().c_str());
@@ -107,13 +112,8 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
 }
 
 int Models(const std::string& repo) {
-  quern::ServerOptions options;
-  options.model_repository = repo;
-  auto engine = quern::OpenEngine(options);
-  if (!engine) {
-    std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
-    return 1;
-  }
+  auto engine = Open(repo);
+  if (!engine) return 1;
   quern::PrintModels(**engine);
   for (const auto& m : (*engine)->ListModels()) {
     if (m.state != quern::ModelState::kReady) return 3;

@@ -22,8 +22,6 @@ class QUERN_CAPABILITY("mutex") Mutex {
  public:
   void Lock() QUERN_ACQUIRE() { mu_.lock(); }
   void Unlock() QUERN_RELEASE() { mu_.unlock(); }
-  // Tells the analysis the caller holds it (where it cannot see that).
-  void AssertHeld() const QUERN_ASSERT_HELD(this) {}
   std::mutex& native() { return mu_; }
 
  private:

@@ -163,7 +163,6 @@ class VisionService {
 
   VisionStats stats() const;
   const Clock& clock() const { return *clock_; }
-  int64_t request_timeout_ms() const { return options_.request_timeout_ms; }
 
  private:
   struct Job;

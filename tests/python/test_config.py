@@ -134,3 +134,30 @@ def test_a_file_that_does_not_parse_names_the_line(repo, tmp_path):
     code, out = refused(tmp_path / "missing.toml")
     assert code == 2, out
     assert "missing.toml" in out, out
+
+
+def test_a_value_that_looks_like_a_flag_stays_a_value(repo, tmp_path):
+    """A text value is the option's value, whatever it begins with: a key file named "--metrics-need-key"
+    must not turn into that switch (and leave --api-keys without its file)."""
+    keys = tmp_path / "--metrics-need-key"
+    keys.write_text("a-key-of-at-least-sixteen-chars\n")
+    http, metrics = free_port(), free_port()
+    config = tmp_path / "quern.toml"
+    config.write_text(f'model-repository = "{repo}"\nhost = "127.0.0.1"\nhttp-port = {http}\ngrpc-port = -1\n'
+                      f'metrics-port = {metrics}\napi-keys = "{keys}"\n')
+    # Relative to the working directory, as an operator would write it.
+    config.write_text(config.read_text().replace(f'"{keys}"', '"--metrics-need-key"'))
+    proc = subprocess.Popen([QUERN, "serve", "--config", str(config)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        log = []
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("quern: serving"):
+                break
+        assert any(l.startswith("quern: serving") for l in log), "".join(log)
+        assert http_request(http, "GET", "/v2/models/add_sub")[0] == 401, "the key file was read"
+        assert http_request(metrics, "GET", "/metrics")[0] == 200, "metrics need no key: the switch stayed off"
+    finally:
+        stop(proc)
+

@@ -13,7 +13,6 @@
 
 #include "core/cpus.h"
 #include "core/mutex.h"
-#include "frontends/http/kserve_handler.h"
 #include "metrics/text_format.h"
 
 namespace quern {
