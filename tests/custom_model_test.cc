@@ -9,7 +9,7 @@
 #include <mutex>
 #include <thread>
 
-#include "metrics/prometheus.h"
+#include "metrics/collectors.h"
 #include "quern/engine.h"
 #include "test_util.h"
 
@@ -223,7 +223,10 @@ TEST(Statistics, CountRequestsItemsBatchesAndFailures) {
   EXPECT_EQ(s.batch_size.count, 4u);
   EXPECT_EQ(s.request_us.count, 5u);
 
-  const std::string text = RenderPrometheus(*engine);
+  MetricsRegistry registry;
+  auto engine_metrics = AddEngineMetrics(registry, *engine);
+  auto process_metrics = AddProcessMetrics(registry);
+  const std::string text = registry.Render();
   EXPECT_NE(text.find("quern_request_success_total{model=\"stats\",version=\"1\"} 3\n"), std::string::npos) << text;
   EXPECT_NE(text.find("quern_request_failure_total{model=\"stats\",version=\"1\",reason=\"invalid\"} 1\n"),
             std::string::npos);

@@ -5,9 +5,20 @@
 #include <cstdio>
 
 #include "core/cpus.h"
-#include "metrics/text_format.h"
 
 namespace quern {
+
+namespace {
+
+Counter& StageCounter(MetricsRegistry& metrics, const char* stage) {
+  return metrics.AddCounter("quern_vision_stage_seconds_total",
+                            "Time answered images spent in each stage: decode, resize (with normalisation), queue "
+                            "(waiting in the model's batcher), infer (their batch's compute), post (decoding outputs, "
+                            "NMS, top-k).",
+                            {{"stage", stage}}, 1e-9);
+}
+
+}  // namespace
 
 struct VisionService::Job {
   VisionRequest request;
@@ -20,22 +31,52 @@ struct VisionService::Job {
 };
 
 VisionService::VisionService(Engine* engine, VisionServiceOptions options)
-    : engine_(engine), options_(std::move(options)), clock_(options_.clock ? options_.clock : &RealClockInstance()) {
-  if (options_.executor) return;
-  const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
-  options_.stage_threads = n;
-  for (int i = 0; i < n; ++i) {
-    threads_.emplace_back([this] {
-      NameThisThread("quern-vision");
-      StageLoop();
-    });
+    : engine_(engine),
+      options_(std::move(options)),
+      clock_(options_.clock ? options_.clock : &RealClockInstance()),
+      own_metrics_(options_.metrics ? nullptr : std::make_unique<MetricsRegistry>()),
+      metrics_(options_.metrics ? *options_.metrics : *own_metrics_),
+      requests_(metrics_.AddCounter("quern_vision_requests_total", "Images admitted to the vision pipeline.")),
+      rejected_(metrics_.AddCounter("quern_vision_rejected_overload_total",
+                                    "Vision requests refused at once because the queue was at capacity.")),
+      dropped_(metrics_.AddCounter("quern_vision_dropped_total",
+                                   "Vision requests dropped before inference: client gone or timeout passed.")),
+      failed_(metrics_.AddCounter("quern_vision_failed_total", "Vision requests answered with an error.")),
+      in_flight_(metrics_.AddGauge("quern_vision_in_flight", "Images in the vision pipeline now.")),
+      in_flight_bytes_(
+          metrics_.AddGauge("quern_vision_in_flight_bytes",
+                            "Memory held by the images in the vision pipeline (request bodies and model inputs).")),
+      timed_images_(
+          metrics_.AddCounter("quern_vision_timed_images_total",
+                              "Answered images whose stage durations are summed in quern_vision_stage_seconds_total.")),
+      decode_ns_(StageCounter(metrics_, "decode")),
+      resize_ns_(StageCounter(metrics_, "resize")),
+      queue_ns_(StageCounter(metrics_, "queue")),
+      infer_ns_(StageCounter(metrics_, "infer")),
+      post_ns_(StageCounter(metrics_, "post")) {
+  if (!options_.executor) {
+    const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
+    options_.stage_threads = n;
+    for (int i = 0; i < n; ++i) {
+      threads_.emplace_back([this] {
+        NameThisThread("quern-vision");
+        StageLoop();
+      });
+    }
   }
+  metrics_.DeclareFamily("quern_vision_queue_capacity", MetricType::kGauge, "Images admitted at once.");
+  metrics_.DeclareFamily("quern_vision_ms_per_image", MetricType::kGauge,
+                         "Measured pipeline time per image behind the derived capacity.");
+  collection_ = metrics_.AddCollector([this](MetricWriter& w) {
+    w.Sample("quern_vision_queue_capacity", {}, static_cast<double>(Capacity()));
+    w.Sample("quern_vision_ms_per_image", {}, ms_per_image_.load());
+  });
 }
 
 VisionService::~VisionService() {
   {
     MutexLock lock(idle_mu_);
-    idle_cv_.WaitFor(lock, std::chrono::seconds(30), [this] { return in_flight_.load() == 0; });
+    idle_cv_.WaitFor(lock, std::chrono::seconds(30), [this] { return in_flight_.value() == 0; });
   }
   {
     MutexLock lock(pool_mu_);
@@ -45,62 +86,22 @@ VisionService::~VisionService() {
   for (auto& t : threads_) t.join();
 }
 
-std::string RenderVisionPrometheus(const VisionStats& s) {
-  std::string out;
-  auto metric = [&out](const char* name, const char* type, const char* help, double value) {
-    AppendMetric(out, name, type, help, value);
-  };
-  metric("quern_vision_requests_total", "counter", "Images admitted to the vision pipeline.",
-         static_cast<double>(s.requests));
-  metric("quern_vision_rejected_overload_total", "counter",
-         "Vision requests refused at once because the queue was at capacity.",
-         static_cast<double>(s.rejected_overload));
-  metric("quern_vision_dropped_total", "counter",
-         "Vision requests dropped before inference: client gone or timeout passed.", static_cast<double>(s.dropped));
-  metric("quern_vision_failed_total", "counter", "Vision requests answered with an error.",
-         static_cast<double>(s.failed));
-  metric("quern_vision_in_flight", "gauge", "Images in the vision pipeline now.", static_cast<double>(s.in_flight));
-  metric("quern_vision_queue_capacity", "gauge", "Images admitted at once.", static_cast<double>(s.capacity));
-  metric("quern_vision_in_flight_bytes", "gauge",
-         "Memory held by the images in the vision pipeline (request bodies and model inputs).",
-         static_cast<double>(s.in_flight_bytes));
-  metric("quern_vision_ms_per_image", "gauge", "Measured pipeline time per image behind the derived capacity.",
-         s.ms_per_image);
-  metric("quern_vision_timed_images_total", "counter",
-         "Answered images whose stage durations are summed in quern_vision_stage_seconds_total.",
-         static_cast<double>(s.timed_images));
-  AppendMetricFamily(out, "quern_vision_stage_seconds_total", "counter",
-                     "Time answered images spent in each stage: decode, resize (with normalisation), queue "
-                     "(waiting in the model's batcher), infer (their batch's compute), post (decoding outputs, "
-                     "NMS, top-k).");
-  const std::pair<const char*, uint64_t> stages[] = {{"decode", s.decode_ns},
-                                                     {"resize", s.resize_ns},
-                                                     {"queue", s.queue_ns},
-                                                     {"infer", s.infer_ns},
-                                                     {"post", s.post_ns}};
-  for (const auto& [stage, ns] : stages) {
-    AppendMetricSample(out, std::string("quern_vision_stage_seconds_total{stage=\"") + stage + "\"}",
-                       static_cast<double>(ns) / 1e9);
-  }
-  return out;
-}
-
 VisionStats VisionService::stats() const {
   VisionStats s;
-  s.requests = requests_.load();
-  s.rejected_overload = rejected_.load();
-  s.dropped = dropped_.load();
-  s.failed = failed_.load();
-  s.in_flight = in_flight_.load();
-  s.in_flight_bytes = in_flight_bytes_.load();
+  s.requests = requests_.value();
+  s.rejected_overload = rejected_.value();
+  s.dropped = dropped_.value();
+  s.failed = failed_.value();
+  s.in_flight = in_flight_.value();
+  s.in_flight_bytes = in_flight_bytes_.value();
   s.capacity = Capacity();
   s.ms_per_image = ms_per_image_.load();
-  s.timed_images = timed_images_.load(std::memory_order_relaxed);
-  s.decode_ns = decode_ns_.load(std::memory_order_relaxed);
-  s.resize_ns = resize_ns_.load(std::memory_order_relaxed);
-  s.queue_ns = queue_ns_.load(std::memory_order_relaxed);
-  s.infer_ns = infer_ns_.load(std::memory_order_relaxed);
-  s.post_ns = post_ns_.load(std::memory_order_relaxed);
+  s.timed_images = timed_images_.value();
+  s.decode_ns = decode_ns_.value();
+  s.resize_ns = resize_ns_.value();
+  s.queue_ns = queue_ns_.value();
+  s.infer_ns = infer_ns_.value();
+  s.post_ns = post_ns_.value();
   return s;
 }
 
@@ -195,7 +196,7 @@ Status VisionService::Busy(int64_t in_flight, int64_t capacity, int64_t held, in
 }
 
 Status VisionService::Refused(Status status) {
-  rejected_.fetch_add(1);
+  rejected_.Increment();
   const int64_t now = clock_->NowNs();
   int64_t last = last_overload_log_ns_.load();
   if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
@@ -205,7 +206,7 @@ Status VisionService::Refused(Status status) {
 }
 
 Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
-  Status st = Busy(in_flight_.load(), Capacity(), in_flight_bytes_.load(), bytes);
+  Status st = Busy(in_flight_.value(), Capacity(), in_flight_bytes_.value(), bytes);
   if (st.ok() && !model.empty()) st = engine_->CheckAdmission(model);
   return st.ok() ? st : Refused(std::move(st));
 }
@@ -221,12 +222,12 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
     // Both bounds are claimed first and given back on refusal, so that
     // concurrent admissions cannot pass them together.
     const int64_t capacity = Capacity();
-    const int64_t before = in_flight_.fetch_add(1);
-    const int64_t held = in_flight_bytes_.fetch_add(bytes);
+    const int64_t before = in_flight_.Add(1);
+    const int64_t held = in_flight_bytes_.Add(bytes);
     st = Busy(before, capacity, held, bytes);
     if (!st.ok()) {
-      in_flight_.fetch_sub(1);
-      in_flight_bytes_.fetch_sub(bytes);
+      in_flight_.Add(-1);
+      in_flight_bytes_.Add(-bytes);
     }
   }
   if (!st.ok()) return Refused(std::move(st));
@@ -236,7 +237,7 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   job->charged_bytes = bytes;
   job->timings.received_ns = clock_->NowNs();
   job->deadline_ns = job->timings.received_ns + options_.request_timeout_ms * 1'000'000;
-  requests_.fetch_add(1);
+  requests_.Increment();
   Post([this, job] { Process(job); }, false);
   return Status::Ok();
 }
@@ -310,19 +311,19 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
   job->timings.post_ns = clock_->NowNs() - job->post_start_ns;
   result.timed = true;
   VisionTimings& t = job->timings;
-  timed_images_.fetch_add(1, std::memory_order_relaxed);
-  decode_ns_.fetch_add(static_cast<uint64_t>(t.decode_ns), std::memory_order_relaxed);
-  resize_ns_.fetch_add(static_cast<uint64_t>(t.resize_ns), std::memory_order_relaxed);
-  queue_ns_.fetch_add(static_cast<uint64_t>(t.queue_ns), std::memory_order_relaxed);
-  infer_ns_.fetch_add(static_cast<uint64_t>(t.infer_ns), std::memory_order_relaxed);
-  post_ns_.fetch_add(static_cast<uint64_t>(t.post_ns), std::memory_order_relaxed);
+  timed_images_.Increment(1);
+  decode_ns_.Increment(static_cast<uint64_t>(t.decode_ns));
+  resize_ns_.Increment(static_cast<uint64_t>(t.resize_ns));
+  queue_ns_.Increment(static_cast<uint64_t>(t.queue_ns));
+  infer_ns_.Increment(static_cast<uint64_t>(t.infer_ns));
+  post_ns_.Increment(static_cast<uint64_t>(t.post_ns));
   Deliver(job, std::move(result));
 }
 
 void VisionService::Fail(const std::shared_ptr<Job>& job, Status status, bool dropped) {
-  if (dropped) dropped_.fetch_add(1);
+  if (dropped) dropped_.Increment();
   // An image dropped because its caller left is answered to nobody.
-  if (!(dropped && status.code() == StatusCode::kCancelled)) failed_.fetch_add(1);
+  if (!(dropped && status.code() == StatusCode::kCancelled)) failed_.Increment();
   VisionResult result;
   result.status = std::move(status);
   Deliver(job, std::move(result));
@@ -342,9 +343,9 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   const int64_t last = last_completion_ns_.exchange(now);
   const double busy_ms = static_cast<double>(now - std::max(job->timings.received_ns, last)) / 1e6;
   ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  in_flight_bytes_.fetch_sub(job->charged_bytes);
+  in_flight_bytes_.Add(-job->charged_bytes);
   job->request.owner.reset();
-  if (in_flight_.fetch_sub(1) == 1) {
+  if (in_flight_.Add(-1) == 1) {
     MutexLock lock(idle_mu_);
     idle_cv_.SignalAll();
   }

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "metrics/registry.h"
 #include "pipeline/vision_model.h"
 #include "quern/clock.h"
 #include "quern/engine.h"
@@ -69,6 +70,9 @@ struct VisionServiceOptions {
   int64_t max_in_flight_bytes = int64_t{1} << 30;
   // Null = the real clock.
   const Clock* clock = nullptr;
+  // Where the quern_vision_* metrics are kept (must outlive the service);
+  // null = a registry of the service's own (stats() still reads it).
+  MetricsRegistry* metrics = nullptr;
 };
 
 // One image for a vision model.
@@ -109,7 +113,7 @@ struct VisionResult {
 
 using VisionCallback = std::function<void(VisionResult&&)>;
 
-// Counters for the metrics endpoint; cumulative.
+// The quern_vision_* metrics, read back; counters are cumulative.
 struct VisionStats {
   uint64_t requests = 0;           // images admitted
   uint64_t rejected_overload = 0;  // refused at admission (capacity, memory or the model's queue)
@@ -126,9 +130,6 @@ struct VisionStats {
   uint64_t timed_images = 0;
   uint64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
 };
-
-// Prometheus text for the vision counters (quern_vision_*).
-std::string RenderVisionPrometheus(const VisionStats& stats);
 
 class VisionService {
  public:
@@ -159,7 +160,7 @@ class VisionService {
 
   // Counts a request that failed before it reached the service (a form
   // without an image, say), so that `failed` covers every failed request.
-  void CountFailure() { failed_.fetch_add(1, std::memory_order_relaxed); }
+  void CountFailure() { failed_.Increment(); }
 
   VisionStats stats() const;
   const Clock& clock() const { return *clock_; }
@@ -187,6 +188,22 @@ class VisionService {
   VisionServiceOptions options_;
   const Clock* clock_;
 
+  // Metric handles, in options_.metrics or own_metrics_.
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  MetricsRegistry& metrics_;
+  Counter& requests_;
+  Counter& rejected_;
+  Counter& dropped_;
+  Counter& failed_;
+  Gauge& in_flight_;
+  Gauge& in_flight_bytes_;
+  Counter& timed_images_;
+  Counter& decode_ns_;
+  Counter& resize_ns_;
+  Counter& queue_ns_;
+  Counter& infer_ns_;
+  Counter& post_ns_;
+
   Mutex models_mu_;
   std::map<std::string, std::shared_ptr<const VisionModel>> models_ QUERN_GUARDED_BY(models_mu_);
 
@@ -197,15 +214,14 @@ class VisionService {
   bool stopping_ QUERN_GUARDED_BY(pool_mu_) = false;
   std::vector<std::thread> threads_;
 
-  std::atomic<int64_t> in_flight_{0};
-  std::atomic<int64_t> in_flight_bytes_{0};
-  std::atomic<uint64_t> requests_{0}, rejected_{0}, dropped_{0}, failed_{0};
-  std::atomic<uint64_t> timed_images_{0}, decode_ns_{0}, resize_ns_{0}, queue_ns_{0}, infer_ns_{0}, post_ns_{0};
   std::atomic<int64_t> last_completion_ns_{0};
   std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
   mutable std::atomic<int64_t> last_overload_log_ns_{0};
   Mutex idle_mu_;
   CondVar idle_cv_;
+  // The capacity and ms_per_image gauges, read at scrape time; last, so
+  // that it goes first.
+  MetricsRegistry::Collection collection_;
 };
 
 }  // namespace quern

@@ -12,7 +12,8 @@
 
 #include "frontends/http/kserve_handler.h"
 #include "frontends/jobs/job_handler.h"
-#include "metrics/prometheus.h"
+#include "metrics/collectors.h"
+#include "metrics/registry.h"
 #include "pipeline/vision_model.h"
 
 namespace quern {
@@ -81,7 +82,10 @@ void PrintModels(const Engine& engine) {
 // the top of server.h gives.
 struct Server::Parts {
   ServerOptions options;
+  // Every component's metrics; first, so that it outlives them all.
+  MetricsRegistry registry;
   std::unique_ptr<Engine> engine;
+  MetricsRegistry::Collection engine_metrics, process_metrics;
   std::unique_ptr<ApiKeys> keys;
   // Set when draining begins: the server answers what it has taken and
   // refuses the rest.
@@ -151,10 +155,7 @@ struct Server::Parts {
       return done(std::move(resp));
     }
     resp.content_type = "text/plain; version=0.0.4";
-    resp.body = RenderPrometheus(*engine) + RenderVisionPrometheus(vision_service->stats()) +
-                RenderJobPrometheus(jobs->stats());
-    if (redis_store) resp.body += RenderRedisStorePrometheus(redis_store->stats());
-    if (consumer) resp.body += RenderStreamPrometheus(consumer->stats());
+    resp.body = registry.Render();
     done(std::move(resp));
   }
 };
@@ -167,6 +168,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     return Err(InvalidArgument("--consume takes jobs from Redis streams: give --redis-url too"));
   }
   QUERN_ASSIGN_OR_RETURN(p->engine, OpenEngine(o));
+  p->engine_metrics = AddEngineMetrics(p->registry, *p->engine);
+  p->process_metrics = AddProcessMetrics(p->registry);
   Parts* parts = p.get();
   PrintModels(*p->engine);
   RaiseOpenFileLimit(o.http.max_connections + 64);
@@ -183,6 +186,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   o.vision_service.max_in_flight_bytes = o.vision_max_memory_mb << 20;
   o.vision_service.max_queue_wait_ms = o.max_queue_wait_ms;
   o.vision_service.clock = &p->engine->clock();
+  o.vision_service.metrics = &p->registry;
   p->vision_service = std::make_unique<VisionService>(p->engine.get(), o.vision_service);
   if (p->keys->enabled()) {
     o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
@@ -199,6 +203,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     ro.ttl_s = o.store.ttl_s;
     ro.max_backlog_bytes = o.store.max_bytes;
     ro.clock = &p->engine->clock();
+    ro.metrics = &p->registry;
     auto rs = std::make_unique<RedisResultStore>(ro);
     p->redis_store = rs.get();
     p->store = std::move(rs);
@@ -210,7 +215,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     if (parts->draining.load(std::memory_order_acquire)) return Unavailable("the server is shutting down");
     return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
   });
-  p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get());
+  p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
 
   QUERN_ASSIGN_OR_RETURN(
       p->http, HttpServer::Start(
@@ -268,6 +273,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (o.consume) {
     StreamConsumerOptions co = o.consumer;
     co.redis = p->redis_store->options().redis;
+    co.metrics = &p->registry;
     auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
     if (!consumer) return Err(InvalidArgument(consumer.error().message()));
     p->consumer = std::move(*consumer);
@@ -320,6 +326,7 @@ void Server::Shutdown() {
   std::printf("quern: stopping\n");
   std::fflush(stdout);
   p.metrics->Stop();
+  p.engine_metrics.Reset();
   p.http->Stop();  // no new requests reach the engine
   if (p.vision_http) p.vision_http->Stop();
   if (p.grpc) p.grpc->Stop();

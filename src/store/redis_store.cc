@@ -12,7 +12,6 @@
 
 #include "core/cpus.h"
 #include "core/json.h"
-#include "metrics/text_format.h"
 #include "protocol/kserve_codec.h"
 
 namespace quern {
@@ -187,7 +186,21 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_vi
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 
-RedisResultStore::RedisResultStore(RedisResultStoreOptions options) : options_(std::move(options)) {
+RedisResultStore::RedisResultStore(RedisResultStoreOptions options)
+    : options_(std::move(options)),
+      own_metrics_(options_.metrics ? nullptr : std::make_unique<MetricsRegistry>()),
+      metrics_(options_.metrics ? *options_.metrics : *own_metrics_),
+      writes_(metrics_.AddCounter("quern_redis_writes_total", "MULTI/EXEC round trips that wrote job results.")),
+      records_written_(metrics_.AddCounter("quern_redis_results_written_total", "Job results written to Redis.")),
+      write_errors_(
+          metrics_.AddCounter("quern_redis_write_errors_total", "Result writes that failed and were retried.")),
+      reconnects_(
+          metrics_.AddCounter("quern_redis_reconnects_total", "Connections to Redis made again after a failure.")),
+      connected_(
+          metrics_.AddGauge("quern_redis_connected", "1 while the job result store's connection to Redis is up.")),
+      backlog_(metrics_.AddGauge("quern_redis_backlog", "Job results held in memory, waiting to be written to Redis.")),
+      backlog_bytes_(
+          metrics_.AddGauge("quern_redis_backlog_bytes", "Bytes of job results waiting to be written to Redis.")) {
   if (!options_.clock) options_.clock = &RealClockInstance();
   health_ = Unavailable(kNotYet);
   writer_ = std::thread([this] {
@@ -226,7 +239,9 @@ void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records
   {
     MutexLock lock(mu_);
     for (const auto& r : b.records) unwritten_[r->id] = r;
-    backlog_bytes_ += b.bytes;
+    backlog_bytes_held_ += b.bytes;
+    backlog_.Set(static_cast<int64_t>(unwritten_.size()));
+    backlog_bytes_.Set(static_cast<int64_t>(backlog_bytes_held_));
     ++queued_seq_;
     queue_.push_back(std::move(b));
   }
@@ -239,7 +254,7 @@ Status RedisResultStore::EnsureConnected(std::unique_ptr<RedisConnection>& conn,
   auto c = RedisConnection::Connect(options_.redis);
   if (!c) return c.error();
   conn = std::move(*c);
-  if (count_reconnect) reconnects_.fetch_add(1);
+  if (count_reconnect) reconnects_.Increment();
   return Status::Ok();
 }
 
@@ -275,10 +290,10 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
   std::unique_ptr<RedisConnection>& conn = writer_conn_;
   if (Status s = EnsureConnected(conn, ever_connected_.load()); !s.ok()) return s;
   ever_connected_.store(true);
-  connected_.store(true);
+  connected_.Set(1);
   auto replies = conn->Execute(p);
   if (!replies) {
-    connected_.store(false);
+    connected_.Set(0);
     return replies.error();
   }
   const RedisReply& exec = replies->back();
@@ -349,7 +364,7 @@ void RedisResultStore::WriterLoop() {
     Status s = Write(batches);
     lock.Lock();
     if (s.code() == StatusCode::kFailedPrecondition) {
-      write_errors_.fetch_add(1);
+      write_errors_.Increment();
       if (batches.size() > 1) {
         // Find the batch Redis will not take: write them one at a time.
         for (size_t i = batches.size(); i-- > 1;) queue_.push_front(std::move(batches[i]));
@@ -365,7 +380,7 @@ void RedisResultStore::WriterLoop() {
       continue;
     }
     if (!s.ok()) {
-      write_errors_.fetch_add(1);
+      write_errors_.Increment();
       SetHealthLocked(s);
       if (stop_) break;
       // Keep the batches; try again after the backoff (a stop wakes it).
@@ -375,7 +390,7 @@ void RedisResultStore::WriterLoop() {
     }
     SetHealthLocked(Status::Ok());
     backoff = std::chrono::milliseconds(50);
-    writes_.fetch_add(1);
+    writes_.Increment();
     Settle(batches, /*written=*/true);
   }
 }
@@ -383,12 +398,14 @@ void RedisResultStore::WriterLoop() {
 void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
   std::vector<std::function<void()>> callbacks;
   for (Batch& b : batches) {
-    if (written) records_written_.fetch_add(b.records.size());
+    if (written) records_written_.Increment(b.records.size());
     for (const auto& r : b.records) {
       auto it = unwritten_.find(r->id);
       if (it != unwritten_.end() && it->second == r) unwritten_.erase(it);
     }
-    backlog_bytes_ -= b.bytes;
+    backlog_bytes_held_ -= b.bytes;
+    backlog_.Set(static_cast<int64_t>(unwritten_.size()));
+    backlog_bytes_.Set(static_cast<int64_t>(backlog_bytes_held_));
     ++written_seq_;
     if (b.on_written) callbacks.push_back(std::move(b.on_written));
   }
@@ -403,12 +420,12 @@ void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
 
 Status RedisResultStore::Ping() {
   if (Status s = EnsureConnected(writer_conn_, ever_connected_.load()); !s.ok()) {
-    connected_.store(false);
+    connected_.Set(0);
     return s;
   }
   ever_connected_.store(true);
   auto r = writer_conn_->Command({"PING"});
-  connected_.store(r.has_value());
+  connected_.Set(r.has_value() ? 1 : 0);
   return r ? Status::Ok() : r.error();
 }
 
@@ -492,8 +509,8 @@ Status RedisResultStore::Health() const {
 
 Status RedisResultStore::CanAccept() const {
   MutexLock lock(mu_);
-  if (backlog_bytes_ > options_.max_backlog_bytes) {
-    return Unavailable("job results are waiting for redis (" + std::to_string(backlog_bytes_ >> 20) +
+  if (backlog_bytes_held_ > options_.max_backlog_bytes) {
+    return Unavailable("job results are waiting for redis (" + std::to_string(backlog_bytes_held_ >> 20) +
                        " MiB held in memory, the limit): no new jobs until it is back. " + health_.message());
   }
   return Status::Ok();
@@ -501,37 +518,14 @@ Status RedisResultStore::CanAccept() const {
 
 RedisStoreStats RedisResultStore::stats() const {
   RedisStoreStats s;
-  s.writes = writes_.load();
-  s.records_written = records_written_.load();
-  s.write_errors = write_errors_.load();
-  s.reconnects = reconnects_.load();
-  s.connected = connected_.load();
-  MutexLock lock(mu_);
-  s.backlog = static_cast<int64_t>(unwritten_.size());
-  s.backlog_bytes = static_cast<int64_t>(backlog_bytes_);
+  s.writes = writes_.value();
+  s.records_written = records_written_.value();
+  s.write_errors = write_errors_.value();
+  s.reconnects = reconnects_.value();
+  s.connected = connected_.value() != 0;
+  s.backlog = backlog_.value();
+  s.backlog_bytes = backlog_bytes_.value();
   return s;
-}
-
-std::string RenderRedisStorePrometheus(const RedisStoreStats& s) {
-  std::string out;
-  auto metric = [&out](const char* name, const char* type, const char* help, double v) {
-    AppendMetric(out, name, type, help, v);
-  };
-  metric("quern_redis_connected", "gauge", "1 while the job result store's connection to Redis is up.",
-         s.connected ? 1 : 0);
-  metric("quern_redis_writes_total", "counter", "MULTI/EXEC round trips that wrote job results.",
-         static_cast<double>(s.writes));
-  metric("quern_redis_results_written_total", "counter", "Job results written to Redis.",
-         static_cast<double>(s.records_written));
-  metric("quern_redis_write_errors_total", "counter", "Result writes that failed and were retried.",
-         static_cast<double>(s.write_errors));
-  metric("quern_redis_reconnects_total", "counter", "Connections to Redis made again after a failure.",
-         static_cast<double>(s.reconnects));
-  metric("quern_redis_backlog", "gauge", "Job results held in memory, waiting to be written to Redis.",
-         static_cast<double>(s.backlog));
-  metric("quern_redis_backlog_bytes", "gauge", "Bytes of job results waiting to be written to Redis.",
-         static_cast<double>(s.backlog_bytes));
-  return out;
 }
 
 }  // namespace quern

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "metrics/registry.h"
 #include "store/redis_client.h"
 #include "store/result_store.h"
 
@@ -50,9 +51,12 @@ struct RedisResultStoreOptions {
   size_t max_backlog_bytes = size_t{256} << 20;  // results waiting for Redis
   std::string key_prefix = "results:";
   const Clock* clock = nullptr;  // job ages for TTLs; null = the real clock
+  // Where the quern_redis_* metrics are kept (must outlive the store); null
+  // = a registry of the store's own (stats() still reads it).
+  MetricsRegistry* metrics = nullptr;
 };
 
-// Counters, cumulative unless noted.
+// The quern_redis_* metrics, read back; cumulative unless noted.
 struct RedisStoreStats {
   uint64_t writes = 0;           // MULTI/EXEC round trips that succeeded
   uint64_t records_written = 0;  // job results written
@@ -62,9 +66,6 @@ struct RedisStoreStats {
   int64_t backlog_bytes = 0;     // (gauge)
   bool connected = false;        // (gauge)
 };
-
-// Prometheus text for the store (quern_redis_*).
-std::string RenderRedisStorePrometheus(const RedisStoreStats& stats);
 
 class RedisResultStore final : public ResultStore {
  public:
@@ -115,13 +116,22 @@ class RedisResultStore final : public ResultStore {
   Status EnsureConnected(std::unique_ptr<RedisConnection>& conn, bool count_reconnect);
 
   RedisResultStoreOptions options_;
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  MetricsRegistry& metrics_;
+  Counter& writes_;
+  Counter& records_written_;
+  Counter& write_errors_;
+  Counter& reconnects_;
+  Gauge& connected_;      // 0 or 1
+  Gauge& backlog_;        // unwritten_.size(), set with mu_ held
+  Gauge& backlog_bytes_;  // backlog_bytes_held_, set with mu_ held
   mutable Mutex mu_;
   CondVar cv_;          // writer: work or stop
   CondVar written_cv_;  // Flush: progress
   std::deque<Batch> queue_ QUERN_GUARDED_BY(mu_);
   // Records queued or being written, by id: served by Get until written.
   std::unordered_map<std::string, std::shared_ptr<const JobRecord>> unwritten_ QUERN_GUARDED_BY(mu_);
-  size_t backlog_bytes_ QUERN_GUARDED_BY(mu_) = 0;
+  size_t backlog_bytes_held_ QUERN_GUARDED_BY(mu_) = 0;
   uint64_t queued_seq_ QUERN_GUARDED_BY(mu_) = 0;
   uint64_t written_seq_ QUERN_GUARDED_BY(mu_) = 0;
   bool stop_ QUERN_GUARDED_BY(mu_) = false;
@@ -133,8 +143,6 @@ class RedisResultStore final : public ResultStore {
   std::chrono::steady_clock::time_point reader_failed_at_ QUERN_GUARDED_BY(read_mu_);
   std::string reader_error_ QUERN_GUARDED_BY(read_mu_);
 
-  std::atomic<uint64_t> writes_{0}, records_written_{0}, write_errors_{0}, reconnects_{0};
-  std::atomic<bool> connected_{false};
   std::atomic<bool> ever_connected_{false};
   std::unique_ptr<RedisConnection> writer_conn_;  // writer thread only
   std::thread writer_;

@@ -40,6 +40,8 @@ def server(tmp_path):
     repo.mkdir()
     for m in ("add_sub", "detect_yolov8"):
         shutil.copytree(os.path.join(MODELS, m), repo / m)
+    # A name a directory may have: its label value must be escaped.
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / 'add"sub')
     redis = RedisServer(tmp_path)
     proc, ports = start_quern(QUERN, str(repo), "--redis-url", redis.url(), "--consume")
     yield ports
@@ -60,3 +62,30 @@ def test_every_documented_metric_is_exported_with_its_type(server):
     assert not wrong, f"documented with another type (name, documented, exported): {wrong}"
     undocumented = sorted(n for n in live if n.startswith("quern_") and n not in doc)
     assert not undocumented, f"exported but not documented: {undocumented}"
+
+
+def test_the_exposition_parses_with_each_family_once(server):
+    """Read by the reference parser (prometheus_client's): a model named with a quote is escaped in
+    its labels, and every family has one header, its samples together."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, body = http_request(server["metrics"], "GET", "/metrics")
+    assert status == 200
+    text = body.decode()
+    types = re.findall(r"^# TYPE (\S+) ", text, re.M)
+    assert len(types) == len(set(types)), f"a family declared twice: {sorted(types)}"
+    families = list(text_string_to_metric_families(text))
+    assert len(families) == len(types)
+    models = {s.labels.get("model") for f in families for s in f.samples if s.name == "quern_request_success_total"}
+    assert models == {"add_sub", 'add"sub', "detect_yolov8"}, models
+    # Samples of one family are contiguous: the parser would otherwise start the family again.
+    seen, last = set(), None
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        if family != last:
+            assert family not in seen, f"samples of {family} are not together"
+            seen.add(family)
+            last = family

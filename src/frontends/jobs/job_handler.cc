@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "frontends/http/kserve_handler.h"
-#include "metrics/text_format.h"
 
 namespace quern {
 
@@ -92,22 +91,26 @@ struct JobHandler::Pending {
   std::vector<std::pair<std::string, bool>> binary_outputs;
 };
 
-std::string RenderJobPrometheus(const JobStats& s) {
-  std::string out;
-  AppendMetric(out, "quern_jobs_submitted_total", "counter", "Asynchronous jobs accepted.",
-               static_cast<double>(s.submitted));
-  AppendMetric(out, "quern_jobs_rejected_total", "counter",
-               "Job submissions refused at once (bad input, unknown model, queue full).",
-               static_cast<double>(s.rejected));
-  AppendMetricFamily(out, "quern_jobs_finished_total", "counter", "Jobs finished, by final status.");
-  AppendMetricSample(out, "quern_jobs_finished_total{status=\"done\"}", static_cast<double>(s.done));
-  AppendMetricSample(out, "quern_jobs_finished_total{status=\"failed\"}", static_cast<double>(s.failed));
-  AppendMetricSample(out, "quern_jobs_finished_total{status=\"cancelled\"}", static_cast<double>(s.cancelled));
-  AppendMetric(out, "quern_jobs_pending", "gauge", "Jobs queued or running now.", static_cast<double>(s.pending));
-  return out;
+namespace {
+
+Counter& FinishedCounter(MetricsRegistry& metrics, const char* status) {
+  return metrics.AddCounter("quern_jobs_finished_total", "Jobs finished, by final status.", {{"status", status}});
 }
 
-JobHandler::JobHandler(Engine* engine, ResultStore* store) : engine_(engine), store_(store) {}
+}  // namespace
+
+JobHandler::JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metrics)
+    : engine_(engine),
+      store_(store),
+      own_metrics_(metrics ? nullptr : std::make_unique<MetricsRegistry>()),
+      metrics_(metrics ? *metrics : *own_metrics_),
+      submitted_(metrics_.AddCounter("quern_jobs_submitted_total", "Asynchronous jobs accepted.")),
+      rejected_(metrics_.AddCounter("quern_jobs_rejected_total",
+                                    "Job submissions refused at once (bad input, unknown model, queue full).")),
+      done_(FinishedCounter(metrics_, "done")),
+      failed_(FinishedCounter(metrics_, "failed")),
+      cancelled_(FinishedCounter(metrics_, "cancelled")),
+      pending_count_(metrics_.AddGauge("quern_jobs_pending", "Jobs queued or running now.")) {}
 
 JobHandler::~JobHandler() = default;
 
@@ -119,13 +122,12 @@ bool JobHandler::Handles(std::string_view target) {
 
 JobStats JobHandler::stats() const {
   JobStats s;
-  s.submitted = submitted_.load();
-  s.rejected = rejected_.load();
-  s.done = done_.load();
-  s.failed = failed_.load();
-  s.cancelled = cancelled_.load();
-  MutexLock lock(mu_);
-  s.pending = static_cast<int64_t>(pending_.size());
+  s.submitted = submitted_.value();
+  s.rejected = rejected_.value();
+  s.done = done_.value();
+  s.failed = failed_.value();
+  s.cancelled = cancelled_.value();
+  s.pending = pending_count_.value();
   return s;
 }
 
@@ -165,13 +167,13 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
 
 void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
   if (Status s = store_->CanAccept(); !s.ok()) {
-    rejected_.fetch_add(1);
+    rejected_.Increment();
     return done(ErrorResponse(s));
   }
   auto parsed =
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) {
-    rejected_.fetch_add(1);
+    rejected_.Increment();
     return done(ErrorResponse(parsed.error()));
   }
   auto job = std::make_shared<Pending>();
@@ -192,6 +194,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     // Listed before it is submitted: it may complete (and be unlisted) at once.
     MutexLock lock(mu_);
     pending_.emplace(job->id, job);
+    pending_count_.Set(static_cast<int64_t>(pending_.size()));
   }
   InferCallback complete = [this, job](InferResponse&& r) { Complete(job, std::move(r)); };
   if (Status st = engine_->InferAsync(std::move(ir), complete); !st.ok()) {
@@ -199,11 +202,12 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     {
       MutexLock lock(mu_);
       pending_.erase(job->id);
+      pending_count_.Set(static_cast<int64_t>(pending_.size()));
     }
-    rejected_.fetch_add(1);
+    rejected_.Increment();
     return done(ErrorResponse(st));
   }
-  submitted_.fetch_add(1);
+  submitted_.Increment();
   rapidjson::StringBuffer buf;
   Writer w(buf);
   w.StartObject();
@@ -245,8 +249,9 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   {
     MutexLock lock(mu_);
     pending_.erase(job->id);
+    pending_count_.Set(static_cast<int64_t>(pending_.size()));
   }
-  (state == JobState::kDone ? done_ : state == JobState::kFailed ? failed_ : cancelled_).fetch_add(1);
+  (state == JobState::kDone ? done_ : state == JobState::kFailed ? failed_ : cancelled_).Increment();
 }
 
 void JobHandler::Get(const std::string& id, std::string_view query, HttpDone done) {

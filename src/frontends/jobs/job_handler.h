@@ -28,12 +28,13 @@
 
 #include "core/mutex.h"
 #include "frontends/http/http_types.h"
+#include "metrics/registry.h"
 #include "quern/engine.h"
 #include "store/result_store.h"
 
 namespace quern {
 
-// Job counters, cumulative.
+// The quern_jobs_* metrics, read back; counters are cumulative.
 struct JobStats {
   uint64_t submitted = 0;  // accepted (got a job id)
   uint64_t rejected = 0;   // refused at submission (bad input, unknown model, queue full)
@@ -41,13 +42,11 @@ struct JobStats {
   int64_t pending = 0;  // queued or running now
 };
 
-// Prometheus text for the job counters (quern_jobs_*).
-std::string RenderJobPrometheus(const JobStats& stats);
-
 class JobHandler {
  public:
-  // `engine` and `store` must outlive the handler.
-  JobHandler(Engine* engine, ResultStore* store);
+  // `engine`, `store` and `metrics` must outlive the handler; null `metrics`
+  // = a registry of the handler's own (stats() still reads it).
+  JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metrics = nullptr);
   ~JobHandler();
   JobHandler(const JobHandler&) = delete;
   JobHandler& operator=(const JobHandler&) = delete;
@@ -68,9 +67,16 @@ class JobHandler {
 
   Engine* engine_;
   ResultStore* store_;
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  MetricsRegistry& metrics_;
+  Counter& submitted_;
+  Counter& rejected_;
+  Counter& done_;
+  Counter& failed_;
+  Counter& cancelled_;
+  Gauge& pending_count_;  // pending_.size()
   mutable Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<Pending>> pending_ QUERN_GUARDED_BY(mu_);  // queued or running
-  std::atomic<uint64_t> submitted_{0}, rejected_{0}, done_{0}, failed_{0}, cancelled_{0};
 };
 
 }  // namespace quern

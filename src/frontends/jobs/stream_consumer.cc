@@ -13,11 +13,20 @@
 
 #include "core/cpus.h"
 #include "core/mutex.h"
-#include "metrics/text_format.h"
 
 namespace quern {
 
 namespace {
+
+constexpr char kLengthHelp[] = "Entries in each model's job stream (XLEN).";
+constexpr char kPendingHelp[] = "Entries delivered to some consumer and not yet acknowledged (XPENDING).";
+
+Counter& OutcomeCounter(MetricsRegistry& metrics, const char* outcome) {
+  return metrics.AddCounter("quern_stream_entries_total",
+                            "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead "
+                            "(dead-lettered), retried (left pending after a transient failure).",
+                            {{"outcome", outcome}});
+}
 
 int64_t ParseInt64(std::string_view s, int64_t fallback) {
   int64_t v = 0;
@@ -89,7 +98,6 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     std::string name, stream, dead;
     int count = 1;  // entries per read (its batch size)
     std::string claim_cursor = "0-0";
-    int64_t length = -1, pending = -1;  // guarded by mu_
   };
 
   // One stream entry taken by this consumer.
@@ -111,7 +119,25 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   };
 
   Impl(StreamConsumerOptions options, Engine* engine, RedisResultStore* store)
-      : options_(std::move(options)), engine_(engine), store_(store) {}
+      : options_(std::move(options)),
+        engine_(engine),
+        store_(store),
+        own_metrics_(options_.metrics ? nullptr : std::make_unique<MetricsRegistry>()),
+        metrics_(options_.metrics ? *options_.metrics : *own_metrics_),
+        taken_(OutcomeCounter(metrics_, "taken")),
+        reclaimed_(OutcomeCounter(metrics_, "reclaimed")),
+        done_(OutcomeCounter(metrics_, "done")),
+        failed_(OutcomeCounter(metrics_, "failed")),
+        dead_(OutcomeCounter(metrics_, "dead")),
+        retried_(OutcomeCounter(metrics_, "retried")),
+        inflight_gauge_(metrics_.AddGauge("quern_stream_inflight",
+                                          "Job stream entries taken by this instance and not yet finished.")),
+        connected_(
+            metrics_.AddGauge("quern_stream_connected", "1 while the job stream reader is connected to Redis.")) {
+    // Each model's series appears once Redis has told its value.
+    metrics_.DeclareFamily("quern_stream_length", MetricType::kGauge, kLengthHelp);
+    metrics_.DeclareFamily("quern_stream_pending", MetricType::kGauge, kPendingHelp);
+  }
 
   Status Init() {
     if (options_.consumer.empty()) options_.consumer = DefaultConsumerName();
@@ -140,6 +166,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       auto_inflight += m.count * std::max(1, found->config.instance_count);
       models_.push_back(std::move(m));
     }
+    {
+      MutexLock lock(mu_);
+      length_.assign(models_.size(), nullptr);
+      pending_.assign(models_.size(), nullptr);
+    }
     if (options_.max_inflight <= 0) options_.max_inflight = std::max(2, 2 * auto_inflight);
     if (options_.max_deliveries < 1) options_.max_deliveries = 1;
     return Status::Ok();
@@ -163,16 +194,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
 
   StreamConsumerStats stats() const {
     StreamConsumerStats s;
-    s.taken = taken_.load();
-    s.reclaimed = reclaimed_.load();
-    s.done = done_.load();
-    s.failed = failed_.load();
-    s.dead = dead_.load();
-    s.retried = retried_.load();
-    s.connected = connected_.load();
+    s.taken = taken_.value();
+    s.reclaimed = reclaimed_.value();
+    s.done = done_.value();
+    s.failed = failed_.value();
+    s.dead = dead_.value();
+    s.retried = retried_.value();
+    s.connected = connected_.value() != 0;
+    s.inflight = inflight_gauge_.value();
     MutexLock lock(mu_);
-    s.inflight = inflight_;
-    for (const auto& m : models_) s.streams.push_back({m.name, m.length, m.pending});
+    for (size_t i = 0; i < models_.size(); ++i) {
+      s.streams.push_back(
+          {models_[i].name, length_[i] ? length_[i]->value() : -1, pending_[i] ? pending_[i]->value() : -1});
+    }
     return s;
   }
 
@@ -186,7 +220,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     const auto claim_every = std::chrono::milliseconds(std::clamp<int64_t>(options_.claim_idle_ms / 4, 50, 5000));
     while (!stop_.load()) {
       if (!conn_ || conn_->broken()) {
-        connected_.store(false);
+        connected_.Set(0);
         Status s = Connect();
         if (!s.ok()) {
           if (s.message() != last_error_) {
@@ -200,7 +234,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         }
         last_error_.clear();
         backoff = std::chrono::milliseconds(50);
-        connected_.store(true);
+        connected_.Set(1);
       }
       const auto now = std::chrono::steady_clock::now();
       if (now >= next_stats) {
@@ -381,7 +415,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         group->entries[i].deliveries = std::max<int64_t>(1, c.elements[0].elements[3].integer);
       }
     }
-    reclaimed_.fetch_add(group->entries.size());
+    reclaimed_.Increment(group->entries.size());
     Dispatch(group);
   }
 
@@ -397,9 +431,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     for (size_t i = 0; i < models_.size(); ++i) {
       const RedisReply& len = (*r)[2 * i];
       const RedisReply& pend = (*r)[2 * i + 1];
-      if (len.type == RedisReply::Type::kInteger) models_[i].length = len.integer;
+      const MetricLabels labels = {{"model", models_[i].name}};
+      if (len.type == RedisReply::Type::kInteger) {
+        if (!length_[i]) length_[i] = &metrics_.AddGauge("quern_stream_length", kLengthHelp, labels);
+        length_[i]->Set(len.integer);
+      }
       if (pend.is_array() && !pend.elements.empty() && pend.elements[0].type == RedisReply::Type::kInteger) {
-        models_[i].pending = pend.elements[0].integer;
+        if (!pending_[i]) pending_[i] = &metrics_.AddGauge("quern_stream_pending", kPendingHelp, labels);
+        pending_[i]->Set(pend.elements[0].integer);
       }
     }
   }
@@ -414,12 +453,13 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   void Dispatch(const std::shared_ptr<Group>& group) {
     const size_t n = group->entries.size();
     if (n == 0) return;
-    taken_.fetch_add(n);
+    taken_.Increment(n);
     group->outcomes.resize(n);
     group->remaining.store(n);
     {
       MutexLock lock(mu_);
       inflight_ += static_cast<int>(n);
+      inflight_gauge_.Set(inflight_);
       for (const auto& e : group->entries) mine_.insert(models_[e.model].stream + " " + e.entry_id);
     }
     for (size_t i = 0; i < n; ++i) Submit(group, i);
@@ -514,7 +554,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       const Model& m = models_[e.model];
       if (out.kind == Kind::kRetry) {
         ++retry;
-        retried_.fetch_add(1);
+        retried_.Increment();
         std::fprintf(stderr, "quern: job '%s' (%s, delivery %lld of %d) failed, will be retried: %s\n",
                      out.record->id.c_str(), m.stream.c_str(), static_cast<long long>(e.deliveries),
                      options_.max_deliveries, out.record->error.message().c_str());
@@ -527,16 +567,17 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         extra.Add({"XADD", m.dead, "*", "id", out.record->id, "entry", e.entry_id, "error", out.record->error.message(),
                    "code", StatusCodeName(out.record->error.code()), "deliveries", deliveries, "consumer",
                    options_.consumer, "body", e.Field("body"), "header_length", e.Field("header_length")});
-        dead_.fetch_add(1);
+        dead_.Increment();
       }
       extra.Add({"XACK", m.stream, options_.group, e.entry_id});
-      (out.kind == Kind::kDone ? done_ : failed_).fetch_add(1);
+      (out.kind == Kind::kDone ? done_ : failed_).Increment();
       settled.push_back(m.stream + " " + e.entry_id);
       records.push_back(out.record);
     }
     if (retry > 0) {
       MutexLock lock(mu_);
       inflight_ -= static_cast<int>(retry);
+      inflight_gauge_.Set(inflight_);
     }
     cv_.SignalAll();
     if (records.empty()) return;
@@ -545,6 +586,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       {
         MutexLock lock(self->mu_);
         self->inflight_ -= n;
+        self->inflight_gauge_.Set(self->inflight_);
         for (const auto& k : settled) self->mine_.erase(k);
       }
       self->cv_.SignalAll();
@@ -554,7 +596,17 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   StreamConsumerOptions options_;
   Engine* engine_;
   RedisResultStore* store_;
-  std::vector<Model> models_;                   // fixed after Init; length/pending guarded by mu_
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  MetricsRegistry& metrics_;
+  Counter& taken_;
+  Counter& reclaimed_;
+  Counter& done_;
+  Counter& failed_;
+  Counter& dead_;
+  Counter& retried_;
+  Gauge& inflight_gauge_;                       // inflight_, set with mu_ held
+  Gauge& connected_;                            // 0 or 1
+  std::vector<Model> models_;                   // fixed after Init
   std::unique_ptr<RedisConnection> conn_;       // reader thread only
   std::string last_error_;                      // reader thread only
   std::chrono::milliseconds error_backoff_{0};  // reader thread only
@@ -563,8 +615,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   CondVar cv_;
   int inflight_ QUERN_GUARDED_BY(mu_) = 0;
   std::unordered_set<std::string> mine_ QUERN_GUARDED_BY(mu_);  // "stream entry-id" in flight here
-  std::atomic<bool> stop_{false}, connected_{false};
-  std::atomic<uint64_t> taken_{0}, reclaimed_{0}, done_{0}, failed_{0}, dead_{0}, retried_{0};
+  // Each model's XLEN and XPENDING gauges, by index in models_; null until
+  // Redis has answered.
+  std::vector<Gauge*> length_ QUERN_GUARDED_BY(mu_);
+  std::vector<Gauge*> pending_ QUERN_GUARDED_BY(mu_);
+  std::atomic<bool> stop_{false};
   std::thread reader_;
 };
 
@@ -592,34 +647,6 @@ StreamConsumerStats StreamConsumer::stats() const {
 
 const std::string& StreamConsumer::consumer_name() const {
   return impl_->name();
-}
-
-std::string RenderStreamPrometheus(const StreamConsumerStats& s) {
-  std::string out;
-  auto head = [&out](const char* name, const char* type, const char* help) {
-    AppendMetricFamily(out, name, type, help);
-  };
-  auto sample = [&out](const std::string& series, double v) { AppendMetricSample(out, series, v); };
-  head("quern_stream_entries_total", "counter",
-       "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead (dead-lettered), "
-       "retried (left pending after a transient failure).");
-  for (auto [k, v] : {std::pair{"taken", s.taken}, std::pair{"reclaimed", s.reclaimed}, std::pair{"done", s.done},
-                      std::pair{"failed", s.failed}, std::pair{"dead", s.dead}, std::pair{"retried", s.retried}}) {
-    sample(std::string("quern_stream_entries_total{outcome=\"") + k + "\"}", static_cast<double>(v));
-  }
-  head("quern_stream_inflight", "gauge", "Job stream entries taken by this instance and not yet finished.");
-  sample("quern_stream_inflight", static_cast<double>(s.inflight));
-  head("quern_stream_connected", "gauge", "1 while the job stream reader is connected to Redis.");
-  sample("quern_stream_connected", s.connected ? 1 : 0);
-  head("quern_stream_length", "gauge", "Entries in each model's job stream (XLEN).");
-  for (const auto& m : s.streams) {
-    if (m.length >= 0) sample("quern_stream_length{model=\"" + m.model + "\"}", static_cast<double>(m.length));
-  }
-  head("quern_stream_pending", "gauge", "Entries delivered to some consumer and not yet acknowledged (XPENDING).");
-  for (const auto& m : s.streams) {
-    if (m.pending >= 0) sample("quern_stream_pending{model=\"" + m.model + "\"}", static_cast<double>(m.pending));
-  }
-  return out;
 }
 
 }  // namespace quern

@@ -77,9 +77,12 @@ struct StreamConsumerOptions {
   int64_t claim_idle_ms = 30000;  // reclaim entries pending (unacknowledged) this long
   int max_deliveries = 3;         // deliveries before a failing job is dead-lettered
   int block_ms = 500;             // XREADGROUP BLOCK
+  // Where the quern_stream_* metrics are kept (must outlive the consumer
+  // and the jobs it has in flight); null = a registry of its own.
+  MetricsRegistry* metrics = nullptr;
 };
 
-// Counters, cumulative unless noted.
+// The quern_stream_* metrics, read back; cumulative unless noted.
 struct StreamModelStats {
   std::string model;
   int64_t length = -1;   // XLEN (gauge; -1 = not known yet)
@@ -96,8 +99,6 @@ struct StreamConsumerStats {
   bool connected = false;  // (gauge)
   std::vector<StreamModelStats> streams;
 };
-
-std::string RenderStreamPrometheus(const StreamConsumerStats& stats);
 
 class StreamConsumer {
  public:

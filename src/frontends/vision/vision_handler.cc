@@ -18,7 +18,6 @@
 #include "core/json.h"
 #include "frontends/http/kserve_handler.h"
 #include "frontends/vision/multipart.h"
-#include "metrics/text_format.h"
 #include "server/api_keys.h"
 
 namespace quern {

@@ -1,0 +1,105 @@
+#include "metrics/collectors.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+namespace quern {
+namespace {
+
+MetricLabels Labels(const ModelStatistics& s) {
+  return {{"model", s.name}, {"version", std::to_string(s.version)}};
+}
+
+MetricLabels Labels(const ModelStatistics& s, const char* key, const char* value) {
+  MetricLabels l = Labels(s);
+  l.emplace_back(key, value);
+  return l;
+}
+
+struct HistogramFamily {
+  const char* name;
+  const char* help;
+  const Histogram ModelStatistics::*field;
+};
+
+constexpr HistogramFamily kHistograms[] = {
+    {"quern_request_duration_us", "Time from arrival to response, microseconds.", &ModelStatistics::request_us},
+    {"quern_queue_duration_us", "Time waiting for a batch to start, microseconds.", &ModelStatistics::queue_us},
+    {"quern_compute_input_duration_us", "Gathering a batch's inputs, microseconds.",
+     &ModelStatistics::compute_input_us},
+    {"quern_compute_infer_duration_us", "Running the model on a batch, microseconds.",
+     &ModelStatistics::compute_infer_us},
+    {"quern_compute_output_duration_us", "Splitting a batch's outputs, microseconds.",
+     &ModelStatistics::compute_output_us},
+    {"quern_batch_size", "Items per executed batch.", &ModelStatistics::batch_size},
+};
+
+}  // namespace
+
+MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const Engine& engine) {
+  registry.DeclareFamily("quern_request_success_total", MetricType::kCounter, "Requests answered successfully.");
+  registry.DeclareFamily("quern_request_failure_total", MetricType::kCounter, "Requests that failed, by reason.");
+  registry.DeclareFamily("quern_inference_count_total", MetricType::kCounter,
+                         "Items (batch rows) computed, without padding.");
+  registry.DeclareFamily("quern_execution_count_total", MetricType::kCounter, "Batches run.");
+  registry.DeclareFamily("quern_pending_requests", MetricType::kGauge, "Requests waiting in the model's queue.");
+  registry.DeclareFamily("quern_batch_size_limit", MetricType::kGauge,
+                         "Largest batch formed now: max_batch_size, or less where the batch size tuner found a "
+                         "smaller batch faster.");
+  for (const auto& h : kHistograms) registry.DeclareFamily(h.name, MetricType::kHistogram, h.help);
+
+  return registry.AddCollector([&engine](MetricWriter& w) {
+    auto stats = engine.GetStatistics();
+    if (!stats) return;
+    for (const ModelStatistics& s : *stats) {
+      const MetricLabels labels = Labels(s);
+      w.Sample("quern_request_success_total", labels, static_cast<double>(s.success.count));
+      for (auto [reason, n] : {std::pair{"rejected", s.fail_rejected}, std::pair{"cancelled", s.fail_cancelled},
+                               std::pair{"timeout", s.fail_timeout}, std::pair{"invalid", s.fail_invalid},
+                               std::pair{"backend", s.fail_backend}}) {
+        w.Sample("quern_request_failure_total", Labels(s, "reason", reason), static_cast<double>(n));
+      }
+      w.Sample("quern_inference_count_total", labels, static_cast<double>(s.inference_count));
+      w.Sample("quern_execution_count_total", labels, static_cast<double>(s.execution_count));
+      w.Sample("quern_pending_requests", labels, static_cast<double>(s.pending));
+      w.Sample("quern_batch_size_limit", labels, static_cast<double>(s.batch_limit));
+      for (const auto& h : kHistograms) {
+        const Histogram& v = s.*(h.field);
+        w.Histogram(h.name, labels, v.bounds, v.counts, v.sum, v.count);
+      }
+    }
+  });
+}
+
+MetricsRegistry::Collection AddProcessMetrics(MetricsRegistry& registry) {
+  registry.DeclareFamily("process_cpu_seconds_total", MetricType::kCounter, "User and system CPU time of the process.");
+  registry.DeclareFamily("process_resident_memory_bytes", MetricType::kGauge, "Resident memory of the process.");
+  return registry.AddCollector([](MetricWriter& w) {
+    std::ifstream stat("/proc/self/stat");
+    std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    // Fields after the command name, which is in parentheses and may hold
+    // spaces: state is field 3, utime 14, stime 15.
+    auto close = content.rfind(')');
+    if (close != std::string::npos && close + 2 <= content.size()) {
+      std::istringstream rest(content.substr(close + 2));
+      std::string field;
+      unsigned long long utime = 0, stime = 0;
+      for (int i = 3; i <= 15 && rest >> field; ++i) {
+        if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+        if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+      }
+      w.Sample("process_cpu_seconds_total", {},
+               static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK)));
+    }
+    std::ifstream statm("/proc/self/statm");
+    unsigned long long size = 0, resident = 0;
+    if (statm >> size >> resident) {
+      w.Sample("process_resident_memory_bytes", {},
+               static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)));
+    }
+  });
+}
+
+}  // namespace quern
