@@ -13,16 +13,11 @@
 #include "core/cpus.h"
 #include "core/json.h"
 #include "protocol/kserve_codec.h"
+#include "store/job_json.h"
 
 namespace quern {
 
 namespace {
-
-using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
-
-void String(Writer& w, std::string_view s) {
-  w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
-}
 
 constexpr const char* kNotYet = "redis: not connected yet";
 
@@ -35,155 +30,31 @@ std::string BinaryKey(const RedisResultStoreOptions& o, const std::string& id, s
   return o.key_prefix + id + ":bin:" + std::to_string(k);
 }
 
-int64_t Int(const rapidjson::Value& v, const char* key) {
-  auto it = v.FindMember(key);
-  return it != v.MemberEnd() && it->value.IsInt64() ? it->value.GetInt64() : 0;
-}
-
-std::string Str(const rapidjson::Value& v, const char* key) {
-  auto it = v.FindMember(key);
-  return it != v.MemberEnd() && it->value.IsString() ? std::string(it->value.GetString(), it->value.GetStringLength())
-                                                     : std::string();
-}
-
 }  // namespace
 
 Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec, const RedisResultStoreOptions& o) {
+  KServeOutputFormat format;  // binary: what JSON cannot carry exactly, or would bloat
+  for (const auto& t : rec.outputs) {
+    format.binary_outputs.emplace_back(t.name,
+                                       t.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(t.tensor.dtype()));
+  }
   rapidjson::StringBuffer buf;
-  Writer w(buf);
-  w.StartObject();
-  w.Key("job_id");
-  String(w, rec.id);
-  w.Key("status");
-  String(w, JobStateName(rec.state));
-  w.Key("model_name");
-  String(w, rec.model);
-  w.Key("model_version");
-  String(w, std::to_string(rec.version));
-  w.Key("submitted_ms");
-  w.Int64(rec.submitted_ms);
-  w.Key("started_ms");
-  w.Int64(rec.started_ms);
-  w.Key("finished_ms");
-  w.Int64(rec.finished_ms);
-  w.Key("binary_data_output");
-  w.Bool(rec.binary_default);
-  w.Key("binary_outputs");
-  w.StartObject();
-  for (const auto& [name, binary] : rec.binary_outputs) {
-    String(w, name);
-    w.Bool(binary);
-  }
-  w.EndObject();
+  JsonWriter w(buf);
+  std::vector<const Tensor*> parts;
+  QUERN_RETURN_IF_ERROR(
+      WriteJobJson(w, rec, JobJsonForm::kStored, format, parts, [&](size_t k) { return BinaryKey(o, rec.id, k); }));
   Encoded out;
-  if (rec.state == JobState::kDone) {
-    KServeOutputFormat format;  // binary: what JSON cannot carry exactly, or would bloat
-    for (const auto& o2 : rec.outputs) {
-      format.binary_outputs.emplace_back(
-          o2.name, o2.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(o2.tensor.dtype()));
-    }
-    std::vector<const Tensor*> parts;
-    w.Key("result");
-    QUERN_RETURN_IF_ERROR(WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, parts));
-    w.Key("binary_keys");
-    w.StartArray();
-    for (size_t k = 0; k < parts.size(); ++k) {
-      std::string key = BinaryKey(o, rec.id, k);
-      String(w, key);
-      out.binary.emplace_back(std::move(key),
-                              std::string_view(reinterpret_cast<const char*>(parts[k]->data()), parts[k]->byte_size()));
-    }
-    w.EndArray();
-  } else {
-    w.Key("error");
-    w.StartObject();
-    w.Key("code");
-    String(w, StatusCodeName(rec.error.code()));
-    w.Key("grpc_code");
-    w.Int(static_cast<int>(rec.error.code()));
-    w.Key("message");
-    String(w, rec.error.message());
-    w.EndObject();
-  }
-  w.EndObject();
   out.json.assign(buf.GetString(), buf.GetSize());
+  for (size_t k = 0; k < parts.size(); ++k) {
+    out.binary.emplace_back(BinaryKey(o, rec.id, k),
+                            std::string_view(reinterpret_cast<const char*>(parts[k]->data()), parts[k]->byte_size()));
+  }
   return out;
 }
 
 Result<std::shared_ptr<const JobRecord>> RedisResultStore::Decode(std::string_view json,
                                                                   const std::vector<std::string>& binary) {
-  rapidjson::Document doc;
-  if (JsonParseError e; !ParseJson(doc, json.data(), json.size(), e) || !doc.IsObject()) {
-    return Err(Internal("a stored job result is not valid JSON"));
-  }
-  auto rec = std::make_shared<JobRecord>();
-  rec->id = Str(doc, "job_id");
-  rec->model = Str(doc, "model_name");
-  rec->version = std::atoll(Str(doc, "model_version").c_str());
-  rec->submitted_ms = Int(doc, "submitted_ms");
-  rec->started_ms = Int(doc, "started_ms");
-  rec->finished_ms = Int(doc, "finished_ms");
-  const std::string status = Str(doc, "status");
-  if (status == "done") {
-    rec->state = JobState::kDone;
-  } else if (status == "failed") {
-    rec->state = JobState::kFailed;
-  } else if (status == "cancelled") {
-    rec->state = JobState::kCancelled;
-  } else {
-    return Err(Internal("stored job '" + rec->id + "' has status '" + status + "', not a finished one"));
-  }
-  if (auto it = doc.FindMember("binary_data_output"); it != doc.MemberEnd() && it->value.IsBool()) {
-    rec->binary_default = it->value.GetBool();
-  }
-  if (auto it = doc.FindMember("binary_outputs"); it != doc.MemberEnd() && it->value.IsObject()) {
-    for (const auto& m : it->value.GetObject()) {
-      if (m.value.IsBool()) rec->binary_outputs.emplace_back(m.name.GetString(), m.value.GetBool());
-    }
-  }
-  if (rec->state != JobState::kDone) {
-    auto it = doc.FindMember("error");
-    if (it == doc.MemberEnd() || !it->value.IsObject())
-      return Err(Internal("stored job '" + rec->id + "' has no error"));
-    const int code = static_cast<int>(Int(it->value, "grpc_code"));
-    rec->error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown,
-                        Str(it->value, "message"));
-    return std::shared_ptr<const JobRecord>(std::move(rec));
-  }
-  auto result = doc.FindMember("result");
-  if (result == doc.MemberEnd() || !result->value.IsObject() || !result->value.HasMember("outputs") ||
-      !result->value["outputs"].IsArray()) {
-    return Err(Internal("stored job '" + rec->id + "' has no result.outputs"));
-  }
-  // The outputs are in KServe's tensor format: read them back with the
-  // infer request parser, as the "inputs" of a request.
-  rapidjson::StringBuffer buf;
-  // NaN and infinities are stored as NaN / Infinity (see WriteKServeOutputs).
-  rapidjson::Writer<rapidjson::StringBuffer, rapidjson::UTF8<>, rapidjson::UTF8<>, rapidjson::CrtAllocator,
-                    rapidjson::kWriteNanAndInfFlag>
-      w(buf);
-  w.StartObject();
-  w.Key("inputs");
-  if (!result->value["outputs"].Accept(w)) {
-    return Err(Internal("stored result of job '" + rec->id + "' is damaged: its outputs cannot be read"));
-  }
-  w.EndObject();
-  std::string joined;
-  for (const auto& b : binary) joined += b;
-  auto parsed = ParseKServeInfer(rec->model, rec->version, std::string_view(buf.GetString(), buf.GetSize()), joined,
-                                 nullptr);  // the outputs are copied out below, while `joined` lives
-  if (!parsed) return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + parsed.error().message()));
-  // Binary parts sit at arbitrary offsets of the body: copy each into its
-  // own (aligned) buffer, which also frees the body.
-  rec->outputs.reserve(parsed->request.inputs.size());
-  for (const auto& t : parsed->request.inputs) {
-    if (Status st = t.tensor.Validate(); !st.ok()) {
-      return Err(
-          Internal("stored result of job '" + rec->id + "' is damaged: output '" + t.name + "': " + st.message()));
-    }
-    rec->outputs.push_back({t.name, OwnedCopy(t.tensor)});
-  }
-  return std::shared_ptr<const JobRecord>(std::move(rec));
+  return ReadStoredJobJson(json, binary);
 }
 
 RedisResultStore::RedisResultStore(RedisResultStoreOptions options)

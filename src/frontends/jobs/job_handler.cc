@@ -7,29 +7,18 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <optional>
 #include <thread>
 #include <vector>
 
 #include "frontends/http/kserve_handler.h"
+#include "store/job_json.h"
 
 namespace quern {
 
 using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
 
 namespace {
-
-// RFC 3339 UTC with milliseconds, e.g. 2026-11-22T10:15:03.042Z.
-std::string Rfc3339(int64_t ms) {
-  const std::time_t secs = static_cast<std::time_t>(ms / 1000);
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[40];
-  const size_t n = std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%S", &tm);
-  std::snprintf(buf + n, sizeof(buf) - n, ".%03dZ", static_cast<int>(ms % 1000));
-  return buf;
-}
 
 std::string_view Query(std::string_view target) {
   const auto q = target.find('?');
@@ -261,35 +250,22 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
   rapidjson::StringBuffer buf;
-  Writer w(buf);
-  auto timestamps = [&w](int64_t submitted, int64_t started, int64_t finished) {
-    for (auto [key, ms] :
-         {std::pair{"submitted", submitted}, std::pair{"started", started}, std::pair{"finished", finished}}) {
-      w.Key(key);
-      if (ms > 0) {
-        String(w, Rfc3339(ms));
-      } else {
-        w.Null();
-      }
-    }
-  };
+  JsonWriter w(buf);
+  std::vector<const Tensor*> binary_parts;
   if (pending) {
+    JobRecord rec;  // what is known of a job not finished
+    rec.id = id;
+    rec.model = pending->model;
+    rec.submitted_ms = pending->submitted_ms;
+    rec.started_ms = pending->started_ms.load();
     const int state = pending->state.load();
-    w.StartObject();
-    w.Key("job_id");
-    String(w, id);
-    w.Key("status");
-    w.String(state == kQueued ? "queued" : state == kRunning ? "running" : "cancelled");
-    w.Key("model_name");
-    String(w, pending->model);
-    timestamps(pending->submitted_ms, pending->started_ms.load(),
-               state == kCancelRequested ? pending->cancelled_ms.load() : 0);
+    rec.state = state == kQueued ? JobState::kQueued : state == kRunning ? JobState::kRunning : JobState::kCancelled;
     if (state == kCancelRequested) {
-      w.Key("error");
-      String(w, CancelledMessage(id));
+      rec.finished_ms = pending->cancelled_ms.load();
+      rec.error = Cancelled(CancelledMessage(id));
     }
-    w.EndObject();
-    return done(JsonResponse(200, buf));
+    Status st = WriteJobJson(w, rec, JobJsonForm::kPoll, KServeOutputFormat{}, binary_parts);
+    return done(st.ok() ? JsonResponse(200, buf) : ErrorResponse(st));
   }
   auto stored = store_->Get(id);
   if (!stored) return done(ErrorResponse(stored.error()));
@@ -301,26 +277,9 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
     format.binary_default = *b == "true" || *b == "1";
     format.binary_outputs.clear();
   }
-  w.StartObject();
-  w.Key("job_id");
-  String(w, rec.id);
-  w.Key("status");
-  String(w, JobStateName(rec.state));
-  w.Key("model_name");
-  String(w, rec.model);
-  w.Key("model_version");
-  String(w, std::to_string(rec.version));
-  timestamps(rec.submitted_ms, rec.started_ms, rec.finished_ms);
-  std::vector<const Tensor*> binary_parts;
-  if (rec.state == JobState::kDone) {
-    w.Key("result");
-    Status st = WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, binary_parts);
-    if (!st.ok()) return done(ErrorResponse(st));
-  } else {
-    w.Key("error");
-    String(w, rec.error.message());
+  if (Status st = WriteJobJson(w, rec, JobJsonForm::kPoll, format, binary_parts); !st.ok()) {
+    return done(ErrorResponse(st));
   }
-  w.EndObject();
   // The body views the stored record's tensors: copy them out now.
   done(KServeBody(200, buf, binary_parts));
 }
