@@ -10,6 +10,12 @@
 // with DCT-domain scaling), the resize + normalisation into the tensor, and,
 // for comparison, a full-size decode. --out-dir also writes the JPEGs there
 // (the end-to-end benchmark posts them).
+//
+// Then the post-processing of one image's detector output, median of N: a
+// YOLOv5 export's [1, 25200, 85] (probabilities; 60 boxes of objectness >=
+// 0.3 in 6 clusters, the rest under 0.05) and a YOLOv8 export's [1, 84,
+// 8400] (60 boxes with a class score >= 0.3), decoded at min_confidence 0.4
+// with NMS.
 #include <turbojpeg.h>
 
 #include <CLI/CLI.hpp>
@@ -23,6 +29,7 @@
 #include <vector>
 
 #include "pipeline/image.h"
+#include "pipeline/postprocess.h"
 
 namespace {
 
@@ -121,6 +128,45 @@ int main(int argc, char** argv) {
       std::printf("%4dx%-5d %-8s %9zu %5dx%-6d %10.2f %10.2f %10.2f %16.2f\n", w, h, noise == 3 ? "clean" : "grainy",
                   jpeg.size(), d->image.width, d->image.height, decode_ms, resize_ms, decode_ms + resize_ms, full_ms);
     }
+  }
+
+  // ---- post-processing
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u01(0.0f, 1.0f);
+  auto detector_output = [&](bool v5) {
+    const int64_t boxes = v5 ? 25200 : 8400, classes = 80;
+    const int64_t row = 4 + (v5 ? 1 : 0) + classes;
+    std::vector<float> v(static_cast<size_t>(boxes * row));
+    auto at = [&](int64_t i, int64_t j) -> float& {
+      return v5 ? v[static_cast<size_t>(i * row + j)] : v[static_cast<size_t>(j * boxes + i)];
+    };
+    for (int64_t i = 0; i < boxes; ++i) {
+      const bool object = i % (boxes / 60) == 0;  // 60 boxes, in 6 clusters of 10
+      const float cx = 100.0f + 80.0f * static_cast<float>((i / (boxes / 6)) % 6), cy = 320.0f;
+      at(i, 0) = object ? cx + 8 * u01(rng) : 640 * u01(rng);
+      at(i, 1) = object ? cy + 8 * u01(rng) : 640 * u01(rng);
+      at(i, 2) = object ? 60 + 10 * u01(rng) : 5 + 100 * u01(rng);
+      at(i, 3) = object ? 60 + 10 * u01(rng) : 5 + 100 * u01(rng);
+      const int64_t first = v5 ? 5 : 4;
+      if (v5) at(i, 4) = object ? 0.3f + 0.65f * u01(rng) : 0.05f * u01(rng);
+      for (int64_t c = 0; c < classes; ++c) at(i, first + c) = (v5 ? 1.0f : 0.05f) * u01(rng);
+      if (object) at(i, first + (i % classes)) = 0.3f + 0.7f * u01(rng);
+    }
+    std::vector<quern::NamedTensor> out;
+    out.push_back({"output0", quern::Tensor::From<float>(quern::DataType::kFp32,
+                                                         v5 ? quern::Shape{1, boxes, row} : quern::Shape{1, row, boxes},
+                                                         std::span<const float>(v))});
+    return out;
+  };
+  std::printf("\n%-34s %10s %10s\n", "post-processing (min_confidence 0.4)", "ms", "boxes");
+  for (const bool v5 : {true, false}) {
+    const auto out = detector_output(v5);
+    quern::DetectionSpec spec_d;
+    spec_d.format = v5 ? quern::DetectionFormat::kYoloV5 : quern::DetectionFormat::kYoloV8;
+    size_t kept = 0;
+    const double ms =
+        MedianMs(iterations, [&] { kept = quern::DecodeDetections(out, spec_d, 0.4f, 640, 640)->size(); });
+    std::printf("%-34s %10.3f %10zu\n", v5 ? "YOLOv5 [1, 25200, 85]" : "YOLOv8 [1, 84, 8400]", ms, kept);
   }
   return 0;
 }

@@ -260,6 +260,48 @@ def resnet50(rng):
                        [vi("logits", TensorProto.FLOAT, ["N", 1000])], bld.inits)
 
 
+def yolov5n_like(rng):
+    """A detector of YOLOv5n's cost (~4 GFLOPs at 640x640) with a YOLOv5 export's output: [N, 25200, 85]
+    (3 anchors x (80x80 + 40x40 + 20x20) cells; cx, cy, w, h in pixels, objectness and 80 class scores
+    as probabilities). Random weights; the objectness of 40 boxes is pushed over 0.5 and of the rest
+    under 0.01, so that post-processing sees what a real frame gives it: a few dozen candidates."""
+    bld = Builder(rng)
+    x = bld.conv("images", 3, 16, 3, stride=2)  # 320
+    x = bld.conv(x, 16, 32, 3, stride=2)  # 160
+    x = bld.conv(x, 32, 32, 3)
+    x = bld.conv(x, 32, 64, 3, stride=2)  # 80: P3
+    x = bld.conv(x, 64, 64, 3)
+    p3 = bld.conv(x, 64, 64, 3)
+    x = bld.conv(p3, 64, 128, 3, stride=2)  # 40: P4
+    x = bld.conv(x, 128, 128, 3)
+    p4 = bld.conv(x, 128, 128, 3)
+    x = bld.conv(p4, 128, 256, 3, stride=2)  # 20: P5
+    p5 = bld.conv(x, 256, 256, 3)
+    levels = []
+    for feat, cin, g in ((p3, 64, 80), (p4, 128, 40), (p5, 256, 20)):
+        y = bld.conv(feat, cin, 255, 1, relu=False)  # [N, 3 * 85, g, g]
+        shape5, shape3 = bld.name("s5"), bld.name("s3")
+        bld.inits += [numpy_helper.from_array(np.array([0, 3, 85, g, g], np.int64), shape5),
+                      numpy_helper.from_array(np.array([0, 3 * g * g, 85], np.int64), shape3)]
+        r, t, o = bld.name("r"), bld.name("t"), bld.name("o")
+        bld.nodes += [helper.make_node("Reshape", [y, shape5], [r]),
+                      helper.make_node("Transpose", [r], [t], perm=[0, 1, 3, 4, 2]),
+                      helper.make_node("Reshape", [t, shape3], [o])]
+        levels.append(o)
+    offset = np.zeros((1, 25200, 85), np.float32)
+    offset[0, :, 4] = -12.0
+    offset[0, rng.choice(25200, 40, replace=False), 4] = 12.0
+    scale = np.ones(85, np.float32)
+    scale[:4] = 640.0
+    bld.inits += [numpy_helper.from_array(offset, "objectness_offset"), numpy_helper.from_array(scale, "box_scale")]
+    bld.nodes += [helper.make_node("Concat", levels, ["raw"], axis=1),
+                  helper.make_node("Add", ["raw", "objectness_offset"], ["shifted"]),
+                  helper.make_node("Sigmoid", ["shifted"], ["probs"]),
+                  helper.make_node("Mul", ["probs", "box_scale"], ["output0"])]
+    return graph_model(bld.nodes, "detect_v5n", [vi("images", TensorProto.FLOAT, ["N", 3, 640, 640])],
+                       [vi("output0", TensorProto.FLOAT, ["N", 25200, 85])], bld.inits)
+
+
 def small_cnn(rng):
     """Three strided 3x3 convolutions on 64x64 RGB, ~6 MFLOPs per image, 10 classes."""
     bld = Builder(rng)
@@ -352,6 +394,18 @@ def gen_bench(d, quiet):
     save(small_cnn(np.random.default_rng(7)), f"{d}/small_cnn/1/model.onnx", quiet)
     if not os.path.exists(f"{d}/resnet50/1/model.onnx"):
         save(resnet50(np.random.default_rng(50)), f"{d}/resnet50/1/model.onnx", quiet)
+    # The camera's detector: YOLOv5n's cost and output layout, served as a vision model.
+    if not os.path.exists(f"{d}/detect_v5n/1/model.onnx"):
+        save(yolov5n_like(np.random.default_rng(5)), f"{d}/detect_v5n/1/model.onnx", quiet)
+    write_config(f"{d}/detect_v5n/config.pbtxt", """max_batch_size: 8
+input [ { name: "images" data_type: TYPE_FP32 dims: [ 3, 640, 640 ] } ]
+output [ { name: "output0" data_type: TYPE_FP32 dims: [ 25200, 85 ] label_filename: "labels.txt" } ]
+dynamic_batching { }
+parameters { key: "quern.task" value { string_value: "detection" } }
+parameters { key: "quern.detection.format" value { string_value: "yolov5" } }
+""")
+    with open(f"{d}/detect_v5n/labels.txt", "w") as f:
+        f.write("".join(f"class{c}\n" for c in range(80)))
 
 
 def main():

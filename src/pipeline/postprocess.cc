@@ -82,6 +82,26 @@ Result<std::vector<float>> AsFloats(const NamedTensor& t) {
   return OutputAsFloats(t);
 }
 
+// A numeric output's values as floats, read in place when the tensor holds
+// aligned FP32 (no copy of a 25200 x 85 output), else converted.
+struct Floats {
+  const float* data = nullptr;
+  std::vector<float> converted;
+};
+
+Result<Floats> ViewFloats(const NamedTensor& t) {
+  Floats f;
+  const size_t n = static_cast<size_t>(ElementCount(t.tensor.shape()));
+  if (t.tensor.dtype() == DataType::kFp32 && reinterpret_cast<uintptr_t>(t.tensor.data()) % alignof(float) == 0 &&
+      t.tensor.byte_size() >= n * sizeof(float)) {
+    f.data = reinterpret_cast<const float*>(t.tensor.data());
+    return f;
+  }
+  QUERN_ASSIGN_OR_RETURN(f.converted, OutputAsFloats(t));
+  f.data = f.converted.data();
+  return f;
+}
+
 // The shape without a leading batch dimension of 1.
 Shape ItemShape(const Shape& s, size_t rank) {
   if (s.size() == rank + 1 && s[0] == 1) return Shape(s.begin() + 1, s.end());
@@ -190,28 +210,77 @@ Result<std::vector<Detection>> DecodeDetections(const std::vector<NamedTensor>& 
       return std::unexpected(InvalidArgument(ShapeOf(out) + (v5 ? "; the YOLOv5 layout is [1, boxes, 5 + classes]"
                                                                 : "; the YOLOv8 layout is [1, 4 + classes, boxes]")));
     }
-    QUERN_ASSIGN_OR_RETURN(std::vector<float> v, AsFloats(out));
+    QUERN_ASSIGN_OR_RETURN(Floats f, ViewFloats(out));
+    const float* v = f.data;
     const size_t boxes = static_cast<size_t>(v5 ? s[0] : s[1]);
     const size_t classes = static_cast<size_t>(v5 ? s[1] - 5 : s[0] - 4);
-    std::vector<float> cls(classes);
-    for (size_t i = 0; i < boxes; ++i) {
-      // Element j of box i.
-      auto at = [&](size_t j) { return v5 ? v[i * static_cast<size_t>(s[1]) + j] : v[j * boxes + i]; };
-      const size_t first = v5 ? 5 : 4;
-      for (size_t c = 0; c < classes; ++c) cls[c] = at(first + c);
-      if (spec.activation == ScoreActivation::kSoftmax) SoftmaxInPlace(cls.data(), classes);
-      size_t best = 0;
-      float score = -INFINITY;
-      for (size_t c = 0; c < classes; ++c) {
-        const float sc = activate(cls[c]);
-        if (sc > score) score = sc, best = c;
+    const bool softmax = spec.activation == ScoreActivation::kSoftmax;
+    std::vector<float> scratch(softmax ? classes : 0);
+    // The best class of `n` scores `stride` apart: its index and its score
+    // (activated). Sigmoid is monotonic: the best raw score wins.
+    auto best_class = [&](const float* first, size_t stride, size_t& best) {
+      best = 0;
+      float top = -INFINITY;
+      if (softmax) {
+        for (size_t c = 0; c < classes; ++c) scratch[c] = first[c * stride];
+        SoftmaxInPlace(scratch.data(), classes);
+        first = scratch.data();
+        stride = 1;
       }
-      if (v5) score *= activate(at(4));
-      if (!(score >= min_confidence)) continue;
-      Detection d = BoxFrom(at(0), at(1), at(2), at(3), spec, input_width, input_height);
-      d.class_id = static_cast<int>(best);
-      d.confidence = score;
-      found.push_back(d);
+      for (size_t c = 0; c < classes; ++c) {
+        if (first[c * stride] > top) top = first[c * stride], best = c;
+      }
+      return top == -INFINITY ? top : activate(top);
+    };
+    if (v5) {
+      // YOLOv5's own order: a box whose objectness is under the threshold
+      // is no candidate, and its class scores are never read.
+      const size_t stride = static_cast<size_t>(s[1]);
+      for (size_t i = 0; i < boxes; ++i) {
+        const float* row = v + i * stride;
+        const float objectness = activate(row[4]);
+        if (!(objectness >= min_confidence)) continue;
+        size_t best = 0;
+        const float score = best_class(row + 5, 1, best) * objectness;
+        if (!(score >= min_confidence)) continue;
+        Detection d = BoxFrom(row[0], row[1], row[2], row[3], spec, input_width, input_height);
+        d.class_id = static_cast<int>(best);
+        d.confidence = score;
+        found.push_back(d);
+      }
+    } else if (softmax) {
+      for (size_t i = 0; i < boxes; ++i) {
+        size_t best = 0;
+        const float score = best_class(v + 4 * boxes + i, boxes, best);
+        if (!(score >= min_confidence)) continue;
+        Detection d = BoxFrom(v[i], v[boxes + i], v[2 * boxes + i], v[3 * boxes + i], spec, input_width, input_height);
+        d.class_id = static_cast<int>(best);
+        d.confidence = score;
+        found.push_back(d);
+      }
+    } else {
+      // Class rows are contiguous: the best class of every box in one pass
+      // per class (vectorised), then the threshold.
+      std::vector<float> top(boxes, -INFINITY);
+      std::vector<int32_t> best(boxes, 0);
+      for (size_t c = 0; c < classes; ++c) {
+        const float* r = v + (4 + c) * boxes;
+        const auto id = static_cast<int32_t>(c);
+        for (size_t i = 0; i < boxes; ++i) {
+          const bool better = r[i] > top[i];
+          top[i] = better ? r[i] : top[i];
+          best[i] = better ? id : best[i];
+        }
+      }
+      for (size_t i = 0; i < boxes; ++i) {
+        if (top[i] == -INFINITY) continue;
+        const float score = activate(top[i]);
+        if (!(score >= min_confidence)) continue;
+        Detection d = BoxFrom(v[i], v[boxes + i], v[2 * boxes + i], v[3 * boxes + i], spec, input_width, input_height);
+        d.class_id = best[i];
+        d.confidence = score;
+        found.push_back(d);
+      }
     }
   } else {
     const NamedTensor *boxes = nullptr, *scores = nullptr, *labels = nullptr;

@@ -70,6 +70,13 @@ struct Detection {
 // min_confidence, then applies class-wise NMS (when spec.nms) and
 // max_detections (best first). An output of the wrong shape is an
 // InvalidArgument naming it and the expected layout.
+//
+// A box's class is the first of its best (activated) class scores. Its
+// confidence: YOLOv5, as YOLOv5's own NMS has it: a box whose (activated)
+// objectness is under min_confidence is no candidate, otherwise best class
+// score x objectness; YOLOv8 and DETR: the best class score. Only what that
+// needs is read: a YOLOv5 box under the threshold costs one load, and a
+// FP32 output is read where it lies (no copy).
 Result<std::vector<Detection>> DecodeDetections(const std::vector<NamedTensor>& outputs, const DetectionSpec& spec,
                                                 float min_confidence, int input_width, int input_height);
 
