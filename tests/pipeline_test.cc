@@ -115,6 +115,47 @@ TEST(Preprocess, NormalisesIntoNchwWithPadding) {
   EXPECT_FLOAT_EQ(out[2 * 16 + 3 * 4 + 3], -1.0f);
 }
 
+// An image as wide as the model's input is letterboxed at scale 1: every
+// output pixel is a source pixel or padding, in every layout and dtype.
+TEST(Preprocess, ScaleOneLetterboxCopiesPixelsExactly) {
+  DecodedImage d;
+  d.source_width = d.image.width = 64;
+  d.source_height = d.image.height = 40;
+  d.image.pixels.resize(64 * 40 * 3);
+  uint32_t state = 12345;
+  for (auto& p : d.image.pixels) p = static_cast<uint8_t>((state = state * 1664525u + 1013904223u) >> 24);
+  const auto src = [&](int x, int y, int c) { return d.image.pixels[static_cast<size_t>((y * 64 + x) * 3 + c)]; };
+  for (const TensorLayout layout : {TensorLayout::kNchw, TensorLayout::kNhwc}) {
+    ImageSpec spec;
+    spec.width = spec.height = 64;  // 64x40 -> rows 12..51 image, 0..11 and 52..63 padding
+    spec.resize = ResizeMode::kLetterbox;
+    spec.pad_value = 114;
+    spec.channels = ChannelOrder::kBgr;
+    spec.layout = layout;
+    spec.scale = 1.0f / 255;
+    spec.mean = {0.1f, 0.2f, 0.3f};
+    spec.std = {0.5f, 0.25f, 2.0f};
+    std::vector<float> out(3 * 64 * 64);
+    Preprocess(d, spec, out.data());
+    spec.dtype = DataType::kUint8;
+    std::vector<uint8_t> raw(3 * 64 * 64);
+    Preprocess(d, spec, raw.data());
+    for (int y = 0; y < 64; ++y) {
+      for (int x = 0; x < 64; ++x) {
+        for (int c = 0; c < 3; ++c) {  // output channel c is source channel 2 - c (BGR)
+          const int v = y >= 12 && y < 52 ? src(x, y - 12, 2 - c) : 114;
+          const size_t i = layout == TensorLayout::kNchw ? static_cast<size_t>((c * 64 + y) * 64 + x)
+                                                         : static_cast<size_t>((y * 64 + x) * 3 + c);
+          ASSERT_EQ(raw[i], v) << x << "," << y << "," << c;
+          const float want =
+              (static_cast<float>(v) / 255 - spec.mean[static_cast<size_t>(c)]) / spec.std[static_cast<size_t>(c)];
+          ASSERT_NEAR(out[i], want, 1e-6) << x << "," << y << "," << c;
+        }
+      }
+    }
+  }
+}
+
 // A checkerboard of 5x5-pixel squares, shifted by 2 pixels, shrunk 10x:
 // each output pixel covers source columns of square parities even/odd/even
 // 3/5/2 times (rows likewise), so half its area is white and area averaging

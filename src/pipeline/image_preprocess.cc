@@ -114,42 +114,68 @@ AreaAxis MakeAreaAxis(int out_size, double offset, double scale, int source_size
 }
 
 // Converts one resampled RGB row into the model's channel order, layout and
-// dtype at output row `y`.
-void WriteRow(const std::vector<uint8_t>& row, size_t y, size_t W, size_t plane, const int (&src_channel)[3],
-              const ImageSpec& spec, const float (&lut_f)[3][256], const uint16_t (&lut_h)[3][256], void* out) {
-  for (int c = 0; c < 3; ++c) {
-    const size_t s = static_cast<size_t>(src_channel[c]);
-    const auto cc = static_cast<size_t>(c);
-    switch (spec.dtype) {
-      case DataType::kUint8: {
-        auto* o = static_cast<uint8_t*>(out);
-        if (spec.layout == TensorLayout::kNchw) {
-          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = row[x * 3 + s];
-        } else {
-          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = row[x * 3 + s];
-        }
-        break;
-      }
-      case DataType::kFp16: {
-        auto* o = static_cast<uint16_t*>(out);
-        if (spec.layout == TensorLayout::kNchw) {
-          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_h[c][row[x * 3 + s]];
-        } else {
-          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_h[c][row[x * 3 + s]];
-        }
-        break;
-      }
-      default: {
-        auto* o = static_cast<float*>(out);
-        if (spec.layout == TensorLayout::kNchw) {
-          for (size_t x = 0; x < W; ++x) o[cc * plane + y * W + x] = lut_f[c][row[x * 3 + s]];
-        } else {
-          for (size_t x = 0; x < W; ++x) o[(y * W + x) * 3 + cc] = lut_f[c][row[x * 3 + s]];
-        }
-        break;
-      }
+// dtype at output row `y`: one pass over the row, three table lookups per
+// pixel.
+template <typename T>
+void WriteRowAs(const uint8_t* row, size_t y, size_t W, size_t plane, const int (&src_channel)[3], bool nchw,
+                const T (&lut)[3][256], T* out) {
+  const size_t s0 = static_cast<size_t>(src_channel[0]), s1 = static_cast<size_t>(src_channel[1]),
+               s2 = static_cast<size_t>(src_channel[2]);
+  if (nchw) {
+    T* o0 = out + y * W;
+    T* o1 = o0 + plane;
+    T* o2 = o1 + plane;
+    for (size_t x = 0; x < W; ++x) {
+      const uint8_t* p = row + x * 3;
+      o0[x] = lut[0][p[s0]];
+      o1[x] = lut[1][p[s1]];
+      o2[x] = lut[2][p[s2]];
+    }
+  } else {
+    T* o = out + y * W * 3;
+    for (size_t x = 0; x < W; ++x) {
+      const uint8_t* p = row + x * 3;
+      o[x * 3] = lut[0][p[s0]];
+      o[x * 3 + 1] = lut[1][p[s1]];
+      o[x * 3 + 2] = lut[2][p[s2]];
     }
   }
+}
+
+struct Tables {
+  uint8_t u8[3][256];
+  uint16_t f16[3][256];
+  float f32[3][256];
+};
+
+void WriteRow(const std::vector<uint8_t>& row, size_t y, size_t W, size_t plane, const int (&src_channel)[3],
+              const ImageSpec& spec, const Tables& t, void* out) {
+  const bool nchw = spec.layout == TensorLayout::kNchw;
+  switch (spec.dtype) {
+    case DataType::kUint8:
+      return WriteRowAs(row.data(), y, W, plane, src_channel, nchw, t.u8, static_cast<uint8_t*>(out));
+    case DataType::kFp16:
+      return WriteRowAs(row.data(), y, W, plane, src_channel, nchw, t.f16, static_cast<uint16_t*>(out));
+    default: return WriteRowAs(row.data(), y, W, plane, src_channel, nchw, t.f32, static_cast<float*>(out));
+  }
+}
+
+// True when the valid outputs of `a` read consecutive source pixels with no
+// blending (a scale of 1: the letterbox of an image the model's width);
+// `first` is the first valid output, `count` how many.
+bool IsCopy(const Axis& a, size_t& first, size_t& count) {
+  first = a.valid.size();
+  count = 0;
+  for (size_t o = 0; o < a.valid.size(); ++o) {
+    if (!a.valid[o]) continue;
+    if (first == a.valid.size()) first = o;
+    if (a.w1[o] != 0 || a.i0[o] != a.i0[first] + static_cast<int>(o - first)) return false;
+    ++count;
+  }
+  // Valid outputs must be one run: padding only at the ends.
+  return count > 0 && first + count <= a.valid.size() &&
+         std::all_of(a.valid.begin() + static_cast<std::ptrdiff_t>(first),
+                     a.valid.begin() + static_cast<std::ptrdiff_t>(first + count), [](uint8_t v) { return v != 0; });
 }
 
 // One output row by area resampling: vertical weighted sums of the rows the
@@ -243,37 +269,48 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
   // Per output channel: which RGB channel it reads, and its value table.
   int src_channel[3];
   for (int c = 0; c < 3; ++c) src_channel[c] = spec.channels == ChannelOrder::kRgb ? c : 2 - c;
-  float lut_f[3][256];
-  uint16_t lut_h[3][256];
+  Tables tables;
   for (int c = 0; c < 3; ++c) {
     for (int v = 0; v < 256; ++v) {
-      lut_f[c][v] =
+      const float f =
           (static_cast<float>(v) * spec.scale - spec.mean[static_cast<size_t>(c)]) / spec.std[static_cast<size_t>(c)];
-      lut_h[c][v] = FloatToHalf(lut_f[c][v]);
+      tables.f32[c][v] = f;
+      tables.f16[c][v] = FloatToHalf(f);
+      tables.u8[c][v] = static_cast<uint8_t>(v);
     }
   }
 
   const size_t W = static_cast<size_t>(spec.width), H = static_cast<size_t>(spec.height), plane = W * H;
   const size_t row_bytes = static_cast<size_t>(img.width) * 3;
-  std::vector<uint8_t> row(W * 3);                      // one resampled output row, RGB
+  std::vector<uint8_t> row(W * 3, spec.pad_value);      // one resampled output row, RGB
   std::vector<uint16_t> blended(area ? 0 : row_bytes);  // bilinear: two source rows blended, x 256
+  size_t copy_first = 0, copy_count = 0;
+  const bool copy_x = !area && IsCopy(ax, copy_first, copy_count);
   for (size_t y = 0; y < H; ++y) {
     if (area) {
       AreaRow(img, aax, aay, y, spec.pad_value, column_sums, row);
-      WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
+      WriteRow(row, y, W, plane, src_channel, spec, tables, out);
       continue;
     }
     if (!ay.valid[y]) {
       std::fill(row.begin(), row.end(), spec.pad_value);
-      WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
+      WriteRow(row, y, W, plane, src_channel, spec, tables, out);
+      continue;
+    }
+    const uint8_t* r0 = img.pixels.data() + static_cast<size_t>(ay.i0[y]) * row_bytes;
+    const uint8_t* r1 = img.pixels.data() + static_cast<size_t>(ay.i1[y]) * row_bytes;
+    const uint32_t wy1 = static_cast<uint32_t>(ay.w1[y]), wy0 = 256 - wy1;
+    if (copy_x && wy1 == 0) {
+      // The row is the source row as it is, between the padding.
+      std::fill(row.begin(), row.begin() + static_cast<std::ptrdiff_t>(copy_first * 3), spec.pad_value);
+      std::memcpy(row.data() + copy_first * 3, r0 + static_cast<size_t>(ax.i0[copy_first]) * 3, copy_count * 3);
+      std::fill(row.begin() + static_cast<std::ptrdiff_t>((copy_first + copy_count) * 3), row.end(), spec.pad_value);
+      WriteRow(row, y, W, plane, src_channel, spec, tables, out);
       continue;
     }
     // Separable: blend the two source rows (vectorises), then the columns.
     // The same integer arithmetic as blending columns first, so the result
     // is exact either way.
-    const uint8_t* r0 = img.pixels.data() + static_cast<size_t>(ay.i0[y]) * row_bytes;
-    const uint8_t* r1 = img.pixels.data() + static_cast<size_t>(ay.i1[y]) * row_bytes;
-    const uint32_t wy1 = static_cast<uint32_t>(ay.w1[y]), wy0 = 256 - wy1;
     for (size_t i = 0; i < row_bytes; ++i) blended[i] = static_cast<uint16_t>(r0[i] * wy0 + r1[i] * wy1);
     for (size_t x = 0; x < W; ++x) {
       uint8_t* d = &row[x * 3];
@@ -288,7 +325,7 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
       d[1] = static_cast<uint8_t>((b0[1] * wx0 + b1[1] * wx1 + (1u << 15)) >> 16);
       d[2] = static_cast<uint8_t>((b0[2] * wx0 + b1[2] * wx1 + (1u << 15)) >> 16);
     }
-    WriteRow(row, y, W, plane, src_channel, spec, lut_f, lut_h, out);
+    WriteRow(row, y, W, plane, src_channel, spec, tables, out);
   }
   return t;
 }
