@@ -59,6 +59,7 @@ std::vector<float> RandomData(size_t n, unsigned seed) {
 struct RawConfig {
   int sessions = 1;  // parallel sessions, each on its own thread with cores/sessions intra-op threads
   bool stop_spinning = false;
+  int batch = 0;  // per-concurrency comparison: the batch each session runs
   std::string Name(int cores) const {
     return std::to_string(sessions) + "x" + std::to_string(cores / sessions) + "t" + (stop_spinning ? " stop" : "");
   }
@@ -161,7 +162,28 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
   while (active.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+// Raw ONNX Runtime's best layout for `n` single-item requests in flight:
+// one session with every core's thread running batches of up to n, or one
+// single-threaded session per core each running batches of up to n / cores
+// (batch sizes powers of two up to max_batch); each measured for `seconds`.
+RawConfig RawBestAt(const std::string& path, int cores, int n, int max_batch, double seconds, const ModelShape& shape,
+                    double& best) {
+  RawConfig pick;
+  best = 0;
+  for (int sessions : {1, cores}) {
+    if (sessions > 1 && (cores < 2 || n < sessions)) continue;
+    for (int b = 1; b * sessions <= n && b <= max_batch; b *= 2) {
+      RawConfig c{sessions, false, b};
+      const double t = RawThroughput(path, cores, b, seconds, shape, c);
+      if (t > best) best = t, pick = c;
+    }
+    if (sessions == cores) break;
+  }
+  return pick;
+}
+
 int g_instances = 0;    // 0 = the engine default (one per core)
+bool g_wide = true;     // the automatic layout's wide instance
 double g_warmup_s = 2;  // load before timing (the batch size tuner settles here)
 
 EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int submitters, double seconds,
@@ -175,6 +197,7 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   config << "max_batch_size: " << max_batch << "\n" << (max_batch > 1 ? "dynamic_batching { }\n" : "");
   if (g_instances > 0) config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
   if (!tuning) config << "parameters { key: \"quern.batch_size_tuning\" value { string_value: \"off\" } }\n";
+  if (!g_wide) config << "parameters { key: \"quern.wide_instance\" value { string_value: \"off\" } }\n";
   config.close();
   auto engine = quern::Engine::Create({.model_repository = repo.string()});
   if (!engine || !(*engine)->ModelReady("m")) {
@@ -272,6 +295,14 @@ int main(int argc, char** argv) {
                  "dynamic dimensions (e.g. 3 48 192)");
   app.add_option("--instances", g_instances, "Engine model instances (cores are divided among them)");
   app.add_option("--warmup", g_warmup_s, "Seconds of load before each engine measurement");
+  std::string wide = "on";
+  app.add_option("--wide", wide, "The automatic layout's wide instance (quern.wide_instance): on or off")
+      ->check(CLI::IsMember({"on", "off"}));
+  bool per_concurrency = false;
+  app.add_flag("--raw-per-concurrency", per_concurrency,
+               "Compare each engine row with raw ONNX Runtime's best layout for that many requests in flight "
+               "(one wide session or one narrow session per core, batches up to the requests in flight), measured "
+               "right before it, instead of with the batch-size table's ceiling");
   std::string tuning = "on";
   app.add_option("--tuning", tuning,
                  "Batch size tuning in the engine runs: on, off, or both (each engine row twice, side by side)")
@@ -282,6 +313,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"callbacks", "threads"}));
   CLI11_PARSE(app, argc, argv);
 
+  g_wide = wide == "on";
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Ort::Env env(ORT_LOGGING_LEVEL_WARNING, "inspect");
   Ort::Session probe(env, model.c_str(), Ort::SessionOptions{});
@@ -295,6 +327,24 @@ int main(int argc, char** argv) {
   }
 
   std::printf("model %s, %d cores, %.1f s per configuration\n\n", model.c_str(), cores, seconds);
+  if (per_concurrency) {
+    std::printf(
+        "quern::Engine (%d instance(s), 0 = automatic layout) vs raw ONNX Runtime's best layout for the same "
+        "number of single-item requests in flight, measured right before it\n",
+        g_instances);
+    std::printf("  raw layout: SxT/bB = S sessions of T intra-op threads, each running batches of B\n");
+    std::printf("  in flight  raw layout  raw items/s  engine items/s  x raw  mean batch   p50 ms   p99 ms\n");
+    for (int n : submitters) {
+      double raw = 0;
+      const RawConfig c = RawBestAt(model, cores, n, max_batch, seconds, shape, raw);
+      EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape, mode == "callbacks", tuning != "off");
+      const std::string layout = c.Name(cores) + "/b" + std::to_string(c.batch);
+      std::printf("  %9d  %10s  %11.1f  %14.1f  %5.3f  %10.2f  %7.2f  %7.2f\n", n, layout.c_str(), raw, r.throughput,
+                  r.throughput / raw, r.mean_batch, r.p50_ms, r.p99_ms);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   std::vector<RawConfig> configs{{1, false}, {1, true}};
   if (cores > 1) configs.push_back({cores, false});
   std::printf("raw ONNX Runtime items/s (SxTt = S parallel sessions with T intra-op threads each)\n  batch");

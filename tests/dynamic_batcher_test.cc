@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -312,6 +313,135 @@ TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {
       o, [](int, std::vector<std::unique_ptr<BatchTask>>&&) {}, [](std::unique_ptr<BatchTask>, const Status&) {});
   ASSERT_TRUE(b.has_value());
   EXPECT_EQ((*b)->batch_limit(), 8);
+}
+
+}  // namespace
+}  // namespace quern
+
+namespace quern {
+namespace {
+
+// Three workers, the last one wide. A processor that holds each batch until
+// the gate opens, and checks that a wide batch never runs beside another.
+struct WideHarness {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = true;
+  int running[3] = {0, 0, 0};
+  std::vector<int> workers;  // who ran each batch, in order
+  bool overlap = false;
+  FakeClock clock;
+  std::unique_ptr<DynamicBatcher> batcher;
+  int next_id = 0;
+
+  WideHarness() {
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 1;
+    o.num_workers = 3;
+    o.wide_worker = true;
+    o.clock = &clock;
+    batcher = std::move(*DynamicBatcher::Create(
+        o,
+        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
+          std::unique_lock lock(mu);
+          ++running[worker];
+          const int others = running[0] + running[1] + running[2] - 1;
+          if ((worker == 2 && others > 0) || (worker != 2 && running[2] > 0)) overlap = true;
+          workers.push_back(worker);
+          cv.notify_all();
+          cv.wait(lock, [&] { return open; });
+          --running[worker];
+          cv.notify_all();
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {}));
+  }
+  ~WideHarness() {
+    Open();
+    batcher->Shutdown();
+  }
+  void Send(int64_t in_model) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(next_id++);
+    ScheduleOptions so;
+    so.in_model = in_model;
+    ASSERT_TRUE(batcher->Schedule(t, so).ok());
+  }
+  // Waits (up to 10 s) until `n` batches have started and, with the gate
+  // open, finished.
+  bool WaitStarted(size_t n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10),
+                       [&] { return workers.size() >= n && (!open || running[0] + running[1] + running[2] == 0); });
+  }
+  void Close() {
+    std::lock_guard lock(mu);
+    open = false;
+  }
+  void Open() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+  int Running(int worker) {
+    std::lock_guard lock(mu);
+    return running[worker];
+  }
+};
+
+TEST(DynamicBatcher, ALoneRequestRunsWideAndConcurrentOnesNarrowNeverTogether) {
+  WideHarness h;
+  // Light load: one request at a time takes the wide worker.
+  for (size_t i = 1; i <= 3; ++i) {
+    h.Send(1);
+    ASSERT_TRUE(h.WaitStarted(i));
+    EXPECT_EQ(h.workers.back(), 2) << "request " << i;
+  }
+  // Four in flight: the narrow workers take them, two at a time, and the
+  // wide one waits.
+  h.Close();
+  for (int i = 0; i < 4; ++i) h.Send(4);
+  ASSERT_TRUE(h.WaitStarted(5));
+  {
+    std::unique_lock lock(h.mu);
+    ASSERT_TRUE(h.cv.wait_for(lock, std::chrono::seconds(10), [&] { return h.running[0] + h.running[1] == 2; }));
+    EXPECT_EQ(h.running[2], 0);
+  }
+  h.Open();
+  ASSERT_TRUE(h.WaitStarted(7));
+  for (size_t i = 3; i < 7; ++i) EXPECT_NE(h.workers[i], 2) << "batch " << i;
+  // Back to one at a time: the wide worker takes over again once the
+  // average has come down.
+  bool wide_again = false;
+  for (size_t i = 8; i <= 20 && !wide_again; ++i) {
+    h.Send(1);
+    ASSERT_TRUE(h.WaitStarted(i));
+    wide_again = h.workers.back() == 2;
+  }
+  EXPECT_TRUE(wide_again);
+  // A wide batch running: requests that arrive wait for it, even when they
+  // make the load heavy, and then run narrow.
+  h.Close();
+  h.Send(1);
+  const size_t started = h.workers.size() + 1;
+  ASSERT_TRUE(h.WaitStarted(started));
+  EXPECT_EQ(h.workers.back(), 2);
+  for (int i = 0; i < 3; ++i) h.Send(4);
+  // Time for a narrow worker that wrongly starts beside it to do so (the
+  // processor records the overlap).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(h.Running(0) + h.Running(1), 0);
+  h.Open();
+  ASSERT_TRUE(h.WaitStarted(started + 3));
+  EXPECT_FALSE(h.overlap) << "a wide batch ran beside another";
+  EXPECT_EQ(h.batcher->wide_batches(), std::count(h.workers.begin(), h.workers.end(), 2));
+}
+
+TEST(DynamicBatcher, AWideWorkerNeedsAnother) {
+  DynamicBatcherOptions o;
+  o.num_workers = 1;
+  o.wide_worker = true;
+  auto b = DynamicBatcher::Create(
+      o, [](int, std::vector<std::unique_ptr<BatchTask>>&&) {}, [](std::unique_ptr<BatchTask>, const Status&) {});
+  EXPECT_FALSE(b.has_value());
 }
 
 }  // namespace

@@ -10,7 +10,8 @@ namespace quern {
 namespace {
 
 // ONNX Runtime: one session per instance, threads divided between instances
-// (SessionOptionsFor); the configuration completed from the ONNX file.
+// (SessionOptionsFor), and a wide instance with every core's thread; the
+// configuration completed from the ONNX file.
 class OrtBackend final : public Backend {
  public:
   Result<std::unique_ptr<Model>> LoadFirst(ModelConfig& config, const std::filesystem::path& file, bool has_config_file,
@@ -25,6 +26,17 @@ class OrtBackend final : public Backend {
   Result<std::unique_ptr<Model>> LoadAnother(const ModelConfig& config, const std::filesystem::path& file,
                                              int cores) override {
     QUERN_ASSIGN_OR_RETURN(auto model, Load(config, file, cores));
+    return std::unique_ptr<Model>(std::move(model));
+  }
+
+  // A session with every core's intra-op thread, unless the configuration
+  // sets the threads itself.
+  Result<std::unique_ptr<Model>> LoadWide(const ModelConfig& config, const std::filesystem::path& file,
+                                          int cores) override {
+    if (config.parameters.count("intra_op_thread_count") || cores < 2) return std::unique_ptr<Model>();
+    ModelConfig one = config;
+    one.instance_count = 1;
+    QUERN_ASSIGN_OR_RETURN(auto model, Load(one, file, cores));
     return std::unique_ptr<Model>(std::move(model));
   }
 

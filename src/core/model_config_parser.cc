@@ -277,8 +277,9 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   for (const auto& [key, value] : p.parameters()) {
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
-        key != kMaxQueueWaitParam && key != "quern.task" && !key.starts_with("quern.image.") &&
-        !key.starts_with("quern.detection.") && !key.starts_with("quern.classification.")) {
+        key != kMaxQueueWaitParam && key != kWideInstanceParam && key != "quern.task" &&
+        !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
+        !key.starts_with("quern.classification.")) {
       return Err(InvalidArgument(source + ": unknown parameter " + key));
     }
   }
@@ -292,6 +293,16 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
       c.batch_size_tuning = true;
     } else if (it->second == "off" || it->second == "false") {
       c.batch_size_tuning = false;
+    } else {
+      return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
+                                 it->second + "\""));
+    }
+  }
+  if (auto it = c.parameters.find(std::string(kWideInstanceParam)); it != c.parameters.end()) {
+    if (it->second == "on" || it->second == "true") {
+      c.wide_instance = true;
+    } else if (it->second == "off" || it->second == "false") {
+      c.wide_instance = false;
     } else {
       return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
                                  it->second + "\""));

@@ -23,6 +23,10 @@ inline constexpr std::string_view kFixedBatchSizesParam = "quern.fixed_batch_siz
 // Turns the batch size tuner on or off ("on" / "off"):
 //   parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }
 inline constexpr std::string_view kBatchSizeTuningParam = "quern.batch_size_tuning";
+// The wide instance of an automatic layout ("on" / "off"; see
+// DynamicBatcher): a lone request runs on every core.
+//   parameters { key: "quern.wide_instance" value { string_value: "off" } }
+inline constexpr std::string_view kWideInstanceParam = "quern.wide_instance";
 // Admission by waiting time in ms (0 = no bound):
 //   parameters { key: "quern.max_queue_wait_ms" value { string_value: "2000" } }
 inline constexpr std::string_view kMaxQueueWaitParam = "quern.max_queue_wait_ms";

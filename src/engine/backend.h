@@ -33,6 +33,14 @@ class Backend {
   // LoadFirst completed.
   virtual Result<std::unique_ptr<Model>> LoadAnother(const ModelConfig& config, const std::filesystem::path& file,
                                                      int cores) = 0;
+
+  // Creates an instance that runs one batch on all `cores` (the wide
+  // instance of an automatic layout, see DynamicBatcher), or null when this
+  // backend's instances cannot use more cores for one batch.
+  virtual Result<std::unique_ptr<Model>> LoadWide(const ModelConfig& /*config*/, const std::filesystem::path& /*file*/,
+                                                  int /*cores*/) {
+    return std::unique_ptr<Model>();
+  }
 };
 
 class BackendRegistry {

@@ -174,7 +174,10 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersionSafely(const Repo
 
 Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
   ModelConfig config = m.config;
-  if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
+  // An automatic layout (no instance_group): one instance per core for
+  // concurrent requests, and a wide one for a lone request.
+  const bool automatic = config.instance_count == 0;
+  if (automatic) config.instance_count = std::min(cores_, kMaxInstances);
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
   Backend* backend = backends_.Find(config.backend);
   if (!backend) {
@@ -190,7 +193,15 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const Repository
     QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadAnother(config, v.model_file, cores_));
     instances.push_back(std::move(inst));
   }
-  return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir);
+  bool wide = false;
+  if (automatic && config.instance_count > 1 && config.wide_instance.value_or(true)) {
+    QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadWide(config, v.model_file, cores_));
+    if (inst) {
+      instances.push_back(std::move(inst));
+      wide = true;
+    }
+  }
+  return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir, wide);
 }
 
 Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {

@@ -83,13 +83,15 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
 
 Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int64_t version,
                                                          std::vector<std::unique_ptr<Model>> instances,
-                                                         const Clock* clock, std::filesystem::path model_dir) {
+                                                         const Clock* clock, std::filesystem::path model_dir,
+                                                         bool wide) {
   if (instances.empty()) return Err(Internal("model '" + config.name + "' has no instances"));
   std::shared_ptr<ServedModel> m(new ServedModel(std::move(config), version, std::move(instances), clock));
   QUERN_RETURN_IF_ERROR(m->Warmup(model_dir));
 
   DynamicBatcherOptions opts;
   opts.num_workers = static_cast<int>(m->instances_.size());
+  opts.wide_worker = wide && opts.num_workers >= 2;
   opts.clock = clock;
   const ModelConfig& c = m->config_;
   opts.queue.max_batch_size = std::max(c.max_batch_size, 1);
@@ -185,6 +187,7 @@ Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
 
 Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
+  const int64_t in_model = unanswered_.fetch_add(1, std::memory_order_relaxed) + 1;
   auto task = std::make_unique<Task>();
   task->telemetry.queue_start_ns = clock_->NowNs();
   task->id = request_id;
@@ -197,6 +200,7 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.timeout_ns = static_cast<int64_t>(task->request.timeout_us) * 1000;
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
+  so.in_model = in_model;
   task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);
@@ -211,6 +215,7 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
 
 Status ServedModel::Refuse(const Task& task, Status status) {
   RecordOutcome(task, status);
+  unanswered_.fetch_sub(1, std::memory_order_relaxed);
   in_flight_.fetch_sub(1, std::memory_order_release);
   return status;
 }
@@ -247,12 +252,14 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
   if (ordered_) {
     sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
       r.telemetry.response_ns = clock_->NowNs();
+      unanswered_.fetch_sub(1, std::memory_order_relaxed);
       done(std::move(r));
       in_flight_.fetch_sub(1, std::memory_order_release);
     });
     return;
   }
   r.telemetry.response_ns = clock_->NowNs();
+  unanswered_.fetch_sub(1, std::memory_order_relaxed);
   task->done(std::move(r));
   in_flight_.fetch_sub(1, std::memory_order_release);
 }

@@ -30,9 +30,11 @@ class ServedModel {
  public:
   // `instances` are loaded already. Runs the configured warm-up samples on
   // every instance (files are read from `model_dir`/warmup/) before returning.
+  // `wide`: the last instance runs a batch with every core, alone, while the
+  // load is light (DynamicBatcherOptions::wide_worker).
   static Result<std::shared_ptr<ServedModel>> Create(ModelConfig config, int64_t version,
                                                      std::vector<std::unique_ptr<Model>> instances, const Clock* clock,
-                                                     std::filesystem::path model_dir);
+                                                     std::filesystem::path model_dir, bool wide = false);
   ~ServedModel();
 
   // Validates and queues `request`. Queued: `done` is moved out and later
@@ -75,6 +77,12 @@ class ServedModel {
   const bool ordered_;
 
   std::atomic<int64_t> in_flight_{0};
+
+  // Requests not yet answered: in_flight_ less those whose callback runs
+
+  // (a caller that submits its next request from the callback is alone).
+
+  std::atomic<int64_t> unanswered_{0};
   ModelStatisticsRecorder stats_;
 };
 

@@ -65,6 +65,10 @@ struct ScheduleOptions {
   int64_t timeout_ns = 0;   // the task's own queue timeout; 0 = none
   int64_t deadline_ns = 0;  // absolute hard deadline; 0 = none
   bool admitted = false;    // the caller admitted it: no queue-wait bound
+  // Requests in the caller's model now, not yet answered (queued or
+  // running), this one included: the load a wide worker follows
+  // (DynamicBatcher). -1 = the batcher counts what it queues and runs.
+  int64_t in_model = -1;
 };
 
 class BatchQueue {

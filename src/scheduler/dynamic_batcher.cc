@@ -15,6 +15,10 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
   b->num_workers_ = options.num_workers;
+  if (options.wide_worker && options.num_workers < 2) {
+    return Err(InvalidArgument("a wide worker needs at least one other worker"));
+  }
+  b->wide_ = options.wide_worker;
   if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
   if (options.tuner) {
@@ -49,11 +53,21 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
+    const double present = options.in_model >= 0
+                               ? static_cast<double>(options.in_model)
+                               : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
+    load_ = 0.75 * load_ + 0.25 * present;
     int64_t due = options.deadline_ns;
     if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
-    if (busy_workers_ == num_workers_ && ReaperNeedsWake(due)) reaper_cv_.Signal();
+    if (!AnyTaker() && ReaperNeedsWake(due)) reaper_cv_.Signal();
   }
-  cv_.Signal();
+  // With a wide worker, the worker one signal would wake may not be the one
+  // allowed to take the task.
+  if (wide_) {
+    cv_.SignalAll();
+  } else {
+    cv_.Signal();
+  }
   return Status::Ok();
 }
 
@@ -63,8 +77,8 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   // Admitted whenever an instance is free or nothing waits (a slow first
   // batch must not lock a model out); otherwise while the work queued
   // ahead of it fits in the limit.
-  if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && busy_workers_ == num_workers_ && queue_.items() > 0) {
-    const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(num_workers_);
+  if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && !AnyTaker() && queue_.items() > 0) {
+    const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(narrow_workers());
     if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
       return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
                          std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
@@ -116,18 +130,48 @@ int64_t DynamicBatcher::batch_limit() const {
   return queue_.batch_limit();
 }
 
+int64_t DynamicBatcher::wide_batches() const {
+  MutexLock lock(mu_);
+  return wide_batches_;
+}
+
+bool DynamicBatcher::MayTake(bool wide) const {
+  if (wide_running_) return false;
+  if (!wide_) return true;
+  const bool light = load_ < kWideBelow;
+  if (wide) return light && busy_workers_ == 0;
+  return !light || busy_workers_ > 0;
+}
+
+bool DynamicBatcher::AnyTaker() const {
+  if (wide_ && MayTake(true)) return true;
+  return busy_workers_ < narrow_workers() && MayTake(false);
+}
+
 void DynamicBatcher::WorkerLoop(int worker) {
+  const bool wide = wide_ && worker == num_workers_ - 1;
   MutexLock lock(mu_);
   while (true) {
     if (stopping_ && queue_.empty()) break;
+    if (!stopping_ && !MayTake(wide)) {
+      cv_.Wait(lock);
+      continue;
+    }
     const int64_t now = clock_->NowNs();
-    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, num_workers_ - busy_workers_);
+    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, wide ? 1 : narrow_workers() - busy_workers_);
     if (!d.batch.empty() || !d.dropped.empty()) {
       const bool more = !queue_.empty();
-      ++busy_workers_;
-      if (busy_workers_ == num_workers_ && more && ReaperNeedsWake(0)) reaper_cv_.Signal();
+      const auto tasks = static_cast<int64_t>(d.batch.size());
+      if (wide) {
+        wide_running_ = true;
+        if (!d.batch.empty()) ++wide_batches_;
+      } else {
+        ++busy_workers_;
+      }
+      running_tasks_ += tasks;
+      if (!AnyTaker() && more && ReaperNeedsWake(0)) reaper_cv_.Signal();
       lock.Unlock();
-      if (more) cv_.Signal();  // let another free instance take the next batch
+      if (more && !wide) cv_.Signal();  // let another free instance take the next batch
       for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
       int64_t ran_ns = 0;
       if (!d.batch.empty()) {
@@ -136,14 +180,22 @@ void DynamicBatcher::WorkerLoop(int worker) {
         ran_ns = clock_->NowNs() - start;
       }
       lock.Lock();
-      --busy_workers_;
-      if (d.items > 0 && ran_ns > 0) {
+      running_tasks_ -= tasks;
+      if (wide) {
+        wide_running_ = false;
+      } else {
+        --busy_workers_;
+      }
+      // The time per item and the batch size tuner describe the instances
+      // that share the cores; a wide batch has them all.
+      if (d.items > 0 && ran_ns > 0 && (!wide || ns_per_item_ == 0)) {
         const double sample = static_cast<double>(ran_ns) / static_cast<double>(d.items);
         ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
       }
-      if (tuner_ && d.items > 0 && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
+      if (tuner_ && d.items > 0 && !wide && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
         queue_.set_batch_limit(tuner_->limit());
       }
+      if (wide_) cv_.SignalAll();  // the others may take batches again
       continue;
     }
     if (d.wake_at_ns == 0) {
@@ -164,7 +216,7 @@ void DynamicBatcher::ReaperLoop() {
   MutexLock lock(mu_);
   while (!stopping_) {
     // Idle workers sweep the queue themselves; the reaper covers the time when none is free.
-    if (busy_workers_ < num_workers_ || queue_.empty()) {
+    if (AnyTaker() || queue_.empty()) {
       reaper_wake_ns_ = 0;
       reaper_cv_.Wait(lock);
       reaper_wake_ns_ = -1;

@@ -13,6 +13,15 @@
 // hear at once rather than when an instance frees up (cancellation is
 // noticed within kReapPollMs).
 //
+// A wide worker (options.wide_worker): the last worker runs its batches on
+// every core, alone. While the load is light (on average fewer than
+// kWideBelow requests in the model when one arrives) it takes the batches
+// and the others wait; under more load the others take them and it waits. A
+// wide batch never runs beside another: two runs that split the cores
+// between them finish later than the same two runs one after the other.
+// So a lone request (a camera's frame) gets every core, and concurrent ones
+// get one instance each.
+//
 // Thread safety: Schedule and Kick may be called from any thread.
 // Shutdown()/the destructor stop intake, run every queued task to completion
 // (nothing is lost) and join the workers; do not call them from a worker.
@@ -51,6 +60,8 @@ struct DynamicBatcherOptions {
   // then holds about this much work: admitted tasks are answered within it,
   // the rest are refused at once, and memory stays bounded. 0 = no bound.
   int64_t max_queue_wait_ns = 0;
+  // The last of num_workers (>= 2) is the wide worker (see above).
+  bool wide_worker = false;
 };
 
 class DynamicBatcher {
@@ -88,7 +99,12 @@ class DynamicBatcher {
 
   // How often the reaper looks for cancelled tasks while every worker is busy.
   static constexpr int kReapPollMs = 5;
+  // The wide worker takes batches while the average number of requests in
+  // the model, seen by arriving requests, stays under this.
+  static constexpr double kWideBelow = 1.5;
   int num_workers() const { return num_workers_; }
+  // Batches run by the wide worker so far.
+  int64_t wide_batches() const;
 
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
@@ -100,6 +116,12 @@ class DynamicBatcher {
   // Schedule's admission decision; `queue_wait` false for work its caller
   // admitted already (only a stopping model refuses it).
   Status AdmissionLocked(bool queue_wait) const QUERN_REQUIRES(mu_);
+  // Whether a free worker (the wide one or another) may take a batch now.
+  bool MayTake(bool wide) const QUERN_REQUIRES(mu_);
+  // Whether some free worker may take a batch now (if not, queued tasks
+  // wait and the reaper watches them).
+  bool AnyTaker() const QUERN_REQUIRES(mu_);
+  int narrow_workers() const { return num_workers_ - (wide_ ? 1 : 0); }
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts
@@ -112,7 +134,14 @@ class DynamicBatcher {
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
-  int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;
+  int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;  // not counting the wide worker
+  bool wide_ = false;                           // set before any thread starts
+  bool wide_running_ QUERN_GUARDED_BY(mu_) = false;
+  int64_t wide_batches_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t running_tasks_ QUERN_GUARDED_BY(mu_) = 0;
+  // Requests in the model seen by arriving requests (themselves included), a
+  // moving average.
+  double load_ QUERN_GUARDED_BY(mu_) = 1.0;
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
   // so a saturated model does not wake it once per request.
