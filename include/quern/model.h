@@ -86,10 +86,10 @@ struct ModelConfig {
   std::vector<TensorConfig> inputs;
   std::vector<TensorConfig> outputs;
   // Number of instances (each with its own session and worker thread).
-  // 0 = automatic: one instance per core, each with one intra-op thread
-  // (what a config.pbtxt without instance_group gets). On a CPU this gives
-  // the most throughput for small and large models alike; set 1 to trade
-  // throughput for the lowest single-request latency (all cores on one run).
+  // 0 = automatic: one instance per core, each with one intra-op thread, and
+  // (see wide_instance) one more that runs a lone request on every core —
+  // the layout follows the load. A number gives exactly that many, the
+  // cores divided among them.
   int instance_count = 1;
   // Dynamic batching is on when max_batch_size > 0 and this is set.
   std::optional<BatchingConfig> batching;

@@ -11,8 +11,16 @@
 namespace quern {
 namespace {
 
+// The process's one environment, with one CPU arena that every session
+// allocates from (session.use_env_allocators): a model's instances share
+// the memory their runs need instead of each growing an arena of its own.
 Ort::Env& Env() {
-  static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
+  static Ort::Env* env = [] {
+    auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
+    Ort::ArenaCfg arena(0, -1, -1, -1);  // ONNX Runtime's defaults
+    e->CreateAndRegisterAllocator(Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault), arena);
+    return e;
+  }();
   return *env;
 }
 
@@ -251,6 +259,7 @@ Status OrtModel::Load() {
     so.SetIntraOpNumThreads(options_.intra_op_threads);
     so.SetInterOpNumThreads(options_.inter_op_threads);
     so.SetExecutionMode(ORT_SEQUENTIAL);
+    so.AddConfigEntry(kOrtSessionOptionsConfigUseEnvAllocators, "1");
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, options_.allow_spinning ? "1" : "0");
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
     if (options_.stop_spinning_after_run) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
