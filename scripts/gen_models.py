@@ -108,7 +108,7 @@ def tile4():
 DET_SIZE, DET_CELL = 64, 16
 
 
-def detector(name, layout, size=DET_SIZE, cell=DET_CELL, backbone=False):
+def detector(name, layout, size=DET_SIZE, cell=DET_CELL, backbone=False, slices=False):
     """backbone=True adds a strided CNN (~1 GFLOP at 640x640, the order of a small YOLO) whose result is
     multiplied by zero and added to the scores: real compute, outputs unchanged."""
     g = size // cell
@@ -169,15 +169,40 @@ def detector(name, layout, size=DET_SIZE, cell=DET_CELL, backbone=False):
             outputs = [vi("output0", TensorProto.FLOAT, ["N", 7, n])]
         else:  # yolov5: [N, boxes, 5 + 3]
             nodes += [helper.make_node("Concat", ["b", "obj", "scores"], ["v5t"], axis=1),
-                      helper.make_node("Transpose", ["v5t"], ["output0"], perm=[0, 2, 1])]
+                      helper.make_node("Transpose", ["v5t"], ["v5" if slices else "output0"], perm=[0, 2, 1])]
             outputs = [vi("output0", TensorProto.FLOAT, ["N", n, 8])]
+            if slices:
+                # The YOLOv5 Detect head as older exports write it: per level, Slice ops cut xy, wh and
+                # the scores apart along the last axis and Concat puts them back (here unchanged). ONNX
+                # Runtime 1.21 refuses such a graph ("two nodes with same node name
+                # (/GatherSliceToSplitFusion/)"); later releases load it.
+                inits.append(numpy_helper.from_array(np.array([-1, n, 8], np.int64), "v5_shape"))
+                nodes.append(helper.make_node("Reshape", ["v5", "v5_shape"], ["v5s"]))  # static [., n, 8]
+                levels = []
+                for k, (r0, r1) in enumerate(((0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n))):
+                    rows = f"rows{k}"
+                    inits += [numpy_helper.from_array(np.array([r0], np.int64), f"r0_{k}"),
+                              numpy_helper.from_array(np.array([r1], np.int64), f"r1_{k}"),
+                              numpy_helper.from_array(np.array([1], np.int64), f"ax1_{k}")]
+                    nodes.append(helper.make_node("Slice", ["v5s", f"r0_{k}", f"r1_{k}", f"ax1_{k}"], [rows]))
+                    parts = []
+                    for j, (c0, c1) in enumerate(((0, 2), (2, 4), (4, 8))):
+                        inits += [numpy_helper.from_array(np.array([c0], np.int64), f"c0_{k}{j}"),
+                                  numpy_helper.from_array(np.array([c1], np.int64), f"c1_{k}{j}"),
+                                  numpy_helper.from_array(np.array([2], np.int64), f"ax2_{k}{j}")]
+                        nodes.append(helper.make_node("Slice", [rows, f"c0_{k}{j}", f"c1_{k}{j}", f"ax2_{k}{j}"],
+                                                      [f"part{k}{j}"]))
+                        parts.append(f"part{k}{j}")
+                    nodes.append(helper.make_node("Concat", parts, [f"level{k}"], axis=2))
+                    levels.append(f"level{k}")
+                nodes.append(helper.make_node("Concat", levels, ["output0"], axis=1))
     return graph_model(nodes, name, [vi("images", TensorProto.FLOAT, ["N", 3, size, size])], outputs, inits)
 
 
 def write_detector(d, layout, quiet, name=None, batching="dynamic_batching { }", size=DET_SIZE, cell=DET_CELL,
-                   backbone=False):
+                   backbone=False, slices=False):
     name = name or f"detect_{layout}"
-    save(detector(name, layout, size, cell, backbone), f"{d}/{name}/1/model.onnx", quiet)
+    save(detector(name, layout, size, cell, backbone, slices), f"{d}/{name}/1/model.onnx", quiet)
     cells = (size // cell) ** 2
     outputs = {"yolov5": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ {2 * cells}, 8 ] label_filename: "labels.txt" }}',
                "yolov8": f'{{ name: "output0" data_type: TYPE_FP32 dims: [ 7, {2 * cells} ] label_filename: "labels.txt" }}',
@@ -340,6 +365,7 @@ parameters { key: "quern.fixed_batch_sizes" value { string_value: "4" } }
     save(tile4(), f"{d}/tile4/1/model.onnx", quiet)
     for layout in ("yolov5", "yolov8", "detr"):
         write_detector(d, layout, quiet)
+    write_detector(d, "yolov5", quiet, name="detect_yolov5_slices", slices=True)
     # A request waits up to a second for company: time to test overload and timeouts.
     write_detector(d, "yolov8", quiet, name="detect_slow",
                    batching="dynamic_batching { max_queue_delay_microseconds: 1000000 }")

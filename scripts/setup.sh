@@ -11,9 +11,13 @@ TP="$ROOT/third_party"
 BUILD_DIR="${QUERN_BUILD_DIR:-$ROOT/build}"
 VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
 
-ORT_VERSION=1.21.0
-ORT_NPM_TGZ_SHA256=c711a4048a8b460a70de25a5008b1628e3773878ef9deec1dd4a4ccab46de01a
-ORT_SO_SHA256=05bfddeefc536a44478c20226218dae8853995518bb2a994b4fa15a996f5f412
+# The library: npm onnxruntime-node (the newest release the registries carry). The headers: Debian
+# trixie's libonnxruntime-dev 1.21.0: ONNX Runtime's C API is versioned, and a newer library serves
+# every older API version (the 1.21 C++ wrapper asks for API 21 at run time).
+ORT_VERSION=1.30.0
+ORT_NPM_TGZ_SHA256=6e3390d6b783e7be946fad629292799da28d0b42f84856e50d2c1b0383291e75
+ORT_SO_SHA256=ffb75a925ba05e47b235bb66e3e3911714a80b328a9c9425539feb204aa32a23
+ORT_HEADERS_VERSION=1.21.0
 ORT_DEV_DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
 ORT_DEV_DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
 OCR_MODELS_TGZ_SHA256=9b6666eae0b51936f186bcf4d581c403b63232c8d2d256308d2259dee3afd14e
@@ -58,7 +62,7 @@ install_onnxruntime() {
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
-  log "fetching ONNX Runtime $ORT_VERSION headers (Debian trixie libonnxruntime-dev)"
+  log "fetching ONNX Runtime $ORT_HEADERS_VERSION headers (Debian trixie libonnxruntime-dev)"
   mkdir -p "$tmp/lists/partial" "$tmp/archives"
   echo "deb http://deb.debian.org/debian trixie main" > "$tmp/trixie.list"
   local aptopts=(-o Dir::Etc::SourceList="$tmp/trixie.list" -o Dir::Etc::SourceParts=/dev/null
@@ -69,16 +73,17 @@ install_onnxruntime() {
   check_sha "$tmp/$ORT_DEV_DEB" "$ORT_DEV_DEB_SHA256"
   dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
 
-  log "fetching libonnxruntime.so.$ORT_VERSION (npm onnxruntime-node@$ORT_VERSION, no install scripts)"
+  log "fetching libonnxruntime.so $ORT_VERSION (npm onnxruntime-node@$ORT_VERSION, no install scripts)"
   (cd "$tmp" && npm pack --silent --ignore-scripts "onnxruntime-node@$ORT_VERSION" >/dev/null)
   check_sha "$tmp/onnxruntime-node-$ORT_VERSION.tgz" "$ORT_NPM_TGZ_SHA256"
-  tar -xzf "$tmp/onnxruntime-node-$ORT_VERSION.tgz" -C "$tmp" package/bin/napi-v3/linux/x64
-  check_sha "$tmp/package/bin/napi-v3/linux/x64/libonnxruntime.so.$ORT_VERSION" "$ORT_SO_SHA256"
+  local so=package/bin/napi-v6/linux/x64/libonnxruntime.so.1  # soname libonnxruntime.so.1
+  tar -xzf "$tmp/onnxruntime-node-$ORT_VERSION.tgz" -C "$tmp" "$so"
+  check_sha "$tmp/$so" "$ORT_SO_SHA256"
 
   rm -rf "$dest"
   mkdir -p "$dest/include" "$dest/lib"
   cp -r "$tmp/dev/usr/include/onnxruntime/." "$dest/include/"
-  cp "$tmp/package/bin/napi-v3/linux/x64/libonnxruntime.so.$ORT_VERSION" "$dest/lib/"
+  cp "$tmp/$so" "$dest/lib/libonnxruntime.so.$ORT_VERSION"
   ln -sf "libonnxruntime.so.$ORT_VERSION" "$dest/lib/libonnxruntime.so.1"
   ln -sf "libonnxruntime.so.1" "$dest/lib/libonnxruntime.so"
   touch "$dest/.complete-$ORT_VERSION"

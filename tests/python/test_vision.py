@@ -40,7 +40,7 @@ def start(repo, *extra):
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     d = tmp_path_factory.mktemp("repo")
-    for m in ("detect_yolov5", "detect_yolov8", "detect_detr", "detect_slow", "add_sub"):
+    for m in ("detect_yolov5", "detect_yolov8", "detect_detr", "detect_slow", "add_sub", "detect_yolov5_slices"):
         shutil.copytree(os.path.join(MODELS, m), d / m)
     shutil.copytree(os.path.join(EXAMPLES, "text_direction"), d / "text_direction")
     return str(d)
@@ -159,6 +159,15 @@ def test_detection_layouts_sizes_and_coordinates(server, layout, w, h):
     assert r["command"] == "custom"
 
 
+def test_yolov5_head_exported_with_slice_ops(server):
+    """A YOLOv5 Detect head whose export cuts xy, wh and scores apart with Slice ops per level: ONNX
+    Runtime 1.21 refused to load it (duplicate /GatherSliceToSplitFusion/ node names); it loads and
+    answers the same boxes as the plain head."""
+    img = painted(128, 96, SQUARES)
+    r = detect(server, encode(img, "PNG"), path="/v1/vision/custom/detect_yolov5_slices")
+    check(r, expected(128, 96, SQUARES, "yolov5"))
+
+
 @pytest.mark.parametrize("fmt,kw,tol", [("JPEG", {"quality": 95, "subsampling": 0}, 0.05), ("PNG", {}, 0.01), ("BMP", {}, 0.01),
                                         ("WEBP", {"lossless": True}, 0.01)])
 def test_every_image_format(server, fmt, kw, tol):
@@ -245,7 +254,8 @@ def test_list_and_ping(server):
     status, _, data = request(server, "POST", "/v1/vision/custom/list")
     r = json.loads(data)
     assert r["success"] is True
-    assert sorted(r["models"]) == ["detect_detr", "detect_slow", "detect_yolov5", "detect_yolov8"]
+    assert sorted(r["models"]) == ["detect_detr", "detect_slow", "detect_yolov5", "detect_yolov5_slices",
+                                   "detect_yolov8"]
     status, _, data = request(server, "GET", "/v1/status/ping")
     assert status == 200 and json.loads(data)["success"] is True
 
