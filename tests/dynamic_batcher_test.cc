@@ -385,6 +385,10 @@ struct WideHarness {
     std::lock_guard lock(mu);
     return running[worker];
   }
+  size_t Started() {
+    std::lock_guard lock(mu);
+    return workers.size();
+  }
 };
 
 TEST(DynamicBatcher, ALoneRequestRunsWideAndConcurrentOnesNarrowNeverTogether) {
@@ -420,8 +424,8 @@ TEST(DynamicBatcher, ALoneRequestRunsWideAndConcurrentOnesNarrowNeverTogether) {
   // A wide batch running: requests that arrive wait for it, even when they
   // make the load heavy, and then run narrow.
   h.Close();
+  const size_t started = h.Started() + 1;  // counted before the batch can start
   h.Send(1);
-  const size_t started = h.workers.size() + 1;
   ASSERT_TRUE(h.WaitStarted(started));
   EXPECT_EQ(h.workers.back(), 2);
   for (int i = 0; i < 3; ++i) h.Send(4);

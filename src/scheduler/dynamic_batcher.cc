@@ -48,6 +48,7 @@ DynamicBatcher::~DynamicBatcher() {
 }
 
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
+  bool wake_wide = false;
   {
     MutexLock lock(mu_);
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
@@ -57,14 +58,15 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;
+    wake_wide = wide_ && MayTake(true);  // with the load this arrival leaves
     int64_t due = options.deadline_ns;
     if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
     if (!AnyTaker() && ReaperNeedsWake(due)) reaper_cv_.Signal();
   }
-  // With a wide worker, the worker one signal would wake may not be the one
-  // allowed to take the task.
-  if (wide_) {
-    cv_.SignalAll();
+  // Only the worker that may take it is woken: the wide one while the load
+  // is light, else one of the others.
+  if (wake_wide) {
+    wide_cv_.Signal();
   } else {
     cv_.Signal();
   }
@@ -96,6 +98,7 @@ Status DynamicBatcher::CheckAdmission() const {
 void DynamicBatcher::Kick() {
   { MutexLock lock(mu_); }
   cv_.SignalAll();
+  wide_cv_.SignalAll();
   reaper_cv_.SignalAll();
 }
 
@@ -106,6 +109,7 @@ void DynamicBatcher::Shutdown() {
     stopping_ = true;
   }
   cv_.SignalAll();
+  wide_cv_.SignalAll();
   reaper_cv_.SignalAll();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
@@ -138,9 +142,12 @@ int64_t DynamicBatcher::wide_batches() const {
 bool DynamicBatcher::MayTake(bool wide) const {
   if (wide_running_) return false;
   if (!wide_) return true;
+  // Light load: the wide worker, once the others' batches are done (a
+  // worker that has just answered its batch still counts as busy for a
+  // moment; its caller's next request waits for it rather than run narrow).
   const bool light = load_ < kWideBelow;
   if (wide) return light && busy_workers_ == 0;
-  return !light || busy_workers_ > 0;
+  return !light;
 }
 
 bool DynamicBatcher::AnyTaker() const {
@@ -150,11 +157,12 @@ bool DynamicBatcher::AnyTaker() const {
 
 void DynamicBatcher::WorkerLoop(int worker) {
   const bool wide = wide_ && worker == num_workers_ - 1;
+  CondVar& cv = wide ? wide_cv_ : cv_;
   MutexLock lock(mu_);
   while (true) {
     if (stopping_ && queue_.empty()) break;
     if (!stopping_ && !MayTake(wide)) {
-      cv_.Wait(lock);
+      cv.Wait(lock);
       continue;
     }
     const int64_t now = clock_->NowNs();
@@ -195,14 +203,18 @@ void DynamicBatcher::WorkerLoop(int worker) {
       if (tuner_ && d.items > 0 && !wide && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
         queue_.set_batch_limit(tuner_->limit());
       }
-      if (wide_) cv_.SignalAll();  // the others may take batches again
+      if (wide) {
+        cv_.SignalAll();  // the others may take batches again
+      } else if (wide_ && !queue_.empty() && MayTake(true)) {
+        wide_cv_.Signal();  // the load turned light: the wide worker's turn
+      }
       continue;
     }
     if (d.wake_at_ns == 0) {
-      cv_.Wait(lock);
+      cv.Wait(lock);
     } else {
       // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
-      cv_.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
+      cv.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
     }
   }
 }

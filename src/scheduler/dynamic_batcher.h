@@ -15,8 +15,9 @@
 //
 // A wide worker (options.wide_worker): the last worker runs its batches on
 // every core, alone. While the load is light (on average fewer than
-// kWideBelow requests in the model when one arrives) it takes the batches
-// and the others wait; under more load the others take them and it waits. A
+// kWideBelow requests in the model when one arrives) it takes the batches,
+// once the others have finished theirs, and the others wait; under more
+// load the others take them and it waits. A
 // wide batch never runs beside another: two runs that split the cores
 // between them finish later than the same two runs one after the other.
 // So a lone request (a camera's frame) gets every core, and concurrent ones
@@ -128,7 +129,8 @@ class DynamicBatcher {
   BatchProcessor processor_;
   DropHandler on_drop_;
   mutable Mutex mu_;
-  CondVar cv_;
+  CondVar cv_;       // the workers but the wide one: work or stop
+  CondVar wide_cv_;  // the wide worker
   BatchQueue queue_ QUERN_GUARDED_BY(mu_);
   std::optional<BatchSizeTuner> tuner_ QUERN_GUARDED_BY(mu_);
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
