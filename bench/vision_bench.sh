@@ -6,12 +6,16 @@
 # 640x640 YOLOv8-layout detector with a small-YOLO-sized backbone (~1 GFLOP).
 # The per-image breakdown (decode, resize, queue, infer, post) comes from the
 # server's quern_vision_stage_seconds_total counters over each run.
-#   bench/vision_bench.sh [seconds per run, default 5]
+# "cpu" is the server's CPU time (user + system, /proc) per answered image.
+#   bench/vision_bench.sh [seconds per run, default 5] [connections, default "1 2 4 8 16"]
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
+#   QUERN_BENCH_VISION_MODEL=detect_v5n ...  # another bench model (default: detect_640)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-5}"
+CONNS="${2:-1 2 4 8 16}"
+MODEL="${QUERN_BENCH_VISION_MODEL:-detect_640}"
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk"; exit 1; }
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
 PRESET="${QUERN_BENCH_PRESET:-release}"
@@ -25,11 +29,11 @@ build/$PRESET/bench/image_bench --iterations 30 --out-dir "$WORK"
 
 echo
 echo "== the model alone: raw ONNX Runtime ceiling X* and Engine-direct (engine_bench, random tensors)"
-build/$PRESET/bench/engine_bench --model bench/models/detect_640/1/model.onnx --seconds "$SECS" --max-batch 8 \
+build/$PRESET/bench/engine_bench --model "bench/models/$MODEL/1/model.onnx" --seconds "$SECS" --max-batch 8 \
   --raw-batches 1 2 4 --submitters 16 --gain-submitters 0 | grep -E "ceiling|^ *16 "
 
 mkdir -p "$WORK/repo"
-ln -s "$ROOT/bench/models/detect_640" "$WORK/repo/detect_640"
+ln -s "$ROOT/bench/models/$MODEL" "$WORK/repo/$MODEL"
 build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --metrics-port 0 --grpc-port -1 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
@@ -45,10 +49,13 @@ stages() {
     END {printf "%s %s %s %s %s %s\n", n, s["decode"], s["resize"], s["queue"], s["infer"], s["post"]}'
 }
 
+# the server's user + system CPU time, in clock ticks
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
+
 echo
-echo "== end to end: POST /v1/vision/detection, wrk, $SECS s per run"
+echo "== end to end: POST /v1/vision/detection ($MODEL), wrk, $SECS s per run"
 echo "(infer: the compute time of the batch the image ran in)"
-echo "image      conns  images/s   p50       p99       | ms per image: decode resize  queue   infer   post"
+echo "image      conns  images/s   p50       p99       | ms per image: decode resize  queue   infer   post |  cpu"
 for size in 640x480 1920x1080 3840x2160; do
   build/venv/bin/python - "$WORK/$size.jpg" "$WORK/$size.body" "$WORK/$size.type" <<'PY'
 import sys
@@ -65,11 +72,13 @@ wrk.method = "POST"
 local f = io.open("$WORK/$size.body", "rb"); wrk.body = f:read("*a"); f:close()
 wrk.headers["Content-Type"] = "$(cat "$WORK/$size.type")"
 LUA
-  for c in 1 2 4 8 16; do
+  for c in $CONNS; do
     read -r n0 d0 r0 q0 i0 p0 < <(stages)
+    cpu0=$(cpu_ticks)
     out=$(wrk -t 1 -c "$c" -d "${SECS}s" --timeout 20s --latency -s "$WORK/$size.lua" \
           "http://127.0.0.1:$PORT/v1/vision/detection")
     read -r n1 d1 r1 q1 i1 p1 < <(stages)
+    cpu1=$(cpu_ticks)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     p50=$(echo "$out" | awk '$1 == "50%" {print $2}')
     p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
@@ -77,10 +86,11 @@ LUA
     awk -v s="$size" -v c="$c" -v rps="$rps" -v p50="$p50" -v p99="$p99" -v n="$((n1 - n0))" \
         -v d="$(awk -v a="$d1" -v b="$d0" 'BEGIN {print a - b}')" -v r="$(awk -v a="$r1" -v b="$r0" 'BEGIN {print a - b}')" \
         -v q="$(awk -v a="$q1" -v b="$q0" 'BEGIN {print a - b}')" -v i="$(awk -v a="$i1" -v b="$i0" 'BEGIN {print a - b}')" \
-        -v p="$(awk -v a="$p1" -v b="$p0" 'BEGIN {print a - b}')" -v e="$errors" 'BEGIN {
+        -v p="$(awk -v a="$p1" -v b="$p0" 'BEGIN {print a - b}')" -v e="$errors" \
+        -v cpu="$(( (cpu1 - cpu0) * 1000 / $(getconf CLK_TCK) ))" 'BEGIN {
       if (n < 1) n = 1
-      printf "%-10s %5s  %8s  %-9s %-9s | %13.2f %6.2f %6.2f %7.2f %6.2f %s\n", s, c, rps, p50, p99,
-             d * 1000 / n, r * 1000 / n, q * 1000 / n, i * 1000 / n, p * 1000 / n, e }'
+      printf "%-10s %5s  %8s  %-9s %-9s | %13.2f %6.2f %6.2f %7.2f %6.2f | %5.2f %s\n", s, c, rps, p50, p99,
+             d * 1000 / n, r * 1000 / n, q * 1000 / n, i * 1000 / n, p * 1000 / n, cpu / n, e }'
   done
 done
 if ! grep -q '"success":true' <(curl -s -F "image=@$WORK/640x480.jpg" "127.0.0.1:$PORT/v1/vision/detection"); then
