@@ -307,8 +307,15 @@ def test_two_instances_share_one_stream(repo, redis_server):
     a = Quern(repo, *common, "--consumer-name", "a")
     b = Quern(repo, *common, "--consumer-name", "b")
     try:
+        # Both connected before the jobs arrive, and the jobs arrive in waves, as a producer's
+        # would: a consumer that starts late would otherwise find that a fast one took them all.
+        wait_until(lambda: a.metric("quern_stream_connected") == 1 and b.metric("quern_stream_connected") == 1,
+                   what="both consumers connected")
         xs = [np.full((1, 3), k, np.float32) for k in range(40)]
-        ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs], "share")
+        ids = []
+        for wave in range(10):
+            ids += xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs[4 * wave:4 * wave + 4]], f"share{wave}")
+            time.sleep(0.1)
         wait_until(lambda: all(stored(r, j) for j in ids), timeout=60, what="every result")
         for job, x in zip(ids, xs):
             np.testing.assert_array_equal(outputs_of(stored(r, job))["y"], 2 * x)
