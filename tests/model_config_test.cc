@@ -135,6 +135,31 @@ TEST(ModelConfig, BadFixedBatchSizesParameter) {
   EXPECT_NE(c.error().message().find("quern.fixed_batch_sizes"), std::string::npos) << c.error().message();
 }
 
+TEST(ModelConfig, WideInstanceParameter) {
+  auto convert = [](const std::string& value) {
+    auto p = ParseModelConfigText(
+        "max_batch_size: 4 parameters { key: \"quern.wide_instance\" value { string_value: \"" + value + "\" } }",
+        "m/config.pbtxt");
+    EXPECT_TRUE(p.has_value());
+    return ConvertModelConfig(*p, "m/config.pbtxt");
+  };
+  auto off = convert("off");
+  ASSERT_TRUE(off.has_value()) << off.error().ToString();
+  EXPECT_EQ(off->wide_instance, std::optional<bool>(false));
+  auto on = convert("true");
+  ASSERT_TRUE(on.has_value()) << on.error().ToString();
+  EXPECT_EQ(on->wide_instance, std::optional<bool>(true));
+  auto none = ConvertModelConfig(*ParseModelConfigText("max_batch_size: 4", "f"), "f");
+  ASSERT_TRUE(none.has_value());
+  EXPECT_FALSE(none->wide_instance.has_value());
+  auto bad = convert("wide");
+  ASSERT_FALSE(bad.has_value());
+  const std::string msg = bad.error().message();
+  EXPECT_NE(msg.find("m/config.pbtxt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("quern.wide_instance"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"wide\""), std::string::npos) << msg;
+}
+
 TEST(ModelConfig, BatchSizeTuningParameter) {
   auto convert = [](const std::string& value) {
     auto p = ParseModelConfigText(
