@@ -102,10 +102,11 @@ struct ModelConfig {
   // (parameter quern.batch_size_tuning "on" / "off"). Unset = on unless
   // preferred_batch_size is given.
   std::optional<bool> batch_size_tuning;
-  // Quern: with an automatic layout (instance_count 0), one more instance
-  // that runs a batch on every core, alone, while the load is light: a lone
-  // request gets all cores, concurrent ones an instance each (parameter
-  // quern.wide_instance "on" / "off"). Unset = on.
+  // Quern: with an automatic layout (instance_count 0), an ONNX model gets
+  // one more instance that runs a batch on every core, alone, while the load
+  // is light: a lone request gets all cores, concurrent ones an instance
+  // each (parameter quern.wide_instance "on" / "off"; unset = on). Models
+  // registered in code get none: their instances have no thread setting.
   std::optional<bool> wide_instance;
   // Admission by waiting time (Quern-specific, parameter
   // quern.max_queue_wait_ms): a request is refused with UNAVAILABLE when the

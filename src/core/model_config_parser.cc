@@ -168,6 +168,25 @@ VersionPolicy ConvertVersionPolicy(const inference::ModelConfig& proto) {
   return v;
 }
 
+namespace {
+
+// A parameter that is "on"/"true" or "off"/"false", when present.
+Status OnOffParameter(const ModelConfig& c, std::string_view key, const std::string& source, std::optional<bool>& out) {
+  auto it = c.parameters.find(std::string(key));
+  if (it == c.parameters.end()) return Status::Ok();
+  if (it->second == "on" || it->second == "true") {
+    out = true;
+  } else if (it->second == "off" || it->second == "false") {
+    out = false;
+  } else {
+    return InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" + it->second +
+                           "\"");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const std::string& source) {
   ModelConfig c;
   c.name = p.name();
@@ -288,26 +307,8 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     if (!sizes) return Err(sizes.error());
     c.fixed_batch_sizes = std::move(*sizes);
   }
-  if (auto it = c.parameters.find(std::string(kBatchSizeTuningParam)); it != c.parameters.end()) {
-    if (it->second == "on" || it->second == "true") {
-      c.batch_size_tuning = true;
-    } else if (it->second == "off" || it->second == "false") {
-      c.batch_size_tuning = false;
-    } else {
-      return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
-                                 it->second + "\""));
-    }
-  }
-  if (auto it = c.parameters.find(std::string(kWideInstanceParam)); it != c.parameters.end()) {
-    if (it->second == "on" || it->second == "true") {
-      c.wide_instance = true;
-    } else if (it->second == "off" || it->second == "false") {
-      c.wide_instance = false;
-    } else {
-      return Err(InvalidArgument(source + ": parameter " + it->first + " must be \"on\" or \"off\", got \"" +
-                                 it->second + "\""));
-    }
-  }
+  QUERN_RETURN_IF_ERROR(OnOffParameter(c, kBatchSizeTuningParam, source, c.batch_size_tuning));
+  QUERN_RETURN_IF_ERROR(OnOffParameter(c, kWideInstanceParam, source, c.wide_instance));
   if (auto it = c.parameters.find(std::string(kMaxQueueWaitParam)); it != c.parameters.end()) {
     int64_t ms = -1;
     auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);

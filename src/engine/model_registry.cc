@@ -139,15 +139,7 @@ Status ModelRegistry::LoadModel(const std::string& name) {
       entry.versions[v.version] = std::move(slot);
     }
   }
-  std::map<int64_t, VersionSlot> old;
-  {
-    WriterLock lock(mu_);
-    auto& e = models_[name];
-    old.swap(e.versions);
-    e = std::move(entry);
-    HoldRetiringLocked(old);
-  }
-  RetireVersions(old);  // in-flight requests of the old versions finish first
+  Replace(name, std::move(entry));
   return overall;
 }
 
@@ -228,15 +220,7 @@ Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
   slot.served = *served;
   slot.status = {name, 1, ModelState::kReady, "", slot.served->config()};
   entry.versions[1] = std::move(slot);
-  std::map<int64_t, VersionSlot> old;
-  {
-    WriterLock lock(mu_);
-    auto& e = models_[name];
-    old.swap(e.versions);
-    e = std::move(entry);
-    HoldRetiringLocked(old);
-  }
-  RetireVersions(old);
+  Replace(name, std::move(entry));
   return Status::Ok();
 }
 
@@ -352,6 +336,18 @@ void ModelRegistry::HoldRetiringLocked(const std::map<int64_t, VersionSlot>& ver
   for (const auto& [v, slot] : versions) {
     if (slot.served) retiring_.push_back(slot.served);
   }
+}
+
+void ModelRegistry::Replace(const std::string& name, Entry entry) {
+  std::map<int64_t, VersionSlot> old;
+  {
+    WriterLock lock(mu_);
+    auto& e = models_[name];
+    old.swap(e.versions);
+    e = std::move(entry);
+    HoldRetiringLocked(old);
+  }
+  RetireVersions(old);  // in-flight requests of the old versions finish first
 }
 
 void ModelRegistry::RetireVersions(std::map<int64_t, VersionSlot>& versions) {

@@ -79,6 +79,8 @@ class ModelRegistry {
   // Finishes the requests of versions taken out of service (held first by
   // HoldRetiringLocked), then lets them go.
   void RetireVersions(std::map<int64_t, VersionSlot>& versions);
+  // Puts `entry` in service under `name` and retires the versions it replaces.
+  void Replace(const std::string& name, Entry entry);
   void PollLoop();
 
   EngineOptions options_;
