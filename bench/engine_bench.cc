@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -275,6 +276,8 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
 }  // namespace
 
 int main(int argc, char** argv) {
+  // No telemetry from ONNX Runtime (see OrtEnv in src/backends/onnxruntime/ort_model.cc).
+  setenv("ORT_DISABLE_TELEMETRY", "1", /*overwrite=*/0);
   CLI::App app{"Raw ONNX Runtime ceiling vs quern::Engine throughput"};
   std::string model;
   double seconds = 5;

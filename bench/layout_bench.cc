@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -28,6 +29,8 @@ using SteadyClock = std::chrono::steady_clock;
 }  // namespace
 
 int main(int argc, char** argv) {
+  // No telemetry from ONNX Runtime (see OrtEnv in src/backends/onnxruntime/ort_model.cc).
+  setenv("ORT_DISABLE_TELEMETRY", "1", /*overwrite=*/0);
   CLI::App app{"Raw ONNX Runtime throughput of one model in four thread layouts"};
   std::string model, layout = "wide";
   int callers = 1, batch = 1;

@@ -1,54 +1,97 @@
 // The backends this build has, registered with the engine's registry.
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backends/onnxruntime/ort_model.h"
+#include "backends/onnxruntime/ort_shared_weights.h"
 #include "engine/backend.h"
 
 namespace quern {
 namespace {
+
+// One ONNX model version: its instances' sessions share one copy of the
+// weights when there are two or more (SharedOnnxWeights), or the first
+// instance, loaded while opening, is handed out as is.
+class OrtOpenedModel final : public OpenedModel {
+ public:
+  OrtOpenedModel(std::filesystem::path file, int cores, std::unique_ptr<OrtModel> first,
+                 std::shared_ptr<SharedOnnxWeights> weights)
+      : file_(std::move(file)), cores_(cores), first_(std::move(first)), weights_(std::move(weights)) {}
+  // The temporary files go; the instances keep the weights.
+  ~OrtOpenedModel() override {
+    if (weights_) weights_->RemoveFiles();
+  }
+
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) override {
+    if (first_) return std::unique_ptr<Model>(std::move(first_));
+    return Load(config, config);
+  }
+
+  // A session with every core's intra-op thread, unless the configuration
+  // sets the threads itself.
+  Result<std::unique_ptr<Model>> NewWideInstance(const ModelConfig& config) override {
+    if (config.parameters.count("intra_op_thread_count") || cores_ < 2) return std::unique_ptr<Model>();
+    ModelConfig one = config;
+    one.instance_count = 1;
+    return Load(config, one);
+  }
+
+ private:
+  // An instance of `config` with the threads SessionOptionsFor gives `layout`.
+  Result<std::unique_ptr<Model>> Load(const ModelConfig& config, const ModelConfig& layout) {
+    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores_));
+    std::vector<std::string> outputs;
+    for (const auto& o : config.outputs) outputs.push_back(o.name);
+    auto model = std::make_unique<OrtModel>(config.name, file_, options, std::move(outputs), weights_);
+    QUERN_RETURN_IF_ERROR(model->Load());
+    return std::unique_ptr<Model>(std::move(model));
+  }
+
+  std::filesystem::path file_;
+  int cores_;
+  std::unique_ptr<OrtModel> first_;
+  std::shared_ptr<SharedOnnxWeights> weights_;
+};
 
 // ONNX Runtime: one session per instance, threads divided between instances
 // (SessionOptionsFor), and a wide instance with every core's thread; the
 // configuration completed from the ONNX file.
 class OrtBackend final : public Backend {
  public:
-  Result<std::unique_ptr<Model>> LoadFirst(ModelConfig& config, const std::filesystem::path& file, bool has_config_file,
-                                           int cores) override {
-    // Outputs the configuration does not list are derived in the model's
-    // order, which is what an instance created without a list returns.
-    QUERN_ASSIGN_OR_RETURN(auto model, Load(config, file, cores));
-    QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, model->io(), has_config_file));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-
-  Result<std::unique_ptr<Model>> LoadAnother(const ModelConfig& config, const std::filesystem::path& file,
-                                             int cores) override {
-    QUERN_ASSIGN_OR_RETURN(auto model, Load(config, file, cores));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-
-  // A session with every core's intra-op thread, unless the configuration
-  // sets the threads itself.
-  Result<std::unique_ptr<Model>> LoadWide(const ModelConfig& config, const std::filesystem::path& file,
-                                          int cores) override {
-    if (config.parameters.count("intra_op_thread_count") || cores < 2) return std::unique_ptr<Model>();
-    ModelConfig one = config;
-    one.instance_count = 1;
-    QUERN_ASSIGN_OR_RETURN(auto model, Load(one, file, cores));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-
- private:
-  static Result<std::unique_ptr<OrtModel>> Load(const ModelConfig& config, const std::filesystem::path& file,
-                                                int cores) {
-    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(config, cores));
-    std::vector<std::string> outputs;
-    for (const auto& o : config.outputs) outputs.push_back(o.name);
-    auto model = std::make_unique<OrtModel>(config.name, file, options, std::move(outputs));
-    QUERN_RETURN_IF_ERROR(model->Load());
-    return model;
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                            bool has_config_file, int cores, int instances) override {
+    std::unique_ptr<OrtModel> first;
+    std::shared_ptr<SharedOnnxWeights> weights;
+    if (instances > 1) {
+      auto shared = SharedOnnxWeights::Create(config.name, file, config.graph_optimization_level);
+      if (shared) {
+        weights = std::move(*shared);
+      } else if (shared.error().code() != StatusCode::kInternal) {
+        return Err(shared.error());
+      } else {
+        // Serve the model anyway, each instance with its own copy.
+        std::fprintf(stderr, "quern: warning: %s; each instance loads its own copy\n",
+                     shared.error().message().c_str());
+      }
+    }
+    const OnnxModelIO* io = nullptr;
+    if (weights) {
+      io = &weights->io();
+    } else {
+      // Outputs the configuration does not list are derived in the model's
+      // order, which is what an instance created without a list returns.
+      QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(config, cores));
+      std::vector<std::string> outputs;
+      for (const auto& o : config.outputs) outputs.push_back(o.name);
+      first = std::make_unique<OrtModel>(config.name, file, options, std::move(outputs));
+      QUERN_RETURN_IF_ERROR(first->Load());
+      io = &first->io();
+    }
+    QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, *io, has_config_file));
+    return std::unique_ptr<OpenedModel>(
+        std::make_unique<OrtOpenedModel>(file, cores, std::move(first), std::move(weights)));
   }
 };
 

@@ -17,30 +17,38 @@
 
 namespace quern {
 
+// One model version's files, opened once by a backend: makes the version's
+// instances, which may share what opening read (an ONNX model's weights).
+// Instances stay valid after the OpenedModel is destroyed.
+class OpenedModel {
+ public:
+  virtual ~OpenedModel() = default;
+
+  // Creates and loads one instance of the model, with the configuration
+  // that Backend::Open completed.
+  virtual Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) = 0;
+
+  // Creates an instance that runs one batch on all the engine's cores (the
+  // wide instance of an automatic layout, see DynamicBatcher), or null when
+  // this backend's instances cannot use more cores for one batch.
+  virtual Result<std::unique_ptr<Model>> NewWideInstance(const ModelConfig& /*config*/) {
+    return std::unique_ptr<Model>();
+  }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // Creates and loads the first instance of a model from `file`, and fills
-  // in what `config` leaves out (inputs, outputs, batch size) from what the
-  // file declares. `cores` is what the engine may use; `has_config_file`
-  // says whether the configuration was written by a person (checked more
-  // strictly against the file) or derived.
-  virtual Result<std::unique_ptr<Model>> LoadFirst(ModelConfig& config, const std::filesystem::path& file,
-                                                   bool has_config_file, int cores) = 0;
-
-  // Creates and loads one more instance of a model whose configuration
-  // LoadFirst completed.
-  virtual Result<std::unique_ptr<Model>> LoadAnother(const ModelConfig& config, const std::filesystem::path& file,
-                                                     int cores) = 0;
-
-  // Creates an instance that runs one batch on all `cores` (the wide
-  // instance of an automatic layout, see DynamicBatcher), or null when this
-  // backend's instances cannot use more cores for one batch.
-  virtual Result<std::unique_ptr<Model>> LoadWide(const ModelConfig& /*config*/, const std::filesystem::path& /*file*/,
-                                                  int /*cores*/) {
-    return std::unique_ptr<Model>();
-  }
+  // Opens a model version's `file` and fills in what `config` leaves out
+  // (inputs, outputs, batch size) from what the file declares.
+  // `has_config_file` says whether the configuration was written by a
+  // person (checked more strictly against the file) or derived. `cores` is
+  // what the engine may use; `instances` how many the engine will create
+  // (counting a wide one), so that a backend shares only when there is
+  // something to share.
+  virtual Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                                    bool has_config_file, int cores, int instances) = 0;
 };
 
 class BackendRegistry {

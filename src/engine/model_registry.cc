@@ -4,6 +4,7 @@
 #include <random>
 
 #include "core/cpus.h"
+#include "core/memory.h"
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -175,24 +176,29 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const Repository
   if (!backend) {
     return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
   }
-  // The first instance is loaded before the configuration is complete: the
-  // model's own inputs and outputs fill what the configuration leaves out.
-  QUERN_ASSIGN_OR_RETURN(auto first, backend->LoadFirst(config, v.model_file, m.has_config_file, cores_));
+  const bool want_wide = automatic && config.instance_count > 1 && config.wide_instance.value_or(true);
+  // Opening the file completes the configuration (the model's own inputs
+  // and outputs fill what it leaves out) before it is validated.
+  QUERN_ASSIGN_OR_RETURN(auto opened, backend->Open(config, v.model_file, m.has_config_file, cores_,
+                                                    config.instance_count + (want_wide ? 1 : 0)));
   QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
   std::vector<std::unique_ptr<Model>> instances;
-  instances.push_back(std::move(first));
   while (static_cast<int>(instances.size()) < config.instance_count) {
-    QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadAnother(config, v.model_file, cores_));
+    QUERN_ASSIGN_OR_RETURN(auto inst, opened->NewInstance(config));
     instances.push_back(std::move(inst));
   }
   bool wide = false;
-  if (automatic && config.instance_count > 1 && config.wide_instance.value_or(true)) {
-    QUERN_ASSIGN_OR_RETURN(auto inst, backend->LoadWide(config, v.model_file, cores_));
+  if (want_wide) {
+    QUERN_ASSIGN_OR_RETURN(auto inst, opened->NewWideInstance(config));
     if (inst) {
       instances.push_back(std::move(inst));
       wide = true;
     }
   }
+  opened.reset();
+  // Loading freed more than it keeps (parsed files, optimizer copies): give
+  // it back to the system rather than leave it in the allocator's free lists.
+  ReturnFreedMemory();
   return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir, wide);
 }
 

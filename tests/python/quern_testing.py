@@ -17,8 +17,9 @@ DTYPE_NAMES = {"in_bool": "BOOL", "in_uint8": "UINT8", "in_int8": "INT8", "in_in
                "in_fp16": "FP16", "in_fp32": "FP32", "in_fp64": "FP64", "in_string": "BYTES"}
 
 
-def start_quern(binary, repo, *extra):
-    """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves.
+def start_quern(binary, repo, *extra, env=None, cwd=None):
+    """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
+    `env` as its environment and `cwd` as its working directory when given.
     Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background."""
     import re
     import subprocess
@@ -27,7 +28,7 @@ def start_quern(binary, repo, *extra):
 
     proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0", "--host", "127.0.0.1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     ports = {}
     deadline = time.time() + 60
     while time.time() < deadline:

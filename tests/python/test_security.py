@@ -421,3 +421,32 @@ def test_https_with_client_certificates(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_nothing_is_written_outside_the_repository(tmp_path):
+    """Serving, loading models with several instances (whose shared weights pass through a private
+    temporary directory) and answering requests leave nothing in the home directory, the cache
+    directory, the temporary directory or the working directory. ONNX Runtime 1.29 and later start
+    Microsoft's telemetry on Linux unless told not to: an event database under ~/.cache, a session
+    file and logs in the temporary directory, and an uploader that sends events over the network."""
+    repo = tmp_path / "repo"
+    for m in ("add_sub", "detect_yolov8"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    dirs = {name: tmp_path / name for name in ("home", "cache", "tmp", "cwd")}
+    for d in dirs.values():
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
+    env.update(HOME=str(dirs["home"]), XDG_CACHE_HOME=str(dirs["cache"]), TMPDIR=str(dirs["tmp"]))
+    proc, ports = start_quern(QUERN, str(repo), env=env, cwd=str(dirs["cwd"]))
+    try:
+        status, _, data = request(ports["HTTP"], "POST", "/v2/models/add_sub/infer", add_sub_body())
+        assert status == 200, data
+        assert json.loads(data)["outputs"][0]["data"] == [2, 3, 4, 5]
+        body, headers = multipart({"image": ("a.png", png_bytes())})
+        assert request(ports["HTTP"], "POST", "/v1/vision/detection", body, headers)[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for name, d in dirs.items():
+        written = sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+        assert written == [], f"quern wrote into the {name} directory: {written}"

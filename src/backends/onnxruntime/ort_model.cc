@@ -5,8 +5,12 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+
+#include "backends/onnxruntime/ort_internal.h"
+#include "backends/onnxruntime/ort_shared_weights.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define QUERN_LSAN 1
@@ -21,68 +25,6 @@
 
 namespace quern {
 namespace {
-
-// The process's one environment, with one CPU arena that every session
-// allocates from (session.use_env_allocators): a model's instances share
-// the memory their runs need instead of each growing an arena of its own.
-Ort::Env& Env() {
-  static Ort::Env* env = [] {
-#ifdef QUERN_LSAN
-    // ONNX Runtime 1.30 loses 14 bytes once while it creates its
-    // environment (inside the library); what it allocates later, for
-    // sessions and runs, is still checked for leaks.
-    __lsan_disable();
-    auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
-    __lsan_enable();
-#else
-    auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
-#endif
-    Ort::ArenaCfg arena(0, -1, -1, -1);  // ONNX Runtime's defaults
-    e->CreateAndRegisterAllocator(Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault), arena);
-    return e;
-  }();
-  return *env;
-}
-
-DataType FromOrt(ONNXTensorElementDataType t) {
-  switch (t) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return DataType::kBool;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return DataType::kUint8;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return DataType::kUint16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return DataType::kUint32;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return DataType::kUint64;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return DataType::kInt8;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return DataType::kInt16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return DataType::kInt32;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return DataType::kInt64;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return DataType::kFp16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return DataType::kFp32;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return DataType::kFp64;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return DataType::kBytes;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return DataType::kBf16;
-    default: return DataType::kInvalid;
-  }
-}
-
-ONNXTensorElementDataType ToOrt(DataType t) {
-  switch (t) {
-    case DataType::kBool: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
-    case DataType::kUint8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-    case DataType::kUint16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16;
-    case DataType::kUint32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32;
-    case DataType::kUint64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64;
-    case DataType::kInt8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-    case DataType::kInt16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16;
-    case DataType::kInt32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-    case DataType::kInt64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-    case DataType::kFp16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    case DataType::kFp32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    case DataType::kFp64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE;
-    case DataType::kBytes: return ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING;
-    case DataType::kBf16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
-    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-}
 
 Result<bool> ParseBool(const std::string& v, const std::string& what) {
   if (v == "1" || v == "true" || v == "TRUE" || v == "True") return true;
@@ -156,6 +98,84 @@ Status CheckAgainstModel(const ModelConfig& c, const TensorConfig& t, const Onnx
 }
 
 }  // namespace
+
+// One CPU arena that every session allocates from (session.use_env_allocators):
+// a model's instances share the memory their runs need instead of each
+// growing an arena of its own.
+Ort::Env& OrtEnv() {
+  static Ort::Env* env = [] {
+    // ONNX Runtime 1.29 and later start Microsoft's telemetry on Linux when
+    // the environment is created: an uploader that sends usage events over
+    // the network, a device identifier and an event database under
+    // ~/.cache, a session file and logs in the temporary directory. A server
+    // neither phones home nor writes outside what it is given:
+    // ORT_DISABLE_TELEMETRY=1, read at this point, turns all of it off. A
+    // value the user set stays.
+    setenv("ORT_DISABLE_TELEMETRY", "1", /*overwrite=*/0);
+#ifdef QUERN_LSAN
+    // ONNX Runtime 1.30 loses 14 bytes once while it creates its
+    // environment (inside the library); what it allocates later, for
+    // sessions and runs, is still checked for leaks.
+    __lsan_disable();
+    auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
+    __lsan_enable();
+#else
+    auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
+#endif
+    e->DisableTelemetryEvents();
+    Ort::ArenaCfg arena(0, -1, -1, -1);  // ONNX Runtime's defaults
+    e->CreateAndRegisterAllocator(Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault), arena);
+    return e;
+  }();
+  return *env;
+}
+
+DataType FromOrt(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return DataType::kBool;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return DataType::kUint8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return DataType::kUint16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return DataType::kUint32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return DataType::kUint64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return DataType::kInt8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return DataType::kInt16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return DataType::kInt32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return DataType::kInt64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return DataType::kFp16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return DataType::kFp32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return DataType::kFp64;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return DataType::kBytes;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return DataType::kBf16;
+    default: return DataType::kInvalid;
+  }
+}
+
+GraphOptimizationLevel OrtOptimizationLevel(int level) {
+  if (level < 0) return ORT_DISABLE_ALL;
+  if (level == 1) return ORT_ENABLE_BASIC;
+  if (level == 2) return ORT_ENABLE_EXTENDED;
+  return ORT_ENABLE_ALL;
+}
+
+ONNXTensorElementDataType ToOrt(DataType t) {
+  switch (t) {
+    case DataType::kBool: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    case DataType::kUint8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    case DataType::kUint16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16;
+    case DataType::kUint32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32;
+    case DataType::kUint64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64;
+    case DataType::kInt8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    case DataType::kInt16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16;
+    case DataType::kInt32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case DataType::kInt64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case DataType::kFp16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case DataType::kFp32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case DataType::kFp64: return ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE;
+    case DataType::kBytes: return ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING;
+    case DataType::kBf16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+}
 
 Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& c, int cores) {
   OrtSessionOptions o;
@@ -261,17 +281,30 @@ struct OrtModel::Session {
 };
 
 OrtModel::OrtModel(std::string model_name, std::filesystem::path file, OrtSessionOptions options,
-                   std::vector<std::string> output_names)
+                   std::vector<std::string> output_names, std::shared_ptr<const SharedOnnxWeights> weights)
     : model_name_(std::move(model_name)),
       file_(std::move(file)),
       options_(options),
-      output_names_(std::move(output_names)) {}
+      output_names_(std::move(output_names)),
+      weights_(std::move(weights)) {}
 
 OrtModel::~OrtModel() = default;
 
+OnnxModelIO DescribeModel(const Ort::Session& session) {
+  Ort::AllocatorWithDefaultOptions alloc;
+  OnnxModelIO io;
+  for (size_t i = 0; i < session.GetInputCount(); ++i) {
+    io.inputs.push_back(Describe(session.GetInputNameAllocated(i, alloc).get(), session.GetInputTypeInfo(i)));
+  }
+  for (size_t i = 0; i < session.GetOutputCount(); ++i) {
+    io.outputs.push_back(Describe(session.GetOutputNameAllocated(i, alloc).get(), session.GetOutputTypeInfo(i)));
+  }
+  return io;
+}
+
 Status OrtModel::Load() {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(file_, ec)) {
+  if (!weights_ && !std::filesystem::is_regular_file(file_, ec)) {
     return NotFound("model '" + model_name_ + "': model file " + file_.string() + " does not exist");
   }
   try {
@@ -283,23 +316,15 @@ Status OrtModel::Load() {
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, options_.allow_spinning ? "1" : "0");
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
     if (options_.stop_spinning_after_run) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
-    GraphOptimizationLevel level = ORT_ENABLE_ALL;
-    if (options_.graph_optimization_level < 0) level = ORT_DISABLE_ALL;
-    if (options_.graph_optimization_level == 1) level = ORT_ENABLE_BASIC;
-    if (options_.graph_optimization_level == 2) level = ORT_ENABLE_EXTENDED;
-    so.SetGraphOptimizationLevel(level);
 
     auto s = std::make_unique<Session>();
-    s->session = Ort::Session(Env(), file_.c_str(), so);
-    Ort::AllocatorWithDefaultOptions alloc;
-    io_ = {};
-    for (size_t i = 0; i < s->session.GetInputCount(); ++i) {
-      io_.inputs.push_back(Describe(s->session.GetInputNameAllocated(i, alloc).get(), s->session.GetInputTypeInfo(i)));
+    if (weights_) {
+      s->session = weights_->NewSession(so);
+    } else {
+      so.SetGraphOptimizationLevel(OrtOptimizationLevel(options_.graph_optimization_level));
+      s->session = Ort::Session(OrtEnv(), file_.c_str(), so);
     }
-    for (size_t i = 0; i < s->session.GetOutputCount(); ++i) {
-      io_.outputs.push_back(
-          Describe(s->session.GetOutputNameAllocated(i, alloc).get(), s->session.GetOutputTypeInfo(i)));
-    }
+    io_ = DescribeModel(s->session);
     if (output_names_.empty()) {
       for (const auto& o : io_.outputs) s->output_names.push_back(o.name);
     } else {

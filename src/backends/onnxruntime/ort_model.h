@@ -1,5 +1,6 @@
 // ONNX Runtime backend: one OrtModel per model instance, each with its own
-// Ort::Session. The process shares one Ort::Env.
+// Ort::Session; the sessions of a model's instances may share one copy of
+// its weights (SharedOnnxWeights). The process shares one Ort::Env.
 //
 // Lifecycle (the quern::Model contract): the constructor only records what to
 // load; Load() creates the session (expensive); Execute() runs one batch and
@@ -54,10 +55,14 @@ inline constexpr int kDefaultMaxBatchSize = 16;
 // dynamic batching) and checks what it states against the model.
 Status CompleteConfigFromOnnx(ModelConfig& config, const OnnxModelIO& io, bool has_config_file);
 
+class SharedOnnxWeights;
+
 class OrtModel final : public Model {
  public:
+  // Loads `file`, or, given `weights`, the model they were read from with
+  // the weights shared (`file` then only names the model in messages).
   OrtModel(std::string model_name, std::filesystem::path file, OrtSessionOptions options,
-           std::vector<std::string> output_names);
+           std::vector<std::string> output_names, std::shared_ptr<const SharedOnnxWeights> weights = nullptr);
   ~OrtModel() override;
 
   Status Load() override;
@@ -74,6 +79,7 @@ class OrtModel final : public Model {
   OrtSessionOptions options_;
   std::vector<std::string> output_names_;  // empty = every model output
   OnnxModelIO io_;
+  std::shared_ptr<const SharedOnnxWeights> weights_;  // outlives session_
   std::unique_ptr<Session> session_;
 };
 
