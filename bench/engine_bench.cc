@@ -122,6 +122,10 @@ struct EngineResult {
   int64_t batch_limit = 0;
 };
 
+// Set while the window is timed: only answers that arrive inside it count,
+// so the first (cold) batches of the warm-up never reach the percentiles.
+std::atomic<bool> g_measuring{false};
+
 // Keeps `inflight` requests in the engine at all times: each completion
 // callback submits the next request (how asynchronous front ends drive it).
 void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input, const std::vector<int64_t>& dims,
@@ -144,9 +148,11 @@ void CallbackLoad(quern::Engine& engine, int inflight, const std::string& input,
         std::fprintf(stderr, "request failed: %s\n", resp.status.ToString().c_str());
         std::exit(1);
       }
-      lat[i].push_back(std::chrono::duration<double, std::milli>(Clock::now() - (*slots)[i].t0).count());
-      ++counts[i];
-      batch_sum[i] += resp.telemetry.batch_size;
+      if (g_measuring.load(std::memory_order_relaxed)) {
+        lat[i].push_back(std::chrono::duration<double, std::milli>(Clock::now() - (*slots)[i].t0).count());
+        ++counts[i];
+        batch_sum[i] += resp.telemetry.batch_size;
+      }
       if (stop.load(std::memory_order_relaxed)) {
         --active;
         return;
@@ -233,32 +239,31 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
           std::fprintf(stderr, "request failed: %s\n", resp.status.ToString().c_str());
           std::exit(1);
         }
-        lat[t].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-        ++counts[t];
-        batch_sum[t] += resp.telemetry.batch_size;
+        if (g_measuring.load(std::memory_order_relaxed)) {
+          lat[t].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+          ++counts[t];
+          batch_sum[t] += resp.telemetry.batch_size;
+        }
       }
     });
   }
   // Warm-up: let the engine run for a short while before timing.
   go = true;
   std::this_thread::sleep_for(std::chrono::duration<double>(g_warmup_s));
-  int64_t c0 = 0, b0 = 0;
-  for (int t = 0; t < submitters; ++t) {
-    c0 += counts[t];
-    b0 += batch_sum[t];
-  }
+  g_measuring = true;
   auto start = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  int64_t c1 = 0, b1 = 0;
-  for (int t = 0; t < submitters; ++t) {
-    c1 += counts[t];
-    b1 += batch_sum[t];
-  }
+  g_measuring = false;
   auto elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   EngineResult r;
   if (auto stats = (*engine)->GetStatistics("m"); stats && !stats->empty()) r.batch_limit = stats->front().batch_limit;
   stop = true;
   for (auto& th : threads) th.join();
+  int64_t c0 = 0, b0 = 0, c1 = 0, b1 = 0;  // counted inside the window only
+  for (int t = 0; t < submitters; ++t) {
+    c1 += counts[t];
+    b1 += batch_sum[t];
+  }
   r.throughput = (c1 - c0) / elapsed;
   std::vector<double> all;
   for (int t = 0; t < submitters; ++t) all.insert(all.end(), lat[t].begin(), lat[t].end());

@@ -24,6 +24,7 @@ BatchSizeTuner::BatchSizeTuner(BatchSizeTunerOptions options) : options_(std::mo
   current_ = static_cast<int>(candidates_.size()) - 1;
   interval_ = options_.interval;
   landed_.assign(candidates_.size(), 0);
+  landed_ns_.assign(candidates_.size(), 0);
 }
 
 bool BatchSizeTuner::Sample::MostlyCapped() const {
@@ -63,6 +64,7 @@ bool BatchSizeTuner::CanProbeFrom(int b, bool capped_at_limit) const {
 void BatchSizeTuner::ToSteady() {
   phase_ = Phase::kSteady;
   std::fill(landed_.begin(), landed_.end(), 0);
+  std::fill(landed_ns_.begin(), landed_ns_.end(), 0);
 }
 
 void BatchSizeTuner::StartProbe(int index) {
@@ -81,14 +83,23 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
   ns = std::max<int64_t>(ns, 0);
   const int b = Bucket(items);
   switch (phase_) {
-    case Phase::kSteady:
-      if (CanProbeFrom(b, capped) && ++landed_[static_cast<size_t>(b)] >= interval_) {
+    case Phase::kSteady: {
+      if (!CanProbeFrom(b, capped)) return false;
+      const auto i = static_cast<size_t>(b);
+      ++landed_[i];
+      landed_ns_[i] += ns;
+      // The time bound grows with interval_ as probes fail.
+      const double grown = static_cast<double>(interval_) / static_cast<double>(options_.interval);
+      const bool enough_time =
+          landed_[i] >= 2 && static_cast<double>(landed_ns_[i]) >= static_cast<double>(options_.interval_ns) * grown;
+      if (landed_[i] >= interval_ || enough_time) {
         operating_ = b;
         phase_ = Phase::kBaseline;
         baseline_.Clear();
         misses_ = 0;
       }
       return false;
+    }
 
     case Phase::kBaseline: {
       if (b != operating_) {
@@ -151,6 +162,16 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         }
         ToSteady();
         return false;  // the probe size is now the settled limit
+      }
+      // A plateau (within the margin of the baseline): try the next size the
+      // same way, against the same baseline.
+      const int further = probe_ + direction_;
+      const bool further_ok = direction_ < 0
+                                  ? further >= 0
+                                  : further < static_cast<int>(candidates_.size()) && probe_sample_.MostlyCapped();
+      if (cost <= baseline_cost_ * (1.0 + options_.margin) && further_ok) {
+        StartProbe(further);
+        return true;
       }
       // Not better: back to the settled limit; the other direction next time,
       // and after two failures in a row, wait longer before probing again.
