@@ -7,6 +7,13 @@ namespace quern {
 namespace {
 // A phase of tiny batches ends here even if min_phase_ns is not reached.
 constexpr size_t kMaxPhaseSamples = 8192;
+// After probing that moved nothing, the batches run at the settled limit for
+// at least this many times the probing's batch time before the next probe:
+// probes then take at most a ninth of the time. Each return from a smaller
+// probe size to a larger one keeps the requests queued meanwhile waiting for
+// a larger batch (a slow one for a large model), which is what a latency
+// percentile sees.
+constexpr int64_t kQuietFactor = 8;
 }  // namespace
 
 int BatchSizeTuner::MissBudget() const {
@@ -63,6 +70,8 @@ bool BatchSizeTuner::CanProbeFrom(int b, bool capped_at_limit) const {
 
 void BatchSizeTuner::ToSteady() {
   phase_ = Phase::kSteady;
+  quiet_ns_ = kQuietFactor * cycle_ns_;
+  steady_ns_ = 0;
   std::fill(landed_.begin(), landed_.end(), 0);
   std::fill(landed_ns_.begin(), landed_ns_.end(), 0);
 }
@@ -82,6 +91,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
   if (items < 1) return false;
   ns = std::max<int64_t>(ns, 0);
   const int b = Bucket(items);
+  (phase_ == Phase::kSteady ? steady_ns_ : cycle_ns_) += ns;
   switch (phase_) {
     case Phase::kSteady: {
       if (!CanProbeFrom(b, capped)) return false;
@@ -92,11 +102,12 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       const double grown = static_cast<double>(interval_) / static_cast<double>(options_.interval);
       const bool enough_time =
           landed_[i] >= 2 && static_cast<double>(landed_ns_[i]) >= static_cast<double>(options_.interval_ns) * grown;
-      if (landed_[i] >= interval_ || enough_time) {
+      if ((landed_[i] >= interval_ || enough_time) && steady_ns_ >= quiet_ns_) {
         operating_ = b;
         phase_ = Phase::kBaseline;
         baseline_.Clear();
         misses_ = 0;
+        cycle_ns_ = 0;
       }
       return false;
     }
@@ -161,7 +172,8 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
           return true;
         }
         ToSteady();
-        return false;  // the probe size is now the settled limit
+        quiet_ns_ = 0;  // a move: probing may go on as soon as the interval allows
+        return false;   // the probe size is now the settled limit
       }
       // A plateau (within the margin of the baseline): try the next size the
       // same way, against the same baseline.

@@ -16,7 +16,9 @@
 // saves 2 %, 4 -> 1 saves 13 %) does not end the walk: the next size in the
 // same direction is probed against the same baseline. Probes that fail flip
 // the direction and, two in a row, space the next ones out (up to
-// `max_interval` batches), so a model at its best size pays little for
+// `max_interval` batches), and after probing that moved nothing the next
+// starts only when the batches have run at the settled limit for 8 times the
+// probing's batch time, so a model at its best size pays little for
 // probing. Batches of a light load (smaller than the limit, in the lowest
 // bucket) never start a probe.
 //
@@ -105,6 +107,9 @@ class BatchSizeTuner {
   std::vector<int64_t> landed_ns_;  // and their time
   int misses_ = 0;                  // kBaseline / kProbe: batches outside the measured bucket
   int failures_ = 0;                // probes in a row that found nothing better
+  int64_t cycle_ns_ = 0;            // batch time since the current baseline began
+  int64_t steady_ns_ = 0;           // batch time since the last return to kSteady
+  int64_t quiet_ns_ = 0;            // steady batch time required before the next probe
   Sample baseline_, probe_sample_;
   double baseline_cost_ = 0;
 };
