@@ -6,7 +6,8 @@ Each model ignores its image and returns one fixed output (a constant in the gra
 image maps model pixels to image pixels one to one, so /v1/vision/custom/<model> must answer exactly the
 boxes the reference computes from the same tensor: YOLOv5's candidates (objectness >= threshold),
 confidence = best class score (x objectness), class-wise greedy NMS at IoU 0.45, at most 100, clipped
-to the image."""
+to the image. A DETR export's boxes [1, queries, 4] and class logits [1, queries, classes + 1] likewise
+(softmax, "no object" dropped, no NMS)."""
 import io
 import json
 import os
@@ -121,19 +122,81 @@ def well_separated(out, layout, activation):
     return True
 
 
+# DETR: boxes [Q, 4] (cx, cy, w, h in [0, 1] of the input) and class logits [Q, C + 1] whose last
+# class is "no object": softmax per query, the last class dropped, the best of the rest, no NMS,
+# the highest confidences first, at most 100.
+QUERIES, DETR_CLASSES = 300, 91
+
+
+def generate_detr(seed):
+    rng = np.random.default_rng(seed)
+    cxcy = rng.uniform(0.1, 0.9, (QUERIES, 2))
+    wh = rng.uniform(0.05, 0.3, (QUERIES, 2))
+    boxes = np.concatenate([cxcy, wh], axis=1).astype(np.float32)
+    logits = rng.normal(0, 1, (QUERIES, DETR_CLASSES + 1))
+    logits[:, -1] += 3  # most queries: "no object"
+    objects = rng.random(QUERIES) < 0.15
+    owner = rng.integers(0, DETR_CLASSES, QUERIES)
+    logits[objects, owner[objects]] += rng.uniform(2, 9, objects.sum())
+    return boxes, logits.astype(np.float32)
+
+
+def detr_softmax(logits):
+    """Softmax per row in float32, as the server computes it (max subtracted first)."""
+    x = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(x).astype(np.float32)
+    return (e / e.sum(axis=1, keepdims=True, dtype=np.float32)).astype(np.float32)
+
+
+def detr_reference(boxes, logits, thr):
+    p = detr_softmax(logits)[:, :-1]
+    best = np.argmax(p, axis=1)
+    conf = p[np.arange(QUERIES), best]
+    keep = np.nonzero(conf >= np.float32(thr))[0]
+    keep = keep[np.argsort(-conf[keep], kind="stable")][:MAX_DET]
+    s = np.float32(SIZE)
+    out = []
+    for i in keep:
+        cx, cy, w, h = boxes[i, 0] * s, boxes[i, 1] * s, boxes[i, 2] * s, boxes[i, 3] * s
+        xyxy = (cx - w / np.float32(2), cy - h / np.float32(2), cx + w / np.float32(2), cy + h / np.float32(2))
+        out.append((int(best[i]), float(conf[i]), tuple(int(np.floor(np.clip(v, 0, SIZE) + 0.5)) for v in xyxy)))
+    return out
+
+
+def detr_well_separated(boxes, logits):
+    p = detr_softmax(logits)[:, :-1]
+    conf = p.max(axis=1)
+    if any(np.any(np.abs(conf.astype(np.float64) - thr) < 1e-4) for thr in THRESHOLDS):
+        return False
+    s = np.sort(conf[conf >= min(THRESHOLDS)])
+    if len(s) > 1 and np.min(np.diff(s)) < 1e-6:
+        return False
+    # No corner within rounding of a half pixel.
+    px = boxes.astype(np.float64) * SIZE
+    corners = np.concatenate([px[:, :2] - px[:, 2:] / 2, px[:, :2] + px[:, 2:] / 2], axis=1)
+    return not np.any(np.abs(corners - np.floor(corners) - 0.5) < 1e-3)
+
+
 def constant_detector(name, out):
     """images [N, 3, 640, 640] -> output0 = the constant `out`, once per item."""
-    tail = np.array(out.shape, np.int64)
+    return constant_model(name, {"output0": out})
+
+
+def constant_model(name, outputs):
+    """images [N, 3, 640, 640] -> each named constant of `outputs`, once per item."""
     nodes = [helper.make_node("Shape", ["images"], ["in_shape"]),
-             helper.make_node("Slice", ["in_shape", "zero", "one"], ["n"]),
-             helper.make_node("Concat", ["n", "tail"], ["shape"], axis=0),
-             helper.make_node("Expand", ["value", "shape"], ["output0"])]
-    inits = [numpy_helper.from_array(out[None], "value"), numpy_helper.from_array(tail, "tail"),
-             numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             helper.make_node("Slice", ["in_shape", "zero", "one"], ["n"])]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
              numpy_helper.from_array(np.array([1], np.int64), "one")]
+    infos = []
+    for out_name, out in outputs.items():
+        nodes += [helper.make_node("Concat", ["n", f"{out_name}_tail"], [f"{out_name}_shape"], axis=0),
+                  helper.make_node("Expand", [f"{out_name}_value", f"{out_name}_shape"], [out_name])]
+        inits += [numpy_helper.from_array(out[None], f"{out_name}_value"),
+                  numpy_helper.from_array(np.array(out.shape, np.int64), f"{out_name}_tail")]
+        infos.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["N", *out.shape]))
     graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("images", TensorProto.FLOAT,
-                                                                          ["N", 3, SIZE, SIZE])],
-                              [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", *out.shape])], inits)
+                                                                          ["N", 3, SIZE, SIZE])], infos, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     return model
@@ -168,6 +231,21 @@ parameters {{ key: "quern.detection.format" value {{ string_value: "{layout}" }}
 {act}
 """)
         (repo / name / "labels.txt").write_text("".join(f"class{c}\n" for c in range(CLASSES)))
+    seed = 0
+    while not detr_well_separated(*generate_detr(seed)):
+        seed += 1
+    boxes, logits = generate_detr(seed)
+    outputs["detr"] = (boxes, logits)
+    (repo / "detr" / "1").mkdir(parents=True)
+    onnx.save(constant_model("detr", {"pred_boxes": boxes, "pred_logits": logits}), str(repo / "detr" / "1" / "model.onnx"))
+    (repo / "detr" / "config.pbtxt").write_text(f"""max_batch_size: 4
+input [ {{ name: "images" data_type: TYPE_FP32 dims: [ 3, {SIZE}, {SIZE} ] }} ]
+output [ {{ name: "pred_boxes" data_type: TYPE_FP32 dims: [ {QUERIES}, 4 ] }},
+         {{ name: "pred_logits" data_type: TYPE_FP32 dims: [ {QUERIES}, {DETR_CLASSES + 1} ] label_filename: "labels.txt" }} ]
+parameters {{ key: "quern.task" value {{ string_value: "detection" }} }}
+parameters {{ key: "quern.detection.format" value {{ string_value: "detr" }} }}
+""")
+    (repo / "detr" / "labels.txt").write_text("".join(f"class{c}\n" for c in range(DETR_CLASSES + 1)))
     proc, ports = start_quern(QUERN, str(repo))
     yield ports["HTTP"], outputs
     proc.terminate()
@@ -199,6 +277,21 @@ def test_detections_match_the_numpy_reference(served, layout, activation, thr):
     want = reference(out, layout, activation, thr)
     assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
     data = detect(port, f"{layout}_{activation}", thr)
+    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
+    assert data["count"] == len(got) == len(want), (len(got), len(want))
+    for g, (c, conf, box) in zip(got, want):  # both best first
+        assert g[0] == f"class{c}", (g, c, conf, box)
+        assert abs(g[1] - conf) < 1e-5, (g, conf)
+        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+
+
+@pytest.mark.parametrize("thr", THRESHOLDS)
+def test_detr_detections_match_the_numpy_reference(served, thr):
+    port, outputs = served
+    boxes, logits = outputs["detr"]
+    want = detr_reference(boxes, logits, thr)
+    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
+    data = detect(port, "detr", thr)
     got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
     assert data["count"] == len(got) == len(want), (len(got), len(want))
     for g, (c, conf, box) in zip(got, want):  # both best first
