@@ -1,7 +1,8 @@
 // The vision service without a transport: admission by count and by memory,
 // timeouts on a fake clock, images whose caller left, and a result computed
 // by hand. Stage tasks run when the test says (an executor it holds), so
-// every step is deterministic.
+// every step is deterministic. Also the vision routes' reading of
+// min_confidence.
 #include "pipeline/vision_service.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontends/vision/vision_handler.h"
 #include "test_util.h"
 
 namespace quern {
@@ -260,6 +262,23 @@ TEST_F(VisionServiceTest, UndecodableImagesFailWithTheDecodersReason) {
   VisionResult out = Await(got);
   EXPECT_EQ(out.status.code(), StatusCode::kInvalidArgument) << out.status.ToString();
   EXPECT_EQ(s.stats().failed, 1u);
+}
+
+TEST(ParseMinConfidence, ReadsItTheWayCodeProjectAIDoes) {
+  EXPECT_FLOAT_EQ(ParseMinConfidence("0.55"), 0.55f);
+  EXPECT_FLOAT_EQ(ParseMinConfidence("  0.7\r\n"), 0.7f);  // whitespace around it
+  EXPECT_FLOAT_EQ(ParseMinConfidence("1"), 1.0f);
+  EXPECT_FLOAT_EQ(ParseMinConfidence(".25"), 0.25f);
+  // Empty, not a number, or a number with something after it: the default, not an error.
+  for (const char* v : {"", "   ", "abc", "0.5x", "0,5", "nan", "NaN", "0.5 0.6"}) {
+    EXPECT_FLOAT_EQ(ParseMinConfidence(v), kDefaultMinConfidence) << "'" << v << "'";
+  }
+  // Out of range: below 0 counts as 0; above 1 stays (and keeps nothing).
+  EXPECT_FLOAT_EQ(ParseMinConfidence("1.5"), 1.5f);
+  EXPECT_FLOAT_EQ(ParseMinConfidence("-3"), 0.0f);
+  EXPECT_GT(ParseMinConfidence("inf"), 1.0f);
+  EXPECT_FLOAT_EQ(ParseMinConfidence("1e-3"), 0.001f);
+  EXPECT_FLOAT_EQ(ParseMinConfidence(std::string(100, '0') + "1"), kDefaultMinConfidence);  // absurdly long
 }
 
 }  // namespace

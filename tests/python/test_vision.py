@@ -232,7 +232,6 @@ def test_errors_come_back_the_codeproject_way(server):
         (multipart([("image", webp[: len(webp) * 3 // 5], "cut.webp")]), "corrupt or truncated WebP"),
         (multipart([("image", webp[:20], "cut.webp")]), "corrupt or truncated WebP"),
         (multipart([("image", encode(Image.new("RGB", (2000, 2000)), "PNG"), "big.png")]), "over the limit"),
-        (multipart([("image", jpeg, "a.jpg"), ("min_confidence", b"1.5", None)]), "min_confidence"),
         ((jpeg, {"Content-Type": "image/jpeg"}), "multipart/form-data"),
     ]
     for (body, headers), needle in cases:
@@ -250,12 +249,27 @@ def test_errors_come_back_the_codeproject_way(server):
     assert r["success"] is False and "closing boundary" in r["error"]
 
 
+def test_min_confidence_is_read_the_codeproject_way(server):
+    """Surrounding whitespace is ignored; empty or unparsable gives the default 0.4, not an error; a
+    threshold above 1 keeps nothing (not even confidence 1.0)."""
+    squares = SQUARES + [(3, 2, (153, 0, 0))]  # a dark red square scores 0.6
+    img = encode(painted(128, 96, squares), "PNG")
+    check(detect(server, img, min_confidence=" 0.7\t"), expected(128, 96, squares, "yolov8", 0.7))
+    for v in ("", "  ", "abc", "0,5", "nan"):
+        r = detect(server, img, min_confidence=v)
+        assert r["success"] is True, (v, r)
+        check(r, expected(128, 96, squares, "yolov8", 0.4))
+    r = detect(server, img, min_confidence="1.5")
+    assert r["success"] is True and r["predictions"] == [] and r["count"] == 0, r
+
+
 def test_list_and_ping(server):
-    status, _, data = request(server, "POST", "/v1/vision/custom/list")
-    r = json.loads(data)
-    assert r["success"] is True
-    assert sorted(r["models"]) == ["detect_detr", "detect_slow", "detect_yolov5", "detect_yolov5_slices",
-                                   "detect_yolov8"]
+    for method in ("POST", "GET"):  # Blue Iris probes the list with both
+        status, _, data = request(server, method, "/v1/vision/custom/list")
+        r = json.loads(data)
+        assert status == 200 and r["success"] is True, (method, r)
+        assert sorted(r["models"]) == ["detect_detr", "detect_slow", "detect_yolov5", "detect_yolov5_slices",
+                                       "detect_yolov8"]
     status, _, data = request(server, "GET", "/v1/status/ping")
     assert status == 200 and json.loads(data)["success"] is True
 

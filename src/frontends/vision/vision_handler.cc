@@ -129,6 +129,18 @@ void String(Writer& w, std::string_view s) {
 
 }  // namespace
 
+float ParseMinConfidence(std::string_view field) {
+  const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f'; };
+  while (!field.empty() && space(field.front())) field.remove_prefix(1);
+  while (!field.empty() && space(field.back())) field.remove_suffix(1);
+  if (field.empty() || field.size() > 64) return kDefaultMinConfidence;
+  const std::string v(field);
+  char* end = nullptr;
+  const float f = std::strtof(v.c_str(), &end);
+  if (end != v.c_str() + v.size() || std::isnan(f)) return kDefaultMinConfidence;
+  return std::max(f, 0.0f);
+}
+
 struct VisionHandler::Job {
   enum class Kind { kCpai, kPredict };
   Kind kind = Kind::kCpai;
@@ -137,7 +149,7 @@ struct VisionHandler::Job {
   HttpDone done;
   std::string image_storage;  // decoded base64 (/predict)
   std::string_view image;
-  float min_confidence = 0.4f;
+  float min_confidence = kDefaultMinConfidence;
   int64_t received_ns = 0;  // the service's clock
 };
 
@@ -230,10 +242,12 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   if (path == "/v1/status/ping") {
     return Respond(job, Json(200, "{\"success\":true}"));
   }
-  if (job->request.method != "POST") {
+  // Blue Iris lists the custom models with GET as well as POST.
+  const bool list = path == "/v1/vision/custom/list";
+  if (job->request.method != "POST" && !(list && job->request.method == "GET")) {
     return Fail(job, InvalidArgument(job->request.method + " " + path + ": vision routes take POST"));
   }
-  if (path == "/v1/vision/custom/list") {
+  if (list) {
     job->command = "list";
     rapidjson::StringBuffer sb;
     Writer w(sb);
@@ -269,15 +283,7 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   const FormPart* image = nullptr;
   for (const auto& p : *parts) {
     if (p.name == "image" && !image) image = &p;
-    if (p.name == "min_confidence") {
-      const std::string v(p.data);
-      char* end = nullptr;
-      const float f = std::strtof(v.c_str(), &end);
-      if (v.empty() || end != v.c_str() + v.size() || !(f >= 0.0f && f <= 1.0f)) {
-        return Fail(job, InvalidArgument("min_confidence is '" + v + "'; expected a number from 0 to 1"));
-      }
-      job->min_confidence = f;
-    }
+    if (p.name == "min_confidence") job->min_confidence = ParseMinConfidence(p.data);
     if (p.name == "api_key" && !options_.authorize && !options_.api_key.empty() && p.data != options_.api_key) {
       return Fail(job, PermissionDenied("the api_key is not valid"));
     }

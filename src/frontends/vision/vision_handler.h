@@ -4,7 +4,7 @@
 //
 //   POST /v1/vision/detection        multipart: image (file), min_confidence (0-1, default 0.4), api_key
 //   POST /v1/vision/custom/{model}   the same for any detection model
-//   POST /v1/vision/custom/list      {success, models: [...]}
+//   GET or POST /v1/vision/custom/list   {success, models: [...]}
 //   GET  /v1/status/ping             {success: true}
 //   POST /predict/{model}            JSON {"image": "<base64>"} → top-5 classes
 //
@@ -37,6 +37,12 @@
 #include "quern/engine.h"
 
 namespace quern {
+
+// min_confidence read the way CodeProject.AI reads it: surrounding
+// whitespace ignored; empty, not a number or NaN gives the default 0.4 (not
+// an error); a negative number counts as 0, one above 1 keeps nothing.
+inline constexpr float kDefaultMinConfidence = 0.4f;
+float ParseMinConfidence(std::string_view field);
 
 struct VisionOptions {
   // The model behind /v1/vision/detection; "" = the first detection model
