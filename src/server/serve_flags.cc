@@ -54,6 +54,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--vision-port", o.vision_port,
                     "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
   serve->add_option("--vision-api-key", o.vision.api_key, "Require this api_key on CodeProject.AI requests");
+  serve
+      ->add_option("--vision-max-predictions", o.vision.max_predictions,
+                   "The most predictions a detection answer lists, the most confident first (0 = all)")
+      ->check(CLI::Range(0, 1 << 20));
   serve->add_option("--vision-timeout-ms", o.vision_service.request_timeout_ms,
                     "Vision requests not answered within this are dropped (and answered with an error)");
   serve->add_option("--vision-queue-capacity", o.vision_service.queue_capacity,

@@ -263,6 +263,22 @@ def test_min_confidence_is_read_the_codeproject_way(server):
     assert r["success"] is True and r["predictions"] == [] and r["count"] == 0, r
 
 
+def test_predictions_come_best_first_and_max_predictions_keeps_the_best(server, repo):
+    squares = SQUARES + [(3, 2, (153, 0, 0))]  # two pure squares score 1.0, a dark red one 0.6
+    img = encode(painted(128, 96, squares), "PNG")
+    everything = detect(server, img)
+    conf = [p["confidence"] for p in everything["predictions"]]
+    assert len(conf) == 3 and conf == sorted(conf, reverse=True), conf
+    proc, port, _ = start(repo, "--detection-model", "detect_yolov8", "--vision-max-predictions", "2")
+    try:
+        r = detect(port, img)
+        assert r["count"] == 2 and len(r["predictions"]) == 2, r
+        assert all(p["confidence"] > 0.9 for p in r["predictions"]), r  # the 0.6 one is left out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_list_and_ping(server):
     for method in ("POST", "GET"):  # Blue Iris probes the list with both
         status, _, data = request(server, method, "/v1/vision/custom/list")

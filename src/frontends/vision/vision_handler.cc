@@ -408,6 +408,10 @@ void VisionHandler::Answer(const std::shared_ptr<Job>& job, VisionResult&& r) {
     w.EndObject();
   } else {
     std::vector<std::string_view> names;  // distinct labels found, for the message
+    // Detections come best first: the first max_predictions are the most confident.
+    if (options_.max_predictions > 0 && r.detections.size() > static_cast<size_t>(options_.max_predictions)) {
+      r.detections.resize(static_cast<size_t>(options_.max_predictions));
+    }
     w.StartObject();
     w.Key("success");
     w.Bool(true);

@@ -50,6 +50,10 @@ struct VisionOptions {
   std::string detection_model;
   // When set, CodeProject.AI requests must carry it in the api_key field.
   std::string api_key;
+  // The most predictions one detection answer lists, the most confident
+  // first (Frigate's DeepStack detector reads at most 20); 0 = all the
+  // model keeps (its quern.detection.max_detections).
+  int max_predictions = 0;
   // When set, every vision request must present a key this accepts (its
   // error is the answer): from "Authorization: Bearer <key>", "X-API-Key",
   // the api_key query parameter or, on CodeProject.AI routes, the api_key
