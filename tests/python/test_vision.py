@@ -325,6 +325,40 @@ def test_predict_real_text_direction_model(server):
     assert results == {False: "0", True: "180"}
 
 
+def scene(port, image_bytes):
+    body, headers = multipart([("image", image_bytes, "scene.png")])
+    status, _, data = request(port, "POST", "/v1/vision/scene", body, headers)
+    assert status == 200, data
+    return json.loads(data)
+
+
+def test_scene_runs_the_configured_classification_model(repo):
+    proc, port, _ = start(repo, "--scene-model", "text_direction")
+    try:
+        for flipped, label in ((False, "0"), (True, "180")):
+            r = scene(port, text_image(flipped))
+            assert r["success"] is True and r["label"] == label and 0.5 < r["confidence"] <= 1, r
+            assert r["error"] is None and r["command"] == "scene", r
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    proc, port, _ = start(repo, "--scene-model", "detect_yolov8")
+    try:
+        r = scene(port, text_image(False))
+        assert r["success"] is False and "not a classification model" in r["error"], r
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_scene_without_a_scene_model_says_what_is_missing(server):
+    r = scene(server, text_image(False))
+    assert r["success"] is False and "--scene-model" in r["error"], r
+    body, headers = multipart([("image", text_image(False), "a.png")])
+    r = json.loads(request(server, "POST", "/v1/vision/face", body, headers)[2])
+    assert r["success"] is False and "no vision route /v1/vision/face" in r["error"], r
+
+
 def test_predict_errors(server):
     status, _, data = request(server, "POST", "/predict/text_direction", b"{not json", {})
     assert status == 400 and "JSON" in json.loads(data)["error"]

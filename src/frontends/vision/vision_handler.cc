@@ -188,8 +188,8 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // field instead (checked with the form below).
   const std::string header_key = RequestKey(request);
   const bool form_route =
-      request.method == "POST" &&
-      (path == "/v1/vision/detection" || (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
+      request.method == "POST" && (path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
+                                   (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
   if (path.starts_with("/predict")) {
     job->kind = Job::Kind::kPredict;
@@ -268,13 +268,16 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   std::string model;
   if (path == "/v1/vision/detection") {
     model = DefaultDetectionModel();  // none: answered after the key check
+  } else if (path == "/v1/vision/scene") {
+    model = options_.scene_model;  // none: answered after the key check
+    job->command = "scene";
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
     model = PercentDecode(path.substr(18));
     job->command = "custom";
   } else {
     return Fail(job, NotFound("no vision route " + path +
                               " (routes: /v1/vision/detection, /v1/vision/custom/{model}, /v1/vision/custom/list, "
-                              "/v1/status/ping)"));
+                              "/v1/vision/scene, /v1/status/ping)"));
   }
   auto boundary = MultipartBoundary(job->request.Header("content-type"));
   if (!boundary) return Fail(job, boundary.error());
@@ -299,6 +302,10 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
     if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));
   }
+  if (model.empty() && job->command == "scene") {
+    return Fail(job, Unavailable("no scene model is configured: start quern with --scene-model set to a "
+                                 "classification model (quern.task: classification)"));
+  }
   if (model.empty()) {
     return Fail(job, Unavailable("no detection model is loaded (set --detection-model, or give a model "
                                  "quern.task: detection)"));
@@ -308,7 +315,12 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   job->image = image->data;
   auto m = service_->Model(model);
   if (!m) return Fail(job, m.error());
-  if ((*m)->task != VisionTask::kDetection) {
+  if (job->command == "scene" && (*m)->task != VisionTask::kClassification) {
+    return Fail(job, InvalidArgument("the scene model '" + model +
+                                     "' is not a classification model (--scene-model needs quern.task: "
+                                     "classification)"));
+  }
+  if (job->command != "scene" && (*m)->task != VisionTask::kDetection) {
     return Fail(job, InvalidArgument("model '" + model + "' is a classification model; use POST /predict/" + model));
   }
   Submit(std::move(job), std::move(*m));
@@ -331,6 +343,8 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
     job.kind = Job::Kind::kPredict;
   } else if (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list") {
     job.command = "custom";
+  } else if (path == "/v1/vision/scene") {
+    job.command = "scene";
   } else if (path != "/v1/vision/detection") {
     return std::nullopt;
   }
@@ -340,8 +354,9 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
   // The model's queue too, when the route names the model.
   std::string model = job.kind == Job::Kind::kPredict ? PercentDecode(path.substr(9))
                       : job.command == "custom"       ? PercentDecode(path.substr(18))
+                      : job.command == "scene"        ? options_.scene_model
                                                       : options_.detection_model;
-  if (model.empty() && job.kind != Job::Kind::kPredict && job.command != "custom") {
+  if (model.empty() && job.kind != Job::Kind::kPredict && job.command == "detect") {
     MutexLock lock(models_mu_);
     model = last_default_model_;  // as the last detection request found it
   }
@@ -405,6 +420,25 @@ void VisionHandler::Answer(const std::shared_ptr<Job>& job, VisionResult&& r) {
     w.EndArray();
     w.Key("inference_time_ms");
     w.Double(static_cast<double>(t.infer_ns) / 1e6);
+    w.EndObject();
+  } else if (job->command == "scene") {
+    // DeepStack / CodeProject.AI scene: the best class.
+    w.StartObject();
+    w.Key("success");
+    w.Bool(true);
+    w.Key("label");
+    if (r.classes.empty()) {
+      w.Null();
+    } else {
+      String(w, r.classes.front().label);
+    }
+    w.Key("confidence");
+    w.Double(r.classes.empty() ? 0.0 : r.classes.front().confidence);
+    w.Key("message");
+    String(w, r.classes.empty() ? std::string("No scene found") : "Found " + r.classes.front().label);
+    w.Key("error");
+    w.Null();
+    WriteCpaiMeta(w, *job, &t);
     w.EndObject();
   } else {
     std::vector<std::string_view> names;  // distinct labels found, for the message

@@ -5,6 +5,7 @@
 //   POST /v1/vision/detection        multipart: image (file), min_confidence (0-1, default 0.4), api_key
 //   POST /v1/vision/custom/{model}   the same for any detection model
 //   GET or POST /v1/vision/custom/list   {success, models: [...]}
+//   POST /v1/vision/scene            multipart: image → {success, label, confidence} (--scene-model)
 //   GET  /v1/status/ping             {success: true}
 //   POST /predict/{model}            JSON {"image": "<base64>"} → top-5 classes
 //
@@ -48,6 +49,9 @@ struct VisionOptions {
   // The model behind /v1/vision/detection; "" = the first detection model
   // (by name) in the repository.
   std::string detection_model;
+  // The classification model behind /v1/vision/scene; "" = none (the route
+  // answers with an error saying so).
+  std::string scene_model;
   // When set, CodeProject.AI requests must carry it in the api_key field.
   std::string api_key;
   // The most predictions one detection answer lists, the most confident
