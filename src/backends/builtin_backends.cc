@@ -64,22 +64,21 @@ class OrtBackend final : public Backend {
                                             bool has_config_file, int cores, int instances) override {
     std::unique_ptr<OrtModel> first;
     std::shared_ptr<SharedOnnxWeights> weights;
+    std::string not_shared;  // why sharing failed
     if (instances > 1) {
       auto shared = SharedOnnxWeights::Create(config.name, file, config.graph_optimization_level);
       if (shared) {
         weights = std::move(*shared);
-      } else if (shared.error().code() != StatusCode::kInternal) {
-        return Err(shared.error());
       } else {
-        // Serve the model anyway, each instance with its own copy.
-        std::fprintf(stderr, "quern: warning: %s; each instance loads its own copy\n",
-                     shared.error().message().c_str());
+        not_shared = shared.error().message();
       }
     }
     const OnnxModelIO* io = nullptr;
     if (weights) {
       io = &weights->io();
     } else {
+      // Each instance loads the file itself: a single instance, or sharing
+      // failed (a model that cannot load fails here with its own error).
       // Outputs the configuration does not list are derived in the model's
       // order, which is what an instance created without a list returns.
       QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(config, cores));
@@ -88,6 +87,10 @@ class OrtBackend final : public Backend {
       first = std::make_unique<OrtModel>(config.name, file, options, std::move(outputs));
       QUERN_RETURN_IF_ERROR(first->Load());
       io = &first->io();
+      if (!not_shared.empty()) {
+        std::fprintf(stderr, "quern: warning: %s; each instance holds its own copy of the weights\n",
+                     not_shared.c_str());
+      }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, *io, has_config_file));
     return std::unique_ptr<OpenedModel>(

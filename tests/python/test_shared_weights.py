@@ -145,3 +145,17 @@ def test_weights_listed_as_inputs_and_unoptimized_graphs_still_serve(tmp_path):
     serve_and_check(tmp_path / "inputs", (path, weights), "instance_group [ { count: 2 } ]\n")
     serve_and_check(tmp_path / "unoptimized", (path, weights),
                     'instance_group [ { count: 2 } ]\noptimization { graph { level: -1 } }\n')
+
+
+def test_a_temporary_directory_that_cannot_be_used_still_serves(tmp_path, model):
+    """Sharing needs a private folder in TMPDIR; without one each instance loads its own copy and
+    the answers stay right."""
+    path, (w, b, m) = model
+    repo = make_repo(str(tmp_path), path, "instance_group [ { count: 2 } ]\n")
+    proc, ports = start_quern(QUERN, repo, env={**os.environ, "TMPDIR": str(tmp_path / "no" / "such" / "dir")})
+    try:
+        x = np.random.default_rng(9).standard_normal((1, C, HW, HW)).astype(np.float32)
+        np.testing.assert_allclose(infer(ports["HTTP"], x), reference(x, w, b, m), rtol=1e-3, atol=1e-3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -106,7 +106,9 @@ Result<std::shared_ptr<SharedOnnxWeights>> SharedOnnxWeights::Create(const std::
     return Err(NotFound("model '" + model_name + "': model file " + file.string() + " does not exist"));
   }
   std::shared_ptr<SharedOnnxWeights> w(new SharedOnnxWeights());
-  QUERN_ASSIGN_OR_RETURN(w->dir_, MakeTempDir());
+  auto dir = MakeTempDir();
+  if (!dir) return Err(Internal("model '" + model_name + "': sharing weights: " + dir.error().message()));
+  w->dir_ = std::move(*dir);
   w->optimized_file_ = w->dir_ / kOptimizedModel;
   try {
     Ort::SessionOptions so;

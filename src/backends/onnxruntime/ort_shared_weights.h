@@ -43,9 +43,10 @@ namespace quern {
 class SharedOnnxWeights {
  public:
   // Optimizes `file` at `graph_optimization_level` (ModelConfig's numbering)
-  // and reads its weights. An error from ONNX Runtime loading the model is
-  // INVALID_ARGUMENT naming the model; other failures (no temporary
-  // directory, an optimized file that cannot be read) are INTERNAL.
+  // and reads its weights. An error from ONNX Runtime (loading, optimizing or
+  // saving the model) is INVALID_ARGUMENT naming the model; other failures
+  // (no temporary directory, an optimized file that cannot be read) are
+  // INTERNAL. Either way the caller may still load the file per instance.
   static Result<std::shared_ptr<SharedOnnxWeights>> Create(const std::string& model_name,
                                                            const std::filesystem::path& file,
                                                            int graph_optimization_level);
