@@ -502,6 +502,11 @@ def test_vision_port_and_api_key(repo):
         assert wrong["success"] is False and "api_key is not valid" in wrong["error"]
         status, _, data = request(port, "GET", "/v2/health/live")
         assert status == 404 and "vision routes" in json.loads(data)["error"]
+        # Blue Iris probes GET / to see that the server is up: both ports answer, with no key.
+        for p in (port, ports["HTTP"]):
+            status, h, data = request(p, "GET", "/")
+            assert status == 200 and h["content-type"].startswith("text/html") and b"Quern" in data, (p, status)
+            assert b"detect_" not in data  # routes only, never model names
     finally:
         proc.terminate()
         proc.wait(timeout=30)
