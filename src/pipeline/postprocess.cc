@@ -282,6 +282,44 @@ Result<std::vector<Detection>> DecodeDetections(const std::vector<NamedTensor>& 
         found.push_back(d);
       }
     }
+  } else if (spec.format == DetectionFormat::kCenterFace) {
+    constexpr const char* kLayout =
+        "the CenterFace layout is heatmap [1, 1, h, w], log size [1, 2, h, w] and offset [1, 2, h, w], in this order";
+    if (outputs.size() < 3) {
+      return std::unexpected(
+          InvalidArgument(std::string(kLayout) + "; the model has " + std::to_string(outputs.size()) + " outputs"));
+    }
+    const Shape hs = ItemShape(outputs[0].tensor.shape(), 3);
+    if (hs.size() != 3 || hs[0] != 1 || hs[1] < 1 || hs[2] < 1) {
+      return std::unexpected(InvalidArgument(ShapeOf(outputs[0]) + "; " + kLayout));
+    }
+    for (int i : {1, 2}) {
+      const Shape t = ItemShape(outputs[static_cast<size_t>(i)].tensor.shape(), 3);
+      if (t != Shape{2, hs[1], hs[2]}) {
+        return std::unexpected(InvalidArgument(ShapeOf(outputs[static_cast<size_t>(i)]) + "; " + kLayout));
+      }
+    }
+    const size_t h = static_cast<size_t>(hs[1]), w = static_cast<size_t>(hs[2]), cells = h * w;
+    const float stride_y = static_cast<float>(input_height) / static_cast<float>(h);
+    const float stride_x = static_cast<float>(input_width) / static_cast<float>(w);
+    QUERN_ASSIGN_OR_RETURN(Floats heat, ViewFloats(outputs[0]));
+    QUERN_ASSIGN_OR_RETURN(Floats size, ViewFloats(outputs[1]));
+    QUERN_ASSIGN_OR_RETURN(Floats offset, ViewFloats(outputs[2]));
+    for (size_t y = 0; y < h; ++y) {
+      for (size_t x = 0; x < w; ++x) {
+        const size_t c = y * w + x;
+        const float score = activate(heat.data[c]);
+        if (!(score >= min_confidence)) continue;
+        const float bh = std::exp(size.data[c]) * stride_y, bw = std::exp(size.data[cells + c]) * stride_x;
+        const float cy = (static_cast<float>(y) + offset.data[c] + 0.5f) * stride_y;
+        const float cx = (static_cast<float>(x) + offset.data[cells + c] + 0.5f) * stride_x;
+        Detection d;
+        d.class_id = 0;
+        d.confidence = score;
+        d.x_min = cx - bw / 2, d.x_max = cx + bw / 2, d.y_min = cy - bh / 2, d.y_max = cy + bh / 2;
+        found.push_back(d);
+      }
+    }
   } else {
     const NamedTensor *boxes = nullptr, *scores = nullptr, *labels = nullptr;
     for (const auto& o : outputs) {

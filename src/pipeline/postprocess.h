@@ -38,10 +38,15 @@ std::vector<Classification> TopK(const std::vector<float>& scores, int k, Softma
 // ---------------------------------------------------------------- detection
 
 enum class DetectionFormat {
-  kYoloV5,  // one output [1, boxes, 5 + classes]: cx, cy, w, h, objectness, class scores
-  kYoloV8,  // one output [1, 4 + classes, boxes]: cx, cy, w, h, class scores (YOLOv8, YOLO11)
-  kDetr,    // boxes [1, queries, 4] and class scores [1, queries, classes(+1)],
-            // or labels [1, queries] + scores [1, queries] + boxes (RT-DETR exports)
+  kYoloV5,      // one output [1, boxes, 5 + classes]: cx, cy, w, h, objectness, class scores
+  kYoloV8,      // one output [1, 4 + classes, boxes]: cx, cy, w, h, class scores (YOLOv8, YOLO11)
+  kDetr,        // boxes [1, queries, 4] and class scores [1, queries, classes(+1)],
+                // or labels [1, queries] + scores [1, queries] + boxes (RT-DETR exports)
+  kCenterFace,  // heatmap [1, 1, h, w], log size [1, 2, h, w] (height, width),
+                // offset [1, 2, h, w] (y, x), in this order (landmarks after
+                // them are not read): one class; a cell (x, y) scoring over the
+                // threshold is a box centred at (x + 0.5 + offset x) * stride,
+                // exp(log size) * stride wide and high, stride = input / h
 };
 enum class BoxEncoding { kCxCyWh, kXyXy };
 enum class ScoreActivation { kNone, kSigmoid, kSoftmax };

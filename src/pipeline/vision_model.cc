@@ -220,15 +220,18 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   QUERN_RETURN_IF_ERROR(p.Int("quern.classification.top_k", &m.top_k, 1, 1000000));
 
   DetectionSpec& d = m.detection;
-  QUERN_RETURN_IF_ERROR(p.Choice<DetectionFormat>(
-      "quern.detection.format",
-      {{"yolov5", DetectionFormat::kYoloV5}, {"yolov8", DetectionFormat::kYoloV8}, {"detr", DetectionFormat::kDetr}},
-      &d.format));
+  QUERN_RETURN_IF_ERROR(p.Choice<DetectionFormat>("quern.detection.format",
+                                                  {{"yolov5", DetectionFormat::kYoloV5},
+                                                   {"yolov8", DetectionFormat::kYoloV8},
+                                                   {"detr", DetectionFormat::kDetr},
+                                                   {"centerface", DetectionFormat::kCenterFace}},
+                                                  &d.format));
   if (d.format == DetectionFormat::kDetr) {
     d.normalized = true;
     d.activation = ScoreActivation::kSoftmax;
     d.nms = false;
   }
+  if (d.format == DetectionFormat::kCenterFace) d.iou_threshold = 0.3f;  // CenterFace's own
   QUERN_RETURN_IF_ERROR(p.Choice<BoxEncoding>(
       "quern.detection.box", {{"cxcywh", BoxEncoding::kCxCyWh}, {"xyxy", BoxEncoding::kXyXy}}, &d.box));
   QUERN_RETURN_IF_ERROR(p.Bool("quern.detection.normalized", &d.normalized));

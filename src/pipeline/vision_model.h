@@ -19,12 +19,12 @@
 //   quern.image.mean, quern.image.std   three comma-separated numbers
 //   quern.classification.softmax    auto | true | false (default auto)
 //   quern.classification.top_k      default 5
-//   quern.detection.format          yolov5 | yolov8 | detr
+//   quern.detection.format          yolov5 | yolov8 | detr | centerface
 //   quern.detection.box             cxcywh | xyxy (default cxcywh)
 //   quern.detection.normalized      true | false (default: true for detr)
 //   quern.detection.activation      none | sigmoid | softmax (default: none; softmax for detr)
 //   quern.detection.nms             true | false (default: true; false for detr)
-//   quern.detection.iou_threshold   default 0.45
+//   quern.detection.iou_threshold   default 0.45 (0.3 for centerface)
 //   quern.detection.max_detections  default 100
 // Class labels come from the `label_filename` of the model's first output
 // that has one (a file beside config.pbtxt, one label per line, as in Triton).

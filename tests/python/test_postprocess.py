@@ -177,6 +177,61 @@ def detr_well_separated(boxes, logits):
     return not np.any(np.abs(corners - np.floor(corners) - 0.5) < 1e-3)
 
 
+# CenterFace: heatmap [1, h, w], log size [2, h, w] (height, width), offset [2, h, w] (y, x) and
+# landmarks [10, h, w] at stride 4; one class; class-agnostic NMS at IoU 0.3.
+CF_CELLS, CF_STRIDE, CF_IOU = SIZE // 4, 4, 0.3
+
+
+def generate_centerface(seed):
+    rng = np.random.default_rng(seed)
+    heat = (rng.random((1, CF_CELLS, CF_CELLS)) * 0.2).astype(np.float32)
+    centres = rng.integers(10, CF_CELLS - 10, (14, 2))
+    for cy, cx in centres:  # a face scores in a small cluster of cells
+        for dy, dx in ((0, 0), (0, 1), (1, 0), (-1, -1)):
+            heat[0, cy + dy, cx + dx] = rng.uniform(0.22, 1.0)
+    size = np.log(rng.uniform(16, 120, (2, CF_CELLS, CF_CELLS)) / CF_STRIDE).astype(np.float32)
+    offset = rng.uniform(0, 1, (2, CF_CELLS, CF_CELLS)).astype(np.float32)
+    landmarks = rng.normal(0, 1, (10, CF_CELLS, CF_CELLS)).astype(np.float32)
+    return heat, size, offset, landmarks
+
+
+def centerface_candidates(heat, size, offset, thr):
+    ys, xs = np.nonzero(heat[0] >= np.float32(thr))  # row-major: the server's cell order
+    s = np.float32(CF_STRIDE)
+    bh = np.exp(size[0, ys, xs]).astype(np.float32) * s
+    bw = np.exp(size[1, ys, xs]).astype(np.float32) * s
+    cy = (ys.astype(np.float32) + offset[0, ys, xs] + np.float32(0.5)) * s
+    cx = (xs.astype(np.float32) + offset[1, ys, xs] + np.float32(0.5)) * s
+    xyxy = np.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2], axis=1).astype(np.float32)
+    return xyxy, heat[0, ys, xs]
+
+
+def centerface_reference(heat, size, offset, thr):
+    xyxy, conf = centerface_candidates(heat, size, offset, thr)
+    kept = []
+    for i in np.argsort(-conf, kind="stable"):
+        if len(kept) >= MAX_DET:
+            break
+        if all(iou(xyxy[j], xyxy[i]) <= CF_IOU for j in kept):
+            kept.append(i)
+    return [(0, float(conf[i]), tuple(int(np.floor(np.clip(v, 0, SIZE) + 0.5)) for v in xyxy[i])) for i in kept]
+
+
+def centerface_well_separated(heat, size, offset):
+    for thr in THRESHOLDS:
+        if np.any(np.abs(heat.astype(np.float64) - thr) < 1e-4):
+            return False
+        xyxy, conf = centerface_candidates(heat, size, offset, thr)
+        s = np.sort(conf)
+        if len(s) > 1 and np.min(np.diff(s)) < 1e-6:
+            return False
+        for i in range(len(conf)):
+            for j in range(i):
+                if abs(iou(xyxy[i].astype(np.float64), xyxy[j].astype(np.float64)) - CF_IOU) < 1e-3:
+                    return False
+    return True
+
+
 def constant_detector(name, out):
     """images [N, 3, 640, 640] -> output0 = the constant `out`, once per item."""
     return constant_model(name, {"output0": out})
@@ -246,6 +301,25 @@ parameters {{ key: "quern.task" value {{ string_value: "detection" }} }}
 parameters {{ key: "quern.detection.format" value {{ string_value: "detr" }} }}
 """)
     (repo / "detr" / "labels.txt").write_text("".join(f"class{c}\n" for c in range(DETR_CLASSES + 1)))
+    seed = 0
+    while not centerface_well_separated(*generate_centerface(seed)[:3]):
+        seed += 1
+    heat, size, offset, landmarks = generate_centerface(seed)
+    outputs["centerface"] = (heat, size, offset)
+    (repo / "centerface" / "1").mkdir(parents=True)
+    onnx.save(constant_model("centerface", {"heatmap": heat, "size": size, "offset": offset, "landmarks": landmarks}),
+              str(repo / "centerface" / "1" / "model.onnx"))
+    c = CF_CELLS
+    (repo / "centerface" / "config.pbtxt").write_text(f"""max_batch_size: 4
+input [ {{ name: "images" data_type: TYPE_FP32 dims: [ 3, {SIZE}, {SIZE} ] }} ]
+output [ {{ name: "heatmap" data_type: TYPE_FP32 dims: [ 1, {c}, {c} ] label_filename: "labels.txt" }},
+         {{ name: "size" data_type: TYPE_FP32 dims: [ 2, {c}, {c} ] }},
+         {{ name: "offset" data_type: TYPE_FP32 dims: [ 2, {c}, {c} ] }},
+         {{ name: "landmarks" data_type: TYPE_FP32 dims: [ 10, {c}, {c} ] }} ]
+parameters {{ key: "quern.task" value {{ string_value: "detection" }} }}
+parameters {{ key: "quern.detection.format" value {{ string_value: "centerface" }} }}
+""")
+    (repo / "centerface" / "labels.txt").write_text("face\n")
     proc, ports = start_quern(QUERN, str(repo))
     yield ports["HTTP"], outputs
     proc.terminate()
@@ -296,5 +370,20 @@ def test_detr_detections_match_the_numpy_reference(served, thr):
     assert data["count"] == len(got) == len(want), (len(got), len(want))
     for g, (c, conf, box) in zip(got, want):  # both best first
         assert g[0] == f"class{c}", (g, c, conf, box)
+        assert abs(g[1] - conf) < 1e-5, (g, conf)
+        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+
+
+@pytest.mark.parametrize("thr", THRESHOLDS)
+def test_centerface_detections_match_the_numpy_reference(served, thr):
+    port, outputs = served
+    heat, size, offset = outputs["centerface"]
+    want = centerface_reference(heat, size, offset, thr)
+    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
+    data = detect(port, "centerface", thr)
+    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
+    assert data["count"] == len(got) == len(want), (len(got), len(want))
+    for g, (c, conf, box) in zip(got, want):  # both best first
+        assert g[0] == "face", g
         assert abs(g[1] - conf) < 1e-5, (g, conf)
         assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
