@@ -51,6 +51,8 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
       ->check(CLI::Range(0, 1 << 30));
   serve->add_option("--detection-model", o.vision.detection_model,
                     "Model behind POST /v1/vision/detection (default: the first detection model)");
+  serve->add_option("--face-model", o.vision.face_model,
+                    "Face detection model behind POST /v1/vision/face (default: the first in the CenterFace layout)");
   serve->add_option("--scene-model", o.vision.scene_model,
                     "Classification model behind POST /v1/vision/scene (default: none)");
   serve->add_option("--vision-port", o.vision_port,

@@ -78,3 +78,50 @@ def test_no_face_in_a_picture_without_one(port):
     buf = io.BytesIO()
     img.save(buf, "PNG")
     assert faces(port, buf.getvalue(), "uniform.png") == []
+
+
+def post(port, path, image_bytes):
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a.jpg"\r\n\r\n'.encode() +
+            image_bytes + f"\r\n--{boundary}--\r\n".encode())
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", path, body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    r = c.getresponse()
+    data = json.loads(r.read())
+    c.close()
+    assert r.status == 200, data
+    return data
+
+
+def test_the_face_route_finds_faces_and_the_detection_route_leaves_the_face_model_alone(port, tmp_path):
+    r = post(port, "/v1/vision/face", photo())
+    assert r["success"] is True and r["command"] == "face" and len(r["predictions"]) == 1, r
+    assert r["predictions"][0] == faces(port, photo())[0]  # the same as the model's own route
+    # /v1/vision/detection's default is an object detector, never the face model.
+    r = post(port, "/v1/vision/detection", photo())
+    assert r["success"] is False and "no detection model" in r["error"], r
+    # Beside an object detector: the detection route takes the detector, the face route the faces.
+    repo = tmp_path / "repo"
+    shutil.copytree(MODEL, repo / "faces")
+    shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "detect_yolov8"), repo / "detect_yolov8")
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        detected = post(ports["HTTP"], "/v1/vision/detection", photo())
+        assert detected["success"] is True and all(p["label"] != "face" for p in detected["predictions"]), detected
+        found = post(ports["HTTP"], "/v1/vision/face", photo())
+        assert found["success"] is True and [p["label"] for p in found["predictions"]] == ["face"], found
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_no_face_model_is_said_plainly(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "detect_yolov8"), repo / "detect_yolov8")
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        r = post(ports["HTTP"], "/v1/vision/face", photo())
+        assert r["success"] is False and "no face model" in r["error"], r
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

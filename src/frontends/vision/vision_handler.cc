@@ -170,14 +170,18 @@ bool VisionHandler::Handles(std::string_view target) {
 
 std::string VisionHandler::DefaultDetectionModel() {
   if (!options_.detection_model.empty()) return options_.detection_model;
-  std::string name;
-  for (auto& n : service_->DetectionModels()) {
-    name = std::move(n);
-    break;
-  }
+  std::string name = FirstDetectionModel(/*faces=*/false);
   MutexLock lock(models_mu_);
   last_default_model_ = name;
   return name;
+}
+
+std::string VisionHandler::FirstDetectionModel(bool faces) {
+  for (auto& n : service_->DetectionModels()) {
+    auto m = service_->Model(n);
+    if (m && ((*m)->detection.format == DetectionFormat::kCenterFace) == faces) return std::move(n);
+  }
+  return {};
 }
 
 void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
@@ -187,9 +191,9 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // A key in a header or the query; CodeProject.AI forms may carry one in a
   // field instead (checked with the form below).
   const std::string header_key = RequestKey(request);
-  const bool form_route =
-      request.method == "POST" && (path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
-                                   (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
+  const bool form_route = request.method == "POST" &&
+                          (path == "/v1/vision/detection" || path == "/v1/vision/scene" || path == "/v1/vision/face" ||
+                           (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
   if (path.starts_with("/predict")) {
     job->kind = Job::Kind::kPredict;
@@ -271,13 +275,16 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   } else if (path == "/v1/vision/scene") {
     model = options_.scene_model;  // none: answered after the key check
     job->command = "scene";
+  } else if (path == "/v1/vision/face") {
+    model = options_.face_model.empty() ? FirstDetectionModel(/*faces=*/true) : options_.face_model;
+    job->command = "face";
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
     model = PercentDecode(path.substr(18));
     job->command = "custom";
   } else {
     return Fail(job, NotFound("no vision route " + path +
                               " (routes: /v1/vision/detection, /v1/vision/custom/{model}, /v1/vision/custom/list, "
-                              "/v1/vision/scene, /v1/status/ping)"));
+                              "/v1/vision/scene, /v1/vision/face, /v1/status/ping)"));
   }
   auto boundary = MultipartBoundary(job->request.Header("content-type"));
   if (!boundary) return Fail(job, boundary.error());
@@ -301,6 +308,10 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     bool has_key = false;
     for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
     if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));
+  }
+  if (model.empty() && job->command == "face") {
+    return Fail(job, Unavailable("no face model is loaded (a detection model with quern.detection.format "
+                                 "centerface, such as examples/models/faces, or --face-model)"));
   }
   if (model.empty() && job->command == "scene") {
     return Fail(job, Unavailable("no scene model is configured: start quern with --scene-model set to a "
@@ -345,6 +356,9 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
     job.command = "custom";
   } else if (path == "/v1/vision/scene") {
     job.command = "scene";
+  } else if (path == "/v1/vision/face") {
+    if (options_.face_model.empty()) return std::nullopt;  // found per request; admitted there
+    job.command = "face";
   } else if (path != "/v1/vision/detection") {
     return std::nullopt;
   }
@@ -355,6 +369,7 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
   std::string model = job.kind == Job::Kind::kPredict ? PercentDecode(path.substr(9))
                       : job.command == "custom"       ? PercentDecode(path.substr(18))
                       : job.command == "scene"        ? options_.scene_model
+                      : job.command == "face"         ? options_.face_model
                                                       : options_.detection_model;
   if (model.empty() && job.kind != Job::Kind::kPredict && job.command == "detect") {
     MutexLock lock(models_mu_);

@@ -6,6 +6,7 @@
 //   POST /v1/vision/custom/{model}   the same for any detection model
 //   GET or POST /v1/vision/custom/list   {success, models: [...]}
 //   POST /v1/vision/scene            multipart: image → {success, label, confidence} (--scene-model)
+//   POST /v1/vision/face             multipart: image → faces, as detection answers them (--face-model)
 //   GET  /v1/status/ping             {success: true}
 //   POST /predict/{model}            JSON {"image": "<base64>"} → top-5 classes
 //
@@ -52,6 +53,10 @@ struct VisionOptions {
   // The classification model behind /v1/vision/scene; "" = none (the route
   // answers with an error saying so).
   std::string scene_model;
+  // The face detection model behind /v1/vision/face; "" = the first
+  // detection model (by name) in the CenterFace layout. /v1/vision/detection's
+  // default skips such models.
+  std::string face_model;
   // When set, CodeProject.AI requests must carry it in the api_key field.
   std::string api_key;
   // The most predictions one detection answer lists, the most confident
@@ -89,6 +94,9 @@ class VisionHandler {
  private:
   struct Job;
   std::string DefaultDetectionModel();
+  // The first detection model by name that detects faces (CenterFace layout),
+  // or that does not; "" when there is none.
+  std::string FirstDetectionModel(bool faces);
   void WriteCpaiMeta(rapidjson::Writer<rapidjson::StringBuffer>& w, const Job& job, const VisionTimings* timings) const;
   void Submit(std::shared_ptr<Job> job, std::shared_ptr<const VisionModel> model);
   HttpResponse Refusal(const Job& job, const Status& status) const;
