@@ -498,6 +498,10 @@ def test_vision_port_and_api_key(repo):
         check(detect(port, img, extra=[("api_key", b"s3cret", None)]), expected(128, 96, SQUARES, "detr"), 0.001)
         missing = detect(port, img)
         assert missing["success"] is False and "api_key" in missing["error"]
+        # The key as a query parameter instead of a form field, as CodeProject.AI takes it.
+        check(detect(port, img, path="/v1/vision/detection?api_key=s3cret"), expected(128, 96, SQUARES, "detr"), 0.001)
+        wrong_query = detect(port, img, path="/v1/vision/detection?api_key=nope")
+        assert wrong_query["success"] is False and "api_key is not valid" in wrong_query["error"], wrong_query
         wrong = detect(ports["HTTP"], img, extra=[("api_key", b"nope", None)])
         assert wrong["success"] is False and "api_key is not valid" in wrong["error"]
         status, _, data = request(port, "GET", "/v2/health/live")

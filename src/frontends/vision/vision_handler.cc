@@ -307,7 +307,12 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   } else if (!options_.authorize && !options_.api_key.empty()) {
     bool has_key = false;
     for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
-    if (!has_key) return Fail(job, PermissionDenied("this server requires an api_key field"));
+    // Without the form field, the key may come as the api_key query
+    // parameter (or a header), as CodeProject.AI accepts it.
+    if (!has_key && header_key.empty()) {
+      return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
+    }
+    if (!has_key && header_key != options_.api_key) return Fail(job, PermissionDenied("the api_key is not valid"));
   }
   if (model.empty() && job->command == "face") {
     return Fail(job, Unavailable("no face model is loaded (a detection model with quern.detection.format "
