@@ -259,16 +259,16 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   if (auto stats = (*engine)->GetStatistics("m"); stats && !stats->empty()) r.batch_limit = stats->front().batch_limit;
   stop = true;
   for (auto& th : threads) th.join();
-  int64_t c0 = 0, b0 = 0, c1 = 0, b1 = 0;  // counted inside the window only
+  int64_t c1 = 0, b1 = 0;  // counted inside the window only
   for (int t = 0; t < submitters; ++t) {
     c1 += counts[t];
     b1 += batch_sum[t];
   }
-  r.throughput = (c1 - c0) / elapsed;
+  r.throughput = static_cast<double>(c1) / elapsed;
   std::vector<double> all;
   for (int t = 0; t < submitters; ++t) all.insert(all.end(), lat[t].begin(), lat[t].end());
   std::sort(all.begin(), all.end());
-  r.mean_batch = c1 > c0 ? static_cast<double>(b1 - b0) / static_cast<double>(c1 - c0) : 0;
+  r.mean_batch = c1 > 0 ? static_cast<double>(b1) / static_cast<double>(c1) : 0;
   if (!all.empty()) {
     r.p50_ms = all[all.size() / 2];
     r.p99_ms = all[std::min(all.size() - 1, all.size() * 99 / 100)];

@@ -34,16 +34,22 @@ def port(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def faces(port, image_bytes, name="photo.jpg"):
+def post(port, path, image_bytes, name="a.jpg"):
     boundary = uuid.uuid4().hex
     body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n\r\n'.encode() +
             image_bytes + f"\r\n--{boundary}--\r\n".encode())
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    c.request("POST", "/v1/vision/custom/faces", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    c.request("POST", path, body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
     r = c.getresponse()
     data = json.loads(r.read())
     c.close()
-    assert r.status == 200 and data["success"] is True, data
+    assert r.status == 200, data
+    return data
+
+
+def faces(port, image_bytes, name="photo.jpg"):
+    data = post(port, "/v1/vision/custom/faces", image_bytes, name)
+    assert data["success"] is True, data
     return data["predictions"]
 
 
@@ -78,19 +84,6 @@ def test_no_face_in_a_picture_without_one(port):
     buf = io.BytesIO()
     img.save(buf, "PNG")
     assert faces(port, buf.getvalue(), "uniform.png") == []
-
-
-def post(port, path, image_bytes):
-    boundary = uuid.uuid4().hex
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a.jpg"\r\n\r\n'.encode() +
-            image_bytes + f"\r\n--{boundary}--\r\n".encode())
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    c.request("POST", path, body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
-    r = c.getresponse()
-    data = json.loads(r.read())
-    c.close()
-    assert r.status == 200, data
-    return data
 
 
 def test_the_face_route_finds_faces_and_the_detection_route_leaves_the_face_model_alone(port, tmp_path):

@@ -343,20 +343,26 @@ def detect(port, model, thr):
     return data
 
 
+def check_answer(port, model, thr, want, label):
+    """/v1/vision/custom/<model> at `thr` answers exactly `want` [(class, confidence, box)], best first:
+    labels as label(class), confidences within 1e-5, box corners within 1 pixel."""
+    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
+    data = detect(port, model, thr)
+    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
+    assert data["count"] == len(got) == len(want), (len(got), len(want))
+    for g, (c, conf, box) in zip(got, want):  # both best first
+        assert g[0] == label(c), (g, c, conf, box)
+        assert abs(g[1] - conf) < 1e-5, (g, conf)
+        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+
+
 @pytest.mark.parametrize("layout,activation", CASES)
 @pytest.mark.parametrize("thr", THRESHOLDS)
 def test_detections_match_the_numpy_reference(served, layout, activation, thr):
     port, outputs = served
     out, _, _ = outputs[f"{layout}_{activation}"]
     want = reference(out, layout, activation, thr)
-    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
-    data = detect(port, f"{layout}_{activation}", thr)
-    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
-    assert data["count"] == len(got) == len(want), (len(got), len(want))
-    for g, (c, conf, box) in zip(got, want):  # both best first
-        assert g[0] == f"class{c}", (g, c, conf, box)
-        assert abs(g[1] - conf) < 1e-5, (g, conf)
-        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+    check_answer(port, f"{layout}_{activation}", thr, want, lambda c: f"class{c}")
 
 
 @pytest.mark.parametrize("thr", THRESHOLDS)
@@ -364,14 +370,7 @@ def test_detr_detections_match_the_numpy_reference(served, thr):
     port, outputs = served
     boxes, logits = outputs["detr"]
     want = detr_reference(boxes, logits, thr)
-    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
-    data = detect(port, "detr", thr)
-    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
-    assert data["count"] == len(got) == len(want), (len(got), len(want))
-    for g, (c, conf, box) in zip(got, want):  # both best first
-        assert g[0] == f"class{c}", (g, c, conf, box)
-        assert abs(g[1] - conf) < 1e-5, (g, conf)
-        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+    check_answer(port, "detr", thr, want, lambda c: f"class{c}")
 
 
 @pytest.mark.parametrize("thr", THRESHOLDS)
@@ -379,11 +378,4 @@ def test_centerface_detections_match_the_numpy_reference(served, thr):
     port, outputs = served
     heat, size, offset = outputs["centerface"]
     want = centerface_reference(heat, size, offset, thr)
-    assert 5 <= len(want), f"the generated output leaves too little to compare at {thr}: {len(want)}"
-    data = detect(port, "centerface", thr)
-    got = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"])) for p in data["predictions"]]
-    assert data["count"] == len(got) == len(want), (len(got), len(want))
-    for g, (c, conf, box) in zip(got, want):  # both best first
-        assert g[0] == "face", g
-        assert abs(g[1] - conf) < 1e-5, (g, conf)
-        assert all(abs(a - b) <= 1 for a, b in zip(g[2], box)), (g, box)
+    check_answer(port, "centerface", thr, want, lambda c: "face")
