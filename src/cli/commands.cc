@@ -114,7 +114,7 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
 int Models(const std::string& repo) {
   auto engine = Open(repo);
   if (!engine) return 1;
-  quern::PrintModels(**engine);
+  quern::PrintModels(**engine, repo);
   for (const auto& m : (*engine)->ListModels()) {
     if (m.state != quern::ModelState::kReady) return 3;
   }

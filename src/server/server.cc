@@ -52,11 +52,31 @@ std::optional<HttpResponse> HomePage(const HttpRequest& r) {
       "<p>A model server is running here.</p><ul>"
       "<li>KServe v2 over HTTP: <code>/v2</code>, <code>/v2/models/{model}/infer</code></li>"
       "<li>CodeProject.AI / DeepStack vision: <code>POST /v1/vision/detection</code>, "
-      "<code>/v1/vision/custom/{model}</code>, <code>/v1/vision/scene</code>, "
+      "<code>/v1/vision/custom/{model}</code>, <code>/v1/vision/face</code>, <code>/v1/vision/scene</code>, "
       "<code>/v1/vision/custom/list</code></li>"
       "<li>Classification: <code>POST /predict/{model}</code></li>"
       "</ul></body></html>";
   return resp;
+}
+
+// "vision detection, 416x416 BGR stretch; 80 labels: person, bicycle, ..."
+void PrintVisionModel(const ModelStatus& status, const std::filesystem::path& model_dir) {
+  auto vision = VisionModelFromStatus(status, model_dir);
+  if (!vision) return;  // checked while the model loaded; it changed on disk since
+  const ImageSpec& im = vision->image;
+  static constexpr std::string_view kResize[] = {"stretch", "letterbox", "center crop"};
+  std::printf("    vision %s, %dx%d %s %s", vision->task == VisionTask::kDetection ? "detection" : "classification",
+              im.width, im.height, im.channels == ChannelOrder::kRgb ? "RGB" : "BGR",
+              kResize[static_cast<size_t>(im.resize)].data());
+  if (!vision->labels.empty()) {
+    std::printf("; %zu labels:", vision->labels.size());
+    constexpr size_t kShown = 8;
+    for (size_t i = 0; i < vision->labels.size() && i < kShown; ++i) {
+      std::printf("%s %s", i ? "," : "", vision->labels[i].c_str());
+    }
+    if (vision->labels.size() > kShown) std::printf(", ...");
+  }
+  std::printf("\n");
 }
 
 }  // namespace
@@ -77,7 +97,7 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options) {
   return Engine::Create(o);
 }
 
-void PrintModels(const Engine& engine) {
+void PrintModels(const Engine& engine, const std::filesystem::path& repository) {
   for (const auto& m : engine.ListModels()) {
     std::printf("%s v%lld  %s", m.name.c_str(), static_cast<long long>(m.version),
                 std::string(ModelStateName(m.state)).c_str());
@@ -95,6 +115,7 @@ void PrintModels(const Engine& engine) {
       std::printf("    output %-20s %-6s %s\n", t.name.c_str(), std::string(DataTypeName(t.dtype)).c_str(),
                   Dims(c, t).c_str());
     }
+    if (IsVisionModel(c)) PrintVisionModel(m, repository / m.name);
   }
 }
 
@@ -193,7 +214,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   p->engine_metrics = AddEngineMetrics(p->registry, *p->engine);
   p->process_metrics = AddProcessMetrics(p->registry);
   Parts* parts = p.get();
-  PrintModels(*p->engine);
+  PrintModels(*p->engine, o.model_repository);
   RaiseOpenFileLimit(o.http.max_connections + 64);
   if (const char* k = std::getenv("QUERN_API_KEYS")) o.keys.keys_env = k;
   if (const char* k = std::getenv("QUERN_ADMIN_KEYS")) o.keys.admin_keys_env = k;

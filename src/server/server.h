@@ -15,6 +15,7 @@
 // Thread safety: Shutdown may be called from any one thread.
 #pragma once
 
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -67,8 +68,9 @@ struct ServerOptions {
 // their models load.
 Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options);
 
-// Each model with its state, tensors and load error (stdout).
-void PrintModels(const Engine& engine);
+// Each model with its state, tensors and load error (stdout); a vision model
+// also with its image pipeline and labels, read from `repository`.
+void PrintModels(const Engine& engine, const std::filesystem::path& repository);
 
 class Server {
  public:

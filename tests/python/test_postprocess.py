@@ -21,7 +21,7 @@ from PIL import Image
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from quern_testing import start_quern
+from quern_testing import iou, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 SIZE, CLASSES = 640, 80
@@ -77,15 +77,6 @@ def candidates(out, layout, activation, thr):
     cx, cy, w, h = (rows[keep, i] for i in range(4))
     xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1).astype(np.float32)
     return xyxy, conf[keep], best[keep]
-
-
-def iou(a, b):
-    iw = min(a[2], b[2]) - max(a[0], b[0])
-    ih = min(a[3], b[3]) - max(a[1], b[1])
-    if iw <= 0 or ih <= 0:
-        return 0.0
-    inter = iw * ih
-    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
 def reference(out, layout, activation, thr):

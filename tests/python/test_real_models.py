@@ -1,0 +1,316 @@
+"""The real models of the example repository, fetched and converted by scripts/setup.sh: `objects`
+(NanoDet-m, COCO), `imagenet` (EfficientNet-Lite0) and `faces` (CenterFace), on real photographs
+from Debian's darknet package (examples/data/).
+
+What the photographs show, read by a person looking at them (regions in pixels, approximate):
+- dog.jpg (768x576): a dog sitting at the lower left (x 133-305, y 222-540); a red road bicycle
+  leaning behind it (x 127-566, y 140-420); a white pickup truck parked across the street at the
+  upper right (x 466-685, y 75-170); far away at the upper left, a small red motorbike.
+- person.jpg (640x424): a person in a blue jacket standing in a field (x 190-272, y 95-375); a white
+  horse grazing at the right (x 405-602, y 140-345); a black dog at the left (x 65-205, y 263-343).
+- horses.jpg (773x512): five horses walking to the right; the white one in front (x 0-315, y 193-410),
+  a brown one at the left edge, half out of the picture (x 0-153, y 187-340), a dark brown one
+  (x 175-418, y 197-360), and dappled grey ones in the middle and at the right (x 435-595, y 212-345).
+- giraffe.jpg (500x500): a giraffe bending its neck (x 168-447, y 30-440) and a zebra below its head
+  (x 248-425, y 205-425).
+- eagle.jpg (773x512): a young bald eagle standing on a shore (x 135-600, y 88-448).
+
+Beside those readings, an independent reference inside the test: onnxruntime (PyPI) runs the same
+model file on the same pixels, pre- and post-processed here with numpy (bilinear resampling with
+8-bit weights, the documented arithmetic; YOLOv8 decoding and class-wise NMS), and Quern must agree
+within 1 px and 1e-3. The reference reads PNG copies of the photographs: a PNG decodes to the same
+pixels everywhere, while JPEG decoders differ in the last bit."""
+import base64
+import io
+import json
+import os
+import shutil
+import subprocess
+import uuid
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from quern_testing import http_request, iou, start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+MODELS = os.path.join(ROOT, "examples", "models")
+PHOTOS = os.path.join(ROOT, "examples", "data")
+
+# NanoDet-m's pipeline as examples/models/objects/config.pbtxt declares it.
+OBJ_SIZE = 416
+OBJ_MEAN = np.array([103.53, 116.28, 123.675], np.float32)  # B, G, R
+OBJ_STD = np.array([57.375, 57.12, 58.395], np.float32)
+NMS_IOU, MAX_DET = 0.45, 100
+
+
+def photo(name):
+    with open(os.path.join(PHOTOS, name), "rb") as f:
+        return f.read()
+
+
+def png(name):
+    buf = io.BytesIO()
+    Image.open(os.path.join(PHOTOS, name)).convert("RGB").save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for m in ("objects", "imagenet", "faces"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports["HTTP"]
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def form(port, path, image_bytes, **fields):
+    boundary = uuid.uuid4().hex
+    body = b""
+    for k, v in fields.items():
+        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+    if image_bytes is not None:
+        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a"\r\n\r\n'.encode() +
+                 image_bytes + b"\r\n")
+    body += f"--{boundary}--\r\n".encode()
+    status, _, data = http_request(port, "POST", path, body,
+                                   {"Content-Type": f"multipart/form-data; boundary={boundary}"}, timeout=60)
+    assert status == 200, data
+    return json.loads(data)
+
+
+def detect(port, image_bytes, path="/v1/vision/detection", min_confidence=0.3):
+    r = form(port, path, image_bytes, min_confidence=min_confidence)
+    assert r["success"] is True, r
+    return r["predictions"]
+
+
+def predict(port, model, image_bytes):
+    status, _, data = http_request(port, "POST", f"/predict/{model}",
+                                   json.dumps({"image": base64.b64encode(image_bytes).decode()}), timeout=60)
+    assert status == 200, data
+    return json.loads(data)["predictions"]
+
+
+def found(predictions, label, region, min_iou=0.5):
+    """The best match of `label` over `region` (x_min, y_min, x_max, y_max), or None."""
+    best = None
+    for p in predictions:
+        box = (p["x_min"], p["y_min"], p["x_max"], p["y_max"])
+        if p["label"] == label and iou(box, region) >= min_iou and (best is None or iou(box, region) > best[0]):
+            best = (iou(box, region), p)
+    return best and best[1]
+
+
+# ---- what a person sees in the photographs
+
+PHOTO_OBJECTS = {
+    "dog.jpg": [("dog", (133, 222, 305, 540)), ("bicycle", (127, 140, 566, 420)), ("truck", (466, 75, 685, 170))],
+    "person.jpg": [("person", (190, 95, 272, 375)), ("horse", (405, 140, 602, 345)), ("dog", (65, 263, 205, 343))],
+    "horses.jpg": [("horse", (0, 193, 315, 410)), ("horse", (0, 187, 153, 340))],
+    "giraffe.jpg": [("giraffe", (168, 30, 447, 440)), ("zebra", (248, 205, 425, 425))],
+    "eagle.jpg": [("bird", (135, 88, 600, 448))],
+}
+# NanoDet-m is a small model (23.5 COCO mAP): it takes the dark and the grey horses for cows.
+CONFUSED = {"horses.jpg": {"cow"}}
+
+
+@pytest.mark.parametrize("name", sorted(PHOTO_OBJECTS))
+def test_the_objects_in_each_photograph_are_found_where_they_are(server, name):
+    predictions = detect(server, photo(name))
+    for label, region in PHOTO_OBJECTS[name]:
+        assert found(predictions, label, region), f"{name}: no {label} over {region} in {predictions}"
+    seen = {label for label, _ in PHOTO_OBJECTS[name]} | CONFUSED.get(name, set())
+    # Nothing confidently reported that is not in the picture.
+    assert all(p["label"] in seen or p["confidence"] < 0.5 for p in predictions), predictions
+    assert [p["confidence"] for p in predictions] == sorted((p["confidence"] for p in predictions), reverse=True)
+
+
+def test_the_detection_route_answers_with_the_coco_model_by_default(server):
+    default = form(server, "/v1/vision/detection", photo("dog.jpg"))
+    named = form(server, "/v1/vision/custom/objects", photo("dog.jpg"))
+    assert default["success"] and default["predictions"] == named["predictions"], (default, named)
+    # CodeProject.AI's default threshold (0.4) keeps the bicycle; the message names what was found.
+    assert "bicycle" in default["message"], default
+    # The labels are spelled as CodeProject.AI's YOLOv5 spells them.
+    with open(os.path.join(MODELS, "objects", "labels.txt")) as f:
+        labels = f.read().split("\n")
+    assert "motorcycle" in labels and "tv" in labels and "motorbike" not in labels
+
+
+IMAGENET_TOP = {  # the photograph: labels a person accepts as its best class
+    "eagle.jpg": {"bald eagle", "kite"},
+    "giraffe.jpg": {"zebra"},  # ImageNet-1k has no giraffe; the zebra is the one class in the picture
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMAGENET_TOP))
+def test_imagenet_names_what_the_photograph_shows(server, name):
+    top = predict(server, "imagenet", photo(name))
+    assert top[0]["label"] in IMAGENET_TOP[name], top
+    assert top[0]["confidence"] > 0.3 and len(top) == 5, top
+    scene = form(server, "/v1/vision/custom/imagenet", photo(name))
+    assert scene["success"] is False and "/predict/imagenet" in scene["error"], scene
+
+
+# ---- the independent reference: onnxruntime + numpy on the same pixels
+
+def bilinear_axis(out_size, offset, scale, size):
+    """Sampling positions along one axis: pixel centres at half-integers, edges clamped, the weight
+    of the second source pixel in 256ths."""
+    s = (np.arange(out_size) + 0.5 - offset) / scale
+    valid = (s >= 0) & (s < size)
+    d = np.clip(s - 0.5, 0, size - 1)
+    i0 = np.floor(d).astype(np.int64)
+    i1 = np.minimum(i0 + 1, size - 1)
+    w1 = np.floor((d - i0) * 256 + 0.5).astype(np.int64)
+    return valid, i0, i1, w1
+
+
+def resample(rgb, width, height, scale_x, scale_y, offset_x=0.0, offset_y=0.0, pad=114):
+    """Bilinear resampling with 8-bit weights: rows blended first (x 256), then columns, rounded."""
+    h, w, _ = rgb.shape
+    vy, y0, y1, wy = bilinear_axis(height, offset_y, scale_y, h)
+    vx, x0, x1, wx = bilinear_axis(width, offset_x, scale_x, w)
+    px = rgb.astype(np.int64)
+    rows = px[y0] * (256 - wy)[:, None, None] + px[y1] * wy[:, None, None]
+    out = (rows[:, x0] * (256 - wx)[None, :, None] + rows[:, x1] * wx[None, :, None] + (1 << 15)) >> 16
+    out[~vy] = pad
+    out[:, ~vx] = pad
+    return out.astype(np.uint8)
+
+
+def onnx_session(model):
+    import onnxruntime  # the PyPI package, independent of the server's library
+    return onnxruntime.InferenceSession(os.path.join(MODELS, model, "1", "model.onnx"),
+                                        providers=["CPUExecutionProvider"])
+
+
+def objects_input(rgb):
+    """NanoDet-m's input for an RGB image: stretched to 416x416, BGR, (pixel - mean) / std, CHW."""
+    h, w, _ = rgb.shape
+    x = resample(rgb, OBJ_SIZE, OBJ_SIZE, OBJ_SIZE / w, OBJ_SIZE / h)[:, :, ::-1].astype(np.float32)
+    x = (x - OBJ_MEAN) / OBJ_STD
+    return np.ascontiguousarray(x.transpose(2, 0, 1)[None])
+
+
+def decode_yolov8(out, width, height, threshold, labels):
+    """[84, cells]: cx, cy, w, h in input pixels and 80 probabilities; the best class per cell,
+    class-wise greedy NMS (suppress above IoU 0.45), best first, boxes in the photograph's pixels."""
+    cls = out[4:]
+    best = np.argmax(cls, axis=0)
+    conf = cls[best, np.arange(out.shape[1])]
+    keep = np.nonzero(conf >= np.float32(threshold))[0]
+    sx, sy = OBJ_SIZE / width, OBJ_SIZE / height
+    boxes = []
+    for i in keep:
+        cx, cy, w, h = (float(v) for v in out[:4, i])
+        boxes.append((float(conf[i]), int(best[i]), ((cx - w / 2) / sx, (cy - h / 2) / sy,
+                                                     (cx + w / 2) / sx, (cy + h / 2) / sy)))
+    boxes.sort(key=lambda b: -b[0])
+    kept = []
+    for b in boxes:
+        if len(kept) < MAX_DET and all(k[1] != b[1] or iou(k[2], b[2]) <= NMS_IOU for k in kept):
+            kept.append(b)
+    clip = (width, height, width, height)
+    corners = ("x_min", "y_min", "x_max", "y_max")
+    return [{"label": labels[c], "confidence": conf,
+             **{k: int(np.floor(min(max(box[j], 0.0), clip[j]) + 0.5)) for j, k in enumerate(corners)}}
+            for conf, c, box in kept]
+
+
+def labels_of(model):
+    with open(os.path.join(MODELS, model, "labels.txt")) as f:
+        return f.read().splitlines()
+
+
+def assert_same_detections(quern, reference):
+    assert [p["label"] for p in quern] == [p["label"] for p in reference], (quern, reference)
+    for q, r in zip(quern, reference):
+        assert abs(q["confidence"] - r["confidence"]) <= 1e-3, (q, r)
+        for k in ("x_min", "y_min", "x_max", "y_max"):
+            assert abs(q[k] - r[k]) <= 1, (q, r)
+
+
+@pytest.mark.parametrize("name", ["dog.jpg", "person.jpg", "giraffe.jpg", "eagle.jpg"])
+def test_objects_agree_with_onnxruntime_and_numpy(server, name):
+    rgb = np.asarray(Image.open(os.path.join(PHOTOS, name)).convert("RGB"))
+    out = onnx_session("objects").run(None, {"image": objects_input(rgb)})[0][0]
+    reference = decode_yolov8(out, rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects"))
+    assert reference, "the reference found nothing"
+    assert_same_detections(detect(server, png(name), "/v1/vision/custom/objects"), reference)
+
+
+@pytest.mark.parametrize("name", ["person.jpg", "giraffe.jpg"])
+def test_imagenet_agrees_with_onnxruntime_and_numpy(server, name):
+    rgb = np.asarray(Image.open(os.path.join(PHOTOS, name)).convert("RGB"))
+    h, w, _ = rgb.shape
+    s = 256 / min(w, h)  # shortest side to 256, then the centre 224x224
+    x = resample(rgb, 224, 224, s, s, -np.floor((w * s - 224) / 2 + 1e-9), -np.floor((h * s - 224) / 2 + 1e-9))
+    x = ((x.astype(np.float32) - 127) / 128).transpose(2, 0, 1)[None]
+    logits = onnx_session("imagenet").run(None, {"image": np.ascontiguousarray(x)})[0][0].astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p)[:5]
+    labels = labels_of("imagenet")
+    top = predict(server, "imagenet", png(name))
+    assert [t["label"] for t in top] == [labels[i] for i in order], (top, order)
+    for t, i in zip(top, order):
+        assert t["class_id"] == i and abs(t["confidence"] - p[i]) <= 1e-3, (t, p[i])
+
+
+def test_every_front_end_gives_the_same_detections(server):
+    """The raw model through KServe infer and through a job answers the same tensor as onnxruntime;
+    decoded, it is what /v1/vision/detection answers."""
+    rgb = np.asarray(Image.open(os.path.join(PHOTOS, "dog.jpg")).convert("RGB"))
+    x = objects_input(rgb)
+    expected = onnx_session("objects").run(None, {"image": x})[0]
+    body = json.dumps({"inputs": [{"name": "image", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]})
+    status, _, data = http_request(server, "POST", "/v2/models/objects/infer", body, timeout=60)
+    assert status == 200, data
+    kserve = json.loads(data)["outputs"][0]
+    assert kserve["shape"] == [1, 84, 3549], kserve["shape"]
+    kserve = np.array(kserve["data"], np.float32).reshape(1, 84, 3549)
+    np.testing.assert_allclose(kserve, expected, atol=1e-4)
+
+    status, _, data = http_request(server, "POST", "/v2/models/objects/jobs", body, timeout=60)
+    assert status == 202, data
+    job = json.loads(data)["job_id"]
+    for _ in range(600):
+        status, _, data = http_request(server, "GET", f"/v2/jobs/{job}")
+        j = json.loads(data)
+        if j["status"] not in ("queued", "running"):
+            break
+    assert j["status"] == "done", j
+    np.testing.assert_array_equal(np.array(j["result"]["outputs"][0]["data"], np.float32).reshape(1, 84, 3549), kserve)
+
+    decoded = decode_yolov8(kserve[0], rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects"))
+    assert_same_detections(detect(server, png("dog.jpg")), decoded)
+
+
+# ---- what a camera client may send wrong
+
+@pytest.mark.parametrize("path", ["/v1/vision/detection", "/v1/vision/custom/objects", "/v1/vision/face"])
+def test_bad_images_get_a_codeproject_error_and_the_server_stays_up(server, path):
+    jpeg = photo("dog.jpg")
+    for image, words in ((b"", "image"), (b"not an image at all", "image"), (jpeg[: len(jpeg) // 3], "image"),
+                         (None, "image")):
+        r = form(server, path, image)
+        assert r["success"] is False and words in r["error"].lower(), r
+    assert form(server, path, jpeg)["success"] is True  # still answering
+
+
+def test_quern_models_lists_the_real_models_with_their_labels(tmp_path):
+    repo = tmp_path / "repo"
+    for m in ("objects", "imagenet"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    out = subprocess.run([QUERN, "models", str(repo)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "objects v1  READY" in out.stdout and "imagenet v1  READY" in out.stdout, out.stdout
+    assert "80 labels: person, bicycle, car" in out.stdout, out.stdout
+    assert "1000 labels: tench" in out.stdout, out.stdout
