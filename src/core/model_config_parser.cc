@@ -298,7 +298,7 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
         key != kMaxQueueWaitParam && key != kWideInstanceParam && key != "quern.task" &&
         !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
-        !key.starts_with("quern.classification.")) {
+        !key.starts_with("quern.classification.") && !key.starts_with("quern.embedding.")) {
       return Err(InvalidArgument(source + ": unknown parameter " + key));
     }
   }

@@ -119,4 +119,11 @@ size_t PreprocessedBytes(const ImageSpec& spec);
 // layout and dtype). Returns the transform for mapping results back.
 ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, void* out);
 
+// The square around a box (x_min, y_min, x_max, y_max in the source image's
+// pixels): its longer side, centred on the box, moved inside the image and
+// no larger than the image's shorter side, cut out of `decoded` (which may
+// be smaller than the source) as an image of its own. A face descriptor
+// reads faces this way.
+DecodedImage CropSquare(const DecodedImage& decoded, float x_min, float y_min, float x_max, float y_max);
+
 }  // namespace quern

@@ -330,4 +330,27 @@ ImageTransform Preprocess(const DecodedImage& decoded, const ImageSpec& spec, vo
   return t;
 }
 
+DecodedImage CropSquare(const DecodedImage& decoded, float x_min, float y_min, float x_max, float y_max) {
+  const Image& img = decoded.image;
+  // In decoded pixels.
+  const double sx = static_cast<double>(img.width) / std::max(decoded.source_width, 1);
+  const double sy = static_cast<double>(img.height) / std::max(decoded.source_height, 1);
+  const double cx = (x_min + x_max) / 2.0 * sx, cy = (y_min + y_max) / 2.0 * sy;
+  const double longer = std::max((x_max - x_min) * sx, (y_max - y_min) * sy);
+  const int side = std::clamp(static_cast<int>(std::lround(longer)), 1, std::max(std::min(img.width, img.height), 1));
+  const int x0 = std::clamp(static_cast<int>(std::lround(cx - side / 2.0)), 0, std::max(img.width - side, 0));
+  const int y0 = std::clamp(static_cast<int>(std::lround(cy - side / 2.0)), 0, std::max(img.height - side, 0));
+  DecodedImage crop;
+  crop.format = decoded.format;
+  crop.image.width = crop.image.height = crop.source_width = crop.source_height = side;
+  crop.image.pixels.resize(static_cast<size_t>(side) * static_cast<size_t>(side) * 3);
+  if (img.width < side || img.height < side) return crop;  // an empty image: black
+  const size_t row = static_cast<size_t>(side) * 3, stride = static_cast<size_t>(img.width) * 3;
+  for (int y = 0; y < side; ++y) {
+    std::memcpy(crop.image.pixels.data() + static_cast<size_t>(y) * row,
+                img.pixels.data() + static_cast<size_t>(y0 + y) * stride + static_cast<size_t>(x0) * 3, row);
+  }
+  return crop;
+}
+
 }  // namespace quern

@@ -105,7 +105,7 @@ class Params {
 
   static bool IsVisionKey(const std::string& k) {
     return k == "quern.task" || k.starts_with("quern.image.") || k.starts_with("quern.detection.") ||
-           k.starts_with("quern.classification.");
+           k.starts_with("quern.classification.") || k.starts_with("quern.embedding.");
   }
 
  private:
@@ -136,8 +136,11 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   const std::string where = "model '" + c.name + "'";
 
   m.task = p.Get("quern.detection.format") ? VisionTask::kDetection : VisionTask::kClassification;
-  QUERN_RETURN_IF_ERROR(p.Choice<VisionTask>(
-      "quern.task", {{"classification", VisionTask::kClassification}, {"detection", VisionTask::kDetection}}, &m.task));
+  QUERN_RETURN_IF_ERROR(p.Choice<VisionTask>("quern.task",
+                                             {{"classification", VisionTask::kClassification},
+                                              {"detection", VisionTask::kDetection},
+                                              {"embedding", VisionTask::kEmbedding}},
+                                             &m.task));
 
   // The image input and its geometry.
   const TensorConfig* input = nullptr;
@@ -187,6 +190,11 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   m.image.height = static_cast<int>(h);
   m.input_shape = m.image.layout == TensorLayout::kNchw ? Shape{3, h, w} : Shape{h, w, 3};
   if (batched || input->dims.size() == 4) m.input_shape.insert(m.input_shape.begin(), 1);
+  m.max_batch_size = c.max_batch_size;
+  if (m.task == VisionTask::kEmbedding && m.input_shape.size() != 4) {
+    return std::unexpected(InvalidArgument(where + ": an embedding model takes its crops in a batch; give it "
+                                                   "max_batch_size (or a 4-dimensional image input)"));
+  }
   m.image.dtype = input->dtype;
   if (m.image.dtype != DataType::kFp32 && m.image.dtype != DataType::kFp16 && m.image.dtype != DataType::kUint8) {
     return std::unexpected(InvalidArgument(where + ": image input '" + input->name + "' is " +
@@ -243,6 +251,16 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   QUERN_RETURN_IF_ERROR(p.Bool("quern.detection.nms", &d.nms));
   QUERN_RETURN_IF_ERROR(p.Float("quern.detection.iou_threshold", &d.iou_threshold, 0.0f, 1.0f));
   QUERN_RETURN_IF_ERROR(p.Int("quern.detection.max_detections", &d.max_detections, 1, 100000));
+
+  if (const std::string* name = p.Get("quern.embedding.output")) {
+    if (!c.FindOutput(*name)) {
+      return std::unexpected(
+          InvalidArgument(where + ": quern.embedding.output names '" + *name + "', which is not an output"));
+    }
+    m.embedding_output = *name;
+  } else if (m.task == VisionTask::kEmbedding && !c.outputs.empty()) {
+    m.embedding_output = c.outputs[0].name;
+  }
 
   QUERN_RETURN_IF_ERROR(p.CheckAllKnown());
 

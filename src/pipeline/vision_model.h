@@ -5,8 +5,8 @@
 //
 // Keys (all optional; a model with any quern.task / quern.image.* key is a
 // vision model):
-//   quern.task                      classification | detection (default: detection
-//                                   when quern.detection.format is set)
+//   quern.task                      classification | detection | embedding (default:
+//                                   detection when quern.detection.format is set)
 //   quern.image.input               the image input (default: the only input)
 //   quern.image.size                WxH when the input's dims are not fixed
 //   quern.image.resize              stretch | letterbox | center_crop (default stretch;
@@ -26,6 +26,9 @@
 //   quern.detection.nms             true | false (default: true; false for detr)
 //   quern.detection.iou_threshold   default 0.45 (0.3 for centerface)
 //   quern.detection.max_detections  default 100
+//   quern.embedding.output          the output holding the descriptor (default: the
+//                                   first output); an embedding model describes an
+//                                   image (a face crop) with one vector
 // Class labels come from the `label_filename` of the model's first output
 // that has one (a file beside config.pbtxt, one label per line, as in Triton).
 #pragma once
@@ -40,18 +43,20 @@
 
 namespace quern {
 
-enum class VisionTask { kClassification, kDetection };
+enum class VisionTask { kClassification, kDetection, kEmbedding };
 
 struct VisionModel {
   std::string name;
   int64_t version = 0;
   VisionTask task = VisionTask::kClassification;
   std::string input_name;
-  Shape input_shape;  // of one request: the batch dimension of 1 included when the model batches
+  Shape input_shape;       // of one request: the batch dimension of 1 included when the model batches
+  int max_batch_size = 0;  // the configuration's: rows one request may hold
   ImageSpec image;
   SoftmaxMode softmax = SoftmaxMode::kAuto;
   int top_k = 5;
   DetectionSpec detection;
+  std::string embedding_output;  // kEmbedding
   std::vector<std::string> labels;
 
   const std::string& Label(int class_id) const;

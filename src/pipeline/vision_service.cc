@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "core/cpus.h"
 
@@ -28,6 +30,7 @@ struct VisionService::Job {
   ImageTransform transform;
   VisionTimings timings;
   int64_t post_start_ns = 0;
+  std::optional<DecodedImage> decoded;  // kept for the descriptor's crops
 };
 
 VisionService::VisionService(Engine* engine, VisionServiceOptions options)
@@ -168,13 +171,13 @@ Result<std::shared_ptr<const VisionModel>> VisionService::Model(const std::strin
   return shared;
 }
 
-std::vector<std::string> VisionService::DetectionModels() {
+std::vector<std::string> VisionService::Models(VisionTask task) {
   std::vector<std::string> out;
   for (const auto& m : engine_->ListModels()) {  // sorted by name
     if (m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
     if (!out.empty() && out.back() == m.name) continue;  // another version
     auto vm = Model(m.name);
-    if (vm && (*vm)->task == VisionTask::kDetection) out.push_back(m.name);
+    if (vm && (*vm)->task == task) out.push_back(m.name);
   }
   return out;
 }
@@ -214,7 +217,15 @@ Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
 Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   const std::shared_ptr<const VisionModel>& m = request.model;
   if (!m) return InvalidArgument("a vision request needs a model");
-  const int64_t bytes = request.held_bytes + static_cast<int64_t>(PreprocessedBytes(m->image));
+  int64_t bytes = request.held_bytes + static_cast<int64_t>(PreprocessedBytes(m->image));
+  if (request.descriptor) {
+    if (m->task != VisionTask::kDetection || request.descriptor->task != VisionTask::kEmbedding) {
+      return InvalidArgument("model '" + m->name + "' cannot be described by '" + request.descriptor->name +
+                             "': a detection model's boxes are described by an embedding model");
+    }
+    request.max_described = std::clamp(request.max_described, 1, std::max(request.descriptor->max_batch_size, 1));
+    bytes += request.max_described * static_cast<int64_t>(PreprocessedBytes(request.descriptor->image));
+  }
   // The model's own queue is asked first: an image it would refuse is not
   // decoded and resized for nothing.
   Status st = engine_->CheckAdmission(m->name, m->version);
@@ -257,7 +268,9 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   }
   const VisionModel& m = *job->request.model;
   DecodeOptions dopt;
-  dopt.target = &m.image;
+  // Crops for a descriptor come from the full-size image; otherwise a large
+  // JPEG is shrunk while decoding to what the model needs.
+  dopt.target = job->request.descriptor ? nullptr : &m.image;
   dopt.max_pixels = options_.max_image_pixels;
   auto decoded = DecodeImage(job->request.image, dopt);
   if (!decoded) return Fail(job, decoded.error(), false);
@@ -267,6 +280,7 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   const int64_t t2 = clock_->NowNs();
   t.decode_ns = t1 - t.stage_start_ns;
   t.resize_ns = t2 - t1;
+  if (job->request.descriptor) job->decoded = std::move(*decoded);
 
   InferRequest ir;
   ir.model = m.name;
@@ -309,6 +323,80 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
     }
   }
   job->timings.post_ns = clock_->NowNs() - job->post_start_ns;
+  if (job->request.descriptor && !result.detections.empty()) return Describe(job, std::move(result));
+  Finish(job, std::move(result));
+}
+
+void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& result) {
+  const int64_t start = clock_->NowNs();
+  const VisionModel& d = *job->request.descriptor;
+  const size_t n = std::min(result.detections.size(), static_cast<size_t>(job->request.max_described));
+  const size_t one = PreprocessedBytes(d.image);
+  Shape shape = d.input_shape;
+  shape[0] = static_cast<int64_t>(n);
+  Tensor input = Tensor::AllocateUninitialized(d.image.dtype, shape, n * one);
+  for (size_t i = 0; i < n; ++i) {
+    const Detection& b = result.detections[i].box;
+    Preprocess(CropSquare(*job->decoded, b.x_min, b.y_min, b.x_max, b.y_max), d.image, input.mutable_data() + i * one);
+  }
+  job->decoded.reset();
+  job->timings.post_ns += clock_->NowNs() - start;
+  InferRequest ir;
+  ir.model = d.name;
+  ir.version = d.version;
+  ir.inputs.push_back({d.input_name, std::move(input)});
+  ir.cancel = job->request.cancel;
+  ir.admitted = true;  // charged by Submit
+  ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - clock_->NowNs(), 1);
+  auto shared = std::make_shared<VisionResult>(std::move(result));
+  InferCallback done = [this, job, shared](InferResponse&& r) {
+    auto response = std::make_shared<InferResponse>(std::move(r));
+    Post([this, job, shared, response] { Described(job, shared, std::move(*response)); }, true);
+  };
+  if (Status st = engine_->InferAsync(std::move(ir), done); !st.ok()) {
+    Fail(job, Status(st.code(), "face descriptor '" + d.name + "': " + st.message()), false);
+  }
+}
+
+void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared_ptr<VisionResult>& result,
+                              InferResponse&& r) {
+  const int64_t start = clock_->NowNs();
+  const VisionModel& d = *job->request.descriptor;
+  job->timings.queue_ns += r.telemetry.queue_ns();
+  job->timings.infer_ns += r.telemetry.compute_ns();
+  if (!r.status.ok()) {
+    const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
+    return Fail(job, r.status, dropped);
+  }
+  const NamedTensor* out = nullptr;
+  for (const auto& o : r.outputs) {
+    if (o.name == d.embedding_output) out = &o;
+  }
+  if (!out) return Fail(job, Internal("model '" + d.name + "' returned no output '" + d.embedding_output + "'"), false);
+  auto values = OutputAsFloats(*out);
+  if (!values) return Fail(job, values.error(), false);
+  const size_t n = std::min(result->detections.size(), static_cast<size_t>(job->request.max_described));
+  if (n == 0 || values->empty() || values->size() % n != 0) {
+    return Fail(job,
+                Internal("model '" + d.name + "' answered " + std::to_string(values->size()) + " values for " +
+                         std::to_string(n) + " crops"),
+                false);
+  }
+  const size_t dim = values->size() / n;
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<float>& e = result->detections[i].embedding;
+    e.assign(values->begin() + static_cast<std::ptrdiff_t>(i * dim),
+             values->begin() + static_cast<std::ptrdiff_t>((i + 1) * dim));
+    double norm = 0;
+    for (float v : e) norm += static_cast<double>(v) * v;
+    const float scale = norm > 0 ? static_cast<float>(1.0 / std::sqrt(norm)) : 0.0f;
+    for (float& v : e) v *= scale;
+  }
+  job->timings.post_ns += clock_->NowNs() - start;
+  Finish(job, std::move(*result));
+}
+
+void VisionService::Finish(const std::shared_ptr<Job>& job, VisionResult&& result) {
   result.timed = true;
   VisionTimings& t = job->timings;
   timed_images_.Increment(1);

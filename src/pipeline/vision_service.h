@@ -87,6 +87,12 @@ struct VisionRequest {
   int64_t held_bytes = 0;
   float min_confidence = 0.4f;  // detection
   std::shared_ptr<CancellationToken> cancel;
+  // Detection models: describe the most confident `max_described` boxes
+  // found (faces) with this embedding model: each box made square, cut out
+  // of the image decoded at full size, resized to the descriptor's input,
+  // all of them in one request to its batcher. Null = no descriptions.
+  std::shared_ptr<const VisionModel> descriptor;
+  int max_described = 1;
 };
 
 // Where an image's time went (ns on the service's clock); the stage
@@ -100,6 +106,7 @@ struct VisionTimings {
 struct LabelledDetection {
   Detection box;  // in the source image's pixels, clipped to it
   std::string label;
+  std::vector<float> embedding;  // with a descriptor: unit length (L2); else empty
 };
 
 struct VisionResult {
@@ -144,7 +151,9 @@ class VisionService {
   // that does not read).
   Result<std::shared_ptr<const VisionModel>> Model(const std::string& name);
   // Ready detection models, by name.
-  std::vector<std::string> DetectionModels();
+  std::vector<std::string> DetectionModels() { return Models(VisionTask::kDetection); }
+  // Ready vision models of one task, by name.
+  std::vector<std::string> Models(VisionTask task);
 
   // What Submit would answer now for an image of `bytes` for `model` ("" =
   // not known yet), from what is known before the image is read: the
@@ -179,6 +188,12 @@ class VisionService {
   void StageLoop();
   void Process(const std::shared_ptr<Job>& job);
   void PostProcess(const std::shared_ptr<Job>& job, InferResponse&& response);
+  // With a descriptor: the crops of the boxes found go to the descriptor
+  // model; Described reads its answer into the detections.
+  void Describe(const std::shared_ptr<Job>& job, VisionResult&& result);
+  void Described(const std::shared_ptr<Job>& job, const std::shared_ptr<VisionResult>& result, InferResponse&& r);
+  // Counts an answered image's stage times and delivers it.
+  void Finish(const std::shared_ptr<Job>& job, VisionResult&& result);
   // Delivers the result and gives the job's admission back.
   void Deliver(const std::shared_ptr<Job>& job, VisionResult&& result);
   // An error result; `dropped`: the caller left or the timeout passed.

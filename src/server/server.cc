@@ -133,6 +133,7 @@ struct Server::Parts {
   std::atomic<bool> draining{false};
   std::unique_ptr<KServeHandler> kserve;
   std::unique_ptr<VisionService> vision_service;
+  std::unique_ptr<FaceGallery> faces;
   std::unique_ptr<VisionHandler> vision;
   std::unique_ptr<ResultStore> store;
   RedisResultStore* redis_store = nullptr;  // = store when results go to Redis
@@ -234,6 +235,15 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (p->keys->enabled()) {
     o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
   }
+  FaceGalleryOptions gallery;
+  if (!o.data_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.data_dir, ec);
+    if (ec) return Err(InvalidArgument("--data-dir " + o.data_dir + " cannot be made: " + ec.message()));
+    gallery.file = std::filesystem::path(o.data_dir) / "faces.bin";
+  }
+  QUERN_ASSIGN_OR_RETURN(p->faces, FaceGallery::Open(gallery));
+  o.vision.faces = p->faces.get();
   p->vision = std::make_unique<VisionHandler>(p->vision_service.get(), o.vision);
 
   if (!o.redis_url.empty()) {

@@ -129,15 +129,15 @@ void String(Writer& w, std::string_view s) {
 
 }  // namespace
 
-float ParseMinConfidence(std::string_view field) {
+float ParseMinConfidence(std::string_view field, float fallback) {
   const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f'; };
   while (!field.empty() && space(field.front())) field.remove_prefix(1);
   while (!field.empty() && space(field.back())) field.remove_suffix(1);
-  if (field.empty() || field.size() > 64) return kDefaultMinConfidence;
+  if (field.empty() || field.size() > 64) return fallback;
   const std::string v(field);
   char* end = nullptr;
   const float f = std::strtof(v.c_str(), &end);
-  if (end != v.c_str() + v.size() || std::isnan(f)) return kDefaultMinConfidence;
+  if (end != v.c_str() + v.size() || std::isnan(f)) return fallback;
   return std::max(f, 0.0f);
 }
 
@@ -191,9 +191,10 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // A key in a header or the query; CodeProject.AI forms may carry one in a
   // field instead (checked with the form below).
   const std::string header_key = RequestKey(request);
-  const bool form_route = request.method == "POST" &&
-                          (path == "/v1/vision/detection" || path == "/v1/vision/scene" || path == "/v1/vision/face" ||
-                           (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
+  const bool form_route =
+      request.method == "POST" && (path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
+                                   path == "/v1/vision/face" || path.starts_with("/v1/vision/face/") ||
+                                   (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
   if (path.starts_with("/predict")) {
     job->kind = Job::Kind::kPredict;
@@ -247,11 +248,15 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     return Respond(job, Json(200, "{\"success\":true}"));
   }
   // Blue Iris lists the custom models with GET as well as POST.
-  const bool list = path == "/v1/vision/custom/list";
+  const bool list = path == "/v1/vision/custom/list" || path == "/v1/vision/face/list";
   if (job->request.method != "POST" && !(list && job->request.method == "GET")) {
     return Fail(job, InvalidArgument(job->request.method + " " + path + ": vision routes take POST"));
   }
-  if (list) {
+  if (path == "/v1/vision/face/list" && job->request.method == "GET") {
+    job->command = "list";
+    return HandleFaces(job, {}, "");
+  }
+  if (list && path == "/v1/vision/custom/list") {
     job->command = "list";
     rapidjson::StringBuffer sb;
     Writer w(sb);
@@ -278,13 +283,18 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   } else if (path == "/v1/vision/face") {
     model = options_.face_model.empty() ? FirstDetectionModel(/*faces=*/true) : options_.face_model;
     job->command = "face";
+  } else if (path == "/v1/vision/face/register" || path == "/v1/vision/face/recognize" ||
+             path == "/v1/vision/face/match" || path == "/v1/vision/face/list" || path == "/v1/vision/face/delete") {
+    model = options_.face_model.empty() ? FirstDetectionModel(/*faces=*/true) : options_.face_model;
+    job->command = path.substr(16);
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
     model = PercentDecode(path.substr(18));
     job->command = "custom";
   } else {
     return Fail(job, NotFound("no vision route " + path +
                               " (routes: /v1/vision/detection, /v1/vision/custom/{model}, /v1/vision/custom/list, "
-                              "/v1/vision/scene, /v1/vision/face, /v1/status/ping)"));
+                              "/v1/vision/scene, /v1/vision/face, /v1/vision/face/{register,recognize,match,list,"
+                              "delete}, /v1/status/ping)"));
   }
   auto boundary = MultipartBoundary(job->request.Header("content-type"));
   if (!boundary) return Fail(job, boundary.error());
@@ -313,6 +323,9 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
       return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
     }
     if (!has_key && header_key != options_.api_key) return Fail(job, PermissionDenied("the api_key is not valid"));
+  }
+  if (job->command != "detect" && job->command != "custom" && job->command != "scene" && job->command != "face") {
+    return HandleFaces(job, *parts, model);
   }
   if (model.empty() && job->command == "face") {
     return Fail(job, Unavailable("no face model is loaded (a detection model with quern.detection.format "
@@ -410,6 +423,238 @@ void VisionHandler::Submit(std::shared_ptr<Job> job, std::shared_ptr<const Visio
     }
     Respond(job, Refusal(*job, st));
   }
+}
+
+// One face recognition request: its images, each with the vision service,
+// and their results as they come.
+struct VisionHandler::FaceJob {
+  std::shared_ptr<Job> job;
+  std::string userid;                             // register
+  float threshold = kDefaultFaceMatchConfidence;  // recognize
+  std::vector<std::string> fields;                // the image fields, in form order
+  Mutex mu;
+  std::vector<VisionResult> results QUERN_GUARDED_BY(mu);  // by field
+  size_t remaining QUERN_GUARDED_BY(mu) = 0;
+  // Records field i's result; true for the last one.
+  bool Done(size_t i, VisionResult&& r) {
+    MutexLock lock(mu);
+    results[i] = std::move(r);
+    return --remaining == 0;
+  }
+};
+
+void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts,
+                                const std::string& face_model) {
+  const std::string& command = job->command;
+  if (!options_.faces) {
+    return Fail(job, Unavailable("face recognition is off on this server (it needs a face descriptor model, e.g. "
+                                 "examples/models/face_descriptor)"));
+  }
+  const auto field = [&parts](std::string_view name) -> const FormPart* {
+    for (const auto& p : parts) {
+      if (p.name == name) return &p;
+    }
+    return nullptr;
+  };
+  const auto respond = [this, &job](const std::function<void(Writer&)>& fields) {
+    rapidjson::StringBuffer sb;
+    Writer w(sb);
+    w.StartObject();
+    w.Key("success");
+    w.Bool(true);
+    fields(w);
+    WriteCpaiMeta(w, *job, nullptr);
+    w.EndObject();
+    Respond(job, Json(200, sb.GetString()));
+  };
+  if (command == "list") {
+    const std::vector<std::string> users = options_.faces->Users();
+    return respond([&users](Writer& w) {
+      w.Key("faces");
+      w.StartArray();
+      for (const auto& u : users) String(w, u);
+      w.EndArray();
+    });
+  }
+  auto face_job = std::make_shared<FaceJob>();
+  face_job->job = job;
+  if (command == "register" || command == "delete") {
+    const FormPart* userid = field("userid");
+    if (!userid) return Fail(job, InvalidArgument("no userid was sent: expected a form field named 'userid'"));
+    face_job->userid = std::string(userid->data);
+    if (Status st = FaceGallery::CheckUserId(face_job->userid); !st.ok()) return Fail(job, st);
+  }
+  if (command == "delete") {
+    if (Status st = options_.faces->Delete(face_job->userid); !st.ok()) return Fail(job, st);
+    return respond([](Writer& w) {
+      w.Key("message");
+      w.String("face deleted");
+    });
+  }
+
+  // register, recognize and match: find the faces, then describe them.
+  if (command == "register") {
+    constexpr size_t kMaxImages = 16;
+    for (const auto& p : parts) {
+      const bool numbered = p.name.size() > 5 && p.name.starts_with("image") &&
+                            std::all_of(p.name.begin() + 5, p.name.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (p.name == "image" || numbered) face_job->fields.push_back(p.name);
+    }
+    if (face_job->fields.size() > kMaxImages) {
+      return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxImages) + " images; " +
+                                       std::to_string(face_job->fields.size()) + " were sent"));
+    }
+  } else if (command == "recognize") {
+    face_job->fields = {"image"};
+    if (const FormPart* c = field("min_confidence")) {
+      face_job->threshold = ParseMinConfidence(c->data, kDefaultFaceMatchConfidence);
+    }
+  } else {  // match
+    face_job->fields = {"image1", "image2"};
+  }
+  if (face_job->fields.empty()) {
+    return Fail(job, InvalidArgument("no image was sent: expected form fields named 'image' or 'image1'.."));
+  }
+  for (const auto& name : face_job->fields) {
+    const FormPart* p = field(name);
+    if (!p)
+      return Fail(job, InvalidArgument("no image was sent in '" + name + "': expected a form field of that name"));
+    if (p->data.empty()) return Fail(job, InvalidArgument("the '" + name + "' field is empty (0 bytes)"));
+  }
+  if (face_model.empty()) {
+    return Fail(job, Unavailable("no face model is loaded (a detection model with quern.detection.format "
+                                 "centerface, such as examples/models/faces, or --face-model)"));
+  }
+  std::string descriptor_name = options_.face_descriptor_model;
+  if (descriptor_name.empty()) {
+    auto names = service_->Models(VisionTask::kEmbedding);
+    if (!names.empty()) descriptor_name = names.front();
+  }
+  if (descriptor_name.empty()) {
+    return Fail(job, Unavailable("no face descriptor model is loaded (a model with quern.task embedding, such as "
+                                 "examples/models/face_descriptor, or --face-descriptor-model)"));
+  }
+  auto detector = service_->Model(face_model);
+  if (!detector) return Fail(job, detector.error());
+  if ((*detector)->task != VisionTask::kDetection) {
+    return Fail(job, InvalidArgument("the face model '" + face_model + "' is not a detection model"));
+  }
+  auto descriptor = service_->Model(descriptor_name);
+  if (!descriptor) return Fail(job, descriptor.error());
+  if ((*descriptor)->task != VisionTask::kEmbedding) {
+    return Fail(job, InvalidArgument("the face descriptor model '" + descriptor_name +
+                                     "' is not an embedding model (quern.task: embedding)"));
+  }
+  {
+    MutexLock lock(face_job->mu);
+    face_job->results.resize(face_job->fields.size());
+    face_job->remaining = face_job->fields.size();
+  }
+  for (size_t i = 0; i < face_job->fields.size(); ++i) {
+    VisionRequest r;
+    r.model = *detector;
+    r.image = field(face_job->fields[i])->data;
+    r.owner = job;  // the body the images are viewed in
+    r.held_bytes = i == 0 ? static_cast<int64_t>(job->request.body.size()) : 0;
+    r.cancel = job->request.cancel;
+    r.descriptor = *descriptor;
+    // Recognition describes every face it finds (up to a batch); the others
+    // the most confident face of each image.
+    r.max_described = command == "recognize" ? (*descriptor)->max_batch_size : 1;
+    VisionCallback answer = [this, face_job, i](VisionResult&& result) {
+      if (face_job->Done(i, std::move(result))) FinishFaces(*face_job);
+      MutexLock lock(pending_mu_);
+      if (--pending_ == 0) pending_cv_.SignalAll();
+    };
+    {
+      MutexLock lock(pending_mu_);
+      ++pending_;
+    }
+    if (Status st = service_->Submit(std::move(r), answer); !st.ok()) {
+      {
+        MutexLock lock(pending_mu_);
+        --pending_;
+      }
+      VisionResult refused;
+      refused.status = st;
+      if (face_job->Done(i, std::move(refused))) FinishFaces(*face_job);
+    }
+  }
+}
+
+void VisionHandler::FinishFaces(FaceJob& f) {
+  const std::shared_ptr<Job>& job = f.job;
+  std::vector<VisionResult> results;
+  {
+    MutexLock lock(f.mu);
+    results = std::move(f.results);
+  }
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (!results[i].status.ok()) {
+      if (results[i].status.code() == StatusCode::kUnavailable) return Respond(job, Refusal(*job, results[i].status));
+      return Fail(job, Status(results[i].status.code(), f.fields[i] + ": " + results[i].status.message()));
+    }
+  }
+  // The most confident face of each image (boxes come best first).
+  const auto best_face = [&](size_t i) -> const std::vector<float>* {
+    const auto& d = results[i].detections;
+    return d.empty() || d.front().embedding.empty() ? nullptr : &d.front().embedding;
+  };
+  rapidjson::StringBuffer sb;
+  Writer w(sb);
+  w.StartObject();
+  w.Key("success");
+  w.Bool(true);
+  if (job->command == "register" || job->command == "match") {
+    std::vector<std::vector<float>> faces;
+    for (size_t i = 0; i < results.size(); ++i) {
+      const std::vector<float>* face = best_face(i);
+      if (!face) return Fail(job, InvalidArgument("no face was found in '" + f.fields[i] + "'"));
+      faces.push_back(*face);
+    }
+    if (job->command == "register") {
+      if (Status st = options_.faces->Register(f.userid, faces); !st.ok()) return Fail(job, st);
+      w.Key("message");
+      w.String("face added");
+    } else {
+      w.Key("similarity");
+      w.Double(FaceGallery::Similarity(faces[0], faces[1]));
+    }
+  } else {  // recognize
+    std::vector<std::string> names;
+    w.Key("predictions");
+    w.StartArray();
+    for (const auto& d : results[0].detections) {
+      if (d.embedding.empty()) break;  // beyond the faces described
+      const auto closest = options_.faces->Closest(d.embedding);
+      const bool known = closest && closest->similarity >= f.threshold;
+      names.push_back(known ? closest->userid : "unknown");
+      w.StartObject();
+      w.Key("userid");
+      String(w, names.back());
+      w.Key("confidence");
+      w.Double(known ? closest->similarity : 0.0);
+      w.Key("x_min");
+      w.Int(static_cast<int>(std::lround(d.box.x_min)));
+      w.Key("y_min");
+      w.Int(static_cast<int>(std::lround(d.box.y_min)));
+      w.Key("x_max");
+      w.Int(static_cast<int>(std::lround(d.box.x_max)));
+      w.Key("y_max");
+      w.Int(static_cast<int>(std::lround(d.box.y_max)));
+      w.EndObject();
+    }
+    w.EndArray();
+    w.Key("count");
+    w.Int(static_cast<int>(names.size()));
+    std::string message = names.empty() ? "No faces found" : "Found ";
+    for (size_t i = 0; i < names.size(); ++i) message += (i ? ", " : "") + names[i];
+    w.Key("message");
+    String(w, message);
+  }
+  WriteCpaiMeta(w, *job, &results[0].timings);
+  w.EndObject();
+  Respond(job, Json(200, sb.GetString()));
 }
 
 void VisionHandler::Answer(const std::shared_ptr<Job>& job, VisionResult&& r) {

@@ -7,6 +7,12 @@
 //   GET or POST /v1/vision/custom/list   {success, models: [...]}
 //   POST /v1/vision/scene            multipart: image → {success, label, confidence} (--scene-model)
 //   POST /v1/vision/face             multipart: image → faces, as detection answers them (--face-model)
+//   POST /v1/vision/face/register    multipart: userid, image (or image1..imageN) → the faces are registered
+//   POST /v1/vision/face/recognize   multipart: image, min_confidence (default 0.67) → faces with their userid
+//                                    ("unknown" below the threshold)
+//   POST /v1/vision/face/match       multipart: image1, image2 → similarity of their faces
+//   POST /v1/vision/face/list        {success, faces: [userid, ...]} (GET too)
+//   POST /v1/vision/face/delete      multipart: userid
 //   GET  /v1/status/ping             {success: true}
 //   POST /predict/{model}            JSON {"image": "<base64>"} → top-5 classes
 //
@@ -35,6 +41,8 @@
 
 #include "core/mutex.h"
 #include "frontends/http/http_types.h"
+#include "frontends/vision/multipart.h"
+#include "pipeline/face_gallery.h"
 #include "pipeline/vision_service.h"
 #include "quern/engine.h"
 
@@ -43,8 +51,10 @@ namespace quern {
 // min_confidence read the way CodeProject.AI reads it: surrounding
 // whitespace ignored; empty, not a number or NaN gives the default 0.4 (not
 // an error); a negative number counts as 0, one above 1 keeps nothing.
+// /v1/vision/face/recognize reads its threshold the same way, with its own
+// default (`fallback`).
 inline constexpr float kDefaultMinConfidence = 0.4f;
-float ParseMinConfidence(std::string_view field);
+float ParseMinConfidence(std::string_view field, float fallback = kDefaultMinConfidence);
 
 struct VisionOptions {
   // The model behind /v1/vision/detection; "" = the first detection model
@@ -68,7 +78,16 @@ struct VisionOptions {
   // the api_key query parameter or, on CodeProject.AI routes, the api_key
   // form field. Replaces `api_key`.
   std::function<Status(std::string_view key)> authorize;
+  // Face recognition: the registered faces (null: the face recognition
+  // routes answer that it is off) and the embedding model that describes
+  // faces ("" = the first model with quern.task: embedding).
+  FaceGallery* faces = nullptr;
+  std::string face_descriptor_model;
 };
+
+// Recognition's default threshold (DeepStack's and CodeProject.AI's): a face
+// whose closest registered face is less similar is "unknown".
+inline constexpr float kDefaultFaceMatchConfidence = 0.67f;
 
 class VisionHandler {
  public:
@@ -93,6 +112,7 @@ class VisionHandler {
 
  private:
   struct Job;
+  struct FaceJob;
   std::string DefaultDetectionModel();
   // The first detection model by name that detects faces (CenterFace layout),
   // or that does not; "" when there is none.
@@ -105,6 +125,11 @@ class VisionHandler {
   // A request that failed before reaching the service.
   void Fail(const std::shared_ptr<Job>& job, const Status& status);
   void Respond(const std::shared_ptr<Job>& job, HttpResponse response);
+  // /v1/vision/face/{register,recognize,match,list,delete}; `face_model`
+  // finds the faces.
+  void HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts, const std::string& face_model);
+  // Every image of a face request answered: the answer.
+  void FinishFaces(FaceJob& face_job);
 
   VisionService* service_;
   VisionOptions options_;

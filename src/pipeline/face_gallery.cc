@@ -1,0 +1,233 @@
+#include "pipeline/face_gallery.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+namespace quern {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "the gallery file is little-endian");
+
+constexpr std::string_view kMagic = "QUERNFACES1\n";
+constexpr size_t kMaxUserIdBytes = 256;
+constexpr size_t kMaxDimension = 65536;
+
+void PutU32(std::string& out, size_t v) {
+  const auto u = static_cast<uint32_t>(v);
+  out.append(reinterpret_cast<const char*>(&u), 4);
+}
+
+// Reads the file's fields in order; every read is bounds-checked.
+class Reader {
+ public:
+  explicit Reader(std::string_view data) : data_(data) {}
+  bool U32(size_t& v) {
+    uint32_t u = 0;
+    if (data_.size() < 4) return false;
+    std::memcpy(&u, data_.data(), 4);
+    data_.remove_prefix(4);
+    v = u;
+    return true;
+  }
+  bool Bytes(size_t n, std::string_view& out) {
+    if (data_.size() < n) return false;
+    out = data_.substr(0, n);
+    data_.remove_prefix(n);
+    return true;
+  }
+  bool done() const { return data_.empty(); }
+
+ private:
+  std::string_view data_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<FaceGallery>> FaceGallery::Open(FaceGalleryOptions options) {
+  std::unique_ptr<FaceGallery> g(new FaceGallery(std::move(options)));
+  QUERN_RETURN_IF_ERROR(g->Load());
+  return g;
+}
+
+Status FaceGallery::CheckUserId(std::string_view userid) {
+  if (userid.empty()) return InvalidArgument("the userid is empty");
+  if (userid.size() > kMaxUserIdBytes) {
+    return InvalidArgument("the userid is " + std::to_string(userid.size()) + " bytes; at most " +
+                           std::to_string(kMaxUserIdBytes));
+  }
+  for (unsigned char c : userid) {
+    if (c < 0x20 || c == 0x7F) return InvalidArgument("the userid holds a control character");
+  }
+  return Status::Ok();
+}
+
+float FaceGallery::Similarity(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size()) return 0;
+  double dot = 0, na = 0, nb = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    dot += static_cast<double>(a[i]) * b[i];
+    na += static_cast<double>(a[i]) * a[i];
+    nb += static_cast<double>(b[i]) * b[i];
+  }
+  return na > 0 && nb > 0 ? static_cast<float>(dot / std::sqrt(na * nb)) : 0.0f;
+}
+
+Status FaceGallery::Register(const std::string& userid, const std::vector<std::vector<float>>& faces) {
+  QUERN_RETURN_IF_ERROR(CheckUserId(userid));
+  if (faces.empty()) return InvalidArgument("no face to register for '" + userid + "'");
+  const size_t dim = faces.front().size();
+  if (dim == 0 || dim > kMaxDimension)
+    return InvalidArgument("a face descriptor of " + std::to_string(dim) + " values");
+  for (const auto& f : faces) {
+    if (f.size() != dim) return InvalidArgument("face descriptors of different lengths");
+    for (float v : f) {
+      if (!std::isfinite(v)) return InvalidArgument("a face descriptor that is not finite");
+    }
+  }
+  MutexLock lock(mu_);
+  if (!users_.empty() && dim != dimension_) {
+    return FailedPrecondition("the registered faces were described with " + std::to_string(dimension_) +
+                              " values and this descriptor gives " + std::to_string(dim) +
+                              " (another face descriptor model?); delete them to register with this one");
+  }
+  if (!users_.contains(userid) && users_.size() >= options_.max_users) {
+    return ResourceExhausted("the face gallery holds its limit of " + std::to_string(options_.max_users) + " users");
+  }
+  auto before = users_;
+  auto& mine = users_[userid];
+  mine.insert(mine.end(), faces.begin(), faces.end());
+  if (mine.size() > options_.max_faces_per_user) {
+    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(mine.size() - options_.max_faces_per_user));
+  }
+  const size_t dim_before = dimension_;
+  dimension_ = dim;
+  if (Status st = Save(); !st.ok()) {
+    users_ = std::move(before);  // kept as the file has it
+    dimension_ = dim_before;
+    return st;
+  }
+  return Status::Ok();
+}
+
+Status FaceGallery::Delete(const std::string& userid) {
+  MutexLock lock(mu_);
+  auto it = users_.find(userid);
+  if (it == users_.end()) return NotFound("no face is registered as '" + userid + "'");
+  auto removed = std::move(it->second);
+  users_.erase(it);
+  if (Status st = Save(); !st.ok()) {
+    users_.emplace(userid, std::move(removed));
+    return st;
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> FaceGallery::Users() const {
+  MutexLock lock(mu_);
+  std::vector<std::string> out;
+  out.reserve(users_.size());
+  for (const auto& [id, faces] : users_) out.push_back(id);
+  return out;
+}
+
+std::optional<FaceMatch> FaceGallery::Closest(std::span<const float> face) const {
+  MutexLock lock(mu_);
+  if (users_.empty() || face.size() != dimension_) return std::nullopt;
+  std::optional<FaceMatch> best;
+  for (const auto& [id, faces] : users_) {
+    for (const auto& f : faces) {
+      const float s = Similarity(face, f);
+      if (!best || s > best->similarity) best = FaceMatch{id, s};
+    }
+  }
+  return best;
+}
+
+Status FaceGallery::Load() {
+  if (options_.file.empty()) return Status::Ok();
+  const std::string where = "face gallery " + options_.file.string();
+  std::error_code ec;
+  if (!std::filesystem::exists(options_.file, ec)) return Status::Ok();  // none registered yet
+  std::ifstream in(options_.file, std::ios::binary);
+  if (!in) return Unavailable(where + " cannot be read: " + std::strerror(errno));
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Reader r(data);
+  std::string_view magic;
+  size_t dim = 0, users = 0;
+  if (!r.Bytes(kMagic.size(), magic) || magic != kMagic || !r.U32(dim) || !r.U32(users)) {
+    return InvalidArgument(where + " is not a face gallery (its header does not read)");
+  }
+  if (dim == 0 || dim > kMaxDimension || users > options_.max_users) {
+    return InvalidArgument(where + " declares " + std::to_string(users) + " users of " + std::to_string(dim) +
+                           "-value faces, outside the limits");
+  }
+  MutexLock lock(mu_);
+  for (size_t u = 0; u < users; ++u) {
+    size_t id_bytes = 0, faces = 0;
+    std::string_view id;
+    if (!r.U32(id_bytes) || !r.Bytes(id_bytes, id) || !CheckUserId(id).ok() || !r.U32(faces) || faces == 0 ||
+        faces > options_.max_faces_per_user) {
+      return InvalidArgument(where + " is damaged at user " + std::to_string(u + 1) + " of " + std::to_string(users));
+    }
+    auto& mine = users_[std::string(id)];
+    for (size_t f = 0; f < faces; ++f) {
+      std::string_view bytes;
+      if (!r.Bytes(dim * sizeof(float), bytes)) {
+        return InvalidArgument(where + " is cut short at user " + std::to_string(u + 1));
+      }
+      std::vector<float> v(dim);
+      std::memcpy(v.data(), bytes.data(), bytes.size());
+      mine.push_back(std::move(v));
+    }
+  }
+  if (!r.done()) return InvalidArgument(where + " has data after its last user");
+  dimension_ = dim;
+  return Status::Ok();
+}
+
+Status FaceGallery::Save() const {
+  if (options_.file.empty()) return Status::Ok();
+  std::string out(kMagic);
+  PutU32(out, dimension_);
+  PutU32(out, users_.size());
+  for (const auto& [id, faces] : users_) {
+    PutU32(out, id.size());
+    out += id;
+    PutU32(out, faces.size());
+    for (const auto& f : faces) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
+  }
+  const std::filesystem::path tmp = options_.file.string() + ".tmp";
+  const std::string where = "face gallery " + options_.file.string();
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Unavailable(where + " cannot be written: " + std::strerror(errno));
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::write(fd, out.data() + done, out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return Unavailable(where + " cannot be written: " + why);
+    }
+    done += static_cast<size_t>(n);
+  }
+  int failed = ::fsync(fd) != 0 ? errno : 0;
+  if (::close(fd) != 0 && failed == 0) failed = errno;
+  if (failed == 0 && ::rename(tmp.c_str(), options_.file.c_str()) != 0) failed = errno;
+  if (failed != 0) {
+    ::unlink(tmp.c_str());
+    return Unavailable(where + " cannot be written: " + std::strerror(failed));
+  }
+  return Status::Ok();
+}
+
+}  // namespace quern
