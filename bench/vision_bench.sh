@@ -53,7 +53,8 @@ stages() {
   curl -s "127.0.0.1:$MPORT/metrics" | awk '
     /^quern_vision_timed_images_total / {n = $2}
     /^quern_vision_stage_seconds_total/ {split($1, a, "\""); s[a[2]] = $2}
-    END {printf "%s %s %s %s %s %s\n", n, s["decode"], s["resize"], s["queue"], s["infer"], s["post"]}'
+    /^quern_vision_stage_cpu_seconds_total/ {c += $2}
+    END {printf "%s %s %s %s %s %s %s\n", n, s["decode"], s["resize"], s["queue"], s["infer"], s["post"], c + 0}'
 }
 
 # the server's user + system CPU time, in clock ticks
@@ -62,7 +63,9 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
 echo
 echo "== end to end: POST /v1/vision/detection ($MODEL), wrk, $SECS s per run"
 echo "(infer: the compute time of the batch the image ran in)"
-echo "image      conns  images/s   p50       p99       | ms per image: decode resize  queue   infer   post |  cpu"
+echo "(cpu: the server's CPU ms per image; stages: the CPU ms of decode + resize + post on the vision threads,"
+echo " and their share of cpu)"
+echo "image      conns  images/s   p50       p99       | ms per image: decode resize  queue   infer   post |  cpu  | stages"
 for size in $SIZES; do
   build/venv/bin/python - "$WORK/$size.jpg" "$WORK/$size.body" "$WORK/$size.type" "$size" \
     "${QUERN_BENCH_VISION_PHOTO:-}" <<'PY'
@@ -88,11 +91,11 @@ local f = io.open("$WORK/$size.body", "rb"); wrk.body = f:read("*a"); f:close()
 wrk.headers["Content-Type"] = "$(cat "$WORK/$size.type")"
 LUA
   for c in $CONNS; do
-    read -r n0 d0 r0 q0 i0 p0 < <(stages)
+    read -r n0 d0 r0 q0 i0 p0 c0 < <(stages)
     cpu0=$(cpu_ticks)
     out=$(wrk -t 1 -c "$c" -d "${SECS}s" --timeout 20s --latency -s "$WORK/$size.lua" \
           "http://127.0.0.1:$PORT/v1/vision/detection")
-    read -r n1 d1 r1 q1 i1 p1 < <(stages)
+    read -r n1 d1 r1 q1 i1 p1 c1 < <(stages)
     cpu1=$(cpu_ticks)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     p50=$(echo "$out" | awk '$1 == "50%" {print $2}')
@@ -102,10 +105,12 @@ LUA
         -v d="$(awk -v a="$d1" -v b="$d0" 'BEGIN {print a - b}')" -v r="$(awk -v a="$r1" -v b="$r0" 'BEGIN {print a - b}')" \
         -v q="$(awk -v a="$q1" -v b="$q0" 'BEGIN {print a - b}')" -v i="$(awk -v a="$i1" -v b="$i0" 'BEGIN {print a - b}')" \
         -v p="$(awk -v a="$p1" -v b="$p0" 'BEGIN {print a - b}')" -v e="$errors" \
+        -v sc="$(awk -v a="$c1" -v b="$c0" 'BEGIN {print a - b}')" \
         -v cpu="$(( (cpu1 - cpu0) * 1000 / $(getconf CLK_TCK) ))" 'BEGIN {
       if (n < 1) n = 1
-      printf "%-10s %5s  %8s  %-9s %-9s | %13.2f %6.2f %6.2f %7.2f %6.2f | %5.2f %s\n", s, c, rps, p50, p99,
-             d * 1000 / n, r * 1000 / n, q * 1000 / n, i * 1000 / n, p * 1000 / n, cpu / n, e }'
+      printf "%-10s %5s  %8s  %-9s %-9s | %13.2f %6.2f %6.2f %7.2f %6.2f | %5.2f | %5.2f %4.1f%% %s\n", s, c, rps,
+             p50, p99, d * 1000 / n, r * 1000 / n, q * 1000 / n, i * 1000 / n, p * 1000 / n, cpu / n,
+             sc * 1000 / n, (cpu > 0 ? 100 * sc * 1000 / cpu : 0), e }'
   done
 done
 if ! grep -q '"success":true' <(curl -s -F "image=@$WORK/640x480.jpg" "127.0.0.1:$PORT/v1/vision/detection"); then

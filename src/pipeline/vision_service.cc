@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <time.h>
+
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -18,6 +20,20 @@ Counter& StageCounter(MetricsRegistry& metrics, const char* stage) {
                             "(waiting in the model's batcher), infer (their batch's compute), post (decoding outputs, "
                             "NMS, top-k).",
                             {{"stage", stage}}, 1e-9);
+}
+
+Counter& StageCpuCounter(MetricsRegistry& metrics, const char* stage) {
+  return metrics.AddCounter("quern_vision_stage_cpu_seconds_total",
+                            "CPU time the vision threads spent on answered images in each stage: decode, resize (with "
+                            "normalisation), post (decoding outputs, NMS, top-k, face crops).",
+                            {{"stage", stage}}, 1e-9);
+}
+
+// This thread's CPU time.
+int64_t ThreadCpuNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 }  // namespace
@@ -56,7 +72,10 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
       resize_ns_(StageCounter(metrics_, "resize")),
       queue_ns_(StageCounter(metrics_, "queue")),
       infer_ns_(StageCounter(metrics_, "infer")),
-      post_ns_(StageCounter(metrics_, "post")) {
+      post_ns_(StageCounter(metrics_, "post")),
+      decode_cpu_ns_(StageCpuCounter(metrics_, "decode")),
+      resize_cpu_ns_(StageCpuCounter(metrics_, "resize")),
+      post_cpu_ns_(StageCpuCounter(metrics_, "post")) {
   if (!options_.executor) {
     const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
     options_.stage_threads = n;
@@ -105,6 +124,9 @@ VisionStats VisionService::stats() const {
   s.queue_ns = queue_ns_.value();
   s.infer_ns = infer_ns_.value();
   s.post_ns = post_ns_.value();
+  s.decode_cpu_ns = decode_cpu_ns_.value();
+  s.resize_cpu_ns = resize_cpu_ns_.value();
+  s.post_cpu_ns = post_cpu_ns_.value();
   return s;
 }
 
@@ -267,6 +289,7 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
                 /*dropped=*/true);
   }
   const VisionModel& m = *job->request.model;
+  const int64_t c0 = ThreadCpuNs();
   DecodeOptions dopt;
   // Crops for a descriptor come from the full-size image; otherwise a large
   // JPEG is shrunk while decoding to what the model needs.
@@ -275,11 +298,14 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   auto decoded = DecodeImage(job->request.image, dopt);
   if (!decoded) return Fail(job, decoded.error(), false);
   const int64_t t1 = clock_->NowNs();
+  const int64_t c1 = ThreadCpuNs();
   Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
   job->transform = Preprocess(*decoded, m.image, input.mutable_data());
   const int64_t t2 = clock_->NowNs();
   t.decode_ns = t1 - t.stage_start_ns;
   t.resize_ns = t2 - t1;
+  t.decode_cpu_ns = c1 - c0;
+  t.resize_cpu_ns = ThreadCpuNs() - c1;
   if (job->request.descriptor) job->decoded = std::move(*decoded);
 
   InferRequest ir;
@@ -298,6 +324,7 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
 
 void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&& r) {
   job->post_start_ns = clock_->NowNs();
+  const int64_t c0 = ThreadCpuNs();
   job->timings.infer_ns = r.telemetry.compute_ns();
   job->timings.queue_ns = r.telemetry.queue_ns();
   if (!r.status.ok()) {
@@ -323,12 +350,13 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
     }
   }
   job->timings.post_ns = clock_->NowNs() - job->post_start_ns;
+  job->timings.post_cpu_ns = ThreadCpuNs() - c0;
   if (job->request.descriptor && !result.detections.empty()) return Describe(job, std::move(result));
   Finish(job, std::move(result));
 }
 
 void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& result) {
-  const int64_t start = clock_->NowNs();
+  const int64_t start = clock_->NowNs(), cpu_start = ThreadCpuNs();
   const VisionModel& d = *job->request.descriptor;
   const size_t n = std::min(result.detections.size(), static_cast<size_t>(job->request.max_described));
   const size_t one = PreprocessedBytes(d.image);
@@ -341,6 +369,7 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
   }
   job->decoded.reset();
   job->timings.post_ns += clock_->NowNs() - start;
+  job->timings.post_cpu_ns += ThreadCpuNs() - cpu_start;
   InferRequest ir;
   ir.model = d.name;
   ir.version = d.version;
@@ -360,7 +389,7 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
 
 void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared_ptr<VisionResult>& result,
                               InferResponse&& r) {
-  const int64_t start = clock_->NowNs();
+  const int64_t start = clock_->NowNs(), cpu_start = ThreadCpuNs();
   const VisionModel& d = *job->request.descriptor;
   job->timings.queue_ns += r.telemetry.queue_ns();
   job->timings.infer_ns += r.telemetry.compute_ns();
@@ -393,6 +422,7 @@ void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared
     for (float& v : e) v *= scale;
   }
   job->timings.post_ns += clock_->NowNs() - start;
+  job->timings.post_cpu_ns += ThreadCpuNs() - cpu_start;
   Finish(job, std::move(*result));
 }
 
@@ -405,6 +435,9 @@ void VisionService::Finish(const std::shared_ptr<Job>& job, VisionResult&& resul
   queue_ns_.Increment(static_cast<uint64_t>(t.queue_ns));
   infer_ns_.Increment(static_cast<uint64_t>(t.infer_ns));
   post_ns_.Increment(static_cast<uint64_t>(t.post_ns));
+  decode_cpu_ns_.Increment(static_cast<uint64_t>(t.decode_cpu_ns));
+  resize_cpu_ns_.Increment(static_cast<uint64_t>(t.resize_cpu_ns));
+  post_cpu_ns_.Increment(static_cast<uint64_t>(t.post_cpu_ns));
   Deliver(job, std::move(result));
 }
 

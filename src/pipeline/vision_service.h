@@ -101,6 +101,9 @@ struct VisionTimings {
   int64_t received_ns = 0;     // Submit
   int64_t stage_start_ns = 0;  // a stage task took it; 0 = never
   int64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+  // The CPU time the stage threads spent on it (their own clocks; the wall
+  // times above also count waiting for a core).
+  int64_t decode_cpu_ns = 0, resize_cpu_ns = 0, post_cpu_ns = 0;
 };
 
 struct LabelledDetection {
@@ -136,6 +139,8 @@ struct VisionStats {
   // post-processing (decoding outputs, NMS, top-k).
   uint64_t timed_images = 0;
   uint64_t decode_ns = 0, resize_ns = 0, queue_ns = 0, infer_ns = 0, post_ns = 0;
+  // CPU time of the stages that run on the service's threads.
+  uint64_t decode_cpu_ns = 0, resize_cpu_ns = 0, post_cpu_ns = 0;
 };
 
 class VisionService {
@@ -218,6 +223,9 @@ class VisionService {
   Counter& queue_ns_;
   Counter& infer_ns_;
   Counter& post_ns_;
+  Counter& decode_cpu_ns_;
+  Counter& resize_cpu_ns_;
+  Counter& post_cpu_ns_;
 
   Mutex models_mu_;
   std::map<std::string, std::shared_ptr<const VisionModel>> models_ QUERN_GUARDED_BY(models_mu_);

@@ -195,10 +195,35 @@ def test_bad_requests_get_clear_errors_and_lose_nothing(server):
         ("/v1/vision/face/delete", [], {"userid": "nobody"}, "no face is registered as 'nobody'"),
         ("/v1/vision/face/enrol", [("image", jpeg)], {"userid": "biden"}, "no vision route"),
     ]
+    huge = io.BytesIO()  # 7100 x 7100 = 50.4 M pixels, over the 50 M limit: refused before decoding
+    Image.new("1", (7100, 7100)).save(huge, "PNG")
+    cases.append(("/v1/vision/face/register", [("image", huge.getvalue())], {"userid": "biden"}, "pixels"))
     for path, files, fields, words in cases:
         failed(form(server, path, files, **fields), words)
     assert users(server) == ["obama"]
     assert recognize(server, "obama2.jpg")[0]["userid"] == "obama"
+
+
+def test_face_routes_need_the_key_when_one_is_set(tmp_path):
+    repo = tmp_path / "repo"
+    for m in ("faces", "face_descriptor"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    proc, ports = start_quern(QUERN, str(repo), "--vision-api-key", "s3cret")
+    port = ports["HTTP"]
+    try:
+        failed(form(port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama"), "api_key")
+        failed(form(port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama",
+                    api_key="wrong"), "not valid")
+        ok(form(port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama", api_key="s3cret"))
+        for path in ("/v1/vision/face/list", "/v1/vision/face/list?api_key=wrong"):
+            status, _, data = http_request(port, "POST", path)  # no form at all
+            assert json.loads(data)["success"] is False, data
+        status, _, data = http_request(port, "POST", "/v1/vision/face/list?api_key=s3cret")
+        assert json.loads(data)["faces"] == ["obama"], data
+        failed(form(port, "/v1/vision/face/delete", userid="obama"), "api_key")
+        assert ok(form(port, "/v1/vision/face/list", api_key="s3cret"))["faces"] == ["obama"]
+    finally:
+        stop(proc)
 
 
 def test_without_a_descriptor_model_the_routes_say_what_is_missing(tmp_path):

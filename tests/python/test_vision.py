@@ -539,6 +539,11 @@ def test_stage_timings_in_header_and_metrics(repo):
         for k, total_ms in sums.items():
             m = re.search(rf'^quern_vision_stage_seconds_total{{stage="{k}"}} (\S+)$', text, re.M)
             assert m and abs(float(m.group(1)) * 1000 - total_ms) < 0.01, (k, total_ms, m and m.group(1))
+        # The stage threads' CPU time: spent (a 1080p JPEG takes milliseconds to decode), and never more
+        # than the stage's wall time (one thread each).
+        for k in ("decode", "resize", "post"):
+            m = re.search(rf'^quern_vision_stage_cpu_seconds_total{{stage="{k}"}} (\S+)$', text, re.M)
+            assert m and 0 < float(m.group(1)) * 1000 <= sums[k] + 0.5, (k, sums[k], m and m.group(1))
     finally:
         proc.terminate()
         proc.wait(timeout=30)

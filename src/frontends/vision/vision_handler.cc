@@ -252,7 +252,14 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   if (job->request.method != "POST" && !(list && job->request.method == "GET")) {
     return Fail(job, InvalidArgument(job->request.method + " " + path + ": vision routes take POST"));
   }
-  if (path == "/v1/vision/face/list" && job->request.method == "GET") {
+  // The face list needs no form: a GET, or a POST without one.
+  if (path == "/v1/vision/face/list" &&
+      (job->request.method == "GET" || !job->request.Header("content-type").starts_with("multipart/"))) {
+    if (options_.authorize && form_route && header_key.empty()) {
+      if (Status st = options_.authorize(header_key); !st.ok()) return Fail(job, st);
+    } else if (!options_.authorize && !options_.api_key.empty() && header_key != options_.api_key) {
+      return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
+    }
     job->command = "list";
     return HandleFaces(job, {}, "");
   }
