@@ -58,6 +58,10 @@ TEST(FaceGallery, RefusesWhatDoesNotFitAndKeepsWhatItHad) {
   EXPECT_EQ(g->Register("", {{1}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(g->Register("a\nb", {{1}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(g->Register(std::string(257, 'x'), {{1}}).code(), StatusCode::kInvalidArgument);
+  for (const char* bad : {"\xff", "a\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xc2\x85"}) {
+    EXPECT_EQ(g->Register(bad, {{1}}).code(), StatusCode::kInvalidArgument) << bad;  // not UTF-8, or C1 control
+  }
+  EXPECT_TRUE(FaceGallery::CheckUserId("Zoë Saldaña 张伟 🙂").ok());
   EXPECT_EQ(g->Register("ann", {}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(g->Register("ann", {{1, 0}, {1}}).code(), StatusCode::kInvalidArgument);  // lengths differ
   EXPECT_EQ(g->Register("ann", {{std::nanf(""), 0}}).code(), StatusCode::kInvalidArgument);

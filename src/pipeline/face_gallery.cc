@@ -63,8 +63,25 @@ Status FaceGallery::CheckUserId(std::string_view userid) {
     return InvalidArgument("the userid is " + std::to_string(userid.size()) + " bytes; at most " +
                            std::to_string(kMaxUserIdBytes));
   }
-  for (unsigned char c : userid) {
+  for (size_t i = 0; i < userid.size();) {
+    const auto c = static_cast<unsigned char>(userid[i]);
     if (c < 0x20 || c == 0x7F) return InvalidArgument("the userid holds a control character");
+    // UTF-8: the length from the lead byte, continuation bytes 10xxxxxx, no
+    // overlong forms, surrogates or code points above U+10FFFF.
+    const size_t n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (n == 0 || i + n > userid.size()) return InvalidArgument("the userid is not UTF-8");
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(userid[i + k]);
+      if ((b & 0xC0) != 0x80) return InvalidArgument("the userid is not UTF-8");
+      cp = (cp << 6) | (b & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return InvalidArgument("the userid is not UTF-8");
+    }
+    if (cp >= 0x80 && cp < 0xA0) return InvalidArgument("the userid holds a control character");
+    i += n;
   }
   return Status::Ok();
 }

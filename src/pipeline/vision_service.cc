@@ -1,9 +1,9 @@
 #include "pipeline/vision_service.h"
 
-#include <algorithm>
-#include <chrono>
 #include <time.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <optional>

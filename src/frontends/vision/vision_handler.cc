@@ -505,7 +505,8 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
     for (const auto& p : parts) {
       const bool numbered = p.name.size() > 5 && p.name.starts_with("image") &&
                             std::all_of(p.name.begin() + 5, p.name.end(), [](char c) { return c >= '0' && c <= '9'; });
-      if (p.name == "image" || numbered) face_job->fields.push_back(p.name);
+      const bool seen = std::find(face_job->fields.begin(), face_job->fields.end(), p.name) != face_job->fields.end();
+      if ((p.name == "image" || numbered) && !seen) face_job->fields.push_back(p.name);
     }
     if (face_job->fields.size() > kMaxImages) {
       return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxImages) + " images; " +
@@ -582,9 +583,13 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
         MutexLock lock(pending_mu_);
         --pending_;
       }
-      VisionResult refused;
-      refused.status = st;
-      if (face_job->Done(i, std::move(refused))) FinishFaces(*face_job);
+      // The rest are not sent: the answer is this refusal.
+      for (size_t j = i; j < face_job->fields.size(); ++j) {
+        VisionResult refused;
+        refused.status = st;
+        if (face_job->Done(j, std::move(refused))) FinishFaces(*face_job);
+      }
+      return;
     }
   }
 }
