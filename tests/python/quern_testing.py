@@ -27,6 +27,34 @@ def iou(a, b):
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
+def _bilinear_axis(out_size, offset, scale, size):
+    """Sampling positions along one axis: pixel centres at half-integers, edges clamped, the weight
+    of the second source pixel in 256ths."""
+    s = (np.arange(out_size) + 0.5 - offset) / scale
+    valid = (s >= 0) & (s < size)
+    d = np.clip(s - 0.5, 0, size - 1)
+    i0 = np.floor(d).astype(np.int64)
+    i1 = np.minimum(i0 + 1, size - 1)
+    w1 = np.floor((d - i0) * 256 + 0.5).astype(np.int64)
+    return valid, i0, i1, w1
+
+
+def resample(rgb, width, height, scale_x, scale_y, offset_x=0.0, offset_y=0.0, pad=114):
+    """An independent reference for the server's resize: output pixel o samples the source at
+    (o + 0.5 - offset) / scale, bilinear with 8-bit weights, rows blended first (x 256), then columns,
+    rounded; outside the image the pad value. (Valid while the image is less than twice the output's
+    size, where the server samples bilinearly rather than averaging areas.)"""
+    h, w, _ = rgb.shape
+    vy, y0, y1, wy = _bilinear_axis(height, offset_y, scale_y, h)
+    vx, x0, x1, wx = _bilinear_axis(width, offset_x, scale_x, w)
+    px = rgb.astype(np.int64)
+    rows = px[y0] * (256 - wy)[:, None, None] + px[y1] * wy[:, None, None]
+    out = (rows[:, x0] * (256 - wx)[None, :, None] + rows[:, x1] * wx[None, :, None] + (1 << 15)) >> 16
+    out[~vy] = pad
+    out[:, ~vx] = pad
+    return out.astype(np.uint8)
+
+
 def start_quern(binary, repo, *extra, env=None, cwd=None):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
     `env` as its environment and `cwd` as its working directory when given.

@@ -5,7 +5,12 @@ examples/data/grace_hopper.jpg), through POST /v1/vision/custom/faces.
 What the photograph shows, read by a person looking at it: one face, seen from the front, under a
 naval cap; from the brow to the chin it spans about y 130-340, from cheek to cheek (ears included)
 about x 160-375; the nose tip is near (262, 245). Nothing else in the picture is a face (a flag,
-a uniform, ribbons, a name tag)."""
+a uniform, ribbons, a name tag).
+
+Beside that reading, an independent reference: onnxruntime (PyPI) runs the same model file on the
+same pixels, letterboxed into 640x480 by numpy (the documented bilinear arithmetic) and decoded by
+numpy (CenterFace's heatmap, sizes and offsets at stride 4; NMS at IoU 0.3); Quern must agree within
+1 px and 1e-3 (PNG inputs, which decode to the same pixels everywhere)."""
 import http.client
 import io
 import json
@@ -13,10 +18,12 @@ import os
 import shutil
 import uuid
 
+import numpy as np
 import pytest
 from PIL import Image
 
-from quern_testing import start_quern
+from quern_testing import iou, resample, start_quern
+from test_postprocess import centerface_candidates
 
 QUERN = os.environ["QUERN_BIN"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -118,3 +125,42 @@ def test_no_face_model_is_said_plainly(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def reference_faces(rgb, threshold=0.4):
+    """CenterFace by onnxruntime on `rgb` letterboxed into 640x480 (pad 114), boxes in rgb's pixels."""
+    import onnxruntime
+    h, w, _ = rgb.shape
+    s = min(640 / w, 480 / h)
+    ox, oy = np.floor((640 - round(w * s)) / 2 + 1e-9), np.floor((480 - round(h * s)) / 2 + 1e-9)
+    x = resample(rgb, 640, 480, s, s, ox, oy).astype(np.float32).transpose(2, 0, 1)[None]
+    session = onnxruntime.InferenceSession(os.path.join(MODEL, "1", "model.onnx"), providers=["CPUExecutionProvider"])
+    heat, size, offset, _ = (o[0] for o in session.run(["537", "538", "539", "540"], {"input.1": x}))
+    xyxy, conf = centerface_candidates(heat, size, offset, threshold)
+    kept = []
+    for i in np.argsort(-conf, kind="stable"):
+        if all(iou(xyxy[j], xyxy[i]) <= 0.3 for j in kept):
+            kept.append(i)
+    out = []
+    for i in kept:
+        x0, y0, x1, y1 = (float(v) for v in xyxy[i])
+        box = [(x0 - ox) / s, (y0 - oy) / s, (x1 - ox) / s, (y1 - oy) / s]
+        box = [int(np.floor(min(max(v, 0.0), lim) + 0.5)) for v, lim in zip(box, (w, h, w, h))]
+        out.append((float(conf[i]), box))
+    return out
+
+
+@pytest.mark.parametrize("name", ["grace_hopper.jpg", "obama2.jpg"])
+def test_faces_agree_with_onnxruntime_and_numpy(port, name):
+    img = Image.open(os.path.join(ROOT, "examples", "data", name)).convert("RGB")
+    if img.width > 640 or img.height > 480:  # under twice the letterbox's size: bilinear, as the reference
+        img = img.resize((img.width * 600 // img.height, 600), Image.LANCZOS)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    expected = reference_faces(np.asarray(img))
+    assert expected, "the reference found no face"
+    found = faces(port, buf.getvalue(), "photo.png")
+    assert len(found) == len(expected), (found, expected)
+    for f, (conf, box) in zip(found, expected):
+        assert abs(f["confidence"] - conf) <= 1e-3, (f, conf)
+        assert all(abs(a - b) <= 1 for a, b in zip((f["x_min"], f["y_min"], f["x_max"], f["y_max"]), box)), (f, box)

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from quern_testing import http_request, iou, start_quern
+from quern_testing import http_request, iou, resample, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -158,31 +158,6 @@ def test_imagenet_names_what_the_photograph_shows(server, name):
 
 
 # ---- the independent reference: onnxruntime + numpy on the same pixels
-
-def bilinear_axis(out_size, offset, scale, size):
-    """Sampling positions along one axis: pixel centres at half-integers, edges clamped, the weight
-    of the second source pixel in 256ths."""
-    s = (np.arange(out_size) + 0.5 - offset) / scale
-    valid = (s >= 0) & (s < size)
-    d = np.clip(s - 0.5, 0, size - 1)
-    i0 = np.floor(d).astype(np.int64)
-    i1 = np.minimum(i0 + 1, size - 1)
-    w1 = np.floor((d - i0) * 256 + 0.5).astype(np.int64)
-    return valid, i0, i1, w1
-
-
-def resample(rgb, width, height, scale_x, scale_y, offset_x=0.0, offset_y=0.0, pad=114):
-    """Bilinear resampling with 8-bit weights: rows blended first (x 256), then columns, rounded."""
-    h, w, _ = rgb.shape
-    vy, y0, y1, wy = bilinear_axis(height, offset_y, scale_y, h)
-    vx, x0, x1, wx = bilinear_axis(width, offset_x, scale_x, w)
-    px = rgb.astype(np.int64)
-    rows = px[y0] * (256 - wy)[:, None, None] + px[y1] * wy[:, None, None]
-    out = (rows[:, x0] * (256 - wx)[None, :, None] + rows[:, x1] * wx[None, :, None] + (1 << 15)) >> 16
-    out[~vy] = pad
-    out[:, ~vx] = pad
-    return out.astype(np.uint8)
-
 
 def onnx_session(model):
     import onnxruntime  # the PyPI package, independent of the server's library

@@ -355,8 +355,8 @@ def test_scene_without_a_scene_model_says_what_is_missing(server):
     r = scene(server, text_image(False))
     assert r["success"] is False and "--scene-model" in r["error"], r
     body, headers = multipart([("image", text_image(False), "a.png")])
-    r = json.loads(request(server, "POST", "/v1/vision/face/register", body, headers)[2])
-    assert r["success"] is False and "no vision route /v1/vision/face/register" in r["error"], r
+    r = json.loads(request(server, "POST", "/v1/vision/face/enroll", body, headers)[2])
+    assert r["success"] is False and "no vision route /v1/vision/face/enroll" in r["error"], r
 
 
 def test_predict_errors(server):
