@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <utility>
 
 #include "pipeline/image.h"
 #include "test_util.h"
@@ -23,10 +25,9 @@ std::string ReadAll(const std::filesystem::path& p) {
 
 TEST(FaceGallery, ClosestFaceByCosineAndRoundTripThroughTheFile) {
   TempDir dir;
-  FaceGalleryOptions o;
-  o.file = dir.path() / "faces.bin";
+  const auto file = dir.path() / "faces.bin";
   {
-    auto g = FaceGallery::Open(o);
+    auto g = FaceGallery::Open({}, FileFaceStore(file));
     ASSERT_TRUE(g.has_value()) << g.error().ToString();
     ASSERT_TRUE((*g)->Register("ann", {{1, 0, 0}, {0.8f, 0.6f, 0}}).ok());
     ASSERT_TRUE((*g)->Register("bob", {{0, 0, 2}}).ok());  // not unit length: cosine ignores length
@@ -37,16 +38,16 @@ TEST(FaceGallery, ClosestFaceByCosineAndRoundTripThroughTheFile) {
     EXPECT_NEAR(m->similarity, 0.96f, 1e-6);
     EXPECT_FALSE((*g)->Closest(std::vector<float>{1, 0}).has_value());  // another dimension
   }
-  auto g = FaceGallery::Open(o);  // read back
+  auto g = FaceGallery::Open({}, FileFaceStore(file));  // read back
   ASSERT_TRUE(g.has_value()) << g.error().ToString();
   EXPECT_EQ((*g)->Users(), (std::vector<std::string>{"ann", "bob"}));
   EXPECT_NEAR((*g)->Closest(std::vector<float>{0, 0.1f, 1})->similarity, 1 / std::sqrt(1.01f), 1e-6);
   EXPECT_EQ((*g)->Closest(std::vector<float>{0, 0.1f, 1})->userid, "bob");
   EXPECT_TRUE((*g)->Delete("bob").ok());
   EXPECT_EQ((*g)->Delete("bob").code(), StatusCode::kNotFound);
-  EXPECT_EQ((*FaceGallery::Open(o))->Users(), (std::vector<std::string>{"ann"}));
+  EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann"}));
   struct stat st {};
-  ASSERT_EQ(::stat(o.file.c_str(), &st), 0);
+  ASSERT_EQ(::stat(file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);  // faces are personal data
 }
 
@@ -54,7 +55,7 @@ TEST(FaceGallery, RefusesWhatDoesNotFitAndKeepsWhatItHad) {
   FaceGalleryOptions o;
   o.max_users = 2;
   o.max_faces_per_user = 2;
-  auto g = std::move(*FaceGallery::Open(o));
+  auto g = std::move(*FaceGallery::Open(o, nullptr));
   EXPECT_EQ(g->Register("", {{1}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(g->Register("a\nb", {{1}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(g->Register(std::string(257, 'x'), {{1}}).code(), StatusCode::kInvalidArgument);
@@ -77,9 +78,8 @@ TEST(FaceGallery, RefusesWhatDoesNotFitAndKeepsWhatItHad) {
 
 TEST(FaceGallery, AFileThatCannotBeWrittenChangesNothing) {
   TempDir dir;
-  FaceGalleryOptions o;
-  o.file = dir.path() / "faces.bin";
-  auto g = std::move(*FaceGallery::Open(o));
+  const auto file = dir.path() / "faces.bin";
+  auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
   ASSERT_TRUE(g->Register("ann", {{1, 0}}).ok());
   // The file is written beside itself first; a directory in that place
   // makes every write fail (for root too).
@@ -90,32 +90,72 @@ TEST(FaceGallery, AFileThatCannotBeWrittenChangesNothing) {
   EXPECT_EQ(g->Delete("ann").code(), StatusCode::kUnavailable);
   EXPECT_EQ(g->Users(), (std::vector<std::string>{"ann"}));
   std::filesystem::remove(dir.path() / "faces.bin.tmp");
-  EXPECT_EQ((*FaceGallery::Open(o))->Users(), (std::vector<std::string>{"ann"}));
+  EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann"}));
 }
 
 TEST(FaceGallery, ADamagedFileIsRefusedAtEveryCut) {
   TempDir dir;
-  FaceGalleryOptions o;
-  o.file = dir.path() / "faces.bin";
-  ASSERT_TRUE((*FaceGallery::Open(o))->Register("ann", {{1, 2, 3}, {4, 5, 6}}).ok());
-  const std::string whole = ReadAll(o.file);
+  const auto file = dir.path() / "faces.bin";
+  ASSERT_TRUE((*FaceGallery::Open({}, FileFaceStore(file)))->Register("ann", {{1, 2, 3}, {4, 5, 6}}).ok());
+  const std::string whole = ReadAll(file);
   // 12-byte magic + dimension + users + id length + "ann" + faces + 2 x 3 floats.
   ASSERT_EQ(whole.size(), 12u + 4 + 4 + 4 + 3 + 4 + 24);
-  for (size_t n = 0; n < whole.size(); ++n) {
-    std::ofstream(o.file, std::ios::binary | std::ios::trunc) << whole.substr(0, n);
-    auto g = FaceGallery::Open(o);
+  for (size_t n = 1; n < whole.size(); ++n) {  // (an empty file stores nothing)
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << whole.substr(0, n);
+    auto g = FaceGallery::Open({}, FileFaceStore(file));
     EXPECT_FALSE(g.has_value()) << "cut at " << n;
     if (!g) {
       EXPECT_NE(g.error().message().find("faces.bin"), std::string::npos) << g.error().message();
     }
   }
-  std::ofstream(o.file, std::ios::binary | std::ios::trunc) << whole << "x";
-  EXPECT_FALSE(FaceGallery::Open(o).has_value());
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << whole << "x";
+  EXPECT_FALSE(FaceGallery::Open({}, FileFaceStore(file)).has_value());
   std::string huge = whole;
   huge[12] = '\xff';  // a dimension of 255 + ...: the faces no longer fit the file
   huge[13] = '\xff';
-  std::ofstream(o.file, std::ios::binary | std::ios::trunc) << huge;
-  EXPECT_FALSE(FaceGallery::Open(o).has_value());
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << huge;
+  EXPECT_FALSE(FaceGallery::Open({}, FileFaceStore(file)).has_value());
+}
+
+// One store that several galleries (instances) share, as they share Redis.
+struct SharedState {
+  std::string bytes;
+  int64_t version = 0;
+};
+class SharedStore : public FaceGalleryStore {
+ public:
+  explicit SharedStore(std::shared_ptr<SharedState> s) : s_(std::move(s)) {}
+  Result<Stored> Read() override { return Stored{s_->bytes, s_->version}; }
+  Result<int64_t> Version() override { return s_->version; }
+  Result<std::optional<int64_t>> Write(const std::string& bytes, int64_t based_on) override {
+    if (before_write) std::exchange(before_write, nullptr)();  // another instance writes first
+    if (based_on != s_->version) return std::optional<int64_t>();
+    s_->bytes = bytes;
+    return std::optional<int64_t>(++s_->version);
+  }
+  std::string Describe() const override { return "shared store"; }
+  std::function<void()> before_write;
+
+ private:
+  std::shared_ptr<SharedState> s_;
+};
+
+TEST(FaceGallery, InstancesSharingAStoreLoseNoChange) {
+  auto state = std::make_shared<SharedState>();
+  auto own = std::make_unique<SharedStore>(state);
+  SharedStore* store = own.get();
+  auto a = std::move(*FaceGallery::Open({}, std::move(own)));
+  auto b = std::move(*FaceGallery::Open({}, std::make_unique<SharedStore>(state)));
+  // b registers bob between a's read and a's write: a's write is refused,
+  // and a applies its change again to what b wrote.
+  store->before_write = [&] { ASSERT_TRUE(b->Register("bob", {{0, 1}}).ok()); };
+  ASSERT_TRUE(a->Register("ann", {{1, 0}}).ok());
+  EXPECT_EQ(a->Users(), (std::vector<std::string>{"ann", "bob"}));
+  EXPECT_EQ(b->Users(), (std::vector<std::string>{"ann", "bob"}));  // b reads the new version
+  store->before_write = [&] { ASSERT_TRUE(b->Delete("bob").ok()); };
+  ASSERT_TRUE(a->Register("cat", {{0.6f, 0.8f}}).ok());
+  EXPECT_EQ(b->Users(), (std::vector<std::string>{"ann", "cat"}));
+  EXPECT_EQ(b->Closest(std::vector<float>{0.6f, 0.8f})->userid, "cat");
 }
 
 TEST(CropSquare, TheLongerSideCentredAndMovedInsideTheImage) {

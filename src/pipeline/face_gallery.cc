@@ -7,25 +7,29 @@
 #include <bit>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 
 namespace quern {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "the gallery file is little-endian");
+static_assert(std::endian::native == std::endian::little, "the stored gallery is little-endian");
 
 constexpr std::string_view kMagic = "QUERNFACES1\n";
 constexpr size_t kMaxUserIdBytes = 256;
 constexpr size_t kMaxDimension = 65536;
+// Writes that lose the race to another instance before one is given up.
+constexpr int kMaxAttempts = 16;
 
 void PutU32(std::string& out, size_t v) {
   const auto u = static_cast<uint32_t>(v);
   out.append(reinterpret_cast<const char*>(&u), 4);
 }
 
-// Reads the file's fields in order; every read is bounds-checked.
+// Reads the stored form's fields in order; every read is bounds-checked.
 class Reader {
  public:
   explicit Reader(std::string_view data) : data_(data) {}
@@ -49,11 +53,68 @@ class Reader {
   std::string_view data_;
 };
 
+class FileStore : public FaceGalleryStore {
+ public:
+  explicit FileStore(std::filesystem::path file) : file_(std::move(file)) {}
+
+  Result<Stored> Read() override {
+    Stored s;
+    std::error_code ec;
+    if (!std::filesystem::exists(file_, ec)) return s;  // none registered yet
+    std::ifstream in(file_, std::ios::binary);
+    if (!in) return std::unexpected(Unavailable(Describe() + " cannot be read: " + std::strerror(errno)));
+    s.bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    s.version = version_;
+    return s;
+  }
+
+  Result<int64_t> Version() override { return version_; }  // this process is its only writer
+
+  Result<std::optional<int64_t>> Write(const std::string& bytes, int64_t based_on) override {
+    if (based_on != version_) return std::optional<int64_t>();
+    const std::filesystem::path tmp = file_.string() + ".tmp";
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return std::unexpected(Unavailable(Describe() + " cannot be written: " + std::strerror(errno)));
+    int failed = 0;
+    for (size_t done = 0; done < bytes.size() && failed == 0;) {
+      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) failed = n < 0 ? errno : EIO;
+      if (n > 0) done += static_cast<size_t>(n);
+    }
+    if (failed == 0 && ::fsync(fd) != 0) failed = errno;
+    if (::close(fd) != 0 && failed == 0) failed = errno;
+    if (failed == 0 && ::rename(tmp.c_str(), file_.c_str()) != 0) failed = errno;
+    if (failed != 0) {
+      ::unlink(tmp.c_str());
+      return std::unexpected(Unavailable(Describe() + " cannot be written: " + std::strerror(failed)));
+    }
+    return std::optional<int64_t>(++version_);
+  }
+
+  std::string Describe() const override { return "face gallery " + file_.string(); }
+
+ private:
+  const std::filesystem::path file_;
+  int64_t version_ = 0;
+};
+
 }  // namespace
 
-Result<std::unique_ptr<FaceGallery>> FaceGallery::Open(FaceGalleryOptions options) {
-  std::unique_ptr<FaceGallery> g(new FaceGallery(std::move(options)));
-  QUERN_RETURN_IF_ERROR(g->Load());
+std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file) {
+  return std::make_unique<FileStore>(std::move(file));
+}
+
+Result<std::unique_ptr<FaceGallery>> FaceGallery::Open(FaceGalleryOptions options,
+                                                       std::unique_ptr<FaceGalleryStore> store) {
+  std::unique_ptr<FaceGallery> g(new FaceGallery(options, std::move(store)));
+  MutexLock lock(g->mu_);
+  if (Status st = g->Sync(); !st.ok()) {
+    // A shared store that is away now is read when it comes back; a gallery
+    // that does not read is an error.
+    if (!(g->store_->Shared() && st.code() == StatusCode::kUnavailable)) return std::unexpected(st);
+    std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
+  }
   return g;
 }
 
@@ -110,53 +171,44 @@ Status FaceGallery::Register(const std::string& userid, const std::vector<std::v
     }
   }
   MutexLock lock(mu_);
-  if (!users_.empty() && dim != dimension_) {
-    return FailedPrecondition("the registered faces were described with " + std::to_string(dimension_) +
-                              " values and this descriptor gives " + std::to_string(dim) +
-                              " (another face descriptor model?); delete them to register with this one");
-  }
-  if (!users_.contains(userid) && users_.size() >= options_.max_users) {
-    return ResourceExhausted("the face gallery holds its limit of " + std::to_string(options_.max_users) + " users");
-  }
-  auto before = users_;
-  auto& mine = users_[userid];
-  mine.insert(mine.end(), faces.begin(), faces.end());
-  if (mine.size() > options_.max_faces_per_user) {
-    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(mine.size() - options_.max_faces_per_user));
-  }
-  const size_t dim_before = dimension_;
-  dimension_ = dim;
-  if (Status st = Save(); !st.ok()) {
-    users_ = std::move(before);  // kept as the file has it
-    dimension_ = dim_before;
-    return st;
-  }
-  return Status::Ok();
+  return Change([&](Users_& users, size_t& dimension) {
+    if (!users.empty() && dim != dimension) {
+      return FailedPrecondition("the registered faces were described with " + std::to_string(dimension) +
+                                " values and this descriptor gives " + std::to_string(dim) +
+                                " (another face descriptor model?); delete them to register with this one");
+    }
+    if (!users.contains(userid) && users.size() >= options_.max_users) {
+      return ResourceExhausted("the face gallery holds its limit of " + std::to_string(options_.max_users) + " users");
+    }
+    auto& mine = users[userid];
+    mine.insert(mine.end(), faces.begin(), faces.end());
+    if (mine.size() > options_.max_faces_per_user) {
+      mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(mine.size() - options_.max_faces_per_user));
+    }
+    dimension = dim;
+    return Status::Ok();
+  });
 }
 
 Status FaceGallery::Delete(const std::string& userid) {
   MutexLock lock(mu_);
-  auto it = users_.find(userid);
-  if (it == users_.end()) return NotFound("no face is registered as '" + userid + "'");
-  auto removed = std::move(it->second);
-  users_.erase(it);
-  if (Status st = Save(); !st.ok()) {
-    users_.emplace(userid, std::move(removed));
-    return st;
-  }
-  return Status::Ok();
+  return Change([&](Users_& users, size_t&) {
+    return users.erase(userid) ? Status::Ok() : NotFound("no face is registered as '" + userid + "'");
+  });
 }
 
-std::vector<std::string> FaceGallery::Users() const {
+std::vector<std::string> FaceGallery::Users() {
   MutexLock lock(mu_);
+  if (Status st = Sync(); !st.ok()) std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
   std::vector<std::string> out;
   out.reserve(users_.size());
   for (const auto& [id, faces] : users_) out.push_back(id);
   return out;
 }
 
-std::optional<FaceMatch> FaceGallery::Closest(std::span<const float> face) const {
+std::optional<FaceMatch> FaceGallery::Closest(std::span<const float> face) {
   MutexLock lock(mu_);
+  if (Status st = Sync(); !st.ok()) std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
   if (users_.empty() || face.size() != dimension_) return std::nullopt;
   std::optional<FaceMatch> best;
   for (const auto& [id, faces] : users_) {
@@ -168,33 +220,77 @@ std::optional<FaceMatch> FaceGallery::Closest(std::span<const float> face) const
   return best;
 }
 
-Status FaceGallery::Load() {
-  if (options_.file.empty()) return Status::Ok();
-  const std::string where = "face gallery " + options_.file.string();
-  std::error_code ec;
-  if (!std::filesystem::exists(options_.file, ec)) return Status::Ok();  // none registered yet
-  std::ifstream in(options_.file, std::ios::binary);
-  if (!in) return Unavailable(where + " cannot be read: " + std::strerror(errno));
-  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+Status FaceGallery::Sync() {
+  if (!store_) return Status::Ok();
+  QUERN_ASSIGN_OR_RETURN(const int64_t version, store_->Version());
+  if (version == version_) return Status::Ok();
+  QUERN_ASSIGN_OR_RETURN(FaceGalleryStore::Stored stored, store_->Read());
+  Users_ users;
+  size_t dimension = 0;
+  QUERN_RETURN_IF_ERROR(Parse(stored.bytes, store_->Describe(), users, dimension));
+  users_ = std::move(users);
+  dimension_ = dimension;
+  version_ = stored.version;
+  return Status::Ok();
+}
+
+Status FaceGallery::Change(const std::function<Status(Users_& users, size_t& dimension)>& change) {
+  for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+    QUERN_RETURN_IF_ERROR(Sync());
+    Users_ users = users_;
+    size_t dimension = dimension_;
+    QUERN_RETURN_IF_ERROR(change(users, dimension));
+    if (users.empty()) dimension = 0;
+    if (store_) {
+      QUERN_ASSIGN_OR_RETURN(const std::optional<int64_t> version,
+                             store_->Write(Serialize(users, dimension), version_));
+      if (!version) {
+        version_ = -1;  // another writer came first: read what it wrote, apply the change again
+        continue;
+      }
+      version_ = *version;
+    }
+    users_ = std::move(users);
+    dimension_ = dimension;
+    return Status::Ok();
+  }
+  return Unavailable(store_->Describe() + " kept changing under " + std::to_string(kMaxAttempts) +
+                     " attempts to write it; try again");
+}
+
+std::string FaceGallery::Serialize(const Users_& users, size_t dimension) {
+  std::string out(kMagic);
+  PutU32(out, dimension);
+  PutU32(out, users.size());
+  for (const auto& [id, faces] : users) {
+    PutU32(out, id.size());
+    out += id;
+    PutU32(out, faces.size());
+    for (const auto& f : faces) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
+  }
+  return out;
+}
+
+Status FaceGallery::Parse(std::string_view data, const std::string& where, Users_& users, size_t& dimension) const {
+  if (data.empty()) return Status::Ok();  // nothing stored yet
   Reader r(data);
   std::string_view magic;
-  size_t dim = 0, users = 0;
-  if (!r.Bytes(kMagic.size(), magic) || magic != kMagic || !r.U32(dim) || !r.U32(users)) {
+  size_t dim = 0, count = 0;
+  if (!r.Bytes(kMagic.size(), magic) || magic != kMagic || !r.U32(dim) || !r.U32(count)) {
     return InvalidArgument(where + " is not a face gallery (its header does not read)");
   }
-  if (dim == 0 || dim > kMaxDimension || users > options_.max_users) {
-    return InvalidArgument(where + " declares " + std::to_string(users) + " users of " + std::to_string(dim) +
+  if (dim > kMaxDimension || (dim == 0 && count > 0) || count > options_.max_users) {
+    return InvalidArgument(where + " declares " + std::to_string(count) + " users of " + std::to_string(dim) +
                            "-value faces, outside the limits");
   }
-  MutexLock lock(mu_);
-  for (size_t u = 0; u < users; ++u) {
+  for (size_t u = 0; u < count; ++u) {
     size_t id_bytes = 0, faces = 0;
     std::string_view id;
     if (!r.U32(id_bytes) || !r.Bytes(id_bytes, id) || !CheckUserId(id).ok() || !r.U32(faces) || faces == 0 ||
-        faces > options_.max_faces_per_user) {
-      return InvalidArgument(where + " is damaged at user " + std::to_string(u + 1) + " of " + std::to_string(users));
+        faces > options_.max_faces_per_user || users.contains(std::string(id))) {
+      return InvalidArgument(where + " is damaged at user " + std::to_string(u + 1) + " of " + std::to_string(count));
     }
-    auto& mine = users_[std::string(id)];
+    auto& mine = users[std::string(id)];
     for (size_t f = 0; f < faces; ++f) {
       std::string_view bytes;
       if (!r.Bytes(dim * sizeof(float), bytes)) {
@@ -206,44 +302,7 @@ Status FaceGallery::Load() {
     }
   }
   if (!r.done()) return InvalidArgument(where + " has data after its last user");
-  dimension_ = dim;
-  return Status::Ok();
-}
-
-Status FaceGallery::Save() const {
-  if (options_.file.empty()) return Status::Ok();
-  std::string out(kMagic);
-  PutU32(out, dimension_);
-  PutU32(out, users_.size());
-  for (const auto& [id, faces] : users_) {
-    PutU32(out, id.size());
-    out += id;
-    PutU32(out, faces.size());
-    for (const auto& f : faces) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
-  }
-  const std::filesystem::path tmp = options_.file.string() + ".tmp";
-  const std::string where = "face gallery " + options_.file.string();
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return Unavailable(where + " cannot be written: " + std::strerror(errno));
-  size_t done = 0;
-  while (done < out.size()) {
-    const ssize_t n = ::write(fd, out.data() + done, out.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return Unavailable(where + " cannot be written: " + why);
-    }
-    done += static_cast<size_t>(n);
-  }
-  int failed = ::fsync(fd) != 0 ? errno : 0;
-  if (::close(fd) != 0 && failed == 0) failed = errno;
-  if (failed == 0 && ::rename(tmp.c_str(), options_.file.c_str()) != 0) failed = errno;
-  if (failed != 0) {
-    ::unlink(tmp.c_str());
-    return Unavailable(where + " cannot be written: " + std::strerror(failed));
-  }
+  dimension = dim;
   return Status::Ok();
 }
 

@@ -3,19 +3,26 @@
 // any number of faces up to a bound. Recognition compares a face with every
 // registered one by cosine similarity and names the closest user.
 //
-// With a file, the gallery is kept there and rewritten whole on every change
-// (written beside it, flushed, then renamed over it), so a crash leaves the
-// previous or the new gallery, never a mix. The file is binary:
+// Besides memory, a gallery may live in a store: a file (FileFaceStore) or
+// Redis (store/redis_face_store.h, shared by instances). The stored form is
+// binary:
 //   "QUERNFACES1\n", u32 dimension, u32 users,
 //   per user: u32 id length, id bytes, u32 faces, faces x dimension f32
-// (all little-endian). A file that does not read fails Open with the reason:
-// registered faces are never dropped silently.
+// (all little-endian). Every change is written whole, based on the version
+// of the store it read; a store that another instance changed meanwhile
+// refuses the write, and the change is applied again to what it holds now,
+// so that no instance's registration is lost. Before comparing faces the
+// gallery asks the store for its version and reads it again when it
+// changed. A stored gallery that does not read fails Open (or the change)
+// with the reason: registered faces are never dropped silently.
 //
 // Thread safety: every method may be called from any thread.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,8 +36,34 @@
 
 namespace quern {
 
+// Where a gallery keeps its faces besides memory. Called with the gallery's
+// lock held: one call at a time.
+class FaceGalleryStore {
+ public:
+  virtual ~FaceGalleryStore() = default;
+  struct Stored {
+    std::string bytes;  // the stored form; "" = nothing stored yet
+    int64_t version = 0;
+  };
+  virtual Result<Stored> Read() = 0;
+  // The version stored now (cheaper than Read).
+  virtual Result<int64_t> Version() = 0;
+  // Stores `bytes` if the stored version is still `based_on`: the new
+  // version, or nullopt when another writer came first.
+  virtual Result<std::optional<int64_t>> Write(const std::string& bytes, int64_t based_on) = 0;
+  // For messages, e.g. "face gallery /var/lib/quern/faces.bin".
+  virtual std::string Describe() const = 0;
+  // True when other processes share it: unreachable at start is then not
+  // fatal (the gallery reads it when it comes back).
+  virtual bool Shared() const { return false; }
+};
+
+// A file written by this process alone: rewritten whole on every change
+// (written beside it, flushed, renamed over it; mode 0600), so a crash
+// leaves the previous or the new gallery, never a mix.
+std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file);
+
 struct FaceGalleryOptions {
-  std::filesystem::path file;  // "" = memory only
   size_t max_users = 10000;
   size_t max_faces_per_user = 32;  // beyond it a user's oldest faces go
 };
@@ -42,8 +75,9 @@ struct FaceMatch {
 
 class FaceGallery {
  public:
-  // Reads `options.file` when it exists.
-  static Result<std::unique_ptr<FaceGallery>> Open(FaceGalleryOptions options);
+  // Reads the store (null = memory only).
+  static Result<std::unique_ptr<FaceGallery>> Open(FaceGalleryOptions options,
+                                                   std::unique_ptr<FaceGalleryStore> store = nullptr);
 
   // A user id is 1-256 bytes of UTF-8 without control characters.
   static Status CheckUserId(std::string_view userid);
@@ -55,21 +89,31 @@ class FaceGallery {
   Status Register(const std::string& userid, const std::vector<std::vector<float>>& faces);
   // NOT_FOUND when no face is registered under `userid`.
   Status Delete(const std::string& userid);
-  std::vector<std::string> Users() const;
+  std::vector<std::string> Users();
   // The registered face closest to `face`; none when the gallery is empty
-  // or its faces have another dimension.
-  std::optional<FaceMatch> Closest(std::span<const float> face) const;
+  // or its faces have another dimension. With a store that cannot be
+  // reached, the faces last read.
+  std::optional<FaceMatch> Closest(std::span<const float> face);
 
  private:
-  explicit FaceGallery(FaceGalleryOptions options) : options_(std::move(options)) {}
-  Status Load();
-  // Writes the gallery to the file (when there is one).
-  Status Save() const QUERN_REQUIRES(mu_);
+  using Users_ = std::map<std::string, std::vector<std::vector<float>>>;
+  FaceGallery(FaceGalleryOptions options, std::unique_ptr<FaceGalleryStore> store)
+      : options_(options), store_(std::move(store)) {}
+  // Reads the store again when its version moved.
+  Status Sync() QUERN_REQUIRES(mu_);
+  // Applies `change` to the gallery and stores the result, again on what the
+  // store holds when another writer came first.
+  Status Change(const std::function<Status(Users_& users, size_t& dimension)>& change) QUERN_REQUIRES(mu_);
+  // The stored form, and back (errors name `where`).
+  static std::string Serialize(const Users_& users, size_t dimension);
+  Status Parse(std::string_view data, const std::string& where, Users_& users, size_t& dimension) const;
 
   const FaceGalleryOptions options_;
-  mutable Mutex mu_;
+  const std::unique_ptr<FaceGalleryStore> store_;
+  Mutex mu_;
   size_t dimension_ QUERN_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::vector<std::vector<float>>> users_ QUERN_GUARDED_BY(mu_);
+  Users_ users_ QUERN_GUARDED_BY(mu_);
+  int64_t version_ QUERN_GUARDED_BY(mu_) = -1;  // the store's version users_ holds; -1 = not read yet
 };
 
 }  // namespace quern

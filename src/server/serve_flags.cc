@@ -59,7 +59,8 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                     "Embedding model that describes faces for /v1/vision/face/register, recognize and match "
                     "(default: the first model with quern.task embedding)");
   serve->add_option("--data-dir", o.data_dir,
-                    "Directory for what the server keeps: registered faces (faces.bin); default: in memory only");
+                    "Directory for what the server keeps: registered faces (faces.bin; with --redis-url they are "
+                    "kept in Redis instead); default: in memory only");
   serve->add_option("--vision-port", o.vision_port,
                     "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
   serve->add_option("--vision-api-key", o.vision.api_key, "Require this api_key on CodeProject.AI requests");

@@ -15,6 +15,7 @@
 #include "metrics/collectors.h"
 #include "metrics/registry.h"
 #include "pipeline/vision_model.h"
+#include "store/redis_face_store.h"
 
 namespace quern {
 namespace {
@@ -235,14 +236,23 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (p->keys->enabled()) {
     o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
   }
-  FaceGalleryOptions gallery;
-  if (!o.data_dir.empty()) {
+  // Registered faces: in Redis when there is one (shared by the instances
+  // that use it), else in the data directory, else in memory.
+  std::unique_ptr<FaceGalleryStore> faces_store;
+  if (!o.redis_url.empty()) {
+    RedisOptions redis = o.redis;
+    if (Status s = ParseRedisUrl(o.redis_url, redis); !s.ok()) return Err(InvalidArgument(s.message()));
+    if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && redis.password.empty()) {
+      redis.password = pw;
+    }
+    faces_store = std::make_unique<RedisFaceStore>(redis);
+  } else if (!o.data_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(o.data_dir, ec);
     if (ec) return Err(InvalidArgument("--data-dir " + o.data_dir + " cannot be made: " + ec.message()));
-    gallery.file = std::filesystem::path(o.data_dir) / "faces.bin";
+    faces_store = FileFaceStore(std::filesystem::path(o.data_dir) / "faces.bin");
   }
-  QUERN_ASSIGN_OR_RETURN(p->faces, FaceGallery::Open(gallery));
+  QUERN_ASSIGN_OR_RETURN(p->faces, FaceGallery::Open({}, std::move(faces_store)));
   o.vision.faces = p->faces.get();
   p->vision = std::make_unique<VisionHandler>(p->vision_service.get(), o.vision);
 

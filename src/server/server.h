@@ -56,8 +56,9 @@ struct ServerOptions {
   VisionServiceOptions vision_service;
   int vision_port = -1;  // -1 = off
   int64_t vision_max_memory_mb = (int64_t{1} << 30) >> 20;
-  // Where what the server keeps lives: registered faces in faces.bin.
-  // "" = in memory only (lost when the server stops).
+  // Where what the server keeps lives: registered faces in faces.bin (in
+  // Redis instead when redis_url is set). "" = in memory only (lost when the
+  // server stops).
   std::string data_dir;
 
   MemoryResultStoreOptions store;

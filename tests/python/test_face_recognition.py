@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from quern_testing import http_request, start_quern
+from quern_testing import RedisServer, http_request, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -266,3 +266,55 @@ def test_similarities_agree_with_onnxruntime_and_numpy(server):
         expected = float(ref[a] @ ref[b])
         # PIL's resampling and JPEG decoder are not Quern's: the crops differ in the last bits.
         assert abs(quern - expected) < 0.015, (a, b, quern, expected)
+
+
+def test_instances_sharing_redis_share_their_faces(tmp_path):
+    """With --redis-url the faces live in Redis: what one instance registers, another recognises;
+    registrations racing on two instances are all kept; a restart of every instance loses nothing."""
+    import threading
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    repo = tmp_path / "repo"
+    for m in ("faces", "face_descriptor"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    url = ["--redis-url", redis.url()]
+    (a, ports_a), (b, ports_b) = start_quern(QUERN, str(repo), *url), start_quern(QUERN, str(repo), *url)
+    a_port, b_port = ports_a["HTTP"], ports_b["HTTP"]
+    try:
+        ok(form(a_port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama"))
+        found = recognize(b_port, "obama2.jpg")
+        assert [f["userid"] for f in found] == ["obama"], found
+        # Registrations on both instances at once: none is lost.
+        jpeg, errors = photo("biden.jpg"), []
+
+        def register(port, names):
+            for n in names:
+                r = form(port, "/v1/vision/face/register", [("image", jpeg)], userid=n)
+                if not r["success"]:
+                    errors.append(r)
+        threads = [threading.Thread(target=register, args=(port, [f"{tag}{i}" for i in range(6)]))
+                   for port, tag in ((a_port, "a"), (b_port, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        expected = sorted(["obama"] + [f"{t}{i}" for t in "ab" for i in range(6)])
+        assert users(a_port) == expected and users(b_port) == expected
+        ok(form(b_port, "/v1/vision/face/delete", userid="obama"))
+        assert "obama" not in users(a_port)
+        assert [f["userid"] for f in recognize(a_port, "obama2.jpg")] == ["unknown"]
+        ok(form(a_port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama"))
+    finally:
+        stop(a)
+        stop(b)
+    proc, ports = start_quern(QUERN, str(repo), *url)
+    try:
+        assert users(ports["HTTP"]) == expected
+        assert recognize(ports["HTTP"], "obama3.jpg")[0]["userid"] == "obama"
+        # Redis gone: recognition answers from the faces last read; a registration fails plainly.
+        redis.stop()
+        assert recognize(ports["HTTP"], "obama3.jpg")[0]["userid"] == "obama"
+        failed(form(ports["HTTP"], "/v1/vision/face/register", [("image", jpeg)], userid="late"), "Redis")
+    finally:
+        stop(proc)
