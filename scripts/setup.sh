@@ -88,6 +88,21 @@ install_apt() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# Downloads one Debian package (name=version) of a suite into a folder, through a private package
+# list: the system's apt sources and state are not touched.
+apt_download() { # suite package=version folder
+  local lists
+  lists=$(mktemp -d)
+  mkdir -p "$lists/lists/partial" "$lists/archives"
+  echo "deb http://deb.debian.org/debian $1 main" > "$lists/sources.list"
+  local aptopts=(-o Dir::Etc::SourceList="$lists/sources.list" -o Dir::Etc::SourceParts=/dev/null
+                 -o Dir::State::Lists="$lists/lists" -o Dir::Cache::Archives="$lists/archives"
+                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
+  apt-get "${aptopts[@]}" update -qq
+  (cd "$3" && apt-get "${aptopts[@]}" download "$2" >/dev/null)
+  rm -rf "$lists"
+}
+
 install_onnxruntime() {
   local dest="$TP/onnxruntime"
   if [ -f "$dest/.complete-$ORT_VERSION" ]; then log "ONNX Runtime $ORT_VERSION present"; return 0; fi
@@ -95,13 +110,7 @@ install_onnxruntime() {
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
   log "fetching ONNX Runtime $ORT_HEADERS_VERSION headers (Debian trixie libonnxruntime-dev)"
-  mkdir -p "$tmp/lists/partial" "$tmp/archives"
-  echo "deb http://deb.debian.org/debian trixie main" > "$tmp/trixie.list"
-  local aptopts=(-o Dir::Etc::SourceList="$tmp/trixie.list" -o Dir::Etc::SourceParts=/dev/null
-                 -o Dir::State::Lists="$tmp/lists" -o Dir::Cache::Archives="$tmp/archives"
-                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
-  apt-get "${aptopts[@]}" update -qq
-  (cd "$tmp" && apt-get "${aptopts[@]}" download "libonnxruntime-dev=1.21.0+dfsg-1" >/dev/null)
+  apt_download trixie "libonnxruntime-dev=1.21.0+dfsg-1" "$tmp"
   check_sha "$tmp/$ORT_DEV_DEB" "$ORT_DEV_DEB_SHA256"
   dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
 
@@ -200,14 +209,7 @@ PY
   check_sha "$tmp/package/models/faceres.bin" "$FACERES_BIN_SHA256"
 
   log "fetching labels and test photographs (Debian bookworm darknet $DARKNET_VERSION, no weights)"
-  # A private package list, as for the ONNX Runtime headers: the system's apt state is not touched.
-  mkdir -p "$tmp/lists/partial" "$tmp/archives"
-  echo "deb http://deb.debian.org/debian bookworm main" > "$tmp/bookworm.list"
-  local aptopts=(-o Dir::Etc::SourceList="$tmp/bookworm.list" -o Dir::Etc::SourceParts=/dev/null
-                 -o Dir::State::Lists="$tmp/lists" -o Dir::Cache::Archives="$tmp/archives"
-                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
-  apt-get "${aptopts[@]}" update -qq
-  (cd "$tmp" && apt-get "${aptopts[@]}" download "darknet=$DARKNET_VERSION" >/dev/null)
+  apt_download bookworm "darknet=$DARKNET_VERSION" "$tmp"
   check_sha "$tmp/$DARKNET_DEB" "$DARKNET_DEB_SHA256"
   dpkg -x "$tmp/$DARKNET_DEB" "$tmp/darknet"
 

@@ -32,17 +32,17 @@ TEST(FaceGallery, ClosestFaceByCosineAndRoundTripThroughTheFile) {
     ASSERT_TRUE((*g)->Register("ann", {{1, 0, 0}, {0.8f, 0.6f, 0}}).ok());
     ASSERT_TRUE((*g)->Register("bob", {{0, 0, 2}}).ok());  // not unit length: cosine ignores length
     // (0.6, 0.8, 0): cosine with ann's second face 0.48 + 0.48 = 0.96, with her first 0.6, with bob 0.
-    auto m = (*g)->Closest(std::vector<float>{0.6f, 0.8f, 0});
+    auto m = (*g)->Current()->Closest(std::vector<float>{0.6f, 0.8f, 0});
     ASSERT_TRUE(m.has_value());
     EXPECT_EQ(m->userid, "ann");
     EXPECT_NEAR(m->similarity, 0.96f, 1e-6);
-    EXPECT_FALSE((*g)->Closest(std::vector<float>{1, 0}).has_value());  // another dimension
+    EXPECT_FALSE((*g)->Current()->Closest(std::vector<float>{1, 0}).has_value());  // another dimension
   }
   auto g = FaceGallery::Open({}, FileFaceStore(file));  // read back
   ASSERT_TRUE(g.has_value()) << g.error().ToString();
   EXPECT_EQ((*g)->Users(), (std::vector<std::string>{"ann", "bob"}));
-  EXPECT_NEAR((*g)->Closest(std::vector<float>{0, 0.1f, 1})->similarity, 1 / std::sqrt(1.01f), 1e-6);
-  EXPECT_EQ((*g)->Closest(std::vector<float>{0, 0.1f, 1})->userid, "bob");
+  EXPECT_NEAR((*g)->Current()->Closest(std::vector<float>{0, 0.1f, 1})->similarity, 1 / std::sqrt(1.01f), 1e-6);
+  EXPECT_EQ((*g)->Current()->Closest(std::vector<float>{0, 0.1f, 1})->userid, "bob");
   EXPECT_TRUE((*g)->Delete("bob").ok());
   EXPECT_EQ((*g)->Delete("bob").code(), StatusCode::kNotFound);
   EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann"}));
@@ -72,7 +72,7 @@ TEST(FaceGallery, RefusesWhatDoesNotFitAndKeepsWhatItHad) {
   EXPECT_EQ(g->Register("cat", {{0, 1}}).code(), StatusCode::kResourceExhausted);  // a third user
   // A user keeps her newest faces: (1, 0) goes when two more come.
   ASSERT_TRUE(g->Register("ann", {{0.6f, 0.8f}, {0.8f, 0.6f}}).ok());
-  EXPECT_NEAR(g->Closest(std::vector<float>{1, 0})->similarity, 0.8f, 1e-6);
+  EXPECT_NEAR(g->Current()->Closest(std::vector<float>{1, 0})->similarity, 0.8f, 1e-6);
   EXPECT_EQ(g->Users(), (std::vector<std::string>{"ann", "bob"}));
 }
 
@@ -155,7 +155,7 @@ TEST(FaceGallery, InstancesSharingAStoreLoseNoChange) {
   store->before_write = [&] { ASSERT_TRUE(b->Delete("bob").ok()); };
   ASSERT_TRUE(a->Register("cat", {{0.6f, 0.8f}}).ok());
   EXPECT_EQ(b->Users(), (std::vector<std::string>{"ann", "cat"}));
-  EXPECT_EQ(b->Closest(std::vector<float>{0.6f, 0.8f})->userid, "cat");
+  EXPECT_EQ(b->Current()->Closest(std::vector<float>{0.6f, 0.8f})->userid, "cat");
 }
 
 TEST(CropSquare, TheLongerSideCentredAndMovedInsideTheImage) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -62,7 +63,7 @@ class FileStore : public FaceGalleryStore {
     std::error_code ec;
     if (!std::filesystem::exists(file_, ec)) return s;  // none registered yet
     std::ifstream in(file_, std::ios::binary);
-    if (!in) return std::unexpected(Unavailable(Describe() + " cannot be read: " + std::strerror(errno)));
+    if (!in) return std::unexpected(Unavailable(Describe() + " cannot be read"));
     s.bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     s.version = version_;
     return s;
@@ -73,7 +74,8 @@ class FileStore : public FaceGalleryStore {
   Result<std::optional<int64_t>> Write(const std::string& bytes, int64_t based_on) override {
     if (based_on != version_) return std::optional<int64_t>();
     const std::filesystem::path tmp = file_.string() + ".tmp";
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    ::unlink(tmp.c_str());  // one left by a crash; never followed if it is a link
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return std::unexpected(Unavailable(Describe() + " cannot be written: " + std::strerror(errno)));
     int failed = 0;
     for (size_t done = 0; done < bytes.size() && failed == 0;) {
@@ -108,12 +110,9 @@ std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file) {
 Result<std::unique_ptr<FaceGallery>> FaceGallery::Open(FaceGalleryOptions options,
                                                        std::unique_ptr<FaceGalleryStore> store) {
   std::unique_ptr<FaceGallery> g(new FaceGallery(options, std::move(store)));
-  MutexLock lock(g->mu_);
-  if (Status st = g->Sync(); !st.ok()) {
-    // A shared store that is away now is read when it comes back; a gallery
-    // that does not read is an error.
-    if (!(g->store_->Shared() && st.code() == StatusCode::kUnavailable)) return std::unexpected(st);
-    std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
+  if (g->store_ && !g->store_->Shared()) {
+    MutexLock lock(g->mu_);
+    QUERN_RETURN_IF_ERROR(g->Sync());
   }
   return g;
 }
@@ -171,53 +170,65 @@ Status FaceGallery::Register(const std::string& userid, const std::vector<std::v
     }
   }
   MutexLock lock(mu_);
-  return Change([&](Users_& users, size_t& dimension) {
-    if (!users.empty() && dim != dimension) {
-      return FailedPrecondition("the registered faces were described with " + std::to_string(dimension) +
+  return Change([&](FaceSet& set) {
+    if (!set.users.empty() && dim != set.dimension) {
+      return FailedPrecondition("the registered faces were described with " + std::to_string(set.dimension) +
                                 " values and this descriptor gives " + std::to_string(dim) +
                                 " (another face descriptor model?); delete them to register with this one");
     }
-    if (!users.contains(userid) && users.size() >= options_.max_users) {
+    if (!set.users.contains(userid) && set.users.size() >= options_.max_users) {
       return ResourceExhausted("the face gallery holds its limit of " + std::to_string(options_.max_users) + " users");
     }
-    auto& mine = users[userid];
+    auto& mine = set.users[userid];
     mine.insert(mine.end(), faces.begin(), faces.end());
     if (mine.size() > options_.max_faces_per_user) {
       mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(mine.size() - options_.max_faces_per_user));
     }
-    dimension = dim;
+    set.dimension = dim;
     return Status::Ok();
   });
 }
 
 Status FaceGallery::Delete(const std::string& userid) {
   MutexLock lock(mu_);
-  return Change([&](Users_& users, size_t&) {
-    return users.erase(userid) ? Status::Ok() : NotFound("no face is registered as '" + userid + "'");
+  return Change([&](FaceSet& set) {
+    return set.users.erase(userid) ? Status::Ok() : NotFound("no face is registered as '" + userid + "'");
   });
 }
 
-std::vector<std::string> FaceGallery::Users() {
+std::shared_ptr<const FaceSet> FaceGallery::Current() {
   MutexLock lock(mu_);
-  if (Status st = Sync(); !st.ok()) std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
+  if (Status st = Sync(); !st.ok()) Warn(st);
+  return faces_;
+}
+
+std::vector<std::string> FaceGallery::Users() {
+  const std::shared_ptr<const FaceSet> faces = Current();
   std::vector<std::string> out;
-  out.reserve(users_.size());
-  for (const auto& [id, faces] : users_) out.push_back(id);
+  out.reserve(faces->users.size());
+  for (const auto& [id, mine] : faces->users) out.push_back(id);
   return out;
 }
 
-std::optional<FaceMatch> FaceGallery::Closest(std::span<const float> face) {
-  MutexLock lock(mu_);
-  if (Status st = Sync(); !st.ok()) std::fprintf(stderr, "quern: warning: %s\n", st.message().c_str());
-  if (users_.empty() || face.size() != dimension_) return std::nullopt;
+std::optional<FaceMatch> FaceSet::Closest(std::span<const float> face) const {
+  if (users.empty() || face.size() != dimension) return std::nullopt;
   std::optional<FaceMatch> best;
-  for (const auto& [id, faces] : users_) {
+  for (const auto& [id, faces] : users) {
     for (const auto& f : faces) {
-      const float s = Similarity(face, f);
+      const float s = FaceGallery::Similarity(face, f);
       if (!best || s > best->similarity) best = FaceMatch{id, s};
     }
   }
   return best;
+}
+
+void FaceGallery::Warn(const Status& st) {
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  int64_t last = last_warning_s_.load();
+  if (now - last >= 10 && last_warning_s_.compare_exchange_strong(last, now)) {
+    std::fprintf(stderr, "quern: warning: %s (answering from the faces last read)\n", st.message().c_str());
+  }
 }
 
 Status FaceGallery::Sync() {
@@ -225,44 +236,39 @@ Status FaceGallery::Sync() {
   QUERN_ASSIGN_OR_RETURN(const int64_t version, store_->Version());
   if (version == version_) return Status::Ok();
   QUERN_ASSIGN_OR_RETURN(FaceGalleryStore::Stored stored, store_->Read());
-  Users_ users;
-  size_t dimension = 0;
-  QUERN_RETURN_IF_ERROR(Parse(stored.bytes, store_->Describe(), users, dimension));
-  users_ = std::move(users);
-  dimension_ = dimension;
+  auto faces = std::make_shared<FaceSet>();
+  QUERN_RETURN_IF_ERROR(Parse(stored.bytes, store_->Describe(), *faces));
+  faces_ = std::move(faces);
   version_ = stored.version;
   return Status::Ok();
 }
 
-Status FaceGallery::Change(const std::function<Status(Users_& users, size_t& dimension)>& change) {
+Status FaceGallery::Change(const std::function<Status(FaceSet& faces)>& change) {
   for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
     QUERN_RETURN_IF_ERROR(Sync());
-    Users_ users = users_;
-    size_t dimension = dimension_;
-    QUERN_RETURN_IF_ERROR(change(users, dimension));
-    if (users.empty()) dimension = 0;
+    auto faces = std::make_shared<FaceSet>(*faces_);
+    QUERN_RETURN_IF_ERROR(change(*faces));
+    if (faces->users.empty()) faces->dimension = 0;
     if (store_) {
-      QUERN_ASSIGN_OR_RETURN(const std::optional<int64_t> version,
-                             store_->Write(Serialize(users, dimension), version_));
+      QUERN_ASSIGN_OR_RETURN(const std::optional<int64_t> version, store_->Write(Serialize(*faces), version_));
       if (!version) {
         version_ = -1;  // another writer came first: read what it wrote, apply the change again
         continue;
       }
       version_ = *version;
     }
-    users_ = std::move(users);
-    dimension_ = dimension;
+    faces_ = std::move(faces);
     return Status::Ok();
   }
   return Unavailable(store_->Describe() + " kept changing under " + std::to_string(kMaxAttempts) +
                      " attempts to write it; try again");
 }
 
-std::string FaceGallery::Serialize(const Users_& users, size_t dimension) {
+std::string FaceGallery::Serialize(const FaceSet& set) {
   std::string out(kMagic);
-  PutU32(out, dimension);
-  PutU32(out, users.size());
-  for (const auto& [id, faces] : users) {
+  PutU32(out, set.dimension);
+  PutU32(out, set.users.size());
+  for (const auto& [id, faces] : set.users) {
     PutU32(out, id.size());
     out += id;
     PutU32(out, faces.size());
@@ -271,7 +277,8 @@ std::string FaceGallery::Serialize(const Users_& users, size_t dimension) {
   return out;
 }
 
-Status FaceGallery::Parse(std::string_view data, const std::string& where, Users_& users, size_t& dimension) const {
+Status FaceGallery::Parse(std::string_view data, const std::string& where, FaceSet& set) const {
+  auto& users = set.users;
   if (data.empty()) return Status::Ok();  // nothing stored yet
   Reader r(data);
   std::string_view magic;
@@ -302,7 +309,7 @@ Status FaceGallery::Parse(std::string_view data, const std::string& where, Users
     }
   }
   if (!r.done()) return InvalidArgument(where + " has data after its last user");
-  dimension = dim;
+  set.dimension = dim;
   return Status::Ok();
 }
 

@@ -14,11 +14,14 @@
 // so that no instance's registration is lost. Before comparing faces the
 // gallery asks the store for its version and reads it again when it
 // changed. A stored gallery that does not read fails Open (or the change)
-// with the reason: registered faces are never dropped silently.
+// with the reason: registered faces are never dropped silently. A shared
+// store (Redis) is first read when faces are first used, so that a server
+// starts while it is away.
 //
 // Thread safety: every method may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -63,14 +66,26 @@ class FaceGalleryStore {
 // leaves the previous or the new gallery, never a mix.
 std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file);
 
+// The bounds keep the stored form (rewritten whole on every change) small:
+// at most 1000 x 16 faces of 1024 values, 64 MiB.
 struct FaceGalleryOptions {
-  size_t max_users = 10000;
-  size_t max_faces_per_user = 32;  // beyond it a user's oldest faces go
+  size_t max_users = 1000;
+  size_t max_faces_per_user = 16;  // beyond it a user's oldest faces go
 };
 
 struct FaceMatch {
   std::string userid;
   float similarity = 0;  // cosine, -1..1
+};
+
+// The registered faces at one moment (immutable: matched without a lock).
+struct FaceSet {
+  size_t dimension = 0;
+  std::map<std::string, std::vector<std::vector<float>>> users;
+
+  // The registered face closest to `face`; none when there is none or its
+  // dimension differs.
+  std::optional<FaceMatch> Closest(std::span<const float> face) const;
 };
 
 class FaceGallery {
@@ -89,31 +104,31 @@ class FaceGallery {
   Status Register(const std::string& userid, const std::vector<std::vector<float>>& faces);
   // NOT_FOUND when no face is registered under `userid`.
   Status Delete(const std::string& userid);
+  // The faces now, read again when the store's version moved (one question
+  // to the store); when the store cannot be reached, the faces last read.
+  std::shared_ptr<const FaceSet> Current();
   std::vector<std::string> Users();
-  // The registered face closest to `face`; none when the gallery is empty
-  // or its faces have another dimension. With a store that cannot be
-  // reached, the faces last read.
-  std::optional<FaceMatch> Closest(std::span<const float> face);
 
  private:
-  using Users_ = std::map<std::string, std::vector<std::vector<float>>>;
   FaceGallery(FaceGalleryOptions options, std::unique_ptr<FaceGalleryStore> store)
-      : options_(options), store_(std::move(store)) {}
+      : options_(options), store_(std::move(store)), faces_(std::make_shared<const FaceSet>()) {}
   // Reads the store again when its version moved.
   Status Sync() QUERN_REQUIRES(mu_);
-  // Applies `change` to the gallery and stores the result, again on what the
+  // Applies `change` to a copy of the faces and stores it, again on what the
   // store holds when another writer came first.
-  Status Change(const std::function<Status(Users_& users, size_t& dimension)>& change) QUERN_REQUIRES(mu_);
+  Status Change(const std::function<Status(FaceSet& faces)>& change) QUERN_REQUIRES(mu_);
   // The stored form, and back (errors name `where`).
-  static std::string Serialize(const Users_& users, size_t dimension);
-  Status Parse(std::string_view data, const std::string& where, Users_& users, size_t& dimension) const;
+  static std::string Serialize(const FaceSet& faces);
+  Status Parse(std::string_view data, const std::string& where, FaceSet& faces) const;
+  // A warning on stderr, at most one every 10 s.
+  void Warn(const Status& st);
 
   const FaceGalleryOptions options_;
   const std::unique_ptr<FaceGalleryStore> store_;
   Mutex mu_;
-  size_t dimension_ QUERN_GUARDED_BY(mu_) = 0;
-  Users_ users_ QUERN_GUARDED_BY(mu_);
-  int64_t version_ QUERN_GUARDED_BY(mu_) = -1;  // the store's version users_ holds; -1 = not read yet
+  std::shared_ptr<const FaceSet> faces_ QUERN_GUARDED_BY(mu_);
+  int64_t version_ QUERN_GUARDED_BY(mu_) = -1;  // the store's version faces_ holds; -1 = not read yet
+  std::atomic<int64_t> last_warning_s_{0};
 };
 
 }  // namespace quern

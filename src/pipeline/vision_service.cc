@@ -291,9 +291,15 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   const VisionModel& m = *job->request.model;
   const int64_t c0 = ThreadCpuNs();
   DecodeOptions dopt;
-  // Crops for a descriptor come from the full-size image; otherwise a large
-  // JPEG is shrunk while decoding to what the model needs.
-  dopt.target = job->request.descriptor ? nullptr : &m.image;
+  // A large JPEG is shrunk while decoding to what the model needs; crops for
+  // a descriptor need more: the image as a 2048x2048 letterbox would hold it.
+  static const ImageSpec kCropSource = [] {
+    ImageSpec s;
+    s.width = s.height = 2048;
+    s.resize = ResizeMode::kLetterbox;
+    return s;
+  }();
+  dopt.target = job->request.descriptor ? &kCropSource : &m.image;
   dopt.max_pixels = options_.max_image_pixels;
   auto decoded = DecodeImage(job->request.image, dopt);
   if (!decoded) return Fail(job, decoded.error(), false);
@@ -306,7 +312,14 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   t.resize_ns = t2 - t1;
   t.decode_cpu_ns = c1 - c0;
   t.resize_cpu_ns = ThreadCpuNs() - c1;
-  if (job->request.descriptor) job->decoded = std::move(*decoded);
+  if (job->request.descriptor) {
+    // Kept until the crops are cut: charged like the rest of the image's
+    // memory, so that admission sees it.
+    const auto held = static_cast<int64_t>(decoded->image.pixels.size());
+    in_flight_bytes_.Add(held);
+    job->charged_bytes += held;
+    job->decoded = std::move(*decoded);
+  }
 
   InferRequest ir;
   ir.model = m.name;

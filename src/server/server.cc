@@ -66,9 +66,9 @@ void PrintVisionModel(const ModelStatus& status, const std::filesystem::path& mo
   if (!vision) return;  // checked while the model loaded; it changed on disk since
   const ImageSpec& im = vision->image;
   static constexpr std::string_view kResize[] = {"stretch", "letterbox", "center crop"};
-  std::printf("    vision %s, %dx%d %s %s", vision->task == VisionTask::kDetection ? "detection" : "classification",
-              im.width, im.height, im.channels == ChannelOrder::kRgb ? "RGB" : "BGR",
-              kResize[static_cast<size_t>(im.resize)].data());
+  static constexpr std::string_view kTask[] = {"classification", "detection", "embedding"};
+  std::printf("    vision %s, %dx%d %s %s", kTask[static_cast<size_t>(vision->task)].data(), im.width, im.height,
+              im.channels == ChannelOrder::kRgb ? "RGB" : "BGR", kResize[static_cast<size_t>(im.resize)].data());
   if (!vision->labels.empty()) {
     std::printf("; %zu labels:", vision->labels.size());
     constexpr size_t kShown = 8;

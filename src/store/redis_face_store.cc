@@ -1,17 +1,25 @@
 #include "store/redis_face_store.h"
 
 #include <charconv>
+#include <chrono>
 
 namespace quern {
 namespace {
 
-// A version counter's value: nil (never written) is 0.
+// How long a store that could not connect answers at once with that error
+// instead of trying again (recognition asks on every request).
+constexpr auto kReconnectAfter = std::chrono::seconds(1);
+
+// A version counter's value: nil (never written) is 0. An error reply (a
+// Redis still loading its data, say) is UNAVAILABLE.
 Result<int64_t> VersionOf(const RedisReply& r) {
   if (r.is_nil()) return int64_t{0};
+  if (r.is_error()) return std::unexpected(Unavailable(r.str));
   if (r.type == RedisReply::Type::kInteger) return r.integer;
   int64_t v = 0;
-  if (!r.is_string() || std::from_chars(r.str.data(), r.str.data() + r.str.size(), v).ec != std::errc()) {
-    return std::unexpected(InvalidArgument("the face gallery's version in Redis is not a number"));
+  const char* end = r.str.data() + r.str.size();
+  if (!r.is_string() || r.str.empty() || std::from_chars(r.str.data(), end, v).ptr != end) {
+    return std::unexpected(InvalidArgument("its version key does not hold a number"));
   }
   return v;
 }
@@ -30,14 +38,22 @@ std::string RedisFaceStore::Describe() const {
 Result<RedisConnection*> RedisFaceStore::Connection() {
   if (conn_ && !conn_->broken()) return conn_.get();
   conn_.reset();
+  const auto now = std::chrono::steady_clock::now();
+  if (now < retry_at_) return std::unexpected(last_error_);
   auto c = RedisConnection::Connect(options_);
-  if (!c) return std::unexpected(Status(c.error().code(), Describe() + ": " + c.error().message()));
+  if (!c) {
+    last_error_ =
+        Status(c.error().code() == StatusCode::kPermissionDenied ? c.error().code() : StatusCode::kUnavailable,
+               Describe() + ": " + c.error().message());
+    retry_at_ = now + kReconnectAfter;
+    return std::unexpected(last_error_);
+  }
   conn_ = std::move(*c);
   return conn_.get();
 }
 
-Status RedisFaceStore::Lost(const Status& st) {
-  conn_.reset();
+Status RedisFaceStore::Failed(const Status& st) {
+  conn_.reset();  // a WATCH or a transaction left open goes with it
   return Status(st.code(), Describe() + ": " + st.message());
 }
 
@@ -49,15 +65,27 @@ Result<FaceGalleryStore::Stored> RedisFaceStore::Read() {
   p.Add({"GET", key_});
   p.Add({"EXEC"});
   auto replies = c->Execute(p);
-  if (!replies) return std::unexpected(Lost(replies.error()));
+  if (!replies) return std::unexpected(Failed(replies.error()));
   const RedisReply& exec = replies->back();
   if (!exec.is_array() || exec.elements.size() != 2) {
-    return std::unexpected(Lost(
+    return std::unexpected(Failed(
         Internal("an unexpected answer to reading the gallery" + (exec.is_error() ? ": " + exec.str : std::string()))));
   }
   Stored s;
-  QUERN_ASSIGN_OR_RETURN(s.version, VersionOf(exec.elements[0]));
-  if (exec.elements[1].is_string()) s.bytes = exec.elements[1].str;
+  auto version = VersionOf(exec.elements[0]);
+  if (!version) return std::unexpected(Failed(version.error()));
+  s.version = *version;
+  const RedisReply& gallery = exec.elements[1];
+  if (gallery.is_error()) return std::unexpected(Failed(Unavailable(gallery.str)));
+  if (gallery.is_string()) {
+    s.bytes = gallery.str;
+  } else if (s.version > 0) {
+    // Written once, gone now (evicted by maxmemory, deleted): an empty
+    // gallery written over it would lose every instance's faces.
+    return std::unexpected(InvalidArgument(
+        Describe() + ": the gallery is missing while its version is " + std::to_string(s.version) +
+        " (evicted or deleted?); restore it, or delete " + version_key_ + " to start an empty gallery"));
+  }
   return s;
 }
 
@@ -66,8 +94,10 @@ Result<int64_t> RedisFaceStore::Version() {
   RedisPipeline p;
   p.Add({"GET", version_key_});
   auto replies = c->Execute(p);
-  if (!replies) return std::unexpected(Lost(replies.error()));
-  return VersionOf(replies->front());
+  if (!replies) return std::unexpected(Failed(replies.error()));
+  auto version = VersionOf(replies->front());
+  if (!version) return std::unexpected(Failed(version.error()));
+  return *version;
 }
 
 Result<std::optional<int64_t>> RedisFaceStore::Write(const std::string& bytes, int64_t based_on) {
@@ -76,12 +106,13 @@ Result<std::optional<int64_t>> RedisFaceStore::Write(const std::string& bytes, i
   watch.Add({"WATCH", version_key_});
   watch.Add({"GET", version_key_});
   auto seen = c->Execute(watch);
-  if (!seen) return std::unexpected(Lost(seen.error()));
-  QUERN_ASSIGN_OR_RETURN(const int64_t now, VersionOf(seen->back()));
-  if (now != based_on) {
+  if (!seen) return std::unexpected(Failed(seen.error()));
+  auto version = VersionOf(seen->back());
+  if (!version) return std::unexpected(Failed(version.error()));  // the WATCH goes with the connection
+  if (*version != based_on) {
     RedisPipeline unwatch;
     unwatch.Add({"UNWATCH"});
-    if (auto r = c->Execute(unwatch); !r) return std::unexpected(Lost(r.error()));
+    if (auto r = c->Execute(unwatch); !r) return std::unexpected(Failed(r.error()));
     return std::optional<int64_t>();  // another instance wrote first
   }
   RedisPipeline tx;
@@ -90,14 +121,17 @@ Result<std::optional<int64_t>> RedisFaceStore::Write(const std::string& bytes, i
   tx.Add({"INCR", version_key_});
   tx.Add({"EXEC"});
   auto replies = c->Execute(tx);
-  if (!replies) return std::unexpected(Lost(replies.error()));
+  if (!replies) return std::unexpected(Failed(replies.error()));
   const RedisReply& exec = replies->back();
   if (exec.is_nil()) return std::optional<int64_t>();  // the version changed after the check
   if (!exec.is_array() || exec.elements.size() != 2 || exec.elements[1].type != RedisReply::Type::kInteger) {
     for (const auto& r : *replies) {
-      if (r.is_error()) return std::unexpected(Unavailable(Describe() + ": " + r.str));
+      if (r.is_error()) return std::unexpected(Failed(Unavailable(r.str)));
     }
-    return std::unexpected(Lost(Internal("an unexpected answer to writing the gallery")));
+    for (const auto& r : exec.elements) {
+      if (r.is_error()) return std::unexpected(Failed(Unavailable(r.str)));
+    }
+    return std::unexpected(Failed(Internal("an unexpected answer to writing the gallery")));
   }
   return std::optional<int64_t>(exec.elements[1].integer);
 }

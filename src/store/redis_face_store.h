@@ -11,6 +11,7 @@
 // every call).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,11 +36,14 @@ class RedisFaceStore : public FaceGalleryStore {
   // The connection, made when missing or broken.
   Result<RedisConnection*> Connection();
   // A failed round trip: the connection goes, and the error names the store.
-  Status Lost(const Status& st);
+  Status Failed(const Status& st);
 
   const RedisOptions options_;
   const std::string key_, version_key_;
   std::unique_ptr<RedisConnection> conn_;
+  // After a failed connection: its error, until retry_at_.
+  Status last_error_;
+  std::chrono::steady_clock::time_point retry_at_;
 };
 
 }  // namespace quern

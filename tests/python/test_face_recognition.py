@@ -312,6 +312,17 @@ def test_instances_sharing_redis_share_their_faces(tmp_path):
     try:
         assert users(ports["HTTP"]) == expected
         assert recognize(ports["HTTP"], "obama3.jpg")[0]["userid"] == "obama"
+        # The gallery gone from Redis while its version stays (evicted, deleted): a registration is
+        # refused rather than writing a gallery of one over everyone's faces.
+        client = redis.client()
+        saved = client.get("quern:faces")
+        client.delete("quern:faces")
+        client.incr("quern:faces:version")
+        failed(form(ports["HTTP"], "/v1/vision/face/register", [("image", jpeg)], userid="late"), "missing")
+        assert client.get("quern:faces") is None
+        client.set("quern:faces", saved)
+        client.incr("quern:faces:version")
+        assert users(ports["HTTP"]) == expected
         # Redis gone: recognition answers from the faces last read; a registration fails plainly.
         redis.stop()
         assert recognize(ports["HTTP"], "obama3.jpg")[0]["userid"] == "obama"

@@ -505,12 +505,12 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
     for (const auto& p : parts) {
       const bool numbered = p.name.size() > 5 && p.name.starts_with("image") &&
                             std::all_of(p.name.begin() + 5, p.name.end(), [](char c) { return c >= '0' && c <= '9'; });
-      const bool seen = std::find(face_job->fields.begin(), face_job->fields.end(), p.name) != face_job->fields.end();
-      if ((p.name == "image" || numbered) && !seen) face_job->fields.push_back(p.name);
-    }
-    if (face_job->fields.size() > kMaxImages) {
-      return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxImages) + " images; " +
-                                       std::to_string(face_job->fields.size()) + " were sent"));
+      if (p.name != "image" && !numbered) continue;
+      if (std::find(face_job->fields.begin(), face_job->fields.end(), p.name) != face_job->fields.end()) continue;
+      if (face_job->fields.size() == kMaxImages) {
+        return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxImages) + " images"));
+      }
+      face_job->fields.push_back(p.name);
     }
   } else if (command == "recognize") {
     face_job->fields = {"image"};
@@ -563,7 +563,8 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
     r.model = *detector;
     r.image = field(face_job->fields[i])->data;
     r.owner = job;  // the body the images are viewed in
-    r.held_bytes = i == 0 ? static_cast<int64_t>(job->request.body.size()) : 0;
+    // The body, shared out among the images that view it.
+    r.held_bytes = static_cast<int64_t>(job->request.body.size() / face_job->fields.size());
     r.cancel = job->request.cancel;
     r.descriptor = *descriptor;
     // Recognition describes every face it finds (up to a batch); the others
@@ -602,10 +603,11 @@ void VisionHandler::FinishFaces(FaceJob& f) {
     results = std::move(f.results);
   }
   for (size_t i = 0; i < results.size(); ++i) {
-    if (!results[i].status.ok()) {
-      if (results[i].status.code() == StatusCode::kUnavailable) return Respond(job, Refusal(*job, results[i].status));
-      return Fail(job, Status(results[i].status.code(), f.fields[i] + ": " + results[i].status.message()));
-    }
+    const Status& st = results[i].status;
+    if (st.ok()) continue;
+    // Refused, or failed in the service (which counted the failure).
+    if (st.code() == StatusCode::kUnavailable) return Respond(job, Refusal(*job, st));
+    return Respond(job, CpaiError(*job, Status(st.code(), f.fields[i] + ": " + st.message()), nullptr));
   }
   // The most confident face of each image (boxes come best first).
   const auto best_face = [&](size_t i) -> const std::vector<float>* {
@@ -634,11 +636,12 @@ void VisionHandler::FinishFaces(FaceJob& f) {
     }
   } else {  // recognize
     std::vector<std::string> names;
+    const std::shared_ptr<const FaceSet> registered = options_.faces->Current();  // one look at the store
     w.Key("predictions");
     w.StartArray();
     for (const auto& d : results[0].detections) {
       if (d.embedding.empty()) break;  // beyond the faces described
-      const auto closest = options_.faces->Closest(d.embedding);
+      const auto closest = registered->Closest(d.embedding);
       const bool known = closest && closest->similarity >= f.threshold;
       names.push_back(known ? closest->userid : "unknown");
       w.StartObject();
