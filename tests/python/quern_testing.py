@@ -95,6 +95,25 @@ def http_request(port, method, path, body=None, headers=None, timeout=30):
     return r.status, dict(r.getheaders()), data
 
 
+def post_form(port, path, files=(), **fields):
+    """POSTs a multipart form to 127.0.0.1:port: `files` as (field, bytes) pairs, `fields` as text;
+    asserts HTTP 200 and returns the JSON answer."""
+    import json
+    import uuid
+    boundary = uuid.uuid4().hex
+    body = b""
+    for k, v in fields.items():
+        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'.encode() + str(v).encode() + b"\r\n"
+    for k, data in files:
+        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="{k}.jpg"\r\n\r\n'.encode() +
+                 data + b"\r\n")
+    body += f"--{boundary}--\r\n".encode()
+    status, _, data = http_request(port, "POST", path, body,
+                                   {"Content-Type": f"multipart/form-data; boundary={boundary}"}, timeout=60)
+    assert status == 200, data
+    return json.loads(data)
+
+
 def sanitized(binary):
     """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident
     memory says little about leaks there; LeakSanitizer checks those at exit)."""

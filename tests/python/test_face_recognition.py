@@ -18,13 +18,13 @@ import os
 import shutil
 import signal
 import subprocess
-import uuid
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from quern_testing import RedisServer, http_request, start_quern
+from quern_testing import post_form as form
 
 QUERN = os.environ["QUERN_BIN"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -42,22 +42,6 @@ def png(image):
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return buf.getvalue()
-
-
-def form(port, path, files=(), **fields):
-    """POST a multipart form: `files` as (field, bytes) pairs, `fields` as text."""
-    boundary = uuid.uuid4().hex
-    body = b""
-    for k, v in fields.items():
-        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'.encode() + v.encode() + b"\r\n"
-    for k, data in files:
-        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="{k}.jpg"\r\n\r\n'.encode() +
-                 data + b"\r\n")
-    body += f"--{boundary}--\r\n".encode()
-    status, _, data = http_request(port, "POST", path, body,
-                                   {"Content-Type": f"multipart/form-data; boundary={boundary}"}, timeout=60)
-    assert status == 200, data
-    return json.loads(data)
 
 
 def ok(r):

@@ -26,13 +26,12 @@ import json
 import os
 import shutil
 import subprocess
-import uuid
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from quern_testing import http_request, iou, resample, start_quern
+from quern_testing import http_request, iou, post_form, resample, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -69,18 +68,7 @@ def server(tmp_path_factory):
 
 
 def form(port, path, image_bytes, **fields):
-    boundary = uuid.uuid4().hex
-    body = b""
-    for k, v in fields.items():
-        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-    if image_bytes is not None:
-        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a"\r\n\r\n'.encode() +
-                 image_bytes + b"\r\n")
-    body += f"--{boundary}--\r\n".encode()
-    status, _, data = http_request(port, "POST", path, body,
-                                   {"Content-Type": f"multipart/form-data; boundary={boundary}"}, timeout=60)
-    assert status == 200, data
-    return json.loads(data)
+    return post_form(port, path, [] if image_bytes is None else [("image", image_bytes)], **fields)
 
 
 def detect(port, image_bytes, path="/v1/vision/detection", min_confidence=0.3):

@@ -127,6 +127,18 @@ void String(Writer& w, std::string_view s) {
   w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
 }
 
+// A box's corners as CodeProject.AI writes them: whole pixels of the image.
+void WriteBox(Writer& w, const Detection& box) {
+  w.Key("x_min");
+  w.Int(static_cast<int>(std::lround(box.x_min)));
+  w.Key("y_min");
+  w.Int(static_cast<int>(std::lround(box.y_min)));
+  w.Key("x_max");
+  w.Int(static_cast<int>(std::lround(box.x_max)));
+  w.Key("y_max");
+  w.Int(static_cast<int>(std::lround(box.y_max)));
+}
+
 }  // namespace
 
 float ParseMinConfidence(std::string_view field, float fallback) {
@@ -414,22 +426,26 @@ void VisionHandler::Submit(std::shared_ptr<Job> job, std::shared_ptr<const Visio
   r.held_bytes = static_cast<int64_t>(job->request.body.size() + job->image_storage.size());
   r.min_confidence = job->min_confidence;
   r.cancel = job->request.cancel;
-  VisionCallback answer = [this, job](VisionResult&& result) {
-    Answer(job, std::move(result));
+  Status st = SubmitCounted(std::move(r), [this, job](VisionResult&& result) { Answer(job, std::move(result)); });
+  if (!st.ok()) Respond(job, Refusal(*job, st));
+}
+
+Status VisionHandler::SubmitCounted(VisionRequest request, std::function<void(VisionResult&&)> then) {
+  const auto done_one = [this] {
     MutexLock lock(pending_mu_);
     if (--pending_ == 0) pending_cv_.SignalAll();
+  };
+  VisionCallback answer = [then = std::move(then), done_one](VisionResult&& result) {
+    then(std::move(result));
+    done_one();
   };
   {
     MutexLock lock(pending_mu_);
     ++pending_;
   }
-  if (Status st = service_->Submit(std::move(r), answer); !st.ok()) {
-    {
-      MutexLock lock(pending_mu_);
-      --pending_;
-    }
-    Respond(job, Refusal(*job, st));
-  }
+  Status st = service_->Submit(std::move(request), answer);
+  if (!st.ok()) done_one();
+  return st;
 }
 
 // One face recognition request: its images, each with the vision service,
@@ -570,20 +586,10 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
     // Recognition describes every face it finds (up to a batch); the others
     // the most confident face of each image.
     r.max_described = command == "recognize" ? (*descriptor)->max_batch_size : 1;
-    VisionCallback answer = [this, face_job, i](VisionResult&& result) {
+    Status st = SubmitCounted(std::move(r), [this, face_job, i](VisionResult&& result) {
       if (face_job->Done(i, std::move(result))) FinishFaces(*face_job);
-      MutexLock lock(pending_mu_);
-      if (--pending_ == 0) pending_cv_.SignalAll();
-    };
-    {
-      MutexLock lock(pending_mu_);
-      ++pending_;
-    }
-    if (Status st = service_->Submit(std::move(r), answer); !st.ok()) {
-      {
-        MutexLock lock(pending_mu_);
-        --pending_;
-      }
+    });
+    if (!st.ok()) {
       // The rest are not sent: the answer is this refusal.
       for (size_t j = i; j < face_job->fields.size(); ++j) {
         VisionResult refused;
@@ -649,14 +655,7 @@ void VisionHandler::FinishFaces(FaceJob& f) {
       String(w, names.back());
       w.Key("confidence");
       w.Double(known ? closest->similarity : 0.0);
-      w.Key("x_min");
-      w.Int(static_cast<int>(std::lround(d.box.x_min)));
-      w.Key("y_min");
-      w.Int(static_cast<int>(std::lround(d.box.y_min)));
-      w.Key("x_max");
-      w.Int(static_cast<int>(std::lround(d.box.x_max)));
-      w.Key("y_max");
-      w.Int(static_cast<int>(std::lround(d.box.y_max)));
+      WriteBox(w, d.box);
       w.EndObject();
     }
     w.EndArray();
@@ -738,14 +737,7 @@ void VisionHandler::Answer(const std::shared_ptr<Job>& job, VisionResult&& r) {
       String(w, d.label);
       w.Key("confidence");
       w.Double(d.box.confidence);
-      w.Key("x_min");
-      w.Int(static_cast<int>(std::lround(d.box.x_min)));
-      w.Key("y_min");
-      w.Int(static_cast<int>(std::lround(d.box.y_min)));
-      w.Key("x_max");
-      w.Int(static_cast<int>(std::lround(d.box.x_max)));
-      w.Key("y_max");
-      w.Int(static_cast<int>(std::lround(d.box.y_max)));
+      WriteBox(w, d.box);
       w.EndObject();
     }
     w.EndArray();

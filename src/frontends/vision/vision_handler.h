@@ -119,6 +119,9 @@ class VisionHandler {
   std::string FirstDetectionModel(bool faces);
   void WriteCpaiMeta(rapidjson::Writer<rapidjson::StringBuffer>& w, const Job& job, const VisionTimings* timings) const;
   void Submit(std::shared_ptr<Job> job, std::shared_ptr<const VisionModel> model);
+  // Hands an image to the service; `then` gets its result. Counted in
+  // pending_ until `then` has run; a refusal is returned and `then` dropped.
+  Status SubmitCounted(VisionRequest request, std::function<void(VisionResult&&)> then);
   HttpResponse Refusal(const Job& job, const Status& status) const;
   HttpResponse CpaiError(const Job& job, const Status& status, const VisionTimings* timings) const;
   void Answer(const std::shared_ptr<Job>& job, VisionResult&& result);
