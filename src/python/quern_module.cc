@@ -1,0 +1,198 @@
+// _quern: the engine for Python (the `quern` package in python/quern wraps
+// it). Inputs are numpy arrays borrowed without copying while a call runs;
+// outputs are numpy arrays over the engine's own buffers (no copy), kept
+// alive by the array. The GIL is released while a request waits.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "quern/engine.h"
+
+namespace py = pybind11;
+
+namespace quern {
+namespace {
+
+// A failed Status, raised in Python as the quern exception for its code.
+struct StatusError {
+  Status status;
+};
+
+[[noreturn]] void Raise(Status st) {
+  throw StatusError{std::move(st)};
+}
+
+// The engine's type for a numpy dtype (native byte order, numeric or bool).
+std::optional<DataType> FromNumpy(const py::dtype& dt) {
+  const char order = dt.byteorder();
+  if (order == '>' || order == '!') return std::nullopt;  // big-endian; the machine is little-endian
+  const auto size = dt.itemsize();
+  switch (dt.kind()) {
+    case 'b': return size == 1 ? std::optional(DataType::kBool) : std::nullopt;
+    case 'u':
+      if (size == 1) return DataType::kUint8;
+      if (size == 2) return DataType::kUint16;
+      if (size == 4) return DataType::kUint32;
+      if (size == 8) return DataType::kUint64;
+      return std::nullopt;
+    case 'i':
+      if (size == 1) return DataType::kInt8;
+      if (size == 2) return DataType::kInt16;
+      if (size == 4) return DataType::kInt32;
+      if (size == 8) return DataType::kInt64;
+      return std::nullopt;
+    case 'f':
+      if (size == 2) return DataType::kFp16;
+      if (size == 4) return DataType::kFp32;
+      if (size == 8) return DataType::kFp64;
+      return std::nullopt;
+    default: return std::nullopt;
+  }
+}
+
+py::dtype ToNumpy(DataType t) {
+  switch (t) {
+    case DataType::kBool: return py::dtype("bool");
+    case DataType::kUint8: return py::dtype("uint8");
+    case DataType::kUint16: return py::dtype("uint16");
+    case DataType::kUint32: return py::dtype("uint32");
+    case DataType::kUint64: return py::dtype("uint64");
+    case DataType::kInt8: return py::dtype("int8");
+    case DataType::kInt16: return py::dtype("int16");
+    case DataType::kInt32: return py::dtype("int32");
+    case DataType::kInt64: return py::dtype("int64");
+    case DataType::kFp16: return py::dtype("float16");
+    case DataType::kFp32: return py::dtype("float32");
+    case DataType::kFp64: return py::dtype("float64");
+    default:
+      Raise(Unimplemented("outputs of type " + std::string(DataTypeName(t)) + " are not returned to Python yet"));
+  }
+}
+
+// A numpy array over `t`'s bytes; the array owns the tensor.
+py::array ToArray(Tensor&& t) {
+  const py::dtype dt = ToNumpy(t.dtype());
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  auto* held = new Tensor(std::move(t));
+  py::capsule owner(held, [](void* p) { delete static_cast<Tensor*>(p); });
+  return py::array(dt, shape, held->data(), owner);
+}
+
+class PyEngine {
+ public:
+  PyEngine(const std::string& model_repository, int64_t max_queue_wait_ms, int cores) {
+    EngineOptions o;
+    o.model_repository = model_repository;
+    o.max_queue_wait_ms = max_queue_wait_ms;
+    o.cores = cores;
+    auto e = Engine::Create(std::move(o));
+    if (!e) Raise(e.error());
+    engine_ = std::move(*e);
+  }
+
+  // (outputs by name, telemetry) of one request.
+  py::tuple Infer(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
+                  std::optional<uint32_t> priority, std::optional<double> timeout_s) {
+    InferRequest r;
+    r.model = model;
+    if (version) r.version = *version;
+    if (priority) r.priority = *priority;
+    if (timeout_s) {
+      if (!(*timeout_s > 0))
+        Raise(InvalidArgument("model '" + model + "': timeout must be a positive number of seconds"));
+      r.timeout_us = static_cast<uint64_t>(*timeout_s * 1e6);
+    }
+    std::vector<py::array> held;  // alive until the answer: the engine reads them in place
+    for (const auto& [key, value] : inputs) {
+      const std::string name = py::str(key);
+      if (!py::isinstance<py::array>(value)) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name + "' is a " +
+                              std::string(py::str(py::type::of(value).attr("__name__"))) + ", not a numpy array"));
+      }
+      auto a = py::reinterpret_borrow<py::array>(value);
+      const auto type = FromNumpy(a.dtype());
+      if (!type) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name + "' has dtype " +
+                              std::string(py::str(a.dtype())) + ", which the engine does not take"));
+      }
+      if (!(a.flags() & py::array::c_style)) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name +
+                              "' is not C-contiguous (a slice or a transpose?); pass np.ascontiguousarray(x)"));
+      }
+      Shape shape(a.shape(), a.shape() + a.ndim());
+      r.inputs.push_back({name, Tensor::Borrow(*type, std::move(shape), a.data(), static_cast<size_t>(a.nbytes()))});
+      held.push_back(std::move(a));
+    }
+    InferResponse resp;
+    {
+      py::gil_scoped_release release;
+      resp = engine_->Infer(std::move(r)).get();
+    }
+    if (!resp.status.ok()) Raise(resp.status);
+    py::dict outputs;
+    for (auto& o : resp.outputs) outputs[py::str(o.name)] = ToArray(std::move(o.tensor));
+    py::dict telemetry;
+    const Telemetry& t = resp.telemetry;
+    telemetry["request_id"] = resp.request_id;
+    telemetry["model_version"] = resp.version;
+    telemetry["batch_size"] = t.batch_size;
+    telemetry["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
+    telemetry["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
+    telemetry["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
+    return py::make_tuple(outputs, telemetry);
+  }
+
+  py::list Models() const {
+    py::list out;
+    for (const auto& m : engine_->ListModels()) {
+      py::dict d;
+      d["name"] = m.name;
+      d["version"] = m.version;
+      d["state"] = std::string(ModelStateName(m.state));
+      d["reason"] = m.reason;
+      py::list inputs, outputs;
+      for (const auto& t : m.config.inputs)
+        inputs.append(py::make_tuple(t.name, std::string(DataTypeName(t.dtype)), t.dims));
+      for (const auto& t : m.config.outputs) {
+        outputs.append(py::make_tuple(t.name, std::string(DataTypeName(t.dtype)), t.dims));
+      }
+      d["inputs"] = inputs;
+      d["outputs"] = outputs;
+      d["max_batch_size"] = m.config.max_batch_size;
+      out.append(d);
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace
+}  // namespace quern
+
+PYBIND11_MODULE(_quern, m) {
+  m.doc() = "Quern's engine (use the quern package)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const quern::StatusError& e) {
+      // quern._raise(code, name, message) builds the exception of the code's class.
+      py::object error = py::module_::import("quern").attr("_error")(
+          static_cast<int>(e.status.code()), std::string(quern::StatusCodeName(e.status.code())), e.status.message());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
+  py::class_<quern::PyEngine>(m, "Engine")
+      .def(py::init<const std::string&, int64_t, int>(), py::arg("model_repository"), py::arg("max_queue_wait_ms") = 0,
+           py::arg("cores") = 0)
+      .def("infer", &quern::PyEngine::Infer, py::arg("model"), py::arg("inputs"), py::kw_only(),
+           py::arg("version") = py::none(), py::arg("priority") = py::none(), py::arg("timeout") = py::none())
+      .def("models", &quern::PyEngine::Models);
+}

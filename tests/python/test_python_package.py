@@ -1,0 +1,135 @@
+"""The quern Python package (python/quern, its extension built by CMake into <build>/python): the engine
+inside a Python program. Expected values come from numpy."""
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import quern
+
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for m in ("add_sub", "linear", "dtypes", "slow_batch", "fail_on_3"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    return quern.Engine(repo)
+
+
+def test_infer_answers_what_numpy_computes(engine):
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.full((2, 4), 0.5, np.float32)
+    r = engine.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+    np.testing.assert_array_equal(r["OUTPUT0"], a + b)
+    np.testing.assert_array_equal(r["OUTPUT1"], a - b)
+    assert r["OUTPUT0"].dtype == np.float32 and r["OUTPUT0"].shape == (2, 4)
+    t = r.telemetry
+    assert t["batch_size"] >= 2 and t["model_version"] == 1 and t["total_ms"] >= t["compute_ms"] >= 0, t
+    w, bias = np.load(os.path.join(MODELS, "linear", "W.npy")), np.load(os.path.join(MODELS, "linear", "b.npy"))
+    x = np.random.default_rng(3).standard_normal((5, 8)).astype(np.float32)
+    np.testing.assert_allclose(engine.infer("linear", {"x": x})["y"], x @ w + bias, rtol=1e-5, atol=1e-5)
+
+
+NUMERIC = {"bool": np.bool_, "uint8": np.uint8, "uint16": np.uint16, "int8": np.int8, "int16": np.int16,
+           "int32": np.int32, "int64": np.int64, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def identities(path):
+    """An Identity per numeric dtype: in_<dtype> [N, 2] -> out_<dtype>."""
+    import onnx
+    from onnx import helper
+    nodes, ins, outs = [], [], []
+    for name, t in NUMERIC.items():
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(t))
+        nodes.append(helper.make_node("Identity", [f"in_{name}"], [f"out_{name}"]))
+        ins.append(helper.make_tensor_value_info(f"in_{name}", elem, ["N", 2]))
+        outs.append(helper.make_tensor_value_info(f"out_{name}", elem, ["N", 2]))
+    model = helper.make_model(helper.make_graph(nodes, "identities", ins, outs),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    os.makedirs(path / "1")
+    onnx.save(model, str(path / "1" / "model.onnx"))
+
+
+def test_every_numeric_dtype_goes_through_and_outputs_own_their_memory(tmp_path):
+    identities(tmp_path / "identities")
+    engine = quern.Engine(tmp_path)
+    rng = np.random.default_rng(7)
+    inputs = {f"in_{n}": (rng.standard_normal((3, 2)) * 100).astype(t) for n, t in NUMERIC.items()}
+    r = engine.infer("identities", inputs)
+    for n, t in NUMERIC.items():
+        out = r[f"out_{n}"]
+        assert out.dtype == np.dtype(t) and out.shape == (3, 2), (n, out.dtype, out.shape)
+        np.testing.assert_array_equal(out, inputs[f"in_{n}"])
+    # The outputs outlive the engine and the inputs: they hold the engine's buffers themselves.
+    kept = r["out_float64"]
+    expected = inputs["in_float64"].copy()
+    del r, engine, inputs
+    import gc
+    gc.collect()
+    np.testing.assert_array_equal(kept, expected)
+    big_endian = np.ones((1, 2), ">f4")
+    engine = quern.Engine(tmp_path)
+    with pytest.raises(quern.InvalidArgument, match="in_float32.*dtype"):
+        engine.infer("identities", {**{f"in_{n}": np.zeros((1, 2), t) for n, t in NUMERIC.items()},
+                                    "in_float32": big_endian})
+
+
+def test_many_threads_each_get_their_own_result(engine):
+    results, errors = {}, []
+
+    def worker(k):
+        try:
+            x = np.full((1, 3), float(k), np.float32)
+            results[k] = engine.infer("slow_batch", {"x": x})["y"]  # waits up to a second for company
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for k in range(12):
+        np.testing.assert_array_equal(results[k], np.full((1, 3), 2.0 * k, np.float32))
+
+
+def test_bad_inputs_raise_clear_exceptions(engine):
+    good = np.ones((1, 4), np.float32)
+    with pytest.raises(quern.InvalidArgument, match="INPUT0.*float64|FP64|FP32") as e:
+        engine.infer("add_sub", {"INPUT0": np.ones((1, 4)), "INPUT1": good})
+    assert e.value.code == "INVALID_ARGUMENT" and isinstance(e.value, ValueError)
+    with pytest.raises(quern.InvalidArgument, match="not C-contiguous"):  # every other column
+        engine.infer("add_sub", {"INPUT0": np.ones((2, 8), np.float32)[:, ::2], "INPUT1": np.ones((2, 4), np.float32)})
+    with pytest.raises(quern.InvalidArgument, match="INPUT0.*shape|dims|\\[1,5\\]"):
+        engine.infer("add_sub", {"INPUT0": np.ones((1, 5), np.float32), "INPUT1": good})
+    with pytest.raises(quern.InvalidArgument, match="not a numpy array"):
+        engine.infer("add_sub", {"INPUT0": [[1, 2, 3, 4]], "INPUT1": good})
+    with pytest.raises(quern.InvalidArgument, match="dtype"):
+        engine.infer("add_sub", {"INPUT0": np.array([["a", "b", "c", "d"]]), "INPUT1": good})
+    with pytest.raises(quern.NotFound, match="nosuch"):
+        engine.infer("nosuch", {"x": good})
+    with pytest.raises(quern.Internal):
+        engine.infer("fail_on_3", {"x": np.full((1, 3), 3.0, np.float32)})
+    # The engine still answers.
+    np.testing.assert_array_equal(engine.infer("add_sub", {"INPUT0": good, "INPUT1": good})["OUTPUT0"], good * 2)
+
+
+def test_a_timeout_raises_deadline_exceeded(engine):
+    # slow_batch waits up to a second for a full batch: a 50 ms timeout passes first.
+    with pytest.raises(quern.DeadlineExceeded):
+        engine.infer("slow_batch", {"x": np.ones((1, 3), np.float32)}, timeout=0.05)
+    with pytest.raises(quern.InvalidArgument, match="timeout"):
+        engine.infer("slow_batch", {"x": np.ones((1, 3), np.float32)}, timeout=-1)
+
+
+def test_models_lists_the_repository(engine):
+    models = {m["name"]: m for m in engine.models()}
+    assert set(models) == {"add_sub", "linear", "dtypes", "slow_batch", "fail_on_3"}
+    assert models["add_sub"]["state"] == "READY" and models["add_sub"]["inputs"][0][:2] == ("INPUT0", "FP32")
+    with pytest.raises(quern.Error):
+        quern.Engine("/nonexistent/repository")
