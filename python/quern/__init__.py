@@ -8,12 +8,20 @@ server.
     result.telemetry           # batch size, queue / compute / total milliseconds
 
 Inputs are numpy arrays (C-contiguous, numeric or bool), read in place while the call runs. Many
-threads may call `infer` at once: their requests meet in the model's batches, and each gets its own
-result. Errors raise quern.Error subclasses that name the model, the input and what was expected.
+threads may call `infer` at once, and `infer_async` returns a future (awaitable in asyncio): the
+requests meet in the model's batches, and each gets its own result. Errors raise quern.Error subclasses that name the model, the input and what was expected.
 """
+import asyncio
+import concurrent.futures
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
 from ._quern import Engine as _Engine
 
-__all__ = ["Engine", "Result", "Error", "InvalidArgument", "NotFound", "Unavailable", "DeadlineExceeded",
+__all__ = ["Engine", "Result", "InferFuture", "Error", "InvalidArgument", "NotFound", "Unavailable", "DeadlineExceeded",
            "Cancelled", "ResourceExhausted", "FailedPrecondition", "Internal", "Unimplemented"]
 
 
@@ -79,18 +87,58 @@ class Result(dict):
         self.telemetry = telemetry
 
 
+class InferFuture(concurrent.futures.Future):
+    """The future of an infer_async request: a concurrent.futures.Future that asyncio code may also
+    await. cancel() withdraws a request that has not started: it is never computed."""
+
+    def __init__(self):
+        super().__init__()
+        self._cancellation = None
+
+    def cancel(self):
+        if self._cancellation is not None and not self.done():
+            self._cancellation.cancel()
+        return super().cancel()
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
 class Engine:
     """Quern's engine over a Triton-style model repository (the models load when it is made)."""
 
-    def __init__(self, model_repository, *, max_queue_wait_ms=0, cores=0):
+    def __init__(self, model_repository: "str | os.PathLike[str]", *, max_queue_wait_ms: int = 0,
+                 cores: int = 0) -> None:
         self._engine = _Engine(str(model_repository), max_queue_wait_ms, cores)
 
-    def infer(self, model, inputs, *, version=None, priority=None, timeout=None):
+    def infer(self, model: str, inputs: "dict[str, np.ndarray]", *, version: "int | None" = None,
+              priority: "int | None" = None, timeout: "float | None" = None) -> Result:
         """Runs one request: `inputs` maps input names to numpy arrays (with the batch dimension when the
         model batches); `timeout` in seconds. Returns a Result; the GIL is released while it waits."""
         outputs, telemetry = self._engine.infer(model, inputs, version=version, priority=priority, timeout=timeout)
         return Result(outputs, telemetry)
 
-    def models(self):
+    def infer_async(self, model: str, inputs: "dict[str, np.ndarray]", *, version: "int | None" = None,
+                    priority: "int | None" = None, timeout: "float | None" = None) -> InferFuture:
+        """Submits one request and returns at once with an InferFuture (await it, or call result());
+        a refusal or a failure is raised from it. The inputs must stay unchanged until it is done: the
+        engine reads them in place."""
+        future = InferFuture()
+
+        def done(outputs, telemetry, error):  # on an engine thread, with the GIL
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(Result(outputs, telemetry))
+        try:
+            future._cancellation = self._engine.infer_async(model, inputs, done, version=version,
+                                                            priority=priority, timeout=timeout)
+        except Error as e:  # refused at once (bad input, unknown model, full queue): through the future too
+            future.set_exception(e)
+        return future
+
+    def models(self) -> "list[dict]":
         """Every model version: name, version, state, reason, inputs and outputs (name, datatype, dims)."""
         return self._engine.models()

@@ -28,6 +28,12 @@ struct StatusError {
   throw StatusError{std::move(st)};
 }
 
+// The quern exception for a failed Status (quern._error picks its class).
+py::object ErrorObject(const Status& st) {
+  return py::module_::import("quern").attr("_error")(static_cast<int>(st.code()),
+                                                     std::string(StatusCodeName(st.code())), st.message());
+}
+
 // The engine's type for a numpy dtype (native byte order, numeric or bool).
 std::optional<DataType> FromNumpy(const py::dtype& dt) {
   const char order = dt.byteorder();
@@ -96,56 +102,63 @@ class PyEngine {
     engine_ = std::move(*e);
   }
 
+  ~PyEngine() {
+    // Engine threads may be waiting for the GIL to deliver an answer: let
+    // them, while the engine drains.
+    py::gil_scoped_release release;
+    engine_.reset();
+  }
+
   // (outputs by name, telemetry) of one request.
   py::tuple Infer(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
                   std::optional<uint32_t> priority, std::optional<double> timeout_s) {
-    InferRequest r;
-    r.model = model;
-    if (version) r.version = *version;
-    if (priority) r.priority = *priority;
-    if (timeout_s) {
-      if (!(*timeout_s > 0))
-        Raise(InvalidArgument("model '" + model + "': timeout must be a positive number of seconds"));
-      r.timeout_us = static_cast<uint64_t>(*timeout_s * 1e6);
-    }
     std::vector<py::array> held;  // alive until the answer: the engine reads them in place
-    for (const auto& [key, value] : inputs) {
-      const std::string name = py::str(key);
-      if (!py::isinstance<py::array>(value)) {
-        Raise(InvalidArgument("model '" + model + "': input '" + name + "' is a " +
-                              std::string(py::str(py::type::of(value).attr("__name__"))) + ", not a numpy array"));
-      }
-      auto a = py::reinterpret_borrow<py::array>(value);
-      const auto type = FromNumpy(a.dtype());
-      if (!type) {
-        Raise(InvalidArgument("model '" + model + "': input '" + name + "' has dtype " +
-                              std::string(py::str(a.dtype())) + ", which the engine does not take"));
-      }
-      if (!(a.flags() & py::array::c_style)) {
-        Raise(InvalidArgument("model '" + model + "': input '" + name +
-                              "' is not C-contiguous (a slice or a transpose?); pass np.ascontiguousarray(x)"));
-      }
-      Shape shape(a.shape(), a.shape() + a.ndim());
-      r.inputs.push_back({name, Tensor::Borrow(*type, std::move(shape), a.data(), static_cast<size_t>(a.nbytes()))});
-      held.push_back(std::move(a));
-    }
+    InferRequest r = MakeRequest(model, inputs, version, priority, timeout_s, held);
     InferResponse resp;
     {
       py::gil_scoped_release release;
       resp = engine_->Infer(std::move(r)).get();
     }
     if (!resp.status.ok()) Raise(resp.status);
-    py::dict outputs;
-    for (auto& o : resp.outputs) outputs[py::str(o.name)] = ToArray(std::move(o.tensor));
-    py::dict telemetry;
-    const Telemetry& t = resp.telemetry;
-    telemetry["request_id"] = resp.request_id;
-    telemetry["model_version"] = resp.version;
-    telemetry["batch_size"] = t.batch_size;
-    telemetry["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
-    telemetry["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
-    telemetry["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
-    return py::make_tuple(outputs, telemetry);
+    return Answer(std::move(resp));
+  }
+
+  // Submits one request; `done(outputs, telemetry, error)` is called once,
+  // on an engine thread holding the GIL (error: None, or the exception).
+  // Returns the request's cancellation token.
+  std::shared_ptr<CancellationToken> InferAsync(const std::string& model, const py::dict& inputs, py::function done,
+                                                std::optional<int64_t> version, std::optional<uint32_t> priority,
+                                                std::optional<double> timeout_s) {
+    // The inputs and the callback live until the answer; they are let go
+    // while the GIL is held (the engine destroys its callback without it).
+    struct Pending {
+      std::vector<py::array> arrays;
+      py::function done;
+    };
+    auto pending = std::make_shared<Pending>();
+    InferRequest r = MakeRequest(model, inputs, version, priority, timeout_s, pending->arrays);
+    pending->done = std::move(done);
+    auto token = std::make_shared<CancellationToken>();
+    r.cancel = token;
+    InferCallback callback = [pending](InferResponse&& resp) {
+      py::gil_scoped_acquire gil;
+      py::function f = std::move(pending->done);
+      pending->arrays.clear();
+      try {
+        if (resp.status.ok()) {
+          py::tuple a = Answer(std::move(resp));
+          f(a[0], a[1], py::none());
+        } else {
+          f(py::none(), py::none(), ErrorObject(resp.status));
+        }
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("quern: an infer_async callback");
+      } catch (const StatusError& e) {
+        f(py::none(), py::none(), ErrorObject(e.status));
+      }
+    };
+    if (Status st = engine_->InferAsync(std::move(r), callback); !st.ok()) Raise(st);
+    return token;
   }
 
   py::list Models() const {
@@ -171,6 +184,56 @@ class PyEngine {
   }
 
  private:
+  static InferRequest MakeRequest(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
+                                  std::optional<uint32_t> priority, std::optional<double> timeout_s,
+                                  std::vector<py::array>& held) {
+    InferRequest r;
+    r.model = model;
+    if (version) r.version = *version;
+    if (priority) r.priority = *priority;
+    if (timeout_s) {
+      if (!(*timeout_s > 0))
+        Raise(InvalidArgument("model '" + model + "': timeout must be a positive number of seconds"));
+      r.timeout_us = static_cast<uint64_t>(*timeout_s * 1e6);
+    }
+    for (const auto& [key, value] : inputs) {
+      const std::string name = py::str(key);
+      if (!py::isinstance<py::array>(value)) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name + "' is a " +
+                              std::string(py::str(py::type::of(value).attr("__name__"))) + ", not a numpy array"));
+      }
+      auto a = py::reinterpret_borrow<py::array>(value);
+      const auto type = FromNumpy(a.dtype());
+      if (!type) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name + "' has dtype " +
+                              std::string(py::str(a.dtype())) + ", which the engine does not take"));
+      }
+      if (!(a.flags() & py::array::c_style)) {
+        Raise(InvalidArgument("model '" + model + "': input '" + name +
+                              "' is not C-contiguous (a slice or a transpose?); pass np.ascontiguousarray(x)"));
+      }
+      Shape shape(a.shape(), a.shape() + a.ndim());
+      r.inputs.push_back({name, Tensor::Borrow(*type, std::move(shape), a.data(), static_cast<size_t>(a.nbytes()))});
+      held.push_back(std::move(a));
+    }
+    return r;
+  }
+
+  // (outputs by name, telemetry); the GIL held.
+  static py::tuple Answer(InferResponse&& resp) {
+    py::dict outputs;
+    for (auto& o : resp.outputs) outputs[py::str(o.name)] = ToArray(std::move(o.tensor));
+    py::dict telemetry;
+    const Telemetry& t = resp.telemetry;
+    telemetry["request_id"] = resp.request_id;
+    telemetry["model_version"] = resp.version;
+    telemetry["batch_size"] = t.batch_size;
+    telemetry["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
+    telemetry["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
+    telemetry["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
+    return py::make_tuple(outputs, telemetry);
+  }
+
   std::unique_ptr<Engine> engine_;
 };
 
@@ -183,9 +246,7 @@ PYBIND11_MODULE(_quern, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const quern::StatusError& e) {
-      // quern._raise(code, name, message) builds the exception of the code's class.
-      py::object error = py::module_::import("quern").attr("_error")(
-          static_cast<int>(e.status.code()), std::string(quern::StatusCodeName(e.status.code())), e.status.message());
+      py::object error = quern::ErrorObject(e.status);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
     }
   });
@@ -194,5 +255,11 @@ PYBIND11_MODULE(_quern, m) {
            py::arg("cores") = 0)
       .def("infer", &quern::PyEngine::Infer, py::arg("model"), py::arg("inputs"), py::kw_only(),
            py::arg("version") = py::none(), py::arg("priority") = py::none(), py::arg("timeout") = py::none())
+      .def("infer_async", &quern::PyEngine::InferAsync, py::arg("model"), py::arg("inputs"), py::arg("done"),
+           py::kw_only(), py::arg("version") = py::none(), py::arg("priority") = py::none(),
+           py::arg("timeout") = py::none())
       .def("models", &quern::PyEngine::Models);
+  py::class_<quern::CancellationToken, std::shared_ptr<quern::CancellationToken>>(m, "Cancellation")
+      .def("cancel", &quern::CancellationToken::Cancel)
+      .def_property_readonly("cancelled", &quern::CancellationToken::cancelled);
 }

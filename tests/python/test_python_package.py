@@ -133,3 +133,36 @@ def test_models_lists_the_repository(engine):
     assert models["add_sub"]["state"] == "READY" and models["add_sub"]["inputs"][0][:2] == ("INPUT0", "FP32")
     with pytest.raises(quern.Error):
         quern.Engine("/nonexistent/repository")
+
+
+def test_infer_async_as_a_future_and_in_asyncio(engine):
+    import asyncio
+    xs = [np.full((1, 3), float(k), np.float32) for k in range(10)]
+    futures = [engine.infer_async("slow_batch", {"x": x}) for x in xs]  # one batch of four, ...
+    for x, f in zip(xs, futures):
+        r = f.result(timeout=30)
+        np.testing.assert_array_equal(r["y"], 2 * x)
+        assert r.telemetry["batch_size"] >= 1
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.infer_async("add_sub", {"INPUT0": x[:, :1].repeat(4, 1),
+                                                                      "INPUT1": np.ones((1, 4), np.float32)}))
+                 for x in xs]
+        return await asyncio.gather(*tasks)
+    for x, r in zip(xs, asyncio.run(main())):
+        np.testing.assert_array_equal(r["OUTPUT0"], x[:, :1].repeat(4, 1) + 1)
+    # Errors arrive through the future.
+    f = engine.infer_async("add_sub", {"INPUT0": np.ones((1, 5), np.float32), "INPUT1": np.ones((1, 4), np.float32)})
+    with pytest.raises(quern.InvalidArgument, match="INPUT0"):
+        f.result(timeout=30)
+
+
+def test_a_cancelled_request_is_never_computed(engine):
+    # slow_batch waits up to a second for company; cancelled meanwhile, the request is withdrawn.
+    before = {m["name"]: m for m in engine.models()}
+    f = engine.infer_async("slow_batch", {"x": np.ones((1, 3), np.float32)})
+    assert f.cancel() and f.cancelled()
+    g = engine.infer_async("slow_batch", {"x": np.full((1, 3), 5.0, np.float32)}, timeout=5)
+    np.testing.assert_array_equal(g.result(timeout=30)["y"], np.full((1, 3), 10.0, np.float32))
+    assert g.result().telemetry["batch_size"] == 1  # the cancelled one did not join its batch
+    assert before  # models() still answers
