@@ -105,11 +105,12 @@ class InferFuture(concurrent.futures.Future):
 
 
 class Engine:
-    """Quern's engine over a Triton-style model repository (the models load when it is made)."""
+    """Quern's engine over a Triton-style model repository (its models load when it is made), and any
+    Python functions registered as models."""
 
-    def __init__(self, model_repository: "str | os.PathLike[str]", *, max_queue_wait_ms: int = 0,
+    def __init__(self, model_repository: "str | os.PathLike[str] | None" = None, *, max_queue_wait_ms: int = 0,
                  cores: int = 0) -> None:
-        self._engine = _Engine(str(model_repository), max_queue_wait_ms, cores)
+        self._engine = _Engine("" if model_repository is None else str(model_repository), max_queue_wait_ms, cores)
 
     def infer(self, model: str, inputs: "dict[str, np.ndarray]", *, version: "int | None" = None,
               priority: "int | None" = None, timeout: "float | None" = None) -> Result:
@@ -138,6 +139,17 @@ class Engine:
         except Error as e:  # refused at once (bad input, unknown model, full queue): through the future too
             future.set_exception(e)
         return future
+
+    def register(self, name: str, fn, *, inputs, outputs, max_batch_size: int = 8, instances: int = 1,
+                 max_queue_delay_us: int = 0) -> None:
+        """Serves a Python function as model `name`, batched like any other: fn({input name: array}) ->
+        {output name: array}, every array with the batch along its first dimension (requests of many
+        callers meet in one call when max_batch_size > 0). `inputs` and `outputs` are
+        [(name, datatype, dims without the batch dimension)], datatype a KServe name such as "FP32".
+        The input arrays are read-only views of the batch; an exception fails that batch's requests
+        with its message (quern.Internal), and the model goes on serving."""
+        self._engine.register(name, fn, [tuple(i) for i in inputs], [tuple(o) for o in outputs], max_batch_size,
+                              instances, max_queue_delay_us)
 
     def models(self) -> "list[dict]":
         """Every model version: name, version, state, reason, inputs and outputs (name, datatype, dims)."""

@@ -6,9 +6,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -90,6 +92,85 @@ py::array ToArray(Tensor&& t) {
   return py::array(dt, shape, held->data(), owner);
 }
 
+// A model whose batches a Python function computes: fn({name: array}) ->
+// {name: array}, every array batched along its first dimension. The inputs
+// are read-only arrays over the batch's tensors (kept alive by the arrays);
+// the outputs are copied into the engine's tensors. Runs with the GIL.
+class PyModel : public Model {
+ public:
+  PyModel(std::shared_ptr<py::object> fn, ModelConfig config) : fn_(std::move(fn)), config_(std::move(config)) {}
+
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::dict args;
+      for (const auto& in : inputs) {
+        py::array a = ToArray(Tensor(in.tensor));
+        py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+        args[py::str(in.name)] = a;
+      }
+      py::object result = (*fn_)(args);
+      if (!py::isinstance<py::dict>(result)) {
+        return Internal("model '" + config_.name + "': the function returned a " +
+                        std::string(py::str(py::type::of(result).attr("__name__"))) +
+                        ", not a dict of output name -> numpy array");
+      }
+      const auto answer = py::reinterpret_borrow<py::dict>(result);
+      for (const auto& oc : config_.outputs) {
+        if (!answer.contains(oc.name)) {
+          return Internal("model '" + config_.name + "': the function returned no output '" + oc.name + "'");
+        }
+        auto a = py::array::ensure(answer[py::str(oc.name)], py::array::c_style);
+        const auto type = a ? FromNumpy(a.dtype()) : std::nullopt;
+        if (!a || type != oc.dtype) {
+          return Internal("model '" + config_.name + "': output '" + oc.name + "' must be a numpy array of " +
+                          std::string(DataTypeName(oc.dtype)));
+        }
+        if (config_.max_batch_size > 0 && (a.ndim() == 0 || a.shape(0) != batch_size)) {
+          return Internal("model '" + config_.name + "': output '" + oc.name + "' has " +
+                          (a.ndim() ? std::to_string(a.shape(0)) : std::string("no")) + " rows for a batch of " +
+                          std::to_string(batch_size));
+        }
+        Shape shape(a.shape(), a.shape() + a.ndim());
+        Tensor t = Tensor::AllocateUninitialized(oc.dtype, std::move(shape), static_cast<size_t>(a.nbytes()));
+        std::memcpy(t.mutable_data(), a.data(), static_cast<size_t>(a.nbytes()));
+        outputs.push_back({oc.name, std::move(t)});
+      }
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      // The exception's own line ("ValueError: ..."), as a traceback ends.
+      return Internal("model '" + config_.name + "': " + std::string(py::str(e.type().attr("__name__"))) + ": " +
+                      std::string(py::str(e.value())));
+    } catch (const StatusError& e) {
+      return Internal("model '" + config_.name + "': " + e.status.message());
+    }
+  }
+
+ private:
+  std::shared_ptr<py::object> fn_;
+  const ModelConfig config_;
+};
+
+// Tensor specs from Python: [(name, "FP32", [dims...]), ...].
+std::vector<TensorConfig> Specs(const std::string& model, const char* what,
+                                const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& specs) {
+  std::vector<TensorConfig> out;
+  for (const auto& [name, type, dims] : specs) {
+    const auto dt = DataTypeFromName(type);
+    if (!dt || *dt == DataType::kBytes || *dt == DataType::kBf16) {
+      Raise(InvalidArgument("model '" + model + "': " + what + " '" + name + "' has datatype '" + type +
+                            "'; expected a numeric one such as FP32, INT64 or BOOL"));
+    }
+    TensorConfig t;
+    t.name = name;
+    t.dtype = *dt;
+    t.dims = Shape(dims.begin(), dims.end());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 class PyEngine {
  public:
   PyEngine(const std::string& model_repository, int64_t max_queue_wait_ms, int cores) {
@@ -159,6 +240,37 @@ class PyEngine {
     };
     if (Status st = engine_->InferAsync(std::move(r), callback); !st.ok()) Raise(st);
     return token;
+  }
+
+  // Serves `fn` as model `name` with dynamic batching and `instances`
+  // instances (Python runs one batch at a time: the GIL).
+  void Register(const std::string& name, py::function fn,
+                const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& inputs,
+                const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& outputs,
+                int max_batch_size, int instances, int64_t max_queue_delay_us) {
+    ModelConfig c;
+    c.name = name;
+    c.backend = "custom";
+    c.max_batch_size = max_batch_size;
+    c.inputs = Specs(name, "input", inputs);
+    c.outputs = Specs(name, "output", outputs);
+    c.instance_count = instances;
+    if (max_queue_delay_us < 0) Raise(InvalidArgument("model '" + name + "': max_queue_delay_us is negative"));
+    if (max_batch_size > 0) {
+      c.batching = BatchingConfig{.max_queue_delay_us = static_cast<uint64_t>(max_queue_delay_us)};
+    }
+    // The function goes with the last instance, under the GIL.
+    auto shared = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* p) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    });
+    ModelFactory factory = [shared, c] { return std::make_unique<PyModel>(shared, c); };
+    Status st;
+    {
+      py::gil_scoped_release release;  // instances load (and may warm up) on engine threads
+      st = engine_->RegisterModel(std::move(c), std::move(factory));
+    }
+    if (!st.ok()) Raise(st);
   }
 
   py::list Models() const {
@@ -258,6 +370,8 @@ PYBIND11_MODULE(_quern, m) {
       .def("infer_async", &quern::PyEngine::InferAsync, py::arg("model"), py::arg("inputs"), py::arg("done"),
            py::kw_only(), py::arg("version") = py::none(), py::arg("priority") = py::none(),
            py::arg("timeout") = py::none())
+      .def("register", &quern::PyEngine::Register, py::arg("name"), py::arg("fn"), py::arg("inputs"),
+           py::arg("outputs"), py::arg("max_batch_size"), py::arg("instances"), py::arg("max_queue_delay_us"))
       .def("models", &quern::PyEngine::Models);
   py::class_<quern::CancellationToken, std::shared_ptr<quern::CancellationToken>>(m, "Cancellation")
       .def("cancel", &quern::CancellationToken::Cancel)

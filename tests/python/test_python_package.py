@@ -166,3 +166,35 @@ def test_a_cancelled_request_is_never_computed(engine):
     np.testing.assert_array_equal(g.result(timeout=30)["y"], np.full((1, 3), 10.0, np.float32))
     assert g.result().telemetry["batch_size"] == 1  # the cancelled one did not join its batch
     assert before  # models() still answers
+
+
+def test_a_python_function_served_as_a_batched_model():
+    engine = quern.Engine()
+    batches = []
+
+    def rowsum(inputs):
+        x = inputs["x"]
+        assert not x.flags.writeable  # a view of the batch
+        batches.append(x.shape[0])
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return {"y": x.sum(axis=1, keepdims=True), "n": np.full((x.shape[0], 1), x.shape[0], np.int64)}
+    engine.register("rowsum", rowsum, inputs=[("x", "FP32", [4])], outputs=[("y", "FP32", [1]), ("n", "INT64", [1])],
+                    max_batch_size=8, max_queue_delay_us=200000)
+    xs = [np.full((1, 4), float(k), np.float32) for k in range(8)]
+    futures = [engine.infer_async("rowsum", {"x": x}) for x in xs]
+    for k, f in enumerate(futures):
+        r = f.result(timeout=30)
+        np.testing.assert_array_equal(r["y"], [[4.0 * k]])
+        assert r["n"][0, 0] == r.telemetry["batch_size"]
+    assert max(batches) > 1, batches  # callers met in one call
+    with pytest.raises(quern.Internal, match="ValueError: negative input"):
+        engine.infer("rowsum", {"x": -np.ones((1, 4), np.float32)})
+    np.testing.assert_array_equal(engine.infer("rowsum", {"x": np.ones((1, 4), np.float32)})["y"], [[4.0]])
+
+    engine.register("wrong", lambda inputs: {"y": inputs["x"].astype(np.float64)}, inputs=[("x", "FP32", [2])],
+                    outputs=[("y", "FP32", [2])])
+    with pytest.raises(quern.Internal, match="output 'y' must be a numpy array of FP32"):
+        engine.infer("wrong", {"x": np.ones((1, 2), np.float32)})
+    with pytest.raises(quern.InvalidArgument, match="datatype 'FLOAT'"):
+        engine.register("bad", rowsum, inputs=[("x", "FLOAT", [4])], outputs=[("y", "FP32", [1])])
