@@ -107,7 +107,7 @@ class PyModel : public Model {
       py::dict args;
       for (const auto& in : inputs) {
         py::array a = ToArray(Tensor(in.tensor));
-        py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+        a.attr("setflags")(py::arg("write") = false);
         args[py::str(in.name)] = a;
       }
       py::object result = (*fn_)(args);
