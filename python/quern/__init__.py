@@ -146,7 +146,8 @@ class Engine:
         {output name: array}, every array with the batch along its first dimension (requests of many
         callers meet in one call when max_batch_size > 0). `inputs` and `outputs` are
         [(name, datatype, dims without the batch dimension)], datatype a KServe name such as "FP32".
-        The input arrays are read-only views of the batch; an exception fails that batch's requests
+        The input arrays are read-only views of the batch, valid during the call (copy what you keep:
+        a caller's own array may be the one viewed); an exception fails that batch's requests
         with its message (quern.Internal), and the model goes on serving."""
         self._engine.register(name, fn, [tuple(i) for i in inputs], [tuple(o) for o in outputs], max_batch_size,
                               instances, max_queue_delay_us)
