@@ -29,6 +29,25 @@ Counter& StageCpuCounter(MetricsRegistry& metrics, const char* stage) {
                             {{"stage", stage}}, 1e-9);
 }
 
+// Shrinks `d`'s pixels (area-averaged) until neither side is over `most`;
+// its source size, which boxes refer to, stays.
+void KeepAtMost(DecodedImage& d, int most) {
+  const int longer = std::max(d.image.width, d.image.height);
+  if (longer <= most) return;
+  ImageSpec spec;
+  spec.width = std::max(1, static_cast<int>(std::lround(static_cast<double>(d.image.width) * most / longer)));
+  spec.height = std::max(1, static_cast<int>(std::lround(static_cast<double>(d.image.height) * most / longer)));
+  spec.resize = ResizeMode::kStretch;
+  spec.layout = TensorLayout::kNhwc;
+  spec.dtype = DataType::kUint8;  // RGB bytes, as decoded
+  Image small;
+  small.width = spec.width;
+  small.height = spec.height;
+  small.pixels.resize(PreprocessedBytes(spec));
+  Preprocess(d, spec, small.pixels.data());
+  d.image = std::move(small);
+}
+
 // This thread's CPU time.
 int64_t ThreadCpuNs() {
   timespec ts{};
@@ -313,8 +332,10 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   t.decode_cpu_ns = c1 - c0;
   t.resize_cpu_ns = ThreadCpuNs() - c1;
   if (job->request.descriptor) {
-    // Kept until the crops are cut: charged like the rest of the image's
-    // memory, so that admission sees it.
+    // Kept until the crops are cut, at most as large as the crops need (a
+    // PNG or WebP is not shrunk while decoding), and charged like the rest
+    // of the image's memory, so that admission sees it.
+    KeepAtMost(*decoded, kCropSource.width);
     const auto held = static_cast<int64_t>(decoded->image.pixels.size());
     in_flight_bytes_.Add(held);
     job->charged_bytes += held;

@@ -236,15 +236,18 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (p->keys->enabled()) {
     o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
   }
-  // Registered faces: in Redis when there is one (shared by the instances
-  // that use it), else in the data directory, else in memory.
-  std::unique_ptr<FaceGalleryStore> faces_store;
+  // Redis, when there is one: results, job streams and registered faces.
+  RedisOptions redis = o.redis;
   if (!o.redis_url.empty()) {
-    RedisOptions redis = o.redis;
     if (Status s = ParseRedisUrl(o.redis_url, redis); !s.ok()) return Err(InvalidArgument(s.message()));
     if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && redis.password.empty()) {
       redis.password = pw;
     }
+  }
+  // Registered faces: in Redis when there is one (shared by the instances
+  // that use it), else in the data directory, else in memory.
+  std::unique_ptr<FaceGalleryStore> faces_store;
+  if (!o.redis_url.empty()) {
     faces_store = std::make_unique<RedisFaceStore>(redis);
   } else if (!o.data_dir.empty()) {
     std::error_code ec;
@@ -258,11 +261,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
   if (!o.redis_url.empty()) {
     RedisResultStoreOptions ro;
-    ro.redis = o.redis;
-    if (Status s = ParseRedisUrl(o.redis_url, ro.redis); !s.ok()) return Err(InvalidArgument(s.message()));
-    if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && ro.redis.password.empty()) {
-      ro.redis.password = pw;
-    }
+    ro.redis = redis;
     ro.ttl_s = o.store.ttl_s;
     ro.max_backlog_bytes = o.store.max_bytes;
     ro.clock = &p->engine->clock();

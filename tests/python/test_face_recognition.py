@@ -98,6 +98,13 @@ def test_a_registered_person_is_recognised_in_other_photographs(server):
     # cheek to cheek x 160-375).
     f = recognize(server, "grace_hopper.jpg")[0]
     assert 130 <= f["x_min"] <= 220 and 310 <= f["x_max"] <= 410 and 70 <= f["y_min"] <= 170, f
+    # A PNG four times as large (not shrunk while decoding: the crop's source is kept at most 2048 px):
+    # the same person, the box four times as large.
+    ok(form(server, "/v1/vision/face/register", [("image", photo("grace_hopper.jpg"))], userid="hopper"))
+    big = Image.open(os.path.join(PHOTOS, "grace_hopper.jpg")).resize((2048, 2400), Image.BILINEAR)
+    g = ok(form(server, "/v1/vision/face/recognize", [("image", png(big))]))["predictions"]
+    assert [p["userid"] for p in g] == ["hopper"] and g[0]["confidence"] > 0.9, g
+    assert abs(g[0]["x_min"] - 4 * f["x_min"]) <= 12 and abs(g[0]["y_max"] - 4 * f["y_max"]) <= 12, (g, f)
     # A stricter threshold turns the same face away.
     r = ok(form(server, "/v1/vision/face/recognize", [("image", photo("obama2.jpg"))], min_confidence="0.95"))
     assert [f["userid"] for f in r["predictions"]] == ["unknown"], r
