@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "core/npy.h"
@@ -246,6 +247,21 @@ TEST_F(EngineTest, NonBatchingModel) {
   req.inputs = {{"x", Floats({2, 3}, {1, 2, 3, 4, 5, 6})}};
   InferResponse r = engine_->Infer(std::move(req)).get();
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{3, 6, 9, 12, 15, 18}));
+}
+
+TEST_F(EngineTest, NonBatchingModelTakesMisalignedInputs) {
+  // A binary tensor may sit at any offset of a request body: unaligned data
+  // is copied whole (not as rows of a batch, which this model has none of).
+  const float values[6] = {1, 2, 3, 4, 5, 6};
+  auto body = std::make_shared<std::vector<char>>(1 + sizeof(values));
+  std::memcpy(body->data() + 1, values, sizeof(values));
+  InferRequest req;
+  req.model = "nobatch";
+  req.inputs = {{"x", Tensor::Borrow(DataType::kFp32, {2, 3}, body->data() + 1, sizeof(values), body)}};
+  InferResponse r = engine_->Infer(std::move(req)).get();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.outputs[0].tensor.shape(), (Shape{2, 3}));
   EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{3, 6, 9, 12, 15, 18}));
 }
 

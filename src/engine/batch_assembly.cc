@@ -53,6 +53,12 @@ Tensor ConcatenateRows(const std::vector<const Tensor*>& parts, int64_t padded_r
   return out;
 }
 
+Tensor CopyTensor(const Tensor& t) {
+  Tensor out = Tensor::AllocateUninitialized(t.dtype(), t.shape(), t.byte_size());
+  std::memcpy(out.mutable_data(), t.data(), t.byte_size());
+  return out;
+}
+
 Result<Tensor> SliceRows(const Tensor& t, int64_t row, int64_t rows) {
   Shape shape = t.shape();
   const int64_t total = shape[0];

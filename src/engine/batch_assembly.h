@@ -19,6 +19,10 @@ const NamedTensor* FindTensor(const std::vector<NamedTensor>& tensors, const std
 // does (or none is given).
 int64_t PaddedBatchSize(const std::vector<int>& fixed_sizes, int64_t items);
 
+// A copy of `t` in memory of its own (aligned for every type): a tensor of
+// a model that does not batch, whose data is not aligned.
+Tensor CopyTensor(const Tensor& t);
+
 // One tensor of `padded_rows` rows from `parts` (each with the batch
 // dimension first, all alike after it), in order; rows past the parts are
 // zeros (empty strings for BYTES).

@@ -290,10 +290,13 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     if (!parts[0]) continue;  // optional input absent (same for the whole batch: part of the key)
     // A request that runs alone is passed on as it is, unless its data is
     // not aligned for its type (binary tensors are views into a request
-    // body at any offset): the batch copy aligns it.
+    // body at any offset): the batch copy aligns it; a model that does not
+    // batch gets the tensor copied whole (it has no rows to gather).
     const bool aligned =
         reinterpret_cast<uintptr_t>(parts[0]->data()) % std::max<size_t>(DataTypeByteSize(tc.dtype), 1) == 0;
-    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? *parts[0] : ConcatenateRows(parts, padded);
+    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? *parts[0]
+               : batched                                         ? ConcatenateRows(parts, padded)
+                                                                 : CopyTensor(*parts[0]);
     if (tc.reshape) {
       Shape r = *tc.reshape;
       if (batched) r.insert(r.begin(), padded);
