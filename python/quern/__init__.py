@@ -12,13 +12,16 @@ threads may call `infer` at once, and `infer_async` returns a future (awaitable 
 requests meet in the model's batches, and each gets its own result. Errors raise quern.Error subclasses that name the model, the input and what was expected.
 """
 import asyncio
+import atexit
 import concurrent.futures
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
 
+from . import _quern
 from ._quern import Engine as _Engine
 
 __all__ = ["Engine", "Result", "InferFuture", "Error", "InvalidArgument", "NotFound", "Unavailable", "DeadlineExceeded",
@@ -78,6 +81,13 @@ def _error(code, name, message):
     return _BY_CODE.get(code, Error)(message, name)
 
 
+_quern._set_error_factory(_error)
+# Engines still open when the interpreter exits are closed first, while their threads may still take
+# the GIL to deliver answers.
+_open_engines = weakref.WeakSet()
+atexit.register(lambda: [e.close() for e in list(_open_engines)])
+
+
 class Result(dict):
     """A request's outputs by name, with `telemetry`: request_id, model_version, batch_size (items in
     the batch it ran in), queue_ms, compute_ms and total_ms."""
@@ -89,7 +99,8 @@ class Result(dict):
 
 class InferFuture(concurrent.futures.Future):
     """The future of an infer_async request: a concurrent.futures.Future that asyncio code may also
-    await. cancel() withdraws a request that has not started: it is never computed."""
+    await. cancel() withdraws the request: one that has not started is never computed; one already
+    in a batch still runs, and its answer is dropped."""
 
     def __init__(self):
         super().__init__()
@@ -111,6 +122,18 @@ class Engine:
     def __init__(self, model_repository: "str | os.PathLike[str] | None" = None, *, max_queue_wait_ms: int = 0,
                  cores: int = 0) -> None:
         self._engine = _Engine("" if model_repository is None else str(model_repository), max_queue_wait_ms, cores)
+        _open_engines.add(self)
+
+    def close(self) -> None:
+        """Answers what is queued, stops the engine's threads and frees its models; later calls raise
+        quern.Unavailable. Also on leaving a `with` block, and at interpreter exit."""
+        self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def infer(self, model: str, inputs: "dict[str, np.ndarray]", *, version: "int | None" = None,
               priority: "int | None" = None, timeout: "float | None" = None) -> Result:
@@ -123,16 +146,18 @@ class Engine:
                     priority: "int | None" = None, timeout: "float | None" = None) -> InferFuture:
         """Submits one request and returns at once with an InferFuture (await it, or call result());
         a refusal or a failure is raised from it. The inputs must stay unchanged until it is done: the
-        engine reads them in place."""
+        engine reads them in place. Done-callbacks added to the future run on an engine thread: they
+        must not wait for another request of the same model."""
         future = InferFuture()
 
         def done(outputs, telemetry, error):  # on an engine thread, with the GIL
-            if future.cancelled():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(Result(outputs, telemetry))
+            try:
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(Result(outputs, telemetry))
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled meanwhile
         try:
             future._cancellation = self._engine.infer_async(model, inputs, done, version=version,
                                                             priority=priority, timeout=timeout)
@@ -146,9 +171,11 @@ class Engine:
         {output name: array}, every array with the batch along its first dimension (requests of many
         callers meet in one call when max_batch_size > 0). `inputs` and `outputs` are
         [(name, datatype, dims without the batch dimension)], datatype a KServe name such as "FP32".
-        The input arrays are read-only views of the batch, valid during the call (copy what you keep:
-        a caller's own array may be the one viewed); an exception fails that batch's requests
-        with its message (quern.Internal), and the model goes on serving."""
+        The input arrays are read-only copies of the batch; each output must have the declared dims
+        (-1: any) after the batch; an exception fails that batch's requests with its message
+        (quern.Internal), and the model goes on serving. The function runs on the engine's threads
+        (one batch at a time: the GIL): a blocking infer on the same model from inside it waits for
+        itself. A function that holds the engine keeps it alive until close()."""
         self._engine.register(name, fn, [tuple(i) for i in inputs], [tuple(o) for o in outputs], max_batch_size,
                               instances, max_queue_delay_us)
 

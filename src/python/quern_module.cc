@@ -6,10 +6,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -30,10 +33,32 @@ struct StatusError {
   throw StatusError{std::move(st)};
 }
 
+// quern._error, handed over when the package is imported (kept for the
+// process's life: errors are made at any time, shutdown included).
+py::object* g_error_factory = nullptr;
+
 // The quern exception for a failed Status (quern._error picks its class).
 py::object ErrorObject(const Status& st) {
-  return py::module_::import("quern").attr("_error")(static_cast<int>(st.code()),
-                                                     std::string(StatusCodeName(st.code())), st.message());
+  if (!g_error_factory) return py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(st.ToString());
+  return (*g_error_factory)(static_cast<int>(st.code()), std::string(StatusCodeName(st.code())), st.message());
+}
+
+// True on the engine's threads while they run Python (an answer's callback,
+// a registered model): an engine must not be destroyed from there (it would
+// join the thread it runs on).
+thread_local bool t_in_engine_callback = false;
+struct InEngineCallback {
+  InEngineCallback() { t_in_engine_callback = true; }
+  ~InEngineCallback() { t_in_engine_callback = false; }
+};
+
+// "ValueError: message" for the Python exception being handled; never throws.
+std::string Describe(py::error_already_set& e) {
+  try {
+    return std::string(py::str(e.type().attr("__name__"))) + ": " + std::string(py::str(e.value()));
+  } catch (...) {
+    return "an exception that could not be printed";
+  }
 }
 
 // The engine's type for a numpy dtype (native byte order, numeric or bool).
@@ -103,10 +128,15 @@ class PyModel : public Model {
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
                  std::vector<NamedTensor>& outputs) override {
     py::gil_scoped_acquire gil;
+    InEngineCallback in_callback;
     try {
       py::dict args;
       for (const auto& in : inputs) {
-        py::array a = ToArray(Tensor(in.tensor));
+        // A copy the function may keep (a batch of one may be a caller's own
+        // array, borrowed only while its request runs), read-only.
+        py::array a(ToNumpy(in.tensor.dtype()),
+                    std::vector<py::ssize_t>(in.tensor.shape().begin(), in.tensor.shape().end()));
+        std::memcpy(a.mutable_data(), in.tensor.data(), in.tensor.byte_size());
         a.attr("setflags")(py::arg("write") = false);
         args[py::str(in.name)] = a;
       }
@@ -127,12 +157,17 @@ class PyModel : public Model {
           return Internal("model '" + config_.name + "': output '" + oc.name + "' must be a numpy array of " +
                           std::string(DataTypeName(oc.dtype)));
         }
-        if (config_.max_batch_size > 0 && (a.ndim() == 0 || a.shape(0) != batch_size)) {
-          return Internal("model '" + config_.name + "': output '" + oc.name + "' has " +
-                          (a.ndim() ? std::to_string(a.shape(0)) : std::string("no")) + " rows for a batch of " +
-                          std::to_string(batch_size));
-        }
         Shape shape(a.shape(), a.shape() + a.ndim());
+        Shape want = oc.dims;  // -1: any size
+        if (config_.max_batch_size > 0) want.insert(want.begin(), batch_size);
+        bool fits = shape.size() == want.size();
+        for (size_t i = 0; fits && i < want.size(); ++i) fits = want[i] == -1 || want[i] == shape[i];
+        if (!fits) {
+          return Internal(
+              "model '" + config_.name + "': output '" + oc.name + "' has shape " + ShapeToString(shape) +
+              "; expected " + ShapeToString(want) +
+              (config_.max_batch_size > 0 ? " (the batch of " + std::to_string(batch_size) + " first)" : ""));
+        }
         Tensor t = Tensor::AllocateUninitialized(oc.dtype, std::move(shape), static_cast<size_t>(a.nbytes()));
         std::memcpy(t.mutable_data(), a.data(), static_cast<size_t>(a.nbytes()));
         outputs.push_back({oc.name, std::move(t)});
@@ -140,10 +175,11 @@ class PyModel : public Model {
       return Status::Ok();
     } catch (py::error_already_set& e) {
       // The exception's own line ("ValueError: ..."), as a traceback ends.
-      return Internal("model '" + config_.name + "': " + std::string(py::str(e.type().attr("__name__"))) + ": " +
-                      std::string(py::str(e.value())));
+      return Internal("model '" + config_.name + "': " + Describe(e));
     } catch (const StatusError& e) {
       return Internal("model '" + config_.name + "': " + e.status.message());
+    } catch (const std::exception& e) {
+      return Internal("model '" + config_.name + "': " + e.what());
     }
   }
 
@@ -183,7 +219,16 @@ class PyEngine {
     engine_ = std::move(*e);
   }
 
-  ~PyEngine() {
+  ~PyEngine() { Close(); }
+
+  // Drains and stops the engine (its models' queued requests are answered
+  // first). From one of its own threads the engine is stopped by another.
+  void Close() {
+    if (!engine_) return;
+    if (t_in_engine_callback) {
+      std::thread([engine = std::move(engine_)]() mutable { engine.reset(); }).detach();
+      return;
+    }
     // Engine threads may be waiting for the GIL to deliver an answer: let
     // them, while the engine drains.
     py::gil_scoped_release release;
@@ -195,10 +240,11 @@ class PyEngine {
                   std::optional<uint32_t> priority, std::optional<double> timeout_s) {
     std::vector<py::array> held;  // alive until the answer: the engine reads them in place
     InferRequest r = MakeRequest(model, inputs, version, priority, timeout_s, held);
+    Engine& engine = Open();
     InferResponse resp;
     {
       py::gil_scoped_release release;
-      resp = engine_->Infer(std::move(r)).get();
+      resp = engine.Infer(std::move(r)).get();
     }
     if (!resp.status.ok()) Raise(resp.status);
     return Answer(std::move(resp));
@@ -223,22 +269,24 @@ class PyEngine {
     r.cancel = token;
     InferCallback callback = [pending](InferResponse&& resp) {
       py::gil_scoped_acquire gil;
+      InEngineCallback in_callback;
       py::function f = std::move(pending->done);
       pending->arrays.clear();
       try {
-        if (resp.status.ok()) {
+        try {
+          if (!resp.status.ok()) Raise(resp.status);
           py::tuple a = Answer(std::move(resp));
           f(a[0], a[1], py::none());
-        } else {
-          f(py::none(), py::none(), ErrorObject(resp.status));
+        } catch (const StatusError& e) {  // failed, or an output Python cannot take
+          f(py::none(), py::none(), ErrorObject(e.status));
         }
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("quern: an infer_async callback");
-      } catch (const StatusError& e) {
-        f(py::none(), py::none(), ErrorObject(e.status));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "quern: an infer_async callback failed: %s\n", e.what());
       }
     };
-    if (Status st = engine_->InferAsync(std::move(r), callback); !st.ok()) Raise(st);
+    if (Status st = Open().InferAsync(std::move(r), callback); !st.ok()) Raise(st);
     return token;
   }
 
@@ -265,17 +313,18 @@ class PyEngine {
       delete p;
     });
     ModelFactory factory = [shared, c] { return std::make_unique<PyModel>(shared, c); };
+    Engine& engine = Open();
     Status st;
     {
       py::gil_scoped_release release;  // instances load (and may warm up) on engine threads
-      st = engine_->RegisterModel(std::move(c), std::move(factory));
+      st = engine.RegisterModel(std::move(c), std::move(factory));
     }
     if (!st.ok()) Raise(st);
   }
 
-  py::list Models() const {
+  py::list Models() {
     py::list out;
-    for (const auto& m : engine_->ListModels()) {
+    for (const auto& m : Open().ListModels()) {
       py::dict d;
       d["name"] = m.name;
       d["version"] = m.version;
@@ -296,6 +345,11 @@ class PyEngine {
   }
 
  private:
+  Engine& Open() {
+    if (!engine_) Raise(Unavailable("the engine is closed"));
+    return *engine_;
+  }
+
   static InferRequest MakeRequest(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
                                   std::optional<uint32_t> priority, std::optional<double> timeout_s,
                                   std::vector<py::array>& held) {
@@ -304,12 +358,22 @@ class PyEngine {
     if (version) r.version = *version;
     if (priority) r.priority = *priority;
     if (timeout_s) {
-      if (!(*timeout_s > 0))
-        Raise(InvalidArgument("model '" + model + "': timeout must be a positive number of seconds"));
-      r.timeout_us = static_cast<uint64_t>(*timeout_s * 1e6);
+      constexpr double kMaxSeconds = 365.0 * 86400;
+      if (!(*timeout_s > 0) || !(*timeout_s <= kMaxSeconds)) {
+        Raise(InvalidArgument("model '" + model + "': timeout must be a number of seconds above 0 and at most a year"));
+      }
+      r.timeout_us = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(*timeout_s * 1e6)));
     }
-    for (const auto& [key, value] : inputs) {
-      const std::string name = py::str(key);
+    // A snapshot of the items: reading them runs no Python that could
+    // change the dict underneath.
+    const py::list items(inputs.attr("items")());
+    for (const py::handle item : items) {
+      const py::handle key = item[py::int_(0)].ptr(), value = item[py::int_(1)].ptr();
+      if (!py::isinstance<py::str>(key)) {
+        Raise(InvalidArgument("model '" + model + "': input names are strings; got a " +
+                              std::string(py::str(py::type::of(key).attr("__name__")))));
+      }
+      const std::string name = key.cast<std::string>();
       if (!py::isinstance<py::array>(value)) {
         Raise(InvalidArgument("model '" + model + "': input '" + name + "' is a " +
                               std::string(py::str(py::type::of(value).attr("__name__"))) + ", not a numpy array"));
@@ -372,7 +436,9 @@ PYBIND11_MODULE(_quern, m) {
            py::arg("timeout") = py::none())
       .def("register", &quern::PyEngine::Register, py::arg("name"), py::arg("fn"), py::arg("inputs"),
            py::arg("outputs"), py::arg("max_batch_size"), py::arg("instances"), py::arg("max_queue_delay_us"))
-      .def("models", &quern::PyEngine::Models);
+      .def("models", &quern::PyEngine::Models)
+      .def("close", &quern::PyEngine::Close);
+  m.def("_set_error_factory", [](py::object f) { quern::g_error_factory = new py::object(std::move(f)); });
   py::class_<quern::CancellationToken, std::shared_ptr<quern::CancellationToken>>(m, "Cancellation")
       .def("cancel", &quern::CancellationToken::Cancel)
       .def_property_readonly("cancelled", &quern::CancellationToken::cancelled);
