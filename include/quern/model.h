@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,21 @@ class Model {
   // An error fails every request of this batch; the model keeps serving.
   virtual Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
                          std::vector<NamedTensor>& outputs) = 0;
+
+  // Runs one batch like Execute, for a model that answers the requests in
+  // it separately (a Python model's execute() gets a list of requests):
+  // `requests.rows` holds each request's rows in batch order (padding rows,
+  // for fixed batch sizes, follow them and belong to none), and the model
+  // may fail single requests through `requests.status` (OK on entry) while
+  // returning OK with rows for every request. The default runs Execute.
+  struct BatchRequests {
+    std::span<const int64_t> rows;
+    std::span<Status> status;
+  };
+  virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                                 BatchRequests /*requests*/, std::vector<NamedTensor>& outputs) {
+    return Execute(inputs, batch_size, outputs);
+  }
 };
 
 using ModelFactory = std::function<std::unique_ptr<Model>()>;

@@ -6,6 +6,7 @@
 
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
+#include "backends/python/python_backend.h"
 #include "engine/backend.h"
 
 namespace quern {
@@ -102,6 +103,7 @@ class OrtBackend final : public Backend {
 
 void RegisterBuiltinBackends(BackendRegistry& registry) {
   registry.Register("onnxruntime", std::make_shared<OrtBackend>());
+  registry.Register("python", NewPythonBackend());
 }
 
 }  // namespace quern

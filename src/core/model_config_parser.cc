@@ -193,12 +193,15 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   c.platform = p.platform();
   c.backend = p.backend();
   if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
-  if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
+  if (c.backend == "python" && c.platform.empty()) {
+    // A Python model (model.py), run in processes of its own.
+  } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
     return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
                                "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                               "platform \"onnxruntime_onnx\")"));
+                               "platform \"onnxruntime_onnx\") and Python models (backend \"python\")"));
+  } else {
+    c.platform = "onnxruntime_onnx";
   }
-  c.platform = "onnxruntime_onnx";
   if (p.max_batch_size() < 0 || p.max_batch_size() > kMaxBatchSize) {
     return Err(InvalidArgument(source + ": max_batch_size must be in [0, " + std::to_string(kMaxBatchSize) + "], got " +
                                std::to_string(p.max_batch_size())));
@@ -297,6 +300,8 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
         key != kMaxQueueWaitParam && key != kWideInstanceParam && key != "quern.task" &&
+        !(c.backend == "python" &&
+          (key == "quern.python" || key == "quern.execute_timeout_ms" || key == "quern.initialize_timeout_ms")) &&
         !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
         !key.starts_with("quern.classification.") && !key.starts_with("quern.embedding.")) {
       return Err(InvalidArgument(source + ": unknown parameter " + key));
@@ -427,7 +432,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
 inference::ModelConfig ToProto(const ModelConfig& c) {
   inference::ModelConfig p;
   p.set_name(c.name);
-  p.set_platform(c.platform.empty() ? "onnxruntime_onnx" : c.platform);
+  p.set_platform(c.platform.empty() && c.backend == "onnxruntime" ? "onnxruntime_onnx" : c.platform);
   p.set_backend(c.backend);
   p.set_max_batch_size(c.max_batch_size);
   for (const auto& t : c.inputs) {

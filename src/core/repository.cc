@@ -115,7 +115,8 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
     return Err(
         NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() + "/model.onnx)"));
   }
-  const std::string& file = m.config.default_model_filename.empty() ? "model.onnx" : m.config.default_model_filename;
+  const std::string default_file = m.config.backend == "python" ? "model.py" : "model.onnx";
+  const std::string& file = m.config.default_model_filename.empty() ? default_file : m.config.default_model_filename;
   if (file.find('/') != std::string::npos || file == "." || file == "..") {
     return Err(InvalidArgument(config_file.string() + ": default_model_filename '" + file +
                                "' must be a file name inside the version folder"));

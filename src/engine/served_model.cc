@@ -307,7 +307,10 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
 
   const int64_t gathered = clock_->NowNs();
   std::vector<NamedTensor> outputs;
-  Status st = instances_[static_cast<size_t>(worker)]->Execute(inputs, padded, outputs);
+  std::vector<int64_t> rows(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) rows[i] = tasks[i]->items;
+  std::vector<Status> per_status(tasks.size());
+  Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(inputs, padded, {rows, per_status}, outputs);
   const int64_t end = clock_->NowNs();
   inputs.clear();
 
@@ -330,10 +333,14 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   // Split the outputs for every request first, then answer them: the split
   // time is measured per batch (compute_output).
   std::vector<std::vector<NamedTensor>> per_task(tasks.size());
-  std::vector<Status> per_status(tasks.size(), st);
+  if (!st.ok()) std::fill(per_status.begin(), per_status.end(), st);
   int64_t row = 0;
   for (size_t k = 0; st.ok() && k < tasks.size(); ++k) {
     const Task& task = *tasks[k];
+    if (!per_status[k].ok()) {
+      row += task.items;
+      continue;
+    }
     for (int idx : task.output_indices) {
       const NamedTensor& out = outputs[static_cast<size_t>(idx)];
       const TensorConfig& oc = config_.outputs[static_cast<size_t>(idx)];

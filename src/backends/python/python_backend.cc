@@ -1,0 +1,412 @@
+#include "backends/python/python_backend.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "backends/python/python_process.h"
+#include "core/model_config_parser.h"
+
+namespace quern {
+namespace {
+
+constexpr size_t kAlign = 64;
+constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
+constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
+// A process that failed to start is not started again sooner than this.
+constexpr auto kRestartBackoff = std::chrono::seconds(1);
+
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+template <typename T>
+void Put(std::string& out, T v) {
+  char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, arm64)
+  out.append(b, sizeof(T));
+}
+
+// Reads a reply frame with every length checked.
+class FrameReader {
+ public:
+  explicit FrameReader(std::string_view data) : data_(data) {}
+  template <typename T>
+  bool Get(T& v) {
+    if (data_.size() - pos_ < sizeof(T)) return false;
+    std::memcpy(&v, data_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool Bytes(size_t n, std::string_view& v) {
+    if (data_.size() - pos_ < n) return false;
+    v = data_.substr(pos_, n);
+    pos_ += n;
+    return true;
+  }
+
+ private:
+  std::string_view data_;
+  size_t pos_ = 0;
+};
+
+// Triton's TRITONSERVER_Error codes, as pb_utils.TritonError numbers them.
+Status FromTritonCode(uint8_t code, std::string message) {
+  switch (code) {
+    case 2:
+      return NotFound(std::move(message));
+    case 3:
+      return InvalidArgument(std::move(message));
+    case 4:
+      return Unavailable(std::move(message));
+    case 5:
+      return Unimplemented(std::move(message));
+    case 6:
+      return Status(StatusCode::kAlreadyExists, std::move(message));
+    case 7:
+      return Cancelled(std::move(message));
+    default:
+      return Internal(std::move(message));
+  }
+}
+
+Result<int64_t> MillisecondsParameter(const ModelConfig& config, const char* key, int64_t fallback) {
+  auto it = config.parameters.find(key);
+  if (it == config.parameters.end()) return fallback;
+  int64_t v = 0;
+  const std::string& s = it->second;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || p != s.data() + s.size() || v < 0 || v > 86400000LL * 365) {
+    return Err(InvalidArgument("model '" + config.name + "': parameter " + key + " must be a number of milliseconds " +
+                               "(0 = no limit), got '" + s + "'"));
+  }
+  return v;
+}
+
+// The shape the process sees for a configured tensor (its reshape when set).
+const Shape& ModelDims(const TensorConfig& t) { return t.reshape ? *t.reshape : t.dims; }
+
+void WriteTensorList(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<TensorConfig>& list) {
+  w.StartArray();
+  for (const auto& t : list) {
+    w.StartObject();
+    w.Key("name");
+    w.String(t.name.c_str());
+    w.Key("dtype");
+    w.Int(static_cast<int>(t.dtype));
+    w.Key("dims");
+    w.StartArray();
+    for (int64_t d : ModelDims(t)) w.Int64(d);
+    w.EndArray();
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+struct PythonModelSpec {
+  std::string python;
+  std::filesystem::path model_file;
+  std::filesystem::path version_dir;
+  std::filesystem::path model_dir;
+  std::string version;
+  std::string config_json;  // Triton's JSON form, for initialize(args)
+  int64_t execute_timeout_ms = kDefaultExecuteTimeoutMs;
+  int64_t initialize_timeout_ms = kDefaultInitializeTimeoutMs;
+};
+
+// One instance: one Python process, started again after it dies.
+class PythonModel final : public Model {
+ public:
+  PythonModel(ModelConfig config, std::shared_ptr<const PythonModelSpec> spec, int instance)
+      : config_(std::move(config)),
+        spec_(std::move(spec)),
+        instance_(instance),
+        tag_("model '" + config_.name + "' instance " + std::to_string(instance)) {}
+
+  Status Load() override {
+    auto p = PythonProcess::Start(Launch());
+    if (!p) return p.error();
+    process_ = std::move(*p);
+    return Status::Ok();
+  }
+
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    const int64_t rows[1] = {batch_size};
+    Status status[1];
+    QUERN_RETURN_IF_ERROR(ExecuteRequests(inputs, batch_size, {rows, status}, outputs));
+    return status[0];
+  }
+
+  Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests requests,
+                         std::vector<NamedTensor>& outputs) override {
+    QUERN_RETURN_IF_ERROR(EnsureProcess());
+    // Inputs go into shared memory one after another, each aligned.
+    size_t end = 0;
+    std::vector<size_t> offsets(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      offsets[i] = end;
+      end = AlignUp(end + inputs[i].tensor.byte_size());
+    }
+    QUERN_RETURN_IF_ERROR(process_->Reserve(std::max<size_t>(end, 1)));
+    std::string frame = "E";
+    Put<uint32_t>(frame, static_cast<uint32_t>(requests.rows.size()));
+    Put<uint32_t>(frame, static_cast<uint32_t>(inputs.size()));
+    Put<int64_t>(frame, batch_size);
+    Put<uint64_t>(frame, process_->shm_size());
+    for (int64_t r : requests.rows) Put<int64_t>(frame, r);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Tensor& t = inputs[i].tensor;
+      if (t.byte_size()) std::memcpy(process_->shm() + offsets[i], t.data(), t.byte_size());
+      Put<uint16_t>(frame, static_cast<uint16_t>(inputs[i].name.size()));
+      Put<uint8_t>(frame, static_cast<uint8_t>(t.dtype()));
+      Put<uint8_t>(frame, static_cast<uint8_t>(t.shape().size()));
+      frame += inputs[i].name;
+      for (int64_t d : t.shape()) Put<int64_t>(frame, d);
+      Put<uint64_t>(frame, offsets[i]);
+      Put<uint64_t>(frame, t.byte_size());
+    }
+    QUERN_RETURN_IF_ERROR(process_->Send(frame));
+    auto reply = process_->Receive(spec_->execute_timeout_ms);
+    if (!reply) {
+      if (reply.error().code() == StatusCode::kDeadlineExceeded) {
+        return DeadlineExceeded(tag_ + ": execute() ran longer than " + std::to_string(spec_->execute_timeout_ms) +
+                                " ms (quern.execute_timeout_ms); its Python process was killed and starts again");
+      }
+      return Unavailable(reply.error().message() + " while running a batch; it starts again");
+    }
+    return ReadReply(*reply, batch_size, requests, outputs);
+  }
+
+ private:
+  PythonLaunch Launch() const {
+    rapidjson::StringBuffer sb;
+    rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+    w.StartObject();
+    w.Key("model_name");
+    w.String(config_.name.c_str());
+    w.Key("model_file");
+    w.String(spec_->model_file.c_str());
+    w.Key("version_dir");
+    w.String(spec_->version_dir.c_str());
+    w.Key("max_batch_size");
+    w.Int(config_.max_batch_size);
+    w.Key("server_pid");
+    w.Int64(::getpid());
+    w.Key("inputs");
+    WriteTensorList(w, config_.inputs);
+    w.Key("outputs");
+    WriteTensorList(w, config_.outputs);
+    // initialize(args) as Triton passes it.
+    w.Key("args");
+    w.StartObject();
+    const std::pair<const char*, std::string> args[] = {
+        {"model_config", spec_->config_json},
+        {"model_instance_kind", "CPU"},
+        {"model_instance_name", config_.name + "_" + std::to_string(instance_)},
+        {"model_instance_device_id", "0"},
+        {"model_repository", spec_->model_dir.string()},
+        {"model_version", spec_->version},
+        {"model_name", config_.name},
+    };
+    for (const auto& [k, v] : args) {
+      w.Key(k);
+      w.String(v.c_str(), static_cast<rapidjson::SizeType>(v.size()));
+    }
+    w.EndObject();
+    w.EndObject();
+    PythonLaunch launch;
+    launch.model_name = config_.name;
+    launch.instance = instance_;
+    launch.python = spec_->python;
+    launch.launch_json = sb.GetString();
+    launch.start_timeout_ms = spec_->initialize_timeout_ms > 0 ? spec_->initialize_timeout_ms : 86400000LL * 365;
+    return launch;
+  }
+
+  // A process that died is started again before the next batch; one that
+  // fails to start is not tried again for a second (batches fail at once
+  // meanwhile, with the reason).
+  Status EnsureProcess() {
+    if (process_ && !process_->finished()) return Status::Ok();
+    process_.reset();
+    const auto now = std::chrono::steady_clock::now();
+    if (!last_start_error_.empty() && now - last_start_failure_ < kRestartBackoff) {
+      return Unavailable(tag_ + ": its Python process is restarting; the last start failed: " + last_start_error_);
+    }
+    auto p = PythonProcess::Start(Launch());
+    if (!p) {
+      last_start_failure_ = now;
+      last_start_error_ = p.error().message();
+      std::fprintf(stderr, "quern: %s: the Python process could not be started again: %s\n", tag_.c_str(),
+                   last_start_error_.c_str());
+      return Unavailable(last_start_error_);
+    }
+    last_start_error_.clear();
+    std::fprintf(stderr, "quern: %s: Python process started again (pid %d)\n", tag_.c_str(),
+                 static_cast<int>((*p)->pid()));
+    process_ = std::move(*p);
+    return Status::Ok();
+  }
+
+  // A reply the process sent; anything malformed fails the batch and ends
+  // the process (it is started again).
+  Status ReadReply(std::string_view reply, int64_t batch_size, BatchRequests requests,
+                   std::vector<NamedTensor>& outputs) {
+    if (reply.size() >= 2 && reply[0] == 'X') {
+      return FromTritonCode(static_cast<uint8_t>(reply[1]), tag_ + ": " + std::string(reply.substr(2)));
+    }
+    Status st = ReadOutputs(reply, batch_size, requests, outputs);
+    if (!st.ok()) {
+      outputs.clear();
+      process_.reset();
+    }
+    return st;
+  }
+
+  Status ReadOutputs(std::string_view reply, int64_t batch_size, BatchRequests requests,
+                     std::vector<NamedTensor>& outputs) {
+    auto broken = [&](const std::string& what) { return Internal(tag_ + ": its Python process sent " + what); };
+    if (reply.empty() || reply[0] != 'D') return broken("an unknown reply");
+    FrameReader r(reply.substr(1));
+    uint64_t shm_size = 0;
+    uint32_t failed = 0;
+    if (!r.Get(shm_size) || !r.Get(failed) || failed > requests.rows.size()) return broken("a malformed reply");
+    for (uint32_t k = 0; k < failed; ++k) {
+      uint32_t index = 0, len = 0;
+      uint8_t code = 0;
+      std::string_view message;
+      if (!r.Get(index) || !r.Get(code) || !r.Get(len) || !r.Bytes(len, message) || index >= requests.rows.size()) {
+        return broken("a malformed reply");
+      }
+      requests.status[index] = FromTritonCode(code, tag_ + ": " + std::string(message));
+    }
+    QUERN_RETURN_IF_ERROR(process_->Remap(shm_size));
+    uint32_t count = 0;
+    if (!r.Get(count) || count != config_.outputs.size()) return broken("a reply without every output");
+    const bool batched = config_.max_batch_size > 0;
+    outputs.reserve(count);
+    for (const TensorConfig& oc : config_.outputs) {
+      uint16_t name_len = 0;
+      uint8_t dtype = 0, rank = 0;
+      std::string_view name;
+      uint64_t offset = 0, nbytes = 0;
+      if (!r.Get(name_len) || !r.Get(dtype) || !r.Get(rank) || !r.Bytes(name_len, name)) {
+        return broken("a malformed reply");
+      }
+      Shape shape(rank);
+      for (auto& d : shape) {
+        if (!r.Get(d)) return broken("a malformed reply");
+      }
+      if (!r.Get(offset) || !r.Get(nbytes)) return broken("a malformed reply");
+      const Shape& dims = ModelDims(oc);
+      bool fits = name == oc.name && dtype == static_cast<uint8_t>(oc.dtype) &&
+                  shape.size() == dims.size() + (batched ? 1 : 0) && (!batched || shape[0] == batch_size);
+      for (size_t i = 0; fits && i < dims.size(); ++i) {
+        const int64_t got = shape[i + (batched ? 1 : 0)];
+        fits = got >= 0 && (dims[i] < 0 || got == dims[i]);
+      }
+      if (!fits) {
+        return broken("output '" + std::string(name.substr(0, 256)) + "' as " + ShapeToString(shape) +
+                      " where the configuration expects '" + oc.name + "'");
+      }
+      if (offset > process_->shm_size() || nbytes > process_->shm_size() - offset) {
+        return broken("output '" + oc.name + "' outside the shared memory");
+      }
+      const size_t element = DataTypeByteSize(oc.dtype);
+      if (element && ByteCount(shape, element) != static_cast<int64_t>(nbytes)) {
+        return broken("output '" + oc.name + "' of " + std::to_string(nbytes) + " bytes for shape " +
+                      ShapeToString(shape));
+      }
+      Tensor t = Tensor::AllocateUninitialized(oc.dtype, shape, nbytes);
+      if (nbytes) std::memcpy(t.mutable_data(), process_->shm() + offset, nbytes);
+      if (!element) QUERN_RETURN_IF_ERROR(t.Validate());
+      outputs.push_back({oc.name, std::move(t)});
+    }
+    return Status::Ok();
+  }
+
+  const ModelConfig config_;
+  const std::shared_ptr<const PythonModelSpec> spec_;
+  const int instance_;
+  const std::string tag_;
+  std::unique_ptr<PythonProcess> process_;
+  std::chrono::steady_clock::time_point last_start_failure_;
+  std::string last_start_error_;
+};
+
+class PythonOpenedModel final : public OpenedModel {
+ public:
+  explicit PythonOpenedModel(std::shared_ptr<const PythonModelSpec> spec) : spec_(std::move(spec)) {}
+
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) override {
+    auto model = std::make_unique<PythonModel>(config, spec_, next_instance_++);
+    QUERN_RETURN_IF_ERROR(model->Load());
+    return std::unique_ptr<Model>(std::move(model));
+  }
+
+ private:
+  std::shared_ptr<const PythonModelSpec> spec_;
+  int next_instance_ = 0;
+};
+
+class PythonBackend final : public Backend {
+ public:
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                            bool has_config_file, int /*cores*/, int /*instances*/) override {
+    const std::string who = "model '" + config.name + "'";
+    if (!has_config_file) {
+      return Err(InvalidArgument(who + ": a Python model needs a config.pbtxt naming its inputs and outputs"));
+    }
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec)) {
+      return Err(NotFound(who + ": " + file.string() + " does not exist (a Python model's code is <version>/" +
+                          file.filename().string() + ")"));
+    }
+    if (config.inputs.empty() || config.outputs.empty()) {
+      return Err(InvalidArgument(who + ": a Python model's configuration must list its inputs and outputs"));
+    }
+    for (const auto* list : {&config.inputs, &config.outputs}) {
+      for (const auto& t : *list) {
+        if (t.dtype == DataType::kBf16 || t.dtype == DataType::kInvalid) {
+          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " +
+                                     std::string(DataTypeName(t.dtype)) + ", which numpy (and so a Python model) " +
+                                     "does not have"));
+        }
+      }
+    }
+    if (config.parameters.count("EXECUTION_ENV_PATH")) {
+      return Err(InvalidArgument(who + ": parameter EXECUTION_ENV_PATH (a packed environment) is not supported; " +
+                                 "name a virtual environment or an interpreter with parameter quern.python"));
+    }
+    auto spec = std::make_shared<PythonModelSpec>();
+    spec->model_file = file;
+    spec->version_dir = file.parent_path();
+    spec->model_dir = spec->version_dir.parent_path();
+    spec->version = spec->version_dir.filename().string();
+    auto python = config.parameters.find("quern.python");
+    QUERN_ASSIGN_OR_RETURN(
+        spec->python,
+        ResolvePythonInterpreter(python == config.parameters.end() ? "" : python->second, spec->model_dir, config.name));
+    QUERN_ASSIGN_OR_RETURN(spec->execute_timeout_ms,
+                           MillisecondsParameter(config, "quern.execute_timeout_ms", kDefaultExecuteTimeoutMs));
+    QUERN_ASSIGN_OR_RETURN(spec->initialize_timeout_ms,
+                           MillisecondsParameter(config, "quern.initialize_timeout_ms", kDefaultInitializeTimeoutMs));
+    google::protobuf::util::JsonPrintOptions opts;
+    opts.preserve_proto_field_names = true;
+    if (!google::protobuf::util::MessageToJsonString(ToProto(config), &spec->config_json, opts).ok()) {
+      return Err(Internal(who + ": cannot write its configuration as JSON"));
+    }
+    return std::unique_ptr<OpenedModel>(std::make_unique<PythonOpenedModel>(std::move(spec)));
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> NewPythonBackend() { return std::make_shared<PythonBackend>(); }
+
+}  // namespace quern

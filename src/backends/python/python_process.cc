@@ -1,0 +1,432 @@
+#include "backends/python/python_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "backends/python/python_sources.h"
+
+extern char** environ;
+
+namespace quern {
+namespace {
+
+// The descriptors the process finds (stub.py describes them).
+constexpr int kChildControlFd = 3;
+constexpr int kChildShmFd = 5;
+constexpr int kChildLifeFd = 6;
+// Frames are descriptions of tensors, never the tensors: a larger one is a
+// broken process.
+constexpr uint32_t kMaxFrameBytes = 64u << 20;
+constexpr size_t kMaxShmBytes = size_t{1} << 34;  // as stub.py's MAX_SHM_BYTES
+constexpr size_t kShmGranule = size_t{1} << 20;
+
+// Runs in `python -c`: reads the stub's source from the control socket and
+// runs it (nothing is written to disk, nothing depends on installed files).
+constexpr char kBootstrap[] =
+    "import os\n"
+    "def _read_exact(n):\n"
+    "    b = bytearray()\n"
+    "    while len(b) < n:\n"
+    "        c = os.read(3, n - len(b))\n"
+    "        if not c:\n"
+    "            os._exit(0)\n"
+    "        b += c\n"
+    "    return bytes(b)\n"
+    "def _read_frame():\n"
+    "    return _read_exact(int.from_bytes(_read_exact(4), 'little'))\n"
+    "exec(compile(_read_frame(), '<quern python stub>', 'exec'))\n";
+
+std::string ErrnoText(int e) { return std::strerror(e); }
+
+void CloseFd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Forwards the process's stdout and stderr to the server's stderr, one
+// line at a time with the model's name, until the pipe closes or `stop_fd`
+// becomes readable (the process was reaped; a child of it may still hold
+// the pipe).
+void ForwardLog(std::string tag, int log_fd, int stop_fd) {
+  std::string pending;
+  char buf[4096];
+  auto emit = [&](std::string_view line) {
+    std::string out = "quern: " + tag + ": ";
+    out.append(line);
+    out += '\n';
+    ssize_t ignored = ::write(STDERR_FILENO, out.data(), out.size());
+    (void)ignored;
+  };
+  auto flush_lines = [&](bool all) {
+    size_t start = 0;
+    for (size_t nl; (nl = pending.find('\n', start)) != std::string::npos; start = nl + 1) {
+      emit(std::string_view(pending).substr(start, nl - start));
+    }
+    pending.erase(0, start);
+    // A line longer than 4 KiB is forwarded in pieces.
+    while (pending.size() > 4096 || (all && !pending.empty())) {
+      const size_t n = std::min<size_t>(pending.size(), 4096);
+      emit(std::string_view(pending).substr(0, n));
+      pending.erase(0, n);
+    }
+  };
+  bool stopping = false;
+  for (;;) {
+    pollfd fds[2] = {{log_fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    const int ready = ::poll(fds, stopping ? 1 : 2, stopping ? 0 : -1);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;  // stopping and nothing left to read
+    if (!stopping && fds[1].revents) stopping = true;
+    if (fds[0].revents) {
+      const ssize_t n = ::read(log_fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      pending.append(buf, static_cast<size_t>(n));
+      flush_lines(false);
+    }
+  }
+  flush_lines(true);
+  ::close(log_fd);
+  ::close(stop_fd);
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "ended (status " + std::to_string(status) + ")";
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& launch) {
+  const std::string tag = "model '" + launch.model_name + "' instance " + std::to_string(launch.instance);
+  std::unique_ptr<PythonProcess> p(new PythonProcess(tag));
+
+  int control[2], life[2], log[2], stop[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
+    return Err(Unavailable(tag + ": cannot create a socket for its Python process: " + ErrnoText(errno)));
+  }
+  p->control_fd_ = control[0];
+  int child_control = control[1];
+  p->shm_fd_ = ::memfd_create(("quern:" + launch.model_name).substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (p->shm_fd_ < 0 || ::ftruncate(p->shm_fd_, kShmGranule) != 0 ||
+      ::fcntl(p->shm_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+    ::close(child_control);
+    return Err(Unavailable(tag + ": cannot create shared memory for its Python process: " + ErrnoText(errno)));
+  }
+  QUERN_RETURN_IF_ERROR(p->MapShm(kShmGranule));
+  if (::pipe2(life, O_CLOEXEC) != 0) {
+    ::close(child_control);
+    return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
+  }
+  p->life_fd_ = life[1];
+  if (::pipe2(log, O_CLOEXEC) != 0) {
+    ::close(child_control);
+    ::close(life[0]);
+    return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
+  }
+  if (::pipe2(stop, O_CLOEXEC) != 0) {
+    ::close(child_control);
+    ::close(life[0]);
+    ::close(log[0]);
+    ::close(log[1]);
+    return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
+  }
+
+  // The child's descriptors, moved above the ones they become so that no
+  // dup2 is a no-op that would leave close-on-exec set.
+  auto high = [](int fd) {
+    const int moved = ::fcntl(fd, F_DUPFD_CLOEXEC, 10);
+    ::close(fd);
+    return moved;
+  };
+  child_control = high(child_control);
+  const int child_life = high(life[0]);
+  const int child_log = high(log[1]);
+  const int child_shm = ::fcntl(p->shm_fd_, F_DUPFD_CLOEXEC, 10);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, child_log, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, child_log, STDERR_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, child_control, kChildControlFd);
+  posix_spawn_file_actions_adddup2(&actions, child_shm, kChildShmFd);
+  posix_spawn_file_actions_adddup2(&actions, child_life, kChildLifeFd);
+  posix_spawn_file_actions_addclosefrom_np(&actions, kChildLifeFd + 1);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  // A process group of its own: a terminal's Ctrl-C is the server's to handle.
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
+
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view kv(*e);
+    if (kv.starts_with("PYTHONDONTWRITEBYTECODE=") || kv.starts_with("PYTHONUNBUFFERED=")) continue;
+    env.emplace_back(kv);
+  }
+  // No __pycache__ in the repository (it would also look like a change of
+  // the model); output reaches the log line by line.
+  env.emplace_back("PYTHONDONTWRITEBYTECODE=1");
+  env.emplace_back("PYTHONUNBUFFERED=1");
+  std::vector<char*> envp;
+  for (auto& kv : env) envp.push_back(kv.data());
+  envp.push_back(nullptr);
+  std::string python = launch.python, dash_c = "-c", bootstrap = kBootstrap,
+              title = "quern-python:" + launch.model_name + ":" + std::to_string(launch.instance);
+  char* argv[] = {python.data(), dash_c.data(), bootstrap.data(), title.data(), nullptr};
+
+  pid_t pid = -1;
+  const int rc = ::posix_spawnp(&pid, python.c_str(), &actions, &attr, argv, envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  ::close(child_control);
+  ::close(child_life);
+  ::close(child_log);
+  ::close(child_shm);
+  if (rc != 0) {
+    ::close(log[0]);
+    ::close(stop[0]);
+    ::close(stop[1]);
+    return Err(Unavailable(tag + ": cannot start the Python interpreter '" + launch.python + "': " + ErrnoText(rc)));
+  }
+  p->pid_ = pid;
+  p->log_stop_fd_ = stop[1];
+  p->log_reader_ = std::thread(ForwardLog, tag, log[0], stop[0]);
+
+  const int64_t deadline = NowMs() + launch.start_timeout_ms;
+  Status sent = p->Send(std::string_view(kStubSource, sizeof(kStubSource) - 1));
+  if (sent.ok()) sent = p->Send(std::string_view(kUtilsSource, sizeof(kUtilsSource) - 1));
+  if (sent.ok()) sent = p->Send(launch.launch_json);
+  if (!sent.ok()) return Err(sent);
+  auto ready = p->Receive(std::max<int64_t>(1, deadline - NowMs()));
+  if (!ready) {
+    if (ready.error().code() == StatusCode::kDeadlineExceeded) {
+      return Err(DeadlineExceeded(tag + ": model.py did not finish loading and initialize() within " +
+                                  std::to_string(launch.start_timeout_ms) +
+                                  " ms (quern.initialize_timeout_ms); its Python process was killed"));
+    }
+    return Err(ready.error());
+  }
+  if (*ready == "R") return p;
+  std::string why = ready->empty() ? std::string("an empty reply") : ready->substr(1);
+  if (!ready->empty() && (*ready)[0] == 'F') {
+    p->Reap(false);
+    return Err(Unavailable(tag + " failed to load model.py: " + why));
+  }
+  return Err(Internal(tag + ": its Python process answered the start with an unknown frame"));
+}
+
+PythonProcess::~PythonProcess() {
+  if (pid_ > 0) {
+    // finalize() may take a moment; the process exits on its own.
+    if (Send("S").ok()) {
+      pollfd fd{control_fd_, POLLIN, 0};
+      const int64_t deadline = NowMs() + 5000;
+      for (int64_t left; pid_ > 0 && (left = deadline - NowMs()) > 0;) {
+        const int r = ::poll(&fd, 1, static_cast<int>(left));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        char c;
+        const ssize_t n = ::read(control_fd_, &c, 1);
+        if (n <= 0) break;  // closed: the process is exiting
+      }
+    }
+    if (pid_ > 0) Reap(true);
+  }
+  if (log_stop_fd_ >= 0) {
+    const char c = 's';
+    ssize_t ignored = ::write(log_stop_fd_, &c, 1);
+    (void)ignored;
+  }
+  if (log_reader_.joinable()) log_reader_.join();
+  CloseFd(log_stop_fd_);
+  if (shm_) ::munmap(shm_, shm_size_);
+  CloseFd(control_fd_);
+  CloseFd(shm_fd_);
+  CloseFd(life_fd_);
+}
+
+std::string PythonProcess::Reap(bool kill) {
+  if (pid_ <= 0) return "had already ended";
+  int status = 0;
+  pid_t r = 0;
+  if (!kill) {
+    // It closed the socket: give it a moment to finish exiting, so that its
+    // own exit code is reported rather than our kill.
+    for (int i = 0; i < 20 && (r = ::waitpid(pid_, &status, WNOHANG)) == 0; ++i) ::usleep(10000);
+  }
+  if (r != pid_) {
+    ::kill(pid_, SIGKILL);
+    while ((r = ::waitpid(pid_, &status, 0)) < 0 && errno == EINTR) {
+    }
+  }
+  pid_ = -1;
+  if (log_stop_fd_ >= 0) {
+    const char c = 's';
+    ssize_t ignored = ::write(log_stop_fd_, &c, 1);
+    (void)ignored;
+  }
+  return r > 0 ? DescribeExit(status) : "could not be waited for";
+}
+
+Status PythonProcess::MapShm(size_t bytes) {
+  if (shm_) ::munmap(shm_, shm_size_);
+  shm_ = nullptr;
+  shm_size_ = 0;
+  void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm_fd_, 0);
+  if (m == MAP_FAILED) return Unavailable(tag_ + ": cannot map " + std::to_string(bytes) + " bytes of shared memory");
+  shm_ = static_cast<std::byte*>(m);
+  shm_size_ = bytes;
+  return Status::Ok();
+}
+
+Status PythonProcess::Reserve(size_t bytes) {
+  if (bytes <= shm_size_) return Status::Ok();
+  if (bytes > kMaxShmBytes) {
+    return ResourceExhausted(tag_ + ": a batch needs " + std::to_string(bytes) + " bytes of shared memory; at most " +
+                             std::to_string(kMaxShmBytes));
+  }
+  struct stat st{};
+  if (::fstat(shm_fd_, &st) != 0) return Unavailable(tag_ + ": cannot read the shared memory's size");
+  size_t size = static_cast<size_t>(st.st_size);
+  if (size < bytes) {
+    size = std::min(std::max(bytes, size * 2), kMaxShmBytes);
+    size = (size + kShmGranule - 1) / kShmGranule * kShmGranule;
+    if (::ftruncate(shm_fd_, static_cast<off_t>(size)) != 0) {
+      return ResourceExhausted(tag_ + ": cannot grow the shared memory to " + std::to_string(size) +
+                               " bytes: " + ErrnoText(errno));
+    }
+  }
+  return MapShm(size);
+}
+
+Status PythonProcess::Remap(size_t bytes) {
+  if (bytes <= shm_size_) return Status::Ok();
+  struct stat st{};
+  if (::fstat(shm_fd_, &st) != 0 || static_cast<size_t>(st.st_size) < bytes || bytes > kMaxShmBytes) {
+    return Internal(tag_ + ": its Python process reported shared memory of " + std::to_string(bytes) +
+                    " bytes, which the file does not hold");
+  }
+  return MapShm(bytes);
+}
+
+Status PythonProcess::Send(std::string_view payload) {
+  if (pid_ <= 0) return Unavailable(tag_ + ": its Python process is not running");
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  const unsigned char head[4] = {static_cast<unsigned char>(n), static_cast<unsigned char>(n >> 8),
+                                 static_cast<unsigned char>(n >> 16), static_cast<unsigned char>(n >> 24)};
+  auto write_all = [&](const void* data, size_t size) -> bool {
+    const char* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t w = ::send(control_fd_, p, size, MSG_NOSIGNAL);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return false;
+      p += w;
+      size -= static_cast<size_t>(w);
+    }
+    return true;
+  };
+  if (write_all(head, sizeof head) && write_all(payload.data(), payload.size())) return Status::Ok();
+  return Unavailable(tag_ + ": its Python process " + Reap(false));
+}
+
+Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
+  if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
+  const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
+  // 0 = read, 1 = timed out, 2 = closed or failed.
+  auto read_all = [&](char* p, size_t size) -> int {
+    while (size > 0) {
+      pollfd fd{control_fd_, POLLIN, 0};
+      const int64_t left = deadline ? deadline - NowMs() : -1;
+      if (deadline && left <= 0) return 1;
+      const int r = ::poll(&fd, 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return 2;
+      if (r == 0) return 1;
+      const ssize_t n = ::read(control_fd_, p, size);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n <= 0) return 2;
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+    return 0;
+  };
+  unsigned char head[4];
+  int r = read_all(reinterpret_cast<char*>(head), sizeof head);
+  std::string payload;
+  if (r == 0) {
+    const uint32_t n = head[0] | (head[1] << 8) | (head[2] << 16) | (uint32_t{head[3]} << 24);
+    if (n > kMaxFrameBytes) {
+      Reap(true);
+      return Err(Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) +
+                          " bytes; it was killed"));
+    }
+    payload.resize(n);
+    r = read_all(payload.data(), n);
+  }
+  if (r == 1) {
+    Reap(true);
+    return Err(DeadlineExceeded("timed out"));
+  }
+  if (r == 2) return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
+  return payload;
+}
+
+Result<std::string> ResolvePythonInterpreter(const std::string& configured, const std::filesystem::path& model_dir,
+                                             const std::string& model_name) {
+  namespace fs = std::filesystem;
+  if (configured.empty()) {
+    // The server's default: QUERN_PYTHON, else the system's interpreter,
+    // else python3 from PATH.
+    if (const char* env = std::getenv("QUERN_PYTHON"); env && *env) return std::string(env);
+    if (::access("/usr/bin/python3", X_OK) == 0) return std::string("/usr/bin/python3");
+    return std::string("python3");
+  }
+  fs::path p(configured);
+  if (p.is_relative()) p = model_dir / p;
+  std::error_code ec;
+  if (fs::is_directory(p, ec)) {
+    for (const char* name : {"bin/python3", "bin/python"}) {
+      if (::access((p / name).c_str(), X_OK) == 0) return (p / name).string();
+    }
+    return Err(InvalidArgument("model '" + model_name + "': parameter quern.python names the folder '" + p.string() +
+                               "', which holds no bin/python3 (expected a virtual environment)"));
+  }
+  if (::access(p.c_str(), X_OK) != 0) {
+    return Err(InvalidArgument("model '" + model_name + "': parameter quern.python names '" + p.string() +
+                               "', which is not an executable Python interpreter: " + ErrnoText(errno)));
+  }
+  return p.string();
+}
+
+}  // namespace quern

@@ -1,0 +1,92 @@
+// One Python process running one instance of a Python model: started with
+// the interpreter the model's configuration names, it talks to the server
+// over a Unix socket (small frames: a 4-byte little-endian length and a
+// payload) and exchanges tensors through a memfd both sides map (see
+// stub.py for the other side). The server holds a pipe the process watches,
+// so the process exits when the server does, however the server ends.
+//
+// Thread-compatible: one instance thread uses a process at a time; its log
+// reader thread only forwards the process's stdout and stderr.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "quern/status.h"
+
+namespace quern {
+
+struct PythonLaunch {
+  std::string model_name;
+  int instance = 0;
+  // The interpreter: a path, or a name looked up in PATH ("python3").
+  std::string python;
+  // What the process reads first: the launch description (JSON).
+  std::string launch_json;
+  // How long the process may take to import model.py and initialize().
+  int64_t start_timeout_ms = 120000;
+};
+
+class PythonProcess {
+ public:
+  // Starts the process and waits until the model is initialized; an error
+  // carries the last line of the Python traceback when there is one.
+  static Result<std::unique_ptr<PythonProcess>> Start(const PythonLaunch& launch);
+
+  // Asks the process to run finalize() and exit, waits a short while, then
+  // kills it.
+  ~PythonProcess();
+
+  PythonProcess(const PythonProcess&) = delete;
+  PythonProcess& operator=(const PythonProcess&) = delete;
+
+  // The shared memory, at least `bytes` long (grown when needed).
+  Status Reserve(size_t bytes);
+  std::byte* shm() const { return shm_; }
+  size_t shm_size() const { return shm_size_; }
+  // Maps the shared memory again after the process grew it to `bytes`
+  // (checked against the file's real size).
+  Status Remap(size_t bytes);
+
+  Status Send(std::string_view payload);
+  // The next frame; `timeout_ms` <= 0 waits without limit. On a timeout the
+  // process is killed (DEADLINE_EXCEEDED); when it has died, UNAVAILABLE
+  // says how. Either way the process is finished afterwards.
+  Result<std::string> Receive(int64_t timeout_ms);
+
+  bool finished() const { return pid_ <= 0; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  explicit PythonProcess(std::string tag) : tag_(std::move(tag)) {}
+  // Kills the process (when `kill`), reaps it and says how it ended.
+  std::string Reap(bool kill);
+  Status MapShm(size_t bytes);
+
+  std::string tag_;  // "model 'x' instance 0"
+  pid_t pid_ = -1;
+  int control_fd_ = -1;
+  int shm_fd_ = -1;
+  int life_fd_ = -1;      // write end of the pipe the process watches
+  int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
+  std::byte* shm_ = nullptr;
+  size_t shm_size_ = 0;
+  std::thread log_reader_;
+};
+
+// The interpreter a model's configuration names through the parameter
+// "quern.python": a Python executable, or a virtual environment's folder
+// (its bin/python3); relative paths are taken from the model's folder.
+// Unset: the environment variable QUERN_PYTHON, else the system's
+// /usr/bin/python3, else python3 from PATH.
+Result<std::string> ResolvePythonInterpreter(const std::string& configured, const std::filesystem::path& model_dir,
+                                             const std::string& model_name);
+
+}  // namespace quern

@@ -1,0 +1,388 @@
+# The process that runs one instance of a Python model for the Quern server.
+#
+# The server starts `python3 -c <bootstrap>` with these descriptors:
+#   3  a Unix socket to the server: frames of a 4-byte little-endian length
+#      and a payload (this source, the pb_utils source, the launch JSON,
+#      then one execute frame per batch and a shutdown frame)
+#   5  a memfd shared with the server: input tensors are written there by the
+#      server, output tensors by this process (either side may grow it)
+#   6  the read end of a pipe the server holds open: when the server exits,
+#      it reports a hang-up and this process exits too
+#   1, 2  a pipe into the server's log
+# The bootstrap has already defined _read_frame(); this source runs in its
+# globals.
+import json
+import mmap
+import os
+import select
+import signal
+import struct
+import sys
+import threading
+import traceback
+import types
+
+CONTROL_FD, SHM_FD, LIFE_FD = 3, 5, 6
+ALIGN = 64
+MAX_SHM_BYTES = 1 << 34  # 16 GiB: no batch of outputs is larger
+BYTES = 13
+_NUMPY_TYPES = {1: "bool", 2: "uint8", 3: "uint16", 4: "uint32", 5: "uint64", 6: "int8", 7: "int16", 8: "int32",
+                9: "int64", 10: "float16", 11: "float32", 12: "float64"}
+
+
+def _send(payload):
+    data = len(payload).to_bytes(4, "little") + payload
+    view = memoryview(data)
+    while view:
+        view = view[os.write(CONTROL_FD, view):]
+
+
+def _watch_server():
+    poller = select.poll()
+    poller.register(LIFE_FD, select.POLLIN)
+    while True:
+        if poller.poll():
+            os._exit(0)  # the server is gone (a hang-up; nothing is ever written)
+
+
+def _last_line(exc):
+    lines = traceback.format_exception_only(type(exc), exc)
+    line = lines[-1].strip() if lines else type(exc).__name__
+    return line if len(line) <= 2000 else line[:2000] + "..."
+
+
+class Shm:
+    """The shared memory, mapped whole; remapped when either side grows it."""
+
+    def __init__(self):
+        self.size = 0
+        self.map = None
+
+    def ensure(self, size):
+        if size > self.size:
+            # The old map stays alive while arrays still view it.
+            self.map = mmap.mmap(SHM_FD, size)
+            self.size = size
+
+    def grow(self, needed):
+        if needed > MAX_SHM_BYTES:
+            raise MemoryError(f"outputs need {needed} bytes of shared memory; at most {MAX_SHM_BYTES}")
+        current = os.fstat(SHM_FD).st_size
+        if needed > current:
+            size = max(needed, min(current * 2, MAX_SHM_BYTES))
+            size = (size + (1 << 20) - 1) & ~((1 << 20) - 1)
+            os.ftruncate(SHM_FD, size)
+            current = size
+        self.ensure(current)
+
+
+class Runner:
+    def __init__(self, launch, np, utils):
+        self.np = np
+        self.utils = utils
+        self.shm = Shm()
+        self.name = launch["model_name"]
+        self.batched = launch["max_batch_size"] > 0
+        self.outputs = [(o["name"], o["dtype"], o["dims"]) for o in launch["outputs"]]
+        self.dtypes = {t: np.dtype(n) for t, n in _NUMPY_TYPES.items()}
+        self.args = launch["args"]
+        module = self._import(launch)
+        self.triton = None
+        self.infer = None
+        if hasattr(module, "TritonPythonModel"):
+            self.triton = module.TritonPythonModel()
+            if hasattr(self.triton, "initialize"):
+                self.triton.initialize(dict(self.args))
+        elif callable(getattr(module, "infer", None)):
+            if callable(getattr(module, "initialize", None)):
+                module.initialize(dict(self.args))
+            self.infer = module.infer
+        else:
+            raise TypeError(f"{launch['model_file']} defines neither a class TritonPythonModel nor a function "
+                            "infer(inputs)")
+        self.module = module
+
+    def _import(self, launch):
+        import importlib.util
+        path = launch["model_file"]
+        spec = importlib.util.spec_from_file_location("model", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["model"] = module
+        spec.loader.exec_module(module)
+        return module
+
+    def finalize(self):
+        target = self.triton if self.triton is not None else self.module
+        fn = getattr(target, "finalize", None)
+        if callable(fn):
+            fn()
+
+    # --- one batch ---------------------------------------------------------
+
+    def read_inputs(self, frame):
+        np = self.np
+        n_requests, n_inputs, padded, shm_size = struct.unpack_from("<IIqQ", frame, 1)
+        pos = 25
+        rows = struct.unpack_from(f"<{n_requests}q", frame, pos)
+        pos += 8 * n_requests
+        self.shm.ensure(shm_size)
+        shm = self.shm.map
+        inputs = {}
+        end = 0
+        for _ in range(n_inputs):
+            name_len, dtype, rank = struct.unpack_from("<HBB", frame, pos)
+            pos += 4
+            name = frame[pos:pos + name_len].decode()
+            pos += name_len
+            dims = struct.unpack_from(f"<{rank}q", frame, pos)
+            pos += 8 * rank
+            offset, nbytes = struct.unpack_from("<QQ", frame, pos)
+            pos += 16
+            end = max(end, offset + nbytes)
+            if dtype == BYTES:
+                array = self._decode_bytes(memoryview(shm)[offset:offset + nbytes], dims)
+            else:
+                t = self.dtypes[dtype]
+                array = np.frombuffer(shm, t, nbytes // t.itemsize, offset).reshape(dims)
+                array.flags.writeable = False
+            inputs[name] = array
+        return rows, padded, inputs, end
+
+    def _decode_bytes(self, view, dims):
+        np = self.np
+        count = 1
+        for d in dims:
+            count *= d
+        out = np.empty(count, dtype=np.object_)
+        pos = 0
+        for i in range(count):
+            n = int.from_bytes(view[pos:pos + 4], "little")
+            out[i] = bytes(view[pos + 4:pos + 4 + n])
+            pos += 4 + n
+        return out.reshape(dims)
+
+    def _check(self, name, dtype, dims, array, rows):
+        """`array` as the output `name` should be, or raises ValueError saying why."""
+        np = self.np
+        if not isinstance(array, np.ndarray):
+            array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
+        if dtype == BYTES:
+            if array.dtype.kind not in "OSU":
+                raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says TYPE_STRING "
+                                 "(bytes or str elements)")
+        else:
+            want = self.dtypes[dtype]
+            if array.dtype != want:
+                if array.dtype.kind in "OSUV" or not np.can_cast(array.dtype, want, "same_kind"):
+                    raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want}")
+                array = array.astype(want)
+        shape = array.shape
+        expect = ([rows] if self.batched else []) + list(dims)
+        if len(shape) != len(expect) or any(e >= 0 and s != e for s, e in zip(shape, expect)):
+            shown = ["-1" if e < 0 else str(e) for e in expect]
+            raise ValueError(f"output '{name}' has shape {list(shape)}; expected [{', '.join(shown)}]"
+                             + (" (the first dimension is the request's rows)" if self.batched else ""))
+        return array
+
+    def execute(self, frame):
+        rows, padded, inputs, end = self.read_inputs(frame)
+        failed = {}
+        if self.triton is not None:
+            columns = self._execute_triton(rows, inputs, failed)
+        else:
+            columns = self._execute_plain(padded, inputs)
+        return self._write_outputs(rows, padded, columns, failed, end)
+
+    def _execute_plain(self, padded, inputs):
+        result = self.infer(inputs)
+        if not isinstance(result, dict):
+            raise TypeError(f"infer() returned {type(result).__name__}; expected a dict of output name to array")
+        columns = []
+        for name, dtype, dims in self.outputs:
+            if name not in result:
+                raise ValueError(f"infer() returned no output '{name}' (it returned {sorted(map(str, result))})")
+            columns.append([self._check(name, dtype, dims, result[name], padded)])
+        return columns
+
+    def _execute_triton(self, rows, inputs, failed):
+        utils = self.utils
+        names = [o[0] for o in self.outputs]
+        requests = []
+        start = 0
+        for r in rows:
+            if self.batched:
+                tensors = [utils.Tensor(n, a[start:start + r]) for n, a in inputs.items()]
+            else:
+                tensors = [utils.Tensor(n, a) for n, a in inputs.items()]
+            requests.append(utils.InferenceRequest(tensors, requested_output_names=names, model_name=self.name))
+            start += r
+        responses = self.triton.execute(requests)
+        if responses is None or len(responses) != len(requests):
+            got = "None" if responses is None else f"{len(responses)} responses"
+            raise ValueError(f"execute() returned {got} for {len(requests)} requests")
+        columns = [[] for _ in self.outputs]
+        for i, response in enumerate(responses):
+            try:
+                if not isinstance(response, utils.InferenceResponse):
+                    raise TypeError(f"execute() returned {type(response).__name__} for request {i}; expected "
+                                    "pb_utils.InferenceResponse")
+                if response.has_error():
+                    error = response.error()
+                    if isinstance(error, utils.TritonError):
+                        raise _RequestError(error.message(), error.code())
+                    raise _RequestError(str(error), utils.TritonError.UNKNOWN)
+                by_name = {t.name(): t for t in response.output_tensors()}
+                checked = []
+                for name, dtype, dims in self.outputs:
+                    t = by_name.get(name)
+                    if t is None:
+                        raise ValueError(f"the response has no output '{name}'")
+                    checked.append(self._check(name, dtype, dims, t.as_numpy(), rows[i]))
+                for k, a in enumerate(checked):
+                    columns[k].append(a)
+            except _RequestError as e:
+                failed[i] = (e.code, str(e))
+                for k in range(len(self.outputs)):
+                    columns[k].append(None)
+            except Exception as e:
+                failed[i] = (_error_code(e, utils), _last_line(e))
+                for k in range(len(self.outputs)):
+                    columns[k].append(None)
+        return columns
+
+    def _write_outputs(self, rows, padded, columns, failed, end):
+        """Writes each output's parts after the inputs; returns the reply frame."""
+        np = self.np
+        shm = self.shm
+        plain = self.triton is None
+        described = []
+        offset = (end + ALIGN - 1) & ~(ALIGN - 1)
+        for (name, dtype, dims), parts in zip(self.outputs, columns):
+            present = [p for p in parts if p is not None]
+            if present:
+                inner = list(present[0].shape[1:] if self.batched else present[0].shape)
+                for p in present:
+                    if list(p.shape[1:] if self.batched else p.shape) != inner:
+                        raise ValueError(f"output '{name}' has shape {list(p.shape)} in one response and "
+                                         f"{inner} after the rows in another: a batch's outputs must agree")
+            else:
+                inner = [max(d, 0) for d in dims]
+            out_dims = ([padded] + inner) if self.batched else inner
+            if dtype == BYTES:
+                pieces = []
+                row = 0
+                for i, p in enumerate(parts):
+                    if p is None:
+                        pieces.append(b"\0\0\0\0" * (rows[i] * _count(inner)))
+                    else:
+                        pieces.append(self.utils.serialize_byte_tensor(p).tobytes())
+                    row += rows[i]
+                if self.batched and not plain and row < padded:
+                    pieces.append(b"\0\0\0\0" * ((padded - row) * _count(inner)))
+                data = b"".join(pieces)
+                nbytes = len(data)
+                shm.grow(offset + nbytes)
+                shm.map[offset:offset + nbytes] = data
+            else:
+                t = self.dtypes[dtype]
+                nbytes = _count(out_dims) * t.itemsize
+                shm.grow(offset + nbytes)
+                dst = np.frombuffer(shm.map, t, _count(out_dims), offset).reshape(out_dims)
+                if plain or not self.batched:
+                    if parts[0] is None:
+                        dst[...] = 0
+                    else:
+                        np.copyto(dst, parts[0])
+                else:
+                    row = 0
+                    for i, p in enumerate(parts):
+                        if p is None:
+                            dst[row:row + rows[i]] = 0
+                        else:
+                            dst[row:row + rows[i]] = p
+                        row += rows[i]
+                    if row < padded:
+                        dst[row:] = 0
+                del dst
+            encoded = name.encode()
+            described.append(struct.pack("<HBB", len(encoded), dtype, len(out_dims)) + encoded +
+                             struct.pack(f"<{len(out_dims)}q", *out_dims) + struct.pack("<QQ", offset, nbytes))
+            offset = (offset + nbytes + ALIGN - 1) & ~(ALIGN - 1)
+        head = [b"D", struct.pack("<QI", shm.size, len(failed))]
+        for i, (code, message) in failed.items():
+            m = message.encode("utf-8", "replace")[:4000]
+            head.append(struct.pack("<IBI", i, code & 0xFF, len(m)) + m)
+        head.append(struct.pack("<I", len(described)))
+        return b"".join(head + described)
+
+
+class _RequestError(Exception):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def _error_code(exc, utils):
+    """Triton's code for an exception: a raised TritonError keeps its own, anything else is INTERNAL."""
+    if isinstance(exc, utils.TritonError) and isinstance(exc.code(), int):
+        return exc.code()
+    return utils.TritonError.INTERNAL
+
+
+def _count(dims):
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _main():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    sys.dont_write_bytecode = True
+    utils_source = _read_frame().decode()
+    launch = json.loads(_read_frame())
+    threading.Thread(target=_watch_server, daemon=True, name="quern-server-watch").start()
+    if os.getppid() != launch["server_pid"]:
+        os._exit(0)
+    sys.argv = [launch["model_file"]]
+    # The model's version folder is importable (modules beside model.py); the
+    # server's working directory is not.
+    sys.path = [p for p in sys.path if p not in ("", ".")]
+    sys.path.insert(0, launch["version_dir"])
+    try:
+        import numpy as np
+        utils = types.ModuleType("triton_python_backend_utils")
+        utils.__file__ = "<quern: triton_python_backend_utils>"
+        exec(compile(utils_source, utils.__file__, "exec"), utils.__dict__)
+        sys.modules["triton_python_backend_utils"] = utils
+        runner = Runner(launch, np, utils)
+    except BaseException as e:
+        traceback.print_exc()
+        sys.stderr.flush()
+        _send(b"F" + _last_line(e).encode("utf-8", "replace"))
+        os._exit(1)
+    _send(b"R")
+    while True:
+        frame = _read_frame()
+        op = frame[:1]
+        if op == b"E":
+            try:
+                reply = runner.execute(frame)
+            except BaseException as e:  # noqa: BLE001 - the batch fails, the process goes on
+                if isinstance(e, SystemExit):
+                    raise
+                traceback.print_exc()
+                sys.stderr.flush()
+                reply = b"X" + bytes([_error_code(e, runner.utils) & 0xFF]) + _last_line(e).encode("utf-8", "replace")
+            _send(reply)
+        elif op == b"S":
+            try:
+                runner.finalize()
+            except BaseException:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+_main()
