@@ -152,8 +152,8 @@ class Model {
     std::span<const int64_t> rows;
     std::span<Status> status;
   };
-  virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size,
-                                 BatchRequests /*requests*/, std::vector<NamedTensor>& outputs) {
+  virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
+                                 std::vector<NamedTensor>& outputs) {
     return Execute(inputs, batch_size, outputs);
   }
 };

@@ -55,10 +55,11 @@ def resample(rgb, width, height, scale_x, scale_y, offset_x=0.0, offset_y=0.0, p
     return out.astype(np.uint8)
 
 
-def start_quern(binary, repo, *extra, env=None, cwd=None):
+def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
     `env` as its environment and `cwd` as its working directory when given.
-    Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background."""
+    Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background
+    (its lines appended to `log` when that is a list)."""
     import re
     import subprocess
     import threading
@@ -68,9 +69,11 @@ def start_quern(binary, repo, *extra, env=None, cwd=None):
                              "--metrics-port", "0", "--host", "127.0.0.1", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     ports = {}
+    sink = log.append if log is not None else (lambda line: None)
     deadline = time.time() + 60
     while time.time() < deadline:
         line = proc.stdout.readline()
+        sink(line)
         if not line or line.startswith("quern: serving "):
             break
         m = re.search(r"(HTTP|gRPC|metrics|vision) listening on [^:]+:(\d+)", line)
@@ -79,8 +82,9 @@ def start_quern(binary, repo, *extra, env=None, cwd=None):
     if len(ports) < 3:
         proc.kill()
         raise AssertionError(f"quern serve did not report its ports (got {ports})")
-    # Keep reading the log so the server never blocks on a full pipe.
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    # Keep reading the log so the server never blocks on a full pipe (into
+    # `log`, a list, when given).
+    threading.Thread(target=lambda: [sink(line) for line in proc.stdout], daemon=True).start()
     return proc, ports
 
 

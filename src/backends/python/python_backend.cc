@@ -22,7 +22,9 @@ constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 // A process that failed to start is not started again sooner than this.
 constexpr auto kRestartBackoff = std::chrono::seconds(1);
 
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t AlignUp(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 
 template <typename T>
 void Put(std::string& out, T v) {
@@ -57,20 +59,13 @@ class FrameReader {
 // Triton's TRITONSERVER_Error codes, as pb_utils.TritonError numbers them.
 Status FromTritonCode(uint8_t code, std::string message) {
   switch (code) {
-    case 2:
-      return NotFound(std::move(message));
-    case 3:
-      return InvalidArgument(std::move(message));
-    case 4:
-      return Unavailable(std::move(message));
-    case 5:
-      return Unimplemented(std::move(message));
-    case 6:
-      return Status(StatusCode::kAlreadyExists, std::move(message));
-    case 7:
-      return Cancelled(std::move(message));
-    default:
-      return Internal(std::move(message));
+    case 2: return NotFound(std::move(message));
+    case 3: return InvalidArgument(std::move(message));
+    case 4: return Unavailable(std::move(message));
+    case 5: return Unimplemented(std::move(message));
+    case 6: return Status(StatusCode::kAlreadyExists, std::move(message));
+    case 7: return Cancelled(std::move(message));
+    default: return Internal(std::move(message));
   }
 }
 
@@ -88,7 +83,9 @@ Result<int64_t> MillisecondsParameter(const ModelConfig& config, const char* key
 }
 
 // The shape the process sees for a configured tensor (its reshape when set).
-const Shape& ModelDims(const TensorConfig& t) { return t.reshape ? *t.reshape : t.dims; }
+const Shape& ModelDims(const TensorConfig& t) {
+  return t.reshape ? *t.reshape : t.dims;
+}
 
 void WriteTensorList(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::vector<TensorConfig>& list) {
   w.StartArray();
@@ -373,9 +370,8 @@ class PythonBackend final : public Backend {
     for (const auto* list : {&config.inputs, &config.outputs}) {
       for (const auto& t : *list) {
         if (t.dtype == DataType::kBf16 || t.dtype == DataType::kInvalid) {
-          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " +
-                                     std::string(DataTypeName(t.dtype)) + ", which numpy (and so a Python model) " +
-                                     "does not have"));
+          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " + std::string(DataTypeName(t.dtype)) +
+                                     ", which numpy (and so a Python model) " + "does not have"));
         }
       }
     }
@@ -390,8 +386,8 @@ class PythonBackend final : public Backend {
     spec->version = spec->version_dir.filename().string();
     auto python = config.parameters.find("quern.python");
     QUERN_ASSIGN_OR_RETURN(
-        spec->python,
-        ResolvePythonInterpreter(python == config.parameters.end() ? "" : python->second, spec->model_dir, config.name));
+        spec->python, ResolvePythonInterpreter(python == config.parameters.end() ? "" : python->second, spec->model_dir,
+                                               config.name));
     QUERN_ASSIGN_OR_RETURN(spec->execute_timeout_ms,
                            MillisecondsParameter(config, "quern.execute_timeout_ms", kDefaultExecuteTimeoutMs));
     QUERN_ASSIGN_OR_RETURN(spec->initialize_timeout_ms,
@@ -407,6 +403,8 @@ class PythonBackend final : public Backend {
 
 }  // namespace
 
-std::shared_ptr<Backend> NewPythonBackend() { return std::make_shared<PythonBackend>(); }
+std::shared_ptr<Backend> NewPythonBackend() {
+  return std::make_shared<PythonBackend>();
+}
 
 }  // namespace quern

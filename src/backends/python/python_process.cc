@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -49,7 +49,9 @@ constexpr char kBootstrap[] =
     "    return _read_exact(int.from_bytes(_read_exact(4), 'little'))\n"
     "exec(compile(_read_frame(), '<quern python stub>', 'exec'))\n";
 
-std::string ErrnoText(int e) { return std::strerror(e); }
+std::string ErrnoText(int e) {
+  return std::strerror(e);
+}
 
 void CloseFd(int& fd) {
   if (fd >= 0) ::close(fd);
@@ -99,8 +101,7 @@ void ForwardLog(std::string tag, int log_fd, int stop_fd) {
     }
   }
   flush_lines(true);
-  ::close(log_fd);
-  ::close(stop_fd);
+  ::close(log_fd);  // stop_fd stays open until the owner has joined (a write to it must not raise SIGPIPE)
 }
 
 std::string DescribeExit(int status) {
@@ -221,6 +222,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   }
   p->pid_ = pid;
   p->log_stop_fd_ = stop[1];
+  p->log_stop_read_fd_ = stop[0];
   p->log_reader_ = std::thread(ForwardLog, tag, log[0], stop[0]);
 
   const int64_t deadline = NowMs() + launch.start_timeout_ms;
@@ -270,6 +272,7 @@ PythonProcess::~PythonProcess() {
   }
   if (log_reader_.joinable()) log_reader_.join();
   CloseFd(log_stop_fd_);
+  CloseFd(log_stop_read_fd_);
   if (shm_) ::munmap(shm_, shm_size_);
   CloseFd(control_fd_);
   CloseFd(shm_fd_);
@@ -316,7 +319,7 @@ Status PythonProcess::Reserve(size_t bytes) {
     return ResourceExhausted(tag_ + ": a batch needs " + std::to_string(bytes) + " bytes of shared memory; at most " +
                              std::to_string(kMaxShmBytes));
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(shm_fd_, &st) != 0) return Unavailable(tag_ + ": cannot read the shared memory's size");
   size_t size = static_cast<size_t>(st.st_size);
   if (size < bytes) {
@@ -332,7 +335,7 @@ Status PythonProcess::Reserve(size_t bytes) {
 
 Status PythonProcess::Remap(size_t bytes) {
   if (bytes <= shm_size_) return Status::Ok();
-  struct stat st{};
+  struct stat st {};
   if (::fstat(shm_fd_, &st) != 0 || static_cast<size_t>(st.st_size) < bytes || bytes > kMaxShmBytes) {
     return Internal(tag_ + ": its Python process reported shared memory of " + std::to_string(bytes) +
                     " bytes, which the file does not hold");
@@ -388,8 +391,8 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
     const uint32_t n = head[0] | (head[1] << 8) | (head[2] << 16) | (uint32_t{head[3]} << 24);
     if (n > kMaxFrameBytes) {
       Reap(true);
-      return Err(Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) +
-                          " bytes; it was killed"));
+      return Err(
+          Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) + " bytes; it was killed"));
     }
     payload.resize(n);
     r = read_all(payload.data(), n);

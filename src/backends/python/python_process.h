@@ -76,6 +76,7 @@ class PythonProcess {
   int shm_fd_ = -1;
   int life_fd_ = -1;      // write end of the pipe the process watches
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
+  int log_stop_read_fd_ = -1;
   std::byte* shm_ = nullptr;
   size_t shm_size_ = 0;
   std::thread log_reader_;

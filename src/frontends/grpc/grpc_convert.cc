@@ -159,9 +159,9 @@ void ToInferResponse(const InferResponse& r, const std::string& id, inference::M
 void FillMetadata(const ModelStatus& m, inference::ModelMetadataResponse* out) {
   out->set_name(m.name);
   out->add_versions(std::to_string(m.version));
-  out->set_platform(!m.config.platform.empty() ? m.config.platform
+  out->set_platform(!m.config.platform.empty()     ? m.config.platform
                     : m.config.backend == "python" ? "python"
-                                                  : "onnxruntime_onnx");
+                                                   : "onnxruntime_onnx");
   const bool batched = m.config.max_batch_size > 0;
   auto add = [&](const TensorConfig& t, inference::ModelMetadataResponse::TensorMetadata* md) {
     md->set_name(t.name);

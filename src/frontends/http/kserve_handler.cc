@@ -86,7 +86,7 @@ HttpResponse ModelMetadata(const ModelStatus& m) {
   w.String(std::to_string(m.version).c_str());
   w.EndArray();
   w.Key("platform");
-  w.String(!m.config.platform.empty() ? m.config.platform.c_str()
+  w.String(!m.config.platform.empty()     ? m.config.platform.c_str()
            : m.config.backend == "python" ? "python"
                                           : "onnxruntime_onnx");
   const bool batched = m.config.max_batch_size > 0;

@@ -1,0 +1,492 @@
+"""Python models (backend "python") served by a real `quern serve`, driven by the real tritonclient
+(HTTP and gRPC). Every model.py is written by the test; expected values are computed here with numpy.
+A Triton Python-backend model runs unchanged; crashes, hangs and exceptions stay inside their batch."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+
+# Triton's own example (python_backend/examples/add_sub), as users have it.
+ADD_SUB = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = model_config = json.loads(args["model_config"])
+        output0_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT0")
+        output1_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT1")
+        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
+        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
+        print("add_sub initialized as", args["model_instance_name"], "version", args["model_version"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
+            out_0, out_1 = (in_0.as_numpy() + in_1.as_numpy(), in_0.as_numpy() - in_1.as_numpy())
+            out_tensor_0 = pb_utils.Tensor("OUTPUT0", out_0.astype(self.output0_dtype))
+            out_tensor_1 = pb_utils.Tensor("OUTPUT1", out_1.astype(self.output1_dtype))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out_tensor_0, out_tensor_1]))
+        return responses
+
+    def finalize(self):
+        print("add_sub finalize: cleaning up")
+'''
+
+ADD_SUB_CONFIG = '''
+backend: "python"
+max_batch_size: 16
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+# The plain form: one function over the whole batch. Rows whose first value is 666 raise, 777
+# kill the process, 888 hang; the model also reports which process ran it.
+PLAIN = '''
+import os, time
+import numpy as np
+
+def initialize(args):
+    global SCALE
+    SCALE = 2.0
+
+def infer(inputs):
+    x = inputs["x"]
+    first = x[:, 0]
+    if (first == 666).any():
+        raise ValueError("the row starting with 666 is refused")
+    if (first == 777).any():
+        os.kill(os.getpid(), 9)
+    if (first == 888).any():
+        time.sleep(60)
+    return {"y": x * SCALE, "pid": np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)}
+'''
+
+PLAIN_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "pid" data_type: TYPE_INT64 dims: [ 1 ] } ]
+dynamic_batching { }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "quern.execute_timeout_ms" value: { string_value: "1500" } }
+'''
+
+# Strings in and out, one request at a time (TritonError for a request that asks for it).
+STRINGS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            words = pb_utils.get_input_tensor_by_name(request, "text").as_numpy()
+            if any(w == b"fail me" for w in words.flat):
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("this request asked to fail", pb_utils.TritonError.INVALID_ARG)))
+                continue
+            upper = np.array([w.decode().upper() for w in words.flat], dtype=np.object_).reshape(words.shape)
+            lengths = np.array([len(w) for w in words.flat], dtype=np.int32).reshape(words.shape)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("upper", upper),
+                                                         pb_utils.Tensor("length", lengths)]))
+        return responses
+'''
+
+STRINGS_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "text" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "upper" data_type: TYPE_STRING dims: [ -1 ] }, { name: "length" data_type: TYPE_INT32 dims: [ -1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+# CPU-bound: a pure-Python loop holding the GIL; reports its process, CPU time and wall interval.
+BUSY = '''
+import os, time
+import numpy as np
+
+def infer(inputs):
+    n = inputs["n"]
+    wall0, cpu0 = time.time(), time.process_time()
+    total = 0
+    for i in range(int(n.max())):
+        total += i * i
+    wall1, cpu1 = time.time(), time.process_time()
+    rows = n.shape[0]
+    info = np.array([[os.getpid(), wall0, wall1, cpu1 - cpu0]] * rows, dtype=np.float64)
+    return {"info": info}
+'''
+
+
+def busy_config(count):
+    return f'''
+backend: "python"
+max_batch_size: 1
+input [ {{ name: "n" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+output [ {{ name: "info" data_type: TYPE_FP64 dims: [ 4 ] }} ]
+instance_group [ {{ count: {count} kind: KIND_CPU }} ]
+'''
+
+
+def write_model(repo, name, config, code, version=1, extra=None):
+    d = repo / name / str(version)
+    d.mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    (d / "model.py").write_text(code)
+    for fname, text in (extra or {}).items():
+        (d / fname).write_text(text)
+
+
+def snapshot(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, ADD_SUB)
+    write_model(repo, "plain", PLAIN_CONFIG, PLAIN)
+    write_model(repo, "strings", STRINGS_CONFIG, STRINGS)
+    # A model importing a module beside model.py, run by the test's own interpreter (a venv).
+    write_model(repo, "venv", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "x" data_type: TYPE_INT32 dims: [ 2 ] } ]
+        output [ { name: "exe" data_type: TYPE_STRING dims: [ 1 ] }, { name: "y" data_type: TYPE_INT32 dims: [ 2 ] } ]
+        parameters { key: "quern.python" value: { string_value: "%s" } }
+        ''' % sys.prefix, '''
+import sys
+import numpy as np
+from helper import twice
+
+def infer(inputs):
+    return {"exe": np.array([sys.executable.encode()], dtype=np.object_), "y": twice(inputs["x"])}
+''', extra={"helper.py": "def twice(a):\n    return a * 2\n"})
+    before = snapshot(repo)
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log)
+    yield {"repo": repo, "ports": ports, "log": log, "proc": proc, "before": before}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def http(served):
+    return httpclient.InferenceServerClient(f"127.0.0.1:{served['ports']['HTTP']}", concurrency=16)
+
+
+def grpc(served):
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{served['ports']['gRPC']}")
+
+
+def add_sub_http(client, a, b):
+    inputs = [httpclient.InferInput("INPUT0", list(a.shape), "FP32"), httpclient.InferInput("INPUT1", list(b.shape), "FP32")]
+    inputs[0].set_data_from_numpy(a, binary_data=True)
+    inputs[1].set_data_from_numpy(b, binary_data=False)
+    return client.infer("add_sub", inputs)
+
+
+def test_triton_example_model_runs_unchanged_over_http_and_grpc(served):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal((3, 4)).astype(np.float32)
+    r = add_sub_http(http(served), a, b)
+    np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+    np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+    g = grpc(served)
+    inputs = [grpcclient.InferInput("INPUT0", [3, 4], "FP32"), grpcclient.InferInput("INPUT1", [3, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    r = g.infer("add_sub", inputs)
+    np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+    meta = g.get_model_metadata("add_sub", as_json=True)
+    assert meta["platform"] == "python"
+    config = http(served).get_model_config("add_sub")
+    assert config["backend"] == "python"
+    # initialize() saw Triton's arguments; its print reached the server's log with the model's name.
+    assert any("model 'add_sub' instance 0: add_sub initialized as add_sub_0 version 1" in line
+               for line in served["log"]), served["log"][-20:]
+
+
+def test_concurrent_callers_each_get_their_own_rows_and_batches_form(served):
+    client = http(served)
+    before = client.get_inference_statistics("add_sub")["model_stats"][0]
+    rng = np.random.default_rng(2)
+    pairs = [(rng.standard_normal((1 + i % 3, 4)).astype(np.float32),
+              rng.standard_normal((1 + i % 3, 4)).astype(np.float32)) for i in range(48)]
+    results = [None] * len(pairs)
+
+    def call(i):
+        a, b = pairs[i]
+        results[i] = add_sub_http(httpclient.InferenceServerClient(f"127.0.0.1:{served['ports']['HTTP']}"), a, b)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(pairs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (a, b), r in zip(pairs, results):
+        np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+        np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+    after = client.get_inference_statistics("add_sub")["model_stats"][0]
+    requests = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert requests == sum(a.shape[0] for a, _ in pairs)
+    assert executions < len(pairs), (executions, len(pairs))  # requests met in batches
+
+
+def test_plain_form_over_the_batch(served):
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    inp = grpcclient.InferInput("x", [2, 5], "FP32")
+    inp.set_data_from_numpy(x)
+    r = grpc(served).infer("plain", [inp])
+    np.testing.assert_array_equal(r.as_numpy("y"), x * 2)
+    assert r.as_numpy("pid").shape == (2, 1)
+
+
+def plain_http(served, first, model="plain"):
+    x = np.array([[first, 1, 2]], dtype=np.float32)
+    inp = httpclient.InferInput("x", [1, 3], "FP32")
+    inp.set_data_from_numpy(x)
+    return httpclient.InferenceServerClient(f"127.0.0.1:{served['ports']['HTTP']}",
+                                            network_timeout=120).infer(model, [inp])
+
+
+def test_exception_fails_only_its_batch_with_the_traceback_line(served):
+    with pytest.raises(InferenceServerException) as e:
+        plain_http(served, 666)
+    assert "ValueError: the row starting with 666 is refused" in str(e.value)
+    assert "plain" in str(e.value)
+    np.testing.assert_array_equal(plain_http(served, 5).as_numpy("y"), [[10, 2, 4]])
+    assert any("Traceback" in line and "model 'plain'" in line for line in served["log"])
+
+
+def test_killed_process_fails_its_batch_and_is_started_again(served):
+    pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
+    with pytest.raises(InferenceServerException) as e:
+        plain_http(served, 777)
+    assert "killed by signal 9" in str(e.value), str(e.value)
+    r = plain_http(served, 3)
+    np.testing.assert_array_equal(r.as_numpy("y"), [[6, 2, 4]])
+    assert int(r.as_numpy("pid")[0, 0]) != pid
+    assert http(served).is_model_ready("plain")
+    # The dead process was reaped (no zombie left behind).
+    assert not os.path.exists(f"/proc/{pid}") or "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+def test_hung_execute_is_killed_after_the_timeout(served):
+    pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
+    start = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        plain_http(served, 888)
+    took = time.monotonic() - start
+    assert "ran longer than 1500 ms" in str(e.value), str(e.value)
+    assert took < 30, took
+    r = plain_http(served, 4)
+    np.testing.assert_array_equal(r.as_numpy("y"), [[8, 2, 4]])
+    assert int(r.as_numpy("pid")[0, 0]) != pid
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def strings_request(served, words):
+    arr = np.array(words, dtype=np.object_).reshape(1, -1)
+    inp = httpclient.InferInput("text", list(arr.shape), "BYTES")
+    inp.set_data_from_numpy(arr)
+    return httpclient.InferenceServerClient(f"127.0.0.1:{served['ports']['HTTP']}").infer("strings", [inp])
+
+
+def test_bytes_tensors_and_per_request_errors_in_one_batch(served):
+    words = [[b"alpha", "\u00e9t\u00e9".encode(), b""], [b"fail me"], [b"x" * 1000, b"beta"], [b"gamma"]]
+    results = [None] * len(words)
+
+    def call(i):
+        try:
+            results[i] = strings_request(served, words[i])
+        except InferenceServerException as e:
+            results[i] = e
+
+    client = http(served)
+    before = client.get_inference_statistics("strings")["model_stats"][0]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(words))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w, r in zip(words, results):
+        if w == [b"fail me"]:
+            assert isinstance(r, InferenceServerException)
+            assert "this request asked to fail" in str(r) and "400" in str(r.status()), (str(r), r.status())
+            continue
+        assert not isinstance(r, Exception), r
+        assert [s for s in r.as_numpy("upper").flat] == [x.decode().upper().encode() for x in w]
+        assert r.as_numpy("length").tolist() == [[len(x) for x in w]]
+    after = client.get_inference_statistics("strings")["model_stats"][0]
+    assert after["execution_count"] - before["execution_count"] < len(words)
+
+
+def test_venv_interpreter_and_modules_beside_model_py(served):
+    inp = grpcclient.InferInput("x", [2], "INT32")
+    inp.set_data_from_numpy(np.array([3, -4], dtype=np.int32))
+    r = grpc(served).infer("venv", [inp])
+    assert r.as_numpy("y").tolist() == [6, -8]
+    exe = r.as_numpy("exe")[0].decode()
+    assert os.path.realpath(os.path.dirname(exe)) == os.path.realpath(os.path.join(sys.prefix, "bin")), exe
+
+
+def test_nothing_is_written_into_the_repository(served):
+    assert snapshot(served["repo"]) == served["before"]
+
+
+def test_two_instances_use_two_cores(tmp_path):
+    """A CPU-bound Python model with two instances runs two batches at once, each on a core: their
+    execute() intervals overlap and each spends most of that wall time on the CPU (a GIL would
+    halve it)."""
+    write_model(tmp_path, "busy", busy_config(2), BUSY)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        def call(out, i):
+            inp = httpclient.InferInput("n", [1, 1], "INT64")
+            inp.set_data_from_numpy(np.array([[3_000_000]], dtype=np.int64))
+            out[i] = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}",
+                                                      network_timeout=120).infer("busy", [inp]).as_numpy("info")[0]
+
+        best = 0.0
+        for _ in range(4):
+            out = [None, None]
+            threads = [threading.Thread(target=call, args=(out, i)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            (pid_a, s_a, e_a, cpu_a), (pid_b, s_b, e_b, cpu_b) = out
+            assert pid_a != pid_b
+            overlap = min(e_a, e_b) - max(s_a, s_b)
+            span = max(e_a, e_b) - min(s_a, s_b)
+            if overlap > 0:
+                best = max(best, (cpu_a + cpu_b) / span)
+            if best > 1.5:
+                break
+        assert best > 1.5, f"two instances used {best:.2f} cores"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_load_errors_name_the_model_and_the_cause(tmp_path):
+    write_model(tmp_path, "syntax", PLAIN_CONFIG, "def infer(inputs:\n")
+    write_model(tmp_path, "nothing", PLAIN_CONFIG, "x = 1\n")
+    write_model(tmp_path, "raises", PLAIN_CONFIG, "raise RuntimeError('cannot find my weights')\n")
+    write_model(tmp_path, "bad_python", PLAIN_CONFIG + '\nparameters { key: "quern.python" value: { string_value: "/no/such/python" } }\n', PLAIN)
+    write_model(tmp_path, "packed_env", PLAIN_CONFIG + '\nparameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }\n', PLAIN)
+    (tmp_path / "missing" / "1").mkdir(parents=True)
+    (tmp_path / "missing" / "config.pbtxt").write_text(PLAIN_CONFIG)
+    write_model(tmp_path, "good", PLAIN_CONFIG, PLAIN)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert index["good"]["state"] == "READY"
+        expect = {
+            "syntax": "SyntaxError",
+            "nothing": "defines neither a class TritonPythonModel nor a function infer(inputs)",
+            "raises": "RuntimeError: cannot find my weights",
+            "bad_python": "/no/such/python",
+            "packed_env": "EXECUTION_ENV_PATH",
+            "missing": "model.py does not exist",
+        }
+        for name, text in expect.items():
+            assert index[name]["state"] != "READY", index[name]
+            assert text in index[name]["reason"], (name, index[name]["reason"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_changed_model_py_is_reloaded(tmp_path):
+    write_model(tmp_path, "scale", PLAIN_CONFIG, PLAIN)
+    proc, ports = start_quern(QUERN, str(tmp_path), "--repository-poll-secs", "0.2")
+    try:
+        served = {"ports": ports}
+        np.testing.assert_array_equal(plain_http(served, 1, "scale").as_numpy("y"), [[2, 2, 4]])
+        time.sleep(1.1)  # a new modification time even on coarse file systems
+        (tmp_path / "scale" / "1" / "model.py").write_text(PLAIN.replace("SCALE = 2.0", "SCALE = 3.0"))
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            y = plain_http(served, 1, "scale").as_numpy("y")
+            if y[0, 0] == 3:
+                break
+            time.sleep(0.2)
+        np.testing.assert_array_equal(y, [[3, 3, 6]])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def python_children(marker):
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def test_processes_end_with_the_server_even_when_it_is_killed(tmp_path):
+    write_model(tmp_path, "orphan_check", PLAIN_CONFIG, PLAIN)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc, ports = start_quern(QUERN, str(tmp_path))
+        children = python_children("quern-python:orphan_check:")
+        assert children, "no Python process found"
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+            time.sleep(0.1)
+        alive = [p for p in children if os.path.exists(f"/proc/{p}")]
+        assert not alive, f"after {sig.name} these Python processes still run: {alive}"
+
+
+def test_wrong_outputs_are_clear_errors(tmp_path):
+    write_model(tmp_path, "wrong", PLAIN_CONFIG, '''
+import numpy as np
+def infer(inputs):
+    x = inputs["x"]
+    kind = int(x[0, 0])
+    if kind == 1:
+        return {"y": np.array(["a"] * x.size).reshape(x.shape), "pid": np.zeros((x.shape[0], 1), np.int64)}
+    if kind == 2:
+        return {"y": x[:, :1], "pid": np.zeros((x.shape[0] + 1, 1), np.int64)}
+    if kind == 3:
+        return {"y": x}
+    return [x]
+''')
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        served = {"ports": ports}
+        for kind, text in [(1, "output 'y' has dtype <U1; the configuration says float32"),
+                           (2, "output 'pid' has shape [2, 1]; expected [1, 1]"),
+                           (3, "returned no output 'pid'"),
+                           (4, "infer() returned list")]:
+            with pytest.raises(InferenceServerException) as e:
+                plain_http(served, kind, "wrong")
+            assert text in str(e.value), (kind, str(e.value))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
