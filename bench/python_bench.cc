@@ -1,0 +1,170 @@
+// python_bench: what serving a Python model costs beyond the Python function.
+//
+//   python_bench --seconds 5 --submitters 1 8 --bytes 16 1048576
+//
+// Writes a repository with one Python model (a plain infer() that returns
+// its input: the function itself costs next to nothing) into a temporary
+// folder, loads it in an Engine, and has N threads send requests back to
+// back through Engine::Infer for each payload size. Reports requests/s,
+// latency, and CPU per request of this process (the engine: batching,
+// copies into and out of shared memory, the socket round trip) and of the
+// model's Python processes (the stub: reading the batch, calling infer(),
+// writing the outputs), read from /proc. The payload goes both ways: N bytes
+// in, N bytes out.
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "quern/engine.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double SelfCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+// CPU seconds of this process's live children (utime + stime from /proc).
+double ChildrenCpuSeconds() {
+  const pid_t self = getpid();
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  double total = 0;
+  DIR* d = opendir("/proc");
+  if (!d) return 0;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    std::ifstream f(std::string("/proc/") + e->d_name + "/stat");
+    std::string line;
+    if (!std::getline(f, line)) continue;
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != self) continue;
+    std::string skip;
+    for (int i = 0; i < 9; ++i) rest >> skip;  // pgrp .. cmajflt
+    unsigned long long utime = 0, stime = 0;
+    rest >> utime >> stime;
+    total += (utime + stime) / tick;
+  }
+  closedir(d);
+  return total;
+}
+
+void WriteModel(const fs::path& repo, int instances, int max_batch) {
+  fs::create_directories(repo / "echo" / "1");
+  std::ofstream(repo / "echo" / "config.pbtxt") << "backend: \"python\"\n"
+                                                << "max_batch_size: " << max_batch << "\n"
+                                                << "input [ { name: \"x\" data_type: TYPE_UINT8 dims: [ -1 ] } ]\n"
+                                                << "output [ { name: \"y\" data_type: TYPE_UINT8 dims: [ -1 ] } ]\n"
+                                                << "dynamic_batching { }\n"
+                                                << "instance_group [ { count: " << instances << " } ]\n";
+  std::ofstream(repo / "echo" / "1" / "model.py") << "def infer(inputs):\n    return {\"y\": inputs[\"x\"]}\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Python model serving cost"};
+  double seconds = 5;
+  std::vector<int> submitters = {1, 8};
+  std::vector<int64_t> sizes = {16, 1 << 20};
+  int instances = 1;
+  int max_batch = 32;
+  app.add_option("--seconds", seconds, "measured time per setting");
+  app.add_option("--submitters", submitters, "concurrent submitting threads");
+  app.add_option("--bytes", sizes, "payload per request, each way");
+  app.add_option("--instances", instances, "Python processes");
+  app.add_option("--max-batch", max_batch, "max_batch_size");
+  CLI11_PARSE(app, argc, argv);
+
+  char tmpl[] = "/tmp/quern-python-bench-XXXXXX";
+  if (!mkdtemp(tmpl)) return 1;
+  const fs::path repo(tmpl);
+  WriteModel(repo, instances, max_batch);
+  quern::EngineOptions options;
+  options.model_repository = repo.string();
+  auto engine = quern::Engine::Create(options);
+  if (!engine) {
+    std::fprintf(stderr, "%s\n", engine.error().ToString().c_str());
+    return 1;
+  }
+  std::printf("%-11s %-9s %10s %9s %9s %12s %12s %9s\n", "submitters", "bytes", "req/s", "p50 ms", "p99 ms",
+              "engine us/r", "python us/r", "batch");
+  for (int64_t size : sizes) {
+    std::vector<uint8_t> payload(static_cast<size_t>(size));
+    for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7);
+    for (int n : submitters) {
+      std::atomic<bool> measuring{false}, stop{false};
+      std::vector<std::vector<double>> lat(n);
+      std::vector<int64_t> batch_sum(n, 0);
+      std::vector<std::thread> threads;
+      for (int t = 0; t < n; ++t) {
+        threads.emplace_back([&, t] {
+          while (!stop.load()) {
+            quern::InferRequest r;
+            r.model = "echo";
+            r.inputs = {{"x", quern::Tensor::Borrow(quern::DataType::kUint8, {1, size}, payload.data(),
+                                                    payload.size())}};
+            const auto t0 = Clock::now();
+            quern::InferResponse resp = (*engine)->Infer(std::move(r)).get();
+            if (!resp.status.ok() || resp.outputs.size() != 1 ||
+                resp.outputs[0].tensor.byte_size() != payload.size() ||
+                std::memcmp(resp.outputs[0].tensor.data(), payload.data(), payload.size()) != 0) {
+              std::fprintf(stderr, "wrong answer: %s\n", resp.status.ToString().c_str());
+              std::exit(1);
+            }
+            if (measuring.load(std::memory_order_relaxed)) {
+              lat[t].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+              batch_sum[t] += resp.telemetry.batch_size;
+            }
+          }
+        });
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));  // warm-up
+      const double self0 = SelfCpuSeconds(), child0 = ChildrenCpuSeconds();
+      const auto w0 = Clock::now();
+      measuring = true;
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      measuring = false;
+      const double wall = std::chrono::duration<double>(Clock::now() - w0).count();
+      const double self1 = SelfCpuSeconds(), child1 = ChildrenCpuSeconds();
+      stop = true;
+      for (auto& th : threads) th.join();
+      std::vector<double> all;
+      int64_t batches = 0;
+      for (int t = 0; t < n; ++t) {
+        all.insert(all.end(), lat[t].begin(), lat[t].end());
+        batches += batch_sum[t];
+      }
+      std::sort(all.begin(), all.end());
+      const double count = static_cast<double>(all.size());
+      if (all.empty()) continue;
+      std::printf("%-11d %-9lld %10.0f %9.3f %9.3f %12.1f %12.1f %9.2f\n", n, static_cast<long long>(size),
+                  count / wall, all[all.size() / 2], all[std::min(all.size() - 1, all.size() * 99 / 100)],
+                  (self1 - self0) / count * 1e6, (child1 - child0) / count * 1e6, batches / count);
+    }
+  }
+  engine->reset();
+  fs::remove_all(repo);
+  return 0;
+}
