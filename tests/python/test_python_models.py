@@ -122,6 +122,22 @@ dynamic_batching { max_queue_delay_microseconds: 20000 }
 instance_group [ { count: 1 kind: KIND_CPU } ]
 '''
 
+# Large outputs: one passed on from the input (it stays where the server wrote it), one new.
+MIRROR = '''
+def infer(inputs):
+    x = inputs["x"]
+    return {"same": x, "plus": x + 1}
+'''
+
+MIRROR_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+output [ { name: "same" data_type: TYPE_UINT8 dims: [ -1 ] }, { name: "plus" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+dynamic_batching { }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
 # CPU-bound: a pure-Python loop holding the GIL; reports its process, CPU time and wall interval.
 BUSY = '''
 import os, time
@@ -169,6 +185,7 @@ def served(tmp_path_factory):
     write_model(repo, "add_sub", ADD_SUB_CONFIG, ADD_SUB)
     write_model(repo, "plain", PLAIN_CONFIG, PLAIN)
     write_model(repo, "strings", STRINGS_CONFIG, STRINGS)
+    write_model(repo, "mirror", MIRROR_CONFIG, MIRROR)
     # A model importing a module beside model.py, run by the test's own interpreter (a venv).
     write_model(repo, "venv", '''
         backend: "python"
@@ -343,6 +360,36 @@ def test_bytes_tensors_and_per_request_errors_in_one_batch(served):
         assert r.as_numpy("length").tolist() == [[len(x) for x in w]]
     after = client.get_inference_statistics("strings")["model_stats"][0]
     assert after["execution_count"] - before["execution_count"] < len(words)
+
+
+def test_large_outputs_stay_intact_while_later_batches_run(served):
+    """Outputs borrow the shared memory their batch ran in while the server answers; later batches must
+    never write over an answer not yet sent (48 concurrent callers, 384 KiB each way, over HTTP and gRPC)."""
+    errors = []
+
+    def call(i):
+        try:
+            x = np.random.default_rng(i).integers(0, 255, size=(1, 384 * 1024), dtype=np.uint8)
+            if i % 2:
+                inp = httpclient.InferInput("x", list(x.shape), "UINT8")
+                inp.set_data_from_numpy(x, binary_data=True)
+                r = httpclient.InferenceServerClient(f"127.0.0.1:{served['ports']['HTTP']}").infer("mirror", [inp])
+            else:
+                inp = grpcclient.InferInput("x", list(x.shape), "UINT8")
+                inp.set_data_from_numpy(x)
+                r = grpcclient.InferenceServerClient(f"127.0.0.1:{served['ports']['gRPC']}").infer("mirror", [inp])
+            if not np.array_equal(r.as_numpy("same"), x) or not np.array_equal(r.as_numpy("plus"), x + 1):
+                errors.append(f"caller {i}: wrong bytes")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"caller {i}: {e}")
+
+    for _ in range(2):
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:5]
 
 
 def test_venv_interpreter_and_modules_beside_model_py(served):

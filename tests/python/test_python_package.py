@@ -285,3 +285,25 @@ def test_exiting_with_a_request_in_flight_is_clean(tmp_path):
               f"print('submitted', flush=True)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "submitted" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+def test_python_model_outputs_kept_by_the_caller_stay_intact(tmp_path):
+    """A Python model (backend "python") in an embedded engine: its outputs borrow the shared memory
+    their batch ran in, and the caller keeps them as numpy arrays while many later batches run; none
+    may be overwritten (the server copies out once no slot is left free)."""
+    d = tmp_path / "mirror" / "1"
+    d.mkdir(parents=True)
+    (tmp_path / "mirror" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\n'
+        'input [ { name: "x" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        'output [ { name: "same" data_type: TYPE_INT32 dims: [ -1 ] }, '
+        '{ name: "plus" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        'dynamic_batching { }\ninstance_group [ { count: 1 } ]\n')
+    (d / "model.py").write_text('def infer(inputs):\n    x = inputs["x"]\n    return {"same": x, "plus": x + 1}\n')
+    with quern.Engine(tmp_path) as engine:
+        kept = []
+        for i in range(24):
+            x = np.full((1, 4096), i, np.int32)
+            kept.append((i, engine.infer("mirror", {"x": x})))
+        for i, r in kept:
+            assert (r["same"] == i).all() and (r["plus"] == i + 1).all(), i

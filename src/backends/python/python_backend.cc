@@ -149,16 +149,21 @@ class PythonModel final : public Model {
       offsets[i] = end;
       end = AlignUp(end + inputs[i].tensor.byte_size());
     }
-    QUERN_RETURN_IF_ERROR(process_->Reserve(std::max<size_t>(end, 1)));
+    // One slot always stays free (ReadOutputs copies rather than borrow the last one).
+    const int slot = process_->FreeSlot();
+    if (slot < 0) return Internal(tag_ + ": no free shared memory slot");
+    QUERN_RETURN_IF_ERROR(process_->Reserve(slot, std::max<size_t>(end, 1)));
+    std::byte* shm = process_->shm(slot);
     std::string frame = "E";
+    Put<uint8_t>(frame, static_cast<uint8_t>(slot));
     Put<uint32_t>(frame, static_cast<uint32_t>(requests.rows.size()));
     Put<uint32_t>(frame, static_cast<uint32_t>(inputs.size()));
     Put<int64_t>(frame, batch_size);
-    Put<uint64_t>(frame, process_->shm_size());
+    Put<uint64_t>(frame, process_->shm_size(slot));
     for (int64_t r : requests.rows) Put<int64_t>(frame, r);
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Tensor& t = inputs[i].tensor;
-      if (t.byte_size()) std::memcpy(process_->shm() + offsets[i], t.data(), t.byte_size());
+      if (t.byte_size()) std::memcpy(shm + offsets[i], t.data(), t.byte_size());
       Put<uint16_t>(frame, static_cast<uint16_t>(inputs[i].name.size()));
       Put<uint8_t>(frame, static_cast<uint8_t>(t.dtype()));
       Put<uint8_t>(frame, static_cast<uint8_t>(t.shape().size()));
@@ -176,7 +181,7 @@ class PythonModel final : public Model {
       }
       return Unavailable(reply.error().message() + " while running a batch; it starts again");
     }
-    return ReadReply(*reply, batch_size, requests, outputs);
+    return ReadReply(*reply, slot, batch_size, requests, outputs);
   }
 
  private:
@@ -252,12 +257,12 @@ class PythonModel final : public Model {
 
   // A reply the process sent; anything malformed fails the batch and ends
   // the process (it is started again).
-  Status ReadReply(std::string_view reply, int64_t batch_size, BatchRequests requests,
+  Status ReadReply(std::string_view reply, int slot, int64_t batch_size, BatchRequests requests,
                    std::vector<NamedTensor>& outputs) {
     if (reply.size() >= 2 && reply[0] == 'X') {
       return FromTritonCode(static_cast<uint8_t>(reply[1]), tag_ + ": " + std::string(reply.substr(2)));
     }
-    Status st = ReadOutputs(reply, batch_size, requests, outputs);
+    Status st = ReadOutputs(reply, slot, batch_size, requests, outputs);
     if (!st.ok()) {
       outputs.clear();
       process_.reset();
@@ -265,7 +270,9 @@ class PythonModel final : public Model {
     return st;
   }
 
-  Status ReadOutputs(std::string_view reply, int64_t batch_size, BatchRequests requests,
+  // Outputs borrow the slot's bytes while another slot stays free for the
+  // next batch; otherwise they are copied out.
+  Status ReadOutputs(std::string_view reply, int slot, int64_t batch_size, BatchRequests requests,
                      std::vector<NamedTensor>& outputs) {
     auto broken = [&](const std::string& what) { return Internal(tag_ + ": its Python process sent " + what); };
     if (reply.empty() || reply[0] != 'D') return broken("an unknown reply");
@@ -282,7 +289,11 @@ class PythonModel final : public Model {
       }
       requests.status[index] = FromTritonCode(code, tag_ + ": " + std::string(message));
     }
-    QUERN_RETURN_IF_ERROR(process_->Remap(shm_size));
+    QUERN_RETURN_IF_ERROR(process_->Remap(slot, shm_size));
+    const size_t mapped = process_->shm_size(slot);
+    std::byte* shm = process_->shm(slot);
+    std::shared_ptr<const void> owner;
+    if (process_->FreeSlotsBesides(slot) > 0) owner = process_->Borrow(slot);
     uint32_t count = 0;
     if (!r.Get(count) || count != config_.outputs.size()) return broken("a reply without every output");
     const bool batched = config_.max_batch_size > 0;
@@ -301,6 +312,8 @@ class PythonModel final : public Model {
       }
       if (!r.Get(offset) || !r.Get(nbytes)) return broken("a malformed reply");
       const Shape& dims = ModelDims(oc);
+      const size_t element = DataTypeByteSize(oc.dtype);
+      const size_t element_size = element;
       bool fits = name == oc.name && dtype == static_cast<uint8_t>(oc.dtype) &&
                   shape.size() == dims.size() + (batched ? 1 : 0) && (!batched || shape[0] == batch_size);
       for (size_t i = 0; fits && i < dims.size(); ++i) {
@@ -311,16 +324,20 @@ class PythonModel final : public Model {
         return broken("output '" + std::string(name.substr(0, 256)) + "' as " + ShapeToString(shape) +
                       " where the configuration expects '" + oc.name + "'");
       }
-      if (offset > process_->shm_size() || nbytes > process_->shm_size() - offset) {
+      if (offset > mapped || nbytes > mapped - offset || (element_size && offset % element_size)) {
         return broken("output '" + oc.name + "' outside the shared memory");
       }
-      const size_t element = DataTypeByteSize(oc.dtype);
       if (element && ByteCount(shape, element) != static_cast<int64_t>(nbytes)) {
         return broken("output '" + oc.name + "' of " + std::to_string(nbytes) + " bytes for shape " +
                       ShapeToString(shape));
       }
-      Tensor t = Tensor::AllocateUninitialized(oc.dtype, shape, nbytes);
-      if (nbytes) std::memcpy(t.mutable_data(), process_->shm() + offset, nbytes);
+      Tensor t;
+      if (owner) {
+        t = Tensor::Borrow(oc.dtype, shape, shm + offset, nbytes, owner);
+      } else {
+        t = Tensor::AllocateUninitialized(oc.dtype, shape, nbytes);
+        if (nbytes) std::memcpy(t.mutable_data(), shm + offset, nbytes);
+      }
       if (!element) QUERN_RETURN_IF_ERROR(t.Validate());
       outputs.push_back({oc.name, std::move(t)});
     }

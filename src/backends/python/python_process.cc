@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,8 +26,8 @@ namespace {
 
 // The descriptors the process finds (stub.py describes them).
 constexpr int kChildControlFd = 3;
-constexpr int kChildShmFd = 5;
 constexpr int kChildLifeFd = 6;
+constexpr int kChildShmFds[PythonProcess::kSlots] = {5, 7, 8, 9};
 // Frames are descriptions of tensors, never the tensors: a larger one is a
 // broken process.
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
@@ -131,13 +132,17 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   }
   p->control_fd_ = control[0];
   int child_control = control[1];
-  p->shm_fd_ = ::memfd_create(("quern:" + launch.model_name).substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (p->shm_fd_ < 0 || ::ftruncate(p->shm_fd_, kShmGranule) != 0 ||
-      ::fcntl(p->shm_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
-    ::close(child_control);
-    return Err(Unavailable(tag + ": cannot create shared memory for its Python process: " + ErrnoText(errno)));
+  // Slots start at one granule (memory is only used where written); no
+  // side can shrink them under the other's mapping.
+  for (int i = 0; i < kSlots; ++i) {
+    int& fd = p->slots_[i].fd;
+    fd = ::memfd_create(("quern:" + launch.model_name).substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ::ftruncate(fd, kShmGranule) != 0 || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+      ::close(child_control);
+      return Err(Unavailable(tag + ": cannot create shared memory for its Python process: " + ErrnoText(errno)));
+    }
   }
-  QUERN_RETURN_IF_ERROR(p->MapShm(kShmGranule));
+  QUERN_RETURN_IF_ERROR(p->MapSlot(0, kShmGranule));
   if (::pipe2(life, O_CLOEXEC) != 0) {
     ::close(child_control);
     return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
@@ -166,7 +171,8 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   child_control = high(child_control);
   const int child_life = high(life[0]);
   const int child_log = high(log[1]);
-  const int child_shm = ::fcntl(p->shm_fd_, F_DUPFD_CLOEXEC, 10);
+  int child_shm[kSlots];
+  for (int i = 0; i < kSlots; ++i) child_shm[i] = ::fcntl(p->slots_[i].fd, F_DUPFD_CLOEXEC, 10);
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -174,9 +180,9 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   posix_spawn_file_actions_adddup2(&actions, child_log, STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_log, STDERR_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_control, kChildControlFd);
-  posix_spawn_file_actions_adddup2(&actions, child_shm, kChildShmFd);
   posix_spawn_file_actions_adddup2(&actions, child_life, kChildLifeFd);
-  posix_spawn_file_actions_addclosefrom_np(&actions, kChildLifeFd + 1);
+  for (int i = 0; i < kSlots; ++i) posix_spawn_file_actions_adddup2(&actions, child_shm[i], kChildShmFds[i]);
+  posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[kSlots - 1] + 1);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   sigset_t none, defaults;
@@ -213,7 +219,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   ::close(child_control);
   ::close(child_life);
   ::close(child_log);
-  ::close(child_shm);
+  for (int fd : child_shm) ::close(fd);
   if (rc != 0) {
     ::close(log[0]);
     ::close(stop[0]);
@@ -273,9 +279,9 @@ PythonProcess::~PythonProcess() {
   if (log_reader_.joinable()) log_reader_.join();
   CloseFd(log_stop_fd_);
   CloseFd(log_stop_read_fd_);
-  if (shm_) ::munmap(shm_, shm_size_);
   CloseFd(control_fd_);
-  CloseFd(shm_fd_);
+  // Mappings borrowed by output tensors stay until those are released.
+  for (auto& slot : slots_) CloseFd(slot.fd);
   CloseFd(life_fd_);
 }
 
@@ -302,45 +308,66 @@ std::string PythonProcess::Reap(bool kill) {
   return r > 0 ? DescribeExit(status) : "could not be waited for";
 }
 
-Status PythonProcess::MapShm(size_t bytes) {
-  if (shm_) ::munmap(shm_, shm_size_);
-  shm_ = nullptr;
-  shm_size_ = 0;
-  void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm_fd_, 0);
+PythonProcess::Mapping::~Mapping() {
+  if (addr) ::munmap(addr, size);
+}
+
+int PythonProcess::FreeSlot() const {
+  for (int i = 0; i < kSlots; ++i) {
+    // Only this thread adds borrowers, so a count of one cannot grow behind
+    // our back.
+    if (!slots_[i].map || slots_[i].map.use_count() == 1) return i;
+  }
+  return -1;
+}
+
+int PythonProcess::FreeSlotsBesides(int slot) const {
+  int n = 0;
+  for (int i = 0; i < kSlots; ++i) {
+    if (i != slot && (!slots_[i].map || slots_[i].map.use_count() == 1)) ++n;
+  }
+  return n;
+}
+
+Status PythonProcess::MapSlot(int slot, size_t bytes) {
+  slots_[slot].map.reset();
+  void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, slots_[slot].fd, 0);
   if (m == MAP_FAILED) return Unavailable(tag_ + ": cannot map " + std::to_string(bytes) + " bytes of shared memory");
-  shm_ = static_cast<std::byte*>(m);
-  shm_size_ = bytes;
+  auto map = std::make_shared<Mapping>();
+  map->addr = static_cast<std::byte*>(m);
+  map->size = bytes;
+  slots_[slot].map = std::move(map);
   return Status::Ok();
 }
 
-Status PythonProcess::Reserve(size_t bytes) {
-  if (bytes <= shm_size_) return Status::Ok();
+Status PythonProcess::Reserve(int slot, size_t bytes) {
+  if (bytes <= shm_size(slot)) return Status::Ok();
   if (bytes > kMaxShmBytes) {
     return ResourceExhausted(tag_ + ": a batch needs " + std::to_string(bytes) + " bytes of shared memory; at most " +
                              std::to_string(kMaxShmBytes));
   }
   struct stat st {};
-  if (::fstat(shm_fd_, &st) != 0) return Unavailable(tag_ + ": cannot read the shared memory's size");
+  if (::fstat(slots_[slot].fd, &st) != 0) return Unavailable(tag_ + ": cannot read the shared memory's size");
   size_t size = static_cast<size_t>(st.st_size);
   if (size < bytes) {
     size = std::min(std::max(bytes, size * 2), kMaxShmBytes);
     size = (size + kShmGranule - 1) / kShmGranule * kShmGranule;
-    if (::ftruncate(shm_fd_, static_cast<off_t>(size)) != 0) {
+    if (::ftruncate(slots_[slot].fd, static_cast<off_t>(size)) != 0) {
       return ResourceExhausted(tag_ + ": cannot grow the shared memory to " + std::to_string(size) +
                                " bytes: " + ErrnoText(errno));
     }
   }
-  return MapShm(size);
+  return MapSlot(slot, size);
 }
 
-Status PythonProcess::Remap(size_t bytes) {
-  if (bytes <= shm_size_) return Status::Ok();
+Status PythonProcess::Remap(int slot, size_t bytes) {
+  if (bytes <= shm_size(slot)) return Status::Ok();
   struct stat st {};
-  if (::fstat(shm_fd_, &st) != 0 || static_cast<size_t>(st.st_size) < bytes || bytes > kMaxShmBytes) {
+  if (::fstat(slots_[slot].fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes || bytes > kMaxShmBytes) {
     return Internal(tag_ + ": its Python process reported shared memory of " + std::to_string(bytes) +
                     " bytes, which the file does not hold");
   }
-  return MapShm(bytes);
+  return MapSlot(slot, bytes);
 }
 
 Status PythonProcess::Send(std::string_view payload) {
@@ -348,61 +375,74 @@ Status PythonProcess::Send(std::string_view payload) {
   const uint32_t n = static_cast<uint32_t>(payload.size());
   const unsigned char head[4] = {static_cast<unsigned char>(n), static_cast<unsigned char>(n >> 8),
                                  static_cast<unsigned char>(n >> 16), static_cast<unsigned char>(n >> 24)};
-  auto write_all = [&](const void* data, size_t size) -> bool {
-    const char* p = static_cast<const char*>(data);
-    while (size > 0) {
-      const ssize_t w = ::send(control_fd_, p, size, MSG_NOSIGNAL);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) return false;
-      p += w;
-      size -= static_cast<size_t>(w);
+  // One sendmsg for the header and the payload: one wake-up on the other side.
+  iovec iov[2] = {{const_cast<unsigned char*>(head), sizeof head}, {const_cast<char*>(payload.data()), payload.size()}};
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = 2;
+  bool ok = true;
+  while (msg.msg_iovlen > 0) {
+    const ssize_t w = ::sendmsg(control_fd_, &msg, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ok = false;
+      break;
     }
-    return true;
-  };
-  if (write_all(head, sizeof head) && write_all(payload.data(), payload.size())) return Status::Ok();
+    size_t left = static_cast<size_t>(w);
+    while (msg.msg_iovlen > 0 && left >= msg.msg_iov[0].iov_len) {
+      left -= msg.msg_iov[0].iov_len;
+      ++msg.msg_iov;
+      --msg.msg_iovlen;
+    }
+    if (msg.msg_iovlen > 0) {
+      msg.msg_iov[0].iov_base = static_cast<char*>(msg.msg_iov[0].iov_base) + left;
+      msg.msg_iov[0].iov_len -= left;
+    }
+  }
+  if (ok) return Status::Ok();
   return Unavailable(tag_ + ": its Python process " + Reap(false));
 }
 
 Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
   if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
   const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
-  // 0 = read, 1 = timed out, 2 = closed or failed.
-  auto read_all = [&](char* p, size_t size) -> int {
-    while (size > 0) {
-      pollfd fd{control_fd_, POLLIN, 0};
-      const int64_t left = deadline ? deadline - NowMs() : -1;
-      if (deadline && left <= 0) return 1;
-      const int r = ::poll(&fd, 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
+  char buf[65536];
+  for (;;) {
+    if (inbox_.size() >= 4) {
+      const auto* h = reinterpret_cast<const unsigned char*>(inbox_.data());
+      const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (uint32_t{h[3]} << 24);
+      if (n > kMaxFrameBytes) {
+        inbox_.clear();
+        Reap(true);
+        return Err(
+            Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) + " bytes; it was killed"));
+      }
+      if (inbox_.size() - 4 >= n) {
+        std::string frame = inbox_.substr(4, n);
+        inbox_.erase(0, 4 + size_t{n});
+        return frame;
+      }
+    }
+    pollfd fd{control_fd_, POLLIN, 0};
+    const int64_t left = deadline ? deadline - NowMs() : -1;
+    int r = 0;
+    if (!deadline || left > 0) {
+      r = ::poll(&fd, 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
       if (r < 0 && errno == EINTR) continue;
-      if (r < 0) return 2;
-      if (r == 0) return 1;
-      const ssize_t n = ::read(control_fd_, p, size);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n <= 0) return 2;
-      p += n;
-      size -= static_cast<size_t>(n);
     }
-    return 0;
-  };
-  unsigned char head[4];
-  int r = read_all(reinterpret_cast<char*>(head), sizeof head);
-  std::string payload;
-  if (r == 0) {
-    const uint32_t n = head[0] | (head[1] << 8) | (head[2] << 16) | (uint32_t{head[3]} << 24);
-    if (n > kMaxFrameBytes) {
+    if (r == 0) {
+      inbox_.clear();
       Reap(true);
-      return Err(
-          Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) + " bytes; it was killed"));
+      return Err(DeadlineExceeded("timed out"));
     }
-    payload.resize(n);
-    r = read_all(payload.data(), n);
+    const ssize_t n = r > 0 ? ::read(control_fd_, buf, sizeof buf) : -1;
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) {
+      inbox_.clear();
+      return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
+    }
+    inbox_.append(buf, static_cast<size_t>(n));
   }
-  if (r == 1) {
-    Reap(true);
-    return Err(DeadlineExceeded("timed out"));
-  }
-  if (r == 2) return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
-  return payload;
 }
 
 Result<std::string> ResolvePythonInterpreter(const std::string& configured, const std::filesystem::path& model_dir,

@@ -47,13 +47,24 @@ class PythonProcess {
   PythonProcess(const PythonProcess&) = delete;
   PythonProcess& operator=(const PythonProcess&) = delete;
 
-  // The shared memory, at least `bytes` long (grown when needed).
-  Status Reserve(size_t bytes);
-  std::byte* shm() const { return shm_; }
-  size_t shm_size() const { return shm_size_; }
-  // Maps the shared memory again after the process grew it to `bytes`
-  // (checked against the file's real size).
-  Status Remap(size_t bytes);
+  // Shared memory comes in kSlots slots, each a memfd of its own: a batch's
+  // inputs and outputs share one slot, and the batch's output tensors may
+  // borrow the slot's bytes (no copy out) until they are released; a slot is
+  // free while nothing borrows it.
+  static constexpr int kSlots = 4;
+  // A free slot, or -1 when every slot is borrowed.
+  int FreeSlot() const;
+  // Free slots besides `slot`.
+  int FreeSlotsBesides(int slot) const;
+  // Slot `slot` at least `bytes` long (grown when needed; the slot is free).
+  Status Reserve(int slot, size_t bytes);
+  std::byte* shm(int slot) const { return slots_[slot].map ? slots_[slot].map->addr : nullptr; }
+  size_t shm_size(int slot) const { return slots_[slot].map ? slots_[slot].map->size : 0; }
+  // Keeps slot `slot`'s current mapping alive (and the slot borrowed).
+  std::shared_ptr<const void> Borrow(int slot) const { return slots_[slot].map; }
+  // Maps slot `slot` again after the process grew it to `bytes` (checked
+  // against the file's real size).
+  Status Remap(int slot, size_t bytes);
 
   Status Send(std::string_view payload);
   // The next frame; `timeout_ms` <= 0 waits without limit. On a timeout the
@@ -66,19 +77,27 @@ class PythonProcess {
 
  private:
   explicit PythonProcess(std::string tag) : tag_(std::move(tag)) {}
+  struct Mapping {
+    std::byte* addr = nullptr;
+    size_t size = 0;
+    ~Mapping();
+  };
+  struct Slot {
+    int fd = -1;
+    std::shared_ptr<Mapping> map;
+  };
   // Kills the process (when `kill`), reaps it and says how it ended.
   std::string Reap(bool kill);
-  Status MapShm(size_t bytes);
+  Status MapSlot(int slot, size_t bytes);
 
   std::string tag_;  // "model 'x' instance 0"
   pid_t pid_ = -1;
   int control_fd_ = -1;
-  int shm_fd_ = -1;
   int life_fd_ = -1;      // write end of the pipe the process watches
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
   int log_stop_read_fd_ = -1;
-  std::byte* shm_ = nullptr;
-  size_t shm_size_ = 0;
+  Slot slots_[kSlots];
+  std::string inbox_;  // bytes read from the socket, not yet a whole frame
   std::thread log_reader_;
 };
 

@@ -4,8 +4,11 @@
 #   3  a Unix socket to the server: frames of a 4-byte little-endian length
 #      and a payload (this source, the pb_utils source, the launch JSON,
 #      then one execute frame per batch and a shutdown frame)
-#   5  a memfd shared with the server: input tensors are written there by the
-#      server, output tensors by this process (either side may grow it)
+#   5, 7, 8, 9  memfds shared with the server, the slots: a batch's input
+#      tensors are written into one slot by the server, its output tensors
+#      into the same slot by this process (either side may grow it); the
+#      server may keep a slot's outputs while it answers, using another slot
+#      for the next batch
 #   6  the read end of a pipe the server holds open: when the server exits,
 #      it reports a hang-up and this process exits too
 #   1, 2  a pipe into the server's log
@@ -22,12 +25,32 @@ import threading
 import traceback
 import types
 
-CONTROL_FD, SHM_FD, LIFE_FD = 3, 5, 6
+CONTROL_FD, LIFE_FD = 3, 6
+SHM_FDS = (5, 7, 8, 9)
 ALIGN = 64
 MAX_SHM_BYTES = 1 << 34  # 16 GiB: no batch of outputs is larger
 BYTES = 13
 _NUMPY_TYPES = {1: "bool", 2: "uint8", 3: "uint16", 4: "uint32", 5: "uint64", 6: "int8", 7: "int16", 8: "int32",
                 9: "int64", 10: "float16", 11: "float32", 12: "float64"}
+
+
+_inbox = bytearray()
+
+
+def _next_frame():
+    """The next frame, reading as much as the socket holds at once."""
+    global _inbox
+    while True:
+        if len(_inbox) >= 4:
+            n = int.from_bytes(_inbox[:4], "little")
+            if len(_inbox) >= 4 + n:
+                frame = bytes(_inbox[4:4 + n])
+                del _inbox[:4 + n]
+                return frame
+        chunk = os.read(CONTROL_FD, 65536)
+        if not chunk:
+            os._exit(0)
+        _inbox += chunk
 
 
 def _send(payload):
@@ -52,26 +75,39 @@ def _last_line(exc):
 
 
 class Shm:
-    """The shared memory, mapped whole; remapped when either side grows it."""
+    """One slot of shared memory, mapped whole; remapped when either side grows it."""
 
-    def __init__(self):
+    def __init__(self, fd):
+        self.fd = fd
         self.size = 0
         self.map = None
+        self.address = 0
 
     def ensure(self, size):
         if size > self.size:
+            import ctypes
             # The old map stays alive while arrays still view it.
-            self.map = mmap.mmap(SHM_FD, size)
+            self.map = mmap.mmap(self.fd, size)
             self.size = size
+            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+    def offset_of(self, array):
+        """Where `array` lies in this slot when it is a contiguous view of it (an input passed on), else None."""
+        if not array.flags.c_contiguous:
+            return None
+        start = array.__array_interface__["data"][0] - self.address
+        if 0 <= start and start + array.nbytes <= self.size:
+            return start
+        return None
 
     def grow(self, needed):
         if needed > MAX_SHM_BYTES:
             raise MemoryError(f"outputs need {needed} bytes of shared memory; at most {MAX_SHM_BYTES}")
-        current = os.fstat(SHM_FD).st_size
+        current = os.fstat(self.fd).st_size
         if needed > current:
             size = max(needed, min(current * 2, MAX_SHM_BYTES))
             size = (size + (1 << 20) - 1) & ~((1 << 20) - 1)
-            os.ftruncate(SHM_FD, size)
+            os.ftruncate(self.fd, size)
             current = size
         self.ensure(current)
 
@@ -80,7 +116,8 @@ class Runner:
     def __init__(self, launch, np, utils):
         self.np = np
         self.utils = utils
-        self.shm = Shm()
+        self.slots = [Shm(fd) for fd in SHM_FDS]
+        self.shm = self.slots[0]
         self.name = launch["model_name"]
         self.batched = launch["max_batch_size"] > 0
         self.outputs = [(o["name"], o["dtype"], o["dims"]) for o in launch["outputs"]]
@@ -121,8 +158,9 @@ class Runner:
 
     def read_inputs(self, frame):
         np = self.np
-        n_requests, n_inputs, padded, shm_size = struct.unpack_from("<IIqQ", frame, 1)
-        pos = 25
+        slot, n_requests, n_inputs, padded, shm_size = struct.unpack_from("<BIIqQ", frame, 1)
+        pos = 26
+        self.shm = self.slots[slot]
         rows = struct.unpack_from(f"<{n_requests}q", frame, pos)
         pos += 8 * n_requests
         self.shm.ensure(shm_size)
@@ -286,6 +324,16 @@ class Runner:
             else:
                 t = self.dtypes[dtype]
                 nbytes = _count(out_dims) * t.itemsize
+                # An output that is an input passed on (or a view of one) is already in place.
+                whole = None
+                if parts[0] is not None and (plain or (len(parts) == 1 and (not self.batched or padded == rows[0]))):
+                    whole = parts[0]
+                at = shm.offset_of(whole) if whole is not None and nbytes else None
+                if at is not None and at % t.itemsize == 0:
+                    encoded = name.encode()
+                    described.append(struct.pack("<HBB", len(encoded), dtype, len(out_dims)) + encoded +
+                                     struct.pack(f"<{len(out_dims)}q", *out_dims) + struct.pack("<QQ", at, nbytes))
+                    continue
                 shm.grow(offset + nbytes)
                 dst = np.frombuffer(shm.map, t, _count(out_dims), offset).reshape(out_dims)
                 if plain or not self.batched:
@@ -363,7 +411,7 @@ def _main():
         os._exit(1)
     _send(b"R")
     while True:
-        frame = _read_frame()
+        frame = _next_frame()
         op = frame[:1]
         if op == b"E":
             try:
