@@ -537,3 +537,51 @@ def infer(inputs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+
+def test_example_python_models_around_imagenet(tmp_path):
+    """examples/models: imagenet_preprocess (plain form) -> imagenet (ONNX) -> imagenet_top5 (Triton form)
+    on a photograph: the pre-processing matches an independent bilinear reference, the top-5 matches
+    numpy's softmax of the logits, and the bird is named."""
+    import shutil
+    from PIL import Image
+    from quern_testing import resample
+    for m in ("imagenet", "imagenet_preprocess", "imagenet_top5"):
+        shutil.copytree(os.path.join(EXAMPLES, "models", m), tmp_path / m)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        rgb = np.asarray(Image.open(os.path.join(EXAMPLES, "data", "eagle.jpg")).convert("RGB"))
+        inp = httpclient.InferInput("pixels", list(rgb.shape), "UINT8")
+        inp.set_data_from_numpy(np.ascontiguousarray(rgb), binary_data=True)
+        image = client.infer("imagenet_preprocess", [inp]).as_numpy("image")
+        assert image.shape == (1, 3, 224, 224) and image.dtype == np.float32
+        h, w, _ = rgb.shape
+        s = 256 / min(w, h)
+        ref = resample(rgb, 224, 224, s, s, -np.floor((w * s - 224) / 2 + 1e-9), -np.floor((h * s - 224) / 2 + 1e-9))
+        ref = ((ref.astype(np.float32) - 127) / 128).transpose(2, 0, 1)[None]
+        assert np.abs(image - ref).max() <= 1.5 / 128, np.abs(image - ref).max()
+
+        inp = httpclient.InferInput("image", list(image.shape), "FP32")
+        inp.set_data_from_numpy(image, binary_data=True)
+        logits = client.infer("imagenet", [inp]).as_numpy("logits")
+        inp = httpclient.InferInput("logits", list(logits.shape), "FP32")
+        inp.set_data_from_numpy(logits, binary_data=True)
+        top = client.infer("imagenet_top5", [inp])
+        x = logits[0].astype(np.float64)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        order = np.argsort(-p)[:5]
+        assert top.as_numpy("classes")[0].tolist() == order.tolist()
+        np.testing.assert_allclose(top.as_numpy("probabilities")[0], p[order], rtol=1e-5, atol=1e-7)
+        labels = open(os.path.join(EXAMPLES, "models", "imagenet", "labels.txt")).read().splitlines()
+        assert [b.decode() for b in top.as_numpy("labels")[0]] == [labels[i] for i in order]
+        # A person reading the photograph: a young bald eagle (ImageNet's "kite" is a bird of prey too).
+        names = [b.decode() for b in top.as_numpy("labels")[0]]
+        assert names[0] in ("bald eagle", "kite") and "bald eagle" in names, names
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
