@@ -313,7 +313,6 @@ class PythonModel final : public Model {
       if (!r.Get(offset) || !r.Get(nbytes)) return broken("a malformed reply");
       const Shape& dims = ModelDims(oc);
       const size_t element = DataTypeByteSize(oc.dtype);
-      const size_t element_size = element;
       bool fits = name == oc.name && dtype == static_cast<uint8_t>(oc.dtype) &&
                   shape.size() == dims.size() + (batched ? 1 : 0) && (!batched || shape[0] == batch_size);
       for (size_t i = 0; fits && i < dims.size(); ++i) {
@@ -324,7 +323,7 @@ class PythonModel final : public Model {
         return broken("output '" + std::string(name.substr(0, 256)) + "' as " + ShapeToString(shape) +
                       " where the configuration expects '" + oc.name + "'");
       }
-      if (offset > mapped || nbytes > mapped - offset || (element_size && offset % element_size)) {
+      if (offset > mapped || nbytes > mapped - offset || (element && offset % element)) {
         return broken("output '" + oc.name + "' outside the shared memory");
       }
       if (element && ByteCount(shape, element) != static_cast<int64_t>(nbytes)) {
