@@ -271,11 +271,7 @@ PythonProcess::~PythonProcess() {
     }
     if (pid_ > 0) Reap(true);
   }
-  if (log_stop_fd_ >= 0) {
-    const char c = 's';
-    ssize_t ignored = ::write(log_stop_fd_, &c, 1);
-    (void)ignored;
-  }
+  // Reaping told the log reader to stop (every spawned process is reaped).
   if (log_reader_.joinable()) log_reader_.join();
   CloseFd(log_stop_fd_);
   CloseFd(log_stop_read_fd_);

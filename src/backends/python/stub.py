@@ -330,9 +330,7 @@ class Runner:
                     whole = parts[0]
                 at = shm.offset_of(whole) if whole is not None and nbytes else None
                 if at is not None and at % t.itemsize == 0:
-                    encoded = name.encode()
-                    described.append(struct.pack("<HBB", len(encoded), dtype, len(out_dims)) + encoded +
-                                     struct.pack(f"<{len(out_dims)}q", *out_dims) + struct.pack("<QQ", at, nbytes))
+                    described.append(_describe(name, dtype, out_dims, at, nbytes))
                     continue
                 shm.grow(offset + nbytes)
                 dst = np.frombuffer(shm.map, t, _count(out_dims), offset).reshape(out_dims)
@@ -352,9 +350,7 @@ class Runner:
                     if row < padded:
                         dst[row:] = 0
                 del dst
-            encoded = name.encode()
-            described.append(struct.pack("<HBB", len(encoded), dtype, len(out_dims)) + encoded +
-                             struct.pack(f"<{len(out_dims)}q", *out_dims) + struct.pack("<QQ", offset, nbytes))
+            described.append(_describe(name, dtype, out_dims, offset, nbytes))
             offset = (offset + nbytes + ALIGN - 1) & ~(ALIGN - 1)
         head = [b"D", struct.pack("<QI", shm.size, len(failed))]
         for i, (code, message) in failed.items():
@@ -375,6 +371,13 @@ def _error_code(exc, utils):
     if isinstance(exc, utils.TritonError) and isinstance(exc.code(), int):
         return exc.code()
     return utils.TritonError.INTERNAL
+
+
+def _describe(name, dtype, dims, offset, nbytes):
+    """An output's entry in the reply: name, type, shape and where its bytes lie in the slot."""
+    encoded = name.encode()
+    return (struct.pack("<HBB", len(encoded), dtype, len(dims)) + encoded + struct.pack(f"<{len(dims)}q", *dims) +
+            struct.pack("<QQ", offset, nbytes))
 
 
 def _count(dims):
