@@ -102,6 +102,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             words = pb_utils.get_input_tensor_by_name(request, "text").as_numpy()
+            if any(w == b"fail at length" for w in words.flat):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("x" + "\u00e9" * 3000)))
+                continue
             if any(w == b"fail me" for w in words.flat):
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError("this request asked to fail", pb_utils.TritonError.INVALID_ARG)))
@@ -312,6 +315,59 @@ def test_killed_process_fails_its_batch_and_is_started_again(served):
     assert not os.path.exists(f"/proc/{pid}") or "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
 
 
+def test_process_killed_while_idle_is_replaced_without_failing_a_request(served):
+    pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.3)
+    r = plain_http(served, 2)
+    np.testing.assert_array_equal(r.as_numpy("y"), [[4, 2, 4]])
+    assert int(r.as_numpy("pid")[0, 0]) != pid
+
+
+def test_workers_forked_by_model_py_neither_hide_a_crash_nor_outlive_it(tmp_path):
+    """model.py forks a worker (as multiprocessing does) that inherits the process's socket and
+    shared memory: the model's death is still reported at once (not after the execute timeout), and
+    the worker dies with it."""
+    write_model(tmp_path, "forks", PLAIN_CONFIG.replace('"1500"', '"60000"'), '''
+import os, time
+import numpy as np
+
+WORKER = 0
+
+def initialize(args):
+    global WORKER
+    WORKER = os.fork()
+    if WORKER == 0:
+        time.sleep(1000)
+        os._exit(0)
+
+def infer(inputs):
+    x = inputs["x"]
+    if (x[:, 0] == 777).any():
+        os.kill(os.getpid(), 9)
+    return {"y": x * 2, "pid": np.full((x.shape[0], 1), WORKER, dtype=np.int64)}
+''')
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        served = {"ports": ports}
+        worker = int(plain_http(served, 1, "forks").as_numpy("pid")[0, 0])
+        assert os.path.exists(f"/proc/{worker}")
+        start = time.monotonic()
+        with pytest.raises(InferenceServerException) as e:
+            plain_http(served, 777, "forks")
+        assert "killed by signal 9" in str(e.value), str(e.value)
+        assert time.monotonic() - start < 20
+        deadline = time.time() + 10
+        while time.time() < deadline and os.path.exists(f"/proc/{worker}") and \
+                "Z" not in open(f"/proc/{worker}/stat").read().split()[2]:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{worker}") or "Z" in open(f"/proc/{worker}/stat").read().split()[2]
+        np.testing.assert_array_equal(plain_http(served, 3, "forks").as_numpy("y"), [[6, 2, 4]])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_hung_execute_is_killed_after_the_timeout(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     start = time.monotonic()
@@ -390,6 +446,12 @@ def test_large_outputs_stay_intact_while_later_batches_run(served):
         for t in threads:
             t.join()
     assert not errors, errors[:5]
+
+
+def test_a_long_error_in_two_byte_characters_is_cut_between_characters(served):
+    with pytest.raises(InferenceServerException) as e:
+        strings_request(served, [b"fail at length"])
+    assert "\u00e9" * 100 in str(e.value) and "\ufffd" not in str(e.value), str(e.value)[:200]
 
 
 def test_venv_interpreter_and_modules_beside_model_py(served):
@@ -522,6 +584,10 @@ def infer(inputs):
         return {"y": x[:, :1], "pid": np.zeros((x.shape[0] + 1, 1), np.int64)}
     if kind == 3:
         return {"y": x}
+    if kind == 5:
+        return {"y": x, "pid": np.full((x.shape[0], 1), 2**63, np.uint64)}
+    if kind == 6:
+        return {"y": x.astype(np.float64) / 3, "pid": np.zeros((x.shape[0], 1), np.int8)}
     return [x]
 ''')
     proc, ports = start_quern(QUERN, str(tmp_path))
@@ -530,10 +596,15 @@ def infer(inputs):
         for kind, text in [(1, "output 'y' has dtype <U1; the configuration says float32"),
                            (2, "output 'pid' has shape [2, 1]; expected [1, 1]"),
                            (3, "returned no output 'pid'"),
-                           (4, "infer() returned list")]:
+                           (4, "infer() returned list"),
+                           (5, "output 'pid' has dtype uint64; the configuration says int64")]:
             with pytest.raises(InferenceServerException) as e:
                 plain_http(served, kind, "wrong")
             assert text in str(e.value), (kind, str(e.value))
+        # Casts that keep the values are taken: float64 to FP32, int8 to INT64.
+        r = plain_http(served, 6, "wrong")
+        np.testing.assert_allclose(r.as_numpy("y"), [[2, 1 / 3, 2 / 3]], rtol=1e-6)
+        assert r.as_numpy("pid").tolist() == [[0]]
     finally:
         proc.terminate()
         proc.wait(timeout=30)

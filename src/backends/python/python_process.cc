@@ -7,12 +7,14 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -87,6 +89,9 @@ void ForwardLog(std::string tag, int log_fd, int stop_fd) {
     }
   };
   bool stopping = false;
+  // Once stopping, what is already in the pipe is forwarded, up to 1 MiB (a
+  // process outside the model's group could keep writing).
+  size_t drained = 0;
   for (;;) {
     pollfd fds[2] = {{log_fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
     const int ready = ::poll(fds, stopping ? 1 : 2, stopping ? 0 : -1);
@@ -96,7 +101,7 @@ void ForwardLog(std::string tag, int log_fd, int stop_fd) {
     if (fds[0].revents) {
       const ssize_t n = ::read(log_fd, buf, sizeof buf);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
+      if (n <= 0 || (stopping && (drained += static_cast<size_t>(n)) > (size_t{1} << 20))) break;
       pending.append(buf, static_cast<size_t>(n));
       flush_lines(false);
     }
@@ -142,7 +147,10 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
       return Err(Unavailable(tag + ": cannot create shared memory for its Python process: " + ErrnoText(errno)));
     }
   }
-  QUERN_RETURN_IF_ERROR(p->MapSlot(0, kShmGranule));
+  if (Status st = p->MapSlot(0, kShmGranule); !st.ok()) {
+    ::close(child_control);
+    return Err(st);
+  }
   if (::pipe2(life, O_CLOEXEC) != 0) {
     ::close(child_control);
     return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
@@ -177,6 +185,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 4, "/dev/null", O_RDONLY, 0);  // the one fd below 10 not given
   posix_spawn_file_actions_adddup2(&actions, child_log, STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_log, STDERR_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_control, kChildControlFd);
@@ -227,6 +236,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
     return Err(Unavailable(tag + ": cannot start the Python interpreter '" + launch.python + "': " + ErrnoText(rc)));
   }
   p->pid_ = pid;
+  p->pid_fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));  // -1 before Linux 5.3: the socket alone
   p->log_stop_fd_ = stop[1];
   p->log_stop_read_fd_ = stop[0];
   p->log_reader_ = std::thread(ForwardLog, tag, log[0], stop[0]);
@@ -258,12 +268,12 @@ PythonProcess::~PythonProcess() {
   if (pid_ > 0) {
     // finalize() may take a moment; the process exits on its own.
     if (Send("S").ok()) {
-      pollfd fd{control_fd_, POLLIN, 0};
+      pollfd fds[2] = {{control_fd_, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
       const int64_t deadline = NowMs() + 5000;
       for (int64_t left; pid_ > 0 && (left = deadline - NowMs()) > 0;) {
-        const int r = ::poll(&fd, 1, static_cast<int>(left));
+        const int r = ::poll(fds, pid_fd_ >= 0 ? 2 : 1, static_cast<int>(left));
         if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
+        if (r <= 0 || fds[1].revents) break;  // timed out, or it has exited
         char c;
         const ssize_t n = ::read(control_fd_, &c, 1);
         if (n <= 0) break;  // closed: the process is exiting
@@ -279,22 +289,38 @@ PythonProcess::~PythonProcess() {
   // Mappings borrowed by output tensors stay until those are released.
   for (auto& slot : slots_) CloseFd(slot.fd);
   CloseFd(life_fd_);
+  CloseFd(pid_fd_);
 }
 
 std::string PythonProcess::Reap(bool kill) {
   if (pid_ <= 0) return "had already ended";
-  int status = 0;
-  pid_t r = 0;
+  // The exit is observed without reaping (WNOWAIT), so that the pid, still
+  // a zombie, cannot belong to another process when the group is killed:
+  // processes model.py forked (multiprocessing workers) share its group and
+  // its descriptors, and die with it.
+  siginfo_t info{};
+  bool exited = false;
   if (!kill) {
-    // It closed the socket: give it a moment to finish exiting, so that its
-    // own exit code is reported rather than our kill.
-    for (int i = 0; i < 20 && (r = ::waitpid(pid_, &status, WNOHANG)) == 0; ++i) ::usleep(10000);
+    // It closed the socket or ended: give it a moment to finish exiting, so
+    // that its own exit code is reported rather than our kill.
+    for (int i = 0; i < 20; ++i) {
+      info.si_pid = 0;
+      if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) != 0 && errno != EINTR) break;
+      if ((exited = info.si_pid == pid_)) break;
+      ::usleep(10000);
+    }
   }
-  if (r != pid_) {
-    ::kill(pid_, SIGKILL);
+  int status = 0;
+  pid_t r = -1;
+  // ECHILD: someone else reaped it (an embedding program's SIGCHLD
+  // handling); its pid may be another process's by now, so nothing is killed.
+  if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 || errno != ECHILD) {
+    ::kill(-pid_, SIGKILL);
+    if (!exited) ::kill(pid_, SIGKILL);
     while ((r = ::waitpid(pid_, &status, 0)) < 0 && errno == EINTR) {
     }
   }
+  CloseFd(pid_fd_);
   pid_ = -1;
   if (log_stop_fd_ >= 0) {
     const char c = 's';
@@ -306,6 +332,17 @@ std::string PythonProcess::Reap(bool kill) {
 
 PythonProcess::Mapping::~Mapping() {
   if (addr) ::munmap(addr, size);
+}
+
+bool PythonProcess::finished() {
+  if (pid_ <= 0) return true;
+  pollfd fd{pid_fd_, POLLIN, 0};
+  if (pid_fd_ >= 0 && ::poll(&fd, 1, 0) > 0) {
+    // It died between batches: reaped now, so the next batch starts a new one.
+    std::fprintf(stderr, "quern: %s: its Python process %s while idle\n", tag_.c_str(), Reap(false).c_str());
+    return true;
+  }
+  return false;
 }
 
 int PythonProcess::FreeSlot() const {
@@ -419,19 +456,25 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
         return frame;
       }
     }
-    pollfd fd{control_fd_, POLLIN, 0};
+    // The process's pidfd as well: a child of it holding the socket would
+    // hide the process's death from the socket.
+    pollfd fds[2] = {{control_fd_, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
     const int64_t left = deadline ? deadline - NowMs() : -1;
     int r = 0;
     if (!deadline || left > 0) {
-      r = ::poll(&fd, 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
+      r = ::poll(fds, pid_fd_ >= 0 ? 2 : 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
       if (r < 0 && errno == EINTR) continue;
+    }
+    if (r > 0 && !(fds[0].revents & POLLIN)) {
+      inbox_.clear();
+      return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
     }
     if (r == 0) {
       inbox_.clear();
       Reap(true);
       return Err(DeadlineExceeded("timed out"));
     }
-    const ssize_t n = r > 0 ? ::read(control_fd_, buf, sizeof buf) : -1;
+    const ssize_t n = ::read(control_fd_, buf, sizeof buf);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n <= 0) {
       inbox_.clear();

@@ -72,7 +72,9 @@ class PythonProcess {
   // says how. Either way the process is finished afterwards.
   Result<std::string> Receive(int64_t timeout_ms);
 
-  bool finished() const { return pid_ <= 0; }
+  // Whether the process has ended (one that died since its last batch is
+  // reaped here).
+  bool finished();
   pid_t pid() const { return pid_; }
 
  private:
@@ -93,6 +95,7 @@ class PythonProcess {
   std::string tag_;  // "model 'x' instance 0"
   pid_t pid_ = -1;
   int control_fd_ = -1;
+  int pid_fd_ = -1;       // pidfd of the process: readable once it has exited
   int life_fd_ = -1;      // write end of the pipe the process watches
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
   int log_stop_read_fd_ = -1;

@@ -91,12 +91,13 @@ class Shm:
             self.size = size
             self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
-    def offset_of(self, array):
-        """Where `array` lies in this slot when it is a contiguous view of it (an input passed on), else None."""
+    def offset_of(self, array, end):
+        """Where `array` lies in this slot when it is a contiguous view of this batch's inputs (the
+        first `end` bytes; an input passed on), else None."""
         if not array.flags.c_contiguous:
             return None
         start = array.__array_interface__["data"][0] - self.address
-        if 0 <= start and start + array.nbytes <= self.size:
+        if 0 <= start and start + array.nbytes <= min(end, self.size):
             return start
         return None
 
@@ -211,7 +212,10 @@ class Runner:
         else:
             want = self.dtypes[dtype]
             if array.dtype != want:
-                if array.dtype.kind in "OSUV" or not np.can_cast(array.dtype, want, "same_kind"):
+                # Only casts that keep every value (a float to a narrower float keeps it closely):
+                # int64 -> int8 or uint64 -> int64 would answer wrong numbers.
+                if array.dtype.kind in "OSUV" or not (np.can_cast(array.dtype, want, "safe") or
+                                                      (array.dtype.kind == "f" and want.kind == "f")):
                     raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want}")
                 array = array.astype(want)
         shape = array.shape
@@ -328,7 +332,7 @@ class Runner:
                 whole = None
                 if parts[0] is not None and (plain or (len(parts) == 1 and (not self.batched or padded == rows[0]))):
                     whole = parts[0]
-                at = shm.offset_of(whole) if whole is not None and nbytes else None
+                at = shm.offset_of(whole, end) if whole is not None and nbytes else None
                 if at is not None and at % t.itemsize == 0:
                     described.append(_describe(name, dtype, out_dims, at, nbytes))
                     continue
@@ -354,7 +358,7 @@ class Runner:
             offset = (offset + nbytes + ALIGN - 1) & ~(ALIGN - 1)
         head = [b"D", struct.pack("<QI", shm.size, len(failed))]
         for i, (code, message) in failed.items():
-            m = message.encode("utf-8", "replace")[:4000]
+            m = message[:2000].encode("utf-8", "replace")  # whole characters: the error goes into JSON
             head.append(struct.pack("<IBI", i, code & 0xFF, len(m)) + m)
         head.append(struct.pack("<I", len(described)))
         return b"".join(head + described)
