@@ -481,7 +481,7 @@ def test_two_instances_use_two_cores(tmp_path):
                                                       network_timeout=120).infer("busy", [inp]).as_numpy("info")[0]
 
         best = 0.0
-        for _ in range(4):
+        for _ in range(8):  # the best of several: a shared machine lends both cores now and then
             out = [None, None]
             threads = [threading.Thread(target=call, args=(out, i)) for i in range(2)]
             for t in threads:
