@@ -67,7 +67,7 @@ APT_PACKAGES=(
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libtomlplusplus-dev libgtest-dev libgmock-dev
   libboost-dev libboost-system-dev rapidjson-dev zlib1g-dev
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl redis-server
-  python3 python3-venv python3-dev python3-numpy pybind11-dev curl ca-certificates clang-format
+  python3 python3-venv python3-dev python3-numpy curl ca-certificates clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that

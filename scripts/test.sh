@@ -21,6 +21,8 @@ echo "== release build (warnings are errors)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci
 ctest --preset ci -j2
+echo "== the Python wheel (pip wheel ., a fresh venv with numpy 2)"
+QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
 
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"

@@ -20,6 +20,16 @@ def engine(tmp_path_factory):
     return quern.Engine(repo)
 
 
+def test_the_package_under_test():
+    """scripts/test_wheel.sh runs these tests against the wheel installed into a fresh venv (with
+    numpy 2); ctest runs them against the build tree (numpy 1)."""
+    where = os.environ.get("QUERN_EXPECT_PACKAGE_IN")
+    if where:
+        assert os.path.realpath(quern.__file__).startswith(os.path.realpath(where) + os.sep), quern.__file__
+        assert os.path.exists(os.path.join(os.path.dirname(quern.__file__), "libonnxruntime.so.1"))
+    assert np.dtype(np.float32).itemsize == 4  # numpy imported beside the extension
+
+
 def test_infer_answers_what_numpy_computes(engine):
     a = np.arange(8, dtype=np.float32).reshape(2, 4)
     b = np.full((2, 4), 0.5, np.float32)

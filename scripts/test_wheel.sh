@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds the `quern` wheel with `pip wheel .` (pyproject.toml: scikit-build-core
+# and pybind11 from PyPI), installs it into a fresh venv with numpy 2 and runs
+# the package's tests against the installed copy (numpy 1 is tested by ctest
+# against the build tree). Needs scripts/setup.sh and the generated test models
+# of a build (QUERN_TEST_MODELS, default build/ci/test_models).
+#   scripts/test_wheel.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+NUMPY2="numpy==2.4.6"
+MODELS="${QUERN_TEST_MODELS:-$ROOT/build/ci/test_models}"
+[ -d "$MODELS" ] || { echo "test_wheel: no test models in $MODELS (run ctest first)" >&2; exit 1; }
+
+DIST="$ROOT/build/wheel/dist"
+VENV="$ROOT/build/wheel/venv"
+rm -rf "$DIST" "$VENV"
+echo "== building the wheel (pip wheel .)"
+build/venv/bin/pip wheel -q --disable-pip-version-check --no-deps -w "$DIST" .
+wheel=$(ls "$DIST"/quern-*.whl)
+echo "== installing $(basename "$wheel") into a fresh venv with $NUMPY2"
+/usr/bin/python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check "$wheel" "$NUMPY2" pytest==8.3.3 onnx==1.17.0
+echo "== the package's tests against the installed wheel"
+cd "$VENV"  # not the checkout: `import quern` must find the installed package
+QUERN_TEST_MODELS="$MODELS" QUERN_EXPECT_PACKAGE_IN="$VENV" \
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$ROOT/tests/python/test_python_package.py"
