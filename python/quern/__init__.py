@@ -7,7 +7,9 @@ server.
     result["OUTPUT0"]          # a numpy array over the engine's own buffer
     result.telemetry           # batch size, queue / compute / total milliseconds
 
-Inputs are numpy arrays (C-contiguous, numeric or bool), read in place while the call runs. Many
+Inputs are numpy arrays (C-contiguous, numeric or bool), read in place while the call runs; BYTES
+tensors are object arrays of bytes or str (str as UTF-8) or numpy 'S'/'U' arrays, copied, and come
+back as object arrays of bytes. Many
 threads may call `infer` at once, and `infer_async` returns a future (awaitable in asyncio): the
 requests meet in the model's batches, and each gets its own result. Errors raise quern.Error subclasses that name the model, the input and what was expected.
 """
@@ -170,7 +172,8 @@ class Engine:
         """Serves a Python function as model `name`, batched like any other: fn({input name: array}) ->
         {output name: array}, every array with the batch along its first dimension (requests of many
         callers meet in one call when max_batch_size > 0). `inputs` and `outputs` are
-        [(name, datatype, dims without the batch dimension)], datatype a KServe name such as "FP32".
+        [(name, datatype, dims without the batch dimension)], datatype a KServe name such as "FP32" or
+        "BYTES" (object arrays of bytes in; bytes, str, 'S' or 'U' arrays out).
         The input arrays are read-only copies of the batch; each output must have the declared dims
         (-1: any) after the batch; an exception fails that batch's requests with its message
         (quern.Internal), and the model goes on serving. The function runs on the engine's threads

@@ -108,8 +108,87 @@ py::dtype ToNumpy(DataType t) {
   }
 }
 
-// A numpy array over `t`'s bytes; the array owns the tensor.
+// True for numpy arrays that go in as BYTES: objects (bytes or str), fixed
+// bytes ('S') and fixed unicode ('U').
+bool IsBytesKind(const py::dtype& dt) {
+  const char k = dt.kind();
+  return k == 'O' || k == 'S' || k == 'U';
+}
+
+// A BYTES tensor (KServe layout: 4-byte little-endian length, then the bytes)
+// from an array of bytes or str (str as UTF-8), any layout; 'S' and 'U'
+// elements lose their trailing NULs as numpy reads them. The GIL is held.
+Tensor BytesTensor(const std::string& model, const std::string& what, const py::array& a) {
+  const py::list items = a.attr("ravel")().attr("tolist")();
+  std::vector<std::pair<const char*, size_t>> parts;
+  parts.reserve(items.size());
+  std::vector<py::object> encoded;  // str elements as UTF-8, alive until copied
+  size_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* o = PyList_GET_ITEM(items.ptr(), static_cast<py::ssize_t>(i));
+    char* data = nullptr;
+    py::ssize_t size = 0;
+    if (PyBytes_Check(o)) {
+      data = PyBytes_AS_STRING(o);
+      size = PyBytes_GET_SIZE(o);
+    } else if (PyByteArray_Check(o)) {
+      data = PyByteArray_AS_STRING(o);
+      size = PyByteArray_GET_SIZE(o);
+    } else if (PyUnicode_Check(o)) {
+      PyObject* utf8 = PyUnicode_AsUTF8String(o);
+      if (!utf8) {
+        PyErr_Clear();
+        Raise(InvalidArgument("model '" + model + "': " + what + " element " + std::to_string(i) +
+                              " is a str that is not valid Unicode (a lone surrogate?)"));
+      }
+      encoded.push_back(py::reinterpret_steal<py::object>(utf8));
+      data = PyBytes_AS_STRING(utf8);
+      size = PyBytes_GET_SIZE(utf8);
+    } else {
+      Raise(InvalidArgument("model '" + model + "': " + what + " element " + std::to_string(i) + " is a " +
+                            std::string(py::str(py::type::of(py::handle(o)).attr("__name__"))) +
+                            "; BYTES elements are bytes or str"));
+    }
+    if (static_cast<uint64_t>(size) > UINT32_MAX) {
+      Raise(InvalidArgument("model '" + model + "': " + what + " element " + std::to_string(i) + " has " +
+                            std::to_string(size) + " bytes; at most 4294967295 fit a BYTES element"));
+    }
+    parts.emplace_back(data, static_cast<size_t>(size));
+    total += 4 + static_cast<size_t>(size);
+  }
+  Tensor t = Tensor::AllocateUninitialized(DataType::kBytes, Shape(a.shape(), a.shape() + a.ndim()), total);
+  std::byte* p = t.mutable_data();
+  for (const auto& [data, size] : parts) {
+    const auto len = static_cast<uint32_t>(size);
+    std::memcpy(p, &len, 4);  // little-endian hosts only
+    if (size) std::memcpy(p + 4, data, size);
+    p += 4 + size;
+  }
+  return t;
+}
+
+// A numpy object array of bytes with `t`'s shape (the elements are copies).
+py::array BytesArray(const Tensor& t) {
+  auto strings = t.Strings();
+  if (!strings) Raise(strings.error());
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  py::array out(py::dtype("O"), shape);
+  auto** cells = static_cast<PyObject**>(out.mutable_data());
+  for (size_t i = 0; i < strings->size(); ++i) {
+    const std::string_view v = (*strings)[i];
+    PyObject* b = PyBytes_FromStringAndSize(v.data(), static_cast<py::ssize_t>(v.size()));
+    if (!b) throw py::error_already_set();
+    PyObject* old = cells[i];  // numpy fills a new object array with None
+    cells[i] = b;
+    Py_XDECREF(old);
+  }
+  return out;
+}
+
+// A numpy array over `t`'s bytes; the array owns the tensor. BYTES tensors
+// come out as object arrays of bytes (copies, as tritonclient gives them).
 py::array ToArray(Tensor&& t) {
+  if (t.dtype() == DataType::kBytes) return BytesArray(t);
   const py::dtype dt = ToNumpy(t.dtype());
   std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
   auto* held = new Tensor(std::move(t));
@@ -132,6 +211,10 @@ class PyModel : public Model {
     try {
       py::dict args;
       for (const auto& in : inputs) {
+        if (in.tensor.dtype() == DataType::kBytes) {
+          args[py::str(in.name)] = BytesArray(in.tensor);
+          continue;
+        }
         // A copy the function may keep (a batch of one may be a caller's own
         // array, borrowed only while its request runs), read-only.
         py::array a(ToNumpy(in.tensor.dtype()),
@@ -152,7 +235,9 @@ class PyModel : public Model {
           return Internal("model '" + config_.name + "': the function returned no output '" + oc.name + "'");
         }
         auto a = py::array::ensure(answer[py::str(oc.name)], py::array::c_style);
-        const auto type = a ? FromNumpy(a.dtype()) : std::nullopt;
+        const auto type = !a                       ? std::nullopt
+                          : IsBytesKind(a.dtype()) ? std::optional(DataType::kBytes)
+                                                   : FromNumpy(a.dtype());
         if (!a || type != oc.dtype) {
           return Internal("model '" + config_.name + "': output '" + oc.name + "' must be a numpy array of " +
                           std::string(DataTypeName(oc.dtype)));
@@ -167,6 +252,10 @@ class PyModel : public Model {
               "model '" + config_.name + "': output '" + oc.name + "' has shape " + ShapeToString(shape) +
               "; expected " + ShapeToString(want) +
               (config_.max_batch_size > 0 ? " (the batch of " + std::to_string(batch_size) + " first)" : ""));
+        }
+        if (oc.dtype == DataType::kBytes) {
+          outputs.push_back({oc.name, BytesTensor(config_.name, "output '" + oc.name + "'", a)});
+          continue;
         }
         Tensor t = Tensor::AllocateUninitialized(oc.dtype, std::move(shape), static_cast<size_t>(a.nbytes()));
         std::memcpy(t.mutable_data(), a.data(), static_cast<size_t>(a.nbytes()));
@@ -194,9 +283,9 @@ std::vector<TensorConfig> Specs(const std::string& model, const char* what,
   std::vector<TensorConfig> out;
   for (const auto& [name, type, dims] : specs) {
     const auto dt = DataTypeFromName(type);
-    if (!dt || *dt == DataType::kBytes || *dt == DataType::kBf16) {
+    if (!dt || *dt == DataType::kBf16) {
       Raise(InvalidArgument("model '" + model + "': " + what + " '" + name + "' has datatype '" + type +
-                            "'; expected a numeric one such as FP32, INT64 or BOOL"));
+                            "'; expected FP32, INT64, BOOL, BYTES or another KServe type"));
     }
     TensorConfig t;
     t.name = name;
@@ -379,6 +468,10 @@ class PyEngine {
                               std::string(py::str(py::type::of(value).attr("__name__"))) + ", not a numpy array"));
       }
       auto a = py::reinterpret_borrow<py::array>(value);
+      if (IsBytesKind(a.dtype())) {  // copied into the KServe layout
+        r.inputs.push_back({name, BytesTensor(model, "input '" + name + "'", a)});
+        continue;
+      }
       const auto type = FromNumpy(a.dtype());
       if (!type) {
         Raise(InvalidArgument("model '" + model + "': input '" + name + "' has dtype " +

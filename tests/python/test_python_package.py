@@ -44,7 +44,8 @@ def test_infer_answers_what_numpy_computes(engine):
     np.testing.assert_allclose(engine.infer("linear", {"x": x})["y"], x @ w + bias, rtol=1e-5, atol=1e-5)
 
 
-NUMERIC = {"bool": np.bool_, "uint8": np.uint8, "uint16": np.uint16, "int8": np.int8, "int16": np.int16,
+NUMERIC = {"bool": np.bool_, "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+           "int8": np.int8, "int16": np.int16,
            "int32": np.int32, "int64": np.int64, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
@@ -90,12 +91,14 @@ def test_every_numeric_dtype_goes_through_and_outputs_own_their_memory(tmp_path)
 
 
 def test_many_threads_each_get_their_own_result(engine):
-    results, errors = {}, []
+    results, batch_sizes, errors = {}, [], []
 
     def worker(k):
         try:
             x = np.full((1, 3), float(k), np.float32)
-            results[k] = engine.infer("slow_batch", {"x": x})["y"]  # waits up to a second for company
+            r = engine.infer("slow_batch", {"x": x})  # waits up to a second for company
+            results[k] = r["y"]
+            batch_sizes.append(r.telemetry["batch_size"])
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(12)]
@@ -106,6 +109,7 @@ def test_many_threads_each_get_their_own_result(engine):
     assert errors == []
     for k in range(12):
         np.testing.assert_array_equal(results[k], np.full((1, 3), 2.0 * k, np.float32))
+    assert max(batch_sizes) > 1, batch_sizes  # the threads' requests met in batches
 
 
 def test_bad_inputs_raise_clear_exceptions(engine):
@@ -119,8 +123,10 @@ def test_bad_inputs_raise_clear_exceptions(engine):
         engine.infer("add_sub", {"INPUT0": np.ones((1, 5), np.float32), "INPUT1": good})
     with pytest.raises(quern.InvalidArgument, match="not a numpy array"):
         engine.infer("add_sub", {"INPUT0": [[1, 2, 3, 4]], "INPUT1": good})
-    with pytest.raises(quern.InvalidArgument, match="dtype"):
+    with pytest.raises(quern.InvalidArgument, match="expected data type FP32, got BYTES"):  # strings go as BYTES
         engine.infer("add_sub", {"INPUT0": np.array([["a", "b", "c", "d"]]), "INPUT1": good})
+    with pytest.raises(quern.InvalidArgument, match="input 'INPUT0' has dtype complex64, which the engine does not take"):
+        engine.infer("add_sub", {"INPUT0": np.ones((1, 4), np.complex64), "INPUT1": good})
     with pytest.raises(quern.NotFound, match="nosuch"):
         engine.infer("nosuch", {"x": good})
     with pytest.raises(quern.Internal):
@@ -317,3 +323,52 @@ def test_python_model_outputs_kept_by_the_caller_stay_intact(tmp_path):
             kept.append((i, engine.infer("mirror", {"x": x})))
         for i, r in kept:
             assert (r["same"] == i).all() and (r["plus"] == i + 1).all(), i
+
+
+def test_bytes_tensors_in_and_out():
+    """BYTES tensors as tritonclient gives them: object arrays of bytes (str as UTF-8), or numpy's
+    fixed 'S' and 'U' arrays; a registered function gets object arrays of bytes and may answer with
+    any of the three."""
+    engine = quern.Engine()
+    batches = []
+
+    def shout(inputs):
+        t = inputs["text"]
+        assert t.dtype == object and all(type(v) is bytes for v in t.ravel())
+        batches.append(t.shape[0])
+        upper = np.array([[v.upper()] for v in t[:, 0]], dtype=object)
+        n = np.array([[len(v)] for v in t[:, 0]], np.int32)
+        as_str = np.array([[v.decode("utf-8", "replace") + "!"] for v in t[:, 0]])  # a 'U' array
+        return {"upper": upper, "length": n, "exclaimed": as_str}
+    engine.register("shout", shout, inputs=[("text", "BYTES", [1])],
+                    outputs=[("upper", "BYTES", [1]), ("length", "INT32", [1]), ("exclaimed", "BYTES", [1])],
+                    max_batch_size=8, max_queue_delay_us=200000)
+    words = [b"abc", b"", b"\x00bin\xffary\x00", "d\u00e9j\u00e0 vu \u65e5\u672c".encode(), b"x" * 100000]
+    futures = [engine.infer_async("shout", {"text": np.array([[w]], dtype=object)}) for w in words]
+    for w, f in zip(words, futures):
+        r = f.result(timeout=30)
+        assert r["upper"].dtype == object and r["upper"].shape == (1, 1)
+        assert r["upper"][0, 0] == w.upper() and r["length"][0, 0] == len(w)
+        assert r["exclaimed"][0, 0] == (w.decode("utf-8", "replace") + "!").encode()
+    assert max(batches) > 1, batches
+    # str elements go as UTF-8; 'S' and 'U' arrays as numpy reads their items (trailing NULs dropped).
+    r = engine.infer("shout", {"text": np.array([["stra\u00dfe"], ["ok"]], dtype=object)})
+    assert list(r["upper"][:, 0]) == ["stra\u00dfe".encode().upper(), b"OK"]
+    r = engine.infer("shout", {"text": np.array([[b"ab"], [b"c"]], dtype="S4")})
+    assert list(r["upper"][:, 0]) == [b"AB", b"C"]
+    r = engine.infer("shout", {"text": np.array([["\u00fcber"], ["z"]])})
+    assert list(r["length"][:, 0]) == [len("\u00fcber".encode()), 1]
+    # A non-contiguous BYTES array is fine (copied anyway).
+    two = np.array([[b"a", b"b"], [b"c", b"d"]], dtype=object)[:, :1]
+    assert list(engine.infer("shout", {"text": two})["upper"][:, 0]) == [b"A", b"C"]
+    with pytest.raises(quern.InvalidArgument, match="input 'text' element 1 is a int; BYTES elements are bytes or str"):
+        engine.infer("shout", {"text": np.array([[b"a"], [7]], dtype=object)})
+    with pytest.raises(quern.InvalidArgument, match="element 0 is a str that is not valid Unicode"):
+        engine.infer("shout", {"text": np.array([["\ud800"]], dtype=object)})
+    with pytest.raises(quern.InvalidArgument, match="'text'.*BYTES"):
+        engine.infer("shout", {"text": np.array([[1.5]], np.float32)})
+    engine.register("numbers", lambda d: {"y": np.array([[7]] * len(d["x"]), dtype=object)},
+                    inputs=[("x", "BYTES", [1])], outputs=[("y", "BYTES", [1])])
+    with pytest.raises(quern.Internal, match="output 'y' element 0 is a int"):
+        engine.infer("numbers", {"x": np.array([[b"a"]], dtype=object)})
+    np.testing.assert_array_equal(engine.infer("shout", {"text": np.array([[b"fine"]], dtype=object)})["length"], [[4]])
