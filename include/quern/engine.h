@@ -278,6 +278,11 @@ class Engine {
   // (queued or running, in versions being replaced or unloaded too); 0 once
   // a draining server may stop.
   int64_t InFlight() const;
+  // For a server past its drain deadline: asks every model's backend to end
+  // its running batches and fail the rest at once (Model::Abandon: a Python
+  // model's process is killed; ONNX Runtime runs finish), so that stopping
+  // the engine does not wait on a batch that never ends.
+  void Abandon();
 
   // Statistics of every loaded version of `name` (every model when empty).
   // NOT_FOUND for an unknown model or version.

@@ -156,6 +156,13 @@ class Model {
                                  std::vector<NamedTensor>& outputs) {
     return Execute(inputs, batch_size, outputs);
   }
+
+  // Called from another thread, at most once, when the engine stops waiting
+  // for this instance (a server past its drain deadline): a backend that
+  // can end a running Execute early does so, failing that batch, and fails
+  // later ones at once. The only method that may run beside Execute. The
+  // default does nothing (the running batch is waited for).
+  virtual void Abandon() {}
 };
 
 using ModelFactory = std::function<std::unique_ptr<Model>()>;

@@ -140,6 +140,9 @@ void Engine::StopRepositoryPolling() {
 int64_t Engine::InFlight() const {
   return impl_->InFlight();
 }
+void Engine::Abandon() {
+  impl_->Abandon();
+}
 const Clock& Engine::clock() const {
   return impl_->clock();
 }

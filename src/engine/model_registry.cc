@@ -326,6 +326,20 @@ void ModelRegistry::StopPolling() {
   poll_cv_.SignalAll();  // the thread is joined at destruction
 }
 
+void ModelRegistry::Abandon() {
+  std::vector<std::shared_ptr<ServedModel>> all;
+  {
+    ReaderLock lock(mu_);
+    for (const auto& [name, e] : models_) {
+      for (const auto& [v, slot] : e.versions) {
+        if (slot.served) all.push_back(slot.served);
+      }
+    }
+    all.insert(all.end(), retiring_.begin(), retiring_.end());
+  }
+  for (const auto& served : all) served->Abandon();
+}
+
 int64_t ModelRegistry::InFlight() const {
   ReaderLock lock(mu_);
   int64_t n = 0;

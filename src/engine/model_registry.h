@@ -59,6 +59,8 @@ class ModelRegistry {
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version) const;
   Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const;
+  // Model::Abandon on every instance of every version (retiring ones too).
+  void Abandon();
   // Requests submitted and not answered, in every version (retiring ones too).
   int64_t InFlight() const;
   const Clock& clock() const { return *clock_; }

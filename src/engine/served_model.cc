@@ -220,6 +220,10 @@ Status ServedModel::Refuse(const Task& task, Status status) {
   return status;
 }
 
+void ServedModel::Abandon() {
+  for (auto& instance : instances_) instance->Abandon();
+}
+
 Status ServedModel::CheckAdmission() {
   Status st = batcher_->CheckAdmission();
   if (st.ok()) return st;

@@ -43,6 +43,10 @@ class ServedModel {
   // statistics, and `done` is left with the caller, untouched.
   Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done);
 
+  // Asks every instance to end its running batch and fail later ones
+  // (Model::Abandon); any thread, once.
+  void Abandon();
+
   // OK, or the UNAVAILABLE a request would get now because the queue is
   // full (counted in the statistics as a rejected request: the caller
   // answers it without submitting it).

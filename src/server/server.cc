@@ -380,6 +380,7 @@ void Server::Shutdown() {
   }
   if (const int64_t left = in_flight(); left > 0) {
     std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
+    p.engine->Abandon();  // a batch that never ends (a hung Python execute) must not hold the stop
   }
   // Answers the I/O threads still write (large ones, every one over TLS).
   auto writing = [&p] { return p.http->pending_writes() + (p.vision_http ? p.vision_http->pending_writes() : 0); };

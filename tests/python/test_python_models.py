@@ -572,6 +572,44 @@ def test_processes_end_with_the_server_even_when_it_is_killed(tmp_path):
         assert not alive, f"after {sig.name} these Python processes still run: {alive}"
 
 
+def test_a_hung_execute_without_a_timeout_does_not_hold_the_shutdown(tmp_path):
+    """execute_timeout_ms 0 (no timeout) and an infer() that never returns: a SIGTERM drains for
+    --drain-timeout-secs, then the server stops waiting, kills the Python process and exits; the
+    caller gets an answer (an error) or a closed connection, never a hang."""
+    config = PLAIN_CONFIG.replace('"1500"', '"0"')
+    write_model(tmp_path, "stuck", config, 'import time\ndef infer(inputs):\n    time.sleep(3600)\n')
+    log = []
+    proc, ports = start_quern(QUERN, str(tmp_path), "--drain-timeout-secs", "1", log=log)
+    children = python_children("quern-python:stuck:")
+    assert children, "no Python process found"
+    outcome = []
+
+    def call():
+        try:
+            plain_http({"ports": ports}, 1, "stuck")
+            outcome.append("answered")
+        except Exception as e:  # noqa: BLE001 - any error is an answer here
+            outcome.append(str(e))
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(0.5)  # the batch is running
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        pytest.fail("the server did not exit within 20 s of SIGTERM with a hung execute()")
+    assert time.time() - start < 15
+    caller.join(timeout=30)
+    assert outcome and outcome[0] != "answered", outcome
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+        time.sleep(0.1)
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")]
+
+
 def test_wrong_outputs_are_clear_errors(tmp_path):
     write_model(tmp_path, "wrong", PLAIN_CONFIG, '''
 import numpy as np

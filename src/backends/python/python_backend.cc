@@ -3,8 +3,10 @@
 #include <google/protobuf/util/json_util.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -122,7 +124,20 @@ class PythonModel final : public Model {
       : config_(std::move(config)),
         spec_(std::move(spec)),
         instance_(instance),
-        tag_("model '" + config_.name + "' instance " + std::to_string(instance)) {}
+        tag_("model '" + config_.name + "' instance " + std::to_string(instance)),
+        abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+
+  ~PythonModel() override {
+    if (abandon_fd_ >= 0) ::close(abandon_fd_);
+  }
+
+  // The server stopped waiting (its drain deadline passed): a running
+  // execute() is ended by killing the process, and nothing runs after it.
+  void Abandon() override {
+    abandoned_.store(true, std::memory_order_release);
+    const uint64_t one = 1;
+    if (abandon_fd_ >= 0) (void)!::write(abandon_fd_, &one, sizeof one);
+  }
 
   Status Load() override {
     auto p = PythonProcess::Start(Launch());
@@ -141,6 +156,9 @@ class PythonModel final : public Model {
 
   Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests requests,
                          std::vector<NamedTensor>& outputs) override {
+    if (abandoned_.load(std::memory_order_acquire)) {
+      return Unavailable(tag_ + ": the server is stopping; the batch was not run");
+    }
     QUERN_RETURN_IF_ERROR(EnsureProcess());
     // Inputs go into shared memory one after another, each aligned.
     size_t end = 0;
@@ -173,8 +191,13 @@ class PythonModel final : public Model {
       Put<uint64_t>(frame, t.byte_size());
     }
     QUERN_RETURN_IF_ERROR(process_->Send(frame));
-    auto reply = process_->Receive(spec_->execute_timeout_ms);
+    auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
     if (!reply) {
+      if (reply.error().code() == StatusCode::kCancelled) {
+        return Unavailable(tag_ +
+                           ": the server stopped waiting for execute() (its drain timeout passed); the Python "
+                           "process was killed");
+      }
       if (reply.error().code() == StatusCode::kDeadlineExceeded) {
         return DeadlineExceeded(tag_ + ": execute() ran longer than " + std::to_string(spec_->execute_timeout_ms) +
                                 " ms (quern.execute_timeout_ms); its Python process was killed and starts again");
@@ -348,6 +371,9 @@ class PythonModel final : public Model {
   const int instance_;
   const std::string tag_;
   std::unique_ptr<PythonProcess> process_;
+  // Abandon(): read by Execute, and the eventfd its wait polls.
+  std::atomic<bool> abandoned_{false};
+  const int abandon_fd_;
   std::chrono::steady_clock::time_point last_start_failure_;
   std::string last_start_error_;
 };

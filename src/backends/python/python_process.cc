@@ -436,7 +436,7 @@ Status PythonProcess::Send(std::string_view payload) {
   return Unavailable(tag_ + ": its Python process " + Reap(false));
 }
 
-Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
+Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
   if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
   const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
   char buf[65536];
@@ -458,12 +458,18 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms) {
     }
     // The process's pidfd as well: a child of it holding the socket would
     // hide the process's death from the socket.
-    pollfd fds[2] = {{control_fd_, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
+    pollfd fds[3] = {{control_fd_, POLLIN, 0}, {abort_fd, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
+    const nfds_t nfds = pid_fd_ >= 0 ? 3 : 2;  // a negative fd (no abort_fd) is skipped by poll
     const int64_t left = deadline ? deadline - NowMs() : -1;
     int r = 0;
     if (!deadline || left > 0) {
-      r = ::poll(fds, pid_fd_ >= 0 ? 2 : 1, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
+      r = ::poll(fds, nfds, deadline ? static_cast<int>(std::min<int64_t>(left, 1 << 30)) : -1);
       if (r < 0 && errno == EINTR) continue;
+    }
+    if (r > 0 && (fds[1].revents & POLLIN)) {
+      inbox_.clear();
+      Reap(true);
+      return Err(Cancelled("abandoned"));
     }
     if (r > 0 && !(fds[0].revents & POLLIN)) {
       inbox_.clear();

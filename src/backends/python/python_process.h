@@ -69,8 +69,10 @@ class PythonProcess {
   Status Send(std::string_view payload);
   // The next frame; `timeout_ms` <= 0 waits without limit. On a timeout the
   // process is killed (DEADLINE_EXCEEDED); when it has died, UNAVAILABLE
-  // says how. Either way the process is finished afterwards.
-  Result<std::string> Receive(int64_t timeout_ms);
+  // says how. Either way the process is finished afterwards. When
+  // `abort_fd` (>= 0) becomes readable the process is killed as well
+  // (CANCELLED).
+  Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1);
 
   // Whether the process has ended (one that died since its last batch is
   // reaped here).
