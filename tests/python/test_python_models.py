@@ -557,18 +557,33 @@ def python_children(marker):
     return [int(p) for p in out]
 
 
+def running(pid):
+    """Whether `pid` still runs (a zombie waiting for a parent that is gone does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_processes_end_with_the_server_even_when_it_is_killed(tmp_path):
-    write_model(tmp_path, "orphan_check", PLAIN_CONFIG, PLAIN)
+    """The model's process and a worker it forked (which has the same command line) end with the
+    server, also when the server is killed with SIGKILL and cannot kill them itself."""
+    forking = PLAIN.replace("def initialize(args):", """def initialize(args):
+    if os.fork() == 0:
+        time.sleep(1000)
+        os._exit(0)""", 1)
+    write_model(tmp_path, "orphan_check", PLAIN_CONFIG, forking)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         proc, ports = start_quern(QUERN, str(tmp_path))
         children = python_children("quern-python:orphan_check:")
-        assert children, "no Python process found"
+        assert len(children) >= 2, f"expected the model's process and its forked worker: {children}"
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.time() + 10
-        while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+        while time.time() < deadline and any(running(p) for p in children):
             time.sleep(0.1)
-        alive = [p for p in children if os.path.exists(f"/proc/{p}")]
+        alive = [p for p in children if running(p)]
         assert not alive, f"after {sig.name} these Python processes still run: {alive}"
 
 

@@ -65,7 +65,13 @@ def _watch_server():
     poller.register(LIFE_FD, select.POLLIN)
     while True:
         if poller.poll():
-            os._exit(0)  # the server is gone (a hang-up; nothing is ever written)
+            # The server is gone (a hang-up; nothing is ever written), killed
+            # perhaps, and cannot end this process group itself: workers
+            # model.py forked share it and end with it, this process too.
+            try:
+                os.killpg(0, signal.SIGKILL)
+            finally:
+                os._exit(0)
 
 
 def _last_line(exc):
