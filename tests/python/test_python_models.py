@@ -552,9 +552,20 @@ def test_changed_model_py_is_reloaded(tmp_path):
         proc.wait(timeout=30)
 
 
-def python_children(marker):
+def python_children(marker, server_pid):
+    """The server's Python processes (`marker` in their command line) and the processes in their
+    process groups (workers they forked); processes left by other servers are not counted."""
     out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+    stats = {}
+    for pid in map(int, out):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[pid] = (int(fields[1]), int(fields[2]))  # ppid, pgrp
+        except OSError:
+            pass
+    groups = {pid for pid, (ppid, _) in stats.items() if ppid == server_pid}
+    return [pid for pid, (_, pgrp) in stats.items() if pgrp in groups]
 
 
 def running(pid):
@@ -576,7 +587,7 @@ def test_processes_end_with_the_server_even_when_it_is_killed(tmp_path):
     write_model(tmp_path, "orphan_check", PLAIN_CONFIG, forking)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         proc, ports = start_quern(QUERN, str(tmp_path))
-        children = python_children("quern-python:orphan_check:")
+        children = python_children("quern-python:orphan_check:", proc.pid)
         assert len(children) >= 2, f"expected the model's process and its forked worker: {children}"
         proc.send_signal(sig)
         proc.wait(timeout=30)
@@ -595,7 +606,7 @@ def test_a_hung_execute_without_a_timeout_does_not_hold_the_shutdown(tmp_path):
     write_model(tmp_path, "stuck", config, 'import time\ndef infer(inputs):\n    time.sleep(3600)\n')
     log = []
     proc, ports = start_quern(QUERN, str(tmp_path), "--drain-timeout-secs", "1", log=log)
-    children = python_children("quern-python:stuck:")
+    children = python_children("quern-python:stuck:", proc.pid)
     assert children, "no Python process found"
     outcome = []
 

@@ -47,17 +47,34 @@ def _next_frame():
                 frame = bytes(_inbox[4:4 + n])
                 del _inbox[:4 + n]
                 return frame
-        chunk = os.read(CONTROL_FD, 65536)
+        try:
+            chunk = os.read(CONTROL_FD, 65536)
+        except OSError:
+            chunk = b""
         if not chunk:
-            os._exit(0)
+            _server_gone()
         _inbox += chunk
 
 
 def _send(payload):
     data = len(payload).to_bytes(4, "little") + payload
     view = memoryview(data)
-    while view:
-        view = view[os.write(CONTROL_FD, view):]
+    try:
+        while view:
+            view = view[os.write(CONTROL_FD, view):]
+    except OSError:
+        _server_gone()
+
+
+def _server_gone():
+    """The server is gone, killed perhaps, and cannot end this process group
+    itself: workers model.py forked share it and end with it, this process
+    too. Whichever thread notices first (the watcher, or the main thread
+    finding the socket closed) does it."""
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _watch_server():
@@ -65,13 +82,7 @@ def _watch_server():
     poller.register(LIFE_FD, select.POLLIN)
     while True:
         if poller.poll():
-            # The server is gone (a hang-up; nothing is ever written), killed
-            # perhaps, and cannot end this process group itself: workers
-            # model.py forked share it and end with it, this process too.
-            try:
-                os.killpg(0, signal.SIGKILL)
-            finally:
-                os._exit(0)
+            _server_gone()  # a hang-up: nothing is ever written to the pipe
 
 
 def _last_line(exc):
