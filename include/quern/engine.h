@@ -82,6 +82,15 @@ struct Telemetry {
   int64_t total_ns() const { return response_ns - queue_start_ns; }
 };
 
+// One step of an ensemble's request: which model version ran it, and where
+// its time went (in that model's queue and batch).
+struct StepTelemetry {
+  int step = 0;  // index in the ensemble's ensemble_steps
+  std::string model;
+  int64_t version = 0;
+  Telemetry telemetry;
+};
+
 struct InferResponse {
   Status status;
   uint64_t request_id = 0;
@@ -90,6 +99,8 @@ struct InferResponse {
   std::vector<NamedTensor> outputs;
   Telemetry telemetry;
   std::vector<std::pair<std::string, std::string>> metadata;
+  // Ensembles: each step that answered, in the order they finished.
+  std::vector<StepTelemetry> steps;
 
   const Tensor* FindOutput(std::string_view name) const;
 };

@@ -78,10 +78,21 @@ struct WarmupSample {
   std::map<std::string, WarmupInput> inputs;
 };
 
+// One step of an ensemble (Triton's ModelEnsembling.Step): a model run on
+// tensors of the ensemble, its outputs becoming tensors of the ensemble.
+struct EnsembleStep {
+  std::string model_name;
+  int64_t model_version = -1;  // -1 = the highest ready version
+  // The step model's input name -> the ensemble tensor that feeds it.
+  std::map<std::string, std::string> input_map;
+  // The step model's output name -> the ensemble tensor it becomes.
+  std::map<std::string, std::string> output_map;
+};
+
 struct ModelConfig {
   std::string name;
-  std::string platform;  // "onnxruntime_onnx" for ONNX models
-  std::string backend;   // "onnxruntime" or "custom"
+  std::string platform;  // "onnxruntime_onnx" for ONNX models, "ensemble" for ensembles
+  std::string backend;   // "onnxruntime", "python" or "custom"; empty for ensembles
   // 0 = the model does not batch: request shapes are the model's shapes.
   int max_batch_size = 0;
   std::vector<TensorConfig> inputs;
@@ -119,6 +130,10 @@ struct ModelConfig {
   // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.
   int graph_optimization_level = 0;
   std::string default_model_filename;  // empty = "model.onnx"
+  // platform "ensemble": the steps, run by the ensemble scheduler in the
+  // order their inputs become ready (no instances, no batcher of its own).
+  std::vector<EnsembleStep> ensemble_steps;
+  bool is_ensemble() const { return platform == "ensemble"; }
 
   const TensorConfig* FindInput(const std::string& n) const;
   const TensorConfig* FindOutput(const std::string& n) const;

@@ -185,6 +185,54 @@ Status OnOffParameter(const ModelConfig& c, std::string_view key, const std::str
   return Status::Ok();
 }
 
+// An ensemble's steps; what only the loaded step models can tell (their
+// inputs, outputs, types) is checked when the ensemble loads.
+Status ConvertEnsemble(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
+  // Fields that configure instances or a batcher have nothing to act on:
+  // the ensemble's steps run in their own models' instances and batchers.
+  if (p.instance_group_size() > 0 || p.model_warmup_size() > 0 || p.has_optimization() ||
+      !p.default_model_filename().empty()) {
+    return InvalidArgument(source +
+                           ": an ensemble has no instance_group, model_warmup, optimization or "
+                           "default_model_filename of its own; its step models have them");
+  }
+  const auto& steps = p.ensemble_scheduling().step();
+  if (steps.empty()) return InvalidArgument(source + ": ensemble_scheduling has no step");
+  if (static_cast<size_t>(steps.size()) > kMaxEnsembleSteps) {
+    return InvalidArgument(source + ": ensemble_scheduling has more than " + std::to_string(kMaxEnsembleSteps) +
+                           " steps");
+  }
+  for (int i = 0; i < steps.size(); ++i) {
+    const auto& s = steps[i];
+    const std::string where = source + ": ensemble_scheduling step " + std::to_string(i);
+    if (s.model_name().empty()) return InvalidArgument(where + " has no model_name");
+    if (!s.model_namespace().empty()) return InvalidArgument(where + ": model_namespace is not supported");
+    if (s.model_version() < -1) {
+      return InvalidArgument(where + ": model_version " + std::to_string(s.model_version()) +
+                             " is not a version (-1 = the highest ready one)");
+    }
+    if (static_cast<size_t>(s.input_map_size()) > kMaxConfigTensors ||
+        static_cast<size_t>(s.output_map_size()) > kMaxConfigTensors) {
+      return InvalidArgument(where + " maps more than " + std::to_string(kMaxConfigTensors) + " tensors");
+    }
+    EnsembleStep step;
+    step.model_name = s.model_name();
+    // 0 (the field left out) is no version a repository can hold: the
+    // highest ready one, as -1.
+    step.model_version = s.model_version() > 0 ? s.model_version() : -1;
+    for (const auto& [k, v] : s.input_map()) {
+      if (k.empty() || v.empty()) return InvalidArgument(where + ": input_map has an empty name");
+      step.input_map[k] = v;
+    }
+    for (const auto& [k, v] : s.output_map()) {
+      if (k.empty() || v.empty()) return InvalidArgument(where + ": output_map has an empty name");
+      step.output_map[k] = v;
+    }
+    c.ensemble_steps.push_back(std::move(step));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const std::string& source) {
@@ -192,13 +240,21 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   c.name = p.name();
   c.platform = p.platform();
   c.backend = p.backend();
+  const bool ensemble = c.platform == "ensemble";
+  if (ensemble != p.has_ensemble_scheduling()) {
+    return Err(InvalidArgument(source + (ensemble ? ": platform \"ensemble\" needs ensemble_scheduling { step [ ... ] }"
+                                                  : ": ensemble_scheduling is for platform \"ensemble\" only")));
+  }
   if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
-  if (c.backend == "python" && c.platform.empty()) {
+  if (ensemble && c.backend.empty()) {
+    // An ensemble: steps run by the ensemble scheduler (below).
+  } else if (c.backend == "python" && c.platform.empty()) {
     // A Python model (model.py), run in processes of its own.
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
     return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
                                "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                               "platform \"onnxruntime_onnx\") and Python models (backend \"python\")"));
+                               "platform \"onnxruntime_onnx\"), Python models (backend \"python\") and ensembles "
+                               "(platform \"ensemble\")"));
   } else {
     c.platform = "onnxruntime_onnx";
   }
@@ -240,7 +296,9 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   for (const auto& out : p.output()) c.outputs.push_back(ConvertOutput(out));
 
   c.instance_count = 0;  // automatic unless instance_group says otherwise
-  if (p.instance_group_size() > 0) {
+  if (ensemble) {
+    QUERN_RETURN_IF_ERROR(ConvertEnsemble(p, source, c));
+  } else if (p.instance_group_size() > 0) {
     for (const auto& g : p.instance_group()) {
       if (g.kind() == inference::ModelInstanceGroup::KIND_GPU) {
         return Err(InvalidArgument(source + ": instance_group kind KIND_GPU is not available; this build of "
@@ -453,9 +511,20 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
       for (int64_t d : *t.reshape) out->mutable_reshape()->add_shape(d);
     out->set_label_filename(t.label_filename);
   }
-  auto* g = p.add_instance_group();
-  g->set_kind(inference::ModelInstanceGroup::KIND_CPU);
-  g->set_count(c.instance_count);
+  if (c.is_ensemble()) {
+    auto* e = p.mutable_ensemble_scheduling();
+    for (const EnsembleStep& s : c.ensemble_steps) {
+      auto* step = e->add_step();
+      step->set_model_name(s.model_name);
+      step->set_model_version(s.model_version);
+      for (const auto& [k, v] : s.input_map) (*step->mutable_input_map())[k] = v;
+      for (const auto& [k, v] : s.output_map) (*step->mutable_output_map())[k] = v;
+    }
+  } else {
+    auto* g = p.add_instance_group();
+    g->set_kind(inference::ModelInstanceGroup::KIND_CPU);
+    g->set_count(c.instance_count);
+  }
   if (c.batching) {
     auto* db = p.mutable_dynamic_batching();
     for (int s : c.batching->preferred_batch_sizes) db->add_preferred_batch_size(s);

@@ -42,6 +42,7 @@ inline constexpr uint64_t kMaxQueueDelayUs = 3'600'000'000;        // max_queue_
 inline constexpr uint64_t kMaxQueueTimeoutUs = 2'592'000'000'000;  // default_timeout_microseconds: 30 days
 inline constexpr uint32_t kMaxWarmupCount = 1000;                  // model_warmup count
 inline constexpr size_t kMaxConfigTensors = 1024;                  // inputs or outputs
+inline constexpr size_t kMaxEnsembleSteps = 256;                   // ensemble_scheduling steps
 
 struct VersionPolicy {
   enum class Kind { kLatest, kAll, kSpecific };

@@ -6,6 +6,8 @@
 #include "core/cpus.h"
 #include "core/memory.h"
 #include "core/model_config_parser.h"
+#include "engine/ensemble_model.h"
+#include "engine/served_model.h"
 
 namespace quern {
 
@@ -31,6 +33,13 @@ ModelRegistry::~ModelRegistry() {
     models.swap(models_);
     for (auto& [name, e] : models) HoldRetiringLocked(e.versions);
   }
+  // Ensembles first: their requests still run steps in the other models.
+  for (auto& [name, e] : models) {
+    const bool ensemble = std::any_of(e.versions.begin(), e.versions.end(), [](const auto& v) {
+      return v.second.served && v.second.served->config().is_ensemble();
+    });
+    if (ensemble) RetireVersions(e.versions);
+  }
   for (auto& [name, e] : models) RetireVersions(e.versions);
 }
 
@@ -38,9 +47,7 @@ Status ModelRegistry::Start() {
   if (options_.model_repository.empty()) return Status::Ok();
   auto names = ListRepositoryModels(options_.model_repository);
   if (!names) return names.error();
-  if (options_.load_all_models) {
-    for (const auto& n : *names) (void)LoadModel(n);
-  }
+  if (options_.load_all_models) LoadInOrder(*names);
   if (options_.repository_poll_interval_s > 0) {
     poll_thread_ = std::thread([this] {
       NameThisThread("quern-poll");
@@ -51,12 +58,21 @@ Status ModelRegistry::Start() {
 }
 
 Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done) {
-  auto served = Resolve(request.model, request.version);
-  if (!served) return served.error();
-  return (*served)->Submit(std::move(request), id, done);
+  // A version replaced between the lookup and the submission (a reload)
+  // refuses as it stops and hands the request back: it goes to the version
+  // that replaced it. Bounded, in case reloads follow one another.
+  std::shared_ptr<Servable> previous;
+  for (int attempt = 0;; ++attempt) {
+    auto served = Resolve(request.model, request.version);
+    if (!served) return served.error();
+    if (*served == previous) return Unavailable("model '" + request.model + "' is stopping");
+    Status st = (*served)->Submit(std::move(request), id, done);
+    if (st.ok() || attempt == 3 || !(*served)->stopping()) return st;
+    previous = std::move(*served);
+  }
 }
 
-Result<std::shared_ptr<ServedModel>> ModelRegistry::Resolve(const std::string& name, int64_t version) const {
+Result<std::shared_ptr<Servable>> ModelRegistry::Resolve(const std::string& name, int64_t version) const {
   ReaderLock lock(mu_);
   auto it = models_.find(name);
   if (it == models_.end()) return Err(NotFound("unknown model '" + name + "'"));
@@ -144,9 +160,9 @@ Status ModelRegistry::LoadModel(const std::string& name) {
   return overall;
 }
 
-Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersionSafely(const RepositoryModel& m,
-                                                                      const RepositoryVersion& v) {
-  Result<std::shared_ptr<ServedModel>> served = Err(Internal("model '" + m.name + "' did not load"));
+Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersionSafely(const RepositoryModel& m,
+                                                                   const RepositoryVersion& v) {
+  Result<std::shared_ptr<Servable>> served = Err(Internal("model '" + m.name + "' did not load"));
   try {
     served = LoadVersion(m, v);
     if (served && options_.check_model) {
@@ -165,8 +181,49 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersionSafely(const Repo
   return served;
 }
 
-Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
+void ModelRegistry::LoadInOrder(const std::vector<std::string>& names) {
+  std::vector<std::string> ensembles;
+  for (const auto& n : names) {
+    if (IsEnsemble(n)) {
+      ensembles.push_back(n);
+    } else {
+      (void)LoadModel(n);
+    }
+  }
+  while (!ensembles.empty()) {
+    std::vector<std::string> failed;
+    for (const auto& n : ensembles) {
+      if (!LoadModel(n).ok()) failed.push_back(n);
+    }
+    if (failed.size() == ensembles.size()) break;
+    ensembles.swap(failed);
+  }
+}
+
+bool ModelRegistry::IsEnsemble(const std::string& name) const {
+  auto m = ReadRepositoryModel(options_.model_repository, name, options_.allow_links_outside_repository);
+  return m && m->config.is_ensemble();
+}
+
+Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
   ModelConfig config = m.config;
+  if (config.is_ensemble()) {
+    QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+    EnsembleModel::StepModels steps;
+    steps.submit = [this](InferRequest&& r, InferCallback& done) { return Submit(std::move(r), NextId(), done); };
+    steps.config = [this](const std::string& name, int64_t version) -> Result<ModelConfig> {
+      auto served = Resolve(name, version);
+      if (!served) return Err(served.error());
+      return (*served)->config();
+    };
+    steps.check_admission = [this](const std::string& name, int64_t version) {
+      auto served = Resolve(name, version);
+      return served ? (*served)->CheckAdmission() : served.error();
+    };
+    QUERN_ASSIGN_OR_RETURN(auto ensemble,
+                           EnsembleModel::Create(std::move(config), v.version, std::move(steps), clock_));
+    return std::shared_ptr<Servable>(std::move(ensemble));
+  }
   // An automatic layout (no instance_group): one instance per core for
   // concurrent requests, and a wide one for a lone request.
   const bool automatic = config.instance_count == 0;
@@ -199,7 +256,9 @@ Result<std::shared_ptr<ServedModel>> ModelRegistry::LoadVersion(const Repository
   // Loading freed more than it keeps (parsed files, optimizer copies): give
   // it back to the system rather than leave it in the allocator's free lists.
   ReturnFreedMemory();
-  return ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir, wide);
+  QUERN_ASSIGN_OR_RETURN(auto served,
+                         ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir, wide));
+  return std::shared_ptr<Servable>(std::move(served));
 }
 
 Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
@@ -269,7 +328,7 @@ Status ModelRegistry::PollRepository() {
       if (!e.custom && !std::binary_search(names->begin(), names->end(), n)) to_unload.push_back(n);
     }
   }
-  for (const auto& n : to_load) (void)LoadModel(n);
+  LoadInOrder(to_load);
   for (const auto& n : to_unload) (void)UnloadModel(n);
   return Status::Ok();
 }
@@ -327,7 +386,7 @@ void ModelRegistry::StopPolling() {
 }
 
 void ModelRegistry::Abandon() {
-  std::vector<std::shared_ptr<ServedModel>> all;
+  std::vector<std::shared_ptr<Servable>> all;
   {
     ReaderLock lock(mu_);
     for (const auto& [name, e] : models_) {

@@ -21,7 +21,7 @@
 #include "core/mutex.h"
 #include "core/repository.h"
 #include "engine/backend.h"
-#include "engine/served_model.h"
+#include "engine/servable.h"
 #include "quern/engine.h"
 
 namespace quern {
@@ -30,7 +30,7 @@ class ModelRegistry {
  public:
   struct VersionSlot {
     ModelStatus status;
-    std::shared_ptr<ServedModel> served;  // null unless ready
+    std::shared_ptr<Servable> served;  // null unless ready
   };
   struct Entry {
     bool custom = false;
@@ -48,7 +48,7 @@ class ModelRegistry {
   // Engine::InferAsync's contract: a refusal is returned, `done` left.
   Status Submit(InferRequest&& request, uint64_t id, InferCallback& done);
   // The ready version `version` (-1 = the highest) of `name`.
-  Result<std::shared_ptr<ServedModel>> Resolve(const std::string& name, int64_t version) const;
+  Result<std::shared_ptr<Servable>> Resolve(const std::string& name, int64_t version) const;
 
   Status LoadModel(const std::string& name);
   Status RegisterModel(ModelConfig config, ModelFactory factory);
@@ -69,8 +69,8 @@ class ModelRegistry {
   // LoadVersion, with anything thrown on the way (threads or memory running
   // out, ONNX Runtime errors outside its own checks) made that version's
   // load error, and the optional extra check applied.
-  Result<std::shared_ptr<ServedModel>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v);
-  Result<std::shared_ptr<ServedModel>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v);
+  Result<std::shared_ptr<Servable>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v);
+  Result<std::shared_ptr<Servable>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v);
 
   Status UnloadLocked(const std::string& name) QUERN_REQUIRES(load_mu_);
 
@@ -84,6 +84,11 @@ class ModelRegistry {
   // Puts `entry` in service under `name` and retires the versions it replaces.
   void Replace(const std::string& name, Entry entry);
   void PollLoop();
+  // Loads `names`, ensembles after the models they use (an ensemble that
+  // fails is tried again while another pass loads more).
+  void LoadInOrder(const std::vector<std::string>& names);
+  // Whether the repository's `name` is configured as an ensemble.
+  bool IsEnsemble(const std::string& name) const;
 
   EngineOptions options_;
   const Clock* clock_ = nullptr;
@@ -93,7 +98,7 @@ class ModelRegistry {
   mutable SharedMutex mu_;
   std::map<std::string, Entry> models_ QUERN_GUARDED_BY(mu_);
   // Versions out of service whose requests are finishing.
-  std::vector<std::shared_ptr<ServedModel>> retiring_ QUERN_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Servable>> retiring_ QUERN_GUARDED_BY(mu_);
   Mutex load_mu_;  // serialises loads, reloads and unloads
 
   Mutex poll_mu_;

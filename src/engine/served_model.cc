@@ -154,6 +154,10 @@ void ServedModel::Shutdown() {
   if (batcher_) batcher_->Shutdown();
 }
 
+bool ServedModel::stopping() const {
+  return batcher_ && batcher_->stopping();
+}
+
 Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
   for (const WarmupSample& s : config_.warmup) {
     std::vector<NamedTensor> inputs;
@@ -209,6 +213,7 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   // and the ticket is given up so that later responses are not held back.
   std::unique_ptr<Task> back(static_cast<Task*>(base.release()));
   done = std::move(back->done);
+  if (batcher_->stopping()) request = std::move(back->request);  // for the version that replaced this one
   if (ordered_) sequencer_.Complete(back->ticket, [] {});
   return Refuse(*back, Status(st.code(), "model '" + config_.name + "': " + st.message()));
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/model_statistics.h"
+#include "engine/servable.h"
 #include "quern/clock.h"
 #include "quern/engine.h"
 #include "quern/model.h"
@@ -26,7 +27,7 @@
 
 namespace quern {
 
-class ServedModel {
+class ServedModel final : public Servable {
  public:
   // `instances` are loaded already. Runs the configured warm-up samples on
   // every instance (files are read from `model_dir`/warmup/) before returning.
@@ -35,32 +36,20 @@ class ServedModel {
   static Result<std::shared_ptr<ServedModel>> Create(ModelConfig config, int64_t version,
                                                      std::vector<std::unique_ptr<Model>> instances, const Clock* clock,
                                                      std::filesystem::path model_dir, bool wide = false);
-  ~ServedModel();
+  ~ServedModel() override;
 
-  // Validates and queues `request`. Queued: `done` is moved out and later
-  // receives exactly one response on an engine thread. Refused (invalid
-  // input, queue full, stopping): the refusal is returned, counted in the
-  // statistics, and `done` is left with the caller, untouched.
-  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done);
-
-  // Asks every instance to end its running batch and fail later ones
-  // (Model::Abandon); any thread, once.
-  void Abandon();
-
-  // OK, or the UNAVAILABLE a request would get now because the queue is
-  // full (counted in the statistics as a rejected request: the caller
-  // answers it without submitting it).
-  Status CheckAdmission();
-
-  // Stops intake and finishes every queued request. Idempotent.
-  void Shutdown();
-
-  const ModelConfig& config() const { return config_; }
-  ModelStatistics Statistics() const;
-  // Requests submitted and not yet answered (queued, running or waiting
-  // for their turn to be answered).
-  int64_t in_flight() const { return in_flight_.load(std::memory_order_acquire); }
-  int64_t version() const { return version_; }
+  // Servable (see there). Abandon asks every instance (Model::Abandon);
+  // CheckAdmission refuses while the queue is full.
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) override;
+  void Abandon() override;
+  Status CheckAdmission() override;
+  void Shutdown() override;
+  bool stopping() const override;
+  const ModelConfig& config() const override { return config_; }
+  ModelStatistics Statistics() const override;
+  // Queued, running or waiting for their turn to be answered.
+  int64_t in_flight() const override { return in_flight_.load(std::memory_order_acquire); }
+  int64_t version() const override { return version_; }
 
  private:
   class Task;

@@ -73,6 +73,11 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   return Status::Ok();
 }
 
+bool DynamicBatcher::stopping() const {
+  MutexLock lock(mu_);
+  return stopping_;
+}
+
 Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   if (stopping_) return Unavailable("model is shutting down");
   if (!queue_wait) return Status::Ok();

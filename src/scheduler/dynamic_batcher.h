@@ -91,6 +91,8 @@ class DynamicBatcher {
   // Stops intake, drains the queue through the processor and joins workers. Idempotent.
   void Shutdown();
 
+  // Whether Shutdown has begun (Schedule refuses everything).
+  bool stopping() const;
   size_t queued() const;
   // The measured run time per item (ns, a moving average over recent
   // batches); 0 before the first batch.

@@ -1,0 +1,455 @@
+#include "engine/ensemble_model.h"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+
+#include "engine/batch_assembly.h"
+#include "engine/request_validation.h"
+
+namespace quern {
+
+class EnsembleModel::Run {
+ public:
+  uint64_t id = 0;
+  InferRequest request;  // without its inputs (they are in `values`)
+  std::vector<int> output_indices;
+  InferCallback done;
+  Mutex mu;
+  std::vector<Tensor> values QUERN_GUARDED_BY(mu);
+  // Per tensor: 0 not yet written, 1 written, 2 an optional input left out.
+  std::vector<char> state QUERN_GUARDED_BY(mu);
+  std::vector<int> waiting QUERN_GUARDED_BY(mu);  // per step: tensors it still waits for
+  int steps_left QUERN_GUARDED_BY(mu) = 0;
+  bool finished QUERN_GUARDED_BY(mu) = false;
+  Telemetry telemetry QUERN_GUARDED_BY(mu);
+  std::vector<StepTelemetry> steps QUERN_GUARDED_BY(mu);
+};
+
+namespace {
+
+// The shape a tensor has in requests: the batch dimension (-1) first when
+// the configuration batches.
+Shape RequestShape(const TensorConfig& t, bool batched) {
+  Shape s = t.dims;
+  if (batched) s.insert(s.begin(), -1);
+  return s;
+}
+
+bool ShapesAgree(const Shape& a, const Shape& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != -1 && b[i] != -1 && a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+std::string Names(const std::vector<TensorConfig>& tensors) {
+  std::string out;
+  for (const auto& t : tensors) out += (out.empty() ? "" : ", ") + t.name;
+  return out;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<EnsembleModel>> EnsembleModel::Create(ModelConfig config, int64_t version, StepModels models,
+                                                             const Clock* clock) {
+  std::shared_ptr<EnsembleModel> m(new EnsembleModel(std::move(config), version, std::move(models), clock));
+  QUERN_RETURN_IF_ERROR(m->Plan());
+  return m;
+}
+
+EnsembleModel::EnsembleModel(ModelConfig config, int64_t version, StepModels models, const Clock* clock)
+    : config_(std::move(config)), version_(version), models_(std::move(models)), clock_(clock) {}
+
+EnsembleModel::~EnsembleModel() {
+  Shutdown();
+}
+
+Status EnsembleModel::Plan() {
+  const std::string e = "ensemble '" + config_.name + "'";
+  const bool batched = config_.max_batch_size > 0;
+  std::map<std::string, int> index;
+  auto tensor = [&](const std::string& name) {
+    auto [it, added] = index.emplace(name, static_cast<int>(tensors_.size()));
+    if (added) tensors_.push_back(name);
+    return it->second;
+  };
+  // Who writes each tensor (-1 = an ensemble input), with its type and the
+  // shape it has in requests.
+  struct Source {
+    int step = -2;  // -2 = nobody
+    DataType dtype = DataType::kFp32;
+    Shape shape;
+  };
+  std::vector<Source> source;
+  auto source_of = [&](int t) -> Source& {
+    if (source.size() <= static_cast<size_t>(t)) source.resize(static_cast<size_t>(t) + 1);
+    return source[static_cast<size_t>(t)];
+  };
+  for (const TensorConfig& in : config_.inputs) {
+    const int t = tensor(in.name);
+    input_tensor_.push_back(t);
+    source_of(t) = {-1, in.dtype, RequestShape(in, batched)};
+  }
+
+  std::vector<ModelConfig> step_configs;
+  for (size_t i = 0; i < config_.ensemble_steps.size(); ++i) {
+    const EnsembleStep& s = config_.ensemble_steps[i];
+    const std::string where = e + " step " + std::to_string(i) + " (model '" + s.model_name + "')";
+    if (s.model_name == config_.name) return InvalidArgument(where + ": an ensemble cannot be a step of itself");
+    auto sc = models_.config(s.model_name, s.model_version);
+    if (!sc) return Status(StatusCode::kUnavailable, where + ": " + sc.error().message());
+    const ModelConfig& c = *sc;
+    if (batched && c.max_batch_size > 0 && c.max_batch_size < config_.max_batch_size) {
+      return InvalidArgument(where + ": its max_batch_size " + std::to_string(c.max_batch_size) +
+                             " is below the ensemble's " + std::to_string(config_.max_batch_size));
+    }
+    Step step;
+    step.model = s.model_name;
+    step.version = s.model_version;
+    for (const auto& [name, t] : s.input_map) {
+      if (!c.FindInput(name)) {
+        return InvalidArgument(where + ": input_map names '" + name +
+                               "', which is not an input of the model (inputs: " + Names(c.inputs) + ")");
+      }
+      step.inputs.emplace_back(name, tensor(t));
+    }
+    for (const TensorConfig& in : c.inputs) {
+      if (!in.optional && !s.input_map.count(in.name)) {
+        return InvalidArgument(where + ": the model's input '" + in.name + "' is not in input_map");
+      }
+    }
+    for (const auto& [name, t] : s.output_map) {
+      const TensorConfig* out = c.FindOutput(name);
+      if (!out) {
+        return InvalidArgument(where + ": output_map names '" + name +
+                               "', which is not an output of the model (outputs: " + Names(c.outputs) + ")");
+      }
+      const int ti = tensor(t);
+      Source& src = source_of(ti);
+      if (src.step == -1) {
+        return InvalidArgument(where + ": writes tensor '" + t + "', which is an input of the ensemble");
+      }
+      if (src.step >= 0) {
+        return InvalidArgument(where + ": writes tensor '" + t + "', which step " + std::to_string(src.step) +
+                               " writes too");
+      }
+      src = {static_cast<int>(i), out->dtype, RequestShape(*out, c.max_batch_size > 0)};
+      step.outputs.emplace_back(name, ti);
+      step.requested.push_back(name);
+    }
+    if (step.outputs.empty()) return InvalidArgument(where + ": output_map is empty");
+    steps_.push_back(std::move(step));
+    step_configs.push_back(c);
+  }
+  source.resize(tensors_.size());
+
+  // Every read tensor has a writer of the same type and a compatible shape.
+  readers_.assign(tensors_.size(), {});
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    const std::string where = e + " step " + std::to_string(i) + " (model '" + steps_[i].model + "')";
+    const ModelConfig& c = step_configs[i];
+    for (const auto& [name, t] : steps_[i].inputs) {
+      const Source& src = source[static_cast<size_t>(t)];
+      const std::string& tn = tensors_[static_cast<size_t>(t)];
+      if (src.step == -2) {
+        return InvalidArgument(where + ": reads tensor '" + tn +
+                               "', which no step writes and which is not an input of the ensemble");
+      }
+      const std::string from = src.step == -1
+                                   ? "ensemble input '" + tn + "'"
+                                   : "tensor '" + tn + "' (written by step " + std::to_string(src.step) + ")";
+      const TensorConfig& in = *c.FindInput(name);
+      if (in.dtype != src.dtype) {
+        return InvalidArgument(where + ": input '" + name + "' takes " + std::string(DataTypeName(in.dtype)) + ", " +
+                               from + " is " + std::string(DataTypeName(src.dtype)));
+      }
+      const Shape want = RequestShape(in, c.max_batch_size > 0);
+      if (!ShapesAgree(want, src.shape)) {
+        return InvalidArgument(where + ": input '" + name + "' takes shape " + ShapeToString(want) + ", " + from +
+                               " has shape " + ShapeToString(src.shape));
+      }
+      readers_[static_cast<size_t>(t)].push_back(static_cast<int>(i));
+    }
+  }
+  for (const TensorConfig& out : config_.outputs) {
+    const auto it = index.find(out.name);
+    const Source* src = it == index.end() ? nullptr : &source[static_cast<size_t>(it->second)];
+    if (!src || src->step < 0) {
+      return InvalidArgument(e + ": output '" + out.name + "' is written by no step");
+    }
+    if (out.dtype != src->dtype) {
+      return InvalidArgument(e + ": output '" + out.name + "' is " + std::string(DataTypeName(out.dtype)) + ", step " +
+                             std::to_string(src->step) + " writes it as " + std::string(DataTypeName(src->dtype)));
+    }
+    if (!ShapesAgree(RequestShape(out, batched), src->shape)) {
+      return InvalidArgument(e + ": output '" + out.name + "' has shape " + ShapeToString(RequestShape(out, batched)) +
+                             ", step " + std::to_string(src->step) + " writes shape " + ShapeToString(src->shape));
+    }
+    output_tensor_.push_back(it->second);
+  }
+  for (size_t t = 0; t < tensors_.size(); ++t) {
+    const bool is_output =
+        std::find(output_tensor_.begin(), output_tensor_.end(), static_cast<int>(t)) != output_tensor_.end();
+    if (readers_[t].empty() && !is_output) {
+      return InvalidArgument(source[t].step == -1
+                                 ? e + ": input '" + tensors_[t] + "' is read by no step"
+                                 : e + " step " + std::to_string(source[t].step) + ": tensor '" + tensors_[t] +
+                                       "' is read by no step and is not an output of the ensemble");
+    }
+  }
+
+  // Every step becomes ready: no cycles (Kahn's order from the inputs).
+  waits_for_.assign(steps_.size(), 0);
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    for (const auto& [name, t] : steps_[i].inputs) {
+      if (source[static_cast<size_t>(t)].step >= 0) ++waits_for_[i];
+    }
+    if (waits_for_[i] == 0) first_steps_.push_back(static_cast<int>(i));
+  }
+  std::vector<int> waiting = waits_for_, ready = first_steps_;
+  size_t reached = 0;
+  while (!ready.empty()) {
+    const int s = ready.back();
+    ready.pop_back();
+    ++reached;
+    for (const auto& [name, t] : steps_[static_cast<size_t>(s)].outputs) {
+      for (int r : readers_[static_cast<size_t>(t)]) {
+        if (--waiting[static_cast<size_t>(r)] == 0) ready.push_back(r);
+      }
+    }
+  }
+  if (reached != steps_.size()) {
+    std::string stuck;
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      if (waiting[i] > 0) stuck += (stuck.empty() ? "" : ", ") + std::to_string(i);
+    }
+    return InvalidArgument(e + ": steps " + stuck + " wait for one another's tensors (a cycle)");
+  }
+  return Status::Ok();
+}
+
+Status EnsembleModel::StepError(int step, const Status& status) const {
+  const Step& s = steps_[static_cast<size_t>(step)];
+  return Status(status.code(), "ensemble '" + config_.name + "' step " + std::to_string(step) + " (model '" + s.model +
+                                   "'): " + status.message());
+}
+
+Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
+  Telemetry arrival;
+  arrival.queue_start_ns = clock_->NowNs();
+  {
+    MutexLock lock(mu_);
+    if (stopping_) {
+      Status st = Unavailable("model '" + config_.name + "' is stopping");
+      stats_.RecordRequest(st, arrival, 0, 0, arrival.queue_start_ns);
+      return st;
+    }
+    ++in_flight_;
+  }
+  auto run = std::make_shared<Run>();
+  int64_t items = 0;
+  uint64_t key = 0;
+  Status st = ValidateRequest(config_, request, items, key, run->output_indices);
+  if (!st.ok()) {
+    stats_.RecordRequest(st, arrival, 0, 0, clock_->NowNs());
+    Release();
+    return st;
+  }
+  run->id = request_id;
+  std::vector<NamedTensor> inputs = std::move(request.inputs);
+  request.inputs.clear();
+  run->request = std::move(request);
+  {
+    MutexLock lock(run->mu);
+    run->values.resize(tensors_.size());
+    run->state.assign(tensors_.size(), 0);
+    for (size_t i = 0; i < config_.inputs.size(); ++i) {
+      const size_t t = static_cast<size_t>(input_tensor_[i]);
+      NamedTensor* nt = nullptr;
+      for (auto& in : inputs) {
+        if (in.name == config_.inputs[i].name) nt = &in;
+      }
+      if (nt) {
+        run->values[t] = std::move(nt->tensor);
+        run->state[t] = 1;
+      } else {
+        run->state[t] = 2;  // optional, left out: the steps that read it go without
+      }
+    }
+    run->waiting = waits_for_;
+    run->steps_left = static_cast<int>(steps_.size());
+    run->telemetry = arrival;
+    run->telemetry.batch_size = items;
+    run->telemetry.padded_batch_size = items;
+  }
+  run->done = std::move(done);
+  st = Launch(run, first_steps_, /*first_launch=*/true);
+  if (!st.ok()) {
+    // Nothing was submitted: the request is refused, its callback handed back.
+    done = std::move(run->done);
+    stats_.RecordRequest(st, arrival, 0, 0, clock_->NowNs());
+    Release();
+    return st;
+  }
+  return Status::Ok();
+}
+
+Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch) {
+  for (size_t k = 0; k < steps.size(); ++k) {
+    const int s = steps[k];
+    const Step& step = steps_[static_cast<size_t>(s)];
+    InferRequest r;
+    r.model = step.model;
+    r.version = step.version;
+    r.requested_outputs = step.requested;
+    r.priority = run->request.priority;
+    r.timeout_us = run->request.timeout_us;
+    r.deadline_ns = run->request.deadline_ns;
+    r.cancel = run->request.cancel;
+    r.admitted = run->request.admitted;
+    {
+      MutexLock lock(run->mu);
+      if (run->finished) return Status::Ok();
+      for (const auto& [name, t] : step.inputs) {
+        if (run->state[static_cast<size_t>(t)] == 1) r.inputs.push_back({name, run->values[static_cast<size_t>(t)]});
+      }
+    }
+    Status st;
+    if (r.cancel && r.cancel->cancelled()) {
+      st = Cancelled("the request was cancelled");
+    } else {
+      InferCallback done = [self = shared_from_this(), run, s](InferResponse&& response) {
+        self->StepDone(run, s, std::move(response));
+      };
+      st = models_.submit(std::move(r), done);
+    }
+    if (!st.ok()) {
+      st = StepError(s, st);
+      if (first_launch && k == 0) return st;
+      Finish(run, std::move(st));
+      return Status::Ok();
+    }
+  }
+  return Status::Ok();
+}
+
+void EnsembleModel::StepDone(const std::shared_ptr<Run>& run, int step, InferResponse&& response) {
+  if (!response.status.ok()) {
+    Finish(run, StepError(step, response.status));
+    return;
+  }
+  const Step& s = steps_[static_cast<size_t>(step)];
+  std::vector<int> ready;
+  bool complete = false;
+  {
+    MutexLock lock(run->mu);
+    if (run->finished) return;
+    Telemetry& t = run->telemetry;
+    const Telemetry& st = response.telemetry;
+    if (st.compute_start_ns > 0 && (t.compute_start_ns == 0 || st.compute_start_ns < t.compute_start_ns)) {
+      t.compute_start_ns = st.compute_start_ns;
+    }
+    t.compute_end_ns = std::max(t.compute_end_ns, st.compute_end_ns);
+    run->steps.push_back({step, std::move(response.model), response.version, st});
+    for (const auto& [name, ti] : s.outputs) {
+      const Tensor* out = response.FindOutput(name);
+      if (!out) {
+        lock.Unlock();
+        Finish(run, StepError(step, Internal("the model did not return output '" + name + "'")));
+        return;
+      }
+      run->values[static_cast<size_t>(ti)] = *out;
+      run->state[static_cast<size_t>(ti)] = 1;
+      for (int r : readers_[static_cast<size_t>(ti)]) {
+        if (--run->waiting[static_cast<size_t>(r)] == 0) ready.push_back(r);
+      }
+    }
+    complete = --run->steps_left == 0;
+  }
+  if (complete) {
+    Finish(run, Status::Ok());
+  } else if (!ready.empty()) {
+    (void)Launch(run, ready, /*first_launch=*/false);
+  }
+}
+
+void EnsembleModel::Finish(const std::shared_ptr<Run>& run, Status status) {
+  InferResponse r;
+  {
+    MutexLock lock(run->mu);
+    if (run->finished) return;
+    run->finished = true;
+    if (status.ok()) {
+      for (int idx : run->output_indices) {
+        const size_t t = static_cast<size_t>(output_tensor_[static_cast<size_t>(idx)]);
+        r.outputs.push_back({config_.outputs[static_cast<size_t>(idx)].name, std::move(run->values[t])});
+      }
+    }
+    run->values.clear();
+    r.telemetry = run->telemetry;
+    r.steps = std::move(run->steps);
+  }
+  if (r.status = std::move(status);
+      r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
+    if (r.status.message().find(config_.name) == std::string::npos) {
+      r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
+    }
+  }
+  r.request_id = run->id;
+  r.model = config_.name;
+  r.version = version_;
+  r.metadata = std::move(run->request.metadata);
+  const int64_t now = clock_->NowNs();
+  if (r.telemetry.compute_start_ns == 0) r.telemetry.compute_start_ns = now;
+  if (r.telemetry.compute_end_ns == 0) r.telemetry.compute_end_ns = now;
+  r.telemetry.response_ns = now;
+  stats_.RecordRequest(r.status, r.telemetry, 0, 0, now);
+  InferCallback done = std::move(run->done);
+  done(std::move(r));
+  Release();
+}
+
+void EnsembleModel::Release() {
+  MutexLock lock(mu_);
+  if (--in_flight_ == 0) idle_.SignalAll();
+}
+
+Status EnsembleModel::CheckAdmission() {
+  {
+    MutexLock lock(mu_);
+    if (stopping_) return Unavailable("model '" + config_.name + "' is stopping");
+  }
+  for (int s : first_steps_) {
+    const Step& step = steps_[static_cast<size_t>(s)];
+    Status st = models_.check_admission(step.model, step.version);
+    if (!st.ok()) return StepError(s, st);
+  }
+  return Status::Ok();
+}
+
+void EnsembleModel::Shutdown() {
+  MutexLock lock(mu_);
+  stopping_ = true;
+  idle_.Wait(lock, [this]() QUERN_REQUIRES(mu_) { return in_flight_ == 0; });
+}
+
+bool EnsembleModel::stopping() const {
+  MutexLock lock(mu_);
+  return stopping_;
+}
+
+int64_t EnsembleModel::in_flight() const {
+  MutexLock lock(mu_);
+  return in_flight_;
+}
+
+ModelStatistics EnsembleModel::Statistics() const {
+  ModelStatistics s = stats_.Snapshot();
+  s.name = config_.name;
+  s.version = version_;
+  return s;
+}
+
+}  // namespace quern

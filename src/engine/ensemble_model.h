@@ -1,0 +1,113 @@
+// EnsembleModel: an ensemble (config.pbtxt `platform: "ensemble"` with
+// Triton's `ensemble_scheduling { step [...] }`) served as one model. It has
+// no instances and no batcher: each step is a request to the step's own
+// model, submitted when the tensors it reads are ready, so the requests of
+// different callers meet in batches at every step. Tensors pass from step
+// to step as they are (a step's output rows are a view of its batch's
+// output; nothing is copied on the way).
+//
+// Load-time checks (Create) name the step and the model: unknown or unready
+// step models, names that are not the step model's inputs or outputs,
+// tensors read but never written, written twice or written and never read,
+// unused ensemble inputs, cycles, and type, shape or batch size mismatches.
+// At run time a failed step fails the request with the step's status code
+// and a message naming the step and its model; the caller's cancellation,
+// deadline, priority and queue timeout go with every step request. A step
+// model that is reloaded keeps serving the requests inside the ensemble
+// (the registry keeps old versions until their requests finish, and each
+// step resolves its model when it is submitted).
+//
+// Thread safety: as Servable. Step completions run on the step models'
+// engine threads and submit the steps they make ready from there.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/mutex.h"
+#include "engine/model_statistics.h"
+#include "engine/servable.h"
+#include "quern/clock.h"
+
+namespace quern {
+
+class EnsembleModel final : public Servable, public std::enable_shared_from_this<EnsembleModel> {
+ public:
+  // How an ensemble reaches the models of its steps (the registry's).
+  struct StepModels {
+    // Engine::InferAsync's contract: a refusal is returned, `done` left.
+    std::function<Status(InferRequest&& request, InferCallback& done)> submit;
+    // The configuration of the ready version `version` (-1 = the highest).
+    std::function<Result<ModelConfig>(const std::string& name, int64_t version)> config;
+    // Servable::CheckAdmission of that version.
+    std::function<Status(const std::string& name, int64_t version)> check_admission;
+  };
+
+  // Checks `config` (an ensemble's, already through ValidateModelConfig)
+  // against its step models as they are served now.
+  static Result<std::shared_ptr<EnsembleModel>> Create(ModelConfig config, int64_t version, StepModels models,
+                                                       const Clock* clock);
+  ~EnsembleModel() override;
+
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) override;
+  // Refuses while stopping, or when a model of a first step would refuse.
+  Status CheckAdmission() override;
+  void Abandon() override {}  // its requests run in the step models, which are abandoned themselves
+  // Stops intake and waits until every accepted request is answered (their
+  // steps run in the step models, which must still be served).
+  void Shutdown() override;
+  bool stopping() const override;
+  const ModelConfig& config() const override { return config_; }
+  int64_t version() const override { return version_; }
+  ModelStatistics Statistics() const override;
+  int64_t in_flight() const override;
+
+ private:
+  struct Step {
+    std::string model;
+    int64_t version = -1;
+    std::vector<std::pair<std::string, int>> inputs;   // step model input -> ensemble tensor
+    std::vector<std::pair<std::string, int>> outputs;  // step model output -> ensemble tensor
+    std::vector<std::string> requested;                // the outputs' names, asked of the model
+  };
+  class Run;
+
+  EnsembleModel(ModelConfig config, int64_t version, StepModels models, const Clock* clock);
+  Status Plan();
+  // Submits `steps` of `run`. A refusal of the first of them while nothing
+  // of the run was submitted before (`first_launch`) is returned instead of
+  // answered, so that Submit can refuse the request; any other refusal
+  // fails the run.
+  Status Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch);
+  void StepDone(const std::shared_ptr<Run>& run, int step, InferResponse&& response);
+  void Finish(const std::shared_ptr<Run>& run, Status status);
+  Status StepError(int step, const Status& status) const;
+  void Release();
+
+  const ModelConfig config_;
+  const int64_t version_;
+  const StepModels models_;
+  const Clock* clock_;
+
+  // The plan, made once by Create: tensors by index, which ensemble tensor
+  // each configured input and output is, which steps read each tensor and
+  // how many tensors each step waits for.
+  std::vector<std::string> tensors_;
+  std::vector<Step> steps_;
+  std::vector<int> input_tensor_;   // by config input
+  std::vector<int> output_tensor_;  // by config output
+  std::vector<std::vector<int>> readers_;
+  std::vector<int> waits_for_;
+  std::vector<int> first_steps_;
+
+  mutable Mutex mu_;
+  CondVar idle_;
+  bool stopping_ QUERN_GUARDED_BY(mu_) = false;
+  int64_t in_flight_ QUERN_GUARDED_BY(mu_) = 0;
+  ModelStatisticsRecorder stats_;
+};
+
+}  // namespace quern
