@@ -1,0 +1,135 @@
+"""Ensembles through real clients: tritonclient (HTTP and gRPC) against `quern serve` with the example
+ensemble imagenet_pipeline (imagenet_preprocess -> imagenet -> imagenet_top5) and its step models."""
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+STEPS = ("imagenet_preprocess", "imagenet", "imagenet_top5")
+PHOTOS = ("eagle.jpg", "dog.jpg", "giraffe.jpg", "kite.jpg")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for m in STEPS + ("imagenet_pipeline",):
+        shutil.copytree(os.path.join(EXAMPLES, "models", m), repo / m)
+    proc, ports = start_quern(QUERN, str(repo))
+    yield {"ports": ports, "repo": repo}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def pixels(name):
+    return np.ascontiguousarray(np.asarray(Image.open(os.path.join(EXAMPLES, "data", name)).convert("RGB")))
+
+
+def http_input(name, array, dtype):
+    inp = httpclient.InferInput(name, list(array.shape), dtype)
+    inp.set_data_from_numpy(array, binary_data=True)
+    return inp
+
+
+def step_by_step(client, rgb):
+    """The same chain called one model at a time by the client: the reference for the ensemble."""
+    image = client.infer("imagenet_preprocess", [http_input("pixels", rgb, "UINT8")]).as_numpy("image")
+    logits = client.infer("imagenet", [http_input("image", image, "FP32")]).as_numpy("logits")
+    top = client.infer("imagenet_top5", [http_input("logits", logits, "FP32")])
+    return logits, top
+
+
+def test_the_ensemble_answers_as_its_steps_called_one_by_one(server):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['ports']['HTTP']}")
+    rgb = pixels("eagle.jpg")
+    result = client.infer("imagenet_pipeline", [http_input("pixels", rgb, "UINT8")])
+    logits, top = step_by_step(client, rgb)
+    for name in ("classes", "probabilities", "labels"):
+        np.testing.assert_array_equal(result.as_numpy(name), top.as_numpy(name))
+    # numpy's softmax of the logits, independently of the Python model.
+    x = logits[0].astype(np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p)[:5]
+    assert result.as_numpy("classes")[0].tolist() == order.tolist()
+    np.testing.assert_allclose(result.as_numpy("probabilities")[0], p[order], rtol=1e-5, atol=1e-7)
+    # A person reading the photograph: a young bald eagle.
+    names = [b.decode() for b in result.as_numpy("labels")[0]]
+    assert "bald eagle" in names[:2], names
+
+
+def test_grpc_client_and_configuration_in_tritons_schema(server):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server['ports']['gRPC']}")
+    config = client.get_model_config("imagenet_pipeline").config
+    assert config.platform == "ensemble"
+    assert [s.model_name for s in config.ensemble_scheduling.step] == list(STEPS)
+    assert dict(config.ensemble_scheduling.step[2].output_map) == {
+        "classes": "classes", "probabilities": "probabilities", "labels": "labels"}
+    assert len(config.instance_group) == 0
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server['ports']['HTTP']}")
+    as_json = http.get_model_config("imagenet_pipeline")
+    assert [s["model_name"] for s in as_json["ensemble_scheduling"]["step"]] == list(STEPS)
+    assert as_json["ensemble_scheduling"]["step"][1]["input_map"] == {"image": "image"}
+
+    rgb = pixels("dog.jpg")
+    inp = grpcclient.InferInput("pixels", list(rgb.shape), "UINT8")
+    inp.set_data_from_numpy(rgb)
+    result = client.infer("imagenet_pipeline", [inp], outputs=[grpcclient.InferRequestedOutput("labels")])
+    assert result.as_numpy("classes") is None, "only the requested output comes back"
+    _, top = step_by_step(http, rgb)
+    np.testing.assert_array_equal(result.as_numpy("labels"), top.as_numpy("labels"))
+    assert http.is_model_ready("imagenet_pipeline")
+
+
+def test_concurrent_callers_get_their_own_answers_and_meet_in_batches(server):
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server['ports']['HTTP']}")
+    expected = {name: step_by_step(http, pixels(name))[1].as_numpy("labels") for name in PHOTOS}
+    before = http.get_inference_statistics("imagenet")["model_stats"][0]
+    wrong, errors = [], []
+
+    def caller(i):
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{server['ports']['HTTP']}")
+        for k in range(6):
+            name = PHOTOS[(i + k) % len(PHOTOS)]
+            try:
+                got = c.infer("imagenet_pipeline", [http_input("pixels", pixels(name), "UINT8")]).as_numpy("labels")
+            except InferenceServerException as e:
+                errors.append(str(e))
+                continue
+            if not np.array_equal(got, expected[name]):
+                wrong.append((name, got))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not wrong, wrong[:3]
+    after = http.get_inference_statistics("imagenet")["model_stats"][0]
+    items = int(after["inference_count"]) - int(before["inference_count"])
+    batches = int(after["execution_count"]) - int(before["execution_count"])
+    assert items == 48
+    assert batches < items, f"imagenet ran {items} items in {batches} batches: the callers never met"
+    stats = http.get_inference_statistics("imagenet_pipeline")["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) >= 48 + 2
+
+
+def test_bad_input_names_the_ensemble(server):
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server['ports']['HTTP']}")
+    flat = np.zeros((4, 4), dtype=np.uint8)
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("imagenet_pipeline", [http_input("pixels", flat, "UINT8")])
+    assert "imagenet_pipeline" in str(e.value) and "pixels" in str(e.value), str(e.value)
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("imagenet_pipeline", [http_input("pixels", pixels("eagle.jpg").astype(np.float32), "FP32")])
+    assert "expected data type UINT8" in str(e.value), str(e.value)
