@@ -92,7 +92,8 @@ atexit.register(lambda: [e.close() for e in list(_open_engines)])
 
 class Result(dict):
     """A request's outputs by name, with `telemetry`: request_id, model_version, batch_size (items in
-    the batch it ran in), queue_ms, compute_ms and total_ms."""
+    the batch it ran in), queue_ms, compute_ms and total_ms; for an ensemble also `steps`, one dict per
+    step (step, model, model_version, batch_size, queue_ms, compute_ms, total_ms) in the order they finished."""
 
     def __init__(self, outputs, telemetry):
         super().__init__(outputs)

@@ -500,6 +500,22 @@ class PyEngine {
     telemetry["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
     telemetry["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
     telemetry["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
+    if (!resp.steps.empty()) {
+      // An ensemble's steps, in the order they finished.
+      py::list steps;
+      for (const StepTelemetry& s : resp.steps) {
+        py::dict step;
+        step["step"] = s.step;
+        step["model"] = s.model;
+        step["model_version"] = s.version;
+        step["batch_size"] = s.telemetry.batch_size;
+        step["queue_ms"] = static_cast<double>(s.telemetry.queue_ns()) / 1e6;
+        step["compute_ms"] = static_cast<double>(s.telemetry.compute_ns()) / 1e6;
+        step["total_ms"] = static_cast<double>(s.telemetry.total_ns()) / 1e6;
+        steps.append(std::move(step));
+      }
+      telemetry["steps"] = std::move(steps);
+    }
     return py::make_tuple(outputs, telemetry);
   }
 

@@ -372,3 +372,31 @@ def test_bytes_tensors_in_and_out():
     with pytest.raises(quern.Internal, match="output 'y' element 0 is a int"):
         engine.infer("numbers", {"x": np.array([[b"a"]], dtype=object)})
     np.testing.assert_array_equal(engine.infer("shout", {"text": np.array([[b"fine"]], dtype=object)})["length"], [[4]])
+
+
+def test_an_ensemble_reports_its_steps(tmp_path):
+    """An ensemble of two add_sub steps from Python: the answer numpy computes, and one telemetry entry
+    per step naming its model."""
+    shutil.copytree(os.path.join(MODELS, "add_sub"), tmp_path / "add_sub")
+    (tmp_path / "twice" / "1").mkdir(parents=True)
+    (tmp_path / "twice" / "config.pbtxt").write_text("""
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "twice_a" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "add_sub" input_map { key: "INPUT0" value: "a" } input_map { key: "INPUT1" value: "b" }
+    output_map { key: "OUTPUT0" value: "sum" } output_map { key: "OUTPUT1" value: "diff" } },
+  { model_name: "add_sub" input_map { key: "INPUT0" value: "sum" } input_map { key: "INPUT1" value: "diff" }
+    output_map { key: "OUTPUT0" value: "twice_a" } }
+] }
+""")
+    with quern.Engine(tmp_path) as engine:
+        a = np.arange(8, dtype=np.float32).reshape(2, 4)
+        b = np.full((2, 4), 5, dtype=np.float32)
+        result = engine.infer("twice", {"a": a, "b": b})
+        np.testing.assert_array_equal(result["twice_a"], 2 * a)
+        steps = result.telemetry["steps"]
+        assert sorted(s["step"] for s in steps) == [0, 1]
+        assert all(s["model"] == "add_sub" and s["batch_size"] >= 2 for s in steps)
+        assert "steps" not in engine.infer("add_sub", {"INPUT0": a, "INPUT1": b}).telemetry
