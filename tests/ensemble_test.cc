@@ -406,10 +406,6 @@ output [ { name: "S" data_type: TYPE_FP64 dims: [ 4 ] } ])",
        Ensemble(kIo,
                 R"({ model_name: "selfish" input_map { key: "A" value: "A" } output_map { key: "S" value: "S" } })"),
        "an ensemble cannot be a step of itself"},
-      {"batch size",
-       "platform: \"ensemble\"\nmax_batch_size: 64\n" + kIo + "\nensemble_scheduling { step [ " + kAddSubAA +
-           R"(output_map { key: "OUTPUT0" value: "S" } } ] })",
-       "its max_batch_size"},
       {"no steps", "platform: \"ensemble\"\nmax_batch_size: 8\n" + kIo + "\nensemble_scheduling { }\n",
        "ensemble_scheduling has no step"},
       {"no scheduling", "platform: \"ensemble\"\nmax_batch_size: 8\n" + kIo + "\n",
@@ -448,6 +444,57 @@ output [ { name: "S" data_type: TYPE_FP64 dims: [ 4 ] } ])",
   ASSERT_TRUE(resp.status.ok()) << resp.status.ToString();
   EXPECT_EQ(ToFloats(resp.outputs[0].tensor), (std::vector<float>{2, 4, 6, 8}));
   (void)engine_->UnloadModel("bad_ensemble");
+}
+
+// Rows that are not the request's batch: any number of them, more than the
+// step model's max_batch_size (16 for add_sub) or none.
+constexpr char kRows[] = R"(
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ -1, 4 ] }, { name: "z" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "add_sub" input_map { key: "INPUT0" value: "x" } input_map { key: "INPUT1" value: "x" }
+    output_map { key: "OUTPUT0" value: "y" } output_map { key: "OUTPUT1" value: "zero" } },
+  { model_name: "add_sub" input_map { key: "INPUT0" value: "zero" } input_map { key: "INPUT1" value: "y" }
+    output_map { key: "OUTPUT1" value: "z" } }
+] }
+)";
+
+TEST_F(EnsembleTest, RowsBeyondAStepsBatchSizeAreSplitAndJoinedInOrder) {
+  ASSERT_TRUE(Load("rows", kRows).ok());
+  for (int64_t n : {1, 16, 17, 40, 0}) {
+    std::vector<float> x;
+    for (int64_t i = 0; i < n * 4; ++i) x.push_back(static_cast<float>(i) * 0.5f - 7);
+    InferRequest r;
+    r.model = "rows";
+    r.inputs = {{"x", Floats({n, 4}, x)}};
+    InferResponse resp = engine_->Infer(std::move(r)).get();
+    ASSERT_TRUE(resp.status.ok()) << n << ": " << resp.status.ToString();
+    const Tensor* y = resp.FindOutput("y");
+    const Tensor* z = resp.FindOutput("z");
+    ASSERT_TRUE(y && z);
+    EXPECT_EQ(y->shape(), (Shape{n, 4})) << n;
+    EXPECT_EQ(z->shape(), (Shape{n, 4})) << n;
+    EXPECT_EQ(ToFloats(*y), Times(x, 2)) << n;   // x + x
+    EXPECT_EQ(ToFloats(*z), Times(x, -2)) << n;  // (x - x) - 2x
+    EXPECT_EQ(resp.steps.size(), n == 0 ? 0u : 2u) << "zero rows run no step";
+  }
+  // A batched ensemble's rows beyond its step model's max_batch_size too.
+  ASSERT_TRUE(Load("wide_batch", "platform: \"ensemble\"\nmax_batch_size: 64\n" + kIo +
+                                     "\nensemble_scheduling { step [ " + kAddSubAA +
+                                     R"(output_map { key: "OUTPUT0" value: "S" } } ] })")
+                  .ok());
+  std::vector<float> a;
+  for (int i = 0; i < 50 * 4; ++i) a.push_back(static_cast<float>(i));
+  InferRequest r;
+  r.model = "wide_batch";
+  r.inputs = {{"A", Floats({50, 4}, a)}};
+  InferResponse resp = engine_->Infer(std::move(r)).get();
+  ASSERT_TRUE(resp.status.ok()) << resp.status.ToString();
+  EXPECT_EQ(ToFloats(resp.outputs[0].tensor), Times(a, 2));
+  (void)engine_->UnloadModel("rows");
+  (void)engine_->UnloadModel("wide_batch");
 }
 
 TEST_F(EnsembleTest, AnUnloadedStepModelFailsTheRequestClearly) {

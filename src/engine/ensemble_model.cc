@@ -24,6 +24,12 @@ class EnsembleModel::Run {
   bool finished QUERN_GUARDED_BY(mu) = false;
   Telemetry telemetry QUERN_GUARDED_BY(mu);
   std::vector<StepTelemetry> steps QUERN_GUARDED_BY(mu);
+  // Steps sent as several requests: their answers so far, by chunk.
+  struct Gather {
+    int pending = 0;
+    std::vector<InferResponse> parts;
+  };
+  std::map<int, Gather> gathers QUERN_GUARDED_BY(mu);
 };
 
 namespace {
@@ -101,13 +107,10 @@ Status EnsembleModel::Plan() {
     auto sc = models_.config(s.model_name, s.model_version);
     if (!sc) return Status(StatusCode::kUnavailable, where + ": " + sc.error().message());
     const ModelConfig& c = *sc;
-    if (batched && c.max_batch_size > 0 && c.max_batch_size < config_.max_batch_size) {
-      return InvalidArgument(where + ": its max_batch_size " + std::to_string(c.max_batch_size) +
-                             " is below the ensemble's " + std::to_string(config_.max_batch_size));
-    }
     Step step;
     step.model = s.model_name;
     step.version = s.model_version;
+    step.max_batch = c.max_batch_size;
     for (const auto& [name, t] : s.input_map) {
       if (!c.FindInput(name)) {
         return InvalidArgument(where + ": input_map names '" + name +
@@ -138,6 +141,7 @@ Status EnsembleModel::Plan() {
       src = {static_cast<int>(i), out->dtype, RequestShape(*out, c.max_batch_size > 0)};
       step.outputs.emplace_back(name, ti);
       step.requested.push_back(name);
+      step.output_configs.push_back(*out);
     }
     if (step.outputs.empty()) return InvalidArgument(where + ": output_map is empty");
     steps_.push_back(std::move(step));
@@ -300,47 +304,140 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
   for (size_t k = 0; k < steps.size(); ++k) {
     const int s = steps[k];
     const Step& step = steps_[static_cast<size_t>(s)];
-    InferRequest r;
-    r.model = step.model;
-    r.version = step.version;
-    r.requested_outputs = step.requested;
-    r.priority = run->request.priority;
-    r.timeout_us = run->request.timeout_us;
-    r.deadline_ns = run->request.deadline_ns;
-    r.cancel = run->request.cancel;
-    r.admitted = run->request.admitted;
+    std::vector<NamedTensor> inputs;
     {
       MutexLock lock(run->mu);
       if (run->finished) return Status::Ok();
       for (const auto& [name, t] : step.inputs) {
-        if (run->state[static_cast<size_t>(t)] == 1) r.inputs.push_back({name, run->values[static_cast<size_t>(t)]});
+        if (run->state[static_cast<size_t>(t)] == 1) inputs.push_back({name, run->values[static_cast<size_t>(t)]});
       }
     }
-    Status st;
-    if (r.cancel && r.cancel->cancelled()) {
-      st = Cancelled("the request was cancelled");
-    } else {
-      InferCallback done = [self = shared_from_this(), run, s](InferResponse&& response) {
-        self->StepDone(run, s, std::move(response));
-      };
-      st = models_.submit(std::move(r), done);
+    // A batching step's rows: all its inputs agree on them (else the model
+    // refuses the request and says why).
+    int64_t rows = -1;
+    if (step.max_batch > 0) {
+      for (const auto& in : inputs) {
+        const int64_t r = in.tensor.shape().empty() ? -2 : in.tensor.shape()[0];
+        rows = rows == -1 || rows == r ? r : -2;
+      }
     }
-    if (!st.ok()) {
-      st = StepError(s, st);
-      if (first_launch && k == 0) return st;
-      Finish(run, std::move(st));
-      return Status::Ok();
+    if (rows == 0) {
+      StepDone(run, s, 0, 1, NoRows(s));
+      continue;
+    }
+    const int64_t chunk_rows = rows > step.max_batch ? step.max_batch : std::max<int64_t>(rows, 1);
+    const int chunks = rows > step.max_batch ? static_cast<int>((rows + chunk_rows - 1) / chunk_rows) : 1;
+    if (chunks > 1) {
+      MutexLock lock(run->mu);
+      auto& g = run->gathers[s];
+      g.pending = chunks;
+      g.parts.assign(static_cast<size_t>(chunks), InferResponse());
+    }
+    for (int c = 0; c < chunks; ++c) {
+      InferRequest r;
+      r.model = step.model;
+      r.version = step.version;
+      r.requested_outputs = step.requested;
+      r.priority = run->request.priority;
+      r.timeout_us = run->request.timeout_us;
+      r.deadline_ns = run->request.deadline_ns;
+      r.cancel = run->request.cancel;
+      r.admitted = run->request.admitted;
+      Status st;
+      if (chunks == 1) {
+        r.inputs = std::move(inputs);
+      } else {
+        const int64_t first = c * chunk_rows;
+        for (const auto& in : inputs) {
+          auto part = SliceRows(in.tensor, first, std::min(chunk_rows, rows - first));
+          if (!part) {
+            st = part.error();
+            break;
+          }
+          r.inputs.push_back({in.name, std::move(*part)});
+        }
+      }
+      if (st.ok() && r.cancel && r.cancel->cancelled()) st = Cancelled("the request was cancelled");
+      if (st.ok()) {
+        InferCallback done = [self = shared_from_this(), run, s, c, chunks](InferResponse&& response) {
+          self->StepDone(run, s, c, chunks, std::move(response));
+        };
+        st = models_.submit(std::move(r), done);
+      }
+      if (!st.ok()) {
+        st = StepError(s, st);
+        if (first_launch && k == 0 && c == 0) return st;
+        Finish(run, std::move(st));
+        return Status::Ok();
+      }
     }
   }
   return Status::Ok();
 }
 
-void EnsembleModel::StepDone(const std::shared_ptr<Run>& run, int step, InferResponse&& response) {
+InferResponse EnsembleModel::NoRows(int step) const {
+  const Step& s = steps_[static_cast<size_t>(step)];
+  InferResponse r;
+  r.model = s.model;
+  for (const TensorConfig& out : s.output_configs) {
+    Shape shape = out.dims;
+    for (auto& d : shape) d = std::max<int64_t>(d, 0);  // a dimension of any size: none
+    shape.insert(shape.begin(), 0);
+    r.outputs.push_back({out.name, Tensor::Allocate(out.dtype, std::move(shape), 0)});
+  }
+  return r;
+}
+
+void EnsembleModel::StepDone(const std::shared_ptr<Run>& run, int step, int chunk, int chunks,
+                             InferResponse&& response) {
   if (!response.status.ok()) {
     Finish(run, StepError(step, response.status));
     return;
   }
   const Step& s = steps_[static_cast<size_t>(step)];
+  if (chunks > 1) {
+    // Joined in order once every chunk has answered.
+    std::vector<InferResponse> parts;
+    {
+      MutexLock lock(run->mu);
+      if (run->finished) return;
+      auto& g = run->gathers[step];
+      g.parts[static_cast<size_t>(chunk)] = std::move(response);
+      if (--g.pending > 0) return;
+      parts = std::move(g.parts);
+      run->gathers.erase(step);
+    }
+    InferResponse joined;
+    joined.model = std::move(parts[0].model);
+    joined.version = parts[0].version;
+    joined.telemetry = parts[0].telemetry;
+    for (const auto& p : parts) {
+      Telemetry& t = joined.telemetry;
+      t.compute_start_ns = std::min(t.compute_start_ns, p.telemetry.compute_start_ns);
+      t.compute_end_ns = std::max(t.compute_end_ns, p.telemetry.compute_end_ns);
+    }
+    for (const auto& name : s.requested) {
+      std::vector<const Tensor*> pieces;
+      int64_t rows = 0;
+      for (const auto& p : parts) {
+        const Tensor* t = p.FindOutput(name);
+        const bool alike = t && !t->shape().empty() &&
+                           (pieces.empty() || (t->dtype() == pieces[0]->dtype() &&
+                                               Shape(t->shape().begin() + 1, t->shape().end()) ==
+                                                   Shape(pieces[0]->shape().begin() + 1, pieces[0]->shape().end())));
+        if (!alike) {
+          Finish(run, StepError(step, Internal("output '" + name +
+                                               "' came back unlike for the parts of the request (type or shape)")));
+          return;
+        }
+        pieces.push_back(t);
+        rows += t->shape()[0];
+      }
+      joined.outputs.push_back({name, ConcatenateRows(pieces, rows)});
+    }
+    StepDone(run, step, 0, 1, std::move(joined));
+    return;
+  }
   std::vector<int> ready;
   bool complete = false;
   {
@@ -352,7 +449,7 @@ void EnsembleModel::StepDone(const std::shared_ptr<Run>& run, int step, InferRes
       t.compute_start_ns = st.compute_start_ns;
     }
     t.compute_end_ns = std::max(t.compute_end_ns, st.compute_end_ns);
-    run->steps.push_back({step, std::move(response.model), response.version, st});
+    if (st.queue_start_ns > 0) run->steps.push_back({step, std::move(response.model), response.version, st});
     for (const auto& [name, ti] : s.outputs) {
       const Tensor* out = response.FindOutput(name);
       if (!out) {

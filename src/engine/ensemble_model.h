@@ -6,6 +6,13 @@
 // to step as they are (a step's output rows are a view of its batch's
 // output; nothing is copied on the way).
 //
+// Fan-out: the rows of a tensor need not be the request's batch. A step may
+// write N rows for one request (one per region found), and the steps that
+// read them get the N rows as N items, which meet other requests' items in
+// the step model's batches. Rows beyond a step model's max_batch_size go as
+// several requests whose answers are joined in order; zero rows skip the
+// step (its outputs have zero rows).
+//
 // Load-time checks (Create) name the step and the model: unknown or unready
 // step models, names that are not the step model's inputs or outputs,
 // tensors read but never written, written twice or written and never read,
@@ -72,6 +79,10 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
     std::vector<std::pair<std::string, int>> inputs;   // step model input -> ensemble tensor
     std::vector<std::pair<std::string, int>> outputs;  // step model output -> ensemble tensor
     std::vector<std::string> requested;                // the outputs' names, asked of the model
+    // The step model's max_batch_size when the ensemble was loaded: rows
+    // beyond it are sent as several requests (0 = it does not batch).
+    int64_t max_batch = 0;
+    std::vector<TensorConfig> output_configs;  // the requested outputs' (for zero rows)
   };
   class Run;
 
@@ -82,7 +93,11 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // answered, so that Submit can refuse the request; any other refusal
   // fails the run.
   Status Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch);
-  void StepDone(const std::shared_ptr<Run>& run, int step, InferResponse&& response);
+  // A step's answer; with `chunks` > 1, that of rows chunk `chunk` of it,
+  // kept until every chunk has answered and then joined in order.
+  void StepDone(const std::shared_ptr<Run>& run, int step, int chunk, int chunks, InferResponse&& response);
+  // The answer of a batching step given zero rows (it is not run).
+  InferResponse NoRows(int step) const;
   void Finish(const std::shared_ptr<Run>& run, Status status);
   Status StepError(int step, const Status& status) const;
   void Release();
