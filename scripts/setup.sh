@@ -69,6 +69,7 @@ APT_PACKAGES=(
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl redis-server
   python3 python3-venv python3-dev python3-numpy curl ca-certificates clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
+  fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.
@@ -232,6 +233,15 @@ prepare_examples() {
     mkdir -p "$(dirname "$cls")"
     cp "$TP/ocr-models/ch_ppocr_mobile_v2.0_cls_infer.onnx" "$cls"
   fi
+  # OCR: PP-OCRv4 text detector and recogniser, and the recogniser's dictionary (ocr_text).
+  for m in detector:det recognizer:rec; do
+    local out="$models/ocr_${m%%:*}/1/model.onnx"
+    if [ ! -f "$out" ]; then
+      mkdir -p "$(dirname "$out")"
+      cp "$TP/ocr-models/ch_PP-OCRv4_${m##*:}_infer.onnx" "$out"
+    fi
+  done
+  cp "$TP/ocr-models/ppocr_keys_v1.txt" "$models/ocr_text/ppocr_keys_v1.txt"
   convert_once "$models/faces/1/model.onnx" "$FACES_MODEL_SHA256" --centerface "$rm/centerface.onnx"
   convert_once "$models/objects/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
     --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"

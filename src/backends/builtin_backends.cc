@@ -7,6 +7,7 @@
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
 #include "backends/python/python_backend.h"
+#include "backends/stages/ocr_stages.h"
 #include "engine/backend.h"
 
 namespace quern {
@@ -99,9 +100,35 @@ class OrtBackend final : public Backend {
   }
 };
 
+// Built-in stages (backend "quern", parameter quern.stage): C++ steps for
+// ensembles, such as OCR's pre- and post-processing. The version folder
+// holds no model file; files a stage reads lie beside config.pbtxt.
+class StageOpenedModel final : public OpenedModel {
+ public:
+  explicit StageOpenedModel(std::function<std::unique_ptr<Model>()> factory) : factory_(std::move(factory)) {}
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&) override { return factory_(); }
+
+ private:
+  std::function<std::unique_ptr<Model>()> factory_;
+};
+
+class StageBackend final : public Backend {
+ public:
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& version_dir, bool, int,
+                                            int) override {
+    auto it = config.parameters.find("quern.stage");
+    if (it == config.parameters.end()) {
+      return Err(InvalidArgument("model '" + config.name + "': backend \"quern\" needs parameter quern.stage"));
+    }
+    QUERN_ASSIGN_OR_RETURN(auto factory, ocr::MakeStage(it->second, config, version_dir.parent_path()));
+    return std::unique_ptr<OpenedModel>(std::make_unique<StageOpenedModel>(std::move(factory)));
+  }
+};
+
 }  // namespace
 
 void RegisterBuiltinBackends(BackendRegistry& registry) {
+  registry.Register("quern", std::make_shared<StageBackend>());
   registry.Register("onnxruntime", std::make_shared<OrtBackend>());
   registry.Register("python", NewPythonBackend());
 }

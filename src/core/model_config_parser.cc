@@ -248,12 +248,13 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
   if (ensemble && c.backend.empty()) {
     // An ensemble: steps run by the ensemble scheduler (below).
-  } else if (c.backend == "python" && c.platform.empty()) {
-    // A Python model (model.py), run in processes of its own.
+  } else if ((c.backend == "python" || c.backend == "quern") && c.platform.empty()) {
+    // A Python model (model.py), run in processes of its own, or a built-in stage.
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
     return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
                                "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                               "platform \"onnxruntime_onnx\"), Python models (backend \"python\") and ensembles "
+                               "platform \"onnxruntime_onnx\"), Python models (backend \"python\"), built-in stages "
+                               "(backend \"quern\") and ensembles "
                                "(platform \"ensemble\")"));
   } else {
     c.platform = "onnxruntime_onnx";
@@ -358,6 +359,7 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
         key != kMaxQueueWaitParam && key != kWideInstanceParam && key != "quern.task" &&
+        !(c.backend == "quern" && (key == "quern.stage" || key.starts_with("quern.ocr."))) &&
         !(c.backend == "python" &&
           (key == "quern.python" || key == "quern.execute_timeout_ms" || key == "quern.initialize_timeout_ms")) &&
         !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&

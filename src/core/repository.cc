@@ -123,9 +123,9 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
   }
   for (int64_t v : m.version_policy.Select(available)) {
     const fs::path version_dir = m.dir / std::to_string(v);
-    if (m.config.is_ensemble()) {
-      // An ensemble's version folder holds no file (Triton's layout): the
-      // folder itself stands for the version.
+    if (m.config.is_ensemble() || m.config.backend == "quern") {
+      // An ensemble's version folder holds no file (Triton's layout), nor
+      // does a built-in stage's: the folder itself stands for the version.
       QUERN_ASSIGN_OR_RETURN(fs::path dir, ResolveInRepository(repo, m.dir, std::to_string(v),
                                                                "model '" + name + "' version " + std::to_string(v)));
       m.versions.push_back({v, std::move(dir)});

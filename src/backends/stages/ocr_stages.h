@@ -1,0 +1,89 @@
+// Built-in OCR stages: the steps around the PP-OCR models that an `ocr`
+// ensemble chains (backend "quern", parameter quern.stage), following the
+// published PaddleOCR / RapidOCR algorithm and defaults:
+//
+//   ocr_detection_input  encoded image (BYTES) -> the text detector's input
+//                        (shortest side scaled to 736, sides multiples of
+//                        32, BGR, ImageNet mean/std), the image as BGR
+//                        pixels (very flat or small images letterboxed
+//                        with black rows) and its geometry
+//   ocr_detection_boxes  the detector's probability map -> text boxes (DB:
+//                        binarise at 0.3, dilate 2x2, connected regions,
+//                        minimum-area rectangles, mean probability >= 0.5,
+//                        unclip by area x 1.6 / perimeter), in the image's
+//                        pixels, top to bottom and left to right
+//   ocr_crop             pixels + boxes -> one straightened crop per box
+//                        (perspective warp; tall ones turned 90 degrees) as
+//                        the direction classifier's input (48 x 192) and
+//                        the recogniser's (height 48, aspect kept, padded)
+//   ocr_orient           recogniser input + classifier output -> the crops
+//                        the classifier finds upside down (180 degrees, p >
+//                        0.9) turned
+//   ocr_text             recogniser output -> text by CTC greedy decoding
+//                        over a dictionary (PaddleOCR's ppocr_keys_v1.txt:
+//                        blank first, space last), confidence = mean of the
+//                        kept characters' probabilities, lines below 0.5
+//                        dropped; boxes moved back to the source image
+//
+// Each stage is a Model (max_batch_size 0: one image per request) whose
+// inputs and outputs the backend fills into the configuration. The geometry
+// helpers are exposed for tests.
+#pragma once
+
+#include <array>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "quern/model.h"
+
+namespace quern::ocr {
+
+struct Point {
+  double x = 0, y = 0;
+};
+
+// cv2.minAreaRect / boxPoints for a set of points: the four corners of the
+// smallest rectangle holding them and its shorter side.
+struct MinRect {
+  std::array<Point, 4> corners;
+  double short_side = 0;
+};
+MinRect MinAreaRect(std::vector<Point> points);
+
+// DB post-processing of one probability map (height x width, row-major) to
+// boxes in a destination image of dest_width x dest_height: each box is
+// four corners, top-left, top-right, bottom-right, bottom-left, in reading
+// order.
+struct DbOptions {
+  float threshold = 0.3f;
+  float box_threshold = 0.5f;
+  float unclip_ratio = 1.6f;
+  int max_candidates = 1000;
+  bool dilate = true;
+};
+struct TextBox {
+  std::array<Point, 4> corners;
+  float score = 0;
+};
+std::vector<TextBox> DetectBoxes(const float* probability, int width, int height, int dest_width, int dest_height,
+                                 const DbOptions& options);
+
+// CTC greedy decoding of one line: `probabilities` is steps x classes;
+// class 0 is the blank, class i is characters[i - 1].
+struct Decoded {
+  std::string text;
+  float confidence = 0;
+};
+Decoded CtcDecode(const float* probabilities, int64_t steps, int64_t classes,
+                  const std::vector<std::string>& characters);
+
+// The stage `stage` for `config` (its inputs, outputs and max_batch_size are
+// filled in; `model_dir` holds files it reads, such as the dictionary), or
+// an error naming the model and the stage.
+Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& stage, ModelConfig& config,
+                                                          const std::filesystem::path& model_dir);
+
+}  // namespace quern::ocr
