@@ -1,0 +1,164 @@
+"""OCR on the real PP-OCRv4 models (the example ensemble `ocr`): pages rendered here with fonts from
+Debian's packages, read back through tritonclient; the reference implementation RapidOCR (same
+models, Python, OpenCV) reads the same pages."""
+import io
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image, ImageDraw, ImageFont
+from tritonclient.utils import InferenceServerException
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+MODELS = ("ocr", "ocr_prepare", "ocr_detector", "ocr_boxes", "ocr_crop", "text_direction", "ocr_orient",
+          "ocr_recognizer", "ocr_text")
+DEJAVU = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"  # fonts-dejavu-core
+DROID = "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf"  # fonts-droid-fallback: CJK
+WORDS = ["Quern", "HELLO2026", "3.14159", "Invoice", "Total:42.50", "mill-stone", "Batching", "zebra"]
+CJK = ["你好世界", "中文识别测试", "北京欢迎你", "人工智能"]
+
+
+def render(lines, width=720):
+    """A white page with one line per (text, font, size, upside_down); returns the PNG and, per line, the
+    bounding box of its ink in the page's pixels."""
+    heights = [int(size * 1.9) for _, _, size, _ in lines]
+    page = Image.new("RGB", (width, sum(heights) + 40), "white")
+    ink, y = [], 20
+    for (text, font_file, size, upside_down), h in zip(lines, heights):
+        font = ImageFont.truetype(font_file, size)
+        line = Image.new("RGB", (width, h), "white")
+        origin = (30, (h - size) // 2)
+        ImageDraw.Draw(line).text(origin, text, font=font, fill="black")
+        x0, y0, x1, y1 = ImageDraw.Draw(line).textbbox(origin, text, font=font)
+        if upside_down:
+            line = line.rotate(180)
+            x0, y0, x1, y1 = width - x1, h - y1, width - x0, h - y0
+        page.paste(line, (0, y))
+        ink.append((x0, y0 + y, x1, y1 + y))
+        y += h
+    out = io.BytesIO()
+    page.save(out, "PNG")
+    return out.getvalue(), ink
+
+
+def encoded(image):
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+PAGES = {
+    **{f"latin {size}px": [(w, DEJAVU, size, i % 3 == 2) for i, w in enumerate(WORDS)] for size in (20, 32, 52)},
+    **{f"cjk {size}px": [(w, DROID, size, i == 1) for i, w in enumerate(CJK)] for size in (24, 40)},
+    "mixed": [("Quern", DEJAVU, 36, False), ("你好世界", DROID, 30, True), ("Receipt", DEJAVU, 24, False)],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("ocr")
+    for m in MODELS:
+        shutil.copytree(os.path.join(EXAMPLES, "models", m), repo / m)
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def read(client, png):
+    inp = httpclient.InferInput("image", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([png], dtype=object), binary_data=True)
+    r = client.infer("ocr", [inp])
+    return [t.decode() for t in r.as_numpy("text")], r.as_numpy("confidence"), r.as_numpy("boxes")
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_the_rendered_text_comes_back_with_boxes_over_its_lines(server, name):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    lines = PAGES[name]
+    png, ink = render(lines)
+    text, confidence, boxes = read(client, png)
+    assert text == [t for t, _, _, _ in lines], (name, text)
+    assert confidence.shape == (len(lines),) and (confidence >= 0.5).all() and (confidence <= 1).all()
+    assert boxes.shape == (len(lines), 4, 2)
+    for (x0, y0, x1, y1), box in zip(ink, boxes):
+        bx0, by0 = box.min(axis=0)
+        bx1, by1 = box.max(axis=0)
+        # The box holds the line's ink (up to a tenth of the line's height of slack: the ink box
+        # includes glyph edges the detector finds faint) and is not much larger than it.
+        slack = 3 + 0.1 * (y1 - y0)
+        assert bx0 <= x0 + slack and by0 <= y0 + slack and bx1 >= x1 - slack and by1 >= y1 - slack, (
+            name, box.tolist(), (x0, y0, x1, y1))
+        assert (bx1 - bx0) < (x1 - x0) + 2 * (y1 - y0) + 10 and (by1 - by0) < 3 * (y1 - y0) + 10, (name, box.tolist())
+
+
+def test_rapidocr_reads_the_same_text(server):
+    from rapidocr_onnxruntime import RapidOCR
+    reference = RapidOCR()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    for name, lines in sorted(PAGES.items()):
+        png, _ = render(lines)
+        text, _, boxes = read(client, png)
+        result, _ = reference(png)
+        assert text == [r[1] for r in result], name
+        np.testing.assert_allclose(boxes, np.array([r[0] for r in result], dtype=np.float32), atol=3, err_msg=name)
+
+
+def test_pages_without_text_have_no_lines(server):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    white = Image.new("RGB", (640, 480), "white")
+    ramp = Image.fromarray(np.tile(np.linspace(0, 255, 640, dtype=np.uint8), (480, 1))).convert("RGB")
+    tiny = Image.new("RGB", (3, 2), "black")
+    for image in (white, ramp, tiny):
+        text, confidence, boxes = read(client, encoded(image))
+        assert text == [] and confidence.shape == (0,) and boxes.shape == (0, 4, 2)
+
+
+def test_garbage_gets_a_clear_error(server):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    png, _ = render(PAGES["mixed"])
+    for garbage in (b"not an image at all", b"", png[:200]):
+        with pytest.raises(InferenceServerException) as e:
+            read(client, garbage)
+        message = str(e.value)
+        assert "ensemble 'ocr' step 0 (model 'ocr_prepare')" in message and "image" in message, message
+        assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), e.value.status()
+    # The server is still there.
+    assert read(client, png)[0] == ["Quern", "你好世界", "Receipt"]
+
+
+def test_grpc_and_concurrent_pages(server):
+    pages = {name: render(lines)[0] for name, lines in PAGES.items()}
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server['gRPC']}")
+    inp = grpcclient.InferInput("image", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([pages["cjk 24px"]], dtype=object))
+    assert [t.decode() for t in grpc.infer("ocr", [inp]).as_numpy("text")] == CJK
+
+    wrong, errors = [], []
+
+    def caller(i):
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+        names = sorted(pages)
+        for k in range(3):
+            name = names[(i + k) % len(names)]
+            try:
+                text, _, _ = read(client, pages[name])
+            except InferenceServerException as e:
+                errors.append(str(e))
+                continue
+            if text != [t for t, _, _, _ in PAGES[name]]:
+                wrong.append((name, text))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong, (errors[:2], wrong[:2])
