@@ -162,3 +162,54 @@ def test_grpc_and_concurrent_pages(server):
     for t in threads:
         t.join()
     assert not errors and not wrong, (errors[:2], wrong[:2])
+
+
+def call(client, model, inputs):
+    tensors = []
+    for name, array, dtype in inputs:
+        t = httpclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array, binary_data=True)
+        tensors.append(t)
+    return client.infer(model, tensors)
+
+
+def test_stages_called_on_their_own_with_hostile_tensors(server):
+    """Each stage is a model of its own, reachable by any client: tensors no pipeline would make get clear
+    errors, never a crash or a runaway allocation."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    pixels = np.full((10, 10, 3), 255, np.uint8)
+    huge = np.array([[[0, 0], [1e6, 0], [1e6, 1e6], [0, 1e6]]], np.float32)
+    many = np.tile(np.array([[[0, 0], [5, 0], [5, 5], [0, 5]]], np.float32), (2000, 1, 1))
+    nan = np.full((1, 4, 2), np.nan, np.float32)
+    for boxes, why in ((huge, "pixels"), (many, "at most 1000"), (nan, "not a pixel position")):
+        with pytest.raises(InferenceServerException) as e:
+            call(client, "ocr_crop", [("pixels", pixels, "UINT8"), ("boxes", boxes, "FP32")])
+        assert "ocr_crop" in str(e.value) and why in str(e.value), str(e.value)
+    with pytest.raises(InferenceServerException) as e:
+        call(client, "ocr_boxes", [("probability", np.ones((1, 1, 8, 8), np.float32), "FP32"),
+                                   ("geometry", np.array([np.nan, 1, 0], np.float32), "FP32")])
+    assert "geometry" in str(e.value), str(e.value)
+    with pytest.raises(InferenceServerException) as e:
+        call(client, "ocr_text", [("probabilities", np.ones((1, 4, 7), np.float32), "FP32"),
+                                  ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),
+                                  ("geometry", np.array([10, 10, 0], np.float32), "FP32")])
+    assert "classes" in str(e.value) and "dictionary" in str(e.value), str(e.value)
+    # Widths past the line's end are held to it.
+    lines = np.random.default_rng(0).standard_normal((2, 3, 48, 64)).astype(np.float32)
+    turned = call(client, "ocr_orient", [("recognizer_input", lines, "FP32"),
+                                         ("widths", np.array([10**9, 5], np.int32), "INT32"),
+                                         ("direction", np.array([[0, 1], [1, 0]], np.float32), "FP32")])
+    out = turned.as_numpy("oriented")
+    np.testing.assert_array_equal(out[0], lines[0][:, ::-1, ::-1])  # the whole line turned
+    np.testing.assert_array_equal(out[1], lines[1])                 # upright: as it was
+    # A very long, flat image: refused when padding it would take too much memory, else read
+    # (the detector's input scaled down to 4096 pixels).
+    for width, ok in ((30000, False), (6000, True)):
+        flat = encoded(Image.new("RGB", (width, 4), "white"))
+        if ok:
+            assert read(client, flat)[0] == []
+        else:
+            with pytest.raises(InferenceServerException) as e:
+                read(client, flat)
+            assert "too long and flat" in str(e.value), str(e.value)
+    assert read(client, render(PAGES["mixed"])[0])[0] == ["Quern", "你好世界", "Receipt"]

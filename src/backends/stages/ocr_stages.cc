@@ -271,6 +271,17 @@ constexpr std::array<float, 3> kDetStd = {0.229f, 0.224f, 0.225f};
 constexpr std::array<float, 3> kHalf = {0.5f, 0.5f, 0.5f};
 constexpr int kLineHeight = 48;
 constexpr int kClassifierWidth = 192;
+// Bounds that keep any request's memory in check (a stage can be called on
+// its own, with any tensors): the image as letterboxed, the detector's
+// longest side (larger images are scaled down to it), the lines per image,
+// a line's width at height 48, the straightened crops of one image and the
+// recogniser's input for one image.
+constexpr int64_t kMaxPagePixels = 64'000'000;
+constexpr int kMaxDetectorSide = 4096;
+constexpr int64_t kMaxLines = 1000;
+constexpr int kMaxLineWidth = 4096;
+constexpr int64_t kMaxCropPixels = 16'000'000;  // all crops of one image
+constexpr int64_t kMaxRecognizerBytes = int64_t{256} << 20;
 
 Result<float> FloatParameter(const ModelConfig& c, const std::string& key, float fallback, float lo, float hi) {
   auto it = c.parameters.find(key);
@@ -294,7 +305,9 @@ class DetectionInput final : public Model {
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
     QUERN_ASSIGN_OR_RETURN(auto images, inputs[0].tensor.Strings());
     if (images.size() != 1) return WrongInput(name_, "expects one encoded image");
-    auto decoded = DecodeImage(images[0]);
+    DecodeOptions decode;
+    decode.max_pixels = 40'000'000;
+    auto decoded = DecodeImage(images[0], decode);
     if (!decoded) return WrongInput(name_, "input 'image': " + decoded.error().message());
     const Image& rgb = decoded->image;
     // Very flat or very small images get black rows above and below
@@ -305,6 +318,11 @@ class DetectionInput final : public Model {
       pad = std::abs(new_h - rgb.height) / 2;
     }
     const int w = rgb.width, h = rgb.height + 2 * pad;
+    if (static_cast<int64_t>(w) * h > kMaxPagePixels) {
+      return WrongInput(name_, "input 'image': a " + std::to_string(rgb.width) + " x " + std::to_string(rgb.height) +
+                                   " image is too long and flat to read (at most " + std::to_string(kMaxPagePixels) +
+                                   " pixels once padded to a height of a quarter of its width)");
+    }
     Tensor pixels = Tensor::Allocate(DataType::kUint8, {h, w, 3}, static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
     auto* bgr = reinterpret_cast<uint8_t*>(pixels.mutable_data());
     for (int y = 0; y < rgb.height; ++y) {
@@ -318,7 +336,8 @@ class DetectionInput final : public Model {
     }
     // The shortest side scaled up to limit_side (never down), each side
     // then rounded to a multiple of 32 (halves to even, as Python rounds).
-    const double ratio = std::min(w, h) < limit_side_ ? static_cast<double>(limit_side_) / std::min(w, h) : 1.0;
+    double ratio = std::min(w, h) < limit_side_ ? static_cast<double>(limit_side_) / std::min(w, h) : 1.0;
+    ratio = std::min(ratio, static_cast<double>(kMaxDetectorSide) / std::max(w, h));
     const int rw = static_cast<int>(std::nearbyint(static_cast<int>(w * ratio) / 32.0)) * 32;
     const int rh = static_cast<int>(std::nearbyint(static_cast<int>(h * ratio) / 32.0)) * 32;
     if (rw <= 0 || rh <= 0) return WrongInput(name_, "the image is too small to look for text in");
@@ -384,9 +403,14 @@ class Crop final : public Model {
     const int sh = static_cast<int>(pixels.shape()[0]), sw = static_cast<int>(pixels.shape()[1]);
     if (sw < 1 || sh < 1) return WrongInput(name_, "input 'pixels' holds no image");
     const int64_t n = boxes.shape()[0];
+    if (n > kMaxLines) {
+      return WrongInput(name_,
+                        "input 'boxes' holds " + std::to_string(n) + " boxes; at most " + std::to_string(kMaxLines));
+    }
     const auto* src = reinterpret_cast<const uint8_t*>(pixels.data());
     auto corners = boxes.values<float>();
     std::vector<Image> crops;
+    double crop_pixels = 0;
     for (int64_t i = 0; i < n; ++i) {
       std::array<Point, 4> box;
       for (size_t k = 0; k < 4; ++k) {
@@ -395,6 +419,13 @@ class Crop final : public Model {
             std::abs(box[k].y) > 1e6) {
           return WrongInput(name_, "input 'boxes' holds a corner that is not a pixel position");
         }
+      }
+      const double cw = std::max(Distance(box[0], box[1]), Distance(box[2], box[3]));
+      const double ch = std::max(Distance(box[0], box[3]), Distance(box[1], box[2]));
+      crop_pixels += cw * ch;
+      if (crop_pixels > static_cast<double>(kMaxCropPixels)) {
+        return WrongInput(
+            name_, "input 'boxes' would cut crops of more than " + std::to_string(kMaxCropPixels) + " pixels in all");
       }
       crops.push_back(CropBox(src, sw, sh, box));
     }
@@ -407,7 +438,12 @@ class Crop final : public Model {
       widths.push_back(std::max(1, static_cast<int>(std::ceil(kLineHeight * ratio))));
       width = std::max(width, (widths.back() + 31) / 32 * 32);
     }
-    width = std::min(width, 32 * 1024);
+    width = std::min(width, kMaxLineWidth);
+    if (static_cast<double>(n) * width * 3 * kLineHeight * sizeof(float) > static_cast<double>(kMaxRecognizerBytes)) {
+      return WrongInput(name_, std::to_string(n) + " lines up to " + std::to_string(width) +
+                                   " pixels wide are more than the recogniser takes from one image (" +
+                                   std::to_string(kMaxRecognizerBytes >> 20) + " MiB)");
+    }
     const size_t cls_plane = static_cast<size_t>(kLineHeight) * kClassifierWidth * 3;
     const size_t rec_plane = static_cast<size_t>(kLineHeight) * static_cast<size_t>(width) * 3;
     Tensor cls = Tensor::Allocate(DataType::kFp32, {n, 3, kLineHeight, kClassifierWidth},
