@@ -178,6 +178,9 @@ class VisionService {
 
   VisionStats stats() const;
   const Clock& clock() const { return *clock_; }
+  // The engine the service runs models on (routes that call a model
+  // themselves, such as OCR's ensemble).
+  Engine& engine() const { return *engine_; }
 
  private:
   struct Job;

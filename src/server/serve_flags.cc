@@ -53,6 +53,9 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                     "Model behind POST /v1/vision/detection (default: the first detection model)");
   serve->add_option("--face-model", o.vision.face_model,
                     "Face detection model behind POST /v1/vision/face (default: the first in the CenterFace layout)");
+  serve->add_option("--ocr-model", o.vision.ocr_model,
+                    "Model behind POST /v1/vision/ocr and /v1/image/ocr: an encoded image in (BYTES 'image'), "
+                    "'text', 'confidence' and 'boxes' out, as examples/models/ocr (default: ocr)");
   serve->add_option("--scene-model", o.vision.scene_model,
                     "Classification model behind POST /v1/vision/scene (default: none)");
   serve->add_option("--face-descriptor-model", o.vision.face_descriptor_model,

@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from PIL import Image, ImageDraw, ImageFont
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern
+from quern_testing import post_form, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
@@ -213,3 +213,27 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
                 read(client, flat)
             assert "too long and flat" in str(e.value), str(e.value)
     assert read(client, render(PAGES["mixed"])[0])[0] == ["Quern", "你好世界", "Receipt"]
+
+
+def test_codeproject_ai_ocr_route(server):
+    """CodeProject.AI's OCR module: POST /v1/vision/ocr (and the legacy /v1/image/ocr) with the image in
+    the form field 'upload'; predictions with label, confidence and x_min .. y_max."""
+    lines = PAGES["mixed"]
+    png, ink = render(lines)
+    for path in ("/v1/vision/ocr", "/v1/image/ocr"):
+        answer = post_form(server["HTTP"], path, files=[("upload", png)])
+        assert answer["success"] is True, answer
+        assert [p["label"] for p in answer["predictions"]] == [t for t, _, _, _ in lines]
+        assert answer["count"] == 3 and answer["message"] == "3 pieces of text found"
+        assert answer["command"] == "ocr"
+        for p, (x0, y0, x1, y1) in zip(answer["predictions"], ink):
+            assert 0.5 <= p["confidence"] <= 1
+            assert p["x_min"] <= x0 + 6 and p["y_min"] <= y0 + 6 and p["x_max"] >= x1 - 6 and p["y_max"] >= y1 - 6, p
+    single = post_form(server["HTTP"], "/v1/vision/ocr", files=[("upload", render([("Quern", DEJAVU, 40, False)])[0])])
+    assert single["message"] == "1 text found" and single["predictions"][0]["label"] == "Quern"
+    # An image field named 'image' works too; no image, or garbage, is a clear failure (success false).
+    assert post_form(server["HTTP"], "/v1/vision/ocr", files=[("image", png)])["count"] == 3
+    missing = post_form(server["HTTP"], "/v1/vision/ocr", min_confidence="0.4")
+    assert missing["success"] is False and "upload" in missing["error"], missing
+    garbage = post_form(server["HTTP"], "/v1/vision/ocr", files=[("upload", b"\x89PNG garbage")])
+    assert garbage["success"] is False and "ocr_prepare" in garbage["error"], garbage

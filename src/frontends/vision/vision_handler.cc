@@ -203,8 +203,9 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // A key in a header or the query; CodeProject.AI forms may carry one in a
   // field instead (checked with the form below).
   const std::string header_key = RequestKey(request);
+  const bool ocr = path == "/v1/vision/ocr" || path == "/v1/image/ocr";
   const bool form_route =
-      request.method == "POST" && (path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
+      request.method == "POST" && (ocr || path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
                                    path == "/v1/vision/face" || path.starts_with("/v1/vision/face/") ||
                                    (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
@@ -309,11 +310,14 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   } else if (path.starts_with("/v1/vision/custom/") && path.size() > 18) {
     model = PercentDecode(path.substr(18));
     job->command = "custom";
+  } else if (ocr) {
+    model = options_.ocr_model;
+    job->command = "ocr";
   } else {
     return Fail(job, NotFound("no vision route " + path +
                               " (routes: /v1/vision/detection, /v1/vision/custom/{model}, /v1/vision/custom/list, "
                               "/v1/vision/scene, /v1/vision/face, /v1/vision/face/{register,recognize,match,list,"
-                              "delete}, /v1/status/ping)"));
+                              "delete}, /v1/vision/ocr, /v1/status/ping)"));
   }
   auto boundary = MultipartBoundary(job->request.Header("content-type"));
   if (!boundary) return Fail(job, boundary.error());
@@ -321,7 +325,8 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   if (!parts) return Fail(job, parts.error());
   const FormPart* image = nullptr;
   for (const auto& p : *parts) {
-    if (p.name == "image" && !image) image = &p;
+    // CodeProject.AI's OCR module names its file "upload".
+    if ((p.name == "image" || (job->command == "ocr" && p.name == "upload")) && !image) image = &p;
     if (p.name == "min_confidence") job->min_confidence = ParseMinConfidence(p.data);
     if (p.name == "api_key" && !options_.authorize && !options_.api_key.empty() && p.data != options_.api_key) {
       return Fail(job, PermissionDenied("the api_key is not valid"));
@@ -342,6 +347,11 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
       return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
     }
     if (!has_key && header_key != options_.api_key) return Fail(job, PermissionDenied("the api_key is not valid"));
+  }
+  if (job->command == "ocr") {
+    if (!image) return Fail(job, InvalidArgument("no image was sent: expected a multipart form field named 'upload'"));
+    if (image->data.empty()) return Fail(job, InvalidArgument("the 'upload' field is empty (0 bytes)"));
+    return HandleOcr(job, image->data);
   }
   if (job->command != "detect" && job->command != "custom" && job->command != "scene" && job->command != "face") {
     return HandleFaces(job, *parts, model);
@@ -446,6 +456,89 @@ Status VisionHandler::SubmitCounted(VisionRequest request, std::function<void(Vi
   Status st = service_->Submit(std::move(request), answer);
   if (!st.ok()) done_one();
   return st;
+}
+
+void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view image) {
+  InferRequest r;
+  r.model = options_.ocr_model;
+  r.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(image)})});
+  r.cancel = job->request.cancel;
+  const int64_t started = service_->clock().NowNs();
+  {
+    MutexLock lock(pending_mu_);
+    ++pending_;
+  }
+  InferCallback answer = [this, job, started](InferResponse&& resp) {
+    VisionTimings t;
+    t.stage_start_ns = started;
+    t.infer_ns = resp.telemetry.compute_end_ns > resp.telemetry.compute_start_ns ? resp.telemetry.compute_ns() : 0;
+    const Tensor* text = resp.FindOutput("text");
+    const Tensor* confidence = resp.FindOutput("confidence");
+    const Tensor* boxes = resp.FindOutput("boxes");
+    Result<std::vector<std::string_view>> lines = Err(Internal("no output 'text'"));
+    if (resp.status.ok() && text) lines = text->Strings();
+    if (resp.status.ok() && (!lines || !confidence || !boxes || confidence->dtype() != DataType::kFp32 ||
+                             boxes->dtype() != DataType::kFp32 || confidence->element_count() != ssize(*lines) ||
+                             boxes->element_count() != 8 * ssize(*lines))) {
+      resp.status = Internal("model '" + options_.ocr_model +
+                             "' did not answer as an OCR model: outputs 'text' (BYTES [N]), 'confidence' (FP32 [N]) "
+                             "and 'boxes' (FP32 [N, 4, 2])");
+    }
+    if (!resp.status.ok()) {
+      service_->CountFailure();
+      Respond(job, CpaiError(*job, resp.status, &t));
+    } else {
+      rapidjson::StringBuffer sb;
+      Writer w(sb);
+      w.StartObject();
+      w.Key("success");
+      w.Bool(true);
+      w.Key("predictions");
+      w.StartArray();
+      auto c = confidence->values<float>();
+      auto b = boxes->values<float>();
+      for (size_t i = 0; i < lines->size(); ++i) {
+        float x0 = b[8 * i], y0 = b[8 * i + 1], x1 = x0, y1 = y0;
+        for (size_t k = 1; k < 4; ++k) {
+          x0 = std::min(x0, b[8 * i + 2 * k]), x1 = std::max(x1, b[8 * i + 2 * k]);
+          y0 = std::min(y0, b[8 * i + 2 * k + 1]), y1 = std::max(y1, b[8 * i + 2 * k + 1]);
+        }
+        w.StartObject();
+        w.Key("label");
+        String(w, (*lines)[i]);
+        w.Key("confidence");
+        w.Double(c[i]);
+        w.Key("x_min");
+        w.Int(static_cast<int>(x0));
+        w.Key("y_min");
+        w.Int(static_cast<int>(y0));
+        w.Key("x_max");
+        w.Int(static_cast<int>(x1));
+        w.Key("y_max");
+        w.Int(static_cast<int>(y1));
+        w.EndObject();
+      }
+      w.EndArray();
+      w.Key("count");
+      w.Uint64(lines->size());
+      w.Key("message");
+      String(w, lines->size() == 1 ? std::string("1 text found")
+                                   : std::to_string(lines->size()) + " pieces of text found");
+      WriteCpaiMeta(w, *job, &t);
+      w.EndObject();
+      Respond(job, Json(200, sb.GetString()));
+    }
+    MutexLock lock(pending_mu_);
+    if (--pending_ == 0) pending_cv_.SignalAll();
+  };
+  Status st = service_->engine().InferAsync(std::move(r), answer);
+  if (!st.ok()) {
+    {
+      MutexLock lock(pending_mu_);
+      if (--pending_ == 0) pending_cv_.SignalAll();
+    }
+    Fail(job, st);
+  }
 }
 
 // One face recognition request: its images, each with the vision service,

@@ -83,6 +83,11 @@ struct VisionOptions {
   // faces ("" = the first model with quern.task: embedding).
   FaceGallery* faces = nullptr;
   std::string face_descriptor_model;
+  // The model behind /v1/vision/ocr (and CodeProject.AI's legacy
+  // /v1/image/ocr): an encoded image in as BYTES "image", "text",
+  // "confidence" and "boxes" (four corners per line) out, such as the
+  // example ensemble `ocr`.
+  std::string ocr_model = "ocr";
 };
 
 // Recognition's default threshold (DeepStack's and CodeProject.AI's): a face
@@ -131,6 +136,9 @@ class VisionHandler {
   // /v1/vision/face/{register,recognize,match,list,delete}; `face_model`
   // finds the faces.
   void HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts, const std::string& face_model);
+  // /v1/vision/ocr: the image to options_.ocr_model through the engine,
+  // its lines answered as CodeProject.AI's OCR module answers them.
+  void HandleOcr(const std::shared_ptr<Job>& job, std::string_view image);
   // Every image of a face request answered: the answer.
   void FinishFaces(FaceJob& face_job);
 
