@@ -342,7 +342,11 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       r.timeout_us = run->request.timeout_us;
       r.deadline_ns = run->request.deadline_ns;
       r.cancel = run->request.cancel;
-      r.admitted = run->request.admitted;
+      // Admission is decided at the first steps: a request inside the
+      // ensemble is not refused later for the queue's length (that would
+      // throw away the work done), though queue sizes, timeouts and
+      // deadlines still apply.
+      r.admitted = run->request.admitted || !first_launch;
       Status st;
       if (chunks == 1) {
         r.inputs = std::move(inputs);

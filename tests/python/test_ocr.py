@@ -17,7 +17,7 @@ from quern_testing import post_form, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
-MODELS = ("ocr", "ocr_prepare", "ocr_detector", "ocr_boxes", "ocr_crop", "text_direction", "ocr_orient",
+MODELS = ("ocr", "ocr_prepare", "ocr_detector", "ocr_boxes", "ocr_crop", "text_direction", "ocr_lines",
           "ocr_recognizer", "ocr_text")
 DEJAVU = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"  # fonts-dejavu-core
 DROID = "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf"  # fonts-droid-fallback: CJK
@@ -189,19 +189,31 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
         call(client, "ocr_boxes", [("probability", np.ones((1, 1, 8, 8), np.float32), "FP32"),
                                    ("geometry", np.array([np.nan, 1, 0], np.float32), "FP32")])
     assert "geometry" in str(e.value), str(e.value)
+    buckets = ["96", "192", "320", "640", "1280", "wide"]
+    probabilities = [(f"probabilities_{b}", np.ones((1 if b == "96" else 0, 4, 7), np.float32), "FP32")
+                     for b in buckets]
+    rest = [("order", np.array([[0, 0]], np.int32), "INT32"), ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),
+            ("geometry", np.array([10, 10, 0], np.float32), "FP32")]
     with pytest.raises(InferenceServerException) as e:
-        call(client, "ocr_text", [("probabilities", np.ones((1, 4, 7), np.float32), "FP32"),
-                                  ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),
-                                  ("geometry", np.array([10, 10, 0], np.float32), "FP32")])
+        call(client, "ocr_text", probabilities + rest)
     assert "classes" in str(e.value) and "dictionary" in str(e.value), str(e.value)
-    # Widths past the line's end are held to it.
-    lines = np.random.default_rng(0).standard_normal((2, 3, 48, 64)).astype(np.float32)
-    turned = call(client, "ocr_orient", [("recognizer_input", lines, "FP32"),
-                                         ("widths", np.array([10**9, 5], np.int32), "INT32"),
-                                         ("direction", np.array([[0, 1], [1, 0]], np.float32), "FP32")])
-    out = turned.as_numpy("oriented")
-    np.testing.assert_array_equal(out[0], lines[0][:, ::-1, ::-1])  # the whole line turned
-    np.testing.assert_array_equal(out[1], lines[1])                 # upright: as it was
+    probabilities[0] = ("probabilities_96", np.ones((1, 4, 6625), np.float32), "FP32")
+    rest[0] = ("order", np.array([[3, 7]], np.int32), "INT32")
+    with pytest.raises(InferenceServerException) as e:
+        call(client, "ocr_text", probabilities + rest)
+    assert "order" in str(e.value), str(e.value)
+    # ocr_lines: widths past the line's end are held to it; an upside-down line is turned within its
+    # width, and each line lands in the narrowest width that holds it.
+    rng = np.random.default_rng(0)
+    lines = rng.integers(0, 256, (2, 48, 100, 3), dtype=np.uint8)
+    out = call(client, "ocr_lines", [("lines", lines, "UINT8"), ("widths", np.array([10**9, 50], np.int32), "INT32"),
+                                     ("direction", np.array([[0, 1], [1, 0]], np.float32), "FP32")])
+    assert out.as_numpy("order").tolist() == [[1, 0], [0, 0]]  # 100 px -> 192, 50 px -> 96
+    wide, narrow = out.as_numpy("lines_192")[0], out.as_numpy("lines_96")[0]
+    np.testing.assert_allclose(wide[:, :, :100], (lines[0][::-1, ::-1].transpose(2, 0, 1) / 127.5 - 1), atol=1e-6)
+    assert not wide[:, :, 100:].any()
+    np.testing.assert_allclose(narrow[:, :, :50], lines[1][:, :50].transpose(2, 0, 1) / 127.5 - 1, atol=1e-6)
+    assert out.as_numpy("lines_wide").shape[0] == 0
     # A very long, flat image: refused when padding it would take too much memory, else read
     # (the detector's input scaled down to 4096 pixels).
     for width, ok in ((30000, False), (6000, True)):

@@ -274,14 +274,14 @@ constexpr int kClassifierWidth = 192;
 // Bounds that keep any request's memory in check (a stage can be called on
 // its own, with any tensors): the image as letterboxed, the detector's
 // longest side (larger images are scaled down to it), the lines per image,
-// a line's width at height 48, the straightened crops of one image and the
-// recogniser's input for one image.
+// a line's width at height 48, the straightened crops of one image and its
+// lines at height 48.
 constexpr int64_t kMaxPagePixels = 64'000'000;
 constexpr int kMaxDetectorSide = 4096;
 constexpr int64_t kMaxLines = 1000;
 constexpr int kMaxLineWidth = 4096;
-constexpr int64_t kMaxCropPixels = 16'000'000;  // all crops of one image
-constexpr int64_t kMaxRecognizerBytes = int64_t{256} << 20;
+constexpr int64_t kMaxCropPixels = 16'000'000;        // all crops of one image
+constexpr int64_t kMaxLineBytes = int64_t{64} << 20;  // one image's lines at height 48, 8-bit
 
 Result<float> FloatParameter(const ModelConfig& c, const std::string& key, float fallback, float lo, float hi) {
   auto it = c.parameters.find(key);
@@ -429,43 +429,44 @@ class Crop final : public Model {
       }
       crops.push_back(CropBox(src, sw, sh, box));
     }
-    // The recogniser's width: the widest line at height 48, rounded up to
-    // a multiple of 32 (so that requests of similar lines batch together).
-    int width = 32;
+    // Each line at height 48, its aspect kept (at most kMaxLineWidth wide),
+    // as 8-bit pixels: ocr_lines turns and normalises them.
+    int width = 1;
     std::vector<int> widths;
     for (const Image& c : crops) {
       const double ratio = static_cast<double>(c.width) / c.height;
-      widths.push_back(std::max(1, static_cast<int>(std::ceil(kLineHeight * ratio))));
-      width = std::max(width, (widths.back() + 31) / 32 * 32);
-    }
-    width = std::min(width, kMaxLineWidth);
-    if (static_cast<double>(n) * width * 3 * kLineHeight * sizeof(float) > static_cast<double>(kMaxRecognizerBytes)) {
-      return WrongInput(name_, std::to_string(n) + " lines up to " + std::to_string(width) +
-                                   " pixels wide are more than the recogniser takes from one image (" +
-                                   std::to_string(kMaxRecognizerBytes >> 20) + " MiB)");
+      widths.push_back(std::clamp(static_cast<int>(std::ceil(kLineHeight * ratio)), 1, kMaxLineWidth));
+      width = std::max(width, widths.back());
     }
     const size_t cls_plane = static_cast<size_t>(kLineHeight) * kClassifierWidth * 3;
-    const size_t rec_plane = static_cast<size_t>(kLineHeight) * static_cast<size_t>(width) * 3;
+    const size_t line_bytes = static_cast<size_t>(kLineHeight) * static_cast<size_t>(width) * 3;
+    if (static_cast<double>(n) * static_cast<double>(line_bytes) > static_cast<double>(kMaxLineBytes)) {
+      return WrongInput(name_, std::to_string(n) + " lines up to " + std::to_string(width) +
+                                   " pixels wide are more than one image may hold (" +
+                                   std::to_string(kMaxLineBytes >> 20) + " MiB at height 48)");
+    }
     Tensor cls = Tensor::Allocate(DataType::kFp32, {n, 3, kLineHeight, kClassifierWidth},
                                   static_cast<size_t>(n) * cls_plane * sizeof(float));
-    Tensor rec = Tensor::Allocate(DataType::kFp32, {n, 3, kLineHeight, width},
-                                  static_cast<size_t>(n) * rec_plane * sizeof(float));
+    Tensor lines = Tensor::Allocate(DataType::kUint8, {n, kLineHeight, width, 3}, static_cast<size_t>(n) * line_bytes);
     auto* cls_out = reinterpret_cast<float*>(cls.mutable_data());
-    auto* rec_out = reinterpret_cast<float*>(rec.mutable_data());
+    auto* line_out = reinterpret_cast<uint8_t*>(lines.mutable_data());
     for (int64_t i = 0; i < n; ++i) {
       const Image& c = crops[static_cast<size_t>(i)];
-      const int cw = std::min(widths[static_cast<size_t>(i)], kClassifierWidth);
+      const int lw = widths[static_cast<size_t>(i)];
+      const int cw = std::min(lw, kClassifierWidth);
       const auto small = Resize(c.pixels.data(), c.width, c.height, cw, kLineHeight);
       ToPlanes(small.data(), cw, kLineHeight, cls_out + static_cast<size_t>(i) * cls_plane, kClassifierWidth, kHalf,
                kHalf);
-      int& rw = widths[static_cast<size_t>(i)];
-      rw = std::min(rw, width);
-      const auto line = Resize(c.pixels.data(), c.width, c.height, rw, kLineHeight);
-      ToPlanes(line.data(), rw, kLineHeight, rec_out + static_cast<size_t>(i) * rec_plane, width, kHalf, kHalf);
+      const auto line = Resize(c.pixels.data(), c.width, c.height, lw, kLineHeight);
+      uint8_t* row0 = line_out + static_cast<size_t>(i) * line_bytes;
+      for (int y = 0; y < kLineHeight; ++y) {
+        std::memcpy(row0 + static_cast<size_t>(y) * static_cast<size_t>(width) * 3,
+                    line.data() + static_cast<size_t>(y) * static_cast<size_t>(lw) * 3, static_cast<size_t>(lw) * 3);
+      }
     }
     std::vector<int32_t> w32(widths.begin(), widths.end());
     outputs.push_back({"classifier_input", std::move(cls)});
-    outputs.push_back({"recognizer_input", std::move(rec)});
+    outputs.push_back({"lines", std::move(lines)});
     outputs.push_back({"widths", Tensor::From<int32_t>(DataType::kInt32, {n}, w32)});
     return Status::Ok();
   }
@@ -474,42 +475,68 @@ class Crop final : public Model {
   std::string name_;
 };
 
-class Orient final : public Model {
+// The recogniser's inputs by width: a line goes to the narrowest width that
+// holds it (the rest padded with zeros, as PaddleOCR pads), so that lines of
+// every request meet in batches of one shape; lines wider than the widest
+// bucket go together at their own widest width.
+constexpr std::array<int, 5> kLineBuckets = {96, 192, 320, 640, 1280};
+constexpr size_t kBuckets = kLineBuckets.size() + 1;  // and the wide ones
+
+std::string BucketName(const std::string& prefix, size_t b) {
+  return prefix + (b < kLineBuckets.size() ? std::to_string(kLineBuckets[b]) : std::string("wide"));
+}
+
+class Lines final : public Model {
  public:
-  Orient(std::string name, float threshold) : name_(std::move(name)), threshold_(threshold) {}
+  Lines(std::string name, float threshold) : name_(std::move(name)), threshold_(threshold) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
-    const Tensor& lines = inputs[0].tensor;  // [N, 3, 48, W]
+    const Tensor& lines = inputs[0].tensor;  // [N, 48, W, 3] 8-bit
     auto widths = inputs[1].tensor.values<int32_t>();
     auto direction = inputs[2].tensor.values<float>();  // [N, 2]: 0 and 180 degrees
-    const int64_t n = lines.shape()[0];
-    const int64_t h = lines.shape()[2], w = lines.shape()[3];
+    const int64_t n = lines.shape()[0], h = lines.shape()[1], w = lines.shape()[2];
     if (static_cast<int64_t>(widths.size()) != n || static_cast<int64_t>(direction.size()) != 2 * n) {
       return WrongInput(name_, "inputs 'widths' and 'direction' must have one row per line");
     }
-    Tensor out = Tensor::Allocate(DataType::kFp32, lines.shape(), lines.byte_size());
-    std::memcpy(out.mutable_data(), lines.data(), lines.byte_size());
-    auto* p = reinterpret_cast<float*>(out.mutable_data());
+    std::vector<int64_t> count(kBuckets, 0);
+    std::vector<std::pair<int32_t, int32_t>> place(static_cast<size_t>(n));
+    int64_t wide = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (!(direction[static_cast<size_t>(2 * i + 1)] > threshold_ &&
-            direction[static_cast<size_t>(2 * i + 1)] > direction[static_cast<size_t>(2 * i)])) {
-        continue;
-      }
-      // Turned 180 degrees within the line's own width (the padding stays on the right).
-      const int64_t valid = std::clamp<int64_t>(widths[static_cast<size_t>(i)], 0, w);
-      std::vector<float> turned(static_cast<size_t>(h * valid));
-      for (int64_t c = 0; c < 3; ++c) {
-        float* plane = p + (i * 3 + c) * h * w;
-        for (int64_t y = 0; y < h; ++y) {
-          for (int64_t x = 0; x < valid; ++x) {
-            turned[static_cast<size_t>(y * valid + x)] = plane[(h - 1 - y) * w + (valid - 1 - x)];
-          }
-        }
-        for (int64_t y = 0; y < h; ++y) {
-          std::memcpy(plane + y * w, turned.data() + y * valid, static_cast<size_t>(valid) * sizeof(float));
+      const int64_t lw = std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w);
+      size_t b = 0;
+      while (b < kLineBuckets.size() && lw > kLineBuckets[b]) ++b;
+      if (b == kLineBuckets.size()) wide = std::max(wide, (lw + 31) / 32 * 32);
+      place[static_cast<size_t>(i)] = {static_cast<int32_t>(b), static_cast<int32_t>(count[b]++)};
+    }
+    std::vector<Tensor> out(kBuckets);
+    for (size_t b = 0; b < kBuckets; ++b) {
+      const int64_t bw = b < kLineBuckets.size() ? kLineBuckets[b] : std::max<int64_t>(wide, 32);
+      out[b] = Tensor::Allocate(DataType::kFp32, {count[b], 3, h, bw},
+                                static_cast<size_t>(count[b] * 3 * h * bw) * sizeof(float));
+    }
+    const auto* src = reinterpret_cast<const uint8_t*>(lines.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lw = std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w);
+      const float p0 = direction[static_cast<size_t>(2 * i)], p180 = direction[static_cast<size_t>(2 * i + 1)];
+      const bool turn = p180 > threshold_ && p180 > p0;  // upside down: turned 180 degrees within its width
+      const auto [b, row] = place[static_cast<size_t>(i)];
+      Tensor& t = out[static_cast<size_t>(b)];
+      const int64_t bw = t.shape()[3];
+      float* dst = reinterpret_cast<float*>(t.mutable_data()) + row * 3 * h * bw;
+      const uint8_t* line = src + i * h * w * 3;
+      for (int64_t y = 0; y < h; ++y) {
+        for (int64_t x = 0; x < lw; ++x) {
+          const uint8_t* px = line + ((turn ? h - 1 - y : y) * w + (turn ? lw - 1 - x : x)) * 3;
+          for (int64_t c = 0; c < 3; ++c) dst[(c * h + y) * bw + x] = static_cast<float>(px[c]) / 127.5f - 1.f;
         }
       }
     }
-    outputs.push_back({"oriented", std::move(out)});
+    std::vector<int32_t> order;
+    for (const auto& [b, row] : place) {
+      order.push_back(b);
+      order.push_back(row);
+    }
+    for (size_t b = 0; b < kBuckets; ++b) outputs.push_back({BucketName("lines_", b), std::move(out[b])});
+    outputs.push_back({"order", Tensor::From<int32_t>(DataType::kInt32, {n, 2}, order)});
     return Status::Ok();
   }
 
@@ -523,21 +550,34 @@ class Text final : public Model {
   Text(std::string name, std::shared_ptr<const std::vector<std::string>> characters, float min_confidence)
       : name_(std::move(name)), characters_(std::move(characters)), min_confidence_(min_confidence) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
-    const Tensor& probs = inputs[0].tensor;  // [N, T, C]
-    const Tensor& boxes = inputs[1].tensor;  // [N, 4, 2]
-    QUERN_ASSIGN_OR_RETURN(auto g, Geometry(name_, inputs[2].tensor));
-    const int64_t n = probs.shape()[0], steps = probs.shape()[1], classes = probs.shape()[2];
-    if (boxes.shape()[0] != n) return WrongInput(name_, "inputs 'probabilities' and 'boxes' differ in lines");
-    if (n > 0 && classes != static_cast<int64_t>(characters_->size()) + 2) {
-      return WrongInput(name_, "the recogniser gives " + std::to_string(classes) + " classes; the dictionary has " +
-                                   std::to_string(characters_->size()) +
-                                   " characters (+ blank and space = " + std::to_string(characters_->size() + 2) + ")");
+    // inputs: probabilities_<bucket> [N_b, T_b, C] for each bucket, order [N, 2], boxes [N, 4, 2], geometry
+    const Tensor& order = inputs[kBuckets].tensor;
+    const Tensor& boxes = inputs[kBuckets + 1].tensor;
+    QUERN_ASSIGN_OR_RETURN(auto g, Geometry(name_, inputs[kBuckets + 2].tensor));
+    const int64_t n = order.shape()[0];
+    if (boxes.shape()[0] != n) return WrongInput(name_, "inputs 'order' and 'boxes' differ in lines");
+    const int64_t classes = static_cast<int64_t>(characters_->size()) + 2;
+    for (size_t b = 0; b < kBuckets; ++b) {
+      const Shape& s = inputs[b].tensor.shape();
+      if (s[0] > 0 && s[2] != classes) {
+        return WrongInput(name_, "input '" + inputs[b].name + "': the recogniser gives " + std::to_string(s[2]) +
+                                     " classes; the dictionary has " + std::to_string(characters_->size()) +
+                                     " characters (+ blank and space = " + std::to_string(classes) + ")");
+      }
     }
     std::vector<std::string> text;
     std::vector<float> confidence, kept_boxes;
     auto corners = boxes.values<float>();
+    auto where = order.values<int32_t>();
     for (int64_t i = 0; i < n; ++i) {
-      Decoded d = CtcDecode(probs.values<float>().data() + i * steps * classes, steps, classes, *characters_);
+      const int32_t b = where[static_cast<size_t>(2 * i)], row = where[static_cast<size_t>(2 * i + 1)];
+      if (b < 0 || static_cast<size_t>(b) >= kBuckets || row < 0 ||
+          row >= inputs[static_cast<size_t>(b)].tensor.shape()[0]) {
+        return WrongInput(name_, "input 'order' names line " + std::to_string(i) + "'s place wrongly");
+      }
+      const Tensor& p = inputs[static_cast<size_t>(b)].tensor;
+      const int64_t steps = p.shape()[1];
+      Decoded d = CtcDecode(p.values<float>().data() + row * steps * classes, steps, classes, *characters_);
       if (d.confidence < min_confidence_) continue;
       text.push_back(std::move(d.text));
       confidence.push_back(d.confidence);
@@ -792,24 +832,34 @@ Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& sta
     return Factory([name, o] { return std::make_unique<DetectionBoxes>(name, o); });
   }
   if (stage == "ocr_crop") {
-    QUERN_RETURN_IF_ERROR(Declare(
-        c, stage, {T("pixels", DataType::kUint8, {-1, -1, 3}), T("boxes", DataType::kFp32, {-1, 4, 2})},
-        {T("classifier_input", DataType::kFp32, {-1, 3, kLineHeight, kClassifierWidth}),
-         T("recognizer_input", DataType::kFp32, {-1, 3, kLineHeight, -1}), T("widths", DataType::kInt32, {-1})}));
+    QUERN_RETURN_IF_ERROR(
+        Declare(c, stage, {T("pixels", DataType::kUint8, {-1, -1, 3}), T("boxes", DataType::kFp32, {-1, 4, 2})},
+                {T("classifier_input", DataType::kFp32, {-1, 3, kLineHeight, kClassifierWidth}),
+                 T("lines", DataType::kUint8, {-1, kLineHeight, -1, 3}), T("widths", DataType::kInt32, {-1})}));
     return Factory([name] { return std::make_unique<Crop>(name); });
   }
-  if (stage == "ocr_orient") {
+  if (stage == "ocr_lines") {
+    std::vector<TensorConfig> out;
+    for (size_t b = 0; b < kBuckets; ++b) {
+      out.push_back(T(BucketName("lines_", b), DataType::kFp32,
+                      {-1, 3, kLineHeight, b < kLineBuckets.size() ? kLineBuckets[b] : -1}));
+    }
+    out.push_back(T("order", DataType::kInt32, {-1, 2}));
     QUERN_RETURN_IF_ERROR(Declare(c, stage,
-                                  {T("recognizer_input", DataType::kFp32, {-1, 3, kLineHeight, -1}),
+                                  {T("lines", DataType::kUint8, {-1, kLineHeight, -1, 3}),
                                    T("widths", DataType::kInt32, {-1}), T("direction", DataType::kFp32, {-1, 2})},
-                                  {T("oriented", DataType::kFp32, {-1, 3, kLineHeight, -1})}));
+                                  std::move(out)));
     QUERN_ASSIGN_OR_RETURN(float threshold, FloatParameter(c, "quern.ocr.direction_threshold", 0.9f, 0, 1));
-    return Factory([name, threshold] { return std::make_unique<Orient>(name, threshold); });
+    return Factory([name, threshold] { return std::make_unique<Lines>(name, threshold); });
   }
   if (stage == "ocr_text") {
-    QUERN_RETURN_IF_ERROR(Declare(c, stage,
-                                  {T("probabilities", DataType::kFp32, {-1, -1, -1}),
-                                   T("boxes", DataType::kFp32, {-1, 4, 2}), T("geometry", DataType::kFp32, {3})},
+    std::vector<TensorConfig> text_in;
+    for (size_t b = 0; b < kBuckets; ++b)
+      text_in.push_back(T(BucketName("probabilities_", b), DataType::kFp32, {-1, -1, -1}));
+    text_in.push_back(T("order", DataType::kInt32, {-1, 2}));
+    text_in.push_back(T("boxes", DataType::kFp32, {-1, 4, 2}));
+    text_in.push_back(T("geometry", DataType::kFp32, {3}));
+    QUERN_RETURN_IF_ERROR(Declare(c, stage, std::move(text_in),
                                   {T("text", DataType::kBytes, {-1}), T("confidence", DataType::kFp32, {-1}),
                                    T("text_boxes", DataType::kFp32, {-1, 4, 2})}));
     QUERN_ASSIGN_OR_RETURN(float min_confidence, FloatParameter(c, "quern.ocr.min_confidence", 0.5f, 0, 1));
@@ -837,7 +887,7 @@ Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& sta
     return Factory([name, shared, min_confidence] { return std::make_unique<Text>(name, shared, min_confidence); });
   }
   return Err(InvalidArgument("model '" + name + "': unknown quern.stage '" + stage +
-                             "' (ocr_detection_input, ocr_detection_boxes, ocr_crop, ocr_orient, ocr_text)"));
+                             "' (ocr_detection_input, ocr_detection_boxes, ocr_crop, ocr_lines, ocr_text)"));
 }
 
 }  // namespace quern::ocr

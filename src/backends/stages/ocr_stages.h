@@ -14,12 +14,16 @@
 //                        pixels, top to bottom and left to right
 //   ocr_crop             pixels + boxes -> one straightened crop per box
 //                        (perspective warp; tall ones turned 90 degrees) as
-//                        the direction classifier's input (48 x 192) and
-//                        the recogniser's (height 48, aspect kept, padded)
-//   ocr_orient           recogniser input + classifier output -> the crops
-//                        the classifier finds upside down (180 degrees, p >
-//                        0.9) turned
-//   ocr_text             recogniser output -> text by CTC greedy decoding
+//                        the direction classifier's input (48 x 192) and as
+//                        a line of height 48, its aspect kept (8-bit)
+//   ocr_lines            lines + classifier output -> the recogniser's
+//                        inputs: lines the classifier finds upside down
+//                        (180 degrees, p > 0.9) turned, every line in the
+//                        narrowest of the widths 96, 192, 320, 640, 1280
+//                        that holds it (padded), or with the wider ones, so
+//                        that lines of every request batch together; and
+//                        where each line went
+//   ocr_text             recogniser outputs -> text by CTC greedy decoding
 //                        over a dictionary (PaddleOCR's ppocr_keys_v1.txt:
 //                        blank first, space last), confidence = mean of the
 //                        kept characters' probabilities, lines below 0.5
