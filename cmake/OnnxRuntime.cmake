@@ -32,3 +32,15 @@ set_target_properties(onnxruntime::onnxruntime PROPERTIES
 # Binaries find the library without LD_LIBRARY_PATH.
 set(CMAKE_BUILD_RPATH "${QUERN_ORT_ROOT}/lib" CACHE INTERNAL "")
 message(STATUS "ONNX Runtime: ${QUERN_ORT_ROOT}")
+
+# Installs the ONNX Runtime library that Quern links against into
+# DESTINATION (a private folder found through RUNPATH), under its soname.
+# Nothing to do for a system ONNX Runtime (a package or pkg-config).
+function(quern_install_onnxruntime destination component)
+  get_target_property(soname onnxruntime::onnxruntime IMPORTED_SONAME)
+  get_target_property(location onnxruntime::onnxruntime IMPORTED_LOCATION)
+  if(soname AND location)
+    file(REAL_PATH "${location}" file)
+    install(FILES "${file}" DESTINATION "${destination}" RENAME "${soname}" COMPONENT ${component})
+  endif()
+endfunction()

@@ -23,6 +23,8 @@ cmake --build --preset ci
 ctest --preset ci -j2
 echo "== the Python wheel (pip wheel ., a fresh venv with numpy 2)"
 QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
+echo "== the installation (cmake --install; examples/embed built against it)"
+scripts/test_install.sh "$ROOT/build/ci"
 
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"

@@ -225,6 +225,9 @@ struct EngineOptions {
 
 class ModelRegistry;
 
+// Quern's version ("0.1.0"), as the library linked in reports it.
+const char* Version();
+
 class Engine {
  public:
   // Opens the repository and loads its models. A model that fails to load is

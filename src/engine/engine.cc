@@ -73,6 +73,10 @@ InferResponse Refusal(Status status, uint64_t id, const std::string& model, int6
 
 }  // namespace
 
+const char* Version() {
+  return QUERN_VERSION_STRING;
+}
+
 std::future<InferResponse> Engine::Infer(InferRequest request) {
   auto promise = std::make_shared<std::promise<InferResponse>>();
   auto future = promise->get_future();

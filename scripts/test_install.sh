@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs a build (cmake --install) into a temporary prefix and builds
+# examples/embed against the installation -- with find_package(Quern) and with
+# pkg-config -- never the source tree; runs it (a C++ model registered in
+# code, requests scheduled and polled, and the repository's add_sub through
+# the installed ONNX Runtime). Checks that the public headers are the only
+# ones installed and that the installed `quern` binary starts.
+#   scripts/test_install.sh [build dir, default build/ci]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD="${1:-$ROOT/build/ci}"
+MODELS="${QUERN_TEST_MODELS:-$BUILD/test_models}"
+[ -d "$MODELS/add_sub" ] || { echo "test_install: no test models in $MODELS (run ctest first)" >&2; exit 1; }
+WORK="$(mktemp -d /tmp/quern-install-XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+PREFIX="$WORK/prefix"
+
+echo "== cmake --install into a temporary prefix"
+cmake --install "$BUILD" --prefix "$PREFIX" >/dev/null
+headers=$(cd "$PREFIX/include" && find . -type f | sort | tr '\n' ' ')
+expected=$(cd "$ROOT/include" && find . -type f -name '*.h' | sort | tr '\n' ' ')
+[ "$headers" = "$expected" ] || { echo "installed headers: $headers; expected the public ones: $expected" >&2; exit 1; }
+"$PREFIX/bin/quern" --help >/dev/null
+
+echo "== examples/embed with find_package(Quern)"
+cmake -S examples/embed -B "$WORK/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$WORK/cmake" >/dev/null
+"$WORK/cmake/embed" "$MODELS" | tail -3
+
+echo "== examples/embed with pkg-config"
+# shellcheck disable=SC2046
+c++ -O2 -o "$WORK/embed-pc" examples/embed/main.cc $(PKG_CONFIG_PATH="$(dirname "$(find "$PREFIX" -name quern.pc)")" \
+  pkg-config --cflags --libs quern) -pthread
+"$WORK/embed-pc" | tail -1
+echo "== the installation works"
