@@ -25,6 +25,8 @@ echo "== the Python wheel (pip wheel ., a fresh venv with numpy 2)"
 QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
 echo "== the installation (cmake --install; examples/embed built against it)"
 scripts/test_install.sh "$ROOT/build/ci"
+echo "== the Debian package (cpack; dpkg -i, started as its unit starts it, dpkg -r and --purge)"
+scripts/test_deb.sh "$ROOT/build/ci"
 
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"

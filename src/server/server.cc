@@ -15,6 +15,7 @@
 #include "metrics/collectors.h"
 #include "metrics/registry.h"
 #include "pipeline/vision_model.h"
+#include "server/systemd_notify.h"
 #include "store/redis_face_store.h"
 
 namespace quern {
@@ -352,6 +353,9 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   std::printf("quern: serving %s (Ctrl-C to stop)\n", o.model_repository.c_str());
   std::fflush(stdout);
+  if (!NotifySystemd("READY=1\nSTATUS=serving")) {
+    std::fprintf(stderr, "quern: warning: could not tell systemd (NOTIFY_SOCKET) that the server is ready\n");
+  }
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }
 
@@ -369,6 +373,7 @@ void Server::Shutdown() {
   // (queued, running, or being decoded for the vision routes) answered.
   std::printf("quern: draining (up to %.0f s)\n", p.options.drain_timeout_s);
   std::fflush(stdout);
+  (void)NotifySystemd("STOPPING=1");
   p.draining.store(true, std::memory_order_release);
   p.engine->StopRepositoryPolling();   // the models in service stay as they are
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
