@@ -2,27 +2,18 @@
 //   quern serve  --model-repository DIR [--config FILE]   load a repository and serve it
 //   quern models DIR                      list models, their tensors and load errors
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
+#include <pthread.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cli/commands.h"
 #include "server/serve_flags.h"
 #include "server/server.h"
-
-namespace {
-
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) {
-  g_stop = 1;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"quern: a fast model server for ONNX models"};
@@ -67,16 +58,23 @@ int main(int argc, char** argv) {
   if (*models) return quern::cli::Models(models_repo);
   if (*infer) return quern::cli::Infer(infer_repo, infer_model, inputs);
 
-  // Before the server says it serves: a SIGTERM right after that line must
-  // drain it, not kill it.
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
+  // SIGINT and SIGTERM are blocked before the server starts (its threads
+  // inherit the mask) and waited for here: one that comes right after the
+  // server says it serves drains it rather than killing it, and an idle
+  // server's main thread sleeps until then instead of polling a flag.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   auto server = quern::Server::Start(std::move(options));
   if (!server) {
     std::fprintf(stderr, "quern: %s\n", server.error().ToString().c_str());
     return server.error().code() == quern::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  int signal = 0;
+  while (sigwait(&stop_signals, &signal) != 0) {
+  }
   (*server)->Shutdown();
   return 0;
 }
