@@ -70,6 +70,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev python3-numpy curl ca-certificates clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
+  procps  # pgrep, ps: the tests look for the processes a server started
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
