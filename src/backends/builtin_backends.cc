@@ -8,6 +8,7 @@
 #include "backends/onnxruntime/ort_shared_weights.h"
 #include "backends/python/python_backend.h"
 #include "backends/stages/ocr_stages.h"
+#include "core/log.h"
 #include "engine/backend.h"
 
 namespace quern {
@@ -90,8 +91,8 @@ class OrtBackend final : public Backend {
       QUERN_RETURN_IF_ERROR(first->Load());
       io = &first->io();
       if (!not_shared.empty()) {
-        std::fprintf(stderr, "quern: warning: %s; each instance holds its own copy of the weights\n",
-                     not_shared.c_str());
+        Log(LogLevel::kWarning, not_shared + "; each instance holds its own copy of the weights",
+            {{"model", config.name}});
       }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, *io, has_config_file));

@@ -14,6 +14,8 @@
 #include <functional>
 #include <iterator>
 
+#include "core/log.h"
+
 namespace quern {
 namespace {
 
@@ -227,7 +229,7 @@ void FaceGallery::Warn(const Status& st) {
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   int64_t last = last_warning_s_.load();
   if (now - last >= 10 && last_warning_s_.compare_exchange_strong(last, now)) {
-    std::fprintf(stderr, "quern: warning: %s (answering from the faces last read)\n", st.message().c_str());
+    Log(LogLevel::kWarning, st.message() + " (answering from the faces last read)");
   }
 }
 

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "core/cpus.h"
+#include "core/log.h"
 
 namespace quern {
 
@@ -244,7 +245,7 @@ Status VisionService::Refused(Status status) {
   const int64_t now = clock_->NowNs();
   int64_t last = last_overload_log_ns_.load();
   if (now - last > 1'000'000'000 && last_overload_log_ns_.compare_exchange_strong(last, now)) {
-    std::fprintf(stderr, "quern: warning: vision pipeline full, refusing requests: %s\n", status.message().c_str());
+    Log(LogLevel::kWarning, "vision pipeline full, refusing requests: " + status.message());
   }
   return status;
 }

@@ -129,6 +129,15 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                    "Refuse a request (503 / UNAVAILABLE) when the work queued for its model would take longer "
                    "than this to run (per model: parameter quern.max_queue_wait_ms); 0 = no bound")
       ->check(CLI::Range(int64_t{0}, int64_t{3'600'000}));
+  serve->add_option("--log-level", o.log_level, "Log lines at this level and above: debug, info, warning, error")
+      ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}));
+  serve
+      ->add_option("--log-format", o.log_format,
+                   "text (quern: warning: ... model=m), or json (one object per line: time, level, msg, fields)")
+      ->check(CLI::IsMember({"text", "json"}));
+  serve->add_option("--access-log", o.access_log,
+                    "One line per HTTP request (time, client, method, path, status, bytes in and out, ms, model), "
+                    "in the log format: '-' = stdout, else a file appended to (default: none)");
   serve->add_option("--drain-timeout-secs", o.drain_timeout_s,
                     "On SIGTERM/SIGINT: readiness turns false, new requests get 503 / UNAVAILABLE, and requests "
                     "already taken finish for up to this long before the server exits");

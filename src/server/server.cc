@@ -4,12 +4,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <thread>
 
+#include "core/log.h"
+#include "core/mutex.h"
 #include "frontends/http/kserve_handler.h"
 #include "frontends/jobs/job_handler.h"
 #include "metrics/collectors.h"
@@ -100,6 +104,16 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options) {
 }
 
 void PrintModels(const Engine& engine, const std::filesystem::path& repository) {
+  if (CurrentLogOptions().format == LogFormat::kJson) {
+    // One event per model version.
+    for (const auto& m : engine.ListModels()) {
+      const std::string version = std::to_string(m.version);
+      const std::string state(ModelStateName(m.state));
+      LogTo(stdout, m.state == ModelState::kReady ? LogLevel::kInfo : LogLevel::kError, "model " + state,
+            {{"model", m.name}, {"version", version}, {"state", state}, {"error", m.reason}});
+    }
+    return;
+  }
   for (const auto& m : engine.ListModels()) {
     std::printf("%s v%lld  %s", m.name.c_str(), static_cast<long long>(m.version),
                 std::string(ModelStateName(m.state)).c_str());
@@ -121,6 +135,65 @@ void PrintModels(const Engine& engine, const std::filesystem::path& repository) 
   }
 }
 
+// The access log (--access-log): one line per HTTP response, in the log's
+// format, written whole.
+class AccessLog {
+ public:
+  static Result<std::shared_ptr<AccessLog>> Open(const std::string& where) {
+    if (where == "-") return std::shared_ptr<AccessLog>(new AccessLog(stdout, false));
+    std::FILE* f = std::fopen(where.c_str(), "ae");
+    if (!f) return Err(InvalidArgument("--access-log " + where + ": " + std::strerror(errno)));
+    return std::shared_ptr<AccessLog>(new AccessLog(f, true));
+  }
+  ~AccessLog() {
+    if (owned_) std::fclose(file_);
+  }
+  void Write(const HttpAccess& a) {
+    char ms[32];
+    std::snprintf(ms, sizeof ms, "%.3f", static_cast<double>(a.duration_ns) / 1e6);
+    const std::string status = std::to_string(a.status), in = std::to_string(a.request_bytes),
+                      out = std::to_string(a.response_bytes), model = ModelOf(a.target);
+    const LogFormat format = CurrentLogOptions().format;
+    const std::string time = format == LogFormat::kText ? LogTimestamp() : std::string();
+    std::string line = FormatLogLine(format, LogLevel::kInfo, "access",
+                                     {{"time", time},
+                                      {"client", a.client},
+                                      {"method", a.method},
+                                      {"path", a.target},
+                                      {"status", status},
+                                      {"bytes_in", in},
+                                      {"bytes_out", out},
+                                      {"ms", ms},
+                                      {"model", model}});
+    if (format == LogFormat::kJson) {
+      // The JSON line has its own time: drop the empty field.
+      const std::string empty = ",\"time\":\"\"";
+      if (auto at = line.find(empty); at != std::string::npos) line.erase(at, empty.size());
+    }
+    line += '\n';
+    MutexLock lock(mu_);
+    std::fwrite(line.data(), 1, line.size(), file_);
+    std::fflush(file_);
+  }
+
+ private:
+  AccessLog(std::FILE* file, bool owned) : file_(file), owned_(owned) {}
+  // The model a KServe, /predict or vision path names ("" for others).
+  static std::string ModelOf(std::string_view target) {
+    target = target.substr(0, target.find('?'));
+    for (std::string_view prefix : {"/v2/models/", "/predict/", "/v1/vision/custom/"}) {
+      if (target.starts_with(prefix)) {
+        target.remove_prefix(prefix.size());
+        return std::string(target.substr(0, target.find('/')));
+      }
+    }
+    return {};
+  }
+  std::FILE* file_;
+  const bool owned_;
+  Mutex mu_;
+};
+
 // Declared in the order they are made; Shutdown takes them down in the order
 // the top of server.h gives.
 struct Server::Parts {
@@ -140,6 +213,7 @@ struct Server::Parts {
   std::unique_ptr<ResultStore> store;
   RedisResultStore* redis_store = nullptr;  // = store when results go to Redis
   std::unique_ptr<JobHandler> jobs;
+  std::shared_ptr<AccessLog> access_log;  // null: none
   std::unique_ptr<HttpServer> http;
   std::unique_ptr<GrpcServer> grpc;
   std::unique_ptr<HttpServer> vision_http;
@@ -210,6 +284,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   auto p = std::make_unique<Parts>();
   p->options = std::move(options);
   ServerOptions& o = p->options;
+  LogOptions log;
+  QUERN_ASSIGN_OR_RETURN(log.level, ParseLogLevel(o.log_level));
+  QUERN_ASSIGN_OR_RETURN(log.format, ParseLogFormat(o.log_format));
+  SetLogOptions(log);
   if (o.consume && o.redis_url.empty()) {
     return Err(InvalidArgument("--consume takes jobs from Redis streams: give --redis-url too"));
   }
@@ -280,6 +358,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   });
   p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
 
+  if (!o.access_log.empty()) {
+    QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));
+    o.http.access_log = [log = p->access_log](const HttpAccess& a) { log->Write(a); };
+  }
   QUERN_ASSIGN_OR_RETURN(
       p->http, HttpServer::Start(
                    o.http, [parts](HttpRequest&& r, HttpDone done) { parts->Route(std::move(r), std::move(done)); },
@@ -343,18 +425,22 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     p->consumer = std::move(*consumer);
   }
 
-  std::printf("quern: HTTP listening on %s:%d\n", o.http.host.c_str(), p->http->port());
-  if (p->grpc) std::printf("quern: gRPC listening on %s:%d\n", o.http.host.c_str(), p->grpc->port());
-  if (p->vision_http) std::printf("quern: vision listening on %s:%d\n", o.http.host.c_str(), p->vision_http->port());
-  std::printf("quern: metrics listening on %s:%d\n", o.metrics.host.c_str(), p->metrics->port());
+  // The start-up lines go to stdout (scripts read the ports from them).
+  auto listening = [](const char* what, const std::string& host, int port) {
+    LogTo(stdout, LogLevel::kInfo, std::string(what) + " listening on " + host + ":" + std::to_string(port));
+  };
+  listening("HTTP", o.http.host, p->http->port());
+  if (p->grpc) listening("gRPC", o.http.host, p->grpc->port());
+  if (p->vision_http) listening("vision", o.http.host, p->vision_http->port());
+  listening("metrics", o.metrics.host, p->metrics->port());
   if (p->consumer) {
-    std::printf("quern: taking jobs from redis at %s as consumer %s\n",
-                p->redis_store->options().redis.Address().c_str(), p->consumer->consumer_name().c_str());
+    LogTo(stdout, LogLevel::kInfo,
+          "taking jobs from redis at " + p->redis_store->options().redis.Address() + " as consumer " +
+              p->consumer->consumer_name());
   }
-  std::printf("quern: serving %s (Ctrl-C to stop)\n", o.model_repository.c_str());
-  std::fflush(stdout);
+  LogTo(stdout, LogLevel::kInfo, "serving " + o.model_repository + " (Ctrl-C to stop)");
   if (!NotifySystemd("READY=1\nSTATUS=serving")) {
-    std::fprintf(stderr, "quern: warning: could not tell systemd (NOTIFY_SOCKET) that the server is ready\n");
+    Log(LogLevel::kWarning, "could not tell systemd (NOTIFY_SOCKET) that the server is ready");
   }
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }
@@ -371,8 +457,8 @@ void Server::Shutdown() {
   p.shut_down = true;
   // Drain: not ready any more, new requests refused, requests already taken
   // (queued, running, or being decoded for the vision routes) answered.
-  std::printf("quern: draining (up to %.0f s)\n", p.options.drain_timeout_s);
-  std::fflush(stdout);
+  LogTo(stdout, LogLevel::kInfo,
+        "draining (up to " + std::to_string(static_cast<int64_t>(p.options.drain_timeout_s)) + " s)");
   (void)NotifySystemd("STOPPING=1");
   p.draining.store(true, std::memory_order_release);
   p.engine->StopRepositoryPolling();   // the models in service stay as they are
@@ -384,7 +470,7 @@ void Server::Shutdown() {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (const int64_t left = in_flight(); left > 0) {
-    std::printf("quern: drain timeout: %lld requests still in flight\n", static_cast<long long>(left));
+    LogTo(stdout, LogLevel::kWarning, "drain timeout: " + std::to_string(left) + " requests still in flight");
     p.engine->Abandon();  // a batch that never ends (a hung Python execute) must not hold the stop
   }
   // Answers the I/O threads still write (large ones, every one over TLS).
@@ -392,7 +478,7 @@ void Server::Shutdown() {
   while (writing() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  std::printf("quern: stopping\n");
+  LogTo(stdout, LogLevel::kInfo, "stopping");
   std::fflush(stdout);
   p.metrics->Stop();
   p.engine_metrics.Reset();

@@ -34,6 +34,12 @@ namespace quern {
 // Every setting of `quern serve` (see serve_flags.h for their flags).
 struct ServerOptions {
   std::string model_repository;
+  // The log (core/log.h): "debug", "info", "warning" or "error"; "text" or "json".
+  std::string log_level = "info";
+  std::string log_format = "text";
+  // One line per HTTP request (method, path, status, sizes, time, model):
+  // "" = none, "-" = stdout, else a file appended to.
+  std::string access_log;
   double repository_poll_secs = 0;
   bool allow_links_outside_repository = false;
   // "none" (or "poll"): the repository is loaded at start and changed only

@@ -12,6 +12,7 @@
 
 #include "core/cpus.h"
 #include "core/json.h"
+#include "core/log.h"
 #include "protocol/kserve_codec.h"
 #include "store/job_json.h"
 
@@ -90,8 +91,8 @@ RedisResultStore::~RedisResultStore() {
   writer_.join();
   MutexLock lock(mu_);
   if (!unwritten_.empty()) {
-    std::fprintf(stderr, "quern: %zu job results could not be written to redis at %s before exit\n", unwritten_.size(),
-                 options_.redis.Address().c_str());
+    Log(LogLevel::kError, std::to_string(unwritten_.size()) + " job results could not be written to redis at " +
+                              options_.redis.Address() + " before exit");
   }
 }
 
@@ -189,8 +190,8 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
   if (exec.is_array()) {
     for (const RedisReply& r : exec.elements) {
       if (r.is_error()) {
-        std::fprintf(stderr, "quern: redis at %s: a command written with job results failed: %s\n",
-                     options_.redis.Address().c_str(), r.str.c_str());
+        Log(LogLevel::kError,
+            "redis at " + options_.redis.Address() + ": a command written with job results failed: " + r.str);
         break;
       }
     }
@@ -245,8 +246,8 @@ void RedisResultStore::WriterLoop() {
       // This one can never be written: give it up rather than hold every
       // later result behind it.
       size_t n = batches[0].records.size();
-      std::fprintf(stderr, "quern: %zu job result(s) dropped (first: %s): %s\n", n,
-                   n > 0 ? batches[0].records[0]->id.c_str() : "-", s.message().c_str());
+      Log(LogLevel::kError, std::to_string(n) + " job result(s) dropped (first: " +
+                                (n > 0 ? batches[0].records[0]->id : std::string("-")) + "): " + s.message());
       Settle(batches, /*written=*/false);
       continue;
     }
@@ -302,9 +303,9 @@ Status RedisResultStore::Ping() {
 
 void RedisResultStore::SetHealthLocked(const Status& s) {
   if (!s.ok() && (health_.ok() || health_.message() != s.message())) {
-    std::fprintf(stderr, "quern: job results wait in memory: %s\n", s.message().c_str());
+    Log(LogLevel::kWarning, "job results wait in memory: " + s.message());
   } else if (s.ok() && !health_.ok() && health_.message() != kNotYet) {
-    std::fprintf(stderr, "quern: redis at %s is reachable again\n", options_.redis.Address().c_str());
+    Log(LogLevel::kInfo, "redis at " + options_.redis.Address() + " is reachable again");
   }
   health_ = s;
   health_ok_since_write_ = s.ok();

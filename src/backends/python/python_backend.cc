@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "backends/python/python_process.h"
+#include "core/log.h"
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -267,13 +268,13 @@ class PythonModel final : public Model {
     if (!p) {
       last_start_failure_ = now;
       last_start_error_ = p.error().message();
-      std::fprintf(stderr, "quern: %s: the Python process could not be started again: %s\n", tag_.c_str(),
-                   last_start_error_.c_str());
+      Log(LogLevel::kError, tag_ + ": the Python process could not be started again: " + last_start_error_,
+          {{"model", config_.name}});
       return Unavailable(last_start_error_);
     }
     last_start_error_.clear();
-    std::fprintf(stderr, "quern: %s: Python process started again (pid %d)\n", tag_.c_str(),
-                 static_cast<int>((*p)->pid()));
+    Log(LogLevel::kWarning, tag_ + ": Python process started again (pid " + std::to_string((*p)->pid()) + ")",
+        {{"model", config_.name}});
     process_ = std::move(*p);
     return Status::Ok();
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backends/python/python_sources.h"
+#include "core/log.h"
 
 extern char** environ;
 
@@ -69,6 +70,7 @@ void ForwardLog(std::string tag, int log_fd, int stop_fd) {
   std::string pending;
   char buf[4096];
   auto emit = [&](std::string_view line) {
+    if (CurrentLogOptions().format == LogFormat::kJson) return Log(LogLevel::kInfo, line, {{"source", tag}});
     std::string out = "quern: " + tag + ": ";
     out.append(line);
     out += '\n';
@@ -339,7 +341,7 @@ bool PythonProcess::finished() {
   pollfd fd{pid_fd_, POLLIN, 0};
   if (pid_fd_ >= 0 && ::poll(&fd, 1, 0) > 0) {
     // It died between batches: reaped now, so the next batch starts a new one.
-    std::fprintf(stderr, "quern: %s: its Python process %s while idle\n", tag_.c_str(), Reap(false).c_str());
+    Log(LogLevel::kWarning, tag_ + ": its Python process " + Reap(false) + " while idle");
     return true;
   }
   return false;

@@ -10,6 +10,7 @@
 #include <boost/asio.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
+
 // GCC 12 with sanitizers reports a boost::optional inside Beast's parser as
 // maybe-uninitialized (a false positive in Beast's own code).
 #if defined(__clang__)
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "core/cpus.h"
+#include "core/log.h"
 #include "frontends/http/content_encoding.h"
 
 namespace quern {
@@ -71,7 +73,7 @@ void WarnRateLimited(std::atomic<int64_t>& last_ns, const char* message) {
   const int64_t now = NowNs();
   int64_t last = last_ns.load(std::memory_order_relaxed);
   if (now - last < 1'000'000'000 || !last_ns.compare_exchange_strong(last, now)) return;
-  std::fprintf(stderr, "quern: warning: %s\n", message);
+  Log(LogLevel::kWarning, message);
 }
 
 class Session;
@@ -106,6 +108,11 @@ class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, Loop& loop, Shared& shared, bool reject)
       : fd_(socket.native_handle()), loop_(loop), shared_(shared), reject_(reject) {
+    if (shared_.options.access_log) {
+      beast::error_code ec;
+      const auto peer = socket.remote_endpoint(ec);
+      if (!ec) client_ = peer.address().to_string();
+    }
     if (shared_.tls) {
       tls_.emplace(std::move(socket), *shared_.tls);
     } else {
@@ -194,6 +201,12 @@ class Session : public std::enable_shared_from_this<Session> {
     request_ = HttpRequest();
     request_.method = std::string(msg.method_string());
     request_.target = std::string(msg.target());
+    if (shared_.options.access_log) {
+      access_start_ns_ = NowNs();
+      access_method_ = request_.method;
+      access_target_ = request_.target;
+      access_bytes_ = 0;
+    }
     request_.headers.reserve(16);
     for (const auto& f : msg) {
       std::string name(f.name_string());
@@ -388,6 +401,7 @@ class Session : public std::enable_shared_from_this<Session> {
       plain_->async_wait(tcp::socket::wait_read,
                          [self = shared_from_this()](beast::error_code ec) { self->OnWatch(ec); });
     }
+    access_bytes_ = req.body.size();
     if (auto encoding = req.Header("content-encoding"); !encoding.empty()) {
       auto decoded = DecodeContentEncoding(encoding, std::move(req.body), shared_.options.max_body_bytes);
       if (!decoded) {
@@ -418,6 +432,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // Any thread, once per request: writes the response with a non-blocking
   // send; what the socket does not take is finished on the loop thread.
   void Respond(HttpResponse r) {
+    if (shared_.options.access_log && !access_method_.empty()) {
+      shared_.options.access_log({access_method_, access_target_, r.status, access_bytes_,
+                                  head_ ? size_t{0} : r.body.size(), NowNs() - access_start_ns_, client_});
+    }
     if (head_) {
       // HEAD: the headers a GET would get (Content-Length included), no body.
       r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
@@ -604,8 +622,12 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::request_parser<http::string_body>> parser_;
   std::shared_ptr<CancellationToken> cancel_;
   HttpRequest request_;  // the request being read: line and headers, then its body
-  std::string body_;     // a body of known length, read directly
-  size_t discard_ = 0;   // bytes of a body answered early, still to skip
+  // The access log's record of the request being answered (only with one).
+  std::string client_, access_method_, access_target_;
+  int64_t access_start_ns_ = 0;
+  size_t access_bytes_ = 0;
+  std::string body_;    // a body of known length, read directly
+  size_t discard_ = 0;  // bytes of a body answered early, still to skip
   bool body_by_length_ = false;
   bool reading_ = false;
   bool read_clock_started_ = false;

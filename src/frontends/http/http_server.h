@@ -15,6 +15,7 @@
 // and its HttpDone may be called from any thread, exactly once.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,6 +23,17 @@
 #include "quern/status.h"
 
 namespace quern {
+
+// One response, as an access log records it (HttpServerOptions::access_log).
+struct HttpAccess {
+  std::string_view method;
+  std::string_view target;
+  int status = 0;
+  size_t request_bytes = 0;   // the body as received (before any Content-Encoding was undone)
+  size_t response_bytes = 0;  // the body sent
+  int64_t duration_ns = 0;    // from the request's headers to its response
+  std::string_view client;    // the peer's address
+};
 
 struct HttpServerOptions {
   std::string host = "0.0.0.0";
@@ -39,6 +51,9 @@ struct HttpServerOptions {
   // PEM CA certificates to verify client certificates against; when set,
   // clients must present a certificate signed by one of them.
   std::string tls_client_ca_file;
+  // Called once per response, on any thread, as it is written: an access
+  // log. Must be quick and thread-safe. Empty = none.
+  std::function<void(const HttpAccess&)> access_log;
 };
 
 class HttpServer {

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/cpus.h"
+#include "core/log.h"
 #include "core/mutex.h"
 
 namespace quern {
@@ -224,7 +225,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         Status s = Connect();
         if (!s.ok()) {
           if (s.message() != last_error_) {
-            std::fprintf(stderr, "quern: job streams: %s (retrying)\n", s.message().c_str());
+            Log(LogLevel::kWarning, "job streams: " + s.message() + " (retrying)");
             last_error_ = s.message();
           }
           MutexLock lock(mu_);
@@ -311,7 +312,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       if (reply.str.starts_with("NOGROUP") && CreateGroups().ok()) return;  // a stream was deleted: made again
       // READONLY, NOPERM, WRONGTYPE, LOADING...: say so once, and back off.
       if (reply.str != last_error_) {
-        std::fprintf(stderr, "quern: job streams: XREADGROUP: %s (backing off)\n", reply.str.c_str());
+        Log(LogLevel::kWarning, "job streams: XREADGROUP: " + reply.str + " (backing off)");
         last_error_ = reply.str;
       }
       error_backoff_ = std::clamp(error_backoff_ * 2, std::chrono::milliseconds(100), std::chrono::milliseconds(2000));
@@ -555,9 +556,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       if (out.kind == Kind::kRetry) {
         ++retry;
         retried_.Increment();
-        std::fprintf(stderr, "quern: job '%s' (%s, delivery %lld of %d) failed, will be retried: %s\n",
-                     out.record->id.c_str(), m.stream.c_str(), static_cast<long long>(e.deliveries),
-                     options_.max_deliveries, out.record->error.message().c_str());
+        Log(LogLevel::kWarning,
+            "job '" + out.record->id + "' (" + m.stream + ", delivery " + std::to_string(e.deliveries) + " of " +
+                std::to_string(options_.max_deliveries) + ") failed, will be retried: " + out.record->error.message(),
+            {{"job_id", out.record->id}, {"stream", m.stream}});
         MutexLock lock(mu_);
         mine_.erase(m.stream + " " + e.entry_id);
         continue;

@@ -1,0 +1,139 @@
+"""The server's log: levels, text or JSON lines with fields (model, source), and the access log."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import tritonclient.http as httpclient
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+TALKER = '''
+import numpy as np
+
+def initialize(args):
+    print("hello from initialize", flush=True)
+
+def infer(inputs):
+    return {"y": inputs["x"]}
+'''
+
+
+def repository(tmp_path):
+    shutil.copytree(os.path.join(MODELS, "add_sub"), tmp_path / "add_sub")
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    (tmp_path / "talker" / "1").mkdir(parents=True)
+    (tmp_path / "talker" / "config.pbtxt").write_text('''backend: "python"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 } ]
+''')
+    (tmp_path / "talker" / "1" / "model.py").write_text(TALKER)
+    return tmp_path
+
+
+def start_json(repo, *extra):
+    """`quern serve --log-format json`: every stdout line is a JSON event; returns (process, ports, lines, errors)
+    with the lines of stdout and stderr collected as they come."""
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "-1",
+                             "--metrics-port", "0", "--host", "127.0.0.1", "--log-format", "json", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err, ports = [], [], {}
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line)
+        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
+        if m:
+            ports[m.group(1)] = int(m.group(2))
+        if '"serving ' in line:
+            break
+    threading.Thread(target=lambda: [out.append(x) for x in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True).start()
+    assert "HTTP" in ports, out
+    return proc, ports, out, err
+
+
+def add_sub(port):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    import numpy as np
+    a = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    a.set_data_from_numpy(np.ones((1, 4), np.float32))
+    b = httpclient.InferInput("INPUT1", [1, 4], "FP32")
+    b.set_data_from_numpy(np.ones((1, 4), np.float32))
+    return client.infer("add_sub", [a, b])
+
+
+def test_json_lines_with_levels_fields_and_an_access_log(tmp_path):
+    repo = repository(tmp_path / "repo")
+    access = tmp_path / "access.log"
+    proc, ports, out, err = start_json(repo, "--access-log", str(access))
+    try:
+        add_sub(ports["HTTP"])
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    time.sleep(0.2)
+    events = [json.loads(line) for line in out + err if line.strip()]  # every line is one JSON object
+    assert all({"time", "level", "msg"} <= e.keys() for e in events), events[:3]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["time"]) for e in events)
+    by_model = {e["model"]: e for e in events if e["msg"].startswith("model ")}
+    assert by_model["add_sub"]["level"] == "info" and by_model["add_sub"]["state"] == "READY"
+    assert by_model["broken"]["level"] == "error" and by_model["broken"]["error"], by_model["broken"]
+    said = [e for e in events if e["msg"] == "hello from initialize"]
+    assert said and said[0]["source"] == "model 'talker' instance 0", said
+    assert [e["msg"] for e in events if e["msg"] in ("draining (up to 30 s)", "stopping")] == [
+        "draining (up to 30 s)", "stopping"]
+    lines = [json.loads(line) for line in access.read_text().splitlines()]
+    infer = [a for a in lines if a["path"] == "/v2/models/add_sub/infer"]
+    assert len(infer) == 1, lines
+    a = infer[0]
+    assert (a["method"], a["status"], a["model"], a["client"]) == ("POST", "200", "add_sub", "127.0.0.1")
+    assert int(a["bytes_in"]) > 0 and int(a["bytes_out"]) > 0 and float(a["ms"]) >= 0
+
+
+def test_text_lines_and_the_level(tmp_path):
+    repo = repository(tmp_path / "repo")
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), "--access-log", "-", log=log)
+    try:
+        add_sub(ports["HTTP"])
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    time.sleep(0.2)
+    access = [line for line in log if line.startswith("quern: access ")]
+    assert len(access) == 1, access
+    assert re.search(r"time=\S+Z client=127\.0\.0\.1 method=POST path=/v2/models/add_sub/infer status=200 "
+                     r"bytes_in=\d+ bytes_out=\d+ ms=[\d.]+ model=add_sub$", access[0].strip()), access
+
+    # At --log-level error, the model's print (info) does not reach the log; the broken model (an error) does.
+    p = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "-1",
+                          "--metrics-port", "0", "--log-level", "error", "--log-format", "json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(4)
+    p.terminate()
+    output, _ = p.communicate(timeout=30)
+    events = [json.loads(line) for line in output.splitlines() if line.strip()]
+    assert events and all(e["level"] == "error" for e in events), events
+    assert any(e.get("model") == "broken" for e in events)
+
+
+@pytest.mark.parametrize("flag", [["--log-format", "xml"], ["--log-level", "loud"]])
+def test_bad_log_settings_are_refused(tmp_path, flag):
+    r = subprocess.run([QUERN, "serve", "--model-repository", str(tmp_path), *flag], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode != 0 and flag[0] in (r.stdout + r.stderr), (r.returncode, r.stdout, r.stderr)
