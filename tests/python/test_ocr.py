@@ -214,6 +214,11 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
     assert not wide[:, :, 100:].any()
     np.testing.assert_allclose(narrow[:, :, :50], lines[1][:, :50].transpose(2, 0, 1) / 127.5 - 1, atol=1e-6)
     assert out.as_numpy("lines_wide").shape[0] == 0
+    with pytest.raises(InferenceServerException) as e:
+        call(client, "ocr_lines", [("lines", np.zeros((1, 48, 0, 3), np.uint8), "UINT8"),
+                                   ("widths", np.array([5], np.int32), "INT32"),
+                                   ("direction", np.array([[1, 0]], np.float32), "FP32")])
+    assert "no width" in str(e.value), str(e.value)
     # A very long, flat image: refused when padding it would take too much memory, else read
     # (the detector's input scaled down to 4096 pixels).
     for width, ok in ((30000, False), (6000, True)):

@@ -497,6 +497,7 @@ class Lines final : public Model {
     if (static_cast<int64_t>(widths.size()) != n || static_cast<int64_t>(direction.size()) != 2 * n) {
       return WrongInput(name_, "inputs 'widths' and 'direction' must have one row per line");
     }
+    if (n > 0 && w < 1) return WrongInput(name_, "input 'lines' has lines of no width");
     std::vector<int64_t> count(kBuckets, 0);
     std::vector<std::pair<int32_t, int32_t>> place(static_cast<size_t>(n));
     int64_t wide = 0;
