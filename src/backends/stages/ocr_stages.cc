@@ -113,6 +113,19 @@ float BoxScore(const float* prob, int width, int height, const std::array<Point,
 
 // ---------------------------------------------------------------- pixels
 
+// The source pixel left of (or above) output pixel `o`'s centre, and the
+// weight of the next one, for a resize by `scale` = source / output size;
+// edges clamped.
+int SourceIndex(int o, double scale, int size, float& weight) {
+  double f = (o + 0.5) * scale - 0.5;
+  int i = static_cast<int>(std::floor(f));
+  f -= i;
+  if (i < 0) i = 0, f = 0;
+  if (i >= size - 1) i = size - 1, f = 0;
+  weight = static_cast<float>(f);
+  return i;
+}
+
 // cv2.resize INTER_LINEAR of an 8-bit 3-channel image (pixel centres at
 // half-integers, edges clamped), rounded back to 8 bits.
 std::vector<uint8_t> Resize(const uint8_t* src, int sw, int sh, int dw, int dh) {
@@ -121,33 +134,11 @@ std::vector<uint8_t> Resize(const uint8_t* src, int sw, int sh, int dw, int dh) 
   std::vector<float> fx(static_cast<size_t>(dw));
   const double sx = static_cast<double>(sw) / dw, sy = static_cast<double>(sh) / dh;
   for (int x = 0; x < dw; ++x) {
-    double f = (x + 0.5) * sx - 0.5;
-    int i = static_cast<int>(std::floor(f));
-    f -= i;
-    if (i < 0) {
-      i = 0;
-      f = 0;
-    }
-    if (i >= sw - 1) {
-      i = sw - 1;
-      f = 0;
-    }
-    xs[static_cast<size_t>(x)] = i;
-    fx[static_cast<size_t>(x)] = static_cast<float>(f);
+    xs[static_cast<size_t>(x)] = SourceIndex(x, sx, sw, fx[static_cast<size_t>(x)]);
   }
   for (int y = 0; y < dh; ++y) {
-    double f = (y + 0.5) * sy - 0.5;
-    int j = static_cast<int>(std::floor(f));
-    f -= j;
-    if (j < 0) {
-      j = 0;
-      f = 0;
-    }
-    if (j >= sh - 1) {
-      j = sh - 1;
-      f = 0;
-    }
-    const float wy = static_cast<float>(f);
+    float wy = 0;
+    const int j = SourceIndex(y, sy, sh, wy);
     const uint8_t* r0 = src + static_cast<size_t>(j) * static_cast<size_t>(sw) * 3;
     const uint8_t* r1 = src + static_cast<size_t>(std::min(j + 1, sh - 1)) * static_cast<size_t>(sw) * 3;
     uint8_t* o = out.data() + static_cast<size_t>(y) * static_cast<size_t>(dw) * 3;
