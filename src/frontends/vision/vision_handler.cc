@@ -440,21 +440,24 @@ void VisionHandler::Submit(std::shared_ptr<Job> job, std::shared_ptr<const Visio
   if (!st.ok()) Respond(job, Refusal(*job, st));
 }
 
+void VisionHandler::BeginPending() {
+  MutexLock lock(pending_mu_);
+  ++pending_;
+}
+
+void VisionHandler::EndPending() {
+  MutexLock lock(pending_mu_);
+  if (--pending_ == 0) pending_cv_.SignalAll();
+}
+
 Status VisionHandler::SubmitCounted(VisionRequest request, std::function<void(VisionResult&&)> then) {
-  const auto done_one = [this] {
-    MutexLock lock(pending_mu_);
-    if (--pending_ == 0) pending_cv_.SignalAll();
-  };
-  VisionCallback answer = [then = std::move(then), done_one](VisionResult&& result) {
+  VisionCallback answer = [this, then = std::move(then)](VisionResult&& result) {
     then(std::move(result));
-    done_one();
+    EndPending();
   };
-  {
-    MutexLock lock(pending_mu_);
-    ++pending_;
-  }
+  BeginPending();
   Status st = service_->Submit(std::move(request), answer);
-  if (!st.ok()) done_one();
+  if (!st.ok()) EndPending();
   return st;
 }
 
@@ -464,10 +467,7 @@ void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view 
   r.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(image)})});
   r.cancel = job->request.cancel;
   const int64_t started = service_->clock().NowNs();
-  {
-    MutexLock lock(pending_mu_);
-    ++pending_;
-  }
+  BeginPending();
   InferCallback answer = [this, job, started](InferResponse&& resp) {
     VisionTimings t;
     t.stage_start_ns = started;
@@ -528,15 +528,11 @@ void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view 
       w.EndObject();
       Respond(job, Json(200, sb.GetString()));
     }
-    MutexLock lock(pending_mu_);
-    if (--pending_ == 0) pending_cv_.SignalAll();
+    EndPending();
   };
   Status st = service_->engine().InferAsync(std::move(r), answer);
   if (!st.ok()) {
-    {
-      MutexLock lock(pending_mu_);
-      if (--pending_ == 0) pending_cv_.SignalAll();
-    }
+    EndPending();
     Fail(job, st);
   }
 }

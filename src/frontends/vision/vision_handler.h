@@ -139,6 +139,10 @@ class VisionHandler {
   // /v1/vision/ocr: the image to options_.ocr_model through the engine,
   // its lines answered as CodeProject.AI's OCR module answers them.
   void HandleOcr(const std::shared_ptr<Job>& job, std::string_view image);
+  // Counts work handed to the service or the engine whose answer is still
+  // to come (the destructor waits for it).
+  void BeginPending();
+  void EndPending();
   // Every image of a face request answered: the answer.
   void FinishFaces(FaceJob& face_job);
 
