@@ -96,7 +96,8 @@ bool LogEnabled(LogLevel level) {
   return static_cast<int>(level) >= g_level.load(std::memory_order_relaxed);
 }
 
-std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, LogFields fields) {
+std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message,
+                          std::span<const LogField> fields) {
   std::string line;
   line.reserve(64 + message.size());
   if (format == LogFormat::kJson) {

@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -36,7 +37,8 @@ Result<LogLevel> ParseLogLevel(std::string_view name);
 // "text" or "json".
 Result<LogFormat> ParseLogFormat(std::string_view name);
 
-using LogFields = std::initializer_list<std::pair<std::string_view, std::string_view>>;
+using LogField = std::pair<std::string_view, std::string_view>;
+using LogFields = std::initializer_list<LogField>;
 
 bool LogEnabled(LogLevel level);
 // One event on stderr.
@@ -48,6 +50,9 @@ void LogTo(std::FILE* out, LogLevel level, std::string_view message, LogFields f
 std::string LogTimestamp();
 
 // The line Log would write, without the newline (for tests and the access log).
-std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, LogFields fields);
+std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, std::span<const LogField> fields);
+inline std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, LogFields fields) {
+  return FormatLogLine(format, level, message, std::span<const LogField>(fields.begin(), fields.size()));
+}
 
 }  // namespace quern

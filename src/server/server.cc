@@ -154,22 +154,19 @@ class AccessLog {
     const std::string status = std::to_string(a.status), in = std::to_string(a.request_bytes),
                       out = std::to_string(a.response_bytes), model = ModelOf(a.target);
     const LogFormat format = CurrentLogOptions().format;
+    // A JSON line has its time already; a text line gets it as a field.
     const std::string time = format == LogFormat::kText ? LogTimestamp() : std::string();
-    std::string line = FormatLogLine(format, LogLevel::kInfo, "access",
-                                     {{"time", time},
-                                      {"client", a.client},
-                                      {"method", a.method},
-                                      {"path", a.target},
-                                      {"status", status},
-                                      {"bytes_in", in},
-                                      {"bytes_out", out},
-                                      {"ms", ms},
-                                      {"model", model}});
-    if (format == LogFormat::kJson) {
-      // The JSON line has its own time: drop the empty field.
-      const std::string empty = ",\"time\":\"\"";
-      if (auto at = line.find(empty); at != std::string::npos) line.erase(at, empty.size());
-    }
+    std::vector<LogField> fields;
+    if (!time.empty()) fields.emplace_back("time", time);
+    fields.insert(fields.end(), {{"client", a.client},
+                                 {"method", a.method},
+                                 {"path", a.target},
+                                 {"status", status},
+                                 {"bytes_in", in},
+                                 {"bytes_out", out},
+                                 {"ms", ms},
+                                 {"model", model}});
+    std::string line = FormatLogLine(format, LogLevel::kInfo, "access", fields);
     line += '\n';
     MutexLock lock(mu_);
     std::fwrite(line.data(), 1, line.size(), file_);
