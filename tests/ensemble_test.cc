@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "core/model_config_parser.h"
+#include "engine/ensemble_model.h"
 #include "test_util.h"
 
 namespace quern {
@@ -493,6 +494,21 @@ TEST_F(EnsembleTest, RowsBeyondAStepsBatchSizeAreSplitAndJoinedInOrder) {
   InferResponse resp = engine_->Infer(std::move(r)).get();
   ASSERT_TRUE(resp.status.ok()) << resp.status.ToString();
   EXPECT_EQ(ToFloats(resp.outputs[0].tensor), Times(a, 2));
+  // Rows that would take more than kMaxStepRequests requests of 16 fail the
+  // request with an error naming the step, before any is sent.
+  const int64_t too_many = 16 * EnsembleModel::kMaxStepRequests + 1;
+  InferRequest huge;
+  huge.model = "rows";
+  huge.inputs = {{"x", Floats({too_many, 4}, std::vector<float>(static_cast<size_t>(too_many) * 4, 1.f))}};
+  auto before = engine_->GetStatistics("add_sub");
+  ASSERT_TRUE(before.has_value());
+  resp = engine_->Infer(std::move(huge)).get();
+  EXPECT_EQ(resp.status.code(), StatusCode::kInvalidArgument) << resp.status.ToString();
+  EXPECT_NE(resp.status.message().find("ensemble 'rows' step 0 (model 'add_sub')"), std::string::npos)
+      << resp.status.message();
+  auto after = engine_->GetStatistics("add_sub");
+  ASSERT_TRUE(after.has_value());
+  EXPECT_EQ((*after)[0].inference_count, (*before)[0].inference_count) << "nothing was computed";
   (void)engine_->UnloadModel("rows");
   (void)engine_->UnloadModel("wide_batch");
 }

@@ -326,7 +326,19 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       continue;
     }
     const int64_t chunk_rows = rows > step.max_batch ? step.max_batch : std::max<int64_t>(rows, 1);
-    const int chunks = rows > step.max_batch ? static_cast<int>((rows + chunk_rows - 1) / chunk_rows) : 1;
+    const int64_t split = rows > step.max_batch ? (rows + chunk_rows - 1) / chunk_rows : 1;
+    if (split > kMaxStepRequests) {
+      // Rows a request brought or a step wrote must not become an unbounded
+      // number of requests.
+      Status st = StepError(
+          s, InvalidArgument(std::to_string(rows) + " rows would take " + std::to_string(split) +
+                             " requests of at most " + std::to_string(step.max_batch) +
+                             " rows (the model's max_batch_size); at most " + std::to_string(kMaxStepRequests)));
+      if (first_launch && k == 0) return st;
+      Finish(run, std::move(st));
+      return Status::Ok();
+    }
+    const int chunks = static_cast<int>(split);
     if (chunks > 1) {
       MutexLock lock(run->mu);
       auto& g = run->gathers[s];

@@ -72,6 +72,10 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   ModelStatistics Statistics() const override;
   int64_t in_flight() const override;
 
+  // The most requests one step of one ensemble request may be split into
+  // (rows beyond the step model's max_batch_size); more fail the request.
+  static constexpr int64_t kMaxStepRequests = 4096;
+
  private:
   struct Step {
     std::string model;
