@@ -72,6 +72,7 @@ APT_PACKAGES=(
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   procps  # pgrep, ps: the tests look for the processes a server started
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
+  chromium chromium-driver  # the dashboard's tests drive a real, headless browser
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.

@@ -113,6 +113,40 @@ TEST(MetricsRegistry, HistogramBucketsSumAndCount) {
             "quern_latency_us_count{model=\"m\"} 3\n");
 }
 
+TEST(MetricsRegistry, AHistogramHandleCountsEachObservationInItsBucket) {
+  MetricsRegistry r;
+  HistogramMetric& h = r.AddHistogram("quern_stage_us", "Stage.", {{"stage", "decode"}}, {10, 100});
+  EXPECT_EQ(&h, &r.AddHistogram("quern_stage_us", "Stage.", {{"stage", "decode"}}, {10, 100}));
+  // 10 is in le="10" (upper bounds are inclusive); 1000 only in +Inf.
+  for (double v : {3.0, 10.0, 30.0, 1000.0}) h.Observe(v);
+  h.Observe(std::numeric_limits<double>::quiet_NaN());  // not an observation
+  EXPECT_EQ(r.Render(),
+            "# HELP quern_stage_us Stage.\n"
+            "# TYPE quern_stage_us histogram\n"
+            "quern_stage_us_bucket{stage=\"decode\",le=\"10\"} 2\n"
+            "quern_stage_us_bucket{stage=\"decode\",le=\"100\"} 3\n"
+            "quern_stage_us_bucket{stage=\"decode\",le=\"+Inf\"} 4\n"
+            "quern_stage_us_sum{stage=\"decode\"} 1043\n"
+            "quern_stage_us_count{stage=\"decode\"} 4\n");
+}
+
+TEST(MetricsRegistry, HistogramObservationsFromManyThreadsAreAllCounted) {
+  MetricsRegistry r;
+  HistogramMetric& h = r.AddHistogram("quern_h", "H.", {}, {1, 2});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&h] {
+      for (int i = 0; i < 10000; ++i) h.Observe(i % 3 + 0.5);  // 0.5, 1.5, 2.5
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::vector<uint64_t> counts = h.Cumulative();
+  ASSERT_EQ(counts.size(), 3u);
+  EXPECT_EQ(counts[2], 40000u);
+  EXPECT_EQ(counts[2] - counts[1], 13332u);  // 2.5: i % 3 == 2, 3333 of each 10000
+  EXPECT_DOUBLE_EQ(h.sum(), 4 * (3334 * 0.5 + 3333 * 1.5 + 3333 * 2.5));
+}
+
 TEST(MetricsRegistry, ARemovedCollectorIsNotCalled) {
   MetricsRegistry r;
   r.DeclareFamily("quern_c", MetricType::kGauge, "C.");
@@ -194,6 +228,19 @@ TEST(MetricsRegistryDeathTest, ANameDeclaredTwiceDifferentlyIsAProgrammingError)
         r.Render();
       },
       "quern_undeclared, which is not declared");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry r;
+        r.AddHistogram("quern_h", "H.", {}, {10, 1});
+      },
+      "not finite and strictly ascending");
+  EXPECT_DEATH(
+      {
+        MetricsRegistry r;
+        r.AddHistogram("quern_h", "H.", {{"a", "1"}}, {1, 10});
+        r.AddHistogram("quern_h", "H.", {{"a", "2"}}, {1, 100});
+      },
+      "added with different bounds");
 }
 
 }  // namespace

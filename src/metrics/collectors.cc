@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 namespace quern {
 namespace {
@@ -35,6 +37,30 @@ constexpr HistogramFamily kHistograms[] = {
      &ModelStatistics::compute_output_us},
     {"quern_batch_size", "Items per executed batch.", &ModelStatistics::batch_size},
 };
+
+// From /proc: the boot time (btime in /proc/stat) plus the process's start
+// in clock ticks after boot (field 22 of /proc/self/stat); 0 when unknown.
+double ProcessStartTime() {
+  std::ifstream stat("/proc/self/stat");
+  const std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto close = content.rfind(')');
+  if (close == std::string::npos || close + 2 > content.size()) return 0;
+  std::istringstream rest(content.substr(close + 2));
+  std::string field;
+  unsigned long long ticks = 0;
+  for (int i = 3; i <= 22 && rest >> field; ++i) {
+    if (i == 22) ticks = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  std::ifstream system("/proc/stat");
+  std::string line;
+  while (std::getline(system, line)) {
+    if (line.starts_with("btime ")) {
+      const double boot = std::strtod(line.c_str() + 6, nullptr);
+      return boot + static_cast<double>(ticks) / static_cast<double>(sysconf(_SC_CLK_TCK));
+    }
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -76,7 +102,11 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
 MetricsRegistry::Collection AddProcessMetrics(MetricsRegistry& registry) {
   registry.DeclareFamily("process_cpu_seconds_total", MetricType::kCounter, "User and system CPU time of the process.");
   registry.DeclareFamily("process_resident_memory_bytes", MetricType::kGauge, "Resident memory of the process.");
-  return registry.AddCollector([](MetricWriter& w) {
+  registry.DeclareFamily("process_start_time_seconds", MetricType::kGauge,
+                         "Start time of the process since the Unix epoch, seconds.");
+  const double started = ProcessStartTime();
+  return registry.AddCollector([started](MetricWriter& w) {
+    if (started > 0) w.Sample("process_start_time_seconds", {}, started);
     std::ifstream stat("/proc/self/stat");
     std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
     // Fields after the command name, which is in parentheses and may hold

@@ -14,7 +14,8 @@ namespace quern {
 // the returned Collection.
 [[nodiscard]] MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const Engine& engine);
 
-// process_cpu_seconds_total and process_resident_memory_bytes, from /proc.
+// process_cpu_seconds_total, process_resident_memory_bytes and
+// process_start_time_seconds, from /proc.
 [[nodiscard]] MetricsRegistry::Collection AddProcessMetrics(MetricsRegistry& registry);
 
 }  // namespace quern

@@ -1,5 +1,6 @@
 #include "metrics/registry.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +15,7 @@ struct Series {
   double unit = 1.0;
   Counter counter;  // the one matching the family's type is used
   Gauge gauge;
+  std::unique_ptr<HistogramMetric> histogram;  // histogram families' handles
 };
 
 struct Family {
@@ -128,6 +130,62 @@ void AppendMetricSeries(std::string& out, std::string_view name, const MetricLab
   out += '}';
 }
 
+namespace {
+
+void AppendHistogram(std::string& out, std::string_view family, const MetricLabels& labels,
+                     const std::vector<double>& bounds, const std::vector<uint64_t>& cumulative, double sum,
+                     uint64_t count) {
+  const std::string name(family);
+  MetricLabels with_le = labels;
+  with_le.emplace_back("le", "");
+  for (size_t i = 0; i <= bounds.size(); ++i) {
+    with_le.back().second.clear();
+    if (i < bounds.size()) {
+      AppendMetricValue(with_le.back().second, bounds[i]);
+    } else {
+      with_le.back().second = "+Inf";
+    }
+    AppendMetricSeries(out, name + "_bucket", with_le);
+    out += ' ';
+    AppendInt(out, cumulative[i]);
+    out += '\n';
+  }
+  AppendMetricSeries(out, name + "_sum", labels);
+  out += ' ';
+  AppendMetricValue(out, sum);
+  out += '\n';
+  AppendMetricSeries(out, name + "_count", labels);
+  out += ' ';
+  AppendInt(out, count);
+  out += '\n';
+}
+
+}  // namespace
+
+// --- HistogramMetric ---
+
+HistogramMetric::HistogramMetric(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), buckets_(new std::atomic<uint64_t>[bounds_.size() + 1]) {
+  for (size_t i = 0; i <= bounds_.size(); ++i) buckets_[i].store(0, std::memory_order_relaxed);
+}
+
+void HistogramMetric::Observe(double value) {
+  if (std::isnan(value)) return;
+  const size_t i = static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin());
+  buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  sum_.fetch_add(value, std::memory_order_relaxed);
+}
+
+std::vector<uint64_t> HistogramMetric::Cumulative() const {
+  std::vector<uint64_t> out(bounds_.size() + 1);
+  uint64_t total = 0;
+  for (size_t i = 0; i <= bounds_.size(); ++i) {
+    total += buckets_[i].load(std::memory_order_relaxed);
+    out[i] = total;
+  }
+  return out;
+}
+
 // --- MetricWriter ---
 
 std::string& MetricWriter::Out(std::string_view family, bool histogram) {
@@ -157,29 +215,7 @@ void MetricWriter::Histogram(std::string_view family, const MetricLabels& labels
     Fatal("histogram " + std::string(family) + " has " + std::to_string(cumulative.size()) + " counts for " +
           std::to_string(bounds.size()) + " bounds (bounds + 1 expected)");
   }
-  const std::string name(family);
-  MetricLabels with_le = labels;
-  with_le.emplace_back("le", "");
-  for (size_t i = 0; i <= bounds.size(); ++i) {
-    with_le.back().second.clear();
-    if (i < bounds.size()) {
-      AppendMetricValue(with_le.back().second, bounds[i]);
-    } else {
-      with_le.back().second = "+Inf";
-    }
-    AppendMetricSeries(out, name + "_bucket", with_le);
-    out += ' ';
-    AppendInt(out, cumulative[i]);
-    out += '\n';
-  }
-  AppendMetricSeries(out, name + "_sum", labels);
-  out += ' ';
-  AppendMetricValue(out, sum);
-  out += '\n';
-  AppendMetricSeries(out, name + "_count", labels);
-  out += ' ';
-  AppendInt(out, count);
-  out += '\n';
+  AppendHistogram(out, family, labels, bounds, cumulative, sum, count);
 }
 
 // --- MetricsRegistry ---
@@ -252,6 +288,27 @@ Gauge& MetricsRegistry::AddGauge(std::string_view name, std::string_view help, c
   return f.series.back()->gauge;
 }
 
+HistogramMetric& MetricsRegistry::AddHistogram(std::string_view name, std::string_view help, const MetricLabels& labels,
+                                               const std::vector<double>& bounds) {
+  CheckLabels(name, labels);
+  if (!std::is_sorted(bounds.begin(), bounds.end()) ||
+      std::adjacent_find(bounds.begin(), bounds.end()) != bounds.end() ||
+      std::any_of(bounds.begin(), bounds.end(), [](double b) { return !std::isfinite(b); })) {
+    Fatal("the bounds of histogram " + std::string(name) + " are not finite and strictly ascending");
+  }
+  MutexLock lock(mu_);
+  Family& f = Declare(name, MetricType::kHistogram, help);
+  for (auto& s : f.series) {
+    if (s->histogram->bounds() != bounds) Fatal(std::string(name) + " is added with different bounds");
+    if (s->labels == labels) return *s->histogram;
+  }
+  auto s = std::make_unique<Series>();
+  s->labels = labels;
+  s->histogram.reset(new HistogramMetric(bounds));
+  f.series.push_back(std::move(s));
+  return *f.series.back()->histogram;
+}
+
 void MetricsRegistry::DeclareFamily(std::string_view name, MetricType type, std::string_view help) {
   MutexLock lock(mu_);
   Declare(name, type, help);
@@ -292,6 +349,12 @@ std::string MetricsRegistry::Render() const {
     const Family& f = *families_[i];
     AppendHeader(out, f);
     for (const auto& s : f.series) {
+      if (s->histogram) {
+        const HistogramMetric& h = *s->histogram;
+        const std::vector<uint64_t> counts = h.Cumulative();
+        AppendHistogram(out, f.name, s->labels, h.bounds(), counts, h.sum(), counts.back());
+        continue;
+      }
       out.append(s->text).append(" ");
       if (f.type == MetricType::kGauge) {
         AppendInt(out, s->gauge.value());

@@ -69,6 +69,26 @@ class Gauge {
   std::atomic<int64_t> value_{0};
 };
 
+// A distribution over fixed upper bounds (Prometheus semantics: rendered as
+// cumulative `_bucket{le=...}` counts, `_sum` and `_count`). Observations
+// are lock-free; a Render running beside them may see a sum that lags its
+// counts by the observations in flight.
+class HistogramMetric {
+ public:
+  void Observe(double value);
+  const std::vector<double>& bounds() const { return bounds_; }
+  // bounds().size() + 1 counts, cumulative, the last one for +Inf.
+  std::vector<uint64_t> Cumulative() const;
+  double sum() const { return sum_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class MetricsRegistry;
+  explicit HistogramMetric(std::vector<double> bounds);
+  const std::vector<double> bounds_;
+  const std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // per bucket, not cumulative
+  std::atomic<double> sum_{0};
+};
+
 // Where a collector writes its samples during MetricsRegistry::Render.
 class MetricWriter {
  public:
@@ -121,6 +141,10 @@ class MetricsRegistry {
   // seconds exported: unit 1e-9).
   Counter& AddCounter(std::string_view name, std::string_view help, const MetricLabels& labels = {}, double unit = 1.0);
   Gauge& AddGauge(std::string_view name, std::string_view help, const MetricLabels& labels = {});
+  // The series `name{labels}` of a histogram family with upper `bounds`
+  // (ascending; +Inf is implied). A family's series share its bounds.
+  HistogramMetric& AddHistogram(std::string_view name, std::string_view help, const MetricLabels& labels,
+                                const std::vector<double>& bounds);
 
   // Declares a family whose samples a collector writes.
   void DeclareFamily(std::string_view name, MetricType type, std::string_view help);

@@ -30,6 +30,11 @@ Counter& StageCpuCounter(MetricsRegistry& metrics, const char* stage) {
                             {{"stage", stage}}, 1e-9);
 }
 
+constexpr char kStageDurationFamily[] = "quern_vision_stage_duration_us";
+constexpr char kStageDurationHelp[] =
+    "Time an answered image spent in each stage, by model, microseconds: decode, resize (with normalisation), queue, "
+    "infer (its batch's compute), post.";
+
 // Shrinks `d`'s pixels (area-averaged) until neither side is over `most`;
 // its source size, which boxes refer to, stays.
 void KeepAtMost(DecodedImage& d, int most) {
@@ -106,6 +111,8 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
       });
     }
   }
+  // Its series come with each model's first answered image.
+  metrics_.DeclareFamily(kStageDurationFamily, MetricType::kHistogram, kStageDurationHelp);
   metrics_.DeclareFamily("quern_vision_queue_capacity", MetricType::kGauge, "Images admitted at once.");
   metrics_.DeclareFamily("quern_vision_ms_per_image", MetricType::kGauge,
                          "Measured pipeline time per image behind the derived capacity.");
@@ -461,9 +468,30 @@ void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared
   Finish(job, std::move(*result));
 }
 
+VisionService::StageHistograms VisionService::HistogramsFor(const std::string& model) {
+  MutexLock lock(histograms_mu_);
+  auto it = histograms_.find(model);
+  if (it != histograms_.end()) return it->second;
+  // Microseconds, as the models' own duration histograms.
+  static const std::vector<double> kBounds = {100,   250,   500,    1000,   2500,   5000,   10000,
+                                              25000, 50000, 100000, 250000, 500000, 1000000};
+  auto stage = [&](const char* name) {
+    return &metrics_.AddHistogram(kStageDurationFamily, kStageDurationHelp, {{"model", model}, {"stage", name}},
+                                  kBounds);
+  };
+  StageHistograms h{stage("decode"), stage("resize"), stage("queue"), stage("infer"), stage("post")};
+  return histograms_.emplace(model, h).first->second;
+}
+
 void VisionService::Finish(const std::shared_ptr<Job>& job, VisionResult&& result) {
   result.timed = true;
   VisionTimings& t = job->timings;
+  const StageHistograms h = HistogramsFor(job->request.model->name);
+  h.decode->Observe(static_cast<double>(t.decode_ns) / 1e3);
+  h.resize->Observe(static_cast<double>(t.resize_ns) / 1e3);
+  h.queue->Observe(static_cast<double>(t.queue_ns) / 1e3);
+  h.infer->Observe(static_cast<double>(t.infer_ns) / 1e3);
+  h.post->Observe(static_cast<double>(t.post_ns) / 1e3);
   timed_images_.Increment(1);
   decode_ns_.Increment(static_cast<uint64_t>(t.decode_ns));
   resize_ns_.Increment(static_cast<uint64_t>(t.resize_ns));

@@ -200,6 +200,11 @@ class VisionService {
   // model; Described reads its answer into the detections.
   void Describe(const std::shared_ptr<Job>& job, VisionResult&& result);
   void Described(const std::shared_ptr<Job>& job, const std::shared_ptr<VisionResult>& result, InferResponse&& r);
+  // The stage duration histograms of model `model`.
+  struct StageHistograms {
+    HistogramMetric *decode, *resize, *queue, *infer, *post;
+  };
+  StageHistograms HistogramsFor(const std::string& model);
   // Counts an answered image's stage times and delivers it.
   void Finish(const std::shared_ptr<Job>& job, VisionResult&& result);
   // Delivers the result and gives the job's admission back.
@@ -232,6 +237,10 @@ class VisionService {
 
   Mutex models_mu_;
   std::map<std::string, std::shared_ptr<const VisionModel>> models_ QUERN_GUARDED_BY(models_mu_);
+  // Per model, made at its first answered image; never removed (the
+  // registry keeps every series), so references stay valid.
+  Mutex histograms_mu_;
+  std::map<std::string, StageHistograms> histograms_ QUERN_GUARDED_BY(histograms_mu_);
 
   // The stage pool (unless options_.executor): urgent tasks go first.
   Mutex pool_mu_;

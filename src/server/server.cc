@@ -19,6 +19,7 @@
 #include "metrics/collectors.h"
 #include "metrics/registry.h"
 #include "pipeline/vision_model.h"
+#include "server/dashboard.h"
 #include "server/systemd_notify.h"
 #include "store/redis_face_store.h"
 
@@ -43,26 +44,6 @@ void RaiseOpenFileLimit(int wanted) {
 bool IsHealthRoute(const std::string& target) {
   const auto parts = SplitTargetPath(target);
   return parts.size() == 3 && parts[0] == "v2" && parts[1] == "health";
-}
-
-// GET / on the HTTP and vision ports: a page saying what serves here (Blue
-// Iris and other CodeProject.AI clients probe it to see that the server is
-// up). It names routes only, never models, so it needs no key.
-std::optional<HttpResponse> HomePage(const HttpRequest& r) {
-  if (r.method != "GET" || (r.target != "/" && !r.target.starts_with("/?"))) return std::nullopt;
-  HttpResponse resp;
-  resp.content_type = "text/html; charset=utf-8";
-  resp.body =
-      "<!doctype html><html><head><meta charset=\"utf-8\"><meta name=\"viewport\" "
-      "content=\"width=device-width\"><title>Quern</title></head><body><h1>Quern</h1>"
-      "<p>A model server is running here.</p><ul>"
-      "<li>KServe v2 over HTTP: <code>/v2</code>, <code>/v2/models/{model}/infer</code></li>"
-      "<li>CodeProject.AI / DeepStack vision: <code>POST /v1/vision/detection</code>, "
-      "<code>/v1/vision/custom/{model}</code>, <code>/v1/vision/face</code>, <code>/v1/vision/scene</code>, "
-      "<code>/v1/vision/custom/list</code></li>"
-      "<li>Classification: <code>POST /predict/{model}</code></li>"
-      "</ul></body></html>";
-  return resp;
 }
 
 // "vision detection, 416x416 BGR stretch; 80 labels: person, bicycle, ..."
@@ -246,7 +227,7 @@ struct Server::Parts {
   // draining, keys, and inference requests whose model's queue is full.
   std::optional<HttpResponse> Head(const HttpRequest& r) const {
     if (auto refused = Draining(r)) return refused;
-    if (HomePage(r)) return std::nullopt;
+    if (IsDashboardFile(r)) return std::nullopt;
     if (VisionHandler::Handles(r.target)) return vision->CheckHead(r);
     if (auto denied = Denied(r)) return denied;
     return kserve->CheckHead(r);
@@ -255,7 +236,8 @@ struct Server::Parts {
   void Route(HttpRequest&& r, HttpDone done) {
     // Draining may have begun while the body arrived.
     if (auto refused = Draining(r)) return done(std::move(*refused));
-    if (auto home = HomePage(r)) return done(std::move(*home));
+    if (auto file = DashboardFile(r)) return done(std::move(*file));
+    if (IsDashboardState(r)) return done(DashboardState({engine.get(), vision_service.get(), &registry}));
     if (VisionHandler::Handles(r.target)) return vision->Handle(std::move(r), std::move(done));
     if (JobHandler::Handles(r.target)) return jobs->Handle(std::move(r), std::move(done));
     kserve->Handle(std::move(r), std::move(done));
@@ -390,7 +372,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
         vo,
         [parts](HttpRequest&& r, HttpDone done) {
           if (auto refused = parts->Draining(r)) return done(std::move(*refused));
-          if (auto home = HomePage(r)) return done(std::move(*home));
+          if (auto file = DashboardFile(r)) return done(std::move(*file));
+          if (IsDashboardState(r)) {
+            return done(DashboardState({parts->engine.get(), parts->vision_service.get(), &parts->registry}));
+          }
           if (VisionHandler::Handles(r.target)) return parts->vision->Handle(std::move(r), std::move(done));
           HttpResponse resp;
           resp.status = 404;
@@ -401,6 +386,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
         [parts](const HttpRequest& r) -> std::optional<HttpResponse> {
           if (auto refused = parts->Draining(r)) return refused;
           if (VisionHandler::Handles(r.target)) return parts->vision->CheckHead(r);
+          if (IsDashboardState(r)) return parts->Denied(r);  // it names models
           return std::nullopt;
         });
     if (!vision_http) return Err(Status(vision_http.error().code(), "vision: " + vision_http.error().message()));

@@ -1,0 +1,141 @@
+#include "server/dashboard.h"
+
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+
+#include <chrono>
+#include <string>
+#include <string_view>
+
+#include "server/dashboard_assets.h"  // generated from dashboard/ by CMake
+
+namespace quern {
+namespace {
+
+std::string_view PathOf(const HttpRequest& r) {
+  std::string_view t = r.target;
+  return t.substr(0, t.find('?'));
+}
+
+const dashboard_assets::Asset* FindAsset(const HttpRequest& r) {
+  if (r.method != "GET") return nullptr;
+  std::string_view path = PathOf(r);
+  if (path == "/") path = "/dashboard/index.html";
+  if (!path.starts_with("/dashboard/")) return nullptr;
+  path.remove_prefix(11);
+  for (const auto& a : dashboard_assets::kAssets) {
+    if (a.name == path) return &a;
+  }
+  return nullptr;
+}
+
+std::string_view ContentType(std::string_view name) {
+  if (name.ends_with(".html")) return "text/html; charset=utf-8";
+  if (name.ends_with(".js")) return "text/javascript; charset=utf-8";
+  if (name.ends_with(".css")) return "text/css; charset=utf-8";
+  return "application/octet-stream";
+}
+
+const char* TaskName(VisionTask t) {
+  switch (t) {
+    case VisionTask::kClassification: return "classification";
+    case VisionTask::kDetection: return "detection";
+    case VisionTask::kEmbedding: return "embedding";
+  }
+  return "";
+}
+
+}  // namespace
+
+bool IsDashboardFile(const HttpRequest& r) {
+  return FindAsset(r) != nullptr;
+}
+
+std::optional<HttpResponse> DashboardFile(const HttpRequest& r) {
+  const dashboard_assets::Asset* a = FindAsset(r);
+  if (!a) return std::nullopt;
+  HttpResponse resp;
+  resp.content_type = ContentType(a->name);
+  resp.body.assign(reinterpret_cast<const char*>(a->data), a->size);
+  resp.headers.emplace_back("Cache-Control", "no-cache");
+  resp.headers.emplace_back("X-Content-Type-Options", "nosniff");
+  if (a->name.ends_with(".html")) {
+    // Only the page's own files run; images drawn on the test page come
+    // from the file the user picks (blob:).
+    resp.headers.emplace_back("Content-Security-Policy",
+                              "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                              "img-src 'self' blob: data:; form-action 'none'; base-uri 'none'; "
+                              "frame-ancestors 'none'");
+    resp.headers.emplace_back("Referrer-Policy", "no-referrer");
+  }
+  return resp;
+}
+
+bool IsDashboardState(const HttpRequest& r) {
+  return r.method == "GET" && PathOf(r) == "/dashboard/state";
+}
+
+HttpResponse DashboardState(const DashboardSources& s) {
+  // First, so that a model listed below has its series in the text (a
+  // model loaded in between is drawn at the next poll).
+  const std::string metrics = s.registry->Render();
+  rapidjson::StringBuffer sb;
+  rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+  w.StartObject();
+  w.Key("version");
+  w.String(Version());
+  w.Key("now_s");
+  w.Double(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  w.Key("models");
+  w.StartArray();
+  for (const ModelStatus& m : s.engine->ListModels()) {
+    const ModelConfig& c = m.config;
+    w.StartObject();
+    w.Key("name");
+    w.String(m.name.c_str(), static_cast<rapidjson::SizeType>(m.name.size()));
+    w.Key("version");
+    w.Int64(m.version);
+    w.Key("state");
+    const std::string_view state = ModelStateName(m.state);
+    w.String(state.data(), static_cast<rapidjson::SizeType>(state.size()));
+    w.Key("reason");
+    w.String(m.reason.c_str(), static_cast<rapidjson::SizeType>(m.reason.size()));
+    w.Key("platform");
+    const std::string& platform = c.backend.empty() ? c.platform : c.backend;
+    w.String(platform.c_str(), static_cast<rapidjson::SizeType>(platform.size()));
+    w.Key("max_batch_size");
+    w.Int(c.max_batch_size);
+    w.Key("instances");
+    w.Int(c.instance_count);
+    w.Key("dynamic_batching");
+    w.Bool(c.batching.has_value());
+    w.Key("steps");
+    w.Uint(static_cast<unsigned>(c.ensemble_steps.size()));
+    if (m.state == ModelState::kReady && s.vision != nullptr && IsVisionModel(c)) {
+      if (auto v = s.vision->Model(m.name); v && (*v)->version == m.version) {
+        w.Key("vision");
+        w.StartObject();
+        w.Key("task");
+        w.String(TaskName((*v)->task));
+        w.Key("width");
+        w.Int((*v)->image.width);
+        w.Key("height");
+        w.Int((*v)->image.height);
+        w.Key("labels");
+        w.Uint(static_cast<unsigned>((*v)->labels.size()));
+        w.EndObject();
+      }
+    }
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("metrics");
+  w.String(metrics.c_str(), static_cast<rapidjson::SizeType>(metrics.size()));
+  w.EndObject();
+  HttpResponse resp;
+  resp.body.assign(sb.GetString(), sb.GetSize());
+  resp.headers.emplace_back("Cache-Control", "no-store");
+  return resp;
+}
+
+}  // namespace quern
