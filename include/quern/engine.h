@@ -55,7 +55,9 @@ struct InferRequest {
   // Absolute deadline on the engine's clock (ns); 0 = none. Always honoured.
   int64_t deadline_ns = 0;
   std::shared_ptr<CancellationToken> cancel;
-  // Small caller metadata copied into the response (for correlation).
+  // Small caller metadata copied into the response (for correlation). The
+  // key "request_id" names the request in the engine's log lines (a request
+  // the model failed is logged with it; the engine's own number otherwise).
   std::vector<std::pair<std::string, std::string>> metadata;
   // The caller admitted this request already: it asked CheckAdmission when
   // it took the request and bounds the work it holds itself (the vision

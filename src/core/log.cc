@@ -144,4 +144,12 @@ void Log(LogLevel level, std::string_view message, LogFields fields) {
   LogTo(stderr, level, message, fields);
 }
 
+bool UsableRequestId(std::string_view id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id) {
+    if (c <= ' ' || c >= 127 || c == '"' || c == '\\') return false;
+  }
+  return true;
+}
+
 }  // namespace quern

@@ -49,6 +49,11 @@ void LogTo(std::FILE* out, LogLevel level, std::string_view message, LogFields f
 // The time as the JSON lines give it: "2026-11-24T22:17:34.123Z" (UTC).
 std::string LogTimestamp();
 
+// True when a client's request id may name its request as it is: 1 to 128
+// printable ASCII characters without spaces, quotes or backslashes (nothing
+// that could break a log line or a header).
+bool UsableRequestId(std::string_view id);
+
 // The line Log would write, without the newline (for tests and the access log).
 std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, std::span<const LogField> fields);
 inline std::string FormatLogLine(LogFormat format, LogLevel level, std::string_view message, LogFields fields) {

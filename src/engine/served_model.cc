@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 
+#include "core/log.h"
 #include "core/repository.h"
 #include "engine/batch_assembly.h"
 #include "engine/request_validation.h"
@@ -243,6 +244,35 @@ void ServedModel::RecordOutcome(const Task& task, const Status& status) {
   stats_.RecordRequest(status, task.telemetry, task.input_ns, task.output_ns, clock_->NowNs());
 }
 
+void ServedModel::LogFailure(const InferResponse& r) {
+  if (!LogEnabled(LogLevel::kWarning)) return;
+  int64_t unlogged = 0;
+  {
+    MutexLock lock(failure_log_mu_);
+    const int64_t second = clock_->NowNs() / 1'000'000'000;
+    if (second != failure_log_second_) {
+      failure_log_second_ = second;
+      failures_logged_ = 0;
+    }
+    if (failures_logged_ == kFailuresLoggedPerSecond) {
+      ++failures_unlogged_;
+      return;
+    }
+    ++failures_logged_;
+    unlogged = std::exchange(failures_unlogged_, 0);
+  }
+  // The front end's id when it gave one (metadata "request_id"), else the engine's.
+  std::string id = std::to_string(r.request_id);
+  for (const auto& [k, v] : r.metadata) {
+    if (k == "request_id") id = v;
+  }
+  std::string message = "request failed: " + r.status.message();
+  if (unlogged > 0) message += " (" + std::to_string(unlogged) + " more failures of this model not logged)";
+  const std::string version = std::to_string(version_);
+  Log(LogLevel::kWarning, message,
+      {{"model", config_.name}, {"version", version}, {"request_id", id}, {"code", StatusCodeName(r.status.code())}});
+}
+
 void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs) {
   InferResponse r;
   r.status = std::move(status);
@@ -258,6 +288,14 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
     }
   }
   RecordOutcome(*task, r.status);
+  switch (r.status.code()) {
+    case StatusCode::kOk:
+    case StatusCode::kUnavailable:  // refused: the caller is told, nothing is wrong with the model
+    case StatusCode::kCancelled:
+    case StatusCode::kDeadlineExceeded:
+    case StatusCode::kInvalidArgument: break;
+    default: LogFailure(r);
+  }
   if (ordered_) {
     sequencer_.Complete(task->ticket, [this, r = std::move(r), done = std::move(task->done)]() mutable {
       r.telemetry.response_ns = clock_->NowNs();

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/mutex.h"
 #include "engine/model_statistics.h"
 #include "engine/servable.h"
 #include "quern/clock.h"
@@ -72,11 +73,18 @@ class ServedModel final : public Servable {
   std::atomic<int64_t> in_flight_{0};
 
   // Requests not yet answered: in_flight_ less those whose callback runs
-
   // (a caller that submits its next request from the callback is alone).
-
   std::atomic<int64_t> unanswered_{0};
   ModelStatisticsRecorder stats_;
+
+  // Requests the model failed are logged, at most kFailuresLoggedPerSecond
+  // a second; the others are counted into the next line.
+  static constexpr int kFailuresLoggedPerSecond = 10;
+  void LogFailure(const InferResponse& r);
+  Mutex failure_log_mu_;
+  int64_t failure_log_second_ QUERN_GUARDED_BY(failure_log_mu_) = -1;
+  int failures_logged_ QUERN_GUARDED_BY(failure_log_mu_) = 0;
+  int64_t failures_unlogged_ QUERN_GUARDED_BY(failure_log_mu_) = 0;
 };
 
 }  // namespace quern

@@ -130,23 +130,36 @@ class AccessLog {
     if (owned_) std::fclose(file_);
   }
   void Write(const HttpAccess& a) {
+    Write(a.client, a.method, a.target, std::to_string(a.status), std::to_string(a.request_bytes),
+          std::to_string(a.response_bytes), a.duration_ns, ModelOf(a.target), a.request_id);
+  }
+  // A gRPC call: method "GRPC", the path its method's name, the status the
+  // code's name; message sizes are not counted ("-").
+  void Write(const GrpcAccess& a) {
+    Write(a.client, "GRPC", a.method, std::string(a.status), "-", "-", a.duration_ns, std::string(a.model),
+          a.request_id);
+  }
+
+ private:
+  void Write(std::string_view client, std::string_view method, std::string_view path, const std::string& status,
+             const std::string& in, const std::string& out, int64_t duration_ns, const std::string& model,
+             std::string_view request_id) {
     char ms[32];
-    std::snprintf(ms, sizeof ms, "%.3f", static_cast<double>(a.duration_ns) / 1e6);
-    const std::string status = std::to_string(a.status), in = std::to_string(a.request_bytes),
-                      out = std::to_string(a.response_bytes), model = ModelOf(a.target);
+    std::snprintf(ms, sizeof ms, "%.3f", static_cast<double>(duration_ns) / 1e6);
     const LogFormat format = CurrentLogOptions().format;
     // A JSON line has its time already; a text line gets it as a field.
     const std::string time = format == LogFormat::kText ? LogTimestamp() : std::string();
     std::vector<LogField> fields;
     if (!time.empty()) fields.emplace_back("time", time);
-    fields.insert(fields.end(), {{"client", a.client},
-                                 {"method", a.method},
-                                 {"path", a.target},
+    fields.insert(fields.end(), {{"client", client},
+                                 {"method", method},
+                                 {"path", path},
                                  {"status", status},
                                  {"bytes_in", in},
                                  {"bytes_out", out},
                                  {"ms", ms},
-                                 {"model", model}});
+                                 {"model", model},
+                                 {"request_id", request_id}});
     std::string line = FormatLogLine(format, LogLevel::kInfo, "access", fields);
     line += '\n';
     MutexLock lock(mu_);
@@ -154,7 +167,6 @@ class AccessLog {
     std::fflush(file_);
   }
 
- private:
   AccessLog(std::FILE* file, bool owned) : file_(file), owned_(owned) {}
   // The model a KServe, /predict or vision path names ("" for others).
   static std::string ModelOf(std::string_view target) {
@@ -356,6 +368,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     }
     g.model_control = explicit_control;
     g.draining = &p->draining;
+    if (p->access_log) g.access_log = [log = p->access_log](const GrpcAccess& a) { log->Write(a); };
     if (p->keys->enabled()) {
       g.authorize = [parts](std::string_view key, bool admin) {
         return parts->keys->Authorize(key, admin, parts->NowNs());

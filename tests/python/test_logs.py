@@ -7,10 +7,12 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from quern_testing import start_quern
+from quern_testing import http_request, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -22,6 +24,8 @@ def initialize(args):
     print("hello from initialize", flush=True)
 
 def infer(inputs):
+    if (inputs["x"] < 0).any():
+        raise ValueError("no negative numbers")
     return {"y": inputs["x"]}
 '''
 
@@ -44,7 +48,7 @@ instance_group [ { count: 1 } ]
 def start_json(repo, *extra):
     """`quern serve --log-format json`: every stdout line is a JSON event; returns (process, ports, lines, errors)
     with the lines of stdout and stderr collected as they come."""
-    proc = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "-1",
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0", "--host", "127.0.0.1", "--log-format", "json", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err, ports = [], [], {}
@@ -54,7 +58,7 @@ def start_json(repo, *extra):
         if not line:
             break
         out.append(line)
-        m = re.search(r"(HTTP|metrics) listening on [^:]+:(\d+)", line)
+        m = re.search(r"(HTTP|gRPC|metrics) listening on [^:]+:(\d+)", line)
         if m:
             ports[m.group(1)] = int(m.group(2))
         if '"serving ' in line:
@@ -65,14 +69,13 @@ def start_json(repo, *extra):
     return proc, ports, out, err
 
 
-def add_sub(port):
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-    import numpy as np
-    a = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+def add_sub(port, client_module=httpclient, **kwargs):
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
+    a = client_module.InferInput("INPUT0", [1, 4], "FP32")
     a.set_data_from_numpy(np.ones((1, 4), np.float32))
-    b = httpclient.InferInput("INPUT1", [1, 4], "FP32")
+    b = client_module.InferInput("INPUT1", [1, 4], "FP32")
     b.set_data_from_numpy(np.ones((1, 4), np.float32))
-    return client.infer("add_sub", [a, b])
+    return client.infer("add_sub", [a, b], **kwargs)
 
 
 def test_json_lines_with_levels_fields_and_an_access_log(tmp_path):
@@ -80,7 +83,20 @@ def test_json_lines_with_levels_fields_and_an_access_log(tmp_path):
     access = tmp_path / "access.log"
     proc, ports, out, err = start_json(repo, "--access-log", str(access))
     try:
-        add_sub(ports["HTTP"])
+        add_sub(ports["HTTP"], headers={"X-Request-ID": "trace-7"})
+        add_sub(ports["gRPC"], grpcclient, headers={"x-request-id": "grpc-9"})
+        # A request the model fails: logged with the model, its version and the request's id.
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [-1]}]})
+        status, headers, _ = http_request(ports["HTTP"], "POST", "/v2/models/talker/infer", body,
+                                          {"X-Request-ID": "fail-1"})
+        assert status == 500 and headers["X-Request-ID"] == "fail-1"
+        # No id given: the server makes one (it keeps an access log) and sends it back.
+        status, headers, _ = http_request(ports["HTTP"], "GET", "/v2/health/live")
+        assert status == 200 and re.fullmatch(r"[0-9a-f]{20}", headers["X-Request-ID"]), headers
+        made = headers["X-Request-ID"]
+        # An id that could forge a log line or a header is not used.
+        status, headers, _ = http_request(ports["HTTP"], "GET", "/v2/health/live", headers={"X-Request-ID": 'a" b'})
+        assert re.fullmatch(r"[0-9a-f]{20}", headers["X-Request-ID"]) and headers["X-Request-ID"] != made
         time.sleep(0.5)
     finally:
         proc.terminate()
@@ -96,12 +112,25 @@ def test_json_lines_with_levels_fields_and_an_access_log(tmp_path):
     assert said and said[0]["source"] == "model 'talker' instance 0", said
     assert [e["msg"] for e in events if e["msg"] in ("draining (up to 30 s)", "stopping")] == [
         "draining (up to 30 s)", "stopping"]
+    failed = [e for e in events if e["msg"].startswith("request failed")]
+    assert len(failed) == 1, failed
+    f = failed[0]
+    assert (f["level"], f["model"], f["version"], f["request_id"], f["code"]) == (
+        "warning", "talker", "1", "fail-1", "INTERNAL"), f
+    assert "no negative numbers" in f["msg"]
     lines = [json.loads(line) for line in access.read_text().splitlines()]
     infer = [a for a in lines if a["path"] == "/v2/models/add_sub/infer"]
     assert len(infer) == 1, lines
     a = infer[0]
     assert (a["method"], a["status"], a["model"], a["client"]) == ("POST", "200", "add_sub", "127.0.0.1")
     assert int(a["bytes_in"]) > 0 and int(a["bytes_out"]) > 0 and float(a["ms"]) >= 0
+    assert a["request_id"] == "trace-7"
+    assert [x["request_id"] for x in lines if x["path"] == "/v2/health/live"][0] == made
+    g = [x for x in lines if x["method"] == "GRPC" and x["path"].endswith("/ModelInfer")]
+    assert len(g) == 1, lines
+    assert (g[0]["status"], g[0]["model"], g[0]["request_id"], g[0]["client"]) == (
+        "OK", "add_sub", "grpc-9", "127.0.0.1"), g
+    assert float(g[0]["ms"]) >= 0
 
 
 def test_text_lines_and_the_level(tmp_path):
@@ -118,7 +147,7 @@ def test_text_lines_and_the_level(tmp_path):
     access = [line for line in log if line.startswith("quern: access ")]
     assert len(access) == 1, access
     assert re.search(r"time=\S+Z client=127\.0\.0\.1 method=POST path=/v2/models/add_sub/infer status=200 "
-                     r"bytes_in=\d+ bytes_out=\d+ ms=[\d.]+ model=add_sub$", access[0].strip()), access
+                     r"bytes_in=\d+ bytes_out=\d+ ms=[\d.]+ model=add_sub request_id=[0-9a-f]{20}$", access[0].strip()), access
 
     # At --log-level error, the model's print (info) does not reach the log; the broken model (an error) does.
     p = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "-1",

@@ -5,8 +5,10 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -17,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
 #include "frontends/grpc/grpc_convert.h"
@@ -57,6 +60,12 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     }
     ir->cancel = cancel_;
     ir->deadline_ns = DeadlineNs(ctx, *engine);
+    // The request's name in the engine's log: the x-request-id metadata, else its id.
+    std::string_view name = request->id();
+    if (auto it = ctx->client_metadata().find("x-request-id"); it != ctx->client_metadata().end()) {
+      name = std::string_view(it->second.data(), it->second.size());
+    }
+    if (UsableRequestId(name)) ir->metadata.emplace_back("request_id", std::string(name));
     InferCallback done = [this, id = request->id()](InferResponse&& r) {
       if (!r.status.ok()) return Finish(ToGrpc(r.status));
       ToInferResponse(r, id, response_);
@@ -547,6 +556,85 @@ class UnparseableMessageInterceptorFactory final : public grpc::experimental::Se
   std::set<std::string, std::less<>> methods_;
 };
 
+// The access log's record of one call, written when gRPC destroys the
+// interceptor (the call is over).
+class AccessLogInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  AccessLogInterceptor(const char* method, const GrpcServerOptions& options)
+      : method_(method ? method : ""),
+        infer_(method_ == "/inference.GRPCInferenceService/ModelInfer"),
+        options_(options),
+        start_(std::chrono::steady_clock::now()) {}
+
+  ~AccessLogInterceptor() override {
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+    options_.access_log({method_, status_, ns, client_, model_, request_id_});
+  }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      if (auto* md = methods->GetRecvInitialMetadata()) {
+        auto it = md->find("x-request-id");
+        if (it != md->end() && UsableRequestId({it->second.data(), it->second.size()})) {
+          request_id_.assign(it->second.data(), it->second.size());
+        }
+      }
+    }
+    if (infer_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      if (const auto* m = static_cast<const inference::ModelInferRequest*>(methods->GetRecvMessage())) {
+        model_ = m->model_name().substr(0, 256);
+        if (request_id_.empty() && UsableRequestId(m->id())) request_id_ = m->id();
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      static constexpr std::string_view kNames[] = {
+          "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+          "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+          "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+          "DATA_LOSS", "UNAUTHENTICATED"};
+      const auto code = static_cast<size_t>(methods->GetSendStatus().error_code());
+      status_ = code < std::size(kNames) ? kNames[code] : "UNKNOWN";
+    }
+    methods->Proceed();
+  }
+
+  void set_client(std::string client) { client_ = std::move(client); }
+
+ private:
+  const std::string_view method_;  // gRPC's registered name: outlives the call
+  const bool infer_;
+  const GrpcServerOptions& options_;
+  const std::chrono::steady_clock::time_point start_;
+  std::string client_, model_, request_id_;
+  std::string_view status_ = "CANCELLED";  // no status sent: the call broke off
+};
+
+class AccessLogInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit AccessLogInterceptorFactory(const GrpcServerOptions& options) : options_(options) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    auto* interceptor = new AccessLogInterceptor(info->method(), options_);
+    if (auto* ctx = info->server_context()) interceptor->set_client(PeerAddress(ctx->peer()));
+    return interceptor;
+  }
+
+ private:
+  // "ipv4:127.0.0.1:5000" -> "127.0.0.1", "ipv6:[::1]:5000" -> "::1".
+  static std::string PeerAddress(std::string peer) {
+    if (const size_t colon = peer.find(':'); colon != std::string::npos && colon < 5) peer.erase(0, colon + 1);
+    if (peer.starts_with("%5B") || peer.starts_with("[")) {
+      const size_t open = peer.starts_with("[") ? 1 : 3;
+      const size_t close = peer.find(open == 1 ? "]" : "%5D");
+      return close == std::string::npos ? peer : peer.substr(open, close - open);
+    }
+    if (const size_t colon = peer.rfind(':'); colon != std::string::npos) peer.resize(colon);
+    return peer;
+  }
+  const GrpcServerOptions& options_;
+};
+
 }  // namespace
 
 class GrpcServer::Impl {
@@ -592,6 +680,7 @@ class GrpcServer::Impl {
     builder.RegisterService(&service_);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
+    if (options_.access_log) interceptors.push_back(std::make_unique<AccessLogInterceptorFactory>(options_));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
     if (options_.max_concurrent_streams > 0) {

@@ -24,6 +24,16 @@
 
 namespace quern {
 
+// One call, as an access log records it (GrpcServerOptions::access_log).
+struct GrpcAccess {
+  std::string_view method;      // "/inference.GRPCInferenceService/ModelInfer"
+  std::string_view status;      // the gRPC status code's name: "OK", "INVALID_ARGUMENT", ...
+  int64_t duration_ns = 0;      // from the call's start to its status
+  std::string_view client;      // the peer's address
+  std::string_view model;       // ModelInfer's model_name ("" for other calls)
+  std::string_view request_id;  // the "x-request-id" metadata, else ModelInfer's id
+};
+
 struct GrpcServerOptions {
   std::string host = "0.0.0.0";
   int port = 8001;                   // 0 = pick a free port (see GrpcServer::port)
@@ -52,6 +62,9 @@ struct GrpcServerOptions {
   // PEM CA certificates to verify client certificates against; when set,
   // clients must present a certificate signed by one of them.
   std::string tls_client_ca_file;
+  // When set, called once per call (a stream is one call), on a gRPC
+  // thread, when it ends: an access log.
+  std::function<void(const GrpcAccess&)> access_log;
 };
 
 class GrpcServer {

@@ -27,7 +27,9 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/cpus.h"
@@ -102,6 +104,9 @@ struct Shared {
   std::atomic<int64_t> last_limit_warning{0};
   std::unique_ptr<ssl::context> tls;  // null: plaintext
   std::atomic<int> writing{0};        // responses handed to a loop thread, not yet written
+  // Request ids the server makes: a random prefix per server and a count.
+  const uint32_t id_prefix = std::random_device{}();
+  std::atomic<uint64_t> next_id{0};
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -213,6 +218,17 @@ class Session : public std::enable_shared_from_this<Session> {
       for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       request_.headers.emplace_back(std::move(name), std::string(f.value()));
     }
+    request_id_.clear();
+    if (std::string_view id = request_.Header("x-request-id"); UsableRequestId(id)) {
+      request_id_ = id;
+    } else if (shared_.options.access_log) {
+      char made[32];
+      const uint64_t n = shared_.next_id.fetch_add(1, std::memory_order_relaxed);
+      std::snprintf(made, sizeof made, "%08x%012llx", shared_.id_prefix,
+                    static_cast<unsigned long long>(n & 0xffffffffffffULL));
+      request_id_ = made;
+    }
+    request_.request_id = request_id_;
     keep_alive_ = msg.keep_alive();
     http10_ = msg.version() == 10;
     head_ = msg.method() == http::verb::head;
@@ -434,8 +450,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void Respond(HttpResponse r) {
     if (shared_.options.access_log && !access_method_.empty()) {
       shared_.options.access_log({access_method_, access_target_, r.status, access_bytes_,
-                                  head_ ? size_t{0} : r.body.size(), NowNs() - access_start_ns_, client_});
+                                  head_ ? size_t{0} : r.body.size(), NowNs() - access_start_ns_, client_, request_id_});
     }
+    // Moved out: a response to a request that never got this far (one that
+    // does not parse) must not carry the previous request's id.
+    if (!request_id_.empty()) r.headers.emplace_back("X-Request-ID", std::exchange(request_id_, {}));
     if (head_) {
       // HEAD: the headers a GET would get (Content-Length included), no body.
       r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
@@ -624,6 +643,7 @@ class Session : public std::enable_shared_from_this<Session> {
   HttpRequest request_;  // the request being read: line and headers, then its body
   // The access log's record of the request being answered (only with one).
   std::string client_, access_method_, access_target_;
+  std::string request_id_;  // of the request being answered: HttpRequest::request_id
   int64_t access_start_ns_ = 0;
   size_t access_bytes_ = 0;
   std::string body_;    // a body of known length, read directly

@@ -29,10 +29,11 @@ struct HttpAccess {
   std::string_view method;
   std::string_view target;
   int status = 0;
-  size_t request_bytes = 0;   // the body as received (before any Content-Encoding was undone)
-  size_t response_bytes = 0;  // the body sent
-  int64_t duration_ns = 0;    // from the request's headers to its response
-  std::string_view client;    // the peer's address
+  size_t request_bytes = 0;     // the body as received (before any Content-Encoding was undone)
+  size_t response_bytes = 0;    // the body sent
+  int64_t duration_ns = 0;      // from the request's headers to its response
+  std::string_view client;      // the peer's address
+  std::string_view request_id;  // HttpRequest::request_id
 };
 
 struct HttpServerOptions {

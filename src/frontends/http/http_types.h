@@ -19,6 +19,11 @@ struct HttpRequest {
   std::string target;                                        // path and query, e.g. "/v2/models/m/infer"
   std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
   std::string body;
+  // The client's X-Request-ID (1 to 128 printable ASCII characters, no
+  // quotes or backslashes), or one the server made because it keeps an
+  // access log; empty otherwise. The response carries it back as
+  // X-Request-ID, and the access log and the engine's log lines name it.
+  std::string request_id;
   // Set by the server when the client disconnects before the response is
   // written; handlers pass it on so queued work is withdrawn.
   std::shared_ptr<CancellationToken> cancel;

@@ -174,7 +174,8 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   job->binary_outputs = std::move(parsed->format.binary_outputs);
 
   InferRequest ir = std::move(parsed->request);
-  ir.cancel = job->cancel;  // the job outlives the connection that submitted it
+  ir.metadata.emplace_back("request_id", job->id);  // the engine's log lines name the job
+  ir.cancel = job->cancel;                          // the job outlives the connection that submitted it
   ir.on_start = [job, clock = &engine_->clock()] {
     int queued = kQueued;
     if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(clock->WallMs());

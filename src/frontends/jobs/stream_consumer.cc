@@ -501,6 +501,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     rec->binary_default = job->infer.format.binary_default;
     rec->binary_outputs = std::move(job->infer.format.binary_outputs);
     InferRequest ir = std::move(job->infer.request);
+    ir.metadata.emplace_back("request_id", rec->id);  // the engine's log lines name the job
     if (deadline_ms > 0) {
       ir.deadline_ns = engine_->clock().NowNs() + (deadline_ms - engine_->clock().WallMs()) * 1'000'000;
     }
