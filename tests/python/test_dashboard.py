@@ -198,7 +198,7 @@ def test_the_numbers_on_the_page_are_those_of_metrics_after_known_requests(serve
         const d = document.querySelector('#details .detail[data-model=small_cnn]');
         if (!d) return null;
         const out = {failures: {}, batches: {}};
-        for (const c of d.querySelectorAll('[data-field^=failure_]')) out.failures[c.dataset.field.slice(8)] = Number(c.dataset.value);
+        for (const c of d.querySelectorAll('[data-field^=failure_]:not([data-field^=failure_rate_])')) out.failures[c.dataset.field.slice(8)] = Number(c.dataset.value);
         for (const c of d.querySelectorAll('[data-bucket]')) out.batches[c.dataset.bucket] = Number(c.dataset.count);
         return out;""")
     assert details["failures"] == {"rejected": 0, "cancelled": 0, "timeout": 0, "invalid": sent_bad, "backend": 0}

@@ -332,9 +332,12 @@
     const failures = el("tbody");
     for (const reason of ["rejected", "cancelled", "timeout", "invalid", "backend"]) {
       const n = total(s, "quern_request_failure_total", {...want, reason});
-      failures.append(el("tr", {}, el("td", {text: reason}), cell("failure_" + reason, n, fmtCount(n))));
+      const r = rate("quern_request_failure_total", {...want, reason});
+      failures.append(el("tr", {}, el("td", {text: reason}), cell("failure_" + reason, n, fmtCount(n)),
+          cell("failure_rate_" + reason, r, r === null ? "–" : fmtRate(r) + "/s")));
     }
-    grid.append(el("div", {}, el("h3", {text: "Failures by reason (all time)"}), el("table", {}, failures)));
+    grid.append(el("div", {}, el("h3", {text: "Failures by reason: all time, per second now"}),
+                   el("table", {}, failures)));
     grid.append(el("div", {}, el("h3", {text: "Batch sizes"}), batchBars(windowed("quern_batch_size", want, start))));
     const stages = el("tbody");
     for (const stage of ["decode", "resize", "queue", "infer", "post"]) {
