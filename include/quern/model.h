@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "quern/status.h"
@@ -166,6 +167,9 @@ class Model {
   struct BatchRequests {
     std::span<const int64_t> rows;
     std::span<Status> status;
+    // Each request's id (InferRequest metadata "request_id"; "" for none),
+    // or empty when the caller has none to give.
+    std::span<const std::string_view> ids = {};
   };
   virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
                                  std::vector<NamedTensor>& outputs) {

@@ -357,7 +357,14 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   std::vector<int64_t> rows(tasks.size());
   for (size_t i = 0; i < tasks.size(); ++i) rows[i] = tasks[i]->items;
   std::vector<Status> per_status(tasks.size());
-  Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(inputs, padded, {rows, per_status}, outputs);
+  std::vector<std::string_view> ids(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    for (const auto& [k, v] : tasks[i]->request.metadata) {
+      if (k == "request_id") ids[i] = v;
+    }
+  }
+  Status st =
+      instances_[static_cast<size_t>(worker)]->ExecuteRequests(inputs, padded, {rows, per_status, ids}, outputs);
   const int64_t end = clock_->NowNs();
   inputs.clear();
 

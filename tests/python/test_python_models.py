@@ -169,6 +169,27 @@ instance_group [ {{ count: {count} kind: KIND_CPU }} ]
 '''
 
 
+# Each request's request_id(), as Triton's Python backend gives it (the KServe request id).
+IDS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("id", np.array([[r.request_id().encode()]], dtype=np.object_))]) for r in requests]
+'''
+
+IDS_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "id" data_type: TYPE_STRING dims: [ 1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 50000 }
+'''
+
+
 def write_model(repo, name, config, code, version=1, extra=None):
     d = repo / name / str(version)
     d.mkdir(parents=True, exist_ok=True)
@@ -189,6 +210,7 @@ def served(tmp_path_factory):
     write_model(repo, "plain", PLAIN_CONFIG, PLAIN)
     write_model(repo, "strings", STRINGS_CONFIG, STRINGS)
     write_model(repo, "mirror", MIRROR_CONFIG, MIRROR)
+    write_model(repo, "ids", IDS_CONFIG, IDS)
     # A model importing a module beside model.py, run by the test's own interpreter (a venv).
     write_model(repo, "venv", '''
         backend: "python"
@@ -380,6 +402,33 @@ def test_hung_execute_is_killed_after_the_timeout(served):
     np.testing.assert_array_equal(r.as_numpy("y"), [[8, 2, 4]])
     assert int(r.as_numpy("pid")[0, 0]) != pid
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_each_request_in_a_batch_has_its_own_request_id(served):
+    def x(module):
+        i = module.InferInput("x", [1, 1], "FP32")
+        i.set_data_from_numpy(np.zeros((1, 1), np.float32))
+        return [i]
+
+    client = http(served)
+    before = client.get_inference_statistics("ids")["model_stats"][0]["execution_count"]
+    results = {}
+
+    def call(n):
+        r = http(served).infer("ids", x(httpclient), request_id=f"req-{n}")
+        results[n] = r.as_numpy("id").ravel()[0]
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {n: f"req-{n}".encode() for n in range(6)}
+    assert client.get_inference_statistics("ids")["model_stats"][0]["execution_count"] - before < 6  # batched
+    # gRPC: ModelInferRequest.id; HTTP with no id in the body: the X-Request-ID header; neither: "".
+    assert grpc(served).infer("ids", x(grpcclient), request_id="g-1").as_numpy("id").ravel()[0] == b"g-1"
+    assert client.infer("ids", x(httpclient), headers={"X-Request-ID": "hdr-2"}).as_numpy("id").ravel()[0] == b"hdr-2"
+    assert client.infer("ids", x(httpclient)).as_numpy("id").ravel()[0] == b""
 
 
 def strings_request(served, words):

@@ -180,6 +180,12 @@ class PythonModel final : public Model {
     Put<int64_t>(frame, batch_size);
     Put<uint64_t>(frame, process_->shm_size(slot));
     for (int64_t r : requests.rows) Put<int64_t>(frame, r);
+    // Each request's id (pb_utils InferenceRequest.request_id()), at most 1 KiB.
+    for (size_t i = 0; i < requests.rows.size(); ++i) {
+      const std::string_view id = i < requests.ids.size() ? requests.ids[i].substr(0, 1024) : std::string_view();
+      Put<uint16_t>(frame, static_cast<uint16_t>(id.size()));
+      frame += id;
+    }
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Tensor& t = inputs[i].tensor;
       if (t.byte_size()) std::memcpy(shm + offsets[i], t.data(), t.byte_size());

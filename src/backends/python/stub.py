@@ -181,6 +181,12 @@ class Runner:
         self.shm = self.slots[slot]
         rows = struct.unpack_from(f"<{n_requests}q", frame, pos)
         pos += 8 * n_requests
+        ids = []
+        for _ in range(n_requests):
+            (id_len,) = struct.unpack_from("<H", frame, pos)
+            ids.append(frame[pos + 2:pos + 2 + id_len].decode("utf-8", "replace"))
+            pos += 2 + id_len
+        self.request_ids = ids
         self.shm.ensure(shm_size)
         shm = self.shm.map
         inputs = {}
@@ -268,12 +274,13 @@ class Runner:
         names = [o[0] for o in self.outputs]
         requests = []
         start = 0
-        for r in rows:
+        for i, r in enumerate(rows):
             if self.batched:
                 tensors = [utils.Tensor(n, a[start:start + r]) for n, a in inputs.items()]
             else:
                 tensors = [utils.Tensor(n, a) for n, a in inputs.items()]
-            requests.append(utils.InferenceRequest(tensors, requested_output_names=names, model_name=self.name))
+            requests.append(utils.InferenceRequest(tensors, request_id=self.request_ids[i], requested_output_names=names,
+                                                   model_name=self.name))
             start += r
         responses = self.triton.execute(requests)
         if responses is None or len(responses) != len(requests):

@@ -60,9 +60,10 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     }
     ir->cancel = cancel_;
     ir->deadline_ns = DeadlineNs(ctx, *engine);
-    // The request's name in the engine's log: the x-request-id metadata, else its id.
+    // The request's name in the engine (and a Python model's request_id()):
+    // its id, else the x-request-id metadata.
     std::string_view name = request->id();
-    if (auto it = ctx->client_metadata().find("x-request-id"); it != ctx->client_metadata().end()) {
+    if (auto it = ctx->client_metadata().find("x-request-id"); name.empty() && it != ctx->client_metadata().end()) {
       name = std::string_view(it->second.data(), it->second.size());
     }
     if (UsableRequestId(name)) ir->metadata.emplace_back("request_id", std::string(name));
@@ -585,7 +586,7 @@ class AccessLogInterceptor final : public grpc::experimental::Interceptor {
     if (infer_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (const auto* m = static_cast<const inference::ModelInferRequest*>(methods->GetRecvMessage())) {
         model_ = m->model_name().substr(0, 256);
-        if (request_id_.empty() && UsableRequestId(m->id())) request_id_ = m->id();
+        if (UsableRequestId(m->id())) request_id_ = m->id();  // before the metadata's, as the engine does
       }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {

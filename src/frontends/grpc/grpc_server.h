@@ -31,7 +31,7 @@ struct GrpcAccess {
   int64_t duration_ns = 0;      // from the call's start to its status
   std::string_view client;      // the peer's address
   std::string_view model;       // ModelInfer's model_name ("" for other calls)
-  std::string_view request_id;  // the "x-request-id" metadata, else ModelInfer's id
+  std::string_view request_id;  // ModelInfer's id, else the "x-request-id" metadata
 };
 
 struct GrpcServerOptions {

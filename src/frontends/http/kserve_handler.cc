@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "core/json.h"
+#include "core/log.h"
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -462,7 +463,13 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
-  if (!req.request_id.empty()) parsed->request.metadata.emplace_back("request_id", std::move(req.request_id));
+  // The request's name in the engine (and a Python model's request_id()):
+  // its KServe id, else the X-Request-ID.
+  if (UsableRequestId(parsed->format.id)) {
+    parsed->request.metadata.emplace_back("request_id", parsed->format.id);
+  } else if (!req.request_id.empty()) {
+    parsed->request.metadata.emplace_back("request_id", std::move(req.request_id));
+  }
   InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
     rapidjson::StringBuffer buf;
