@@ -337,6 +337,25 @@ def test_killed_process_fails_its_batch_and_is_started_again(served):
     assert not os.path.exists(f"/proc/{pid}") or "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
 
 
+def test_a_process_that_dies_at_every_batch_is_started_again_only_after_a_pause(served):
+    for _ in range(3):
+        with pytest.raises(InferenceServerException) as e:
+            plain_http(served, 777)
+        assert "killed by signal 9" in str(e.value), str(e.value)
+    # Three deaths in a row: no process is started for the next second; batches fail at once.
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        plain_http(served, 5)
+    assert "died running 3 batches in a row" in str(e.value) and "503" in str(e.value.status()), str(e.value)
+    assert time.monotonic() - started < 0.9
+    time.sleep(1.1)
+    np.testing.assert_array_equal(plain_http(served, 5).as_numpy("y"), [[10, 2, 4]])  # the streak ends
+    with pytest.raises(InferenceServerException) as e:
+        plain_http(served, 777)
+    assert "killed by signal 9" in str(e.value)
+    np.testing.assert_array_equal(plain_http(served, 6).as_numpy("y"), [[12, 2, 4]])  # one death: no pause
+
+
 def test_process_killed_while_idle_is_replaced_without_failing_a_request(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     os.kill(pid, signal.SIGKILL)

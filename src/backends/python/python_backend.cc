@@ -24,6 +24,12 @@ constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 // A process that failed to start is not started again sooner than this.
 constexpr auto kRestartBackoff = std::chrono::seconds(1);
+// A process that died (or was killed for a timeout) while running this many
+// batches in a row is started again only after a pause, 1 s doubling with
+// each further death up to kMaxCrashBackoff; the batches of the pause fail
+// at once. A batch answered ends the streak.
+constexpr int kCrashesBeforeBackoff = 3;
+constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
 
 size_t AlignUp(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -199,6 +205,12 @@ class PythonModel final : public Model {
     }
     QUERN_RETURN_IF_ERROR(process_->Send(frame));
     auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
+    if (!reply && reply.error().code() != StatusCode::kCancelled) {
+      ++crashes_in_a_row_;
+      last_crash_ = std::chrono::steady_clock::now();
+    } else if (reply) {
+      crashes_in_a_row_ = 0;
+    }
     if (!reply) {
       if (reply.error().code() == StatusCode::kCancelled) {
         return Unavailable(tag_ +
@@ -267,6 +279,16 @@ class PythonModel final : public Model {
     if (process_ && !process_->finished()) return Status::Ok();
     process_.reset();
     const auto now = std::chrono::steady_clock::now();
+    if (crashes_in_a_row_ >= kCrashesBeforeBackoff) {
+      const auto pause = std::min<std::chrono::steady_clock::duration>(
+          kMaxCrashBackoff,
+          std::chrono::seconds(1) * (int64_t{1} << std::min(crashes_in_a_row_ - kCrashesBeforeBackoff, 5)));
+      if (now - last_crash_ < pause) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(pause - (now - last_crash_)).count();
+        return Unavailable(tag_ + ": its Python process died running " + std::to_string(crashes_in_a_row_) +
+                           " batches in a row; it starts again in " + std::to_string(left) + " ms");
+      }
+    }
     if (!last_start_error_.empty() && now - last_start_failure_ < kRestartBackoff) {
       return Unavailable(tag_ + ": its Python process is restarting; the last start failed: " + last_start_error_);
     }
@@ -383,6 +405,8 @@ class PythonModel final : public Model {
   const int abandon_fd_;
   std::chrono::steady_clock::time_point last_start_failure_;
   std::string last_start_error_;
+  int crashes_in_a_row_ = 0;  // batches whose process died, since the last one answered
+  std::chrono::steady_clock::time_point last_crash_;
 };
 
 class PythonOpenedModel final : public OpenedModel {
