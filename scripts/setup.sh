@@ -73,6 +73,7 @@ APT_PACKAGES=(
   procps  # pgrep, ps: the tests look for the processes a server started
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
   chromium chromium-driver  # the dashboard's tests drive a real, headless browser
+  iproute2 haproxy redis-sentinel  # the scale-out tests: hosts as network namespaces, a load balancer, failover
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.
