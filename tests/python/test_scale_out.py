@@ -308,3 +308,21 @@ def test_a_host_added_under_load_takes_work_at_once(cluster):
     # Q4 took its share of what arrived after it was ready (about a quarter; at least a tenth).
     remaining = 1500 - (ready - added + 1.5) * 250
     assert done["Q4"] >= 0.1 * remaining, (done, remaining)
+
+
+def test_work_drifts_from_a_slow_host_to_the_fast_ones(cluster):
+    # Q3's link slowed to 64 kbit/s both ways (this kernel has no netem; a token bucket queues
+    # what exceeds the rate, so every exchange with Q3 is slow).
+    cluster.bed.rate_limit("Q3", 64)
+    jobs = cluster.jobs(count=1500, rate=250, prefix="slow")
+    infer = cluster.infer(seconds=5, concurrency=6)
+    j, i = cluster.report(jobs), cluster.report(infer)
+    assert j["wrong"] == [] and j["missing"] == [] and j["results"] == 1500, j
+    done = cluster.done_counts(["Q1", "Q2", "Q3"])
+    assert sum(done.values()) == 1500, done
+    assert done["Q3"] < 0.5 * min(done["Q1"], done["Q2"]), done
+    served = [rec[3] for rec in i["requests"] if rec[2] == 200]
+    assert len(served) == len(i["requests"]), "every synchronous request answered"
+    share = {h: served.count(h) for h in ("Q1", "Q2", "Q3")}
+    assert share["Q3"] < 0.5 * min(share["Q1"], share["Q2"]), share
+    print(f"slow host: stream jobs {done}, synchronous requests {share}")
