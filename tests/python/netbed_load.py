@@ -5,7 +5,8 @@
 
 `jobs` adds N stream jobs (XADD quern:jobs:{model}, fields id and body) at R a second, then waits up
 to S seconds for every result (results:{id}) and checks each against numpy: what was accepted, what
-came back, what was wrong or missing, and the time from XADD to the result.
+came back, what was wrong or missing, the rate reached, and the time from XADD to the result (its
+finished_ms, whole milliseconds).
 `infer` sends synchronous KServe infers through the load balancer from C threads for S seconds and
 reports every request: start and end (seconds since the epoch), HTTP status (0: no answer), and the
 host that answered (the balancer's X-Served-By header).
@@ -37,16 +38,19 @@ def run_jobs(args):
     accepted, refused = {}, 0
     t0 = time.time()
     for k in range(args.count):
-        due = t0 + k / args.rate
-        if due > time.time():
-            time.sleep(due - time.time())
+        wait = t0 + k / args.rate - time.time()
+        if wait > 0:
+            time.sleep(wait)
         job = f"{args.prefix}-{k}"
         body, plus, minus = add_sub_body(k)
+        data = json.dumps(body)
+        sent = time.time()
         try:
-            r.xadd(stream, {"id": job, "body": json.dumps(body)})
-            accepted[job] = (time.time(), plus, minus)
+            r.xadd(stream, {"id": job, "body": data})
+            accepted[job] = (sent, plus, minus)
         except redis.RedisError:
             refused += 1  # Redis away: the producer was told, nothing was accepted
+    added_s = time.time() - t0
     done, wrong, latency = {}, [], []
     deadline = time.time() + args.wait
     waiting = list(accepted)
@@ -72,7 +76,7 @@ def run_jobs(args):
         waiting = left
         if waiting:
             time.sleep(0.1)
-    json.dump({"accepted": len(accepted), "refused": refused, "results": len(done), "wrong": wrong,
+    json.dump({"accepted": len(accepted), "refused": refused, "rate": len(accepted) / max(added_s, 1e-9), "results": len(done), "wrong": wrong,
                "missing": waiting, "latency_s": sorted(latency)}, sys.stdout)
 
 

@@ -4,24 +4,18 @@ address in 198.18.0.0/24. Host R runs redis-server (append-only, fsync always), 
 HTTP ports with health checks on /v2/health/ready, and host P runs the producers and clients
 (netbed_load.py). Each failure is a test that counts what was lost; the answer must be 0. Expected
 values come from numpy in the producer."""
-import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 import netbed
+from netbed import CHECK_INTER_MS, CLAIM_IDLE_MS, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
-LOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_load.py")
-CHECK_INTER_MS = 300  # HAProxy's health check interval; a server is down after 2 failed checks
-CLAIM_IDLE_MS = 1500  # a job its consumer left unacknowledged this long is taken over
 
 why_not = netbed.available() or (None if shutil.which("haproxy") else "haproxy is not installed")
 if why_not and os.environ.get("QUERN_REQUIRE_NETBED") == "1":
@@ -29,177 +23,9 @@ if why_not and os.environ.get("QUERN_REQUIRE_NETBED") == "1":
 pytestmark = pytest.mark.skipif(why_not is not None, reason=str(why_not))
 
 
-def wait_until(pred, timeout=30, what="condition", every=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Cluster:
-    def __init__(self, tmp, hosts=3):
-        self.tmp = tmp
-        self.repo = tmp / "repo"
-        self.repo.mkdir()
-        shutil.copytree(os.path.join(MODELS, "add_sub"), self.repo / "add_sub")
-        # Batches wait up to 100 ms to fill: at the tests' rates every host holds jobs it took and
-        # has not computed (a kill is always mid-batch).
-        (self.repo / "add_sub" / "config.pbtxt").write_text(
-            "max_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 100000 }\n")
-        self.bed = netbed.NetBed()
-        self.logs = {}
-        self.quern = {}
-        try:
-            self.r = self.bed.host("R")
-            self.p = self.bed.host("P")
-            self.l_addr = self.bed.host("L")
-            self.start_redis()
-            for k in range(1, hosts + 1):
-                self.add_quern(f"Q{k}")
-            self.start_haproxy([f"Q{k}" for k in range(1, hosts + 1)])
-        except BaseException:
-            self.close()
-            raise
-
-    # ---- Redis on R: TCP for the hosts, a Unix socket for this test (it has no leg in the bed)
-    def start_redis(self):
-        self.redis_sock = str(self.tmp / "redis.sock")
-        (self.tmp / "redis").mkdir(exist_ok=True)
-        self.redis = self.bed.run("R", ["redis-server", "--bind", self.r, "--port", "6379", "--protected-mode", "no",
-                                        "--unixsocket", self.redis_sock, "--unixsocketperm", "700",
-                                        "--dir", str(self.tmp / "redis"), "--appendonly", "yes",
-                                        "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        if os.path.exists(self.redis_sock):
-            os.unlink(self.redis_sock)  # left by a killed server
-
-        def answers():
-            import redis
-            try:
-                return os.path.exists(self.redis_sock) and self.client().ping()
-            except redis.RedisError:
-                return False
-        wait_until(answers, what="redis on R")
-
-    def client(self):
-        import redis
-        return redis.Redis(unix_socket_path=self.redis_sock, socket_timeout=5)
-
-    # ---- Quern hosts
-    def add_quern(self, name):
-        addr = self.bed.addr(name) if name in self.bed.hosts else self.bed.host(name)
-        log = open(self.tmp / f"{name}.log", "w")
-        self.logs[name] = log
-        self.quern[name] = self.bed.run(
-            name, [QUERN, "serve", "--model-repository", str(self.repo), "--host", "0.0.0.0", "--http-port", "8000",
-                   "--grpc-port", "-1", "--metrics-port", "8002", "--redis-url", f"redis://{self.r}:6379",
-                   "--consume", "--consume-models", "add_sub", "--consumer-name", name,
-                   "--consume-claim-idle-ms", str(CLAIM_IDLE_MS)],
-            stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: self.get(f"http://{addr}:8000/v2/health/ready")[0] == 200, what=f"{name} ready")
-        return addr
-
-    def get(self, url):
-        """GET from host P: (status, body); status 0 when nothing answered."""
-        rc, out, _ = self.bed.call("P", ["curl", "-s", "-m", "3", "-w", "\n%{http_code}", url])
-        body, _, code = out.rpartition("\n")
-        return (int(code) if code.isdigit() else 0), body
-
-    def metric(self, host, series):
-        status, text = self.get(f"http://{self.bed.addr(host)}:8002/metrics")
-        if status != 200:
-            return None
-        for line in text.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-    # ---- HAProxy on L
-    def start_haproxy(self, hosts):
-        self.haproxy_sock = str(self.tmp / "haproxy.sock")
-        servers = "\n".join(f"  server {h} {self.bed.addr(h)}:8000 check" for h in hosts)
-        cfg = self.tmp / "haproxy.cfg"
-        cfg.write_text(f"""global
-  stats socket {self.haproxy_sock} mode 600 level admin
-  maxconn 4000
-defaults
-  mode http
-  timeout connect 1s
-  timeout client 30s
-  timeout server 30s
-  retries 3
-  option redispatch 1
-  option http-server-close
-frontend fe
-  bind {self.l_addr}:8000
-  default_backend quern
-backend quern
-  balance leastconn
-  option httpchk GET /v2/health/ready
-  http-check expect status 200
-  default-server inter {CHECK_INTER_MS}ms fall 2 rise 2
-  http-response set-header X-Served-By %[srv_name]
-{servers}
-""")
-        self.haproxy = self.bed.run("L", ["haproxy", "-db", "-f", str(cfg)], stdout=open(self.tmp / "haproxy.log", "w"),
-                                    stderr=subprocess.STDOUT)
-        wait_until(lambda: all(s == "UP" for s in self.servers().values()) and self.servers(),
-                   what="every server UP in haproxy")
-
-    def haproxy_command(self, command):
-        s = socket.socket(socket.AF_UNIX)
-        s.settimeout(3)
-        s.connect(self.haproxy_sock)
-        s.sendall(command.encode() + b"\n")
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-        s.close()
-        return out.decode()
-
-    def servers(self):
-        """Server name -> status (UP, DOWN, ...) as HAProxy sees it now."""
-        try:
-            text = self.haproxy_command("show stat")
-        except OSError:
-            return {}
-        lines = [line.split(",") for line in text.splitlines() if line and not line.startswith("#")]
-        return {f[1]: f[17].split()[0] for f in lines if f[0] == "quern" and f[1] not in ("FRONTEND", "BACKEND")}
-
-    # ---- load from P
-    def start_load(self, mode, *args):
-        return self.bed.run("P", [sys.executable, LOAD, mode, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-    def jobs(self, count, rate, prefix, wait=60):
-        return self.start_load("jobs", "--redis", f"{self.r}:6379", "--count", str(count), "--rate", str(rate),
-                               "--prefix", prefix, "--wait", str(wait))
-
-    def infer(self, seconds, concurrency=4):
-        return self.start_load("infer", "--url", f"http://{self.l_addr}:8000", "--seconds", str(seconds),
-                               "--concurrency", str(concurrency))
-
-    @staticmethod
-    def report(proc, timeout=180):
-        out, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-3000:]
-        return json.loads(out)
-
-    def done_counts(self, hosts):
-        return {h: self.metric(h, 'quern_stream_entries_total{outcome="done"}') for h in hosts}
-
-    def close(self):
-        self.bed.close()
-        for log in self.logs.values():
-            log.close()
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(tmp_path)
+    c = netbed.Cluster(tmp_path, QUERN, MODELS)
     yield c
     c.close()
 
