@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from quern_testing import wait_until
+
 PREFIX = "qnb"
 SUBNET = "198.18.0"
 LOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_load.py")
@@ -176,16 +178,6 @@ class NetBed:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def wait_until(pred, timeout=30, what="condition", every=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Cluster:

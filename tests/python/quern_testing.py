@@ -88,6 +88,18 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     return proc, ports
 
 
+def wait_until(pred, timeout=30, what="condition", every=0.05):
+    """pred()'s first true value, polled every `every` seconds; fails after `timeout` seconds."""
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def http_request(port, method, path, body=None, headers=None, timeout=30):
     """One request on a new connection to 127.0.0.1:port: (status, headers, body)."""
     import http.client

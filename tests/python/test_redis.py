@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import RedisServer, start_quern
+from quern_testing import RedisServer, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -77,16 +77,6 @@ def submit(q, model, body):
     status, _, data = q.request("POST", f"/v2/models/{model}/jobs", body)
     assert status == 202, data
     return json.loads(data)["job_id"]
-
-
-def wait_until(pred, timeout=20, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stored(r, job_id):

@@ -81,7 +81,6 @@ def test_a_host_killed_mid_batch_loses_no_job_and_the_balancer_routes_around_it(
 
 
 def test_redis_restart_loses_no_finished_result_and_consumers_resume(cluster):
-    r = cluster.client()
     first = cluster.report(cluster.jobs(count=300, rate=300, prefix="before"))
     assert first["results"] == 300 and first["missing"] == [] and first["wrong"] == []
     cluster.redis.send_signal(signal.SIGKILL)
