@@ -126,6 +126,55 @@ TEST(RedisUrl, ParsesHostPortDbAndCredentials) {
   }
 }
 
+TEST(RedisUrl, ParsesSentinelsMasterAndOptions) {
+  RedisOptions o;
+  ASSERT_TRUE(ParseRedisUrl("redis+sentinel://:pw@s1,s2:26380,[fd00::3]/my%20master/2?wait_replicas=1&"
+                            "wait_timeout_ms=250&sentinel_password=s%26cret",
+                            o)
+                  .ok());
+  ASSERT_EQ(o.sentinels.size(), 3u);
+  EXPECT_EQ(o.sentinels[0].host, "s1");
+  EXPECT_EQ(o.sentinels[0].port, 26379);
+  EXPECT_EQ(o.sentinels[1].host, "s2");
+  EXPECT_EQ(o.sentinels[1].port, 26380);
+  EXPECT_EQ(o.sentinels[2].host, "fd00::3");
+  EXPECT_EQ(o.sentinel_master, "my master");
+  EXPECT_EQ(o.db, 2);
+  EXPECT_EQ(o.password, "pw");
+  EXPECT_EQ(o.sentinel_password, "s&cret");
+  EXPECT_EQ(o.wait_replicas, 1);
+  EXPECT_EQ(o.wait_timeout.count(), 250);
+  EXPECT_FALSE(o.tls);
+  EXPECT_NE(o.sentinel_first, nullptr);
+  // Messages name the master and its sentinels, never a password.
+  EXPECT_EQ(o.Address(), "master 'my master' via sentinels s1:26379,s2:26380,fd00::3:26379");
+
+  ASSERT_TRUE(ParseRedisUrl("rediss+sentinel://s1/m", o).ok());
+  EXPECT_TRUE(o.tls);
+  EXPECT_EQ(o.db, 0);
+  EXPECT_EQ(o.sentinel_master, "m");
+  EXPECT_TRUE(o.password.empty() && o.sentinel_password.empty());
+  EXPECT_EQ(o.wait_replicas, 0);
+
+  // Options apply to a plain URL too; parsing again forgets the sentinels.
+  ASSERT_TRUE(ParseRedisUrl("redis://h:7000/1?wait_replicas=2", o).ok());
+  EXPECT_TRUE(o.sentinels.empty());
+  EXPECT_EQ(o.host, "h");
+  EXPECT_EQ(o.port, 7000);
+  EXPECT_EQ(o.db, 1);
+  EXPECT_EQ(o.wait_replicas, 2);
+  EXPECT_EQ(o.Address(), "h:7000");
+
+  for (const char* bad :
+       {"redis+sentinel://s1", "redis+sentinel://s1/", "redis+sentinel://s1,,s2/m", "redis+sentinel://s1:0/m",
+        "redis+sentinel://s1/m/x", "redis://h1,h2", "redis://h?wait_replicas=-1", "redis://h?wait_timeout_ms=0",
+        "redis://h?sentinel_password=x", "redis://h?nope=1", "redis+sentinel//s1/m"}) {
+    Status s = ParseRedisUrl(bad, o);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("--redis-url"), std::string::npos) << s.message();
+  }
+}
+
 TEST(RedisResultStore, RecordRoundTripsThroughJsonAndBinaryValues) {
   JobRecord rec;
   rec.id = NewJobId(1'700'000'000'123);

@@ -89,8 +89,11 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--job-store-max-bytes", o.store.max_bytes,
                     "Bytes of finished job results kept in memory; the oldest are evicted beyond it");
   serve->add_option("--redis-url", o.redis_url,
-                    "Keep job results in Redis: redis://[[user]:password@]host[:port][/db], rediss:// for TLS "
-                    "(the password may instead come from QUERN_REDIS_PASSWORD)");
+                    "Keep job results in Redis: redis://[[user]:password@]host[:port][/db], rediss:// for TLS, "
+                    "or redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db] to follow "
+                    "Redis Sentinel failovers; options ?wait_replicas=N&wait_timeout_ms=T (results count as "
+                    "written once N replicas have them) and &sentinel_password=P (the passwords may instead "
+                    "come from QUERN_REDIS_PASSWORD and QUERN_REDIS_SENTINEL_PASSWORD)");
   serve->add_option("--redis-tls-ca-file", o.redis.tls_ca_file,
                     "CA certificates for rediss:// (default: the system's)");
   serve->add_option("--redis-tls-cert-file", o.redis.tls_cert_file, "Client certificate for rediss://");

@@ -313,6 +313,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && redis.password.empty()) {
       redis.password = pw;
     }
+    if (const char* pw = std::getenv("QUERN_REDIS_SENTINEL_PASSWORD");
+        pw != nullptr && !redis.sentinels.empty() && redis.sentinel_password.empty()) {
+      redis.sentinel_password = pw;
+    }
   }
   // Registered faces: in Redis when there is one (shared by the instances
   // that use it), else in the data directory, else in memory.

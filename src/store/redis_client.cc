@@ -8,6 +8,7 @@
 #include <boost/asio/write.hpp>
 #include <charconv>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 namespace quern {
@@ -16,7 +17,14 @@ namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
 
 std::string RedisOptions::Address() const {
-  return host + ":" + std::to_string(port);
+  if (sentinels.empty()) return host + ":" + std::to_string(port);
+  std::string out = "master '" + sentinel_master + "' via sentinel";
+  out += sentinels.size() > 1 ? "s " : " ";
+  for (size_t i = 0; i < sentinels.size(); ++i) {
+    if (i > 0) out += ',';
+    out += sentinels[i].host + ":" + std::to_string(sentinels[i].port);
+  }
+  return out;
 }
 
 namespace {
@@ -44,61 +52,110 @@ bool ParseInt(std::string_view s, int64_t& v) {
   return ec == std::errc() && p == s.data() + s.size() && !s.empty();
 }
 
+// "host", "host:port", "[v6]" or "[v6]:port". Returns "" or what is wrong.
+std::string ParseHostPort(std::string_view text, int default_port, std::string& host, int& port) {
+  std::string_view h = text, p;
+  if (text.starts_with('[')) {  // [::1]:6379
+    const auto close = text.find(']');
+    if (close == std::string_view::npos) return "unterminated IPv6 address";
+    h = text.substr(1, close - 1);
+    std::string_view after = text.substr(close + 1);
+    if (!after.empty()) {
+      if (after[0] != ':') return "unexpected text after the address";
+      p = after.substr(1);
+    }
+  } else if (auto colon = text.rfind(':'); colon != std::string_view::npos) {
+    h = text.substr(0, colon);
+    p = text.substr(colon + 1);
+  }
+  if (h.empty()) return "no host";
+  host = std::string(h);
+  port = default_port;
+  if (!p.empty()) {
+    int64_t v = 0;
+    if (!ParseInt(p, v) || v <= 0 || v > 65535) return "port '" + std::string(p) + "' is not 1-65535";
+    port = static_cast<int>(v);
+  }
+  return "";
+}
+
 }  // namespace
 
 Status ParseRedisUrl(std::string_view url, RedisOptions& o) {
   auto bad = [&](const std::string& why) {
     return InvalidArgument("--redis-url: " + why +
-                           " (expected redis://[[user]:password@]host[:port][/db] or rediss://...)");
+                           " (expected redis://[[user]:password@]host[:port][/db], rediss://..., or "
+                           "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db], "
+                           "each with an optional ?wait_replicas=N&wait_timeout_ms=T&sentinel_password=P)");
   };
   std::string_view rest;
-  if (url.starts_with("redis://")) {
-    o.tls = false;
-    rest = url.substr(8);
-  } else if (url.starts_with("rediss://")) {
-    o.tls = true;
-    rest = url.substr(9);
-  } else {
-    return bad("the scheme must be redis:// or rediss://");
+  bool sentinel = false, known = false;
+  for (auto [scheme, tls, sent] :
+       {std::tuple{"redis://", false, false}, std::tuple{"rediss://", true, false},
+        std::tuple{"redis+sentinel://", false, true}, std::tuple{"rediss+sentinel://", true, true}}) {
+    if (url.starts_with(scheme)) {
+      o.tls = tls;
+      sentinel = sent;
+      rest = url.substr(std::string_view(scheme).size());
+      known = true;
+      break;
+    }
   }
-  std::string_view path;
+  if (!known) return bad("the scheme must be redis://, rediss://, redis+sentinel:// or rediss+sentinel://");
+  // authority [/path] [?query]; a password holding '/', '?' or '@' is
+  // percent-encoded (RFC 3986).
+  std::string_view authority = rest, path, query;
+  if (auto q = rest.find('?'); q != std::string_view::npos) {
+    query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+    authority = rest;
+  }
   if (auto slash = rest.find('/'); slash != std::string_view::npos) {
     path = rest.substr(slash + 1);
-    rest = rest.substr(0, slash);
+    authority = rest.substr(0, slash);
   }
-  if (auto at = rest.rfind('@'); at != std::string_view::npos) {
-    std::string_view userinfo = rest.substr(0, at);
-    rest = rest.substr(at + 1);
+  o.user.clear();
+  o.password.clear();
+  if (auto at = authority.rfind('@'); at != std::string_view::npos) {
+    std::string_view userinfo = authority.substr(0, at);
+    authority = authority.substr(at + 1);
     if (auto colon = userinfo.find(':'); colon != std::string_view::npos) {
       o.user = PercentDecode(userinfo.substr(0, colon));
       o.password = PercentDecode(userinfo.substr(colon + 1));
     } else {
-      o.user.clear();
       o.password = PercentDecode(userinfo);  // redis://secret@host: a password alone
     }
   }
-  std::string_view host = rest;
-  std::string_view port;
-  if (rest.starts_with('[')) {  // [::1]:6379
-    const auto close = rest.find(']');
-    if (close == std::string_view::npos) return bad("unterminated IPv6 address");
-    host = rest.substr(1, close - 1);
-    std::string_view after = rest.substr(close + 1);
-    if (!after.empty()) {
-      if (after[0] != ':') return bad("unexpected text after the address");
-      port = after.substr(1);
+
+  o.sentinels.clear();
+  o.sentinel_master.clear();
+  o.sentinel_password.clear();
+  o.sentinel_first.reset();
+  if (sentinel) {
+    std::string_view hosts = authority;
+    while (true) {
+      const auto comma = hosts.find(',');
+      RedisOptions::Endpoint e;
+      if (std::string why = ParseHostPort(hosts.substr(0, comma), 26379, e.host, e.port); !why.empty()) {
+        return bad("sentinel " + std::to_string(o.sentinels.size() + 1) + ": " + why);
+      }
+      o.sentinels.push_back(std::move(e));
+      if (comma == std::string_view::npos) break;
+      hosts = hosts.substr(comma + 1);
     }
-  } else if (auto colon = rest.rfind(':'); colon != std::string_view::npos) {
-    host = rest.substr(0, colon);
-    port = rest.substr(colon + 1);
-  }
-  if (host.empty()) return bad("no host");
-  o.host = std::string(host);
-  o.port = 6379;
-  if (!port.empty()) {
-    int64_t p = 0;
-    if (!ParseInt(port, p) || p <= 0 || p > 65535) return bad("port '" + std::string(port) + "' is not 1-65535");
-    o.port = static_cast<int>(p);
+    if (o.sentinels.size() > 64) return bad("more than 64 sentinels");
+    std::string_view master = path.substr(0, path.find('/'));
+    if (master.empty()) return bad("no master name after the sentinels (.../mymaster)");
+    o.sentinel_master = PercentDecode(master);
+    path = master.size() < path.size() ? path.substr(master.size() + 1) : std::string_view();
+    o.sentinel_first = std::make_shared<std::atomic<size_t>>(0);
+    o.host = o.sentinels.front().host;  // not used to connect: the sentinels name the master
+    o.port = o.sentinels.front().port;
+  } else {
+    if (authority.find(',') != std::string_view::npos) {
+      return bad("several hosts are sentinels: write redis+sentinel://h1,h2,h3/master");
+    }
+    if (std::string why = ParseHostPort(authority, 6379, o.host, o.port); !why.empty()) return bad(why);
   }
   o.db = 0;
   if (!path.empty()) {
@@ -107,6 +164,31 @@ Status ParseRedisUrl(std::string_view url, RedisOptions& o) {
       return bad("database '" + std::string(path) + "' is not a number");
     }
     o.db = static_cast<int>(db);
+  }
+
+  o.wait_replicas = 0;
+  o.wait_timeout = std::chrono::milliseconds(100);
+  while (!query.empty()) {
+    const auto amp = query.find('&');
+    std::string_view item = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    if (item.empty()) continue;
+    const auto eq = item.find('=');
+    std::string_view key = item.substr(0, eq);
+    std::string value = eq == std::string_view::npos ? std::string() : PercentDecode(item.substr(eq + 1));
+    int64_t n = 0;
+    if (key == "wait_replicas") {
+      if (!ParseInt(value, n) || n < 0 || n > 1000) return bad("wait_replicas '" + value + "' is not 0-1000");
+      o.wait_replicas = static_cast<int>(n);
+    } else if (key == "wait_timeout_ms") {
+      if (!ParseInt(value, n) || n < 1 || n > 60000) return bad("wait_timeout_ms '" + value + "' is not 1-60000");
+      o.wait_timeout = std::chrono::milliseconds(n);
+    } else if (key == "sentinel_password") {
+      if (!sentinel) return bad("sentinel_password is only for redis+sentinel:// URLs");
+      o.sentinel_password = value;
+    } else {
+      return bad("unknown option '" + std::string(key) + "'");
+    }
   }
   return Status::Ok();
 }
@@ -374,6 +456,15 @@ class RedisConnection::Impl {
       rbuf_.clear();
       rpos_ = 0;
     }
+    // A replica now (a failover demoted this server): the master is
+    // elsewhere; the owner connects again (with sentinels, to the new one).
+    for (const RedisReply& r : replies) {
+      if (r.is_error() && r.str.starts_with("READONLY")) {
+        broken_ = true;
+        CloseSocket();
+        break;
+      }
+    }
     return replies;
   }
 
@@ -450,16 +541,103 @@ class RedisConnection::Impl {
 RedisConnection::RedisConnection(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RedisConnection::~RedisConnection() = default;
 
-Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisOptions& options) {
+namespace {
+
+Result<std::unique_ptr<RedisConnection::Impl>> ConnectTo(const RedisOptions& options) {
   // Asio and OpenSSL set-up report some failures (out of memory, a broken
   // OpenSSL) only by throwing: never let that end a thread.
   try {
-    auto impl = std::make_unique<Impl>(options);
+    auto impl = std::make_unique<RedisConnection::Impl>(options);
     if (Status s = impl->Connect(); !s.ok()) return Err(s);
-    return std::unique_ptr<RedisConnection>(new RedisConnection(std::move(impl)));
+    return impl;
   } catch (const std::exception& e) {
     return Err(Unavailable("redis at " + options.Address() + ": " + e.what()));
   }
+}
+
+// One reply to a command, or what went wrong as text.
+Result<RedisReply> Ask(RedisConnection::Impl& c, std::initializer_list<std::string_view> args) {
+  RedisPipeline p;
+  p.Add(args);
+  auto r = c.Execute(p, std::chrono::milliseconds(0));
+  if (!r) return Err(r.error());
+  if (r->front().is_error()) return Err(Unavailable(r->front().str));
+  return std::move(r->front());
+}
+
+}  // namespace
+
+// Sentinel clients as Redis documents them: ask each sentinel in turn (the
+// one that answered last first) for the master's address, connect, and
+// check with ROLE that the server is the master (during a failover a
+// sentinel can still name the old one).
+Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisOptions& options) {
+  if (options.sentinels.empty()) {
+    auto impl = ConnectTo(options);
+    if (!impl) return Err(impl.error());
+    return std::unique_ptr<RedisConnection>(new RedisConnection(std::move(*impl)));
+  }
+  const size_t n = options.sentinels.size();
+  const size_t first = options.sentinel_first ? options.sentinel_first->load(std::memory_order_relaxed) % n : 0;
+  std::string why;
+  auto note = [&](const std::string& s) { why += (why.empty() ? "" : "; ") + s; };
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (first + k) % n;
+    RedisOptions so = options;
+    so.sentinels.clear();
+    so.host = options.sentinels[i].host;
+    so.port = options.sentinels[i].port;
+    so.db = 0;
+    so.user = options.sentinel_user;
+    so.password = options.sentinel_password;
+    const std::string sentinel = "sentinel " + so.Address();
+    auto sc = ConnectTo(so);
+    if (!sc) {
+      if (sc.error().code() == StatusCode::kPermissionDenied) {
+        note(sc.error().message() + " (a sentinel's password goes in ?sentinel_password=)");
+      } else {
+        note(sc.error().message());
+      }
+      continue;
+    }
+    auto addr = Ask(**sc, {"SENTINEL", "get-master-addr-by-name", options.sentinel_master});
+    if (!addr) {
+      note(sentinel + ": " + addr.error().message());
+      continue;
+    }
+    int64_t port = 0;
+    if (addr->is_nil()) {
+      note(sentinel + " does not know a master named '" + options.sentinel_master + "'");
+      continue;
+    }
+    if (!addr->is_array() || addr->elements.size() != 2 || !addr->elements[0].is_string() ||
+        !ParseInt(addr->elements[1].str, port) || port <= 0 || port > 65535) {
+      note(sentinel + " answered get-master-addr-by-name with something that is not an address");
+      continue;
+    }
+    if (options.sentinel_first) options.sentinel_first->store(i, std::memory_order_relaxed);
+    RedisOptions mo = options;
+    mo.sentinels.clear();
+    mo.sentinel_first.reset();
+    mo.host = addr->elements[0].str;
+    mo.port = static_cast<int>(port);
+    auto mc = ConnectTo(mo);
+    if (!mc) {
+      return Err(Status(mc.error().code(), "redis " + options.Address() + ": " + sentinel + " names " + mo.Address() +
+                                               ", which failed: " + mc.error().message()));
+    }
+    auto role = Ask(**mc, {"ROLE"});
+    if (!role || !role->is_array() || role->elements.empty() || role->elements[0].str != "master") {
+      return Err(Unavailable("redis " + options.Address() + ": " + sentinel + " names " + mo.Address() +
+                             ", which is not a master (" +
+                             (!role                                         ? role.error().message()
+                              : role->is_array() && !role->elements.empty() ? role->elements[0].str
+                                                                            : std::string("no role")) +
+                             "): a failover is under way"));
+    }
+    return std::unique_ptr<RedisConnection>(new RedisConnection(std::move(*mc)));
+  }
+  return Err(Unavailable("redis " + options.Address() + ": no sentinel named the master: " + why));
 }
 
 Result<std::vector<RedisReply>> RedisConnection::Execute(const RedisPipeline& pipeline,

@@ -9,8 +9,15 @@
 //   redis://[[user]:password@]host[:port][/db]    plain TCP
 //   rediss://...                                  TLS (certificate checked
 //                                                 unless tls_skip_verify)
+//   redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db]
+//   rediss+sentinel://...                         the master that Redis
+//                                                 Sentinels name, asked of
+//                                                 them on every connect
+//   ...?wait_replicas=N&wait_timeout_ms=T&sentinel_password=P
+//                                                 (any form; see RedisOptions)
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
@@ -36,12 +43,36 @@ struct RedisOptions {
   std::chrono::milliseconds connect_timeout{2000};
   std::chrono::milliseconds io_timeout{5000};  // one round trip, on top of a command's own blocking time
 
-  // "host:port" (for messages; never the password).
+  // Sentinel: when `sentinels` is not empty, host and port are not used; each
+  // Connect asks the sentinels, in turn, for the address of the master named
+  // `sentinel_master` and checks with ROLE that it is one. The sentinels get
+  // AUTH with sentinel_user/sentinel_password when that is set; TLS settings
+  // apply to them and to the master alike.
+  struct Endpoint {
+    std::string host;
+    int port = 26379;
+  };
+  std::vector<Endpoint> sentinels;
+  std::string sentinel_master;
+  std::string sentinel_user, sentinel_password;
+  // The sentinel that answered last (asked first next time); shared by the
+  // copies of these options. May be null.
+  std::shared_ptr<std::atomic<size_t>> sentinel_first;
+
+  // Writes of job results wait until this many replicas have them (WAIT),
+  // at most wait_timeout; 0 = do not wait (replication is asynchronous: a
+  // failover can then lose the last results written).
+  int wait_replicas = 0;
+  std::chrono::milliseconds wait_timeout{100};
+
+  // "host:port", or the master's name and its sentinels (for messages;
+  // never a password).
   std::string Address() const;
 };
 
-// Parses a redis:// or rediss:// URL into `options` (TLS file settings are
-// kept). INVALID_ARGUMENT says what part is wrong.
+// Parses a redis://, rediss://, redis+sentinel:// or rediss+sentinel:// URL
+// into `options` (TLS file settings are kept). INVALID_ARGUMENT says what
+// part is wrong.
 Status ParseRedisUrl(std::string_view url, RedisOptions& options);
 
 struct RedisReply {
@@ -93,14 +124,18 @@ class RedisPipeline {
 
 class RedisConnection {
  public:
-  // Connects, authenticates and selects the database. UNAVAILABLE when the
-  // server cannot be reached; PERMISSION_DENIED when AUTH is refused.
+  // Connects, authenticates and selects the database (with sentinels: to the
+  // master they name, see RedisOptions). UNAVAILABLE when the server cannot
+  // be reached (or no sentinel names a master that says it is one);
+  // PERMISSION_DENIED when AUTH is refused.
   static Result<std::unique_ptr<RedisConnection>> Connect(const RedisOptions& options);
   ~RedisConnection();
 
   // Sends the pipeline and reads one reply per command, in order. Error
   // replies are returned as replies; UNAVAILABLE when the connection failed
-  // or timed out (the connection is then unusable). `block` is extra time
+  // or timed out (the connection is then unusable). A READONLY reply (the
+  // server is a replica now: a failover demoted it) also marks the
+  // connection broken, so that its owner connects again to the master. `block` is extra time
   // the server may take (a blocking command's timeout).
   Result<std::vector<RedisReply>> Execute(const RedisPipeline& pipeline,
                                           std::chrono::milliseconds block = std::chrono::milliseconds(0));
@@ -109,6 +144,8 @@ class RedisConnection {
                              std::chrono::milliseconds block = std::chrono::milliseconds(0));
 
   bool broken() const;
+  // The options connected with: with sentinels, host and port are the
+  // master's (and `sentinels` is empty).
   const RedisOptions& options() const;
 
   class Impl;

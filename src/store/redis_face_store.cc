@@ -3,6 +3,8 @@
 #include <charconv>
 #include <chrono>
 
+#include "core/log.h"
+
 namespace quern {
 namespace {
 
@@ -120,8 +122,23 @@ Result<std::optional<int64_t>> RedisFaceStore::Write(const std::string& bytes, i
   tx.Add({"SET", key_, bytes});
   tx.Add({"INCR", version_key_});
   tx.Add({"EXEC"});
-  auto replies = c->Execute(tx);
+  // As job results: the registration is answered once the replicas asked
+  // for have it (or the wait timed out, which is logged).
+  const int wait = options_.wait_replicas;
+  const std::string wait_n = std::to_string(wait), wait_ms = std::to_string(options_.wait_timeout.count());
+  if (wait > 0) tx.Add({"WAIT", wait_n, wait_ms});
+  auto replies = c->Execute(tx, wait > 0 ? options_.wait_timeout : std::chrono::milliseconds(0));
   if (!replies) return std::unexpected(Failed(replies.error()));
+  if (wait > 0) {
+    const RedisReply& acked = replies->back();
+    if (acked.is_error() || acked.integer < wait) {
+      Log(LogLevel::kWarning, Describe() + ": gallery written but " +
+                                  (acked.is_error() ? "WAIT failed: " + acked.str
+                                                    : std::to_string(acked.integer) + " of " + wait_n +
+                                                          " replicas confirmed it within " + wait_ms + " ms"));
+    }
+    replies->pop_back();
+  }
   const RedisReply& exec = replies->back();
   if (exec.is_nil()) return std::optional<int64_t>();  // the version changed after the check
   if (!exec.is_array() || exec.elements.size() != 2 || exec.elements[1].type != RedisReply::Type::kInteger) {

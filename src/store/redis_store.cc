@@ -68,6 +68,10 @@ RedisResultStore::RedisResultStore(RedisResultStoreOptions options)
           metrics_.AddCounter("quern_redis_write_errors_total", "Result writes that failed and were retried.")),
       reconnects_(
           metrics_.AddCounter("quern_redis_reconnects_total", "Connections to Redis made again after a failure.")),
+      unreplicated_(metrics_.AddCounter(
+          "quern_redis_unreplicated_writes_total",
+          "Result writes that fewer replicas than wait_replicas confirmed within wait_timeout_ms (written all the "
+          "same; a failover before they replicate would lose them).")),
       connected_(
           metrics_.AddGauge("quern_redis_connected", "1 while the job result store's connection to Redis is up.")),
       backlog_(metrics_.AddGauge("quern_redis_backlog", "Job results held in memory, waiting to be written to Redis.")),
@@ -159,14 +163,39 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
   }
   for (const Batch& b : batches) p.Append(b.extra);
   p.Add({"EXEC"});
+  // With replicas to wait for, the results count as written (and their
+  // stream entries as acknowledged, in the same transaction) only once the
+  // replicas have them or the wait timed out.
+  const int wait = options_.redis.wait_replicas;
+  const std::string wait_n = std::to_string(wait), wait_ms = std::to_string(options_.redis.wait_timeout.count());
+  if (wait > 0) p.Add({"WAIT", wait_n, wait_ms});
   std::unique_ptr<RedisConnection>& conn = writer_conn_;
   if (Status s = EnsureConnected(conn, ever_connected_.load()); !s.ok()) return s;
   ever_connected_.store(true);
   connected_.Set(1);
-  auto replies = conn->Execute(p);
+  auto replies = conn->Execute(p, wait > 0 ? options_.redis.wait_timeout : std::chrono::milliseconds(0));
   if (!replies) {
     connected_.Set(0);
     return replies.error();
+  }
+  if (wait > 0) {
+    const RedisReply& acked = replies->back();
+    const bool short_of = !acked.is_error() && acked.integer < wait;
+    if (short_of || acked.is_error()) {
+      unreplicated_.Increment();
+      if (!unreplicated_logged_) {
+        Log(LogLevel::kWarning, "redis at " + options_.redis.Address() + ": job results written but " +
+                                    (acked.is_error() ? "WAIT failed: " + acked.str
+                                                      : "only " + std::to_string(acked.integer) + " of " + wait_n +
+                                                            " replicas confirmed them within " + wait_ms + " ms") +
+                                    " (said once until replicas confirm again)");
+        unreplicated_logged_ = true;
+      }
+    } else if (unreplicated_logged_) {
+      Log(LogLevel::kInfo, "redis at " + options_.redis.Address() + ": replicas confirm job results again");
+      unreplicated_logged_ = false;
+    }
+    replies->pop_back();
   }
   const RedisReply& exec = replies->back();
   if (exec.is_error() || exec.is_nil()) {

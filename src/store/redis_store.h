@@ -122,9 +122,11 @@ class RedisResultStore final : public ResultStore {
   Counter& records_written_;
   Counter& write_errors_;
   Counter& reconnects_;
-  Gauge& connected_;      // 0 or 1
-  Gauge& backlog_;        // unwritten_.size(), set with mu_ held
-  Gauge& backlog_bytes_;  // backlog_bytes_held_, set with mu_ held
+  Counter& unreplicated_;             // writes that fewer than wait_replicas replicas confirmed in time
+  bool unreplicated_logged_ = false;  // writer thread only
+  Gauge& connected_;                  // 0 or 1
+  Gauge& backlog_;                    // unwritten_.size(), set with mu_ held
+  Gauge& backlog_bytes_;              // backlog_bytes_held_, set with mu_ held
   mutable Mutex mu_;
   CondVar cv_;          // writer: work or stop
   CondVar written_cv_;  // Flush: progress

@@ -12,6 +12,7 @@ so that a later run removes what a killed run left behind.
     r = bed.host("R")                      # 198.18.0.1
     p = bed.run("R", ["redis-server", ...])  # the process runs inside R
     bed.link("R", up=False)                 # R's cable pulled out of the switch
+    bed.cpu_limit("R", 0.05)                # R's processes get 5 % of a core
     bed.close()                             # every process killed, every namespace removed
 
 `Cluster` builds the bed the scale-out tests and bench/scale_out_bench.py use: Redis, Quern hosts,
@@ -74,6 +75,43 @@ def remove_leftovers():
             continue
         _kill_namespace_processes(m.group(1))
         _ip("netns", "del", m.group(1), check=False)
+    root, _ = _cpu_cgroups()
+    if root:
+        for name in os.listdir(root):
+            m = re.fullmatch(rf"{PREFIX}(\d+)-\S+", name)
+            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+                _remove_cgroup(os.path.join(root, name))
+
+
+def _cpu_cgroups():
+    """(directory under which CPU-limited groups are made, "v1" or "v2"), or (None, None)."""
+    if os.path.exists("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        return "/sys/fs/cgroup/cpu", "v1"
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        try:
+            with open(os.path.join(root, "cgroup.controllers")) as f:
+                if "cpu" in f.read().split():
+                    return root, "v2"
+        except OSError:
+            pass
+    return None, None
+
+
+def cpu_limits_available():
+    """Why hosts cannot be slowed in CPU here, or None."""
+    root, _ = _cpu_cgroups()
+    return None if root else "no cgroup CPU controller (cgroup v1 cpu or v2 with cpu)"
+
+
+def _remove_cgroup(path):
+    deadline = time.time() + 5
+    while os.path.exists(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
 
 
 def _kill_namespace_processes(ns):
@@ -92,6 +130,7 @@ class NetBed:
         self.switch = f"{self.prefix}-sw"
         self.hosts = {}  # name -> address
         self.procs = []
+        self.cgroups = []
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "set", "lo", "up")
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -152,6 +191,43 @@ class NetBed:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                                 f"{kbit}kbit", "burst", "16kb", "latency", "2s"], check=True, capture_output=True)
 
+    def cpu_limit(self, host, fraction):
+        """Gives the processes now running in `host` `fraction` of one core between them (a cgroup
+        CPU quota over 100 ms periods: past it, they wait for the next period)."""
+        root, kind = _cpu_cgroups()
+        if root is None:
+            raise RuntimeError(cpu_limits_available())
+        path = os.path.join(root, self.ns(host))
+        os.makedirs(path, exist_ok=True)
+        if path not in self.cgroups:
+            self.cgroups.append(path)
+        quota = max(1000, int(fraction * 100000))
+        if kind == "v1":
+            with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+                f.write("100000")
+            with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+                f.write(str(quota))
+        else:
+            try:
+                with open(os.path.join(root, "cgroup.subtree_control"), "w") as f:
+                    f.write("+cpu")
+            except OSError:
+                pass  # enabled already, or by whoever owns the hierarchy
+            with open(os.path.join(path, "cpu.max"), "w") as f:
+                f.write(f"{quota} 100000")
+        for pid in _ip("netns", "pids", self.ns(host)).stdout.split():
+            try:
+                with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                    f.write(pid)
+            except ProcessLookupError:
+                pass
+
+    def cpu_throttled(self, host):
+        """How many periods `host`'s processes were stopped at their quota (cpu.stat nr_throttled)."""
+        root, _ = _cpu_cgroups()
+        with open(os.path.join(root, self.ns(host), "cpu.stat")) as f:
+            return int(dict(line.split() for line in f)["nr_throttled"])
+
     def close(self):
         for p in self.procs:
             if p.poll() is None:
@@ -166,6 +242,9 @@ class NetBed:
             _kill_namespace_processes(ns)
             _ip("netns", "del", ns, check=False)
         self.hosts.clear()
+        for path in self.cgroups:
+            _remove_cgroup(path)  # empty once its processes are gone
+        self.cgroups.clear()
         # The namespaces' interfaces go with them; wait until the kernel has let them go so that a
         # next bed starting at once finds nothing of this one.
         deadline = time.time() + 10
@@ -188,8 +267,9 @@ class Cluster:
     `batch_delay_us`: add_sub's batching delay (with one, every host holds jobs it took and has not
     computed, so a kill is always mid-batch)."""
 
-    def __init__(self, tmp, quern, models, hosts=3, haproxy=True, batch_delay_us=100000):
+    def __init__(self, tmp, quern, models, hosts=3, haproxy=True, batch_delay_us=100000, sentinel=False):
         self.tmp = tmp
+        self.sentinel = sentinel
         self.quern_bin = quern
         self.repo = tmp / "repo"
         self.repo.mkdir()
@@ -204,6 +284,12 @@ class Cluster:
             self.p = self.bed.host("P")
             self.l_addr = self.bed.host("L")
             self.start_redis()
+            if sentinel:
+                self.r2 = self.bed.host("R2")
+                self.start_redis("R2", replica_of=self.r)
+                wait_until(lambda: self.client().info("replication").get("slave0", {}).get("state") == "online",
+                           what="the replica on R2 in sync")
+                self.start_sentinels(("R", "R2", "L"))
             for k in range(1, hosts + 1):
                 self.add_quern(f"Q{k}")
             if haproxy:
@@ -212,29 +298,91 @@ class Cluster:
             self.close()
             raise
 
-    # ---- Redis on R: TCP for the hosts, a Unix socket for this test (it has no leg in the bed)
-    def start_redis(self):
-        self.redis_sock = str(self.tmp / "redis.sock")
-        (self.tmp / "redis").mkdir(exist_ok=True)
-        self.redis = self.bed.run("R", ["redis-server", "--bind", self.r, "--port", "6379", "--protected-mode", "no",
-                                        "--unixsocket", self.redis_sock, "--unixsocketperm", "700",
-                                        "--dir", str(self.tmp / "redis"), "--appendonly", "yes",
-                                        "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        if os.path.exists(self.redis_sock):
-            os.unlink(self.redis_sock)  # left by a killed server
+    # ---- Redis on R (and with sentinels a replica on R2): TCP for the hosts, a Unix socket for
+    # this test (it has no leg in the bed)
+    def start_redis(self, host="R", replica_of=None):
+        """Starts (or starts again) redis-server on `host`; returns its process."""
+        sock = self.redis_socket(host)
+        data = self.tmp / f"redis-{host}"
+        data.mkdir(exist_ok=True)
+        if os.path.exists(sock):
+            os.unlink(sock)  # left by a killed server
+        argv = ["redis-server", "--bind", self.bed.addr(host), "--port", "6379", "--protected-mode", "no",
+                "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(data), "--appendonly", "yes",
+                "--appendfsync", "always", "--save", "", "--daemonize", "no", "--repl-diskless-sync-delay", "0"]
+        if replica_of:
+            argv += ["--replicaof", replica_of, "6379"]
+        proc = self.bed.run(host, argv, stdout=open(self.tmp / f"redis-{host}.log", "a"), stderr=subprocess.STDOUT)
+        if host == "R":
+            self.redis = proc
 
         def answers():
             import redis
             try:
-                return os.path.exists(self.redis_sock) and self.client().ping()
+                return os.path.exists(sock) and self.client(host).ping()
             except redis.RedisError:
                 return False
-        wait_until(answers, what="redis on R")
+        wait_until(answers, what=f"redis on {host}")
+        return proc
 
-    def client(self):
+    def redis_socket(self, host="R"):
+        return str(self.tmp / f"redis-{host}.sock")
+
+    def client(self, host="R"):
+        """A client of the redis-server on `host`; with sentinels, host=None is the current master."""
         import redis
-        return redis.Redis(unix_socket_path=self.redis_sock, socket_timeout=5)
+        if host is None:
+            host = {self.bed.addr(h): h for h in self.bed.hosts}[self.master()]
+        return redis.Redis(unix_socket_path=self.redis_socket(host), socket_timeout=5)
+
+    # ---- Redis Sentinel: one on each of `hosts`, watching the master "quern" on R (quorum 2,
+    # down after 1 s)
+    SENTINEL_PORT = 26379
+    MASTER = "quern"
+
+    def start_sentinels(self, hosts):
+        self.sentinel_hosts = list(hosts)
+        for h in hosts:
+            cfg = self.tmp / f"sentinel-{h}.conf"  # sentinel rewrites its file as it learns
+            cfg.write_text(f"""bind {self.bed.addr(h)}
+port {self.SENTINEL_PORT}
+protected-mode no
+dir {self.tmp}
+sentinel monitor {self.MASTER} {self.r} 6379 2
+sentinel down-after-milliseconds {self.MASTER} 1000
+sentinel failover-timeout {self.MASTER} 10000
+sentinel parallel-syncs {self.MASTER} 1
+""")
+            self.bed.run(h, ["redis-sentinel", str(cfg)], stdout=open(self.tmp / f"sentinel-{h}.log", "w"),
+                         stderr=subprocess.STDOUT)
+        # Ready when every sentinel knows the replica and the other sentinels.
+        wait_until(lambda: all(self.sentinel_ask(h, "SENTINEL", "master", self.MASTER).count("\n") > 0 and
+                               self._sentinel_field(h, "num-other-sentinels") == str(len(hosts) - 1) and
+                               self._sentinel_field(h, "num-slaves") == "1" for h in hosts),
+                   timeout=30, what="sentinels to find each other and the replica")
+
+    def sentinel_ask(self, host, *command):
+        rc, out, err = self.bed.call("P", ["redis-cli", "-h", self.bed.addr(host), "-p", str(self.SENTINEL_PORT),
+                                           *command], timeout=10)
+        return out if rc == 0 else ""
+
+    def _sentinel_field(self, host, field):
+        lines = self.sentinel_ask(host, "SENTINEL", "master", self.MASTER).split("\n")
+        for k in range(0, len(lines) - 1):
+            if lines[k] == field:
+                return lines[k + 1]
+        return None
+
+    def master(self, host=None):
+        """The master's address as a sentinel names it now."""
+        out = self.sentinel_ask(host or self.sentinel_hosts[0], "SENTINEL", "get-master-addr-by-name", self.MASTER)
+        return out.split("\n")[0] if out else None
+
+    def redis_url(self):
+        if not self.sentinel:
+            return f"redis://{self.r}:6379"
+        hosts = ",".join(f"{self.bed.addr(h)}:{self.SENTINEL_PORT}" for h in self.sentinel_hosts)
+        return f"redis+sentinel://{hosts}/{self.MASTER}?wait_replicas=1&wait_timeout_ms=200"
 
     # ---- Quern hosts
     def add_quern(self, name):
@@ -243,7 +391,7 @@ class Cluster:
         self.logs[name] = log
         self.quern[name] = self.bed.run(
             name, [self.quern_bin, "serve", "--model-repository", str(self.repo), "--host", "0.0.0.0", "--http-port", "8000",
-                   "--grpc-port", "-1", "--metrics-port", "8002", "--redis-url", f"redis://{self.r}:6379",
+                   "--grpc-port", "-1", "--metrics-port", "8002", "--redis-url", self.redis_url(),
                    "--consume", "--consume-models", "add_sub", "--consumer-name", name,
                    "--consume-claim-idle-ms", str(CLAIM_IDLE_MS)],
             stdout=log, stderr=subprocess.STDOUT)
@@ -323,8 +471,12 @@ backend quern
                             stderr=subprocess.PIPE, text=True)
 
     def jobs(self, count, rate, prefix, wait=60):
-        return self.start_load("jobs", "--redis", f"{self.r}:6379", "--count", str(count), "--rate", str(rate),
-                               "--prefix", prefix, "--wait", str(wait))
+        where = ["--redis", f"{self.r}:6379"]
+        if self.sentinel:  # the producer follows failovers too, and counts a job only once a replica has it
+            where = ["--sentinel", ",".join(f"{self.bed.addr(h)}:{self.SENTINEL_PORT}" for h in self.sentinel_hosts),
+                     "--master", self.MASTER, "--wait-replicas", "1"]
+        return self.start_load("jobs", *where, "--count", str(count), "--rate", str(rate), "--prefix", prefix,
+                               "--wait", str(wait))
 
     def infer(self, seconds, concurrency=4):
         return self.start_load("infer", "--url", f"http://{self.l_addr}:8000", "--seconds", str(seconds),

@@ -1,12 +1,16 @@
 """Load from a producer host of the scale-out test bed (run inside its namespace), as JSON on stdout.
 
     python netbed_load.py jobs  --redis HOST:PORT --model add_sub --count N --rate R --prefix P --wait S
+    python netbed_load.py jobs  --sentinel H:P,H:P,H:P --master NAME --wait-replicas 1 ...
     python netbed_load.py infer --url http://HOST:PORT --model add_sub --seconds S --concurrency C
 
 `jobs` adds N stream jobs (XADD quern:jobs:{model}, fields id and body) at R a second, then waits up
 to S seconds for every result (results:{id}) and checks each against numpy: what was accepted, what
 came back, what was wrong or missing, the rate reached, and the time from XADD to the result (its
-finished_ms, whole milliseconds).
+finished_ms, whole milliseconds). With --sentinel the producer follows failovers (redis-py's Sentinel
+client), and with --wait-replicas a job counts as accepted only once that many replicas have it;
+the others are reported as unconfirmed (a failover may lose them) and their results, when they
+come, are checked all the same.
 `infer` sends synchronous KServe infers through the load balancer from C threads for S seconds and
 reports every request: start and end (seconds since the epoch), HTTP status (0: no answer), and the
 host that answered (the balancer's X-Served-By header).
@@ -32,10 +36,16 @@ def add_sub_body(k):
 
 def run_jobs(args):
     import redis
-    host, port = args.redis.rsplit(":", 1)
-    r = redis.Redis(host=host, port=int(port), socket_timeout=5, socket_connect_timeout=2)
+    if args.sentinel:
+        from redis.sentinel import Sentinel
+        sentinels = [(h, int(p)) for h, p in (a.rsplit(":", 1) for a in args.sentinel.split(","))]
+        r = Sentinel(sentinels, socket_timeout=2, socket_connect_timeout=1).master_for(
+            args.master, socket_timeout=5, socket_connect_timeout=2)
+    else:
+        host, port = args.redis.rsplit(":", 1)
+        r = redis.Redis(host=host, port=int(port), socket_timeout=5, socket_connect_timeout=2)
     stream = f"quern:jobs:{args.model}"
-    accepted, refused = {}, 0
+    accepted, refused, unconfirmed = {}, 0, {}
     t0 = time.time()
     for k in range(args.count):
         wait = t0 + k / args.rate - time.time()
@@ -46,15 +56,26 @@ def run_jobs(args):
         data = json.dumps(body)
         sent = time.time()
         try:
-            r.xadd(stream, {"id": job, "body": data})
-            accepted[job] = (sent, plus, minus)
+            if args.wait_replicas:
+                # Accepted once `wait_replicas` replicas have it (WAIT): a failover cannot lose it then.
+                p = r.pipeline(transaction=False)
+                p.xadd(stream, {"id": job, "body": data})
+                p.execute_command("WAIT", args.wait_replicas, 200)
+                _, replicas = p.execute()
+                (accepted if replicas >= args.wait_replicas else unconfirmed)[job] = (sent, plus, minus)
+            else:
+                r.xadd(stream, {"id": job, "body": data})
+                accepted[job] = (sent, plus, minus)
         except redis.RedisError:
             refused += 1  # Redis away: the producer was told, nothing was accepted
     added_s = time.time() - t0
     done, wrong, latency = {}, [], []
     deadline = time.time() + args.wait
-    waiting = list(accepted)
-    while waiting and time.time() < deadline:
+    # A job added but not confirmed by a replica may be lost in a failover: its result is checked
+    # when it comes, and waited for while the accepted ones are.
+    expected = {**unconfirmed, **accepted}
+    waiting = list(expected)
+    while any(j in accepted for j in waiting) and time.time() < deadline:
         try:
             values = r.mget([f"results:{j}" for j in waiting])
         except redis.RedisError:
@@ -67,7 +88,7 @@ def run_jobs(args):
                 left.append(job)
                 continue
             doc = json.loads(raw)
-            added, plus, minus = accepted[job]
+            added, plus, minus = expected[job]
             outs = {o["name"]: o.get("data") for o in doc.get("result", {}).get("outputs", [])}
             if doc.get("status") != "done" or outs.get("OUTPUT0") != plus or outs.get("OUTPUT1") != minus:
                 wrong.append({"job": job, "doc": doc})
@@ -76,8 +97,10 @@ def run_jobs(args):
         waiting = left
         if waiting:
             time.sleep(0.1)
-    json.dump({"accepted": len(accepted), "refused": refused, "rate": len(accepted) / max(added_s, 1e-9), "results": len(done), "wrong": wrong,
-               "missing": waiting, "latency_s": sorted(latency)}, sys.stdout)
+    json.dump({"accepted": len(accepted), "refused": refused, "unconfirmed": len(unconfirmed),
+               "rate": len(accepted) / max(added_s, 1e-9), "results": len([j for j in done if j in accepted]),
+               "unconfirmed_results": len([j for j in done if j in unconfirmed]), "wrong": wrong,
+               "missing": [j for j in waiting if j in accepted], "latency_s": sorted(latency)}, sys.stdout)
 
 
 def run_infer(args):
@@ -130,7 +153,11 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="mode", required=True)
     j = sub.add_parser("jobs")
-    j.add_argument("--redis", required=True)
+    where = j.add_mutually_exclusive_group(required=True)
+    where.add_argument("--redis", help="HOST:PORT")
+    where.add_argument("--sentinel", help="HOST:PORT,HOST:PORT,...: the master is asked of these")
+    j.add_argument("--master", default="quern", help="the master's name, with --sentinel")
+    j.add_argument("--wait-replicas", type=int, default=0, help="a job counts as accepted once this many replicas have it")
     j.add_argument("--model", default="add_sub")
     j.add_argument("--count", type=int, default=100)
     j.add_argument("--rate", type=float, default=100)

@@ -197,6 +197,37 @@ def test_redis_restart_loses_no_finished_result(repo, redis_server):
         q.stop()
 
 
+def test_results_wait_for_a_replica_when_asked(repo, tmp_path):
+    # ?wait_replicas=1: a result counts as written once a replica has it (WAIT after the EXEC);
+    # with the replica gone, results are still written, after the wait, and counted as such.
+    (tmp_path / "m").mkdir()
+    (tmp_path / "r").mkdir()
+    master = RedisServer(tmp_path / "m", "--repl-diskless-sync-delay", "0")
+    replica = RedisServer(tmp_path / "r", "--replicaof", "127.0.0.1", str(master.port))
+    q = None
+    try:
+        m = master.client()
+        wait_until(lambda: m.info("replication").get("slave0", {}).get("state") == "online", what="replica in sync")
+        q = Quern(repo, "--redis-url", master.url() + "?wait_replicas=1&wait_timeout_ms=300")
+        wait_until(lambda: q.ready()[0] == 200, what="readiness")
+        a, b = np.full((1, 4), 3, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+        first = submit(q, "add_sub", add_sub_body(a, b))
+        wait_until(lambda: stored(replica.client(), first), what="the result on the replica")
+        assert q.metric("quern_redis_unreplicated_writes_total") == 0
+        assert m.info("commandstats")["cmdstat_wait"]["calls"] >= 1  # counted by Redis itself
+
+        replica.stop(kill=True)
+        second = submit(q, "add_sub", add_sub_body(a + 1, b))
+        doc = wait_until(lambda: stored(m, second), what="a result written with no replica to confirm it")
+        np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], a + 1 + b)
+        wait_until(lambda: q.metric("quern_redis_unreplicated_writes_total") >= 1, what="the write counted")
+    finally:
+        if q:
+            q.stop()
+        replica.stop()
+        master.stop()
+
+
 def test_auth_and_tls(repo, tmp_path):
     # A CA and a server certificate for 127.0.0.1, made here.
     def ssl(*args):

@@ -151,3 +151,87 @@ def test_work_drifts_from_a_slow_host_to_the_fast_ones(cluster):
     share = {h: served.count(h) for h in ("Q1", "Q2", "Q3")}
     assert share["Q3"] < 0.5 * min(share["Q1"], share["Q2"]), share
     print(f"slow host: stream jobs {done}, synchronous requests {share}")
+
+
+@pytest.mark.skipif(netbed.cpu_limits_available() is not None, reason=str(netbed.cpu_limits_available()))
+def test_work_drifts_from_a_host_slow_in_cpu_to_the_others(tmp_path):
+    # Batches that do not wait to fill (1 ms), so that a request's time is the hosts' CPU; Q3's
+    # quern gets 1 % of one core (a cgroup CPU quota): past it, it waits for the next 100 ms.
+    cluster = netbed.Cluster(tmp_path, QUERN, MODELS, batch_delay_us=1000)
+    try:
+        _drift_from_a_host_slow_in_cpu(cluster)
+    finally:
+        cluster.close()
+
+
+def _drift_from_a_host_slow_in_cpu(cluster):
+    cluster.bed.cpu_limit("Q3", 0.01)
+    jobs = cluster.jobs(count=1500, rate=250, prefix="cpu")
+    infer = cluster.infer(seconds=5, concurrency=6)
+    j, i = cluster.report(jobs), cluster.report(infer)
+    assert j["wrong"] == [] and j["missing"] == [] and j["results"] == 1500, j
+    done = cluster.done_counts(["Q1", "Q2", "Q3"])
+    assert sum(done.values()) == 1500, done
+    served = [rec[3] for rec in i["requests"] if rec[2] == 200]
+    assert len(served) == len(i["requests"]), "every synchronous request answered"
+    share = {h: served.count(h) for h in ("Q1", "Q2", "Q3")}
+    throttled = cluster.bed.cpu_throttled("Q3")
+    print(f"host slow in CPU: stream jobs {done}, synchronous requests {share}; Q3 throttled {throttled} times")
+    assert done["Q3"] < 0.5 * min(done["Q1"], done["Q2"]), done
+    assert share["Q3"] < 0.5 * min(share["Q1"], share["Q2"]), share
+
+
+@pytest.fixture
+def sentinel_cluster(tmp_path):
+    c = netbed.Cluster(tmp_path, QUERN, MODELS, sentinel=True)
+    yield c
+    c.close()
+
+
+def test_a_sentinel_failover_is_followed_and_loses_no_result(sentinel_cluster):
+    c = sentinel_cluster
+    # Redis master on R, a replica on R2, sentinels on R, R2 and L; the Qs have
+    # --redis-url redis+sentinel://R,R2,L/quern?wait_replicas=1.
+    before = c.report(c.jobs(count=300, rate=300, prefix="before", wait=30))
+    assert before["accepted"] == before["results"] == 300 and before["missing"] == [] and before["wrong"] == [], \
+        {k: v for k, v in before.items() if k != "latency_s"}
+
+    jobs = c.jobs(count=1500, rate=150, prefix="across", wait=120)
+    time.sleep(2.0)
+    c.redis.send_signal(signal.SIGKILL)  # the master dies
+    c.redis.wait()
+    killed = time.time()
+    wait_until(lambda: c.master() == c.r2, timeout=30, every=0.1, what="the sentinels to promote R2")
+    promoted = time.time()
+    # The old master comes back (as a service manager would start it) and the sentinels make it a
+    # replica of R2; until then nothing confirms a write.
+    c.start_redis("R")
+    j = c.report(jobs, timeout=240)
+
+    # Every job a replica confirmed has its one correct result; those the failover may have lost
+    # (not confirmed) are correct when they have one.
+    assert j["wrong"] == [] and j["missing"] == [], {k: v for k, v in j.items() if k != "latency_s"}
+    assert j["accepted"] == j["results"] and j["accepted"] > 1000, {k: v for k, v in j.items() if k != "latency_s"}
+    assert j["accepted"] + j["unconfirmed"] + j["refused"] == 1500
+    new_master = c.client("R2")
+    assert new_master.info("replication")["role"] == "master"
+    wait_until(lambda: new_master.xpending("quern:jobs:add_sub", "quern")["pending"] == 0, timeout=30,
+               what="every job acknowledged on the new master")
+    # Results written before the failover are on the new master, and each Quern host reads them
+    # there (GET /v2/jobs/{id} answers from Redis).
+    keys = [f"results:before-{k}" for k in range(300)]
+    assert all(v is not None for v in new_master.mget(keys))
+    for q in ("Q1", "Q2", "Q3"):
+        status, body = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(
+            c.get(f"http://{c.bed.addr(q)}:8000/v2/jobs/before-7")), timeout=10, what=f"{q} to read a result")
+        assert '"status":"done"' in body.replace(" ", ""), body
+    # Every host went on taking jobs from the new master.
+    consumers = {x["name"].decode(): x for x in new_master.xinfo_consumers("quern:jobs:add_sub", "quern")}
+    assert {"Q1", "Q2", "Q3"} <= set(consumers), consumers
+    done = c.done_counts(["Q1", "Q2", "Q3"])
+    assert sum(done.values()) >= 300 + j["results"], done
+    reconnects = {q: c.metric(q, "quern_redis_reconnects_total") for q in ("Q1", "Q2", "Q3")}
+    assert all(v >= 1 for v in reconnects.values()), reconnects
+    print(f"sentinel failover: R2 promoted {promoted - killed:.1f} s after the kill; jobs accepted "
+          f"{j['accepted']}, unconfirmed {j['unconfirmed']} ({j['unconfirmed_results']} with a result), "
+          f"refused {j['refused']}")
