@@ -1,0 +1,843 @@
+// `quern perf`: see perf.h.
+#include "cli/perf.h"
+
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <cctype>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/json.h"
+#include "core/npy.h"
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern::cli {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using SteadyClock = std::chrono::steady_clock;
+
+// ---- HTTP: one keep-alive connection, blocking calls with a timeout ----
+
+struct Endpoint {
+  std::string host, port, prefix;  // prefix: a path the server sits under ("" or "/x")
+};
+
+Result<Endpoint> ParseHttpUrl(const std::string& url, const char* flag) {
+  if (!url.starts_with("http://")) {
+    return Err(InvalidArgument(std::string(flag) + " '" + url + "': expected http://HOST:PORT[/PATH]"));
+  }
+  std::string rest = url.substr(7);
+  Endpoint e;
+  if (auto slash = rest.find('/'); slash != std::string::npos) {
+    e.prefix = rest.substr(slash);
+    rest = rest.substr(0, slash);
+    while (!e.prefix.empty() && e.prefix.back() == '/') e.prefix.pop_back();
+  }
+  if (rest.starts_with('[')) {
+    const auto close = rest.find(']');
+    if (close == std::string::npos) return Err(InvalidArgument(std::string(flag) + ": unterminated IPv6 address"));
+    e.host = rest.substr(1, close - 1);
+    if (close + 1 < rest.size() && rest[close + 1] == ':') e.port = rest.substr(close + 2);
+  } else if (auto colon = rest.rfind(':'); colon != std::string::npos) {
+    e.host = rest.substr(0, colon);
+    e.port = rest.substr(colon + 1);
+  } else {
+    e.host = rest;
+  }
+  if (e.port.empty()) e.port = "80";
+  if (e.host.empty()) return Err(InvalidArgument(std::string(flag) + " '" + url + "': no host"));
+  return e;
+}
+
+struct Reply {
+  int status = 0;  // 0: no answer (see error)
+  std::string body;
+  std::string error;  // transport failure
+};
+
+class HttpConnection {
+ public:
+  HttpConnection(Endpoint e, double timeout_s) : e_(std::move(e)), timeout_s_(timeout_s) {}
+
+  Reply Send(http::verb verb, const std::string& target, const std::string& body,
+             const std::vector<std::pair<std::string, std::string>>& headers) {
+    Reply r;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const bool reused = socket_.has_value();
+      if (!socket_ && !Connect(r.error)) return r;
+      try {
+        http::request<http::string_body> req(verb, e_.prefix + target, 11);
+        req.set(http::field::host, e_.host);
+        req.set(http::field::connection, "keep-alive");
+        for (const auto& [k, v] : headers) req.set(k, v);
+        req.body() = body;
+        req.prepare_payload();
+        http::write(*socket_, req);
+        http::response_parser<http::string_body> parser;
+        parser.body_limit(std::uint64_t{4} << 30);
+        parser.header_limit(1 << 20);
+        http::read(*socket_, buffer_, parser);
+        auto res = parser.release();
+        r.status = static_cast<int>(res.result_int());
+        r.body = std::move(res.body());
+        if (!res.keep_alive()) Close();
+        return r;
+      } catch (const boost::system::system_error& err) {
+        Close();
+        r.error = err.code() == asio::error::would_block || err.code() == asio::error::timed_out ? "timeout"
+                                                                                                 : err.code().message();
+        // A kept-alive connection the server closed meanwhile: once more on a new one.
+        if (!reused || r.error == "timeout") return r;
+      }
+    }
+    return r;
+  }
+
+ private:
+  bool Connect(std::string& error) {
+    try {
+      tcp::resolver resolver(io_);
+      auto endpoints = resolver.resolve(e_.host, e_.port);
+      socket_.emplace(io_);
+      asio::connect(*socket_, endpoints);
+      socket_->set_option(tcp::no_delay(true));
+      timeval tv{};
+      tv.tv_sec = static_cast<time_t>(timeout_s_);
+      tv.tv_usec = static_cast<suseconds_t>((timeout_s_ - std::floor(timeout_s_)) * 1e6);
+      setsockopt(socket_->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      setsockopt(socket_->native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+      return true;
+    } catch (const boost::system::system_error& err) {
+      socket_.reset();
+      error = "connect: " + err.code().message();
+      return false;
+    }
+  }
+
+  void Close() {
+    if (!socket_) return;
+    boost::system::error_code ignored;
+    socket_->close(ignored);
+    socket_.reset();
+    buffer_.clear();
+  }
+
+  Endpoint e_;
+  double timeout_s_;
+  asio::io_context io_;
+  std::optional<tcp::socket> socket_;
+  beast::flat_buffer buffer_;
+};
+
+// ---- the request ----
+
+struct InputSpec {
+  std::string name;
+  DataType dtype = DataType::kInvalid;
+  Shape shape;
+  std::string bytes;                 // binary layout (BYTES: 4-byte length + bytes, per element)
+  std::vector<std::string> strings;  // BYTES only, for JSON
+};
+
+uint16_t HalfBits(float f) {  // [0, 1) and normal halves only: what random inputs use
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
+  if (exp <= 0) return 0;
+  return static_cast<uint16_t>((exp << 10) | ((x >> 13) & 0x3ff));
+}
+
+template <typename T>
+void FillInts(std::string& out, size_t n, std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  std::uniform_int_distribution<int64_t> d(lo, hi);
+  out.resize(n * sizeof(T));
+  for (size_t i = 0; i < n; ++i) {
+    const T v = static_cast<T>(d(rng));
+    std::memcpy(out.data() + i * sizeof(T), &v, sizeof(T));
+  }
+}
+
+Status MakeData(InputSpec& in, const std::string& how, uint64_t seed) {
+  const int64_t n = ElementCount(in.shape);
+  if (n < 0) return InvalidArgument("input '" + in.name + "': shape " + ShapeToString(in.shape) + " is not fixed");
+  if (n > (int64_t{1} << 30)) return InvalidArgument("input '" + in.name + "': more than 2^30 elements");
+  const auto count = static_cast<size_t>(n);
+  std::mt19937_64 rng(seed);
+  const bool zeros = how == "zeros";
+  if (in.dtype == DataType::kBytes) {
+    in.strings.assign(count, std::string());
+    std::uniform_int_distribution<int> letter('a', 'z');
+    for (auto& s : in.strings) {
+      if (!zeros)
+        for (int k = 0; k < 8; ++k) s.push_back(static_cast<char>(letter(rng)));
+    }
+    Tensor t = Tensor::FromStrings(in.shape, in.strings);
+    in.bytes.assign(reinterpret_cast<const char*>(t.data()), t.byte_size());
+    return Status::Ok();
+  }
+  const size_t size = DataTypeByteSize(in.dtype);
+  if (zeros) {
+    in.bytes.assign(count * size, '\0');
+    return Status::Ok();
+  }
+  std::uniform_real_distribution<float> uf(0.f, 1.f);
+  switch (in.dtype) {
+    case DataType::kFp32: {
+      in.bytes.resize(count * 4);
+      for (size_t i = 0; i < count; ++i) {
+        const float v = uf(rng);
+        std::memcpy(in.bytes.data() + i * 4, &v, 4);
+      }
+      break;
+    }
+    case DataType::kFp64: {
+      in.bytes.resize(count * 8);
+      for (size_t i = 0; i < count; ++i) {
+        const double v = uf(rng);
+        std::memcpy(in.bytes.data() + i * 8, &v, 8);
+      }
+      break;
+    }
+    case DataType::kFp16:
+    case DataType::kBf16: {
+      in.bytes.resize(count * 2);
+      for (size_t i = 0; i < count; ++i) {
+        const float f = uf(rng);
+        uint32_t x;
+        std::memcpy(&x, &f, 4);
+        const uint16_t v = in.dtype == DataType::kFp16 ? HalfBits(f) : static_cast<uint16_t>(x >> 16);
+        std::memcpy(in.bytes.data() + i * 2, &v, 2);
+      }
+      break;
+    }
+    case DataType::kBool: FillInts<uint8_t>(in.bytes, count, rng, 0, 1); break;
+    case DataType::kUint8: FillInts<uint8_t>(in.bytes, count, rng, 0, 255); break;
+    case DataType::kInt8: FillInts<int8_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kUint16: FillInts<uint16_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kInt16: FillInts<int16_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kUint32: FillInts<uint32_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kInt32: FillInts<int32_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kUint64: FillInts<uint64_t>(in.bytes, count, rng, 0, 100); break;
+    case DataType::kInt64: FillInts<int64_t>(in.bytes, count, rng, 0, 100); break;
+    default: return InvalidArgument("input '" + in.name + "': cannot make data of this type");
+  }
+  return Status::Ok();
+}
+
+template <typename T>
+void WriteNumbers(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::string& bytes) {
+  const size_t n = bytes.size() / sizeof(T);
+  for (size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, bytes.data() + i * sizeof(T), sizeof(T));
+    if constexpr (std::is_floating_point_v<T>) {
+      w.Double(static_cast<double>(v));
+    } else if constexpr (std::is_signed_v<T>) {
+      w.Int64(static_cast<int64_t>(v));
+    } else {
+      w.Uint64(static_cast<uint64_t>(v));
+    }
+  }
+}
+
+// The request body and its headers, made once and sent again and again.
+Result<std::pair<std::string, std::vector<std::pair<std::string, std::string>>>> BuildBody(
+    const std::vector<InputSpec>& inputs, bool json) {
+  rapidjson::StringBuffer sb;
+  rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+  w.StartObject();
+  w.Key("inputs");
+  w.StartArray();
+  for (const auto& in : inputs) {
+    w.StartObject();
+    w.Key("name");
+    w.String(in.name.c_str(), static_cast<rapidjson::SizeType>(in.name.size()));
+    w.Key("shape");
+    w.StartArray();
+    for (int64_t d : in.shape) w.Int64(d);
+    w.EndArray();
+    w.Key("datatype");
+    const std::string_view type = DataTypeName(in.dtype);
+    w.String(type.data(), static_cast<rapidjson::SizeType>(type.size()));
+    if (json) {
+      w.Key("data");
+      w.StartArray();
+      switch (in.dtype) {
+        case DataType::kBytes:
+          for (const auto& s : in.strings) w.String(s.c_str(), static_cast<rapidjson::SizeType>(s.size()));
+          break;
+        case DataType::kBool: {
+          for (char c : in.bytes) w.Bool(c != 0);
+          break;
+        }
+        case DataType::kFp32: WriteNumbers<float>(w, in.bytes); break;
+        case DataType::kFp64: WriteNumbers<double>(w, in.bytes); break;
+        case DataType::kUint8: WriteNumbers<uint8_t>(w, in.bytes); break;
+        case DataType::kInt8: WriteNumbers<int8_t>(w, in.bytes); break;
+        case DataType::kUint16: WriteNumbers<uint16_t>(w, in.bytes); break;
+        case DataType::kInt16: WriteNumbers<int16_t>(w, in.bytes); break;
+        case DataType::kUint32: WriteNumbers<uint32_t>(w, in.bytes); break;
+        case DataType::kInt32: WriteNumbers<int32_t>(w, in.bytes); break;
+        case DataType::kUint64: WriteNumbers<uint64_t>(w, in.bytes); break;
+        case DataType::kInt64: WriteNumbers<int64_t>(w, in.bytes); break;
+        default:
+          return Err(InvalidArgument("input '" + in.name + "' is " + std::string(type) +
+                                     ", which JSON cannot carry: leave out --json"));
+      }
+      w.EndArray();
+    } else {
+      w.Key("parameters");
+      w.StartObject();
+      w.Key("binary_data_size");
+      w.Uint64(in.bytes.size());
+      w.EndObject();
+    }
+    w.EndObject();
+  }
+  w.EndArray();
+  if (!json) {
+    w.Key("parameters");  // outputs as binary too: no JSON numbers to print on the server
+    w.StartObject();
+    w.Key("binary_data_output");
+    w.Bool(true);
+    w.EndObject();
+  }
+  w.EndObject();
+  std::string body(sb.GetString(), sb.GetSize());
+  std::vector<std::pair<std::string, std::string>> headers;
+  if (json) {
+    headers.emplace_back("Content-Type", "application/json");
+  } else {
+    headers.emplace_back("Inference-Header-Content-Length", std::to_string(body.size()));
+    headers.emplace_back("Content-Type", "application/octet-stream");
+    for (const auto& in : inputs) body += in.bytes;
+  }
+  return std::make_pair(std::move(body), std::move(headers));
+}
+
+// The model's inputs as the server describes them (GET /v2/models/{m}),
+// with the user's shapes and data.
+Result<std::vector<InputSpec>> DescribeInputs(const PerfOptions& o, const Endpoint& e, const std::string& model_path) {
+  HttpConnection c(e, o.timeout);
+  Reply r = c.Send(http::verb::get, model_path, "", {});
+  const std::string where = "model '" + o.model + "' at " + o.url;
+  if (r.status == 0) return Err(Unavailable(where + ": " + r.error));
+  if (r.status != 200) {
+    return Err(NotFound(where + ": HTTP " + std::to_string(r.status) + ": " + r.body.substr(0, 300)));
+  }
+  rapidjson::Document doc;
+  JsonParseError bad;
+  if (!ParseJson(doc, r.body.data(), r.body.size(), bad) || !doc.IsObject() || !doc.HasMember("inputs") ||
+      !doc["inputs"].IsArray()) {
+    return Err(Internal(where + ": the model's metadata has no inputs list"));
+  }
+  std::map<std::string, std::string> how, shapes;
+  for (const auto& [flag, list, into] : {std::tuple{"--input", &o.inputs, &how}, {"--shape", &o.shapes, &shapes}}) {
+    for (const auto& s : *list) {
+      const auto eq = s.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        return Err(InvalidArgument(std::string(flag) + " '" + s + "': expected NAME=VALUE"));
+      }
+      (*into)[s.substr(0, eq)] = s.substr(eq + 1);
+    }
+  }
+  std::vector<InputSpec> inputs;
+  uint64_t seed = 1;
+  for (const auto& m : doc["inputs"].GetArray()) {
+    if (!m.IsObject() || !m.HasMember("name") || !m["name"].IsString() || !m.HasMember("datatype") ||
+        !m["datatype"].IsString() || !m.HasMember("shape") || !m["shape"].IsArray()) {
+      return Err(Internal(where + ": an input in the metadata lacks name, datatype or shape"));
+    }
+    InputSpec in;
+    in.name = m["name"].GetString();
+    auto dtype = DataTypeFromName(m["datatype"].GetString());
+    if (!dtype) return Err(Internal(where + ": input '" + in.name + "' has an unknown datatype"));
+    in.dtype = *dtype;
+    for (const auto& d : m["shape"].GetArray()) in.shape.push_back(d.IsInt64() ? d.GetInt64() : -1);
+    const std::string spec = how.count(in.name) ? how[in.name] : "random";
+    how.erase(in.name);
+    if (spec != "random" && spec != "zeros") {
+      auto t = ReadNpy(spec);
+      if (!t) return Err(InvalidArgument("--input " + in.name + "=" + spec + ": " + t.error().message()));
+      if (t->dtype() != in.dtype) {
+        return Err(InvalidArgument("--input " + in.name + "=" + spec + ": the file holds " +
+                                   std::string(DataTypeName(t->dtype())) + ", the model wants " +
+                                   std::string(DataTypeName(in.dtype))));
+      }
+      in.shape = t->shape();
+      in.bytes.assign(reinterpret_cast<const char*>(t->data()), t->byte_size());
+      if (in.dtype == DataType::kBytes) {
+        return Err(InvalidArgument("--input " + in.name + ": BYTES inputs come from random or zeros"));
+      }
+    } else {
+      if (auto it = shapes.find(in.name); it != shapes.end()) {
+        Shape given;
+        std::string_view rest = it->second;
+        while (!rest.empty()) {
+          const auto comma = rest.find(',');
+          std::string_view part = rest.substr(0, comma);
+          int64_t d = 0;
+          auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), d);
+          if (ec != std::errc() || p != part.data() + part.size() || d < 0) {
+            return Err(InvalidArgument("--shape " + in.name + "=" + it->second + ": not a list of sizes"));
+          }
+          given.push_back(d);
+          rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+        }
+        if (given.size() != in.shape.size()) {
+          return Err(InvalidArgument("--shape " + in.name + "=" + it->second + ": the model's shape is " +
+                                     ShapeToString(in.shape) + " (" + std::to_string(in.shape.size()) +
+                                     " dimensions)"));
+        }
+        in.shape = std::move(given);
+        shapes.erase(it);
+      }
+      for (auto& d : in.shape) {
+        if (d < 0) d = 1;  // the batch dimension, or one the model leaves open
+      }
+      QUERN_RETURN_IF_ERROR(MakeData(in, spec, seed++));
+    }
+    inputs.push_back(std::move(in));
+  }
+  for (const auto& [flag, left] : {std::pair{"--input", &how}, {"--shape", &shapes}}) {
+    if (!left->empty()) {
+      return Err(InvalidArgument(std::string(flag) + " " + left->begin()->first + ": the model has no such input"));
+    }
+  }
+  return inputs;
+}
+
+// ---- the server's figures, from /metrics ----
+
+struct ServerFigures {
+  double cpu_s = 0, success = 0, queue_us_sum = 0, queue_count = 0, compute_us_sum = 0, compute_count = 0, items = 0,
+         executions = 0;
+};
+
+std::optional<ServerFigures> Scrape(HttpConnection& c, const Endpoint& e, const std::string& model) {
+  Reply r = c.Send(http::verb::get, e.prefix.empty() ? "/metrics" : "", "", {});
+  if (r.status != 200) return std::nullopt;
+  ServerFigures f;
+  const std::string label = "model=\"" + model + "\"";
+  size_t pos = 0;
+  while (pos < r.body.size()) {
+    size_t end = r.body.find('\n', pos);
+    if (end == std::string::npos) end = r.body.size();
+    std::string_view line(r.body.data() + pos, end - pos);
+    pos = end + 1;
+    if (line.empty() || line[0] == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    if (name_end == std::string_view::npos) continue;
+    std::string_view name = line.substr(0, name_end);
+    const size_t value_at = line.rfind(' ');
+    double v = 0;
+    auto [p, ec] = std::from_chars(line.data() + value_at + 1, line.data() + line.size(), v);
+    if (ec != std::errc()) continue;
+    if (name == "process_cpu_seconds_total") {
+      f.cpu_s += v;
+      continue;
+    }
+    if (line[name_end] != '{') continue;
+    std::string_view labels = line.substr(name_end, line.find('}', name_end) - name_end);
+    // model="m" exactly: the label ends at its quote (a model "m2" is another).
+    const size_t at = labels.find(label);
+    if (at == std::string_view::npos || (at > 1 && labels[at - 1] != ',' && labels[at - 1] != '{')) continue;
+    if (name == "quern_request_success_total") f.success += v;
+    if (name == "quern_queue_duration_us_sum") f.queue_us_sum += v;
+    if (name == "quern_queue_duration_us_count") f.queue_count += v;
+    if (name == "quern_compute_infer_duration_us_sum") f.compute_us_sum += v;
+    if (name == "quern_compute_infer_duration_us_count") f.compute_count += v;
+    if (name == "quern_inference_count_total") f.items += v;
+    if (name == "quern_execution_count_total") f.executions += v;
+  }
+  return f;
+}
+
+// ---- the load ----
+
+struct Level {
+  std::string mode;  // "concurrency" or "rate"
+  double value = 0;
+};
+
+struct Result1 {
+  Level level;
+  double wall_s = 0;
+  int64_t ok = 0, errors = 0, completed_total = 0;                     // completed_total: warm-up included, every 2xx
+  std::map<std::string, std::pair<int64_t, std::string>> error_kinds;  // kind -> count, first message
+  std::vector<int64_t> latencies_ns;                                   // ok requests in the window
+  double client_cpu_us = 0;
+  std::optional<ServerFigures> server;  // deltas over the window
+  int64_t late = 0;                     // open loop: sent more than 1 ms after due
+};
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+std::string ErrorKind(const Reply& r, std::string& message) {
+  if (r.status == 0) {
+    message = r.error;
+    return r.error == "timeout" ? "timeout" : "connection";
+  }
+  message = r.body.substr(0, 200);
+  return "HTTP " + std::to_string(r.status);
+}
+
+Result1 RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& infer_path, const std::string& body,
+                 const std::vector<std::pair<std::string, std::string>>& headers, const Level& level,
+                 std::optional<HttpConnection>& metrics, const Endpoint& metrics_e) {
+  Result1 res;
+  res.level = level;
+  const bool open = level.mode == "rate";
+  const int threads = open ? o.max_inflight : static_cast<int>(level.value);
+  const auto start = SteadyClock::now();
+  const auto window_from =
+      start + std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(o.warmup));
+  const auto window_to =
+      window_from + std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(o.seconds));
+  std::atomic<int64_t> ticket{0};
+  std::atomic<int64_t> completed{0};
+  std::mutex mu;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      HttpConnection c(e, o.timeout);
+      std::vector<int64_t> lat;
+      std::map<std::string, std::pair<int64_t, std::string>> kinds;
+      int64_t ok = 0, errors = 0, late = 0, done = 0;
+      while (true) {
+        SteadyClock::time_point due;
+        if (open) {
+          const int64_t k = ticket.fetch_add(1, std::memory_order_relaxed);
+          due = start + std::chrono::duration_cast<SteadyClock::duration>(
+                            std::chrono::duration<double>(static_cast<double>(k) / level.value));
+          if (due >= window_to) break;
+          std::this_thread::sleep_until(due);
+          if (SteadyClock::now() - due > std::chrono::milliseconds(1) && due >= window_from) ++late;
+        } else {
+          due = SteadyClock::now();
+          if (due >= window_to) break;
+        }
+        Reply r = c.Send(http::verb::post, infer_path, body, headers);
+        const auto end = SteadyClock::now();
+        const bool good = r.status == 200;
+        if (good) ++done;
+        if (due < window_from || end > window_to) continue;  // warm-up, or past the window
+        if (good) {
+          ++ok;
+          lat.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(end - due).count());
+        } else {
+          ++errors;
+          std::string message;
+          auto& k = kinds[ErrorKind(r, message)];
+          if (k.first++ == 0) k.second = message;
+        }
+      }
+      completed.fetch_add(done);
+      std::lock_guard<std::mutex> lock(mu);
+      res.ok += ok;
+      res.errors += errors;
+      res.late += late;
+      res.latencies_ns.insert(res.latencies_ns.end(), lat.begin(), lat.end());
+      for (auto& [kind, v] : kinds) {
+        auto& into = res.error_kinds[kind];
+        if (into.first == 0) into.second = v.second;
+        into.first += v.first;
+      }
+    });
+  }
+  std::this_thread::sleep_until(window_from);
+  const double cpu0 = CpuSeconds();
+  std::optional<ServerFigures> before;
+  if (metrics) before = Scrape(*metrics, metrics_e, o.model);
+  std::this_thread::sleep_until(window_to);
+  const double cpu1 = CpuSeconds();
+  std::optional<ServerFigures> after;
+  if (metrics) after = Scrape(*metrics, metrics_e, o.model);
+  res.wall_s = std::chrono::duration<double>(window_to - window_from).count();
+  for (auto& t : pool) t.join();
+  res.completed_total = completed.load();
+  const int64_t n = std::max<int64_t>(res.ok + res.errors, 1);
+  res.client_cpu_us = (cpu1 - cpu0) / static_cast<double>(n) * 1e6;
+  if (before && after) {
+    ServerFigures d;
+    d.cpu_s = after->cpu_s - before->cpu_s;
+    d.success = after->success - before->success;
+    d.queue_us_sum = after->queue_us_sum - before->queue_us_sum;
+    d.queue_count = after->queue_count - before->queue_count;
+    d.compute_us_sum = after->compute_us_sum - before->compute_us_sum;
+    d.compute_count = after->compute_count - before->compute_count;
+    d.items = after->items - before->items;
+    d.executions = after->executions - before->executions;
+    res.server = d;
+  }
+  std::sort(res.latencies_ns.begin(), res.latencies_ns.end());
+  return res;
+}
+
+double Percentile(const std::vector<int64_t>& sorted, double q) {
+  if (sorted.empty()) return std::nan("");
+  const size_t i = std::min(sorted.size() - 1,
+                            static_cast<size_t>(std::ceil(q * static_cast<double>(sorted.size()))) - (q > 0 ? 1 : 0));
+  return static_cast<double>(sorted[i]) / 1e6;
+}
+
+struct Row {
+  std::string mode;
+  double value, throughput, p50, p90, p95, p99, client_us, server_us, queue_us, compute_us, batch;
+  int64_t ok, errors, completed_total, late;
+  std::map<std::string, std::pair<int64_t, std::string>> kinds;
+};
+
+Row ToRow(const Result1& r) {
+  Row row;
+  row.mode = r.level.mode;
+  row.value = r.level.value;
+  row.throughput = static_cast<double>(r.ok) / r.wall_s;
+  row.p50 = Percentile(r.latencies_ns, 0.50);
+  row.p90 = Percentile(r.latencies_ns, 0.90);
+  row.p95 = Percentile(r.latencies_ns, 0.95);
+  row.p99 = Percentile(r.latencies_ns, 0.99);
+  row.client_us = r.client_cpu_us;
+  const double nan = std::nan("");
+  row.server_us = row.queue_us = row.compute_us = row.batch = nan;
+  if (r.server) {
+    const ServerFigures& s = *r.server;
+    if (s.success > 0) row.server_us = s.cpu_s / s.success * 1e6;
+    if (s.queue_count > 0) row.queue_us = s.queue_us_sum / s.queue_count;
+    if (s.compute_count > 0) row.compute_us = s.compute_us_sum / s.compute_count;
+    if (s.executions > 0) row.batch = s.items / s.executions;
+  }
+  row.ok = r.ok;
+  row.errors = r.errors;
+  row.completed_total = r.completed_total;
+  row.late = r.late;
+  row.kinds = r.error_kinds;
+  return row;
+}
+
+std::string Num(double v, int digits) {
+  if (std::isnan(v)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+void PrintJsonNumber(rapidjson::Writer<rapidjson::StringBuffer>& w, double v) {
+  if (std::isnan(v)) {
+    w.Null();
+  } else {
+    w.Double(v);
+  }
+}
+
+std::string PercentEncode(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char buf[4];
+      std::snprintf(buf, sizeof buf, "%%%02X", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int Perf(const PerfOptions& o) {
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "quern perf: %s\n", s.message().c_str());
+    return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+  };
+  if (o.model.empty()) return fail(InvalidArgument("--model is required"));
+  if (o.format != "table" && o.format != "csv" && o.format != "json") {
+    return fail(InvalidArgument("--format must be table, csv or json"));
+  }
+  if (!o.rates.empty() && !o.concurrency.empty()) {
+    return fail(InvalidArgument("give --concurrency (closed loop) or --rate (open loop), not both"));
+  }
+  for (int c : o.concurrency) {
+    if (c < 1 || c > 4096) return fail(InvalidArgument("--concurrency values are 1-4096"));
+  }
+  for (double r : o.rates) {
+    if (!(r > 0) || r > 1e7) return fail(InvalidArgument("--rate values are above 0 and at most 10^7"));
+  }
+  if (o.max_inflight < 1 || o.max_inflight > 4096) return fail(InvalidArgument("--max-inflight is 1-4096"));
+  if (!(o.seconds > 0) || !(o.warmup >= 0) || !(o.timeout > 0)) {
+    return fail(InvalidArgument("--seconds and --timeout must be above 0, --warmup at least 0"));
+  }
+  auto e = ParseHttpUrl(o.url, "--url");
+  if (!e) return fail(e.error());
+  std::string model_path = "/v2/models/" + PercentEncode(o.model);
+  if (!o.version.empty()) model_path += "/versions/" + PercentEncode(o.version);
+  auto inputs = DescribeInputs(o, *e, model_path);
+  if (!inputs) return fail(inputs.error());
+  auto body = BuildBody(*inputs, o.json);
+  if (!body) return fail(body.error());
+
+  std::optional<HttpConnection> metrics;
+  Endpoint metrics_e;
+  if (!o.metrics_url.empty()) {
+    auto me = ParseHttpUrl(o.metrics_url, "--metrics-url");
+    if (!me) return fail(me.error());
+    metrics_e = *me;
+    metrics.emplace(metrics_e, o.timeout);
+    if (!Scrape(*metrics, metrics_e, o.model)) {
+      return fail(Unavailable("--metrics-url " + o.metrics_url + " did not answer with metrics"));
+    }
+  }
+
+  std::vector<Level> levels;
+  for (double r : o.rates) levels.push_back({"rate", r});
+  for (int c : o.concurrency) levels.push_back({"concurrency", static_cast<double>(c)});
+  if (levels.empty()) levels.push_back({"concurrency", 1});
+
+  std::vector<Row> rows;
+  bool every_level_answered = true;
+  if (o.format == "table") {
+    std::printf("model %s at %s, %s tensors, inputs:", o.model.c_str(), o.url.c_str(), o.json ? "JSON" : "binary");
+    for (const auto& in : *inputs) {
+      std::printf(" %s %s %s", in.name.c_str(), std::string(DataTypeName(in.dtype)).c_str(),
+                  ShapeToString(in.shape).c_str());
+    }
+    std::printf("; %.3g s per level after %.3g s of warm-up\n", o.seconds, o.warmup);
+    std::printf("%12s %10s %9s %9s %9s %9s %7s %10s %10s %9s %10s %6s\n", levels[0].mode.c_str(), "req/s", "p50 ms",
+                "p90 ms", "p95 ms", "p99 ms", "errors", "client µs", "server µs", "queue µs", "compute µs", "batch");
+  } else if (o.format == "csv") {
+    std::printf(
+        "mode,value,requests_per_s,p50_ms,p90_ms,p95_ms,p99_ms,ok,errors,client_cpu_us_per_request,"
+        "server_cpu_us_per_request,server_queue_us,server_compute_us,server_batch_size,late\n");
+  }
+  for (const Level& level : levels) {
+    Row row = ToRow(RunLevel(o, *e, model_path + "/infer", body->first, body->second, level, metrics, metrics_e));
+    if (row.ok == 0) every_level_answered = false;
+    if (o.format == "table") {
+      std::printf("%12s %10.1f %9s %9s %9s %9s %7lld %10s %10s %9s %10s %6s\n",
+                  Num(level.value, level.mode == "rate" ? 1 : 0).c_str(), row.throughput, Num(row.p50, 3).c_str(),
+                  Num(row.p90, 3).c_str(), Num(row.p95, 3).c_str(), Num(row.p99, 3).c_str(),
+                  static_cast<long long>(row.errors), Num(row.client_us, 1).c_str(), Num(row.server_us, 1).c_str(),
+                  Num(row.queue_us, 1).c_str(), Num(row.compute_us, 1).c_str(), Num(row.batch, 2).c_str());
+      for (const auto& [kind, v] : row.kinds) {
+        std::printf("%12s   %lld x %s: %s\n", "", static_cast<long long>(v.first), kind.c_str(), v.second.c_str());
+      }
+      if (row.late > 0) {
+        std::printf(
+            "%12s   %lld requests sent over 1 ms after they were due (the client busy, or every connection in use: see "
+            "--max-inflight)\n",
+            "", static_cast<long long>(row.late));
+      }
+      std::fflush(stdout);
+    } else if (o.format == "csv") {
+      std::printf("%s,%g,%.3f,%s,%s,%s,%s,%lld,%lld,%s,%s,%s,%s,%s,%lld\n", level.mode.c_str(), level.value,
+                  row.throughput, Num(row.p50, 4).c_str(), Num(row.p90, 4).c_str(), Num(row.p95, 4).c_str(),
+                  Num(row.p99, 4).c_str(), static_cast<long long>(row.ok), static_cast<long long>(row.errors),
+                  Num(row.client_us, 2).c_str(), Num(row.server_us, 2).c_str(), Num(row.queue_us, 2).c_str(),
+                  Num(row.compute_us, 2).c_str(), Num(row.batch, 3).c_str(), static_cast<long long>(row.late));
+      std::fflush(stdout);
+    }
+    rows.push_back(std::move(row));
+  }
+  if (o.format == "json") {
+    rapidjson::StringBuffer sb;
+    rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+    w.StartObject();
+    w.Key("model");
+    w.String(o.model.c_str());
+    w.Key("url");
+    w.String(o.url.c_str());
+    w.Key("tensors");
+    w.String(o.json ? "json" : "binary");
+    w.Key("levels");
+    w.StartArray();
+    for (const Row& r : rows) {
+      w.StartObject();
+      w.Key("mode");
+      w.String(r.mode.c_str());
+      w.Key("value");
+      w.Double(r.value);
+      w.Key("requests_per_s");
+      w.Double(r.throughput);
+      w.Key("latency_ms");
+      w.StartObject();
+      w.Key("p50");
+      PrintJsonNumber(w, r.p50);
+      w.Key("p90");
+      PrintJsonNumber(w, r.p90);
+      w.Key("p95");
+      PrintJsonNumber(w, r.p95);
+      w.Key("p99");
+      PrintJsonNumber(w, r.p99);
+      w.EndObject();
+      w.Key("ok");
+      w.Int64(r.ok);
+      w.Key("errors");
+      w.Int64(r.errors);
+      w.Key("error_kinds");
+      w.StartObject();
+      for (const auto& [kind, v] : r.kinds) {
+        w.Key(kind.c_str());
+        w.StartObject();
+        w.Key("count");
+        w.Int64(v.first);
+        w.Key("first");
+        w.String(v.second.c_str(), static_cast<rapidjson::SizeType>(v.second.size()));
+        w.EndObject();
+      }
+      w.EndObject();
+      w.Key("completed_total");
+      w.Int64(r.completed_total);
+      w.Key("late");
+      w.Int64(r.late);
+      w.Key("client_cpu_us_per_request");
+      PrintJsonNumber(w, r.client_us);
+      w.Key("server_cpu_us_per_request");
+      PrintJsonNumber(w, r.server_us);
+      w.Key("server_queue_us");
+      PrintJsonNumber(w, r.queue_us);
+      w.Key("server_compute_us");
+      PrintJsonNumber(w, r.compute_us);
+      w.Key("server_batch_size");
+      PrintJsonNumber(w, r.batch);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::printf("%s\n", sb.GetString());
+  }
+  return every_level_answered ? 0 : 1;
+}
+
+}  // namespace quern::cli
