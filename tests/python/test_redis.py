@@ -198,7 +198,8 @@ def test_redis_restart_loses_no_finished_result(repo, redis_server):
 
 
 def test_results_wait_for_a_replica_when_asked(repo, tmp_path):
-    # ?wait_replicas=1: a result counts as written once a replica has it (WAIT after the EXEC);
+    # ?wait_replicas=1: a result counts as written once a replica has it (WAIT after the EXEC; 2 s,
+    # as a loaded machine can delay the replica's acknowledgement);
     # with the replica gone, results are still written, after the wait, and counted as such.
     (tmp_path / "m").mkdir()
     (tmp_path / "r").mkdir()
@@ -208,7 +209,7 @@ def test_results_wait_for_a_replica_when_asked(repo, tmp_path):
     try:
         m = master.client()
         wait_until(lambda: m.info("replication").get("slave0", {}).get("state") == "online", what="replica in sync")
-        q = Quern(repo, "--redis-url", master.url() + "?wait_replicas=1&wait_timeout_ms=300")
+        q = Quern(repo, "--redis-url", master.url() + "?wait_replicas=1&wait_timeout_ms=2000")
         wait_until(lambda: q.ready()[0] == 200, what="readiness")
         a, b = np.full((1, 4), 3, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
         first = submit(q, "add_sub", add_sub_body(a, b))
