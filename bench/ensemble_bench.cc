@@ -12,7 +12,6 @@
 // ensemble's bookkeeping and a request to echo's batcher and instances (the
 // direct request already pays one caller's submission and wait; echo
 // itself costs nothing).
-#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -26,18 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
 #include "quern/engine.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
-}
 
 class Echo final : public quern::Model {
  public:
@@ -95,13 +89,13 @@ Figures Measure(quern::Engine& engine, const std::string& model, int n, double s
     });
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const double cpu0 = CpuSeconds();
+  const double cpu0 = quern::ProcessCpuSeconds();
   const auto w0 = Clock::now();
   measuring = true;
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   measuring = false;
   const double wall = std::chrono::duration<double>(Clock::now() - w0).count();
-  const double cpu1 = CpuSeconds();
+  const double cpu1 = quern::ProcessCpuSeconds();
   stop = true;
   for (auto& th : threads) th.join();
   std::vector<double> all;

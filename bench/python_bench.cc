@@ -14,7 +14,6 @@
 // writing the outputs), read from /proc. The payload goes both ways: N bytes
 // in, N bytes out.
 #include <dirent.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -30,18 +29,13 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
 #include "quern/engine.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double SelfCpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
-}
 
 // CPU seconds of this process's live children (utime + stime from /proc).
 double ChildrenCpuSeconds() {
@@ -163,13 +157,13 @@ int main(int argc, char** argv) {
           });
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(500));  // warm-up
-        const double self0 = SelfCpuSeconds(), child0 = ChildrenCpuSeconds();
+        const double self0 = quern::ProcessCpuSeconds(), child0 = ChildrenCpuSeconds();
         const auto w0 = Clock::now();
         measuring = true;
         std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
         measuring = false;
         const double wall = std::chrono::duration<double>(Clock::now() - w0).count();
-        const double self1 = SelfCpuSeconds(), child1 = ChildrenCpuSeconds();
+        const double self1 = quern::ProcessCpuSeconds(), child1 = ChildrenCpuSeconds();
         stop = true;
         for (auto& th : threads) th.join();
         std::vector<double> all;

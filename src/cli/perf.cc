@@ -10,7 +10,6 @@
 
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -35,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
+#include "core/host_port.h"
 #include "core/json.h"
 #include "core/npy.h"
 #include "quern/status.h"
@@ -59,26 +60,18 @@ Result<Endpoint> ParseHttpUrl(const std::string& url, const char* flag) {
   if (!url.starts_with("http://")) {
     return Err(InvalidArgument(std::string(flag) + " '" + url + "': expected http://HOST:PORT[/PATH]"));
   }
-  std::string rest = url.substr(7);
+  std::string_view rest = std::string_view(url).substr(7);
   Endpoint e;
-  if (auto slash = rest.find('/'); slash != std::string::npos) {
-    e.prefix = rest.substr(slash);
+  if (auto slash = rest.find('/'); slash != std::string_view::npos) {
+    e.prefix = std::string(rest.substr(slash));
     rest = rest.substr(0, slash);
     while (!e.prefix.empty() && e.prefix.back() == '/') e.prefix.pop_back();
   }
-  if (rest.starts_with('[')) {
-    const auto close = rest.find(']');
-    if (close == std::string::npos) return Err(InvalidArgument(std::string(flag) + ": unterminated IPv6 address"));
-    e.host = rest.substr(1, close - 1);
-    if (close + 1 < rest.size() && rest[close + 1] == ':') e.port = rest.substr(close + 2);
-  } else if (auto colon = rest.rfind(':'); colon != std::string::npos) {
-    e.host = rest.substr(0, colon);
-    e.port = rest.substr(colon + 1);
-  } else {
-    e.host = rest;
+  int port = 0;
+  if (std::string why = ParseHostPort(rest, 80, e.host, port); !why.empty()) {
+    return Err(InvalidArgument(std::string(flag) + " '" + url + "': " + why));
   }
-  if (e.port.empty()) e.port = "80";
-  if (e.host.empty()) return Err(InvalidArgument(std::string(flag) + " '" + url + "': no host"));
+  e.port = std::to_string(port);
   return e;
 }
 
@@ -193,8 +186,14 @@ void FillInts(std::string& out, size_t n, std::mt19937_64& rng, int64_t lo, int6
 Status MakeData(InputSpec& in, const std::string& how, uint64_t seed) {
   const int64_t n = ElementCount(in.shape);
   if (n < 0) return InvalidArgument("input '" + in.name + "': shape " + ShapeToString(in.shape) + " is not fixed");
-  if (n > (int64_t{1} << 30)) return InvalidArgument("input '" + in.name + "': more than 2^30 elements");
   const auto count = static_cast<size_t>(n);
+  // What the server's metadata or --shape asks for is made in memory, once.
+  if (in.dtype != DataType::kBytes && count > (size_t{1} << 30) / DataTypeByteSize(in.dtype)) {
+    return InvalidArgument("input '" + in.name + "': shape " + ShapeToString(in.shape) + " is over 1 GiB");
+  }
+  if (in.dtype == DataType::kBytes && count > (size_t{1} << 26)) {
+    return InvalidArgument("input '" + in.name + "': shape " + ShapeToString(in.shape) + " has over 2^26 strings");
+  }
   std::mt19937_64 rng(seed);
   const bool zeros = how == "zeros";
   if (in.dtype == DataType::kBytes) {
@@ -493,7 +492,7 @@ struct Level {
   double value = 0;
 };
 
-struct Result1 {
+struct LevelRun {
   Level level;
   double wall_s = 0;
   int64_t ok = 0, errors = 0, completed_total = 0;                     // completed_total: warm-up included, every 2xx
@@ -504,13 +503,6 @@ struct Result1 {
   int64_t late = 0;                     // open loop: sent more than 1 ms after due
 };
 
-double CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
-
 std::string ErrorKind(const Reply& r, std::string& message) {
   if (r.status == 0) {
     message = r.error;
@@ -520,10 +512,10 @@ std::string ErrorKind(const Reply& r, std::string& message) {
   return "HTTP " + std::to_string(r.status);
 }
 
-Result1 RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& infer_path, const std::string& body,
-                 const std::vector<std::pair<std::string, std::string>>& headers, const Level& level,
-                 std::optional<HttpConnection>& metrics, const Endpoint& metrics_e) {
-  Result1 res;
+LevelRun RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& infer_path, const std::string& body,
+                  const std::vector<std::pair<std::string, std::string>>& headers, const Level& level,
+                  std::optional<HttpConnection>& metrics, const Endpoint& metrics_e) {
+  LevelRun res;
   res.level = level;
   const bool open = level.mode == "rate";
   const int threads = open ? o.max_inflight : static_cast<int>(level.value);
@@ -584,11 +576,11 @@ Result1 RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& inf
     });
   }
   std::this_thread::sleep_until(window_from);
-  const double cpu0 = CpuSeconds();
+  const double cpu0 = ProcessCpuSeconds();
   std::optional<ServerFigures> before;
   if (metrics) before = Scrape(*metrics, metrics_e, o.model);
   std::this_thread::sleep_until(window_to);
-  const double cpu1 = CpuSeconds();
+  const double cpu1 = ProcessCpuSeconds();
   std::optional<ServerFigures> after;
   if (metrics) after = Scrape(*metrics, metrics_e, o.model);
   res.wall_s = std::chrono::duration<double>(window_to - window_from).count();
@@ -626,7 +618,7 @@ struct Row {
   std::map<std::string, std::pair<int64_t, std::string>> kinds;
 };
 
-Row ToRow(const Result1& r) {
+Row ToRow(const LevelRun& r) {
   Row row;
   row.mode = r.level.mode;
   row.value = r.level.value;
@@ -658,14 +650,6 @@ std::string Num(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return buf;
-}
-
-void PrintJsonNumber(rapidjson::Writer<rapidjson::StringBuffer>& w, double v) {
-  if (std::isnan(v)) {
-    w.Null();
-  } else {
-    w.Double(v);
-  }
 }
 
 std::string PercentEncode(const std::string& s) {
@@ -789,55 +773,51 @@ int Perf(const PerfOptions& o) {
     w.String(o.json ? "json" : "binary");
     w.Key("levels");
     w.StartArray();
+    auto number = [&](const char* key, double v) {
+      w.Key(key);
+      if (std::isnan(v)) {
+        w.Null();
+      } else {
+        w.Double(v);
+      }
+    };
+    auto count = [&](const char* key, int64_t v) {
+      w.Key(key);
+      w.Int64(v);
+    };
     for (const Row& r : rows) {
       w.StartObject();
       w.Key("mode");
       w.String(r.mode.c_str());
-      w.Key("value");
-      w.Double(r.value);
-      w.Key("requests_per_s");
-      w.Double(r.throughput);
+      number("value", r.value);
+      number("requests_per_s", r.throughput);
       w.Key("latency_ms");
       w.StartObject();
-      w.Key("p50");
-      PrintJsonNumber(w, r.p50);
-      w.Key("p90");
-      PrintJsonNumber(w, r.p90);
-      w.Key("p95");
-      PrintJsonNumber(w, r.p95);
-      w.Key("p99");
-      PrintJsonNumber(w, r.p99);
+      number("p50", r.p50);
+      number("p90", r.p90);
+      number("p95", r.p95);
+      number("p99", r.p99);
       w.EndObject();
-      w.Key("ok");
-      w.Int64(r.ok);
-      w.Key("errors");
-      w.Int64(r.errors);
+      count("ok", r.ok);
+      count("errors", r.errors);
       w.Key("error_kinds");
       w.StartObject();
       for (const auto& [kind, v] : r.kinds) {
         w.Key(kind.c_str());
         w.StartObject();
-        w.Key("count");
-        w.Int64(v.first);
+        count("count", v.first);
         w.Key("first");
         w.String(v.second.c_str(), static_cast<rapidjson::SizeType>(v.second.size()));
         w.EndObject();
       }
       w.EndObject();
-      w.Key("completed_total");
-      w.Int64(r.completed_total);
-      w.Key("late");
-      w.Int64(r.late);
-      w.Key("client_cpu_us_per_request");
-      PrintJsonNumber(w, r.client_us);
-      w.Key("server_cpu_us_per_request");
-      PrintJsonNumber(w, r.server_us);
-      w.Key("server_queue_us");
-      PrintJsonNumber(w, r.queue_us);
-      w.Key("server_compute_us");
-      PrintJsonNumber(w, r.compute_us);
-      w.Key("server_batch_size");
-      PrintJsonNumber(w, r.batch);
+      count("completed_total", r.completed_total);
+      count("late", r.late);
+      number("client_cpu_us_per_request", r.client_us);
+      number("server_cpu_us_per_request", r.server_us);
+      number("server_queue_us", r.queue_us);
+      number("server_compute_us", r.compute_us);
+      number("server_batch_size", r.batch);
       w.EndObject();
     }
     w.EndArray();

@@ -21,4 +21,8 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
+// CPU time (user + system, every thread) this process has used so far, in
+// seconds: what benchmarks and `quern perf` divide by the requests they made.
+double ProcessCpuSeconds();
+
 }  // namespace quern

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <utility>
 
+#include "core/host_port.h"
+
 namespace quern {
 
 namespace asio = boost::asio;
@@ -50,33 +52,6 @@ std::string PercentDecode(std::string_view s) {
 bool ParseInt(std::string_view s, int64_t& v) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   return ec == std::errc() && p == s.data() + s.size() && !s.empty();
-}
-
-// "host", "host:port", "[v6]" or "[v6]:port". Returns "" or what is wrong.
-std::string ParseHostPort(std::string_view text, int default_port, std::string& host, int& port) {
-  std::string_view h = text, p;
-  if (text.starts_with('[')) {  // [::1]:6379
-    const auto close = text.find(']');
-    if (close == std::string_view::npos) return "unterminated IPv6 address";
-    h = text.substr(1, close - 1);
-    std::string_view after = text.substr(close + 1);
-    if (!after.empty()) {
-      if (after[0] != ':') return "unexpected text after the address";
-      p = after.substr(1);
-    }
-  } else if (auto colon = text.rfind(':'); colon != std::string_view::npos) {
-    h = text.substr(0, colon);
-    p = text.substr(colon + 1);
-  }
-  if (h.empty()) return "no host";
-  host = std::string(h);
-  port = default_port;
-  if (!p.empty()) {
-    int64_t v = 0;
-    if (!ParseInt(p, v) || v <= 0 || v > 65535) return "port '" + std::string(p) + "' is not 1-65535";
-    port = static_cast<int>(v);
-  }
-  return "";
 }
 
 }  // namespace

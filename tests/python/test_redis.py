@@ -229,6 +229,36 @@ def test_results_wait_for_a_replica_when_asked(repo, tmp_path):
         master.stop()
 
 
+def test_a_server_turned_replica_is_left_for_a_new_connection(repo, tmp_path):
+    # A failover demotes the master Quern writes to: it answers READONLY, and Quern must drop the
+    # connection (a new one reaches the master: with sentinels, the one they name) rather than
+    # retry on it. Here the same server is demoted and promoted again by hand.
+    (tmp_path / "m").mkdir()
+    (tmp_path / "o").mkdir()
+    master = RedisServer(tmp_path / "m")
+    other = RedisServer(tmp_path / "o")
+    q = None
+    try:
+        m = master.client()
+        q = Quern(repo, "--redis-url", master.url())
+        wait_until(lambda: q.ready()[0] == 200, what="readiness")
+        a, b = np.full((1, 4), 5, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+        wait_until(lambda: stored(m, submit(q, "add_sub", add_sub_body(a, b))), what="a first result")
+        assert q.metric("quern_redis_reconnects_total") == 0
+        m.execute_command("REPLICAOF", "127.0.0.1", str(other.port))  # demoted: writes answer READONLY
+        job = submit(q, "add_sub", add_sub_body(a + 1, b))
+        wait_until(lambda: q.metric("quern_redis_write_errors_total") >= 1, what="a refused write")
+        m.execute_command("REPLICAOF", "NO", "ONE")
+        doc = wait_until(lambda: stored(m, job), what="the result written once the server is a master again")
+        np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], a + 1 + b)
+        assert q.metric("quern_redis_reconnects_total") >= 1
+    finally:
+        if q:
+            q.stop()
+        other.stop()
+        master.stop()
+
+
 def test_auth_and_tls(repo, tmp_path):
     # A CA and a server certificate for 127.0.0.1, made here.
     def ssl(*args):
