@@ -193,7 +193,7 @@ class NetBed:
 
     def cpu_limit(self, host, fraction):
         """Gives the processes now running in `host` `fraction` of one core between them (a cgroup
-        CPU quota over 100 ms periods: past it, they wait for the next period)."""
+        CPU quota over 100 ms periods: past it, they wait for the next period); None lifts it."""
         root, kind = _cpu_cgroups()
         if root is None:
             raise RuntimeError(cpu_limits_available())
@@ -201,7 +201,7 @@ class NetBed:
         os.makedirs(path, exist_ok=True)
         if path not in self.cgroups:
             self.cgroups.append(path)
-        quota = max(1000, int(fraction * 100000))
+        quota = -1 if fraction is None else max(1000, int(fraction * 100000))
         if kind == "v1":
             with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
                 f.write("100000")
@@ -214,7 +214,7 @@ class NetBed:
             except OSError:
                 pass  # enabled already, or by whoever owns the hierarchy
             with open(os.path.join(path, "cpu.max"), "w") as f:
-                f.write(f"{quota} 100000")
+                f.write(f"{'max' if quota < 0 else quota} 100000")
         for pid in _ip("netns", "pids", self.ns(host)).stdout.split():
             try:
                 with open(os.path.join(path, "cgroup.procs"), "w") as f:
