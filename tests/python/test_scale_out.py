@@ -145,7 +145,10 @@ def drift_from_q3(cluster, prefix, what, restore):
     restore()
     assert j["wrong"] == [] and j["missing"] == [] and j["results"] == 1500, j
     done = cluster.done_counts(["Q1", "Q2", "Q3"])
-    assert sum(done.values()) == 1500, done
+    # A job Q3 held past the claim time is taken over and run again by a fast host (the same
+    # answer under the same key, which the report above checked): only Q3's jobs can run twice.
+    assert 1500 <= sum(done.values()) <= 1500 + done["Q3"], done
+    assert len(list(cluster.client().scan_iter(f"results:{prefix}-*", count=1000))) == 1500
     served = [rec[3] for rec in i["requests"] if rec[2] == 200]
     assert len(served) == len(i["requests"]), "every synchronous request answered"
     share = {h: served.count(h) for h in ("Q1", "Q2", "Q3")}
