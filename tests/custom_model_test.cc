@@ -120,6 +120,63 @@ TEST(CustomModel, BatchesConcurrentRequestsAndSplitsResults) {
   EXPECT_EQ(max_batch.load(), biggest);
 }
 
+// Records the thread each batch ran on.
+class ThreadRecorder : public Model {
+ public:
+  explicit ThreadRecorder(std::vector<std::thread::id>* threads, std::mutex* mu) : threads_(threads), mu_(mu) {}
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    {
+      std::lock_guard lock(*mu_);
+      threads_->push_back(std::this_thread::get_id());
+    }
+    auto v = inputs.at(0).tensor.values<float>();
+    std::vector<float> y(static_cast<size_t>(batch_size));
+    for (int64_t r = 0; r < batch_size; ++r) y[r] = 2 * v[r * 4];
+    outputs = {{"y", Floats({batch_size, 1}, y)}};
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<std::thread::id>* threads_;
+  std::mutex* mu_;
+};
+
+TEST(CustomModel, RunComputesOnTheCallersThreadWhenAnInstanceIsFree) {
+  auto engine = EmptyEngine();
+  std::vector<std::thread::id> threads;
+  std::mutex mu;
+  ModelConfig c = RowSumConfig("doubler", 2, false);
+  c.batching = BatchingConfig{};  // no batching delay: a batch leaves at once
+  ASSERT_TRUE(engine->RegisterModel(c, [&] { return std::make_unique<ThreadRecorder>(&threads, &mu); }).ok());
+  for (int i = 0; i < 5; ++i) {
+    InferRequest r;
+    r.model = "doubler";
+    r.inputs = {{"x", Floats({1, 4}, {static_cast<float>(i), 0, 0, 0})}};
+    InferResponse resp = engine->Run(std::move(r));
+    ASSERT_TRUE(resp.status.ok()) << resp.status.ToString();
+    EXPECT_EQ(ToFloats(resp.outputs[0].tensor), std::vector<float>{2.f * static_cast<float>(i)});
+  }
+  // Infer hands the request to an engine thread.
+  InferRequest r;
+  r.model = "doubler";
+  r.inputs = {{"x", Floats({1, 4}, {7, 0, 0, 0})}};
+  ASSERT_TRUE(engine->Infer(std::move(r)).get().status.ok());
+  std::lock_guard lock(mu);
+  ASSERT_EQ(threads.size(), 6u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(threads[static_cast<size_t>(i)], std::this_thread::get_id()) << i;
+  EXPECT_NE(threads[5], std::this_thread::get_id());
+  // Errors come back as responses, as from Infer.
+  InferRequest bad;
+  bad.model = "doubler";
+  bad.inputs = {{"x", Floats({1, 3}, {1, 2, 3})}};
+  InferResponse refused = engine->Run(std::move(bad));
+  EXPECT_EQ(refused.status.code(), StatusCode::kInvalidArgument);
+  InferRequest unknown;
+  unknown.model = "nope";
+  EXPECT_EQ(engine->Run(std::move(unknown)).status.code(), StatusCode::kNotFound);
+}
+
 TEST(CustomModel, ErrorInOneBatchKeepsServing) {
   auto engine = EmptyEngine();
   std::atomic<int> max_batch{0};

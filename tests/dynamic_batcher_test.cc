@@ -450,3 +450,219 @@ TEST(DynamicBatcher, AWideWorkerNeedsAnother) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(DynamicBatcher, AFreeInstanceRunsACallersBatchOnTheCallersThread) {
+  std::mutex mu;
+  std::vector<std::thread::id> ran_on;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.num_workers = 2;
+  auto b = std::move(*DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        std::lock_guard lock(mu);
+        for (size_t i = 0; i < batch.size(); ++i) ran_on.push_back(std::this_thread::get_id());
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {}));
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ScheduleOptions so;
+    so.run_here = true;
+    ASSERT_TRUE(b->Schedule(t, so).ok());
+    // Ran before Schedule returned, here.
+    std::lock_guard lock(mu);
+    ASSERT_EQ(ran_on.size(), static_cast<size_t>(i + 1));
+    EXPECT_EQ(ran_on.back(), std::this_thread::get_id());
+  }
+  // Without run_here a worker runs it.
+  std::unique_ptr<BatchTask> t = std::make_unique<Item>(9);
+  ASSERT_TRUE(b->Schedule(t, {}).ok());
+  b->Shutdown();
+  ASSERT_EQ(ran_on.size(), 4u);
+  EXPECT_NE(ran_on.back(), std::this_thread::get_id());
+}
+
+// Two workers whose batches wait at a gate; records who ran what where.
+struct GatedPair {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  int running[2] = {0, 0};
+  bool overlap = false;
+  std::vector<std::pair<int, std::thread::id>> batches;  // worker, thread
+  std::unique_ptr<DynamicBatcher> batcher;
+
+  GatedPair() {
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 1;
+    o.num_workers = 2;
+    batcher = std::move(*DynamicBatcher::Create(
+        o,
+        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
+          std::unique_lock lock(mu);
+          if (++running[worker] > 1) overlap = true;
+          batches.emplace_back(worker, std::this_thread::get_id());
+          cv.notify_all();
+          cv.wait(lock, [&] { return open; });
+          --running[worker];
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {}));
+  }
+  ~GatedPair() {
+    Open();
+    batcher->Shutdown();
+  }
+  void Open() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+  bool WaitBatches(size_t n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return batches.size() >= n; });
+  }
+};
+
+TEST(DynamicBatcher, ACallerWhoFindsEveryInstanceBusyLeavesItsTaskQueued) {
+  GatedPair g;
+  for (int i = 0; i < 2; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE(g.batcher->Schedule(t, {}).ok());
+  }
+  ASSERT_TRUE(g.WaitBatches(2));  // both instances held at the gate
+  std::unique_ptr<BatchTask> t = std::make_unique<Item>(2);
+  ScheduleOptions so;
+  so.run_here = true;
+  ASSERT_TRUE(g.batcher->Schedule(t, so).ok());  // returns at once: nothing free
+  EXPECT_EQ(g.batcher->queued(), 1u);
+  g.Open();
+  ASSERT_TRUE(g.WaitBatches(3));
+  std::lock_guard lock(g.mu);
+  EXPECT_NE(g.batches[2].second, std::this_thread::get_id());
+  EXPECT_FALSE(g.overlap);
+}
+
+TEST(DynamicBatcher, AWorkerWaitsForTheInstanceACallerHolds) {
+  GatedPair g;
+  // Callers take both instances and hold them at the gate.
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 2; ++i) {
+    callers.emplace_back([&, i] {
+      std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+      ScheduleOptions so;
+      so.run_here = true;
+      EXPECT_TRUE(g.batcher->Schedule(t, so).ok());
+    });
+  }
+  ASSERT_TRUE(g.WaitBatches(2));
+  // Work for the workers: neither may start it beside a caller's batch.
+  for (int i = 2; i < 6; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE(g.batcher->Schedule(t, {}).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // time for a wrong start
+  {
+    std::lock_guard lock(g.mu);
+    EXPECT_EQ(g.batches.size(), 2u);
+    EXPECT_FALSE(g.overlap);
+  }
+  g.Open();
+  for (auto& c : callers) c.join();
+  ASSERT_TRUE(g.WaitBatches(6));  // the callers' instances freed, the workers take the rest
+  std::lock_guard lock(g.mu);
+  EXPECT_FALSE(g.overlap);
+  for (size_t i = 0; i < 2; ++i) EXPECT_NE(g.batches[i].second, g.batches[i + 2].second);
+}
+
+TEST(DynamicBatcher, ShutdownWaitsForTheBatchesCallersRun) {
+  GatedPair g;
+  std::thread caller([&] {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(0);
+    ScheduleOptions so;
+    so.run_here = true;
+    EXPECT_TRUE(g.batcher->Schedule(t, so).ok());
+  });
+  ASSERT_TRUE(g.WaitBatches(1));
+  std::atomic<bool> returned{false};
+  std::thread stopper([&] {
+    g.batcher->Shutdown();
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(returned.load()) << "Shutdown returned while a caller's batch ran";
+  g.Open();
+  stopper.join();
+  caller.join();
+  EXPECT_TRUE(returned.load());
+}
+
+TEST(DynamicBatcher, CallersAndWorkersShareInstancesWithoutOverlapAndLoseNothing) {
+  std::mutex mu;
+  int running[3] = {0, 0, 0};
+  bool overlap = false;
+  bool wide_overlap = false;
+  std::atomic<int> done{0};
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.num_workers = 3;
+  o.wide_worker = true;
+  auto b = std::move(*DynamicBatcher::Create(
+      o,
+      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        {
+          std::lock_guard lock(mu);
+          ++running[worker];
+          const int all = running[0] + running[1] + running[2];
+          if (running[worker] > 1) overlap = true;
+          if (running[2] > 0 && all > 1) wide_overlap = true;
+        }
+        std::this_thread::yield();
+        {
+          std::lock_guard lock(mu);
+          --running[worker];
+        }
+        done += static_cast<int>(batch.size());
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {}));
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 6; ++k) {
+    threads.emplace_back([&, k] {
+      for (int i = 0; i < 500; ++i) {
+        std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+        ScheduleOptions so;
+        so.run_here = (k + i) % 2 == 0;
+        EXPECT_TRUE(b->Schedule(t, so).ok());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Drained by the workers before Shutdown (which runs what is left on
+  // every worker at once).
+  for (int i = 0; i < 10000 && done.load() < 6 * 500; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(done.load(), 6 * 500);
+  b->Shutdown();
+  EXPECT_FALSE(overlap) << "two batches on one instance";
+  EXPECT_FALSE(wide_overlap) << "a wide batch beside another";
+}
+
+TEST(DynamicBatcher, CallersThatKeepTheModelBusyOverTimeRunNarrow) {
+  // Every request arrives to find only itself in the model (in_model 1), as
+  // callers that send their next request after their answer do; the time
+  // average of what is in the batcher sees two of them at once.
+  WideHarness h;
+  h.Close();
+  h.Send(1);  // the wide worker takes it and holds it
+  ASSERT_TRUE(h.WaitStarted(1));
+  EXPECT_EQ(h.workers.back(), 2);
+  h.Send(1);                      // queued behind it
+  h.clock.AdvanceNs(10'000'000);  // two in the batcher for 10 ms
+  h.Open();
+  ASSERT_TRUE(h.WaitStarted(2));
+  EXPECT_NE(h.workers.back(), 2) << "the second request ran wide although two were in the model";
+}
+
+}  // namespace
+}  // namespace quern

@@ -245,6 +245,15 @@ class Engine {
   // failure) is a response with a non-OK status, never an exception.
   std::future<InferResponse> Infer(InferRequest request);
 
+  // Runs a request and returns its response, blocking the calling thread
+  // (errors as with Infer). When an instance of the model is free and the
+  // request's batch would leave now, the batch runs on this thread, so a
+  // caller that would only wait pays no hand-off to an engine thread and
+  // back; otherwise the request is queued and batched as any other. For
+  // threads that would wait at once anyway; one that must not block uses
+  // Infer or InferAsync.
+  InferResponse Run(InferRequest request);
+
   // Submits a request without waiting, in two steps, as a batch scheduler
   // takes a task. Admission is synchronous: a request refused at submission
   // (unknown or unready model, invalid input, queue full, model stopping)
@@ -308,6 +317,7 @@ class Engine {
 
  private:
   explicit Engine(std::unique_ptr<ModelRegistry> impl);
+  std::future<InferResponse> Submit(InferRequest request, bool run_here);
   std::unique_ptr<ModelRegistry> impl_;
 };
 

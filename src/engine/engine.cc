@@ -78,6 +78,14 @@ const char* Version() {
 }
 
 std::future<InferResponse> Engine::Infer(InferRequest request) {
+  return Submit(std::move(request), /*run_here=*/false);
+}
+
+InferResponse Engine::Run(InferRequest request) {
+  return Submit(std::move(request), /*run_here=*/true).get();
+}
+
+std::future<InferResponse> Engine::Submit(InferRequest request, bool run_here) {
   auto promise = std::make_shared<std::promise<InferResponse>>();
   auto future = promise->get_future();
   const uint64_t id = impl_->NextId();
@@ -85,7 +93,7 @@ std::future<InferResponse> Engine::Infer(InferRequest request) {
   const int64_t version = request.version;
   auto metadata = request.metadata;
   InferCallback done = [promise](InferResponse&& r) { promise->set_value(std::move(r)); };
-  if (Status st = impl_->Submit(std::move(request), id, done); !st.ok()) {
+  if (Status st = impl_->Submit(std::move(request), id, done, run_here); !st.ok()) {
     InferResponse r = Refusal(std::move(st), id, model, version, clock().NowNs());
     r.metadata = std::move(metadata);
     promise->set_value(std::move(r));

@@ -240,7 +240,8 @@ Status EnsembleModel::StepError(int step, const Status& status) const {
                                    "'): " + status.message());
 }
 
-Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
+Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done,
+                             bool /*run_here: steps are submitted as answers arrive*/) {
   Telemetry arrival;
   arrival.queue_start_ns = clock_->NowNs();
   {

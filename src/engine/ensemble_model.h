@@ -59,7 +59,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
                                                        const Clock* clock);
   ~EnsembleModel() override;
 
-  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) override;
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) override;
   // Refuses while stopping, or when a model of a first step would refuse.
   Status CheckAdmission() override;
   void Abandon() override {}  // its requests run in the step models, which are abandoned themselves

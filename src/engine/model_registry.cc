@@ -57,7 +57,7 @@ Status ModelRegistry::Start() {
   return Status::Ok();
 }
 
-Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done) {
+Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done, bool run_here) {
   // A version replaced between the lookup and the submission (a reload)
   // refuses as it stops and hands the request back: it goes to the version
   // that replaced it. Bounded, in case reloads follow one another.
@@ -66,7 +66,7 @@ Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback&
     auto served = Resolve(request.model, request.version);
     if (!served) return served.error();
     if (*served == previous) return Unavailable("model '" + request.model + "' is stopping");
-    Status st = (*served)->Submit(std::move(request), id, done);
+    Status st = (*served)->Submit(std::move(request), id, done, run_here);
     if (st.ok() || attempt == 3 || !(*served)->stopping()) return st;
     previous = std::move(*served);
   }

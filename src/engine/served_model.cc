@@ -190,7 +190,7 @@ Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
   return Status::Ok();
 }
 
-Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done) {
+Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   const int64_t in_model = unanswered_.fetch_add(1, std::memory_order_relaxed) + 1;
   auto task = std::make_unique<Task>();
@@ -206,6 +206,7 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
   so.in_model = in_model;
+  so.run_here = run_here;
   task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);

@@ -333,7 +333,7 @@ class PyEngine {
     InferResponse resp;
     {
       py::gil_scoped_release release;
-      resp = engine.Infer(std::move(r)).get();
+      resp = engine.Run(std::move(r));
     }
     if (!resp.status.ok()) Raise(resp.status);
     return Answer(std::move(resp));

@@ -69,6 +69,11 @@ struct ScheduleOptions {
   // running), this one included: the load a wide worker follows
   // (DynamicBatcher). -1 = the batcher counts what it queues and runs.
   int64_t in_model = -1;
+  // The caller waits for the answer anyway (DynamicBatcher): when an
+  // instance is free and the queue sends a batch off now, the batch runs on
+  // the calling thread, inside Schedule, with no hand-off to a worker and
+  // back.
+  bool run_here = false;
 };
 
 class BatchQueue {

@@ -1,6 +1,9 @@
 #include "scheduler/dynamic_batcher.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 
 #include "core/cpus.h"
 
@@ -9,22 +12,29 @@ namespace quern {
 Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOptions options, BatchProcessor processor,
                                                                DropHandler on_drop) {
   if (options.num_workers < 1) return Err(InvalidArgument("a batcher needs at least one worker"));
+  if (options.wide_worker && options.num_workers < 2) {
+    return Err(InvalidArgument("a wide worker needs at least one other worker"));
+  }
+  if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
   auto queue = BatchQueue::Create(std::move(options.queue));
   if (!queue) return Err(queue.error());
   const Clock* clock = options.clock ? options.clock : &RealClockInstance();
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(*queue), clock, std::move(processor), std::move(on_drop)));
   b->num_workers_ = options.num_workers;
-  if (options.wide_worker && options.num_workers < 2) {
-    return Err(InvalidArgument("a wide worker needs at least one other worker"));
-  }
+  b->worker_cv_ = std::make_unique<CondVar[]>(static_cast<size_t>(options.num_workers));
   b->wide_ = options.wide_worker;
-  if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
   if (options.tuner) {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
     b->tuner_.emplace(std::move(*options.tuner));
     b->queue_.set_batch_limit(b->tuner_->limit());
+  }
+  {
+    MutexLock lock(b->mu_);
+    b->expected_end_ns_.assign(static_cast<size_t>(options.num_workers), 0);
+    b->busy_.assign(static_cast<size_t>(options.num_workers), 0);
+    b->waiting_.assign(static_cast<size_t>(options.num_workers), 0);
   }
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
@@ -48,29 +58,145 @@ DynamicBatcher::~DynamicBatcher() {
 }
 
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
-  bool wake_wide = false;
+  int claimed = -1;
+  BatchQueue::Decision here;
   {
     MutexLock lock(mu_);
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
+    TrackLoadLocked(now);
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     const double present = options.in_model >= 0
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
-    load_ = 0.75 * load_ + 0.25 * present;
-    wake_wide = wide_ && MayTake(true);  // with the load this arrival leaves
-    int64_t due = options.deadline_ns;
-    if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
-    if (!AnyTaker() && ReaperNeedsWake(due)) reaper_cv_.Signal();
+    load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
+    if (options.run_here) claimed = ClaimLocked();
+    if (claimed >= 0) {
+      // The queue's own decision, as for a worker: a batching delay or
+      // preferred sizes keep the task queued for company.
+      here = queue_.Next(now, /*flush=*/false, /*takers=*/1);
+      if (here.batch.empty() && here.dropped.empty()) {
+        claimed = -1;
+      } else {
+        BeginLocked(claimed, here, now);
+        ++callers_running_;
+      }
+    }
+    if (claimed < 0 || !queue_.empty()) {
+      // Only a worker that may take the queue's work is woken: the wide one
+      // while the load is light, else a free one of the others. One that
+      // may not take it now is left asleep: the worker that finishes a
+      // batch looks at the queue before it waits.
+      if (wide_ && MayTake(true)) {
+        wide_cv_.Signal();
+      } else if (busy_workers_ < narrow_workers() && MayTake(false)) {
+        WakeNarrowLocked();
+      }
+      int64_t due = options.deadline_ns;
+      if (options.timeout_ns > 0 && (due == 0 || now + options.timeout_ns < due)) due = now + options.timeout_ns;
+      if (!AnyTaker() && ReaperNeedsWake(due, now)) reaper_cv_.Signal();
+    }
   }
-  // Only the worker that may take it is woken: the wide one while the load
-  // is light, else one of the others.
-  if (wake_wide) {
-    wide_cv_.Signal();
-  } else {
-    cv_.Signal();
-  }
+  if (claimed >= 0) RunHere(claimed, std::move(here));
   return Status::Ok();
+}
+
+int DynamicBatcher::ClaimLocked() const {
+  if (stopping_) return -1;
+  if (wide_ && MayTake(true)) return num_workers_ - 1;
+  if (busy_workers_ >= narrow_workers() || !MayTake(false)) return -1;
+  for (int i = 0; i < narrow_workers(); ++i) {
+    if (!busy_[static_cast<size_t>(i)]) return i;
+  }
+  return -1;
+}
+
+void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d) {
+  for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
+  const auto tasks = static_cast<int64_t>(d.batch.size());
+  int64_t ran_ns = 0;
+  if (!d.batch.empty()) {
+    const int64_t start = clock_->NowNs();
+    processor_(worker, std::move(d.batch));
+    ran_ns = clock_->NowNs() - start;
+  }
+  MutexLock lock(mu_);
+  EndLocked(worker, tasks, d.items, d.capped, ran_ns);
+  if (--callers_running_ == 0) callers_cv_.SignalAll();
+  // The instance's own worker may have waited for it (work queued, or the
+  // batcher stopping); it or another that may take the work looks now.
+  if (stopping_) {
+    SignalAllLocked();
+  } else if (!queue_.empty()) {
+    if (wide_ && MayTake(true)) {
+      wide_cv_.Signal();
+    } else if (MayTake(false)) {
+      WakeNarrowLocked();
+    }
+  }
+}
+
+void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {
+  const int64_t dt = now_ns - load_at_ns_;
+  if (dt <= 0) return;
+  const double keep = std::exp(-static_cast<double>(dt) / static_cast<double>(kLoadWindowNs));
+  const double present = static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
+  average_load_ = keep * average_load_ + (1 - keep) * present;
+  load_at_ns_ = now_ns;
+}
+
+void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns) {
+  TrackLoadLocked(now_ns);  // dropped tasks leave
+  if (wide_ && worker == num_workers_ - 1) {
+    wide_running_ = true;
+    if (!d.batch.empty()) ++wide_batches_;
+  } else {
+    busy_[static_cast<size_t>(worker)] = 1;
+    ++busy_workers_;
+  }
+  running_tasks_ += static_cast<int64_t>(d.batch.size());
+  // Unknown before the first batch: taken as long.
+  expected_end_ns_[static_cast<size_t>(worker)] =
+      ns_per_item_ > 0 ? now_ns + static_cast<int64_t>(ns_per_item_ * static_cast<double>(d.items)) : INT64_MAX;
+}
+
+void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns) {
+  const bool wide = wide_ && worker == num_workers_ - 1;
+  TrackLoadLocked(clock_->NowNs());
+  running_tasks_ -= tasks;
+  expected_end_ns_[static_cast<size_t>(worker)] = 0;
+  if (wide) {
+    wide_running_ = false;
+  } else {
+    busy_[static_cast<size_t>(worker)] = 0;
+    --busy_workers_;
+  }
+  // The time per item and the batch size tuner describe the instances
+  // that share the cores; a wide batch has them all.
+  if (items > 0 && ran_ns > 0 && (!wide || ns_per_item_ == 0)) {
+    const double sample = static_cast<double>(ran_ns) / static_cast<double>(items);
+    ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
+  }
+  if (tuner_ && items > 0 && !wide && !stopping_ && tuner_->Observe(items, ran_ns, capped)) {
+    queue_.set_batch_limit(tuner_->limit());
+  }
+}
+
+void DynamicBatcher::WakeNarrowLocked() {
+  for (int i = 0; i < narrow_workers(); ++i) {
+    const auto w = static_cast<size_t>(i);
+    if (!busy_[w] && waiting_[w]) {
+      waiting_[w] = 0;  // the next wake-up goes to another
+      worker_cv_[w].Signal();
+      return;
+    }
+  }
+}
+
+void DynamicBatcher::SignalAllLocked() {
+  for (int i = 0; i < num_workers_; ++i) worker_cv_[static_cast<size_t>(i)].SignalAll();
+  wide_cv_.SignalAll();
+  reaper_cv_.SignalAll();
 }
 
 bool DynamicBatcher::stopping() const {
@@ -101,10 +227,8 @@ Status DynamicBatcher::CheckAdmission() const {
 }
 
 void DynamicBatcher::Kick() {
-  { MutexLock lock(mu_); }
-  cv_.SignalAll();
-  wide_cv_.SignalAll();
-  reaper_cv_.SignalAll();
+  MutexLock lock(mu_);
+  SignalAllLocked();
 }
 
 void DynamicBatcher::Shutdown() {
@@ -112,15 +236,15 @@ void DynamicBatcher::Shutdown() {
     MutexLock lock(mu_);
     if (stopping_ && workers_.empty()) return;
     stopping_ = true;
+    SignalAllLocked();
   }
-  cv_.SignalAll();
-  wide_cv_.SignalAll();
-  reaper_cv_.SignalAll();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
   if (reaper_.joinable()) reaper_.join();
   MutexLock lock(mu_);
+  // Batches that callers run on their own threads end too before it returns.
+  callers_cv_.Wait(lock, [this]() QUERN_REQUIRES(mu_) { return callers_running_ == 0; });
   workers_.clear();
 }
 
@@ -150,7 +274,7 @@ bool DynamicBatcher::MayTake(bool wide) const {
   // Light load: the wide worker, once the others' batches are done (a
   // worker that has just answered its batch still counts as busy for a
   // moment; its caller's next request waits for it rather than run narrow).
-  const bool light = load_ < kWideBelow;
+  const bool light = load_ < kWideBelow && average_load_ < kWideBelowAverage;
   if (wide) return light && busy_workers_ == 0;
   return !light;
 }
@@ -162,70 +286,69 @@ bool DynamicBatcher::AnyTaker() const {
 
 void DynamicBatcher::WorkerLoop(int worker) {
   const bool wide = wide_ && worker == num_workers_ - 1;
-  CondVar& cv = wide ? wide_cv_ : cv_;
+  CondVar& cv = wide ? wide_cv_ : worker_cv_[static_cast<size_t>(worker)];
+  const auto w = static_cast<size_t>(worker);
   MutexLock lock(mu_);
   while (true) {
+    // A caller may be running a batch on this worker's instance (RunHere).
+    const bool instance_free = wide ? !wide_running_ : !busy_[w];
     if (stopping_ && queue_.empty()) break;
-    if (!stopping_ && !MayTake(wide)) {
-      cv.Wait(lock);
-      continue;
+    int64_t wake_at_ns = 0;
+    int64_t now = 0;
+    if (instance_free && (stopping_ || MayTake(wide))) {
+      now = clock_->NowNs();
+      BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, wide ? 1 : narrow_workers() - busy_workers_);
+      if (!d.batch.empty() || !d.dropped.empty()) {
+        const bool more = !queue_.empty();
+        const auto tasks = static_cast<int64_t>(d.batch.size());
+        BeginLocked(worker, d, now);
+        if (!AnyTaker() && more && ReaperNeedsWake(0, now)) reaper_cv_.Signal();
+        if (more && !wide) WakeNarrowLocked();  // let another free instance take the next batch
+        lock.Unlock();
+        for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
+        int64_t ran_ns = 0;
+        if (!d.batch.empty()) {
+          const int64_t start = clock_->NowNs();
+          processor_(worker, std::move(d.batch));
+          ran_ns = clock_->NowNs() - start;
+        }
+        lock.Lock();
+        EndLocked(worker, tasks, d.items, d.capped, ran_ns);
+        if (wide) {
+          if (!queue_.empty() && MayTake(false)) {
+            for (int i = 0; i < narrow_workers(); ++i) WakeNarrowLocked();  // the others may take batches again
+          }
+        } else if (wide_ && !queue_.empty() && MayTake(true)) {
+          wide_cv_.Signal();  // the load turned light: the wide worker's turn
+        }
+        continue;
+      }
+      wake_at_ns = d.wake_at_ns;
     }
-    const int64_t now = clock_->NowNs();
-    BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, wide ? 1 : narrow_workers() - busy_workers_);
-    if (!d.batch.empty() || !d.dropped.empty()) {
-      const bool more = !queue_.empty();
-      const auto tasks = static_cast<int64_t>(d.batch.size());
-      if (wide) {
-        wide_running_ = true;
-        if (!d.batch.empty()) ++wide_batches_;
-      } else {
-        ++busy_workers_;
-      }
-      running_tasks_ += tasks;
-      if (!AnyTaker() && more && ReaperNeedsWake(0)) reaper_cv_.Signal();
-      lock.Unlock();
-      if (more && !wide) cv_.Signal();  // let another free instance take the next batch
-      for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
-      int64_t ran_ns = 0;
-      if (!d.batch.empty()) {
-        const int64_t start = clock_->NowNs();
-        processor_(worker, std::move(d.batch));
-        ran_ns = clock_->NowNs() - start;
-      }
-      lock.Lock();
-      running_tasks_ -= tasks;
-      if (wide) {
-        wide_running_ = false;
-      } else {
-        --busy_workers_;
-      }
-      // The time per item and the batch size tuner describe the instances
-      // that share the cores; a wide batch has them all.
-      if (d.items > 0 && ran_ns > 0 && (!wide || ns_per_item_ == 0)) {
-        const double sample = static_cast<double>(ran_ns) / static_cast<double>(d.items);
-        ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
-      }
-      if (tuner_ && d.items > 0 && !wide && !stopping_ && tuner_->Observe(d.items, ran_ns, d.capped)) {
-        queue_.set_batch_limit(tuner_->limit());
-      }
-      if (wide) {
-        cv_.SignalAll();  // the others may take batches again
-      } else if (wide_ && !queue_.empty() && MayTake(true)) {
-        wide_cv_.Signal();  // the load turned light: the wide worker's turn
-      }
-      continue;
-    }
-    if (d.wake_at_ns == 0) {
+    if (!wide) waiting_[w] = 1;
+    if (wake_at_ns == 0) {
       cv.Wait(lock);
     } else {
       // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
-      cv.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(d.wake_at_ns - now, 0)));
+      cv.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(wake_at_ns - now, 0)));
     }
+    if (!wide) waiting_[w] = 0;
   }
 }
 
-bool DynamicBatcher::ReaperNeedsWake(int64_t due_ns) const {
-  if (reaper_wake_ns_ == 0) return true;  // asleep until told
+bool DynamicBatcher::ReaperNeedsWake(int64_t due_ns, int64_t now_ns) const {
+  if (reaper_wake_ns_ == 0) {  // asleep until told
+    // Not while a batch is expected to end within the reaper's poll period
+    // (and before the task's deadline): its worker takes the queue then,
+    // sooner than the reaper would look. A batch that overran its expected
+    // time no longer counts.
+    int64_t soonest = INT64_MAX;
+    for (const int64_t end : expected_end_ns_) {
+      if (end > 0) soonest = std::min(soonest, end);
+    }
+    const bool freed_soon = soonest > now_ns && soonest - now_ns <= int64_t{kReapPollMs} * 1'000'000;
+    return !freed_soon || (due_ns > 0 && due_ns <= soonest);
+  }
   return due_ns > 0 && reaper_wake_ns_ > 0 && due_ns < reaper_wake_ns_;
 }
 

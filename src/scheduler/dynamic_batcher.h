@@ -11,7 +11,10 @@
 // tasks through the DropHandler. While every worker is busy, a reaper thread
 // drops tasks that pass their deadline or are cancelled, so their callers
 // hear at once rather than when an instance frees up (cancellation is
-// noticed within kReapPollMs).
+// noticed within kReapPollMs). It is not woken while a batch is expected to
+// end within kReapPollMs (its worker looks at the queue sooner): a request
+// that arrives while a lone caller's previous one finishes costs no
+// wake-up of it.
 //
 // A wide worker (options.wide_worker): the last worker runs its batches on
 // every core, alone. While the load is light (on average fewer than
@@ -23,9 +26,19 @@
 // So a lone request (a camera's frame) gets every core, and concurrent ones
 // get one instance each.
 //
+// A caller that would only wait for its answer (ScheduleOptions::run_here)
+// lends its thread: when an instance that may take work is free and the
+// queue sends a batch off at once, Schedule runs that batch (its task and
+// any queued with it) on the calling thread, on that instance, before it
+// returns. A hand-off to a worker and back costs two sleeps and wake-ups
+// (tens of µs of CPU on a virtual machine, more than a small model's run);
+// a caller's own run costs none. A worker whose instance a caller holds
+// waits for it.
+//
 // Thread safety: Schedule and Kick may be called from any thread.
 // Shutdown()/the destructor stop intake, run every queued task to completion
-// (nothing is lost) and join the workers; do not call them from a worker.
+// (nothing is lost), wait for batches callers run and join the workers; do
+// not call them from a worker or a batch's callbacks.
 #pragma once
 
 #include <condition_variable>
@@ -105,6 +118,13 @@ class DynamicBatcher {
   // The wide worker takes batches while the average number of requests in
   // the model, seen by arriving requests, stays under this.
   static constexpr double kWideBelow = 1.5;
+  // ... and while the requests in the batcher, averaged over time (over
+  // about kLoadWindowNs), stay under this. Callers that send their next
+  // request only after their answer arrive to find the model nearly empty
+  // (the others are between requests); the time average sees how many are
+  // in it while they compute: a lone caller keeps it at or below 1.
+  static constexpr double kWideBelowAverage = 1.2;
+  static constexpr int64_t kLoadWindowNs = 2'000'000;
   int num_workers() const { return num_workers_; }
   // Batches run by the wide worker so far.
   int64_t wide_batches() const;
@@ -112,10 +132,23 @@ class DynamicBatcher {
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
   void WorkerLoop(int worker);
+  // A free instance for a caller that lends its thread (the wide one while
+  // the load is light, else a free other one), or -1.
+  int ClaimLocked() const QUERN_REQUIRES(mu_);
+  // Runs batch `d` (begun on `worker`'s instance) on the calling thread.
+  void RunHere(int worker, BatchQueue::Decision d) QUERN_EXCLUDES(mu_);
+  // Marks `worker`'s instance busy with `d` / free again after `ran_ns`.
+  void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns) QUERN_REQUIRES(mu_);
+  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns) QUERN_REQUIRES(mu_);
+  // Wakes one waiting worker (not the wide one) whose instance is free.
+  void WakeNarrowLocked() QUERN_REQUIRES(mu_);
+  void SignalAllLocked() QUERN_REQUIRES(mu_);
+  // Brings average_load_ up to `now_ns`, before the number of tasks changes.
+  void TrackLoadLocked(int64_t now_ns) QUERN_REQUIRES(mu_);
   void ReaperLoop();
-  // Would a task due at `due_ns` (0 = no deadline of its own) be reaped
-  // late without a wake-up?
-  bool ReaperNeedsWake(int64_t due_ns) const QUERN_REQUIRES(mu_);
+  // Would a task due at `due_ns` (0 = no deadline of its own), queued at
+  // `now_ns` while no worker may take it, be reaped late without a wake-up?
+  bool ReaperNeedsWake(int64_t due_ns, int64_t now_ns) const QUERN_REQUIRES(mu_);
   // Schedule's admission decision; `queue_wait` false for work its caller
   // admitted already (only a stopping model refuses it).
   Status AdmissionLocked(bool queue_wait) const QUERN_REQUIRES(mu_);
@@ -131,21 +164,35 @@ class DynamicBatcher {
   BatchProcessor processor_;
   DropHandler on_drop_;
   mutable Mutex mu_;
-  CondVar cv_;       // the workers but the wide one: work or stop
-  CondVar wide_cv_;  // the wide worker
+  std::unique_ptr<CondVar[]> worker_cv_;  // each worker but the wide one: work or stop
+  CondVar wide_cv_;                       // the wide worker
   BatchQueue queue_ QUERN_GUARDED_BY(mu_);
   std::optional<BatchSizeTuner> tuner_ QUERN_GUARDED_BY(mu_);
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;  // not counting the wide worker
-  bool wide_ = false;                           // set before any thread starts
+  // Per worker: its instance runs a batch (not kept for the wide one: see
+  // wide_running_), and it waits on its condition variable.
+  std::vector<char> busy_ QUERN_GUARDED_BY(mu_);
+  std::vector<char> waiting_ QUERN_GUARDED_BY(mu_);
+  // Batches callers run on their own threads (RunHere) now.
+  int callers_running_ QUERN_GUARDED_BY(mu_) = 0;
+  CondVar callers_cv_;
+  bool wide_ = false;  // set before any thread starts
   bool wide_running_ QUERN_GUARDED_BY(mu_) = false;
   int64_t wide_batches_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t running_tasks_ QUERN_GUARDED_BY(mu_) = 0;
+  // When each worker's batch is expected to end (its items x ns_per_item_);
+  // 0 = idle.
+  std::vector<int64_t> expected_end_ns_ QUERN_GUARDED_BY(mu_);
   // Requests in the model seen by arriving requests (themselves included), a
   // moving average.
   double load_ QUERN_GUARDED_BY(mu_) = 1.0;
+  // Tasks queued or running, averaged over time (TrackLoadLocked, before
+  // every change of that number), and when it was last brought up to date.
+  double average_load_ QUERN_GUARDED_BY(mu_) = 0.0;
+  int64_t load_at_ns_ QUERN_GUARDED_BY(mu_) = 0;
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
   // so a saturated model does not wake it once per request.
