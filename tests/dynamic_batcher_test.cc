@@ -331,6 +331,7 @@ struct WideHarness {
   std::vector<int> workers;  // who ran each batch, in order
   bool overlap = false;
   FakeClock clock;
+  std::atomic<int64_t> run_ns{0};  // how long each batch takes on the fake clock
   std::unique_ptr<DynamicBatcher> batcher;
   int next_id = 0;
 
@@ -343,6 +344,7 @@ struct WideHarness {
     batcher = std::move(*DynamicBatcher::Create(
         o,
         [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
+          clock.AdvanceNs(run_ns.load());
           std::unique_lock lock(mu);
           ++running[worker];
           const int others = running[0] + running[1] + running[2] - 1;
@@ -662,6 +664,32 @@ TEST(DynamicBatcher, CallersThatKeepTheModelBusyOverTimeRunNarrow) {
   h.Open();
   ASSERT_TRUE(h.WaitStarted(2));
   EXPECT_NE(h.workers.back(), 2) << "the second request ran wide although two were in the model";
+}
+
+TEST(DynamicBatcher, TheWideWorkerRestsWhileItsRunsAreShort) {
+  WideHarness h;
+  h.run_ns = 100'000;  // 0.1 ms a run: too short to gain from more cores
+  size_t n = 0;
+  for (; n < static_cast<size_t>(DynamicBatcher::kWideSamples); ++n) {
+    h.Send(1);
+    ASSERT_TRUE(h.WaitStarted(n + 1));
+    EXPECT_EQ(h.workers.back(), 2) << n;
+  }
+  // Lone requests now run on the other workers.
+  for (; n < 24; ++n) {
+    h.Send(1);
+    ASSERT_TRUE(h.WaitStarted(n + 1));
+    EXPECT_NE(h.workers.back(), 2) << n;
+  }
+  // Runs of 3 ms (more than twice the threshold) bring it back.
+  h.run_ns = 3'000'000;
+  bool wide_again = false;
+  for (int i = 0; i < 40 && !wide_again; ++i, ++n) {
+    h.Send(1);
+    ASSERT_TRUE(h.WaitStarted(n + 1));
+    wide_again = h.workers.back() == 2;
+  }
+  EXPECT_TRUE(wide_again);
 }
 
 }  // namespace

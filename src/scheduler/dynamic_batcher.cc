@@ -177,6 +177,21 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool ca
     const double sample = static_cast<double>(ran_ns) / static_cast<double>(items);
     ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
   }
+  // Batches of a light load (the wide instance's, or the narrow ones' while
+  // it is off) tell whether the wide instance pays.
+  if (wide_ && items > 0 && ran_ns > 0 && (wide || wide_off_)) {
+    const double sample = static_cast<double>(ran_ns) / static_cast<double>(items);
+    light_ns_per_item_ = light_samples_ == 0 ? sample : 0.9 * light_ns_per_item_ + 0.1 * sample;
+    if (++light_samples_ >= kWideSamples) {
+      if (!wide_off_ && light_ns_per_item_ < kWideMinNs) {
+        wide_off_ = true;
+        light_samples_ = 0;
+      } else if (wide_off_ && light_ns_per_item_ >= 2 * kWideMinNs) {
+        wide_off_ = false;
+        light_samples_ = 0;
+      }
+    }
+  }
   if (tuner_ && items > 0 && !wide && !stopping_ && tuner_->Observe(items, ran_ns, capped)) {
     queue_.set_batch_limit(tuner_->limit());
   }
@@ -274,7 +289,7 @@ bool DynamicBatcher::MayTake(bool wide) const {
   // Light load: the wide worker, once the others' batches are done (a
   // worker that has just answered its batch still counts as busy for a
   // moment; its caller's next request waits for it rather than run narrow).
-  const bool light = load_ < kWideBelow && average_load_ < kWideBelowAverage;
+  const bool light = !wide_off_ && load_ < kWideBelow && average_load_ < kWideBelowAverage;
   if (wide) return light && busy_workers_ == 0;
   return !light;
 }

@@ -125,6 +125,13 @@ class DynamicBatcher {
   // in it while they compute: a lone caller keeps it at or below 1.
   static constexpr double kWideBelowAverage = 1.2;
   static constexpr int64_t kLoadWindowNs = 2'000'000;
+  // The wide worker stays idle while its runs take less than this per item
+  // (averaged over kWideSamples runs at least): a run that short gains
+  // little from more cores, and their threads would spin or be woken
+  // around it. The load counts as heavy then, and the others take every
+  // batch; it takes them again once theirs, at light load, take twice this.
+  static constexpr double kWideMinNs = 1'000'000;
+  static constexpr int kWideSamples = 16;
   int num_workers() const { return num_workers_; }
   // Batches run by the wide worker so far.
   int64_t wide_batches() const;
@@ -193,6 +200,11 @@ class DynamicBatcher {
   // every change of that number), and when it was last brought up to date.
   double average_load_ QUERN_GUARDED_BY(mu_) = 0.0;
   int64_t load_at_ns_ QUERN_GUARDED_BY(mu_) = 0;
+  // Time per item of batches run at light load (see kWideMinNs), over how
+  // many, and whether the wide worker stays idle for it.
+  double light_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
+  int light_samples_ QUERN_GUARDED_BY(mu_) = 0;
+  bool wide_off_ QUERN_GUARDED_BY(mu_) = false;
   // When the reaper wakes by itself: 0 = only when notified, -1 = it is
   // running. Schedule notifies it only when a new task could need it sooner,
   // so a saturated model does not wake it once per request.
