@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 namespace quern {
@@ -690,6 +691,155 @@ TEST(DynamicBatcher, TheWideWorkerRestsWhileItsRunsAreShort) {
     wide_again = h.workers.back() == 2;
   }
   EXPECT_TRUE(wide_again);
+}
+
+// Two instances that allow shared runs; every batch takes `run_ns` on the
+// fake clock and waits at a gate while it is closed. Records, per batch,
+// the instance, the thread and how many batches ran on that instance then.
+struct SharedHarness {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = true;
+  int running[2] = {0, 0};
+  int most_at_once = 0;  // batches on one instance at the same time
+  struct Run {
+    int worker;
+    std::thread::id thread;
+  };
+  std::vector<Run> runs;
+  FakeClock clock;
+  std::atomic<int64_t> run_ns{50'000};
+  std::unique_ptr<DynamicBatcher> batcher;
+
+  explicit SharedHarness(int shared_runs) {
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 1;
+    o.num_workers = 2;
+    o.shared_runs = shared_runs;
+    o.clock = &clock;
+    batcher = std::move(*DynamicBatcher::Create(
+        o,
+        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
+          clock.AdvanceNs(run_ns.load());
+          std::unique_lock lock(mu);
+          most_at_once = std::max(most_at_once, ++running[worker]);
+          runs.push_back({worker, std::this_thread::get_id()});
+          cv.notify_all();
+          cv.wait(lock, [&] { return open; });
+          --running[worker];
+          cv.notify_all();
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {}));
+  }
+  ~SharedHarness() {
+    Open();
+    batcher->Shutdown();
+  }
+  // A caller that lends its thread, on a thread of its own.
+  std::thread Caller(int id) {
+    return std::thread([this, id] {
+      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+      ScheduleOptions so;
+      so.run_here = true;
+      EXPECT_TRUE(batcher->Schedule(t, so).ok());
+    });
+  }
+  bool WaitRuns(size_t n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return runs.size() >= n; });
+  }
+  size_t Runs() {
+    std::lock_guard lock(mu);
+    return runs.size();
+  }
+  void Close() {
+    std::lock_guard lock(mu);
+    open = false;
+  }
+  void Open() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+};
+
+TEST(DynamicBatcher, ACallerWhoFindsEveryInstanceBusyRunsBesideOneWhileRunsAreShort) {
+  SharedHarness h(/*shared_runs=*/2);
+  // A first batch tells the batcher a run takes 50 µs.
+  h.Caller(0).join();
+  ASSERT_NEAR(h.batcher->ns_per_item(), 50'000, 1);
+  h.Close();
+  std::vector<std::thread> callers;
+  callers.push_back(h.Caller(1));
+  callers.push_back(h.Caller(2));
+  ASSERT_TRUE(h.WaitRuns(3));  // both instances held
+  // Two more callers: each runs at once, on its own thread, beside them;
+  // a third waits in the queue (two shared runs at most).
+  callers.push_back(h.Caller(3));
+  callers.push_back(h.Caller(4));
+  ASSERT_TRUE(h.WaitRuns(5));
+  callers.push_back(h.Caller(5));
+  for (int i = 0; i < 100 && h.batcher->queued() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(h.batcher->queued(), 1u);
+  EXPECT_EQ(h.Runs(), 5u);
+  {
+    std::lock_guard lock(h.mu);
+    EXPECT_EQ(h.running[0], 2);  // spread over the instances
+    EXPECT_EQ(h.running[1], 2);
+    std::set<std::thread::id> threads;
+    for (size_t i = 1; i < 5; ++i) threads.insert(h.runs[i].thread);
+    EXPECT_EQ(threads.size(), 4u) << "every caller's batch on its own thread";
+  }
+  EXPECT_EQ(h.batcher->shared_batches(), 2);
+  h.Open();
+  for (auto& c : callers) c.join();
+  ASSERT_TRUE(h.WaitRuns(6));
+}
+
+TEST(DynamicBatcher, CallersQueueWhenRunsAreLongOrSharingIsOff) {
+  for (const auto& [shared_runs, run_ns] : {std::pair{0, int64_t{50'000}}, std::pair{2, int64_t{5'000'000}}}) {
+    SharedHarness h(shared_runs);
+    h.run_ns = run_ns;
+    h.Caller(0).join();
+    h.Close();
+    std::vector<std::thread> callers;
+    callers.push_back(h.Caller(1));
+    callers.push_back(h.Caller(2));
+    ASSERT_TRUE(h.WaitRuns(3));
+    callers.push_back(h.Caller(3));
+    for (int i = 0; i < 1000 && h.batcher->queued() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(h.batcher->queued(), 1u) << "shared_runs " << shared_runs << ", run " << run_ns << " ns";
+    EXPECT_EQ(h.Runs(), 3u);
+    EXPECT_EQ(h.batcher->shared_batches(), 0);
+    h.Open();
+    for (auto& c : callers) c.join();
+    ASSERT_TRUE(h.WaitRuns(4));
+    std::lock_guard lock(h.mu);
+    EXPECT_EQ(h.most_at_once, 1);
+  }
+}
+
+TEST(DynamicBatcher, ShutdownWaitsForSharedRuns) {
+  SharedHarness h(/*shared_runs=*/1);
+  h.Caller(0).join();
+  h.Close();
+  std::vector<std::thread> callers;
+  for (int i = 1; i <= 3; ++i) callers.push_back(h.Caller(i));
+  ASSERT_TRUE(h.WaitRuns(4));  // two instances and a shared run
+  EXPECT_EQ(h.batcher->shared_batches(), 1);
+  std::atomic<bool> returned{false};
+  std::thread stopper([&] {
+    h.batcher->Shutdown();
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(returned.load()) << "Shutdown returned while a shared run ran";
+  h.Open();
+  stopper.join();
+  for (auto& c : callers) c.join();
+  EXPECT_TRUE(returned.load());
 }
 
 }  // namespace

@@ -143,7 +143,8 @@ struct ModelConfig {
 // A model implemented in C++. Lifecycle contract: the constructor is cheap;
 // Load() does the expensive work once; Execute() is never called
 // concurrently on one instance (each instance is its own object, made by the
-// factory given at registration), but different instances run in parallel.
+// factory given at registration) unless the instance says it may be
+// (ExecutesConcurrently); different instances run in parallel.
 class Model {
  public:
   virtual ~Model() = default;
@@ -175,6 +176,13 @@ class Model {
                                  std::vector<NamedTensor>& outputs) {
     return Execute(inputs, batch_size, outputs);
   }
+
+  // Whether Execute/ExecuteRequests may run on this instance from several
+  // threads at once (an ONNX Runtime session allows it). The engine then
+  // lets a caller that blocks for its answer and finds every instance busy
+  // run a short batch at once on one of them, beside its batch, instead of
+  // handing it to an engine thread and back. The default: no.
+  virtual bool ExecutesConcurrently() const { return false; }
 
   // Called from another thread, at most once, when the engine stops waiting
   // for this instance (a server past its drain deadline): a backend that

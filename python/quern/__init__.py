@@ -95,9 +95,24 @@ class Result(dict):
     the batch it ran in), queue_ms, compute_ms and total_ms; for an ensemble also `steps`, one dict per
     step (step, model, model_version, batch_size, queue_ms, compute_ms, total_ms) in the order they finished."""
 
-    def __init__(self, outputs, telemetry):
+    __slots__ = ("_telemetry",)
+
+    def __init__(self, outputs=(), telemetry=None):
         super().__init__(outputs)
-        self.telemetry = telemetry
+        self._telemetry = {} if telemetry is None else telemetry
+
+    @property
+    def telemetry(self) -> dict:
+        t = self._telemetry
+        if type(t) is tuple:  # as the engine answered: made into a dict once, when first read
+            request_id, version, batch_size, queue_ns, compute_ns, total_ns = t
+            t = self._telemetry = {"request_id": request_id, "model_version": version, "batch_size": batch_size,
+                                   "queue_ms": queue_ns / 1e6, "compute_ms": compute_ns / 1e6,
+                                   "total_ms": total_ns / 1e6}
+        return t
+
+
+_quern._set_result_type(Result)
 
 
 class InferFuture(concurrent.futures.Future):
@@ -142,8 +157,9 @@ class Engine:
               priority: "int | None" = None, timeout: "float | None" = None) -> Result:
         """Runs one request: `inputs` maps input names to numpy arrays (with the batch dimension when the
         model batches); `timeout` in seconds. Returns a Result; the GIL is released while it waits."""
-        outputs, telemetry = self._engine.infer(model, inputs, version=version, priority=priority, timeout=timeout)
-        return Result(outputs, telemetry)
+        if version is None and priority is None and timeout is None:
+            return self._engine.infer(model, inputs)
+        return self._engine.infer(model, inputs, version=version, priority=priority, timeout=timeout)
 
     def infer_async(self, model: str, inputs: "dict[str, np.ndarray]", *, version: "int | None" = None,
                     priority: "int | None" = None, timeout: "float | None" = None) -> InferFuture:
@@ -153,12 +169,12 @@ class Engine:
         must not wait for another request of the same model."""
         future = InferFuture()
 
-        def done(outputs, telemetry, error):  # on an engine thread, with the GIL
+        def done(result, error):  # on an engine thread, with the GIL
             try:
                 if error is not None:
                     future.set_exception(error)
                 else:
-                    future.set_result(Result(outputs, telemetry))
+                    future.set_result(result)
             except concurrent.futures.InvalidStateError:
                 pass  # cancelled meanwhile
         try:

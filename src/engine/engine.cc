@@ -1,5 +1,6 @@
 #include "quern/engine.h"
 
+#include "core/mutex.h"
 #include "engine/model_registry.h"
 
 namespace quern {
@@ -82,7 +83,33 @@ std::future<InferResponse> Engine::Infer(InferRequest request) {
 }
 
 InferResponse Engine::Run(InferRequest request) {
-  return Submit(std::move(request), /*run_here=*/true).get();
+  // The answer usually arrives on this thread, inside Submit (its batch ran
+  // here); otherwise an engine thread delivers it and wakes this one. No
+  // promise: its shared state costs an allocation and a wake-up call.
+  struct Slot {
+    Mutex mu;
+    CondVar cv;
+    bool answered QUERN_GUARDED_BY(mu) = false;
+    InferResponse response QUERN_GUARDED_BY(mu);
+  } slot;
+  const uint64_t id = impl_->NextId();
+  std::string model = request.model;
+  const int64_t version = request.version;
+  auto metadata = request.metadata;
+  InferCallback done = [&slot](InferResponse&& r) {
+    MutexLock lock(slot.mu);
+    slot.response = std::move(r);
+    slot.answered = true;
+    slot.cv.Signal();  // under the lock: the slot lives until the waiter has seen it
+  };
+  if (Status st = impl_->Submit(std::move(request), id, done, /*run_here=*/true); !st.ok()) {
+    InferResponse r = Refusal(std::move(st), id, model, version, clock().NowNs());
+    r.metadata = std::move(metadata);
+    return r;
+  }
+  MutexLock lock(slot.mu);
+  slot.cv.Wait(lock, [&slot]() QUERN_REQUIRES(slot.mu) { return slot.answered; });
+  return std::move(slot.response);
 }
 
 std::future<InferResponse> Engine::Submit(InferRequest request, bool run_here) {

@@ -80,6 +80,9 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
   return t;
 }
 
+// Shared runs (see DynamicBatcher) allowed per instance.
+constexpr int kSharedRunsPerInstance = 3;
+
 }  // namespace
 
 Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int64_t version,
@@ -93,6 +96,17 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
   DynamicBatcherOptions opts;
   opts.num_workers = static_cast<int>(m->instances_.size());
   opts.wide_worker = wide && opts.num_workers >= 2;
+  // Callers that find every instance busy may share one for short batches
+  // when every instance (the wide one aside) allows concurrent runs: up to
+  // three such runs per instance, so that at most four run on a core's
+  // instance at once (as many blocking callers as that run no slower
+  // side by side than queued, and pay no hand-off).
+  const int narrow = opts.num_workers - (opts.wide_worker ? 1 : 0);
+  bool concurrent = true;
+  for (int i = 0; i < narrow; ++i) {
+    concurrent = concurrent && m->instances_[static_cast<size_t>(i)]->ExecutesConcurrently();
+  }
+  opts.shared_runs = concurrent ? kSharedRunsPerInstance * narrow : 0;
   opts.clock = clock;
   const ModelConfig& c = m->config_;
   opts.queue.max_batch_size = std::max(c.max_batch_size, 1);

@@ -33,9 +33,11 @@ struct StatusError {
   throw StatusError{std::move(st)};
 }
 
-// quern._error, handed over when the package is imported (kept for the
-// process's life: errors are made at any time, shutdown included).
+// quern._error and quern.Result, handed over when the package is imported
+// (kept for the process's life: answers and errors are made at any time,
+// shutdown included).
 py::object* g_error_factory = nullptr;
+py::object* g_result_type = nullptr;
 
 // The quern exception for a failed Status (quern._error picks its class).
 py::object ErrorObject(const Status& st) {
@@ -89,20 +91,23 @@ std::optional<DataType> FromNumpy(const py::dtype& dt) {
   }
 }
 
+// By numpy's type number: a built-in descriptor, no string to parse.
 py::dtype ToNumpy(DataType t) {
+  using api = py::detail::npy_api;
+  constexpr int kNpyHalf = 23;  // NPY_HALF (pybind11 names no constant for it)
   switch (t) {
-    case DataType::kBool: return py::dtype("bool");
-    case DataType::kUint8: return py::dtype("uint8");
-    case DataType::kUint16: return py::dtype("uint16");
-    case DataType::kUint32: return py::dtype("uint32");
-    case DataType::kUint64: return py::dtype("uint64");
-    case DataType::kInt8: return py::dtype("int8");
-    case DataType::kInt16: return py::dtype("int16");
-    case DataType::kInt32: return py::dtype("int32");
-    case DataType::kInt64: return py::dtype("int64");
-    case DataType::kFp16: return py::dtype("float16");
-    case DataType::kFp32: return py::dtype("float32");
-    case DataType::kFp64: return py::dtype("float64");
+    case DataType::kBool: return py::dtype(api::NPY_BOOL_);
+    case DataType::kUint8: return py::dtype(api::NPY_UBYTE_);
+    case DataType::kUint16: return py::dtype(api::NPY_USHORT_);
+    case DataType::kUint32: return py::dtype(api::NPY_UINT_);
+    case DataType::kUint64: return py::dtype(api::NPY_ULONGLONG_);
+    case DataType::kInt8: return py::dtype(api::NPY_BYTE_);
+    case DataType::kInt16: return py::dtype(api::NPY_SHORT_);
+    case DataType::kInt32: return py::dtype(api::NPY_INT_);
+    case DataType::kInt64: return py::dtype(api::NPY_LONGLONG_);
+    case DataType::kFp16: return py::dtype(kNpyHalf);
+    case DataType::kFp32: return py::dtype(api::NPY_FLOAT_);
+    case DataType::kFp64: return py::dtype(api::NPY_DOUBLE_);
     default:
       Raise(Unimplemented("outputs of type " + std::string(DataTypeName(t)) + " are not returned to Python yet"));
   }
@@ -324,9 +329,9 @@ class PyEngine {
     engine_.reset();
   }
 
-  // (outputs by name, telemetry) of one request.
-  py::tuple Infer(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
-                  std::optional<uint32_t> priority, std::optional<double> timeout_s) {
+  // One request's quern.Result.
+  py::object Infer(const std::string& model, const py::dict& inputs, std::optional<int64_t> version,
+                   std::optional<uint32_t> priority, std::optional<double> timeout_s) {
     std::vector<py::array> held;  // alive until the answer: the engine reads them in place
     InferRequest r = MakeRequest(model, inputs, version, priority, timeout_s, held);
     Engine& engine = Open();
@@ -339,8 +344,9 @@ class PyEngine {
     return Answer(std::move(resp));
   }
 
-  // Submits one request; `done(outputs, telemetry, error)` is called once,
-  // on an engine thread holding the GIL (error: None, or the exception).
+  // Submits one request; `done(result, error)` is called once, on an engine
+  // thread holding the GIL (one of them None: a quern.Result, or the
+  // exception).
   // Returns the request's cancellation token.
   std::shared_ptr<CancellationToken> InferAsync(const std::string& model, const py::dict& inputs, py::function done,
                                                 std::optional<int64_t> version, std::optional<uint32_t> priority,
@@ -364,10 +370,9 @@ class PyEngine {
       try {
         try {
           if (!resp.status.ok()) Raise(resp.status);
-          py::tuple a = Answer(std::move(resp));
-          f(a[0], a[1], py::none());
+          f(Answer(std::move(resp)), py::none());
         } catch (const StatusError& e) {  // failed, or an output Python cannot take
-          f(py::none(), py::none(), ErrorObject(e.status));
+          f(py::none(), ErrorObject(e.status));
         }
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("quern: an infer_async callback");
@@ -488,19 +493,34 @@ class PyEngine {
     return r;
   }
 
-  // (outputs by name, telemetry); the GIL held.
-  static py::tuple Answer(InferResponse&& resp) {
-    py::dict outputs;
-    for (auto& o : resp.outputs) outputs[py::str(o.name)] = ToArray(std::move(o.tensor));
-    py::dict telemetry;
+  // A quern.Result (the GIL held), made without running its __init__ (no
+  // Python frame per answer): the outputs are its items, and the telemetry
+  // raw numbers that Result.telemetry turns into a dict when it is read
+  // (request_id, model_version, batch_size, queue, compute and total ns);
+  // an ensemble's, with its steps, is the dict itself.
+  static py::object Answer(InferResponse&& resp) {
+    if (!g_result_type) Raise(Internal("the quern package did not hand its Result type to the extension"));
+    auto* type = reinterpret_cast<PyTypeObject*>(g_result_type->ptr());
+    py::object result = py::reinterpret_steal<py::object>(type->tp_new(type, EmptyTuple(), nullptr));
+    if (!result) throw py::error_already_set();
+    for (auto& o : resp.outputs) {
+      const py::str name(o.name);
+      const py::array value = ToArray(std::move(o.tensor));
+      if (PyDict_SetItem(result.ptr(), name.ptr(), value.ptr()) != 0) throw py::error_already_set();
+    }
     const Telemetry& t = resp.telemetry;
-    telemetry["request_id"] = resp.request_id;
-    telemetry["model_version"] = resp.version;
-    telemetry["batch_size"] = t.batch_size;
-    telemetry["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
-    telemetry["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
-    telemetry["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
-    if (!resp.steps.empty()) {
+    py::object telemetry;
+    if (resp.steps.empty()) {
+      telemetry =
+          py::make_tuple(resp.request_id, resp.version, t.batch_size, t.queue_ns(), t.compute_ns(), t.total_ns());
+    } else {
+      py::dict d;
+      d["request_id"] = resp.request_id;
+      d["model_version"] = resp.version;
+      d["batch_size"] = t.batch_size;
+      d["queue_ms"] = static_cast<double>(t.queue_ns()) / 1e6;
+      d["compute_ms"] = static_cast<double>(t.compute_ns()) / 1e6;
+      d["total_ms"] = static_cast<double>(t.total_ns()) / 1e6;
       // An ensemble's steps, in the order they finished.
       py::list steps;
       for (const StepTelemetry& s : resp.steps) {
@@ -514,9 +534,17 @@ class PyEngine {
         step["total_ms"] = static_cast<double>(s.telemetry.total_ns()) / 1e6;
         steps.append(std::move(step));
       }
-      telemetry["steps"] = std::move(steps);
+      d["steps"] = std::move(steps);
+      telemetry = std::move(d);
     }
-    return py::make_tuple(outputs, telemetry);
+    static PyObject* const kSlot = PyUnicode_InternFromString("_telemetry");
+    if (PyObject_SetAttr(result.ptr(), kSlot, telemetry.ptr()) != 0) throw py::error_already_set();
+    return result;
+  }
+
+  static PyObject* EmptyTuple() {
+    static PyObject* const empty = PyTuple_New(0);
+    return empty;
   }
 
   std::unique_ptr<Engine> engine_;
@@ -548,6 +576,12 @@ PYBIND11_MODULE(_quern, m) {
       .def("models", &quern::PyEngine::Models)
       .def("close", &quern::PyEngine::Close);
   m.def("_set_error_factory", [](py::object f) { quern::g_error_factory = new py::object(std::move(f)); });
+  m.def("_set_result_type", [](py::type t) {
+    if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(t.ptr()), &PyDict_Type)) {
+      throw py::type_error("the result type must be a dict subclass");
+    }
+    quern::g_result_type = new py::object(std::move(t));
+  });
   py::class_<quern::CancellationToken, std::shared_ptr<quern::CancellationToken>>(m, "Cancellation")
       .def("cancel", &quern::CancellationToken::Cancel)
       .def_property_readonly("cancelled", &quern::CancellationToken::cancelled);

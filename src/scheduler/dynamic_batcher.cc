@@ -16,6 +16,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
     return Err(InvalidArgument("a wide worker needs at least one other worker"));
   }
   if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
+  if (options.shared_runs < 0) return Err(InvalidArgument("shared_runs must be >= 0"));
   auto queue = BatchQueue::Create(std::move(options.queue));
   if (!queue) return Err(queue.error());
   const Clock* clock = options.clock ? options.clock : &RealClockInstance();
@@ -25,6 +26,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   b->worker_cv_ = std::make_unique<CondVar[]>(static_cast<size_t>(options.num_workers));
   b->wide_ = options.wide_worker;
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
+  b->max_shared_runs_ = options.shared_runs;
   if (options.tuner) {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
     b->tuner_.emplace(std::move(*options.tuner));
@@ -35,6 +37,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
     b->expected_end_ns_.assign(static_cast<size_t>(options.num_workers), 0);
     b->busy_.assign(static_cast<size_t>(options.num_workers), 0);
     b->waiting_.assign(static_cast<size_t>(options.num_workers), 0);
+    b->shared_on_.assign(static_cast<size_t>(options.num_workers), 0);
   }
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
@@ -59,6 +62,7 @@ DynamicBatcher::~DynamicBatcher() {
 
 Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options) {
   int claimed = -1;
+  bool shared = false;
   BatchQueue::Decision here;
   {
     MutexLock lock(mu_);
@@ -70,13 +74,27 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
-    if (options.run_here) claimed = ClaimLocked();
+    if (options.run_here) {
+      claimed = ClaimLocked();
+      if (claimed < 0) {
+        claimed = ShareLocked();
+        shared = claimed >= 0;
+      }
+    }
     if (claimed >= 0) {
       // The queue's own decision, as for a worker: a batching delay or
       // preferred sizes keep the task queued for company.
       here = queue_.Next(now, /*flush=*/false, /*takers=*/1);
       if (here.batch.empty() && here.dropped.empty()) {
         claimed = -1;
+        shared = false;
+      } else if (shared) {
+        TrackLoadLocked(now);  // dropped tasks leave
+        running_tasks_ += static_cast<int64_t>(here.batch.size());
+        ++shared_running_;
+        ++shared_on_[static_cast<size_t>(claimed)];
+        if (!here.batch.empty()) ++shared_batches_;
+        ++callers_running_;
       } else {
         BeginLocked(claimed, here, now);
         ++callers_running_;
@@ -97,8 +115,21 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
       if (!AnyTaker() && ReaperNeedsWake(due, now)) reaper_cv_.Signal();
     }
   }
-  if (claimed >= 0) RunHere(claimed, std::move(here));
+  if (claimed >= 0) RunHere(claimed, std::move(here), shared);
   return Status::Ok();
+}
+
+int DynamicBatcher::ShareLocked() const {
+  if (stopping_ || shared_running_ >= max_shared_runs_ || wide_running_) return -1;
+  // Only while every instance that may take work is busy (not while the
+  // others wait for the wide one), and batches are known to be short.
+  if (busy_workers_ < narrow_workers() || !MayTake(false)) return -1;
+  if (ns_per_item_ <= 0 || ns_per_item_ >= kSharedBelowNs) return -1;
+  int best = -1;
+  for (int i = 0; i < narrow_workers(); ++i) {
+    if (best < 0 || shared_on_[static_cast<size_t>(i)] < shared_on_[static_cast<size_t>(best)]) best = i;
+  }
+  return best;
 }
 
 int DynamicBatcher::ClaimLocked() const {
@@ -111,7 +142,7 @@ int DynamicBatcher::ClaimLocked() const {
   return -1;
 }
 
-void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d) {
+void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
   for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
   const auto tasks = static_cast<int64_t>(d.batch.size());
   int64_t ran_ns = 0;
@@ -121,7 +152,14 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d) {
     ran_ns = clock_->NowNs() - start;
   }
   MutexLock lock(mu_);
-  EndLocked(worker, tasks, d.items, d.capped, ran_ns);
+  if (shared) {
+    TrackLoadLocked(clock_->NowNs());
+    running_tasks_ -= tasks;
+    --shared_running_;
+    --shared_on_[static_cast<size_t>(worker)];
+  } else {
+    EndLocked(worker, tasks, d.items, d.capped, ran_ns);
+  }
   if (--callers_running_ == 0) callers_cv_.SignalAll();
   // The instance's own worker may have waited for it (work queued, or the
   // batcher stopping); it or another that may take the work looks now.
@@ -281,6 +319,11 @@ int64_t DynamicBatcher::batch_limit() const {
 int64_t DynamicBatcher::wide_batches() const {
   MutexLock lock(mu_);
   return wide_batches_;
+}
+
+int64_t DynamicBatcher::shared_batches() const {
+  MutexLock lock(mu_);
+  return shared_batches_;
 }
 
 bool DynamicBatcher::MayTake(bool wide) const {

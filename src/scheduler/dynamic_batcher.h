@@ -35,6 +35,16 @@
 // a caller's own run costs none. A worker whose instance a caller holds
 // waits for it.
 //
+// Shared runs (options.shared_runs): a caller that lends its thread but
+// finds every instance busy would wait for a worker to take its task and
+// wake it with the answer. While batches are short (under kSharedBelowNs
+// per item, where that hand-off costs more than batching saves) it runs
+// its batch at once instead, on an instance that is running another one:
+// for backends whose instances may run batches concurrently (an ONNX
+// Runtime session may). At most options.shared_runs such runs at a time;
+// beyond that, callers queue and batch as before. Their times feed neither
+// the time per item nor the batch size tuner (they share the cores).
+//
 // Thread safety: Schedule and Kick may be called from any thread.
 // Shutdown()/the destructor stop intake, run every queued task to completion
 // (nothing is lost), wait for batches callers run and join the workers; do
@@ -76,6 +86,9 @@ struct DynamicBatcherOptions {
   int64_t max_queue_wait_ns = 0;
   // The last of num_workers (>= 2) is the wide worker (see above).
   bool wide_worker = false;
+  // Shared runs callers may add beside busy instances (see above); 0 =
+  // none. Only for instances whose batches may run concurrently.
+  int shared_runs = 0;
 };
 
 class DynamicBatcher {
@@ -132,9 +145,13 @@ class DynamicBatcher {
   // batch; it takes them again once theirs, at light load, take twice this.
   static constexpr double kWideMinNs = 1'000'000;
   static constexpr int kWideSamples = 16;
+  // Callers run shared batches while the time per item stays under this.
+  static constexpr double kSharedBelowNs = 250'000;
   int num_workers() const { return num_workers_; }
   // Batches run by the wide worker so far.
   int64_t wide_batches() const;
+  // Batches callers ran beside busy instances (shared runs) so far.
+  int64_t shared_batches() const;
 
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
@@ -142,8 +159,12 @@ class DynamicBatcher {
   // A free instance for a caller that lends its thread (the wide one while
   // the load is light, else a free other one), or -1.
   int ClaimLocked() const QUERN_REQUIRES(mu_);
-  // Runs batch `d` (begun on `worker`'s instance) on the calling thread.
-  void RunHere(int worker, BatchQueue::Decision d) QUERN_EXCLUDES(mu_);
+  // For a caller that found every instance busy: the instance (not the
+  // wide one) to share for a run now, or -1.
+  int ShareLocked() const QUERN_REQUIRES(mu_);
+  // Runs batch `d` (begun on `worker`'s instance, `shared` beside its own
+  // batch) on the calling thread.
+  void RunHere(int worker, BatchQueue::Decision d, bool shared) QUERN_EXCLUDES(mu_);
   // Marks `worker`'s instance busy with `d` / free again after `ran_ns`.
   void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns) QUERN_REQUIRES(mu_);
   void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns) QUERN_REQUIRES(mu_);
@@ -183,8 +204,14 @@ class DynamicBatcher {
   // wide_running_), and it waits on its condition variable.
   std::vector<char> busy_ QUERN_GUARDED_BY(mu_);
   std::vector<char> waiting_ QUERN_GUARDED_BY(mu_);
-  // Batches callers run on their own threads (RunHere) now.
+  // Batches callers run on their own threads (RunHere) now, shared runs
+  // included.
   int callers_running_ QUERN_GUARDED_BY(mu_) = 0;
+  // Shared runs now, in all and per instance, and the bound.
+  int shared_running_ QUERN_GUARDED_BY(mu_) = 0;
+  std::vector<int> shared_on_ QUERN_GUARDED_BY(mu_);
+  int max_shared_runs_ = 0;  // set before any thread starts
+  int64_t shared_batches_ QUERN_GUARDED_BY(mu_) = 0;
   CondVar callers_cv_;
   bool wide_ = false;  // set before any thread starts
   bool wide_running_ QUERN_GUARDED_BY(mu_) = false;

@@ -112,6 +112,45 @@ def test_many_threads_each_get_their_own_result(engine):
     assert max(batch_sizes) > 1, batch_sizes  # the threads' requests met in batches
 
 
+def test_callers_beyond_the_instances_each_get_their_own_answer(engine):
+    """More threads than instances on a short ONNX model: callers that find every instance busy run
+    beside them on the shared session (or queue); each answer is its own input's, as numpy computes."""
+    w, bias = np.load(os.path.join(MODELS, "linear", "W.npy")), np.load(os.path.join(MODELS, "linear", "b.npy"))
+    errors, checked = [], [0] * 8
+
+    def worker(k):
+        rng = np.random.default_rng(k)
+        try:
+            for _ in range(300):
+                x = rng.standard_normal((int(rng.integers(1, 4)), 8)).astype(np.float32)
+                r = engine.infer("linear", {"x": x})
+                np.testing.assert_allclose(r["y"], x @ w + bias, rtol=1e-5, atol=1e-5)
+                assert r.telemetry["batch_size"] >= x.shape[0]
+                checked[k] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and checked == [300] * 8, (errors[:3], checked)
+
+
+def test_a_result_is_a_dict_with_telemetry_read_when_asked(engine):
+    x = np.ones((2, 8), np.float32)
+    r = engine.infer("linear", {"x": x})
+    assert isinstance(r, dict) and set(r) == {"y"} and isinstance(r, quern.Result)
+    t = r.telemetry
+    assert set(t) == {"request_id", "model_version", "batch_size", "queue_ms", "compute_ms", "total_ms"}, t
+    assert r.telemetry is t  # made once
+    assert isinstance(t["request_id"], int) and t["model_version"] == 1 and t["batch_size"] >= 2
+    assert isinstance(t["queue_ms"], float) and t["total_ms"] >= t["compute_ms"] >= 0
+    # Made by hand, as before.
+    assert quern.Result({"a": 1}, {"batch_size": 1}).telemetry == {"batch_size": 1}
+    assert quern.Result().telemetry == {}
+
+
 def test_bad_inputs_raise_clear_exceptions(engine):
     good = np.ones((1, 4), np.float32)
     with pytest.raises(quern.InvalidArgument, match="input 'INPUT0': expected data type FP32, got FP64") as e:

@@ -3,9 +3,10 @@
 // its weights (SharedOnnxWeights). The process shares one Ort::Env.
 //
 // Lifecycle (the quern::Model contract): the constructor only records what to
-// load; Load() creates the session (expensive); Execute() runs one batch and
-// is never called concurrently on one instance. Every ONNX Runtime exception
-// is caught here and becomes a Status naming the model.
+// load; Load() creates the session (expensive); Execute() runs one batch,
+// also concurrently on one instance (a session's Run is thread-safe). Every
+// ONNX Runtime exception is caught here and becomes a Status naming the
+// model.
 #pragma once
 
 #include <filesystem>
@@ -68,6 +69,10 @@ class OrtModel final : public Model {
   Status Load() override;
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
                  std::vector<NamedTensor>& outputs) override;
+
+  // A session's Run is thread-safe; concurrent runs are offered only for
+  // an instance on one intra-op thread (no pool to share).
+  bool ExecutesConcurrently() const override { return options_.intra_op_threads == 1; }
 
   // Valid after a successful Load().
   const OnnxModelIO& io() const { return io_; }
