@@ -19,7 +19,7 @@ int64_t PaddedBatchSize(const std::vector<int>& fixed_sizes, int64_t items) {
   return best > 0 ? best : items;
 }
 
-Tensor ConcatenateRows(const std::vector<const Tensor*>& parts, int64_t padded_rows) {
+Tensor ConcatenateRows(std::span<const Tensor* const> parts, int64_t padded_rows) {
   const Tensor& first = *parts[0];
   Shape shape = first.shape();
   shape[0] = padded_rows;

@@ -3,6 +3,7 @@
 // each request's rows.
 #pragma once
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,7 +27,10 @@ Tensor CopyTensor(const Tensor& t);
 // One tensor of `padded_rows` rows from `parts` (each with the batch
 // dimension first, all alike after it), in order; rows past the parts are
 // zeros (empty strings for BYTES).
-Tensor ConcatenateRows(const std::vector<const Tensor*>& parts, int64_t padded_rows);
+Tensor ConcatenateRows(std::span<const Tensor* const> parts, int64_t padded_rows);
+inline Tensor ConcatenateRows(const std::vector<const Tensor*>& parts, int64_t padded_rows) {
+  return ConcatenateRows(std::span<const Tensor* const>(parts), padded_rows);
+}
 
 // Rows [row, row + rows) of a batched tensor: a view (no copy) unless BYTES.
 Result<Tensor> SliceRows(const Tensor& t, int64_t row, int64_t rows);

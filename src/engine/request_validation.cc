@@ -14,7 +14,9 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t& items, uint64_t& key,
                        std::vector<int>& output_indices) {
-  const std::string m = "model '" + config.name + "'";
+  // Messages are built only for a request that fails (no allocation per
+  // request that passes).
+  const auto m = [&config] { return "model '" + config.name + "'"; };
   const bool batched = config.max_batch_size > 0;
   items = -1;
   key = 0;
@@ -22,7 +24,7 @@ Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t
     if (!config.FindInput(in.name)) {
       std::string names;
       for (const auto& t : config.inputs) names += (names.empty() ? "" : ", ") + t.name;
-      return InvalidArgument(m + " has no input '" + in.name + "' (inputs: " + names + ")");
+      return InvalidArgument(m() + " has no input '" + in.name + "' (inputs: " + names + ")");
     }
   }
   for (size_t i = 0; i < config.inputs.size(); ++i) {
@@ -33,12 +35,12 @@ Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t
         key = Mix(key, 0xabcdef + i);
         continue;
       }
-      return InvalidArgument(m + ": input '" + tc.name + "' is missing from the request");
+      return InvalidArgument(m() + ": input '" + tc.name + "' is missing from the request");
     }
     const Tensor& t = nt->tensor;
-    const std::string where = m + " input '" + tc.name + "'";
+    const auto where = [&m, &tc] { return m() + " input '" + tc.name + "'"; };
     if (t.dtype() != tc.dtype) {
-      return InvalidArgument(where + ": expected data type " + std::string(DataTypeName(tc.dtype)) + ", got " +
+      return InvalidArgument(where() + ": expected data type " + std::string(DataTypeName(tc.dtype)) + ", got " +
                              std::string(DataTypeName(t.dtype())));
     }
     const Shape& s = t.shape();
@@ -52,27 +54,27 @@ Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t
     if (!shape_ok) {
       Shape expected = tc.dims;
       if (batched) expected.insert(expected.begin(), -1);
-      return InvalidArgument(where + ": expected shape " + ShapeToString(expected) + ", got " + ShapeToString(s) +
+      return InvalidArgument(where() + ": expected shape " + ShapeToString(expected) + ", got " + ShapeToString(s) +
                              (batched ? " (the first dimension is the batch)" : ""));
     }
     if (batched) {
       if (items >= 0 && s[0] != items) {
-        return InvalidArgument(where + ": batch dimension " + std::to_string(s[0]) +
+        return InvalidArgument(where() + ": batch dimension " + std::to_string(s[0]) +
                                " differs from the other inputs' " + std::to_string(items));
       }
       items = s[0];
       if (items > config.max_batch_size) {
-        return InvalidArgument(where + ": batch of " + std::to_string(items) + " exceeds max_batch_size " +
+        return InvalidArgument(where() + ": batch of " + std::to_string(items) + " exceeds max_batch_size " +
                                std::to_string(config.max_batch_size));
       }
     }
     Status v = t.Validate();
-    if (!v.ok()) return InvalidArgument(where + ": " + v.message());
+    if (!v.ok()) return InvalidArgument(where() + ": " + v.message());
     key = Mix(key, i + 1);
     for (size_t d = batched ? 1 : 0; d < s.size(); ++d) key = Mix(key, static_cast<uint64_t>(s[d]));
   }
   if (!batched) items = 1;
-  if (items < 1) return InvalidArgument(m + ": the request has no inputs");
+  if (items < 1) return InvalidArgument(m() + ": the request has no inputs");
   output_indices.clear();
   if (r.requested_outputs.empty()) {
     for (size_t i = 0; i < config.outputs.size(); ++i) output_indices.push_back(static_cast<int>(i));
@@ -82,7 +84,7 @@ Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t
       for (size_t i = 0; i < config.outputs.size(); ++i) {
         if (config.outputs[i].name == name) found = static_cast<int>(i);
       }
-      if (found < 0) return InvalidArgument(m + " has no output '" + name + "'");
+      if (found < 0) return InvalidArgument(m() + " has no output '" + name + "'");
       output_indices.push_back(found);
     }
   }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <memory_resource>
 #include <random>
 
 #include "core/log.h"
@@ -327,7 +328,11 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
 }
 
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-  std::vector<std::unique_ptr<Task>> tasks;
+  // The batch's bookkeeping lives on the stack for batches of a few
+  // requests (no allocation per batch for it), on the heap beyond.
+  alignas(std::max_align_t) std::byte scratch[2048];
+  std::pmr::monotonic_buffer_resource arena(scratch, sizeof(scratch));
+  std::pmr::vector<std::unique_ptr<Task>> tasks(&arena);
   tasks.reserve(batch.size());
   int64_t items = 0;
   for (auto& b : batch) {
@@ -343,7 +348,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
 
   std::vector<NamedTensor> inputs;
   inputs.reserve(config_.inputs.size());
-  std::vector<const Tensor*> parts(tasks.size());
+  std::pmr::vector<const Tensor*> parts(tasks.size(), &arena);
   for (const TensorConfig& tc : config_.inputs) {
     for (size_t i = 0; i < tasks.size(); ++i) {
       const NamedTensor* nt = FindTensor(tasks[i]->request.inputs, tc.name);
@@ -356,9 +361,11 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
     // batch gets the tensor copied whole (it has no rows to gather).
     const bool aligned =
         reinterpret_cast<uintptr_t>(parts[0]->data()) % std::max<size_t>(DataTypeByteSize(tc.dtype), 1) == 0;
-    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? *parts[0]
-               : batched                                         ? ConcatenateRows(parts, padded)
-                                                                 : CopyTensor(*parts[0]);
+    // A lone request's tensor is moved (not copied): the request needs
+    // its inputs no more.
+    Tensor t = (tasks.size() == 1 && padded == items && aligned) ? std::move(*const_cast<Tensor*>(parts[0]))
+               : batched ? ConcatenateRows(std::span<const Tensor* const>(parts), padded)
+                         : CopyTensor(*parts[0]);
     if (tc.reshape) {
       Shape r = *tc.reshape;
       if (batched) r.insert(r.begin(), padded);
@@ -369,10 +376,10 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
 
   const int64_t gathered = clock_->NowNs();
   std::vector<NamedTensor> outputs;
-  std::vector<int64_t> rows(tasks.size());
+  std::pmr::vector<int64_t> rows(tasks.size(), &arena);
   for (size_t i = 0; i < tasks.size(); ++i) rows[i] = tasks[i]->items;
-  std::vector<Status> per_status(tasks.size());
-  std::vector<std::string_view> ids(tasks.size());
+  std::pmr::vector<Status> per_status(tasks.size(), &arena);
+  std::pmr::vector<std::string_view> ids(tasks.size(), &arena);
   for (size_t i = 0; i < tasks.size(); ++i) {
     for (const auto& [k, v] : tasks[i]->request.metadata) {
       if (k == "request_id") ids[i] = v;
@@ -401,7 +408,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
 
   // Split the outputs for every request first, then answer them: the split
   // time is measured per batch (compute_output).
-  std::vector<std::vector<NamedTensor>> per_task(tasks.size());
+  std::pmr::vector<std::vector<NamedTensor>> per_task(tasks.size(), &arena);
   if (!st.ok()) std::fill(per_status.begin(), per_status.end(), st);
   int64_t row = 0;
   for (size_t k = 0; st.ok() && k < tasks.size(); ++k) {
@@ -410,11 +417,16 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
       row += task.items;
       continue;
     }
+    per_task[k].reserve(task.output_indices.size());
     for (int idx : task.output_indices) {
-      const NamedTensor& out = outputs[static_cast<size_t>(idx)];
+      NamedTensor& out = outputs[static_cast<size_t>(idx)];
       const TensorConfig& oc = config_.outputs[static_cast<size_t>(idx)];
-      Tensor t = out.tensor;
-      if (batched) {
+      // A lone request owns every row of the outputs it asked for (each
+      // once): they move to it whole.
+      const bool whole = tasks.size() == 1 && padded == items;
+      const bool again = std::count(task.output_indices.begin(), task.output_indices.end(), idx) > 1;
+      Tensor t = whole && !again ? std::move(out.tensor) : out.tensor;
+      if (batched && !whole) {
         auto sliced = SliceRows(out.tensor, row, task.items);
         if (!sliced) {
           per_status[k] = sliced.error();

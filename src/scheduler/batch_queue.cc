@@ -119,11 +119,8 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
 
   // Walk the queues in service order and pick the tasks that would form the
   // batch: same key as the first, as many items as fit.
-  struct Pick {
-    std::deque<Entry>* q;
-    size_t index;
-  };
-  std::vector<Pick> picks;
+  std::vector<Pick>& picks = picks_;
+  picks.clear();
   uint64_t key = 0;
   int64_t total = 0;
   int64_t oldest_ns = 0;

@@ -152,8 +152,16 @@ class BatchQueue {
   // future deadline of what remains (0 = none).
   int64_t Sweep(int64_t now_ns, std::vector<Dropped>& dropped);
 
+  // Where a task Next would take sits (kept between calls: no allocation
+  // per batch).
+  struct Pick {
+    std::deque<Entry>* q;
+    size_t index;
+  };
+
   BatchQueueOptions options_;
   std::vector<Level> levels_;
+  std::vector<Pick> picks_;
   size_t size_ = 0;
   int64_t items_ = 0;  // items in the queued tasks
   int64_t limit_ = 1;

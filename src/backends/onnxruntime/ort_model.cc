@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <memory_resource>
 #include <mutex>
 
 #include "backends/onnxruntime/ort_internal.h"
@@ -344,8 +345,11 @@ Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch
                          std::vector<NamedTensor>& outputs) {
   if (!session_) return FailedPrecondition("model '" + model_name_ + "' is not loaded");
   try {
-    std::vector<const char*> names;
-    std::vector<Ort::Value> values;
+    // The call's arrays live on the stack for a few inputs and outputs.
+    alignas(std::max_align_t) std::byte scratch[512];
+    std::pmr::monotonic_buffer_resource arena(scratch, sizeof(scratch));
+    std::pmr::vector<const char*> names(&arena);
+    std::pmr::vector<Ort::Value> values(&arena);
     names.reserve(inputs.size());
     values.reserve(inputs.size());
     for (const auto& in : inputs) {
@@ -368,9 +372,11 @@ Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch
                                                   t.shape().data(), t.shape().size(), ToOrt(t.dtype())));
       }
     }
-    std::vector<Ort::Value> results =
-        session_->session.Run(session_->run_options, names.data(), values.data(), values.size(),
-                              session_->output_cnames.data(), session_->output_cnames.size());
+    std::pmr::vector<Ort::Value> results(&arena);
+    results.reserve(session_->output_cnames.size());
+    for (size_t i = 0; i < session_->output_cnames.size(); ++i) results.emplace_back(nullptr);
+    session_->session.Run(session_->run_options, names.data(), values.data(), values.size(),
+                          session_->output_cnames.data(), results.data(), results.size());
     outputs.clear();
     outputs.reserve(results.size());
     for (size_t i = 0; i < results.size(); ++i) {
