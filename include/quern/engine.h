@@ -249,9 +249,12 @@ class Engine {
   // (errors as with Infer). When an instance of the model is free and the
   // request's batch would leave now, the batch runs on this thread, so a
   // caller that would only wait pays no hand-off to an engine thread and
-  // back; otherwise the request is queued and batched as any other. For
-  // threads that would wait at once anyway; one that must not block uses
-  // Infer or InferAsync.
+  // back. When every instance is busy and the model's batches are short
+  // (under 0.25 ms per item) on a backend whose instances may run batches
+  // concurrently (ONNX Runtime), it runs at once beside one of them, up to
+  // three such runs per instance; otherwise the request is queued and
+  // batched as any other. For threads that would wait at once anyway; one
+  // that must not block uses Infer or InferAsync.
   InferResponse Run(InferRequest request);
 
   // Submits a request without waiting, in two steps, as a batch scheduler

@@ -194,11 +194,30 @@ py::array BytesArray(const Tensor& t) {
 // come out as object arrays of bytes (copies, as tritonclient gives them).
 py::array ToArray(Tensor&& t) {
   if (t.dtype() == DataType::kBytes) return BytesArray(t);
-  const py::dtype dt = ToNumpy(t.dtype());
-  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  py::dtype dt = ToNumpy(t.dtype());
   auto* held = new Tensor(std::move(t));
   py::capsule owner(held, [](void* p) { delete static_cast<Tensor*>(p); });
-  return py::array(dt, shape, held->data(), owner);
+  // Through numpy's C API with the dimensions on the stack (pybind11's
+  // array constructor allocates three vectors for them).
+  constexpr size_t kMaxDims = 32;  // NPY_MAXDIMS
+  const Shape& shape = held->shape();
+  if (shape.size() > kMaxDims) {
+    return py::array(dt, std::vector<py::ssize_t>(shape.begin(), shape.end()), held->data(), owner);
+  }
+  Py_intptr_t dims[kMaxDims], strides[kMaxDims];
+  Py_intptr_t stride = dt.itemsize();
+  for (size_t i = shape.size(); i-- > 0;) {
+    dims[i] = static_cast<Py_intptr_t>(shape[i]);
+    strides[i] = stride;
+    stride *= std::max<Py_intptr_t>(dims[i], 1);
+  }
+  auto& api = py::detail::npy_api::get();
+  auto array = py::reinterpret_steal<py::array>(api.PyArray_NewFromDescr_(
+      api.PyArray_Type_, dt.release().ptr(), static_cast<int>(shape.size()), dims, strides,
+      const_cast<std::byte*>(held->data()), py::detail::npy_api::NPY_ARRAY_WRITEABLE_, nullptr));
+  if (!array) throw py::error_already_set();
+  if (api.PyArray_SetBaseObject_(array.ptr(), owner.release().ptr()) != 0) throw py::error_already_set();
+  return array;
 }
 
 // A model whose batches a Python function computes: fn({name: array}) ->
@@ -458,11 +477,19 @@ class PyEngine {
       }
       r.timeout_us = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(*timeout_s * 1e6)));
     }
-    // A snapshot of the items: reading them runs no Python that could
-    // change the dict underneath.
-    const py::list items(inputs.attr("items")());
-    for (const py::handle item : items) {
-      const py::handle key = item[py::int_(0)].ptr(), value = item[py::int_(1)].ptr();
+    // A snapshot of the items (references held): reading them below runs
+    // no Python that could change the dict underneath.
+    std::vector<std::pair<py::object, py::object>> items;
+    items.reserve(static_cast<size_t>(PyDict_Size(inputs.ptr())));
+    {
+      Py_ssize_t pos = 0;
+      PyObject *k = nullptr, *v = nullptr;
+      while (PyDict_Next(inputs.ptr(), &pos, &k, &v)) {
+        items.emplace_back(py::reinterpret_borrow<py::object>(k), py::reinterpret_borrow<py::object>(v));
+      }
+    }
+    r.inputs.reserve(items.size());
+    for (const auto& [key, value] : items) {
       if (!py::isinstance<py::str>(key)) {
         Raise(InvalidArgument("model '" + model + "': input names are strings; got a " +
                               std::string(py::str(py::type::of(key).attr("__name__")))));
