@@ -124,7 +124,7 @@ int DynamicBatcher::ShareLocked() const {
   // Only while every instance that may take work is busy (not while the
   // others wait for the wide one), and batches are known to be short.
   if (busy_workers_ < narrow_workers() || !MayTake(false)) return -1;
-  if (ns_per_item_ <= 0 || ns_per_item_ >= kSharedBelowNs) return -1;
+  if (alone_ns_per_item_ <= 0 || alone_ns_per_item_ >= kSharedBelowNs) return -1;
   int best = -1;
   for (int i = 0; i < narrow_workers(); ++i) {
     if (best < 0 || shared_on_[static_cast<size_t>(i)] < shared_on_[static_cast<size_t>(best)]) best = i;
@@ -214,6 +214,11 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool ca
   if (items > 0 && ran_ns > 0 && (!wide || ns_per_item_ == 0)) {
     const double sample = static_cast<double>(ran_ns) / static_cast<double>(items);
     ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
+    // With shared runs beside it the run had the cores only in part (the
+    // runs now, this one included, over the instances that have a core).
+    const double runs = static_cast<double>(busy_workers_ + 1 + shared_running_);
+    const double alone = sample * std::min(1.0, static_cast<double>(narrow_workers()) / runs);
+    alone_ns_per_item_ = alone_ns_per_item_ == 0 ? alone : 0.9 * alone_ns_per_item_ + 0.1 * alone;
   }
   // Batches of a light load (the wide instance's, or the narrow ones' while
   // it is off) tell whether the wide instance pays.

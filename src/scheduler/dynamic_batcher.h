@@ -145,7 +145,8 @@ class DynamicBatcher {
   // batch; it takes them again once theirs, at light load, take twice this.
   static constexpr double kWideMinNs = 1'000'000;
   static constexpr int kWideSamples = 16;
-  // Callers run shared batches while the time per item stays under this.
+  // Callers run shared batches while the time per item (of a run alone)
+  // stays under this.
   static constexpr double kSharedBelowNs = 250'000;
   int num_workers() const { return num_workers_; }
   // Batches run by the wide worker so far.
@@ -199,6 +200,10 @@ class DynamicBatcher {
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
+  // The same, each run's time scaled by its share of the cores while shared
+  // runs ran beside it: what a run takes alone (decides shared runs, whose
+  // own slowing must not turn them off).
+  double alone_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;  // not counting the wide worker
   // Per worker: its instance runs a batch (not kept for the wide one: see
   // wide_running_), and it waits on its condition variable.
