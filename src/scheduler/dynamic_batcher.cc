@@ -338,7 +338,7 @@ bool DynamicBatcher::MayTake(bool wide) const {
   // worker that has just answered its batch still counts as busy for a
   // moment; its caller's next request waits for it rather than run narrow).
   const bool light = !wide_off_ && load_ < kWideBelow && average_load_ < kWideBelowAverage;
-  if (wide) return light && busy_workers_ == 0;
+  if (wide) return light && busy_workers_ == 0 && shared_running_ == 0;  // alone, shared runs included
   return !light;
 }
 
