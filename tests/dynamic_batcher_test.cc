@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -322,43 +323,46 @@ TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {
 namespace quern {
 namespace {
 
-// Three workers, the last one wide. A processor that holds each batch until
-// the gate opens, and checks that a wide batch never runs beside another.
-struct WideHarness {
+// Batches held at a gate while it is closed, each taking `run_ns` on the fake
+// clock; records which worker ran each batch and on which thread, the most
+// batches on one instance at once, and whether a wide batch (the last
+// worker's, when there is a wide one) ever ran beside another.
+struct GatedHarness {
   std::mutex mu;
   std::condition_variable cv;
   bool open = true;
-  int running[3] = {0, 0, 0};
-  std::vector<int> workers;  // who ran each batch, in order
+  std::vector<int> running;              // per worker
+  std::vector<int> workers;              // who ran each batch, in order
+  std::vector<std::thread::id> threads;  // and where
+  int most_at_once = 0;
   bool overlap = false;
   FakeClock clock;
   std::atomic<int64_t> run_ns{0};  // how long each batch takes on the fake clock
   std::unique_ptr<DynamicBatcher> batcher;
   int next_id = 0;
 
-  WideHarness() {
-    DynamicBatcherOptions o;
-    o.queue.max_batch_size = 1;
-    o.num_workers = 3;
-    o.wide_worker = true;
+  explicit GatedHarness(DynamicBatcherOptions o) {
     o.clock = &clock;
+    running.assign(static_cast<size_t>(o.num_workers), 0);
+    const int wide = o.wide_worker ? o.num_workers - 1 : -1;
     batcher = std::move(*DynamicBatcher::Create(
         o,
-        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
+        [this, wide](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
           clock.AdvanceNs(run_ns.load());
           std::unique_lock lock(mu);
-          ++running[worker];
-          const int others = running[0] + running[1] + running[2] - 1;
-          if ((worker == 2 && others > 0) || (worker != 2 && running[2] > 0)) overlap = true;
+          most_at_once = std::max(most_at_once, ++running[static_cast<size_t>(worker)]);
+          const int all = std::accumulate(running.begin(), running.end(), 0);
+          if (wide >= 0 && (worker == wide ? all > 1 : running[static_cast<size_t>(wide)] > 0)) overlap = true;
           workers.push_back(worker);
+          threads.push_back(std::this_thread::get_id());
           cv.notify_all();
           cv.wait(lock, [&] { return open; });
-          --running[worker];
+          --running[static_cast<size_t>(worker)];
           cv.notify_all();
         },
         [](std::unique_ptr<BatchTask>, const Status&) {}));
   }
-  ~WideHarness() {
+  ~GatedHarness() {
     Open();
     batcher->Shutdown();
   }
@@ -368,12 +372,22 @@ struct WideHarness {
     so.in_model = in_model;
     ASSERT_TRUE(batcher->Schedule(t, so).ok());
   }
+  // A caller that lends its thread, on a thread of its own.
+  std::thread Caller(int id) {
+    return std::thread([this, id] {
+      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+      ScheduleOptions so;
+      so.run_here = true;
+      EXPECT_TRUE(batcher->Schedule(t, so).ok());
+    });
+  }
   // Waits (up to 10 s) until `n` batches have started and, with the gate
   // open, finished.
   bool WaitStarted(size_t n) {
     std::unique_lock lock(mu);
-    return cv.wait_for(lock, std::chrono::seconds(10),
-                       [&] { return workers.size() >= n && (!open || running[0] + running[1] + running[2] == 0); });
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] {
+      return workers.size() >= n && (!open || std::accumulate(running.begin(), running.end(), 0) == 0);
+    });
   }
   void Close() {
     std::lock_guard lock(mu);
@@ -386,11 +400,23 @@ struct WideHarness {
   }
   int Running(int worker) {
     std::lock_guard lock(mu);
-    return running[worker];
+    return running[static_cast<size_t>(worker)];
   }
   size_t Started() {
     std::lock_guard lock(mu);
     return workers.size();
+  }
+};
+
+// Three workers, the last one wide.
+struct WideHarness : GatedHarness {
+  WideHarness() : GatedHarness(Options()) {}
+  static DynamicBatcherOptions Options() {
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 1;
+    o.num_workers = 3;
+    o.wide_worker = true;
+    return o;
   }
 };
 
@@ -693,73 +719,21 @@ TEST(DynamicBatcher, TheWideWorkerRestsWhileItsRunsAreShort) {
   EXPECT_TRUE(wide_again);
 }
 
-// Two instances that allow shared runs; every batch takes `run_ns` on the
-// fake clock and waits at a gate while it is closed. Records, per batch,
-// the instance, the thread and how many batches ran on that instance then.
-struct SharedHarness {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool open = true;
-  int running[2] = {0, 0};
-  int most_at_once = 0;  // batches on one instance at the same time
-  struct Run {
-    int worker;
-    std::thread::id thread;
-  };
-  std::vector<Run> runs;
-  FakeClock clock;
-  std::atomic<int64_t> run_ns{50'000};
-  std::unique_ptr<DynamicBatcher> batcher;
-
-  explicit SharedHarness(int shared_runs) {
+// Two instances that allow shared runs; every batch takes 50 µs on the fake
+// clock unless told otherwise.
+struct SharedHarness : GatedHarness {
+  explicit SharedHarness(int shared_runs) : GatedHarness(Options(shared_runs)) { run_ns = 50'000; }
+  static DynamicBatcherOptions Options(int shared_runs) {
     DynamicBatcherOptions o;
     o.queue.max_batch_size = 1;
     o.num_workers = 2;
     o.shared_runs = shared_runs;
-    o.clock = &clock;
-    batcher = std::move(*DynamicBatcher::Create(
-        o,
-        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&&) {
-          clock.AdvanceNs(run_ns.load());
-          std::unique_lock lock(mu);
-          most_at_once = std::max(most_at_once, ++running[worker]);
-          runs.push_back({worker, std::this_thread::get_id()});
-          cv.notify_all();
-          cv.wait(lock, [&] { return open; });
-          --running[worker];
-          cv.notify_all();
-        },
-        [](std::unique_ptr<BatchTask>, const Status&) {}));
+    return o;
   }
-  ~SharedHarness() {
-    Open();
-    batcher->Shutdown();
-  }
-  // A caller that lends its thread, on a thread of its own.
-  std::thread Caller(int id) {
-    return std::thread([this, id] {
-      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
-      ScheduleOptions so;
-      so.run_here = true;
-      EXPECT_TRUE(batcher->Schedule(t, so).ok());
-    });
-  }
+  // Waits (up to 10 s) until `n` batches have started.
   bool WaitRuns(size_t n) {
     std::unique_lock lock(mu);
-    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return runs.size() >= n; });
-  }
-  size_t Runs() {
-    std::lock_guard lock(mu);
-    return runs.size();
-  }
-  void Close() {
-    std::lock_guard lock(mu);
-    open = false;
-  }
-  void Open() {
-    std::lock_guard lock(mu);
-    open = true;
-    cv.notify_all();
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return workers.size() >= n; });
   }
 };
 
@@ -781,13 +755,13 @@ TEST(DynamicBatcher, ACallerWhoFindsEveryInstanceBusyRunsBesideOneWhileRunsAreSh
   callers.push_back(h.Caller(5));
   for (int i = 0; i < 100 && h.batcher->queued() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(h.batcher->queued(), 1u);
-  EXPECT_EQ(h.Runs(), 5u);
+  EXPECT_EQ(h.Started(), 5u);
   {
     std::lock_guard lock(h.mu);
     EXPECT_EQ(h.running[0], 2);  // spread over the instances
     EXPECT_EQ(h.running[1], 2);
     std::set<std::thread::id> threads;
-    for (size_t i = 1; i < 5; ++i) threads.insert(h.runs[i].thread);
+    for (size_t i = 1; i < 5; ++i) threads.insert(h.threads[i]);
     EXPECT_EQ(threads.size(), 4u) << "every caller's batch on its own thread";
   }
   EXPECT_EQ(h.batcher->shared_batches(), 2);
@@ -811,7 +785,7 @@ TEST(DynamicBatcher, CallersQueueWhenRunsAreLongOrSharingIsOff) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     EXPECT_EQ(h.batcher->queued(), 1u) << "shared_runs " << shared_runs << ", run " << run_ns << " ns";
-    EXPECT_EQ(h.Runs(), 3u);
+    EXPECT_EQ(h.Started(), 3u);
     EXPECT_EQ(h.batcher->shared_batches(), 0);
     h.Open();
     for (auto& c : callers) c.join();
