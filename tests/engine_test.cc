@@ -201,6 +201,23 @@ TEST_F(EngineTest, RequestedOutputsSubset) {
   EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{-1, -1, -1, -1}));
 }
 
+TEST_F(EngineTest, AnOutputAskedForTwiceComesTwiceWhole) {
+  // A lone request's outputs move to it rather than being copied: one it
+  // names twice must still come back twice, with its values (through Run
+  // and through Infer).
+  for (bool run : {true, false}) {
+    InferRequest req = AddSub({1, 2, 3, 4}, {1, 1, 1, 1}, 1);
+    req.requested_outputs = {"OUTPUT0", "OUTPUT0", "OUTPUT1"};
+    InferResponse r = run ? engine_->Run(std::move(req)) : engine_->Infer(std::move(req)).get();
+    ASSERT_TRUE(r.status.ok()) << r.status.message();
+    ASSERT_EQ(r.outputs.size(), 3u);
+    for (const auto& o : r.outputs) EXPECT_EQ(o.tensor.shape(), (Shape{1, 4})) << o.name << " " << run;
+    EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{2, 3, 4, 5})) << run;
+    EXPECT_EQ(ToFloats(r.outputs[1].tensor), (std::vector<float>{2, 3, 4, 5})) << run;
+    EXPECT_EQ(ToFloats(r.outputs[2].tensor), (std::vector<float>{0, 1, 2, 3})) << run;
+  }
+}
+
 TEST_F(EngineTest, AFailingBatchFailsOnlyItsRequestsAndTheModelKeepsServing) {
   InferRequest bad;
   bad.model = "fail_on_3";
