@@ -320,7 +320,6 @@ class Engine {
 
  private:
   explicit Engine(std::unique_ptr<ModelRegistry> impl);
-  std::future<InferResponse> Submit(InferRequest request, bool run_here);
   std::unique_ptr<ModelRegistry> impl_;
 };
 

@@ -61,16 +61,25 @@ Engine::~Engine() = default;
 
 namespace {
 
-// The response a refused request would have had.
-InferResponse Refusal(Status status, uint64_t id, const std::string& model, int64_t version, int64_t now_ns) {
-  InferResponse r;
-  r.status = std::move(status);
-  r.request_id = id;
-  r.model = model;
-  r.version = version;
-  r.telemetry.queue_start_ns = r.telemetry.response_ns = now_ns;
-  return r;
-}
+// What a refused request's response repeats of it, taken before the request
+// is handed over (a refusal need not give it back).
+struct RequestEcho {
+  explicit RequestEcho(const InferRequest& r) : model(r.model), version(r.version), metadata(r.metadata) {}
+  // The response the request gets when it is refused with `status`.
+  InferResponse Refusal(Status status, uint64_t id, int64_t now_ns) && {
+    InferResponse r;
+    r.status = std::move(status);
+    r.request_id = id;
+    r.model = std::move(model);
+    r.version = version;
+    r.metadata = std::move(metadata);
+    r.telemetry.queue_start_ns = r.telemetry.response_ns = now_ns;
+    return r;
+  }
+  std::string model;
+  int64_t version;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
 
 }  // namespace
 
@@ -79,7 +88,15 @@ const char* Version() {
 }
 
 std::future<InferResponse> Engine::Infer(InferRequest request) {
-  return Submit(std::move(request), /*run_here=*/false);
+  auto promise = std::make_shared<std::promise<InferResponse>>();
+  auto future = promise->get_future();
+  const uint64_t id = impl_->NextId();
+  RequestEcho echo(request);
+  InferCallback done = [promise](InferResponse&& r) { promise->set_value(std::move(r)); };
+  if (Status st = impl_->Submit(std::move(request), id, done); !st.ok()) {
+    promise->set_value(std::move(echo).Refusal(std::move(st), id, clock().NowNs()));
+  }
+  return future;
 }
 
 InferResponse Engine::Run(InferRequest request) {
@@ -93,9 +110,7 @@ InferResponse Engine::Run(InferRequest request) {
     InferResponse response QUERN_GUARDED_BY(mu);
   } slot;
   const uint64_t id = impl_->NextId();
-  std::string model = request.model;
-  const int64_t version = request.version;
-  auto metadata = request.metadata;
+  RequestEcho echo(request);
   InferCallback done = [&slot](InferResponse&& r) {
     MutexLock lock(slot.mu);
     slot.response = std::move(r);
@@ -103,29 +118,11 @@ InferResponse Engine::Run(InferRequest request) {
     slot.cv.Signal();  // under the lock: the slot lives until the waiter has seen it
   };
   if (Status st = impl_->Submit(std::move(request), id, done, /*run_here=*/true); !st.ok()) {
-    InferResponse r = Refusal(std::move(st), id, model, version, clock().NowNs());
-    r.metadata = std::move(metadata);
-    return r;
+    return std::move(echo).Refusal(std::move(st), id, clock().NowNs());
   }
   MutexLock lock(slot.mu);
   slot.cv.Wait(lock, [&slot]() QUERN_REQUIRES(slot.mu) { return slot.answered; });
   return std::move(slot.response);
-}
-
-std::future<InferResponse> Engine::Submit(InferRequest request, bool run_here) {
-  auto promise = std::make_shared<std::promise<InferResponse>>();
-  auto future = promise->get_future();
-  const uint64_t id = impl_->NextId();
-  std::string model = request.model;
-  const int64_t version = request.version;
-  auto metadata = request.metadata;
-  InferCallback done = [promise](InferResponse&& r) { promise->set_value(std::move(r)); };
-  if (Status st = impl_->Submit(std::move(request), id, done, run_here); !st.ok()) {
-    InferResponse r = Refusal(std::move(st), id, model, version, clock().NowNs());
-    r.metadata = std::move(metadata);
-    promise->set_value(std::move(r));
-  }
-  return future;
 }
 
 Status Engine::InferAsync(InferRequest request, InferCallback& done) {

@@ -424,7 +424,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
       // A lone request owns every row of the outputs it asked for (each
       // once): they move to it whole.
       const bool whole = tasks.size() == 1 && padded == items;
-      const bool again = std::count(task.output_indices.begin(), task.output_indices.end(), idx) > 1;
+      const bool again = whole && std::count(task.output_indices.begin(), task.output_indices.end(), idx) > 1;
       Tensor t = whole && !again ? std::move(out.tensor) : out.tensor;
       if (batched && !whole) {
         auto sliced = SliceRows(out.tensor, row, task.items);

@@ -88,15 +88,8 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
       if (here.batch.empty() && here.dropped.empty()) {
         claimed = -1;
         shared = false;
-      } else if (shared) {
-        TrackLoadLocked(now);  // dropped tasks leave
-        running_tasks_ += static_cast<int64_t>(here.batch.size());
-        ++shared_running_;
-        ++shared_on_[static_cast<size_t>(claimed)];
-        if (!here.batch.empty()) ++shared_batches_;
-        ++callers_running_;
       } else {
-        BeginLocked(claimed, here, now);
+        BeginLocked(claimed, here, now, shared);
         ++callers_running_;
       }
     }
@@ -152,14 +145,7 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
     ran_ns = clock_->NowNs() - start;
   }
   MutexLock lock(mu_);
-  if (shared) {
-    TrackLoadLocked(clock_->NowNs());
-    running_tasks_ -= tasks;
-    --shared_running_;
-    --shared_on_[static_cast<size_t>(worker)];
-  } else {
-    EndLocked(worker, tasks, d.items, d.capped, ran_ns);
-  }
+  EndLocked(worker, tasks, d.items, d.capped, ran_ns, shared);
   if (--callers_running_ == 0) callers_cv_.SignalAll();
   // The instance's own worker may have waited for it (work queued, or the
   // batcher stopping); it or another that may take the work looks now.
@@ -183,8 +169,15 @@ void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {
   load_at_ns_ = now_ns;
 }
 
-void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns) {
+void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) {
   TrackLoadLocked(now_ns);  // dropped tasks leave
+  running_tasks_ += static_cast<int64_t>(d.batch.size());
+  if (shared) {  // beside the instance's own batch, which keeps its state
+    ++shared_running_;
+    ++shared_on_[static_cast<size_t>(worker)];
+    if (!d.batch.empty()) ++shared_batches_;
+    return;
+  }
   if (wide_ && worker == num_workers_ - 1) {
     wide_running_ = true;
     if (!d.batch.empty()) ++wide_batches_;
@@ -192,16 +185,20 @@ void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int6
     busy_[static_cast<size_t>(worker)] = 1;
     ++busy_workers_;
   }
-  running_tasks_ += static_cast<int64_t>(d.batch.size());
   // Unknown before the first batch: taken as long.
   expected_end_ns_[static_cast<size_t>(worker)] =
       ns_per_item_ > 0 ? now_ns + static_cast<int64_t>(ns_per_item_ * static_cast<double>(d.items)) : INT64_MAX;
 }
 
-void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns) {
+void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared) {
   const bool wide = wide_ && worker == num_workers_ - 1;
   TrackLoadLocked(clock_->NowNs());
   running_tasks_ -= tasks;
+  if (shared) {  // its time shared the cores: it feeds no estimate
+    --shared_running_;
+    --shared_on_[static_cast<size_t>(worker)];
+    return;
+  }
   expected_end_ns_[static_cast<size_t>(worker)] = 0;
   if (wide) {
     wide_running_ = false;
@@ -364,7 +361,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
       if (!d.batch.empty() || !d.dropped.empty()) {
         const bool more = !queue_.empty();
         const auto tasks = static_cast<int64_t>(d.batch.size());
-        BeginLocked(worker, d, now);
+        BeginLocked(worker, d, now, /*shared=*/false);
         if (!AnyTaker() && more && ReaperNeedsWake(0, now)) reaper_cv_.Signal();
         if (more && !wide) WakeNarrowLocked();  // let another free instance take the next batch
         lock.Unlock();
@@ -376,7 +373,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
           ran_ns = clock_->NowNs() - start;
         }
         lock.Lock();
-        EndLocked(worker, tasks, d.items, d.capped, ran_ns);
+        EndLocked(worker, tasks, d.items, d.capped, ran_ns, /*shared=*/false);
         if (wide) {
           if (!queue_.empty() && MayTake(false)) {
             for (int i = 0; i < narrow_workers(); ++i) WakeNarrowLocked();  // the others may take batches again

@@ -166,9 +166,11 @@ class DynamicBatcher {
   // Runs batch `d` (begun on `worker`'s instance, `shared` beside its own
   // batch) on the calling thread.
   void RunHere(int worker, BatchQueue::Decision d, bool shared) QUERN_EXCLUDES(mu_);
-  // Marks `worker`'s instance busy with `d` / free again after `ran_ns`.
-  void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns) QUERN_REQUIRES(mu_);
-  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns) QUERN_REQUIRES(mu_);
+  // Marks `worker`'s instance busy with `d` / free again after `ran_ns`;
+  // `shared`: a shared run beside the instance's own batch (counted apart).
+  void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) QUERN_REQUIRES(mu_);
+  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared)
+      QUERN_REQUIRES(mu_);
   // Wakes one waiting worker (not the wide one) whose instance is free.
   void WakeNarrowLocked() QUERN_REQUIRES(mu_);
   void SignalAllLocked() QUERN_REQUIRES(mu_);
