@@ -7,7 +7,7 @@
 // nothing is copied on the way out) and constant (returns an array made
 // once, which is copied into the shared memory on the way out) -- into a
 // temporary folder, loads it in an Engine, and has N threads send requests
-// back to back through Engine::Infer for each model and payload size. Reports requests/s,
+// back to back through Engine::Infer (or Engine::Run with --run) for each model and payload size. Reports requests/s,
 // latency, and CPU per request of this process (the engine: batching,
 // copies into and out of shared memory, the socket round trip) and of the
 // model's Python processes (the stub: reading the batch, calling infer(),
@@ -106,6 +106,10 @@ int main(int argc, char** argv) {
   app.add_option("--bytes", sizes, "payload per request, each way");
   app.add_option("--instances", instances, "Python processes");
   app.add_option("--max-batch", max_batch, "max_batch_size");
+  bool run = false;
+  app.add_flag("--run", run,
+               "submit through Engine::Run (the caller runs the batch when an instance is free) "
+               "instead of Engine::Infer");
   CLI11_PARSE(app, argc, argv);
 
   char tmpl[] = "/tmp/quern-python-bench-XXXXXX";
@@ -144,7 +148,7 @@ int main(int argc, char** argv) {
               r.inputs = {
                   {"x", quern::Tensor::Borrow(quern::DataType::kUint8, {1, size}, payload.data(), payload.size())}};
               const auto t0 = Clock::now();
-              quern::InferResponse resp = (*engine)->Infer(std::move(r)).get();
+              quern::InferResponse resp = run ? (*engine)->Run(std::move(r)) : (*engine)->Infer(std::move(r)).get();
               if (!Right(model, payload, resp, first)) {
                 std::fprintf(stderr, "wrong answer: %s\n", resp.status.ToString().c_str());
                 std::exit(1);

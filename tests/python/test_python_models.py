@@ -576,6 +576,7 @@ def test_load_errors_name_the_model_and_the_cause(tmp_path):
     write_model(tmp_path, "raises", PLAIN_CONFIG, "raise RuntimeError('cannot find my weights')\n")
     write_model(tmp_path, "bad_python", PLAIN_CONFIG + '\nparameters { key: "quern.python" value: { string_value: "/no/such/python" } }\n', PLAIN)
     write_model(tmp_path, "packed_env", PLAIN_CONFIG + '\nparameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }\n', PLAIN)
+    write_model(tmp_path, "bad_same_core", PLAIN_CONFIG + '\nparameters { key: "quern.same_core" value: { string_value: "sometimes" } }\n', PLAIN)
     (tmp_path / "missing" / "1").mkdir(parents=True)
     (tmp_path / "missing" / "config.pbtxt").write_text(PLAIN_CONFIG)
     write_model(tmp_path, "good", PLAIN_CONFIG, PLAIN)
@@ -590,6 +591,7 @@ def test_load_errors_name_the_model_and_the_cause(tmp_path):
             "raises": "RuntimeError: cannot find my weights",
             "bad_python": "/no/such/python",
             "packed_env": "EXECUTION_ENV_PATH",
+            "bad_same_core": 'model \'bad_same_core\': parameter quern.same_core must be "on" or "off", got "sometimes"',
             "missing": "model.py does not exist",
         }
         for name, text in expect.items():

@@ -364,6 +364,76 @@ def test_python_model_outputs_kept_by_the_caller_stay_intact(tmp_path):
             assert (r["same"] == i).all() and (r["plus"] == i + 1).all(), i
 
 
+def _cpus_allowed(pid):
+    """The CPUs /proc says a process's main thread may run on ("0-1,3" -> {0, 1, 3})."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+    cpus = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: there is no other core to stay off")
+def test_a_python_model_with_short_batches_runs_on_its_callers_core_and_the_caller_keeps_its_cpus(tmp_path):
+    """While a Python model's batches are short, the caller running a batch (engine.infer) stays on its
+    CPU for the round trip and the model's process is moved there; the caller gets back the CPUs it
+    had after every call, and the process gets back all of them once batches grow long, or never
+    leaves them with quern.same_core off."""
+    config = ('backend: "python"\nmax_batch_size: 4\n'
+              'input [ { name: "x" data_type: TYPE_INT64 dims: [ 2 ] } ]\n'
+              'output [ { name: "y" data_type: TYPE_INT64 dims: [ 2 ] }, '
+              '{ name: "pid" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+              'instance_group [ { count: 1 } ]\n')
+    # Rows whose first value is 1 take 3 ms: batches grow long.
+    code = ('import os, time\nimport numpy as np\n\ndef infer(inputs):\n    x = inputs["x"]\n'
+            '    if (x[:, 0] == 1).any():\n        time.sleep(0.003)\n'
+            '    return {"y": x * 3, "pid": np.full((x.shape[0], 1), os.getpid(), np.int64)}\n')
+    for name, extra in (("short", ""), ("off", 'parameters { key: "quern.same_core" value { string_value: "off" } }\n')):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.pbtxt").write_text(config + extra)
+        (tmp_path / name / "1" / "model.py").write_text(code)
+    mine = os.sched_getaffinity(0)
+
+    def calls(engine, model, first, n):
+        for i in range(n):
+            x = np.array([[first, i]], np.int64)
+            r = engine.infer(model, {"x": x})
+            assert (r["y"] == x * 3).all(), (model, i)
+            assert os.sched_getaffinity(0) == mine, (model, i)
+        return int(r["pid"][0, 0])
+
+    with quern.Engine(tmp_path) as engine:
+        pid = calls(engine, "short", 0, 60)
+        assert len(_cpus_allowed(pid)) == 1 and _cpus_allowed(pid) <= mine, _cpus_allowed(pid)
+        # Long batches: the process may run anywhere again.
+        assert calls(engine, "short", 1, 40) == pid
+        assert _cpus_allowed(pid) == mine
+        # Short again: back on one core.
+        assert calls(engine, "short", 0, 120) == pid
+        assert len(_cpus_allowed(pid)) == 1
+        pid = calls(engine, "off", 0, 60)
+        assert _cpus_allowed(pid) == mine
+        # Threads calling at once, each on its own answer.
+        errors = []
+
+        def worker(t):
+            try:
+                for i in range(50):
+                    x = np.array([[0, t * 1000 + i]], np.int64)
+                    assert (engine.infer("short", {"x": x})["y"] == x * 3).all()
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    assert os.sched_getaffinity(0) == mine
+
+
 def test_bytes_tensors_in_and_out():
     """BYTES tensors as tritonclient gives them: object arrays of bytes (str as UTF-8), or numpy's
     fixed 'S' and 'U' arrays; a registered function gets object arrays of bytes and may answer with

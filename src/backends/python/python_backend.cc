@@ -11,8 +11,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include "backends/python/python_process.h"
+#include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 
@@ -30,6 +32,20 @@ constexpr auto kRestartBackoff = std::chrono::seconds(1);
 // at once. A batch answered ends the streak.
 constexpr int kCrashesBeforeBackoff = 3;
 constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
+
+// Where a process runs (quern.same_core): while its batches are short, the
+// thread that runs a batch stays on its CPU and the process is moved there,
+// so the round trip (the thread wakes the process, the process wakes the
+// thread) never crosses cores -- on this kind of virtual machine a wake-up on
+// another, idle core costs 12-17 us of CPU on each side, more than the
+// Python stub's own work. Short: the round trips' moving average (1/8 each)
+// below kSameCoreBelowNs, after kSameCoreAfterBatches of them; it leaves the
+// core again above kSameCoreAboveNs (also when two processes on one core
+// slow each other down). Long batches keep the freedom to migrate, and two
+// instances their two cores.
+constexpr int64_t kSameCoreBelowNs = 250000;
+constexpr int64_t kSameCoreAboveNs = 500000;
+constexpr int kSameCoreAfterBatches = 8;
 
 size_t AlignUp(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -122,6 +138,7 @@ struct PythonModelSpec {
   std::string config_json;  // Triton's JSON form, for initialize(args)
   int64_t execute_timeout_ms = kDefaultExecuteTimeoutMs;
   int64_t initialize_timeout_ms = kDefaultInitializeTimeoutMs;
+  bool same_core = true;  // quern.same_core
 };
 
 // One instance: one Python process, started again after it dies.
@@ -203,8 +220,18 @@ class PythonModel final : public Model {
       Put<uint64_t>(frame, offsets[i]);
       Put<uint64_t>(frame, t.byte_size());
     }
+    std::optional<StayOnThisCpu> stay;
+    if (SameCore()) {
+      stay.emplace();
+      if (stay->cpu() >= 0) process_->RunOn(stay->cpu());
+    } else {
+      process_->RunAnywhere();
+    }
+    const auto sent_at = std::chrono::steady_clock::now();
     QUERN_RETURN_IF_ERROR(process_->Send(frame));
     auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
+    stay.reset();
+    if (reply) Measure(std::chrono::steady_clock::now() - sent_at);
     if (!reply && reply.error().code() != StatusCode::kCancelled) {
       ++crashes_in_a_row_;
       last_crash_ = std::chrono::steady_clock::now();
@@ -270,6 +297,19 @@ class PythonModel final : public Model {
     launch.launch_json = sb.GetString();
     launch.start_timeout_ms = spec_->initialize_timeout_ms > 0 ? spec_->initialize_timeout_ms : 86400000LL * 365;
     return launch;
+  }
+
+  // Whether this batch's round trip stays on one core (see kSameCoreBelowNs).
+  bool SameCore() {
+    if (!spec_->same_core || round_trips_ < kSameCoreAfterBatches) return false;
+    same_core_ = round_trip_ns_ < (same_core_ ? kSameCoreAboveNs : kSameCoreBelowNs);
+    return same_core_;
+  }
+
+  void Measure(std::chrono::steady_clock::duration took) {
+    const double ns = static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count());
+    round_trip_ns_ = round_trips_ == 0 ? ns : round_trip_ns_ + (ns - round_trip_ns_) / 8;
+    ++round_trips_;
   }
 
   // A process that died is started again before the next batch; one that
@@ -407,6 +447,11 @@ class PythonModel final : public Model {
   std::string last_start_error_;
   int crashes_in_a_row_ = 0;  // batches whose process died, since the last one answered
   std::chrono::steady_clock::time_point last_crash_;
+  // The round trips' moving average, how many were measured, and whether
+  // they stay on one core now (SameCore).
+  double round_trip_ns_ = 0;
+  int64_t round_trips_ = 0;
+  bool same_core_ = false;
 };
 
 class PythonOpenedModel final : public OpenedModel {
@@ -465,6 +510,16 @@ class PythonBackend final : public Backend {
                            MillisecondsParameter(config, "quern.execute_timeout_ms", kDefaultExecuteTimeoutMs));
     QUERN_ASSIGN_OR_RETURN(spec->initialize_timeout_ms,
                            MillisecondsParameter(config, "quern.initialize_timeout_ms", kDefaultInitializeTimeoutMs));
+    if (auto it = config.parameters.find("quern.same_core"); it != config.parameters.end()) {
+      if (it->second == "on" || it->second == "true") {
+        spec->same_core = true;
+      } else if (it->second == "off" || it->second == "false") {
+        spec->same_core = false;
+      } else {
+        return Err(
+            InvalidArgument(who + ": parameter quern.same_core must be \"on\" or \"off\", got \"" + it->second + "\""));
+      }
+    }
     google::protobuf::util::JsonPrintOptions opts;
     opts.preserve_proto_field_names = true;
     if (!google::protobuf::util::MessageToJsonString(ToProto(config), &spec->config_json, opts).ok()) {

@@ -238,6 +238,8 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
     return Err(Unavailable(tag + ": cannot start the Python interpreter '" + launch.python + "': " + ErrnoText(rc)));
   }
   p->pid_ = pid;
+  CPU_ZERO(&p->start_cpus_);
+  p->have_start_cpus_ = ::sched_getaffinity(pid, sizeof p->start_cpus_, &p->start_cpus_) == 0;
   p->pid_fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));  // -1 before Linux 5.3: the socket alone
   p->log_stop_fd_ = stop[1];
   p->log_stop_read_fd_ = stop[0];
@@ -345,6 +347,22 @@ bool PythonProcess::finished() {
     return true;
   }
   return false;
+}
+
+void PythonProcess::RunOn(int cpu) {
+  if (cpu == held_cpu_ || pid_ <= 0 || !have_start_cpus_ || cpu < 0 || cpu >= CPU_SETSIZE ||
+      !CPU_ISSET(cpu, &start_cpus_)) {
+    return;
+  }
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (::sched_setaffinity(pid_, sizeof one, &one) == 0) held_cpu_ = cpu;
+}
+
+void PythonProcess::RunAnywhere() {
+  if (held_cpu_ < 0 || pid_ <= 0) return;
+  if (::sched_setaffinity(pid_, sizeof start_cpus_, &start_cpus_) == 0) held_cpu_ = -1;
 }
 
 int PythonProcess::FreeSlot() const {

@@ -9,6 +9,7 @@
 // reader thread only forwards the process's stdout and stderr.
 #pragma once
 
+#include <sched.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -74,6 +75,14 @@ class PythonProcess {
   // (CANCELLED).
   Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1);
 
+  // Places the process's main thread (the one that runs the model's code)
+  // on `cpu` alone; RunAnywhere gives it back the CPUs it started with.
+  // Threads and processes it starts meanwhile inherit the one CPU.
+  void RunOn(int cpu);
+  void RunAnywhere();
+  // The CPU it is held on, or -1.
+  int held_cpu() const { return held_cpu_; }
+
   // Whether the process has ended (one that died since its last batch is
   // reaped here).
   bool finished();
@@ -102,7 +111,10 @@ class PythonProcess {
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
   int log_stop_read_fd_ = -1;
   Slot slots_[kSlots];
-  std::string inbox_;  // bytes read from the socket, not yet a whole frame
+  int held_cpu_ = -1;
+  bool have_start_cpus_ = false;
+  cpu_set_t start_cpus_;  // what it was allowed when it started
+  std::string inbox_;     // bytes read from the socket, not yet a whole frame
   std::thread log_reader_;
 };
 
