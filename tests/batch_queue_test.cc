@@ -297,6 +297,63 @@ TEST(BatchQueue, HardDeadlineAlwaysDrops) {
   EXPECT_EQ(d.dropped[0].status.code(), StatusCode::kDeadlineExceeded);
 }
 
+TEST(BatchQueue, WithARunCostATaskThatCannotFinishInTimeIsDroppedBeforeRunning) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;  // the four items wait for company (no full batch)
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {.deadline_ns = 50 * kUs}, /*size=*/2);  // 2 items x 10 us: must start by 30 us
+  Add(q, 2, 0, {.deadline_ns = 50 * kUs});              // 1 item: by 40 us
+  Add(q, 3, 0);
+  EXPECT_TRUE(q.Next(35 * kUs).dropped.empty()) << "no run cost known: only a passed deadline drops";
+  q.set_run_ns_per_item(10 * kUs);
+  auto d = q.Next(20 * kUs);
+  EXPECT_TRUE(d.dropped.empty());
+  EXPECT_EQ(d.wake_at_ns, 30 * kUs) << "wakes when the first can no longer finish";
+  d = q.Next(35 * kUs);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 1);
+  EXPECT_EQ(d.dropped[0].status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(d.dropped[0].status.message().find("could no longer finish before its deadline"), std::string::npos)
+      << d.dropped[0].status.message();
+  EXPECT_EQ(q.items(), 2);
+  d = q.Next(40 * kUs + 1);
+  ASSERT_EQ(d.dropped.size(), 1u);
+  EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 2);
+  EXPECT_EQ(Ids(q.Next(40 * kUs + 1, /*flush=*/true).batch), (std::vector<int>{3})) << "no deadline: never dropped";
+}
+
+TEST(BatchQueue, PeekCountsTheItemsAheadAndTheQueueTimeout) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.max_queue_delay_ns = 1000 * kUs;
+  o.priority_levels = 3;
+  o.default_priority_level = 2;
+  o.level_policies = {{.default_timeout_ns = 100 * kUs, .allow_timeout_override = true},
+                      {.delay_on_timeout = true, .default_timeout_ns = 100 * kUs},
+                      {}};
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0, {.priority = 1}, /*size=*/3);
+  Add(q, 2, 0, {}, /*size=*/2);  // level 2
+  Add(q, 3, 0, {.priority = 3}, /*size=*/4);
+  auto a = q.Peek({.priority = 1, .timeout_ns = 40 * kUs});
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->items_ahead, 3) << "only its own level is served before it";
+  EXPECT_EQ(a->drop_after_ns, 40 * kUs) << "its own, shorter timeout";
+  a = q.Peek({});
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->items_ahead, 5);
+  EXPECT_EQ(a->drop_after_ns, 0) << "a level that delays timed-out tasks never drops them";
+  a = q.Peek({.priority = 3, .timeout_ns = 70 * kUs});
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->items_ahead, 9);
+  EXPECT_EQ(a->drop_after_ns, 70 * kUs);
+  EXPECT_FALSE(q.Peek({.priority = 4}).has_value());
+  // Items leave the count as batches leave.
+  EXPECT_EQ(Ids(q.Next(0, /*flush=*/true).batch), (std::vector<int>{1, 2}));
+  EXPECT_EQ(q.Peek({.priority = 3})->items_ahead, 4);
+}
+
 TEST(BatchQueue, CancelledTasksAreRemovedAndNeverBatched) {
   BatchQueueOptions o;
   o.max_batch_size = 4;

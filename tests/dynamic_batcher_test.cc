@@ -279,6 +279,84 @@ TEST(DynamicBatcher, AdmissionRefusesWorkBeyondTheWaitingTimeLimit) {
   EXPECT_TRUE((*b)->CheckAdmission().ok());
 }
 
+TEST(DynamicBatcher, ARequestThatCannotMeetItsDeadlineIsRefusedAtOnce) {
+  // Each item "runs" for 10 ms of fake time, counted when its batch ends,
+  // on one worker. While item 1 runs (10 ms left) and items 2-4 wait (30
+  // ms), a request would finish 50 ms from now.
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 1;
+  o.num_workers = 1;
+  o.clock = &clock;
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  std::atomic<bool> running_1{false};
+  Recorder rec;
+  std::atomic<int> dropped{0};
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        const int id = static_cast<Item&>(*batch[0]).id;
+        if (id == 1) {
+          running_1 = true;
+          gate.wait();
+        }
+        clock.AdvanceNs(10'000'000);
+        std::lock_guard lock(rec.mu);
+        rec.batches.push_back({id});
+        rec.items += 1;
+        rec.cv.notify_all();
+      },
+      [&](std::unique_ptr<BatchTask>, const Status&) { ++dropped; });
+  ASSERT_TRUE(b.has_value());
+  const int64_t start = clock.NowNs();
+  std::unique_ptr<BatchTask> t = std::make_unique<Item>(0);
+  ScheduleOptions impossible;
+  impossible.deadline_ns = start + 1;  // nothing measured yet: admitted (and run: it starts at once)
+  ASSERT_TRUE((*b)->Schedule(t, impossible).ok());
+  rec.Wait(1);
+  while ((*b)->ns_per_item() == 0) std::this_thread::yield();
+  t = std::make_unique<Item>(1);
+  ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  while (!running_1) std::this_thread::yield();
+  const int64_t now = clock.NowNs();
+  for (int i = 2; i <= 4; ++i) {
+    t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  }
+  ScheduleOptions tight;
+  tight.deadline_ns = now + 45'000'000;
+  t = std::make_unique<Item>(5);
+  Status st = (*b)->Schedule(t, tight);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(t, nullptr) << "a refused task stays with the caller";
+  EXPECT_NE(st.message().find("would finish in about 50 ms (3 items queued ahead of it and 1 of 1 instances busy), "
+                              "after its deadline in 45 ms"),
+            std::string::npos)
+      << st.message();
+  ScheduleOptions enough;
+  enough.deadline_ns = now + 55'000'000;
+  t = std::make_unique<Item>(6);
+  ASSERT_TRUE((*b)->Schedule(t, enough).ok()) << "finishes at 50 ms, before 55";
+  // Behind 4 queued items now: a queue timeout of 45 ms is too short for the
+  // 50 ms wait, 55 ms is enough.
+  ScheduleOptions short_wait;
+  short_wait.timeout_ns = 45'000'000;
+  t = std::make_unique<Item>(7);
+  st = (*b)->Schedule(t, short_wait);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("would wait about 50 ms"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("longer than its queue timeout of 45 ms"), std::string::npos) << st.message();
+  short_wait.timeout_ns = 55'000'000;
+  t = std::make_unique<Item>(8);
+  ASSERT_TRUE((*b)->Schedule(t, short_wait).ok());
+  go.set_value();
+  rec.Wait(7);
+  std::lock_guard lock(rec.mu);
+  EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{0}, {1}, {2}, {3}, {4}, {6}, {8}}));
+  EXPECT_EQ(dropped.load(), 0) << "6 and 8 could still finish in time when their turn came";
+}
+
 TEST(DynamicBatcher, AdmissionNeverLocksAModelOut) {
   // One item takes 6 s of fake time, over the 5 s limit: later tasks are
   // still admitted whenever a worker is free or nothing waits.

@@ -2,7 +2,7 @@
 //   quern serve  --model-repository DIR [--config FILE]   load a repository and serve it
 //   quern models DIR                      list models, their tensors and load errors
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
-//   quern perf   --url http://HOST:PORT --model MODEL [--concurrency N... | --rate R...]
+//   quern perf   --url http://HOST:PORT|grpc://HOST:PORT --model MODEL [--concurrency N... | --rate R...]
 //                                         load a running server, report its throughput and costs
 #include <pthread.h>
 
@@ -40,7 +40,10 @@ int main(int argc, char** argv) {
   quern::cli::PerfOptions perf_options;
   auto* perf = app.add_subcommand(
       "perf", "Load a running server with KServe v2 infer requests; report throughput, latency and CPU per request");
-  perf->add_option("--url", perf_options.url, "The server's HTTP address")->capture_default_str();
+  perf->add_option("--url", perf_options.url, "The server: http://HOST:PORT[/PATH] or grpc://HOST:PORT")
+      ->capture_default_str();
+  perf->add_flag("--grpc-stream", perf_options.grpc_stream,
+                 "gRPC: send over ModelStreamInfer, one stream per connection (default: unary ModelInfer)");
   perf->add_option("--model,-m", perf_options.model, "Model name")->required();
   perf->add_option("--model-version", perf_options.version, "Model version (default: the server's choice)");
   perf->add_option("--input,-i", perf_options.inputs, "NAME=random, NAME=zeros or NAME=FILE.npy (default random)");
@@ -56,6 +59,9 @@ int main(int argc, char** argv) {
   perf->add_option("--seconds,-s", perf_options.seconds, "Seconds measured per level")->capture_default_str();
   perf->add_option("--warmup", perf_options.warmup, "Seconds of load before each measurement")->capture_default_str();
   perf->add_option("--timeout", perf_options.timeout, "Seconds one request may take")->capture_default_str();
+  perf->add_option("--deadline-ms", perf_options.deadline_ms,
+                   "Each request's deadline: a gRPC call's deadline; over HTTP and gRPC streams the KServe `timeout` "
+                   "parameter (the most it may wait in the server's queue). Answers after it are counted");
   perf->add_option("--metrics-url", perf_options.metrics_url,
                    "The server's metrics (e.g. http://127.0.0.1:8002/metrics): adds its CPU per request, queue "
                    "and compute times and batch size");

@@ -8,6 +8,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include <grpcpp/grpcpp.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 #include <sys/socket.h>
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -38,6 +40,7 @@
 #include "core/host_port.h"
 #include "core/json.h"
 #include "core/npy.h"
+#include "grpc_service.grpc.pb.h"
 #include "quern/status.h"
 #include "quern/tensor.h"
 
@@ -153,6 +156,153 @@ class HttpConnection {
   asio::io_context io_;
   std::optional<tcp::socket> socket_;
   beast::flat_buffer buffer_;
+};
+
+// ---- gRPC: one channel (one connection) per caller, blocking calls ----
+
+struct GrpcEndpoint {
+  std::string target;  // host:port
+};
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own, not one shared
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+std::string GrpcCodeName(grpc::StatusCode c) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto i = static_cast<size_t>(c);
+  return i < std::size(kNames) ? kNames[i] : "code " + std::to_string(i);
+}
+
+// ---- one request, over whichever protocol ----
+
+struct Outcome {
+  bool ok = false;
+  std::string kind;     // of a failure: "HTTP 503", "gRPC UNAVAILABLE", "timeout", ...
+  std::string message;  // the first part of what the server or transport said
+};
+
+// Sends the level's request again and again on one connection; used by one
+// thread.
+class Caller {
+ public:
+  virtual ~Caller() = default;
+  virtual Outcome Call() = 0;
+};
+
+class HttpCaller : public Caller {
+ public:
+  HttpCaller(const Endpoint& e, double timeout_s, const std::string& path, const std::string& body,
+             const std::vector<std::pair<std::string, std::string>>& headers)
+      : c_(e, timeout_s), path_(path), body_(body), headers_(headers) {}
+
+  Outcome Call() override {
+    Reply r = c_.Send(http::verb::post, path_, body_, headers_);
+    Outcome out;
+    if (r.status == 200) {
+      out.ok = true;
+    } else if (r.status == 0) {
+      out.message = r.error;
+      out.kind = r.error == "timeout" ? "timeout" : "connection";
+    } else {
+      out.message = r.body.substr(0, 200);
+      out.kind = "HTTP " + std::to_string(r.status);
+    }
+    return out;
+  }
+
+ private:
+  HttpConnection c_;
+  const std::string& path_;
+  const std::string& body_;
+  const std::vector<std::pair<std::string, std::string>>& headers_;
+};
+
+class GrpcUnaryCaller : public Caller {
+ public:
+  GrpcUnaryCaller(const std::string& target, double timeout_s, double deadline_ms,
+                  const inference::ModelInferRequest& request)
+      : stub_(inference::GRPCInferenceService::NewStub(NewChannel(target))),
+        wait_(std::chrono::duration_cast<std::chrono::system_clock::duration>(
+            std::chrono::duration<double>(deadline_ms > 0 ? std::min(timeout_s, deadline_ms / 1e3) : timeout_s))),
+        request_(request) {}
+
+  Outcome Call() override {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + wait_);
+    inference::ModelInferResponse response;
+    const grpc::Status st = stub_->ModelInfer(&ctx, request_, &response);
+    Outcome out;
+    out.ok = st.ok();
+    if (!st.ok()) {
+      out.kind = "gRPC " + GrpcCodeName(st.error_code());
+      out.message = st.error_message().substr(0, 200);
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+  std::chrono::system_clock::duration wait_;
+  const inference::ModelInferRequest& request_;
+};
+
+// One request in flight on its stream at a time (the closed loop's
+// connection); a stream that breaks is opened again for the next request.
+class GrpcStreamCaller : public Caller {
+ public:
+  GrpcStreamCaller(const std::string& target, const inference::ModelInferRequest& request)
+      : stub_(inference::GRPCInferenceService::NewStub(NewChannel(target))), request_(request) {}
+
+  ~GrpcStreamCaller() override { Close(/*cancel=*/true); }
+
+  Outcome Call() override {
+    Outcome out;
+    if (!stream_) {
+      ctx_ = std::make_unique<grpc::ClientContext>();
+      // A stream has one deadline for its whole life: long, so that only a
+      // server that stops answering ends it.
+      ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+      stream_ = stub_->ModelStreamInfer(ctx_.get());
+    }
+    inference::ModelStreamInferResponse response;
+    if (!stream_->Write(request_) || !stream_->Read(&response)) {
+      const grpc::Status st = Close(/*cancel=*/false);  // the server's word on why it ended
+      out.kind = "gRPC " + GrpcCodeName(st.error_code());
+      out.message = st.error_message().substr(0, 200);
+      if (st.ok()) out.kind = "stream closed";
+      return out;
+    }
+    out.ok = response.error_message().empty();
+    if (!out.ok) {
+      out.kind = "stream error";
+      out.message = response.error_message().substr(0, 200);
+    }
+    return out;
+  }
+
+ private:
+  grpc::Status Close(bool cancel) {
+    if (!stream_) return grpc::Status::OK;
+    if (cancel) ctx_->TryCancel();
+    grpc::Status st = stream_->Finish();
+    stream_.reset();
+    ctx_.reset();
+    return st;
+  }
+
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+  const inference::ModelInferRequest& request_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<inference::ModelInferRequest, inference::ModelStreamInferResponse>> stream_;
 };
 
 // ---- the request ----
@@ -274,7 +424,7 @@ void WriteNumbers(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::stri
 
 // The request body and its headers, made once and sent again and again.
 Result<std::pair<std::string, std::vector<std::pair<std::string, std::string>>>> BuildBody(
-    const std::vector<InputSpec>& inputs, bool json) {
+    const std::vector<InputSpec>& inputs, bool json, uint64_t timeout_us) {
   rapidjson::StringBuffer sb;
   rapidjson::Writer<rapidjson::StringBuffer> w(sb);
   w.StartObject();
@@ -327,11 +477,17 @@ Result<std::pair<std::string, std::vector<std::pair<std::string, std::string>>>>
     w.EndObject();
   }
   w.EndArray();
-  if (!json) {
-    w.Key("parameters");  // outputs as binary too: no JSON numbers to print on the server
+  if (!json || timeout_us > 0) {
+    w.Key("parameters");
     w.StartObject();
-    w.Key("binary_data_output");
-    w.Bool(true);
+    if (!json) {
+      w.Key("binary_data_output");  // outputs as binary too: no JSON numbers to print on the server
+      w.Bool(true);
+    }
+    if (timeout_us > 0) {
+      w.Key("timeout");
+      w.Uint64(timeout_us);
+    }
     w.EndObject();
   }
   w.EndObject();
@@ -347,9 +503,32 @@ Result<std::pair<std::string, std::vector<std::pair<std::string, std::string>>>>
   return std::make_pair(std::move(body), std::move(headers));
 }
 
-// The model's inputs as the server describes them (GET /v2/models/{m}),
-// with the user's shapes and data.
-Result<std::vector<InputSpec>> DescribeInputs(const PerfOptions& o, const Endpoint& e, const std::string& model_path) {
+// The same request as a ModelInferRequest (raw contents; BYTES in the binary
+// layout, which raw contents share).
+inference::ModelInferRequest BuildGrpcRequest(const PerfOptions& o, const std::vector<InputSpec>& inputs,
+                                              uint64_t timeout_us) {
+  inference::ModelInferRequest r;
+  r.set_model_name(o.model);
+  r.set_model_version(o.version);
+  for (const auto& in : inputs) {
+    auto* t = r.add_inputs();
+    t->set_name(in.name);
+    t->set_datatype(std::string(DataTypeName(in.dtype)));
+    for (int64_t d : in.shape) t->add_shape(d);
+    r.add_raw_input_contents(in.bytes);
+  }
+  if (timeout_us > 0) (*r.mutable_parameters())["timeout"].set_int64_param(static_cast<int64_t>(timeout_us));
+  return r;
+}
+
+// An input as the server's metadata describes it.
+struct InputMeta {
+  std::string name, datatype;
+  Shape shape;  // -1: a dimension the model leaves open
+};
+
+// GET /v2/models/{m}
+Result<std::vector<InputMeta>> HttpInputs(const PerfOptions& o, const Endpoint& e, const std::string& model_path) {
   HttpConnection c(e, o.timeout);
   Reply r = c.Send(http::verb::get, model_path, "", {});
   const std::string where = "model '" + o.model + "' at " + o.url;
@@ -363,6 +542,45 @@ Result<std::vector<InputSpec>> DescribeInputs(const PerfOptions& o, const Endpoi
       !doc["inputs"].IsArray()) {
     return Err(Internal(where + ": the model's metadata has no inputs list"));
   }
+  std::vector<InputMeta> metas;
+  for (const auto& m : doc["inputs"].GetArray()) {
+    if (!m.IsObject() || !m.HasMember("name") || !m["name"].IsString() || !m.HasMember("datatype") ||
+        !m["datatype"].IsString() || !m.HasMember("shape") || !m["shape"].IsArray()) {
+      return Err(Internal(where + ": an input in the metadata lacks name, datatype or shape"));
+    }
+    InputMeta in{m["name"].GetString(), m["datatype"].GetString(), {}};
+    for (const auto& d : m["shape"].GetArray()) in.shape.push_back(d.IsInt64() ? d.GetInt64() : -1);
+    metas.push_back(std::move(in));
+  }
+  return metas;
+}
+
+// ModelMetadata
+Result<std::vector<InputMeta>> GrpcInputs(const PerfOptions& o, const std::string& target) {
+  auto stub = inference::GRPCInferenceService::NewStub(NewChannel(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                                          std::chrono::duration<double>(o.timeout)));
+  inference::ModelMetadataRequest request;
+  request.set_name(o.model);
+  request.set_version(o.version);
+  inference::ModelMetadataResponse response;
+  const grpc::Status st = stub->ModelMetadata(&ctx, request, &response);
+  const std::string where = "model '" + o.model + "' at " + o.url;
+  if (st.error_code() == grpc::StatusCode::NOT_FOUND || st.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+    return Err(NotFound(where + ": " + st.error_message()));
+  }
+  if (!st.ok()) return Err(Unavailable(where + ": gRPC " + GrpcCodeName(st.error_code()) + ": " + st.error_message()));
+  std::vector<InputMeta> metas;
+  for (const auto& m : response.inputs()) {
+    metas.push_back({m.name(), m.datatype(), Shape(m.shape().begin(), m.shape().end())});
+  }
+  return metas;
+}
+
+// The model's inputs with the user's shapes and data.
+Result<std::vector<InputSpec>> DescribeInputs(const PerfOptions& o, const std::vector<InputMeta>& metas) {
+  const std::string where = "model '" + o.model + "' at " + o.url;
   std::map<std::string, std::string> how, shapes;
   for (const auto& [flag, list, into] : {std::tuple{"--input", &o.inputs, &how}, {"--shape", &o.shapes, &shapes}}) {
     for (const auto& s : *list) {
@@ -375,17 +593,13 @@ Result<std::vector<InputSpec>> DescribeInputs(const PerfOptions& o, const Endpoi
   }
   std::vector<InputSpec> inputs;
   uint64_t seed = 1;
-  for (const auto& m : doc["inputs"].GetArray()) {
-    if (!m.IsObject() || !m.HasMember("name") || !m["name"].IsString() || !m.HasMember("datatype") ||
-        !m["datatype"].IsString() || !m.HasMember("shape") || !m["shape"].IsArray()) {
-      return Err(Internal(where + ": an input in the metadata lacks name, datatype or shape"));
-    }
+  for (const InputMeta& m : metas) {
     InputSpec in;
-    in.name = m["name"].GetString();
-    auto dtype = DataTypeFromName(m["datatype"].GetString());
+    in.name = m.name;
+    auto dtype = DataTypeFromName(m.datatype);
     if (!dtype) return Err(Internal(where + ": input '" + in.name + "' has an unknown datatype"));
     in.dtype = *dtype;
-    for (const auto& d : m["shape"].GetArray()) in.shape.push_back(d.IsInt64() ? d.GetInt64() : -1);
+    in.shape = m.shape;
     const std::string spec = how.count(in.name) ? how[in.name] : "random";
     how.erase(in.name);
     if (spec != "random" && spec != "zeros") {
@@ -501,19 +715,12 @@ struct LevelRun {
   double client_cpu_us = 0;
   std::optional<ServerFigures> server;  // deltas over the window
   int64_t late = 0;                     // open loop: sent more than 1 ms after due
+  int64_t past_deadline = 0;            // ok answers that came after --deadline-ms
 };
 
-std::string ErrorKind(const Reply& r, std::string& message) {
-  if (r.status == 0) {
-    message = r.error;
-    return r.error == "timeout" ? "timeout" : "connection";
-  }
-  message = r.body.substr(0, 200);
-  return "HTTP " + std::to_string(r.status);
-}
+using CallerFactory = std::function<std::unique_ptr<Caller>()>;
 
-LevelRun RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& infer_path, const std::string& body,
-                  const std::vector<std::pair<std::string, std::string>>& headers, const Level& level,
+LevelRun RunLevel(const PerfOptions& o, const CallerFactory& make_caller, const Level& level,
                   std::optional<HttpConnection>& metrics, const Endpoint& metrics_e) {
   LevelRun res;
   res.level = level;
@@ -530,10 +737,11 @@ LevelRun RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& in
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&] {
-      HttpConnection c(e, o.timeout);
+      std::unique_ptr<Caller> c = make_caller();
       std::vector<int64_t> lat;
       std::map<std::string, std::pair<int64_t, std::string>> kinds;
-      int64_t ok = 0, errors = 0, late = 0, done = 0;
+      int64_t ok = 0, errors = 0, late = 0, done = 0, past_deadline = 0;
+      const int64_t deadline_ns = static_cast<int64_t>(o.deadline_ms * 1e6);
       while (true) {
         SteadyClock::time_point due;
         if (open) {
@@ -547,19 +755,22 @@ LevelRun RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& in
           due = SteadyClock::now();
           if (due >= window_to) break;
         }
-        Reply r = c.Send(http::verb::post, infer_path, body, headers);
+        const auto sent = SteadyClock::now();
+        Outcome r = c->Call();
         const auto end = SteadyClock::now();
-        const bool good = r.status == 200;
-        if (good) ++done;
+        if (r.ok) ++done;
         if (due < window_from || end > window_to) continue;  // warm-up, or past the window
-        if (good) {
+        if (r.ok) {
           ++ok;
           lat.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(end - due).count());
+          if (deadline_ns > 0 &&
+              std::chrono::duration_cast<std::chrono::nanoseconds>(end - sent).count() > deadline_ns) {
+            ++past_deadline;
+          }
         } else {
           ++errors;
-          std::string message;
-          auto& k = kinds[ErrorKind(r, message)];
-          if (k.first++ == 0) k.second = message;
+          auto& k = kinds[r.kind];
+          if (k.first++ == 0) k.second = std::move(r.message);
         }
       }
       completed.fetch_add(done);
@@ -567,6 +778,7 @@ LevelRun RunLevel(const PerfOptions& o, const Endpoint& e, const std::string& in
       res.ok += ok;
       res.errors += errors;
       res.late += late;
+      res.past_deadline += past_deadline;
       res.latencies_ns.insert(res.latencies_ns.end(), lat.begin(), lat.end());
       for (auto& [kind, v] : kinds) {
         auto& into = res.error_kinds[kind];
@@ -614,7 +826,7 @@ double Percentile(const std::vector<int64_t>& sorted, double q) {
 struct Row {
   std::string mode;
   double value, throughput, p50, p90, p95, p99, client_us, server_us, queue_us, compute_us, batch;
-  int64_t ok, errors, completed_total, late;
+  int64_t ok, errors, completed_total, late, past_deadline;
   std::map<std::string, std::pair<int64_t, std::string>> kinds;
 };
 
@@ -641,6 +853,7 @@ Row ToRow(const LevelRun& r) {
   row.errors = r.errors;
   row.completed_total = r.completed_total;
   row.late = r.late;
+  row.past_deadline = r.past_deadline;
   row.kinds = r.error_kinds;
   return row;
 }
@@ -690,14 +903,49 @@ int Perf(const PerfOptions& o) {
   if (!(o.seconds > 0) || !(o.warmup >= 0) || !(o.timeout > 0)) {
     return fail(InvalidArgument("--seconds and --timeout must be above 0, --warmup at least 0"));
   }
-  auto e = ParseHttpUrl(o.url, "--url");
-  if (!e) return fail(e.error());
-  std::string model_path = "/v2/models/" + PercentEncode(o.model);
-  if (!o.version.empty()) model_path += "/versions/" + PercentEncode(o.version);
-  auto inputs = DescribeInputs(o, *e, model_path);
+  if (!(o.deadline_ms >= 0) || o.deadline_ms > 1e9) return fail(InvalidArgument("--deadline-ms is 0 to 10^9"));
+  const bool grpc = o.url.starts_with("grpc://");
+  if (!grpc && o.grpc_stream) return fail(InvalidArgument("--grpc-stream needs a grpc://HOST:PORT --url"));
+  if (grpc && o.json) return fail(InvalidArgument("--json is for HTTP: gRPC sends raw tensor contents"));
+  const auto timeout_us = static_cast<uint64_t>(std::llround(o.deadline_ms * 1e3));
+  // The deadline travels as the KServe `timeout` parameter where the
+  // protocol has no deadline of its own.
+  const uint64_t timeout_param_us = grpc && !o.grpc_stream ? 0 : timeout_us;
+
+  Endpoint e;
+  std::string grpc_target, infer_path;
+  Result<std::vector<InputMeta>> metas = std::vector<InputMeta>{};
+  if (grpc) {
+    grpc_target = o.url.substr(7);
+    while (!grpc_target.empty() && grpc_target.back() == '/') grpc_target.pop_back();
+    std::string host;
+    int port = 0;
+    if (std::string why = ParseHostPort(grpc_target, 0, host, port); !why.empty() || port == 0) {
+      return fail(InvalidArgument("--url '" + o.url + "': " + (why.empty() ? "expected grpc://HOST:PORT" : why)));
+    }
+    metas = GrpcInputs(o, grpc_target);
+  } else {
+    auto parsed = ParseHttpUrl(o.url, "--url");
+    if (!parsed) return fail(parsed.error());
+    e = *parsed;
+    std::string model_path = "/v2/models/" + PercentEncode(o.model);
+    if (!o.version.empty()) model_path += "/versions/" + PercentEncode(o.version);
+    infer_path = model_path + "/infer";
+    metas = HttpInputs(o, e, model_path);
+  }
+  if (!metas) return fail(metas.error());
+  auto inputs = DescribeInputs(o, *metas);
   if (!inputs) return fail(inputs.error());
-  auto body = BuildBody(*inputs, o.json);
+  auto body = BuildBody(*inputs, o.json, timeout_param_us);
   if (!body) return fail(body.error());
+  const inference::ModelInferRequest grpc_request =
+      grpc ? BuildGrpcRequest(o, *inputs, timeout_param_us) : inference::ModelInferRequest();
+  CallerFactory make_caller = [&]() -> std::unique_ptr<Caller> {
+    if (!grpc) return std::make_unique<HttpCaller>(e, o.timeout, infer_path, body->first, body->second);
+    if (o.grpc_stream) return std::make_unique<GrpcStreamCaller>(grpc_target, grpc_request);
+    return std::make_unique<GrpcUnaryCaller>(grpc_target, o.timeout, o.deadline_ms, grpc_request);
+  };
+  const char* tensors = grpc ? (o.grpc_stream ? "gRPC stream" : "gRPC") : o.json ? "JSON" : "binary";
 
   std::optional<HttpConnection> metrics;
   Endpoint metrics_e;
@@ -719,21 +967,23 @@ int Perf(const PerfOptions& o) {
   std::vector<Row> rows;
   bool every_level_answered = true;
   if (o.format == "table") {
-    std::printf("model %s at %s, %s tensors, inputs:", o.model.c_str(), o.url.c_str(), o.json ? "JSON" : "binary");
+    std::printf("model %s at %s, %s tensors, inputs:", o.model.c_str(), o.url.c_str(), tensors);
     for (const auto& in : *inputs) {
       std::printf(" %s %s %s", in.name.c_str(), std::string(DataTypeName(in.dtype)).c_str(),
                   ShapeToString(in.shape).c_str());
     }
-    std::printf("; %.3g s per level after %.3g s of warm-up\n", o.seconds, o.warmup);
+    std::printf("; %.3g s per level after %.3g s of warm-up", o.seconds, o.warmup);
+    if (o.deadline_ms > 0) std::printf("; deadline %.6g ms", o.deadline_ms);
+    std::printf("\n");
     std::printf("%12s %10s %9s %9s %9s %9s %7s %10s %10s %9s %10s %6s\n", levels[0].mode.c_str(), "req/s", "p50 ms",
                 "p90 ms", "p95 ms", "p99 ms", "errors", "client µs", "server µs", "queue µs", "compute µs", "batch");
   } else if (o.format == "csv") {
     std::printf(
         "mode,value,requests_per_s,p50_ms,p90_ms,p95_ms,p99_ms,ok,errors,client_cpu_us_per_request,"
-        "server_cpu_us_per_request,server_queue_us,server_compute_us,server_batch_size,late\n");
+        "server_cpu_us_per_request,server_queue_us,server_compute_us,server_batch_size,late,past_deadline\n");
   }
   for (const Level& level : levels) {
-    Row row = ToRow(RunLevel(o, *e, model_path + "/infer", body->first, body->second, level, metrics, metrics_e));
+    Row row = ToRow(RunLevel(o, make_caller, level, metrics, metrics_e));
     if (row.ok == 0) every_level_answered = false;
     if (o.format == "table") {
       std::printf("%12s %10.1f %9s %9s %9s %9s %7lld %10s %10s %9s %10s %6s\n",
@@ -750,13 +1000,18 @@ int Perf(const PerfOptions& o) {
             "--max-inflight)\n",
             "", static_cast<long long>(row.late));
       }
+      if (o.deadline_ms > 0) {
+        std::printf("%12s   %lld answers came after the %.6g ms deadline\n", "",
+                    static_cast<long long>(row.past_deadline), o.deadline_ms);
+      }
       std::fflush(stdout);
     } else if (o.format == "csv") {
-      std::printf("%s,%g,%.3f,%s,%s,%s,%s,%lld,%lld,%s,%s,%s,%s,%s,%lld\n", level.mode.c_str(), level.value,
+      std::printf("%s,%g,%.3f,%s,%s,%s,%s,%lld,%lld,%s,%s,%s,%s,%s,%lld,%lld\n", level.mode.c_str(), level.value,
                   row.throughput, Num(row.p50, 4).c_str(), Num(row.p90, 4).c_str(), Num(row.p95, 4).c_str(),
                   Num(row.p99, 4).c_str(), static_cast<long long>(row.ok), static_cast<long long>(row.errors),
                   Num(row.client_us, 2).c_str(), Num(row.server_us, 2).c_str(), Num(row.queue_us, 2).c_str(),
-                  Num(row.compute_us, 2).c_str(), Num(row.batch, 3).c_str(), static_cast<long long>(row.late));
+                  Num(row.compute_us, 2).c_str(), Num(row.batch, 3).c_str(), static_cast<long long>(row.late),
+                  static_cast<long long>(row.past_deadline));
       std::fflush(stdout);
     }
     rows.push_back(std::move(row));
@@ -770,7 +1025,13 @@ int Perf(const PerfOptions& o) {
     w.Key("url");
     w.String(o.url.c_str());
     w.Key("tensors");
-    w.String(o.json ? "json" : "binary");
+    w.String(grpc ? (o.grpc_stream ? "grpc_stream" : "grpc") : o.json ? "json" : "binary");
+    w.Key("deadline_ms");
+    if (o.deadline_ms > 0) {
+      w.Double(o.deadline_ms);
+    } else {
+      w.Null();
+    }
     w.Key("levels");
     w.StartArray();
     auto number = [&](const char* key, double v) {
@@ -813,6 +1074,7 @@ int Perf(const PerfOptions& o) {
       w.EndObject();
       count("completed_total", r.completed_total);
       count("late", r.late);
+      count("past_deadline", r.past_deadline);
       number("client_cpu_us_per_request", r.client_us);
       number("server_cpu_us_per_request", r.server_us);
       number("server_queue_us", r.queue_us);

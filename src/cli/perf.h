@@ -1,5 +1,6 @@
 // `quern perf`: load on a running server, the way Triton's perf_analyzer
-// measures one: KServe v2 infer requests over HTTP (binary tensors, or JSON),
+// measures one: KServe v2 infer requests over HTTP (binary tensors, or JSON)
+// or gRPC (unary calls, or one bidirectional stream per connection),
 // in a closed loop (N requests always in flight, one per connection; a sweep
 // of N) or an open loop (requests sent at a constant rate, whatever the
 // answers; latency counted from when each was due, so a server that falls
@@ -15,7 +16,8 @@
 namespace quern::cli {
 
 struct PerfOptions {
-  std::string url = "http://127.0.0.1:8000";  // the server's HTTP port
+  std::string url = "http://127.0.0.1:8000";  // http://HOST:PORT[/PATH] or grpc://HOST:PORT
+  bool grpc_stream = false;                   // gRPC: ModelStreamInfer, one stream per connection
   std::string model;
   std::string version;              // "" = the server's choice
   std::vector<std::string> inputs;  // NAME=random|zeros|FILE.npy (default random)
@@ -27,8 +29,13 @@ struct PerfOptions {
   double seconds = 5;               // measured per level
   double warmup = 1;                // before each level's measurement
   double timeout = 30;              // seconds one request may take
-  std::string metrics_url;          // e.g. http://127.0.0.1:8002/metrics; "" = no server figures
-  std::string format = "table";     // table, csv or json
+  // Each request's deadline in ms (0 = none): a gRPC call's deadline; over
+  // HTTP and gRPC streams, which carry no deadline of their own, the KServe
+  // `timeout` parameter (how long it may wait in the server's queue).
+  // Answers that come after it are counted as past the deadline.
+  double deadline_ms = 0;
+  std::string metrics_url;       // e.g. http://127.0.0.1:8002/metrics; "" = no server figures
+  std::string format = "table";  // table, csv or json
 };
 
 // Runs every level and prints the report on stdout. 0 when requests were

@@ -31,30 +31,58 @@ BatchQueue::BatchQueue(BatchQueueOptions options) : options_(std::move(options))
   }
 }
 
+const BatchQueue::Level* BatchQueue::LevelFor(const ScheduleOptions& options) const {
+  const uint32_t level = options.priority == 0 ? options_.default_priority_level : options.priority;
+  if (level < 1 || level > options_.priority_levels) return nullptr;
+  return &levels_[level - 1];
+}
+
+int64_t BatchQueue::QueueTimeout(const Level& lv, const ScheduleOptions& options) {
+  int64_t timeout = lv.policy.default_timeout_ns;
+  if (options.timeout_ns > 0) {
+    if (timeout == 0) {
+      timeout = options.timeout_ns;
+    } else if (lv.policy.allow_timeout_override) {
+      timeout = std::min(timeout, options.timeout_ns);  // may only shorten
+    }
+  }
+  return timeout;
+}
+
+bool BatchQueue::TooLate(const Entry& e, int64_t now_ns) const {
+  if (e.deadline_ns <= 0) return false;
+  if (now_ns >= e.deadline_ns) return true;
+  return run_ns_per_item_ > 0 && static_cast<double>(now_ns) + run_ns_per_item_ * static_cast<double>(e.task->size()) >
+                                     static_cast<double>(e.deadline_ns);
+}
+
+std::optional<BatchQueue::Arrival> BatchQueue::Peek(const ScheduleOptions& options) const {
+  const Level* lv = LevelFor(options);
+  if (!lv) return std::nullopt;
+  Arrival a;
+  for (const Level* l = levels_.data(); l <= lv; ++l) a.items_ahead += l->items;
+  if (!lv->policy.delay_on_timeout) a.drop_after_ns = QueueTimeout(*lv, options);
+  return a;
+}
+
 Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptions& opts, int64_t now_ns) {
   const int64_t n = task->size();
   if (n < 1 || n > options_.max_batch_size) {
     return InvalidArgument("request has " + std::to_string(n) + " items; the model's max_batch_size is " +
                            std::to_string(options_.max_batch_size));
   }
-  uint32_t level = opts.priority == 0 ? options_.default_priority_level : opts.priority;
-  if (level > options_.priority_levels) {
+  const Level* found = LevelFor(opts);
+  if (!found) {
     return InvalidArgument("priority " + std::to_string(opts.priority) + " is outside [1, " +
                            std::to_string(options_.priority_levels) + "]");
   }
-  Level& lv = levels_[level - 1];
+  Level& lv = levels_[static_cast<size_t>(found - levels_.data())];
   if (lv.policy.max_queue_size > 0 && lv.size() >= lv.policy.max_queue_size) {
     return Unavailable("queue full: " + std::to_string(lv.size()) + " requests waiting at priority " +
-                       std::to_string(level) + " (max_queue_size " + std::to_string(lv.policy.max_queue_size) + ")");
+                       std::to_string(found - levels_.data() + 1) + " (max_queue_size " +
+                       std::to_string(lv.policy.max_queue_size) + ")");
   }
-  int64_t timeout = lv.policy.default_timeout_ns;
-  if (opts.timeout_ns > 0) {
-    if (timeout == 0) {
-      timeout = opts.timeout_ns;
-    } else if (lv.policy.allow_timeout_override) {
-      timeout = std::min(timeout, opts.timeout_ns);  // may only shorten
-    }
-  }
+  const int64_t timeout = QueueTimeout(lv, opts);
   Entry e;
   e.enqueue_ns = now_ns;
   e.timeout_at_ns = timeout > 0 ? now_ns + timeout : 0;
@@ -63,6 +91,7 @@ Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptio
   lv.active.push_back(std::move(e));
   ++size_;
   items_ += n;
+  lv.items += n;
   return Status::Ok();
 }
 
@@ -79,13 +108,18 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
         Entry& e = *it;
         if (e.task->cancelled()) {
           items_ -= e.task->size();
+          lv.items -= e.task->size();
           dropped.push_back({std::move(e.task), Cancelled("request was cancelled while queued")});
           --size_;
           continue;
         }
-        if (e.deadline_ns > 0 && now_ns >= e.deadline_ns) {
+        if (TooLate(e, now_ns)) {
           items_ -= e.task->size();
-          dropped.push_back({std::move(e.task), DeadlineExceeded("request deadline passed while queued")});
+          lv.items -= e.task->size();
+          dropped.push_back({std::move(e.task),
+                             DeadlineExceeded(now_ns >= e.deadline_ns ? "request deadline passed while queued"
+                                                                      : "request could no longer finish before its "
+                                                                        "deadline; dropped before running")});
           --size_;
           continue;
         }
@@ -94,6 +128,7 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
             lv.delayed.push_back(std::move(e));
           } else {
             items_ -= e.task->size();
+            lv.items -= e.task->size();
             dropped.push_back(
                 {std::move(e.task), DeadlineExceeded("request timed out in the queue after " +
                                                      std::to_string((now_ns - e.enqueue_ns) / 1000) + " us")});
@@ -101,7 +136,10 @@ int64_t BatchQueue::Sweep(int64_t now_ns, std::vector<Dropped>& dropped) {
           }
           continue;
         }
-        note(e.deadline_ns);
+        // When it becomes too late to start (TooLate).
+        note(e.deadline_ns > 0
+                 ? e.deadline_ns - static_cast<int64_t>(run_ns_per_item_ * static_cast<double>(e.task->size()))
+                 : 0);
         if (!delayed_list) note(e.timeout_at_ns);
         if (out != it) *out = std::move(e);
         ++out;
@@ -149,7 +187,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
           break;
         }
         total += n;
-        picks.push_back({q, i});
+        picks.push_back({&lv, q, i});
         if (std::find(pref.begin(), pref.end(), total) != pref.end()) preferred_prefix = picks.size();
       }
     }
@@ -176,6 +214,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   picks.resize(take);
   d.batch.reserve(take);
   for (const Pick& p : picks) {
+    p.level->items -= (*p.q)[p.index].task->size();
     d.items += (*p.q)[p.index].task->size();
     d.batch.push_back(std::move((*p.q)[p.index].task));
   }

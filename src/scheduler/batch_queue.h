@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "quern/status.h"
@@ -117,6 +118,22 @@ class BatchQueue {
   // queued items so that the others get the rest.
   Decision Next(int64_t now_ns, bool flush = false, int free_workers = 1);
 
+  // What a task enqueued now with `options` would find: the items queued
+  // ahead of it (at its level and the levels served before it), and after
+  // how long the queue would drop it for waiting (its queue timeout; 0 =
+  // never: none, or a level that delays timed-out tasks instead). Nothing
+  // for a priority Enqueue would refuse.
+  struct Arrival {
+    int64_t items_ahead = 0;
+    int64_t drop_after_ns = 0;
+  };
+  std::optional<Arrival> Peek(const ScheduleOptions& options) const;
+
+  // What one item costs to run (ns; 0 = unknown, the default): a task whose
+  // hard deadline comes before it could finish even if it started now, run
+  // at this cost, is dropped (DEADLINE_EXCEEDED) rather than computed late.
+  void set_run_ns_per_item(double ns) { run_ns_per_item_ = ns > 0 ? ns : 0; }
+
   // Largest batch Next forms, in [1, max_batch_size] (a batch tuner lowers
   // it). A single task larger than the limit still leaves alone.
   void set_batch_limit(int64_t limit) { limit_ = std::clamp<int64_t>(limit, 1, options_.max_batch_size); }
@@ -144,6 +161,7 @@ class BatchQueue {
     QueueLevelPolicy policy;
     std::deque<Entry> active;
     std::deque<Entry> delayed;  // timed out under a DELAY policy
+    int64_t items = 0;          // in both
     size_t size() const { return active.size() + delayed.size(); }
   };
 
@@ -155,9 +173,16 @@ class BatchQueue {
   // Where a task Next would take sits (kept between calls: no allocation
   // per batch).
   struct Pick {
+    Level* level;
     std::deque<Entry>* q;
     size_t index;
   };
+  // The level a task of `options` joins, or null for an unknown priority.
+  const Level* LevelFor(const ScheduleOptions& options) const;
+  // A task's queue timeout at `lv` (0 = none).
+  static int64_t QueueTimeout(const Level& lv, const ScheduleOptions& options);
+  // Whether `e` can no longer finish before its hard deadline at `now_ns`.
+  bool TooLate(const Entry& e, int64_t now_ns) const;
 
   BatchQueueOptions options_;
   std::vector<Level> levels_;
@@ -165,6 +190,7 @@ class BatchQueue {
   size_t size_ = 0;
   int64_t items_ = 0;  // items in the queued tasks
   int64_t limit_ = 1;
+  double run_ns_per_item_ = 0;
 };
 
 }  // namespace quern

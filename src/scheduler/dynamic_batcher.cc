@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 #include "core/cpus.h"
 
@@ -68,6 +70,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     MutexLock lock(mu_);
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
+    QUERN_RETURN_IF_ERROR(DeadlineAdmissionLocked(task->size(), options, now));
     TrackLoadLocked(now);
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     const double present = options.in_model >= 0
@@ -211,6 +214,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool ca
   if (items > 0 && ran_ns > 0 && (!wide || ns_per_item_ == 0)) {
     const double sample = static_cast<double>(ran_ns) / static_cast<double>(items);
     ns_per_item_ = ns_per_item_ == 0 ? sample : 0.9 * ns_per_item_ + 0.1 * sample;
+    queue_.set_run_ns_per_item(ns_per_item_);
     // With shared runs beside it the run had the cores only in part (the
     // runs now, this one included, over the instances that have a core).
     const double runs = static_cast<double>(busy_workers_ + 1 + shared_running_);
@@ -272,6 +276,51 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
                          std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
                          std::to_string(max_queue_wait_ns_ / 1'000'000) + " ms; try again later");
     }
+  }
+  return Status::Ok();
+}
+
+Status DynamicBatcher::DeadlineAdmissionLocked(int64_t items, const ScheduleOptions& options, int64_t now_ns) const {
+  if (ns_per_item_ <= 0 || stopping_) return Status::Ok();
+  const auto arrival = queue_.Peek(options);
+  if (!arrival) return Status::Ok();  // Enqueue says why
+  const int64_t queue_due = arrival->drop_after_ns > 0 ? now_ns + arrival->drop_after_ns : 0;
+  if (options.deadline_ns <= 0 && queue_due == 0) return Status::Ok();
+  // When it would start: at once when an instance may take it and nothing
+  // is queued ahead; otherwise once the work ahead -- what the running
+  // batches have left and the items queued ahead of it -- has gone through
+  // the instances (and the wide instance, which the others wait for, is done).
+  double wait_ns = 0;
+  if (arrival->items_ahead > 0 || !AnyTaker()) {
+    double left_ns = 0;
+    for (int w = 0; w < num_workers_; ++w) {
+      const bool wide = wide_ && w == num_workers_ - 1;
+      if (wide ? !wide_running_ : !busy_[static_cast<size_t>(w)]) continue;
+      const int64_t end = expected_end_ns_[static_cast<size_t>(w)];
+      if (end == INT64_MAX) return Status::Ok();  // a batch of unknown length runs
+      const double left = static_cast<double>(std::max<int64_t>(0, end - now_ns));
+      left_ns += wide ? left * narrow_workers() : left;
+    }
+    wait_ns = (left_ns + ns_per_item_ * static_cast<double>(arrival->items_ahead)) / narrow_workers();
+  }
+  const double finish_ns = wait_ns + ns_per_item_ * static_cast<double>(items);
+  auto ms = [](double ns) {  // "1200", "50", "1.5", "0.032"
+    char buf[32];
+    std::snprintf(buf, sizeof buf, ns >= 100e6 ? "%.0f" : "%.3g", ns / 1e6);
+    return std::string(buf);
+  };
+  const std::string ahead = std::to_string(arrival->items_ahead) + " items queued ahead of it and " +
+                            std::to_string(busy_workers_ + (wide_running_ ? 1 : 0)) + " of " +
+                            std::to_string(num_workers_) + " instances busy";
+  if (queue_due > 0 && static_cast<double>(now_ns) + wait_ns > static_cast<double>(queue_due)) {
+    return Unavailable("the request would wait about " + ms(wait_ns) + " ms (" + ahead +
+                       "), longer than its queue timeout of " + ms(static_cast<double>(arrival->drop_after_ns)) +
+                       " ms; refused at once, try again later");
+  }
+  if (options.deadline_ns > 0 && static_cast<double>(now_ns) + finish_ns > static_cast<double>(options.deadline_ns)) {
+    return Unavailable("the request would finish in about " + ms(finish_ns) + " ms (" + ahead +
+                       "), after its deadline in " + ms(static_cast<double>(options.deadline_ns - now_ns)) +
+                       " ms; refused at once, try again later");
   }
   return Status::Ok();
 }

@@ -183,6 +183,11 @@ class DynamicBatcher {
   // Schedule's admission decision; `queue_wait` false for work its caller
   // admitted already (only a stopping model refuses it).
   Status AdmissionLocked(bool queue_wait) const QUERN_REQUIRES(mu_);
+  // Refuses (UNAVAILABLE) a task of `items` that cannot start before its
+  // queue timeout or finish before its deadline, judged from the work ahead
+  // of it and the measured time per item; admits while that is unknown.
+  Status DeadlineAdmissionLocked(int64_t items, const ScheduleOptions& options, int64_t now_ns) const
+      QUERN_REQUIRES(mu_);
   // Whether a free worker (the wide one or another) may take a batch now.
   bool MayTake(bool wide) const QUERN_REQUIRES(mu_);
   // Whether some free worker may take a batch now (if not, queued tasks

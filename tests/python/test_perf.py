@@ -33,10 +33,10 @@ def successes(ports, model):
         r'^quern_request_success_total\{[^}]*model="' + re.escape(model) + r'"[^}]*\} (\S+)$', body.decode(), re.M))
 
 
-def perf(ports, *args, expect=0):
-    r = subprocess.run([QUERN, "perf", "--url", f"http://127.0.0.1:{ports['HTTP']}", *args], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == expect, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+def perf(ports, *args, expect=0, grpc=False):
+    url = f"grpc://127.0.0.1:{ports['gRPC']}" if grpc else f"http://127.0.0.1:{ports['HTTP']}"
+    r = subprocess.run([QUERN, "perf", "--url", url, *args], capture_output=True, text=True, timeout=120)
+    assert expect is None or r.returncode == expect, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     return r
 
 
@@ -44,12 +44,15 @@ def levels(r):
     return json.loads(r.stdout)["levels"]
 
 
-@pytest.mark.parametrize("tensors", [[], ["--json"]], ids=["binary", "json"])
-def test_closed_loop_sends_what_the_server_counts(server, tensors):
+@pytest.mark.parametrize("tensors,grpc,kind", [([], False, "binary"), (["--json"], False, "json"),
+                                               ([], True, "grpc"), (["--grpc-stream"], True, "grpc_stream")],
+                         ids=["binary", "json", "grpc", "grpc-stream"])
+def test_closed_loop_sends_what_the_server_counts(server, tensors, grpc, kind):
     before = successes(server, "add_sub")
     r = perf(server, "-m", "add_sub", "-c", "1", "3", "-s", "0.7", "--warmup", "0.2", "--format", "json",
-             "--metrics-url", f"http://127.0.0.1:{server['metrics']}/metrics", *tensors)
+             "--metrics-url", f"http://127.0.0.1:{server['metrics']}/metrics", *tensors, grpc=grpc)
     after = successes(server, "add_sub")
+    assert json.loads(r.stdout)["tensors"] == kind
     out = levels(r)
     assert [(lv["mode"], lv["value"]) for lv in out] == [("concurrency", 1), ("concurrency", 3)]
     # Every request the tool counted answered was one the server counted, and no other.
@@ -133,3 +136,52 @@ def test_table_and_csv_formats(server):
     rows = [line.split(",") for line in r.stdout.strip().splitlines()]
     assert rows[0][:3] == ["mode", "value", "requests_per_s"] and len(rows) == 3
     assert all(len(row) == len(rows[0]) for row in rows) and [row[1] for row in rows[1:]] == ["1", "2"]
+
+
+def test_failing_requests_are_counted_by_kind_over_grpc_too(server):
+    r = perf(server, "-m", "fail_on_3", "--shape", "x=1,3", "-c", "2", "-s", "0.4", "--warmup", "0", "--format",
+             "json", expect=1, grpc=True)
+    (lv,) = levels(r)
+    assert lv["ok"] == 0 and list(lv["error_kinds"]) == ["gRPC INTERNAL"], lv["error_kinds"]
+    assert "fail_on_3" in lv["error_kinds"]["gRPC INTERNAL"]["first"]
+    r = perf(server, "-m", "fail_on_3", "--shape", "x=1,3", "-s", "0.3", "--warmup", "0", "--format", "json",
+             "--grpc-stream", expect=1, grpc=True)
+    (lv,) = levels(r)
+    assert lv["ok"] == 0 and list(lv["error_kinds"]) == ["stream error"], lv["error_kinds"]
+    assert "fail_on_3" in lv["error_kinds"]["stream error"]["first"]
+
+
+def test_deadlines_are_sent_and_answers_after_them_counted(server):
+    # A deadline every answer meets: none counted late, none refused.
+    for args, grpc in ((["--deadline-ms", "5000"], False), (["--deadline-ms", "5000"], True),
+                       (["--deadline-ms", "5000", "--grpc-stream"], True)):
+        r = perf(server, "-m", "add_sub", "-c", "2", "-s", "0.4", "--warmup", "0", "--format", "json", *args,
+                 grpc=grpc)
+        doc = json.loads(r.stdout)
+        assert doc["deadline_ms"] == 5000
+        (lv,) = doc["levels"]
+        assert lv["ok"] > 0 and lv["errors"] == 0 and lv["past_deadline"] == 0, lv
+    # A deadline shorter than any answer can come (1 µs): each call fails at its deadline, is refused by
+    # the server (which knows add_sub takes longer), or is answered and counted as after its deadline.
+    r = perf(server, "-m", "add_sub", "-s", "0.3", "--warmup", "0", "--format", "json", "--deadline-ms", "0.001",
+             expect=None, grpc=True)
+    (lv,) = levels(r)
+    assert lv["ok"] + lv["errors"] > 0 and lv["ok"] == lv["past_deadline"], lv
+    assert set(lv["error_kinds"]) <= {"gRPC DEADLINE_EXCEEDED", "gRPC UNAVAILABLE"}, lv["error_kinds"]
+    assert r.returncode == (0 if lv["ok"] else 1)
+
+
+def test_grpc_unknown_model_closed_port_and_bad_options_are_clear(server):
+    r = perf(server, "-m", "nope", "-s", "0.2", expect=2, grpc=True)
+    assert "model 'nope'" in r.stderr, r.stderr
+    r = subprocess.run([QUERN, "perf", "--url", "grpc://127.0.0.1:1", "-m", "add_sub", "-s", "0.2", "--timeout", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r.stderr
+    for args, says in ((["--json"], "--json is for HTTP"), (["--deadline-ms", "-1"], "--deadline-ms")):
+        r = perf(server, "-m", "add_sub", *args, expect=2, grpc=True)
+        assert says in r.stderr, (args, r.stderr)
+    r = perf(server, "-m", "add_sub", "--grpc-stream", expect=2)
+    assert "--grpc-stream needs a grpc://" in r.stderr, r.stderr
+    r = subprocess.run([QUERN, "perf", "--url", "grpc://127.0.0.1", "-m", "add_sub"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--url" in r.stderr, r.stderr

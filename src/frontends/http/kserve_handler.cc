@@ -35,7 +35,11 @@ HttpResponse Error(const Status& st) {
   w.Key("error");
   w.String(st.message().c_str(), static_cast<rapidjson::SizeType>(st.message().size()));
   w.EndObject();
-  return Json(HttpStatusFor(st), buf);
+  HttpResponse r = Json(HttpStatusFor(st), buf);
+  // A refusal for now (queue full, a deadline it cannot meet, stopping):
+  // clients and load balancers that honour it come back a second later.
+  if (r.status == 503) r.headers.emplace_back("Retry-After", "1");
+  return r;
 }
 
 void WriteShape(Writer& w, const Shape& s) {

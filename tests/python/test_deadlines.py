@@ -1,0 +1,143 @@
+"""Deadline-aware admission through the front ends, with real clients: a request whose deadline (a gRPC
+call's deadline) or queue timeout (the KServe `timeout` parameter) cannot be met behind the work already
+in the model is refused at once (HTTP 503 with Retry-After, gRPC UNAVAILABLE) instead of failing after
+waiting; one that can be met is served. The model is a Python model that sleeps, so the work ahead of a
+request is known: 0.4 s per request, one at a time."""
+import os
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from quern_testing import start_quern, wait_until
+
+QUERN = os.environ["QUERN_BIN"]
+STEP_S = 0.4
+
+SLOW = f'''
+import time
+
+def infer(inputs):
+    time.sleep({STEP_S})
+    return {{"y": inputs["x"] + 1}}
+'''
+
+SLOW_CONFIG = '''
+backend: "python"
+max_batch_size: 1
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+dynamic_batching { }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(textwrap.dedent(SLOW_CONFIG))
+    (repo / "slow" / "1" / "model.py").write_text(SLOW)
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def http_inputs(value):
+    x = httpclient.InferInput("x", [1, 1], "FP32")
+    x.set_data_from_numpy(np.full((1, 1), value, np.float32))
+    return [x]
+
+
+def grpc_inputs(value):
+    x = grpcclient.InferInput("x", [1, 1], "FP32")
+    x.set_data_from_numpy(np.full((1, 1), value, np.float32))
+    return [x]
+
+
+def queue_work(ports, n):
+    """n requests without a deadline, sent at once from threads; returns the threads and their answers."""
+    answers = {}
+
+    def send(i):
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=60)
+        answers[i] = c.infer("slow", http_inputs(i)).as_numpy("y")[0, 0]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
+def runs_done(ports):
+    """Items the model has run, from the statistics API."""
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+    return int(c.get_inference_statistics("slow")["model_stats"][0]["inference_count"])
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server):
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}", network_timeout=60)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server['gRPC']}")
+    # One request alone: the model's time per request is measured (0.4 s).
+    assert http.infer("slow", http_inputs(1)).as_numpy("y")[0, 0] == 2
+    done_before = runs_done(server)
+    threads, answers = queue_work(server, 4)
+    # Wait until the four are in the model: one running, three queued (about 1.6 s of work).
+    wait_until(lambda: _queued(server) >= 3, timeout=10, what="three requests queued behind a running one")
+
+    # gRPC: a deadline of 0.6 s cannot be met behind ~1.2-1.6 s of work: UNAVAILABLE, at once.
+    t0 = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        grpc.infer("slow", grpc_inputs(5), client_timeout=0.6)
+    took = time.monotonic() - t0
+    assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), e.value.message())
+    assert "after its deadline" in e.value.message() and "refused at once" in e.value.message()
+    assert took < 0.3, f"refused after {took:.3f} s: it waited instead"
+
+    # HTTP: the KServe `timeout` parameter (the most it may wait in the queue) of 0.3 s: 503 with Retry-After.
+    t0 = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("slow", http_inputs(6), timeout=300_000)
+    took = time.monotonic() - t0
+    assert e.value.status() == "503", (e.value.status(), e.value.message())
+    assert "longer than its queue timeout of 300 ms" in e.value.message(), e.value.message()
+    assert took < 0.3, f"refused after {took:.3f} s"
+    raw = _raw_post(server["HTTP"], "/v2/models/slow/infer",
+                    b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[7]}],'
+                    b'"parameters":{"timeout":300000}}')
+    assert raw[0] == 503 and raw[1].get("retry-after") == "1", raw
+
+    # A deadline that leaves room for the work ahead is served, with its own answer.
+    assert grpc.infer("slow", grpc_inputs(8), client_timeout=20).as_numpy("y")[0, 0] == 9
+    for t in threads:
+        t.join(timeout=30)
+    assert answers == {i: i + 1 for i in range(4)}, answers
+    assert runs_done(server) == done_before + 5, "the refused requests never ran"
+
+
+def _queued(ports):
+    """Requests waiting in the model's queue, from the server's own gauge."""
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in body.splitlines():
+        if line.startswith("quern_pending_requests{") and 'model="slow"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _raw_post(port, path, body):
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    headers = {k.lower(): v for k, v in r.getheaders()}
+    c.close()
+    return r.status, headers, data
