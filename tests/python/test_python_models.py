@@ -577,6 +577,7 @@ def test_load_errors_name_the_model_and_the_cause(tmp_path):
     write_model(tmp_path, "bad_python", PLAIN_CONFIG + '\nparameters { key: "quern.python" value: { string_value: "/no/such/python" } }\n', PLAIN)
     write_model(tmp_path, "packed_env", PLAIN_CONFIG + '\nparameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }\n', PLAIN)
     write_model(tmp_path, "bad_same_core", PLAIN_CONFIG + '\nparameters { key: "quern.same_core" value: { string_value: "sometimes" } }\n', PLAIN)
+    write_model(tmp_path, "bad_short", PLAIN_CONFIG + '\nparameters { key: "quern.same_core_below_us" value: { string_value: "0" } }\n', PLAIN)
     (tmp_path / "missing" / "1").mkdir(parents=True)
     (tmp_path / "missing" / "config.pbtxt").write_text(PLAIN_CONFIG)
     write_model(tmp_path, "good", PLAIN_CONFIG, PLAIN)
@@ -592,6 +593,8 @@ def test_load_errors_name_the_model_and_the_cause(tmp_path):
             "bad_python": "/no/such/python",
             "packed_env": "EXECUTION_ENV_PATH",
             "bad_same_core": 'model \'bad_same_core\': parameter quern.same_core must be "on" or "off", got "sometimes"',
+            "bad_short": "model 'bad_short': parameter quern.same_core_below_us must be microseconds in [1, 10000000], "
+                         'got "0"',
             "missing": "model.py does not exist",
         }
         for name, text in expect.items():

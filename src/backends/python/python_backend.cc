@@ -39,12 +39,11 @@ constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
 // thread) never crosses cores -- on this kind of virtual machine a wake-up on
 // another, idle core costs 12-17 us of CPU on each side, more than the
 // Python stub's own work. Short: the round trips' moving average (1/8 each)
-// below kSameCoreBelowNs, after kSameCoreAfterBatches of them; it leaves the
-// core again above kSameCoreAboveNs (also when two processes on one core
-// slow each other down). Long batches keep the freedom to migrate, and two
-// instances their two cores.
-constexpr int64_t kSameCoreBelowNs = 250000;
-constexpr int64_t kSameCoreAboveNs = 500000;
+// below quern.same_core_below_us (default kSameCoreBelowUs), after
+// kSameCoreAfterBatches of them; it leaves the core again above twice that
+// (also when two processes on one core slow each other down). Long batches
+// keep the freedom to migrate, and two instances their two cores.
+constexpr int64_t kSameCoreBelowUs = 250;
 constexpr int kSameCoreAfterBatches = 8;
 
 size_t AlignUp(size_t n) {
@@ -138,7 +137,8 @@ struct PythonModelSpec {
   std::string config_json;  // Triton's JSON form, for initialize(args)
   int64_t execute_timeout_ms = kDefaultExecuteTimeoutMs;
   int64_t initialize_timeout_ms = kDefaultInitializeTimeoutMs;
-  bool same_core = true;  // quern.same_core
+  bool same_core = true;                                 // quern.same_core
+  int64_t same_core_below_ns = kSameCoreBelowUs * 1000;  // quern.same_core_below_us
 };
 
 // One instance: one Python process, started again after it dies.
@@ -302,7 +302,8 @@ class PythonModel final : public Model {
   // Whether this batch's round trip stays on one core (see kSameCoreBelowNs).
   bool SameCore() {
     if (!spec_->same_core || round_trips_ < kSameCoreAfterBatches) return false;
-    same_core_ = round_trip_ns_ < (same_core_ ? kSameCoreAboveNs : kSameCoreBelowNs);
+    const auto below = static_cast<double>(spec_->same_core_below_ns);
+    same_core_ = round_trip_ns_ < (same_core_ ? 2 * below : below);
     return same_core_;
   }
 
@@ -519,6 +520,18 @@ class PythonBackend final : public Backend {
         return Err(
             InvalidArgument(who + ": parameter quern.same_core must be \"on\" or \"off\", got \"" + it->second + "\""));
       }
+    }
+    if (auto it = config.parameters.find("quern.same_core_below_us"); it != config.parameters.end()) {
+      int64_t us = 0;
+      const std::string& v = it->second;
+      const auto parsed = std::from_chars(v.data(), v.data() + v.size(), us);
+      if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || us < 1 || us > 10'000'000) {
+        return Err(InvalidArgument(who +
+                                   ": parameter quern.same_core_below_us must be microseconds in [1, 10000000], "
+                                   "got \"" +
+                                   v + "\""));
+      }
+      spec->same_core_below_ns = us * 1000;
     }
     google::protobuf::util::JsonPrintOptions opts;
     opts.preserve_proto_field_names = true;
