@@ -72,7 +72,7 @@ for target in $TARGETS; do
   printf "%-15s %-5s %11s  %9s  %9.1f  %5s\n" "$target" closed - - "$cap" 1.00
   for mult in 1 2; do
     rate=$(awk -v c="$cap" -v m="$mult" 'BEGIN {printf "%d", c * m}')
-    perf -r "$rate" --max-inflight 512 --deadline-ms "$deadline" > "$WORK/run.json" || true
+    perf -r "$rate" --max-inflight "${QUERN_BENCH_INFLIGHT:-64}" --deadline-ms "$deadline" > "$WORK/run.json" || true
     build/venv/bin/python - "$WORK/run.json" "$target" "${mult}x" "$deadline" "$cap" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))

@@ -302,9 +302,10 @@ TEST(BatchQueue, WithARunCostATaskThatCannotFinishInTimeIsDroppedBeforeRunning) 
   o.max_batch_size = 8;  // the four items wait for company (no full batch)
   o.max_queue_delay_ns = 1000 * kUs;
   BatchQueue q = MakeQueue(o);
-  Add(q, 1, 0, {.deadline_ns = 50 * kUs}, /*size=*/2);  // 2 items x 10 us: must start by 30 us
-  Add(q, 2, 0, {.deadline_ns = 50 * kUs});              // 1 item: by 40 us
-  Add(q, 3, 0);
+  // Three batch keys: each task waits for company of its own kind.
+  Add(q, 1, 0, {.deadline_ns = 50 * kUs}, /*size=*/2, /*key=*/1);  // 2 items x 10 us: must start by 30 us
+  Add(q, 2, 0, {.deadline_ns = 50 * kUs}, 1, /*key=*/2);           // 1 item: by 40 us
+  Add(q, 3, 0, {}, 1, /*key=*/3);
   EXPECT_TRUE(q.Next(35 * kUs).dropped.empty()) << "no run cost known: only a passed deadline drops";
   q.set_run_ns_per_item(10 * kUs);
   auto d = q.Next(20 * kUs);
@@ -321,6 +322,33 @@ TEST(BatchQueue, WithARunCostATaskThatCannotFinishInTimeIsDroppedBeforeRunning) 
   ASSERT_EQ(d.dropped.size(), 1u);
   EXPECT_EQ(static_cast<FakeTask&>(*d.dropped[0].task).id(), 2);
   EXPECT_EQ(Ids(q.Next(40 * kUs + 1, /*flush=*/true).batch), (std::vector<int>{3})) << "no deadline: never dropped";
+}
+
+TEST(BatchQueue, ABatchTakesNoMoreThanItCanRunBeforeTheEarliestDeadlineInIt) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  q.set_run_ns_per_item(10 * kUs);
+  Add(q, 1, 0, {.deadline_ns = 35 * kUs});
+  for (int id = 2; id <= 4; ++id) Add(q, id, 0);
+  // 1, 2, 3 end at 30 us; with 4 the batch would end at 40, after 1's deadline.
+  auto d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3})) << "leaves at once, before the batching delay";
+  EXPECT_FALSE(d.capped) << "cut by a deadline, not by the limit (the tuner must not read it as a full queue)";
+  d = q.Next(0);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 1000 * kUs) << "4 has no deadline: it waits for company as before";
+  // A task with a deadline behind one without: the batch stops where the later one's deadline would pass.
+  Add(q, 5, 0, {.deadline_ns = 25 * kUs});
+  Add(q, 6, 0);
+  d = q.Next(0);
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{4, 5})) << "4 and 5 end at 20 us; 6 would end the batch at 30";
+  // Without a known cost, deadlines do not cut batches.
+  BatchQueue plain = MakeQueue(o);
+  Add(plain, 1, 0, {.deadline_ns = 35 * kUs});
+  for (int id = 2; id <= 8; ++id) Add(plain, id, 0);
+  EXPECT_EQ(plain.Next(0).batch.size(), 8u);
 }
 
 TEST(BatchQueue, PeekCountsTheItemsAheadAndTheQueueTimeout) {

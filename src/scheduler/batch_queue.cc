@@ -164,6 +164,8 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   int64_t oldest_ns = 0;
   size_t preferred_prefix = 0;  // picks.size() when total last hit a preferred size
   bool blocked = false;         // a same-key task did not fit: stop there (keep order)
+  bool due_cut = false;         // it would have made the batch end after a picked task's deadline
+  int64_t earliest_due = 0;     // the earliest hard deadline among the picks (0 = none)
   const auto& pref = options_.preferred_batch_sizes;
   // Without a batching delay, what is queued is shared among the instances
   // free now: one instance taking it all would leave the others idle.
@@ -186,6 +188,19 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
           blocked = true;
           break;
         }
+        // With a known run cost, a batch grows only while it would still end
+        // before the earliest deadline in it (a request with a deadline is
+        // not made late by company): it leaves now, with what it has.
+        const int64_t due =
+            earliest_due == 0 || (e.deadline_ns > 0 && e.deadline_ns < earliest_due) ? e.deadline_ns : earliest_due;
+        if (!picks.empty() && due > 0 && run_ns_per_item_ > 0 &&
+            static_cast<double>(now_ns) + run_ns_per_item_ * static_cast<double>(total + n) >
+                static_cast<double>(due)) {
+          blocked = true;
+          due_cut = true;
+          break;
+        }
+        earliest_due = due;
         total += n;
         picks.push_back({&lv, q, i});
         if (std::find(pref.begin(), pref.end(), total) != pref.end()) preferred_prefix = picks.size();
@@ -196,7 +211,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   size_t take = 0;
   const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns;
   const bool full = total >= limit || blocked;
-  const bool cut_by_limit = limit == limit_ && full;
+  const bool cut_by_limit = limit == limit_ && full && !due_cut;
   if (flush || full || delay_over) {
     take = picks.size();
   } else if (preferred_prefix > 0) {

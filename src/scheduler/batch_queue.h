@@ -131,7 +131,9 @@ class BatchQueue {
 
   // What one item costs to run (ns; 0 = unknown, the default): a task whose
   // hard deadline comes before it could finish even if it started now, run
-  // at this cost, is dropped (DEADLINE_EXCEEDED) rather than computed late.
+  // at this cost, is dropped (DEADLINE_EXCEEDED) rather than computed late,
+  // and a batch takes no more tasks than it can run before the earliest
+  // deadline among them (it leaves at once with those).
   void set_run_ns_per_item(double ns) { run_ns_per_item_ = ns > 0 ? ns : 0; }
 
   // Largest batch Next forms, in [1, max_batch_size] (a batch tuner lowers
