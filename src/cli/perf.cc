@@ -228,9 +228,9 @@ class HttpCaller : public Caller {
 
 class GrpcUnaryCaller : public Caller {
  public:
-  GrpcUnaryCaller(const std::string& target, double timeout_s, double deadline_ms,
+  GrpcUnaryCaller(std::shared_ptr<grpc::Channel> channel, double timeout_s, double deadline_ms,
                   const inference::ModelInferRequest& request)
-      : stub_(inference::GRPCInferenceService::NewStub(NewChannel(target))),
+      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))),
         wait_(std::chrono::duration_cast<std::chrono::system_clock::duration>(
             std::chrono::duration<double>(deadline_ms > 0 ? std::min(timeout_s, deadline_ms / 1e3) : timeout_s))),
         request_(request) {}
@@ -259,8 +259,8 @@ class GrpcUnaryCaller : public Caller {
 // connection); a stream that breaks is opened again for the next request.
 class GrpcStreamCaller : public Caller {
  public:
-  GrpcStreamCaller(const std::string& target, const inference::ModelInferRequest& request)
-      : stub_(inference::GRPCInferenceService::NewStub(NewChannel(target))), request_(request) {}
+  GrpcStreamCaller(std::shared_ptr<grpc::Channel> channel, const inference::ModelInferRequest& request)
+      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))), request_(request) {}
 
   ~GrpcStreamCaller() override { Close(/*cancel=*/true); }
 
@@ -940,10 +940,23 @@ int Perf(const PerfOptions& o) {
   if (!body) return fail(body.error());
   const inference::ModelInferRequest grpc_request =
       grpc ? BuildGrpcRequest(o, *inputs, timeout_param_us) : inference::ModelInferRequest();
+  // gRPC: callers share up to kGrpcConnections connections (HTTP/2 carries
+  // many calls on one); a connection each costs the client more than the
+  // calls past a few dozen callers.
+  constexpr size_t kGrpcConnections = 8;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::mutex channels_mu;
+  size_t next_channel = 0;
   CallerFactory make_caller = [&]() -> std::unique_ptr<Caller> {
     if (!grpc) return std::make_unique<HttpCaller>(e, o.timeout, infer_path, body->first, body->second);
-    if (o.grpc_stream) return std::make_unique<GrpcStreamCaller>(grpc_target, grpc_request);
-    return std::make_unique<GrpcUnaryCaller>(grpc_target, o.timeout, o.deadline_ms, grpc_request);
+    std::shared_ptr<grpc::Channel> channel;
+    {
+      std::lock_guard<std::mutex> lock(channels_mu);
+      if (channels.size() < kGrpcConnections) channels.push_back(NewChannel(grpc_target));
+      channel = channels[next_channel++ % channels.size()];
+    }
+    if (o.grpc_stream) return std::make_unique<GrpcStreamCaller>(std::move(channel), grpc_request);
+    return std::make_unique<GrpcUnaryCaller>(std::move(channel), o.timeout, o.deadline_ms, grpc_request);
   };
   const char* tensors = grpc ? (o.grpc_stream ? "gRPC stream" : "gRPC") : o.json ? "JSON" : "binary";
 
