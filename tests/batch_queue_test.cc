@@ -351,6 +351,27 @@ TEST(BatchQueue, ABatchTakesNoMoreThanItCanRunBeforeTheEarliestDeadlineInIt) {
   EXPECT_EQ(plain.Next(0).batch.size(), 8u);
 }
 
+TEST(BatchQueue, ABatchWaitingForCompanyLeavesInTimeForItsEarliestDeadline) {
+  BatchQueueOptions o;
+  o.max_batch_size = 8;
+  o.max_queue_delay_ns = 1000 * kUs;
+  BatchQueue q = MakeQueue(o);
+  q.set_run_ns_per_item(10 * kUs);
+  Add(q, 1, 0, {.deadline_ns = 100 * kUs});
+  Add(q, 2, 0);
+  // The two would run 20 us: they wait for company until 80 us, not the 1000 us batching delay.
+  auto d = q.Next(0);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 80 * kUs);
+  Add(q, 3, 50 * kUs);
+  d = q.Next(50 * kUs);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 70 * kUs) << "three items: 30 us of running";
+  d = q.Next(70 * kUs);
+  EXPECT_TRUE(d.dropped.empty()) << "run in time, not dropped as too late";
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3}));
+}
+
 TEST(BatchQueue, PeekCountsTheItemsAheadAndTheQueueTimeout) {
   BatchQueueOptions o;
   o.max_batch_size = 8;

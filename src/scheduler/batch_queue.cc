@@ -209,7 +209,13 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   }
 
   size_t take = 0;
-  const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns;
+  // A batch waiting for company leaves when waiting longer would make it end
+  // after the earliest deadline in it.
+  const int64_t leave_by = earliest_due > 0 && run_ns_per_item_ > 0
+                               ? earliest_due - static_cast<int64_t>(run_ns_per_item_ * static_cast<double>(total))
+                               : 0;
+  const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns ||
+                          (leave_by > 0 && now_ns >= leave_by);
   const bool full = total >= limit || blocked;
   const bool cut_by_limit = limit == limit_ && full && !due_cut;
   if (flush || full || delay_over) {
@@ -221,6 +227,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   if (take == 0) {
     int64_t wake = oldest_ns + options_.max_queue_delay_ns;
     if (next_deadline > 0 && next_deadline < wake) wake = next_deadline;
+    if (leave_by > 0 && leave_by < wake) wake = leave_by;
     d.wake_at_ns = wake;
     return d;
   }
