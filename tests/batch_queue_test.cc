@@ -372,6 +372,37 @@ TEST(BatchQueue, ABatchWaitingForCompanyLeavesInTimeForItsEarliestDeadline) {
   EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3}));
 }
 
+TEST(BatchQueue, ALatencyTargetSizesBatchesAndTimesThemButDropsNothing) {
+  BatchQueueOptions o;
+  o.max_batch_size = 16;
+  o.max_queue_delay_ns = 1000 * kUs;
+  o.latency_target_ns = 100 * kUs;
+  BatchQueue q = MakeQueue(o);
+  Add(q, 1, 0);
+  auto d = q.Next(0);
+  EXPECT_EQ(d.wake_at_ns, 1000 * kUs) << "no run cost known yet: the batching delay as configured";
+  q.set_run_ns_per_item(10 * kUs);
+  d = q.Next(0);
+  EXPECT_EQ(d.wake_at_ns, 90 * kUs) << "alone it runs 10 us: it waits for company until 90 us, not 1000";
+  for (int id = 2; id <= 12; ++id) Add(q, id, 0);
+  d = q.Next(0);
+  EXPECT_EQ(d.batch.size(), 10u) << "ten items end at 100 us; an eleventh would end the batch past the target";
+  EXPECT_FALSE(d.capped);
+  d = q.Next(0);
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at_ns, 80 * kUs);
+  // At 95 us (a worker woken late) the two can no longer meet their target: they leave at once,
+  // and are never dropped for it.
+  d = q.Next(95 * kUs);
+  EXPECT_TRUE(d.dropped.empty());
+  EXPECT_EQ(Ids(d.batch), (std::vector<int>{11, 12}));
+  // Late tasks do not shrink batches (a queue that fell behind gets its full batches).
+  for (int id = 13; id <= 40; ++id) Add(q, id, 0);
+  d = q.Next(200 * kUs);
+  EXPECT_EQ(d.batch.size(), 16u);
+  EXPECT_EQ(Ids(d.batch).front(), 13);
+}
+
 TEST(BatchQueue, PeekCountsTheItemsAheadAndTheQueueTimeout) {
   BatchQueueOptions o;
   o.max_batch_size = 8;

@@ -160,6 +160,30 @@ TEST(ModelConfig, WideInstanceParameter) {
   EXPECT_NE(msg.find("\"wide\""), std::string::npos) << msg;
 }
 
+TEST(ModelConfig, LatencyTargetParameter) {
+  auto convert = [](const std::string& value) {
+    auto p = ParseModelConfigText(
+        "max_batch_size: 4 parameters { key: \"quern.latency_target_ms\" value { string_value: \"" + value + "\" } }",
+        "m/config.pbtxt");
+    EXPECT_TRUE(p.has_value());
+    return ConvertModelConfig(*p, "m/config.pbtxt");
+  };
+  auto set = convert("40");
+  ASSERT_TRUE(set.has_value()) << set.error().ToString();
+  EXPECT_EQ(set->latency_target_ms, 40);
+  EXPECT_EQ(ConvertModelConfig(*ParseModelConfigText("max_batch_size: 4", "f"), "f")->latency_target_ms, 0);
+  for (const std::string bad : {"-1", "4e1", "3600001", ""}) {
+    auto c = convert(bad);
+    ASSERT_FALSE(c.has_value()) << bad;
+    const std::string msg = c.error().message();
+    EXPECT_NE(
+        msg.find("m/config.pbtxt: parameter quern.latency_target_ms must be milliseconds in [0, 3600000], got \"" +
+                 bad + "\""),
+        std::string::npos)
+        << msg;
+  }
+}
+
 TEST(ModelConfig, BatchSizeTuningParameter) {
   auto convert = [](const std::string& value) {
     auto p = ParseModelConfigText(

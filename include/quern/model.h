@@ -126,6 +126,11 @@ struct ModelConfig {
   // work already queued would take longer than this to run. Unset = the
   // engine's default (EngineOptions::max_queue_wait_ms); 0 = no bound.
   std::optional<int64_t> max_queue_wait_ms;
+  // A latency target for batching (Quern-specific, parameter
+  // quern.latency_target_ms; 0 = none): once the time per item is measured,
+  // a batch takes no more requests than it can run before the earliest of
+  // their arrival + target, and leaves in time for it (see BatchQueueOptions).
+  int64_t latency_target_ms = 0;
   std::vector<WarmupSample> warmup;
   std::map<std::string, std::string> parameters;
   // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.

@@ -358,7 +358,7 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   for (const auto& [key, value] : p.parameters()) {
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
-        key != kMaxQueueWaitParam && key != kWideInstanceParam && key != "quern.task" &&
+        key != kMaxQueueWaitParam && key != kLatencyTargetParam && key != kWideInstanceParam && key != "quern.task" &&
         !(c.backend == "quern" && (key == "quern.stage" || key.starts_with("quern.ocr."))) &&
         !(c.backend == "python" &&
           (key == "quern.python" || key == "quern.execute_timeout_ms" || key == "quern.initialize_timeout_ms" ||
@@ -383,6 +383,15 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
                                  it->second + "\""));
     }
     c.max_queue_wait_ms = ms;
+  }
+  if (auto it = c.parameters.find(std::string(kLatencyTargetParam)); it != c.parameters.end()) {
+    int64_t ms = -1;
+    auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);
+    if (ec != std::errc() || ptr != it->second.data() + it->second.size() || ms < 0 || ms > 3'600'000) {
+      return Err(InvalidArgument(source + ": parameter " + it->first + " must be milliseconds in [0, 3600000], got \"" +
+                                 it->second + "\""));
+    }
+    c.latency_target_ms = ms;
   }
   if (p.has_optimization() && p.optimization().has_graph()) {
     c.graph_optimization_level = p.optimization().graph().level();

@@ -30,6 +30,7 @@ inline constexpr std::string_view kWideInstanceParam = "quern.wide_instance";
 // Admission by waiting time in ms (0 = no bound):
 //   parameters { key: "quern.max_queue_wait_ms" value { string_value: "2000" } }
 inline constexpr std::string_view kMaxQueueWaitParam = "quern.max_queue_wait_ms";
+inline constexpr std::string_view kLatencyTargetParam = "quern.latency_target_ms";
 
 // Bounds on configured numbers, checked at load so that a typo fails that
 // model's load with an error naming the file and field instead of taking

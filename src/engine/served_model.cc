@@ -116,6 +116,7 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
     const BatchingConfig& b = *c.batching;
     opts.queue.preferred_batch_sizes.assign(b.preferred_batch_sizes.begin(), b.preferred_batch_sizes.end());
     opts.queue.max_queue_delay_ns = static_cast<int64_t>(b.max_queue_delay_us) * 1000;
+    opts.queue.latency_target_ns = c.latency_target_ms * 1'000'000;
     opts.queue.priority_levels = std::max<uint32_t>(b.priority_levels, 1);
     opts.queue.default_priority_level =
         b.default_priority_level == 0 ? opts.queue.priority_levels : b.default_priority_level;

@@ -21,6 +21,7 @@ Result<BatchQueue> BatchQueue::Create(BatchQueueOptions options) {
     }
   }
   if (options.max_queue_delay_ns < 0) return Err(InvalidArgument("max_queue_delay must not be negative"));
+  if (options.latency_target_ns < 0) return Err(InvalidArgument("latency target must not be negative"));
   return BatchQueue(std::move(options));
 }
 
@@ -87,6 +88,7 @@ Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptio
   e.enqueue_ns = now_ns;
   e.timeout_at_ns = timeout > 0 ? now_ns + timeout : 0;
   e.deadline_ns = opts.deadline_ns;
+  e.target_ns = options_.latency_target_ns > 0 ? now_ns + options_.latency_target_ns : 0;
   e.task = std::move(task);
   lv.active.push_back(std::move(e));
   ++size_;
@@ -165,7 +167,8 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   size_t preferred_prefix = 0;  // picks.size() when total last hit a preferred size
   bool blocked = false;         // a same-key task did not fit: stop there (keep order)
   bool due_cut = false;         // it would have made the batch end after a picked task's deadline
-  int64_t earliest_due = 0;     // the earliest hard deadline among the picks (0 = none)
+  int64_t earliest_due = 0;     // the earliest deadline or target among the picks (0 = none)
+  bool late = false;            // a pick can no longer meet its latency target
   const auto& pref = options_.preferred_batch_sizes;
   // Without a batching delay, what is queued is shared among the instances
   // free now: one instance taking it all would leave the others idle.
@@ -189,10 +192,19 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
           break;
         }
         // With a known run cost, a batch grows only while it would still end
-        // before the earliest deadline in it (a request with a deadline is
-        // not made late by company): it leaves now, with what it has.
-        const int64_t due =
-            earliest_due == 0 || (e.deadline_ns > 0 && e.deadline_ns < earliest_due) ? e.deadline_ns : earliest_due;
+        // before the earliest deadline (or latency target it can still meet)
+        // in it: a request is not made late by company. It leaves now, with
+        // what it has.
+        int64_t own = e.deadline_ns;
+        if (e.target_ns > 0 && run_ns_per_item_ > 0) {
+          if (static_cast<double>(now_ns) + run_ns_per_item_ * static_cast<double>(n) <=
+              static_cast<double>(e.target_ns)) {
+            own = own > 0 ? std::min(own, e.target_ns) : e.target_ns;
+          } else {
+            late = true;  // past its target: it waits no longer, but limits nothing
+          }
+        }
+        const int64_t due = earliest_due == 0 || (own > 0 && own < earliest_due) ? own : earliest_due;
         if (!picks.empty() && due > 0 && run_ns_per_item_ > 0 &&
             static_cast<double>(now_ns) + run_ns_per_item_ * static_cast<double>(total + n) >
                 static_cast<double>(due)) {
@@ -215,7 +227,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
                                ? earliest_due - static_cast<int64_t>(run_ns_per_item_ * static_cast<double>(total))
                                : 0;
   const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns ||
-                          (leave_by > 0 && now_ns >= leave_by);
+                          (leave_by > 0 && now_ns >= leave_by) || late;
   const bool full = total >= limit || blocked;
   const bool cut_by_limit = limit == limit_ && full && !due_cut;
   if (flush || full || delay_over) {

@@ -59,6 +59,14 @@ struct BatchQueueOptions {
   uint32_t default_priority_level = 1;
   // One per level (index 0 = level 1); missing levels use QueueLevelPolicy{}.
   std::vector<QueueLevelPolicy> level_policies;
+  // A target for each task's time from enqueue to the end of its batch (0 =
+  // none). Once the run cost is known (set_run_ns_per_item), a batch takes
+  // no more tasks than it can run before the earliest target among them and
+  // leaves in time for it, as for a hard deadline; but a target is never a
+  // reason to drop a task, and one it can no longer meet (even alone, now)
+  // no longer limits its batch: that batch leaves at once, as large as the
+  // limit allows (a queue that fell behind keeps its full batches).
+  int64_t latency_target_ns = 0;
 };
 
 struct ScheduleOptions {
@@ -153,6 +161,7 @@ class BatchQueue {
     int64_t enqueue_ns = 0;
     int64_t timeout_at_ns = 0;  // queue-policy timeout; 0 = none
     int64_t deadline_ns = 0;    // hard deadline; 0 = none
+    int64_t target_ns = 0;      // enqueue + latency target; 0 = none
   };
   struct Level {
     Level() = default;
