@@ -309,16 +309,19 @@ Status DynamicBatcher::DeadlineAdmissionLocked(int64_t items, const ScheduleOpti
     std::snprintf(buf, sizeof buf, ns >= 100e6 ? "%.0f" : "%.3g", ns / 1e6);
     return std::string(buf);
   };
-  const std::string ahead = std::to_string(arrival->items_ahead) + " items queued ahead of it and " +
-                            std::to_string(busy_workers_ + (wide_running_ ? 1 : 0)) + " of " +
-                            std::to_string(num_workers_) + " instances busy";
+  // Built only for a refusal (this runs for every request with a deadline).
+  auto ahead = [&] {
+    return std::to_string(arrival->items_ahead) + " items queued ahead of it and " +
+           std::to_string(busy_workers_ + (wide_running_ ? 1 : 0)) + " of " + std::to_string(num_workers_) +
+           " instances busy";
+  };
   if (queue_due > 0 && static_cast<double>(now_ns) + wait_ns > static_cast<double>(queue_due)) {
-    return Unavailable("the request would wait about " + ms(wait_ns) + " ms (" + ahead +
+    return Unavailable("the request would wait about " + ms(wait_ns) + " ms (" + ahead() +
                        "), longer than its queue timeout of " + ms(static_cast<double>(arrival->drop_after_ns)) +
                        " ms; refused at once, try again later");
   }
   if (options.deadline_ns > 0 && static_cast<double>(now_ns) + finish_ns > static_cast<double>(options.deadline_ns)) {
-    return Unavailable("the request would finish in about " + ms(finish_ns) + " ms (" + ahead +
+    return Unavailable("the request would finish in about " + ms(finish_ns) + " ms (" + ahead() +
                        "), after its deadline in " + ms(static_cast<double>(options.deadline_ns - now_ns)) +
                        " ms; refused at once, try again later");
   }

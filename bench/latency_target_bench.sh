@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Batching settings under a step change in load: one `quern serve` holds the
+# same model (the small CNN by default) under several configurations, fixed
+# ones and ones with a latency target (quern.latency_target_ms), and
+# `quern perf` drives each with 1, then 16, then 64 clients (closed loop, no
+# warm-up between the steps, so each step's first requests meet the batching
+# state the previous load left). Per configuration and step: requests/s,
+# p50 and p99 latency, the server's mean batch size.
+#
+# The server runs on QUERN_BENCH_SERVER_CPUS (default CPU 0) and the load
+# generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
+#   bench/latency_target_bench.sh [seconds per step, default 5] [target ms, default 10] [model, default small_cnn]
+#   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SECS="${1:-5}"
+TARGET_MS="${2:-10}"
+MODEL="${3:-small_cnn}"
+NCPU=$(nproc)
+SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
+CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
+if [ "$NCPU" -lt 2 ]; then SERVER_CPUS=0; CLIENT_CPUS=0; fi
+build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
+PRESET="${QUERN_BENCH_PRESET:-release}"
+cmake --preset "$PRESET" >/dev/null
+cmake --build --preset "$PRESET" --target quern >/dev/null
+QUERN="build/$PRESET/src/cli/quern"
+WORK=$(mktemp -d)
+SERVER=""
+trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+
+# name | max_batch_size | max_queue_delay_microseconds | latency target ms (0 = none)
+CONFIGS="b16_greedy 16 0 0
+b16_delay2ms 16 2000 0
+b64_greedy 64 0 0
+b64_delay2ms 64 2000 0
+b64_delay2ms_target 64 2000 $TARGET_MS
+b64_greedy_target 64 0 $TARGET_MS"
+while read -r name batch delay target; do
+  mkdir -p "$WORK/repo/$name/1"
+  cp "bench/models/$MODEL/1/model.onnx" "$WORK/repo/$name/1/"
+  {
+    echo "max_batch_size: $batch"
+    echo "dynamic_batching { max_queue_delay_microseconds: $delay }"
+    echo 'parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }'
+    [ "$target" != 0 ] && echo "parameters { key: \"quern.latency_target_ms\" value { string_value: \"$target\" } }"
+  } > "$WORK/repo/$name/config.pbtxt"
+done <<< "$CONFIGS"
+
+read -r PORT GRPC_PORT METRICS_PORT <<< "$(build/venv/bin/python -c '
+import socket
+s = [socket.socket() for _ in range(3)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])')"
+taskset -c "$SERVER_CPUS" "$QUERN" serve --model-repository "$WORK/repo" --http-port "$PORT" --grpc-port "$GRPC_PORT" \
+  --metrics-port "$METRICS_PORT" --host 127.0.0.1 > "$WORK/log" 2>&1 &
+SERVER=$!
+for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
+grep -q "metrics listening" "$WORK/log" || { echo "quern did not start:"; cat "$WORK/log"; exit 1; }
+
+echo "$MODEL; server on CPUs $SERVER_CPUS, quern perf on CPUs $CLIENT_CPUS ($PRESET build); target $TARGET_MS ms; $SECS s per step"
+echo "configuration          clients   req/s   p50 ms   p99 ms  batch"
+while read -r name _ _ _; do
+  # Each configuration's first batch is measured before the steps (the target needs a time per item).
+  taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "http://127.0.0.1:$PORT" -m "$name" -c 1 -s 0.5 --warmup 0 \
+    --format json > /dev/null
+  taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "http://127.0.0.1:$PORT" -m "$name" -c 1 16 64 -s "$SECS" \
+    --warmup 0 --metrics-url "http://127.0.0.1:$METRICS_PORT/metrics" --format json > "$WORK/out.json"
+  build/venv/bin/python - "$WORK/out.json" "$name" <<'PY'
+import json, sys
+name = sys.argv[2]
+for lv in json.load(open(sys.argv[1]))["levels"]:
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"
+    print(f"{name:<22} {lv['value']:>7.0f} {lv['requests_per_s']:>7.0f} {f(lv['latency_ms']['p50']):>8} "
+          f"{f(lv['latency_ms']['p99']):>8} {f(lv['server_batch_size']):>6}")
+PY
+done <<< "$CONFIGS"
