@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <future>
 #include <map>
@@ -72,6 +73,74 @@ TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
   rec.Wait(3);
   ASSERT_EQ(rec.batches.size(), 1u);
   EXPECT_EQ(rec.batches[0], (std::vector<int>{0, 1, 2}));
+}
+
+TEST(DynamicBatcher, WithALatencyTargetABatchLeavesOnceEveryRecentClientIsQueued) {
+  // A batching delay of an hour of fake time (it never passes here), a
+  // latency target: a batch leaves once the queue holds as many requests as
+  // the model has held at once lately (closed-loop clients bring no more).
+  for (const bool target : {true, false}) {
+    FakeClock clock;
+    Recorder rec;
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 8;
+    o.queue.max_queue_delay_ns = 3'600'000'000'000;
+    o.queue.latency_target_ns = target ? 7'200'000'000'000 : 0;
+    o.clock = &clock;
+    std::promise<void> go;
+    std::shared_future<void> gate = go.get_future().share();
+    auto b = DynamicBatcher::Create(
+        o,
+        [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+          std::vector<int> ids;
+          for (auto& t : batch) ids.push_back(static_cast<Item&>(*t).id);
+          if (ids.front() == 1) gate.wait();
+          std::lock_guard lock(rec.mu);
+          rec.batches.push_back(ids);
+          rec.items += static_cast<int>(ids.size());
+          rec.cv.notify_all();
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {});
+    ASSERT_TRUE(b.has_value());
+    auto schedule = [&](int id) {
+      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+      ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+    };
+    schedule(1);
+    if (!target) {
+      // Without a target the delay holds the lone request back.
+      {
+        std::lock_guard lock(rec.mu);
+        EXPECT_TRUE(rec.batches.empty());
+      }
+      go.set_value();
+      (*b)->Shutdown();  // runs what is queued
+      std::lock_guard lock(rec.mu);
+      EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{1}}));
+      continue;
+    }
+    // Alone in the model: it leaves at once (the worker holds it at the gate).
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((*b)->queued() != 0 && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    ASSERT_EQ((*b)->queued(), 0u) << "a lone request waited for company";
+    for (int id = 2; id <= 4; ++id) schedule(id);  // four in the model at once: 1 running, 3 queued
+    go.set_value();
+    rec.Wait(1);
+    {
+      std::lock_guard lock(rec.mu);
+      EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{1}}));
+    }
+    // 1 answered: three queued, four were seen at once. They wait for the fourth client.
+    for (int spin = 0; spin < 1000; ++spin) std::this_thread::yield();
+    {
+      std::lock_guard lock(rec.mu);
+      EXPECT_EQ(rec.items, 1) << "three of four recent clients: the batch waits for company";
+    }
+    schedule(5);
+    rec.Wait(5);
+    std::lock_guard lock(rec.mu);
+    EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{1}, {2, 3, 4, 5}}));
+  }
 }
 
 TEST(DynamicBatcher, ShutdownRunsEveryQueuedTask) {

@@ -19,6 +19,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   }
   if (options.max_queue_wait_ns < 0) return Err(InvalidArgument("max_queue_wait_ns must be >= 0"));
   if (options.shared_runs < 0) return Err(InvalidArgument("shared_runs must be >= 0"));
+  const bool latency_target = options.queue.latency_target_ns > 0;
   auto queue = BatchQueue::Create(std::move(options.queue));
   if (!queue) return Err(queue.error());
   const Clock* clock = options.clock ? options.clock : &RealClockInstance();
@@ -29,6 +30,7 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   b->wide_ = options.wide_worker;
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
   b->max_shared_runs_ = options.shared_runs;
+  b->latency_target_ = latency_target;
   if (options.tuner) {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
     b->tuner_.emplace(std::move(*options.tuner));
@@ -77,6 +79,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
+    NotePeakLocked(now, static_cast<int64_t>(queue_.size()) + running_tasks_);
     if (options.run_here) {
       claimed = ClaimLocked();
       if (claimed < 0) {
@@ -87,7 +90,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     if (claimed >= 0) {
       // The queue's own decision, as for a worker: a batching delay or
       // preferred sizes keep the task queued for company.
-      here = queue_.Next(now, /*flush=*/false, /*takers=*/1);
+      here = queue_.Next(now, /*flush=*/EveryoneHereLocked(), /*takers=*/1);
       if (here.batch.empty() && here.dropped.empty()) {
         claimed = -1;
         shared = false;
@@ -161,6 +164,21 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
       WakeNarrowLocked();
     }
   }
+}
+
+void DynamicBatcher::NotePeakLocked(int64_t now_ns, int64_t present) {
+  if (!latency_target_) return;
+  if (now_ns - peak_from_ns_ >= kPeakWindowNs) {
+    peak_before_ = now_ns - peak_from_ns_ < 2 * kPeakWindowNs ? peak_now_ : 0;
+    peak_now_ = 0;
+    peak_from_ns_ = now_ns;
+  }
+  peak_now_ = std::max(peak_now_, present);
+}
+
+bool DynamicBatcher::EveryoneHereLocked() const {
+  if (!latency_target_ || queue_.empty()) return false;
+  return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max(peak_now_, peak_before_);
 }
 
 void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {
@@ -409,7 +427,8 @@ void DynamicBatcher::WorkerLoop(int worker) {
     int64_t now = 0;
     if (instance_free && (stopping_ || MayTake(wide))) {
       now = clock_->NowNs();
-      BatchQueue::Decision d = queue_.Next(now, /*flush=*/stopping_, wide ? 1 : narrow_workers() - busy_workers_);
+      BatchQueue::Decision d =
+          queue_.Next(now, /*flush=*/stopping_ || EveryoneHereLocked(), wide ? 1 : narrow_workers() - busy_workers_);
       if (!d.batch.empty() || !d.dropped.empty()) {
         const bool more = !queue_.empty();
         const auto tasks = static_cast<int64_t>(d.batch.size());

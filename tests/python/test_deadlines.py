@@ -6,6 +6,7 @@ request is known: 0.4 s per request, one at a time."""
 import os
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import numpy as np
@@ -60,7 +61,9 @@ parameters { key: "quern.latency_target_ms" value: { string_value: "300" } }
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for name, config, code in (("slow", SLOW_CONFIG, SLOW), ("targeted", TARGETED_CONFIG, TARGETED)):
+    untargeted = "\n".join(line for line in TARGETED_CONFIG.splitlines() if "latency_target" not in line)
+    for name, config, code in (("slow", SLOW_CONFIG, SLOW), ("targeted", TARGETED_CONFIG, TARGETED),
+                               ("untargeted", untargeted, TARGETED)):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
         (repo / name / "1" / "model.py").write_text(code)
@@ -165,17 +168,20 @@ def _raw_post(port, path, body):
 
 
 def test_a_latency_target_sends_a_batch_in_time_instead_of_waiting_out_the_batching_delay(server):
-    http = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}", network_timeout=60)
-
-    def timed(value):
+    def timed(model, value):
+        # A client per call: tritonclient's HTTP client belongs to the thread that made it.
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}", network_timeout=60)
         t0 = time.monotonic()
-        y = http.infer("targeted", http_inputs(value)).as_numpy("y")[0, 0]
+        y = http.infer(model, http_inputs(value)).as_numpy("y")[0, 0]
         assert y == 2 * value
         return time.monotonic() - t0
-    # Until a batch has been measured the target cannot be planned for: the first request waits out
-    # the 3 s batching delay alone.
-    assert timed(1) >= 2.5
-    # Now a lone request leaves in time for its 300 ms (at about 290 ms), not after 3 s.
-    for value in (2, 3):
-        took = timed(value)
-        assert 0.2 <= took < 1.5, took
+    # Without a target, a lone request waits out the 3 s batching delay for company.
+    assert timed("untargeted", 1) >= 2.5
+    # With one, a request alone in the model brings no company to wait for: it leaves at once.
+    assert timed("targeted", 1) < 1.0
+    # Two clients at once: from now on a lone request may expect company, and waits for it only as
+    # long as its 300 ms allow (it leaves at about 290 ms), not 3 s.
+    with ThreadPoolExecutor(2) as pool:
+        assert all(t < 1.0 for t in pool.map(lambda v: timed("targeted", v), (2, 3)))
+    took = timed("targeted", 4)
+    assert 0.2 <= took < 1.5, took
