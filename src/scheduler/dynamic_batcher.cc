@@ -79,7 +79,6 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
-    NotePeakLocked(now, static_cast<int64_t>(queue_.size()) + running_tasks_);
     if (options.run_here) {
       claimed = ClaimLocked();
       if (claimed < 0) {
@@ -166,19 +165,9 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
   }
 }
 
-void DynamicBatcher::NotePeakLocked(int64_t now_ns, int64_t present) {
-  if (!latency_target_) return;
-  if (now_ns - peak_from_ns_ >= kPeakWindowNs) {
-    peak_before_ = now_ns - peak_from_ns_ < 2 * kPeakWindowNs ? peak_now_ : 0;
-    peak_now_ = 0;
-    peak_from_ns_ = now_ns;
-  }
-  peak_now_ = std::max(peak_now_, present);
-}
-
 bool DynamicBatcher::EveryoneHereLocked() const {
   if (!latency_target_ || queue_.empty()) return false;
-  return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max(peak_now_, peak_before_);
+  return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max<int64_t>(1, std::llround(average_load_));
 }
 
 void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {

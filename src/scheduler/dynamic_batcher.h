@@ -148,13 +148,6 @@ class DynamicBatcher {
   // Callers run shared batches while the time per item (of a run alone)
   // stays under this.
   static constexpr double kSharedBelowNs = 250'000;
-  // With a latency target (queue.latency_target_ns), a batch waiting for
-  // company leaves once every request the model has held at once lately is
-  // in it or running: the most tasks queued or running seen by arrivals in
-  // the current and the previous window of this length. Clients that send
-  // their next request only after their answer (a closed loop) bring no
-  // company a batching delay could wait for.
-  static constexpr int64_t kPeakWindowNs = 1'000'000'000;
   int num_workers() const { return num_workers_; }
   // Batches run by the wide worker so far.
   int64_t wide_batches() const;
@@ -201,10 +194,11 @@ class DynamicBatcher {
   // wait and the reaper watches them).
   bool AnyTaker() const QUERN_REQUIRES(mu_);
   int narrow_workers() const { return num_workers_ - (wide_ ? 1 : 0); }
-  // Notes `present` tasks queued or running at an arrival (kPeakWindowNs).
-  void NotePeakLocked(int64_t now_ns, int64_t present) QUERN_REQUIRES(mu_);
-  // With a latency target: whether every request lately seen at once is
-  // queued or running now (a batch waiting for company leaves).
+  // With a latency target (queue.latency_target_ns): whether the tasks
+  // queued or running now are as many as the model has held on average
+  // lately (average_load_, rounded; at least one). A batch waiting for
+  // company then leaves: clients that send their next request only after
+  // their answer (a closed loop) bring none a batching delay could wait for.
   bool EveryoneHereLocked() const QUERN_REQUIRES(mu_);
 
   const Clock* clock_;
@@ -219,11 +213,6 @@ class DynamicBatcher {
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
   bool latency_target_ = false;    // set before any thread starts
-  // The most tasks queued or running seen by an arrival in the current
-  // window (from peak_from_ns_) and the one before it.
-  int64_t peak_now_ QUERN_GUARDED_BY(mu_) = 0;
-  int64_t peak_before_ QUERN_GUARDED_BY(mu_) = 0;
-  int64_t peak_from_ns_ QUERN_GUARDED_BY(mu_) = 0;
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   // The same, each run's time scaled by its share of the cores while shared
   // runs ran beside it: what a run takes alone (decides shared runs, whose

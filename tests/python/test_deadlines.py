@@ -177,11 +177,11 @@ def test_a_latency_target_sends_a_batch_in_time_instead_of_waiting_out_the_batch
         return time.monotonic() - t0
     # Without a target, a lone request waits out the 3 s batching delay for company.
     assert timed("untargeted", 1) >= 2.5
-    # With one, a request alone in the model brings no company to wait for: it leaves at once.
-    assert timed("targeted", 1) < 1.0
-    # Two clients at once: from now on a lone request may expect company, and waits for it only as
-    # long as its 300 ms allow (it leaves at about 290 ms), not 3 s.
+    # With one, a request alone in the model (as many as it held on average lately) brings no company to
+    # wait for: it leaves at once, measured or not. (How long a batch that does expect company waits is
+    # in batch_queue_test: until its target, less its running time.)
+    for value in (1, 2, 3):
+        assert timed("targeted", value) < 1.0
+    # Two clients at a time, each on its own answer.
     with ThreadPoolExecutor(2) as pool:
-        assert all(t < 1.0 for t in pool.map(lambda v: timed("targeted", v), (2, 3)))
-    took = timed("targeted", 4)
-    assert 0.2 <= took < 1.5, took
+        assert all(t < 1.0 for t in pool.map(lambda v: timed("targeted", v), range(4, 12)))
