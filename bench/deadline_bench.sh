@@ -19,38 +19,10 @@ cd "$ROOT"
 SECS="${1:-10}"
 shift || true
 TARGETS="${*:-small_cnn_grpc small_cnn_http resnet50_grpc}"
-NCPU=$(nproc)
-SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
-CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
-if [ "$NCPU" -lt 2 ]; then SERVER_CPUS=0; CLIENT_CPUS=0; fi
-build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
-PRESET="${QUERN_BENCH_PRESET:-release}"
-cmake --preset "$PRESET" >/dev/null
-cmake --build --preset "$PRESET" --target quern >/dev/null
-QUERN="build/$PRESET/src/cli/quern"
-WORK=$(mktemp -d)
-SERVER=""
-trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
 mkdir -p "$WORK/repo"
 for m in small_cnn resnet50; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-read -r PORT GRPC_PORT METRICS_PORT <<< "$(build/venv/bin/python -c '
-import socket
-s = [socket.socket() for _ in range(3)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')"
-
-start_server() {
-  taskset -c "$SERVER_CPUS" "$QUERN" serve --model-repository "$WORK/repo" --allow-links-outside-repository \
-    --http-port "$PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" --host 127.0.0.1 > "$WORK/log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done
-  echo "quern did not start:"; cat "$WORK/log"; exit 1
-}
-stop_server() {
-  kill "$SERVER" 2>/dev/null || true
-  wait "$SERVER" 2>/dev/null || true
-}
 
 echo "server on CPUs $SERVER_CPUS, quern perf on CPUs $CLIENT_CPUS ($PRESET build), $SECS s per run"
 echo "target          load  deadline ms  offered/s  goodput/s  x cap  ok p50 ms  ok p99 ms  after deadline  refused  deadline exceeded  other"
@@ -64,7 +36,7 @@ for target in $TARGETS; do
   esac
   url="http://127.0.0.1:$PORT"
   [ "$proto" = grpc ] && url="grpc://127.0.0.1:$GRPC_PORT"
-  start_server
+  start_server "$WORK/repo" --allow-links-outside-repository
   perf() {
     taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" -m "$model" -s "$SECS" --warmup 2 --format json "$@"
   }

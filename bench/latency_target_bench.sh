@@ -17,18 +17,8 @@ cd "$ROOT"
 SECS="${1:-5}"
 TARGET_MS="${2:-10}"
 MODEL="${3:-small_cnn}"
-NCPU=$(nproc)
-SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
-CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
-if [ "$NCPU" -lt 2 ]; then SERVER_CPUS=0; CLIENT_CPUS=0; fi
-build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
-PRESET="${QUERN_BENCH_PRESET:-release}"
-cmake --preset "$PRESET" >/dev/null
-cmake --build --preset "$PRESET" --target quern >/dev/null
-QUERN="build/$PRESET/src/cli/quern"
-WORK=$(mktemp -d)
-SERVER=""
-trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
 
 # name | max_batch_size | max_queue_delay_microseconds | latency target ms (0 = none)
 CONFIGS="b16_greedy 16 0 0
@@ -44,20 +34,13 @@ while read -r name batch delay target; do
     echo "max_batch_size: $batch"
     echo "dynamic_batching { max_queue_delay_microseconds: $delay }"
     echo 'parameters { key: "quern.batch_size_tuning" value { string_value: "off" } }'
-    [ "$target" != 0 ] && echo "parameters { key: \"quern.latency_target_ms\" value { string_value: \"$target\" } }"
+    if [ "$target" != 0 ]; then
+      echo "parameters { key: \"quern.latency_target_ms\" value { string_value: \"$target\" } }"
+    fi
   } > "$WORK/repo/$name/config.pbtxt"
 done <<< "$CONFIGS"
 
-read -r PORT GRPC_PORT METRICS_PORT <<< "$(build/venv/bin/python -c '
-import socket
-s = [socket.socket() for _ in range(3)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')"
-taskset -c "$SERVER_CPUS" "$QUERN" serve --model-repository "$WORK/repo" --http-port "$PORT" --grpc-port "$GRPC_PORT" \
-  --metrics-port "$METRICS_PORT" --host 127.0.0.1 > "$WORK/log" 2>&1 &
-SERVER=$!
-for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
-grep -q "metrics listening" "$WORK/log" || { echo "quern did not start:"; cat "$WORK/log"; exit 1; }
+start_server "$WORK/repo"
 
 echo "$MODEL; server on CPUs $SERVER_CPUS, quern perf on CPUs $CLIENT_CPUS ($PRESET build); target $TARGET_MS ms; $SECS s per step"
 echo "configuration          clients   req/s   p50 ms   p99 ms  batch"

@@ -185,6 +185,21 @@ Status OnOffParameter(const ModelConfig& c, std::string_view key, const std::str
   return Status::Ok();
 }
 
+// A parameter of milliseconds in [0, 3600000], when present.
+Status MillisecondsParameter(const ModelConfig& c, std::string_view key, const std::string& source,
+                             std::optional<int64_t>& out) {
+  auto it = c.parameters.find(std::string(key));
+  if (it == c.parameters.end()) return Status::Ok();
+  int64_t ms = -1;
+  auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);
+  if (ec != std::errc() || ptr != it->second.data() + it->second.size() || ms < 0 || ms > 3'600'000) {
+    return InvalidArgument(source + ": parameter " + it->first + " must be milliseconds in [0, 3600000], got \"" +
+                           it->second + "\"");
+  }
+  out = ms;
+  return Status::Ok();
+}
+
 // An ensemble's steps; what only the loaded step models can tell (their
 // inputs, outputs, types) is checked when the ensemble loads.
 Status ConvertEnsemble(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
@@ -375,24 +390,10 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   }
   QUERN_RETURN_IF_ERROR(OnOffParameter(c, kBatchSizeTuningParam, source, c.batch_size_tuning));
   QUERN_RETURN_IF_ERROR(OnOffParameter(c, kWideInstanceParam, source, c.wide_instance));
-  if (auto it = c.parameters.find(std::string(kMaxQueueWaitParam)); it != c.parameters.end()) {
-    int64_t ms = -1;
-    auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);
-    if (ec != std::errc() || ptr != it->second.data() + it->second.size() || ms < 0 || ms > 3'600'000) {
-      return Err(InvalidArgument(source + ": parameter " + it->first + " must be milliseconds in [0, 3600000], got \"" +
-                                 it->second + "\""));
-    }
-    c.max_queue_wait_ms = ms;
-  }
-  if (auto it = c.parameters.find(std::string(kLatencyTargetParam)); it != c.parameters.end()) {
-    int64_t ms = -1;
-    auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), ms);
-    if (ec != std::errc() || ptr != it->second.data() + it->second.size() || ms < 0 || ms > 3'600'000) {
-      return Err(InvalidArgument(source + ": parameter " + it->first + " must be milliseconds in [0, 3600000], got \"" +
-                                 it->second + "\""));
-    }
-    c.latency_target_ms = ms;
-  }
+  QUERN_RETURN_IF_ERROR(MillisecondsParameter(c, kMaxQueueWaitParam, source, c.max_queue_wait_ms));
+  std::optional<int64_t> target_ms;
+  QUERN_RETURN_IF_ERROR(MillisecondsParameter(c, kLatencyTargetParam, source, target_ms));
+  c.latency_target_ms = target_ms.value_or(0);
   if (p.has_optimization() && p.optimization().has_graph()) {
     c.graph_optimization_level = p.optimization().graph().level();
     if (c.graph_optimization_level < -1 || c.graph_optimization_level > 2) {
