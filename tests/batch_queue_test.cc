@@ -370,6 +370,10 @@ TEST(BatchQueue, ABatchWaitingForCompanyLeavesInTimeForItsEarliestDeadline) {
   d = q.Next(70 * kUs);
   EXPECT_TRUE(d.dropped.empty()) << "run in time, not dropped as too late";
   EXPECT_EQ(Ids(d.batch), (std::vector<int>{1, 2, 3}));
+  // Due exactly when the batch would end if it left now (at time 0): it leaves now.
+  Add(q, 4, 0, {.deadline_ns = 20 * kUs});
+  Add(q, 5, 0);
+  EXPECT_EQ(Ids(q.Next(0).batch), (std::vector<int>{4, 5}));
 }
 
 TEST(BatchQueue, ALatencyTargetSizesBatchesAndTimesThemButDropsNothing) {

@@ -223,11 +223,11 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   size_t take = 0;
   // A batch waiting for company leaves when waiting longer would make it end
   // after the earliest deadline in it.
-  const int64_t leave_by = earliest_due > 0 && run_ns_per_item_ > 0
-                               ? earliest_due - static_cast<int64_t>(run_ns_per_item_ * static_cast<double>(total))
-                               : 0;
+  const bool timed = earliest_due > 0 && run_ns_per_item_ > 0;
+  const int64_t leave_by =
+      timed ? earliest_due - static_cast<int64_t>(run_ns_per_item_ * static_cast<double>(total)) : 0;
   const bool delay_over = options_.max_queue_delay_ns == 0 || now_ns >= oldest_ns + options_.max_queue_delay_ns ||
-                          (leave_by > 0 && now_ns >= leave_by) || late;
+                          (timed && now_ns >= leave_by) || late;
   const bool full = total >= limit || blocked;
   const bool cut_by_limit = limit == limit_ && full && !due_cut;
   if (flush || full || delay_over) {
@@ -239,7 +239,7 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   if (take == 0) {
     int64_t wake = oldest_ns + options_.max_queue_delay_ns;
     if (next_deadline > 0 && next_deadline < wake) wake = next_deadline;
-    if (leave_by > 0 && leave_by < wake) wake = leave_by;
+    if (timed && leave_by < wake) wake = leave_by;
     d.wake_at_ns = wake;
     return d;
   }
