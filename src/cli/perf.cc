@@ -13,6 +13,7 @@
 #include <rapidjson/writer.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
@@ -84,6 +85,86 @@ struct Reply {
   std::string error;  // transport failure
 };
 
+// A connected socket as Beast's synchronous reads and writes see it, each
+// bounded by the socket's SO_RCVTIMEO / SO_SNDTIMEO: asio's own blocking
+// calls, told "not yet" by the kernel when the time is up, wait on forever.
+// One system call per read or write, as asio's.
+class TimedSocket {
+ public:
+  explicit TimedSocket(tcp::socket& s) : fd_(s.native_handle()) {}
+
+  template <class Buffers>
+  std::size_t read_some(const Buffers& b, boost::system::error_code& ec) {
+    for (auto it = asio::buffer_sequence_begin(b); it != asio::buffer_sequence_end(b); ++it) {
+      asio::mutable_buffer m(*it);
+      if (m.size() == 0) continue;
+      while (true) {
+        const ssize_t n = ::recv(fd_, m.data(), m.size(), 0);
+        if (n > 0) {
+          ec = {};
+          return static_cast<std::size_t>(n);
+        }
+        if (n == 0) {
+          ec = asio::error::eof;
+          return 0;
+        }
+        if (errno != EINTR) return Failed(ec);
+      }
+    }
+    ec = {};
+    return 0;
+  }
+  template <class Buffers>
+  std::size_t write_some(const Buffers& b, boost::system::error_code& ec) {
+    iovec iov[16];
+    int count = 0;
+    for (auto it = asio::buffer_sequence_begin(b); it != asio::buffer_sequence_end(b) && count < 16; ++it) {
+      asio::const_buffer c(*it);
+      if (c.size() == 0) continue;
+      iov[count++] = {const_cast<void*>(c.data()), c.size()};
+    }
+    if (count == 0) {
+      ec = {};
+      return 0;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    while (true) {
+      const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (n >= 0) {
+        ec = {};
+        return static_cast<std::size_t>(n);
+      }
+      if (errno != EINTR) return Failed(ec);
+    }
+  }
+  template <class Buffers>
+  std::size_t read_some(const Buffers& b) {
+    return Throwing([&](boost::system::error_code& ec) { return read_some(b, ec); });
+  }
+  template <class Buffers>
+  std::size_t write_some(const Buffers& b) {
+    return Throwing([&](boost::system::error_code& ec) { return write_some(b, ec); });
+  }
+
+ private:
+  static std::size_t Failed(boost::system::error_code& ec) {
+    ec = errno == EAGAIN || errno == EWOULDBLOCK ? boost::system::error_code(asio::error::timed_out)
+                                                 : boost::system::error_code(errno, boost::system::system_category());
+    return 0;
+  }
+  template <class Op>
+  static std::size_t Throwing(Op op) {
+    boost::system::error_code ec;
+    const std::size_t n = op(ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+  int fd_;
+};
+
 class HttpConnection {
  public:
   HttpConnection(Endpoint e, double timeout_s) : e_(std::move(e)), timeout_s_(timeout_s) {}
@@ -101,11 +182,12 @@ class HttpConnection {
         for (const auto& [k, v] : headers) req.set(k, v);
         req.body() = body;
         req.prepare_payload();
-        http::write(*socket_, req);
+        TimedSocket s(*socket_);
+        http::write(s, req);
         http::response_parser<http::string_body> parser;
         parser.body_limit(std::uint64_t{4} << 30);
         parser.header_limit(1 << 20);
-        http::read(*socket_, buffer_, parser);
+        http::read(s, buffer_, parser);
         auto res = parser.release();
         r.status = static_cast<int>(res.result_int());
         r.body = std::move(res.body());
@@ -130,7 +212,7 @@ class HttpConnection {
       socket_.emplace(io_);
       asio::connect(*socket_, endpoints);
       socket_->set_option(tcp::no_delay(true));
-      timeval tv{};
+      timeval tv{};  // TimedSocket's bound on each read and write
       tv.tv_sec = static_cast<time_t>(timeout_s_);
       tv.tv_usec = static_cast<suseconds_t>((timeout_s_ - std::floor(timeout_s_)) * 1e6);
       setsockopt(socket_->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -257,10 +339,13 @@ class GrpcUnaryCaller : public Caller {
 
 // One request in flight on its stream at a time (the closed loop's
 // connection); a stream that breaks is opened again for the next request.
+// A stream has one deadline for its whole life, `until` (the level's end
+// plus --timeout): a server that stops answering ends it then.
 class GrpcStreamCaller : public Caller {
  public:
-  GrpcStreamCaller(std::shared_ptr<grpc::Channel> channel, const inference::ModelInferRequest& request)
-      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))), request_(request) {}
+  GrpcStreamCaller(std::shared_ptr<grpc::Channel> channel, const inference::ModelInferRequest& request,
+                   std::chrono::system_clock::time_point until)
+      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))), request_(request), until_(until) {}
 
   ~GrpcStreamCaller() override { Close(/*cancel=*/true); }
 
@@ -268,9 +353,7 @@ class GrpcStreamCaller : public Caller {
     Outcome out;
     if (!stream_) {
       ctx_ = std::make_unique<grpc::ClientContext>();
-      // A stream has one deadline for its whole life: long, so that only a
-      // server that stops answering ends it.
-      ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+      ctx_->set_deadline(until_);
       stream_ = stub_->ModelStreamInfer(ctx_.get());
     }
     inference::ModelStreamInferResponse response;
@@ -301,6 +384,7 @@ class GrpcStreamCaller : public Caller {
 
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
   const inference::ModelInferRequest& request_;
+  std::chrono::system_clock::time_point until_;
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<inference::ModelInferRequest, inference::ModelStreamInferResponse>> stream_;
 };
@@ -955,7 +1039,13 @@ int Perf(const PerfOptions& o) {
       if (channels.size() < kGrpcConnections) channels.push_back(NewChannel(grpc_target));
       channel = channels[next_channel++ % channels.size()];
     }
-    if (o.grpc_stream) return std::make_unique<GrpcStreamCaller>(std::move(channel), grpc_request);
+    if (o.grpc_stream) {
+      // Callers are made as each level starts.
+      const auto until =
+          std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                                 std::chrono::duration<double>(o.warmup + o.seconds + o.timeout));
+      return std::make_unique<GrpcStreamCaller>(std::move(channel), grpc_request, until);
+    }
     return std::make_unique<GrpcUnaryCaller>(std::move(channel), o.timeout, o.deadline_ms, grpc_request);
   };
   const char* tensors = grpc ? (o.grpc_stream ? "gRPC stream" : "gRPC") : o.json ? "JSON" : "binary";

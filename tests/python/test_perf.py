@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -185,3 +186,28 @@ def test_grpc_unknown_model_closed_port_and_bad_options_are_clear(server):
     r = subprocess.run([QUERN, "perf", "--url", "grpc://127.0.0.1", "-m", "add_sub"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "--url" in r.stderr, r.stderr
+
+
+def test_a_server_that_stops_answering_ends_each_protocol_at_the_timeout(tmp_path):
+    """A model that hangs (the Python model sleeps; the server kills it after 4 s): every protocol gives
+    up at --timeout past the level, counts the requests as failed, and the tool exits."""
+    (tmp_path / "hang" / "1").mkdir(parents=True)
+    (tmp_path / "hang" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'parameters { key: "quern.execute_timeout_ms" value { string_value: "4000" } }\n')
+    (tmp_path / "hang" / "1" / "model.py").write_text("import time\n\ndef infer(inputs):\n    time.sleep(60)\n")
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        for args, grpc in (([], False), ([], True), (["--grpc-stream"], True)):
+            t0 = time.monotonic()
+            r = perf(ports, "-m", "hang", "-s", "0.3", "--warmup", "0", "--timeout", "1", "--format", "json", *args,
+                     expect=1, grpc=grpc)
+            took = time.monotonic() - t0
+            (lv,) = levels(r)
+            assert lv["ok"] == 0, (args, grpc, lv)
+            assert took < 3.5, (args, grpc, took)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
