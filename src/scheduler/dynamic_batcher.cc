@@ -316,11 +316,12 @@ Status DynamicBatcher::DeadlineAdmissionLocked(int64_t items, const ScheduleOpti
     std::snprintf(buf, sizeof buf, ns >= 100e6 ? "%.0f" : "%.3g", ns / 1e6);
     return std::string(buf);
   };
-  // Built only for a refusal (this runs for every request with a deadline).
+  // Built only for a refusal (this runs for every request with a deadline);
+  // the lambda reads no guarded member.
+  const int busy = busy_workers_ + (wide_running_ ? 1 : 0);
   auto ahead = [&] {
-    return std::to_string(arrival->items_ahead) + " items queued ahead of it and " +
-           std::to_string(busy_workers_ + (wide_running_ ? 1 : 0)) + " of " + std::to_string(num_workers_) +
-           " instances busy";
+    return std::to_string(arrival->items_ahead) + " items queued ahead of it and " + std::to_string(busy) + " of " +
+           std::to_string(num_workers_) + " instances busy";
   };
   if (queue_due > 0 && static_cast<double>(now_ns) + wait_ns > static_cast<double>(queue_due)) {
     return Unavailable("the request would wait about " + ms(wait_ns) + " ms (" + ahead() +
