@@ -144,6 +144,50 @@ TEST(DynamicBatcher, WithALatencyTargetABatchLeavesOnceEveryRecentClientIsQueued
   }
 }
 
+TEST(DynamicBatcher, WhenTheLoadHandsTheQueueToTheOtherWorkersTheyAreWoken) {
+  // One instance and a wide one. Two tasks arrive at light load: the wide
+  // worker waits out the batching delay (20 ms) for them, the other sleeps.
+  // Ten seconds of fake time pass with both queued, and a third arrival is
+  // refused (queue full): the load is heavy now, so the wide worker may not
+  // take them when it wakes. It must hand them to the other worker, which
+  // nobody else wakes (before, both slept until the next arrival).
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.queue.max_queue_delay_ns = 20'000'000;
+  o.queue.level_policies = {{.max_queue_size = 2}};
+  o.num_workers = 2;
+  o.wide_worker = true;
+  o.clock = &clock;
+  Recorder rec;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        std::lock_guard lock(rec.mu);
+        std::vector<int> ids;
+        for (auto& t : batch) ids.push_back(static_cast<Item&>(*t).id);
+        rec.batches.push_back(ids);
+        rec.workers.push_back(worker);
+        rec.items += static_cast<int>(ids.size());
+        rec.cv.notify_all();
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+  ASSERT_TRUE(b.has_value());
+  for (int id = 1; id <= 2; ++id) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the wide worker is waiting out the delay
+  clock.AdvanceNs(10'000'000'000);
+  std::unique_ptr<BatchTask> third = std::make_unique<Item>(3);
+  EXPECT_EQ((*b)->Schedule(third, {}).code(), StatusCode::kUnavailable) << "the queue holds two";
+  std::unique_lock lock(rec.mu);
+  ASSERT_TRUE(rec.cv.wait_for(lock, std::chrono::seconds(10), [&] { return rec.items >= 2; }))
+      << "the queued tasks were left with no worker looking at them";
+  EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{1, 2}}));
+  EXPECT_EQ(rec.workers, (std::vector<int>{0})) << "the narrow instance, under the heavy load";
+}
+
 TEST(DynamicBatcher, ShutdownRunsEveryQueuedTask) {
   FakeClock clock;
   std::atomic<int> ran{0};

@@ -445,6 +445,17 @@ void DynamicBatcher::WorkerLoop(int worker) {
         continue;
       }
       wake_at_ns = d.wake_at_ns;
+    } else if (instance_free && !stopping_ && !queue_.empty()) {
+      // The load moved the queue to the other kind of worker (the wide one
+      // at light load, the others under load) since it was last told: time
+      // passing, or an arrival refused after it was counted, changes the
+      // load without waking anyone. Hand the queue over, or nobody may look
+      // at it again until the next arrival.
+      if (!wide && wide_ && MayTake(true)) {
+        wide_cv_.Signal();
+      } else if (wide && busy_workers_ < narrow_workers() && MayTake(false)) {
+        WakeNarrowLocked();
+      }
     }
     if (!wide) waiting_[w] = 1;
     if (wake_at_ns == 0) {
