@@ -38,6 +38,17 @@ struct Recorder {
     std::unique_lock lock(mu);
     cv.wait(lock, [&] { return items >= n; });
   }
+
+  // A batch processor's record of one batch: its items' ids and its worker.
+  void Record(int worker, const std::vector<std::unique_ptr<BatchTask>>& batch) {
+    std::lock_guard lock(mu);
+    std::vector<int> ids;
+    for (const auto& t : batch) ids.push_back(static_cast<const Item&>(*t).id);
+    batches.push_back(ids);
+    workers.push_back(worker);
+    items += static_cast<int>(ids.size());
+    cv.notify_all();
+  }
 };
 
 TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
@@ -48,16 +59,7 @@ TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
   o.queue.max_queue_delay_ns = 5'000'000;  // 5 ms of fake time
   o.clock = &clock;
   auto b = DynamicBatcher::Create(
-      o,
-      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-        std::lock_guard lock(rec.mu);
-        std::vector<int> ids;
-        for (auto& t : batch) ids.push_back(static_cast<Item&>(*t).id);
-        rec.batches.push_back(ids);
-        rec.workers.push_back(worker);
-        rec.items += static_cast<int>(ids.size());
-        rec.cv.notify_all();
-      },
+      o, [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
       [](std::unique_ptr<BatchTask>, const Status&) {});
   ASSERT_TRUE(b.has_value());
   for (int i = 0; i < 3; ++i) {
@@ -161,16 +163,7 @@ TEST(DynamicBatcher, WhenTheLoadHandsTheQueueToTheOtherWorkersTheyAreWoken) {
   o.clock = &clock;
   Recorder rec;
   auto b = DynamicBatcher::Create(
-      o,
-      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-        std::lock_guard lock(rec.mu);
-        std::vector<int> ids;
-        for (auto& t : batch) ids.push_back(static_cast<Item&>(*t).id);
-        rec.batches.push_back(ids);
-        rec.workers.push_back(worker);
-        rec.items += static_cast<int>(ids.size());
-        rec.cv.notify_all();
-      },
+      o, [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
       [](std::unique_ptr<BatchTask>, const Status&) {});
   ASSERT_TRUE(b.has_value());
   for (int id = 1; id <= 2; ++id) {
