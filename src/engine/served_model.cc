@@ -218,7 +218,11 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
   ScheduleOptions so;
   so.priority = task->request.priority;
-  so.timeout_ns = static_cast<int64_t>(task->request.timeout_us) * 1000;
+  // A client's timeout may be any unsigned 64-bit number: beyond 30 days
+  // (the bound on configured queue timeouts) it waits as long as 30 days,
+  // so that no deadline computed from it overflows.
+  constexpr uint64_t kMaxTimeoutUs = 30ull * 24 * 3600 * 1'000'000;
+  so.timeout_ns = static_cast<int64_t>(std::min(task->request.timeout_us, kMaxTimeoutUs)) * 1000;
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
   so.in_model = in_model;

@@ -185,3 +185,13 @@ def test_a_latency_target_sends_a_batch_in_time_instead_of_waiting_out_the_batch
     # Two clients at a time, each on its own answer.
     with ThreadPoolExecutor(2) as pool:
         assert all(t < 1.0 for t in pool.map(lambda v: timed("targeted", v), range(4, 12)))
+
+
+def test_timeouts_at_the_ends_of_their_range_are_served(server):
+    """The KServe `timeout` parameter is any unsigned 64-bit number of microseconds: the largest values
+    (once negative as signed, once overflowing when made nanoseconds) mean "wait as long as it takes"."""
+    for timeout in (2**64 - 1, 2**63 - 1, 9_223_372_036_854_775):
+        status, _, body = _raw_post(server["HTTP"], "/v2/models/targeted/infer",
+                                    b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[7]}],'
+                                    b'"parameters":{"timeout":%d}}' % timeout)
+        assert status == 200, (timeout, body)
