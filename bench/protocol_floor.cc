@@ -1,0 +1,364 @@
+// The floor under a server's CPU per request: a server that does the least a
+// KServe v2 server can do on this machine and answers every infer request
+// with the same canned response, computing nothing. Over HTTP: one thread,
+// epoll, non-blocking sockets; a request is read up to the end of its body
+// (Content-Length) and answered with one send (a binary-tensor response of
+// the model's output shape, zeros). Over gRPC: the same libgrpc++ and callback
+// API as `quern serve`, ModelInfer and ModelStreamInfer answered with a
+// prepared response. `quern perf` measures it exactly as it measures a
+// server; what a real server costs beyond it is its own work (parsing, the
+// engine, batching, the model).
+//
+//   protocol_floor --http-port 18600 --grpc-port 18601 --model identity
+//                  --input x:FP32:-1,4 --output y:FP32:-1,4
+//
+// Prints nothing while it serves; its CPU time is read from /proc by the
+// script that runs it (bench/request_cost.sh).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "grpc_service.grpc.pb.h"
+
+namespace {
+
+struct TensorSpec {
+  std::string name;
+  std::string datatype;
+  std::vector<int64_t> shape;  // -1 = open (1 in responses)
+};
+
+TensorSpec ParseSpec(const std::string& s) {
+  TensorSpec t;
+  const auto a = s.find(':');
+  const auto b = s.find(':', a + 1);
+  if (a == std::string::npos || b == std::string::npos) {
+    std::fprintf(stderr, "bad tensor spec '%s' (NAME:DTYPE:D,D,...)\n", s.c_str());
+    std::exit(2);
+  }
+  t.name = s.substr(0, a);
+  t.datatype = s.substr(a + 1, b - a - 1);
+  std::stringstream dims(s.substr(b + 1));
+  for (std::string d; std::getline(dims, d, ',');) t.shape.push_back(std::stoll(d));
+  return t;
+}
+
+int64_t ElementBytes(const std::string& dt) {
+  if (dt == "FP64" || dt == "INT64" || dt == "UINT64") return 8;
+  if (dt == "FP16" || dt == "INT16" || dt == "UINT16" || dt == "BF16") return 2;
+  if (dt == "INT8" || dt == "UINT8" || dt == "BOOL") return 1;
+  return 4;
+}
+
+int64_t Bytes(const TensorSpec& t) {
+  int64_t n = ElementBytes(t.datatype);
+  for (const int64_t d : t.shape) n *= std::max<int64_t>(d, 1);
+  return n;
+}
+
+std::string ShapeJson(const TensorSpec& t, bool open_as_one) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(open_as_one ? std::max<int64_t>(t.shape[i], 1) : t.shape[i]);
+  }
+  return s + "]";
+}
+
+std::string HttpResponse(const std::string& content_type, const std::string& body, size_t json_size) {
+  std::string r = "HTTP/1.1 200 OK\r\nServer: floor\r\nContent-Type: " + content_type + "\r\n";
+  if (json_size) r += "Inference-Header-Content-Length: " + std::to_string(json_size) + "\r\n";
+  r += "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n";
+  return r + body;
+}
+
+// ---- HTTP: one epoll thread ----
+
+struct Conn {
+  std::string in;
+};
+
+bool IEquals(const char* a, const char* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i]))) return false;
+  }
+  return true;
+}
+
+// The length of the first complete request in `in` (head and body), or 0.
+size_t CompleteRequest(const std::string& in) {
+  const size_t end = in.find("\r\n\r\n");
+  if (end == std::string::npos) return 0;
+  size_t length = 0;
+  static constexpr char kName[] = "\r\ncontent-length:";
+  const size_t name_len = sizeof kName - 1;
+  for (size_t i = 0; i + name_len <= end + 2; ++i) {
+    if (in[i] == '\r' && IEquals(in.data() + i, kName, name_len)) {
+      length = std::strtoull(in.c_str() + i + name_len, nullptr, 10);
+      break;
+    }
+  }
+  const size_t total = end + 4 + length;
+  return in.size() >= total ? total : 0;
+}
+
+[[noreturn]] void Die(const char* what) {
+  std::perror(what);
+  std::exit(1);
+}
+
+void ServeHttp(int port, const std::string& metadata_response, const std::string& infer_response) {
+  const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+  const int one = 1;
+  ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) Die("bind");
+  if (::listen(lfd, 1024) != 0) Die("listen");
+  const int ep = ::epoll_create1(0);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = lfd;
+  ::epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev);
+  std::unordered_map<int, Conn> conns;
+  std::vector<char> buf(1 << 16);
+  epoll_event events[64];
+  while (true) {
+    const int n = ::epoll_wait(ep, events, 64, -1);
+    for (int i = 0; i < n; ++i) {
+      const int fd = events[i].data.fd;
+      if (fd == lfd) {
+        while (true) {
+          const int c = ::accept4(lfd, nullptr, nullptr, SOCK_NONBLOCK);
+          if (c < 0) break;
+          ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          epoll_event cev{};
+          cev.events = EPOLLIN;
+          cev.data.fd = c;
+          ::epoll_ctl(ep, EPOLL_CTL_ADD, c, &cev);
+          conns[c];
+        }
+        continue;
+      }
+      Conn& conn = conns[fd];
+      bool closed = false;
+      while (true) {
+        const ssize_t r = ::recv(fd, buf.data(), buf.size(), 0);
+        if (r > 0) {
+          conn.in.append(buf.data(), static_cast<size_t>(r));
+          if (static_cast<size_t>(r) < buf.size()) break;
+        } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+          closed = true;
+          break;
+        } else if (errno == EAGAIN) {
+          break;
+        }
+      }
+      // Answer every complete request (one send each; a client that does
+      // not read its answers is not this benchmark's concern).
+      while (!closed) {
+        const size_t len = CompleteRequest(conn.in);
+        if (len == 0) break;
+        const std::string& out = conn.in.compare(0, 4, "GET ") == 0 ? metadata_response : infer_response;
+        conn.in.erase(0, len);
+        size_t sent = 0;
+        while (sent < out.size()) {
+          const ssize_t w = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+          if (w <= 0) {
+            closed = true;
+            break;
+          }
+          sent += static_cast<size_t>(w);
+        }
+      }
+      if (closed) {
+        ::close(fd);
+        conns.erase(fd);
+      }
+    }
+  }
+}
+
+// ---- gRPC: the callback API, as quern serve uses it ----
+
+class FloorService final
+    : public inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
+          inference::GRPCInferenceService::WithCallbackMethod_ModelInfer<
+              inference::GRPCInferenceService::WithCallbackMethod_ModelStreamInfer<
+                  inference::GRPCInferenceService::Service>>> {
+ public:
+  FloorService(inference::ModelMetadataResponse metadata, inference::ModelInferResponse infer)
+      : metadata_(std::move(metadata)), infer_(std::move(infer)) {
+    stream_answer_.mutable_infer_response()->CopyFrom(infer_);
+  }
+
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest*,
+                                          inference::ModelMetadataResponse* out) override {
+    *out = metadata_;
+    auto* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* in,
+                                       inference::ModelInferResponse* out) override {
+    *out = infer_;
+    out->set_id(in->id());
+    auto* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
+      grpc::CallbackServerContext*) override {
+    class Stream final : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+     public:
+      explicit Stream(const inference::ModelStreamInferResponse* answer) : answer_(answer) { StartRead(&request_); }
+      // One request in flight per stream (quern perf sends the next after the answer).
+      void OnReadDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        StartWrite(answer_);
+      }
+      void OnWriteDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        StartRead(&request_);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      const inference::ModelStreamInferResponse* answer_;
+      inference::ModelInferRequest request_;
+    };
+    return new Stream(&stream_answer_);
+  }
+
+ private:
+  inference::ModelMetadataResponse metadata_;
+  inference::ModelInferResponse infer_;
+  inference::ModelStreamInferResponse stream_answer_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"The least a KServe v2 server can do per request: canned answers over HTTP and gRPC"};
+  int http_port = 0;
+  int grpc_port = 0;
+  std::string model;
+  std::vector<std::string> inputs;
+  std::vector<std::string> outputs;
+  app.add_option("--http-port", http_port, "HTTP port on 127.0.0.1 (0 = none)");
+  app.add_option("--grpc-port", grpc_port, "gRPC port on 127.0.0.1 (0 = none)");
+  app.add_option("--model", model, "The model's name")->required();
+  app.add_option("--input", inputs, "NAME:DTYPE:D,D,... (-1 = open), as the metadata tells")->required();
+  app.add_option("--output", outputs, "NAME:DTYPE:D,D,...: answered with zeros (open dimensions 1)")->required();
+  CLI11_PARSE(app, argc, argv);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  std::vector<TensorSpec> in_specs;
+  std::vector<TensorSpec> out_specs;
+  for (const auto& s : inputs) in_specs.push_back(ParseSpec(s));
+  for (const auto& s : outputs) out_specs.push_back(ParseSpec(s));
+
+  // HTTP answers.
+  auto tensors_json = [](const std::vector<TensorSpec>& specs) {
+    std::string s = "[";
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (i) s += ",";
+      s += R"({"name":")" + specs[i].name + R"(","datatype":")" + specs[i].datatype +
+           R"(","shape":)" + ShapeJson(specs[i], false) + "}";
+    }
+    return s + "]";
+  };
+  const std::string metadata_json = R"({"name":")" + model + R"(","versions":["1"],"platform":"onnxruntime_onnx",)" +
+                                    R"("inputs":)" + tensors_json(in_specs) + R"(,"outputs":)" +
+                                    tensors_json(out_specs) + "}";
+  std::string infer_json = R"({"model_name":")" + model + R"(","model_version":"1","outputs":[)";
+  std::string binary;
+  for (size_t i = 0; i < out_specs.size(); ++i) {
+    if (i) infer_json += ",";
+    const int64_t bytes = Bytes(out_specs[i]);
+    infer_json += R"({"name":")" + out_specs[i].name + R"(","datatype":")" + out_specs[i].datatype +
+                  R"(","shape":)" + ShapeJson(out_specs[i], true) + R"(,"parameters":{"binary_data_size":)" +
+                  std::to_string(bytes) + "}}";
+    binary.append(static_cast<size_t>(bytes), '\0');
+  }
+  infer_json += "]}";
+  const std::string metadata_response = HttpResponse("application/json", metadata_json, 0);
+  const std::string infer_response =
+      HttpResponse("application/octet-stream", infer_json + binary, infer_json.size());
+
+  // gRPC answers.
+  inference::ModelMetadataResponse md;
+  md.set_name(model);
+  md.add_versions("1");
+  md.set_platform("onnxruntime_onnx");
+  for (const auto& t : in_specs) {
+    auto* m = md.add_inputs();
+    m->set_name(t.name);
+    m->set_datatype(t.datatype);
+    for (const int64_t d : t.shape) m->add_shape(d);
+  }
+  for (const auto& t : out_specs) {
+    auto* m = md.add_outputs();
+    m->set_name(t.name);
+    m->set_datatype(t.datatype);
+    for (const int64_t d : t.shape) m->add_shape(d);
+  }
+  inference::ModelInferResponse ir;
+  ir.set_model_name(model);
+  ir.set_model_version("1");
+  for (const auto& t : out_specs) {
+    auto* o = ir.add_outputs();
+    o->set_name(t.name);
+    o->set_datatype(t.datatype);
+    for (const int64_t d : t.shape) o->add_shape(std::max<int64_t>(d, 1));
+    ir.add_raw_output_contents(std::string(static_cast<size_t>(Bytes(t)), '\0'));
+  }
+
+  std::unique_ptr<grpc::Server> server;
+  FloorService service(md, ir);
+  if (grpc_port > 0) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:" + std::to_string(grpc_port), grpc::InsecureServerCredentials());
+    builder.RegisterService(&service);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    server = builder.BuildAndStart();
+    if (!server) {
+      std::fprintf(stderr, "gRPC port %d: cannot listen\n", grpc_port);
+      return 1;
+    }
+  }
+  if (http_port > 0) {
+    ServeHttp(http_port, metadata_response, infer_response);  // does not return
+  }
+  if (server) server->Wait();
+  return 0;
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Server CPU per request, Quern against the floor: `quern serve` and
+# bench/protocol_floor (the least a KServe v2 server can do: canned answers,
+# no parsing, no model) are each loaded by `quern perf` in turn, over HTTP
+# (binary tensors), gRPC unary and gRPC streams, for the identity model
+# ([1,4] floats) and the small CNN (48 KiB in), at 1 and 16 connections.
+# Server CPU is the process's user + system time from /proc over the whole
+# run (warm-up included) divided by the requests it served then, the same
+# way for both servers. Quern's own cost per request is its figure minus the
+# floor's; the model's compute is part of it (its time per batch is printed
+# from Quern's metrics).
+#
+# The server runs on QUERN_BENCH_SERVER_CPUS (default CPU 0) and the load
+# generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
+#   bench/request_cost.sh [seconds per level, default 4] [concurrency levels, default "1 16"]
+#   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SECS="${1:-4}"
+LEVELS="${2:-1 16}"
+WARMUP=1
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
+cmake --build --preset "$PRESET" --target protocol_floor >/dev/null
+FLOOR="build/$PRESET/bench/protocol_floor"
+
+mkdir -p "$WORK/repo"
+cp -r bench/models/identity bench/models/small_cnn "$WORK/repo/"
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+TICK=$(getconf CLK_TCK)
+
+# measure NAME PID MODEL SHAPE_ARGS: one line per protocol and level
+measure() {
+  local name="$1" pid="$2" model="$3"
+  shift 3
+  local proto url extra c before after line
+  for proto in http grpc stream; do
+    case "$proto" in
+      http) url="http://127.0.0.1:$PORT" extra="" ;;
+      grpc) url="grpc://127.0.0.1:$GRPC_PORT" extra="" ;;
+      stream) url="grpc://127.0.0.1:$GRPC_PORT" extra="--grpc-stream" ;;
+    esac
+    for c in $LEVELS; do
+      local metrics=()
+      [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")
+      before=$(cpu_ticks "$pid")
+      # shellcheck disable=SC2086
+      line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" "$@" -c "$c" -s "$SECS" \
+        --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
+      after=$(cpu_ticks "$pid")
+      # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
+      echo "$line" | awk -F, -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" -v t="$TICK" \
+        -v s="$((SECS + WARMUP))" '{
+          cpu = d / t / ($3 * s) * 1e6
+          printf "| %s | %s | %s | %s | %.0f | %.3f | %.3f | %s | %.1f | %s | %s | %s |\n",
+                 m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }'
+    done
+  done
+}
+
+echo "| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch |"
+echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "small_cnn|input:FP32:-1,3,64,64|logits:FP32:-1,10"; do
+  IFS='|' read -r model_args in_spec out_spec <<< "$spec"
+  read -r model shape_args <<< "$model_args"
+  start_server "$WORK/repo"
+  # shellcheck disable=SC2086
+  measure quern "$SERVER" "$model" $shape_args
+  stop_server
+  taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$PORT" --grpc-port "$GRPC_PORT" --model "$model" \
+    --input "$in_spec" --output "$out_spec" &
+  FLOOR_PID=$!
+  SERVER=$FLOOR_PID  # stopped on exit
+  sleep 1
+  # shellcheck disable=SC2086
+  measure floor "$FLOOR_PID" "$model" $shape_args
+  kill "$FLOOR_PID"
+  wait "$FLOOR_PID" 2>/dev/null || true
+done
