@@ -202,11 +202,10 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
 
 // ---- gRPC: the callback API, as quern serve uses it ----
 
-class FloorService final
-    : public inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
-          inference::GRPCInferenceService::WithCallbackMethod_ModelInfer<
-              inference::GRPCInferenceService::WithCallbackMethod_ModelStreamInfer<
-                  inference::GRPCInferenceService::Service>>> {
+class FloorService final : public inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
+                               inference::GRPCInferenceService::WithCallbackMethod_ModelInfer<
+                                   inference::GRPCInferenceService::WithCallbackMethod_ModelStreamInfer<
+                                       inference::GRPCInferenceService::Service>>> {
  public:
   FloorService(inference::ModelMetadataResponse metadata, inference::ModelInferResponse infer)
       : metadata_(std::move(metadata)), infer_(std::move(infer)) {
@@ -232,7 +231,8 @@ class FloorService final
 
   grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
       grpc::CallbackServerContext*) override {
-    class Stream final : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+    class Stream final
+        : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
      public:
       explicit Stream(const inference::ModelStreamInferResponse* answer) : answer_(answer) { StartRead(&request_); }
       // One request in flight per stream (quern perf sends the next after the answer).
@@ -292,8 +292,8 @@ int main(int argc, char** argv) {
     std::string s = "[";
     for (size_t i = 0; i < specs.size(); ++i) {
       if (i) s += ",";
-      s += R"({"name":")" + specs[i].name + R"(","datatype":")" + specs[i].datatype +
-           R"(","shape":)" + ShapeJson(specs[i], false) + "}";
+      s += R"({"name":")" + specs[i].name + R"(","datatype":")" + specs[i].datatype + R"(","shape":)" +
+           ShapeJson(specs[i], false) + "}";
     }
     return s + "]";
   };
@@ -305,15 +305,14 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < out_specs.size(); ++i) {
     if (i) infer_json += ",";
     const int64_t bytes = Bytes(out_specs[i]);
-    infer_json += R"({"name":")" + out_specs[i].name + R"(","datatype":")" + out_specs[i].datatype +
-                  R"(","shape":)" + ShapeJson(out_specs[i], true) + R"(,"parameters":{"binary_data_size":)" +
-                  std::to_string(bytes) + "}}";
+    infer_json += R"({"name":")" + out_specs[i].name + R"(","datatype":")" + out_specs[i].datatype + R"(","shape":)" +
+                  ShapeJson(out_specs[i], true) + R"(,"parameters":{"binary_data_size":)" + std::to_string(bytes) +
+                  "}}";
     binary.append(static_cast<size_t>(bytes), '\0');
   }
   infer_json += "]}";
   const std::string metadata_response = HttpResponse("application/json", metadata_json, 0);
-  const std::string infer_response =
-      HttpResponse("application/octet-stream", infer_json + binary, infer_json.size());
+  const std::string infer_response = HttpResponse("application/octet-stream", infer_json + binary, infer_json.size());
 
   // gRPC answers.
   inference::ModelMetadataResponse md;

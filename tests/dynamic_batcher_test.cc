@@ -699,6 +699,68 @@ TEST(DynamicBatcher, AFreeInstanceRunsACallersBatchOnTheCallersThread) {
   EXPECT_NE(ran_on.back(), std::this_thread::get_id());
 }
 
+// An asynchronous caller lends its thread only for batches measured to be
+// shorter than its bound: never before the first batch is measured, never
+// for a model whose batches take longer, and never beside a busy instance.
+TEST(DynamicBatcher, ACallerWithABoundRunsOnlyBatchesMeasuredShorterThanIt) {
+  FakeClock clock;
+  std::mutex mu;
+  std::vector<std::thread::id> ran_on;
+  std::atomic<int64_t> cost_ns{100'000};  // per batch of one
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.num_workers = 1;
+  o.clock = &clock;
+  auto b = std::move(*DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        clock.AdvanceNs(cost_ns.load() * static_cast<int64_t>(batch.size()));
+        std::lock_guard lock(mu);
+        for (size_t i = 0; i < batch.size(); ++i) ran_on.push_back(std::this_thread::get_id());
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {}));
+  auto ran = [&](size_t n) {
+    for (int i = 0; i < 2000; ++i) {
+      {
+        std::lock_guard lock(mu);
+        if (ran_on.size() >= n) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  auto schedule = [&](int64_t below_ns) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(0);
+    ScheduleOptions so;
+    so.run_here = true;
+    so.run_here_below_ns = below_ns;
+    return b->Schedule(t, so);
+  };
+  // Nothing measured yet: a worker runs it.
+  ASSERT_TRUE(schedule(1'000'000).ok());
+  ASSERT_TRUE(ran(1));
+  EXPECT_NE(ran_on.back(), std::this_thread::get_id());
+  // Measured at 100 us per item: under a 1 ms bound, here; over a 50 us bound, on the worker.
+  ASSERT_TRUE(schedule(1'000'000).ok());
+  ASSERT_TRUE(ran(2));
+  EXPECT_EQ(ran_on.back(), std::this_thread::get_id());
+  ASSERT_TRUE(schedule(50'000).ok());
+  ASSERT_TRUE(ran(3));
+  EXPECT_NE(ran_on.back(), std::this_thread::get_id());
+  // The model slows to 5 ms per item: a 1 ms bound no longer lends the thread
+  // (once the average has moved past it).
+  cost_ns = 5'000'000;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(schedule(0).ok());  // unbounded (Engine::Run): measures the new cost here
+    ASSERT_TRUE(ran(4 + static_cast<size_t>(i)));
+  }
+  ASSERT_GT(b->ns_per_item(), 1'000'000);
+  ASSERT_TRUE(schedule(1'000'000).ok());
+  ASSERT_TRUE(ran(7));
+  EXPECT_NE(ran_on.back(), std::this_thread::get_id());
+  b->Shutdown();
+}
+
 // Two workers whose batches wait at a gate; records who ran what where.
 struct GatedPair {
   std::mutex mu;

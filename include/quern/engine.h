@@ -69,6 +69,15 @@ struct InferRequest {
   // request starts to run; never for a request that does not run. Must be
   // quick (it delays the batch).
   std::function<void()> on_start;
+  // InferAsync only: the submitting thread may run this request's batch
+  // itself, inside InferAsync, when an instance of the model is free, the
+  // batch would leave at once, and it is expected (from the model's measured
+  // time per item) to take less than this many nanoseconds. Its callback
+  // then runs on the submitting thread before InferAsync returns. A hand-off
+  // to an engine thread and back costs two sleeps and wake-ups, more than a
+  // small model's run; a front end's thread that can spare this long lends
+  // itself. 0 = never (the request is always handed to an engine thread).
+  int64_t run_here_below_ns = 0;
 };
 
 // Where the time went, for one request. Timestamps are on the engine clock.
@@ -263,8 +272,9 @@ class Engine {
   // returns the refusal, and `done` is left with the caller, untouched,
   // never to run. A request taken returns OK, `done` is moved out, and it
   // runs exactly once, on an engine thread, with the response (which may
-  // still carry a timeout, a cancellation or a backend failure). `done`
-  // must not block for long.
+  // still carry a timeout, a cancellation or a backend failure); with
+  // InferRequest::run_here_below_ns it may instead run on the calling
+  // thread, before InferAsync returns. `done` must not block for long.
   Status InferAsync(InferRequest request, InferCallback& done);
   // The same with a completion queue: the request id, and the response,
   // carrying it, is pushed to `queue` (which must outlive the request); a

@@ -226,7 +226,8 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
   so.in_model = in_model;
-  so.run_here = run_here;
+  so.run_here = run_here || task->request.run_here_below_ns > 0;
+  so.run_here_below_ns = run_here ? 0 : task->request.run_here_below_ns;
   task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);

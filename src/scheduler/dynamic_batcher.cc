@@ -79,9 +79,9 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
-    if (options.run_here) {
+    if (options.run_here && RunsBriefly(options.run_here_below_ns)) {
       claimed = ClaimLocked();
-      if (claimed < 0) {
+      if (claimed < 0 && options.run_here_below_ns <= 0) {
         claimed = ShareLocked();
         shared = claimed >= 0;
       }
@@ -115,6 +115,12 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   }
   if (claimed >= 0) RunHere(claimed, std::move(here), shared);
   return Status::Ok();
+}
+
+bool DynamicBatcher::RunsBriefly(int64_t below_ns) const {
+  if (below_ns <= 0) return true;
+  const auto items = static_cast<double>(std::min(queue_.items(), queue_.batch_limit()));
+  return ns_per_item_ > 0 && ns_per_item_ * items < static_cast<double>(below_ns);
 }
 
 int DynamicBatcher::ShareLocked() const {

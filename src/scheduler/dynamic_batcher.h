@@ -30,7 +30,9 @@
 // lends its thread: when an instance that may take work is free and the
 // queue sends a batch off at once, Schedule runs that batch (its task and
 // any queued with it) on the calling thread, on that instance, before it
-// returns. A hand-off to a worker and back costs two sleeps and wake-ups
+// returns. A caller that would not wait (an asynchronous front end's
+// thread) may lend itself too, for batches expected to end within
+// ScheduleOptions::run_here_below_ns. A hand-off to a worker and back costs two sleeps and wake-ups
 // (tens of µs of CPU on a virtual machine, more than a small model's run);
 // a caller's own run costs none. A worker whose instance a caller holds
 // waits for it.
@@ -160,6 +162,9 @@ class DynamicBatcher {
   // A free instance for a caller that lends its thread (the wide one while
   // the load is light, else a free other one), or -1.
   int ClaimLocked() const QUERN_REQUIRES(mu_);
+  // Whether the batch a caller would run now is expected to take less than
+  // `below_ns` (0 = no bound; false before the first batch is measured).
+  bool RunsBriefly(int64_t below_ns) const QUERN_REQUIRES(mu_);
   // For a caller that found every instance busy: the instance (not the
   // wide one) to share for a run now, or -1.
   int ShareLocked() const QUERN_REQUIRES(mu_);

@@ -92,6 +92,9 @@ struct Loop {
   // Sink for bytes read and dropped (bodies answered early, input while
   // closing): one read takes what a socket buffer holds.
   std::vector<char> discard = std::vector<char>(size_t{64} << 10);
+  // The session whose request was handled last (compared, never followed;
+  // see HttpRequest::lone_client). Loop thread only.
+  const void* last_client = nullptr;
   std::thread thread;
 };
 
@@ -406,6 +409,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     cancel_ = std::make_shared<CancellationToken>();
     req.cancel = cancel_;
+    req.lone_client = loop_.last_client == this;
+    loop_.last_client = this;
     deadline_ns_.store(0, std::memory_order_release);
     state_.store(0, std::memory_order_relaxed);
     // Bytes of a pipelined next request already sit in our buffer: the

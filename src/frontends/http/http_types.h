@@ -27,6 +27,13 @@ struct HttpRequest {
   // Set by the server when the client disconnects before the response is
   // written; handlers pass it on so queued work is withdrawn.
   std::shared_ptr<CancellationToken> cancel;
+  // Set by the server: the request its I/O thread handled before this one
+  // came over this connection too. A client alone on that thread (one that
+  // sends its next request when the answer arrives) has nothing waiting
+  // behind it there, so a handler may do a short piece of work on the I/O
+  // thread instead of handing it to another thread and back. While several
+  // clients take turns, it stays false: their requests would wait unread.
+  bool lone_client = false;
 
   // The value of header `name` (lower case), or "" when absent.
   std::string_view Header(std::string_view name) const {

@@ -467,6 +467,9 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
+  // A lone client's batch, when short, runs on this I/O thread: no hand-off
+  // to an engine thread and back.
+  if (req.lone_client) parsed->request.run_here_below_ns = kRunOnIoThreadBelowNs;
   // The request's name in the engine (and a Python model's request_id()):
   // its KServe id, else the X-Request-ID.
   if (UsableRequestId(parsed->format.id)) {

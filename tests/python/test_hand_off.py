@@ -1,0 +1,149 @@
+"""Which thread runs a request's batch in a real `quern serve`: a lone client's (one keep-alive
+HTTP connection, or one gRPC stream with one request in flight) runs on the thread that received
+it, with no hand-off to an engine thread and back; clients taking turns are handed to the engine's
+threads (`quern-infer`), where their requests batch. Told apart by the engine threads' voluntary
+context switches (each hand-off wakes one), read from /proc. Every answer is checked against
+numpy."""
+import glob
+import http.client
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+W = np.load(os.path.join(MODELS, "linear", "W.npy"))
+B = np.load(os.path.join(MODELS, "linear", "b.npy"))
+REQUESTS = 300
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, ports = start_quern(QUERN, MODELS)
+    yield proc, ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def engine_wakeups(pid):
+    """Voluntary context switches of the engine's worker threads so far."""
+    total = 0
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                if not f.read().startswith("quern-infer"):
+                    continue
+            with open(f"{task}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def infer_http(conn, x):
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.flatten().tolist()}]})
+    conn.request("POST", "/v2/models/linear/infer", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    assert r.status == 200, out
+    y = np.array(out["outputs"][0]["data"], dtype=np.float32).reshape(out["outputs"][0]["shape"])
+    np.testing.assert_allclose(y, x @ W + B, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lone_http_client_is_answered_on_the_io_thread(server):
+    proc, ports = server
+    rng = np.random.default_rng(1)
+    conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"])
+    for _ in range(20):  # the model's time per item is measured, the connection is the I/O thread's last
+        infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32))
+    before = engine_wakeups(proc.pid)
+    for _ in range(REQUESTS):
+        infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32))
+    woken = engine_wakeups(proc.pid) - before
+    conn.close()
+    assert woken < REQUESTS / 10, f"engine threads woken {woken} times for {REQUESTS} requests of one client"
+
+
+def test_http_clients_taking_turns_are_handed_to_the_engine(server):
+    proc, ports = server
+    rng = np.random.default_rng(2)
+    a = http.client.HTTPConnection("127.0.0.1", ports["HTTP"])
+    b = http.client.HTTPConnection("127.0.0.1", ports["HTTP"])
+    infer_http(a, rng.standard_normal((1, 8)).astype(np.float32))
+    before = engine_wakeups(proc.pid)
+    for _ in range(REQUESTS // 2):
+        infer_http(a, rng.standard_normal((1, 8)).astype(np.float32))
+        infer_http(b, rng.standard_normal((2, 8)).astype(np.float32))
+    woken = engine_wakeups(proc.pid) - before
+    a.close()
+    b.close()
+    assert woken > REQUESTS / 2, f"engine threads woken only {woken} times for {REQUESTS} requests of two clients"
+
+
+def stream_requests(url, n, seed, started=None):
+    """Sends n requests over one gRPC stream, one in flight at a time; checks every answer."""
+    rng = np.random.default_rng(seed)
+    client = grpcclient.InferenceServerClient(url)
+    answers = []
+    cv = threading.Condition()
+
+    def on_answer(result, error):
+        with cv:
+            answers.append((result, error))
+            cv.notify()
+
+    client.start_stream(callback=on_answer)
+    try:
+        for i in range(n):
+            if started is not None and i == 20:
+                started()
+            x = rng.standard_normal((1, 8)).astype(np.float32)
+            inp = grpcclient.InferInput("x", [1, 8], "FP32")
+            inp.set_data_from_numpy(x)
+            client.async_stream_infer("linear", [inp])
+            with cv:
+                assert cv.wait_for(lambda: len(answers) == i + 1, timeout=30)
+                result, error = answers[-1]
+            assert error is None, error
+            np.testing.assert_allclose(result.as_numpy("y"), x @ W + B, rtol=1e-5, atol=1e-5)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_a_lone_grpc_stream_is_answered_on_the_grpc_thread(server):
+    proc, ports = server
+    marks = []
+    stream_requests(f"127.0.0.1:{ports['gRPC']}", REQUESTS + 20, 3, started=lambda: marks.append(engine_wakeups(proc.pid)))
+    woken = engine_wakeups(proc.pid) - marks[0]
+    assert woken < REQUESTS / 10, f"engine threads woken {woken} times for {REQUESTS} requests of one stream"
+
+
+def test_grpc_streams_taking_turns_are_handed_to_the_engine(server):
+    proc, ports = server
+    before = engine_wakeups(proc.pid)
+    errors = []
+
+    def client(seed):
+        try:
+            stream_requests(f"127.0.0.1:{ports['gRPC']}", REQUESTS // 2, seed)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in (4, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    woken = engine_wakeups(proc.pid) - before
+    assert woken > REQUESTS / 4, f"engine threads woken only {woken} times for {REQUESTS} requests of two streams"
