@@ -522,6 +522,25 @@ def test_deadline_passed_in_the_stream_fails_without_running(repo, redis_server)
         q.stop()
 
 
+def test_a_deadline_at_the_end_of_time_is_served(repo, redis_server):
+    # deadline_ms as large as it parses (2^63 - 1): its distance from now once overflowed when
+    # turned into nanoseconds (UBSan stops the sanitizer build's server there).
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub")
+    try:
+        a = np.arange(4, dtype=np.float32).reshape(1, 4)
+        b = np.full((1, 4), 2, np.float32)
+        for i, deadline in enumerate([2**63 - 1, 2**62, int(time.time() * 1000) + 365 * 24 * 3600 * 1000]):
+            r.xadd("quern:jobs:add_sub", {"id": f"far{i}", "body": json.dumps(add_sub_body(a, b)),
+                                          "deadline_ms": str(deadline)})
+        for i in range(3):
+            doc = wait_until(lambda: stored(r, f"far{i}"), what=f"job far{i}'s result")
+            assert doc["status"] == "done", doc
+            np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], a + b)
+    finally:
+        q.stop()
+
+
 def test_python_producer_example(repo, redis_server):
     import sys
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "redis", "jobs.py")
