@@ -83,9 +83,10 @@ struct ScheduleOptions {
   // the calling thread, inside Schedule, with no hand-off to a worker and
   // back.
   bool run_here = false;
-  // With run_here: only when the batch is expected to take less than this
-  // (the measured time per item times the items it would take; never before
-  // a batch was measured), and never beside a busy instance (a shared run).
+  // With run_here: only into an idle model (nothing running, nothing else
+  // queued), when the batch is expected to take less than this (the
+  // measured time per item times its items; never before a batch was
+  // measured), and never beside a busy instance (a shared run).
   // For a caller that would not otherwise wait (an asynchronous front end's
   // thread lending itself briefly). 0 = no bound.
   int64_t run_here_below_ns = 0;

@@ -113,14 +113,17 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
       if (!AnyTaker() && ReaperNeedsWake(due, now)) reaper_cv_.Signal();
     }
   }
-  if (claimed >= 0) RunHere(claimed, std::move(here), shared);
+  if (claimed >= 0) RunHere(claimed, std::move(here), shared, /*tune=*/options.run_here_below_ns <= 0);
   return Status::Ok();
 }
 
 bool DynamicBatcher::RunsBriefly(int64_t below_ns) const {
   if (below_ns <= 0) return true;
-  const auto items = static_cast<double>(std::min(queue_.items(), queue_.batch_limit()));
-  return ns_per_item_ > 0 && ns_per_item_ * items < static_cast<double>(below_ns);
+  // Only into an idle model (nothing running, nothing queued but this): a
+  // model with company for this request batches on its workers, while the
+  // caller's thread goes on receiving.
+  if (running_tasks_ > 0 || queue_.size() > 1) return false;
+  return ns_per_item_ > 0 && ns_per_item_ * static_cast<double>(queue_.items()) < static_cast<double>(below_ns);
 }
 
 int DynamicBatcher::ShareLocked() const {
@@ -146,7 +149,7 @@ int DynamicBatcher::ClaimLocked() const {
   return -1;
 }
 
-void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
+void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared, bool tune) {
   for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
   const auto tasks = static_cast<int64_t>(d.batch.size());
   int64_t ran_ns = 0;
@@ -156,7 +159,7 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared) {
     ran_ns = clock_->NowNs() - start;
   }
   MutexLock lock(mu_);
-  EndLocked(worker, tasks, d.items, d.capped, ran_ns, shared);
+  EndLocked(worker, tasks, d.items, d.capped, ran_ns, shared, tune);
   if (--callers_running_ == 0) callers_cv_.SignalAll();
   // The instance's own worker may have waited for it (work queued, or the
   // batcher stopping); it or another that may take the work looks now.
@@ -206,7 +209,8 @@ void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int6
       ns_per_item_ > 0 ? now_ns + static_cast<int64_t>(ns_per_item_ * static_cast<double>(d.items)) : INT64_MAX;
 }
 
-void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared) {
+void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared,
+                               bool tune) {
   const bool wide = wide_ && worker == num_workers_ - 1;
   TrackLoadLocked(clock_->NowNs());
   running_tasks_ -= tasks;
@@ -249,7 +253,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool ca
       }
     }
   }
-  if (tuner_ && items > 0 && !wide && !stopping_ && tuner_->Observe(items, ran_ns, capped)) {
+  if (tuner_ && tune && items > 0 && !wide && !stopping_ && tuner_->Observe(items, ran_ns, capped)) {
     queue_.set_batch_limit(tuner_->limit());
   }
 }
@@ -440,7 +444,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
           ran_ns = clock_->NowNs() - start;
         }
         lock.Lock();
-        EndLocked(worker, tasks, d.items, d.capped, ran_ns, /*shared=*/false);
+        EndLocked(worker, tasks, d.items, d.capped, ran_ns, /*shared=*/false, /*tune=*/true);
         if (wide) {
           if (!queue_.empty() && MayTake(false)) {
             for (int i = 0; i < narrow_workers(); ++i) WakeNarrowLocked();  // the others may take batches again

@@ -169,12 +169,15 @@ class DynamicBatcher {
   // wide one) to share for a run now, or -1.
   int ShareLocked() const QUERN_REQUIRES(mu_);
   // Runs batch `d` (begun on `worker`'s instance, `shared` beside its own
-  // batch) on the calling thread.
-  void RunHere(int worker, BatchQueue::Decision d, bool shared) QUERN_EXCLUDES(mu_);
+  // batch) on the calling thread; `tune`: its time feeds the batch size
+  // tuner (not a bounded caller's: those run while the load is light, and
+  // their wall time, free of the front end's work that a worker's batch
+  // shares the core with, is no fair comparison).
+  void RunHere(int worker, BatchQueue::Decision d, bool shared, bool tune) QUERN_EXCLUDES(mu_);
   // Marks `worker`'s instance busy with `d` / free again after `ran_ns`;
   // `shared`: a shared run beside the instance's own batch (counted apart).
   void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) QUERN_REQUIRES(mu_);
-  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared)
+  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared, bool tune)
       QUERN_REQUIRES(mu_);
   // Wakes one waiting worker (not the wide one) whose instance is free.
   void WakeNarrowLocked() QUERN_REQUIRES(mu_);
