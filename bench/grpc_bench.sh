@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# gRPC benchmark: bench/grpc_load (C++, the project's proto, gRPC callback
-# client) drives a real `quern serve` with ModelInfer (unary, one call in flight
-# per connection) and ModelStreamInfer (requests in flight on bidirectional
-# streams, at most 16 per stream); reports throughput, latency and the
-# server's CPU time per request (from /proc, user + system, all threads),
-# beside the raw ONNX Runtime ceiling X* measured in the same run. A ServerLive
-# row gives gRPC's own cost per unary call (no engine work) on this machine.
-# The load generator's own CPU per request (user + system) is shown beside it.
+# gRPC benchmark: `quern perf` drives a real `quern serve` with ModelInfer
+# (unary, one call in flight per caller) and ModelStreamInfer (requests in
+# flight on bidirectional streams, at most 16 per stream: concurrency 64 = 4
+# streams x 16); reports throughput, latency, the server's CPU time per
+# request (from /proc, user + system, all threads, over warm-up and
+# measurement) and the load generator's own, beside the raw ONNX Runtime
+# ceiling X* measured in the same run. Two rows of bench/protocol_floor (canned
+# answers, no engine) give what gRPC itself costs per call on this machine.
+# Server and load generator share the machine's cores unless
+# QUERN_BENCH_SERVER_CPUS / QUERN_BENCH_CLIENT_CPUS say otherwise.
 #   bench/grpc_bench.sh [seconds per run, default 5]
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SECS="${1:-5}"
-build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
-PRESET="${QUERN_BENCH_PRESET:-release}"
-cmake --preset "$PRESET" >/dev/null
-cmake --build --preset "$PRESET" --target quern engine_bench grpc_load >/dev/null
-WORK=$(mktemp -d)
-trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+WARMUP=1
+ALL_CPUS="0-$(($(nproc) - 1))"
+export QUERN_BENCH_SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-$ALL_CPUS}"
+export QUERN_BENCH_CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-$ALL_CPUS}"
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
+cmake --build --preset "$PRESET" --target engine_bench protocol_floor >/dev/null
 mkdir -p "$WORK/repo"
 MODELS="identity small_cnn resnet50"
 for m in $MODELS; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
 
-declare -A XSTAR SHAPE INPUT
-SHAPE=([identity]=1,4 [small_cnn]=1,3,64,64 [resnet50]=1,3,224,224)
-INPUT=([identity]=x [small_cnn]=input [resnet50]=input)
+declare -A XSTAR
 for m in small_cnn resnet50; do
   if [ "$m" = small_cnn ]; then args=(--max-batch 32 --raw-batches 8 32); else args=(--max-batch 8 --raw-batches 1 2 4); fi
   out=$(build/$PRESET/bench/engine_bench --model "bench/models/$m/1/model.onnx" --seconds "$SECS" "${args[@]}" \
@@ -34,45 +35,41 @@ for m in small_cnn resnet50; do
   echo "$m: X* ${XSTAR[$m]} items/s"
 done
 
-build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --allow-links-outside-repository --http-port 0 --grpc-port 0 --metrics-port 0 \
-  --host 127.0.0.1 > "$WORK/log" 2>&1 &
-SERVER=$!
-for _ in $(seq 100); do grep -q "gRPC listening" "$WORK/log" && break; sleep 0.2; done
-PORT=$(grep -o 'gRPC listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
 TCK=$(getconf CLK_TCK)
-# run MODEL CALL CONCURRENCY: one row.
-run() {
-  local model=$1 call=$2 c=$3 conns inflight mode=$2
-  if [ "$call" = stream ]; then conns=$(((c + 15) / 16)); inflight=$((c / conns)); else conns=$c; inflight=1; fi
-  build/$PRESET/bench/grpc_load --target "127.0.0.1:$PORT" --mode "$mode" --model "$model" \
-    --input "${INPUT[$model]}" --shape "${SHAPE[$model]}" --connections "$conns" --inflight "$inflight" \
-    --seconds 1 --warmup 0 >/dev/null  # warm-up, not measured
-  local t0 t1 out
-  t0=$(cpu_ticks)
-  { time build/$PRESET/bench/grpc_load --target "127.0.0.1:$PORT" --mode "$mode" --model "$model" \
-    --input "${INPUT[$model]}" --shape "${SHAPE[$model]}" --connections "$conns" --inflight "$inflight" \
-    --seconds "$SECS" --warmup 0 > "$WORK/out"; } 2> "$WORK/client_cpu"
-  out=$(cat "$WORK/out")
-  t1=$(cpu_ticks)
-  local client
-  client=$(awk '{print $1 + $2}' "$WORK/client_cpu")
-  echo "$out" | awk -v m="$model" -v call="$call" -v c="$c" -v t="$((t1 - t0))" -v k="$TCK" -v x="${XSTAR[$model]:-0}" \
-      -v cl="$client" '
-    { for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } }
-    END {
-      ratio = (x > 0 && call != "live") ? sprintf("%.3f", v["rps"] / x) : "-"
-      n = v["ok"] > 0 ? v["ok"] : 1
-      printf "%-12s %-7s %5s  %9s  %6s  %7sus  %7sus  %9.1f  %9.1f%s\n", m, call, c, v["rps"], ratio, v["p50_us"],
-             v["p99_us"], t / k * 1e6 / n, cl * 1e6 / n, (v["errors"] > 0 ? "  errors " v["errors"] : "")
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# row LABEL PID MODEL CALL CONCURRENCY: one line.
+row() {
+  local label=$1 pid=$2 model=$3 call=$4 c=$5 flags=() t0 t1 line
+  if [ "$call" = stream ]; then
+    local streams=$(((c + 15) / 16))
+    flags=(--grpc-stream --stream-inflight $((c / streams)) -c "$streams")
+  else
+    flags=(-c "$c")
+  fi
+  t0=$(cpu_ticks "$pid")
+  line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "grpc://127.0.0.1:$GRPC_PORT" -m "$model" "${flags[@]}" \
+    -s "$SECS" --warmup "$WARMUP" --format csv | tail -1 || true)  # a level nothing finished in still prints
+  t1=$(cpu_ticks "$pid")
+  # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,...
+  echo "$line" | awk -F, -v l="$label" -v call="$call" -v c="$c" -v d="$((t1 - t0))" -v k="$TCK" \
+    -v s="$((SECS + WARMUP))" -v x="${XSTAR[$model]:-0}" '{
+      ratio = x > 0 ? sprintf("%.3f", $3 / x) : "-"
+      printf "%-22s %-7s %5s  %9.0f  %6s  %8.3f  %8.3f  %9.1f  %9.1f%s\n", l, call, c, $3, ratio, $4, $7,
+             d / k / ($3 * s) * 1e6, $10, ($9 > 0 ? "  errors " $9 : "")
     }'
 }
-TIMEFORMAT="%U %S"  # bash's `time`: the load generator's user and system CPU seconds
-echo "model        call    conc.   req/s      x X*    p50        p99        server us  client us  (CPU per request)"
-run identity live 16
+
+echo "model                  call    conc.      req/s    x X*    p50 ms    p99 ms  server us  client us  (CPU per request)"
+start_server "$WORK/repo" --allow-links-outside-repository
 for model in $MODELS; do
   for call in unary stream; do
-    for c in 1 4 16 64; do run "$model" "$call" "$c"; done
+    for c in 1 4 16 64; do row "$model" "$SERVER" "$model" "$call" "$c"; done
   done
 done
+stop_server
+taskset -c "$SERVER_CPUS" "build/$PRESET/bench/protocol_floor" --grpc-port "$GRPC_PORT" --model identity \
+  --input x:FP32:-1,4 --output y:FP32:-1,4 &
+SERVER=$!
+sleep 1
+row "(floor) identity" "$SERVER" identity unary 16
+row "(floor) identity" "$SERVER" identity stream 64

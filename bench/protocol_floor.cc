@@ -234,14 +234,16 @@ class FloorService final : public inference::GRPCInferenceService::WithCallbackM
     class Stream final
         : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
      public:
-      explicit Stream(const inference::ModelStreamInferResponse* answer) : answer_(answer) { StartRead(&request_); }
-      // One request in flight per stream (quern perf sends the next after the answer).
+      explicit Stream(const inference::ModelStreamInferResponse& answer) : answer_(answer) { StartRead(&request_); }
+      // Answers each request as it is read, carrying its id (quern perf
+      // matches answers by id when several are in flight).
       void OnReadDone(bool ok) override {
         if (!ok) {
           Finish(grpc::Status::OK);
           return;
         }
-        StartWrite(answer_);
+        answer_.mutable_infer_response()->set_id(request_.id());
+        StartWrite(&answer_);
       }
       void OnWriteDone(bool ok) override {
         if (!ok) {
@@ -253,10 +255,10 @@ class FloorService final : public inference::GRPCInferenceService::WithCallbackM
       void OnDone() override { delete this; }
 
      private:
-      const inference::ModelStreamInferResponse* answer_;
+      inference::ModelStreamInferResponse answer_;
       inference::ModelInferRequest request_;
     };
-    return new Stream(&stream_answer_);
+    return new Stream(stream_answer_);
   }
 
  private:

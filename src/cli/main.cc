@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   perf->add_flag("--grpc-stream", perf_options.grpc_stream,
                  "gRPC: send over ModelStreamInfer, one stream per connection (default: unary ModelInfer)");
+  perf->add_option("--stream-inflight", perf_options.stream_inflight,
+                   "gRPC streams: requests kept in flight on each stream, answers matched by request id (closed "
+                   "loop: -c counts streams; default 1)");
   perf->add_option("--model,-m", perf_options.model, "Model name")->required();
   perf->add_option("--model-version", perf_options.version, "Model version (default: the server's choice)");
   perf->add_option("--input,-i", perf_options.inputs, "NAME=random, NAME=zeros or NAME=FILE.npy (default random)");

@@ -35,6 +35,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "core/cpus.h"
@@ -270,6 +271,9 @@ struct Outcome {
   bool ok = false;
   std::string kind;     // of a failure: "HTTP 503", "gRPC UNAVAILABLE", "timeout", ...
   std::string message;  // the first part of what the server or transport said
+  // When the answered request was sent, for a caller that keeps several in
+  // flight (the closed loop otherwise times the call itself).
+  std::optional<SteadyClock::time_point> sent;
 };
 
 // Sends the level's request again and again on one connection; used by one
@@ -337,15 +341,23 @@ class GrpcUnaryCaller : public Caller {
   const inference::ModelInferRequest& request_;
 };
 
-// One request in flight on its stream at a time (the closed loop's
-// connection); a stream that breaks is opened again for the next request.
+// `inflight` requests in flight on its stream (the closed loop's
+// connection): each call reads one answer and sends the next request; with
+// more than one in flight, requests carry their number as their id and an
+// answer is matched to its request by it (a server answers in the order its
+// batches finish). A stream that breaks is opened again for the next call.
 // A stream has one deadline for its whole life, `until` (the level's end
 // plus --timeout): a server that stops answering ends it then.
 class GrpcStreamCaller : public Caller {
  public:
   GrpcStreamCaller(std::shared_ptr<grpc::Channel> channel, const inference::ModelInferRequest& request,
-                   std::chrono::system_clock::time_point until)
-      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))), request_(request), until_(until) {}
+                   std::chrono::system_clock::time_point until, int inflight)
+      : stub_(inference::GRPCInferenceService::NewStub(std::move(channel))),
+        request_(request),
+        until_(until),
+        inflight_(inflight) {
+    if (inflight_ > 1) numbered_ = request;
+  }
 
   ~GrpcStreamCaller() override { Close(/*cancel=*/true); }
 
@@ -355,14 +367,30 @@ class GrpcStreamCaller : public Caller {
       ctx_ = std::make_unique<grpc::ClientContext>();
       ctx_->set_deadline(until_);
       stream_ = stub_->ModelStreamInfer(ctx_.get());
+      sent_.clear();
     }
     inference::ModelStreamInferResponse response;
-    if (!stream_->Write(request_) || !stream_->Read(&response)) {
+    bool written = true;
+    while (written && static_cast<int>(sent_.size()) < inflight_) written = Send();
+    if (!written || !stream_->Read(&response)) {
       const grpc::Status st = Close(/*cancel=*/false);  // the server's word on why it ended
       out.kind = "gRPC " + GrpcCodeName(st.error_code());
       out.message = st.error_message().substr(0, 200);
       if (st.ok()) out.kind = "stream closed";
       return out;
+    }
+    if (inflight_ > 1) {
+      const auto it = sent_.find(response.infer_response().id());
+      if (it == sent_.end()) {
+        out.kind = "unmatched answer";
+        out.message = "an answer with id '" + response.infer_response().id().substr(0, 64) + "', sent by no request";
+        Close(/*cancel=*/true);
+        return out;
+      }
+      out.sent = it->second;
+      sent_.erase(it);
+    } else {
+      sent_.clear();
     }
     out.ok = response.error_message().empty();
     if (!out.ok) {
@@ -373,18 +401,34 @@ class GrpcStreamCaller : public Caller {
   }
 
  private:
+  bool Send() {
+    if (inflight_ == 1) {
+      sent_.emplace(std::string(), SteadyClock::now());
+      return stream_->Write(request_);
+    }
+    std::string id = std::to_string(next_id_++);
+    numbered_.set_id(id);
+    sent_.emplace(std::move(id), SteadyClock::now());
+    return stream_->Write(numbered_);
+  }
+
   grpc::Status Close(bool cancel) {
     if (!stream_) return grpc::Status::OK;
     if (cancel) ctx_->TryCancel();
     grpc::Status st = stream_->Finish();
     stream_.reset();
     ctx_.reset();
+    sent_.clear();
     return st;
   }
 
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
   const inference::ModelInferRequest& request_;
   std::chrono::system_clock::time_point until_;
+  int inflight_ = 1;
+  inference::ModelInferRequest numbered_;  // inflight_ > 1: the request with its number as id
+  uint64_t next_id_ = 0;
+  std::unordered_map<std::string, SteadyClock::time_point> sent_;  // id -> when sent, for those in flight
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<inference::ModelInferRequest, inference::ModelStreamInferResponse>> stream_;
 };
@@ -839,11 +883,17 @@ LevelRun RunLevel(const PerfOptions& o, const CallerFactory& make_caller, const 
           due = SteadyClock::now();
           if (due >= window_to) break;
         }
-        const auto sent = SteadyClock::now();
+        auto sent = SteadyClock::now();
         Outcome r = c->Call();
         const auto end = SteadyClock::now();
+        if (r.sent) sent = due = *r.sent;  // sent before this call (several in flight)
         if (r.ok) ++done;
-        if (due < window_from || end > window_to) continue;  // warm-up, or past the window
+        // In the window: the closed loop counts what was answered in it (a
+        // request sent during the warm-up too: with latencies near the
+        // window's length, counting only those sent in it would miss most);
+        // the open loop what was due in it and answered by its end.
+        const bool counted = end <= window_to && (open ? due >= window_from : end >= window_from);
+        if (!counted) continue;
         if (r.ok) {
           ++ok;
           lat.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(end - due).count());
@@ -990,6 +1040,13 @@ int Perf(const PerfOptions& o) {
   if (!(o.deadline_ms >= 0) || o.deadline_ms > 1e9) return fail(InvalidArgument("--deadline-ms is 0 to 10^9"));
   const bool grpc = o.url.starts_with("grpc://");
   if (!grpc && o.grpc_stream) return fail(InvalidArgument("--grpc-stream needs a grpc://HOST:PORT --url"));
+  if (o.stream_inflight < 1 || o.stream_inflight > 1024) {
+    return fail(InvalidArgument("--stream-inflight is 1-1024"));
+  }
+  if (o.stream_inflight > 1 && !o.grpc_stream) return fail(InvalidArgument("--stream-inflight needs --grpc-stream"));
+  if (o.stream_inflight > 1 && !o.rates.empty()) {
+    return fail(InvalidArgument("--stream-inflight is for the closed loop (-c), not --rate"));
+  }
   if (grpc && o.json) return fail(InvalidArgument("--json is for HTTP: gRPC sends raw tensor contents"));
   const auto timeout_us = static_cast<uint64_t>(std::llround(o.deadline_ms * 1e3));
   // The deadline travels as the KServe `timeout` parameter where the
@@ -1044,7 +1101,7 @@ int Perf(const PerfOptions& o) {
       const auto until =
           std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
                                                  std::chrono::duration<double>(o.warmup + o.seconds + o.timeout));
-      return std::make_unique<GrpcStreamCaller>(std::move(channel), grpc_request, until);
+      return std::make_unique<GrpcStreamCaller>(std::move(channel), grpc_request, until, o.stream_inflight);
     }
     return std::make_unique<GrpcUnaryCaller>(std::move(channel), o.timeout, o.deadline_ms, grpc_request);
   };

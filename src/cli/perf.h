@@ -18,6 +18,9 @@ namespace quern::cli {
 struct PerfOptions {
   std::string url = "http://127.0.0.1:8000";  // http://HOST:PORT[/PATH] or grpc://HOST:PORT
   bool grpc_stream = false;                   // gRPC: ModelStreamInfer, one stream per connection
+  // gRPC streams: requests kept in flight on each stream (closed loop: the
+  // concurrency counts streams).
+  int stream_inflight = 1;
   std::string model;
   std::string version;              // "" = the server's choice
   std::vector<std::string> inputs;  // NAME=random|zeros|FILE.npy (default random)

@@ -69,6 +69,32 @@ def test_closed_loop_sends_what_the_server_counts(server, tensors, grpc, kind):
         assert lv["server_batch_size"] >= 1 and lv["server_compute_us"] >= 0 and lv["server_queue_us"] >= 0
 
 
+def test_several_requests_in_flight_per_stream(server):
+    before = successes(server, "add_sub")
+    r = perf(server, "-m", "add_sub", "--grpc-stream", "--stream-inflight", "8", "-c", "2", "-s", "0.8", "--warmup",
+             "0.2", "--format", "json", grpc=True)
+    after = successes(server, "add_sub")
+    (lv,) = levels(r)
+    assert lv["errors"] == 0 and lv["ok"] > 0, lv
+    # Every answer read was one the server counted; at the end, at most the 2 x 8 in flight were
+    # answered by the server and not read.
+    assert lv["completed_total"] <= after - before <= lv["completed_total"] + 16
+    # Latency runs from each request's own send (answers matched by id): with 16 in flight,
+    # requests/s x latency is about 16 (Little's law), where timing the reads would give about 2.
+    in_flight = lv["requests_per_s"] * lv["latency_ms"]["p50"] / 1000
+    assert 5 < in_flight < 40, (in_flight, lv)
+    # Failing requests come back matched too, counted by kind.
+    r = perf(server, "-m", "fail_on_3", "--shape", "x=1,3", "-s", "0.3", "--warmup", "0", "--format", "json",
+             "--grpc-stream", "--stream-inflight", "4", expect=1, grpc=True)
+    (lv,) = levels(r)
+    assert lv["ok"] == 0 and list(lv["error_kinds"]) == ["stream error"], lv["error_kinds"]
+    for args, says in ((["--stream-inflight", "0", "--grpc-stream"], "--stream-inflight is 1-1024"),
+                       (["--stream-inflight", "2"], "needs --grpc-stream"),
+                       (["--stream-inflight", "2", "--grpc-stream", "-r", "100"], "closed loop")):
+        r = perf(server, "-m", "add_sub", *args, expect=2, grpc=True)
+        assert says in r.stderr, (args, r.stderr)
+
+
 def test_open_loop_sends_at_the_rate_asked(server):
     before = successes(server, "add_sub")
     r = perf(server, "-m", "add_sub", "-r", "300", "-s", "1", "--warmup", "0.3", "--format", "json")
