@@ -76,7 +76,9 @@ struct InferRequest {
   // then runs on the submitting thread before InferAsync returns. A hand-off
   // to an engine thread and back costs two sleeps and wake-ups, more than a
   // small model's run; a front end's thread that can spare this long lends
-  // itself. 0 = never (the request is always handed to an engine thread).
+  // itself. Not for Python models (their process may hang until its
+  // execute timeout). 0 = never (the request is always handed to an engine
+  // thread).
   int64_t run_here_below_ns = 0;
 };
 

@@ -226,8 +226,13 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
   so.in_model = in_model;
-  so.run_here = run_here || task->request.run_here_below_ns > 0;
-  so.run_here_below_ns = run_here ? 0 : task->request.run_here_below_ns;
+  // A front end's thread lends itself (run_here_below_ns) only to models
+  // computed in this process: a Python model's process may hang until its
+  // execute timeout, holding the thread (an HTTP I/O thread serves other
+  // connections) that long.
+  const bool lend = task->request.run_here_below_ns > 0 && config_.backend != "python";
+  so.run_here = run_here || lend;
+  so.run_here_below_ns = run_here ? 0 : lend ? task->request.run_here_below_ns : 0;
   task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);

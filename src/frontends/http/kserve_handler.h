@@ -54,6 +54,10 @@ class KServeHandler {
   // answers nobody else meanwhile, and a hand-off to an engine thread and
   // back costs tens of microseconds, a few percent of a millisecond.
   static constexpr int64_t kRunOnIoThreadBelowNs = 1'000'000;
+  // ... and only for bodies up to this size: the measured time per item
+  // says nothing of an item many times larger than usual (a model with
+  // open dimensions given a huge input).
+  static constexpr size_t kRunOnIoThreadMaxBytes = 64 << 10;
 
   // Given a request's line and headers alone (body not read yet): the 503
   // an inference request would get because its model's queue is full, or
