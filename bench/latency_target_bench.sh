@@ -11,6 +11,9 @@
 # generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
 #   bench/latency_target_bench.sh [seconds per step, default 5] [target ms, default 10] [model, default small_cnn]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
+#   QUERN_BENCH_RATES="3000 8000" ...   # open loop instead: requests sent at these rates
+#                               # whatever the answers (1 s of warm-up each), where what a batching
+#                               # delay buys is server CPU per request
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -42,20 +45,29 @@ done <<< "$CONFIGS"
 
 start_server "$WORK/repo"
 
+LOAD=(-c 1 16 64)
+WARMUP=0
+COLUMN=clients
+if [ -n "${QUERN_BENCH_RATES:-}" ]; then
+  read -r -a rates <<< "$QUERN_BENCH_RATES"
+  LOAD=(-r "${rates[@]}" --max-inflight 256)
+  WARMUP=1
+  COLUMN="  rate"
+fi
 echo "$MODEL; server on CPUs $SERVER_CPUS, quern perf on CPUs $CLIENT_CPUS ($PRESET build); target $TARGET_MS ms; $SECS s per step"
-echo "configuration          clients   req/s   p50 ms   p99 ms  batch"
+echo "configuration          $COLUMN   req/s   p50 ms   p99 ms  batch  server CPU us/req"
 while read -r name _ _ _; do
   # Each configuration's first batch is measured before the steps (the target needs a time per item).
   taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "http://127.0.0.1:$PORT" -m "$name" -c 1 -s 0.5 --warmup 0 \
     --format json > /dev/null
-  taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "http://127.0.0.1:$PORT" -m "$name" -c 1 16 64 -s "$SECS" \
-    --warmup 0 --metrics-url "http://127.0.0.1:$METRICS_PORT/metrics" --format json > "$WORK/out.json"
+  taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "http://127.0.0.1:$PORT" -m "$name" "${LOAD[@]}" -s "$SECS" \
+    --warmup "$WARMUP" --metrics-url "http://127.0.0.1:$METRICS_PORT/metrics" --format json > "$WORK/out.json"
   build/venv/bin/python - "$WORK/out.json" "$name" <<'PY'
 import json, sys
 name = sys.argv[2]
 for lv in json.load(open(sys.argv[1]))["levels"]:
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"
     print(f"{name:<22} {lv['value']:>7.0f} {lv['requests_per_s']:>7.0f} {f(lv['latency_ms']['p50']):>8} "
-          f"{f(lv['latency_ms']['p99']):>8} {f(lv['server_batch_size']):>6}")
+          f"{f(lv['latency_ms']['p99']):>8} {f(lv['server_batch_size']):>6} {f(lv['server_cpu_us_per_request'], 1):>18}")
 PY
 done <<< "$CONFIGS"
