@@ -802,6 +802,46 @@ struct GatedPair {
   }
 };
 
+// A caller with a bound lends its thread only into an idle model: while
+// another batch runs, its task goes to a free worker (where company may
+// join it) even though an instance is free and the batch is short.
+TEST(DynamicBatcher, ABoundedCallerLeavesABusyModelToItsWorkers) {
+  GatedPair g;
+  g.Open();
+  std::unique_ptr<BatchTask> first = std::make_unique<Item>(0);
+  ASSERT_TRUE(g.batcher->Schedule(first, {}).ok());
+  ASSERT_TRUE(g.WaitBatches(1));
+  for (int i = 0; i < 2000 && g.batcher->ns_per_item() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GT(g.batcher->ns_per_item(), 0);  // measured: short
+  {
+    std::lock_guard lock(g.mu);
+    g.open = false;
+  }
+  std::unique_ptr<BatchTask> busy = std::make_unique<Item>(1);
+  ASSERT_TRUE(g.batcher->Schedule(busy, {}).ok());
+  ASSERT_TRUE(g.WaitBatches(2));  // one instance held at the gate, the other free
+  std::thread::id caller;
+  auto f = std::async(std::launch::async, [&] {
+    caller = std::this_thread::get_id();
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(2);
+    ScheduleOptions so;
+    so.run_here = true;
+    so.run_here_below_ns = 1'000'000'000;
+    return g.batcher->Schedule(t, so);
+  });
+  if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    g.Open();  // it ran its batch here, into a busy model, and waits at the gate
+    f.wait();
+    FAIL() << "the caller ran its batch on its own thread beside a running batch";
+  }
+  ASSERT_TRUE(f.get().ok());
+  ASSERT_TRUE(g.WaitBatches(3));
+  std::lock_guard lock(g.mu);
+  EXPECT_NE(g.batches[2].second, caller);
+}
+
 TEST(DynamicBatcher, ACallerWhoFindsEveryInstanceBusyLeavesItsTaskQueued) {
   GatedPair g;
   for (int i = 0; i < 2; ++i) {
