@@ -31,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -959,7 +960,7 @@ double Percentile(const std::vector<int64_t>& sorted, double q) {
 
 struct Row {
   std::string mode;
-  double value, throughput, p50, p90, p95, p99, client_us, server_us, queue_us, compute_us, batch;
+  double value, throughput, mean, p50, p90, p95, p99, client_us, server_us, queue_us, compute_us, batch;
   int64_t ok, errors, completed_total, late, past_deadline;
   std::map<std::string, std::pair<int64_t, std::string>> kinds;
 };
@@ -969,6 +970,10 @@ Row ToRow(const LevelRun& r) {
   row.mode = r.level.mode;
   row.value = r.level.value;
   row.throughput = static_cast<double>(r.ok) / r.wall_s;
+  row.mean = r.latencies_ns.empty()
+                 ? std::nan("")
+                 : static_cast<double>(std::accumulate(r.latencies_ns.begin(), r.latencies_ns.end(), int64_t{0})) /
+                       static_cast<double>(r.latencies_ns.size()) / 1e6;
   row.p50 = Percentile(r.latencies_ns, 0.50);
   row.p90 = Percentile(r.latencies_ns, 0.90);
   row.p95 = Percentile(r.latencies_ns, 0.95);
@@ -1214,6 +1219,7 @@ int Perf(const PerfOptions& o) {
       number("requests_per_s", r.throughput);
       w.Key("latency_ms");
       w.StartObject();
+      number("mean", r.mean);
       number("p50", r.p50);
       number("p90", r.p90);
       number("p95", r.p95);
