@@ -29,44 +29,22 @@ if [ ! -x "$VEGETA" ] || [ ! -x "$GHZ" ]; then
   GOBIN="$ROOT/build/tools/bin" go install github.com/tsenart/vegeta/v12@v12.12.0
   GOBIN="$ROOT/build/tools/bin" GOFLAGS=-mod=mod go install github.com/bojand/ghz/cmd/ghz@v0.120.0
 fi
-NCPU=$(nproc)
-SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
-CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
-if [ "$NCPU" -lt 2 ]; then SERVER_CPUS=0; CLIENT_CPUS=0; fi
+# shellcheck source=bench/serve_lib.sh
+source bench/serve_lib.sh
 ON_SERVER=(taskset -c "$SERVER_CPUS")
 ON_CLIENT=(taskset -c "$CLIENT_CPUS")
-build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
-PRESET="${QUERN_BENCH_PRESET:-release}"
-cmake --preset "$PRESET" >/dev/null
-cmake --build --preset "$PRESET" --target quern image_bench >/dev/null
-WORK=$(mktemp -d)
-trap 'kill $SERVER $SAMPLER 2>/dev/null || true; rm -rf "$WORK"' EXIT
-SERVER=""
+cmake --build --preset "$PRESET" --target image_bench >/dev/null
 SAMPLER=""
+trap 'kill $SERVER $SAMPLER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/repo"
 for m in small_cnn resnet50 detect_640; do ln -s "$ROOT/bench/models/$m" "$WORK/repo/$m"; done
 build/$PRESET/bench/image_bench --iterations 1 --out-dir "$WORK" >/dev/null
-
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # open loop: one connection per request in flight
-read -r PORT GRPC_PORT <<< "$(build/venv/bin/python -c '
-import socket
-s = [socket.socket() for _ in range(2)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')"
 # A fresh server for every target: what one target leaves queued must not weigh on the next.
-start_server() {
-  "${ON_SERVER[@]}" build/$PRESET/src/cli/quern serve ${QUERN_BENCH_SERVER_FLAGS:-} --model-repository "$WORK/repo" \
-    --allow-links-outside-repository --http-port "$PORT" --grpc-port "$GRPC_PORT" --metrics-port 0 --host 127.0.0.1 \
-    > "$WORK/log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 100); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done
-  echo "quern did not start:"; cat "$WORK/log"; exit 1
+start_overload_server() {
+  # shellcheck disable=SC2086
+  start_server "$WORK/repo" ${QUERN_BENCH_SERVER_FLAGS:-} --allow-links-outside-repository
 }
-stop_server() {
-  kill "$SERVER" 2>/dev/null || true
-  wait "$SERVER" 2>/dev/null || true
-}
-start_server
+start_overload_server
 echo "server on CPUs $SERVER_CPUS, load generator on CPUs $CLIENT_CPUS ($PRESET build)"
 
 # Request bodies and vegeta targets.
@@ -178,7 +156,7 @@ echo "(goodput: answers OK per second over the last two thirds of a run, after q
 echo "target     load   offered/s  achieved/s  goodput/s  x cap   200 p50 ms  200 p99 ms  refused  refused p99 ms  other  RSS MiB (min-max)"
 stop_server
 for target in $TARGETS; do
-  start_server
+  start_overload_server
   # Capacity: closed loop, enough workers to keep every instance busy.
   read -r _ _ _ _ _ _ _ cap <<< "$(attack "$target" 0 "$WORK/cap.out")"
   printf "%-10s %-5s %10s  %10s  %9s  %5s\n" "$target" closed - - "$cap" 1.00
