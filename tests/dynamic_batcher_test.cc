@@ -802,6 +802,51 @@ struct GatedPair {
   }
 };
 
+// At light load the wide instance takes the batches: a bounded caller does
+// not take it (its runs feed no time per item, so a run that outgrew the
+// bound would never be noticed); an unbounded one (Engine::Run) does.
+TEST(DynamicBatcher, ABoundedCallerLeavesTheWideInstanceToItsWorker) {
+  std::mutex mu;
+  std::vector<std::thread::id> ran_on;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 4;
+  o.num_workers = 2;
+  o.wide_worker = true;
+  auto b = std::move(*DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        std::lock_guard lock(mu);
+        for (size_t i = 0; i < batch.size(); ++i) ran_on.push_back(std::this_thread::get_id());
+      },
+      [](std::unique_ptr<BatchTask>, const Status&) {}));
+  auto schedule = [&](int64_t below_ns) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(0);
+    ScheduleOptions so;
+    so.run_here = true;
+    so.run_here_below_ns = below_ns;
+    return b->Schedule(t, so);
+  };
+  auto ran = [&](size_t n) {
+    for (int i = 0; i < 2000; ++i) {
+      {
+        std::lock_guard lock(mu);
+        if (ran_on.size() >= n) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  ASSERT_TRUE(schedule(0).ok());  // here, on the wide instance: measures the time per item
+  ASSERT_TRUE(ran(1));
+  EXPECT_EQ(ran_on.back(), std::this_thread::get_id());
+  ASSERT_GT(b->ns_per_item(), 0);
+  ASSERT_TRUE(schedule(1'000'000'000).ok());
+  ASSERT_TRUE(ran(2));
+  EXPECT_NE(ran_on.back(), std::this_thread::get_id());
+  EXPECT_EQ(b->wide_batches(), 2);  // the wide worker ran it
+  b->Shutdown();
+}
+
 // A caller with a bound lends its thread only into an idle model: while
 // another batch runs, its task goes to a free worker (where company may
 // join it) even though an instance is free and the batch is short.

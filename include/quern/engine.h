@@ -70,16 +70,19 @@ struct InferRequest {
   // quick (it delays the batch).
   std::function<void()> on_start;
   // InferAsync only: the submitting thread may run this request's batch
-  // itself, inside InferAsync, when an instance of the model is free, the
-  // batch would leave at once, and it is expected (from the model's measured
-  // time per item) to take less than this many nanoseconds. Its callback
-  // then runs on the submitting thread before InferAsync returns. A hand-off
-  // to an engine thread and back costs two sleeps and wake-ups, more than a
-  // small model's run; a front end's thread that can spare this long lends
-  // itself. Not for Python models (their process may hang until its
-  // execute timeout). 0 = never (the request is always handed to an engine
-  // thread).
-  int64_t run_here_below_ns = 0;
+  // itself, inside InferAsync; its callback then runs on that thread before
+  // InferAsync returns. A hand-off to an engine thread and back costs two
+  // sleeps and wake-ups, more than a small model's run; a front end's thread
+  // that can spare a short while lends itself. The engine takes it only for
+  // an ONNX model (its run is this process's own bounded compute; a Python
+  // model's process or an embedder's code may block), with nothing else
+  // running or queued, a free instance other than the wide one, a batch
+  // measured to take under kLendBelowNs, and inputs of at most
+  // kLendMaxBytes in all (the time per item says nothing of an item far
+  // larger than usual). Otherwise the request is handed over as usual.
+  bool lend_thread = false;
+  static constexpr int64_t kLendBelowNs = 1'000'000;
+  static constexpr size_t kLendMaxBytes = 64 << 10;
 };
 
 // Where the time went, for one request. Timestamps are on the engine clock.
@@ -275,7 +278,7 @@ class Engine {
   // never to run. A request taken returns OK, `done` is moved out, and it
   // runs exactly once, on an engine thread, with the response (which may
   // still carry a timeout, a cancellation or a backend failure); with
-  // InferRequest::run_here_below_ns it may instead run on the calling
+  // InferRequest::lend_thread it may instead run on the calling
   // thread, before InferAsync returns. `done` must not block for long.
   Status InferAsync(InferRequest request, InferCallback& done);
   // The same with a completion queue: the request id, and the response,

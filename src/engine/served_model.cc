@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/log.h"
+#include "core/model_config_parser.h"
 #include "core/repository.h"
 #include "engine/batch_assembly.h"
 #include "engine/request_validation.h"
@@ -218,21 +219,24 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
   ScheduleOptions so;
   so.priority = task->request.priority;
-  // A client's timeout may be any unsigned 64-bit number: beyond 30 days
-  // (the bound on configured queue timeouts) it waits as long as 30 days,
-  // so that no deadline computed from it overflows.
-  constexpr uint64_t kMaxTimeoutUs = 30ull * 24 * 3600 * 1'000'000;
-  so.timeout_ns = static_cast<int64_t>(std::min(task->request.timeout_us, kMaxTimeoutUs)) * 1000;
+  // A client's timeout may be any unsigned 64-bit number: beyond the bound
+  // on configured queue timeouts (30 days) it waits that long, so that no
+  // deadline computed from it overflows.
+  so.timeout_ns = static_cast<int64_t>(std::min(task->request.timeout_us, kMaxQueueTimeoutUs)) * 1000;
   so.deadline_ns = task->request.deadline_ns;
   so.admitted = task->request.admitted;
   so.in_model = in_model;
-  // A front end's thread lends itself (run_here_below_ns) only to models
-  // computed in this process: a Python model's process may hang until its
-  // execute timeout, holding the thread (an HTTP I/O thread serves other
-  // connections) that long.
-  const bool lend = task->request.run_here_below_ns > 0 && config_.backend != "python";
-  so.run_here = run_here || lend;
-  so.run_here_below_ns = run_here ? 0 : lend ? task->request.run_here_below_ns : 0;
+  // A lent thread (InferRequest::lend_thread) is taken only where its run is
+  // short and bounded: ONNX models, small inputs; the batcher checks the rest.
+  if (!run_here && task->request.lend_thread && config_.backend == "onnxruntime") {
+    size_t bytes = 0;
+    for (const auto& in : task->request.inputs) bytes += in.tensor.byte_size();
+    if (bytes <= InferRequest::kLendMaxBytes) {
+      so.run_here = true;
+      so.run_here_below_ns = InferRequest::kLendBelowNs;
+    }
+  }
+  so.run_here = so.run_here || run_here;
   task->done = std::move(done);
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);

@@ -86,7 +86,8 @@ struct ScheduleOptions {
   // With run_here: only into an idle model (nothing running, nothing else
   // queued), when the batch is expected to take less than this (the
   // measured time per item times its items; never before a batch was
-  // measured), and never beside a busy instance (a shared run).
+  // measured), never on the wide instance, and never beside a busy
+  // instance (a shared run).
   // For a caller that would not otherwise wait (an asynchronous front end's
   // thread lending itself briefly). 0 = no bound.
   int64_t run_here_below_ns = 0;

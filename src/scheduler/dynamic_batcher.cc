@@ -80,7 +80,9 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);
     load_ = 0.75 * load_ + 0.25 * present;  // with the load this arrival leaves
     if (options.run_here && RunsBriefly(options.run_here_below_ns)) {
-      claimed = ClaimLocked();
+      // A bounded caller never takes the wide instance: its runs feed no
+      // time per item, so nothing would tell the bound it was exceeded.
+      claimed = ClaimLocked(/*wide_ok=*/options.run_here_below_ns <= 0);
       if (claimed < 0 && options.run_here_below_ns <= 0) {
         claimed = ShareLocked();
         shared = claimed >= 0;
@@ -139,9 +141,9 @@ int DynamicBatcher::ShareLocked() const {
   return best;
 }
 
-int DynamicBatcher::ClaimLocked() const {
+int DynamicBatcher::ClaimLocked(bool wide_ok) const {
   if (stopping_) return -1;
-  if (wide_ && MayTake(true)) return num_workers_ - 1;
+  if (wide_ && MayTake(true)) return wide_ok ? num_workers_ - 1 : -1;
   if (busy_workers_ >= narrow_workers() || !MayTake(false)) return -1;
   for (int i = 0; i < narrow_workers(); ++i) {
     if (!busy_[static_cast<size_t>(i)]) return i;

@@ -31,11 +31,12 @@
 // queue sends a batch off at once, Schedule runs that batch (its task and
 // any queued with it) on the calling thread, on that instance, before it
 // returns. A caller that would not wait (an asynchronous front end's
-// thread) may lend itself too, for batches expected to end within
-// ScheduleOptions::run_here_below_ns. A hand-off to a worker and back costs two sleeps and wake-ups
-// (tens of µs of CPU on a virtual machine, more than a small model's run);
-// a caller's own run costs none. A worker whose instance a caller holds
-// waits for it.
+// thread) may lend itself too, into an idle model and not on the wide
+// instance, for batches expected to end within
+// ScheduleOptions::run_here_below_ns. A hand-off to a worker and
+// back costs two sleeps and wake-ups (tens of µs of CPU on a virtual
+// machine, more than a small model's run); a caller's own run costs none. A
+// worker whose instance a caller holds waits for it.
 //
 // Shared runs (options.shared_runs): a caller that lends its thread but
 // finds every instance busy would wait for a worker to take its task and
@@ -160,8 +161,8 @@ class DynamicBatcher {
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
   void WorkerLoop(int worker);
   // A free instance for a caller that lends its thread (the wide one while
-  // the load is light, else a free other one), or -1.
-  int ClaimLocked() const QUERN_REQUIRES(mu_);
+  // the load is light, if `wide_ok`, else a free other one), or -1.
+  int ClaimLocked(bool wide_ok) const QUERN_REQUIRES(mu_);
   // Whether the batch a caller would run now is expected to take less than
   // `below_ns` (0 = no bound; false before the first batch is measured).
   bool RunsBriefly(int64_t below_ns) const QUERN_REQUIRES(mu_);

@@ -46,18 +46,11 @@ int64_t DeadlineNs(const grpc::CallbackServerContext* ctx, const Engine& engine)
   return engine.clock().NowNs() + std::max<int64_t>(left.count(), 1);
 }
 
-// A lone stream's request (see LastCaller) of at most kRunOnGrpcThreadMaxBytes
-// runs its batch on the gRPC thread that received it, with no hand-off to an
-// engine thread and back, when an instance is free and the batch is expected
-// to take less than this (the measured time per item says nothing of an item
-// many times larger than usual: a model with open dimensions given a huge
-// input).
-constexpr int64_t kRunOnGrpcThreadBelowNs = 1'000'000;
-constexpr size_t kRunOnGrpcThreadMaxBytes = 64 << 10;
-
 // Which stream the previous streamed inference came from. A stream whose
 // requests follow one another with nobody else's between them, one in
-// flight at a time, is alone: its batch may run on the gRPC thread. While
+// flight at a time, is alone: its batch may run on the gRPC thread that
+// received it (InferRequest::lend_thread; the engine decides whether it is
+// short enough), with no hand-off to an engine thread and back. While
 // streams take turns, their requests go to the engine's threads, where they
 // batch: run on the receiving threads, each would run alone (on a busy core
 // the next request is received only after the previous one's run), and
@@ -215,7 +208,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     auto cancel = std::make_shared<CancellationToken>();
     ir->cancel = cancel;
     ir->deadline_ns = DeadlineNs(ctx_, *engine_);
-    if (lone && request->ByteSizeLong() <= kRunOnGrpcThreadMaxBytes) ir->run_here_below_ns = kRunOnGrpcThreadBelowNs;
+    ir->lend_thread = lone;
     {
       MutexLock lock(mu_);
       if (broken_) cancel->Cancel();

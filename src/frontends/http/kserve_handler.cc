@@ -463,14 +463,13 @@ HttpResponse ErrorResponse(const Status& status) {
 }
 
 void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
-  const bool lend = req.lone_client && req.body.size() <= kRunOnIoThreadMaxBytes;
   auto parsed =
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
-  // A lone client's batch, when short, runs on this I/O thread: no hand-off
-  // to an engine thread and back.
-  if (lend) parsed->request.run_here_below_ns = kRunOnIoThreadBelowNs;
+  // A lone client's batch may run on this I/O thread (the engine decides
+  // whether it is short enough): no hand-off to an engine thread and back.
+  parsed->request.lend_thread = req.lone_client;
   // The request's name in the engine (and a Python model's request_id()):
   // its KServe id, else the X-Request-ID.
   if (UsableRequestId(parsed->format.id)) {

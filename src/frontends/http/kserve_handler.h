@@ -49,16 +49,6 @@ class KServeHandler {
 
   void Handle(HttpRequest&& request, HttpDone done);
 
-  // A lone client's inference (HttpRequest::lone_client) runs on the I/O
-  // thread when its batch is expected to take less than this: the thread
-  // answers nobody else meanwhile, and a hand-off to an engine thread and
-  // back costs tens of microseconds, a few percent of a millisecond.
-  static constexpr int64_t kRunOnIoThreadBelowNs = 1'000'000;
-  // ... and only for bodies up to this size: the measured time per item
-  // says nothing of an item many times larger than usual (a model with
-  // open dimensions given a huge input).
-  static constexpr size_t kRunOnIoThreadMaxBytes = 64 << 10;
-
   // Given a request's line and headers alone (body not read yet): the 503
   // an inference request would get because its model's queue is full, or
   // nothing. Lets the server refuse before it reads and parses the body.

@@ -13,6 +13,7 @@
 
 #include "core/cpus.h"
 #include "core/log.h"
+#include "core/model_config_parser.h"
 #include "core/mutex.h"
 
 namespace quern {
@@ -503,10 +504,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     InferRequest ir = std::move(job->infer.request);
     ir.metadata.emplace_back("request_id", rec->id);  // the engine's log lines name the job
     if (deadline_ms > 0) {
-      // A date more than 30 days away (the bound on queue timeouts) counts
-      // as 30 days: a deadline_ms up to 2^63-1 parses, and its distance in
-      // nanoseconds would overflow.
-      constexpr int64_t kMaxAheadMs = int64_t{30} * 24 * 3600 * 1000;
+      // A date further away than the bound on queue timeouts (30 days)
+      // counts as that far: a deadline_ms up to 2^63-1 parses, and its
+      // distance in nanoseconds would overflow.
+      constexpr auto kMaxAheadMs = static_cast<int64_t>(kMaxQueueTimeoutUs / 1000);
       const int64_t ahead_ms = std::min(deadline_ms - engine_->clock().WallMs(), kMaxAheadMs);
       ir.deadline_ns = engine_->clock().NowNs() + ahead_ms * 1'000'000;
     }
