@@ -59,25 +59,6 @@ int UsableCores() {
   return n;
 }
 
-StayOnThisCpu::StayOnThisCpu() {
-  const int cpu = sched_getcpu();
-  if (cpu < 0 || cpu >= CPU_SETSIZE) return;
-  CPU_ZERO(&allowed_);
-  if (sched_getaffinity(0, sizeof allowed_, &allowed_) != 0 || !CPU_ISSET(cpu, &allowed_)) return;
-  if (CPU_COUNT(&allowed_) > 1) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    if (sched_setaffinity(0, sizeof one, &one) != 0) return;
-    changed_ = true;
-  }
-  cpu_ = cpu;
-}
-
-StayOnThisCpu::~StayOnThisCpu() {
-  if (changed_) sched_setaffinity(0, sizeof allowed_, &allowed_);
-}
-
 void NameThisThread(const char* name) {
   char shortened[16] = {};
   for (int i = 0; i < 15 && name[i] != '\0'; ++i) shortened[i] = name[i];

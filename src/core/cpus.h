@@ -23,28 +23,6 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
-// Holds the calling thread on the CPU it runs on, from construction to
-// destruction, then gives it back the CPUs it was allowed before. For a
-// thread that hands a short piece of work to another process and sleeps
-// until the answer: with that process on the same CPU (PythonProcess::RunOn)
-// each wakes the other without crossing cores, which on a virtual machine
-// costs more than the work (an idle virtual CPU has to be woken).
-class StayOnThisCpu {
- public:
-  StayOnThisCpu();
-  ~StayOnThisCpu();
-  StayOnThisCpu(const StayOnThisCpu&) = delete;
-  StayOnThisCpu& operator=(const StayOnThisCpu&) = delete;
-
-  // The CPU, or -1 when the thread could not be held (nothing changed then).
-  int cpu() const { return cpu_; }
-
- private:
-  int cpu_ = -1;
-  bool changed_ = false;
-  cpu_set_t allowed_;
-};
-
 // CPU time (user + system, every thread) this process has used so far, in
 // seconds: what benchmarks and `quern perf` divide by the requests they made.
 double ProcessCpuSeconds();

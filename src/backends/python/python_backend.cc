@@ -3,18 +3,18 @@
 #include <google/protobuf/util/json_util.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <optional>
 
 #include "backends/python/python_process.h"
-#include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 
@@ -34,17 +34,24 @@ constexpr int kCrashesBeforeBackoff = 3;
 constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
 
 // Where a process runs (quern.same_core): while its batches are short, the
-// thread that runs a batch stays on its CPU and the process is moved there,
-// so the round trip (the thread wakes the process, the process wakes the
-// thread) never crosses cores -- on this kind of virtual machine a wake-up on
-// another, idle core costs 12-17 us of CPU on each side, more than the
-// Python stub's own work. Short: the round trips' moving average (1/8 each)
+// process is moved to the CPU of the thread that runs the batch, and that
+// thread, instead of sleeping until the answer, gives its CPU to the process
+// (sched_yield) and reads the answer once the process has given it back. The
+// round trip then never crosses cores and neither side is woken: on this kind
+// of virtual machine a wake-up on another, idle core costs 12-17 us of CPU on
+// each side, more than the Python stub's own work. (Holding the thread on its
+// CPU with sched_setaffinity kept a sleeping thread from being woken on the
+// idle core, but cost two system calls per batch, ~4 us.) The thread yields
+// for at most twice the round trip plus kYieldSlackNs, never longer than
+// "short", then sleeps as for any batch: a process that sleeps or computes
+// long costs it no more. Short: the round trips' moving average (1/8 each)
 // below quern.same_core_below_us (default kSameCoreBelowUs), after
 // kSameCoreAfterBatches of them; it leaves the core again above twice that
 // (also when two processes on one core slow each other down). Long batches
 // keep the freedom to migrate, and two instances their two cores.
 constexpr int64_t kSameCoreBelowUs = 250;
 constexpr int kSameCoreAfterBatches = 8;
+constexpr int64_t kYieldSlackNs = 20'000;
 
 size_t AlignUp(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -220,17 +227,19 @@ class PythonModel final : public Model {
       Put<uint64_t>(frame, offsets[i]);
       Put<uint64_t>(frame, t.byte_size());
     }
-    std::optional<StayOnThisCpu> stay;
-    if (SameCore()) {
-      stay.emplace();
-      if (stay->cpu() >= 0) process_->RunOn(stay->cpu());
+    const bool same_core = SameCore();
+    if (same_core) {
+      process_->RunOn(sched_getcpu());
     } else {
       process_->RunAnywhere();
     }
     const auto sent_at = std::chrono::steady_clock::now();
     QUERN_RETURN_IF_ERROR(process_->Send(frame));
+    if (same_core) {
+      process_->YieldForFrame(
+          std::min(static_cast<int64_t>(2 * round_trip_ns_) + kYieldSlackNs, spec_->same_core_below_ns));
+    }
     auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
-    stay.reset();
     if (reply) Measure(std::chrono::steady_clock::now() - sent_at);
     if (!reply && reply.error().code() != StatusCode::kCancelled) {
       ++crashes_in_a_row_;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
@@ -454,6 +455,27 @@ Status PythonProcess::Send(std::string_view payload) {
   }
   if (ok) return Status::Ok();
   return Unavailable(tag_ + ": its Python process " + Reap(false));
+}
+
+bool PythonProcess::YieldForFrame(int64_t spin_ns) {
+  if (pid_ <= 0) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  char buf[65536];
+  for (;;) {
+    if (inbox_.size() >= 4) {
+      const auto* h = reinterpret_cast<const unsigned char*>(inbox_.data());
+      const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (uint32_t{h[3]} << 24);
+      if (n > kMaxFrameBytes || inbox_.size() - 4 >= n) return true;
+    }
+    sched_yield();
+    const ssize_t n = ::recv(control_fd_, buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) {
+      inbox_.append(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EINTR)) return false;  // Receive says why
+    if (std::chrono::steady_clock::now() >= until) return false;
+  }
 }
 
 Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {

@@ -74,6 +74,12 @@ class PythonProcess {
   // `abort_fd` (>= 0) becomes readable the process is killed as well
   // (CANCELLED).
   Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1);
+  // For a process placed on this thread's CPU (RunOn), after Send: gives the
+  // CPU up (sched_yield) until a whole frame has arrived or `spin_ns` have
+  // passed, so that the process runs and answers without either side
+  // sleeping and being woken. True when Receive will return at once; false
+  // otherwise (Receive then waits, and reports what went wrong, if anything).
+  bool YieldForFrame(int64_t spin_ns);
 
   // Places the process's main thread (the one that runs the model's code)
   // on `cpu` alone; RunAnywhere gives it back the CPUs it started with.

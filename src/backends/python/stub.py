@@ -33,6 +33,24 @@ BYTES = 13
 _NUMPY_TYPES = {1: "bool", 2: "uint8", 3: "uint16", 4: "uint32", 5: "uint64", 6: "int8", 7: "int16", 8: "int32",
                 9: "int64", 10: "float16", 11: "float32", 12: "float64"}
 
+# The frames' fields, compiled once (a format string is looked up on every call otherwise).
+_U32 = struct.Struct("<I")
+_BATCH = struct.Struct("<BIIqQ")  # after the op: slot, requests, inputs, padded rows, slot size
+_ID_LEN = struct.Struct("<H")
+_TENSOR = struct.Struct("<HBB")  # name length, type, rank
+_PLACE = struct.Struct("<QQ")  # offset and bytes in the slot
+_REPLY = struct.Struct("<QI")  # slot size, failed requests
+_FAILED = struct.Struct("<IBI")
+_INT64S = {}
+
+
+def _int64s(n):
+    """The Struct of n little-endian int64s."""
+    s = _INT64S.get(n)
+    if s is None:
+        s = _INT64S[n] = struct.Struct(f"<{n}q")
+    return s
+
 
 _inbox = bytearray()
 
@@ -42,7 +60,7 @@ def _next_frame():
     global _inbox
     while True:
         if len(_inbox) >= 4:
-            n = int.from_bytes(_inbox[:4], "little")
+            (n,) = _U32.unpack_from(_inbox)
             if len(_inbox) >= 4 + n:
                 frame = bytes(_inbox[4:4 + n])
                 del _inbox[:4 + n]
@@ -53,11 +71,14 @@ def _next_frame():
             chunk = b""
         if not chunk:
             _server_gone()
+        # Most reads hold exactly one frame: it is returned without passing through the inbox.
+        if not _inbox and len(chunk) >= 4 and _U32.unpack_from(chunk)[0] == len(chunk) - 4:
+            return chunk[4:]
         _inbox += chunk
 
 
 def _send(payload):
-    data = len(payload).to_bytes(4, "little") + payload
+    data = _U32.pack(len(payload)) + payload
     view = memoryview(data)
     try:
         while view:
@@ -140,6 +161,16 @@ class Runner:
         self.batched = launch["max_batch_size"] > 0
         self.outputs = [(o["name"], o["dtype"], o["dims"]) for o in launch["outputs"]]
         self.dtypes = {t: np.dtype(n) for t, n in _NUMPY_TYPES.items()}
+        # Per output, what a checked array must be when it is already right (the common case, taken
+        # without building error context): its numpy type, and its dimensions when none is open.
+        self.expect = [(self.dtypes.get(dtype), tuple(dims) if all(d >= 0 for d in dims) else None)
+                       for _, dtype, dims in self.outputs]
+        # Per output, the start of its entry in the reply (length, type, rank, name).
+        self.described = [_TENSOR.pack(len(name.encode()), dtype, len(dims) + (1 if self.batched else 0)) +
+                          name.encode() for name, dtype, dims in self.outputs]
+        self.ndarray = np.ndarray
+        self.request_ids = ()
+        self.placed = {}
         self.args = launch["args"]
         module = self._import(launch)
         self.triton = None
@@ -175,40 +206,51 @@ class Runner:
     # --- one batch ---------------------------------------------------------
 
     def read_inputs(self, frame):
-        np = self.np
-        slot, n_requests, n_inputs, padded, shm_size = struct.unpack_from("<BIIqQ", frame, 1)
+        slot, n_requests, n_inputs, padded, shm_size = _BATCH.unpack_from(frame, 1)
         pos = 26
         self.shm = self.slots[slot]
-        rows = struct.unpack_from(f"<{n_requests}q", frame, pos)
+        rows = _int64s(n_requests).unpack_from(frame, pos)
         pos += 8 * n_requests
-        ids = []
+        ids_at = pos
         for _ in range(n_requests):
-            (id_len,) = struct.unpack_from("<H", frame, pos)
-            ids.append(frame[pos + 2:pos + 2 + id_len].decode("utf-8", "replace"))
-            pos += 2 + id_len
-        self.request_ids = ids
+            pos += 2 + _ID_LEN.unpack_from(frame, pos)[0]
+        self.ids_frame = (frame, ids_at, n_requests)  # decoded only for execute(requests)
         self.shm.ensure(shm_size)
         shm = self.shm.map
         inputs = {}
+        # Each input array by its id, with its offset: an output that is one of them is already in
+        # place (the array is held here, so the id cannot be another object's while the batch runs).
+        placed = self.placed = {}
         end = 0
         for _ in range(n_inputs):
-            name_len, dtype, rank = struct.unpack_from("<HBB", frame, pos)
+            name_len, dtype, rank = _TENSOR.unpack_from(frame, pos)
             pos += 4
             name = frame[pos:pos + name_len].decode()
             pos += name_len
-            dims = struct.unpack_from(f"<{rank}q", frame, pos)
+            dims = _int64s(rank).unpack_from(frame, pos)
             pos += 8 * rank
-            offset, nbytes = struct.unpack_from("<QQ", frame, pos)
+            offset, nbytes = _PLACE.unpack_from(frame, pos)
             pos += 16
-            end = max(end, offset + nbytes)
+            if offset + nbytes > end:
+                end = offset + nbytes
             if dtype == BYTES:
                 array = self._decode_bytes(memoryview(shm)[offset:offset + nbytes], dims)
             else:
                 t = self.dtypes[dtype]
-                array = np.frombuffer(shm, t, nbytes // t.itemsize, offset).reshape(dims)
+                array = self.np.frombuffer(shm, t, nbytes // t.itemsize, offset).reshape(dims)
                 array.flags.writeable = False
+                placed[id(array)] = (array, offset)
             inputs[name] = array
         return rows, padded, inputs, end
+
+    def _read_ids(self):
+        frame, pos, n = self.ids_frame
+        ids = []
+        for _ in range(n):
+            (id_len,) = _ID_LEN.unpack_from(frame, pos)
+            ids.append(frame[pos + 2:pos + 2 + id_len].decode("utf-8", "replace"))
+            pos += 2 + id_len
+        return ids
 
     def _decode_bytes(self, view, dims):
         np = self.np
@@ -223,8 +265,13 @@ class Runner:
             pos += 4 + n
         return out.reshape(dims)
 
-    def _check(self, name, dtype, dims, array, rows):
-        """`array` as the output `name` should be, or raises ValueError saying why."""
+    def _check(self, name, dtype, dims, array, rows, expect=(None, None)):
+        """`array` as the output `name` should be, or raises ValueError saying why. `expect` is the
+        output's entry in self.expect."""
+        want, fixed = expect
+        if fixed is not None and type(array) is self.ndarray and array.dtype is want:
+            if array.shape == (((rows,) + fixed) if self.batched else fixed):
+                return array
         np = self.np
         if not isinstance(array, np.ndarray):
             array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
@@ -263,15 +310,16 @@ class Runner:
         if not isinstance(result, dict):
             raise TypeError(f"infer() returned {type(result).__name__}; expected a dict of output name to array")
         columns = []
-        for name, dtype, dims in self.outputs:
+        for (name, dtype, dims), expect in zip(self.outputs, self.expect):
             if name not in result:
                 raise ValueError(f"infer() returned no output '{name}' (it returned {sorted(map(str, result))})")
-            columns.append([self._check(name, dtype, dims, result[name], padded)])
+            columns.append([self._check(name, dtype, dims, result[name], padded, expect)])
         return columns
 
     def _execute_triton(self, rows, inputs, failed):
         utils = self.utils
         names = [o[0] for o in self.outputs]
+        self.request_ids = self._read_ids()
         requests = []
         start = 0
         for i, r in enumerate(rows):
@@ -299,11 +347,11 @@ class Runner:
                     raise _RequestError(str(error), utils.TritonError.UNKNOWN)
                 by_name = {t.name(): t for t in response.output_tensors()}
                 checked = []
-                for name, dtype, dims in self.outputs:
+                for (name, dtype, dims), expect in zip(self.outputs, self.expect):
                     t = by_name.get(name)
                     if t is None:
                         raise ValueError(f"the response has no output '{name}'")
-                    checked.append(self._check(name, dtype, dims, t.as_numpy(), rows[i]))
+                    checked.append(self._check(name, dtype, dims, t.as_numpy(), rows[i], expect))
                 for k, a in enumerate(checked):
                     columns[k].append(a)
             except _RequestError as e:
@@ -323,7 +371,7 @@ class Runner:
         plain = self.triton is None
         described = []
         offset = (end + ALIGN - 1) & ~(ALIGN - 1)
-        for (name, dtype, dims), parts in zip(self.outputs, columns):
+        for (name, dtype, dims), parts, head in zip(self.outputs, columns, self.described):
             present = [p for p in parts if p is not None]
             if present:
                 inner = list(present[0].shape[1:] if self.batched else present[0].shape)
@@ -356,9 +404,15 @@ class Runner:
                 whole = None
                 if parts[0] is not None and (plain or (len(parts) == 1 and (not self.batched or padded == rows[0]))):
                     whole = parts[0]
-                at = shm.offset_of(whole, end) if whole is not None and nbytes else None
+                at = None
+                if whole is not None and nbytes:
+                    input_there = self.placed.get(id(whole))
+                    if input_there is not None and input_there[0] is whole and whole.nbytes == nbytes:
+                        at = input_there[1]  # an input passed on as it came
+                    else:
+                        at = shm.offset_of(whole, end)
                 if at is not None and at % t.itemsize == 0:
-                    described.append(_describe(name, dtype, out_dims, at, nbytes))
+                    described.append(_describe(head, out_dims, at, nbytes))
                     continue
                 shm.grow(offset + nbytes)
                 dst = np.frombuffer(shm.map, t, _count(out_dims), offset).reshape(out_dims)
@@ -378,14 +432,15 @@ class Runner:
                     if row < padded:
                         dst[row:] = 0
                 del dst
-            described.append(_describe(name, dtype, out_dims, offset, nbytes))
+            described.append(_describe(head, out_dims, offset, nbytes))
             offset = (offset + nbytes + ALIGN - 1) & ~(ALIGN - 1)
-        head = [b"D", struct.pack("<QI", shm.size, len(failed))]
+        self.placed = {}
+        reply = [b"D", _REPLY.pack(shm.size, len(failed))]
         for i, (code, message) in failed.items():
             m = message[:2000].encode("utf-8", "replace")  # whole characters: the error goes into JSON
-            head.append(struct.pack("<IBI", i, code & 0xFF, len(m)) + m)
-        head.append(struct.pack("<I", len(described)))
-        return b"".join(head + described)
+            reply.append(_FAILED.pack(i, code & 0xFF, len(m)) + m)
+        reply.append(_U32.pack(len(described)))
+        return b"".join(reply + described)
 
 
 class _RequestError(Exception):
@@ -401,11 +456,10 @@ def _error_code(exc, utils):
     return utils.TritonError.INTERNAL
 
 
-def _describe(name, dtype, dims, offset, nbytes):
-    """An output's entry in the reply: name, type, shape and where its bytes lie in the slot."""
-    encoded = name.encode()
-    return (struct.pack("<HBB", len(encoded), dtype, len(dims)) + encoded + struct.pack(f"<{len(dims)}q", *dims) +
-            struct.pack("<QQ", offset, nbytes))
+def _describe(head, dims, offset, nbytes):
+    """An output's entry in the reply: `head` (its name's length, type, rank and name, from
+    Runner.described), then its shape and where its bytes lie in the slot."""
+    return head + _int64s(len(dims)).pack(*dims) + _PLACE.pack(offset, nbytes)
 
 
 def _count(dims):
