@@ -3,9 +3,11 @@
 # bench/protocol_floor (the least a KServe v2 server can do: canned answers,
 # no parsing, no model) are each loaded by `quern perf` in turn, over HTTP
 # (binary tensors), gRPC unary and gRPC streams, for the identity model
-# ([1,4] floats) and the small CNN (48 KiB in), at 1 and 16 connections.
+# ([1,4] floats), the same as a Python model (py_identity: model.py returns
+# its input, run in its own process) and the small CNN (48 KiB in), at 1 and
+# 16 connections.
 # Server CPU is the process's user + system time from /proc over the whole
-# run (warm-up included) divided by the requests it served then, the same
+# run (warm-up included), its child processes' (the Python model's) added, divided by the requests it served then, the same
 # way for both servers. Quern's own cost per request is its figure minus the
 # floor's; the model's compute is part of it (its time per batch is printed
 # from Quern's metrics).
@@ -27,8 +29,26 @@ FLOOR="build/$PRESET/bench/protocol_floor"
 
 mkdir -p "$WORK/repo"
 cp -r bench/models/identity bench/models/small_cnn "$WORK/repo/"
+mkdir -p "$WORK/repo/py_identity/1"
+cat > "$WORK/repo/py_identity/config.pbtxt" <<'EOF'
+backend: "python"
+max_batch_size: 64
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { }
+instance_group [ { count: 1 } ]
+EOF
+printf 'def infer(inputs):\n    return {"y": inputs["x"]}\n' > "$WORK/repo/py_identity/1/model.py"
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# A process's user + system ticks and its children's (fields 14 and 15 of
+# /proc/PID/stat, counted after the command's closing parenthesis).
+cpu_ticks() {
+  local t=0 p
+  for p in "$1" $(pgrep -P "$1"); do
+    t=$((t + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12 + $13}')))
+  done
+  echo "$t"
+}
 TICK=$(getconf CLK_TCK)
 
 # measure NAME PID MODEL SHAPE_ARGS: one line per protocol and level
@@ -62,13 +82,15 @@ measure() {
 
 echo "| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch |"
 echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "small_cnn|input:FP32:-1,3,64,64|logits:FP32:-1,10"; do
+for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shape x=1,4|" \
+            "small_cnn|input:FP32:-1,3,64,64|logits:FP32:-1,10"; do
   IFS='|' read -r model_args in_spec out_spec <<< "$spec"
   read -r model shape_args <<< "$model_args"
   start_server "$WORK/repo"
   # shellcheck disable=SC2086
   measure quern "$SERVER" "$model" $shape_args
   stop_server
+  [ -n "$in_spec" ] || continue  # the floor of the same shapes is identity's
   taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$PORT" --grpc-port "$GRPC_PORT" --model "$model" \
     --input "$in_spec" --output "$out_spec" &
   FLOOR_PID=$!

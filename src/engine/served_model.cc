@@ -138,6 +138,13 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
       }
       opts.tuner = std::move(t);
     }
+    // With a latency target and a batching delay, whether batches wait out
+    // the delay is measured online (BatchDelayTuner).
+    if (c.max_batch_size > 1 && c.latency_target_ms > 0 && b.max_queue_delay_us > 0) {
+      BatchDelayTunerOptions d;
+      d.target_ns = c.latency_target_ms * 1'000'000;
+      opts.delay_tuner = d;
+    }
   } else if (c.max_batch_size > 0) {
     // No dynamic_batching: every request runs on its own.
     opts.queue.max_batch_size = 1;

@@ -247,10 +247,13 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
   d.capped = cut_by_limit && take == picks.size();
   picks.resize(take);
   d.batch.reserve(take);
+  d.oldest_enqueue_ns = now_ns;
   for (const Pick& p : picks) {
-    p.level->items -= (*p.q)[p.index].task->size();
-    d.items += (*p.q)[p.index].task->size();
-    d.batch.push_back(std::move((*p.q)[p.index].task));
+    Entry& e = (*p.q)[p.index];
+    p.level->items -= e.task->size();
+    d.items += e.task->size();
+    d.oldest_enqueue_ns = std::min(d.oldest_enqueue_ns, e.enqueue_ns);
+    d.batch.push_back(std::move(e.task));
   }
   // Compact the queues: remove entries whose task was taken.
   for (Level& lv : levels_) {

@@ -108,6 +108,8 @@ class BatchQueue {
     // same-key work was waiting).
     int64_t items = 0;
     bool capped = false;
+    // When the batch's oldest task was enqueued.
+    int64_t oldest_enqueue_ns = 0;
   };
 
   BatchQueue(BatchQueue&&) = default;

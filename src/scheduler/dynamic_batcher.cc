@@ -36,6 +36,10 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
     b->tuner_.emplace(std::move(*options.tuner));
     b->queue_.set_batch_limit(b->tuner_->limit());
   }
+  if (options.delay_tuner && latency_target && b->queue_.options().max_queue_delay_ns > 0) {
+    MutexLock lock(b->mu_);
+    b->delay_tuner_.emplace(*options.delay_tuner);
+  }
   {
     MutexLock lock(b->mu_);
     b->expected_end_ns_.assign(static_cast<size_t>(options.num_workers), 0);
@@ -161,7 +165,7 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared, bo
     ran_ns = clock_->NowNs() - start;
   }
   MutexLock lock(mu_);
-  EndLocked(worker, tasks, d.items, d.capped, ran_ns, shared, tune);
+  EndLocked(worker, tasks, d, ran_ns, shared, tune);
   if (--callers_running_ == 0) callers_cv_.SignalAll();
   // The instance's own worker may have waited for it (work queued, or the
   // batcher stopping); it or another that may take the work looks now.
@@ -178,6 +182,7 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared, bo
 
 bool DynamicBatcher::EveryoneHereLocked() const {
   if (!latency_target_ || queue_.empty()) return false;
+  if (delay_tuner_ && delay_tuner_->wait()) return false;
   return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max<int64_t>(1, std::llround(average_load_));
 }
 
@@ -211,11 +216,17 @@ void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int6
       ns_per_item_ > 0 ? now_ns + static_cast<int64_t>(ns_per_item_ * static_cast<double>(d.items)) : INT64_MAX;
 }
 
-void DynamicBatcher::EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared,
+void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, int64_t ran_ns, bool shared,
                                bool tune) {
+  const int64_t items = d.items;
+  const bool capped = d.capped;
   const bool wide = wide_ && worker == num_workers_ - 1;
-  TrackLoadLocked(clock_->NowNs());
+  const int64_t now = clock_->NowNs();
+  TrackLoadLocked(now);
   running_tasks_ -= tasks;
+  // Every batch counts for the delay tuner: it compares the answers' rate
+  // (shared and caller's runs included) under each mode.
+  if (delay_tuner_ && items > 0 && !stopping_) delay_tuner_->Observe(now, items, ran_ns, now - d.oldest_enqueue_ns);
   if (shared) {  // its time shared the cores: it feeds no estimate
     --shared_running_;
     --shared_on_[static_cast<size_t>(worker)];
@@ -446,7 +457,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
           ran_ns = clock_->NowNs() - start;
         }
         lock.Lock();
-        EndLocked(worker, tasks, d.items, d.capped, ran_ns, /*shared=*/false, /*tune=*/true);
+        EndLocked(worker, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
         if (wide) {
           if (!queue_.empty() && MayTake(false)) {
             for (int i = 0; i < narrow_workers(); ++i) WakeNarrowLocked();  // the others may take batches again

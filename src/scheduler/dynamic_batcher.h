@@ -66,6 +66,7 @@
 #include "core/mutex.h"
 #include "quern/clock.h"
 #include "scheduler/batch_queue.h"
+#include "scheduler/batch_delay_tuner.h"
 #include "scheduler/batch_size_tuner.h"
 
 namespace quern {
@@ -79,6 +80,11 @@ struct DynamicBatcherOptions {
   // When set, the batch size limit is tuned under load (see
   // BatchSizeTuner); batch run times are taken with `clock`.
   std::optional<BatchSizeTunerOptions> tuner;
+  // With a latency target and a batching delay (queue.latency_target_ns,
+  // queue.max_queue_delay_ns): when set, whether batches wait out the delay
+  // or leave once every recent client is queued is measured online (see
+  // BatchDelayTuner); unset, they leave once everyone is here.
+  std::optional<BatchDelayTunerOptions> delay_tuner;
   // Admission by waiting time: while every worker is busy, a task is
   // refused (UNAVAILABLE, without taking it) when the items already queued
   // would take longer than this to run on all workers, estimated from the
@@ -178,7 +184,7 @@ class DynamicBatcher {
   // Marks `worker`'s instance busy with `d` / free again after `ran_ns`;
   // `shared`: a shared run beside the instance's own batch (counted apart).
   void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) QUERN_REQUIRES(mu_);
-  void EndLocked(int worker, int64_t tasks, int64_t items, bool capped, int64_t ran_ns, bool shared, bool tune)
+  void EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, int64_t ran_ns, bool shared, bool tune)
       QUERN_REQUIRES(mu_);
   // Wakes one waiting worker (not the wide one) whose instance is free.
   void WakeNarrowLocked() QUERN_REQUIRES(mu_);
@@ -208,6 +214,7 @@ class DynamicBatcher {
   // lately (average_load_, rounded; at least one). A batch waiting for
   // company then leaves: clients that send their next request only after
   // their answer (a closed loop) bring none a batching delay could wait for.
+  // Never while the delay tuner has batches wait out the delay.
   bool EveryoneHereLocked() const QUERN_REQUIRES(mu_);
 
   const Clock* clock_;
@@ -219,6 +226,7 @@ class DynamicBatcher {
   CondVar wide_cv_;                       // the wide worker
   BatchQueue queue_ QUERN_GUARDED_BY(mu_);
   std::optional<BatchSizeTuner> tuner_ QUERN_GUARDED_BY(mu_);
+  std::optional<BatchDelayTuner> delay_tuner_ QUERN_GUARDED_BY(mu_);
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
   bool latency_target_ = false;    // set before any thread starts

@@ -1,0 +1,73 @@
+"""A model with a latency target and a batching delay, loaded by `quern perf` through a real server: the
+server measures which way batches should leave. Requests sent at a rate whatever the answers (an open loop)
+keep arriving while a batch waits, so it waits out the delay and runs batches of several (the statistics'
+inferences per execution); a lone client that sends its next request once answered (a closed loop) brings
+nobody a delay could wait for, so its requests are not held back by the delay."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from quern_testing import http_request, start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+DELAY_US = 4000
+
+CONFIG = f'''
+name: "linear"
+platform: "onnxruntime_onnx"
+max_batch_size: 32
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 8 ] }} ]
+output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 3 ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: {DELAY_US} }}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "quern.latency_target_ms" value: {{ string_value: "100" }} }}
+parameters {{ key: "quern.batch_size_tuning" value: {{ string_value: "off" }} }}
+'''
+
+
+@pytest.fixture()
+def server(tmp_path):
+    shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
+    (tmp_path / "linear" / "config.pbtxt").write_text(CONFIG)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    yield ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def counts(ports):
+    status, _, body = http_request(ports["HTTP"], "GET", "/v2/models/linear/stats")
+    assert status == 200, body
+    stats = json.loads(body)["model_stats"][0]
+    return stats["inference_count"], stats["execution_count"]
+
+
+def perf(ports, *args):
+    r = subprocess.run([QUERN, "perf", "--url", f"http://127.0.0.1:{ports['HTTP']}", "-m", "linear",
+                        "--shape", "x=1,8", "--format", "json", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    return json.loads(r.stdout)["levels"][-1]
+
+
+def test_an_open_loop_waits_out_the_delay_and_runs_fuller_batches(server):
+    # At 1500 requests/s about six arrive within the 4 ms delay. Before the server has measured which
+    # way pays (about a second), batches leave once every recent client is queued: one at a time here.
+    perf(server, "--rate", "1500", "-s", "4")
+    before = counts(server)
+    level = perf(server, "--rate", "1500", "-s", "3")
+    after = counts(server)
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences >= 0.9 * 1500 * 3, (inferences, level)
+    assert inferences / executions > 2.5, (inferences, executions)
+    assert level["latency_ms"]["p99"] < 100, level
+
+
+def test_a_lone_closed_loop_client_is_not_held_back_by_the_delay(server):
+    level = perf(server, "-c", "1", "-s", "4")
+    # Waiting out the delay would take 4 ms per request; a probe of that mode is cut short.
+    assert level["latency_ms"]["p50"] < DELAY_US / 1000 / 4, level
+    assert level["errors"] == 0, level
