@@ -1,11 +1,12 @@
 // BatchDelayTuner on simulated time: one model instance whose batches cost
 // a synthetic curve (a fixed part per batch and a part per item), fed by an
 // open loop (Poisson arrivals at a rate) or by closed-loop clients (each
-// sends again once answered). The two modes as the batcher applies them:
-// "follow" sends a batch as soon as the instance is free (every closed-loop
-// client is then queued), "wait" holds it until the batching delay has
-// passed for its oldest request, it is full, or waiting longer would break
-// the latency target. Each load is also run with each mode fixed, which
+// sends again 50-250 us after its answer). The three ways a batch leaves, as
+// the batcher applies them: at once when the instance is free; once as many
+// are queued as the model held on average over the last 2 ms, else after
+// the delay; after the batching delay for its oldest request. A batch also
+// leaves when full, or when waiting longer would break the latency target.
+// Each load is also run with each way fixed, from the same state, which
 // gives the expected best independently of the tuner.
 #include "scheduler/batch_delay_tuner.h"
 
@@ -35,13 +36,12 @@ struct Outcome {
   double answered_per_s = 0;
   double run_ns_per_item = 0;
   int64_t p99_ns = 0;
-  double wait_share = 0;  // of the items, in batches formed in the wait mode
 };
 
 class Sim {
  public:
-  // `tuned`: the tuner decides; otherwise the mode is fixed to `fixed_wait`.
-  Sim(bool tuned, bool fixed_wait) : fixed_wait_(fixed_wait) {
+  // `tuned`: the tuner decides; otherwise batches always leave as `fixed` says.
+  Sim(bool tuned, BatchLeave fixed) : fixed_(fixed) {
     if (tuned) {
       BatchDelayTunerOptions o;
       o.target_ns = kTargetNs;
@@ -55,16 +55,21 @@ class Sim {
     const int64_t end = now_ + load.seconds * kS;
     const int64_t measure_from = now_ + load.seconds * kS / 2;
     next_arrival_ = load.rate > 0 ? now_ + Gap(load.rate) : INT64_MAX;
-    // A closed loop's clients: those of the last load keep their requests
-    // in flight; new ones start now, surplus ones stop once answered.
+    // A closed loop's clients: those of the last load finish what they
+    // have in flight; new ones start now.
     clients_ = load.rate > 0 ? 0 : load.clients;
-    while (static_cast<int>(in_flight_) < clients_) Arrive(now_);
-    int64_t answered = 0, run_ns = 0, items = 0, waited = 0;
+    while (active_ < clients_) {
+      ++active_;
+      Arrive(now_, true);
+    }
+    int64_t answered = 0, run_ns = 0, items = 0;
     std::vector<int64_t> latencies;
     while (now_ < end) {
-      // The next event: an arrival, the running batch's end, or the
-      // moment the waiting batch must leave.
+      // The next event: an arrival (open loop, or a client back from its
+      // turnaround), the running batch's end, or the moment the waiting
+      // batch leaves.
       int64_t t = std::min(next_arrival_, busy_until_);
+      if (!returns_.empty()) t = std::min(t, returns_.front());
       if (busy_until_ == INT64_MAX && !queue_.empty()) t = std::min(t, LeaveAt());
       if (t >= end) {
         now_ = end;
@@ -73,25 +78,32 @@ class Sim {
       now_ = t;
       if (now_ == busy_until_) {
         const int64_t cost = busy_until_ - started_;
-        for (int64_t enq : running_) {
-          if (now_ >= measure_from) latencies.push_back(now_ - enq);
-          --in_flight_;
-          if (static_cast<int>(in_flight_) < clients_) Arrive(now_);  // the client sends again
+        TrackLoad();
+        for (const Request& r : running_) {
+          if (now_ >= measure_from) latencies.push_back(now_ - r.enqueued);
+          if (!r.client) continue;
+          if (active_ > clients_) {
+            --active_;  // a client of an earlier, larger load stops
+          } else {
+            returns_.push_back(now_ + Turnaround());
+          }
         }
+        std::sort(returns_.begin(), returns_.end());
         if (now_ >= measure_from) {
           answered += static_cast<int64_t>(running_.size());
           run_ns += cost;
           items += static_cast<int64_t>(running_.size());
-          waited += running_wait_ ? static_cast<int64_t>(running_.size()) : 0;
         }
-        if (tuner_) {
-          tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front());
-        }
+        if (tuner_) tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front().enqueued);
         running_.clear();
         busy_until_ = INT64_MAX;
       }
+      while (!returns_.empty() && returns_.front() == now_) {
+        returns_.pop_front();
+        Arrive(now_, true);
+      }
       if (now_ == next_arrival_) {
-        Arrive(now_);
+        Arrive(now_, false);
         next_arrival_ = now_ + Gap(load.rate);
       }
       if (busy_until_ == INT64_MAX && !queue_.empty() && now_ >= LeaveAt()) Start();
@@ -105,68 +117,107 @@ class Sim {
       std::nth_element(latencies.begin(), latencies.begin() + static_cast<std::ptrdiff_t>(k), latencies.end());
       o.p99_ns = latencies[k];
     }
-    o.wait_share = items ? static_cast<double>(waited) / static_cast<double>(items) : 0;
     return o;
   }
 
-  bool wait() const { return tuner_ ? tuner_->wait() : fixed_wait_; }
-  bool settled_wait() const { return tuner_ ? tuner_->settled_wait() : fixed_wait_; }
+  BatchLeave settled() const { return tuner_ ? tuner_->settled() : fixed_; }
 
   static constexpr int64_t kTargetNs = 20 * kMs;
 
  private:
   static constexpr int64_t kDelayNs = 2 * kMs;
   static constexpr int64_t kMaxBatch = 64;
+  static constexpr int64_t kLoadWindowNs = 2 * kMs;
   static int64_t Cost(int64_t items) { return 40'000 + 40'000 * items; }  // ns
 
+  BatchLeave leave() const { return tuner_ ? tuner_->leave() : fixed_; }
   int64_t Gap(double rate) {
     std::exponential_distribution<double> gap(rate);
     return std::max<int64_t>(1, static_cast<int64_t>(gap(rng_) * 1e9));
   }
-  void Arrive(int64_t t) {
-    queue_.push_back(t);
-    ++in_flight_;
+  // A closed-loop client's time from its answer to its next request (the
+  // network and its own work): 50-250 us.
+  int64_t Turnaround() { return std::uniform_int_distribution<int64_t>(50'000, 250'000)(rng_); }
+  // The model's load (queued and running) averaged over kLoadWindowNs, as
+  // the batcher keeps it; brought up to now before the counts change.
+  void TrackLoad() {
+    const double keep = std::exp(-static_cast<double>(now_ - load_at_) / static_cast<double>(kLoadWindowNs));
+    average_load_ = keep * average_load_ + (1 - keep) * static_cast<double>(queue_.size() + running_.size());
+    load_at_ = now_;
+  }
+  struct Request {
+    int64_t enqueued;
+    bool client;  // a closed-loop client's (it sends again once answered)
+  };
+  void Arrive(int64_t t, bool client) {
+    TrackLoad();
+    queue_.push_back({t, client});
   }
   // When the queued batch leaves (the instance being free).
   int64_t LeaveAt() const {
-    if (!wait() || static_cast<int64_t>(queue_.size()) >= kMaxBatch) return now_;
-    const int64_t oldest = queue_.front();
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(queue_.size()), kMaxBatch);
+    if (leave() == BatchLeave::kAtOnce || n >= kMaxBatch) return now_;
+    if (leave() == BatchLeave::kEveryoneHere &&
+        static_cast<int64_t>(queue_.size()) >= std::max<int64_t>(1, std::llround(average_load_))) {
+      return now_;
+    }
+    const int64_t oldest = queue_.front().enqueued;
     return std::max(now_, std::min(oldest + kDelayNs, oldest + kTargetNs - Cost(n)));
   }
   void Start() {
+    TrackLoad();
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(queue_.size()), kMaxBatch);
     running_.assign(queue_.begin(), queue_.begin() + n);
     queue_.erase(queue_.begin(), queue_.begin() + n);
-    running_wait_ = wait();
     started_ = now_;
     busy_until_ = now_ + Cost(n);
   }
 
   std::optional<BatchDelayTuner> tuner_;
-  bool fixed_wait_;
+  BatchLeave fixed_;
   std::mt19937_64 rng_{42};
   int64_t now_ = 0;
   int64_t next_arrival_ = INT64_MAX;
   int64_t busy_until_ = INT64_MAX;
   int64_t started_ = 0;
   int clients_ = 0;
-  size_t in_flight_ = 0;
-  std::deque<int64_t> queue_;
-  std::vector<int64_t> running_;
-  bool running_wait_ = false;
+  int active_ = 0;  // closed-loop clients, queued, running or on their way back
+  std::deque<Request> queue_;
+  std::deque<int64_t> returns_;  // when clients send again, ascending
+  std::vector<Request> running_;
+  double average_load_ = 0;
+  int64_t load_at_ = 0;
+};
+
+constexpr BatchLeave kWays[] = {BatchLeave::kAtOnce, BatchLeave::kEveryoneHere, BatchLeave::kAfterDelay};
+
+// Each way fixed on the same loads, from the same state: what the tuner is
+// measured against.
+struct Fixed {
+  Sim sims[3] = {Sim(false, kWays[0]), Sim(false, kWays[1]), Sim(false, kWays[2])};
+  Outcome runs[3];
+  void Run(const Load& load) {
+    for (int i = 0; i < 3; ++i) runs[i] = sims[i].Run(load);
+  }
+  double BestRate() const { return std::max({runs[0].answered_per_s, runs[1].answered_per_s, runs[2].answered_per_s}); }
+  double LeastCost() const {
+    return std::min({runs[0].run_ns_per_item, runs[1].run_ns_per_item, runs[2].run_ns_per_item});
+  }
 };
 
 TEST(BatchDelayTuner, AnOpenLoopWaitsOutTheDelayAndSavesRunTime) {
   const Load open{3000, 0, 10};
-  Sim tuned(true, false), follow(false, false), wait(false, true);
-  const Outcome t = tuned.Run(open), f = follow.Run(open), w = wait.Run(open);
+  Sim tuned(true, BatchLeave::kEveryoneHere);
+  Fixed fixed;
+  const Outcome t = tuned.Run(open);
+  fixed.Run(open);
   // Independent expectations: waiting fills batches (~6 arrivals in 2 ms),
   // which the cost curve makes ~40 % cheaper per item than batches of one.
-  ASSERT_LT(w.run_ns_per_item, 0.75 * f.run_ns_per_item) << "the simulated curve must reward batching";
-  EXPECT_TRUE(tuned.settled_wait());
-  EXPECT_GT(t.wait_share, 0.8);
-  EXPECT_LT(t.run_ns_per_item, 0.8 * f.run_ns_per_item);
+  ASSERT_LT(fixed.runs[2].run_ns_per_item, 0.75 * fixed.runs[0].run_ns_per_item)
+      << "the simulated curve must reward batching";
+  EXPECT_EQ(tuned.settled(), BatchLeave::kAfterDelay);
+  EXPECT_LT(t.run_ns_per_item, 0.8 * fixed.runs[0].run_ns_per_item);
+  EXPECT_LT(t.run_ns_per_item, 0.8 * fixed.runs[1].run_ns_per_item);
   EXPECT_LE(t.p99_ns, Sim::kTargetNs);
   EXPECT_GT(t.answered_per_s, 0.95 * 3000);
 }
@@ -174,11 +225,12 @@ TEST(BatchDelayTuner, AnOpenLoopWaitsOutTheDelayAndSavesRunTime) {
 TEST(BatchDelayTuner, ClosedLoopClientsAreNotMadeToWait) {
   for (int clients : {1, 16, 64}) {
     const Load closed{0, clients, 10};
-    Sim tuned(true, true), follow(false, false), wait(false, true);  // the tuned one starts waiting
-    const Outcome t = tuned.Run(closed), f = follow.Run(closed), w = wait.Run(closed);
-    const double best = std::max(f.answered_per_s, w.answered_per_s);
-    EXPECT_FALSE(tuned.settled_wait()) << clients << " clients";
-    EXPECT_GE(t.answered_per_s, 0.9 * best) << clients << " clients";
+    Sim tuned(true, BatchLeave::kAfterDelay);  // it starts waiting: the worst way for a closed loop
+    Fixed fixed;
+    const Outcome t = tuned.Run(closed);
+    fixed.Run(closed);
+    EXPECT_NE(tuned.settled(), BatchLeave::kAfterDelay) << clients << " clients";
+    EXPECT_GE(t.answered_per_s, 0.9 * fixed.BestRate()) << clients << " clients";
     EXPECT_LE(t.p99_ns, Sim::kTargetNs) << clients << " clients";
   }
 }
@@ -188,19 +240,21 @@ TEST(BatchDelayTuner, StepsInTheLoadKeepTheTargetAndNineTenthsOfTheBestFixedSett
   // loop and back to one client: each step's second half against the
   // better fixed mode on the same load from the same state.
   const std::vector<Load> steps = {{0, 1, 5}, {0, 16, 5}, {0, 64, 5}, {3000, 0, 5}, {0, 1, 5}};
-  Sim tuned(true, false), follow(false, false), wait(false, true);
+  Sim tuned(true, BatchLeave::kEveryoneHere);
+  Fixed fixed;
   for (size_t i = 0; i < steps.size(); ++i) {
-    const Outcome t = tuned.Run(steps[i]), f = follow.Run(steps[i]), w = wait.Run(steps[i]);
+    const Outcome t = tuned.Run(steps[i]);
+    fixed.Run(steps[i]);
     EXPECT_LE(t.p99_ns, Sim::kTargetNs) << "step " << i;
     if (steps[i].rate > 0) {
-      // An open loop answers the rate either way: the better mode is the
+      // An open loop answers the rate either way: the better way is the
       // one that runs cheaper, and the tuner settles on it. Its probes of
-      // the other mode (a phase of 2000 items) cost some of the saving.
-      EXPECT_TRUE(tuned.settled_wait()) << "step " << i;
-      EXPECT_LE(t.run_ns_per_item, 1.2 * std::min(f.run_ns_per_item, w.run_ns_per_item)) << "step " << i;
+      // the others (a phase of 2000 items each) cost some of the saving.
+      EXPECT_EQ(tuned.settled(), BatchLeave::kAfterDelay) << "step " << i;
+      EXPECT_LE(t.run_ns_per_item, 1.2 * fixed.LeastCost()) << "step " << i;
     } else {
-      EXPECT_FALSE(tuned.settled_wait()) << "step " << i;
-      EXPECT_GE(t.answered_per_s, 0.9 * std::max(f.answered_per_s, w.answered_per_s)) << "step " << i;
+      EXPECT_NE(tuned.settled(), BatchLeave::kAfterDelay) << "step " << i;
+      EXPECT_GE(t.answered_per_s, 0.9 * fixed.BestRate()) << "step " << i;
     }
   }
 }
@@ -221,13 +275,13 @@ TEST(BatchDelayTuner, BaselinesThatDisagreeDecideNothing) {
     }
   };
   feed(100'000, 1);  // starts steady; the interval (0) has passed
-  ASSERT_FALSE(tuner.wait());
+  ASSERT_EQ(tuner.leave(), BatchLeave::kEveryoneHere);
   feed(100'000, 1001);  // baseline: 10k items/s
-  ASSERT_TRUE(tuner.wait()) << "probing the other mode";
+  ASSERT_NE(tuner.leave(), BatchLeave::kEveryoneHere) << "probing another way";
   feed(50'000, 2001);  // probe: 20k items/s
-  ASSERT_FALSE(tuner.wait()) << "the second baseline";
+  ASSERT_EQ(tuner.leave(), BatchLeave::kEveryoneHere) << "the second baseline";
   feed(50'000, 2001);  // the second baseline at 20k items/s too: the load changed
-  EXPECT_FALSE(tuner.settled_wait());
+  EXPECT_EQ(tuner.settled(), BatchLeave::kEveryoneHere);
 }
 
 }  // namespace

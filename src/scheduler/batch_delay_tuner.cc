@@ -55,9 +55,14 @@ void BatchDelayTuner::Begin(Phase phase, int64_t now_ns) {
     case Phase::kBaseline:
       baseline_.Start(now_ns);
       break;
-    case Phase::kProbe:
+    case Phase::kProbe: {
       probe_.Start(now_ns);
+      // The two ways other than the settled one, in turn.
+      const int settled = static_cast<int>(settled_);
+      probe_leave_ = static_cast<BatchLeave>((settled + 1 + next_probe_) % 3);
+      next_probe_ ^= 1;
       break;
+    }
     case Phase::kBaselineAgain:
       baseline_again_.Start(now_ns);
       break;
@@ -65,7 +70,7 @@ void BatchDelayTuner::Begin(Phase phase, int64_t now_ns) {
 }
 
 bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int64_t latency_ns) {
-  const bool before = wait();
+  const BatchLeave before = leave();
   if (!started_) {
     started_ = true;
     Begin(Phase::kSteady, now_ns);
@@ -76,7 +81,7 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
   // comparison undecided.)
   if (phase_ != Phase::kSteady && now_ns - latency_ns < phase_start_ns_) {
     if (now_ns - phase_start_ns_ >= options_.max_phase_ns) Begin(Phase::kSteady, now_ns);
-    return wait() != before;
+    return leave() != before;
   }
   switch (phase_) {
     case Phase::kSteady: {
@@ -88,7 +93,10 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
                 (r > settled_rate_ * options_.load_change || r * options_.load_change < settled_rate_);
         window_.Start(now_ns);
       }
-      if (moved) interval_ns_ = options_.interval_ns;  // a new load: probe it now
+      if (moved) {  // a new load: probe it now, both other ways
+        interval_ns_ = options_.interval_ns;
+        quick_probes_ = 2;
+      }
       if (moved || now_ns - phase_start_ns_ >= interval_ns_) {
         Begin(Phase::kBaseline, now_ns);
       }
@@ -113,7 +121,7 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
       if (PhaseDone(baseline_again_)) Decide(now_ns);
       break;
   }
-  return wait() != before;
+  return leave() != before;
 }
 
 void BatchDelayTuner::Decide(int64_t now_ns) {
@@ -144,16 +152,31 @@ void BatchDelayTuner::Decide(int64_t now_ns) {
     const double cost = (baseline_.CostPerItem() + baseline_again_.CostPerItem()) / 2;
     verdict = probe_.CostPerItem() < cost * (1 - options_.cost_margin) ? kTake : kKeep;
   }
-  if (verdict != kUnsure) {
-    // Either way the next probe comes later: a probe runs the mode found
-    // worse, and a new load brings the next one forward anyway.
-    if (verdict == kTake) wait_ = !wait_;
-    settled_rate_ = verdict == kTake ? probe_rate : rate;
-    interval_ns_ = std::min(interval_ns_ * 2, options_.max_interval_ns);
-  } else {
+  if (verdict == kUnsure) {
+    // Measure the new load: both other ways, one after the other.
     settled_rate_ = r2;
     interval_ns_ = options_.interval_ns;
+    quick_probes_ = 2;
+    Begin(Phase::kSteady, now_ns);
+    return;
   }
+  if (verdict == kTake) {
+    settled_ = probe_leave_;
+    next_probe_ = 0;
+    quick_probes_ = 1;  // the way not probed yet, against the new one
+  } else if (quick_probes_ > 0) {
+    --quick_probes_;
+  }
+  settled_rate_ = verdict == kTake ? probe_rate : rate;
+  if (quick_probes_ > 0) {
+    // The other way is probed at once (the second baseline starts its
+    // comparison).
+    Begin(Phase::kBaseline, now_ns);
+    return;
+  }
+  // Otherwise the next probe comes later: a probe runs a way found worse,
+  // and a new load brings the next one forward anyway.
+  interval_ns_ = std::min(interval_ns_ * 2, options_.max_interval_ns);
   Begin(Phase::kSteady, now_ns);
 }
 

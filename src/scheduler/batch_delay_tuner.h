@@ -1,23 +1,26 @@
-// BatchDelayTuner: decides, online, whether a model with a latency target
-// waits out its batching delay or sends a batch as soon as every recent
-// client is queued.
+// BatchDelayTuner: decides, online, when a batch of a model with a latency
+// target and a batching delay leaves: as soon as an instance is free, once
+// every recent client is queued, or after the delay.
 //
-// The two kinds of load want opposite things. Clients that send their next
-// request only once answered (a closed loop) bring nobody a delay could wait
-// for once they are all queued: waiting only slows them (a lone client at
-// 2 ms per request instead of 0.25). Requests that arrive at a rate whatever
-// the answers (an open loop: cameras, other services) keep arriving while a
-// batch waits: a delay fills batches and saves CPU per request, paid in
-// latency the target allows. Counting who is here cannot tell the two apart
-// at a light load (a lone closed-loop client and an open loop under one
-// request on average look alike), so the tuner measures: it runs the other
-// mode for a phase between two phases of the current one (baseline, probe,
-// baseline again), and takes the probe when the model answered more items
-// per second in it, or as many for less run time per item, with the longest
-// wait of its batches' 99th percentile under the target. Baselines that
-// disagree on the rate (the load changed meanwhile) decide nothing. Each
-// decision spaces the next probe out (up to max_interval_ns); a rate that
-// moves far from the one settled on (the load changed) brings it forward.
+// Loads want different things. Clients that send their next request only
+// once answered (a closed loop) bring nobody a delay could wait for once
+// they are all queued: waiting only slows them (a lone client at 2 ms per
+// request instead of 0.25), and even waiting for the last of them can cost
+// more than it saves (16 clients: the instance idles while stragglers are
+// on their way). Requests that arrive at a rate whatever the answers (an
+// open loop: cameras, other services) keep arriving while a batch waits: a
+// delay fills batches and saves CPU per request, paid in latency the target
+// allows. Counting who is here cannot tell these apart at a light load (a
+// lone closed-loop client and an open loop under one request on average
+// look alike), so the tuner measures: it runs another way for a phase
+// between two phases of the current one (baseline, probe, baseline again),
+// and takes the probe when the model answered more items per second in it,
+// or as many for less run time per item, with the longest wait of its
+// batches' 99th percentile under the target. Baselines that disagree on the
+// rate (the load changed meanwhile) decide nothing. The probes try the two
+// other ways in turn, back to back at first, after a move and when the load
+// changed (a rate far from the one settled on, or baselines that disagree);
+// otherwise each decision spaces the next probe out (up to max_interval_ns).
 //
 // Pure logic with no clock or threads; the caller passes the time and
 // serialises access.
@@ -27,6 +30,13 @@
 #include <vector>
 
 namespace quern {
+
+// When a batch that could take more requests leaves.
+enum class BatchLeave {
+  kAtOnce,        // as soon as an instance is free
+  kEveryoneHere,  // once as many are queued or running as the model held on average lately, else after the delay
+  kAfterDelay,    // after the batching delay (or full, or in time for the target)
+};
 
 struct BatchDelayTunerOptions {
   // The latency target (ns) the probes' waits must stay under.
@@ -63,15 +73,15 @@ class BatchDelayTuner {
  public:
   explicit BatchDelayTuner(BatchDelayTunerOptions options);
 
-  // Whether batches wait out the delay now (a probe's mode while one runs);
-  // false: a batch leaves once every recent client is queued.
-  bool wait() const { return phase_ == Phase::kProbe ? !wait_ : wait_; }
-  // The mode settled on.
-  bool settled_wait() const { return wait_; }
+  // How batches leave now (a probe's way while one runs); kEveryoneHere
+  // before any measurement.
+  BatchLeave leave() const { return phase_ == Phase::kProbe ? probe_leave_ : settled_; }
+  // The way settled on.
+  BatchLeave settled() const { return settled_; }
 
   // Reports a batch that ended at `now_ns`: its items, its run time, and
   // the longest time one of its tasks took from enqueue to now. Returns
-  // true when wait() changed.
+  // true when leave() changed.
   bool Observe(int64_t now_ns, int64_t items, int64_t run_ns, int64_t latency_ns);
 
  private:
@@ -96,7 +106,12 @@ class BatchDelayTuner {
   void Decide(int64_t now_ns);
 
   BatchDelayTunerOptions options_;
-  bool wait_ = false;  // the settled mode
+  BatchLeave settled_ = BatchLeave::kEveryoneHere;
+  BatchLeave probe_leave_ = BatchLeave::kAtOnce;
+  int next_probe_ = 0;  // which of the two other ways the next probe tries
+  // Probes still to run back to back (a new load is measured both other
+  // ways before the interval grows).
+  int quick_probes_ = 2;
   bool started_ = false;
   Phase phase_ = Phase::kSteady;
   int64_t phase_start_ns_ = 0;

@@ -95,7 +95,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     if (claimed >= 0) {
       // The queue's own decision, as for a worker: a batching delay or
       // preferred sizes keep the task queued for company.
-      here = queue_.Next(now, /*flush=*/EveryoneHereLocked(), /*takers=*/1);
+      here = queue_.Next(now, /*flush=*/SendNowLocked(), /*takers=*/1);
       if (here.batch.empty() && here.dropped.empty()) {
         claimed = -1;
         shared = false;
@@ -180,9 +180,18 @@ void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared, bo
   }
 }
 
-bool DynamicBatcher::EveryoneHereLocked() const {
+bool DynamicBatcher::SendNowLocked() const {
   if (!latency_target_ || queue_.empty()) return false;
-  if (delay_tuner_ && delay_tuner_->wait()) return false;
+  if (delay_tuner_) {
+    switch (delay_tuner_->leave()) {
+      case BatchLeave::kAtOnce:
+        return true;
+      case BatchLeave::kAfterDelay:
+        return false;
+      case BatchLeave::kEveryoneHere:
+        break;
+    }
+  }
   return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max<int64_t>(1, std::llround(average_load_));
 }
 
@@ -441,7 +450,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (instance_free && (stopping_ || MayTake(wide))) {
       now = clock_->NowNs();
       BatchQueue::Decision d =
-          queue_.Next(now, /*flush=*/stopping_ || EveryoneHereLocked(), wide ? 1 : narrow_workers() - busy_workers_);
+          queue_.Next(now, /*flush=*/stopping_ || SendNowLocked(), wide ? 1 : narrow_workers() - busy_workers_);
       if (!d.batch.empty() || !d.dropped.empty()) {
         const bool more = !queue_.empty();
         const auto tasks = static_cast<int64_t>(d.batch.size());

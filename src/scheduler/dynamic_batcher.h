@@ -81,9 +81,10 @@ struct DynamicBatcherOptions {
   // BatchSizeTuner); batch run times are taken with `clock`.
   std::optional<BatchSizeTunerOptions> tuner;
   // With a latency target and a batching delay (queue.latency_target_ns,
-  // queue.max_queue_delay_ns): when set, whether batches wait out the delay
-  // or leave once every recent client is queued is measured online (see
-  // BatchDelayTuner); unset, they leave once everyone is here.
+  // queue.max_queue_delay_ns): when set, whether batches leave as soon as an
+  // instance is free, once every recent client is queued, or after the
+  // delay is measured online (see BatchDelayTuner); unset, they leave once
+  // everyone is here.
   std::optional<BatchDelayTunerOptions> delay_tuner;
   // Admission by waiting time: while every worker is busy, a task is
   // refused (UNAVAILABLE, without taking it) when the items already queued
@@ -209,13 +210,14 @@ class DynamicBatcher {
   // wait and the reaper watches them).
   bool AnyTaker() const QUERN_REQUIRES(mu_);
   int narrow_workers() const { return num_workers_ - (wide_ ? 1 : 0); }
-  // With a latency target (queue.latency_target_ns): whether the tasks
-  // queued or running now are as many as the model has held on average
-  // lately (average_load_, rounded; at least one). A batch waiting for
-  // company then leaves: clients that send their next request only after
-  // their answer (a closed loop) bring none a batching delay could wait for.
-  // Never while the delay tuner has batches wait out the delay.
-  bool EveryoneHereLocked() const QUERN_REQUIRES(mu_);
+  // With a latency target (queue.latency_target_ns): whether a batch waiting
+  // for company leaves now. By default (BatchLeave::kEveryoneHere) once the
+  // tasks queued or running are as many as the model has held on average
+  // lately (average_load_, rounded; at least one): clients that send their
+  // next request only after their answer (a closed loop) bring none a
+  // batching delay could wait for. With a delay tuner, as it says:
+  // always (kAtOnce), or never (kAfterDelay: the queue's delay decides).
+  bool SendNowLocked() const QUERN_REQUIRES(mu_);
 
   const Clock* clock_;
   int num_workers_ = 1;  // set before any thread starts
