@@ -284,5 +284,28 @@ TEST(BatchDelayTuner, BaselinesThatDisagreeDecideNothing) {
   EXPECT_EQ(tuner.settled(), BatchLeave::kEveryoneHere);
 }
 
+TEST(BatchDelayTuner, AProbeThatBreaksTheTargetEndsAtOnceAndIsNotTaken) {
+  // Near the model's capacity a costlier way builds a queue: its first
+  // batch that waited past the target ends the probe, and the way is not
+  // taken, however cheap or fast its batches were.
+  BatchDelayTunerOptions o;
+  o.target_ns = 20 * kMs;
+  o.interval_ns = 0;
+  o.phase_items = 1000;
+  BatchDelayTuner tuner(o);
+  int64_t t = 0;
+  tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // starts steady; the interval (0) has passed
+  for (int i = 0; i < 1001; ++i) tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // baseline
+  const BatchLeave probed = tuner.leave();
+  ASSERT_NE(probed, BatchLeave::kEveryoneHere);
+  for (int i = 0; i < 5; ++i) tuner.Observe(t += 50'000, 2, 10'000, 40'000);  // a fast, cheap start
+  ASSERT_EQ(tuner.leave(), probed);
+  // A request that came 5 ms into the probe, answered 25 ms later: past the target.
+  tuner.Observe(t += 30 * kMs, 2, 10'000, 25 * kMs);
+  EXPECT_EQ(tuner.leave(), BatchLeave::kEveryoneHere) << "the probe went on past the target";
+  for (int i = 0; i < 1001; ++i) tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // the second baseline
+  EXPECT_EQ(tuner.settled(), BatchLeave::kEveryoneHere);
+}
+
 }  // namespace
 }  // namespace quern

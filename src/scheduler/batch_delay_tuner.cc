@@ -109,11 +109,14 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
     case Phase::kProbe: {
       probe_.Add(now_ns, items, run_ns, latency_ns);
       // A probe already far behind the baseline (a lone closed-loop client
-      // made to wait) is not run to its full length.
+      // made to wait) is not run to its full length, nor one that made a
+      // request wait past the target (near the model's capacity, a costlier
+      // way builds a queue that outlasts the probe).
       const bool losing = probe_.end_ns - probe_.start_ns >= options_.min_phase_ns &&
                           probe_.batches >= options_.min_phase_batches &&
                           probe_.Rate() * 2 < baseline_.Rate();
-      if (losing || PhaseDone(probe_)) Begin(Phase::kBaselineAgain, now_ns);
+      const bool late = options_.target_ns > 0 && latency_ns > options_.target_ns;
+      if (losing || late || PhaseDone(probe_)) Begin(Phase::kBaselineAgain, now_ns);
       break;
     }
     case Phase::kBaselineAgain:

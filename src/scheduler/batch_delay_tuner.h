@@ -43,7 +43,8 @@ struct BatchDelayTunerOptions {
   int64_t target_ns = 0;
   // A phase lasts at least this long and min_phase_batches batches, until
   // it holds phase_items items or lasts max_phase_ns (a probe at half the
-  // baseline's rate or less ends as soon as it has the minimum).
+  // baseline's rate or less ends as soon as it has the minimum, and one
+  // whose batch waited past the target at once).
   int64_t min_phase_ns = 100'000'000;
   int64_t max_phase_ns = 500'000'000;
   int min_phase_batches = 16;
