@@ -36,9 +36,9 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
     b->tuner_.emplace(std::move(*options.tuner));
     b->queue_.set_batch_limit(b->tuner_->limit());
   }
-  if (options.delay_tuner && latency_target && b->queue_.options().max_queue_delay_ns > 0) {
-    MutexLock lock(b->mu_);
-    b->delay_tuner_.emplace(*options.delay_tuner);
+  if (options.delay_tuner && latency_target) {
+    MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
+    if (b->queue_.options().max_queue_delay_ns > 0) b->delay_tuner_.emplace(*options.delay_tuner);
   }
   {
     MutexLock lock(b->mu_);
