@@ -94,7 +94,8 @@ class Sim {
           run_ns += cost;
           items += static_cast<int64_t>(running_.size());
         }
-        if (tuner_) tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front().enqueued);
+        if (tuner_)
+          tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front().enqueued);
         running_.clear();
         busy_until_ = INT64_MAX;
       }

@@ -49,12 +49,8 @@ void BatchDelayTuner::Begin(Phase phase, int64_t now_ns) {
   phase_ = phase;
   phase_start_ns_ = now_ns;
   switch (phase) {
-    case Phase::kSteady:
-      window_.Start(now_ns);
-      break;
-    case Phase::kBaseline:
-      baseline_.Start(now_ns);
-      break;
+    case Phase::kSteady: window_.Start(now_ns); break;
+    case Phase::kBaseline: baseline_.Start(now_ns); break;
     case Phase::kProbe: {
       probe_.Start(now_ns);
       // The two ways other than the settled one, in turn.
@@ -63,9 +59,7 @@ void BatchDelayTuner::Begin(Phase phase, int64_t now_ns) {
       next_probe_ ^= 1;
       break;
     }
-    case Phase::kBaselineAgain:
-      baseline_again_.Start(now_ns);
-      break;
+    case Phase::kBaselineAgain: baseline_again_.Start(now_ns); break;
   }
 }
 
@@ -89,8 +83,8 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
       bool moved = false;
       if (window_.end_ns - window_.start_ns >= options_.min_phase_ns && window_.batches >= options_.min_phase_batches) {
         const double r = window_.Rate();
-        moved = settled_rate_ > 0 &&
-                (r > settled_rate_ * options_.load_change || r * options_.load_change < settled_rate_);
+        moved =
+            settled_rate_ > 0 && (r > settled_rate_ * options_.load_change || r * options_.load_change < settled_rate_);
         window_.Start(now_ns);
       }
       if (moved) {  // a new load: probe it now, both other ways
@@ -113,8 +107,7 @@ bool BatchDelayTuner::Observe(int64_t now_ns, int64_t items, int64_t run_ns, int
       // request wait past the target (near the model's capacity, a costlier
       // way builds a queue that outlasts the probe).
       const bool losing = probe_.end_ns - probe_.start_ns >= options_.min_phase_ns &&
-                          probe_.batches >= options_.min_phase_batches &&
-                          probe_.Rate() * 2 < baseline_.Rate();
+                          probe_.batches >= options_.min_phase_batches && probe_.Rate() * 2 < baseline_.Rate();
       const bool late = options_.target_ns > 0 && latency_ns > options_.target_ns;
       if (losing || late || PhaseDone(probe_)) Begin(Phase::kBaselineAgain, now_ns);
       break;
@@ -136,8 +129,9 @@ void BatchDelayTuner::Decide(int64_t now_ns) {
   const int64_t base_p99 = std::max(baseline_.P99(), baseline_again_.P99());
   // The relative standard deviation of the probe's rate against the
   // baselines', were items to arrive at random.
-  const double spread = std::sqrt(1.0 / static_cast<double>(std::max<int64_t>(probe_.items, 1)) +
-                                  1.0 / static_cast<double>(std::max<int64_t>(baseline_.items + baseline_again_.items, 1)));
+  const double spread =
+      std::sqrt(1.0 / static_cast<double>(std::max<int64_t>(probe_.items, 1)) +
+                1.0 / static_cast<double>(std::max<int64_t>(baseline_.items + baseline_again_.items, 1)));
   enum { kKeep, kTake, kUnsure } verdict = kKeep;
   const double baselines_spread = std::sqrt(1.0 / static_cast<double>(std::max<int64_t>(baseline_.items, 1)) +
                                             1.0 / static_cast<double>(std::max<int64_t>(baseline_again_.items, 1)));

@@ -184,12 +184,9 @@ bool DynamicBatcher::SendNowLocked() const {
   if (!latency_target_ || queue_.empty()) return false;
   if (delay_tuner_) {
     switch (delay_tuner_->leave()) {
-      case BatchLeave::kAtOnce:
-        return true;
-      case BatchLeave::kAfterDelay:
-        return false;
-      case BatchLeave::kEveryoneHere:
-        break;
+      case BatchLeave::kAtOnce: return true;
+      case BatchLeave::kAfterDelay: return false;
+      case BatchLeave::kEveryoneHere: break;
     }
   }
   return static_cast<int64_t>(queue_.size()) + running_tasks_ >= std::max<int64_t>(1, std::llround(average_load_));

@@ -65,8 +65,8 @@
 
 #include "core/mutex.h"
 #include "quern/clock.h"
-#include "scheduler/batch_queue.h"
 #include "scheduler/batch_delay_tuner.h"
+#include "scheduler/batch_queue.h"
 #include "scheduler/batch_size_tuner.h"
 
 namespace quern {
