@@ -141,6 +141,8 @@ void BatchDelayTuner::Decide(int64_t now_ns) {
     verdict = kKeep;  // the probe broke the target the current mode keeps
   } else if (target > 0 && base_p99 > target && probe_p99 <= target) {
     verdict = kTake;  // and the other way round
+  } else if (probe_.batches < options_.min_phase_batches) {
+    verdict = kKeep;  // a probe cut short past the target: too few batches to judge by
   } else if (probe_rate > rate * (1 + std::max(options_.rate_margin, 3 * spread))) {
     verdict = kTake;
   } else if (probe_rate < rate * (1 - std::max(options_.rate_margin, 3 * spread))) {
