@@ -227,9 +227,11 @@ class PythonModel final : public Model {
       Put<uint64_t>(frame, offsets[i]);
       Put<uint64_t>(frame, t.byte_size());
     }
-    const bool same_core = SameCore();
-    if (same_core) {
-      process_->RunOn(sched_getcpu());
+    // Yielding only helps a process that runs on this CPU: elsewhere it
+    // would spin beside it.
+    bool same_core = false;
+    if (SameCore()) {
+      same_core = process_->RunOn(sched_getcpu());
     } else {
       process_->RunAnywhere();
     }

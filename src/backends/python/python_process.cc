@@ -350,15 +350,17 @@ bool PythonProcess::finished() {
   return false;
 }
 
-void PythonProcess::RunOn(int cpu) {
-  if (cpu == held_cpu_ || pid_ <= 0 || !have_start_cpus_ || cpu < 0 || cpu >= CPU_SETSIZE ||
-      !CPU_ISSET(cpu, &start_cpus_)) {
-    return;
+bool PythonProcess::RunOn(int cpu) {
+  if (cpu >= 0 && cpu == held_cpu_) return true;
+  if (pid_ <= 0 || !have_start_cpus_ || cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &start_cpus_)) {
+    return false;
   }
   cpu_set_t one;
   CPU_ZERO(&one);
   CPU_SET(cpu, &one);
-  if (::sched_setaffinity(pid_, sizeof one, &one) == 0) held_cpu_ = cpu;
+  if (::sched_setaffinity(pid_, sizeof one, &one) != 0) return false;
+  held_cpu_ = cpu;
+  return true;
 }
 
 void PythonProcess::RunAnywhere() {

@@ -83,8 +83,10 @@ class PythonProcess {
 
   // Places the process's main thread (the one that runs the model's code)
   // on `cpu` alone; RunAnywhere gives it back the CPUs it started with.
-  // Threads and processes it starts meanwhile inherit the one CPU.
-  void RunOn(int cpu);
+  // Threads and processes it starts meanwhile inherit the one CPU. True
+  // when the process runs on `cpu` alone now (false: a CPU it may not use,
+  // or the call failed; it runs where it did).
+  bool RunOn(int cpu);
   void RunAnywhere();
   // The CPU it is held on, or -1.
   int held_cpu() const { return held_cpu_; }
