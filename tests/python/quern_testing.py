@@ -189,3 +189,33 @@ class RedisServer:
 
     def url(self, db=0):
         return f"redis://127.0.0.1:{self.port}/{db}"
+
+
+def voluntary_switches(pid, tid=None):
+    """A thread's voluntary context switches so far (the times it blocked): thread `tid` of process
+    `pid`, its main thread by default."""
+    with open(f"/proc/{pid}/task/{tid or pid}/status") as f:
+        return int(next(line for line in f if line.startswith("voluntary_ctxt_switches:")).split()[1])
+
+
+def python_model_pids(model, parent=None):
+    """The processes running instances of Python model `model` started by process `parent` (this
+    one by default), found by the title the server gives them (quern-python:<model>:<instance>)."""
+    import os
+
+    parent = parent or os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        if ppid == parent and any(a.startswith(f"quern-python:{model}:".encode()) for a in args):
+            found.append(int(entry))
+    return found
+

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from quern_testing import start_quern
+from quern_testing import start_quern, voluntary_switches
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -49,10 +49,7 @@ def engine_wakeups(pid):
             with open(f"{task}/comm") as f:
                 if not f.read().startswith("quern-infer"):
                     continue
-            with open(f"{task}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
+            total += voluntary_switches(pid, os.path.basename(task))
         except FileNotFoundError:
             pass
     return total

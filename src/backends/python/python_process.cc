@@ -30,6 +30,7 @@ namespace {
 
 // The descriptors the process finds (stub.py describes them).
 constexpr int kChildControlFd = 3;
+constexpr int kChildReplyFd = 4;
 constexpr int kChildLifeFd = 6;
 constexpr int kChildShmFds[PythonProcess::kSlots] = {5, 7, 8, 9};
 // Frames are descriptions of tensors, never the tensors: a larger one is a
@@ -134,12 +135,24 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   const std::string tag = "model '" + launch.model_name + "' instance " + std::to_string(launch.instance);
   std::unique_ptr<PythonProcess> p(new PythonProcess(tag));
 
-  int control[2], life[2], log[2], stop[2];
+  // Frames go to the process on one socket and come back on another. On one
+  // socket, the server reading an answer frees buffer space the process's
+  // socket charged for it, and that wakes the process, already waiting for
+  // the next batch on the same socket, for nothing: a second sleep and
+  // wake-up per batch.
+  int control[2], reply[2], life[2], log[2], stop[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
     return Err(Unavailable(tag + ": cannot create a socket for its Python process: " + ErrnoText(errno)));
   }
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, reply) != 0) {
+    ::close(control[0]);
+    ::close(control[1]);
+    return Err(Unavailable(tag + ": cannot create a socket for its Python process: " + ErrnoText(errno)));
+  }
   p->control_fd_ = control[0];
+  p->reply_fd_ = reply[0];
   int child_control = control[1];
+  int child_reply = reply[1];
   // Slots start at one granule (memory is only used where written); no
   // side can shrink them under the other's mapping.
   for (int i = 0; i < kSlots; ++i) {
@@ -147,25 +160,30 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
     fd = ::memfd_create(("quern:" + launch.model_name).substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ::ftruncate(fd, kShmGranule) != 0 || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
       ::close(child_control);
+      ::close(child_reply);
       return Err(Unavailable(tag + ": cannot create shared memory for its Python process: " + ErrnoText(errno)));
     }
   }
   if (Status st = p->MapSlot(0, kShmGranule); !st.ok()) {
     ::close(child_control);
+    ::close(child_reply);
     return Err(st);
   }
   if (::pipe2(life, O_CLOEXEC) != 0) {
     ::close(child_control);
+    ::close(child_reply);
     return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
   }
   p->life_fd_ = life[1];
   if (::pipe2(log, O_CLOEXEC) != 0) {
     ::close(child_control);
+    ::close(child_reply);
     ::close(life[0]);
     return Err(Unavailable(tag + ": cannot create a pipe: " + ErrnoText(errno)));
   }
   if (::pipe2(stop, O_CLOEXEC) != 0) {
     ::close(child_control);
+    ::close(child_reply);
     ::close(life[0]);
     ::close(log[0]);
     ::close(log[1]);
@@ -180,6 +198,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
     return moved;
   };
   child_control = high(child_control);
+  child_reply = high(child_reply);
   const int child_life = high(life[0]);
   const int child_log = high(log[1]);
   int child_shm[kSlots];
@@ -188,10 +207,10 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 4, "/dev/null", O_RDONLY, 0);  // the one fd below 10 not given
   posix_spawn_file_actions_adddup2(&actions, child_log, STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_log, STDERR_FILENO);
   posix_spawn_file_actions_adddup2(&actions, child_control, kChildControlFd);
+  posix_spawn_file_actions_adddup2(&actions, child_reply, kChildReplyFd);
   posix_spawn_file_actions_adddup2(&actions, child_life, kChildLifeFd);
   for (int i = 0; i < kSlots; ++i) posix_spawn_file_actions_adddup2(&actions, child_shm[i], kChildShmFds[i]);
   posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[kSlots - 1] + 1);
@@ -229,6 +248,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
   ::close(child_control);
+  ::close(child_reply);
   ::close(child_life);
   ::close(child_log);
   for (int fd : child_shm) ::close(fd);
@@ -273,14 +293,14 @@ PythonProcess::~PythonProcess() {
   if (pid_ > 0) {
     // finalize() may take a moment; the process exits on its own.
     if (Send("S").ok()) {
-      pollfd fds[2] = {{control_fd_, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
+      pollfd fds[2] = {{reply_fd_, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
       const int64_t deadline = NowMs() + 5000;
       for (int64_t left; pid_ > 0 && (left = deadline - NowMs()) > 0;) {
         const int r = ::poll(fds, pid_fd_ >= 0 ? 2 : 1, static_cast<int>(left));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0 || fds[1].revents) break;  // timed out, or it has exited
         char c;
-        const ssize_t n = ::read(control_fd_, &c, 1);
+        const ssize_t n = ::read(reply_fd_, &c, 1);
         if (n <= 0) break;  // closed: the process is exiting
       }
     }
@@ -291,6 +311,7 @@ PythonProcess::~PythonProcess() {
   CloseFd(log_stop_fd_);
   CloseFd(log_stop_read_fd_);
   CloseFd(control_fd_);
+  CloseFd(reply_fd_);
   // Mappings borrowed by output tensors stay until those are released.
   for (auto& slot : slots_) CloseFd(slot.fd);
   CloseFd(life_fd_);
@@ -470,7 +491,7 @@ bool PythonProcess::YieldForFrame(int64_t spin_ns) {
       if (n > kMaxFrameBytes || inbox_.size() - 4 >= n) return true;
     }
     sched_yield();
-    const ssize_t n = ::recv(control_fd_, buf, sizeof buf, MSG_DONTWAIT);
+    const ssize_t n = ::recv(reply_fd_, buf, sizeof buf, MSG_DONTWAIT);
     if (n > 0) {
       inbox_.append(buf, static_cast<size_t>(n));
       continue;
@@ -502,7 +523,7 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
     }
     // The process's pidfd as well: a child of it holding the socket would
     // hide the process's death from the socket.
-    pollfd fds[3] = {{control_fd_, POLLIN, 0}, {abort_fd, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
+    pollfd fds[3] = {{reply_fd_, POLLIN, 0}, {abort_fd, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
     const nfds_t nfds = pid_fd_ >= 0 ? 3 : 2;  // a negative fd (no abort_fd) is skipped by poll
     const int64_t left = deadline ? deadline - NowMs() : -1;
     int r = 0;
@@ -524,7 +545,7 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
       Reap(true);
       return Err(DeadlineExceeded("timed out"));
     }
-    const ssize_t n = ::read(control_fd_, buf, sizeof buf);
+    const ssize_t n = ::read(reply_fd_, buf, sizeof buf);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n <= 0) {
       inbox_.clear();

@@ -113,7 +113,8 @@ class PythonProcess {
 
   std::string tag_;  // "model 'x' instance 0"
   pid_t pid_ = -1;
-  int control_fd_ = -1;
+  int control_fd_ = -1;   // frames to the process
+  int reply_fd_ = -1;     // frames from it
   int pid_fd_ = -1;       // pidfd of the process: readable once it has exited
   int life_fd_ = -1;      // write end of the pipe the process watches
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends

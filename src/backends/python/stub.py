@@ -1,9 +1,12 @@
 # The process that runs one instance of a Python model for the Quern server.
 #
 # The server starts `python3 -c <bootstrap>` with these descriptors:
-#   3  a Unix socket to the server: frames of a 4-byte little-endian length
-#      and a payload (this source, the pb_utils source, the launch JSON,
-#      then one execute frame per batch and a shutdown frame)
+#   3  a Unix socket from the server: frames of a 4-byte little-endian
+#      length and a payload (this source, the pb_utils source, the launch
+#      JSON, then one execute frame per batch and a shutdown frame)
+#   4  a Unix socket to the server, frames the same way (ready, then one
+#      answer per batch); a socket of its own, so that the server reading
+#      an answer does not wake this process waiting on socket 3
 #   5, 7, 8, 9  memfds shared with the server, the slots: a batch's input
 #      tensors are written into one slot by the server, its output tensors
 #      into the same slot by this process (either side may grow it); the
@@ -25,7 +28,7 @@ import threading
 import traceback
 import types
 
-CONTROL_FD, LIFE_FD = 3, 6
+CONTROL_FD, REPLY_FD, LIFE_FD = 3, 4, 6
 SHM_FDS = (5, 7, 8, 9)
 ALIGN = 64
 MAX_SHM_BYTES = 1 << 34  # 16 GiB: no batch of outputs is larger
@@ -82,7 +85,7 @@ def _send(payload):
     view = memoryview(data)
     try:
         while view:
-            view = view[os.write(CONTROL_FD, view):]
+            view = view[os.write(REPLY_FD, view):]
     except OSError:
         _server_gone()
 
