@@ -94,8 +94,10 @@ class Sim {
           run_ns += cost;
           items += static_cast<int64_t>(running_.size());
         }
-        if (tuner_)
-          tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front().enqueued);
+        if (tuner_ &&
+            tuner_->Observe(now_, static_cast<int64_t>(running_.size()), cost, now_ - running_.front().enqueued) &&
+            getenv("TRACE"))
+          printf("  t=%.3f leave %d settled %d\n", now_ / 1e9, (int)tuner_->leave(), (int)tuner_->settled());
         running_.clear();
         busy_until_ = INT64_MAX;
       }
@@ -306,6 +308,44 @@ TEST(BatchDelayTuner, AProbeThatBreaksTheTargetEndsAtOnceAndIsNotTaken) {
   EXPECT_EQ(tuner.leave(), BatchLeave::kEveryoneHere) << "the probe went on past the target";
   for (int i = 0; i < 1001; ++i) tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // the second baseline
   EXPECT_EQ(tuner.settled(), BatchLeave::kEveryoneHere);
+}
+
+TEST(BatchDelayTuner, AfterTakingAWayItComparesItWithTheThirdNotWithTheOneItLeft) {
+  BatchDelayTunerOptions o;
+  o.target_ns = 20 * kMs;
+  o.interval_ns = 0;
+  o.phase_items = 1000;
+  BatchDelayTuner tuner(o);
+  int64_t t = 0;
+  auto feed = [&](int64_t gap_ns, int n) {
+    for (int i = 0; i < n; ++i) {
+      t += gap_ns;
+      tuner.Observe(t, 1, 10'000, gap_ns);
+    }
+  };
+  // One comparison: a baseline at 10k items/s, the probe at `probe_gap_ns`,
+  // the second baseline at 10k.
+  // (Each phase ends with its 1000th item once 100 ms have passed.)
+  auto compare = [&](BatchLeave probed, int64_t probe_gap_ns) {
+    feed(100'000, 1000);
+    ASSERT_EQ(tuner.leave(), probed);
+    feed(probe_gap_ns, static_cast<int>(std::max<int64_t>(1000, 100 * kMs / probe_gap_ns)));
+    feed(100'000, 1000);
+  };
+  feed(100'000, 1);  // starts steady; the interval (0) has passed
+  ASSERT_EQ(tuner.leave(), BatchLeave::kEveryoneHere);
+  // The new load: both other ways probed, both slower (8k items/s).
+  compare(BatchLeave::kAfterDelay, 125'000);
+  compare(BatchLeave::kAtOnce, 125'000);
+  ASSERT_EQ(tuner.settled(), BatchLeave::kEveryoneHere);
+  feed(100'000, 1);  // steady again; the interval (0) has passed
+  compare(BatchLeave::kAfterDelay, 125'000);
+  feed(100'000, 1);
+  compare(BatchLeave::kAtOnce, 50'000);  // now faster (20k items/s): taken
+  ASSERT_EQ(tuner.settled(), BatchLeave::kAtOnce);
+  // At once, the baseline of the next comparison, then its probe.
+  feed(100'000, 1000);
+  EXPECT_EQ(tuner.leave(), BatchLeave::kAfterDelay) << "the way left behind is probed again";
 }
 
 }  // namespace

@@ -160,9 +160,13 @@ void BatchDelayTuner::Decide(int64_t now_ns) {
     return;
   }
   if (verdict == kTake) {
+    // The third way is compared with the one taken next, at once (not the
+    // way just left, found worse already); unless this was the second probe
+    // of a new load, whose first found the third way worse than the one left.
+    const int third = 3 - static_cast<int>(settled_) - static_cast<int>(probe_leave_);
     settled_ = probe_leave_;
-    next_probe_ = 0;
-    quick_probes_ = 1;  // the way not probed yet, against the new one
+    next_probe_ = (third - static_cast<int>(settled_) + 2) % 3;
+    quick_probes_ = quick_probes_ == 1 ? 0 : 1;
   } else if (quick_probes_ > 0) {
     --quick_probes_;
   }
