@@ -7,6 +7,7 @@
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
 #include "backends/python/python_backend.h"
+#include "backends/pytorch/pytorch_backend.h"
 #include "backends/stages/ocr_stages.h"
 #include "core/log.h"
 #include "engine/backend.h"
@@ -132,6 +133,7 @@ void RegisterBuiltinBackends(BackendRegistry& registry) {
   registry.Register("quern", std::make_shared<StageBackend>());
   registry.Register("onnxruntime", std::make_shared<OrtBackend>());
   registry.Register("python", NewPythonBackend());
+  registry.Register("pytorch", NewPytorchBackend());
 }
 
 }  // namespace quern

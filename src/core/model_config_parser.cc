@@ -261,14 +261,18 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
                                                   : ": ensemble_scheduling is for platform \"ensemble\" only")));
   }
   if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
+  if (c.backend.empty() && c.platform == "pytorch_libtorch") c.backend = "pytorch";
   if (ensemble && c.backend.empty()) {
     // An ensemble: steps run by the ensemble scheduler (below).
   } else if ((c.backend == "python" || c.backend == "quern") && c.platform.empty()) {
     // A Python model (model.py), run in processes of its own, or a built-in stage.
+  } else if (c.backend == "pytorch" && (c.platform.empty() || c.platform == "pytorch_libtorch")) {
+    c.platform = "pytorch_libtorch";  // a TorchScript model.pt, run by LibTorch
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
     return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
                                "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                               "platform \"onnxruntime_onnx\"), Python models (backend \"python\"), built-in stages "
+                               "platform \"onnxruntime_onnx\"), PyTorch models (backend \"pytorch\" or platform "
+                               "\"pytorch_libtorch\"), Python models (backend \"python\"), built-in stages "
                                "(backend \"quern\") and ensembles "
                                "(platform \"ensemble\")"));
   } else {

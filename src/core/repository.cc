@@ -115,7 +115,9 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
     return Err(
         NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() + "/model.onnx)"));
   }
-  const std::string default_file = m.config.backend == "python" ? "model.py" : "model.onnx";
+  const std::string default_file = m.config.backend == "python"    ? "model.py"
+                                   : m.config.backend == "pytorch" ? "model.pt"
+                                                                   : "model.onnx";
   const std::string& file = m.config.default_model_filename.empty() ? default_file : m.config.default_model_filename;
   if (file.find('/') != std::string::npos || file == "." || file == "..") {
     return Err(InvalidArgument(config_file.string() + ": default_model_filename '" + file +

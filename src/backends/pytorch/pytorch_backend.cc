@@ -1,0 +1,274 @@
+#include "backends/pytorch/pytorch_backend.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backends/pytorch/torch_plugin_api.h"
+#include "core/log.h"
+
+namespace quern {
+namespace {
+
+// The plugin, loaded once per process (never unloaded: LibTorch's threads
+// and static state outlive any model).
+Result<const QuernTorchApi*> Plugin() {
+  static std::once_flag once;
+  static const QuernTorchApi* api = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    std::vector<std::string> candidates;
+    if (const char* env = std::getenv("QUERN_PYTORCH_PLUGIN"); env && *env) candidates.emplace_back(env);
+#ifdef QUERN_PYTORCH_PLUGIN_PATH
+    candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);
+#endif
+    if (candidates.empty()) {
+      error =
+          "this build of Quern has no LibTorch plugin (LibTorch was not found when it was built: "
+          "scripts/setup.sh installs it)";
+      return;
+    }
+    std::string tried;
+    for (const auto& path : candidates) {
+      void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!handle) {
+        const char* why = ::dlerror();
+        tried += (tried.empty() ? "" : "; ") + path + ": " + (why ? why : "cannot load");
+        continue;
+      }
+      auto fn = reinterpret_cast<QuernTorchApiFn>(::dlsym(handle, "quern_torch_api"));
+      const QuernTorchApi* found = fn ? fn() : nullptr;
+      if (!found || found->abi != QUERN_TORCH_PLUGIN_ABI) {
+        tried += (tried.empty() ? "" : "; ") + path + ": not a LibTorch plugin of this version of Quern";
+        continue;
+      }
+      api = found;
+      return;
+    }
+    error = "cannot load Quern's LibTorch plugin (" + tried + ")";
+  });
+  if (!api) return Err(Unavailable(error));
+  return api;
+}
+
+// The position a Triton-style name gives ("INPUT__3" -> 3), or -1.
+int IndexedName(const std::string& name, std::string_view prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return -1;
+  int n = -1;
+  const char* begin = name.data() + prefix.size();
+  const char* end = name.data() + name.size();
+  const auto parsed = std::from_chars(begin, end, n);
+  if (parsed.ec != std::errc() || parsed.ptr != end || n < 0 || n > 1'000'000) return -1;
+  return n;
+}
+
+// Where each configured tensor goes: forward()'s argument or result
+// position, by Triton's naming convention when every name follows it.
+Result<std::vector<int>> Positions(const std::vector<TensorConfig>& tensors, std::string_view prefix,
+                                   const std::string& who, const char* what) {
+  std::vector<int> pos(tensors.size());
+  bool all = true;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    pos[i] = IndexedName(tensors[i].name, prefix);
+    all = all && pos[i] >= 0;
+  }
+  if (!all) {
+    for (size_t i = 0; i < tensors.size(); ++i) pos[i] = static_cast<int>(i);
+    return pos;
+  }
+  std::vector<int> sorted = pos;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return Err(InvalidArgument(who + ": two " + what + "s have the same number (" + std::string(prefix) +
+                               std::to_string(*std::adjacent_find(sorted.begin(), sorted.end())) + ")"));
+  }
+  if (std::string_view(what) == "input") {
+    // forward()'s arguments: INPUT__0 .. INPUT__<n-1>, each once.
+    for (size_t i = 0; i < sorted.size(); ++i) {
+      if (sorted[i] != static_cast<int>(i)) {
+        return Err(InvalidArgument(who + ": inputs named " + std::string(prefix) + "<n> must be numbered 0.." +
+                                   std::to_string(sorted.size() - 1) + ", missing " + std::string(prefix) +
+                                   std::to_string(i)));
+      }
+    }
+  }
+  return pos;
+}
+
+struct TorchSpec {
+  std::string name;
+  std::string file;
+  int max_batch_size = 0;
+  std::vector<TensorConfig> inputs, outputs;
+  std::vector<int> input_pos, output_pos;
+};
+
+class TorchModel final : public Model {
+ public:
+  TorchModel(const QuernTorchApi* api, std::shared_ptr<const TorchSpec> spec) : api_(api), spec_(std::move(spec)) {}
+  ~TorchModel() override {
+    if (module_) api_->unload(module_);
+  }
+
+  Status Load() override {
+    char* error = nullptr;
+    module_ = api_->load(spec_->file.c_str(), &error);
+    if (!module_) return Unavailable(Who() + ": LibTorch cannot load " + spec_->file + ": " + Take(error));
+    return Status::Ok();
+  }
+
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
+                 std::vector<NamedTensor>& outputs) override {
+    const size_t n = spec_->inputs.size();
+    std::vector<QuernTorchTensor> args(n);
+    for (size_t i = 0; i < n; ++i) {
+      const std::string& name = spec_->inputs[i].name;
+      const NamedTensor* in = nullptr;
+      for (const auto& t : inputs) {
+        if (t.name == name) in = &t;
+      }
+      if (!in) return InvalidArgument(Who() + ": input '" + name + "' is missing");
+      const Shape& shape = in->tensor.shape();
+      if (shape.size() > 8) return InvalidArgument(Who() + ": input '" + name + "' has more than 8 dimensions");
+      QuernTorchTensor& a = args[static_cast<size_t>(spec_->input_pos[i])];
+      a.dtype = static_cast<uint8_t>(in->tensor.dtype());
+      a.rank = static_cast<int32_t>(shape.size());
+      std::copy(shape.begin(), shape.end(), a.dims);
+      // LibTorch views the bytes without writing them (inference mode).
+      a.data = const_cast<std::byte*>(in->tensor.data());
+      a.bytes = in->tensor.byte_size();
+    }
+    const QuernTorchTensor* results = nullptr;
+    int count = 0;
+    char* error = nullptr;
+    void* handle = api_->run(module_, args.data(), static_cast<int>(n), &results, &count, &error);
+    if (!handle) return Internal(Who() + ": LibTorch: " + Take(error));
+    std::shared_ptr<void> owner(handle, [api = api_](void* h) { api->release(h); });
+    outputs.clear();
+    outputs.reserve(spec_->outputs.size());
+    for (size_t i = 0; i < spec_->outputs.size(); ++i) {
+      const TensorConfig& want = spec_->outputs[i];
+      const int at = spec_->output_pos[i];
+      if (at >= count) {
+        return Internal(Who() + ": output '" + want.name + "' is result " + std::to_string(at) + " of forward(), " +
+                        "which returned " + std::to_string(count) + " tensor" + (count == 1 ? "" : "s"));
+      }
+      const QuernTorchTensor& r = results[at];
+      const auto type = static_cast<DataType>(r.dtype);
+      if (type != want.dtype) {
+        return Internal(
+            Who() + ": output '" + want.name + "' is " +
+            (r.dtype == 0 ? std::string("of a type Quern has no name for") : std::string(DataTypeName(type))) +
+            ", the configuration says " + std::string(DataTypeName(want.dtype)));
+      }
+      Shape shape(r.dims, r.dims + r.rank);
+      if (spec_->max_batch_size > 0 && (shape.empty() || shape[0] != batch_size)) {
+        return Internal(Who() + ": output '" + want.name + "' has shape " + ShapeToString(shape) + " for a batch of " +
+                        std::to_string(batch_size) + " (its first dimension must be the batch)");
+      }
+      outputs.push_back({want.name, Tensor::Borrow(type, std::move(shape), r.data, r.bytes, owner)});
+    }
+    return Status::Ok();
+  }
+
+ private:
+  std::string Who() const { return "model '" + spec_->name + "'"; }
+  std::string Take(char* error) const {
+    std::string s = error ? error : "unknown error";
+    if (error) api_->free_string(error);
+    return s;
+  }
+
+  const QuernTorchApi* api_;
+  std::shared_ptr<const TorchSpec> spec_;
+  void* module_ = nullptr;
+};
+
+class TorchOpenedModel final : public OpenedModel {
+ public:
+  TorchOpenedModel(const QuernTorchApi* api, std::shared_ptr<const TorchSpec> spec)
+      : api_(api), spec_(std::move(spec)) {}
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&) override {
+    auto model = std::make_unique<TorchModel>(api_, spec_);
+    QUERN_RETURN_IF_ERROR(model->Load());
+    return std::unique_ptr<Model>(std::move(model));
+  }
+
+ private:
+  const QuernTorchApi* api_;
+  std::shared_ptr<const TorchSpec> spec_;
+};
+
+class PytorchBackend final : public Backend {
+ public:
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                            bool has_config_file, int cores, int instances) override {
+    const std::string who = "model '" + config.name + "'";
+    if (!has_config_file || config.inputs.empty() || config.outputs.empty()) {
+      return Err(InvalidArgument(who + ": a PyTorch model needs a config.pbtxt listing its inputs and outputs " +
+                                 "(a TorchScript file declares no types or shapes)"));
+    }
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec)) {
+      return Err(NotFound(who + ": " + file.string() + " does not exist (a PyTorch model is <version>/" +
+                          file.filename().string() + ", a TorchScript module)"));
+    }
+    for (const auto* list : {&config.inputs, &config.outputs}) {
+      for (const auto& t : *list) {
+        switch (t.dtype) {
+          case DataType::kBytes:
+          case DataType::kUint16:
+          case DataType::kUint32:
+          case DataType::kUint64:
+          case DataType::kInvalid:
+            return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " +
+                                       std::string(DataTypeName(t.dtype)) + ", which LibTorch does not have"));
+          default: break;
+        }
+      }
+    }
+    auto spec = std::make_shared<TorchSpec>();
+    spec->name = config.name;
+    spec->file = file.string();
+    spec->max_batch_size = config.max_batch_size;
+    spec->inputs = config.inputs;
+    spec->outputs = config.outputs;
+    QUERN_ASSIGN_OR_RETURN(spec->input_pos, Positions(config.inputs, "INPUT__", who, "input"));
+    QUERN_ASSIGN_OR_RETURN(spec->output_pos, Positions(config.outputs, "OUTPUT__", who, "output"));
+
+    int threads = std::max(1, cores / std::max(1, instances));
+    if (auto it = config.parameters.find("intra_op_thread_count"); it != config.parameters.end()) {
+      const std::string& v = it->second;
+      const auto parsed = std::from_chars(v.data(), v.data() + v.size(), threads);
+      if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || threads < 1 || threads > 1024) {
+        return Err(InvalidArgument(who +
+                                   ": parameter intra_op_thread_count must be a whole number in [1, 1024], "
+                                   "got \"" +
+                                   v + "\""));
+      }
+    }
+    QUERN_ASSIGN_OR_RETURN(const QuernTorchApi* api, Plugin());
+    const int in_force = api->set_threads(threads);
+    if (in_force != threads) {
+      Log(LogLevel::kInfo,
+          "LibTorch's intra-op threads are " + std::to_string(in_force) + " (set once per process), not " +
+              std::to_string(threads),
+          {{"model", config.name}});
+    }
+    return std::unique_ptr<OpenedModel>(std::make_unique<TorchOpenedModel>(api, std::move(spec)));
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> NewPytorchBackend() {
+  return std::make_shared<PytorchBackend>();
+}
+
+}  // namespace quern

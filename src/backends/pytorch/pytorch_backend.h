@@ -1,0 +1,28 @@
+// PyTorch models (platform "pytorch_libtorch" or backend "pytorch",
+// <version>/model.pt: a TorchScript module), run by LibTorch through Quern's
+// LibTorch plugin (torch_plugin_api.h), which is loaded when the first such
+// model loads. Triton's conventions: inputs named INPUT__0, INPUT__1, ... go
+// to forward() in the order of their numbers, other names in the order the
+// configuration lists them; outputs named OUTPUT__<i> are the i-th tensor of
+// what forward() returns (a tensor, or a tuple or list of tensors), others
+// are taken in the configuration's order. The configuration must list both
+// (a TorchScript file declares no types or shapes).
+//
+// Threads: LibTorch has one intra-op thread pool per process. Its size is
+// set when the first PyTorch model loads: the model's parameter
+// intra_op_thread_count, else the engine's cores divided among that model's
+// instances (a model with one instance gets every core; with one per core,
+// each runs on one thread). Later models find it set.
+//
+// The plugin is found at $QUERN_PYTORCH_PLUGIN, else where the build put it.
+#pragma once
+
+#include <memory>
+
+#include "engine/backend.h"
+
+namespace quern {
+
+std::shared_ptr<Backend> NewPytorchBackend();
+
+}  // namespace quern
