@@ -74,6 +74,8 @@ APT_PACKAGES=(
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
   chromium chromium-driver  # the dashboard's tests drive a real, headless browser
   iproute2 haproxy redis-sentinel  # the scale-out tests: hosts as network namespaces, a load balancer, failover
+  libtorch-dev  # the LibTorch plugin: PyTorch (TorchScript) models
+  python3-torch python3-torchvision  # the PyTorch tests write their TorchScript (and ONNX) models with these
 )
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.

@@ -514,6 +514,35 @@ TEST(EngineRepository, ReloadDoesNotDropInFlightRequests) {
   EXPECT_FALSE(engine->ModelReady("m"));
 }
 
+TEST(EngineRepository, WithoutDynamicBatchingARequestRunsAloneWithUpToMaxBatchSizeRows) {
+  // Triton's meaning: max_batch_size bounds a request's rows; without
+  // dynamic_batching requests are never combined, but one may hold several.
+  TempDir repo;
+  CopyModel("linear", repo.path(), "m");
+  WriteFile(repo.path() / "m" / "config.pbtxt", "max_batch_size: 4\ninstance_group [ { count: 1 } ]\n");
+  auto engine = Open(repo.path());
+  auto request = [](int rows) {
+    InferRequest req;
+    req.model = "m";
+    req.inputs = {{"x", Floats({rows, 8}, std::vector<float>(static_cast<size_t>(rows) * 8, 1.f))}};
+    return req;
+  };
+  std::vector<std::future<InferResponse>> fs;
+  for (int i = 0; i < 6; ++i) fs.push_back(engine->Infer(request(3)));
+  for (auto& f : fs) {
+    InferResponse r = f.get();
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_EQ(r.outputs[0].tensor.shape(), (Shape{3, 3}));
+  }
+  InferResponse too_many = engine->Infer(request(5)).get();
+  EXPECT_EQ(too_many.status.code(), StatusCode::kInvalidArgument);
+  auto stats = engine->GetStatistics("m");
+  ASSERT_TRUE(stats.has_value()) << stats.error().ToString();
+  ASSERT_EQ(stats->size(), 1u);
+  EXPECT_EQ((*stats)[0].inference_count, 18u);
+  EXPECT_EQ((*stats)[0].execution_count, 6u) << "requests are never combined";
+}
+
 TEST(EngineRepository, WarmupRunsBeforeReadyAndBadWarmupFailsTheLoad) {
   TempDir repo;
   CopyModel("linear", repo.path(), "warm");

@@ -146,8 +146,9 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
       opts.delay_tuner = d;
     }
   } else if (c.max_batch_size > 0) {
-    // No dynamic_batching: every request runs on its own.
-    opts.queue.max_batch_size = 1;
+    // No dynamic_batching: every request runs on its own, with up to
+    // max_batch_size rows.
+    opts.queue.one_task_per_batch = true;
   }
   ServedModel* raw = m.get();
   auto batcher = DynamicBatcher::Create(

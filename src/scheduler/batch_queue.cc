@@ -180,6 +180,10 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
     for (auto* q : {&lv.active, &lv.delayed}) {
       for (size_t i = 0; i < q->size() && !blocked && total < limit; ++i) {
         const Entry& e = (*q)[i];
+        if (options_.one_task_per_batch && !picks.empty()) {
+          blocked = true;
+          break;
+        }
         if (picks.empty()) {
           key = e.task->batch_key();
           oldest_ns = e.enqueue_ns;

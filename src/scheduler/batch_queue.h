@@ -49,6 +49,10 @@ struct QueueLevelPolicy {
 struct BatchQueueOptions {
   // Largest batch, in items. Tasks larger than this are rejected.
   int64_t max_batch_size = 1;
+  // A batch is one task, whatever its size (a model without dynamic
+  // batching: requests are never combined, each may hold up to
+  // max_batch_size items).
+  bool one_task_per_batch = false;
   // Sizes sent at once when the queue can form them (ascending or not).
   std::vector<int64_t> preferred_batch_sizes;
   // How long the oldest queued task may wait for a fuller batch.

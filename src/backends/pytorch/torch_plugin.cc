@@ -139,6 +139,17 @@ void* Run(void* module, const QuernTorchTensor* inputs, int n_inputs, const Quer
     for (at::Tensor& t : result->tensors) {
       if (t.device().type() != c10::kCPU) t = t.to(c10::kCPU);
       t = t.contiguous();
+      // A result that is (a view of) an input lives in the caller's buffer,
+      // which is gone once the batch ends: it is copied.
+      const auto* begin = static_cast<const char*>(t.storage().data());
+      const auto* end = begin + t.storage().nbytes();
+      for (int i = 0; i < n_inputs; ++i) {
+        const auto* in = static_cast<const char*>(inputs[i].data);
+        if (begin < in + inputs[i].bytes && in < end) {
+          t = t.clone();
+          break;
+        }
+      }
       QuernTorchTensor v{};
       v.dtype = ToQuern(t.scalar_type());
       if (t.dim() > 8) {

@@ -1,0 +1,166 @@
+"""PyTorch (TorchScript) models served through LibTorch (backend "pytorch" / platform
+"pytorch_libtorch"): models written by Debian's own torch 1.13 (make_torch_models.py, run with the
+system's python3), answers checked against numpy and against PyTorch itself, over HTTP and gRPC
+with tritonclient; a ResNet-50 served beside its ONNX export gives the same answers."""
+import json
+import os
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from quern_testing import http_request, start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pytorch")
+    repo = root / "repo"
+    repo.mkdir()
+    subprocess.run(["/usr/bin/python3", os.path.join(HERE, "make_torch_models.py"), str(repo), "--resnet"],
+                   check=True, timeout=600)
+    # Not TorchScript: refused when loading, with LibTorch's reason; the rest still serve.
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
+    shutil.copy(repo / "raises" / "config.pbtxt", repo / "broken" / "config.pbtxt")
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log)
+    yield root, ports, log
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def infer(port, model, inputs, outputs=None):
+    """One request with JSON tensors: {name: array} -> {name: array}, or (status, error text)."""
+    body = {"inputs": [{"name": n, "datatype": {np.float32: "FP32", np.int64: "INT64"}[a.dtype.type],
+                        "shape": list(a.shape), "data": a.ravel().tolist()} for n, a in inputs.items()]}
+    status, _, data = http_request(port, "POST", f"/v2/models/{model}/infer", json.dumps(body).encode())
+    answer = json.loads(data)
+    if status != 200:
+        return status, answer.get("error", "")
+    types = {"FP32": np.float32, "INT64": np.int64}
+    return {o["name"]: np.array(o["data"], types[o["datatype"]]).reshape(o["shape"]) for o in answer["outputs"]}
+
+
+def test_an_affine_model_answers_as_numpy_computes(served):
+    root, ports, _ = served
+    w, b = np.load(root / "affine_W.npy"), np.load(root / "affine_b.npy")
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    out = infer(ports["HTTP"], "affine", {"INPUT__0": x})
+    expected = x @ w + b
+    np.testing.assert_allclose(out["OUTPUT__0"], expected, rtol=1e-5, atol=1e-5)
+    assert out["OUTPUT__1"].dtype == np.int64
+    np.testing.assert_array_equal(out["OUTPUT__1"][:, 0], expected.argmax(axis=1))
+
+
+def test_tritonclient_over_grpc_and_http(served):
+    root, ports, _ = served
+    w, b = np.load(root / "affine_W.npy"), np.load(root / "affine_b.npy")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+    meta = g.get_model_metadata("affine")
+    assert meta.platform == "pytorch_libtorch"
+    i = grpcclient.InferInput("INPUT__0", [2, 4], "FP32")
+    i.set_data_from_numpy(x)
+    r = g.infer("affine", [i])
+    np.testing.assert_allclose(r.as_numpy("OUTPUT__0"), x @ w + b, rtol=1e-5, atol=1e-5)
+    h = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+    i = httpclient.InferInput("INPUT__0", [2, 4], "FP32")
+    i.set_data_from_numpy(x, binary_data=True)
+    r = h.infer("affine", [i], outputs=[httpclient.InferRequestedOutput("OUTPUT__1", binary_data=True)])
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT__1")[:, 0], (x @ w + b).argmax(axis=1))
+
+
+def test_inputs_and_outputs_follow_their_numbers_not_the_configuration_order(served):
+    _, ports, _ = served
+    x = np.array([[5, 7]], np.float32)  # forward()'s first argument: INPUT__0
+    y = np.array([[2, 3]], np.float32)
+    out = infer(ports["HTTP"], "ordered", {"INPUT__0": x, "INPUT__1": y})
+    np.testing.assert_array_equal(out["OUTPUT__0"], x - y)
+    np.testing.assert_array_equal(out["OUTPUT__1"], x * y)
+
+
+def test_named_tensors_go_in_configuration_order_with_their_types(served):
+    _, ports, _ = served
+    a = np.array([[0.5, -1.5], [2, 3]], np.float32)
+    b = np.array([[1, 2], [-3, 1 << 40]], np.int64)
+    out = infer(ports["HTTP"], "pair", {"a": a, "b": b})
+    np.testing.assert_array_equal(out["sum"], a + b.astype(np.float32))
+    assert out["triple"].dtype == np.int64
+    np.testing.assert_array_equal(out["triple"], b * 3)
+
+
+def test_concurrent_callers_are_batched_and_each_gets_its_own_answer(served):
+    root, ports, _ = served
+    w, b = np.load(root / "affine_W.npy"), np.load(root / "affine_b.npy")
+    before = json.loads(http_request(ports["HTTP"], "GET", "/v2/models/affine/stats")[2])
+    errors, threads = [], []
+
+    def call(k):
+        try:
+            x = np.full((1, 4), k, np.float32)
+            out = infer(ports["HTTP"], "affine", {"INPUT__0": x})
+            np.testing.assert_allclose(out["OUTPUT__0"], x @ w + b, rtol=1e-5, atol=1e-4)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    for k in range(16):
+        threads.append(threading.Thread(target=call, args=(k,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    after = json.loads(http_request(ports["HTTP"], "GET", "/v2/models/affine/stats")[2])
+
+    def counts(s):
+        st = s["model_stats"][0]
+        return st["inference_count"], st["execution_count"]
+
+    (i0, e0), (i1, e1) = counts(before), counts(after)
+    assert i1 - i0 == 16
+    assert e1 - e0 < 16, "batched: fewer executions than requests"
+
+
+def test_an_exception_in_forward_fails_that_request_and_the_model_keeps_serving(served):
+    _, ports, _ = served
+    status, error = infer(ports["HTTP"], "raises", {"INPUT__0": np.array([[-1, 0]], np.float32)})
+    assert status >= 400
+    assert "raises" in error and "negative input refused" in error, error
+    assert "frame #" not in error, "no C++ backtrace in the answer"
+    ok = infer(ports["HTTP"], "raises", {"INPUT__0": np.array([[1, 2]], np.float32)})
+    np.testing.assert_array_equal(ok["OUTPUT__0"], [[1, 2]])
+
+
+def test_a_file_that_is_not_torchscript_is_refused_and_the_others_serve(served):
+    _, ports, log = served
+    status, _, _ = http_request(ports["HTTP"], "GET", "/v2/models/broken/ready")
+    assert status != 200
+    index = json.loads(http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")[2])
+    broken = [m for m in index if m["name"] == "broken"]
+    assert broken and broken[0].get("state") != "READY", index
+    assert "LibTorch cannot load" in broken[0].get("reason", "") + "".join(log), broken
+    assert http_request(ports["HTTP"], "GET", "/v2/models/affine/ready")[0] == 200
+
+
+def test_resnet50_through_libtorch_matches_pytorch_and_its_onnx_export(served):
+    root, ports, _ = served
+    x = np.load(root / "resnet50_input.npy")
+    expected = np.load(root / "resnet50_expected.npy")  # PyTorch itself, in Python
+    h = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
+    i = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    i.set_data_from_numpy(x, binary_data=True)
+    torch_out = h.infer("resnet50", [i]).as_numpy("OUTPUT__0")
+    i = httpclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x, binary_data=True)
+    onnx_out = h.infer("resnet50_onnx", [i]).as_numpy("logits")
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(torch_out, expected, rtol=0, atol=1e-4 * scale)
+    np.testing.assert_allclose(onnx_out, torch_out, rtol=0, atol=1e-3 * scale)
+    np.testing.assert_array_equal(torch_out.argmax(axis=1), expected.argmax(axis=1))
