@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 repo = sys.argv[1]
+os.makedirs(repo, exist_ok=True)
 torch.manual_seed(0)
 
 

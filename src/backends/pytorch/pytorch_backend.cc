@@ -208,7 +208,7 @@ class TorchOpenedModel final : public OpenedModel {
 class PytorchBackend final : public Backend {
  public:
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
-                                            bool has_config_file, int cores, int instances) override {
+                                            bool has_config_file, int cores, int /*instances*/) override {
     const std::string who = "model '" + config.name + "'";
     if (!has_config_file || config.inputs.empty() || config.outputs.empty()) {
       return Err(InvalidArgument(who + ": a PyTorch model needs a config.pbtxt listing its inputs and outputs " +
@@ -242,7 +242,10 @@ class PytorchBackend final : public Backend {
     QUERN_ASSIGN_OR_RETURN(spec->input_pos, Positions(config.inputs, "INPUT__", who, "input"));
     QUERN_ASSIGN_OR_RETURN(spec->output_pos, Positions(config.outputs, "OUTPUT__", who, "output"));
 
-    int threads = std::max(1, cores / std::max(1, instances));
+    // Every core by default, whatever the instances: they share the one
+    // pool, and Debian's LibTorch 1.13 runs convolutions an order of
+    // magnitude slower on one thread than on two (bench/torch_bench.sh).
+    int threads = std::max(1, cores);
     if (auto it = config.parameters.find("intra_op_thread_count"); it != config.parameters.end()) {
       const std::string& v = it->second;
       const auto parsed = std::from_chars(v.data(), v.data() + v.size(), threads);
