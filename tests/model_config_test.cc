@@ -126,6 +126,23 @@ TEST(ModelConfig, UnsupportedBackendIsRejected) {
   EXPECT_NE(c.error().message().find("tensorrt_plan"), std::string::npos);
 }
 
+TEST(ModelConfig, PytorchModelsByPlatformOrBackend) {
+  for (const char* text : {"platform: \"pytorch_libtorch\"", "backend: \"pytorch\"",
+                           "platform: \"pytorch_libtorch\" backend: \"pytorch\""}) {
+    auto p = ParseModelConfigText(text, "f");
+    ASSERT_TRUE(p.has_value());
+    auto c = ConvertModelConfig(*p, "f");
+    ASSERT_TRUE(c.has_value()) << text << ": " << c.error().ToString();
+    EXPECT_EQ(c->backend, "pytorch") << text;
+    EXPECT_EQ(c->platform, "pytorch_libtorch") << text;
+  }
+  auto p = ParseModelConfigText("platform: \"onnxruntime_onnx\" backend: \"pytorch\"", "f");
+  ASSERT_TRUE(p.has_value());
+  auto c = ConvertModelConfig(*p, "f");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message().find("not supported"), std::string::npos) << c.error().message();
+}
+
 TEST(ModelConfig, BadFixedBatchSizesParameter) {
   auto p = ParseModelConfigText(
       "max_batch_size: 4 parameters { key: \"quern.fixed_batch_sizes\" value { string_value: \"2,x\" } }", "f");

@@ -164,3 +164,19 @@ def test_resnet50_through_libtorch_matches_pytorch_and_its_onnx_export(served):
     np.testing.assert_allclose(torch_out, expected, rtol=0, atol=1e-4 * scale)
     np.testing.assert_allclose(onnx_out, torch_out, rtol=0, atol=1e-3 * scale)
     np.testing.assert_array_equal(torch_out.argmax(axis=1), expected.argmax(axis=1))
+
+
+def test_without_the_plugin_a_pytorch_model_is_refused_with_the_reason(served, tmp_path):
+    root, _, _ = served
+    shutil.copytree(root / "repo" / "pair", tmp_path / "pair")
+    env = dict(os.environ, QUERN_PYTORCH_PLUGIN=str(tmp_path / "no-such-plugin.so"))
+    log = []
+    proc, ports = start_quern(QUERN, str(tmp_path), env=env, log=log)
+    try:
+        assert http_request(ports["HTTP"], "GET", "/v2/models/pair/ready")[0] != 200
+        index = json.loads(http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")[2])
+        reason = [m for m in index if m["name"] == "pair"][0].get("reason", "")
+        assert "LibTorch plugin" in reason and "no-such-plugin.so" in reason, (reason, log)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -24,10 +24,13 @@ Result<const QuernTorchApi*> Plugin() {
   static std::string error;
   std::call_once(once, [] {
     std::vector<std::string> candidates;
-    if (const char* env = std::getenv("QUERN_PYTORCH_PLUGIN"); env && *env) candidates.emplace_back(env);
+    if (const char* env = std::getenv("QUERN_PYTORCH_PLUGIN"); env && *env) {
+      candidates.emplace_back(env);  // that one only
+    } else {
 #ifdef QUERN_PYTORCH_PLUGIN_PATH
-    candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);
+      candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);
 #endif
+    }
     if (candidates.empty()) {
       error =
           "this build of Quern has no LibTorch plugin (LibTorch was not found when it was built: "

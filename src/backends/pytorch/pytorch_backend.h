@@ -15,7 +15,7 @@
 // the ONNX way, but Debian's LibTorch 1.13 runs a ResNet-50 11x slower on
 // one thread than on two). Later models find it set.
 //
-// The plugin is found at $QUERN_PYTORCH_PLUGIN, else where the build put it.
+// The plugin is $QUERN_PYTORCH_PLUGIN when set, else where the build put it.
 #pragma once
 
 #include <memory>
