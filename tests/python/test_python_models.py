@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern
+from quern_testing import start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -321,7 +321,9 @@ def test_exception_fails_only_its_batch_with_the_traceback_line(served):
     assert "ValueError: the row starting with 666 is refused" in str(e.value)
     assert "plain" in str(e.value)
     np.testing.assert_array_equal(plain_http(served, 5).as_numpy("y"), [[10, 2, 4]])
-    assert any("Traceback" in line and "model 'plain'" in line for line in served["log"])
+    # The traceback reaches the server's log through the process's stderr, beside the answer.
+    wait_until(lambda: any("Traceback" in line and "model 'plain'" in line for line in served["log"]), timeout=10,
+               what="the traceback in the server's log")
 
 
 def test_killed_process_fails_its_batch_and_is_started_again(served):
