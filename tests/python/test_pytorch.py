@@ -30,6 +30,15 @@ def served(tmp_path_factory):
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
     shutil.copy(repo / "raises" / "config.pbtxt", repo / "broken" / "config.pbtxt")
+    # Warm-up runs forward() before the model is ready: a warm-up sample the model refuses fails the
+    # load with the model's own message; one it takes leaves it ready.
+    for name, first in (("warm_refused", -1.0), ("warm_taken", 1.0)):
+        shutil.copytree(repo / "raises", repo / name)
+        (repo / name / "warmup").mkdir()
+        (repo / name / "warmup" / "x.bin").write_bytes(np.array([[first, 0], [1, 2]], np.float32).tobytes())
+        with open(repo / name / "config.pbtxt", "a") as f:
+            f.write('model_warmup [ { name: "w" batch_size: 2 inputs { key: "INPUT__0" value { '
+                    'data_type: TYPE_FP32 dims: [ 2 ] input_data_file: "x.bin" } } } ]\n')
     log = []
     proc, ports = start_quern(QUERN, str(repo), log=log)
     yield root, ports, log
@@ -180,3 +189,12 @@ def test_without_the_plugin_a_pytorch_model_is_refused_with_the_reason(served, t
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_warm_up_runs_forward_before_the_model_is_ready(served):
+    _, ports, log = served
+    assert http_request(ports["HTTP"], "GET", "/v2/models/warm_taken/ready")[0] == 200
+    assert http_request(ports["HTTP"], "GET", "/v2/models/warm_refused/ready")[0] != 200
+    index = json.loads(http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")[2])
+    reason = [m for m in index if m["name"] == "warm_refused"][0].get("reason", "")
+    assert "negative input refused" in reason, (reason, log)
