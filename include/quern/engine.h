@@ -198,6 +198,10 @@ struct ModelStatistics {
   // Largest batch formed now: max_batch_size, or less where the batch size
   // tuner found a smaller batch faster (0 = the model does not batch).
   int64_t batch_limit = 0;
+  // With a latency target and a batching delay, how batches that could take
+  // more requests leave, as measured online: "at_once", "everyone_here" or
+  // "after_delay" (empty: the model has no such choice).
+  std::string batch_leave;
   // Distributions, in microseconds (durations) and items (batch size).
   Histogram request_us{{100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000}};
   Histogram queue_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000, 100000, 500000, 1000000}};

@@ -486,6 +486,13 @@ ModelStatistics ServedModel::Statistics() const {
   s.version = version_;
   s.pending = batcher_ ? batcher_->queued() : 0;
   s.batch_limit = batcher_ && config_.max_batch_size > 0 ? batcher_->batch_limit() : 0;
+  if (auto leave = batcher_ ? batcher_->batch_leave() : std::nullopt) {
+    switch (*leave) {
+      case BatchLeave::kAtOnce: s.batch_leave = "at_once"; break;
+      case BatchLeave::kEveryoneHere: s.batch_leave = "everyone_here"; break;
+      case BatchLeave::kAfterDelay: s.batch_leave = "after_delay"; break;
+    }
+  }
   return s;
 }
 

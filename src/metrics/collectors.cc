@@ -74,6 +74,9 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
   registry.DeclareFamily("quern_batch_size_limit", MetricType::kGauge,
                          "Largest batch formed now: max_batch_size, or less where the batch size tuner found a "
                          "smaller batch faster.");
+  registry.DeclareFamily("quern_batch_leave", MetricType::kGauge,
+                         "1 for the way batches leave, as measured online (models with a latency target and a "
+                         "batching delay): at_once, everyone_here or after_delay.");
   for (const auto& h : kHistograms) registry.DeclareFamily(h.name, MetricType::kHistogram, h.help);
 
   return registry.AddCollector([&engine](MetricWriter& w) {
@@ -91,6 +94,11 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
       w.Sample("quern_execution_count_total", labels, static_cast<double>(s.execution_count));
       w.Sample("quern_pending_requests", labels, static_cast<double>(s.pending));
       w.Sample("quern_batch_size_limit", labels, static_cast<double>(s.batch_limit));
+      if (!s.batch_leave.empty()) {
+        for (const char* way : {"at_once", "everyone_here", "after_delay"}) {
+          w.Sample("quern_batch_leave", Labels(s, "way", way), s.batch_leave == way ? 1 : 0);
+        }
+      }
       for (const auto& h : kHistograms) {
         const Histogram& v = s.*(h.field);
         w.Histogram(h.name, labels, v.bounds, v.counts, v.sum, v.count);

@@ -407,6 +407,12 @@ int64_t DynamicBatcher::batch_limit() const {
   return queue_.batch_limit();
 }
 
+std::optional<BatchLeave> DynamicBatcher::batch_leave() const {
+  MutexLock lock(mu_);
+  if (!delay_tuner_) return std::nullopt;
+  return delay_tuner_->settled();
+}
+
 int64_t DynamicBatcher::wide_batches() const {
   MutexLock lock(mu_);
   return wide_batches_;

@@ -135,6 +135,8 @@ class DynamicBatcher {
   double ns_per_item() const;
   // The largest batch formed now (max_batch_size unless a tuner lowered it).
   int64_t batch_limit() const;
+  // The way the delay tuner settled on (options.delay_tuner), if it runs.
+  std::optional<BatchLeave> batch_leave() const;
 
   // How often the reaper looks for cancelled tasks while every worker is busy.
   static constexpr int kReapPollMs = 5;

@@ -5,6 +5,7 @@ inferences per execution); a lone client that sends its next request once answer
 nobody a delay could wait for, so its requests are not held back by the delay."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -46,6 +47,17 @@ def counts(ports):
     return stats["inference_count"], stats["execution_count"]
 
 
+def leave_metric(ports):
+    """The quern_batch_leave gauge of `linear`, by way."""
+    _, _, body = http_request(ports["metrics"], "GET", "/metrics")
+    found = {}
+    for line in body.decode().splitlines():
+        m = re.match(r'quern_batch_leave\{model="linear",version="1",way="(\w+)"\} (\S+)$', line)
+        if m:
+            found[m.group(1)] = float(m.group(2))
+    return found
+
+
 def perf(ports, *args):
     r = subprocess.run([QUERN, "perf", "--url", f"http://127.0.0.1:{ports['HTTP']}", "-m", "linear",
                         "--shape", "x=1,8", "--format", "json", *args], capture_output=True, text=True, timeout=120)
@@ -64,6 +76,8 @@ def test_an_open_loop_waits_out_the_delay_and_runs_fuller_batches(server):
     assert inferences >= 0.9 * 1500 * 3, (inferences, level)
     assert inferences / executions > 2.5, (inferences, executions)
     assert level["latency_ms"]["p99"] < 100, level
+    # The way it settled on, as the metrics show it.
+    assert leave_metric(server) == {"at_once": 0, "everyone_here": 0, "after_delay": 1}
 
 
 def test_a_lone_closed_loop_client_is_not_held_back_by_the_delay(server):
@@ -71,3 +85,4 @@ def test_a_lone_closed_loop_client_is_not_held_back_by_the_delay(server):
     # Waiting out the delay would take 4 ms per request; a probe of that mode is cut short.
     assert level["latency_ms"]["p50"] < DELAY_US / 1000 / 4, level
     assert level["errors"] == 0, level
+    assert leave_metric(server)["after_delay"] == 0
