@@ -33,4 +33,29 @@ echo "== examples/embed with pkg-config"
 c++ -O2 -o "$WORK/embed-pc" examples/embed/main.cc $(PKG_CONFIG_PATH="$(dirname "$(find "$PREFIX" -name quern.pc)")" \
   pkg-config --cflags --libs quern) -pthread
 "$WORK/embed-pc" | tail -1
+if [ -f "$BUILD/src/backends/libquern_pytorch.so" ]; then
+  echo "== the LibTorch plugin (cmake --install --component pytorch), found by the installed quern"
+  cmake --install "$BUILD" --prefix "$PREFIX" --component pytorch >/dev/null
+  /usr/bin/python3 tests/python/make_torch_models.py "$WORK/pt" >/dev/null
+  "$PREFIX/bin/quern" serve --model-repository "$WORK/pt" --http-port 0 --grpc-port 0 --metrics-port 0 \
+    --host 127.0.0.1 >"$WORK/serve.log" 2>&1 &
+  server=$!
+  port=""
+  for _ in $(seq 100); do
+    port=$(sed -n 's/.*HTTP listening on 127.0.0.1:\([0-9]*\).*/\1/p' "$WORK/serve.log")
+    [ -n "$port" ] && grep -q "quern: serving" "$WORK/serve.log" && break
+    sleep 0.2
+  done
+  answer=$(curl -s -X POST "http://127.0.0.1:$port/v2/models/pair/infer" -d '{"inputs":[
+    {"name":"a","datatype":"FP32","shape":[1,2],"data":[0.5,-1.5]},
+    {"name":"b","datatype":"INT64","shape":[1,2],"data":[1,2]}]}')
+  kill "$server"
+  wait "$server" 2>/dev/null || true
+  grep -q "LibTorch plugin $PREFIX/lib.*/quern/libquern_pytorch.so" "$WORK/serve.log" ||
+    { echo "the installed quern did not load the installed plugin:" >&2; cat "$WORK/serve.log" >&2; exit 1; }
+  case "$answer" in
+    *'"data":[1.5,0.5]'*'"data":[3,6]'*) ;;
+    *) echo "pair answered: $answer" >&2; exit 1 ;;
+  esac
+fi
 echo "== the installation works"

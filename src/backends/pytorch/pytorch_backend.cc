@@ -1,10 +1,13 @@
 #include "backends/pytorch/pytorch_backend.h"
 
 #include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <string>
@@ -28,7 +31,19 @@ Result<const QuernTorchApi*> Plugin() {
       candidates.emplace_back(env);  // that one only
     } else {
 #ifdef QUERN_PYTORCH_PLUGIN_PATH
-      candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);
+      // Installed: beside the binary's or the library's own folder.
+      Dl_info self{};
+      char real[PATH_MAX];
+      if (::dladdr(reinterpret_cast<void*>(&NewPytorchBackend), &self) && self.dli_fname &&
+          ::realpath(self.dli_fname, real)) {
+        const std::filesystem::path dir = std::filesystem::path(real).parent_path();
+        for (const char* rel : {QUERN_PYTORCH_PLUGIN_FROM_BIN, QUERN_PYTORCH_PLUGIN_FROM_LIB}) {
+          std::error_code ec;
+          const auto p = (dir / rel).lexically_normal();
+          if (std::filesystem::is_regular_file(p, ec)) candidates.push_back(p.string());
+        }
+      }
+      candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);  // the build tree's
 #endif
     }
     if (candidates.empty()) {
@@ -52,6 +67,7 @@ Result<const QuernTorchApi*> Plugin() {
         continue;
       }
       api = found;
+      Log(LogLevel::kInfo, "LibTorch plugin " + path + " (LibTorch " + found->version + ")");
       return;
     }
     error = "cannot load Quern's LibTorch plugin (" + tried + ")";

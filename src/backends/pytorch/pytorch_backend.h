@@ -15,7 +15,9 @@
 // the ONNX way, but Debian's LibTorch 1.13 runs a ResNet-50 11x slower on
 // one thread than on two). Later models find it set.
 //
-// The plugin is $QUERN_PYTORCH_PLUGIN when set, else where the build put it.
+// The plugin is $QUERN_PYTORCH_PLUGIN when set; else, installed
+// (cmake --install --component pytorch), <libdir>/quern/libquern_pytorch.so
+// beside the running binary's or library's folder; else the build tree's.
 #pragma once
 
 #include <memory>
