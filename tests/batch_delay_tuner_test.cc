@@ -262,21 +262,33 @@ TEST(BatchDelayTuner, StepsInTheLoadKeepTheTargetAndNineTenthsOfTheBestFixedSett
   }
 }
 
-TEST(BatchDelayTuner, BaselinesThatDisagreeDecideNothing) {
-  // The rate doubles between the two baselines: the load changed under the
-  // comparison, so the probe (far better on rate) is not taken.
-  BatchDelayTunerOptions o;
-  o.target_ns = 20 * kMs;
-  o.interval_ns = 0;
-  o.phase_items = 1000;
-  BatchDelayTuner tuner(o);
+// A tuner that probes at once (interval 0) with phases of 1000 items and a
+// 20 ms target, fed by hand.
+struct HandFed {
+  static BatchDelayTunerOptions Options() {
+    BatchDelayTunerOptions o;
+    o.target_ns = 20 * kMs;
+    o.interval_ns = 0;
+    o.phase_items = 1000;
+    return o;
+  }
+  BatchDelayTuner tuner{Options()};
   int64_t t = 0;
-  auto feed = [&](int64_t gap_ns, int n) {
+  // n batches of one item, gap_ns apart, each having waited gap_ns.
+  void Feed(int64_t gap_ns, int n) {
     for (int i = 0; i < n; ++i) {
       t += gap_ns;
       tuner.Observe(t, 1, 10'000, gap_ns);
     }
-  };
+  }
+};
+
+TEST(BatchDelayTuner, BaselinesThatDisagreeDecideNothing) {
+  // The rate doubles between the two baselines: the load changed under the
+  // comparison, so the probe (far better on rate) is not taken.
+  HandFed h;
+  BatchDelayTuner& tuner = h.tuner;
+  auto feed = [&](int64_t gap_ns, int n) { h.Feed(gap_ns, n); };
   feed(100'000, 1);  // starts steady; the interval (0) has passed
   ASSERT_EQ(tuner.leave(), BatchLeave::kEveryoneHere);
   feed(100'000, 1001);  // baseline: 10k items/s
@@ -291,12 +303,9 @@ TEST(BatchDelayTuner, AProbeThatBreaksTheTargetEndsAtOnceAndIsNotTaken) {
   // Near the model's capacity a costlier way builds a queue: its first
   // batch that waited past the target ends the probe, and the way is not
   // taken, however cheap or fast its batches were.
-  BatchDelayTunerOptions o;
-  o.target_ns = 20 * kMs;
-  o.interval_ns = 0;
-  o.phase_items = 1000;
-  BatchDelayTuner tuner(o);
-  int64_t t = 0;
+  HandFed h;
+  BatchDelayTuner& tuner = h.tuner;
+  int64_t& t = h.t;
   tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // starts steady; the interval (0) has passed
   for (int i = 0; i < 1001; ++i) tuner.Observe(t += 100'000, 1, 50'000, 50'000);  // baseline
   const BatchLeave probed = tuner.leave();
@@ -311,18 +320,9 @@ TEST(BatchDelayTuner, AProbeThatBreaksTheTargetEndsAtOnceAndIsNotTaken) {
 }
 
 TEST(BatchDelayTuner, AfterTakingAWayItComparesItWithTheThirdNotWithTheOneItLeft) {
-  BatchDelayTunerOptions o;
-  o.target_ns = 20 * kMs;
-  o.interval_ns = 0;
-  o.phase_items = 1000;
-  BatchDelayTuner tuner(o);
-  int64_t t = 0;
-  auto feed = [&](int64_t gap_ns, int n) {
-    for (int i = 0; i < n; ++i) {
-      t += gap_ns;
-      tuner.Observe(t, 1, 10'000, gap_ns);
-    }
-  };
+  HandFed h;
+  BatchDelayTuner& tuner = h.tuner;
+  auto feed = [&](int64_t gap_ns, int n) { h.Feed(gap_ns, n); };
   // One comparison: a baseline at 10k items/s, the probe at `probe_gap_ns`,
   // the second baseline at 10k.
   // (Each phase ends with its 1000th item once 100 ms have passed.)
