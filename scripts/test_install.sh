@@ -37,8 +37,9 @@ if [ -f "$BUILD/src/backends/libquern_pytorch.so" ]; then
   echo "== the LibTorch plugin (cmake --install --component pytorch), found by the installed quern"
   cmake --install "$BUILD" --prefix "$PREFIX" --component pytorch >/dev/null
   /usr/bin/python3 tests/python/make_torch_models.py "$WORK/pt" >/dev/null
-  "$PREFIX/bin/quern" serve --model-repository "$WORK/pt" --http-port 0 --grpc-port 0 --metrics-port 0 \
-    --host 127.0.0.1 >"$WORK/serve.log" 2>&1 &
+  # Run from PATH, as a user would: the plugin is found from the binary's own file, not argv[0].
+  (cd "$WORK" && PATH="$PREFIX/bin:$PATH" exec quern serve --model-repository "$WORK/pt" --http-port 0 \
+    --grpc-port 0 --metrics-port 0 --host 127.0.0.1) >"$WORK/serve.log" 2>&1 &
   server=$!
   port=""
   for _ in $(seq 100); do

@@ -4,6 +4,9 @@ torch and torchvision 1.13 / 0.14 from python3-torch and python3-torchvision):
   affine     INPUT__0 [4] FP32 -> OUTPUT__0 = x @ W + b [3] FP32, OUTPUT__1 = argmax [1] INT64
   ordered    forward(x, y) -> (x - y, x * y); the configuration lists INPUT__1 before INPUT__0 and
              OUTPUT__1 before OUTPUT__0
+  inplace    forward() adds 1 to its input in place and returns twice it
+  counter    forward() adds 1 to a buffer of its own and returns a view of it
+  named_args forward(image, mask, scale=1.0) -> image - mask; the configuration lists mask first
   pair       inputs named a (FP32 [2]) and b (INT64 [2]), in forward()'s order; outputs named sum
              (a + b, FP32) and triple (3 * b, INT64), in the order forward() returns them
   raises     forward() raises for inputs with a negative first element
@@ -94,6 +97,51 @@ write("raises", Raises(), '''platform: "pytorch_libtorch"
 max_batch_size: 4
 input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
 output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+''')
+
+
+
+class InPlace(torch.nn.Module):
+    def forward(self, x):
+        x.add_(1)  # writes into its input
+        return x * 2
+
+
+write("inplace", InPlace(), '''platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+''')
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(8, 2))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.count[: x.shape[0]]  # a view of the module's own buffer
+
+
+write("counter", Counter(), '''platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+instance_group [ { count: 1 } ]
+''')
+
+
+class NamedArgs(torch.nn.Module):
+    def forward(self, image, mask, scale: float = 1.0):
+        return (image - mask) * scale
+
+
+write("named_args", NamedArgs(), '''platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "mask" data_type: TYPE_FP32 dims: [ 2 ] },
+        { name: "image" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "diff" data_type: TYPE_FP32 dims: [ 2 ] } ]
 ''')
 
 if "--resnet" in sys.argv:

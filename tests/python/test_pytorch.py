@@ -39,6 +39,35 @@ def served(tmp_path_factory):
         with open(repo / name / "config.pbtxt", "a") as f:
             f.write('model_warmup [ { name: "w" batch_size: 2 inputs { key: "INPUT__0" value { '
                     'data_type: TYPE_FP32 dims: [ 2 ] input_data_file: "x.bin" } } } ]\n')
+    # Triton's <name>__<index> with any name: the ordered model again, its tensors listed backwards.
+    shutil.copytree(repo / "ordered", repo / "ordered_suffix")
+    (repo / "ordered_suffix" / "config.pbtxt").write_text(
+        'backend: "pytorch"\nmax_batch_size: 4\n'
+        'input [ { name: "y__1" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "x__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "prod__1" data_type: TYPE_FP32 dims: [ 2 ] },'
+        ' { name: "diff__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+    # Configurations refused when loading: an argument of forward() without an input, an optional input.
+    shutil.copytree(repo / "pair", repo / "pair_missing_b")
+    (repo / "pair_missing_b" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch"\nmax_batch_size: 4\ninput [ { name: "a" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+    shutil.copytree(repo / "raises", repo / "optional_input")
+    (repo / "optional_input" / "config.pbtxt").write_text(
+        (repo / "raises" / "config.pbtxt").read_text().replace("dims: [ 2 ] }", "dims: [ 2 ] optional: true }", 1))
+    # Ensembles whose steps share tensors: one step writes into its input (which the ensemble also
+    # answers with); one model, run twice, changes the buffer its first answer was a view of.
+    for name, first, second in (("shared_input", "raises", "inplace"), ("shared_buffer", "counter", "counter")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(f'''platform: "ensemble"
+max_batch_size: 4
+input [ {{ name: "in" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+output [ {{ name: "first" data_type: TYPE_FP32 dims: [ 2 ] }}, {{ name: "second" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "{first}" model_version: -1 input_map {{ key: "INPUT__0" value: "in" }}
+    output_map {{ key: "OUTPUT__0" value: "first" }} }},
+  {{ model_name: "{second}" model_version: -1 input_map {{ key: "INPUT__0" value: "first" }}
+    output_map {{ key: "OUTPUT__0" value: "second" }} }} ] }}
+''')
     log = []
     proc, ports = start_quern(QUERN, str(repo), log=log)
     yield root, ports, log
@@ -198,3 +227,40 @@ def test_warm_up_runs_forward_before_the_model_is_ready(served):
     index = json.loads(http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")[2])
     reason = [m for m in index if m["name"] == "warm_refused"][0].get("reason", "")
     assert "negative input refused" in reason, (reason, log)
+
+
+def reason(ports, model):
+    index = json.loads(http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")[2])
+    return [m for m in index if m["name"] == model][0].get("reason", "")
+
+
+def test_inputs_go_by_argument_name_or_by_the_number_after_any_name(served):
+    _, ports, _ = served
+    image, mask = np.array([[5, 7]], np.float32), np.array([[2, 3]], np.float32)
+    out = infer(ports["HTTP"], "named_args", {"mask": mask, "image": image})  # listed mask first
+    np.testing.assert_array_equal(out["diff"], image - mask)
+    x, y = image, mask
+    out = infer(ports["HTTP"], "ordered_suffix", {"x__0": x, "y__1": y})
+    np.testing.assert_array_equal(out["diff__0"], x - y)
+    np.testing.assert_array_equal(out["prod__1"], x * y)
+
+
+def test_configurations_forward_cannot_take_are_refused_when_loading(served):
+    _, ports, _ = served
+    for model, why in (("pair_missing_b", "argument 'b' gets no input"), ("optional_input", "optional")):
+        assert http_request(ports["HTTP"], "GET", f"/v2/models/{model}/ready")[0] != 200
+        assert why in reason(ports, model), reason(ports, model)
+
+
+def test_a_model_writing_into_its_input_changes_nobody_elses_tensor(served):
+    _, ports, _ = served
+    x = np.array([[1, 2]], np.float32)
+    out = infer(ports["HTTP"], "shared_input", {"in": x})
+    np.testing.assert_array_equal(out["first"], x, err_msg="the tensor the second step read")
+    np.testing.assert_array_equal(out["second"], (x + 1) * 2)
+
+
+def test_an_answer_is_not_a_view_of_memory_the_model_changes_later(served):
+    _, ports, _ = served
+    out = infer(ports["HTTP"], "shared_buffer", {"in": np.zeros((1, 2), np.float32)})
+    np.testing.assert_array_equal(out["second"] - out["first"], [[1, 1]])

@@ -5,8 +5,10 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -34,8 +36,15 @@ Result<const QuernTorchApi*> Plugin() {
       // Installed: beside the binary's or the library's own folder.
       Dl_info self{};
       char real[PATH_MAX];
-      if (::dladdr(reinterpret_cast<void*>(&NewPytorchBackend), &self) && self.dli_fname &&
-          ::realpath(self.dli_fname, real)) {
+      // For the main program dladdr names argv[0] ("quern" when run from
+      // PATH): its file is /proc/self/exe.
+      const char* object = nullptr;
+      if (::dladdr(reinterpret_cast<void*>(&NewPytorchBackend), &self) && self.dli_fname) {
+        object = std::strcmp(self.dli_fname, program_invocation_name) == 0 || !std::strchr(self.dli_fname, '/')
+                     ? "/proc/self/exe"
+                     : self.dli_fname;
+      }
+      if (object && ::realpath(object, real)) {
         const std::filesystem::path dir = std::filesystem::path(real).parent_path();
         for (const char* rel : {QUERN_PYTORCH_PLUGIN_FROM_BIN, QUERN_PYTORCH_PLUGIN_FROM_LIB}) {
           std::error_code ec;
@@ -76,11 +85,13 @@ Result<const QuernTorchApi*> Plugin() {
   return api;
 }
 
-// The position a Triton-style name gives ("INPUT__3" -> 3), or -1.
-int IndexedName(const std::string& name, std::string_view prefix) {
-  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return -1;
+// The number a Triton-style name ends with ("INPUT__3", "image__0" -> 3, 0),
+// or -1.
+int IndexedName(const std::string& name) {
+  const size_t at = name.rfind("__");
+  if (at == std::string::npos || at == 0 || at + 2 == name.size()) return -1;
   int n = -1;
-  const char* begin = name.data() + prefix.size();
+  const char* begin = name.data() + at + 2;
   const char* end = name.data() + name.size();
   const auto parsed = std::from_chars(begin, end, n);
   if (parsed.ec != std::errc() || parsed.ptr != end || n < 0 || n > 1'000'000) return -1;
@@ -88,33 +99,78 @@ int IndexedName(const std::string& name, std::string_view prefix) {
 }
 
 // Where each configured tensor goes: forward()'s argument or result
-// position, by Triton's naming convention when every name follows it.
-Result<std::vector<int>> Positions(const std::vector<TensorConfig>& tensors, std::string_view prefix,
-                                   const std::string& who, const char* what) {
+// position, by the number its name ends with when every name has one
+// (Triton's <name>__<index>), else in the configuration's order.
+Result<std::vector<int>> Positions(const std::vector<TensorConfig>& tensors, const std::string& who, const char* what) {
   std::vector<int> pos(tensors.size());
   bool all = true;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    pos[i] = IndexedName(tensors[i].name, prefix);
+    pos[i] = IndexedName(tensors[i].name);
     all = all && pos[i] >= 0;
   }
   if (!all) {
     for (size_t i = 0; i < tensors.size(); ++i) pos[i] = static_cast<int>(i);
     return pos;
   }
-  std::vector<int> sorted = pos;
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    return Err(InvalidArgument(who + ": two " + what + "s have the same number (" + std::string(prefix) +
-                               std::to_string(*std::adjacent_find(sorted.begin(), sorted.end())) + ")"));
-  }
-  if (std::string_view(what) == "input") {
-    // forward()'s arguments: INPUT__0 .. INPUT__<n-1>, each once.
-    for (size_t i = 0; i < sorted.size(); ++i) {
-      if (sorted[i] != static_cast<int>(i)) {
-        return Err(InvalidArgument(who + ": inputs named " + std::string(prefix) + "<n> must be numbered 0.." +
-                                   std::to_string(sorted.size() - 1) + ", missing " + std::string(prefix) +
-                                   std::to_string(i)));
+  for (size_t i = 0; i < pos.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (pos[i] == pos[j]) {
+        return Err(InvalidArgument(who + ": " + what + "s '" + tensors[j].name + "' and '" + tensors[i].name +
+                                   "' have the same number"));
       }
+    }
+  }
+  return pos;
+}
+
+// The inputs' places among forward()'s arguments (`arguments`: one line per
+// argument after self, "name" or "name=" with a default): by name when
+// every input names an argument, else as Positions says. The inputs are
+// forward()'s first arguments (they go by position); the others need
+// defaults.
+Result<std::vector<int>> InputPositions(const std::vector<TensorConfig>& inputs, const std::string& arguments,
+                                        const std::string& who) {
+  std::vector<std::string> names;
+  std::vector<bool> defaulted;
+  for (size_t at = 0; at < arguments.size();) {
+    size_t end = arguments.find('\n', at);
+    if (end == std::string::npos) end = arguments.size();
+    std::string name = arguments.substr(at, end - at);
+    const bool has_default = !name.empty() && name.back() == '=';
+    if (has_default) name.pop_back();
+    names.push_back(std::move(name));
+    defaulted.push_back(has_default);
+    at = end + 1;
+  }
+  std::vector<int> pos(inputs.size(), -1);
+  bool by_name = true;
+  for (size_t i = 0; i < inputs.size() && by_name; ++i) {
+    auto it = std::find(names.begin(), names.end(), inputs[i].name);
+    if (it == names.end()) {
+      by_name = false;
+    } else {
+      pos[i] = static_cast<int>(it - names.begin());
+    }
+  }
+  if (!by_name) {
+    QUERN_ASSIGN_OR_RETURN(pos, Positions(inputs, who, "input"));
+  }
+  std::string listed;
+  for (const auto& n : names) listed += (listed.empty() ? "" : ", ") + n;
+  std::vector<bool> given(names.size(), false);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    // Arguments are passed by position: the inputs are the first ones.
+    if (pos[i] >= static_cast<int>(std::min(inputs.size(), names.size()))) {
+      return Err(InvalidArgument(who + ": input '" + inputs[i].name + "' would be argument " + std::to_string(pos[i]) +
+                                 " of forward(" + listed + "), which takes the " + std::to_string(inputs.size()) +
+                                 " inputs as its first arguments"));
+    }
+    given[static_cast<size_t>(pos[i])] = true;
+  }
+  for (size_t a = 0; a < names.size(); ++a) {
+    if (!given[a] && !defaulted[a]) {
+      return Err(InvalidArgument(who + ": forward()'s argument '" + names[a] + "' gets no input (forward(" + listed +
+                                 "); inputs go by argument name, else by the number after '__', else in order)"));
     }
   }
   return pos;
@@ -125,7 +181,7 @@ struct TorchSpec {
   std::string file;
   int max_batch_size = 0;
   std::vector<TensorConfig> inputs, outputs;
-  std::vector<int> input_pos, output_pos;
+  std::vector<int> output_pos;
 };
 
 class TorchModel final : public Model {
@@ -139,6 +195,7 @@ class TorchModel final : public Model {
     char* error = nullptr;
     module_ = api_->load(spec_->file.c_str(), &error);
     if (!module_) return Unavailable(Who() + ": LibTorch cannot load " + spec_->file + ": " + Take(error));
+    QUERN_ASSIGN_OR_RETURN(input_pos_, InputPositions(spec_->inputs, Take(api_->arguments(module_)), Who()));
     return Status::Ok();
   }
 
@@ -155,7 +212,7 @@ class TorchModel final : public Model {
       if (!in) return InvalidArgument(Who() + ": input '" + name + "' is missing");
       const Shape& shape = in->tensor.shape();
       if (shape.size() > 8) return InvalidArgument(Who() + ": input '" + name + "' has more than 8 dimensions");
-      QuernTorchTensor& a = args[static_cast<size_t>(spec_->input_pos[i])];
+      QuernTorchTensor& a = args[static_cast<size_t>(input_pos_[i])];
       a.dtype = static_cast<uint8_t>(in->tensor.dtype());
       a.rank = static_cast<int32_t>(shape.size());
       std::copy(shape.begin(), shape.end(), a.dims);
@@ -207,6 +264,7 @@ class TorchModel final : public Model {
   const QuernTorchApi* api_;
   std::shared_ptr<const TorchSpec> spec_;
   void* module_ = nullptr;
+  std::vector<int> input_pos_;  // each configured input's place among forward()'s arguments
 };
 
 class TorchOpenedModel final : public OpenedModel {
@@ -240,6 +298,12 @@ class PytorchBackend final : public Backend {
     }
     for (const auto* list : {&config.inputs, &config.outputs}) {
       for (const auto& t : *list) {
+        if (t.optional) {
+          return Err(InvalidArgument(who + ": input '" + t.name + "' is optional; forward() takes every input"));
+        }
+        if (t.dims.size() + (config.max_batch_size > 0 ? 1 : 0) > 8) {
+          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has more than 8 dimensions"));
+        }
         switch (t.dtype) {
           case DataType::kBytes:
           case DataType::kUint16:
@@ -258,8 +322,7 @@ class PytorchBackend final : public Backend {
     spec->max_batch_size = config.max_batch_size;
     spec->inputs = config.inputs;
     spec->outputs = config.outputs;
-    QUERN_ASSIGN_OR_RETURN(spec->input_pos, Positions(config.inputs, "INPUT__", who, "input"));
-    QUERN_ASSIGN_OR_RETURN(spec->output_pos, Positions(config.outputs, "OUTPUT__", who, "output"));
+    QUERN_ASSIGN_OR_RETURN(spec->output_pos, Positions(config.outputs, who, "output"));
 
     // Every core by default, whatever the instances: they share the one
     // pool, and Debian's LibTorch 1.13 runs convolutions an order of

@@ -1,12 +1,14 @@
 // PyTorch models (platform "pytorch_libtorch" or backend "pytorch",
 // <version>/model.pt: a TorchScript module), run by LibTorch through Quern's
 // LibTorch plugin (torch_plugin_api.h), which is loaded when the first such
-// model loads. Triton's conventions: inputs named INPUT__0, INPUT__1, ... go
-// to forward() in the order of their numbers, other names in the order the
-// configuration lists them; outputs named OUTPUT__<i> are the i-th tensor of
-// what forward() returns (a tensor, or a tuple or list of tensors), others
-// are taken in the configuration's order. The configuration must list both
-// (a TorchScript file declares no types or shapes).
+// model loads. Inputs are forward()'s first arguments: by argument name
+// when every input names one, else by Triton's <name>__<index> (INPUT__0,
+// ...), else in the configuration's order; outputs named <name>__<i> are the
+// i-th tensor of what forward() returns (a tensor, or a tuple or list of
+// tensors), others are taken in the configuration's order. The
+// configuration must list both (a TorchScript file declares no types or
+// shapes). forward() runs on a copy of the inputs; results are borrowed
+// unless they share memory with anything else.
 //
 // Threads: LibTorch has one intra-op thread pool per process. Its size is
 // set when the first PyTorch model loads: the model's parameter

@@ -88,6 +88,19 @@ void Unload(void* module) {
   delete static_cast<torch::jit::Module*>(module);
 }
 
+char* Arguments(void* module) {
+  std::string names;
+  try {
+    const auto& schema = static_cast<torch::jit::Module*>(module)->get_method("forward").function().getSchema();
+    const auto& args = schema.arguments();
+    for (size_t i = 1; i < args.size(); ++i) {  // 0 is self
+      names += args[i].name() + (args[i].default_value() ? "=" : "") + "\n";
+    }
+  } catch (const std::exception&) {  // no forward(): run() says so
+  }
+  return Copy(names);
+}
+
 // One output of forward(): a tensor, or a tuple or list of them.
 bool Collect(const c10::IValue& v, std::vector<at::Tensor>& out, std::string& why) {
   if (v.isTensor()) {
@@ -126,30 +139,31 @@ void* Run(void* module, const QuernTorchTensor* inputs, int n_inputs, const Quer
                       std::to_string(in.dtype));
         return nullptr;
       }
+      // A copy: forward() may write into its inputs (x.relu_(), x += 1,
+      // inference mode allows it), and the caller's bytes may be shared
+      // (an ensemble's tensor, an embedding caller's array) or read-only.
       args.emplace_back(torch::from_blob(in.data, c10::IntArrayRef(in.dims, static_cast<size_t>(in.rank)),
-                                         torch::TensorOptions().dtype(type)));
+                                         torch::TensorOptions().dtype(type))
+                            .clone());
     }
-    c10::IValue out = static_cast<torch::jit::Module*>(module)->forward(args);
     auto result = std::make_unique<Result>();
     std::string why;
-    if (!Collect(out, result->tensors, why)) {
-      *error = Copy(why);
-      return nullptr;
+    {
+      c10::IValue out = static_cast<torch::jit::Module*>(module)->forward(args);
+      if (!Collect(out, result->tensors, why)) {
+        *error = Copy(why);
+        return nullptr;
+      }
     }
+    args.clear();
     for (at::Tensor& t : result->tensors) {
       if (t.device().type() != c10::kCPU) t = t.to(c10::kCPU);
       t = t.contiguous();
-      // A result that is (a view of) an input lives in the caller's buffer,
-      // which is gone once the batch ends: it is copied.
-      const auto* begin = static_cast<const char*>(t.storage().data());
-      const auto* end = begin + t.storage().nbytes();
-      for (int i = 0; i < n_inputs; ++i) {
-        const auto* in = static_cast<const char*>(inputs[i].data);
-        if (begin < in + inputs[i].bytes && in < end) {
-          t = t.clone();
-          break;
-        }
-      }
+      // The caller borrows a result's bytes, and may be handed them as a
+      // writable array: a result that shares its memory with anything else
+      // (the module's parameter or buffer, a view of one, another result)
+      // is copied, so that neither side changes the other.
+      if (t.use_count() > 1 || t.storage().use_count() > 1) t = t.clone();
       QuernTorchTensor v{};
       v.dtype = ToQuern(t.scalar_type());
       if (t.dim() > 8) {
@@ -179,7 +193,8 @@ void FreeString(char* s) {
   std::free(s);
 }
 
-const QuernTorchApi kApi = {QUERN_TORCH_PLUGIN_ABI, TORCH_VERSION, SetThreads, Load, Unload, Run, Release, FreeString};
+const QuernTorchApi kApi = {
+    QUERN_TORCH_PLUGIN_ABI, TORCH_VERSION, SetThreads, Load, Unload, Arguments, Run, Release, FreeString};
 
 }  // namespace
 

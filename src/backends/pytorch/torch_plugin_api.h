@@ -11,7 +11,7 @@
 
 extern "C" {
 
-#define QUERN_TORCH_PLUGIN_ABI 1
+#define QUERN_TORCH_PLUGIN_ABI 2
 
 // A tensor's bytes, dense and row-major.
 struct QuernTorchTensor {
@@ -33,6 +33,9 @@ struct QuernTorchApi {
   // with *error set (release it with free_string).
   void* (*load)(const char* path, char** error);
   void (*unload)(void* module);
+  // forward()'s arguments after self, one per line, each "name" or
+  // "name=" when it has a default value (release it with free_string).
+  char* (*arguments)(void* module);
   // Runs the module's forward() on `inputs`, in forward-argument order,
   // without copying them. Returns a handle that owns the results (the
   // model's tensor, or the tensors of the tuple or list it returns, in
