@@ -90,6 +90,25 @@ struct EnsembleStep {
   std::map<std::string, std::string> output_map;
 };
 
+// Where instances of a model run (config.pbtxt's instance_group).
+struct InstanceGroup {
+  enum class Kind {
+    kAuto,  // KIND_AUTO: on GPUs when the backend can use one here, else the CPU
+    kCpu,   // KIND_CPU
+    kGpu,   // KIND_GPU: `count` instances on each device of `gpus`
+  };
+  Kind kind = Kind::kAuto;
+  int count = 1;
+  // CUDA device ordinals; empty = every device CUDA sees. Ignored on the CPU.
+  std::vector<int> gpus;
+};
+
+// Where one instance runs: the CPU (device -1) or one GPU.
+struct InstanceDevice {
+  bool gpu = false;
+  int device = -1;
+};
+
 struct ModelConfig {
   std::string name;
   std::string platform;  // "onnxruntime_onnx" for ONNX models, "ensemble" for ensembles
@@ -104,6 +123,10 @@ struct ModelConfig {
   // the layout follows the load. A number gives exactly that many, the
   // cores divided among them.
   int instance_count = 1;
+  // The instance_group entries as written; empty = instance_count CPU
+  // instances (or the automatic layout). Once a model is loaded: the groups
+  // as placed, each with its kind (CPU or GPU) and devices explicit.
+  std::vector<InstanceGroup> instance_groups;
   // Dynamic batching is on when max_batch_size > 0 and this is set.
   std::optional<BatchingConfig> batching;
   // Quern: the model only runs at these batch sizes; smaller batches are

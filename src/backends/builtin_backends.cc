@@ -11,6 +11,7 @@
 #include "backends/stages/ocr_stages.h"
 #include "core/log.h"
 #include "engine/backend.h"
+#include "engine/instance_placement.h"
 
 namespace quern {
 namespace {
@@ -28,9 +29,18 @@ class OrtOpenedModel final : public OpenedModel {
     if (weights_) weights_->RemoveFiles();
   }
 
-  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) override {
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
+    if (device.gpu) {
+      // A GPU session reads the file itself: the shared weights were
+      // optimized for the CPU (blocked layouts only CPU kernels run).
+      QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsForGpu(config, device.device));
+      return Load(config, options, nullptr);
+    }
     if (first_) return std::unique_ptr<Model>(std::move(first_));
-    return Load(config, config);
+    ModelConfig layout = config;
+    layout.instance_count = CpuInstances(config);
+    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores_));
+    return Load(config, options, weights_);
   }
 
   // A session with every core's intra-op thread, unless the configuration
@@ -39,16 +49,16 @@ class OrtOpenedModel final : public OpenedModel {
     if (config.parameters.count("intra_op_thread_count") || cores_ < 2) return std::unique_ptr<Model>();
     ModelConfig one = config;
     one.instance_count = 1;
-    return Load(config, one);
+    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(one, cores_));
+    return Load(config, options, weights_);
   }
 
  private:
-  // An instance of `config` with the threads SessionOptionsFor gives `layout`.
-  Result<std::unique_ptr<Model>> Load(const ModelConfig& config, const ModelConfig& layout) {
-    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores_));
+  Result<std::unique_ptr<Model>> Load(const ModelConfig& config, const OrtSessionOptions& options,
+                                      std::shared_ptr<SharedOnnxWeights> weights) {
     std::vector<std::string> outputs;
     for (const auto& o : config.outputs) outputs.push_back(o.name);
-    auto model = std::make_unique<OrtModel>(config.name, file_, options, std::move(outputs), weights_);
+    auto model = std::make_unique<OrtModel>(config.name, file_, options, std::move(outputs), std::move(weights));
     QUERN_RETURN_IF_ERROR(model->Load());
     return std::unique_ptr<Model>(std::move(model));
   }
@@ -85,7 +95,9 @@ class OrtBackend final : public Backend {
       // failed (a model that cannot load fails here with its own error).
       // Outputs the configuration does not list are derived in the model's
       // order, which is what an instance created without a list returns.
-      QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(config, cores));
+      ModelConfig layout = config;
+      layout.instance_count = CpuInstances(config);
+      QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores));
       std::vector<std::string> outputs;
       for (const auto& o : config.outputs) outputs.push_back(o.name);
       first = std::make_unique<OrtModel>(config.name, file, options, std::move(outputs));
@@ -100,6 +112,9 @@ class OrtBackend final : public Backend {
     return std::unique_ptr<OpenedModel>(
         std::make_unique<OrtOpenedModel>(file, cores, std::move(first), std::move(weights)));
   }
+
+  std::string WhyNoGpu() const override { return OrtWhyNoCuda(); }
+  bool GpuByDefault() const override { return true; }
 };
 
 // Built-in stages (backend "quern", parameter quern.stage): C++ steps for
@@ -108,7 +123,7 @@ class OrtBackend final : public Backend {
 class StageOpenedModel final : public OpenedModel {
  public:
   explicit StageOpenedModel(std::function<std::unique_ptr<Model>()> factory) : factory_(std::move(factory)) {}
-  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&) override { return factory_(); }
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&, const InstanceDevice&) override { return factory_(); }
 
  private:
   std::function<std::unique_ptr<Model>()> factory_;

@@ -319,18 +319,45 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   if (ensemble) {
     QUERN_RETURN_IF_ERROR(ConvertEnsemble(p, source, c));
   } else if (p.instance_group_size() > 0) {
-    for (const auto& g : p.instance_group()) {
-      if (g.kind() == inference::ModelInstanceGroup::KIND_GPU) {
-        return Err(InvalidArgument(source + ": instance_group kind KIND_GPU is not available; this build of "
-                                            "Quern runs models on the CPU (use KIND_CPU)"));
+    for (int gi = 0; gi < p.instance_group_size(); ++gi) {
+      const auto& g = p.instance_group(gi);
+      const std::string which = source + ": instance_group " + std::to_string(gi);
+      InstanceGroup group;
+      switch (g.kind()) {
+        case inference::ModelInstanceGroup::KIND_AUTO: group.kind = InstanceGroup::Kind::kAuto; break;
+        case inference::ModelInstanceGroup::KIND_CPU: group.kind = InstanceGroup::Kind::kCpu; break;
+        case inference::ModelInstanceGroup::KIND_GPU: group.kind = InstanceGroup::Kind::kGpu; break;
+        default:
+          return Err(InvalidArgument(which + ": kind " + inference::ModelInstanceGroup::Kind_Name(g.kind()) +
+                                     " is not supported (KIND_AUTO, KIND_CPU or KIND_GPU)"));
       }
-      const int64_t count = g.count() > 0 ? g.count() : 1;
+      if (g.count() < 0) {
+        return Err(InvalidArgument(which + ": count " + std::to_string(g.count()) + " is negative"));
+      }
+      group.count = g.count() > 0 ? g.count() : 1;
+      if (g.gpus_size() > 0 && group.kind == InstanceGroup::Kind::kCpu) {
+        return Err(InvalidArgument(which + ": kind KIND_CPU lists gpus; use KIND_GPU to run on them"));
+      }
+      for (int32_t d : g.gpus()) {
+        if (d < 0 || d >= kMaxGpus) {
+          return Err(InvalidArgument(which + ": gpus lists device " + std::to_string(d) +
+                                     "; a device is a CUDA ordinal in [0, " + std::to_string(kMaxGpus) + ")"));
+        }
+        if (std::find(group.gpus.begin(), group.gpus.end(), d) != group.gpus.end()) {
+          return Err(InvalidArgument(which + ": gpus lists device " + std::to_string(d) + " twice"));
+        }
+        group.gpus.push_back(d);
+      }
+      // Instances on each listed device (at least one device: how many an
+      // empty list means is known when the model loads).
+      const int64_t count = int64_t{group.count} * std::max<int64_t>(1, static_cast<int64_t>(group.gpus.size()));
       if (count > kMaxInstances - c.instance_count) {
-        return Err(InvalidArgument(source + ": instance_group count " + std::to_string(g.count()) +
+        return Err(InvalidArgument(which + ": count " + std::to_string(g.count()) +
                                    " brings the model's instances above the limit of " +
                                    std::to_string(kMaxInstances)));
       }
       c.instance_count += static_cast<int>(count);
+      c.instance_groups.push_back(std::move(group));
     }
   }
 
@@ -537,10 +564,19 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
       for (const auto& [k, v] : s.input_map) (*step->mutable_input_map())[k] = v;
       for (const auto& [k, v] : s.output_map) (*step->mutable_output_map())[k] = v;
     }
-  } else {
+  } else if (c.instance_groups.empty()) {
     auto* g = p.add_instance_group();
     g->set_kind(inference::ModelInstanceGroup::KIND_CPU);
     g->set_count(c.instance_count);
+  } else {
+    for (const InstanceGroup& group : c.instance_groups) {
+      auto* g = p.add_instance_group();
+      g->set_kind(group.kind == InstanceGroup::Kind::kGpu   ? inference::ModelInstanceGroup::KIND_GPU
+                  : group.kind == InstanceGroup::Kind::kCpu ? inference::ModelInstanceGroup::KIND_CPU
+                                                            : inference::ModelInstanceGroup::KIND_AUTO);
+      g->set_count(group.count);
+      for (int d : group.gpus) g->add_gpus(d);
+    }
   }
   if (c.batching) {
     auto* db = p.mutable_dynamic_batching();

@@ -36,6 +36,7 @@ inline constexpr std::string_view kLatencyTargetParam = "quern.latency_target_ms
 // model's load with an error naming the file and field instead of taking
 // the server's memory or threads.
 inline constexpr int kMaxInstances = 256;                          // instance_group counts, summed
+inline constexpr int kMaxGpus = 64;                                // instance_group gpus: device ordinals below
 inline constexpr int kMaxBatchSize = 1 << 16;                      // max_batch_size
 inline constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;         // one configured dimension
 inline constexpr uint32_t kMaxPriorityLevels = 256;                // dynamic_batching.priority_levels

@@ -25,8 +25,9 @@ class OpenedModel {
   virtual ~OpenedModel() = default;
 
   // Creates and loads one instance of the model, with the configuration
-  // that Backend::Open completed.
-  virtual Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) = 0;
+  // that Backend::Open completed, on `device` (a GPU only when the
+  // backend's WhyNoGpu said it can).
+  virtual Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) = 0;
 
   // Creates an instance that runs one batch on all the engine's cores (the
   // wide instance of an automatic layout, see DynamicBatcher), or null when
@@ -44,11 +45,19 @@ class Backend {
   // (inputs, outputs, batch size) from what the file declares.
   // `has_config_file` says whether the configuration was written by a
   // person (checked more strictly against the file) or derived. `cores` is
-  // what the engine may use; `instances` how many the engine will create
-  // (counting a wide one), so that a backend shares only when there is
-  // something to share.
+  // what the engine may use; `instances` how many CPU instances the engine
+  // will create (counting a wide one), so that a backend shares only when
+  // there is something to share. config.instance_groups says where every
+  // instance goes (see PlaceInstances).
   virtual Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                                     bool has_config_file, int cores, int instances) = 0;
+
+  // Why this backend cannot run instances on this machine's GPUs, or empty
+  // when it can. Asked only when CUDA sees a device.
+  virtual std::string WhyNoGpu() const { return "it runs models on the CPU only"; }
+  // Whether KIND_AUTO and the automatic layout put its instances on the GPUs
+  // (when WhyNoGpu is empty).
+  virtual bool GpuByDefault() const { return false; }
 };
 
 class BackendRegistry {

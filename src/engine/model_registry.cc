@@ -4,9 +4,11 @@
 #include <random>
 
 #include "core/cpus.h"
+#include "core/gpus.h"
 #include "core/memory.h"
 #include "core/model_config_parser.h"
 #include "engine/ensemble_model.h"
+#include "engine/instance_placement.h"
 #include "engine/served_model.h"
 
 namespace quern {
@@ -224,24 +226,39 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
                            EnsembleModel::Create(std::move(config), v.version, std::move(steps), clock_));
     return std::shared_ptr<Servable>(std::move(ensemble));
   }
-  // An automatic layout (no instance_group): one instance per core for
-  // concurrent requests, and a wide one for a lone request.
-  const bool automatic = config.instance_count == 0;
-  if (automatic) config.instance_count = std::min(cores_, kMaxInstances);
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
   Backend* backend = backends_.Find(config.backend);
   if (!backend) {
     return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
   }
+  // Where the instances run: instance_group against this machine's GPUs.
+  GpuAvailability gpus;
+  if (config.instance_count == 0 || !config.instance_groups.empty()) {
+    const GpuCount& visible = VisibleGpus();
+    gpus.devices = visible.count;
+    gpus.why_no_devices = visible.why_none;
+    if (gpus.devices > 0) {
+      gpus.why_no_backend = backend->WhyNoGpu();
+      gpus.auto_to_gpu = backend->GpuByDefault();
+    }
+  }
+  QUERN_ASSIGN_OR_RETURN(std::vector<InstanceDevice> placed, PlaceInstances(config, gpus));
+  // An automatic layout on the CPU: one instance per core for concurrent
+  // requests, and a wide one for a lone request.
+  const bool automatic = placed.empty();
+  if (automatic) {
+    config.instance_count = std::min(cores_, kMaxInstances);
+    placed.assign(config.instance_count, InstanceDevice{});
+  }
   const bool want_wide = automatic && config.instance_count > 1 && config.wide_instance.value_or(true);
   // Opening the file completes the configuration (the model's own inputs
   // and outputs fill what it leaves out) before it is validated.
   QUERN_ASSIGN_OR_RETURN(auto opened, backend->Open(config, v.model_file, m.has_config_file, cores_,
-                                                    config.instance_count + (want_wide ? 1 : 0)));
+                                                    CpuInstances(config) + (want_wide ? 1 : 0)));
   QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
   std::vector<std::unique_ptr<Model>> instances;
-  while (static_cast<int>(instances.size()) < config.instance_count) {
-    QUERN_ASSIGN_OR_RETURN(auto inst, opened->NewInstance(config));
+  for (const InstanceDevice& device : placed) {
+    QUERN_ASSIGN_OR_RETURN(auto inst, opened->NewInstance(config, device));
     instances.push_back(std::move(inst));
   }
   bool wide = false;

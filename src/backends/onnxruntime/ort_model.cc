@@ -1,5 +1,6 @@
 #include "backends/onnxruntime/ort_model.h"
 
+#include <dlfcn.h>
 #include <onnxruntime_cxx_api.h>
 #include <onnxruntime_session_options_config_keys.h>
 
@@ -212,6 +213,27 @@ Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& c, int cores) {
   return o;
 }
 
+Result<OrtSessionOptions> SessionOptionsForGpu(const ModelConfig& c, int device) {
+  QUERN_ASSIGN_OR_RETURN(OrtSessionOptions o, SessionOptionsFor(c, /*cores=*/1));
+  o.gpu_device = device;
+  return o;
+}
+
+std::string OrtWhyNoCuda() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&OrtGetApiBase), &info) == 0 || !info.dli_fname) {
+    return "the folder of libonnxruntime could not be found";
+  }
+  const std::filesystem::path dir = std::filesystem::path(info.dli_fname).parent_path();
+  const std::filesystem::path provider = dir / "libonnxruntime_providers_cuda.so";
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(provider, ec)) {
+    return "ONNX Runtime's CUDA execution provider is not installed (no " + provider.string() +
+           "; scripts/setup.sh installs it when QUERN_WITH_CUDA=1)";
+  }
+  return "";
+}
+
 Status CompleteConfigFromOnnx(ModelConfig& c, const OnnxModelIO& io, bool has_config_file) {
   for (const auto* list : {&io.inputs, &io.outputs}) {
     for (const auto& t : *list) {
@@ -303,6 +325,31 @@ OnnxModelIO DescribeModel(const Ort::Session& session) {
   return io;
 }
 
+namespace {
+
+// Adds ONNX Runtime's CUDA execution provider on `device` to `so`.
+Status AppendCuda(Ort::SessionOptions& so, int device) {
+  const OrtApi& api = Ort::GetApi();
+  OrtCUDAProviderOptionsV2* cuda = nullptr;
+  auto fail = [&](OrtStatus* st) {
+    std::string m = "ONNX Runtime's CUDA execution provider on GPU " + std::to_string(device) +
+                    " cannot be used: " + api.GetErrorMessage(st);
+    api.ReleaseStatus(st);
+    return FailedPrecondition(std::move(m));
+  };
+  if (OrtStatus* st = api.CreateCUDAProviderOptions(&cuda)) return fail(st);
+  std::unique_ptr<OrtCUDAProviderOptionsV2, void (*)(OrtCUDAProviderOptionsV2*)> owned(
+      cuda, [](OrtCUDAProviderOptionsV2* p) { Ort::GetApi().ReleaseCUDAProviderOptions(p); });
+  const std::string id = std::to_string(device);
+  const char* keys[] = {"device_id"};
+  const char* values[] = {id.c_str()};
+  if (OrtStatus* st = api.UpdateCUDAProviderOptions(cuda, keys, values, 1)) return fail(st);
+  if (OrtStatus* st = api.SessionOptionsAppendExecutionProvider_CUDA_V2(so, cuda)) return fail(st);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status OrtModel::Load() {
   std::error_code ec;
   if (!weights_ && !std::filesystem::is_regular_file(file_, ec)) {
@@ -317,6 +364,10 @@ Status OrtModel::Load() {
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, options_.allow_spinning ? "1" : "0");
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
     if (options_.stop_spinning_after_run) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+    if (options_.gpu_device >= 0) {
+      Status st = AppendCuda(so, options_.gpu_device);
+      if (!st.ok()) return Status(st.code(), "model '" + model_name_ + "': " + st.message());
+    }
 
     auto s = std::make_unique<Session>();
     if (weights_) {

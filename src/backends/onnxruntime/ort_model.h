@@ -41,12 +41,23 @@ struct OrtSessionOptions {
   // leaves more CPU to other threads at the cost of small-batch throughput.
   bool stop_spinning_after_run = false;
   int graph_optimization_level = 0;  // ModelConfig::graph_optimization_level
+  // >= 0: the session runs on this CUDA device (ONNX Runtime's CUDA
+  // execution provider; nodes it has no kernel for stay on the CPU).
+  int gpu_device = -1;
 };
 
 // Reads parameters: "intra_op_thread_count", "inter_op_thread_count",
 // "allow_spinning" and "stop_spinning_after_run" (true/false). Thread
 // defaults divide `cores` among the instances.
 Result<OrtSessionOptions> SessionOptionsFor(const ModelConfig& config, int cores);
+
+// For an instance on GPU `device`: one CPU thread each (for what stays on
+// the CPU) unless the parameters say otherwise.
+Result<OrtSessionOptions> SessionOptionsForGpu(const ModelConfig& config, int device);
+
+// Why ONNX Runtime cannot run sessions on a GPU here (its CUDA execution
+// provider library is not installed beside libonnxruntime), or empty.
+std::string OrtWhyNoCuda();
 
 // Default max_batch_size for a bare model.onnx whose first dimension is dynamic.
 inline constexpr int kDefaultMaxBatchSize = 16;

@@ -151,10 +151,11 @@ struct PythonModelSpec {
 // One instance: one Python process, started again after it dies.
 class PythonModel final : public Model {
  public:
-  PythonModel(ModelConfig config, std::shared_ptr<const PythonModelSpec> spec, int instance)
+  PythonModel(ModelConfig config, std::shared_ptr<const PythonModelSpec> spec, int instance, InstanceDevice device)
       : config_(std::move(config)),
         spec_(std::move(spec)),
         instance_(instance),
+        device_(device),
         tag_("model '" + config_.name + "' instance " + std::to_string(instance)),
         abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
 
@@ -288,9 +289,9 @@ class PythonModel final : public Model {
     w.StartObject();
     const std::pair<const char*, std::string> args[] = {
         {"model_config", spec_->config_json},
-        {"model_instance_kind", "CPU"},
+        {"model_instance_kind", device_.gpu ? "GPU" : "CPU"},
         {"model_instance_name", config_.name + "_" + std::to_string(instance_)},
-        {"model_instance_device_id", "0"},
+        {"model_instance_device_id", std::to_string(device_.gpu ? device_.device : 0)},
         {"model_repository", spec_->model_dir.string()},
         {"model_version", spec_->version},
         {"model_name", config_.name},
@@ -450,6 +451,7 @@ class PythonModel final : public Model {
   const ModelConfig config_;
   const std::shared_ptr<const PythonModelSpec> spec_;
   const int instance_;
+  const InstanceDevice device_;  // told to the model, which places its own work
   const std::string tag_;
   std::unique_ptr<PythonProcess> process_;
   // Abandon(): read by Execute, and the eventfd its wait polls.
@@ -470,8 +472,8 @@ class PythonOpenedModel final : public OpenedModel {
  public:
   explicit PythonOpenedModel(std::shared_ptr<const PythonModelSpec> spec) : spec_(std::move(spec)) {}
 
-  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config) override {
-    auto model = std::make_unique<PythonModel>(config, spec_, next_instance_++);
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
+    auto model = std::make_unique<PythonModel>(config, spec_, next_instance_++, device);
     QUERN_RETURN_IF_ERROR(model->Load());
     return std::unique_ptr<Model>(std::move(model));
   }
@@ -551,6 +553,10 @@ class PythonBackend final : public Backend {
     }
     return std::unique_ptr<OpenedModel>(std::make_unique<PythonOpenedModel>(std::move(spec)));
   }
+
+  // The model is told its device (args model_instance_kind and
+  // model_instance_device_id, as Triton does) and places its work itself.
+  std::string WhyNoGpu() const override { return ""; }
 };
 
 }  // namespace

@@ -271,7 +271,7 @@ class TorchOpenedModel final : public OpenedModel {
  public:
   TorchOpenedModel(const QuernTorchApi* api, std::shared_ptr<const TorchSpec> spec)
       : api_(api), spec_(std::move(spec)) {}
-  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&) override {
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig&, const InstanceDevice&) override {
     auto model = std::make_unique<TorchModel>(api_, spec_);
     QUERN_RETURN_IF_ERROR(model->Load());
     return std::unique_ptr<Model>(std::move(model));
@@ -348,6 +348,8 @@ class PytorchBackend final : public Backend {
     }
     return std::unique_ptr<OpenedModel>(std::make_unique<TorchOpenedModel>(api, std::move(spec)));
   }
+
+  std::string WhyNoGpu() const override { return "the LibTorch it is built with (Debian's) runs on the CPU only"; }
 };
 
 }  // namespace
