@@ -54,6 +54,22 @@ FACE_DESCRIPTOR_MODEL_SHA256=f462115cb92fe1bcb0f1ef1991396a3285f04c65b35c9ad7d91
 FACE_RECOGNITION_SDIST=face_recognition-1.3.0.tar.gz
 FACE_RECOGNITION_SDIST_SHA256=5e5efdd1686aa566af0d3cc1313b131e4b197657a8ffd03669e6d3fad92705ec
 
+# QUERN_WITH_CUDA=1: models may run on NVIDIA GPUs (instance_group KIND_GPU). ONNX Runtime's library
+# then comes from PyPI's onnxruntime-gpu wheel together with its CUDA execution provider (built
+# together), and CUDA's libraries from NVIDIA's wheels, all beside libonnxruntime; CPU machines leave
+# this out. The GPU itself needs NVIDIA's driver (libcuda.so.1), which no package here provides.
+ORT_GPU_WHL=onnxruntime_gpu-1.30.0-cp311-cp311-manylinux_2_28_x86_64.whl
+ORT_GPU_WHL_SHA256=4fbf0c5d7b5fb99266c2e8a802e3e64af68bdc383e0f3c7349b985f1087eedaa
+CUDA_WHEELS=( # requirement, file, SHA-256: what onnxruntime-gpu 1.30.0's "cuda" and "cudnn" extras resolve to
+  "nvidia-cublas==13.10.0.20 nvidia_cublas-13.10.0.20-py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl dcc6d63884c53d07e267ce7e6feac17b2538cebaafec5db865736c3e28e4dc84"
+  "nvidia-cuda-nvrtc==13.5.37 nvidia_cuda_nvrtc-13.5.37-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl 86b4d68058807988b7d9af5b44917a0601e9c337f35ccd657bfb3c759ff8d8bc"
+  "nvidia-cuda-runtime==13.5.37 nvidia_cuda_runtime-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl df2b79a8852f10d1fef8c848489c49eebb5754051bf870202a862831412b179d"
+  "nvidia-cudnn-cu13==9.28.1.4 nvidia_cudnn_cu13-9.28.1.4-py3-none-manylinux_2_27_x86_64.whl a54f205b1db1f2895d99f398754db1369816f0569dd459731f925635cf7b65ec"
+  "nvidia-cufft==12.5.0.14 nvidia_cufft-12.5.0.14-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl b8be26837a5abad2b5b74f3e92dd29f622a42934b355be0961a48712cbba23ad"
+  "nvidia-curand==10.4.5.25 nvidia_curand-10.4.5.25-py3-none-manylinux_2_27_x86_64.whl 22bb226a857e5888fe6b54ae465fc4371296bcff13a35f79e19691bcf454f529"
+  "nvidia-nvjitlink==13.5.37 nvidia_nvjitlink-13.5.37-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl 280d7cb9649704145f074b8dbde500de04ce02d0872e066e20a83c17bcaa93eb"
+)
+
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 check_sha() { # file expected
@@ -80,6 +96,7 @@ APT_PACKAGES=(
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.
 command -v npm >/dev/null 2>&1 || APT_PACKAGES+=(npm)
+[ "${QUERN_WITH_CUDA:-0}" = 1 ] && APT_PACKAGES+=(patchelf unzip)
 
 install_apt() {
   [ "${QUERN_SKIP_APT:-0}" = 1 ] && return 0
@@ -136,6 +153,41 @@ install_onnxruntime() {
   ln -sf "libonnxruntime.so.1" "$dest/lib/libonnxruntime.so"
   touch "$dest/.complete-$ORT_VERSION"
   log "ONNX Runtime installed in $dest"
+}
+
+# QUERN_WITH_CUDA=1 (see the top): the onnxruntime-gpu wheel's library and CUDA provider replace the
+# CPU library in third_party/onnxruntime/lib, CUDA's libraries go to lib/cuda, and the provider finds
+# them there (its RUNPATH, set with patchelf). The library serves CPU sessions as before.
+install_onnxruntime_cuda() {
+  [ "${QUERN_WITH_CUDA:-0}" = 1 ] || return 0
+  local lib="$TP/onnxruntime/lib"
+  if [ -f "$TP/onnxruntime/.cuda-$ORT_VERSION" ]; then log "ONNX Runtime's CUDA provider present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  local reqs=("onnxruntime-gpu==$ORT_VERSION") entry
+  for entry in "${CUDA_WHEELS[@]}"; do reqs+=("${entry%% *}"); done
+  log "fetching onnxruntime-gpu $ORT_VERSION and CUDA's libraries (PyPI, about 1.5 GB)"
+  "$VENV/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux2010_x86_64 --platform manylinux1_x86_64 -d "$tmp" "${reqs[@]}"
+  check_sha "$tmp/$ORT_GPU_WHL" "$ORT_GPU_WHL_SHA256"
+  mkdir -p "$tmp/ort" "$tmp/cuda"
+  unzip -q -o -j "$tmp/$ORT_GPU_WHL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
+    "onnxruntime/capi/libonnxruntime_providers_shared.so" "onnxruntime/capi/libonnxruntime_providers_cuda.so" -d "$tmp/ort"
+  for entry in "${CUDA_WHEELS[@]}"; do
+    read -r _ file sha <<<"$entry"
+    check_sha "$tmp/$file" "$sha"
+    unzip -q -o -j "$tmp/$file" 'nvidia/*/lib/*.so*' -d "$tmp/cuda"
+  done
+  patchelf --set-rpath '$ORIGIN/cuda' "$tmp/ort/libonnxruntime_providers_cuda.so"
+  rm -rf "$lib/cuda"
+  mv "$tmp/cuda" "$lib/cuda"
+  cp "$tmp/ort/libonnxruntime_providers_shared.so" "$tmp/ort/libonnxruntime_providers_cuda.so" "$lib/"
+  cp "$tmp/ort/libonnxruntime.so.$ORT_VERSION" "$lib/libonnxruntime.so.$ORT_VERSION.tmp"
+  mv "$lib/libonnxruntime.so.$ORT_VERSION.tmp" "$lib/libonnxruntime.so.$ORT_VERSION"
+  touch "$TP/onnxruntime/.cuda-$ORT_VERSION"
+  log "ONNX Runtime's CUDA provider installed in $lib (CUDA's libraries in $lib/cuda)"
 }
 
 install_ocr_models() {
@@ -276,6 +328,7 @@ install_apt
 install_onnxruntime
 install_ocr_models
 install_venv
+install_onnxruntime_cuda
 install_real_models
 prepare_examples
 log "done"

@@ -5,9 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
+#include "backends/onnxruntime/ort_model.h"
+#include "core/gpus.h"
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -171,6 +174,28 @@ TEST(InstanceGroup, WrittenBackAsPlaced) {
   auto placed = PlaceInstances(*again, Gpus(2));
   ASSERT_TRUE(placed.has_value());
   EXPECT_EQ(Devices(*placed), "g0 g0 g1 g1 g0 g1 ");
+}
+
+// Without a GPU, a session asked onto one fails to load with ONNX Runtime's
+// reason (its provider library missing, or CUDA's driver), naming the model:
+// no crash, no session quietly left on the CPU.
+TEST(OrtCuda, WithoutAGpuASessionOnOneFailsToLoadWithTheReason) {
+  if (VisibleGpus().count > 0) GTEST_SKIP() << "this machine has a GPU (test_gpu.py runs models on it)";
+  EXPECT_FALSE(VisibleGpus().why_none.empty());
+  OrtSessionOptions options;
+  options.gpu_device = 0;
+  OrtModel model("on_gpu", std::string(QUERN_TEST_MODELS_DIR) + "/linear/1/model.onnx", options, {});
+  Status st = model.Load();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.message();
+  EXPECT_NE(st.message().find("model 'on_gpu': ONNX Runtime's CUDA execution provider on GPU 0 cannot be used: "),
+            std::string::npos)
+      << st.message();
+  // The provider installed (QUERN_WITH_CUDA=1): it is CUDA's driver that is missing.
+  if (OrtWhyNoCuda().empty()) {
+    EXPECT_NE(st.message().find("libcuda.so.1"), std::string::npos) << st.message();
+  }
+  std::printf("%s\n", st.message().c_str());
 }
 
 }  // namespace

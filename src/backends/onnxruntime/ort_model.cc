@@ -365,6 +365,7 @@ Status OrtModel::Load() {
     so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, options_.allow_spinning ? "1" : "0");
     if (options_.stop_spinning_after_run) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
     if (options_.gpu_device >= 0) {
+      OrtEnv();  // the provider logs through the environment's logger: it must exist first
       Status st = AppendCuda(so, options_.gpu_device);
       if (!st.ok()) return Status(st.code(), "model '" + model_name_ + "': " + st.message());
     }
