@@ -66,6 +66,8 @@ struct RawConfig {
   }
 };
 
+int g_gpu = -1;  // >= 0: raw sessions and engine instances on this CUDA device
+
 // Items/s of `cfg.sessions` sessions running back to back in parallel.
 double RawThroughput(const std::string& path, int cores, int batch, double seconds, const ModelShape& shape,
                      const RawConfig& cfg) {
@@ -79,6 +81,16 @@ double RawThroughput(const std::string& path, int cores, int batch, double secon
     so.SetInterOpNumThreads(1);
     so.SetExecutionMode(ORT_SEQUENTIAL);
     if (cfg.stop_spinning) so.AddConfigEntry(kOrtSessionOptionsConfigForceSpinningStop, "1");
+    if (g_gpu >= 0) {
+      OrtCUDAProviderOptionsV2* cuda = nullptr;
+      Ort::ThrowOnError(Ort::GetApi().CreateCUDAProviderOptions(&cuda));
+      const std::string id = std::to_string(g_gpu);
+      const char* keys[] = {"device_id"};
+      const char* values[] = {id.c_str()};
+      Ort::ThrowOnError(Ort::GetApi().UpdateCUDAProviderOptions(cuda, keys, values, 1));
+      so.AppendExecutionProvider_CUDA_V2(*cuda);
+      Ort::GetApi().ReleaseCUDAProviderOptions(cuda);
+    }
     sessions.push_back(std::make_unique<Ort::Session>(env, path.c_str(), so));
   }
   std::atomic<int64_t> items{0};
@@ -202,7 +214,12 @@ EngineResult EngineThroughput(const fs::path& model_file, int max_batch, int sub
   fs::copy_file(model_file, repo / "m" / "1" / "model.onnx");
   std::ofstream config(repo / "m" / "config.pbtxt");
   config << "max_batch_size: " << max_batch << "\n" << (max_batch > 1 ? "dynamic_batching { }\n" : "");
-  if (g_instances > 0) config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
+  if (g_gpu >= 0) {
+    config << "instance_group [ { kind: KIND_GPU count: " << std::max(1, g_instances) << " gpus: [ " << g_gpu
+           << " ] } ]\n";
+  } else if (g_instances > 0) {
+    config << "instance_group [ { kind: KIND_CPU count: " << g_instances << " } ]\n";
+  }
   if (!tuning) config << "parameters { key: \"quern.batch_size_tuning\" value { string_value: \"off\" } }\n";
   if (!g_wide) config << "parameters { key: \"quern.wide_instance\" value { string_value: \"off\" } }\n";
   config.close();
@@ -302,6 +319,9 @@ int main(int argc, char** argv) {
                  "Input shape without the batch dimension, for models with other "
                  "dynamic dimensions (e.g. 3 48 192)");
   app.add_option("--instances", g_instances, "Engine model instances (cores are divided among them)");
+  app.add_option("--gpu", g_gpu,
+                 "Run raw sessions (ONNX Runtime's CUDA provider) and engine instances (KIND_GPU, --instances "
+                 "per device, at least 1) on this CUDA device");
   app.add_option("--warmup", g_warmup_s, "Seconds of load before each engine measurement");
   std::string wide = "on";
   app.add_option("--wide", wide, "The automatic layout's wide instance (quern.wide_instance): on or off")
@@ -334,7 +354,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("model %s, %d cores, %.1f s per configuration\n\n", model.c_str(), cores, seconds);
+  std::printf("model %s, %d cores, %.1f s per configuration%s\n\n", model.c_str(), cores, seconds,
+              g_gpu >= 0 ? (", on GPU " + std::to_string(g_gpu) + " (raw and engine)").c_str() : "");
   if (per_concurrency) {
     std::printf(
         "quern::Engine (%d instance(s), 0 = automatic layout) vs raw ONNX Runtime's best layout for the same "
@@ -354,7 +375,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::vector<RawConfig> configs{{1, false}, {1, true}};
-  if (cores > 1) configs.push_back({cores, false});
+  if (g_gpu >= 0) {
+    configs = {{1, false}, {2, false}};  // sessions on the one device
+  } else if (cores > 1) {
+    configs.push_back({cores, false});
+  }
   std::printf("raw ONNX Runtime items/s (SxTt = S parallel sessions with T intra-op threads each)\n  batch");
   for (const auto& c : configs) std::printf("  %10s", c.Name(cores).c_str());
   std::printf("\n");
