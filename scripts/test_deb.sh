@@ -21,8 +21,9 @@ chmod 755 "$WORK"
 server=""
 cleanup() {
   [ -n "$server" ] && $sudo kill "$server" 2>/dev/null || true
+  dpkg -s quern-pytorch >/dev/null 2>&1 && $sudo dpkg --purge quern-pytorch >/dev/null 2>&1 || true
   dpkg -s quern >/dev/null 2>&1 && $sudo dpkg --purge quern >/dev/null 2>&1 || true
-  $sudo rm -rf /var/lib/quern/models/add_sub
+  $sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/pair
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -38,6 +39,21 @@ for f in /usr/bin/quern /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.
 done
 getent passwd quern >/dev/null || { echo "test_deb: no user quern" >&2; exit 1; }
 [ "$(stat -c %U /var/lib/quern/models)" = quern ] || { echo "test_deb: /var/lib/quern/models is not quern's" >&2; exit 1; }
+
+torch=0
+if [ -f "$BUILD/src/backends/libquern_pytorch.so" ]; then
+  torch=1
+  echo "== quern-pytorch (scripts/build_pytorch_deb.sh): the LibTorch plugin as a package of its own"
+  ! dpkg -s quern-pytorch >/dev/null 2>&1 || { echo "test_deb: quern-pytorch is installed already" >&2; exit 1; }
+  ptdeb=$(scripts/build_pytorch_deb.sh "$BUILD" "$WORK")
+  control=$(dpkg -I "$ptdeb")
+  grep -q "Depends: quern (= .*libtorch" <<<"$control" || { echo "test_deb: $control" >&2; exit 1; }
+  $sudo dpkg -i "$ptdeb" >/dev/null
+  [ -f /usr/lib/quern/libquern_pytorch.so ] || { echo "test_deb: no plugin after installing quern-pytorch" >&2; exit 1; }
+  /usr/bin/python3 tests/python/make_torch_models.py "$WORK/pt" >/dev/null
+  $sudo cp -r "$WORK/pt/pair" /var/lib/quern/models/
+  $sudo chown -R quern:quern /var/lib/quern/models/pair
+fi
 
 echo "== starting quern as quern.service does (ExecStart, User=quern), a model in /var/lib/quern/models"
 $sudo cp -r "$MODELS/add_sub" /var/lib/quern/models/
@@ -67,6 +83,17 @@ answer=$(curl -s "127.0.0.1:$port/v2/models/add_sub/infer" -d '{"inputs": [
   {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
   {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}')
 echo "$answer" | grep -q '"data":\[11.0,22.0,33.0,44.0\]' || { echo "test_deb: answer $answer" >&2; exit 1; }
+if [ "$torch" = 1 ]; then
+  answer=$(curl -s "127.0.0.1:$port/v2/models/pair/infer" -d '{"inputs":[
+    {"name":"a","datatype":"FP32","shape":[1,2],"data":[0.5,-1.5]},
+    {"name":"b","datatype":"INT64","shape":[1,2],"data":[1,2]}]}')
+  case "$answer" in
+    *'"data":[1.5,0.5]'*'"data":[3,6]'*) ;;
+    *) echo "test_deb: pair answered $answer" >&2; cat "$WORK/log" >&2; exit 1 ;;
+  esac
+  grep -q "LibTorch plugin /usr/lib/quern/libquern_pytorch.so" "$WORK/log" ||
+    { echo "test_deb: the packaged plugin was not the one loaded:" >&2; cat "$WORK/log" >&2; exit 1; }
+fi
 pgrep -x -u quern quern >/dev/null || { echo "test_deb: no quern process runs as the user quern" >&2; exit 1; }
 $sudo kill "$server"
 wait "$server" 2>/dev/null || true
@@ -75,7 +102,12 @@ for _ in $(seq 100); do pgrep -x -u quern quern >/dev/null || break; sleep 0.1; 
 ! pgrep -x -u quern quern >/dev/null || { echo "test_deb: the server outlived SIGTERM" >&2; exit 1; }
 
 echo "== dpkg -r and --purge"
-$sudo rm -rf /var/lib/quern/models/add_sub
+$sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/pair
+if [ "$torch" = 1 ]; then
+  ! $sudo dpkg -r quern >/dev/null 2>&1 || { echo "test_deb: quern was removed while quern-pytorch needs it" >&2; exit 1; }
+  $sudo dpkg -r quern-pytorch >/dev/null
+  [ ! -e /usr/lib/quern/libquern_pytorch.so ] || { echo "test_deb: the plugin outlived dpkg -r quern-pytorch" >&2; exit 1; }
+fi
 $sudo dpkg -r quern >/dev/null
 for f in /usr/bin/quern /usr/lib/libquern.so.0 /usr/lib/quern /usr/lib/systemd/system/quern.service /usr/include/quern; do
   [ ! -e "$f" ] || { echo "test_deb: $f is still there after dpkg -r" >&2; exit 1; }
