@@ -58,7 +58,7 @@ FACE_RECOGNITION_SDIST_SHA256=5e5efdd1686aa566af0d3cc1313b131e4b197657a8ffd03669
 # then comes from PyPI's onnxruntime-gpu wheel together with its CUDA execution provider (built
 # together), and CUDA's libraries from NVIDIA's wheels, all beside libonnxruntime; CPU machines leave
 # this out. The GPU itself needs NVIDIA's driver (libcuda.so.1), which no package here provides.
-ORT_GPU_WHL=onnxruntime_gpu-1.30.0-cp311-cp311-manylinux_2_28_x86_64.whl
+ORT_GPU_WHL=onnxruntime_gpu-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
 ORT_GPU_WHL_SHA256=4fbf0c5d7b5fb99266c2e8a802e3e64af68bdc383e0f3c7349b985f1087eedaa
 CUDA_WHEELS=( # requirement, file, SHA-256: what onnxruntime-gpu 1.30.0's "cuda" and "cudnn" extras resolve to
   "nvidia-cublas==13.10.0.20 nvidia_cublas-13.10.0.20-py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl dcc6d63884c53d07e267ce7e6feac17b2538cebaafec5db865736c3e28e4dc84"
@@ -157,7 +157,8 @@ install_onnxruntime() {
 
 # QUERN_WITH_CUDA=1 (see the top): the onnxruntime-gpu wheel's library and CUDA provider replace the
 # CPU library in third_party/onnxruntime/lib, CUDA's libraries go to lib/cuda, and the provider finds
-# them there (its RUNPATH, set with patchelf). The library serves CPU sessions as before.
+# them there (its RUNPATH, set with patchelf). The library serves CPU sessions as before. Back to the
+# CPU-only library: remove third_party/onnxruntime and run setup.sh without QUERN_WITH_CUDA.
 install_onnxruntime_cuda() {
   [ "${QUERN_WITH_CUDA:-0}" = 1 ] || return 0
   local lib="$TP/onnxruntime/lib"
@@ -175,17 +176,26 @@ install_onnxruntime_cuda() {
   mkdir -p "$tmp/ort" "$tmp/cuda"
   unzip -q -o -j "$tmp/$ORT_GPU_WHL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
     "onnxruntime/capi/libonnxruntime_providers_shared.so" "onnxruntime/capi/libonnxruntime_providers_cuda.so" -d "$tmp/ort"
+  local file sha
   for entry in "${CUDA_WHEELS[@]}"; do
     read -r _ file sha <<<"$entry"
     check_sha "$tmp/$file" "$sha"
     unzip -q -o -j "$tmp/$file" 'nvidia/*/lib/*.so*' -d "$tmp/cuda"
   done
   patchelf --set-rpath '$ORIGIN/cuda' "$tmp/ort/libonnxruntime_providers_cuda.so"
-  rm -rf "$lib/cuda"
-  mv "$tmp/cuda" "$lib/cuda"
-  cp "$tmp/ort/libonnxruntime_providers_shared.so" "$tmp/ort/libonnxruntime_providers_cuda.so" "$lib/"
-  cp "$tmp/ort/libonnxruntime.so.$ORT_VERSION" "$lib/libonnxruntime.so.$ORT_VERSION.tmp"
-  mv "$lib/libonnxruntime.so.$ORT_VERSION.tmp" "$lib/libonnxruntime.so.$ORT_VERSION"
+  # Everything staged beside the CPU library first, then swapped in, the provider last: a run that
+  # stops half-way never leaves a provider beside a library it was not built with.
+  rm -rf "$lib/cuda.new" "$lib/cuda.old"
+  mv "$tmp/cuda" "$lib/cuda.new"
+  cp "$tmp/ort/libonnxruntime.so.$ORT_VERSION" "$lib/libonnxruntime.so.$ORT_VERSION.new"
+  cp "$tmp/ort/libonnxruntime_providers_shared.so" "$lib/libonnxruntime_providers_shared.so.new"
+  cp "$tmp/ort/libonnxruntime_providers_cuda.so" "$lib/libonnxruntime_providers_cuda.so.new"
+  [ -d "$lib/cuda" ] && mv "$lib/cuda" "$lib/cuda.old"
+  mv "$lib/cuda.new" "$lib/cuda"
+  rm -rf "$lib/cuda.old"
+  mv "$lib/libonnxruntime.so.$ORT_VERSION.new" "$lib/libonnxruntime.so.$ORT_VERSION"
+  mv "$lib/libonnxruntime_providers_shared.so.new" "$lib/libonnxruntime_providers_shared.so"
+  mv "$lib/libonnxruntime_providers_cuda.so.new" "$lib/libonnxruntime_providers_cuda.so"
   touch "$TP/onnxruntime/.cuda-$ORT_VERSION"
   log "ONNX Runtime's CUDA provider installed in $lib (CUDA's libraries in $lib/cuda)"
 }

@@ -31,7 +31,15 @@ ModelConfig MustParse(const std::string& groups) {
 
 std::string Devices(const std::vector<InstanceDevice>& placed) {
   std::string s;
-  for (const auto& d : placed) s += d.gpu ? "g" + std::to_string(d.device) + " " : "cpu ";
+  for (const auto& d : placed) {
+    if (d.gpu) {
+      s.push_back('g');
+      s.append(std::to_string(d.device));
+      s.push_back(' ');
+    } else {
+      s.append("cpu ");
+    }
+  }
   return s;
 }
 
@@ -61,13 +69,11 @@ TEST(InstanceGroup, RefusesWhatCannotBePlacedWithTheGroupInTheMessage) {
     const char* says;
   };
   for (const Case& k : {
-           Case{"instance_group [ { kind: KIND_MODEL } ]", "instance_group 0: kind KIND_MODEL is not supported"},
            Case{"instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU gpus: [ -1 ] } ]",
                 "instance_group 1: gpus lists device -1"},
            Case{"instance_group [ { kind: KIND_GPU gpus: [ 0, 64 ] } ]", "device 64; a device is a CUDA ordinal"},
            Case{"instance_group [ { kind: KIND_GPU gpus: [ 2, 2 ] } ]", "gpus lists device 2 twice"},
            Case{"instance_group [ { kind: KIND_CPU gpus: [ 0 ] } ]", "KIND_CPU lists gpus"},
-           Case{"instance_group [ { kind: KIND_GPU count: -3 } ]", "count -3 is negative"},
            Case{"instance_group [ { kind: KIND_GPU count: 200 gpus: [ 0, 1 ] } ]", "above the limit of 256"},
        }) {
     auto c = Parse(k.groups);
@@ -75,6 +81,20 @@ TEST(InstanceGroup, RefusesWhatCannotBePlacedWithTheGroupInTheMessage) {
     EXPECT_NE(c.error().message().find(k.says), std::string::npos) << c.error().message();
     EXPECT_NE(c.error().message().find("m/config.pbtxt"), std::string::npos) << c.error().message();
   }
+}
+
+TEST(InstanceGroup, ReadsAsTritonDoesWhatItAccepts) {
+  // KIND_MODEL: the model places its own work; its instances are CPU ones.
+  // A count below 1 means 1.
+  ModelConfig c =
+      MustParse("instance_group [ { kind: KIND_MODEL count: 2 gpus: [ 0 ] }, { kind: KIND_GPU count: -3 } ]");
+  ASSERT_EQ(c.instance_groups.size(), 2u);
+  EXPECT_EQ(c.instance_groups[0].kind, InstanceGroup::Kind::kCpu);
+  EXPECT_TRUE(c.instance_groups[0].gpus.empty());
+  EXPECT_EQ(c.instance_groups[1].count, 1);
+  auto again = ConvertModelConfig(ToProto(c), "written");  // and what is written reads back
+  ASSERT_TRUE(again.has_value()) << again.error().message();
+  EXPECT_EQ(again->instance_count, 3);
 }
 
 TEST(InstanceGroup, GpuGroupsPutCountInstancesOnEachListedOrEveryDevice) {
@@ -107,16 +127,25 @@ TEST(InstanceGroup, AutoKindAndTheAutomaticLayoutGoToGpusOnlyWhenTheBackendRunsT
   EXPECT_EQ(Devices(*placed), "cpu cpu ");
   EXPECT_EQ(c.instance_groups[0].kind, InstanceGroup::Kind::kCpu);
 
-  GpuAvailability told_only = Gpus(1);  // a Python model: told its device, not moved
+  GpuAvailability cpu_backend = Gpus(2);  // a GPU here, a backend that cannot use it
+  cpu_backend.why_no_backend = "it runs models on the CPU only";
+  c = MustParse("instance_group [ { count: 2 } ]");
+  placed = PlaceInstances(c, cpu_backend);
+  ASSERT_TRUE(placed.has_value());
+  EXPECT_EQ(Devices(*placed), "cpu cpu ");
+
+  // A Python model: told its device. KIND_AUTO takes it to the GPU (as
+  // Triton does); the automatic layout keeps its per-core processes.
+  GpuAvailability told_only = Gpus(1);
   told_only.auto_to_gpu = false;
   c = MustParse("instance_group [ { count: 2 } ]");
   placed = PlaceInstances(c, told_only);
   ASSERT_TRUE(placed.has_value());
-  EXPECT_EQ(Devices(*placed), "cpu cpu ");
-  c = MustParse("instance_group [ { kind: KIND_GPU } ]");
-  placed = PlaceInstances(c, told_only);
+  EXPECT_EQ(Devices(*placed), "g0 g0 ");
+  ModelConfig bare = MustParse("");
+  placed = PlaceInstances(bare, told_only);
   ASSERT_TRUE(placed.has_value());
-  EXPECT_EQ(Devices(*placed), "g0 ");
+  EXPECT_TRUE(placed->empty());
 
   ModelConfig automatic = MustParse("");
   ASSERT_EQ(automatic.instance_count, 0);

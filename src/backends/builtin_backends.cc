@@ -98,6 +98,12 @@ class OrtBackend final : public Backend {
       ModelConfig layout = config;
       layout.instance_count = CpuInstances(config);
       QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores));
+      if (layout.instance_count == 0) {
+        // Every instance is on a GPU: this session only reads what the
+        // model declares (one thread, no optimization) and is dropped.
+        options.intra_op_threads = 1;
+        options.graph_optimization_level = -1;
+      }
       std::vector<std::string> outputs;
       for (const auto& o : config.outputs) outputs.push_back(o.name);
       first = std::make_unique<OrtModel>(config.name, file, options, std::move(outputs));

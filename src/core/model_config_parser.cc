@@ -325,17 +325,17 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
       InstanceGroup group;
       switch (g.kind()) {
         case inference::ModelInstanceGroup::KIND_AUTO: group.kind = InstanceGroup::Kind::kAuto; break;
-        case inference::ModelInstanceGroup::KIND_CPU: group.kind = InstanceGroup::Kind::kCpu; break;
+        case inference::ModelInstanceGroup::KIND_CPU:
+        case inference::ModelInstanceGroup::KIND_MODEL:  // the model places its work: its instances, on the CPU
+          group.kind = InstanceGroup::Kind::kCpu;
+          break;
         case inference::ModelInstanceGroup::KIND_GPU: group.kind = InstanceGroup::Kind::kGpu; break;
         default:
-          return Err(InvalidArgument(which + ": kind " + inference::ModelInstanceGroup::Kind_Name(g.kind()) +
-                                     " is not supported (KIND_AUTO, KIND_CPU or KIND_GPU)"));
+          return Err(InvalidArgument(which + ": kind " + std::to_string(g.kind()) +
+                                     " is not one of KIND_AUTO, KIND_GPU, KIND_CPU, KIND_MODEL"));
       }
-      if (g.count() < 0) {
-        return Err(InvalidArgument(which + ": count " + std::to_string(g.count()) + " is negative"));
-      }
-      group.count = g.count() > 0 ? g.count() : 1;
-      if (g.gpus_size() > 0 && group.kind == InstanceGroup::Kind::kCpu) {
+      group.count = g.count() > 0 ? g.count() : 1;  // as Triton: below 1 means 1
+      if (g.gpus_size() > 0 && g.kind() == inference::ModelInstanceGroup::KIND_CPU) {
         return Err(InvalidArgument(which + ": kind KIND_CPU lists gpus; use KIND_GPU to run on them"));
       }
       for (int32_t d : g.gpus()) {
@@ -348,6 +348,7 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
         }
         group.gpus.push_back(d);
       }
+      if (group.kind == InstanceGroup::Kind::kCpu) group.gpus.clear();  // KIND_MODEL's list: not ours to place
       // Instances on each listed device (at least one device: how many an
       // empty list means is known when the model loads).
       const int64_t count = int64_t{group.count} * std::max<int64_t>(1, static_cast<int64_t>(group.gpus.size()));

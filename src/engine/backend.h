@@ -55,8 +55,8 @@ class Backend {
   // Why this backend cannot run instances on this machine's GPUs, or empty
   // when it can. Asked only when CUDA sees a device.
   virtual std::string WhyNoGpu() const { return "it runs models on the CPU only"; }
-  // Whether KIND_AUTO and the automatic layout put its instances on the GPUs
-  // (when WhyNoGpu is empty).
+  // Whether the automatic layout (no instance_group) puts its instances on
+  // the GPUs (when WhyNoGpu is empty; KIND_AUTO does whenever it is).
   virtual bool GpuByDefault() const { return false; }
 };
 

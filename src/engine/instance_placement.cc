@@ -7,7 +7,8 @@
 namespace quern {
 
 Result<std::vector<InstanceDevice>> PlaceInstances(ModelConfig& config, const GpuAvailability& gpus) {
-  const bool gpu_by_default = gpus.devices > 0 && gpus.why_no_backend.empty() && gpus.auto_to_gpu;
+  const bool gpu_usable = gpus.devices > 0 && gpus.why_no_backend.empty();
+  const bool gpu_by_default = gpu_usable && gpus.auto_to_gpu;
   std::vector<int> every_gpu(std::max(0, gpus.devices));
   std::iota(every_gpu.begin(), every_gpu.end(), 0);
   std::vector<InstanceDevice> placed;
@@ -25,16 +26,16 @@ Result<std::vector<InstanceDevice>> PlaceInstances(ModelConfig& config, const Gp
       InstanceGroup g = config.instance_groups[i];
       const std::string which = "model '" + config.name + "': instance_group " + std::to_string(i);
       if (g.kind == InstanceGroup::Kind::kAuto) {
-        g.kind = gpu_by_default ? InstanceGroup::Kind::kGpu : InstanceGroup::Kind::kCpu;
+        g.kind = gpu_usable ? InstanceGroup::Kind::kGpu : InstanceGroup::Kind::kCpu;
         if (g.kind == InstanceGroup::Kind::kCpu) g.gpus.clear();
       }
       if (g.kind == InstanceGroup::Kind::kGpu) {
-        if (gpus.devices <= 0) {
-          return Err(FailedPrecondition(which + " asks for KIND_GPU, but " + gpus.why_no_devices));
-        }
         if (!gpus.why_no_backend.empty()) {
           return Err(FailedPrecondition(which + " asks for KIND_GPU, but backend '" + config.backend +
                                         "' cannot run on one here: " + gpus.why_no_backend));
+        }
+        if (gpus.devices <= 0) {
+          return Err(FailedPrecondition(which + " asks for KIND_GPU, but " + gpus.why_no_devices));
         }
         if (g.gpus.empty()) g.gpus = every_gpu;
         for (int d : g.gpus) {

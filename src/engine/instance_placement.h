@@ -3,11 +3,12 @@
 //
 // Triton's rules: KIND_CPU instances run on the CPU; KIND_GPU puts `count`
 // instances on each device of `gpus` (every visible device when empty);
-// KIND_AUTO is KIND_GPU when there is a GPU and the backend runs its models
-// there by itself (ONNX Runtime with its CUDA provider; not Python, whose
-// models are only told their device), else KIND_CPU. Quern's automatic
-// layout (no instance_group) becomes one instance per GPU under the same
-// condition, else stays on the CPU.
+// KIND_AUTO is KIND_GPU when there is a GPU and the backend can use one
+// (ONNX Runtime with its CUDA provider; Python, whose models are told their
+// device), else KIND_CPU. Quern's automatic layout (no instance_group)
+// becomes one instance per GPU only for a backend that runs its models
+// there by itself (ONNX Runtime: a Python model keeps its per-core
+// processes), else stays on the CPU.
 #pragma once
 
 #include <string>
@@ -22,7 +23,7 @@ struct GpuAvailability {
   int devices = 0;             // GPUs CUDA sees
   std::string why_no_devices;  // when devices == 0
   std::string why_no_backend;  // why the backend cannot run on them; empty = it can
-  bool auto_to_gpu = false;    // KIND_AUTO and the automatic layout go to the GPUs
+  bool auto_to_gpu = false;    // the automatic layout goes to the GPUs
 };
 
 // One device per instance, in the groups' order; config.instance_groups

@@ -5,6 +5,7 @@
 
 #include "core/cpus.h"
 #include "core/gpus.h"
+#include "core/log.h"
 #include "core/memory.h"
 #include "core/model_config_parser.h"
 #include "engine/ensemble_model.h"
@@ -232,16 +233,37 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
     return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
   }
   // Where the instances run: instance_group against this machine's GPUs.
+  // CUDA's driver is asked only when a group names KIND_GPU, or when the
+  // backend could take KIND_AUTO or the automatic layout onto a GPU.
+  bool explicit_gpu = false, gpu_by_default = config.instance_count == 0 && config.instance_groups.empty();
+  for (const InstanceGroup& g : config.instance_groups) {
+    explicit_gpu |= g.kind == InstanceGroup::Kind::kGpu;
+    gpu_by_default |= g.kind == InstanceGroup::Kind::kAuto;
+  }
   GpuAvailability gpus;
-  if (config.instance_count == 0 || !config.instance_groups.empty()) {
-    const GpuCount& visible = VisibleGpus();
-    gpus.devices = visible.count;
-    gpus.why_no_devices = visible.why_none;
-    if (gpus.devices > 0) {
-      gpus.why_no_backend = backend->WhyNoGpu();
-      gpus.auto_to_gpu = backend->GpuByDefault();
+  if (explicit_gpu || gpu_by_default) {
+    gpus.why_no_backend = backend->WhyNoGpu();
+    gpus.auto_to_gpu = backend->GpuByDefault();
+    if (gpus.why_no_backend.empty()) {
+      const GpuCount& visible = VisibleGpus();
+      gpus.devices = visible.count;
+      gpus.why_no_devices = visible.why_none;
     }
   }
+  const ModelConfig asked = config;
+  auto served = LoadInstances(m, v, *backend, std::move(config), gpus);
+  if (!served && !explicit_gpu && gpus.devices > 0) {
+    // Only the defaults put it on a GPU, and the GPU failed (a CUDA that
+    // does not match the driver, a library missing): it serves on the CPU.
+    Log(LogLevel::kWarning, served.error().message() + "; the model runs on the CPU instead", {{"model", m.name}});
+    served = LoadInstances(m, v, *backend, asked, GpuAvailability{});
+  }
+  return served;
+}
+
+Result<std::shared_ptr<Servable>> ModelRegistry::LoadInstances(const RepositoryModel& m, const RepositoryVersion& v,
+                                                               Backend& backend, ModelConfig config,
+                                                               const GpuAvailability& gpus) {
   QUERN_ASSIGN_OR_RETURN(std::vector<InstanceDevice> placed, PlaceInstances(config, gpus));
   // An automatic layout on the CPU: one instance per core for concurrent
   // requests, and a wide one for a lone request.
@@ -253,8 +275,8 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
   const bool want_wide = automatic && config.instance_count > 1 && config.wide_instance.value_or(true);
   // Opening the file completes the configuration (the model's own inputs
   // and outputs fill what it leaves out) before it is validated.
-  QUERN_ASSIGN_OR_RETURN(auto opened, backend->Open(config, v.model_file, m.has_config_file, cores_,
-                                                    CpuInstances(config) + (want_wide ? 1 : 0)));
+  QUERN_ASSIGN_OR_RETURN(auto opened, backend.Open(config, v.model_file, m.has_config_file, cores_,
+                                                   CpuInstances(config) + (want_wide ? 1 : 0)));
   QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
   std::vector<std::unique_ptr<Model>> instances;
   for (const InstanceDevice& device : placed) {

@@ -21,6 +21,7 @@
 #include "core/mutex.h"
 #include "core/repository.h"
 #include "engine/backend.h"
+#include "engine/instance_placement.h"
 #include "engine/servable.h"
 #include "quern/engine.h"
 
@@ -72,6 +73,9 @@ class ModelRegistry {
   // load error, and the optional extra check applied.
   Result<std::shared_ptr<Servable>> LoadVersionSafely(const RepositoryModel& m, const RepositoryVersion& v);
   Result<std::shared_ptr<Servable>> LoadVersion(const RepositoryModel& m, const RepositoryVersion& v);
+  // Places `config`'s instances given `gpus` (see PlaceInstances) and loads them.
+  Result<std::shared_ptr<Servable>> LoadInstances(const RepositoryModel& m, const RepositoryVersion& v,
+                                                  Backend& backend, ModelConfig config, const GpuAvailability& gpus);
 
   Status UnloadLocked(const std::string& name) QUERN_REQUIRES(load_mu_);
 

@@ -141,7 +141,9 @@ def test_without_a_gpu_gpu_instances_are_refused_with_the_reason_and_the_rest_se
         assert index[name]["state"] == "UNAVAILABLE", index[name]
         reason = index[name]["reason"]
         assert f"model '{name}': instance_group {group} asks for KIND_GPU, but " in reason, reason
-        if NO_GPU_WHY.startswith("no NVIDIA driver"):
+        if name == "on_gpu" and PROVIDER is None:  # ONNX Runtime's provider is missing before any GPU
+            assert "CUDA execution provider is not installed" in reason, reason
+        elif NO_GPU_WHY.startswith("no NVIDIA driver"):
             assert "libcuda.so.1" in reason, reason
     assert index["auto"]["state"] == "READY"
     x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
@@ -194,3 +196,35 @@ def test_a_python_model_is_told_its_gpu(server):
     last = GPUS - 1
     client, _ = server(lambda repo: add_where(repo, "where_gpu", f"{{ kind: KIND_GPU gpus: [ {last} ] }}"))
     assert infer(client, "where_gpu", "x", np.zeros((2, 1), np.float32), "where").tolist() == [[1, last]] * 2
+
+
+@pytest.mark.skipif(GPUS == 0 or PROVIDER is not None,
+                    reason="needs a GPU and ONNX Runtime without its CUDA provider (the default setup)")
+def test_with_a_gpu_but_no_cuda_provider_onnx_models_stay_on_the_cpu(server):
+    def fill(repo):
+        shutil.copytree(os.path.join(MODELS, "linear"), repo / "bare")  # no config: the automatic layout
+        add_linear(repo, "auto", "{ count: 2 }")
+        add_linear(repo, "on_gpu", "{ kind: KIND_GPU }")
+
+    client, _ = server(fill)
+    index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert index["bare"]["state"] == "READY" and index["auto"]["state"] == "READY", index
+    assert "CUDA execution provider is not installed" in index["on_gpu"]["reason"], index["on_gpu"]
+    groups = client.get_model_config("auto")["instance_group"]
+    assert [(g["kind"], g["count"]) for g in groups] == [("KIND_CPU", 2)], groups
+    x = np.random.default_rng(4).standard_normal((2, 8)).astype(np.float32)
+    np.testing.assert_allclose(infer(client, "bare", "x", x, "y"), linear_expected(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_gpu
+def test_kind_auto_tells_a_python_model_it_is_on_a_gpu_and_no_group_keeps_it_on_the_cpu(server):
+    def fill(repo):
+        add_where(repo, "where_auto", "{ count: 1 }")
+        add_where(repo, "where_default", "{ count: 1 }")
+        text = (repo / "where_default" / "config.pbtxt").read_text()
+        (repo / "where_default" / "config.pbtxt").write_text(text[:text.index("instance_group")])
+
+    client, _ = server(fill)
+    got = infer(client, "where_auto", "x", np.zeros((1, 1), np.float32), "where").tolist()
+    assert got[0][0] == 1, got  # GPU, as Triton's KIND_AUTO
+    assert infer(client, "where_default", "x", np.zeros((1, 1), np.float32), "where").tolist() == [[0, 0]]

@@ -386,7 +386,9 @@ Status OrtModel::Load() {
     for (const auto& n : s->output_names) s->output_cnames.push_back(n.c_str());
     session_ = std::move(s);
   } catch (const Ort::Exception& e) {
-    return InvalidArgument("model '" + model_name_ + "': onnxruntime cannot load " + file_.string() + ": " + e.what());
+    const std::string where = options_.gpu_device >= 0 ? " on GPU " + std::to_string(options_.gpu_device) : "";
+    return InvalidArgument("model '" + model_name_ + "': onnxruntime cannot load " + file_.string() + where + ": " +
+                           e.what());
   } catch (const std::exception& e) {
     return Internal("model '" + model_name_ + "': loading " + file_.string() + " failed: " + e.what());
   }
