@@ -5,6 +5,7 @@
 #include <rapidjson/reader.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace quern {
 namespace {
@@ -55,13 +56,42 @@ class DepthLimit {
 
 }  // namespace
 
+namespace {
+// Stateless: shared, so that no stack or pool news an allocator of its own.
+rapidjson::CrtAllocator g_crt;
+constexpr size_t kScratchBytes = 16 * 1024;
+thread_local std::unique_ptr<char[]> t_scratch;
+thread_local bool t_scratch_in_use = false;
+}  // namespace
+
+rapidjson::CrtAllocator* SharedCrtAllocator() {
+  return &g_crt;
+}
+
+ScratchDocument::ScratchDocument() {
+  if (!t_scratch_in_use) {
+    if (!t_scratch) t_scratch = std::make_unique<char[]>(kScratchBytes);
+    t_scratch_in_use = holds_buffer_ = true;
+    pool_.emplace(t_scratch.get(), kScratchBytes, 64 * 1024, &g_crt);
+    doc_.emplace(&*pool_, 1024, &g_crt);
+  } else {
+    doc_.emplace();
+  }
+}
+
+ScratchDocument::~ScratchDocument() {
+  doc_.reset();
+  pool_.reset();
+  if (holds_buffer_) t_scratch_in_use = false;
+}
+
 bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonParseError& error, int max_depth) {
   rapidjson::ParseResult result;
   bool too_deep = false;
   auto generate = [&](rapidjson::Document& d) {
     DepthLimit handler(d, max_depth);
     rapidjson::MemoryStream ms(data, size);
-    rapidjson::Reader reader;
+    rapidjson::Reader reader(&g_crt);
     // NaN and Infinity as Python's json module and JavaScript write them.
     result = reader.Parse<rapidjson::kParseIterativeFlag | rapidjson::kParseNanAndInfFlag>(ms, handler);
     too_deep = handler.too_deep();

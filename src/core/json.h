@@ -12,6 +12,7 @@
 #include <rapidjson/document.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 
 namespace quern {
@@ -24,6 +25,28 @@ struct JsonParseError {
   size_t offset = 0;    // byte offset of the error
   std::string message;  // "Invalid value.", "nested deeper than 64 levels", ...
 };
+
+// A document for reading one request on a hot path: while it is the only
+// one alive on its thread, its values live in a buffer the thread keeps
+// (16 KiB, then the heap for more), so parsing a request's header takes
+// no allocation for its values. Others (nested in one thread) use the heap.
+class ScratchDocument {
+ public:
+  ScratchDocument();
+  ~ScratchDocument();
+  ScratchDocument(const ScratchDocument&) = delete;
+  ScratchDocument& operator=(const ScratchDocument&) = delete;
+  rapidjson::Document& doc() { return *doc_; }
+
+ private:
+  bool holds_buffer_ = false;
+  std::optional<rapidjson::MemoryPoolAllocator<>> pool_;
+  std::optional<rapidjson::Document> doc_;
+};
+
+// One stateless allocator for every RapidJSON stack (readers', writers'),
+// so that none news an allocator object of its own: pass it to a Writer.
+rapidjson::CrtAllocator* SharedCrtAllocator();
 
 // Parses `size` bytes at `data` into `doc`. On failure returns false and
 // fills `error`; `doc` is then null. Never reads past `size` (no terminator

@@ -75,33 +75,34 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
     return Err(InvalidArgument("model '" + model + "': every input needs a string 'name'"));
   }
   name = in["name"].GetString();
-  const std::string where = "model '" + model + "' input '" + name + "'";
+  // Named in errors only: built when one is.
+  auto where = [&] { return "model '" + model + "' input '" + name + "'"; };
   if (!in.HasMember("datatype") || !in["datatype"].IsString())
-    return Err(InvalidArgument(where + ": 'datatype' is missing"));
+    return Err(InvalidArgument(where() + ": 'datatype' is missing"));
   auto type = DataTypeFromName(in["datatype"].GetString());
   if (!type)
-    return Err(InvalidArgument(where + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
-  if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where + ": 'shape' is missing"));
+    return Err(InvalidArgument(where() + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
+  if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where() + ": 'shape' is missing"));
   if (in["shape"].Size() > kMaxTensorRank) {
-    return Err(InvalidArgument(where + ": 'shape' has " + std::to_string(in["shape"].Size()) + " dimensions; at most " +
-                               std::to_string(kMaxTensorRank) + " are accepted"));
+    return Err(InvalidArgument(where() + ": 'shape' has " + std::to_string(in["shape"].Size()) +
+                               " dimensions; at most " + std::to_string(kMaxTensorRank) + " are accepted"));
   }
   Shape shape;
   for (const auto& d : in["shape"].GetArray()) {
     if (!d.IsInt64() || d.GetInt64() < 0)
-      return Err(InvalidArgument(where + ": 'shape' must hold non-negative integers"));
+      return Err(InvalidArgument(where() + ": 'shape' must hold non-negative integers"));
     shape.push_back(d.GetInt64());
   }
   if (ElementCount(shape) < 0) {
-    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
+    return Err(InvalidArgument(where() + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
   }
   if (in.HasMember("parameters") && in["parameters"].IsObject() && in["parameters"].HasMember("binary_data_size")) {
     const auto& size = in["parameters"]["binary_data_size"];
-    if (!size.IsUint64()) return Err(InvalidArgument(where + ": binary_data_size must be a non-negative integer"));
+    if (!size.IsUint64()) return Err(InvalidArgument(where() + ": binary_data_size must be a non-negative integer"));
     const uint64_t n = size.GetUint64();
     const size_t left = binary.data.size() - binary.offset;
     if (n > left) {
-      return Err(InvalidArgument(where + ": binary_data_size " + std::to_string(n) + " but only " +
+      return Err(InvalidArgument(where() + ": binary_data_size " + std::to_string(n) + " but only " +
                                  std::to_string(left) + " bytes of binary data remain in the request"));
     }
     // Zero copy: the tensor views the request's bytes, which it keeps alive.
@@ -110,37 +111,37 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
     return t;
   }
   if (!in.HasMember("data")) {
-    return Err(InvalidArgument(where + ": neither 'data' nor parameters.binary_data_size is given"));
+    return Err(InvalidArgument(where() + ": neither 'data' nor parameters.binary_data_size is given"));
   }
   std::vector<const rapidjson::Value*> vals;
   Flatten(in["data"], vals);
   if (static_cast<int64_t>(vals.size()) != ElementCount(shape)) {
-    return Err(InvalidArgument(where + ": shape " + ShapeToString(shape) + " needs " +
+    return Err(InvalidArgument(where() + ": shape " + ShapeToString(shape) + " needs " +
                                std::to_string(ElementCount(shape)) + " values, 'data' has " +
                                std::to_string(vals.size())));
   }
   switch (*type) {
-    case DataType::kBool: return Numbers<bool>(*type, shape, vals, where);
-    case DataType::kUint8: return Numbers<uint8_t>(*type, shape, vals, where);
-    case DataType::kUint16: return Numbers<uint16_t>(*type, shape, vals, where);
-    case DataType::kUint32: return Numbers<uint32_t>(*type, shape, vals, where);
-    case DataType::kUint64: return Numbers<uint64_t>(*type, shape, vals, where);
-    case DataType::kInt8: return Numbers<int8_t>(*type, shape, vals, where);
-    case DataType::kInt16: return Numbers<int16_t>(*type, shape, vals, where);
-    case DataType::kInt32: return Numbers<int32_t>(*type, shape, vals, where);
-    case DataType::kInt64: return Numbers<int64_t>(*type, shape, vals, where);
-    case DataType::kFp32: return Numbers<float>(*type, shape, vals, where);
-    case DataType::kFp64: return Numbers<double>(*type, shape, vals, where);
+    case DataType::kBool: return Numbers<bool>(*type, shape, vals, where());
+    case DataType::kUint8: return Numbers<uint8_t>(*type, shape, vals, where());
+    case DataType::kUint16: return Numbers<uint16_t>(*type, shape, vals, where());
+    case DataType::kUint32: return Numbers<uint32_t>(*type, shape, vals, where());
+    case DataType::kUint64: return Numbers<uint64_t>(*type, shape, vals, where());
+    case DataType::kInt8: return Numbers<int8_t>(*type, shape, vals, where());
+    case DataType::kInt16: return Numbers<int16_t>(*type, shape, vals, where());
+    case DataType::kInt32: return Numbers<int32_t>(*type, shape, vals, where());
+    case DataType::kInt64: return Numbers<int64_t>(*type, shape, vals, where());
+    case DataType::kFp32: return Numbers<float>(*type, shape, vals, where());
+    case DataType::kFp64: return Numbers<double>(*type, shape, vals, where());
     case DataType::kBytes: {
       std::vector<std::string> strs;
       for (const auto* v : vals) {
-        if (!v->IsString()) return Err(InvalidArgument(where + ": expected strings for BYTES"));
+        if (!v->IsString()) return Err(InvalidArgument(where() + ": expected strings for BYTES"));
         strs.emplace_back(v->GetString(), v->GetStringLength());
       }
       return Tensor::FromStrings(shape, strs);
     }
     default:
-      return Err(InvalidArgument(where + ": datatype " + std::string(DataTypeName(*type)) +
+      return Err(InvalidArgument(where() + ": datatype " + std::string(DataTypeName(*type)) +
                                  " cannot be sent as JSON; use binary tensor data"));
   }
 }
@@ -205,7 +206,8 @@ bool KServeOutputFormat::WantsBinary(const std::string& name) const {
 
 Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, std::string_view json,
                                      std::string_view binary_data, std::shared_ptr<const void> owner) {
-  rapidjson::Document doc;
+  ScratchDocument scratch;
+  rapidjson::Document& doc = scratch.doc();
   if (JsonParseError e; !ParseJson(doc, json.data(), json.size(), e)) {
     return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " + std::to_string(e.offset) +
                                ": " + e.message));

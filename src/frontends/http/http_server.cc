@@ -218,7 +218,7 @@ class Session : public std::enable_shared_from_this<Session> {
     request_.headers.reserve(16);
     for (const auto& f : msg) {
       std::string name(f.name_string());
-      for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      for (auto& c : name) c = (c >= 'A' && c <= 'Z') ? static_cast<char>(c + ('a' - 'A')) : c;  // ASCII, no locale
       request_.headers.emplace_back(std::move(name), std::string(f.value()));
     }
     request_id_.clear();
@@ -465,7 +465,9 @@ class Session : public std::enable_shared_from_this<Session> {
       r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
       r.body.clear();
     }
-    std::string head;
+    // The status line and headers, built in a buffer this thread keeps.
+    thread_local std::string head;
+    head.clear();
     head.reserve(128 + r.content_type.size());
     head += "HTTP/1.1 ";
     head += std::to_string(r.status);
@@ -498,7 +500,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
     if (tls_) {
       // Encryption happens on the loop thread.
-      out_head_ = std::move(head);
+      out_head_ = head;
       out_body_ = std::move(r.body);
       out_sent_ = 0;
       shared_.writing.fetch_add(1, std::memory_order_acq_rel);
@@ -532,7 +534,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (sent == total) return Finish(/*failed=*/false);
     // The socket's send buffer is full (a large response or a slow reader).
-    out_head_ = std::move(head);
+    out_head_ = head;
     out_body_ = std::move(r.body);
     out_sent_ = sent;
     shared_.writing.fetch_add(1, std::memory_order_acq_rel);

@@ -46,8 +46,10 @@ struct HttpRequest {
 
 struct HttpResponse {
   int status = 200;
-  std::string content_type = "application/json";
-  std::vector<std::pair<std::string, std::string>> headers;
+  // Content types and header names are literals (static storage): a
+  // response names them without an allocation.
+  std::string_view content_type = "application/json";
+  std::vector<std::pair<std::string_view, std::string>> headers;
   std::string body;
 };
 

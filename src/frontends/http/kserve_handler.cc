@@ -182,7 +182,7 @@ HttpResponse MethodNotAllowed(const HttpRequest& req, const char* allowed) {
 }
 
 // The method a KServe route takes, or null when `parts` names no route.
-const char* AllowedMethod(const std::vector<std::string>& parts) {
+const char* AllowedMethod(const TargetPath& parts) {
   if (parts.empty() || parts[0] != "v2") return nullptr;
   const size_t n = parts.size();
   if (n == 1) return "GET";
@@ -246,9 +246,9 @@ std::string PercentDecode(std::string_view s) {
   return out;
 }
 
-std::vector<std::string> SplitTargetPath(std::string_view target) {
+TargetPath SplitTargetPath(std::string_view target) {
   if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  std::vector<std::string> parts;
+  TargetPath parts;
   size_t pos = 0;
   while (pos < target.size()) {
     if (target[pos] == '/') {
@@ -479,8 +479,8 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   }
   InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
-    rapidjson::StringBuffer buf;
-    Writer w(buf);
+    rapidjson::StringBuffer buf(nullptr, 1024);  // one allocation for most answers' JSON
+    Writer w(buf, SharedCrtAllocator());
     std::vector<const Tensor*> binary_parts;
     Status st = WriteKServeResult(w, format.id, r.model, r.version, r.outputs, format, binary_parts);
     if (!st.ok()) return done(Error(st));

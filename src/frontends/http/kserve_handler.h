@@ -9,6 +9,7 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
+#include <boost/container/small_vector.hpp>
 #include <functional>
 #include <optional>
 #include <string>
@@ -29,8 +30,11 @@ HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
 // The non-empty segments of a request target's path (the query dropped),
 // each percent-decoded: "/v2/models/my%20model/infer?x=1" ->
 // {"v2", "models", "my model", "infer"}. An encoded '/' stays inside its
-// segment; a '%' not followed by two hex digits is kept as it is.
-std::vector<std::string> SplitTargetPath(std::string_view target);
+// segment; a '%' not followed by two hex digits is kept as it is. Every
+// request's target is split (by the router and its handler): up to 8
+// segments of up to 15 bytes each take no allocation.
+using TargetPath = boost::container::small_vector<std::string, 8>;
+TargetPath SplitTargetPath(std::string_view target);
 
 // `s` with %XX sequences decoded (others kept as they are).
 std::string PercentDecode(std::string_view s);
