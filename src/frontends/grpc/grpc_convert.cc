@@ -98,11 +98,12 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
   ir.inputs.reserve(static_cast<size_t>(msg.inputs_size()));
   for (int i = 0; i < msg.inputs_size(); ++i) {
     const auto& in = msg.inputs(i);
-    const std::string where = "model '" + ir.model + "', input '" + in.name() + "'";
+    // Named in errors only: built when one is.
+    auto where = [&] { return "model '" + ir.model + "', input '" + in.name() + "'"; };
     auto type = DataTypeFromName(in.datatype());
-    if (!type) return std::unexpected(InvalidArgument(where + ": unknown datatype '" + in.datatype() + "'"));
+    if (!type) return std::unexpected(InvalidArgument(where() + ": unknown datatype '" + in.datatype() + "'"));
     if (static_cast<size_t>(in.shape_size()) > kMaxTensorRank) {
-      return std::unexpected(InvalidArgument(where + ": shape has " + std::to_string(in.shape_size()) +
+      return std::unexpected(InvalidArgument(where() + ": shape has " + std::to_string(in.shape_size()) +
                                              " dimensions; at most " + std::to_string(kMaxTensorRank) +
                                              " are accepted"));
     }
@@ -110,23 +111,23 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
     for (int64_t d : shape) {
       if (d < 0)
         return std::unexpected(
-            InvalidArgument(where + ": shape " + ShapeToString(shape) + " has a negative dimension"));
+            InvalidArgument(where() + ": shape " + ShapeToString(shape) + " has a negative dimension"));
     }
     if (ElementCount(shape) < 0) {
       return std::unexpected(
-          InvalidArgument(where + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
+          InvalidArgument(where() + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
     }
     Tensor t;
     if (raw) {
       const std::string& bytes = msg.raw_input_contents(i);
       t = Tensor::Borrow(*type, shape, bytes.data(), bytes.size());
       if (Status st = t.Validate(); !st.ok()) {
-        return std::unexpected(InvalidArgument(where + ": raw_input_contents holds " + std::to_string(bytes.size()) +
+        return std::unexpected(InvalidArgument(where() + ": raw_input_contents holds " + std::to_string(bytes.size()) +
                                                " bytes, which do not match datatype " + in.datatype() + " and shape " +
                                                ShapeToString(shape) + " (" + st.message() + ")"));
       }
     } else {
-      QUERN_ASSIGN_OR_RETURN(t, TypedTensor(*type, shape, in.contents(), where));
+      QUERN_ASSIGN_OR_RETURN(t, TypedTensor(*type, shape, in.contents(), where()));
     }
     ir.inputs.push_back({in.name(), std::move(t)});
   }

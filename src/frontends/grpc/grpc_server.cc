@@ -111,6 +111,17 @@ class InferReactor final : public grpc::ServerUnaryReactor {
 // stream with OK on a message that does not parse, without a word to the
 // client; here it is answered with an error and the stream goes on.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+  static constexpr size_t kAnswerBlock = 4096;
+
+  // Blocks for a request's arena: the first one fits its fields, not its
+  // raw bytes (those are strings of their own).
+  static google::protobuf::ArenaOptions RequestArena() {
+    google::protobuf::ArenaOptions o;
+    o.start_block_size = 1024;
+    o.max_block_size = 64 * 1024;
+    return o;
+  }
+
  public:
   // `admit` (may be empty) runs for every message: a request it refuses is
   // answered with its error (rate limits, draining) and the stream goes on.
@@ -127,9 +138,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       MaybeFinishLocked();
       return;
     }
-    auto request = std::make_unique<inference::ModelInferRequest>();
+    // The message and its parts live on an arena of its own (one block
+    // for a typical request instead of an allocation per field), kept
+    // until the request is answered: its tensors borrow the raw bytes.
+    auto arena = std::make_shared<google::protobuf::Arena>(RequestArena());
+    auto* request = google::protobuf::Arena::CreateMessage<inference::ModelInferRequest>(arena.get());
     const grpc::Status parsed =
-        grpc::SerializationTraits<inference::ModelInferRequest>::Deserialize(&reading_, request.get());
+        grpc::SerializationTraits<inference::ModelInferRequest>::Deserialize(&reading_, request);
     ++messages_;
     const uint64_t n = messages_;
     bool lone;
@@ -152,7 +167,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
              nullptr);
       return Release();
     }
-    Submit(std::move(request), lone);
+    Submit(std::move(arena), request, lone);
   }
 
   void OnWriteDone(bool ok) override {
@@ -193,7 +208,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Answers the request (counted in pending_ by OnReadDone) now or when the
   // engine does, then releases it.
-  void Submit(std::unique_ptr<inference::ModelInferRequest> request, bool lone) {
+  void Submit(std::shared_ptr<google::protobuf::Arena> arena, const inference::ModelInferRequest* request, bool lone) {
     if (admit_) {
       if (Status st = admit_(); !st.ok()) {
         Answer(request->id(), st, nullptr);
@@ -215,8 +230,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       cancels_.push_back(cancel);
     }
     // The request message owns the raw input bytes: it lives in the callback.
-    InferCallback done = [this, request = std::shared_ptr<inference::ModelInferRequest>(std::move(request)),
-                          cancel](InferResponse&& r) {
+    InferCallback done = [this, arena = std::move(arena), request, cancel](InferResponse&& r) {
       Answer(request->id(), r.status, &r);
       {
         MutexLock lock(mu_);
@@ -233,7 +247,26 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Queues a response (or an error for this request only) for writing.
   void Answer(const std::string& id, const Status& status, const InferResponse* r) {
-    inference::ModelStreamInferResponse out;
+    // Built on an arena that starts in a block this thread keeps, and
+    // serialized before it goes.
+    thread_local std::unique_ptr<char[]> block;
+    thread_local bool block_in_use = false;
+    google::protobuf::ArenaOptions options;
+    const bool take_block = !block_in_use;
+    if (take_block) {
+      if (!block) block = std::make_unique<char[]>(kAnswerBlock);
+      options.initial_block = block.get();
+      options.initial_block_size = kAnswerBlock;
+      block_in_use = true;
+    }
+    struct Give {
+      bool taken;
+      ~Give() {
+        if (taken) block_in_use = false;
+      }
+    } give{take_block};
+    google::protobuf::Arena arena(options);
+    auto& out = *google::protobuf::Arena::CreateMessage<inference::ModelStreamInferResponse>(&arena);
     if (!status.ok()) {
       out.set_error_message(status.message());
       out.mutable_infer_response()->set_id(id);
