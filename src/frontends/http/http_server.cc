@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory_resource>
 #include <optional>
 #include <random>
 #include <thread>
@@ -187,7 +188,9 @@ class Session : public std::enable_shared_from_this<Session> {
   void ReadNext() {
     if (closing_ || closed_) return;
     if (discard_ > 0) return SkipBody();
-    parser_.emplace();
+    parser_.reset();  // the previous request's fields go before their memory is reused
+    fields_arena_.release();
+    parser_.emplace(std::piecewise_construct, std::make_tuple(), std::make_tuple(FieldsAllocator(&fields_arena_)));
     head_ = false;
     parser_->header_limit(static_cast<uint32_t>(std::min<size_t>(shared_.options.max_header_bytes, UINT32_MAX)));
     parser_->body_limit(shared_.options.max_body_bytes);
@@ -645,7 +648,13 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Loop thread only.
   beast::flat_buffer buffer_;
-  std::optional<http::request_parser<http::string_body>> parser_;
+  // The request being read. Its header fields live in a buffer of this
+  // connection's (one allocation per field before), reused for each request;
+  // a header larger than the buffer takes the rest from the heap.
+  using FieldsAllocator = std::pmr::polymorphic_allocator<char>;
+  alignas(std::max_align_t) std::byte fields_buffer_[1024];
+  std::pmr::monotonic_buffer_resource fields_arena_{fields_buffer_, sizeof(fields_buffer_)};
+  std::optional<http::request_parser<http::string_body, FieldsAllocator>> parser_;
   std::shared_ptr<CancellationToken> cancel_;
   HttpRequest request_;  // the request being read: line and headers, then its body
   // The access log's record of the request being answered (only with one).
