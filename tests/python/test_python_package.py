@@ -444,7 +444,8 @@ def test_a_caller_of_a_short_python_model_hands_its_cpu_over_instead_of_sleeping
     the answer and being woken: its voluntary context switches (it blocked) stay far below one per
     call. Sleeping costs one or more per call. The model's process blocks once per call, waiting
     for the next batch; not twice (woken for nothing when its answer is read). A round of 200
-    calls may be disturbed by other processes on a shared machine; one round of five must show it."""
+    calls may be disturbed by other processes on a shared machine (a parallel test run: rounds went
+    0.84, 0.82, 0.74, 0.63, 0.42 while the process's placement settled); one round of ten must show it."""
     (tmp_path / "echo" / "1").mkdir(parents=True)
     (tmp_path / "echo" / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 4\n'
@@ -458,7 +459,7 @@ def test_a_caller_of_a_short_python_model_hands_its_cpu_over_instead_of_sleeping
         for _ in range(30):  # the process is placed once its round trips are known to be short
             engine.infer("echo", {"x": x})
         (model_pid,) = python_model_pids("echo")
-        for _ in range(5):
+        for _ in range(10):
             before = voluntary_switches(me, tid), voluntary_switches(model_pid)
             for i in range(200):
                 xi = x + i
