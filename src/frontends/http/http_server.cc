@@ -468,7 +468,9 @@ class Session : public std::enable_shared_from_this<Session> {
       r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
       r.body.clear();
     }
-    // The status line and headers, built in a buffer this thread keeps.
+    // The status line and headers, built in a buffer this thread keeps
+    // (nothing below calls back into Respond before the last use of it:
+    // Finish only posts).
     thread_local std::string head;
     head.clear();
     head.reserve(128 + r.content_type.size());

@@ -479,7 +479,7 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   }
   InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
-    rapidjson::StringBuffer buf(nullptr, 1024);  // one allocation for most answers' JSON
+    rapidjson::StringBuffer buf(SharedCrtAllocator(), 1024);  // one allocation for most answers' JSON
     Writer w(buf, SharedCrtAllocator());
     std::vector<const Tensor*> binary_parts;
     Status st = WriteKServeResult(w, format.id, r.model, r.version, r.outputs, format, binary_parts);
