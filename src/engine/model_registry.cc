@@ -235,11 +235,13 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
   // Where the instances run: instance_group against this machine's GPUs.
   // CUDA's driver is asked only when a group names KIND_GPU, or when the
   // backend could take KIND_AUTO or the automatic layout onto a GPU.
-  bool explicit_gpu = false, gpu_by_default = config.instance_count == 0 && config.instance_groups.empty();
+  const bool automatic = config.instance_count == 0 && config.instance_groups.empty();
+  bool explicit_gpu = false, auto_group = false;
   for (const InstanceGroup& g : config.instance_groups) {
     explicit_gpu |= g.kind == InstanceGroup::Kind::kGpu;
-    gpu_by_default |= g.kind == InstanceGroup::Kind::kAuto;
+    auto_group |= g.kind == InstanceGroup::Kind::kAuto;
   }
+  const bool gpu_by_default = automatic || auto_group;
   GpuAvailability gpus;
   if (explicit_gpu || gpu_by_default) {
     gpus.why_no_backend = backend->WhyNoGpu();
@@ -252,10 +254,15 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
   }
   const ModelConfig asked = config;
   auto served = LoadInstances(m, v, *backend, std::move(config), gpus);
-  if (!served && !explicit_gpu && gpus.devices > 0) {
-    // Only the defaults put it on a GPU, and the GPU failed (a CUDA that
-    // does not match the driver, a library missing): it serves on the CPU.
-    Log(LogLevel::kWarning, served.error().message() + "; the model runs on the CPU instead", {{"model", m.name}});
+  // Whether only the defaults (KIND_AUTO, the automatic layout) put
+  // instances on a GPU (PlaceInstances' rules).
+  const bool defaults_on_gpu = !explicit_gpu && gpus.devices > 0 && gpus.why_no_backend.empty() &&
+                               (auto_group || (automatic && gpus.auto_to_gpu));
+  if (!served && defaults_on_gpu) {
+    // The GPU failed (a CUDA that does not match the driver, a library
+    // missing): the model serves on the CPU.
+    Log(LogLevel::kWarning, "loading on the GPU failed (" + served.error().message() + "); trying the CPU",
+        {{"model", m.name}});
     served = LoadInstances(m, v, *backend, asked, GpuAvailability{});
   }
   return served;
