@@ -21,11 +21,7 @@ echo "| model | protocol | connections | allocations per request |"
 echo "|---|---|---:|---:|"
 for model in identity small_cnn; do
   for proto in http grpc stream; do
-    case "$proto" in
-      http) url="http://127.0.0.1:$PORT" extra="" ;;
-      grpc) url="grpc://127.0.0.1:$GRPC_PORT" extra="" ;;
-      stream) url="grpc://127.0.0.1:$GRPC_PORT" extra="--grpc-stream" ;;
-    esac
+    proto_url "$proto"
     # shellcheck disable=SC2086
     taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" -c "$C" -s 1 --warmup 0 >/dev/null
     perf stat -e "$EVENT" -x, -o "$WORK/stat" -p "$SERVER" -- sleep 4.5 &

@@ -57,11 +57,7 @@ measure() {
   shift 3
   local proto url extra c before after line
   for proto in http grpc stream; do
-    case "$proto" in
-      http) url="http://127.0.0.1:$PORT" extra="" ;;
-      grpc) url="grpc://127.0.0.1:$GRPC_PORT" extra="" ;;
-      stream) url="grpc://127.0.0.1:$GRPC_PORT" extra="--grpc-stream" ;;
-    esac
+    proto_url "$proto"
     for c in $LEVELS; do
       local metrics=()
       [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")

@@ -37,6 +37,14 @@ start_server() {
   for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done
   echo "quern did not start:"; cat "$WORK/log"; exit 1
 }
+# proto_url http|grpc|stream: sets url and extra (quern perf's flags) to reach the server's port for it.
+proto_url() {
+  case "$1" in
+    http) url="http://127.0.0.1:$PORT" extra="" ;;
+    grpc) url="grpc://127.0.0.1:$GRPC_PORT" extra="" ;;
+    stream) url="grpc://127.0.0.1:$GRPC_PORT" extra="--grpc-stream" ;;
+  esac
+}
 stop_server() {
   kill "$SERVER" 2>/dev/null || true
   wait "$SERVER" 2>/dev/null || true
