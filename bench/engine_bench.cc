@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -61,8 +62,13 @@ struct RawConfig {
   int sessions = 1;  // parallel sessions, each on its own thread with cores/sessions intra-op threads
   bool stop_spinning = false;
   int batch = 0;  // per-concurrency comparison: the batch each session runs
+  // Each run's batch is first assembled from single-item buffers (one copy
+  // per item, from a pool larger than the cache holds for big items): the
+  // least a server whose requests carry one item each must do.
+  bool gather = false;
   std::string Name(int cores) const {
-    return std::to_string(sessions) + "x" + std::to_string(cores / sessions) + "t" + (stop_spinning ? " stop" : "");
+    return std::to_string(sessions) + "x" + std::to_string(cores / sessions) + "t" + (stop_spinning ? " stop" : "") +
+           (gather ? " g" : "");
   }
 };
 
@@ -109,6 +115,15 @@ double RawThroughput(const std::string& path, int cores, int batch, double secon
         data.push_back(RandomData(static_cast<size_t>(Elements(dims)), 1 + i + 10 * t));
         in.push_back(Ort::Value::CreateTensor<float>(mem, data[i].data(), data[i].size(), dims.data(), dims.size()));
       }
+      // Gathering: single items rotate through a pool of at least 64 and
+      // at least twice a batch (a server's requests arrive in fresh buffers).
+      const size_t item = static_cast<size_t>(Elements(shape.item_shape));
+      std::vector<std::vector<float>> items_pool;
+      if (cfg.gather) {
+        const int pool = std::max(64, 2 * batch);
+        for (int i = 0; i < pool; ++i) items_pool.push_back(RandomData(item, 1000 + i + 10000 * t));
+      }
+      size_t next_item = 0;
       const char* in_names[] = {shape.input.c_str()};
       const char* out_names[] = {shape.output.c_str()};
       Ort::Session& s = *sessions[t];
@@ -116,7 +131,14 @@ double RawThroughput(const std::string& path, int cores, int batch, double secon
       while (!go.load()) std::this_thread::yield();
       const auto end = Clock::now() + duration;
       for (int i = 0; Clock::now() < end; ++i) {
-        s.Run(Ort::RunOptions{nullptr}, in_names, &in[i % kBuffers], 1, out_names, 1);
+        const int k = i % kBuffers;
+        if (cfg.gather) {
+          for (int b = 0; b < batch; ++b) {
+            std::memcpy(data[k].data() + b * item, items_pool[next_item].data(), item * sizeof(float));
+            next_item = (next_item + 1) % items_pool.size();
+          }
+        }
+        s.Run(Ort::RunOptions{nullptr}, in_names, &in[k], 1, out_names, 1);
         items += batch;
       }
     });
@@ -331,6 +353,11 @@ int main(int argc, char** argv) {
                "Compare each engine row with raw ONNX Runtime's best layout for that many requests in flight "
                "(one wide session or one narrow session per core, batches up to the requests in flight), measured "
                "right before it, instead of with the batch-size table's ceiling");
+  bool raw_gather = false;
+  app.add_flag("--raw-gather", raw_gather,
+               "Also run each raw layout with its batch assembled from single-item buffers first (one copy per "
+               "item: the least a server of single-item requests does); X*g is their best, and each engine row is "
+               "also divided by X*g measured right before it");
   std::string tuning = "on";
   app.add_option("--tuning", tuning,
                  "Batch size tuning in the engine runs: on, off, or both (each engine row twice, side by side)")
@@ -380,44 +407,64 @@ int main(int argc, char** argv) {
   } else if (cores > 1) {
     configs.push_back({cores, false});
   }
+  if (raw_gather) {
+    const size_t plain = configs.size();
+    for (size_t i = 0; i < plain; ++i) {
+      RawConfig g = configs[i];
+      g.gather = true;
+      configs.push_back(g);
+    }
+  }
   std::printf("raw ONNX Runtime items/s (SxTt = S parallel sessions with T intra-op threads each)\n  batch");
   for (const auto& c : configs) std::printf("  %10s", c.Name(cores).c_str());
   std::printf("\n");
-  double ceiling = 0;
-  int best_batch = 0;
-  RawConfig best;
+  double ceiling = 0, ceiling_g = 0;
+  int best_batch = 0, best_batch_g = 0;
+  RawConfig best, best_g;
   for (int b : raw_batches) {
     std::printf("  %5d", b);
     for (const auto& c : configs) {
       double t = RawThroughput(model, cores, b, seconds, shape, c);
       std::printf("  %10.1f", t);
       std::fflush(stdout);
-      if (t > ceiling) {
-        ceiling = t;
-        best_batch = b;
-        best = c;
+      double& top = c.gather ? ceiling_g : ceiling;
+      if (t > top) {
+        top = t;
+        (c.gather ? best_batch_g : best_batch) = b;
+        (c.gather ? best_g : best) = c;
       }
     }
     std::printf("\n");
   }
-  std::printf("  ceiling X* = %.1f items/s at batch %d, %s\n\n", ceiling, best_batch, best.Name(cores).c_str());
+  std::printf("  ceiling X* = %.1f items/s at batch %d, %s\n", ceiling, best_batch, best.Name(cores).c_str());
+  if (raw_gather) {
+    std::printf("  ceiling with gathering X*g = %.1f items/s at batch %d, %s (%.3f of X*)\n", ceiling_g, best_batch_g,
+                best_g.Name(cores).c_str(), ceiling_g / ceiling);
+  }
+  std::printf("\n");
 
   std::printf("quern::Engine, max_batch_size %d, %d instance(s) (0 = one per core), single-item requests, %s\n",
               max_batch, g_instances,
               mode == "callbacks" ? "N in flight via completion callbacks" : "N threads blocking on futures");
   std::printf("  X*now = the ceiling configuration measured again right before each engine run\n");
   std::printf("  limit = the batch size limit at the end of the run (tuning on: what the tuner settled on)\n");
-  std::printf("  in flight  tuning   items/s   x X*   X*now  x X*now  mean batch  limit   p50 ms   p99 ms\n");
+  if (raw_gather)
+    std::printf("  X*g now = the gathering ceiling's configuration measured right before each engine run\n");
+  std::printf("  in flight  tuning   items/s   x X*   X*now  x X*now  mean batch  limit   p50 ms   p99 ms%s\n",
+              raw_gather ? "  X*g now  x X*g now" : "");
   std::vector<bool> tunings;
   if (tuning != "off") tunings.push_back(true);
   if (tuning != "on") tunings.push_back(false);
   for (int n : submitters) {
     for (bool tuned : tunings) {
       const double now = RawThroughput(model, cores, best_batch, seconds, shape, best);
+      const double now_g = raw_gather ? RawThroughput(model, cores, best_batch_g, seconds, shape, best_g) : 0;
       EngineResult r = EngineThroughput(model, max_batch, n, seconds, shape, mode == "callbacks", tuned);
-      std::printf("  %9d  %6s  %8.1f  %5.3f  %7.1f  %6.3f  %10.2f  %5lld  %7.2f  %7.2f\n", n, tuned ? "on" : "off",
+      std::printf("  %9d  %6s  %8.1f  %5.3f  %7.1f  %6.3f  %10.2f  %5lld  %7.2f  %7.2f", n, tuned ? "on" : "off",
                   r.throughput, r.throughput / ceiling, now, r.throughput / now, r.mean_batch,
                   static_cast<long long>(r.batch_limit), r.p50_ms, r.p99_ms);
+      if (raw_gather) std::printf("  %7.1f  %9.3f", now_g, r.throughput / now_g);
+      std::printf("\n");
       std::fflush(stdout);
     }
   }
