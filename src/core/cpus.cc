@@ -86,6 +86,18 @@ void PreferShortSlices() {
 #endif
 }
 
+ScopedBatchScheduling::ScopedBatchScheduling() {
+  if (sched_getscheduler(0) != SCHED_OTHER) return;
+  sched_param param{};
+  changed_ = sched_setscheduler(0, SCHED_BATCH, &param) == 0;
+}
+
+ScopedBatchScheduling::~ScopedBatchScheduling() {
+  if (!changed_) return;
+  sched_param param{};
+  (void)sched_setscheduler(0, SCHED_OTHER, &param);
+}
+
 double ProcessCpuSeconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);

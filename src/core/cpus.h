@@ -23,6 +23,25 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
+// While alive, the calling thread runs under SCHED_BATCH, and the threads it
+// creates inherit that policy (pthreads inherit it by default); the policy
+// before is restored at the end. For a library's network threads that are
+// created inside a call (gRPC's): a SCHED_BATCH thread that wakes does not
+// preempt the thread running on its core, it runs when that one sleeps or
+// its slice ends, so a thread that computes and hands answers to them is not
+// interrupted at every hand-off. Does nothing where the policy is not
+// SCHED_OTHER or the change is refused.
+class ScopedBatchScheduling {
+ public:
+  ScopedBatchScheduling();
+  ~ScopedBatchScheduling();
+  ScopedBatchScheduling(const ScopedBatchScheduling&) = delete;
+  ScopedBatchScheduling& operator=(const ScopedBatchScheduling&) = delete;
+
+ private:
+  bool changed_ = false;
+};
+
 // CPU time (user + system, every thread) this process has used so far, in
 // seconds: what benchmarks and `quern perf` divide by the requests they made.
 double ProcessCpuSeconds();

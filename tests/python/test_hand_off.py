@@ -183,3 +183,32 @@ def test_grpc_streams_taking_turns_are_handed_to_the_engine(server):
     assert not errors, errors
     woken = engine_wakeups(proc.pid) - before
     assert woken > REQUESTS / 4, f"engine threads woken only {woken} times for {REQUESTS} requests of two streams"
+
+
+def thread_policies(pid):
+    """{thread name: set of scheduling policies} of a process (field 41 of /proc/.../stat)."""
+    out = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/stat") as f:
+                policy = int(f.read().rsplit(")", 1)[1].split()[38])
+        except FileNotFoundError:
+            continue
+        out.setdefault(name, set()).add(policy)
+    return out
+
+
+def test_grpcs_threads_do_not_preempt_the_engine_and_the_rest_keep_their_policy(server):
+    """An answer written from an engine thread wakes one of gRPC's callback threads; were it to
+    preempt the engine thread on its core at every answer, a batch's answers would ping-pong
+    between them. gRPC's threads run under SCHED_BATCH (3), which does not preempt on wakeup; the
+    engine's, HTTP's and the main thread keep SCHED_OTHER (0): the policy is lent only while gRPC
+    starts."""
+    proc, ports = server
+    stream_requests(f"127.0.0.1:{ports['gRPC']}", 20, 5)  # gRPC's threads all started
+    policies = thread_policies(proc.pid)
+    assert policies.get("nexting_thread") == {3}, policies
+    for ours in ("quern", "quern-infer", "quern-http"):
+        assert policies.get(ours) == {0}, (ours, policies)

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
@@ -786,7 +787,17 @@ class GrpcServer::Impl {
       builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
     }
     builder.SetMaxSendMessageSize(options_.max_send_bytes);
-    server_ = builder.BuildAndStart();
+    {
+      // gRPC's threads (its callback threads, "nexting_thread", are made
+      // here) run under SCHED_BATCH: an answer an engine thread writes
+      // queues a completion that wakes one of them, and on the same core a
+      // waking thread preempted the engine thread at every answer of a
+      // batch (a 48 KiB model over 16 streams on one core: 4.2 context
+      // switches per request instead of 0.7, a third more CPU per request).
+      // They now run when the engine thread sleeps or its slice ends.
+      ScopedBatchScheduling batch_policy;
+      server_ = builder.BuildAndStart();
+    }
     if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);
     UpdateHealth();
     health_thread_ = std::thread([this] {
