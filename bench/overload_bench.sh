@@ -13,7 +13,7 @@
 # the generator's own cost at 3x does not take the server's cores; the
 # server sizes its instances for the CPUs it is given.
 #   bench/overload_bench.sh [seconds per run, default 15] [targets...]
-#   targets: small_cnn small_cnn_grpc resnet50 vision (default: all)
+#   targets: small_cnn small_cnn_grpc resnet50 resnet50_grpc vision (default: all but resnet50_grpc)
 #   QUERN_BENCH_PRESET=ci ...   # use another optimised build (default: release)
 #   QUERN_BENCH_SERVER_FLAGS="--max-queue-wait-ms 500" ...   # extra `quern serve` flags
 set -euo pipefail
@@ -50,6 +50,7 @@ echo "server on CPUs $SERVER_CPUS, load generator on CPUs $CLIENT_CPUS ($PRESET 
 # Request bodies and vegeta targets.
 build/venv/bin/python - "$WORK" "$PORT" <<'PY'
 import json, sys, numpy as np
+from tritonclient.grpc import service_pb2
 work, port = sys.argv[1], sys.argv[2]
 for name, shape in [("small_cnn", [1, 3, 64, 64]), ("resnet50", [1, 3, 224, 224])]:
     data = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
@@ -57,12 +58,11 @@ for name, shape in [("small_cnn", [1, 3, 64, 64]), ("resnet50", [1, 3, 224, 224]
                                      "parameters": {"binary_data_size": len(data)}}],
                          "parameters": {"binary_data_output": True}}).encode()
     open(f"{work}/{name}.body", "wb").write(header + data)
-    if name == "small_cnn":  # the same request as a gRPC ModelInferRequest (ghz -B)
-        from tritonclient.grpc import service_pb2
-        req = service_pb2.ModelInferRequest(model_name=name)
-        req.inputs.add(name="input", datatype="FP32", shape=shape)
-        req.raw_input_contents.append(data)
-        open(f"{work}/{name}.pb", "wb").write(req.SerializeToString())
+    # The same request as a gRPC ModelInferRequest (ghz -B).
+    req = service_pb2.ModelInferRequest(model_name=name)
+    req.inputs.add(name="input", datatype="FP32", shape=shape)
+    req.raw_input_contents.append(data)
+    open(f"{work}/{name}.pb", "wb").write(req.SerializeToString())
     open(f"{work}/{name}.targets", "w").write(
         f"POST http://127.0.0.1:{port}/v2/models/{name}/infer\n"
         f"Inference-Header-Content-Length: {len(header)}\nContent-Type: application/octet-stream\n"
@@ -106,7 +106,11 @@ summarise_ghz() {
 import json, sys
 import numpy as np
 rep = json.load(open(sys.argv[1]))
-rows = rep.get("details") or []
+# Calls still in flight when ghz stops at the end of the run fail with the end of
+# its connection ("error reading from server", "transport is closing"):
+# neither answered nor refused by the server, they are left out.
+cut = ("error reading from server", "transport is closing")
+rows = [r for r in rep.get("details") or [] if not any(c in r.get("error", "") for c in cut)]
 if not rows:
     print("0 0 - - 0 - 0"); sys.exit()
 t = np.array([np.datetime64(r["timestamp"][:26].replace("T", " ")) for r in rows]).astype("datetime64[ns]").astype(np.int64)
@@ -128,11 +132,11 @@ attack() {
   local target="$1" rate="$2" out="$3"
   local workers=16
   case "$target" in small_cnn*) workers=64 ;; esac
-  if [ "$target" = small_cnn_grpc ]; then
+  if [[ "$target" == *_grpc ]]; then
     local load=(--concurrency "$workers")
     [ "$rate" != 0 ] && load=(--rps "$rate" --async --concurrency 256)
     "${ON_CLIENT[@]}" "$GHZ" --insecure --proto proto/grpc_service.proto --import-paths proto \
-      --call inference.GRPCInferenceService/ModelInfer -B "$WORK/small_cnn.pb" "${load[@]}" --duration "${SECS}s" \
+      --call inference.GRPCInferenceService/ModelInfer -B "$WORK/${target%_grpc}.pb" "${load[@]}" --duration "${SECS}s" \
       --timeout 30s --format json --output "$out" "127.0.0.1:$GRPC_PORT" >/dev/null 2>&1 || true
     summarise_ghz "$out"
   else
