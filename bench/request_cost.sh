@@ -14,8 +14,14 @@
 #
 # The server runs on QUERN_BENCH_SERVER_CPUS (default CPU 0) and the load
 # generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
+# With QUERN_BENCH_ROUNDS=N the two servers are loaded in turn N times (this
+# host's figures drift between minutes by more than the differences looked
+# for): each row is the round with the median server CPU, and Quern's own
+# cost, its figure minus the floor's of the same round minus the model's
+# compute per request, is printed as the median and range over the rounds.
 #   bench/request_cost.sh [seconds per level, default 4] [concurrency levels, default "1 16"]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
+#   QUERN_BENCH_ROUNDS=3 ...    # rounds (default 1)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -67,17 +73,17 @@ measure() {
         --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
       after=$(cpu_ticks "$pid")
       # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
-      echo "$line" | awk -F, -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" -v t="$TICK" \
-        -v s="$((SECS + WARMUP))" '{
+      echo "$line" | awk -F, -v r="$ROUND" -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" \
+        -v t="$TICK" -v s="$((SECS + WARMUP))" '{
           cpu = d / t / ($3 * s) * 1e6
-          printf "| %s | %s | %s | %s | %.0f | %.3f | %.3f | %s | %.1f | %s | %s | %s |\n",
-                 m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }'
+          printf "%s,%s,%s,%s,%s,%.0f,%.3f,%.3f,%s,%.1f,%.2f,%s,%s\n",
+                 r, m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }' >> "$WORK/rows"
     done
   done
 }
 
-echo "| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch |"
-echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+ROUNDS="${QUERN_BENCH_ROUNDS:-1}"
+for ROUND in $(seq "$ROUNDS"); do
 for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shape x=1,4|" \
             "small_cnn|input:FP32:-1,3,64,64|logits:FP32:-1,10"; do
   IFS='|' read -r model_args in_spec out_spec <<< "$spec"
@@ -97,3 +103,43 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
   kill "$FLOOR_PID"
   wait "$FLOOR_PID" 2>/dev/null || true
 done
+done
+
+build/venv/bin/python - "$WORK/rows" "$ROUNDS" <<'PY'
+import csv, statistics, sys
+rows = list(csv.reader(open(sys.argv[1])))
+rounds = int(sys.argv[2])
+keys, by = [], {}
+for r in rows:
+    k = tuple(r[1:5])  # model, protocol, connections, server
+    if k not in by:
+        keys.append(k)
+    by.setdefault(k, []).append(r)
+print(f"Medians of {rounds} round(s): each row is the round with the median server CPU.")
+print("| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for k in keys:
+    rs = sorted(by[k], key=lambda r: float(r[10]))
+    r = rs[(len(rs) - 1) // 2]
+    print("| " + " | ".join(r[1:]) + " |")
+# Own cost per round: Quern minus the floor of the same model minus the model's compute per
+# request (not for py_identity: its time per batch is the round trip to its process, mostly
+# waiting, not the server's CPU).
+print()
+print("Quern's own cost, µs per request (its server CPU - the floor's - compute per batch / batch):")
+print("| model | protocol | connections | median | range |")
+print("|---|---|---:|---:|---|")
+for k in keys:
+    model, proto, conns, server = k
+    if server != "quern":
+        continue
+    floors = {r[0]: float(r[10]) for r in by.get((model, proto, conns, "floor"), [])}
+    own = []
+    for r in by[k]:
+        if r[0] not in floors:
+            continue
+        compute = float(r[11]) / float(r[12]) if r[11] not in ("-", "") and float(r[12]) > 0 else 0.0
+        own.append(float(r[10]) - floors[r[0]] - compute)
+    if own:
+        print(f"| {model} | {proto} | {conns} | {statistics.median(own):.1f} | {min(own):.1f} to {max(own):.1f} |")
+PY
