@@ -86,16 +86,23 @@ void PreferShortSlices() {
 #endif
 }
 
-ScopedBatchScheduling::ScopedBatchScheduling() {
-  if (sched_getscheduler(0) != SCHED_OTHER) return;
+namespace {
+bool Switchable(int policy) {
+  return policy == SCHED_OTHER || policy == SCHED_BATCH;
+}
+}  // namespace
+
+ScopedSchedulingPolicy::ScopedSchedulingPolicy(int policy) {
+  const int current = sched_getscheduler(0);
+  if (current == policy || !Switchable(current) || !Switchable(policy)) return;
   sched_param param{};
-  changed_ = sched_setscheduler(0, SCHED_BATCH, &param) == 0;
+  if (sched_setscheduler(0, policy, &param) == 0) before_ = current;
 }
 
-ScopedBatchScheduling::~ScopedBatchScheduling() {
-  if (!changed_) return;
+ScopedSchedulingPolicy::~ScopedSchedulingPolicy() {
+  if (before_ < 0) return;
   sched_param param{};
-  (void)sched_setscheduler(0, SCHED_OTHER, &param);
+  (void)sched_setscheduler(0, before_, &param);
 }
 
 double ProcessCpuSeconds() {

@@ -23,23 +23,26 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
-// While alive, the calling thread runs under SCHED_BATCH, and the threads it
-// creates inherit that policy (pthreads inherit it by default); the policy
-// before is restored at the end. For a library's network threads that are
-// created inside a call (gRPC's): a SCHED_BATCH thread that wakes does not
-// preempt the thread running on its core, it runs when that one sleeps or
-// its slice ends, so a thread that computes and hands answers to them is not
-// interrupted at every hand-off. Does nothing where the policy is not
-// SCHED_OTHER or the change is refused.
-class ScopedBatchScheduling {
+// While alive, the calling thread runs under `policy` (SCHED_OTHER or
+// SCHED_BATCH), and the threads and processes it creates inherit it
+// (pthreads and posix_spawn do by default); the policy before is restored at
+// the end. Does nothing when the thread's policy is another (real-time, idle)
+// or the change is refused.
+// Used for a library's network threads created inside a call (gRPC's, under
+// SCHED_BATCH): a SCHED_BATCH thread that wakes does not preempt the thread
+// running on its core, it runs when that one sleeps or its slice ends, so a
+// thread that computes and hands answers to them is not interrupted at every
+// hand-off; and, the other way, for work those threads do that creates the
+// server's own threads (a model loaded over gRPC), which must not inherit it.
+class ScopedSchedulingPolicy {
  public:
-  ScopedBatchScheduling();
-  ~ScopedBatchScheduling();
-  ScopedBatchScheduling(const ScopedBatchScheduling&) = delete;
-  ScopedBatchScheduling& operator=(const ScopedBatchScheduling&) = delete;
+  explicit ScopedSchedulingPolicy(int policy);
+  ~ScopedSchedulingPolicy();
+  ScopedSchedulingPolicy(const ScopedSchedulingPolicy&) = delete;
+  ScopedSchedulingPolicy& operator=(const ScopedSchedulingPolicy&) = delete;
 
  private:
-  bool changed_ = false;
+  int before_ = -1;  // the policy to restore; -1: nothing was changed
 };
 
 // CPU time (user + system, every thread) this process has used so far, in

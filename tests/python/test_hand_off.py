@@ -185,8 +185,8 @@ def test_grpc_streams_taking_turns_are_handed_to_the_engine(server):
     assert woken > REQUESTS / 4, f"engine threads woken only {woken} times for {REQUESTS} requests of two streams"
 
 
-def thread_policies(pid):
-    """{thread name: set of scheduling policies} of a process (field 41 of /proc/.../stat)."""
+def thread_ids_policies(pid):
+    """{thread id: (name, scheduling policy)} of a process (policy: field 41 of /proc/.../stat)."""
     out = {}
     for task in glob.glob(f"/proc/{pid}/task/*"):
         try:
@@ -196,6 +196,14 @@ def thread_policies(pid):
                 policy = int(f.read().rsplit(")", 1)[1].split()[38])
         except FileNotFoundError:
             continue
+        out[int(os.path.basename(task))] = (name, policy)
+    return out
+
+
+def thread_policies(pid):
+    """{thread name: set of scheduling policies} of a process."""
+    out = {}
+    for name, policy in thread_ids_policies(pid).values():
         out.setdefault(name, set()).add(policy)
     return out
 
@@ -212,3 +220,45 @@ def test_grpcs_threads_do_not_preempt_the_engine_and_the_rest_keep_their_policy(
     assert policies.get("nexting_thread") == {3}, policies
     for ours in ("quern", "quern-infer", "quern-http"):
         assert policies.get(ours) == {0}, (ours, policies)
+
+
+def test_models_loaded_over_grpc_do_not_inherit_grpcs_policy(tmp_path):
+    """A model loaded over gRPC (RepositoryModelLoad) is loaded on one of gRPC's threads: the
+    threads made there (the engine's, ONNX Runtime's; the latter keep the loading thread's name)
+    and the Python model's process must get the server's own policy, not gRPC's SCHED_BATCH
+    (engine threads under it would stop preempting); gRPC's own threads keep theirs."""
+    proc, ports = start_quern(QUERN, str(tmp_path), "--model-control", "explicit")
+    try:
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        assert c.is_server_live()
+        before = thread_ids_policies(proc.pid)
+        assert sorted(p for name, p in before.values() if name == "nexting_thread") == [3, 3], before
+        # The models arrive in the repository after the start, and are loaded over gRPC.
+        shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
+        (tmp_path / "echo" / "1").mkdir(parents=True)
+        (tmp_path / "echo" / "config.pbtxt").write_text(
+            'backend: "python"\nmax_batch_size: 8\n'
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [ 8 ] } ]\n'
+            'output [ { name: "y" data_type: TYPE_FP32 dims: [ 8 ] } ]\ndynamic_batching { }\n')
+        (tmp_path / "echo" / "1" / "model.py").write_text('def infer(inputs):\n    return {"y": inputs["x"]}\n')
+        c.load_model("linear")
+        c.load_model("echo")
+        after = thread_ids_policies(proc.pid)
+        made = {tid: v for tid, v in after.items() if tid not in before}
+        assert any(name == "quern-infer" for name, _ in made.values()), made
+        assert all(p == 0 for _, p in made.values()), made
+        assert all(after[tid] == v for tid, v in before.items() if tid in after), (before, after)
+        children = [int(p) for t in glob.glob(f"/proc/{proc.pid}/task/*") for p in open(f"{t}/children").read().split()]
+        assert children, "the Python model's process"
+        for child in children:
+            child_threads = thread_ids_policies(child)
+            assert all(p == 0 for _, p in child_threads.values()), child_threads
+        x = np.arange(8, dtype=np.float32).reshape(1, 8)
+        for model in ("linear", "echo"):
+            inp = grpcclient.InferInput("x", [1, 8], "FP32")
+            inp.set_data_from_numpy(x)
+            out = c.infer(model, [inp]).as_numpy("y")
+            np.testing.assert_allclose(out, EXPECTED[model](x), rtol=1e-5, atol=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
