@@ -65,44 +65,82 @@ void NameThisThread(const char* name) {
   pthread_setname_np(pthread_self(), shortened);
 }
 
-void PreferShortSlices() {
-  // sched_setattr(2) with SCHED_OTHER and sched_runtime as the requested
-  // slice (EEVDF custom slices); the struct is declared here because glibc
-  // 2.36 has no wrapper.
-  struct {
-    uint32_t size, sched_policy;
-    uint64_t sched_flags;
-    int32_t sched_nice;
-    uint32_t sched_priority;
-    uint64_t sched_runtime, sched_deadline, sched_period;
-    uint32_t sched_util_min, sched_util_max;
-  } attr{};
-  attr.size = sizeof(attr);
-  attr.sched_policy = SCHED_OTHER;
-  attr.sched_nice = getpriority(PRIO_PROCESS, 0);  // keep the thread's nice value
-  attr.sched_runtime = 100'000;                    // 0.1 ms
-#ifdef SYS_sched_setattr
-  (void)syscall(SYS_sched_setattr, 0, &attr, 0);
+namespace {
+
+// sched_setattr(2)'s argument; glibc 2.36 has no wrapper for it.
+struct SchedAttr {
+  uint32_t size, sched_policy;
+  uint64_t sched_flags;
+  int32_t sched_nice;
+  uint32_t sched_priority;
+  uint64_t sched_runtime, sched_deadline, sched_period;
+  uint32_t sched_util_min, sched_util_max;
+};
+
+bool GetAttr(SchedAttr& attr) {
+  attr = {};
+#ifdef SYS_sched_getattr
+  return syscall(SYS_sched_getattr, 0, &attr, sizeof(attr), 0) == 0;
+#else
+  return false;
 #endif
 }
 
-namespace {
-bool Switchable(int policy) {
+bool SetAttr(SchedAttr attr) {
+  attr.size = sizeof(attr);
+  attr.sched_flags = 0;
+#ifdef SYS_sched_setattr
+  return syscall(SYS_sched_setattr, 0, &attr, 0) == 0;
+#else
+  return false;
+#endif
+}
+
+bool Switchable(uint32_t policy) {
   return policy == SCHED_OTHER || policy == SCHED_BATCH;
 }
+
 }  // namespace
 
-ScopedSchedulingPolicy::ScopedSchedulingPolicy(int policy) {
-  const int current = sched_getscheduler(0);
-  if (current == policy || !Switchable(current) || !Switchable(policy)) return;
-  sched_param param{};
-  if (sched_setscheduler(0, policy, &param) == 0) before_ = current;
+void PreferShortSlices() {
+  // SCHED_OTHER with sched_runtime as the requested slice (EEVDF custom
+  // slices).
+  SchedAttr attr{};
+  attr.sched_policy = SCHED_OTHER;
+  attr.sched_nice = getpriority(PRIO_PROCESS, 0);  // keep the thread's nice value
+  attr.sched_runtime = 100'000;                    // 0.1 ms
+  (void)SetAttr(attr);
 }
 
-ScopedSchedulingPolicy::~ScopedSchedulingPolicy() {
-  if (before_ < 0) return;
-  sched_param param{};
-  (void)sched_setscheduler(0, before_, &param);
+SchedulingAttributes CurrentScheduling() {
+  SchedAttr attr;
+  if (!GetAttr(attr)) return {sched_getscheduler(0), 0};
+  return {static_cast<int>(attr.sched_policy), attr.sched_runtime};
+}
+
+ScopedScheduling::ScopedScheduling(SchedulingAttributes want) {
+  SchedAttr now;
+  if (!GetAttr(now) || !Switchable(now.sched_policy) || want.policy < 0 ||
+      !Switchable(static_cast<uint32_t>(want.policy))) {
+    return;
+  }
+  if (static_cast<int>(now.sched_policy) == want.policy && now.sched_runtime == want.slice_ns) return;
+  SchedAttr next = now;
+  next.sched_policy = static_cast<uint32_t>(want.policy);
+  next.sched_runtime = want.slice_ns;
+  if (!SetAttr(next)) return;
+  changed_ = true;
+  before_ = {static_cast<int>(now.sched_policy), now.sched_runtime};
+  nice_ = now.sched_nice;
+}
+
+ScopedScheduling::~ScopedScheduling() {
+  if (!changed_) return;
+  SchedAttr attr{};
+  attr.sched_policy = static_cast<uint32_t>(before_.policy);
+  attr.sched_runtime = before_.slice_ns;
+  attr.sched_nice = nice_;
+  (void)SetAttr(attr);
 }
 
 double ProcessCpuSeconds() {

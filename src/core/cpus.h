@@ -8,6 +8,8 @@
 
 #include <sched.h>
 
+#include <cstdint>
+
 namespace quern {
 
 int UsableCores();
@@ -23,26 +25,40 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
-// While alive, the calling thread runs under `policy` (SCHED_OTHER or
-// SCHED_BATCH), and the threads and processes it creates inherit it
-// (pthreads and posix_spawn do by default); the policy before is restored at
-// the end. Does nothing when the thread's policy is another (real-time, idle)
-// or the change is refused.
-// Used for a library's network threads created inside a call (gRPC's, under
-// SCHED_BATCH): a SCHED_BATCH thread that wakes does not preempt the thread
-// running on its core, it runs when that one sleeps or its slice ends, so a
-// thread that computes and hands answers to them is not interrupted at every
-// hand-off; and, the other way, for work those threads do that creates the
-// server's own threads (a model loaded over gRPC), which must not inherit it.
-class ScopedSchedulingPolicy {
+// A thread's scheduling policy and, for the fair policies, the slice it
+// asked for (sched_setattr's sched_runtime in ns; what the kernel reports
+// where it has no custom slices).
+struct SchedulingAttributes {
+  int policy = SCHED_OTHER;
+  uint64_t slice_ns = 0;
+};
+
+// The calling thread's.
+SchedulingAttributes CurrentScheduling();
+
+// While alive, the calling thread runs with `want` (policy SCHED_OTHER or
+// SCHED_BATCH, and its slice), and the threads and processes it creates
+// inherit them (pthreads and posix_spawn do by default); what it had before
+// is restored at the end. Does nothing when the thread's policy is another
+// (real-time, idle) or the change is refused.
+// Used two ways. For a library's network threads created inside a call
+// (gRPC's, under SCHED_BATCH): a SCHED_BATCH thread that wakes does not
+// preempt the thread running on its core, it runs when that one sleeps or
+// its slice ends, so a thread that computes and hands answers to them is not
+// interrupted at every hand-off. And for loading models from any thread (an
+// HTTP I/O thread with short slices, a gRPC thread under SCHED_BATCH): the
+// model's threads and processes get the engine's creator's attributes.
+class ScopedScheduling {
  public:
-  explicit ScopedSchedulingPolicy(int policy);
-  ~ScopedSchedulingPolicy();
-  ScopedSchedulingPolicy(const ScopedSchedulingPolicy&) = delete;
-  ScopedSchedulingPolicy& operator=(const ScopedSchedulingPolicy&) = delete;
+  explicit ScopedScheduling(SchedulingAttributes want);
+  ~ScopedScheduling();
+  ScopedScheduling(const ScopedScheduling&) = delete;
+  ScopedScheduling& operator=(const ScopedScheduling&) = delete;
 
  private:
-  int before_ = -1;  // the policy to restore; -1: nothing was changed
+  bool changed_ = false;
+  SchedulingAttributes before_;
+  int32_t nice_ = 0;
 };
 
 // CPU time (user + system, every thread) this process has used so far, in

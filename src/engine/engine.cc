@@ -1,5 +1,6 @@
 #include "quern/engine.h"
 
+#include "core/cpus.h"
 #include "core/mutex.h"
 #include "engine/model_registry.h"
 
@@ -136,16 +137,24 @@ Result<uint64_t> Engine::InferAsync(InferRequest request, CompletionQueue* queue
   return id;
 }
 
+// Models load on the caller's thread, and their threads (the engine's, ONNX
+// Runtime's) and processes (Python models) inherit its scheduling: a load
+// asked over HTTP (an I/O thread with short slices) or gRPC (SCHED_BATCH)
+// runs with the attributes of the thread that created the engine.
 Status Engine::RegisterModel(ModelConfig config, ModelFactory factory) {
+  ScopedScheduling home(impl_->home_scheduling());
   return impl_->RegisterModel(std::move(config), std::move(factory));
 }
 Status Engine::LoadModel(const std::string& name) {
+  ScopedScheduling home(impl_->home_scheduling());
   return impl_->LoadModel(name);
 }
 Status Engine::UnloadModel(const std::string& name) {
+  ScopedScheduling home(impl_->home_scheduling());
   return impl_->UnloadModel(name);
 }
 Status Engine::PollRepository() {
+  ScopedScheduling home(impl_->home_scheduling());
   return impl_->PollRepository();
 }
 std::vector<ModelStatus> Engine::ListModels() const {

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
 #include "core/mutex.h"
 #include "core/repository.h"
 #include "engine/backend.h"
@@ -56,6 +57,9 @@ class ModelRegistry {
   Status RegisterModel(ModelConfig config, ModelFactory factory);
   Status UnloadModel(const std::string& name);
   Status PollRepository();
+  // The scheduling attributes of the thread that created the engine: loads
+  // run with them, whichever thread asks (Engine::LoadModel).
+  SchedulingAttributes home_scheduling() const { return home_scheduling_; }
   void StopPolling();
 
   std::vector<ModelStatus> ListModels() const;
@@ -98,6 +102,7 @@ class ModelRegistry {
   EngineOptions options_;
   const Clock* clock_ = nullptr;
   int cores_ = 1;
+  const SchedulingAttributes home_scheduling_ = CurrentScheduling();
   BackendRegistry backends_;  // filled at construction, read-only after
   std::atomic<uint64_t> next_id_{1};
   mutable SharedMutex mu_;

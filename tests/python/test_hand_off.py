@@ -222,19 +222,36 @@ def test_grpcs_threads_do_not_preempt_the_engine_and_the_rest_keep_their_policy(
         assert policies.get(ours) == {0}, (ours, policies)
 
 
-def test_models_loaded_over_grpc_do_not_inherit_grpcs_policy(tmp_path):
-    """A model loaded over gRPC (RepositoryModelLoad) is loaded on one of gRPC's threads: the
-    threads made there (the engine's, ONNX Runtime's; the latter keep the loading thread's name)
-    and the Python model's process must get the server's own policy, not gRPC's SCHED_BATCH
-    (engine threads under it would stop preempting); gRPC's own threads keep theirs."""
+def thread_slices(pid):
+    """{thread id: the slice the scheduler gives it, ns} where the kernel shows it (se.slice)."""
+    out = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/sched") as f:
+                for line in f:
+                    if line.startswith("se.slice"):
+                        out[int(os.path.basename(task))] = int(line.split(":")[1])
+        except (FileNotFoundError, ValueError):
+            pass
+    return out
+
+
+def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp_path):
+    """Models load on the thread that asks: over gRPC (RepositoryModelLoad) one of gRPC's threads,
+    under SCHED_BATCH; over HTTP an I/O thread, with short slices. The threads made there (the
+    engine's; ONNX Runtime's, which keep the loading thread's name) and a Python model's process
+    must get the engine's own scheduling instead (engine threads under SCHED_BATCH would stop
+    preempting, under 0.1 ms slices be cut into them); the I/O threads keep theirs."""
     proc, ports = start_quern(QUERN, str(tmp_path), "--model-control", "explicit")
     try:
         c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
         assert c.is_server_live()
         before = thread_ids_policies(proc.pid)
         assert sorted(p for name, p in before.values() if name == "nexting_thread") == [3, 3], before
-        # The models arrive in the repository after the start, and are loaded over gRPC.
+        main_slice = thread_slices(proc.pid).get(proc.pid)
+        # The models arrive in the repository after the start, and are loaded over the API.
         shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
+        shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear_http")
         (tmp_path / "echo" / "1").mkdir(parents=True)
         (tmp_path / "echo" / "config.pbtxt").write_text(
             'backend: "python"\nmax_batch_size: 8\n'
@@ -243,22 +260,30 @@ def test_models_loaded_over_grpc_do_not_inherit_grpcs_policy(tmp_path):
         (tmp_path / "echo" / "1" / "model.py").write_text('def infer(inputs):\n    return {"y": inputs["x"]}\n')
         c.load_model("linear")
         c.load_model("echo")
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
+        conn.request("POST", "/v2/repository/models/linear_http/load", b"")
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
         after = thread_ids_policies(proc.pid)
         made = {tid: v for tid, v in after.items() if tid not in before}
-        assert any(name == "quern-infer" for name, _ in made.values()), made
+        assert sum(name == "quern-infer" for name, _ in made.values()) >= 2, made
         assert all(p == 0 for _, p in made.values()), made
         assert all(after[tid] == v for tid, v in before.items() if tid in after), (before, after)
+        if main_slice is not None:  # the kernel shows slices: the new threads have the main thread's
+            slices = thread_slices(proc.pid)
+            assert all(slices[tid] == main_slice for tid in made if tid in slices), (main_slice, slices, made)
         children = [int(p) for t in glob.glob(f"/proc/{proc.pid}/task/*") for p in open(f"{t}/children").read().split()]
         assert children, "the Python model's process"
         for child in children:
             child_threads = thread_ids_policies(child)
             assert all(p == 0 for _, p in child_threads.values()), child_threads
         x = np.arange(8, dtype=np.float32).reshape(1, 8)
-        for model in ("linear", "echo"):
+        for model, check in (("linear", "linear"), ("linear_http", "linear"), ("echo", "echo")):
             inp = grpcclient.InferInput("x", [1, 8], "FP32")
             inp.set_data_from_numpy(x)
             out = c.infer(model, [inp]).as_numpy("y")
-            np.testing.assert_allclose(out, EXPECTED[model](x), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(out, EXPECTED[check](x), rtol=1e-5, atol=1e-5)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

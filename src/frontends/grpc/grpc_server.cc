@@ -406,9 +406,6 @@ class Service final : public ServiceBase {
   Service(Engine* engine, const GrpcServerOptions& options) : engine_(engine), options_(options) {
     SetMessageAllocatorFor_ModelInfer(&infer_messages_);
   }
-  // Before the server starts: the scheduling policy of the thread that starts
-  // it, which gRPC's own threads (SCHED_BATCH) do not have.
-  void set_home_policy(int policy) { home_policy_ = policy; }
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx, const inference::ServerLiveRequest*,
                                        inference::ServerLiveResponse* out) override {
@@ -499,7 +496,7 @@ class Service final : public ServiceBase {
                                                "' is not supported; Quern loads the model's files and "
                                                "config.pbtxt from the repository as they are")));
     }
-    return Reply(ctx, ToGrpc(AtHome([&] { return engine_->LoadModel(in->model_name()); })));
+    return Reply(ctx, ToGrpc(engine_->LoadModel(in->model_name())));
   }
 
   grpc::ServerUnaryReactor* RepositoryModelUnload(grpc::CallbackServerContext* ctx,
@@ -507,7 +504,7 @@ class Service final : public ServiceBase {
                                                   inference::RepositoryModelUnloadResponse*) override {
     if (auto* denied = Deny(ctx, true)) return denied;
     if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
-    return Reply(ctx, ToGrpc(AtHome([&] { return engine_->UnloadModel(in->model_name()); })));
+    return Reply(ctx, ToGrpc(engine_->UnloadModel(in->model_name())));
   }
 
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* in,
@@ -606,20 +603,10 @@ class Service final : public ServiceBase {
     return st.ok() ? nullptr : Reply(ctx, ToGrpc(st));
   }
 
-  // Runs `load` (on one of gRPC's threads) under the server's own policy:
-  // the model's threads and processes made there must not inherit gRPC's.
-  // Back to gRPC's before the answer goes.
-  template <typename F>
-  Status AtHome(F&& load) const {
-    ScopedSchedulingPolicy home(home_policy_);
-    return load();
-  }
-
   Engine* engine_;
   const GrpcServerOptions& options_;
   LastCaller last_caller_;
   InferMessageAllocator infer_messages_;  // outlives the server's calls: the service does
-  int home_policy_ = SCHED_OTHER;
 };
 
 // gRPC 1.51 answers a request message that does not parse as its method's
@@ -808,9 +795,11 @@ class GrpcServer::Impl {
       // batch (a 48 KiB model over 16 streams on one core: 4.2 context
       // switches per request instead of 0.7, a third more CPU per request).
       // They now run when the engine thread sleeps or its slice ends.
-      const int home = sched_getscheduler(0);
-      service_.set_home_policy(home);
-      ScopedSchedulingPolicy batch_policy(home == SCHED_OTHER ? SCHED_BATCH : home);
+      // (A model loaded over gRPC, on one of these threads, gets the engine's
+      // own attributes back: Engine::LoadModel.)
+      const SchedulingAttributes home = CurrentScheduling();
+      ScopedScheduling batch_policy(home.policy == SCHED_OTHER ? SchedulingAttributes{SCHED_BATCH, home.slice_ns}
+                                                               : home);
       server_ = builder.BuildAndStart();
     }
     if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);
