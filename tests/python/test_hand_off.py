@@ -247,7 +247,8 @@ def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp
         c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
         assert c.is_server_live()
         before = thread_ids_policies(proc.pid)
-        assert sorted(p for name, p in before.values() if name == "nexting_thread") == [3, 3], before
+        grpcs = [p for name, p in before.values() if name == "nexting_thread"]
+        assert grpcs and set(grpcs) == {3}, before
         main_slice = thread_slices(proc.pid).get(proc.pid)
         # The models arrive in the repository after the start, and are loaded over the API.
         shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
