@@ -102,14 +102,24 @@ bool Switchable(uint32_t policy) {
 
 }  // namespace
 
-void PreferShortSlices() {
-  // SCHED_OTHER with sched_runtime as the requested slice (EEVDF custom
-  // slices).
-  SchedAttr attr{};
-  attr.sched_policy = SCHED_OTHER;
-  attr.sched_nice = getpriority(PRIO_PROCESS, 0);  // keep the thread's nice value
-  attr.sched_runtime = 100'000;                    // 0.1 ms
+namespace {
+// The calling thread to `policy` with `slice_ns` requested (0: the kernel's
+// default), its nice value kept; only between SCHED_OTHER and SCHED_BATCH.
+void SetFairScheduling(uint32_t policy, uint64_t slice_ns) {
+  SchedAttr attr;
+  if (!GetAttr(attr) || !Switchable(attr.sched_policy)) return;
+  attr.sched_policy = policy;
+  attr.sched_runtime = slice_ns;
   (void)SetAttr(attr);
+}
+}  // namespace
+
+void PreferShortSlices() {
+  SetFairScheduling(SCHED_OTHER, 100'000);  // 0.1 ms (EEVDF custom slices)
+}
+
+void DeferToRunningThreads() {
+  SetFairScheduling(SCHED_BATCH, 0);
 }
 
 SchedulingAttributes CurrentScheduling() {

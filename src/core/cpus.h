@@ -25,6 +25,15 @@ void NameThisThread(const char* name);
 // Their share of the CPU is unchanged.
 void PreferShortSlices();
 
+// The opposite: the calling thread (SCHED_BATCH, the default slice) does not
+// preempt the thread running on its core when it wakes; it runs when that
+// one sleeps or its slice ends. For I/O threads while nothing is urgent:
+// reading the next request in the middle of a batch computing on the same
+// core gains nothing and costs the batch two context switches and its cache.
+// Its share of the CPU is unchanged. Both do nothing unless the thread runs
+// under SCHED_OTHER or SCHED_BATCH.
+void DeferToRunningThreads();
+
 // A thread's scheduling policy and, for the fair policies, the slice it
 // asked for (sched_setattr's sched_runtime in ns; what the kernel reports
 // where it has no custom slices).

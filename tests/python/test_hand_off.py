@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -218,8 +219,9 @@ def test_grpcs_threads_do_not_preempt_the_engine_and_the_rest_keep_their_policy(
     stream_requests(f"127.0.0.1:{ports['gRPC']}", 20, 5)  # gRPC's threads all started
     policies = thread_policies(proc.pid)
     assert policies.get("nexting_thread") == {3}, policies
-    for ours in ("quern", "quern-infer", "quern-http"):
+    for ours in ("quern", "quern-infer"):
         assert policies.get(ours) == {0}, (ours, policies)
+    assert policies.get("quern-http") == {3}, policies  # while nothing is refused (next test)
 
 
 def thread_slices(pid):
@@ -285,6 +287,52 @@ def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp
             inp.set_data_from_numpy(x)
             out = c.infer(model, [inp]).as_numpy("y")
             np.testing.assert_allclose(out, EXPECTED[check](x), rtol=1e-5, atol=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_http_threads_wait_for_computation_until_the_server_refuses_work(tmp_path):
+    """HTTP I/O threads do not preempt a batch computing on their core (SCHED_BATCH) while the
+    server refuses nothing; once it refuses a request (503, 429) they run at once (SCHED_OTHER,
+    0.1 ms slices) so that refusals go out without waiting for batches, and go back a second
+    after the last refusal."""
+    shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
+    env = dict(os.environ, QUERN_API_KEYS="k1")
+    proc, ports = start_quern(QUERN, str(tmp_path), "--api-key-rate-limit", "1", env=env)
+    try:
+        def http_policies():
+            return sorted(p for name, p in thread_ids_policies(proc.pid).values() if name == "quern-http")
+
+        x = np.arange(8, dtype=np.float32)
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8], "data": x.tolist()}]})
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=30)
+
+        def infer():
+            conn.request("POST", "/v2/models/linear/infer", body,
+                         {"Content-Type": "application/json", "Authorization": "Bearer k1"})
+            r = conn.getresponse()
+            answer = r.read()
+            if r.status == 200:
+                y = np.array(json.loads(answer)["outputs"][0]["data"], dtype=np.float32)
+                np.testing.assert_allclose(y, EXPECTED["linear"](x.reshape(1, 8)).ravel(), rtol=1e-5, atol=1e-5)
+            return r.status
+
+        assert infer() == 200
+        assert set(http_policies()) == {3}, http_policies()
+        assert infer() == 429  # one a second
+        assert infer() == 429  # its thread read this one knowing of the refusal
+        assert 0 in http_policies(), http_policies()
+        urgent = [tid for tid, (name, p) in thread_ids_policies(proc.pid).items() if name == "quern-http" and p == 0]
+        slices = thread_slices(proc.pid)
+        main_slice = slices.get(proc.pid)
+        if main_slice is not None and main_slice != 100_000:  # the kernel has custom slices
+            assert all(slices[tid] == 100_000 for tid in urgent), (urgent, slices)
+        # A second after the last refusal every loop goes back, busy or not (at its next request
+        # or its sweep, every 0.5 s).
+        time.sleep(1.8)
+        assert set(http_policies()) == {3}, http_policies()
+        assert infer() == 200
     finally:
         proc.terminate()
         proc.wait(timeout=30)
