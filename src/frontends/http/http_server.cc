@@ -848,7 +848,8 @@ class HttpServer::Impl {
                     "HTTP connection limit reached and no connection is idle; answering 503");
     if (shared_.rejecting.fetch_add(1, std::memory_order_relaxed) >= kMaxRejecting) {
       shared_.rejecting.fetch_sub(1, std::memory_order_relaxed);
-      return;  // closes the socket
+      shared_.last_refusal_ns.store(NowNs(), std::memory_order_relaxed);  // refused without a word
+      return;                                                             // closes the socket
     }
     StartSession(loop, std::move(socket), true, /*posted=*/false);
   }
