@@ -330,7 +330,7 @@ def test_http_threads_wait_for_computation_until_the_server_refuses_work(tmp_pat
             assert all(slices[tid] == 100_000 for tid in urgent), (urgent, slices)
         # A second after the last refusal every loop goes back, busy or not (at its next request
         # or its sweep, every 0.5 s).
-        time.sleep(1.8)
+        time.sleep(2.5)
         assert set(http_policies()) == {3}, http_policies()
         assert infer() == 200
     finally:
