@@ -25,17 +25,22 @@ B = np.load(os.path.join(MODELS, "linear", "b.npy"))
 REQUESTS = 300
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    for m in ("linear", "tile4"):
-        shutil.copytree(os.path.join(MODELS, m), repo / m)
+def write_echo_model(repo):
+    """A Python model `echo` in `repo` that returns its input x ([8] floats) as y."""
     (repo / "echo" / "1").mkdir(parents=True)
     (repo / "echo" / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 8\n'
         'input [ { name: "x" data_type: TYPE_FP32 dims: [ 8 ] } ]\n'
         'output [ { name: "y" data_type: TYPE_FP32 dims: [ 8 ] } ]\ndynamic_batching { }\n')
     (repo / "echo" / "1" / "model.py").write_text('def infer(inputs):\n    return {"y": inputs["x"]}\n')
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for m in ("linear", "tile4"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    write_echo_model(repo)
     proc, ports = start_quern(QUERN, str(repo))
     yield proc, ports
     proc.terminate()
@@ -255,12 +260,7 @@ def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp
         # The models arrive in the repository after the start, and are loaded over the API.
         shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear")
         shutil.copytree(os.path.join(MODELS, "linear"), tmp_path / "linear_http")
-        (tmp_path / "echo" / "1").mkdir(parents=True)
-        (tmp_path / "echo" / "config.pbtxt").write_text(
-            'backend: "python"\nmax_batch_size: 8\n'
-            'input [ { name: "x" data_type: TYPE_FP32 dims: [ 8 ] } ]\n'
-            'output [ { name: "y" data_type: TYPE_FP32 dims: [ 8 ] } ]\ndynamic_batching { }\n')
-        (tmp_path / "echo" / "1" / "model.py").write_text('def infer(inputs):\n    return {"y": inputs["x"]}\n')
+        write_echo_model(tmp_path)
         c.load_model("linear")
         c.load_model("echo")
         conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
