@@ -126,7 +126,22 @@ size_t CompleteRequest(const std::string& in) {
   std::exit(1);
 }
 
-void ServeHttp(int port, const std::string& metadata_response, const std::string& infer_response) {
+// Sends `out` whole on `fd`; false when the connection failed.
+bool SendAll(int fd, const std::string& out) {
+  size_t sent = 0;
+  while (sent < out.size()) {
+    const ssize_t w = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+    if (w <= 0) return false;
+    sent += static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// `batch` > 1: infer requests are answered `batch` at a time (when no
+// request comes for 1 ms, those held are answered anyway), the pattern in
+// which a batching server answers: its clients wait, asleep, for a batch
+// instead of getting each answer at once.
+void ServeHttp(int port, const std::string& metadata_response, const std::string& infer_response, int batch) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
   const int one = 1;
   ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -144,8 +159,19 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
   std::unordered_map<int, Conn> conns;
   std::vector<char> buf(1 << 16);
   epoll_event events[64];
+  std::vector<int> held;  // connections with an infer request waiting for its batch (one each, in order)
+  const auto answer_held = [&] {
+    for (const int fd : held) {
+      if (conns.count(fd) && !SendAll(fd, infer_response)) {
+        ::close(fd);
+        conns.erase(fd);
+      }
+    }
+    held.clear();
+  };
   while (true) {
-    const int n = ::epoll_wait(ep, events, 64, -1);
+    const int n = ::epoll_wait(ep, events, 64, held.empty() ? -1 : 1);
+    if (n == 0) answer_held();
     for (int i = 0; i < n; ++i) {
       const int fd = events[i].data.fd;
       if (fd == lfd) {
@@ -180,19 +206,17 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
       while (!closed) {
         const size_t len = CompleteRequest(conn.in);
         if (len == 0) break;
-        const std::string& out = conn.in.compare(0, 4, "GET ") == 0 ? metadata_response : infer_response;
+        const bool infer = conn.in.compare(0, 4, "GET ") != 0;
         conn.in.erase(0, len);
-        size_t sent = 0;
-        while (sent < out.size()) {
-          const ssize_t w = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
-          if (w <= 0) {
-            closed = true;
-            break;
-          }
-          sent += static_cast<size_t>(w);
+        if (infer && batch > 1) {
+          held.push_back(fd);
+          if (static_cast<int>(held.size()) >= batch) answer_held();
+          continue;
         }
+        closed = !SendAll(fd, infer ? infer_response : metadata_response);
       }
       if (closed) {
+        std::erase(held, fd);
         ::close(fd);
         conns.erase(fd);
       }
@@ -273,6 +297,7 @@ int main(int argc, char** argv) {
   CLI::App app{"The least a KServe v2 server can do per request: canned answers over HTTP and gRPC"};
   int http_port = 0;
   int grpc_port = 0;
+  int http_batch = 1;
   std::string model;
   std::vector<std::string> inputs;
   std::vector<std::string> outputs;
@@ -280,6 +305,8 @@ int main(int argc, char** argv) {
   app.add_option("--grpc-port", grpc_port, "gRPC port on 127.0.0.1 (0 = none)");
   app.add_option("--model", model, "The model's name")->required();
   app.add_option("--input", inputs, "NAME:DTYPE:D,D,... (-1 = open), as the metadata tells")->required();
+  app.add_option("--http-batch", http_batch,
+                 "Answer HTTP infer requests this many at a time, as a batching server does (1 = each at once)");
   app.add_option("--output", outputs, "NAME:DTYPE:D,D,...: answered with zeros (open dimensions 1)")->required();
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGPIPE, SIG_IGN);
@@ -358,7 +385,7 @@ int main(int argc, char** argv) {
     }
   }
   if (http_port > 0) {
-    ServeHttp(http_port, metadata_response, infer_response);  // does not return
+    ServeHttp(http_port, metadata_response, infer_response, http_batch);  // does not return
   }
   if (server) server->Wait();
   return 0;

@@ -10,15 +10,20 @@
 # run (warm-up included), its child processes' (the Python model's) added, divided by the requests it served then, the same
 # way for both servers. Quern's own cost per request is its figure minus the
 # floor's; the model's compute is part of it (its time per batch is printed
-# from Quern's metrics).
+# from Quern's metrics). Over HTTP a second floor answers in batches
+# (--http-batch, as many at a time as Quern's batches held at that level in
+# the same round): a batching server's clients wait asleep for a batch and
+# each answer wakes one, which a floor answering at once does not pay.
 #
 # The server runs on QUERN_BENCH_SERVER_CPUS (default CPU 0) and the load
 # generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
-# With QUERN_BENCH_ROUNDS=N the two servers are loaded in turn N times (this
-# host's figures drift between minutes by more than the differences looked
-# for): each row is the round with the median server CPU, and Quern's own
-# cost, its figure minus the floor's of the same round minus the model's
-# compute per request, is printed as the median and range over the rounds.
+# Quern and the floors listen side by side (each idle while another is
+# loaded) and are loaded row by row, Quern first, the floors seconds after:
+# this host's figures drift between minutes by more than the differences
+# looked for. With QUERN_BENCH_ROUNDS=N all of it runs N times: each row is
+# the round with the median server CPU, and Quern's own cost, its figure
+# minus the floor's of the same round minus the model's compute per request,
+# is printed as the median and range over the rounds.
 #   bench/request_cost.sh [seconds per level, default 4] [concurrency levels, default "1 16"]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
 #   QUERN_BENCH_ROUNDS=3 ...    # rounds (default 1)
@@ -57,30 +62,39 @@ cpu_ticks() {
 }
 TICK=$(getconf CLK_TCK)
 
-# measure NAME PID MODEL SHAPE_ARGS: one line per protocol and level
-measure() {
-  local name="$1" pid="$2" model="$3"
-  shift 3
-  local proto url extra c before after line
-  for proto in http grpc stream; do
-    proto_url "$proto"
-    for c in $LEVELS; do
-      local metrics=()
-      [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")
-      before=$(cpu_ticks "$pid")
-      # shellcheck disable=SC2086
-      line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" "$@" -c "$c" -s "$SECS" \
-        --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
-      after=$(cpu_ticks "$pid")
-      # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
-      echo "$line" | awk -F, -v r="$ROUND" -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" \
-        -v t="$TICK" -v s="$((SECS + WARMUP))" '{
-          cpu = d / t / ($3 * s) * 1e6
-          printf "%s,%s,%s,%s,%s,%.0f,%.3f,%.3f,%s,%.1f,%.2f,%s,%s\n",
-                 r, m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }' >> "$WORK/rows"
-    done
-  done
+# row NAME PID MODEL PROTO CONNECTIONS HTTP_PORT GRPC_PORT SHAPE_ARGS: one line into $WORK/rows
+row() {
+  local name="$1" pid="$2" model="$3" proto="$4" c="$5" http_port="$6" grpc_port="$7"
+  shift 7
+  local url extra="" before after line metrics=()
+  case "$proto" in
+    http) url="http://127.0.0.1:$http_port" ;;
+    grpc) url="grpc://127.0.0.1:$grpc_port" ;;
+    stream) url="grpc://127.0.0.1:$grpc_port" extra="--grpc-stream" ;;
+  esac
+  [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")
+  before=$(cpu_ticks "$pid")
+  # shellcheck disable=SC2086
+  line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" "$@" -c "$c" -s "$SECS" \
+    --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
+  after=$(cpu_ticks "$pid")
+  # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
+  echo "$line" | awk -F, -v r="$ROUND" -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" \
+    -v t="$TICK" -v s="$((SECS + WARMUP))" '{
+      cpu = d / t / ($3 * s) * 1e6
+      printf "%s,%s,%s,%s,%s,%.0f,%.3f,%.3f,%s,%.1f,%.2f,%s,%s\n",
+             r, m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }' >> "$WORK/rows"
 }
+
+# The floors listen beside Quern (each idle while another is loaded), so
+# that each of Quern's rows is followed by the floor's seconds later.
+read -r FLOOR_PORT FLOOR_GRPC_PORT BATCHED_PORT <<< "$(build/venv/bin/python -c '
+import socket
+s = [socket.socket() for _ in range(3)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])')"
+FLOOR_PID="" BATCHED_PID=""
+trap 'kill $SERVER $FLOOR_PID $BATCHED_PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
 ROUNDS="${QUERN_BENCH_ROUNDS:-1}"
 for ROUND in $(seq "$ROUNDS"); do
@@ -89,19 +103,43 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
   IFS='|' read -r model_args in_spec out_spec <<< "$spec"
   read -r model shape_args <<< "$model_args"
   start_server "$WORK/repo"
-  # shellcheck disable=SC2086
-  measure quern "$SERVER" "$model" $shape_args
+  FLOOR_PID=""
+  if [ -n "$in_spec" ]; then  # py_identity's floor is identity's
+    taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$FLOOR_PORT" --grpc-port "$FLOOR_GRPC_PORT" --model "$model" \
+      --input "$in_spec" --output "$out_spec" &
+    FLOOR_PID=$!
+    sleep 1
+  fi
+  for proto in http grpc stream; do
+    for c in $LEVELS; do
+      # shellcheck disable=SC2086
+      row quern "$SERVER" "$model" "$proto" "$c" "$PORT" "$GRPC_PORT" $shape_args
+      [ -n "$FLOOR_PID" ] || continue
+      # shellcheck disable=SC2086
+      row floor "$FLOOR_PID" "$model" "$proto" "$c" "$FLOOR_PORT" "$FLOOR_GRPC_PORT" $shape_args
+      [ "$proto" = http ] || continue
+      # The batching floor: HTTP answers held and sent as many at a time as
+      # Quern's batches held just before (its clients then wait asleep for a
+      # batch, as Quern's do, and each answer wakes one).
+      batch=$(tail -2 "$WORK/rows" | awk -F, -v c="$c" \
+        '$3 == "http" && $4 == c && $5 == "quern" && $13 != "-" {printf "%d", $13 + 0.5}')
+      [ "${batch:-1}" -gt 1 ] || continue
+      taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$BATCHED_PORT" --grpc-port 0 --model "$model" \
+        --input "$in_spec" --output "$out_spec" --http-batch "$batch" &
+      BATCHED_PID=$!
+      sleep 0.5
+      # shellcheck disable=SC2086
+      row floor_batched "$BATCHED_PID" "$model" http "$c" "$BATCHED_PORT" 0 $shape_args
+      kill "$BATCHED_PID"
+      wait "$BATCHED_PID" 2>/dev/null || true
+      BATCHED_PID=""
+    done
+  done
   stop_server
-  [ -n "$in_spec" ] || continue  # the floor of the same shapes is identity's
-  taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$PORT" --grpc-port "$GRPC_PORT" --model "$model" \
-    --input "$in_spec" --output "$out_spec" &
-  FLOOR_PID=$!
-  SERVER=$FLOOR_PID  # stopped on exit
-  sleep 1
-  # shellcheck disable=SC2086
-  measure floor "$FLOOR_PID" "$model" $shape_args
-  kill "$FLOOR_PID"
-  wait "$FLOOR_PID" 2>/dev/null || true
+  if [ -n "$FLOOR_PID" ]; then
+    kill "$FLOOR_PID"
+    wait "$FLOOR_PID" 2>/dev/null || true
+  fi
 done
 done
 
@@ -126,20 +164,24 @@ for k in keys:
 # request (not for py_identity: its time per batch is the round trip to its process, mostly
 # waiting, not the server's CPU).
 print()
-print("Quern's own cost, µs per request (its server CPU - the floor's - compute per batch / batch):")
-print("| model | protocol | connections | median | range |")
-print("|---|---|---:|---:|---|")
-for k in keys:
-    model, proto, conns, server = k
-    if server != "quern":
-        continue
-    floors = {r[0]: float(r[10]) for r in by.get((model, proto, conns, "floor"), [])}
+print("Quern's own cost, µs per request (its server CPU - the floor's - compute per batch / batch); over HTTP")
+print("also against the batching floor (answers sent as many at a time as Quern's batches held):")
+print("| model | protocol | connections | median | range | against the batching floor: median | range |")
+print("|---|---|---:|---:|---|---:|---|")
+def own_cost(k, floor_name):
+    model, proto, conns, _ = k
+    floors = {r[0]: float(r[10]) for r in by.get((model, proto, conns, floor_name), [])}
     own = []
     for r in by[k]:
         if r[0] not in floors:
             continue
         compute = float(r[11]) / float(r[12]) if r[11] not in ("-", "") and float(r[12]) > 0 else 0.0
         own.append(float(r[10]) - floors[r[0]] - compute)
-    if own:
-        print(f"| {model} | {proto} | {conns} | {statistics.median(own):.1f} | {min(own):.1f} to {max(own):.1f} |")
+    return f"{statistics.median(own):.1f} | {min(own):.1f} to {max(own):.1f}" if own else ""
+for k in keys:
+    if k[3] != "quern":
+        continue
+    plain = own_cost(k, "floor")
+    if plain:
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {plain} | {own_cost(k, 'floor_batched') or '|'} |")
 PY
