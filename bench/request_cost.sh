@@ -23,7 +23,9 @@
 # looked for. With QUERN_BENCH_ROUNDS=N all of it runs N times: each row is
 # the round with the median server CPU, and Quern's own cost, its figure
 # minus the floor's of the same round minus the model's compute per request,
-# is printed as the median and range over the rounds.
+# is printed as the median and range over the rounds, with the same for user
+# time alone (system time carries the wake-ups, which this host's load moves
+# most).
 #   bench/request_cost.sh [seconds per level, default 4] [concurrency levels, default "1 16"]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
 #   QUERN_BENCH_ROUNDS=3 ...    # rounds (default 1)
@@ -60,13 +62,21 @@ cpu_ticks() {
   done
   echo "$t"
 }
+# The same, user time alone (field 14).
+user_ticks() {
+  local t=0 p
+  for p in "$1" $(pgrep -P "$1"); do
+    t=$((t + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12}')))
+  done
+  echo "$t"
+}
 TICK=$(getconf CLK_TCK)
 
 # row NAME PID MODEL PROTO CONNECTIONS HTTP_PORT GRPC_PORT SHAPE_ARGS: one line into $WORK/rows
 row() {
   local name="$1" pid="$2" model="$3" proto="$4" c="$5" http_port="$6" grpc_port="$7"
   shift 7
-  local url extra="" before after line metrics=()
+  local url extra="" before after user_before user_after line metrics=()
   case "$proto" in
     http) url="http://127.0.0.1:$http_port" ;;
     grpc) url="grpc://127.0.0.1:$grpc_port" ;;
@@ -74,16 +84,19 @@ row() {
   esac
   [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")
   before=$(cpu_ticks "$pid")
+  user_before=$(user_ticks "$pid")
   # shellcheck disable=SC2086
   line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" "$@" -c "$c" -s "$SECS" \
     --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
   after=$(cpu_ticks "$pid")
+  user_after=$(user_ticks "$pid")
   # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
   echo "$line" | awk -F, -v r="$ROUND" -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" \
-    -v t="$TICK" -v s="$((SECS + WARMUP))" '{
+    -v u="$((user_after - user_before))" -v t="$TICK" -v s="$((SECS + WARMUP))" '{
       cpu = d / t / ($3 * s) * 1e6
-      printf "%s,%s,%s,%s,%s,%.0f,%.3f,%.3f,%s,%.1f,%.2f,%s,%s\n",
-             r, m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14 }' >> "$WORK/rows"
+      user = u / t / ($3 * s) * 1e6
+      printf "%s,%s,%s,%s,%s,%.0f,%.3f,%.3f,%s,%.1f,%.2f,%s,%s,%.2f\n",
+             r, m, p, $2, n, $3, $4, $7, $9, $10, cpu, $13, $14, user }' >> "$WORK/rows"
 }
 
 # The floors listen beside Quern (each idle while another is loaded), so
@@ -154,8 +167,8 @@ for r in rows:
         keys.append(k)
     by.setdefault(k, []).append(r)
 print(f"Medians of {rounds} round(s): each row is the round with the median server CPU.")
-print("| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| model | protocol | connections | server | req/s | p50 ms | p99 ms | errors | client CPU µs/req | server CPU µs/req | compute µs/batch | batch | server user CPU µs/req |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for k in keys:
     rs = sorted(by[k], key=lambda r: float(r[10]))
     r = rs[(len(rs) - 1) // 2]
@@ -165,23 +178,24 @@ for k in keys:
 # waiting, not the server's CPU).
 print()
 print("Quern's own cost, µs per request (its server CPU - the floor's - compute per batch / batch); over HTTP")
-print("also against the batching floor (answers sent as many at a time as Quern's batches held):")
-print("| model | protocol | connections | median | range | against the batching floor: median | range |")
-print("|---|---|---:|---:|---|---:|---|")
-def own_cost(k, floor_name):
+print("also against the batching floor (answers sent as many at a time as Quern's batches held); and the")
+print("user time alone (Quern's user CPU - the floor's - compute: the part the host's wake-ups move least):")
+print("| model | protocol | connections | median | range | against the batching floor: median | range | user: median | range |")
+print("|---|---|---:|---:|---|---:|---|---:|---|")
+def own_cost(k, floor_name, column=10):
     model, proto, conns, _ = k
-    floors = {r[0]: float(r[10]) for r in by.get((model, proto, conns, floor_name), [])}
+    floors = {r[0]: float(r[column]) for r in by.get((model, proto, conns, floor_name), [])}
     own = []
     for r in by[k]:
         if r[0] not in floors:
             continue
         compute = float(r[11]) / float(r[12]) if r[11] not in ("-", "") and float(r[12]) > 0 else 0.0
-        own.append(float(r[10]) - floors[r[0]] - compute)
+        own.append(float(r[column]) - floors[r[0]] - compute)
     return f"{statistics.median(own):.1f} | {min(own):.1f} to {max(own):.1f}" if own else ""
 for k in keys:
     if k[3] != "quern":
         continue
     plain = own_cost(k, "floor")
     if plain:
-        print(f"| {k[0]} | {k[1]} | {k[2]} | {plain} | {own_cost(k, 'floor_batched') or '|'} |")
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {plain} | {own_cost(k, 'floor_batched') or '|'} | {own_cost(k, 'floor', 13)} |")
 PY
