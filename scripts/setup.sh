@@ -87,6 +87,7 @@ APT_PACKAGES=(
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   procps  # pgrep, ps: the tests look for the processes a server started
+  valgrind  # bench/instr_count.sh: instructions per request, a count the host's load does not move
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
   chromium chromium-driver  # the dashboard's tests drive a real, headless browser
   iproute2 haproxy redis-sentinel  # the scale-out tests: hosts as network namespaces, a load balancer, failover

@@ -29,6 +29,21 @@ HttpResponse Call(JobHandler& h, std::string method, std::string target, std::st
   return p.get_future().get();
 }
 
+TEST(JobHandler, RecognisesItsRoutesWithOrWithoutPercentEscapes) {
+  EXPECT_TRUE(JobHandler::Handles("/v2/jobs"));
+  EXPECT_TRUE(JobHandler::Handles("/v2/jobs/abc?wait=1"));
+  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/jobs"));
+  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/versions/2/jobs"));
+  // Segments are compared decoded: these are the same routes.
+  EXPECT_TRUE(JobHandler::Handles("/v2/%6Aobs/abc"));
+  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/jo%62s"));
+  EXPECT_FALSE(JobHandler::Handles("/v2/models/m/infer"));
+  EXPECT_FALSE(JobHandler::Handles("/v2/models/jobs/infer")) << "a model named jobs";
+  EXPECT_FALSE(JobHandler::Handles("/v2/models/m/infer?next=jobs"));
+  EXPECT_FALSE(JobHandler::Handles("/v2/models/m%2Fjobs/infer"));
+  EXPECT_FALSE(JobHandler::Handles("/v1/vision/detection"));
+}
+
 TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
   // 2026-03-04T05:06:07.089Z on the fake clock's calendar.
   FakeClock clock(1'000'000'000, 1'772'600'767'089'000'000);

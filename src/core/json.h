@@ -1,9 +1,10 @@
 // Reading JSON from untrusted bytes.
 //
 // Every JSON document Quern reads (HTTP bodies, job requests, stream entries,
-// records read back from Redis) goes through ParseJson: RapidJSON's iterative
-// parser (no recursion, so no stack to exhaust) with a bound on nesting depth,
-// so that code walking the document recursively afterwards is bounded too.
+// records read back from Redis) goes through ParseJson: RapidJSON's parser
+// with a bound on nesting depth, checked before the parser recurses into an
+// array or object (so its own stack is bounded) and holding for code that
+// walks the document recursively afterwards.
 // NaN, Infinity and -Infinity are read as numbers (Python's json module and
 // JavaScript write them; Quern writes non-finite outputs so).
 // Thread-compatible: a free function.

@@ -168,10 +168,12 @@ Tensor Tensor::Reshaped(Shape shape) const {
 }
 
 Tensor Tensor::View(Shape shape, size_t byte_offset, size_t byte_size) const {
-  Tensor t = *this;
+  // Field by field: a copy of *this would copy the shape only to replace it.
+  Tensor t;
+  t.dtype_ = dtype_;
   t.shape_ = std::move(shape);
+  t.owner_ = owner_;
   t.data_ = data_ + byte_offset;
-  t.mutable_ = nullptr;
   t.byte_size_ = byte_size;
   return t;
 }

@@ -69,26 +69,36 @@ struct BinaryCursor {
   size_t offset = 0;
 };
 
+// The member `key` of `v` when `v` is an object that has it, else null: one
+// lookup where HasMember and operator[] take two (or three).
+const rapidjson::Value* Member(const rapidjson::Value& v, const char* key) {
+  if (!v.IsObject()) return nullptr;
+  const auto it = v.FindMember(key);
+  return it == v.MemberEnd() ? nullptr : &it->value;
+}
+
 Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name,
                                BinaryCursor& binary) {
-  if (!in.IsObject() || !in.HasMember("name") || !in["name"].IsString()) {
+  const rapidjson::Value* name_value = Member(in, "name");
+  if (!name_value || !name_value->IsString()) {
     return Err(InvalidArgument("model '" + model + "': every input needs a string 'name'"));
   }
-  name = in["name"].GetString();
+  name = name_value->GetString();
   // Named in errors only: built when one is.
   auto where = [&] { return "model '" + model + "' input '" + name + "'"; };
-  if (!in.HasMember("datatype") || !in["datatype"].IsString())
-    return Err(InvalidArgument(where() + ": 'datatype' is missing"));
-  auto type = DataTypeFromName(in["datatype"].GetString());
-  if (!type)
-    return Err(InvalidArgument(where() + ": unknown datatype '" + std::string(in["datatype"].GetString()) + "'"));
-  if (!in.HasMember("shape") || !in["shape"].IsArray()) return Err(InvalidArgument(where() + ": 'shape' is missing"));
-  if (in["shape"].Size() > kMaxTensorRank) {
-    return Err(InvalidArgument(where() + ": 'shape' has " + std::to_string(in["shape"].Size()) +
-                               " dimensions; at most " + std::to_string(kMaxTensorRank) + " are accepted"));
+  const rapidjson::Value* datatype = Member(in, "datatype");
+  if (!datatype || !datatype->IsString()) return Err(InvalidArgument(where() + ": 'datatype' is missing"));
+  auto type = DataTypeFromName(datatype->GetString());
+  if (!type) return Err(InvalidArgument(where() + ": unknown datatype '" + std::string(datatype->GetString()) + "'"));
+  const rapidjson::Value* dims = Member(in, "shape");
+  if (!dims || !dims->IsArray()) return Err(InvalidArgument(where() + ": 'shape' is missing"));
+  if (dims->Size() > kMaxTensorRank) {
+    return Err(InvalidArgument(where() + ": 'shape' has " + std::to_string(dims->Size()) + " dimensions; at most " +
+                               std::to_string(kMaxTensorRank) + " are accepted"));
   }
   Shape shape;
-  for (const auto& d : in["shape"].GetArray()) {
+  shape.reserve(dims->Size());
+  for (const auto& d : dims->GetArray()) {
     if (!d.IsInt64() || d.GetInt64() < 0)
       return Err(InvalidArgument(where() + ": 'shape' must hold non-negative integers"));
     shape.push_back(d.GetInt64());
@@ -96,10 +106,10 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
   if (ElementCount(shape) < 0) {
     return Err(InvalidArgument(where() + ": shape " + ShapeToString(shape) + " has more elements than fit in 64 bits"));
   }
-  if (in.HasMember("parameters") && in["parameters"].IsObject() && in["parameters"].HasMember("binary_data_size")) {
-    const auto& size = in["parameters"]["binary_data_size"];
-    if (!size.IsUint64()) return Err(InvalidArgument(where() + ": binary_data_size must be a non-negative integer"));
-    const uint64_t n = size.GetUint64();
+  const rapidjson::Value* parameters = Member(in, "parameters");
+  if (const rapidjson::Value* size = parameters ? Member(*parameters, "binary_data_size") : nullptr) {
+    if (!size->IsUint64()) return Err(InvalidArgument(where() + ": binary_data_size must be a non-negative integer"));
+    const uint64_t n = size->GetUint64();
     const size_t left = binary.data.size() - binary.offset;
     if (n > left) {
       return Err(InvalidArgument(where() + ": binary_data_size " + std::to_string(n) + " but only " +
@@ -110,11 +120,10 @@ Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& mo
     binary.offset += n;
     return t;
   }
-  if (!in.HasMember("data")) {
-    return Err(InvalidArgument(where() + ": neither 'data' nor parameters.binary_data_size is given"));
-  }
+  const rapidjson::Value* data = Member(in, "data");
+  if (!data) return Err(InvalidArgument(where() + ": neither 'data' nor parameters.binary_data_size is given"));
   std::vector<const rapidjson::Value*> vals;
-  Flatten(in["data"], vals);
+  Flatten(*data, vals);
   if (static_cast<int64_t>(vals.size()) != ElementCount(shape)) {
     return Err(InvalidArgument(where() + ": shape " + ShapeToString(shape) + " needs " +
                                std::to_string(ElementCount(shape)) + " values, 'data' has " +
@@ -212,7 +221,8 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
     return Err(InvalidArgument("model '" + model + "': malformed JSON request at offset " + std::to_string(e.offset) +
                                ": " + e.message));
   }
-  if (!doc.IsObject() || !doc.HasMember("inputs") || !doc["inputs"].IsArray()) {
+  const rapidjson::Value* inputs = Member(doc, "inputs");
+  if (!inputs || !inputs->IsArray()) {
     return Err(InvalidArgument("model '" + model + "': the request needs an 'inputs' array"));
   }
   KServeInfer out;
@@ -220,7 +230,7 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
   ir.model = model;
   ir.version = version;
   BinaryCursor binary{binary_data, std::move(owner)};
-  for (const auto& in : doc["inputs"].GetArray()) {
+  for (const auto& in : inputs->GetArray()) {
     std::string name;
     auto t = ParseJsonTensor(in, model, name, binary);
     if (!t) return Err(t.error());
@@ -231,37 +241,37 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
                                " bytes of binary data are not claimed by any input's binary_data_size"));
   }
   // Which outputs come back as binary: per output, else the request default.
-  if (doc.HasMember("parameters") && doc["parameters"].IsObject()) {
-    const auto& p = doc["parameters"];
-    if (p.HasMember("priority")) {
-      if (!p["priority"].IsUint()) return Err(InvalidArgument("parameter 'priority' must be an unsigned integer"));
-      ir.priority = p["priority"].GetUint();
+  if (const rapidjson::Value* p = Member(doc, "parameters"); p && p->IsObject()) {
+    if (const rapidjson::Value* priority = Member(*p, "priority")) {
+      if (!priority->IsUint()) return Err(InvalidArgument("parameter 'priority' must be an unsigned integer"));
+      ir.priority = priority->GetUint();
     }
-    if (p.HasMember("timeout")) {
-      if (!p["timeout"].IsUint64()) {
+    if (const rapidjson::Value* timeout = Member(*p, "timeout")) {
+      if (!timeout->IsUint64()) {
         return Err(InvalidArgument("parameter 'timeout' must be microseconds as an unsigned integer"));
       }
-      ir.timeout_us = p["timeout"].GetUint64();
+      ir.timeout_us = timeout->GetUint64();
     }
-    if (p.HasMember("binary_data_output") && p["binary_data_output"].IsBool()) {
-      out.format.binary_default = p["binary_data_output"].GetBool();
+    if (const rapidjson::Value* b = Member(*p, "binary_data_output"); b && b->IsBool()) {
+      out.format.binary_default = b->GetBool();
     }
   }
-  if (doc.HasMember("outputs") && doc["outputs"].IsArray()) {
-    for (const auto& o : doc["outputs"].GetArray()) {
-      if (!o.IsObject() || !o.HasMember("name") || !o["name"].IsString()) {
+  if (const rapidjson::Value* outputs = Member(doc, "outputs"); outputs && outputs->IsArray()) {
+    for (const auto& o : outputs->GetArray()) {
+      const rapidjson::Value* name = Member(o, "name");
+      if (!name || !name->IsString()) {
         return Err(InvalidArgument("model '" + model + "': every requested output needs a string 'name'"));
       }
       bool bin = out.format.binary_default;
-      if (o.HasMember("parameters") && o["parameters"].IsObject() && o["parameters"].HasMember("binary_data") &&
-          o["parameters"]["binary_data"].IsBool()) {
-        bin = o["parameters"]["binary_data"].GetBool();
+      const rapidjson::Value* parameters = Member(o, "parameters");
+      if (const rapidjson::Value* b = parameters ? Member(*parameters, "binary_data") : nullptr; b && b->IsBool()) {
+        bin = b->GetBool();
       }
-      ir.requested_outputs.emplace_back(o["name"].GetString());
-      out.format.binary_outputs.emplace_back(o["name"].GetString(), bin);
+      ir.requested_outputs.emplace_back(name->GetString());
+      out.format.binary_outputs.emplace_back(name->GetString(), bin);
     }
   }
-  if (doc.HasMember("id") && doc["id"].IsString()) out.format.id = doc["id"].GetString();
+  if (const rapidjson::Value* id = Member(doc, "id"); id && id->IsString()) out.format.id = id->GetString();
   return out;
 }
 
@@ -273,7 +283,8 @@ Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs
     w.Key("name");
     w.String(o.name.c_str());
     w.Key("datatype");
-    w.String(std::string(DataTypeName(o.tensor.dtype())).c_str());
+    const std::string_view datatype = DataTypeName(o.tensor.dtype());
+    w.String(datatype.data(), static_cast<rapidjson::SizeType>(datatype.size()));
     w.Key("shape");
     WriteShape(w, o.tensor.shape());
     if (format.WantsBinary(o.name)) {

@@ -104,6 +104,10 @@ JobHandler::JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metr
 JobHandler::~JobHandler() = default;
 
 bool JobHandler::Handles(std::string_view target) {
+  // Asked of every request, most of them not for jobs: a path with no
+  // percent escape has a "jobs" segment only if it has the letters.
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (path.find('%') == std::string_view::npos && path.find("jobs") == std::string_view::npos) return false;
   const auto parts = SplitTargetPath(target);
   if (parts.size() >= 2 && parts[0] == "v2" && parts[1] == "jobs") return true;
   return parts.size() >= 4 && parts[0] == "v2" && parts[1] == "models" && parts.back() == "jobs";
