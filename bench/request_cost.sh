@@ -54,19 +54,13 @@ EOF
 printf 'def infer(inputs):\n    return {"y": inputs["x"]}\n' > "$WORK/repo/py_identity/1/model.py"
 
 # A process's user + system ticks and its children's (fields 14 and 15 of
-# /proc/PID/stat, counted after the command's closing parenthesis).
+# /proc/PID/stat, counted after the command's closing parenthesis); with
+# `user`, user time alone (field 14).
 cpu_ticks() {
-  local t=0 p
+  local t=0 p fields='$12 + $13'
+  [ "${2:-}" = user ] && fields='$12'
   for p in "$1" $(pgrep -P "$1"); do
-    t=$((t + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12 + $13}')))
-  done
-  echo "$t"
-}
-# The same, user time alone (field 14).
-user_ticks() {
-  local t=0 p
-  for p in "$1" $(pgrep -P "$1"); do
-    t=$((t + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12}')))
+    t=$((t + $(sed 's/.*) //' "/proc/$p/stat" | awk "{print $fields}")))
   done
   echo "$t"
 }
@@ -76,20 +70,16 @@ TICK=$(getconf CLK_TCK)
 row() {
   local name="$1" pid="$2" model="$3" proto="$4" c="$5" http_port="$6" grpc_port="$7"
   shift 7
-  local url extra="" before after user_before user_after line metrics=()
-  case "$proto" in
-    http) url="http://127.0.0.1:$http_port" ;;
-    grpc) url="grpc://127.0.0.1:$grpc_port" ;;
-    stream) url="grpc://127.0.0.1:$grpc_port" extra="--grpc-stream" ;;
-  esac
+  local url extra before after user_before user_after line metrics=()
+  proto_url "$proto" "$http_port" "$grpc_port"
   [ "$name" = quern ] && metrics=(--metrics-url "http://127.0.0.1:$METRICS_PORT/metrics")
   before=$(cpu_ticks "$pid")
-  user_before=$(user_ticks "$pid")
+  user_before=$(cpu_ticks "$pid" user)
   # shellcheck disable=SC2086
   line=$(taskset -c "$CLIENT_CPUS" "$QUERN" perf --url "$url" $extra -m "$model" "$@" -c "$c" -s "$SECS" \
     --warmup "$WARMUP" --format csv "${metrics[@]}" | tail -1)
   after=$(cpu_ticks "$pid")
-  user_after=$(user_ticks "$pid")
+  user_after=$(cpu_ticks "$pid" user)
   # mode,value,requests_per_s,p50_ms,p90,p95,p99,ok,errors,client_us,server_us,queue_us,compute_us,batch,...
   echo "$line" | awk -F, -v r="$ROUND" -v n="$name" -v m="$model" -v p="$proto" -v d="$((after - before))" \
     -v u="$((user_after - user_before))" -v t="$TICK" -v s="$((SECS + WARMUP))" '{
@@ -101,11 +91,7 @@ row() {
 
 # The floors listen beside Quern (each idle while another is loaded), so
 # that each of Quern's rows is followed by the floor's seconds later.
-read -r FLOOR_PORT FLOOR_GRPC_PORT BATCHED_PORT <<< "$(build/venv/bin/python -c '
-import socket
-s = [socket.socket() for _ in range(3)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')"
+read -r FLOOR_PORT FLOOR_GRPC_PORT BATCHED_PORT <<< "$(free_ports 3)"
 FLOOR_PID="" BATCHED_PID=""
 trap 'kill $SERVER $FLOOR_PID $BATCHED_PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
 

@@ -22,11 +22,15 @@ WORK=$(mktemp -d)
 SERVER=""
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"  # open loops: a connection per request in flight
-read -r PORT GRPC_PORT METRICS_PORT <<< "$(build/venv/bin/python -c '
-import socket
-s = [socket.socket() for _ in range(3)]
+# free_ports N: N free TCP ports on 127.0.0.1, on one line.
+free_ports() {
+  build/venv/bin/python -c '
+import socket, sys
+s = [socket.socket() for _ in range(int(sys.argv[1]))]
 for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')"
+print(*[x.getsockname()[1] for x in s])' "$1"
+}
+read -r PORT GRPC_PORT METRICS_PORT <<< "$(free_ports 3)"
 
 start_server() {
   local repo="$1"
@@ -37,12 +41,14 @@ start_server() {
   for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done
   echo "quern did not start:"; cat "$WORK/log"; exit 1
 }
-# proto_url http|grpc|stream: sets url and extra (quern perf's flags) to reach the server's port for it.
+# proto_url http|grpc|stream [HTTP_PORT GRPC_PORT]: sets url and extra (quern perf's flags) to reach
+# the server's port for it (default: PORT and GRPC_PORT).
 proto_url() {
+  local http_port="${2:-$PORT}" grpc_port="${3:-$GRPC_PORT}"
   case "$1" in
-    http) url="http://127.0.0.1:$PORT" extra="" ;;
-    grpc) url="grpc://127.0.0.1:$GRPC_PORT" extra="" ;;
-    stream) url="grpc://127.0.0.1:$GRPC_PORT" extra="--grpc-stream" ;;
+    http) url="http://127.0.0.1:$http_port" extra="" ;;
+    grpc) url="grpc://127.0.0.1:$grpc_port" extra="" ;;
+    stream) url="grpc://127.0.0.1:$grpc_port" extra="--grpc-stream" ;;
   esac
 }
 stop_server() {
