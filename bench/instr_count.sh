@@ -8,6 +8,7 @@
 #   bench/instr_count.sh [model, default identity] [protocol http|grpc|stream, default http] [seconds, default 8]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
 #   QUERN_INSTR_BIN=path ...    # count that binary instead (e.g. a copy of the build before a change)
+#   QUERN_INSTR_KEEP=file ...   # keep the callgrind profile there (callgrind_annotate --tree=caller: who allocates)
 # Needs valgrind (scripts/setup.sh installs it). ONNX Runtime runs its non-AVX-512 kernels under
 # valgrind, so its own count is not the one of a native run; the server's code is the same.
 set -euo pipefail
@@ -38,6 +39,7 @@ callgrind_control -d "$SERVER" >/dev/null 2>&1
 sleep 1
 stop_server
 dump=$(ls -t "$WORK"/callgrind.out.* | head -1)
+[ -n "${QUERN_INSTR_KEEP:-}" ] && cp "$dump" "$QUERN_INSTR_KEEP"
 callgrind_annotate --inclusive=yes --threshold=100 "$dump" > "$WORK/annotated" 2>/dev/null
 total=$(awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}' "$WORK/annotated")
 echo "$MODEL over $PROTO, one connection: $ok requests, $((total / ok)) instructions per request (user space, all threads)"

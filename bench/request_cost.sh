@@ -29,6 +29,7 @@
 #   bench/request_cost.sh [seconds per level, default 4] [concurrency levels, default "1 16"]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
 #   QUERN_BENCH_ROUNDS=3 ...    # rounds (default 1)
+#   QUERN_BENCH_MODELS="small_cnn" QUERN_BENCH_PROTOCOLS="http" ...   # a part of the table (default: all)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -101,6 +102,7 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
             "small_cnn|input:FP32:-1,3,64,64|logits:FP32:-1,10"; do
   IFS='|' read -r model_args in_spec out_spec <<< "$spec"
   read -r model shape_args <<< "$model_args"
+  [[ " ${QUERN_BENCH_MODELS:-$model} " == *" $model "* ]] || continue
   start_server "$WORK/repo"
   FLOOR_PID=""
   if [ -n "$in_spec" ]; then  # py_identity's floor is identity's
@@ -109,7 +111,7 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
     FLOOR_PID=$!
     sleep 1
   fi
-  for proto in http grpc stream; do
+  for proto in ${QUERN_BENCH_PROTOCOLS:-http grpc stream}; do
     for c in $LEVELS; do
       # shellcheck disable=SC2086
       row quern "$SERVER" "$model" "$proto" "$c" "$PORT" "$GRPC_PORT" $shape_args
