@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <rapidjson/document.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -149,6 +150,65 @@ TEST(KServeCodec, ARequestWrittenAsResultsReadsBackTheSameTensors) {
   ASSERT_EQ(back->request.inputs.size(), 2u);
   EXPECT_EQ(ToFloats(back->request.inputs[0].tensor), (std::vector<float>{1.0f, -0.0f, 3.5f}));
   EXPECT_EQ(ToFloats(back->request.inputs[1].tensor), (std::vector<float>{9.0f}));
+}
+
+// Classification (KServe's extension): expected top-k written out by hand
+// from the values.
+std::vector<std::string> StringsOf(const Tensor& t) {
+  auto views = t.Strings();
+  EXPECT_TRUE(views.has_value());
+  std::vector<std::string> out;
+  if (views) {
+    for (auto v : *views) out.emplace_back(v);
+  }
+  return out;
+}
+
+TEST(KServeClassification, TopKPerRowHighestFirstTiesByIndexNanLast) {
+  const float nan = std::nanf("");
+  Tensor t = Tensor::From<float>(DataType::kFp32, {2, 4},
+                                 std::vector<float>{1.5f, 3.25f, 0.5f, 3.25f,  //
+                                                    nan, -1.0f, 2.0f, -7.0f});
+  auto c = ClassifyOutput(t, 3, nullptr, "m");
+  ASSERT_TRUE(c.has_value()) << c.error().message();
+  EXPECT_EQ(c->dtype(), DataType::kBytes);
+  EXPECT_EQ(c->shape(), (Shape{2, 3}));
+  EXPECT_EQ(StringsOf(*c), (std::vector<std::string>{"3.25:1", "3.25:3", "1.5:0", "2:2", "-1:1", "-7:3"}));
+}
+
+TEST(KServeClassification, OneRowIntegersLabelsAndCountsAboveTheSize) {
+  Tensor t = Tensor::From<int64_t>(DataType::kInt64, {3}, std::vector<int64_t>{-5, 9007199254740993, 4});
+  const std::vector<std::string> labels{"cat", "", "dog"};  // index 1 has no label, index 3 none at all
+  auto c = ClassifyOutput(t, 10, &labels, "m");
+  ASSERT_TRUE(c.has_value()) << c.error().message();
+  EXPECT_EQ(c->shape(), (Shape{3}));
+  EXPECT_EQ(StringsOf(*c), (std::vector<std::string>{"9007199254740993:1", "4:2:dog", "-5:0:cat"}));
+}
+
+TEST(KServeClassification, BadCountsAndTextOutputsAreRefused) {
+  Tensor t = Tensor::From<float>(DataType::kFp32, {1, 2}, std::vector<float>{1, 2});
+  auto zero = ClassifyOutput(t, 0, nullptr, "model 'm' output 'y'");
+  ASSERT_FALSE(zero.has_value());
+  EXPECT_NE(zero.error().message().find("model 'm' output 'y'"), std::string::npos);
+  Tensor text = Tensor::FromStrings({1}, {"a"});
+  EXPECT_FALSE(ClassifyOutput(text, 1, nullptr, "m").has_value());
+}
+
+TEST(KServeClassification, ParsedFromTheRequestAndRefusedWhenNotACount) {
+  const std::string ok = R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],)"
+                         R"("outputs":[{"name":"y","parameters":{"classification":2}}]})";
+  auto parsed = ParseKServeInfer("m", -1, ok, {}, nullptr);
+  ASSERT_TRUE(parsed.has_value()) << parsed.error().message();
+  ASSERT_EQ(parsed->format.classifications.size(), 1u);
+  EXPECT_EQ(parsed->format.classifications[0], (std::pair<std::string, int64_t>{"y", 2}));
+  for (const char* bad : {"0", "-1", "2.5", "\"2\"", "true"}) {
+    const std::string body = R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],)"
+                             R"("outputs":[{"name":"y","parameters":{"classification":)" +
+                             std::string(bad) + "}}]}";
+    auto refused = ParseKServeInfer("m", -1, body, {}, nullptr);
+    ASSERT_FALSE(refused.has_value()) << bad;
+    EXPECT_NE(refused.error().message().find("output 'y'"), std::string::npos) << refused.error().message();
+  }
 }
 
 }  // namespace

@@ -2,9 +2,11 @@
 
 #include <rapidjson/document.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "core/json.h"
@@ -267,12 +269,147 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
       if (const rapidjson::Value* b = parameters ? Member(*parameters, "binary_data") : nullptr; b && b->IsBool()) {
         bin = b->GetBool();
       }
+      if (const rapidjson::Value* c = parameters ? Member(*parameters, "classification") : nullptr) {
+        if (!c->IsInt64() || c->GetInt64() < 1) {
+          return Err(InvalidArgument("model '" + model + "' output '" + name->GetString() +
+                                     "': parameter 'classification' must be a positive integer (the number of "
+                                     "classes to return)"));
+        }
+        out.format.classifications.emplace_back(name->GetString(), c->GetInt64());
+      }
       ir.requested_outputs.emplace_back(name->GetString());
       out.format.binary_outputs.emplace_back(name->GetString(), bin);
     }
   }
   if (const rapidjson::Value* id = Member(doc, "id"); id && id->IsString()) out.format.id = id->GetString();
   return out;
+}
+
+namespace {
+
+template <typename T>
+double ValueAt(const Tensor& t, int64_t i) {
+  T v;
+  std::memcpy(&v, reinterpret_cast<const char*>(t.data()) + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+  return static_cast<double>(v);
+}
+
+// IEEE half / bfloat16 bits to double.
+double HalfToDouble(uint16_t h) {
+  const int exp = (h >> 10) & 0x1f;
+  const int mant = h & 0x3ff;
+  const double sign = (h & 0x8000) ? -1.0 : 1.0;
+  if (exp == 0) return sign * std::ldexp(mant, -24);
+  if (exp == 31) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * HUGE_VAL;
+  return sign * std::ldexp(mant + 1024, exp - 25);
+}
+
+}  // namespace
+
+Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::vector<std::string>* labels,
+                              std::string_view where) {
+  if (count < 1) {
+    return Err(InvalidArgument(std::string(where) + ": parameter 'classification' must be a positive count, got " +
+                               std::to_string(count)));
+  }
+  const DataType type = output.dtype();
+  if (type == DataType::kBytes || type == DataType::kInvalid) {
+    return Err(InvalidArgument(std::string(where) + ": classification needs a numeric output, this one is " +
+                               std::string(DataTypeName(type))));
+  }
+  const Shape& shape = output.shape();
+  const int64_t total = output.element_count();
+  const int64_t rows = shape.size() >= 2 ? shape[0] : 1;
+  const int64_t per_row = rows > 0 ? total / rows : 0;
+  const int64_t k = std::min(count, per_row);
+  std::vector<double> values(static_cast<size_t>(per_row));
+  std::vector<int64_t> order(static_cast<size_t>(per_row));
+  std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(rows * k));
+  char num[64];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < per_row; ++i) {
+      const int64_t at = r * per_row + i;
+      double v = 0;
+      switch (type) {
+        case DataType::kBool: v = ValueAt<uint8_t>(output, at) != 0; break;
+        case DataType::kUint8: v = ValueAt<uint8_t>(output, at); break;
+        case DataType::kUint16: v = ValueAt<uint16_t>(output, at); break;
+        case DataType::kUint32: v = ValueAt<uint32_t>(output, at); break;
+        case DataType::kUint64: v = ValueAt<uint64_t>(output, at); break;
+        case DataType::kInt8: v = ValueAt<int8_t>(output, at); break;
+        case DataType::kInt16: v = ValueAt<int16_t>(output, at); break;
+        case DataType::kInt32: v = ValueAt<int32_t>(output, at); break;
+        case DataType::kInt64: v = ValueAt<int64_t>(output, at); break;
+        case DataType::kFp32: v = ValueAt<float>(output, at); break;
+        case DataType::kFp64: v = ValueAt<double>(output, at); break;
+        case DataType::kFp16: v = HalfToDouble(static_cast<uint16_t>(ValueAt<uint16_t>(output, at))); break;
+        case DataType::kBf16: {
+          uint16_t b;
+          std::memcpy(&b, reinterpret_cast<const char*>(output.data()) + at * 2, 2);
+          const uint32_t bits = uint32_t{b} << 16;
+          float f;
+          std::memcpy(&f, &bits, 4);
+          v = f;
+          break;
+        }
+        default: break;
+      }
+      values[static_cast<size_t>(i)] = v;
+      order[static_cast<size_t>(i)] = i;
+    }
+    // Highest first; NaN after every number; equal values by index.
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+      const double va = values[static_cast<size_t>(a)], vb = values[static_cast<size_t>(b)];
+      const bool na = std::isnan(va), nb = std::isnan(vb);
+      if (na != nb) return nb;
+      if (!na && va != vb) return va > vb;
+      return a < b;
+    });
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t idx = order[static_cast<size_t>(j)];
+      const double v = values[static_cast<size_t>(idx)];
+      std::string s;
+      if (type == DataType::kFp32 || type == DataType::kFp16 || type == DataType::kBf16) {
+        s.assign(num, std::to_chars(num, num + sizeof num, static_cast<float>(v)).ptr);
+      } else if (type == DataType::kFp64) {
+        s.assign(num, std::to_chars(num, num + sizeof num, v).ptr);
+      } else if (type == DataType::kUint64) {
+        uint64_t u;
+        std::memcpy(&u, reinterpret_cast<const char*>(output.data()) + (r * per_row + idx) * 8, 8);
+        s = std::to_string(u);
+      } else if (type == DataType::kInt64) {
+        int64_t u;
+        std::memcpy(&u, reinterpret_cast<const char*>(output.data()) + (r * per_row + idx) * 8, 8);
+        s = std::to_string(u);
+      } else {
+        s = std::to_string(static_cast<int64_t>(v));
+      }
+      s += ':';
+      s += std::to_string(idx);
+      if (labels && idx < static_cast<int64_t>(labels->size()) && !(*labels)[static_cast<size_t>(idx)].empty()) {
+        s += ':';
+        s += (*labels)[static_cast<size_t>(idx)];
+      }
+      out.push_back(std::move(s));
+    }
+  }
+  Shape result = shape.size() >= 2 ? Shape{rows, k} : Shape{k};
+  return Tensor::FromStrings(std::move(result), out);
+}
+
+Status ApplyClassifications(std::vector<NamedTensor>& outputs, const KServeOutputFormat& format, std::string_view model,
+                            const OutputLabels& labels) {
+  for (const auto& [name, count] : format.classifications) {
+    for (auto& o : outputs) {
+      if (o.name != name) continue;
+      const std::string where = "model '" + std::string(model) + "' output '" + name + "'";
+      auto classified = ClassifyOutput(o.tensor, count, labels ? labels(name) : nullptr, where);
+      if (!classified) return classified.error();
+      o.tensor = std::move(*classified);
+    }
+  }
+  return Status::Ok();
 }
 
 Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs, const KServeOutputFormat& format,

@@ -10,6 +10,7 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -29,9 +30,30 @@ struct KServeOutputFormat {
   std::string id;                                            // the request's "id", echoed
   bool binary_default = false;                               // parameters.binary_data_output
   std::vector<std::pair<std::string, bool>> binary_outputs;  // requested outputs: binary or not
+  // Requested outputs with parameters.classification: the top-k to return.
+  std::vector<std::pair<std::string, int64_t>> classifications;
   // Whether output `name` is sent as binary data.
   bool WantsBinary(const std::string& name) const;
 };
+
+// KServe's classification extension: the `count` highest values of each row
+// of `output` (its first dimension is the batch when it has two or more;
+// otherwise it is one row), as a BYTES tensor of shape [rows, k] (or [k])
+// with k = min(count, values per row), highest first (equal values: lower
+// index first, NaN last), each "<value>:<index>" or "<value>:<index>:<label>"
+// when `labels` has one for that index. INVALID_ARGUMENT for a count under 1
+// or an output that is not numeric.
+Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::vector<std::string>* labels,
+                              std::string_view where);
+
+// A model's class labels for one of its outputs (null: none).
+using OutputLabels = std::function<const std::vector<std::string>*(const std::string& output)>;
+
+// Replaces each output the format asks to classify by its classification
+// (ClassifyOutput), with labels from `labels` when it is set. The first
+// error is returned and the outputs after it are left as they were.
+Status ApplyClassifications(std::vector<NamedTensor>& outputs, const KServeOutputFormat& format, std::string_view model,
+                            const OutputLabels& labels);
 
 // A KServe v2 infer request, parsed.
 struct KServeInfer {

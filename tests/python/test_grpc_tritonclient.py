@@ -353,3 +353,31 @@ def test_cancelled_call_is_not_computed(server):
     after = stats(c, "slow_batch")
     assert after.execution_count == before.execution_count, "the cancelled request was computed"
     assert after.inference_stats.fail.count == before.inference_stats.fail.count + 1
+
+
+def test_classification_extension_unary_and_stream(server):
+    c = grpcclient.InferenceServerClient(server)
+    a = np.array([[1.1, 3.3, 0.5, 2.4], [0, -2, 9, 9]], np.float32)
+    b = np.ones((2, 4), np.float32)
+    want = [[((a + b)[r][i], int(i)) for i in np.argsort(-(a + b)[r], kind="stable")[:3]] for r in range(2)]
+
+    def parsed(got):
+        return [[(np.float32(x.split(b":")[0]), int(x.split(b":")[1])) for x in row] for row in got]
+
+    outputs = [grpcclient.InferRequestedOutput("OUTPUT0", class_count=3), grpcclient.InferRequestedOutput("OUTPUT1")]
+    r = c.infer("add_sub", add_sub_inputs(a, b), outputs=outputs)
+    assert r.get_output("OUTPUT0").datatype == "BYTES"
+    assert parsed(r.as_numpy("OUTPUT0")) == want
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - b)
+    with pytest.raises(InferenceServerException, match="classification"):
+        c.infer("add_sub", add_sub_inputs(a, b), outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=-1)])
+    # The same over a stream.
+    results = queue.Queue()
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        c.async_stream_infer("add_sub", add_sub_inputs(a, b), outputs=outputs)
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        assert parsed(result.as_numpy("OUTPUT0")) == want
+    finally:
+        c.stop_stream()

@@ -351,7 +351,7 @@ def test_health_answers_carry_the_protocols_bodies(server):
 def test_server_metadata_lists_the_extensions_that_work(server):
     meta = httpclient.InferenceServerClient(f"127.0.0.1:{server.http}").get_server_metadata()
     assert set(meta["extensions"]) == {"binary_tensor_data", "statistics", "model_repository", "model_configuration",
-                                       "schedule_policy", "parameters"}
+                                       "schedule_policy", "parameters", "classification"}
 
 
 def test_model_names_with_spaces_and_accents_work_over_http(tmp_path):

@@ -213,3 +213,38 @@ def test_client_disconnect_cancels_the_queued_request(server):
     after = c.get_inference_statistics("slow_batch")["model_stats"][0]
     assert after["execution_count"] == before["execution_count"], "the abandoned request was computed"
     assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+
+
+def expected_classes(values, k):
+    """Top-k of each row as (value, index), computed with numpy (ties: lower index first)."""
+    return [[(row[i], int(i)) for i in np.argsort(-row, kind="stable")[:k]] for row in values]
+
+
+def parsed_classes(got):
+    """The server's "value:index" strings as (float32 value, index) (str from JSON, bytes from binary)."""
+    got = [[x if isinstance(x, bytes) else x.encode() for x in row] for row in got]
+    return [[(np.float32(x.split(b":")[0]), int(x.split(b":")[1])) for x in row] for row in got]
+
+
+def test_classification_extension(server):
+    c = httpclient.InferenceServerClient(server)
+    a = np.array([[1.1, 3.3, 0.5, 2.4], [7, 7, -1, 0.25]], np.float32)
+    b = np.zeros((2, 4), np.float32)
+    inputs = [httpclient.InferInput("INPUT0", [2, 4], "FP32"), httpclient.InferInput("INPUT1", [2, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    for binary in (True, False):
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary, class_count=2),
+                   httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
+        r = c.infer("add_sub", inputs, outputs=outputs)
+        got = r.as_numpy("OUTPUT0")
+        assert got.shape == (2, 2) and r.get_output("OUTPUT0")["datatype"] == "BYTES"
+        assert parsed_classes(got) == expected_classes(a + b, 2)
+        assert all(len(str(x).split(":")) == 2 for row in got for x in row)  # add_sub has no labels
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - b)  # the other output as it was
+    # More classes than the output has: all of them.
+    r = c.infer("add_sub", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=9)])
+    assert r.as_numpy("OUTPUT0").shape == (2, 4)
+    # A count that is not a positive integer is refused, naming the output.
+    with pytest.raises(InferenceServerException, match="OUTPUT0.*classification"):
+        c.infer("add_sub", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=-2)])

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/model_config_parser.h"
+#include "protocol/kserve_codec.h"
 
 namespace quern {
 namespace {
@@ -131,7 +132,16 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
     }
     ir.inputs.push_back({in.name(), std::move(t)});
   }
-  for (const auto& o : msg.outputs()) ir.requested_outputs.push_back(o.name());
+  for (const auto& o : msg.outputs()) {
+    ir.requested_outputs.push_back(o.name());
+    if (auto it = o.parameters().find("classification"); it != o.parameters().end()) {
+      QUERN_ASSIGN_OR_RETURN(uint64_t count, UnsignedParameter(it->second, "classification", "a count of classes"));
+      if (count == 0) {
+        return std::unexpected(InvalidArgument("model '" + msg.model_name() + "' output '" + o.name() +
+                                               "': parameter 'classification' must be a positive count"));
+      }
+    }
+  }
   for (const auto& [key, value] : msg.parameters()) {
     if (key == "priority") {
       QUERN_ASSIGN_OR_RETURN(uint64_t p, UnsignedParameter(value, "priority", "a priority level"));
@@ -141,6 +151,21 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
     }
   }
   return ir;
+}
+
+Status ApplyClassifications(const inference::ModelInferRequest& msg, InferResponse& r) {
+  KServeOutputFormat format;
+  for (const auto& o : msg.outputs()) {
+    auto it = o.parameters().find("classification");
+    if (it == o.parameters().end()) continue;
+    const inference::InferParameter& p = it->second;
+    const int64_t count = p.parameter_choice_case() == inference::InferParameter::kUint64Param
+                              ? static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX))
+                              : p.int64_param();
+    format.classifications.emplace_back(o.name(), count);
+  }
+  if (format.classifications.empty()) return Status::Ok();
+  return ApplyClassifications(r.outputs, format, r.model, nullptr);
 }
 
 // Writes the engine's response; every output travels in raw_output_contents.

@@ -20,6 +20,11 @@ Result<int64_t> ParseModelVersion(const std::string& model, const std::string& v
 // INVALID_ARGUMENT names the model, the input and what was wrong.
 Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg);
 
+// KServe's classification extension: each output the request asks with
+// parameter "classification" (a count checked by ToInferRequest) is replaced
+// in `r` by its top classes (ApplyClassifications in protocol/kserve_codec.h).
+Status ApplyClassifications(const inference::ModelInferRequest& msg, InferResponse& r);
+
 // An engine response as a ModelInferResponse (outputs as raw contents).
 void ToInferResponse(const InferResponse& r, const std::string& id, inference::ModelInferResponse* out);
 

@@ -72,7 +72,7 @@ HttpResponse ServerMetadata() {
   w.Key("extensions");
   w.StartArray();
   for (const char* e : {"binary_tensor_data", "statistics", "model_repository", "model_configuration",
-                        "schedule_policy", "parameters"}) {
+                        "schedule_policy", "parameters", "classification"}) {
     w.String(e);
   }
   w.EndArray();
@@ -479,6 +479,9 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   }
   InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
+    if (!format.classifications.empty()) {
+      if (Status st = ApplyClassifications(r.outputs, format, r.model, nullptr); !st.ok()) return done(Error(st));
+    }
     rapidjson::StringBuffer buf(SharedCrtAllocator(), 1024);  // one allocation for most answers' JSON
     Writer w(buf, SharedCrtAllocator());
     std::vector<const Tensor*> binary_parts;

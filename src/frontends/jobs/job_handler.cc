@@ -169,6 +169,12 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     rejected_.Increment();
     return done(ErrorResponse(parsed.error()));
   }
+  if (!parsed->format.classifications.empty()) {
+    rejected_.Increment();
+    return done(ErrorResponse(InvalidArgument(
+        "model '" + model + "' output '" + parsed->format.classifications.front().first +
+        "': parameter 'classification' is not supported for jobs (a job keeps its outputs as tensors)")));
+  }
   auto job = std::make_shared<Pending>();
   job->submitted_ms = engine_->clock().WallMs();
   job->id = NewJobId(job->submitted_ms);

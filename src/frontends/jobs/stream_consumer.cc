@@ -91,6 +91,11 @@ Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model
     }
   }
   QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInferBody(model, -1, std::string(body), e.Field("header_length")));
+  if (!job.infer.format.classifications.empty()) {
+    return Err(InvalidArgument("model '" + model + "' output '" + job.infer.format.classifications.front().first +
+                               "': parameter 'classification' is not supported for jobs (a job keeps its outputs "
+                               "as tensors)"));
+  }
   return job;
 }
 
