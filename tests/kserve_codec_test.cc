@@ -211,5 +211,14 @@ TEST(KServeClassification, ParsedFromTheRequestAndRefusedWhenNotACount) {
   }
 }
 
+TEST(KServeClassification, AnOutputAskedTwiceIsClassifiedOnce) {
+  KServeOutputFormat format;
+  format.classifications = {{"y", 1}, {"y", 2}};
+  std::vector<NamedTensor> outputs;
+  outputs.push_back({"y", Tensor::From<float>(DataType::kFp32, {1, 3}, std::vector<float>{0.5f, 2.5f, 1.0f})});
+  ASSERT_TRUE(ApplyClassifications(outputs, format, "m", nullptr).ok());
+  EXPECT_EQ(StringsOf(outputs[0].tensor), (std::vector<std::string>{"2.5:1"}));
+}
+
 }  // namespace
 }  // namespace quern

@@ -400,13 +400,17 @@ Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::ve
 
 Status ApplyClassifications(std::vector<NamedTensor>& outputs, const KServeOutputFormat& format, std::string_view model,
                             const OutputLabels& labels) {
+  // An output asked for twice is classified once (by the first count).
+  std::vector<bool> classified(outputs.size(), false);
   for (const auto& [name, count] : format.classifications) {
-    for (auto& o : outputs) {
-      if (o.name != name) continue;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      NamedTensor& o = outputs[i];
+      if (o.name != name || classified[i]) continue;
       const std::string where = "model '" + std::string(model) + "' output '" + name + "'";
-      auto classified = ClassifyOutput(o.tensor, count, labels ? labels(name) : nullptr, where);
-      if (!classified) return classified.error();
-      o.tensor = std::move(*classified);
+      auto top = ClassifyOutput(o.tensor, count, labels ? labels(name) : nullptr, where);
+      if (!top) return top.error();
+      o.tensor = std::move(*top);
+      classified[i] = true;
     }
   }
   return Status::Ok();
