@@ -313,6 +313,11 @@ class Engine {
 
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version = -1) const;
+  // The class labels of an output of a ready model version (from the
+  // output's label_filename, read when the version loaded); null when the
+  // output has none or the model is not ready.
+  std::shared_ptr<const std::vector<std::string>> OutputLabels(const std::string& name, int64_t version,
+                                                               const std::string& output) const;
   bool ModelReady(const std::string& name, int64_t version = -1) const;
   // Server readiness (HTTP /v2/health/ready, gRPC ServerReady and health):
   // every loaded or failed model version is ready.

@@ -182,6 +182,29 @@ Result<fs::path> ResolveInRepository(const fs::path& repo, const fs::path& base,
   return resolved;
 }
 
+Result<std::vector<std::string>> ReadLabelFile(const fs::path& model_dir, const std::string& label_filename,
+                                               const std::string& what) {
+  // ImageNet's 1000 labels take 30 KiB.
+  constexpr uintmax_t kMaxLabelFileBytes = 16 << 20;
+  QUERN_ASSIGN_OR_RETURN(const auto path, ResolveInRepository(model_dir, model_dir, label_filename, what));
+  std::error_code ec;
+  const bool regular = fs::is_regular_file(path, ec);
+  const uintmax_t size = regular ? fs::file_size(path, ec) : 0;
+  if (!regular || ec || size > kMaxLabelFileBytes) {
+    return std::unexpected(InvalidArgument(what + " '" + label_filename +
+                                           "' is not a readable regular file of at most " +
+                                           std::to_string(kMaxLabelFileBytes) + " bytes"));
+  }
+  std::ifstream in(path);
+  if (!in) return std::unexpected(InvalidArgument(what + " '" + label_filename + "' cannot be read"));
+  std::vector<std::string> labels;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    labels.push_back(std::move(line));
+  }
+  return labels;
+}
+
 Result<std::vector<std::string>> ListRepositoryModels(const fs::path& repo) {
   std::error_code ec;
   if (!fs::is_directory(repo, ec)) {

@@ -58,6 +58,13 @@ Status CheckModelName(std::string_view name);
 Result<std::filesystem::path> ResolveInRepository(const std::filesystem::path& repo, const std::filesystem::path& base,
                                                   const std::filesystem::path& path, const std::string& what);
 
+// The class labels of a model's output, one per line of `label_filename`
+// (a path inside `model_dir`; a trailing "\r" is dropped). INVALID_ARGUMENT
+// naming `what` when the file lies outside the folder, is not a regular file
+// of at most 16 MiB, or cannot be read.
+Result<std::vector<std::string>> ReadLabelFile(const std::filesystem::path& model_dir,
+                                               const std::string& label_filename, const std::string& what);
+
 // Names of the model folders (sorted); folders whose names fail
 // CheckModelName or that start with '.' are skipped. NOT_FOUND when `repo` is
 // not a folder.

@@ -163,6 +163,11 @@ std::vector<ModelStatus> Engine::ListModels() const {
 Result<ModelStatus> Engine::GetModel(const std::string& name, int64_t version) const {
   return impl_->GetModel(name, version);
 }
+std::shared_ptr<const std::vector<std::string>> Engine::OutputLabels(const std::string& name, int64_t version,
+                                                                     const std::string& output) const {
+  auto served = impl_->Resolve(name, version);
+  return served ? (*served)->OutputLabels(output) : nullptr;
+}
 bool Engine::ModelReady(const std::string& name, int64_t version) const {
   return impl_->Resolve(name, version).has_value();
 }

@@ -8,6 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "quern/engine.h"
 #include "quern/model.h"
@@ -43,6 +46,11 @@ class Servable {
 
   virtual const ModelConfig& config() const = 0;
   virtual int64_t version() const = 0;
+  // The class labels of output `output` (its label_filename, read at load),
+  // or null when it has none.
+  virtual std::shared_ptr<const std::vector<std::string>> OutputLabels(const std::string& /*output*/) const {
+    return nullptr;
+  }
   virtual ModelStatistics Statistics() const = 0;
   // Requests submitted and not yet answered.
   virtual int64_t in_flight() const = 0;

@@ -93,6 +93,17 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
                                                          bool wide) {
   if (instances.empty()) return Err(Internal("model '" + config.name + "' has no instances"));
   std::shared_ptr<ServedModel> m(new ServedModel(std::move(config), version, std::move(instances), clock));
+  // Class labels (KServe's classification extension names them): read once,
+  // here; a label file that cannot be read fails the load, as a model file would.
+  if (!model_dir.empty()) {
+    for (const TensorConfig& o : m->config_.outputs) {
+      if (o.label_filename.empty()) continue;
+      QUERN_ASSIGN_OR_RETURN(auto labels,
+                             ReadLabelFile(model_dir, o.label_filename,
+                                           "model '" + m->config_.name + "' output '" + o.name + "' label file"));
+      m->labels_.emplace_back(o.name, std::make_shared<const std::vector<std::string>>(std::move(labels)));
+    }
+  }
   QUERN_RETURN_IF_ERROR(m->Warmup(model_dir));
 
   DynamicBatcherOptions opts;
@@ -494,6 +505,13 @@ ModelStatistics ServedModel::Statistics() const {
     }
   }
   return s;
+}
+
+std::shared_ptr<const std::vector<std::string>> ServedModel::OutputLabels(const std::string& output) const {
+  for (const auto& [name, labels] : labels_) {
+    if (name == output) return labels;
+  }
+  return nullptr;
 }
 
 }  // namespace quern

@@ -51,6 +51,7 @@ class ServedModel final : public Servable {
   // Queued, running or waiting for their turn to be answered.
   int64_t in_flight() const override { return in_flight_.load(std::memory_order_acquire); }
   int64_t version() const override { return version_; }
+  std::shared_ptr<const std::vector<std::string>> OutputLabels(const std::string& output) const override;
 
  private:
   class Task;
@@ -63,6 +64,8 @@ class ServedModel final : public Servable {
   void RecordOutcome(const Task& task, const Status& status);
 
   const ModelConfig config_;
+  // Outputs with a label_filename: their labels, read by Create.
+  std::vector<std::pair<std::string, std::shared_ptr<const std::vector<std::string>>>> labels_;
   const int64_t version_;
   const Clock* clock_;
   std::vector<std::unique_ptr<Model>> instances_;

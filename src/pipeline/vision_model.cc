@@ -10,9 +10,6 @@
 namespace quern {
 namespace {
 
-// Label files larger than this are refused (ImageNet's 1000 labels take 30 KiB).
-constexpr uintmax_t kMaxLabelFileBytes = 16 << 20;
-
 class Params {
  public:
   Params(const ModelConfig& c) : c_(c) {}
@@ -266,24 +263,8 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
 
   for (const auto& o : c.outputs) {
     if (o.label_filename.empty()) continue;
-    const std::string what = where + ": output '" + o.name + "' label file";
-    QUERN_ASSIGN_OR_RETURN(const auto path, ResolveInRepository(model_dir, model_dir, o.label_filename, what));
-    std::error_code ec;
-    const bool regular = std::filesystem::is_regular_file(path, ec);
-    const uintmax_t size = regular ? std::filesystem::file_size(path, ec) : 0;
-    if (!regular || ec || size > kMaxLabelFileBytes) {
-      return std::unexpected(InvalidArgument(what + " '" + o.label_filename +
-                                             "' is not a readable regular file of at most " +
-                                             std::to_string(kMaxLabelFileBytes) + " bytes"));
-    }
-    std::ifstream in(path);
-    if (!in) {
-      return std::unexpected(InvalidArgument(what + " '" + o.label_filename + "' cannot be read"));
-    }
-    for (std::string line; std::getline(in, line);) {
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      m.labels.push_back(line);
-    }
+    QUERN_ASSIGN_OR_RETURN(m.labels,
+                           ReadLabelFile(model_dir, o.label_filename, where + ": output '" + o.name + "' label file"));
     break;
   }
   return m;

@@ -407,7 +407,8 @@ Status ApplyClassifications(std::vector<NamedTensor>& outputs, const KServeOutpu
       NamedTensor& o = outputs[i];
       if (o.name != name || classified[i]) continue;
       const std::string where = "model '" + std::string(model) + "' output '" + name + "'";
-      auto top = ClassifyOutput(o.tensor, count, labels ? labels(name) : nullptr, where);
+      const auto names = labels ? labels(name) : nullptr;
+      auto top = ClassifyOutput(o.tensor, count, names.get(), where);
       if (!top) return top.error();
       o.tensor = std::move(*top);
       classified[i] = true;

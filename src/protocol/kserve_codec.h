@@ -47,7 +47,7 @@ Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::ve
                               std::string_view where);
 
 // A model's class labels for one of its outputs (null: none).
-using OutputLabels = std::function<const std::vector<std::string>*(const std::string& output)>;
+using OutputLabels = std::function<std::shared_ptr<const std::vector<std::string>>(const std::string& output)>;
 
 // Replaces each output the format asks to classify by its classification
 // (ClassifyOutput), with labels from `labels` when it is set. The first

@@ -248,3 +248,60 @@ def test_classification_extension(server):
     # A count that is not a positive integer is refused, naming the output.
     with pytest.raises(InferenceServerException, match="OUTPUT0.*classification"):
         c.infer("add_sub", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=-2)])
+
+
+def test_classification_names_the_labels_of_the_answering_model(tmp_path):
+    import json
+    import shutil
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    repo = tmp_path / "repo"
+    (repo / "labelled").mkdir(parents=True)
+    shutil.copytree(os.path.join(MODELS, "add_sub", "1"), repo / "labelled" / "1")
+    (repo / "labelled" / "config.pbtxt").write_text(
+        'name: "labelled" platform: "onnxruntime_onnx" max_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] label_filename: "labels.txt" },\n'
+        '         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    labels = ["zero", "one", "two"]  # index 3 has none
+    (repo / "labelled" / "labels.txt").write_text("\n".join(labels) + "\n")
+    # A label file that is not there fails that model's load, with the reason.
+    shutil.copytree(repo / "labelled", repo / "unlabelled")
+    (repo / "unlabelled" / "labels.txt").unlink()
+    (repo / "unlabelled" / "config.pbtxt").write_text(
+        (repo / "labelled" / "config.pbtxt").read_text().replace('"labelled"', '"unlabelled"'))
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        a = np.array([[0.5, 4, 2, 8]], np.float32)
+        b = np.zeros((1, 4), np.float32)
+        order = np.argsort(-a[0], kind="stable")
+        want = [f"{(a + b)[0][i]}:{i}" + (f":{labels[i]}" if i < len(labels) else "") for i in order[:3]]
+
+        def normal(row):  # "8.0:3" from numpy, "8:3" from the server: compare values, indices and labels
+            return [(float(x.split(":")[0]), *x.split(":")[1:]) for x in row]
+
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        r = c.infer("labelled", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=3)])
+        got = [x.decode() if isinstance(x, bytes) else x for x in r.as_numpy("OUTPUT0")[0]]
+        assert normal(got) == normal(want), (got, want)
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        gin = [grpcclient.InferInput("INPUT0", [1, 4], "FP32"), grpcclient.InferInput("INPUT1", [1, 4], "FP32")]
+        gin[0].set_data_from_numpy(a)
+        gin[1].set_data_from_numpy(b)
+        r = g.infer("labelled", gin, outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=3)])
+        assert normal([x.decode() for x in r.as_numpy("OUTPUT0")[0]]) == normal(want)
+        # An output without a label file: value and index only.
+        r = c.infer("labelled", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT1", class_count=1)])
+        assert len(str(r.as_numpy("OUTPUT1")[0][0]).split(":")) == 2
+        req = urllib.request.Request(f"http://127.0.0.1:{ports['HTTP']}/v2/repository/index", data=b"{}", method="POST")
+        states = {m["name"]: m for m in json.loads(urllib.request.urlopen(req).read())}
+        assert states["labelled"]["state"] == "READY"
+        assert states["unlabelled"]["state"] == "UNAVAILABLE"
+        assert "label file" in states["unlabelled"]["reason"] and "labels.txt" in states["unlabelled"]["reason"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

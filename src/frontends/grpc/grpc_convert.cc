@@ -153,7 +153,7 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
   return ir;
 }
 
-Status ApplyClassifications(const inference::ModelInferRequest& msg, InferResponse& r) {
+Status ApplyClassifications(const inference::ModelInferRequest& msg, const Engine& engine, InferResponse& r) {
   KServeOutputFormat format;
   for (const auto& o : msg.outputs()) {
     auto it = o.parameters().find("classification");
@@ -165,7 +165,10 @@ Status ApplyClassifications(const inference::ModelInferRequest& msg, InferRespon
     format.classifications.emplace_back(o.name(), count);
   }
   if (format.classifications.empty()) return Status::Ok();
-  return ApplyClassifications(r.outputs, format, r.model, nullptr);
+  const OutputLabels labels = [&](const std::string& output) {
+    return engine.OutputLabels(r.model, r.version, output);
+  };
+  return ApplyClassifications(r.outputs, format, r.model, labels);
 }
 
 // Writes the engine's response; every output travels in raw_output_contents.

@@ -22,8 +22,9 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg);
 
 // KServe's classification extension: each output the request asks with
 // parameter "classification" (a count checked by ToInferRequest) is replaced
-// in `r` by its top classes (ApplyClassifications in protocol/kserve_codec.h).
-Status ApplyClassifications(const inference::ModelInferRequest& msg, InferResponse& r);
+// in `r` by its top classes (ApplyClassifications in protocol/kserve_codec.h),
+// labelled from the answering model version's label files.
+Status ApplyClassifications(const inference::ModelInferRequest& msg, const Engine& engine, InferResponse& r);
 
 // An engine response as a ModelInferResponse (outputs as raw contents).
 void ToInferResponse(const InferResponse& r, const std::string& id, inference::ModelInferResponse* out);

@@ -89,9 +89,9 @@ class InferReactor final : public grpc::ServerUnaryReactor {
       name = std::string_view(it->second.data(), it->second.size());
     }
     if (UsableRequestId(name)) ir->metadata.emplace_back("request_id", std::string(name));
-    InferCallback done = [this, request](InferResponse&& r) {
+    InferCallback done = [this, request, engine](InferResponse&& r) {
       if (!r.status.ok()) return Finish(ToGrpc(r.status));
-      if (Status st = ApplyClassifications(*request, r); !st.ok()) return Finish(ToGrpc(st));
+      if (Status st = ApplyClassifications(*request, *engine, r); !st.ok()) return Finish(ToGrpc(st));
       ToInferResponse(r, request->id(), response_);
       Finish(grpc::Status::OK);
     };
@@ -233,7 +233,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     // The request message owns the raw input bytes: it lives in the callback.
     InferCallback done = [this, arena = std::move(arena), request, cancel](InferResponse&& r) {
-      if (r.status.ok()) r.status = ApplyClassifications(*request, r);
+      if (r.status.ok()) r.status = ApplyClassifications(*request, *engine_, r);
       Answer(request->id(), r.status, &r);
       {
         MutexLock lock(mu_);

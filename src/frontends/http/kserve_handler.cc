@@ -477,10 +477,15 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
   } else if (!req.request_id.empty()) {
     parsed->request.metadata.emplace_back("request_id", std::move(req.request_id));
   }
-  InferCallback respond = [done = std::move(done), format = std::move(parsed->format)](InferResponse&& r) {
+  InferCallback respond = [done = std::move(done), format = std::move(parsed->format),
+                           engine = engine_](InferResponse&& r) {
     if (!r.status.ok()) return done(Error(r.status));
     if (!format.classifications.empty()) {
-      if (Status st = ApplyClassifications(r.outputs, format, r.model, nullptr); !st.ok()) return done(Error(st));
+      // Labels of the version that answered.
+      const OutputLabels labels = [&](const std::string& output) {
+        return engine->OutputLabels(r.model, r.version, output);
+      };
+      if (Status st = ApplyClassifications(r.outputs, format, r.model, labels); !st.ok()) return done(Error(st));
     }
     rapidjson::StringBuffer buf(SharedCrtAllocator(), 1024);  // one allocation for most answers' JSON
     Writer w(buf, SharedCrtAllocator());
