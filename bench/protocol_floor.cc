@@ -12,6 +12,14 @@
 //   protocol_floor --http-port 18600 --grpc-port 18601 --model identity
 //                  --input x:FP32:-1,4 --output y:FP32:-1,4
 //
+// With --http-model FILE and --http-batch N, the HTTP floor also runs the
+// model: each held request's input (the body's last bytes, one item) is
+// copied into a batch buffer, and before the N answers go out the batch runs
+// through ONNX Runtime (one thread, as one instance of `quern serve` on one
+// core runs it). That is the least a batching server does with the model:
+// receive, gather, run, answer; what `quern serve` costs beyond it is its own
+// work, with no need to subtract a compute time measured some other way.
+//
 // Prints nothing while it serves; its CPU time is read from /proc by the
 // script that runs it (bench/request_cost.sh).
 #include <arpa/inet.h>
@@ -19,6 +27,8 @@
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <onnxruntime_cxx_api.h>
+#include <onnxruntime_session_options_config_keys.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -33,6 +43,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -137,11 +148,86 @@ bool SendAll(int fd, const std::string& out) {
   return true;
 }
 
+// --http-model: a batch of held requests runs through the model before it
+// is answered. One FP32 input; its items are the last bytes of each body.
+class BatchModel {
+ public:
+  // Session and memory as `quern serve` sets them for one instance on one
+  // core: one intra-op thread, sequential, the environment's shared CPU
+  // arena, inputs in 64-byte aligned memory.
+  BatchModel(const std::string& file, const TensorSpec& input, int max_batch)
+      // No telemetry (read when the environment is created; see ort_model.cc).
+      : env_((setenv("ORT_DISABLE_TELEMETRY", "1", 0), ORT_LOGGING_LEVEL_WARNING), "protocol_floor") {
+    if (input.datatype != "FP32" || input.shape.empty() || input.shape[0] != -1) {
+      std::fprintf(stderr, "--http-model needs one FP32 input with an open batch dimension\n");
+      std::exit(2);
+    }
+    env_.DisableTelemetryEvents();
+    Ort::ArenaCfg arena(0, -1, -1, -1);
+    env_.CreateAndRegisterAllocator(Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault), arena);
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(1);
+    so.SetInterOpNumThreads(1);
+    so.SetExecutionMode(ORT_SEQUENTIAL);
+    so.AddConfigEntry(kOrtSessionOptionsConfigUseEnvAllocators, "1");
+    so.AddConfigEntry(kOrtSessionOptionsConfigAllowIntraOpSpinning, "0");
+    so.AddConfigEntry(kOrtSessionOptionsConfigAllowInterOpSpinning, "0");
+    session_ = std::make_unique<Ort::Session>(env_, file.c_str(), so);
+    input_name_ = input.name;
+    shape_ = input.shape;
+    item_bytes_ = static_cast<size_t>(Bytes(input));
+    Ort::AllocatorWithDefaultOptions alloc;
+    for (size_t i = 0; i < session_->GetOutputCount(); ++i) {
+      output_names_.push_back(session_->GetOutputNameAllocated(i, alloc).get());
+    }
+    for (const auto& n : output_names_) output_ptrs_.push_back(n.c_str());
+    batch_.reset(
+        static_cast<char*>(std::aligned_alloc(64, (item_bytes_ * static_cast<size_t>(max_batch) + 63) / 64 * 64)));
+    batch_bytes_ = item_bytes_ * static_cast<size_t>(max_batch);
+  }
+
+  // Copies the item at the end of `body` into row `row` of the batch.
+  void Hold(int row, std::string_view body) {
+    if (body.size() < item_bytes_ || static_cast<size_t>(row + 1) * item_bytes_ > batch_bytes_) return;
+    std::memcpy(batch_.get() + static_cast<size_t>(row) * item_bytes_, body.data() + body.size() - item_bytes_,
+                item_bytes_);
+  }
+
+  // Runs the first `rows` rows (outputs discarded: the answers are canned).
+  void Run(int rows) {
+    if (rows <= 0) return;
+    shape_[0] = rows;
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    Ort::Value in = Ort::Value::CreateTensor<float>(mem, reinterpret_cast<float*>(batch_.get()),
+                                                    static_cast<size_t>(rows) * item_bytes_ / sizeof(float),
+                                                    shape_.data(), shape_.size());
+    const char* in_name = input_name_.c_str();
+    auto out = session_->Run(Ort::RunOptions{nullptr}, &in_name, &in, 1, output_ptrs_.data(), output_ptrs_.size());
+    (void)out;
+  }
+
+ private:
+  Ort::Env env_;
+  std::unique_ptr<Ort::Session> session_;
+  std::string input_name_;
+  std::vector<int64_t> shape_;
+  size_t item_bytes_ = 0;
+  std::vector<std::string> output_names_;
+  std::vector<const char*> output_ptrs_;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char[], Free> batch_;
+  size_t batch_bytes_ = 0;
+};
+
 // `batch` > 1: infer requests are answered `batch` at a time (when no
 // request comes for 1 ms, those held are answered anyway), the pattern in
 // which a batching server answers: its clients wait, asleep, for a batch
-// instead of getting each answer at once.
-void ServeHttp(int port, const std::string& metadata_response, const std::string& infer_response, int batch) {
+// instead of getting each answer at once. With `model`, the held requests'
+// batch runs through it first.
+void ServeHttp(int port, const std::string& metadata_response, const std::string& infer_response, int batch,
+               BatchModel* model) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
   const int one = 1;
   ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -157,10 +243,11 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
   ev.data.fd = lfd;
   ::epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev);
   std::unordered_map<int, Conn> conns;
-  std::vector<char> buf(1 << 16);
+  constexpr size_t kReadChunk = 1 << 16;
   epoll_event events[64];
   std::vector<int> held;  // connections with an infer request waiting for its batch (one each, in order)
   const auto answer_held = [&] {
+    if (model) model->Run(static_cast<int>(held.size()));
     for (const int fd : held) {
       if (conns.count(fd) && !SendAll(fd, infer_response)) {
         ::close(fd);
@@ -190,10 +277,16 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
       Conn& conn = conns[fd];
       bool closed = false;
       while (true) {
-        const ssize_t r = ::recv(fd, buf.data(), buf.size(), 0);
+        // Received straight into the connection's buffer: the kernel's copy
+        // is the only one (the model floor's gather reads from there).
+        ssize_t r = 0;
+        const size_t had = conn.in.size();
+        conn.in.resize_and_overwrite(had + kReadChunk, [&](char* p, size_t) {
+          r = ::recv(fd, p + had, kReadChunk, 0);
+          return had + static_cast<size_t>(std::max<ssize_t>(r, 0));
+        });
         if (r > 0) {
-          conn.in.append(buf.data(), static_cast<size_t>(r));
-          if (static_cast<size_t>(r) < buf.size()) break;
+          if (static_cast<size_t>(r) < kReadChunk) break;
         } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
           closed = true;
           break;
@@ -207,6 +300,8 @@ void ServeHttp(int port, const std::string& metadata_response, const std::string
         const size_t len = CompleteRequest(conn.in);
         if (len == 0) break;
         const bool infer = conn.in.compare(0, 4, "GET ") != 0;
+        if (infer && batch > 1 && model)
+          model->Hold(static_cast<int>(held.size()), std::string_view(conn.in).substr(0, len));
         conn.in.erase(0, len);
         if (infer && batch > 1) {
           held.push_back(fd);
@@ -308,6 +403,10 @@ int main(int argc, char** argv) {
   app.add_option("--http-batch", http_batch,
                  "Answer HTTP infer requests this many at a time, as a batching server does (1 = each at once)");
   app.add_option("--output", outputs, "NAME:DTYPE:D,D,...: answered with zeros (open dimensions 1)")->required();
+  std::string http_model;
+  app.add_option(
+      "--http-model", http_model,
+      "An ONNX file: with --http-batch, each batch of held HTTP requests runs through it before the answers");
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGPIPE, SIG_IGN);
 
@@ -385,7 +484,10 @@ int main(int argc, char** argv) {
     }
   }
   if (http_port > 0) {
-    ServeHttp(http_port, metadata_response, infer_response, http_batch);  // does not return
+    std::unique_ptr<BatchModel> batch_model;
+    if (!http_model.empty() && http_batch > 1)
+      batch_model = std::make_unique<BatchModel>(http_model, in_specs[0], http_batch);
+    ServeHttp(http_port, metadata_response, infer_response, http_batch, batch_model.get());  // does not return
   }
   if (server) server->Wait();
   return 0;

@@ -13,7 +13,12 @@
 # from Quern's metrics). Over HTTP a second floor answers in batches
 # (--http-batch, as many at a time as Quern's batches held at that level in
 # the same round): a batching server's clients wait asleep for a batch and
-# each answer wakes one, which a floor answering at once does not pay.
+# each answer wakes one, which a floor answering at once does not pay. A
+# third, the model floor, does the same and runs each batch through the
+# model's ONNX file first (--http-model: the inputs gathered into one batch,
+# ONNX Runtime on one thread): Quern's figure minus that one is its own cost
+# with nothing subtracted for compute (Quern's compute time is the run's wall
+# time, which on one core includes its other threads' turns).
 #
 # The server runs on QUERN_BENCH_SERVER_CPUS (default CPU 0) and the load
 # generator on QUERN_BENCH_CLIENT_CPUS (default: the other CPUs).
@@ -134,6 +139,20 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
       kill "$BATCHED_PID"
       wait "$BATCHED_PID" 2>/dev/null || true
       BATCHED_PID=""
+      # The model floor: the same, and each batch runs through the model
+      # (ONNX Runtime, one thread) before its answers: Quern's figure minus
+      # this one is its own cost with no compute time to subtract.
+      onnx="bench/models/$model/1/model.onnx"
+      [ -f "$onnx" ] || continue
+      taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$BATCHED_PORT" --grpc-port 0 --model "$model" \
+        --input "$in_spec" --output "$out_spec" --http-batch "$batch" --http-model "$onnx" &
+      BATCHED_PID=$!
+      sleep 1
+      # shellcheck disable=SC2086
+      row floor_model "$BATCHED_PID" "$model" http "$c" "$BATCHED_PORT" 0 $shape_args
+      kill "$BATCHED_PID"
+      wait "$BATCHED_PID" 2>/dev/null || true
+      BATCHED_PID=""
     done
   done
   stop_server
@@ -168,9 +187,11 @@ print()
 print("Quern's own cost, µs per request (its server CPU - the floor's - compute per batch / batch); over HTTP")
 print("also against the batching floor (answers sent as many at a time as Quern's batches held); and the")
 print("user time alone (Quern's user CPU - the floor's - compute: the part the host's wake-ups move least):")
-print("| model | protocol | connections | median | range | against the batching floor: median | range | user: median | range |")
-print("|---|---|---:|---:|---|---:|---|---:|---|")
-def own_cost(k, floor_name, column=10):
+print("The model floor runs the same model on batches of the same size (ONNX Runtime, one thread) and")
+print("answers them: against it nothing is subtracted for compute (its total and its user time alone).")
+print("| model | protocol | connections | median | range | against the batching floor: median | range | user: median | range | against the model floor: median | range | user: median | range |")
+print("|---|---|---:|---:|---|---:|---|---:|---|---:|---|---:|---|")
+def own_cost(k, floor_name, column=10, subtract_compute=True):
     model, proto, conns, _ = k
     floors = {r[0]: float(r[column]) for r in by.get((model, proto, conns, floor_name), [])}
     own = []
@@ -178,12 +199,15 @@ def own_cost(k, floor_name, column=10):
         if r[0] not in floors:
             continue
         compute = float(r[11]) / float(r[12]) if r[11] not in ("-", "") and float(r[12]) > 0 else 0.0
-        own.append(float(r[column]) - floors[r[0]] - compute)
+        own.append(float(r[column]) - floors[r[0]] - (compute if subtract_compute else 0.0))
     return f"{statistics.median(own):.1f} | {min(own):.1f} to {max(own):.1f}" if own else ""
 for k in keys:
     if k[3] != "quern":
         continue
     plain = own_cost(k, "floor")
     if plain:
-        print(f"| {k[0]} | {k[1]} | {k[2]} | {plain} | {own_cost(k, 'floor_batched') or '|'} | {own_cost(k, 'floor', 13)} |")
+        model_floor = own_cost(k, "floor_model", subtract_compute=False)
+        model_user = own_cost(k, "floor_model", 13, subtract_compute=False)
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {plain} | {own_cost(k, 'floor_batched') or '|'} | {own_cost(k, 'floor', 13)} "
+              f"| {model_floor or '|'} | {model_user or '|'} |")
 PY
