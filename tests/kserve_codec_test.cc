@@ -211,6 +211,14 @@ TEST(KServeClassification, ParsedFromTheRequestAndRefusedWhenNotACount) {
   }
 }
 
+TEST(KServeClassification, ManyRowsOfNothingAreAnsweredAtOnce) {
+  // A model may return [N, 0]: no values to rank, whatever N is.
+  Tensor t = Tensor::Allocate(DataType::kFp32, {int64_t{1} << 40, 0}, 0);
+  auto c = ClassifyOutput(t, 5, nullptr, "m");
+  ASSERT_TRUE(c.has_value()) << c.error().message();
+  EXPECT_EQ(c->shape(), (Shape{int64_t{1} << 40, 0}));
+}
+
 TEST(KServeClassification, AnOutputAskedTwiceIsClassifiedOnce) {
   KServeOutputFormat format;
   format.classifications = {{"y", 1}, {"y", 2}};

@@ -317,11 +317,16 @@ Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::ve
     return Err(InvalidArgument(std::string(where) + ": classification needs a numeric output, this one is " +
                                std::string(DataTypeName(type))));
   }
+  if (Status st = output.Validate(); !st.ok()) {
+    return Err(InvalidArgument(std::string(where) + ": cannot classify: " + st.message()));
+  }
   const Shape& shape = output.shape();
   const int64_t total = output.element_count();
   const int64_t rows = shape.size() >= 2 ? shape[0] : 1;
   const int64_t per_row = rows > 0 ? total / rows : 0;
   const int64_t k = std::min(count, per_row);
+  // No values (a dimension of 0): nothing to rank, however many rows.
+  if (k == 0) return Tensor::FromStrings(shape.size() >= 2 ? Shape{rows, 0} : Shape{0}, {});
   std::vector<double> values(static_cast<size_t>(per_row));
   std::vector<int64_t> order(static_cast<size_t>(per_row));
   std::vector<std::string> out;

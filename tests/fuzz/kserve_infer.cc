@@ -1,6 +1,7 @@
 // Fuzz target: the KServe v2 infer body (ParseKServeInferBody), JSON alone and
 // JSON followed by binary tensors (Inference-Header-Content-Length), then
-// the parsed inputs written back out as a KServe response.
+// the parsed inputs written back out as a KServe response, and classified
+// (the classification extension) when the request asks for it.
 //
 // Input: byte 0 chooses how the rest is sent:
 //   low two bits 0: the rest is a JSON body, no header;
@@ -12,7 +13,9 @@
 //   bit 2: version 1 instead of "the highest ready version".
 // Inputs run on a small stack (fuzz_util.h): deep nesting overflows early.
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "fuzz_util.h"
 #include "protocol/kserve_codec.h"
@@ -52,6 +55,17 @@ void FuzzOne(const uint8_t* data, size_t size) {
   }
   for (const auto& in : parsed->request.inputs) quern::fuzz::TouchTensor(in.tensor);
   quern::fuzz::WriteBack(parsed->request.inputs, parsed->format);
+  // The classification extension on whatever tensors came in, as if a model
+  // had returned them (any type, any shape, any count asked), with labels.
+  if (!parsed->format.classifications.empty()) {
+    static const auto kLabels =
+        std::make_shared<const std::vector<std::string>>(std::vector<std::string>{"a", "", "c"});
+    const quern::OutputLabels labels = [](const std::string&) { return kLabels; };
+    std::vector<quern::NamedTensor> outputs = parsed->request.inputs;
+    if (quern::ApplyClassifications(outputs, parsed->format, "m", labels).ok()) {
+      for (const auto& o : outputs) quern::fuzz::TouchTensor(o.tensor);
+    }
+  }
 }
 
 }  // namespace
