@@ -9,6 +9,7 @@
 # does not, so Quern's own cost is its CPU outside ONNX Runtime minus the floor's.
 #   bench/cost_by_library.sh [model, default small_cnn] [connections, default 16] [rounds, default 3]
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
+#   QUERN_COST_BIN=path ...     # record that `quern` binary instead (e.g. a copy of the build before a change)
 # Needs root and linux-perf (perf record -p). The model needs an ONNX file in bench/models/MODEL/1.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +25,7 @@ ONNX="bench/models/$MODEL/1/model.onnx"
 command -v perf >/dev/null || { echo "cost_by_library: perf is not installed" >&2; exit 1; }
 # shellcheck source=bench/serve_lib.sh
 source bench/serve_lib.sh
+QUERN="${QUERN_COST_BIN:-$QUERN}"
 cmake --build --preset "$PRESET" --target protocol_floor >/dev/null
 FLOOR="build/$PRESET/bench/protocol_floor"
 mkdir -p "$WORK/repo"

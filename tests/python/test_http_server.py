@@ -324,3 +324,89 @@ def test_response_larger_than_the_socket_takes_is_finished_in_order():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def binary_add_sub_request(a, b, extra_headers=b"", expect=False, pad=5000):
+    """add_sub with binary inputs, the body made kilobytes long by a long request id (`pad` bytes);
+    outputs come back as JSON."""
+    header = json.dumps({"id": "p" * pad, "inputs": [
+        {"name": "INPUT0", "shape": list(a.shape), "datatype": "FP32", "parameters": {"binary_data_size": a.nbytes}},
+        {"name": "INPUT1", "shape": list(b.shape), "datatype": "FP32", "parameters": {"binary_data_size": b.nbytes}}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}},
+                    {"name": "OUTPUT1", "parameters": {"binary_data": False}}]}).encode()
+    body = header + a.tobytes() + b.tobytes()
+    head = (b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + extra_headers +
+            b"Inference-Header-Content-Length: " + str(len(header)).encode() + b"\r\n" +
+            (b"Expect: 100-continue\r\n" if expect else b"") +
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    return head, body
+
+
+def test_requests_alike_and_not_on_one_connection_each_get_their_result():
+    """A connection's request is read with one recvmsg when it looks like the one before (same head and
+    body lengths); every way of differing from it (a longer or shorter head, another body length, a
+    request without a body, two requests at once, a body that comes late, 100-continue) must still
+    frame and answer each request exactly."""
+    proc, port = start_server()
+    try:
+        c = Conn(port)
+        rng = np.random.default_rng(7)
+
+        def check(rows, extra=b"", split=None, pad=5000):
+            a = rng.standard_normal((rows, 4)).astype(np.float32)
+            b = rng.standard_normal((rows, 4)).astype(np.float32)
+            head, body = binary_add_sub_request(a, b, extra, pad=pad)
+            if split is None:
+                c.send(head + body)
+            else:  # the head and part of the body, then the rest a moment later
+                c.send(head + body[:split])
+                time.sleep(0.05)
+                c.send(body[split:])
+            status, _, got = c.response()
+            assert status == 200, got
+            out = json.loads(got)["outputs"]
+            np.testing.assert_allclose(np.array(out[0]["data"], np.float32).reshape(rows, 4), a + b, rtol=1e-6)
+            np.testing.assert_allclose(np.array(out[1]["data"], np.float32).reshape(rows, 4), a - b, rtol=1e-6)
+
+        for _ in range(3):
+            check(8)  # alike: read with one recvmsg after the first
+        check(8, b"X-Longer-Head: " + b"x" * 40 + b"\r\n")  # a longer head
+        check(8, b"X-Longer-Head: " + b"x" * 40 + b"\r\n")
+        check(8)  # a shorter head than the one before
+        check(8, pad=5001)  # another body length, the same head length
+        check(9)  # another body length
+        check(8)
+        check(8, split=1000)  # a body that arrives in two parts
+        check(8, split=10)
+        # A request without a body, then one alike again.
+        c.send(b"GET /v2/models/add_sub HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert c.response()[0] == 200
+        check(8)
+        check(8)
+        # Two requests sent at once: the second's bytes must not be read as the first's.
+        a = np.ones((8, 4), np.float32)
+        first, second = binary_add_sub_request(a, a), binary_add_sub_request(a * 2, a)
+        c.send(first[0] + first[1] + second[0] + second[1])
+        for want in (a + a, a * 2 + a):
+            status, _, got = c.response()
+            assert status == 200
+            np.testing.assert_allclose(np.array(json.loads(got)["outputs"][0]["data"], np.float32).reshape(8, 4), want)
+        c.close()
+        # 100-continue: the head comes alone, the body after the server's go-ahead.
+        c = Conn(port)
+        for _ in range(3):
+            a = rng.standard_normal((8, 4)).astype(np.float32)
+            head, body = binary_add_sub_request(a, a, expect=True)
+            c.send(head)
+            while b"\r\n\r\n" not in c.buf:
+                c._fill()
+            line, c.buf = c.buf.split(b"\r\n\r\n", 1)
+            assert line.startswith(b"HTTP/1.1 100"), line
+            c.send(body)
+            status, _, got = c.response()
+            assert status == 200, got
+            np.testing.assert_allclose(np.array(json.loads(got)["outputs"][0]["data"], np.float32).reshape(8, 4), a + a)
+        c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

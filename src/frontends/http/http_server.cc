@@ -50,6 +50,10 @@ namespace {
 // A chunked body is read in pieces of this size (the read buffer of a
 // connection grows to it only when a request needs it).
 constexpr size_t kMaxReadChunk = 64 * 1024;
+// Bodies from this size on are read with their head when the request before
+// on the connection had the same head and body lengths (ReadLikeTheLast):
+// smaller ones mostly arrive whole in the head's first read anyway.
+constexpr size_t kPredictMinBody = 4096;
 // Connections over the limit are still answered (503) while there are fewer
 // than this many of them; beyond, they are closed without a word.
 constexpr int kMaxRejecting = 64;
@@ -208,6 +212,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void ReadNext() {
     if (closing_ || closed_) return;
     if (discard_ > 0) return SkipBody();
+    body_pre_ = 0;
     parser_.reset();  // the previous request's fields go before their memory is reused
     fields_arena_.release();
     parser_.emplace(std::piecewise_construct, std::make_tuple(), std::make_tuple(FieldsAllocator(&fields_arena_)));
@@ -220,10 +225,88 @@ class Session : public std::enable_shared_from_this<Session> {
     loop_.FollowRefusals(shared_.last_refusal_ns.load(std::memory_order_relaxed), now);
     idle_since_ns_.store(now, std::memory_order_relaxed);
     deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
+    if (ReadLikeTheLast()) return;
+    WithStream([&](auto& stream) {
+      http::async_read_header(stream, buffer_, *parser_, [self = shared_from_this()](beast::error_code ec, size_t n) {
+        self->Predict(ec ? 0 : n);
+        self->OnHeader(ec);
+      });
+    });
+  }
+
+  // After a head of `head_bytes` was read the usual way: a request with a
+  // body of known length (at least kPredictMinBody) lets the next read
+  // expect the same head and body lengths (clients send alike requests).
+  void Predict(size_t head_bytes) {
+    predicted_head_ = predicted_body_ = 0;
+    size_t len = 0;
+    if (head_bytes == 0 || tls_ || parser_->chunked() || !KnownLength(len) || len < kPredictMinBody) return;
+    predicted_head_ = head_bytes;
+    predicted_body_ = len;
+  }
+
+  // Loop thread, from ReadNext: when the last request predicts this one,
+  // reads head and body with one recvmsg, the head into the read buffer
+  // and the body straight into its string (a second recv saved). At most
+  // the predicted bytes are read, so nothing of a following request is.
+  // Whatever the head turns out to be, the bytes go where the usual path
+  // expects them; returns false (nothing read) when the usual read should
+  // run instead.
+  bool ReadLikeTheLast() {
+    const size_t head = predicted_head_, len = predicted_body_;
+    if (head == 0 || tls_ || buffer_.size() > 0) return false;
+    // Room for the body, its contents written below (the length returned is
+    // len: see ReadBody on GCC 12's resize_and_overwrite).
+    body_.resize_and_overwrite(len, [len](char*, size_t) { return len; });
+    const auto area = buffer_.prepare(head);
+    iovec iov[2] = {{area.data(), head}, {body_.data(), len}};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 2;
+    const ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+    if (n <= 0) {
+      body_ = std::string();  // nothing yet, the end or an error: the usual read finds out the same
+      return false;
+    }
+    buffer_.commit(std::min(static_cast<size_t>(n), head));
+    const size_t in_body = static_cast<size_t>(n) > head ? static_cast<size_t>(n) - head : 0;
+    beast::error_code ec;
+    // What the parser takes is consumed (it may take the request line of a
+    // head that is not complete yet, as when Beast reads).
+    const size_t used = parser_->put(buffer_.data(), ec);
+    buffer_.consume(used);
+    if (ec == http::error::need_more) ec = {};
+    size_t got = 0;
+    const bool alike =
+        !ec && parser_->is_header_done() && used == head && !parser_->chunked() && KnownLength(got) && got == len;
+    if (alike) {
+      body_pre_ = in_body;
+      return OnHeader({}), true;
+    }
+    // Not alike: the body's bytes join the head's in the read buffer (a
+    // copy, only on a wrong guess) and the usual path parses them.
+    predicted_head_ = predicted_body_ = 0;
+    if (in_body > 0) {
+      auto more = buffer_.prepare(in_body);
+      std::memcpy(more.data(), body_.data(), in_body);
+      buffer_.commit(in_body);
+    }
+    body_ = std::string();
+    if (ec) return OnHeader(ec), true;
+    if (parser_->is_header_done()) {
+      Predict(used);
+      return OnHeader({}), true;
+    }
+    // The head is not complete yet: Beast reads on from what the buffer
+    // holds (the head's length is what the parser took here and there).
     WithStream([&](auto& stream) {
       http::async_read_header(stream, buffer_, *parser_,
-                              [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+                              [self = shared_from_this(), used](beast::error_code e, size_t m) {
+                                self->Predict(e ? 0 : used + m);
+                                self->OnHeader(e);
+                              });
     });
+    return true;
   }
 
   void OnHeader(beast::error_code ec) {
@@ -296,6 +379,23 @@ class Session : public std::enable_shared_from_this<Session> {
   // Loop thread: reads the body of the request whose head is in request_.
   void ReadBody() {
     size_t len = 0;
+    if (!parser_->chunked() && KnownLength(len) && body_pre_ > 0) {
+      // Read with the head (ReadLikeTheLast): body_ holds len bytes' room
+      // and the first body_pre_ of them.
+      const size_t have = std::exchange(body_pre_, 0);
+      body_by_length_ = true;
+      if (have == len) return Dispatch();
+      WithStream([&](auto& stream) {
+        asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
+                         [self = shared_from_this()](beast::error_code e, size_t) {
+                           if (e == asio::error::eof || e == ssl::error::stream_truncated) {
+                             e = http::error::partial_message;
+                           }
+                           self->OnBody(e);
+                         });
+      });
+      return;
+    }
     if (!parser_->chunked() && KnownLength(len)) {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
@@ -385,9 +485,10 @@ class Session : public std::enable_shared_from_this<Session> {
       // A client that expected "100 Continue" may send its body or not:
       // only closing keeps the connection's bytes in step.
       if (!ExpectsContinue() && !parser_->chunked() && KnownLength(len)) {
-        const size_t have = std::min(len, buffer_.size());
+        const size_t pre = std::min(len, std::exchange(body_pre_, 0));  // read with the head already
+        const size_t have = std::min(len - pre, buffer_.size());
         buffer_.consume(have);
-        discard_ = len - have;
+        discard_ = len - pre - have;
       } else {
         keep_alive_ = false;
       }
@@ -686,7 +787,11 @@ class Session : public std::enable_shared_from_this<Session> {
   std::string request_id_;  // of the request being answered: HttpRequest::request_id
   int64_t access_start_ns_ = 0;
   size_t access_bytes_ = 0;
-  std::string body_;    // a body of known length, read directly
+  std::string body_;     // a body of known length, read directly
+  size_t body_pre_ = 0;  // of it, bytes read with the head (ReadLikeTheLast)
+  // The last request's head and body lengths, when it had a body of known
+  // length worth reading with its head (0: read the usual way).
+  size_t predicted_head_ = 0, predicted_body_ = 0;
   size_t discard_ = 0;  // bytes of a body answered early, still to skip
   bool body_by_length_ = false;
   bool reading_ = false;
