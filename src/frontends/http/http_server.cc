@@ -54,6 +54,9 @@ constexpr size_t kMaxReadChunk = 64 * 1024;
 // on the connection had the same head and body lengths (ReadLikeTheLast):
 // smaller ones mostly arrive whole in the head's first read anyway.
 constexpr size_t kPredictMinBody = 4096;
+// Nor above this size: their copy outweighs the recv saved, and a wrong
+// guess would reserve that much for a request that turns out smaller.
+constexpr size_t kPredictMaxBody = 1 << 20;
 // Connections over the limit are still answered (503) while there are fewer
 // than this many of them; beyond, they are closed without a word.
 constexpr int kMaxRejecting = 64;
@@ -235,12 +238,15 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // After a head of `head_bytes` was read the usual way: a request with a
-  // body of known length (at least kPredictMinBody) lets the next read
-  // expect the same head and body lengths (clients send alike requests).
+  // body of known length (kPredictMinBody to kPredictMaxBody) lets the next
+  // read expect the same head and body lengths (clients send alike requests).
   void Predict(size_t head_bytes) {
     predicted_head_ = predicted_body_ = 0;
     size_t len = 0;
-    if (head_bytes == 0 || tls_ || parser_->chunked() || !KnownLength(len) || len < kPredictMinBody) return;
+    if (head_bytes == 0 || tls_ || parser_->chunked() || !KnownLength(len) || len < kPredictMinBody ||
+        len > kPredictMaxBody) {
+      return;
+    }
     predicted_head_ = head_bytes;
     predicted_body_ = len;
   }
