@@ -167,7 +167,10 @@ def test_a_lone_grpc_stream_is_answered_on_the_grpc_thread(server):
     marks = []
     stream_requests(f"127.0.0.1:{ports['gRPC']}", REQUESTS + 20, 3, started=lambda: marks.append(engine_wakeups(proc.pid)))
     woken = engine_wakeups(proc.pid) - marks[0]
-    assert woken < REQUESTS / 10, f"engine threads woken {woken} times for {REQUESTS} requests of one stream"
+    # Handed to the engine, each request wakes it (311 for 300 before); on a loaded machine a batch
+    # now and then measures over the 1 ms a lent thread may take, and goes to the engine: 40 of 300
+    # were seen with the tests running two at a time. A fifth still tells the two apart.
+    assert woken < REQUESTS / 5, f"engine threads woken {woken} times for {REQUESTS} requests of one stream"
 
 
 def test_grpc_streams_taking_turns_are_handed_to_the_engine(server):
