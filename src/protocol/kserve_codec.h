@@ -36,6 +36,12 @@ struct KServeOutputFormat {
   bool WantsBinary(const std::string& name) const;
 };
 
+// The protocol extensions Quern implements, as server metadata lists them
+// (HTTP GET /v2 and gRPC ServerMetadata alike).
+inline constexpr std::string_view kKServeExtensions[] = {"binary_tensor_data",  "statistics",      "model_repository",
+                                                         "model_configuration", "schedule_policy", "parameters",
+                                                         "classification"};
+
 // KServe's classification extension: the `count` highest values of each row
 // of `output` (its first dimension is the batch when it has two or more;
 // otherwise it is one row), as a BYTES tensor of shape [rows, k] (or [k])

@@ -89,6 +89,10 @@ def test_health_metadata_and_readiness(server):
     assert c.is_model_ready("add_sub")
     assert not c.is_model_ready("no_such_model")
     assert c.get_server_metadata().name == "quern"
+    # The same extensions as over HTTP (GET /v2), classification among them.
+    assert set(c.get_server_metadata().extensions) == {
+        "binary_tensor_data", "statistics", "model_repository", "model_configuration", "schedule_policy",
+        "parameters", "classification"}
     md = c.get_model_metadata("add_sub")
     assert md.name == "add_sub"
     assert [i.name for i in md.inputs] == ["INPUT0", "INPUT1"]

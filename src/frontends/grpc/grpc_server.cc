@@ -25,6 +25,7 @@
 #include "core/mutex.h"
 #include "frontends/grpc/grpc_convert.h"
 #include "grpc_service.grpc.pb.h"
+#include "protocol/kserve_codec.h"
 #include "server/api_keys.h"
 
 namespace quern {
@@ -437,6 +438,7 @@ class Service final : public ServiceBase {
     if (auto* denied = Deny(ctx)) return denied;
     out->set_name("quern");
     out->set_version("0.1.0");
+    for (const std::string_view e : kKServeExtensions) out->add_extensions(std::string(e));
     return Reply(ctx, grpc::Status::OK);
   }
 

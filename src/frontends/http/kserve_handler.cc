@@ -71,10 +71,7 @@ HttpResponse ServerMetadata() {
   w.String("0.1.0");
   w.Key("extensions");
   w.StartArray();
-  for (const char* e : {"binary_tensor_data", "statistics", "model_repository", "model_configuration",
-                        "schedule_policy", "parameters", "classification"}) {
-    w.String(e);
-  }
+  for (const std::string_view e : kKServeExtensions) w.String(e.data(), static_cast<rapidjson::SizeType>(e.size()));
   w.EndArray();
   w.EndObject();
   return Json(200, buf);
