@@ -101,6 +101,22 @@ read -r FLOOR_PORT FLOOR_GRPC_PORT BATCHED_PORT <<< "$(free_ports 3)"
 FLOOR_PID="" BATCHED_PID=""
 trap 'kill $SERVER $FLOOR_PID $BATCHED_PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
+# batched_row NAME [FLOOR FLAGS...]: a floor answering $batch HTTP requests at a
+# time (with the flags given) is started, loaded as row NAME, and stopped.
+batched_row() {
+  local name="$1"
+  shift
+  taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$BATCHED_PORT" --grpc-port 0 --model "$model" \
+    --input "$in_spec" --output "$out_spec" --http-batch "$batch" "$@" &
+  BATCHED_PID=$!
+  sleep 1
+  # shellcheck disable=SC2086
+  row "$name" "$BATCHED_PID" "$model" http "$c" "$BATCHED_PORT" 0 $shape_args
+  kill "$BATCHED_PID"
+  wait "$BATCHED_PID" 2>/dev/null || true
+  BATCHED_PID=""
+}
+
 ROUNDS="${QUERN_BENCH_ROUNDS:-1}"
 for ROUND in $(seq "$ROUNDS"); do
 for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shape x=1,4|" \
@@ -130,29 +146,13 @@ for spec in "identity --shape x=1,4|x:FP32:-1,4|y:FP32:-1,4" "py_identity --shap
       batch=$(tail -2 "$WORK/rows" | awk -F, -v c="$c" \
         '$3 == "http" && $4 == c && $5 == "quern" && $13 != "-" {printf "%d", $13 + 0.5}')
       [ "${batch:-1}" -gt 1 ] || continue
-      taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$BATCHED_PORT" --grpc-port 0 --model "$model" \
-        --input "$in_spec" --output "$out_spec" --http-batch "$batch" &
-      BATCHED_PID=$!
-      sleep 0.5
-      # shellcheck disable=SC2086
-      row floor_batched "$BATCHED_PID" "$model" http "$c" "$BATCHED_PORT" 0 $shape_args
-      kill "$BATCHED_PID"
-      wait "$BATCHED_PID" 2>/dev/null || true
-      BATCHED_PID=""
+      batched_row floor_batched
       # The model floor: the same, and each batch runs through the model
       # (ONNX Runtime, one thread) before its answers: Quern's figure minus
       # this one is its own cost with no compute time to subtract.
       onnx="bench/models/$model/1/model.onnx"
       [ -f "$onnx" ] || continue
-      taskset -c "$SERVER_CPUS" "$FLOOR" --http-port "$BATCHED_PORT" --grpc-port 0 --model "$model" \
-        --input "$in_spec" --output "$out_spec" --http-batch "$batch" --http-model "$onnx" &
-      BATCHED_PID=$!
-      sleep 1
-      # shellcheck disable=SC2086
-      row floor_model "$BATCHED_PID" "$model" http "$c" "$BATCHED_PORT" 0 $shape_args
-      kill "$BATCHED_PID"
-      wait "$BATCHED_PID" 2>/dev/null || true
-      BATCHED_PID=""
+      batched_row floor_model --http-model "$onnx"
     done
   done
   stop_server

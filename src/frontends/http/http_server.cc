@@ -388,19 +388,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!parser_->chunked() && KnownLength(len) && body_pre_ > 0) {
       // Read with the head (ReadLikeTheLast): body_ holds len bytes' room
       // and the first body_pre_ of them.
-      const size_t have = std::exchange(body_pre_, 0);
-      body_by_length_ = true;
-      if (have == len) return Dispatch();
-      WithStream([&](auto& stream) {
-        asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
-                         [self = shared_from_this()](beast::error_code e, size_t) {
-                           if (e == asio::error::eof || e == ssl::error::stream_truncated) {
-                             e = http::error::partial_message;
-                           }
-                           self->OnBody(e);
-                         });
-      });
-      return;
+      return ReadBodyRest(std::exchange(body_pre_, 0), len);
     }
     if (!parser_->chunked() && KnownLength(len)) {
       // A body of known length (already checked against the limit) is read
@@ -414,24 +402,29 @@ class Session : public std::enable_shared_from_this<Session> {
         return len;
       });
       buffer_.consume(have);
-      body_by_length_ = true;
-      if (have == len) return Dispatch();
-      WithStream([&](auto& stream) {
-        asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
-                         [self = shared_from_this()](beast::error_code e, size_t) {
-                           if (e == asio::error::eof || e == ssl::error::stream_truncated) {
-                             e = http::error::partial_message;
-                           }
-                           self->OnBody(e);
-                         });
-      });
-      return;
+      return ReadBodyRest(have, len);
     }
     // Chunked: Beast's parser assembles the body.
     if (buffer_.capacity() < kMaxReadChunk) buffer_.reserve(kMaxReadChunk);
     WithStream([&](auto& stream) {
       http::async_read(stream, buffer_, *parser_,
                        [self = shared_from_this()](beast::error_code e, size_t) { self->OnBody(e); });
+    });
+  }
+
+  // Loop thread: body_ holds room for a body of `len` bytes and its first
+  // `have`; reads the rest straight into it, then dispatches.
+  void ReadBodyRest(size_t have, size_t len) {
+    body_by_length_ = true;
+    if (have == len) return Dispatch();
+    WithStream([&](auto& stream) {
+      asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
+                       [self = shared_from_this()](beast::error_code e, size_t) {
+                         if (e == asio::error::eof || e == ssl::error::stream_truncated) {
+                           e = http::error::partial_message;
+                         }
+                         self->OnBody(e);
+                       });
     });
   }
 
