@@ -219,6 +219,29 @@ TEST(KServeClassification, ManyRowsOfNothingAreAnsweredAtOnce) {
   EXPECT_EQ(c->shape(), (Shape{int64_t{1} << 40, 0}));
 }
 
+TEST(KServeClassification, IntegersRankExactlyAndSmallTypesPrintAsNumbers) {
+  // 2^53 and 2^53 + 1 are one double: ranked as integers, the larger wins.
+  Tensor big = Tensor::From<int64_t>(DataType::kInt64, {2}, std::vector<int64_t>{9007199254740992, 9007199254740993});
+  auto c = ClassifyOutput(big, 1, nullptr, "m");
+  ASSERT_TRUE(c.has_value()) << c.error().message();
+  EXPECT_EQ(StringsOf(*c), (std::vector<std::string>{"9007199254740993:1"}));
+  Tensor bytes = Tensor::From<uint8_t>(DataType::kUint8, {1, 3}, std::vector<uint8_t>{7, 200, 65});
+  auto b = ClassifyOutput(bytes, 2, nullptr, "m");
+  ASSERT_TRUE(b.has_value()) << b.error().message();
+  EXPECT_EQ(StringsOf(*b), (std::vector<std::string>{"200:1", "65:2"}));
+}
+
+TEST(KServeClassification, AnAnswerOfOverAMillionClassesIsRefused) {
+  // Any count is "all of them" beyond the output's size; a row of 2^20 + 1
+  // values would become as many strings.
+  const int64_t n = (int64_t{1} << 20) + 1;
+  Tensor t = Tensor::Allocate(DataType::kFp32, {n}, static_cast<size_t>(n) * 4);
+  auto c = ClassifyOutput(t, INT64_MAX, nullptr, "model 'm' output 'y'");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message().find("at most 1048576"), std::string::npos) << c.error().message();
+  EXPECT_TRUE(ClassifyOutput(t, 5, nullptr, "m").has_value());  // a few of them: fine
+}
+
 TEST(KServeClassification, AnOutputAskedTwiceIsClassifiedOnce) {
   KServeOutputFormat format;
   format.classifications = {{"y", 1}, {"y", 2}};

@@ -287,14 +287,19 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
 
 namespace {
 
+// At most this many classes in one answer (rows x k): a count beyond the
+// output's size means all of it, and an output of millions of values would
+// otherwise become as many strings.
+constexpr int64_t kMaxClassifications = int64_t{1} << 20;
+
 template <typename T>
-double ValueAt(const Tensor& t, int64_t i) {
+T Load(const Tensor& t, int64_t i) {
   T v;
   std::memcpy(&v, reinterpret_cast<const char*>(t.data()) + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
-  return static_cast<double>(v);
+  return v;
 }
 
-// IEEE half / bfloat16 bits to double.
+// IEEE half bits to double.
 double HalfToDouble(uint16_t h) {
   const int exp = (h >> 10) & 0x1f;
   const int mant = h & 0x3ff;
@@ -302,6 +307,69 @@ double HalfToDouble(uint16_t h) {
   if (exp == 0) return sign * std::ldexp(mant, -24);
   if (exp == 31) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * HUGE_VAL;
   return sign * std::ldexp(mant + 1024, exp - 25);
+}
+
+float Bf16ToFloat(uint16_t b) {
+  const uint32_t bits = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The k best of a row's n values key(0..n-1), best first: highest, equal
+// values by index, NaN after every number. Keys compare in their own type
+// (64-bit integers exactly); memory O(k): a heap of the best so far.
+template <typename K, typename KeyAt>
+void TopK(int64_t n, int64_t k, const KeyAt& key, std::vector<int64_t>& best) {
+  const auto before = [&](int64_t a, int64_t b) {  // a ranks before b
+    const K va = key(a), vb = key(b);
+    if constexpr (std::is_floating_point_v<K>) {
+      const bool na = std::isnan(va), nb = std::isnan(vb);
+      if (na != nb) return nb;
+      if (!na && va != vb) return va > vb;
+    } else {
+      if (va != vb) return va > vb;
+    }
+    return a < b;
+  };
+  best.clear();
+  for (int64_t i = 0; i < n; ++i) {  // the heap's top is the worst kept
+    if (static_cast<int64_t>(best.size()) < k) {
+      best.push_back(i);
+      std::push_heap(best.begin(), best.end(), before);
+    } else if (before(i, best.front())) {
+      std::pop_heap(best.begin(), best.end(), before);
+      best.back() = i;
+      std::push_heap(best.begin(), best.end(), before);
+    }
+  }
+  std::sort_heap(best.begin(), best.end(), before);
+}
+
+// Ranks each row of `t` by K keys read with `load(element index)` and
+// writes "<text of the value>:<index>[:<label>]" for the k best.
+template <typename K, typename LoadAt>
+void ClassifyRows(int64_t rows, int64_t per_row, int64_t k, const LoadAt& load, const std::vector<std::string>* labels,
+                  std::vector<std::string>& out) {
+  std::vector<int64_t> best;
+  best.reserve(static_cast<size_t>(k));
+  char num[64];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * per_row;
+    TopK<K>(
+        per_row, k, [&](int64_t i) { return static_cast<K>(load(base + i)); }, best);
+    for (const int64_t idx : best) {
+      const auto v = load(base + idx);
+      std::string s(num, std::to_chars(num, num + sizeof num, v).ptr);
+      s += ':';
+      s += std::to_string(idx);
+      if (labels && idx < static_cast<int64_t>(labels->size()) && !(*labels)[static_cast<size_t>(idx)].empty()) {
+        s += ':';
+        s += (*labels)[static_cast<size_t>(idx)];
+      }
+      out.push_back(std::move(s));
+    }
+  }
 }
 
 }  // namespace
@@ -327,77 +395,34 @@ Result<Tensor> ClassifyOutput(const Tensor& output, int64_t count, const std::ve
   const int64_t k = std::min(count, per_row);
   // No values (a dimension of 0): nothing to rank, however many rows.
   if (k == 0) return Tensor::FromStrings(shape.size() >= 2 ? Shape{rows, 0} : Shape{0}, {});
-  std::vector<double> values(static_cast<size_t>(per_row));
-  std::vector<int64_t> order(static_cast<size_t>(per_row));
+  if (rows * k > kMaxClassifications) {  // rows * k <= total: no overflow
+    return Err(InvalidArgument(std::string(where) + ": classification of " + std::to_string(k) + " classes in " +
+                               std::to_string(rows) + " rows would return " + std::to_string(rows * k) +
+                               " strings; at most " + std::to_string(kMaxClassifications) + " are returned"));
+  }
   std::vector<std::string> out;
   out.reserve(static_cast<size_t>(rows * k));
-  char num[64];
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < per_row; ++i) {
-      const int64_t at = r * per_row + i;
-      double v = 0;
-      switch (type) {
-        case DataType::kBool: v = ValueAt<uint8_t>(output, at) != 0; break;
-        case DataType::kUint8: v = ValueAt<uint8_t>(output, at); break;
-        case DataType::kUint16: v = ValueAt<uint16_t>(output, at); break;
-        case DataType::kUint32: v = ValueAt<uint32_t>(output, at); break;
-        case DataType::kUint64: v = ValueAt<uint64_t>(output, at); break;
-        case DataType::kInt8: v = ValueAt<int8_t>(output, at); break;
-        case DataType::kInt16: v = ValueAt<int16_t>(output, at); break;
-        case DataType::kInt32: v = ValueAt<int32_t>(output, at); break;
-        case DataType::kInt64: v = ValueAt<int64_t>(output, at); break;
-        case DataType::kFp32: v = ValueAt<float>(output, at); break;
-        case DataType::kFp64: v = ValueAt<double>(output, at); break;
-        case DataType::kFp16: v = HalfToDouble(static_cast<uint16_t>(ValueAt<uint16_t>(output, at))); break;
-        case DataType::kBf16: {
-          uint16_t b;
-          std::memcpy(&b, reinterpret_cast<const char*>(output.data()) + at * 2, 2);
-          const uint32_t bits = uint32_t{b} << 16;
-          float f;
-          std::memcpy(&f, &bits, 4);
-          v = f;
-          break;
-        }
-        default: break;
-      }
-      values[static_cast<size_t>(i)] = v;
-      order[static_cast<size_t>(i)] = i;
-    }
-    // Highest first; NaN after every number; equal values by index.
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
-      const double va = values[static_cast<size_t>(a)], vb = values[static_cast<size_t>(b)];
-      const bool na = std::isnan(va), nb = std::isnan(vb);
-      if (na != nb) return nb;
-      if (!na && va != vb) return va > vb;
-      return a < b;
-    });
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t idx = order[static_cast<size_t>(j)];
-      const double v = values[static_cast<size_t>(idx)];
-      std::string s;
-      if (type == DataType::kFp32 || type == DataType::kFp16 || type == DataType::kBf16) {
-        s.assign(num, std::to_chars(num, num + sizeof num, static_cast<float>(v)).ptr);
-      } else if (type == DataType::kFp64) {
-        s.assign(num, std::to_chars(num, num + sizeof num, v).ptr);
-      } else if (type == DataType::kUint64) {
-        uint64_t u;
-        std::memcpy(&u, reinterpret_cast<const char*>(output.data()) + (r * per_row + idx) * 8, 8);
-        s = std::to_string(u);
-      } else if (type == DataType::kInt64) {
-        int64_t u;
-        std::memcpy(&u, reinterpret_cast<const char*>(output.data()) + (r * per_row + idx) * 8, 8);
-        s = std::to_string(u);
-      } else {
-        s = std::to_string(static_cast<int64_t>(v));
-      }
-      s += ':';
-      s += std::to_string(idx);
-      if (labels && idx < static_cast<int64_t>(labels->size()) && !(*labels)[static_cast<size_t>(idx)].empty()) {
-        s += ':';
-        s += (*labels)[static_cast<size_t>(idx)];
-      }
-      out.push_back(std::move(s));
-    }
+  const auto rank = [&](auto key_type, const auto& load) {
+    ClassifyRows<decltype(key_type)>(rows, per_row, k, load, labels, out);
+  };
+  const Tensor& t = output;
+  switch (type) {
+    case DataType::kBool: rank(uint64_t{}, [&](int64_t i) { return uint64_t{Load<uint8_t>(t, i) != 0}; }); break;
+    case DataType::kUint8: rank(uint64_t{}, [&](int64_t i) { return Load<uint8_t>(t, i); }); break;
+    case DataType::kUint16: rank(uint64_t{}, [&](int64_t i) { return Load<uint16_t>(t, i); }); break;
+    case DataType::kUint32: rank(uint64_t{}, [&](int64_t i) { return Load<uint32_t>(t, i); }); break;
+    case DataType::kUint64: rank(uint64_t{}, [&](int64_t i) { return Load<uint64_t>(t, i); }); break;
+    case DataType::kInt8: rank(int64_t{}, [&](int64_t i) { return Load<int8_t>(t, i); }); break;
+    case DataType::kInt16: rank(int64_t{}, [&](int64_t i) { return Load<int16_t>(t, i); }); break;
+    case DataType::kInt32: rank(int64_t{}, [&](int64_t i) { return Load<int32_t>(t, i); }); break;
+    case DataType::kInt64: rank(int64_t{}, [&](int64_t i) { return Load<int64_t>(t, i); }); break;
+    case DataType::kFp32: rank(double{}, [&](int64_t i) { return Load<float>(t, i); }); break;
+    case DataType::kFp64: rank(double{}, [&](int64_t i) { return Load<double>(t, i); }); break;
+    case DataType::kFp16:
+      rank(double{}, [&](int64_t i) { return static_cast<float>(HalfToDouble(Load<uint16_t>(t, i))); });
+      break;
+    case DataType::kBf16: rank(double{}, [&](int64_t i) { return Bf16ToFloat(Load<uint16_t>(t, i)); }); break;
+    default: break;
   }
   Shape result = shape.size() >= 2 ? Shape{rows, k} : Shape{k};
   return Tensor::FromStrings(std::move(result), out);
