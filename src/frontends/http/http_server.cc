@@ -216,6 +216,9 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closing_ || closed_) return;
     if (discard_ > 0) return SkipBody();
     body_pre_ = 0;
+    // A wrong guess of ReadLikeTheLast may have grown the read buffer to a
+    // body's size: an idle connection keeps no more than a read's worth.
+    if (buffer_.size() == 0 && buffer_.capacity() > kMaxReadChunk) buffer_.shrink_to_fit();
     parser_.reset();  // the previous request's fields go before their memory is reused
     fields_arena_.release();
     parser_.emplace(std::piecewise_construct, std::make_tuple(), std::make_tuple(FieldsAllocator(&fields_arena_)));
@@ -240,15 +243,20 @@ class Session : public std::enable_shared_from_this<Session> {
   // After a head of `head_bytes` was read the usual way: a request with a
   // body of known length (kPredictMinBody to kPredictMaxBody) lets the next
   // read expect the same head and body lengths (clients send alike requests).
+  // A prediction is armed by two requests in a row with the same lengths:
+  // a client whose bodies vary (JSON of different sizes) never pays for a
+  // wrong guess.
   void Predict(size_t head_bytes) {
-    predicted_head_ = predicted_body_ = 0;
     size_t len = 0;
     if (head_bytes == 0 || tls_ || parser_->chunked() || !KnownLength(len) || len < kPredictMinBody ||
         len > kPredictMaxBody) {
-      return;
+      len = head_bytes = 0;
     }
-    predicted_head_ = head_bytes;
-    predicted_body_ = len;
+    const bool again = head_bytes > 0 && head_bytes == last_head_ && len == last_body_;
+    last_head_ = head_bytes;
+    last_body_ = len;
+    predicted_head_ = again ? head_bytes : 0;
+    predicted_body_ = again ? len : 0;
   }
 
   // Loop thread, from ReadNext: when the last request predicts this one,
@@ -290,7 +298,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return OnHeader({}), true;
     }
     // Not alike: the body's bytes join the head's in the read buffer (a
-    // copy, only on a wrong guess) and the usual path parses them.
+    // copy, only on a wrong guess) and the usual path parses them; ReadNext
+    // gives back what the buffer grew by once it is empty again.
     predicted_head_ = predicted_body_ = 0;
     if (in_body > 0) {
       auto more = buffer_.prepare(in_body);
@@ -485,6 +494,7 @@ class Session : public std::enable_shared_from_this<Session> {
       // only closing keeps the connection's bytes in step.
       if (!ExpectsContinue() && !parser_->chunked() && KnownLength(len)) {
         const size_t pre = std::min(len, std::exchange(body_pre_, 0));  // read with the head already
+        body_ = std::string();  // that room is not needed while the rest is skipped
         const size_t have = std::min(len - pre, buffer_.size());
         buffer_.consume(have);
         discard_ = len - pre - have;
@@ -791,7 +801,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // The last request's head and body lengths, when it had a body of known
   // length worth reading with its head (0: read the usual way).
   size_t predicted_head_ = 0, predicted_body_ = 0;
-  size_t discard_ = 0;  // bytes of a body answered early, still to skip
+  size_t last_head_ = 0, last_body_ = 0;  // the lengths of the request before (Predict)
+  size_t discard_ = 0;                    // bytes of a body answered early, still to skip
   bool body_by_length_ = false;
   bool reading_ = false;
   bool read_clock_started_ = false;
