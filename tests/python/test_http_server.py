@@ -410,3 +410,32 @@ def test_requests_alike_and_not_on_one_connection_each_get_their_result():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_transfer_encodings_other_than_one_chunked_are_refused(port):
+    """Only `Transfer-Encoding: chunked` frames a body besides Content-Length. A coding list, another
+    coding (with or without a Content-Length) or the field twice could be framed differently by a proxy
+    in front: 400 and the connection closes, so no byte of it is read as a next request."""
+    smuggled = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
+    for te in (b"Transfer-Encoding: gzip\r\nContent-Length: %d\r\n" % len(smuggled),
+               b"Transfer-Encoding: chunked, gzip\r\n",
+               b"Transfer-Encoding: gzip, chunked\r\n",
+               b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+               b"Transfer-Encoding: identity\r\nContent-Length: %d\r\n" % len(smuggled)):
+        c = Conn(port)
+        c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + te + b"\r\n" + smuggled)
+        status, headers, body = c.response()
+        assert status == 400, (te, body)
+        assert b"Transfer-Encoding" in body and headers.get("connection") == "close", (te, body)
+        assert c.closed_by_server(5), te  # nothing more is answered on it
+        c.close()
+    # One "chunked", in any case and with spaces around it, still works.
+    a, b = np.array([1, 2, 3, 4], np.float32), np.array([4, 3, 2, 1], np.float32)
+    body = add_sub_request(a, b).split(b"\r\n\r\n", 1)[1]
+    c = Conn(port)
+    c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding:  Chunked \r\n\r\n" +
+           b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    status, _, resp = c.response()
+    assert status == 200, resp
+    np.testing.assert_allclose(outputs(resp)["OUTPUT0"], a + b)
+    c.close()

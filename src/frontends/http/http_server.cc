@@ -357,6 +357,16 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = msg.keep_alive();
     http10_ = msg.version() == 10;
     head_ = msg.method() == http::verb::head;
+    // Transfer-Encoding: "chunked" alone is read (Beast frames it). Another
+    // coding, a list ("chunked, gzip", "gzip, chunked") or the field twice
+    // leaves the body's length to rules a proxy in front may apply
+    // differently (request smuggling): refused, and the connection closed
+    // (RFC 9112 6.1, 6.3).
+    if (std::string_view bad = UnreadableTransferEncoding(); !bad.empty()) {
+      return Fail(400, "Transfer-Encoding '" + std::string(bad.substr(0, 64)) +
+                           "' is not supported: a request body is sent whole (Content-Length) or as one "
+                           "'Transfer-Encoding: chunked'");
+    }
     // The head alone may settle the request (a key missing, a queue full):
     // answered before a byte of the body is read.
     if (shared_.head_check) {
@@ -381,6 +391,26 @@ class Session : public std::enable_shared_from_this<Session> {
       (void)::send(fd_, kContinue.data(), kContinue.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     ReadBody();
+  }
+
+  // The request's Transfer-Encoding when it is anything but one field
+  // saying "chunked" (any case, spaces around it); empty when absent or fine.
+  std::string_view UnreadableTransferEncoding() const {
+    std::string_view first;
+    int fields = 0;
+    for (const auto& [k, v] : request_.headers) {
+      if (k != "transfer-encoding") continue;
+      if (++fields == 1) first = v;
+    }
+    if (fields == 0) return {};
+    std::string_view t = first;
+    while (!t.empty() && (t.front() == ' ' || t.front() == '\t')) t.remove_prefix(1);
+    while (!t.empty() && (t.back() == ' ' || t.back() == '\t')) t.remove_suffix(1);
+    const bool chunked = t.size() == 7 && std::equal(t.begin(), t.end(), "chunked", [](char a, char b) {
+                           return std::tolower(static_cast<unsigned char>(a)) == b;
+                         });
+    if (fields == 1 && chunked) return {};
+    return first.empty() ? std::string_view("(empty)") : first;
   }
 
   bool ExpectsContinue() const {
