@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace quern {
 namespace {
@@ -60,6 +61,7 @@ namespace {
 // Stateless: shared, so that no stack or pool news an allocator of its own.
 rapidjson::CrtAllocator g_crt;
 constexpr size_t kScratchBytes = 16 * 1024;
+constexpr size_t kKeepReaderBelow = 64 * 1024;
 thread_local std::unique_ptr<char[]> t_scratch;
 thread_local bool t_scratch_in_use = false;
 }  // namespace
@@ -91,7 +93,12 @@ bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonPars
   auto generate = [&](rapidjson::Document& d) {
     DepthLimit handler(d, max_depth);
     rapidjson::MemoryStream ms(data, size);
-    rapidjson::Reader reader(&g_crt);
+    // The reader's stack (where strings are assembled) is kept by the thread
+    // for texts of up to kKeepReaderBelow bytes (it grows to the longest
+    // string's size, bounded by the text's): one allocation less per request.
+    thread_local rapidjson::Reader kept_reader(&g_crt);
+    std::optional<rapidjson::Reader> own_reader;
+    rapidjson::Reader& reader = size <= kKeepReaderBelow ? kept_reader : own_reader.emplace(&g_crt);
     // NaN and Infinity as Python's json module and JavaScript write them.
     // The recursive parser (a sixth fewer instructions than the iterative
     // one on a KServe request's header): the handler stops it at an array

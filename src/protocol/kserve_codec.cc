@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "core/json.h"
+#include "core/memory.h"
 
 namespace quern {
 namespace {
@@ -478,7 +479,17 @@ Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs
 
 Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version, std::string body,
                                          std::string_view json_length) {
-  auto owned = std::make_shared<const std::string>(std::move(body));
+  // The body outlives the request's input views; when the last goes, its
+  // string goes back to the pool the HTTP server receives bodies into.
+  struct PooledBody {
+    explicit PooledBody(std::string&& b) : bytes(std::move(b)) {}
+    ~PooledBody() { GiveBodyBuffer(std::move(bytes)); }
+    PooledBody(const PooledBody&) = delete;
+    PooledBody& operator=(const PooledBody&) = delete;
+    std::string bytes;
+  };
+  auto holder = std::make_shared<PooledBody>(std::move(body));
+  std::shared_ptr<const std::string> owned(holder, &holder->bytes);
   size_t json_size = owned->size();
   if (!json_length.empty()) {
     auto [p, ec] = std::from_chars(json_length.data(), json_length.data() + json_length.size(), json_size);

@@ -22,7 +22,6 @@
 #pragma GCC diagnostic pop
 #endif
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -35,6 +34,7 @@
 
 #include "core/cpus.h"
 #include "core/log.h"
+#include "core/memory.h"
 #include "frontends/http/content_encoding.h"
 
 namespace quern {
@@ -269,9 +269,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool ReadLikeTheLast() {
     const size_t head = predicted_head_, len = predicted_body_;
     if (head == 0 || tls_ || buffer_.size() > 0) return false;
-    // Room for the body, its contents written below (the length returned is
-    // len: see ReadBody on GCC 12's resize_and_overwrite).
-    body_.resize_and_overwrite(len, [len](char*, size_t) { return len; });
+    // Room for the body, its contents written below.
+    body_ = TakeBodyBuffer(len);
     const auto area = buffer_.prepare(head);
     iovec iov[2] = {{area.data(), head}, {body_.data(), len}};
     msghdr msg{};
@@ -279,7 +278,7 @@ class Session : public std::enable_shared_from_this<Session> {
     msg.msg_iovlen = 2;
     const ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
     if (n <= 0) {
-      body_ = std::string();  // nothing yet, the end or an error: the usual read finds out the same
+      GiveBodyBuffer(std::move(body_));  // nothing yet, the end or an error: the usual read finds out the same
       return false;
     }
     buffer_.commit(std::min(static_cast<size_t>(n), head));
@@ -306,7 +305,7 @@ class Session : public std::enable_shared_from_this<Session> {
       std::memcpy(more.data(), body_.data(), in_body);
       buffer_.commit(in_body);
     }
-    body_ = std::string();
+    GiveBodyBuffer(std::move(body_));
     if (ec) return OnHeader(ec), true;
     if (parser_->is_header_done()) {
       Predict(used);
@@ -433,13 +432,8 @@ class Session : public std::enable_shared_from_this<Session> {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
       const size_t have = std::min(len, buffer_.size());
-      // Returns `len`, not the size handed to the lambda: GCC 12's libstdc++
-      // passes the grown capacity there when it reallocates (bodies of 16-29
-      // bytes came out 30 bytes long, the tail uninitialised).
-      body_.resize_and_overwrite(len, [&](char* p, size_t) {
-        if (have > 0) std::memcpy(p, buffer_.data().data(), have);
-        return len;
-      });
+      body_ = TakeBodyBuffer(len);  // every byte written: these and the rest read below
+      if (have > 0) std::memcpy(body_.data(), buffer_.data().data(), have);
       buffer_.consume(have);
       return ReadBodyRest(have, len);
     }
@@ -506,10 +500,15 @@ class Session : public std::enable_shared_from_this<Session> {
     Respond(std::move(r));
   }
 
-  // The request's Content-Length, when it has one that parses.
+  // The request's Content-Length, when its head is parsed and has one: the
+  // value the parser frames the body by (it checked the field, repeats and
+  // lists included), not a second reading of the field (a lookup by name).
   bool KnownLength(size_t& len) const {
-    const auto field = parser_->get()[http::field::content_length];
-    return !field.empty() && std::from_chars(field.data(), field.data() + field.size(), len).ec == std::errc();
+    if (!parser_->is_header_done()) return false;
+    const auto n = parser_->content_length();
+    if (!n) return false;
+    len = static_cast<size_t>(*n);
+    return true;
   }
 
   // Loop thread: answers from the request's head; the body (if any) is not
@@ -524,7 +523,7 @@ class Session : public std::enable_shared_from_this<Session> {
       // only closing keeps the connection's bytes in step.
       if (!ExpectsContinue() && !parser_->chunked() && KnownLength(len)) {
         const size_t pre = std::min(len, std::exchange(body_pre_, 0));  // read with the head already
-        body_ = std::string();  // that room is not needed while the rest is skipped
+        GiveBodyBuffer(std::move(body_));  // that room is not needed while the rest is skipped
         const size_t have = std::min(len - pre, buffer_.size());
         buffer_.consume(have);
         discard_ = len - pre - have;
@@ -571,7 +570,10 @@ class Session : public std::enable_shared_from_this<Session> {
     } else {
       req.body = std::move(parser_->get().body());
     }
-    cancel_ = std::make_shared<CancellationToken>();
+    // The previous request's token is reused once nothing else holds it
+    // (its answer is out; the engine may still hold it a moment longer):
+    // the count read as 1 means no other owner is left to cancel or read it.
+    if (!cancel_ || cancel_.use_count() != 1 || cancel_->cancelled()) cancel_ = std::make_shared<CancellationToken>();
     req.cancel = cancel_;
     req.lone_client = loop_.last_client == this;
     loop_.last_client = this;

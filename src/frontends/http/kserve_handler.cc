@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include "core/json.h"
 #include "core/log.h"
@@ -20,6 +21,36 @@ namespace quern {
 namespace {
 
 using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
+
+// What an infer answer is written with, kept by each thread that answers
+// (its buffer, the writer's level stack and the list of binary parts cost
+// three allocations each time otherwise). Used from Clear to the copy into
+// the response, which happens before the response is handed on (an answer
+// given inline may lead, on this thread, to the next request's answer).
+class AnswerScratch {
+ public:
+  static AnswerScratch& ForThisThread() {
+    thread_local std::optional<AnswerScratch> scratch;
+    // A large answer's room is not kept: a thread holds at most kKeepBytes.
+    if (!scratch || scratch->buf_.GetSize() > kKeepBytes) scratch.emplace();
+    scratch->buf_.Clear();
+    scratch->writer_.Reset(scratch->buf_);
+    scratch->binary_parts_.clear();
+    return *scratch;
+  }
+  AnswerScratch() : buf_(SharedCrtAllocator(), 1024), writer_(buf_, SharedCrtAllocator()) {}
+  AnswerScratch(const AnswerScratch&) = delete;  // the writer points at buf_
+  AnswerScratch& operator=(const AnswerScratch&) = delete;
+  rapidjson::StringBuffer& buf() { return buf_; }
+  Writer& writer() { return writer_; }
+  std::vector<const Tensor*>& binary_parts() { return binary_parts_; }
+
+ private:
+  static constexpr size_t kKeepBytes = 64 << 10;
+  rapidjson::StringBuffer buf_;
+  Writer writer_;
+  std::vector<const Tensor*> binary_parts_;
+};
 
 HttpResponse Json(int status, const rapidjson::StringBuffer& buf) {
   HttpResponse r;
@@ -194,7 +225,7 @@ const char* AllowedMethod(const TargetPath& parts) {
   if (n >= 5 && parts[3] == "versions") next = 5;
   if (n == next) return "GET";
   if (n != next + 1) return nullptr;
-  const std::string& action = parts[next];
+  const std::string_view action = parts[next];
   if (action == "ready" || action == "stats" || action == "config") return "GET";
   if (action == "infer") return "POST";
   return nullptr;
@@ -246,6 +277,10 @@ std::string PercentDecode(std::string_view s) {
 TargetPath SplitTargetPath(std::string_view target) {
   if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
   TargetPath parts;
+  // Decoding never lengthens a segment: room for the whole path, reserved
+  // once (past the inline size, so a move keeps the views valid), holds
+  // every decoded segment without moving.
+  if (target.find('%') != std::string_view::npos) parts.decoded_.reserve(std::max<size_t>(target.size(), 32));
   size_t pos = 0;
   while (pos < target.size()) {
     if (target[pos] == '/') {
@@ -255,7 +290,13 @@ TargetPath SplitTargetPath(std::string_view target) {
     size_t end = target.find('/', pos);
     if (end == std::string_view::npos) end = target.size();
     const std::string_view segment = target.substr(pos, end - pos);
-    parts.push_back(segment.find('%') == std::string_view::npos ? std::string(segment) : PercentDecode(segment));
+    if (segment.find('%') == std::string_view::npos) {
+      parts.segments_.push_back(segment);
+    } else {
+      const size_t at = parts.decoded_.size();
+      parts.decoded_ += PercentDecode(segment);
+      parts.segments_.push_back(std::string_view(parts.decoded_).substr(at));
+    }
     pos = end;
   }
   return parts;
@@ -437,7 +478,7 @@ std::optional<HttpResponse> KServeHandler::CheckHead(const HttpRequest& head) co
     return std::nullopt;
   }
   if (parts[0] != "v2" || parts[1] != "models" || parts.back() != "infer") return std::nullopt;
-  Status st = engine_->CheckAdmission(parts[2], version);
+  Status st = engine_->CheckAdmission(std::string(parts[2]), version);
   if (st.ok()) return std::nullopt;
   return Error(st);
 }
@@ -484,12 +525,11 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
       };
       if (Status st = ApplyClassifications(r.outputs, format, r.model, labels); !st.ok()) return done(Error(st));
     }
-    rapidjson::StringBuffer buf(SharedCrtAllocator(), 1024);  // one allocation for most answers' JSON
-    Writer w(buf, SharedCrtAllocator());
-    std::vector<const Tensor*> binary_parts;
-    Status st = WriteKServeResult(w, format.id, r.model, r.version, r.outputs, format, binary_parts);
+    AnswerScratch& scratch = AnswerScratch::ForThisThread();
+    Status st =
+        WriteKServeResult(scratch.writer(), format.id, r.model, r.version, r.outputs, format, scratch.binary_parts());
     if (!st.ok()) return done(Error(st));
-    done(KServeBody(200, buf, binary_parts));
+    done(KServeBody(200, scratch.buf(), scratch.binary_parts()));
   };
   if (Status st = engine_->InferAsync(std::move(parsed->request), respond); !st.ok()) {
     InferResponse refused;  // the callback is still ours: it answers

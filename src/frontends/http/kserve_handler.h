@@ -31,9 +31,28 @@ HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
 // each percent-decoded: "/v2/models/my%20model/infer?x=1" ->
 // {"v2", "models", "my model", "infer"}. An encoded '/' stays inside its
 // segment; a '%' not followed by two hex digits is kept as it is. Every
-// request's target is split (by the router and its handler): up to 8
-// segments of up to 15 bytes each take no allocation.
-using TargetPath = boost::container::small_vector<std::string, 8>;
+// request's target is split (by the router and its handler), so the
+// segments are views: of the target itself (which must outlive them), or,
+// for a segment with an escape, of the decoded copy this object holds. Up
+// to 8 segments take no allocation; a path without '%' none at all.
+class TargetPath {
+ public:
+  TargetPath() = default;
+  TargetPath(TargetPath&&) = default;  // the decoded copy lives on the heap: its views stay valid
+  TargetPath& operator=(TargetPath&&) = default;
+  TargetPath(const TargetPath&) = delete;  // a copy's views would point into the original
+  TargetPath& operator=(const TargetPath&) = delete;
+
+  size_t size() const { return segments_.size(); }
+  bool empty() const { return segments_.empty(); }
+  std::string_view operator[](size_t i) const { return segments_[i]; }
+  std::string_view back() const { return segments_.back(); }
+
+ private:
+  friend TargetPath SplitTargetPath(std::string_view target);
+  boost::container::small_vector<std::string_view, 8> segments_;
+  std::string decoded_;  // the decoded segments, one after another (reserved once: never moves)
+};
 TargetPath SplitTargetPath(std::string_view target);
 
 // `s` with %XX sequences decoded (others kept as they are).
