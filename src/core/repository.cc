@@ -205,6 +205,25 @@ Result<std::vector<std::string>> ReadLabelFile(const fs::path& model_dir, const 
   return labels;
 }
 
+Result<OutputLabelSet> ReadOutputLabels(const ModelConfig& config, const fs::path& model_dir) {
+  OutputLabelSet set;
+  for (const TensorConfig& o : config.outputs) {
+    if (o.label_filename.empty()) continue;
+    QUERN_ASSIGN_OR_RETURN(
+        auto labels,
+        ReadLabelFile(model_dir, o.label_filename, "model '" + config.name + "' output '" + o.name + "' label file"));
+    set.emplace_back(o.name, std::make_shared<const std::vector<std::string>>(std::move(labels)));
+  }
+  return set;
+}
+
+std::shared_ptr<const std::vector<std::string>> FindOutputLabels(const OutputLabelSet& set, std::string_view output) {
+  for (const auto& [name, labels] : set) {
+    if (name == output) return labels;
+  }
+  return nullptr;
+}
+
 Result<std::vector<std::string>> ListRepositoryModels(const fs::path& repo) {
   std::error_code ec;
   if (!fs::is_directory(repo, ec)) {

@@ -16,8 +16,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/model_config_parser.h"
@@ -64,6 +66,15 @@ Result<std::filesystem::path> ResolveInRepository(const std::filesystem::path& r
 // of at most 16 MiB, or cannot be read.
 Result<std::vector<std::string>> ReadLabelFile(const std::filesystem::path& model_dir,
                                                const std::string& label_filename, const std::string& what);
+
+// The labels of each of `config`'s outputs that names a label file (KServe's
+// classification extension names the classes with them), read from
+// `model_dir`; the first file that cannot be read fails, naming the model
+// and the output. Outputs without a label file are not listed.
+using OutputLabelSet = std::vector<std::pair<std::string, std::shared_ptr<const std::vector<std::string>>>>;
+Result<OutputLabelSet> ReadOutputLabels(const ModelConfig& config, const std::filesystem::path& model_dir);
+// The labels `set` holds for output `output`, or null.
+std::shared_ptr<const std::vector<std::string>> FindOutputLabels(const OutputLabelSet& set, std::string_view output);
 
 // Names of the model folders (sorted); folders whose names fail
 // CheckModelName or that start with '.' are skipped. NOT_FOUND when `repo` is

@@ -59,9 +59,13 @@ std::string Names(const std::vector<TensorConfig>& tensors) {
 }  // namespace
 
 Result<std::shared_ptr<EnsembleModel>> EnsembleModel::Create(ModelConfig config, int64_t version, StepModels models,
-                                                             const Clock* clock) {
+                                                             const Clock* clock,
+                                                             const std::filesystem::path& model_dir) {
   std::shared_ptr<EnsembleModel> m(new EnsembleModel(std::move(config), version, std::move(models), clock));
   QUERN_RETURN_IF_ERROR(m->Plan());
+  if (!model_dir.empty()) {
+    QUERN_ASSIGN_OR_RETURN(m->labels_, ReadOutputLabels(m->config_, model_dir));
+  }
   return m;
 }
 

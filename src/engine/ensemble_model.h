@@ -28,6 +28,7 @@
 // engine threads and submit the steps they make ready from there.
 #pragma once
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "core/repository.h"
 #include "engine/model_statistics.h"
 #include "engine/servable.h"
 #include "quern/clock.h"
@@ -55,8 +57,10 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
 
   // Checks `config` (an ensemble's, already through ValidateModelConfig)
   // against its step models as they are served now.
+  // Its outputs' label files (label_filename) are read from `model_dir`
+  // (the ensemble's own folder, as Triton reads them); none when empty.
   static Result<std::shared_ptr<EnsembleModel>> Create(ModelConfig config, int64_t version, StepModels models,
-                                                       const Clock* clock);
+                                                       const Clock* clock, const std::filesystem::path& model_dir = {});
   ~EnsembleModel() override;
 
   Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) override;
@@ -69,6 +73,9 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   bool stopping() const override;
   const ModelConfig& config() const override { return config_; }
   int64_t version() const override { return version_; }
+  std::shared_ptr<const std::vector<std::string>> OutputLabels(const std::string& output) const override {
+    return FindOutputLabels(labels_, output);
+  }
   ModelStatistics Statistics() const override;
   int64_t in_flight() const override;
 
@@ -107,6 +114,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   void Release();
 
   const ModelConfig config_;
+  OutputLabelSet labels_;  // read by Create
   const int64_t version_;
   const StepModels models_;
   const Clock* clock_;

@@ -224,7 +224,7 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
       return served ? (*served)->CheckAdmission() : served.error();
     };
     QUERN_ASSIGN_OR_RETURN(auto ensemble,
-                           EnsembleModel::Create(std::move(config), v.version, std::move(steps), clock_));
+                           EnsembleModel::Create(std::move(config), v.version, std::move(steps), clock_, m.dir));
     return std::shared_ptr<Servable>(std::move(ensemble));
   }
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;

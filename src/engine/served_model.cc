@@ -96,13 +96,7 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
   // Class labels (KServe's classification extension names them): read once,
   // here; a label file that cannot be read fails the load, as a model file would.
   if (!model_dir.empty()) {
-    for (const TensorConfig& o : m->config_.outputs) {
-      if (o.label_filename.empty()) continue;
-      QUERN_ASSIGN_OR_RETURN(auto labels,
-                             ReadLabelFile(model_dir, o.label_filename,
-                                           "model '" + m->config_.name + "' output '" + o.name + "' label file"));
-      m->labels_.emplace_back(o.name, std::make_shared<const std::vector<std::string>>(std::move(labels)));
-    }
+    QUERN_ASSIGN_OR_RETURN(m->labels_, ReadOutputLabels(m->config_, model_dir));
   }
   QUERN_RETURN_IF_ERROR(m->Warmup(model_dir));
 
@@ -508,10 +502,7 @@ ModelStatistics ServedModel::Statistics() const {
 }
 
 std::shared_ptr<const std::vector<std::string>> ServedModel::OutputLabels(const std::string& output) const {
-  for (const auto& [name, labels] : labels_) {
-    if (name == output) return labels;
-  }
-  return nullptr;
+  return FindOutputLabels(labels_, output);
 }
 
 }  // namespace quern

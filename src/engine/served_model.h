@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "core/repository.h"
 #include "engine/model_statistics.h"
 #include "engine/servable.h"
 #include "quern/clock.h"
@@ -65,7 +66,7 @@ class ServedModel final : public Servable {
 
   const ModelConfig config_;
   // Outputs with a label_filename: their labels, read by Create.
-  std::vector<std::pair<std::string, std::shared_ptr<const std::vector<std::string>>>> labels_;
+  OutputLabelSet labels_;
   const int64_t version_;
   const Clock* clock_;
   std::vector<std::unique_ptr<Model>> instances_;

@@ -271,6 +271,20 @@ def test_classification_names_the_labels_of_the_answering_model(tmp_path):
     (repo / "unlabelled" / "labels.txt").unlink()
     (repo / "unlabelled" / "config.pbtxt").write_text(
         (repo / "labelled" / "config.pbtxt").read_text().replace('"labelled"', '"unlabelled"'))
+    # An ensemble's outputs are named by its own label files (as Triton reads
+    # them), not by its steps'.
+    ensemble = ('name: "NAME" platform: "ensemble" max_batch_size: 8\n'
+                'input [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                'output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 4 ] label_filename: "sum_labels.txt" },\n'
+                '         { name: "DIFF" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                'ensemble_scheduling { step [ { model_name: "labelled" input_map { key: "INPUT0" value: "A" }\n'
+                '  input_map { key: "INPUT1" value: "B" } output_map { key: "OUTPUT0" value: "SUM" }\n'
+                '  output_map { key: "OUTPUT1" value: "DIFF" } } ] }\n')
+    sum_labels = ["cero", "uno", "dos", "tres"]
+    for name in ("labelled_ensemble", "unlabelled_ensemble"):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(ensemble.replace("NAME", name))
+    (repo / "labelled_ensemble" / "sum_labels.txt").write_text("\n".join(sum_labels) + "\n")
     proc, ports = start_quern(QUERN, str(repo))
     try:
         a = np.array([[0.5, 4, 2, 8]], np.float32)
@@ -297,11 +311,30 @@ def test_classification_names_the_labels_of_the_answering_model(tmp_path):
         # An output without a label file: value and index only.
         r = c.infer("labelled", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT1", class_count=1)])
         assert len(str(r.as_numpy("OUTPUT1")[0][0]).split(":")) == 2
+        # The ensemble: its own labels over HTTP and gRPC; an output of it
+        # without a label file gives value and index, though its step's has one.
+        want_sum = [f"{(a + b)[0][i]}:{i}:{sum_labels[i]}" for i in order[:3]]
+        ens = [httpclient.InferInput("A", [1, 4], "FP32"), httpclient.InferInput("B", [1, 4], "FP32")]
+        ens[0].set_data_from_numpy(a)
+        ens[1].set_data_from_numpy(b)
+        r = c.infer("labelled_ensemble", ens, outputs=[httpclient.InferRequestedOutput("SUM", class_count=3),
+                                                       httpclient.InferRequestedOutput("DIFF", class_count=2)])
+        got = [x.decode() if isinstance(x, bytes) else x for x in r.as_numpy("SUM")[0]]
+        assert normal(got) == normal(want_sum), (got, want_sum)
+        assert all(len(str(x).split(":")) == 2 for x in r.as_numpy("DIFF")[0])
+        gens = [grpcclient.InferInput("A", [1, 4], "FP32"), grpcclient.InferInput("B", [1, 4], "FP32")]
+        gens[0].set_data_from_numpy(a)
+        gens[1].set_data_from_numpy(b)
+        r = g.infer("labelled_ensemble", gens, outputs=[grpcclient.InferRequestedOutput("SUM", class_count=3)])
+        assert normal([x.decode() for x in r.as_numpy("SUM")[0]]) == normal(want_sum)
         req = urllib.request.Request(f"http://127.0.0.1:{ports['HTTP']}/v2/repository/index", data=b"{}", method="POST")
         states = {m["name"]: m for m in json.loads(urllib.request.urlopen(req).read())}
         assert states["labelled"]["state"] == "READY"
         assert states["unlabelled"]["state"] == "UNAVAILABLE"
         assert "label file" in states["unlabelled"]["reason"] and "labels.txt" in states["unlabelled"]["reason"]
+        assert states["labelled_ensemble"]["state"] == "READY"
+        assert states["unlabelled_ensemble"]["state"] == "UNAVAILABLE"
+        assert "sum_labels.txt" in states["unlabelled_ensemble"]["reason"], states["unlabelled_ensemble"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
