@@ -13,7 +13,7 @@ class EnsembleModel::Run {
  public:
   uint64_t id = 0;
   InferRequest request;  // without its inputs (they are in `values`)
-  std::vector<int> output_indices;
+  OutputIndices output_indices;
   InferCallback done;
   Mutex mu;
   std::vector<Tensor> values QUERN_GUARDED_BY(mu);

@@ -13,7 +13,7 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 }  // namespace
 
 Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t& items, uint64_t& key,
-                       std::vector<int>& output_indices) {
+                       OutputIndices& output_indices) {
   // Messages are built only for a request that fails (no allocation per
   // request that passes).
   const auto m = [&config] { return "model '" + config.name + "'"; };

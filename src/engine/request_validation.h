@@ -4,8 +4,8 @@
 // and what was expected.
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
-#include <vector>
 
 #include "quern/engine.h"
 #include "quern/model.h"
@@ -13,12 +13,16 @@
 
 namespace quern {
 
+// The outputs a request asked for, as indices into config.outputs: a model
+// of up to 8 outputs needs no allocation per request.
+using OutputIndices = boost::container::small_vector<int, 8>;
+
 // INVALID_ARGUMENT when `request` does not fit `config`. Otherwise sets
 // `items` (rows of the batch dimension; 1 for a model without one), `key`
 // (equal for requests that may share a batch: the same inputs present with
 // the same shapes past the batch dimension) and `output_indices` (the
 // outputs to return, as indices into config.outputs).
 Status ValidateRequest(const ModelConfig& config, const InferRequest& request, int64_t& items, uint64_t& key,
-                       std::vector<int>& output_indices);
+                       OutputIndices& output_indices);
 
 }  // namespace quern

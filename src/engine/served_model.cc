@@ -21,7 +21,7 @@ class ServedModel::Task final : public BatchTask {
   uint64_t id = 0;
   int64_t items = 1;
   uint64_t key = 0;
-  std::vector<int> output_indices;  // indices into config outputs
+  OutputIndices output_indices;  // indices into config outputs
   InferCallback done;
   uint64_t ticket = 0;
   Telemetry telemetry;
