@@ -2,6 +2,7 @@
 // these, testable without a socket; the Beast server only moves bytes.
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -49,7 +50,9 @@ struct HttpResponse {
   // Content types and header names are literals (static storage): a
   // response names them without an allocation.
   std::string_view content_type = "application/json";
-  std::vector<std::pair<std::string_view, std::string>> headers;
+  // Up to two (an infer answer's Inference-Header-Content-Length and an
+  // X-Request-ID) without an allocation.
+  boost::container::small_vector<std::pair<std::string_view, std::string>, 2> headers;
   std::string body;
 };
 
