@@ -568,6 +568,18 @@ struct GatedHarness {
   }
   // Waits (up to 10 s) until `n` batches have started and, with the gate
   // open, finished.
+  // Waits (up to 10 s) until nothing is queued and every batch's end has
+  // been recorded by the batcher (the harness's own count drops a moment
+  // before): a request sent next then meets an idle batcher, whatever the
+  // threads' timing on a loaded machine.
+  bool WaitIdle() {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (batcher->queued() > 0 || batcher->running_tasks() > 0) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+  }
   bool WaitStarted(size_t n) {
     std::unique_lock lock(mu);
     return cv.wait_for(lock, std::chrono::seconds(10), [&] {
@@ -1029,15 +1041,20 @@ TEST(DynamicBatcher, TheWideWorkerRestsWhileItsRunsAreShort) {
   WideHarness h;
   h.run_ns = 100'000;  // 0.1 ms a run: too short to gain from more cores
   size_t n = 0;
+  // Each request is sent once the one before has ended in the batcher too:
+  // one still counted as running when the next run's time passes makes the
+  // load look like two (not light), and the wide worker rightly waits.
   for (; n < static_cast<size_t>(DynamicBatcher::kWideSamples); ++n) {
     h.Send(1);
     ASSERT_TRUE(h.WaitStarted(n + 1));
+    ASSERT_TRUE(h.WaitIdle());
     EXPECT_EQ(h.workers.back(), 2) << n;
   }
   // Lone requests now run on the other workers.
   for (; n < 24; ++n) {
     h.Send(1);
     ASSERT_TRUE(h.WaitStarted(n + 1));
+    ASSERT_TRUE(h.WaitIdle());
     EXPECT_NE(h.workers.back(), 2) << n;
   }
   // Runs of 3 ms (more than twice the threshold) bring it back.
@@ -1046,6 +1063,7 @@ TEST(DynamicBatcher, TheWideWorkerRestsWhileItsRunsAreShort) {
   for (int i = 0; i < 40 && !wide_again; ++i, ++n) {
     h.Send(1);
     ASSERT_TRUE(h.WaitStarted(n + 1));
+    ASSERT_TRUE(h.WaitIdle());
     wide_again = h.workers.back() == 2;
   }
   EXPECT_TRUE(wide_again);

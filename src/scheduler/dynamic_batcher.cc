@@ -397,6 +397,11 @@ size_t DynamicBatcher::queued() const {
   return queue_.size();
 }
 
+int64_t DynamicBatcher::running_tasks() const {
+  MutexLock lock(mu_);
+  return running_tasks_;
+}
+
 double DynamicBatcher::ns_per_item() const {
   MutexLock lock(mu_);
   return ns_per_item_;

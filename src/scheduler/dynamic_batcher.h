@@ -130,6 +130,9 @@ class DynamicBatcher {
   // Whether Shutdown has begun (Schedule refuses everything).
   bool stopping() const;
   size_t queued() const;
+  // Tasks in batches that run now (on workers or callers' threads); a batch
+  // counts until its end has been recorded (time per item, tuners).
+  int64_t running_tasks() const;
   // The measured run time per item (ns, a moving average over recent
   // batches); 0 before the first batch.
   double ns_per_item() const;
