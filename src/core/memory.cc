@@ -48,7 +48,7 @@ void ReturnFreedMemory() {
 
 std::string TakeBodyBuffer(size_t size) {
   std::string s;
-  if (size >= kBodyPoolMinBytes / 2 && size <= kBodyPoolMaxBytes) {
+  if (kBodyPoolOn && size >= kBodyPoolMinBytes / 2 && size <= kBodyPoolMaxBytes) {
     BodyPool& pool = Pool();
     MutexLock lock(pool.mu);
     for (size_t i = pool.kept.size(); i-- > 0;) {
@@ -68,15 +68,24 @@ std::string TakeBodyBuffer(size_t size) {
 }
 
 void GiveBodyBuffer(std::string&& s) {
-  std::string gone = std::move(s);  // freed after the lock when not kept
-  s.clear();                        // `s` is left empty either way
-  const size_t cap = gone.capacity();
-  if (cap < kBodyPoolMinBytes || cap > 2 * kBodyPoolMaxBytes) return;
+  std::string given = std::move(s);
+  s.clear();  // `s` is left empty either way
+  const size_t cap = given.capacity();
+  if (!kBodyPoolOn || cap < kBodyPoolMinBytes || cap > 2 * kBodyPoolMaxBytes) return;
+  std::vector<std::string> evicted;  // freed after the lock
   BodyPool& pool = Pool();
   MutexLock lock(pool.mu);
-  if (pool.kept.size() >= kBodyPoolStrings || pool.bytes + cap > kBodyPoolBytes) return;
+  // The newest is kept, the oldest make room: strings of sizes the traffic
+  // no longer sends (a burst of other sizes) do not hold the pool for good.
+  size_t oldest = 0;
+  while (oldest < pool.kept.size() &&
+         (pool.kept.size() - oldest >= kBodyPoolStrings || pool.bytes + cap > kBodyPoolBytes)) {
+    pool.bytes -= pool.kept[oldest].capacity();
+    evicted.push_back(std::move(pool.kept[oldest++]));
+  }
+  pool.kept.erase(pool.kept.begin(), pool.kept.begin() + static_cast<std::ptrdiff_t>(oldest));
   pool.bytes += cap;
-  pool.kept.push_back(std::move(gone));
+  pool.kept.push_back(std::move(given));
 }
 
 BodyPoolUse BodyPoolInUse() {

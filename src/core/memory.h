@@ -19,7 +19,21 @@ void ReturnFreedMemory();
 // glibc's large-chunk path on each malloc and free (bins searched, the small
 // free lists merged first); a client sends alike requests, so the last
 // string given back is the likeliest to fit, and its memory is still warm.
-// Bounded: at most kBodyPoolBytes and kBodyPoolStrings kept; thread-safe.
+// Bounded: at most kBodyPoolBytes and kBodyPoolStrings kept (the oldest
+// make room for the newest); thread-safe. Off in AddressSanitizer builds, so
+// that a view that outlived its body is found there (a kept string would
+// stay readable, with another request's bytes in it).
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kBodyPoolOn = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kBodyPoolOn = false;
+#else
+inline constexpr bool kBodyPoolOn = true;
+#endif
+#else
+inline constexpr bool kBodyPoolOn = true;
+#endif
 inline constexpr size_t kBodyPoolMinBytes = size_t{4} << 10;
 inline constexpr size_t kBodyPoolMaxBytes = size_t{1} << 20;
 inline constexpr size_t kBodyPoolBytes = size_t{8} << 20;

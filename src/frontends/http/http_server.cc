@@ -432,7 +432,10 @@ class Session : public std::enable_shared_from_this<Session> {
       // A body of known length (already checked against the limit) is read
       // straight into the request's string: one copy, from the kernel.
       const size_t have = std::min(len, buffer_.size());
-      body_ = TakeBodyBuffer(len);  // every byte written: these and the rest read below
+      // Every byte written: these and the rest read below. (Room taken with
+      // the head but not filled, as after 100-continue, goes back first.)
+      GiveBodyBuffer(std::move(body_));
+      body_ = TakeBodyBuffer(len);
       if (have > 0) std::memcpy(body_.data(), buffer_.data().data(), have);
       buffer_.consume(have);
       return ReadBodyRest(have, len);

@@ -24,19 +24,25 @@ using Writer = rapidjson::Writer<rapidjson::StringBuffer>;
 
 // What an infer answer is written with, kept by each thread that answers
 // (its buffer, the writer's level stack and the list of binary parts cost
-// three allocations each time otherwise). Used from Clear to the copy into
-// the response, which happens before the response is handed on (an answer
-// given inline may lead, on this thread, to the next request's answer).
+// three allocations each time otherwise). Used from ForThisThread to the
+// copy into the response, then Release, both before the response is handed
+// on (an answer given inline may lead, on this thread, to the next
+// request's answer).
 class AnswerScratch {
  public:
   static AnswerScratch& ForThisThread() {
-    thread_local std::optional<AnswerScratch> scratch;
-    // A large answer's room is not kept: a thread holds at most kKeepBytes.
-    if (!scratch || scratch->buf_.GetSize() > kKeepBytes) scratch.emplace();
+    std::optional<AnswerScratch>& scratch = Slot();
+    if (!scratch) scratch.emplace();
     scratch->buf_.Clear();
     scratch->writer_.Reset(scratch->buf_);
     scratch->binary_parts_.clear();
     return *scratch;
+  }
+  // A large answer's room is given back at once: a thread keeps at most
+  // about kKeepBytes between answers, however large the last one was.
+  static void Release() {
+    std::optional<AnswerScratch>& scratch = Slot();
+    if (scratch && scratch->buf_.GetSize() > kKeepBytes) scratch.reset();
   }
   AnswerScratch() : buf_(SharedCrtAllocator(), 1024), writer_(buf_, SharedCrtAllocator()) {}
   AnswerScratch(const AnswerScratch&) = delete;  // the writer points at buf_
@@ -46,6 +52,10 @@ class AnswerScratch {
   std::vector<const Tensor*>& binary_parts() { return binary_parts_; }
 
  private:
+  static std::optional<AnswerScratch>& Slot() {
+    thread_local std::optional<AnswerScratch> scratch;
+    return scratch;
+  }
   static constexpr size_t kKeepBytes = 64 << 10;
   rapidjson::StringBuffer buf_;
   Writer writer_;
@@ -528,8 +538,9 @@ void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest
     AnswerScratch& scratch = AnswerScratch::ForThisThread();
     Status st =
         WriteKServeResult(scratch.writer(), format.id, r.model, r.version, r.outputs, format, scratch.binary_parts());
-    if (!st.ok()) return done(Error(st));
-    done(KServeBody(200, scratch.buf(), scratch.binary_parts()));
+    HttpResponse answer = st.ok() ? KServeBody(200, scratch.buf(), scratch.binary_parts()) : Error(st);
+    AnswerScratch::Release();
+    done(std::move(answer));
   };
   if (Status st = engine_->InferAsync(std::move(parsed->request), respond); !st.ok()) {
     InferResponse refused;  // the callback is still ours: it answers
