@@ -1166,5 +1166,196 @@ TEST(DynamicBatcher, ShutdownWaitsForSharedRuns) {
   EXPECT_TRUE(returned.load());
 }
 
+// A loop that lends its thread (LoopLender): a model with short measured
+// batches and one worker, on a FakeClock; each batch's run moves the clock by
+// its cost and records where it ran.
+struct LentModel {
+  FakeClock clock;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<std::vector<int>, std::thread::id>> batches;
+  std::atomic<int64_t> cost_ns{100'000};  // per item
+  std::unique_ptr<DynamicBatcher> batcher;
+
+  explicit LentModel(int64_t delay_ns = 0) {
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = 8;
+    o.queue.max_queue_delay_ns = delay_ns;
+    o.clock = &clock;
+    batcher = std::move(*DynamicBatcher::Create(
+        o,
+        [this](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+          clock.AdvanceNs(cost_ns.load() * static_cast<int64_t>(batch.size()));
+          std::vector<int> ids;
+          for (const auto& t : batch) ids.push_back(static_cast<const Item&>(*t).id);
+          std::lock_guard lock(mu);
+          batches.emplace_back(ids, std::this_thread::get_id());
+          cv.notify_all();
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {}));
+  }
+  Status Schedule(int id, bool loop_may_run) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    ScheduleOptions so;
+    so.loop_may_run = loop_may_run;
+    return batcher->Schedule(t, so);
+  }
+  bool WaitBatches(size_t n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return batches.size() >= n; });
+  }
+  size_t Batches() {
+    std::lock_guard lock(mu);
+    return batches.size();
+  }
+  // The first batch, on the worker (nothing measured before it).
+  void Measure() {
+    ASSERT_TRUE(Schedule(0, /*loop_may_run=*/true).ok());
+    ASSERT_TRUE(WaitBatches(1));
+    for (int i = 0; i < 2000 && batcher->ns_per_item() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_GT(batcher->ns_per_item(), 0);
+  }
+};
+
+TEST(LoopLender, TheLoopRunsTheBatchItQueuedOnItsOwnThreadAndWakesNoWorker) {
+  LentModel m;
+  {
+    LoopLender lender;
+    m.Measure();  // before any measurement the worker runs it, lender or not
+    EXPECT_NE(m.batches[0].second, std::this_thread::get_id());
+    for (int id = 1; id <= 3; ++id) ASSERT_TRUE(m.Schedule(id, true).ok());
+    EXPECT_EQ(lender.listed(), 1u);
+    // The worker is not woken and leaves the queue to the loop (fake time stands still).
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT_EQ(m.Batches(), 1u);
+    EXPECT_EQ(m.batcher->queued(), 3u);
+    int64_t wait_ns = 0;
+    EXPECT_TRUE(lender.RunDue(&wait_ns));
+    ASSERT_EQ(m.Batches(), 2u);
+    EXPECT_EQ(m.batches[1].first, (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(m.batches[1].second, std::this_thread::get_id());
+    EXPECT_EQ(m.batcher->lent_batches(), 1);
+    EXPECT_EQ(lender.listed(), 0u) << "nothing queued: the model is no longer listed";
+    EXPECT_FALSE(lender.RunDue(&wait_ns));
+    EXPECT_EQ(wait_ns, -1);
+    // Paused, the loop lends nothing: the worker runs what it queues.
+    lender.set_paused(true);
+    ASSERT_TRUE(m.Schedule(4, true).ok());
+    ASSERT_TRUE(m.WaitBatches(3));
+    EXPECT_NE(m.batches[2].second, std::this_thread::get_id());
+    EXPECT_EQ(lender.listed(), 0u);
+  }
+  // Without a lender, or for a task the caller did not offer, the worker runs it.
+  ASSERT_TRUE(m.Schedule(5, true).ok());
+  ASSERT_TRUE(m.WaitBatches(4));
+  EXPECT_NE(m.batches[3].second, std::this_thread::get_id());
+  m.batcher->Shutdown();
+}
+
+TEST(LoopLender, TheLoopKeepsTheBatchingDelay) {
+  LentModel m(/*delay_ns=*/5'000'000);
+  LoopLender lender;
+  ASSERT_TRUE(m.Schedule(0, true).ok());  // the worker's, after its delay
+  m.clock.AdvanceNs(5'000'000);
+  m.batcher->Kick();
+  ASSERT_TRUE(m.WaitBatches(1));
+  for (int i = 0; i < 2000 && m.batcher->ns_per_item() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GT(m.batcher->ns_per_item(), 0);
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  m.clock.AdvanceNs(1'000'000);
+  ASSERT_TRUE(m.Schedule(2, true).ok());
+  int64_t wait_ns = 0;
+  EXPECT_FALSE(lender.RunDue(&wait_ns));
+  EXPECT_EQ(wait_ns, 4'000'000) << "the oldest leaves 5 ms after it was queued";
+  EXPECT_EQ(lender.listed(), 1u);
+  m.clock.AdvanceNs(4'000'000);
+  EXPECT_TRUE(lender.RunDue(&wait_ns));
+  ASSERT_EQ(m.Batches(), 2u);
+  EXPECT_EQ(m.batches[1].first, (std::vector<int>{1, 2}));
+  EXPECT_EQ(m.batches[1].second, std::this_thread::get_id());
+  m.batcher->Shutdown();
+}
+
+TEST(LoopLender, AWorkerTakesWhatTheLoopDoesNotLookAtInTime) {
+  LentModel m;
+  LoopLender lender;
+  m.Measure();
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(m.Batches(), 1u);
+  m.clock.AdvanceNs(DynamicBatcher::kLendGraceNs);  // the loop, busy elsewhere, never looked
+  m.batcher->Kick();
+  ASSERT_TRUE(m.WaitBatches(2));
+  EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
+  int64_t wait_ns = 0;
+  EXPECT_FALSE(lender.RunDue(&wait_ns));
+  EXPECT_EQ(lender.listed(), 0u);
+  m.batcher->Shutdown();
+}
+
+TEST(LoopLender, WorkFromAnotherThreadWakesTheWorkerWhichTakesTheLoopsToo) {
+  LentModel m;
+  LoopLender lender;
+  m.Measure();
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  std::thread other([&] { ASSERT_TRUE(m.Schedule(2, /*loop_may_run=*/false).ok()); });
+  other.join();
+  ASSERT_TRUE(m.WaitBatches(2));
+  EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
+  size_t items = m.batches[1].first.size();
+  if (items < 2) {
+    ASSERT_TRUE(m.WaitBatches(3));  // the worker may have taken the first before the second came
+    items += m.batches[2].first.size();
+    EXPECT_NE(m.batches[2].second, std::this_thread::get_id());
+  }
+  EXPECT_EQ(items, 2u);
+  m.batcher->Shutdown();
+}
+
+TEST(LoopLender, LongBatchesAreLeftToTheWorkers) {
+  LentModel m;
+  m.cost_ns = 5'000'000;  // 5 ms per item: over kLoopLendBelowNs
+  LoopLender lender;
+  m.Measure();
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  EXPECT_EQ(lender.listed(), 0u);
+  ASSERT_TRUE(m.WaitBatches(2));
+  EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
+  m.batcher->Shutdown();
+}
+
+TEST(LoopLender, AModelThatStopsIsForgottenAndItsQueueIsRun) {
+  auto m = std::make_unique<LentModel>();
+  LoopLender lender;
+  m->Measure();
+  ASSERT_TRUE(m->Schedule(1, true).ok());
+  ASSERT_EQ(lender.listed(), 1u);
+  m->batcher->Shutdown();  // the worker runs what is queued: nothing is lost
+  ASSERT_EQ(m->Batches(), 2u);
+  EXPECT_EQ(m->batches[1].first, std::vector<int>{1});
+  m.reset();  // the batcher is gone; the lender still lists its slot
+  int64_t wait_ns = 0;
+  EXPECT_FALSE(lender.RunDue(&wait_ns));
+  EXPECT_EQ(lender.listed(), 0u);
+}
+
+TEST(LoopLender, ALenderThatEndsLeavesItsQueuesToTheWorkers) {
+  LentModel m;
+  m.Measure();
+  {
+    LoopLender lender;
+    ASSERT_TRUE(m.Schedule(1, true).ok());
+    ASSERT_EQ(lender.listed(), 1u);
+  }
+  ASSERT_TRUE(m.WaitBatches(2));
+  EXPECT_EQ(m.batches[1].first, std::vector<int>{1});
+  EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
+  m.batcher->Shutdown();
+}
+
 }  // namespace
 }  // namespace quern

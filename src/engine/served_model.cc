@@ -241,12 +241,15 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.in_model = in_model;
   // A lent thread (InferRequest::lend_thread) is taken only where its run is
   // short and bounded: ONNX models, small inputs; the batcher checks the rest.
-  if (!run_here && task->request.lend_thread && config_.backend == "onnxruntime") {
+  // A lending loop's thread (LoopLender) likewise, later, for its batches.
+  if (!run_here && (task->request.lend_thread || LoopLender::Current() != nullptr) &&
+      config_.backend == "onnxruntime") {
     size_t bytes = 0;
     for (const auto& in : task->request.inputs) bytes += in.tensor.byte_size();
     if (bytes <= InferRequest::kLendMaxBytes) {
-      so.run_here = true;
+      so.run_here = task->request.lend_thread;
       so.run_here_below_ns = InferRequest::kLendBelowNs;
+      so.loop_may_run = true;
     }
   }
   so.run_here = so.run_here || run_here;

@@ -95,6 +95,10 @@ struct ScheduleOptions {
   // For a caller that would not otherwise wait (an asynchronous front end's
   // thread lending itself briefly). 0 = no bound.
   int64_t run_here_below_ns = 0;
+  // The calling thread's loop may run the task's batch later (a LoopLender;
+  // DynamicBatcher): set where that run is bounded (an ONNX model, inputs
+  // of usual size).
+  bool loop_may_run = false;
 };
 
 class BatchQueue {

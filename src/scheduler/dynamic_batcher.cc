@@ -47,6 +47,10 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
     b->waiting_.assign(static_cast<size_t>(options.num_workers), 0);
     b->shared_on_.assign(static_cast<size_t>(options.num_workers), 0);
   }
+  {
+    MutexLock lock(b->lend_slot_->mu);
+    b->lend_slot_->batcher = b.get();
+  }
   b->workers_.reserve(options.num_workers);
   for (int i = 0; i < options.num_workers; ++i) {
     b->workers_.emplace_back([raw = b.get(), i] {
@@ -104,7 +108,23 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
         ++callers_running_;
       }
     }
-    if (claimed < 0 || !queue_.empty()) {
+    // A lending loop takes the batch later, on its thread: no worker is woken.
+    bool lent = false;
+    if (claimed < 0 && options.loop_may_run && LoopMayRunLocked()) {
+      if (LoopLender* lender = LoopLender::Current(); lender != nullptr) {
+        // The grace runs from the listing or the loop's last look, not from
+        // each arrival: a loop too busy to look (a flood of events) leaves
+        // its queue to the workers.
+        if (lender->Add(lend_slot_)) {
+          ++lenders_;
+          lend_until_ns_ = now + kLendGraceNs;
+        }
+        lent = true;
+      }
+    }
+    // Work from elsewhere is the workers' (they take the loops' with it).
+    if (!lent && lenders_ > 0) lend_until_ns_ = 0;
+    if (!lent && (claimed < 0 || !queue_.empty())) {
       // Only a worker that may take the queue's work is woken: the wide one
       // while the load is light, else a free one of the others. One that
       // may not take it now is left asleep: the worker that finishes a
@@ -121,6 +141,73 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   }
   if (claimed >= 0) RunHere(claimed, std::move(here), shared, /*tune=*/options.run_here_below_ns <= 0);
   return Status::Ok();
+}
+
+bool DynamicBatcher::LoopMayRunLocked() const {
+  if (stopping_ || wide_ || ns_per_item_ <= 0) return false;
+  const auto items = static_cast<double>(std::min(queue_.items(), queue_.batch_limit()));
+  return ns_per_item_ * items < kLoopLendBelowNs;
+}
+
+void DynamicBatcher::DropLenderLocked() {
+  --lenders_;
+  if (!queue_.empty() && busy_workers_ < narrow_workers() && MayTake(false)) WakeNarrowLocked();
+}
+
+DynamicBatcher::LendOutcome DynamicBatcher::LendRun() {
+  LendOutcome out;
+  MutexLock lock(mu_);
+  const int claimed = queue_.empty() || !LoopMayRunLocked() ? -1 : ClaimLocked(/*wide_ok=*/false);
+  if (claimed < 0) {  // nothing queued, or left to the workers (a busy one looks after its batch)
+    DropLenderLocked();
+    return out;
+  }
+  int64_t now = clock_->NowNs();
+  lend_until_ns_ = now + kLendGraceNs;
+  BatchQueue::Decision d = queue_.Next(now, /*flush=*/SendNowLocked(), narrow_workers() - busy_workers_);
+  if (d.batch.empty() && d.dropped.empty()) {
+    out.keep = true;
+    out.wait_ns = d.wake_at_ns > 0 ? std::max<int64_t>(d.wake_at_ns - now, 0) : -1;
+    return out;
+  }
+  const auto tasks = static_cast<int64_t>(d.batch.size());
+  BeginLocked(claimed, d, now, /*shared=*/false);
+  ++callers_running_;
+  if (!d.batch.empty()) ++lent_batches_;
+  lock.Unlock();
+  for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
+  int64_t ran_ns = 0;
+  if (!d.batch.empty()) {
+    const int64_t start = clock_->NowNs();
+    processor_(claimed, std::move(d.batch));
+    ran_ns = clock_->NowNs() - start;
+  }
+  lock.Lock();
+  EndLocked(claimed, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
+  if (--callers_running_ == 0) callers_cv_.SignalAll();
+  out.ran = true;
+  now = clock_->NowNs();
+  lend_until_ns_ = now + kLendGraceNs;
+  if (stopping_) {
+    SignalAllLocked();
+    --lenders_;
+  } else if (queue_.empty()) {
+    --lenders_;
+  } else {
+    out.keep = true;
+    out.wait_ns = 0;
+  }
+  return out;
+}
+
+void DynamicBatcher::LendEnd() {
+  MutexLock lock(mu_);
+  DropLenderLocked();
+}
+
+int64_t DynamicBatcher::lent_batches() const {
+  MutexLock lock(mu_);
+  return lent_batches_;
 }
 
 bool DynamicBatcher::RunsBriefly(int64_t below_ns) const {
@@ -377,6 +464,12 @@ void DynamicBatcher::Kick() {
 
 void DynamicBatcher::Shutdown() {
   {
+    // Lending loops that list this model look no further (one running its
+    // batch now is waited for below).
+    MutexLock lock(lend_slot_->mu);
+    lend_slot_->batcher = nullptr;
+  }
+  {
     MutexLock lock(mu_);
     if (stopping_ && workers_.empty()) return;
     stopping_ = true;
@@ -455,6 +548,16 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (stopping_ && queue_.empty()) break;
     int64_t wake_at_ns = 0;
     int64_t now = 0;
+    if (instance_free && !stopping_ && lenders_ > 0 && !queue_.empty()) {
+      // A lending loop takes the queue; this worker only if it stops looking.
+      now = clock_->NowNs();
+      if (now < lend_until_ns_) {
+        if (!wide) waiting_[w] = 1;
+        cv.WaitFor(lock, std::chrono::nanoseconds(lend_until_ns_ - now));
+        if (!wide) waiting_[w] = 0;
+        continue;
+      }
+    }
     if (instance_free && (stopping_ || MayTake(wide))) {
       now = clock_->NowNs();
       BatchQueue::Decision d =

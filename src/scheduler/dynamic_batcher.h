@@ -38,6 +38,14 @@
 // machine, more than a small model's run); a caller's own run costs none. A
 // worker whose instance a caller holds waits for it.
 //
+// A loop that lends its thread (ScheduleOptions::loop_may_run, from a
+// thread with a LoopLender; see loop_lender.h): a task it queues wakes no
+// worker while the model's batches are short (kLoopLendBelowNs, never before
+// one was measured) and there is no wide worker; the loop takes the batch
+// later, on its own thread, by the same queue policy as a worker (LendRun),
+// and feeds the tuners as a worker does. A worker leaves the queue to a
+// loop that has looked at it within kLendGraceNs.
+//
 // Shared runs (options.shared_runs): a caller that lends its thread but
 // finds every instance busy would wait for a worker to take its task and
 // wake it with the answer. While batches are short (under kSharedBelowNs
@@ -68,6 +76,7 @@
 #include "scheduler/batch_delay_tuner.h"
 #include "scheduler/batch_queue.h"
 #include "scheduler/batch_size_tuner.h"
+#include "scheduler/loop_lender.h"
 
 namespace quern {
 
@@ -141,6 +150,29 @@ class DynamicBatcher {
   // The way the delay tuner settled on (options.delay_tuner), if it runs.
   std::optional<BatchLeave> batch_leave() const;
 
+  // For a LoopLender, on its thread, with the model's LendSlot held: runs
+  // the batch a worker would take now on a free instance. `ran`: a batch
+  // ran (or dead tasks were dropped); `keep`: the loop should look again
+  // (after `wait_ns`, -1 = after its next event), else the queue is empty or
+  // left to the workers (the instance is busy, batches grew long, the model
+  // stops).
+  struct LendOutcome {
+    bool ran = false;
+    bool keep = false;
+    int64_t wait_ns = -1;
+  };
+  LendOutcome LendRun();
+  // A lender that listed this model stops lending (its loop ends): the
+  // workers take the queue.
+  void LendEnd();
+  // Batches loops ran (LendRun) so far.
+  int64_t lent_batches() const;
+
+  // A loop lends its thread to batches expected to take less than this.
+  static constexpr double kLoopLendBelowNs = 2'000'000;
+  // A worker takes a queued batch a lending loop has not looked at for this long.
+  static constexpr int64_t kLendGraceNs = 5'000'000;
+
   // How often the reaper looks for cancelled tasks while every worker is busy.
   static constexpr int kReapPollMs = 5;
   // The wide worker takes batches while the average number of requests in
@@ -187,6 +219,10 @@ class DynamicBatcher {
   // their wall time, free of the front end's work that a worker's batch
   // shares the core with, is no fair comparison).
   void RunHere(int worker, BatchQueue::Decision d, bool shared, bool tune) QUERN_EXCLUDES(mu_);
+  // Whether a lending loop may take the queue's batches (see LendRun).
+  bool LoopMayRunLocked() const QUERN_REQUIRES(mu_);
+  // A loop stops looking at the queue: a worker that may take it looks.
+  void DropLenderLocked() QUERN_REQUIRES(mu_);
   // Marks `worker`'s instance busy with `d` / free again after `ran_ns`;
   // `shared`: a shared run beside the instance's own batch (counted apart).
   void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) QUERN_REQUIRES(mu_);
@@ -280,6 +316,14 @@ class DynamicBatcher {
   // so a saturated model does not wake it once per request.
   int64_t reaper_wake_ns_ QUERN_GUARDED_BY(mu_) = -1;
   CondVar reaper_cv_;
+  // Lending loops that list this model, until when the workers leave its
+  // queue to them (kLendGraceNs after one last looked at it; 0 = work from
+  // elsewhere arrived, the workers take it all), and the batches they ran.
+  // The slot links them to it.
+  int lenders_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t lend_until_ns_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t lent_batches_ QUERN_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<LendSlot> lend_slot_ = std::make_shared<LendSlot>();
   std::vector<std::thread> workers_;
   std::thread reaper_;
 };

@@ -194,6 +194,79 @@ def test_grpc_streams_taking_turns_are_handed_to_the_engine(server):
     assert woken > REQUESTS / 4, f"engine threads woken only {woken} times for {REQUESTS} requests of two streams"
 
 
+def start_on_one_core(repo):
+    """`quern serve` allowed one CPU (the test's first), as taskset or a container's cpuset would."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        return start_quern(QUERN, repo)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def http_clients(port, clients, requests, seed):
+    """`clients` connections sending `requests` each at once (1 to 3 rows each); every answer
+    checked. Returns the errors."""
+    errors = []
+
+    def client(i):
+        try:
+            rng = np.random.default_rng(seed + i)
+            conn = http.client.HTTPConnection("127.0.0.1", port)
+            for _ in range(requests):
+                infer_http(conn, rng.standard_normal((int(rng.integers(1, 4)), 8)).astype(np.float32))
+            conn.close()
+        except Exception as e:  # noqa: BLE001 -- reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the control needs a second core")
+def test_on_one_core_the_http_thread_runs_the_batches_of_concurrent_clients(server, tmp_path):
+    # With one usable core a hand-off to an engine thread buys no parallelism, only two sleeps and
+    # wake-ups per batch: the HTTP thread runs its requests' batches (by the same queue policy)
+    # and the engine threads sleep. Against the module's server (every core), the same load wakes
+    # them for each batch.
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "linear"), repo / "linear")
+    proc, ports = start_on_one_core(str(repo))
+    try:
+        assert not http_clients(ports["HTTP"], 4, 20, 10)  # the time per item is measured
+        errors = []
+        # A gRPC stream beside them: its requests go to the engine's thread, which takes the HTTP
+        # thread's queued ones with them; every answer still reaches its caller.
+        def grpc_stream():
+            try:
+                stream_requests(f"127.0.0.1:{ports['gRPC']}", 60, 12)
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+
+        grpc_client = threading.Thread(target=grpc_stream)
+        grpc_client.start()
+        errors += http_clients(ports["HTTP"], 4, REQUESTS // 4, 20)
+        grpc_client.join()
+        assert not errors, errors
+        after_grpc = engine_wakeups(proc.pid)
+        errors = http_clients(ports["HTTP"], 4, REQUESTS // 4, 30)
+        assert not errors, errors
+        woken = engine_wakeups(proc.pid) - after_grpc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert woken < REQUESTS / 20, f"engine threads woken {woken} times for {REQUESTS} requests on one core"
+    sproc, sports = server
+    before = engine_wakeups(sproc.pid)
+    assert not http_clients(sports["HTTP"], 4, REQUESTS // 4, 40)
+    woken_all = engine_wakeups(sproc.pid) - before
+    assert woken_all > REQUESTS / 8, f"with every core, engine threads woken only {woken_all} times"
+
+
 def thread_ids_policies(pid):
     """{thread id: (name, scheduling policy)} of a process (policy: field 41 of /proc/.../stat)."""
     out = {}

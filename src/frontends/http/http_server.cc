@@ -36,6 +36,7 @@
 #include "core/log.h"
 #include "core/memory.h"
 #include "frontends/http/content_encoding.h"
+#include "scheduler/loop_lender.h"
 
 namespace quern {
 
@@ -109,6 +110,9 @@ struct Loop {
   // Whether this loop's thread preempts computation when it wakes (short
   // slices) or waits for it (SCHED_BATCH). Loop thread only.
   bool urgent = false;
+  // This thread's lender while it runs batches (loops_run_batches). Loop
+  // thread only.
+  LoopLender* lender = nullptr;
   std::thread thread;
 
   // Loop thread, before each request is read and at each sweep: while the
@@ -122,6 +126,8 @@ struct Loop {
     if (want == urgent) return;
     urgent = want;
     urgent ? PreferShortSlices() : DeferToRunningThreads();
+    // Refusals go out between batches: none runs here meanwhile.
+    if (lender != nullptr) lender->set_paused(want);
   }
 };
 
@@ -911,15 +917,40 @@ class HttpServer::Impl {
     if (!ec) acceptor_->listen(asio::socket_base::max_listen_connections, ec);
     if (ec) return Unavailable("cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " + ec.message());
     Accept();
+    const bool lend = o.loops_run_batches.value_or(UsableCores() == 1);
     for (auto& loop : loops_) {
       ScheduleSweep(*loop);
-      loop->thread = std::thread([l = loop.get()] {
+      loop->thread = std::thread([l = loop.get(), lend] {
         NameThisThread("quern-http");
         DeferToRunningThreads();  // until the server refuses work (Session::ReadNext)
-        l->io.run();
+        if (lend) {
+          RunLending(*l);
+        } else {
+          l->io.run();
+        }
       });
     }
     return Status::Ok();
+  }
+
+  // The loop of a thread that runs its requests' batches: every ready
+  // handler first (reading the requests that have arrived, writing
+  // answers), then the batches due, then a wait for the next event or for
+  // the time a queued batch is due.
+  static void RunLending(Loop& l) {
+    LoopLender lender;
+    l.lender = &lender;
+    while (!l.io.stopped()) {
+      l.io.poll();
+      int64_t wait_ns = -1;
+      if (lender.RunDue(&wait_ns) || l.io.stopped()) continue;
+      if (wait_ns < 0) {
+        l.io.run_one();
+      } else if (wait_ns > 0) {
+        l.io.run_one_for(std::chrono::nanoseconds(wait_ns));
+      }
+    }
+    l.lender = nullptr;
   }
 
   ~Impl() {

@@ -1,0 +1,63 @@
+#include "scheduler/loop_lender.h"
+
+#include <algorithm>
+
+#include "scheduler/dynamic_batcher.h"
+
+namespace quern {
+
+namespace {
+thread_local LoopLender* t_lender = nullptr;
+}  // namespace
+
+LoopLender::LoopLender() {
+  t_lender = this;
+}
+
+LoopLender::~LoopLender() {
+  if (t_lender == this) t_lender = nullptr;
+  // Models still listed are left to their workers.
+  for (auto& slot : slots_) {
+    if (!slot) continue;
+    MutexLock lock(slot->mu);
+    if (slot->batcher != nullptr) slot->batcher->LendEnd();
+  }
+}
+
+LoopLender* LoopLender::Current() {
+  return t_lender != nullptr && !t_lender->paused_ ? t_lender : nullptr;
+}
+
+bool LoopLender::Add(const std::shared_ptr<LendSlot>& slot) {
+  if (std::find(slots_.begin(), slots_.end(), slot) != slots_.end()) return false;
+  slots_.push_back(slot);
+  return true;
+}
+
+bool LoopLender::RunDue(int64_t* wait_ns) {
+  *wait_ns = -1;
+  bool ran = false;
+  // By index: a batch's answers may queue into other models from this
+  // thread, which lists them here meanwhile (they are looked at in this pass).
+  size_t kept = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    std::shared_ptr<LendSlot> slot = slots_[i];  // a copy: Add may move the vector
+    if (!slot) continue;
+    DynamicBatcher::LendOutcome out;
+    {
+      MutexLock lock(slot->mu);  // the model does not stop while its batch runs here
+      if (slot->batcher != nullptr) out = slot->batcher->LendRun();
+    }
+    ran = ran || out.ran;
+    if (!out.keep) {
+      slots_[i].reset();  // no longer listed: a later Add in this pass lists it again
+      continue;
+    }
+    if (out.wait_ns >= 0 && (*wait_ns < 0 || out.wait_ns < *wait_ns)) *wait_ns = out.wait_ns;
+    slots_[kept++] = std::move(slot);
+  }
+  slots_.resize(kept);
+  return ran;
+}
+
+}  // namespace quern

@@ -1,0 +1,79 @@
+// LoopLender: an event loop's thread that runs its own requests' batches.
+//
+// On a server with one core, a request handed from the network thread to an
+// instance's worker and its answer handed back cost each batch two sleeps
+// and two wake-ups of threads that share that core (a few µs of kernel time
+// per request on a virtual machine, as much as the rest of the request's
+// handling); nothing runs in parallel in exchange. A loop thread that lends
+// itself runs the batches instead: a request it queues wakes no worker; once
+// the loop has handled every ready event (the point at which it would sleep
+// and the worker would run) it asks each model it queued into for the batch
+// a worker would take now (the same queue policy: batching delay, everyone
+// here, preferred sizes) and runs it on a free instance, on its own thread.
+// The answers are then the loop's own handlers.
+//
+// A model takes a loop's loan only for short batches (see
+// DynamicBatcher::kLoopLendBelowNs); its worker still takes a batch the loop
+// has not looked at for DynamicBatcher::kLendGraceNs (the loop busy with a
+// long request), a batch whose instance is busy, and everything queued by
+// other threads.
+//
+// Thread safety: a LoopLender belongs to the thread that created it (it is
+// that thread's lender until destroyed); Add is called by DynamicBatcher on
+// that thread, RunDue by the loop.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/mutex.h"
+
+namespace quern {
+
+class DynamicBatcher;
+
+// A model's link to the lenders that queued into it: cleared (under mu) when
+// the model stops, so a lender that still lists it looks no further.
+struct LendSlot {
+  Mutex mu;
+  DynamicBatcher* batcher QUERN_GUARDED_BY(mu) = nullptr;
+};
+
+class LoopLender {
+ public:
+  // Installs itself as the calling thread's lender until destroyed.
+  LoopLender();
+  ~LoopLender();
+  LoopLender(const LoopLender&) = delete;
+  LoopLender& operator=(const LoopLender&) = delete;
+
+  // The calling thread's lender while it lends (null otherwise, or while
+  // paused).
+  static LoopLender* Current();
+
+  // While paused (e.g. while the loop must answer refusals at once) models
+  // see no lender: what it queues goes to their workers.
+  void set_paused(bool paused) { paused_ = paused; }
+
+  // Remembers a model that holds work for this lender (DynamicBatcher,
+  // on this thread). Whether it was listed already.
+  bool Add(const std::shared_ptr<LendSlot>& slot);
+
+  // Runs, on this thread, the batches its models would send off now, one per
+  // model at most. Returns whether any ran (their answers may now be
+  // pending handlers). `*wait_ns` is set to how long the loop may wait for
+  // events before it should call again (-1: until an event, nothing is
+  // waiting for time to pass).
+  bool RunDue(int64_t* wait_ns);
+
+  // Models listed.
+  size_t listed() const { return slots_.size(); }
+
+ private:
+  std::vector<std::shared_ptr<LendSlot>> slots_;
+  std::vector<std::shared_ptr<LendSlot>> scratch_;
+  bool paused_ = false;
+};
+
+}  // namespace quern
