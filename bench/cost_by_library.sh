@@ -99,6 +99,15 @@ for r in range(1, rounds + 1):
 print()
 print(f"Quern's own cost (its CPU outside ONNX Runtime minus the floor's): median {statistics.median(own):.1f} µs "
       f"per request, rounds {', '.join(f'{x:.1f}' for x in own)}")
+# Each server's CPU outside ONNX Runtime, round by round, and the difference of their medians: the
+# two are recorded one after the other, not at once, so a round's pair shares no noise, and the
+# floor's own kernel time moves by several µs between rounds.
+outside = {n: [sum(v for k, v in us.items() if k[0] == n and k[1] == r and k[2] not in ort) for r in range(1, rounds + 1)]
+           for n in ("quern", "floor")}
+print(f"Outside ONNX Runtime, µs per request: quern {', '.join(f'{x:.1f}' for x in outside['quern'])} "
+      f"(median {statistics.median(outside['quern']):.1f}); floor {', '.join(f'{x:.1f}' for x in outside['floor'])} "
+      f"(median {statistics.median(outside['floor']):.1f}); difference of the medians "
+      f"{statistics.median(outside['quern']) - statistics.median(outside['floor']):.1f}")
 for r in range(1, rounds + 1):
     parts = ", ".join(f"{l} {us.get(('quern', r, l), 0.0):.2f}/{us.get(('floor', r, l), 0.0):.2f}"
                       for l in libs if l not in ort and max(us.get(('quern', r, l), 0), us.get(('floor', r, l), 0)) >= 0.1)

@@ -1357,5 +1357,75 @@ TEST(LoopLender, ALenderThatEndsLeavesItsQueuesToTheWorkers) {
   m.batcher->Shutdown();
 }
 
+TEST(LoopLender, APausedLoopHandsWhatItListsToTheWorkers) {
+  LentModel m;
+  LoopLender lender;
+  m.Measure();
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  ASSERT_EQ(lender.listed(), 1u);
+  lender.set_paused(true);  // the loop must answer refusals now
+  int64_t wait_ns = 0;
+  EXPECT_FALSE(lender.RunDue(&wait_ns));
+  EXPECT_EQ(lender.listed(), 0u);
+  ASSERT_TRUE(m.WaitBatches(2));
+  EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
+  EXPECT_EQ(m.batcher->lent_batches(), 0);
+  m.batcher->Shutdown();
+}
+
+// While the instance runs a long batch of other work, a task the loop
+// queued still leaves at its queue timeout: the reaper watches it.
+TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  bool running = false;
+  std::vector<std::pair<int, StatusCode>> dropped;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  auto b = std::move(*DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        if (static_cast<const Item&>(*batch[0]).id != 100) return;
+        std::unique_lock lock(mu);
+        running = true;
+        cv.notify_all();
+        cv.wait(lock, [&] { return open; });
+      },
+      [&](std::unique_ptr<BatchTask> t, const Status& st) {
+        std::lock_guard lock(mu);
+        dropped.emplace_back(static_cast<const Item&>(*t).id, st.code());
+        cv.notify_all();
+      }));
+  auto schedule = [&](int id, ScheduleOptions so) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    return b->Schedule(t, so);
+  };
+  ASSERT_TRUE(schedule(0, {}).ok());  // measured: short
+  for (int i = 0; i < 2000 && b->ns_per_item() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GT(b->ns_per_item(), 0);
+  ASSERT_TRUE(schedule(100, {}).ok());  // holds the only instance
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return running; }));
+  }
+  LoopLender lender;
+  ScheduleOptions so;
+  so.loop_may_run = true;
+  so.timeout_ns = 20'000'000;
+  ASSERT_TRUE(schedule(1, so).ok());
+  int64_t wait_ns = 0;
+  EXPECT_FALSE(lender.RunDue(&wait_ns));  // the instance is busy: left to the workers
+  bool timed_out = false;
+  {
+    std::unique_lock lock(mu);
+    timed_out = cv.wait_for(lock, std::chrono::seconds(3), [&] { return !dropped.empty(); });
+    open = true;
+    cv.notify_all();
+  }
+  b->Shutdown();
+  ASSERT_TRUE(timed_out) << "the task waited for the busy instance past its timeout";
+  EXPECT_EQ(dropped[0], std::make_pair(1, StatusCode::kDeadlineExceeded));
+}
 }  // namespace
 }  // namespace quern

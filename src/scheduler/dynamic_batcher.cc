@@ -124,12 +124,14 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     }
     // Work from elsewhere is the workers' (they take the loops' with it).
     if (!lent && lenders_ > 0) lend_until_ns_ = 0;
-    if (!lent && (claimed < 0 || !queue_.empty())) {
+    if (claimed < 0 || !queue_.empty()) {
       // Only a worker that may take the queue's work is woken: the wide one
       // while the load is light, else a free one of the others. One that
       // may not take it now is left asleep: the worker that finishes a
       // batch looks at the queue before it waits.
-      if (wide_ && MayTake(true)) {
+      if (lent) {
+        // The loop takes it (the reaper still watches deadlines below).
+      } else if (wide_ && MayTake(true)) {
         wide_cv_.Signal();
       } else if (busy_workers_ < narrow_workers() && MayTake(false)) {
         WakeNarrowLocked();
@@ -151,58 +153,70 @@ bool DynamicBatcher::LoopMayRunLocked() const {
 
 void DynamicBatcher::DropLenderLocked() {
   --lenders_;
-  if (!queue_.empty() && busy_workers_ < narrow_workers() && MayTake(false)) WakeNarrowLocked();
+  if (queue_.empty()) return;
+  if (busy_workers_ < narrow_workers() && MayTake(false)) WakeNarrowLocked();
+  // While every instance is busy the reaper drops what dies in the queue
+  // (it slept while the loop watched it).
+  if (!AnyTaker() && ReaperNeedsWake(0, clock_->NowNs())) reaper_cv_.Signal();
 }
 
-DynamicBatcher::LendOutcome DynamicBatcher::LendRun() {
+DynamicBatcher::LendOutcome DynamicBatcher::LendRun(LendSlot& slot) {
   LendOutcome out;
-  MutexLock lock(mu_);
-  const int claimed = queue_.empty() || !LoopMayRunLocked() ? -1 : ClaimLocked(/*wide_ok=*/false);
+  // The slot is held only while the batch is taken: once counted among the
+  // callers' runs the batcher outlives the run (Shutdown waits for them),
+  // and another loop may take the model's next batch meanwhile.
+  MutexLock slot_lock(slot.mu);
+  DynamicBatcher* const b = slot.batcher;
+  if (b == nullptr) return out;  // stopped: its workers run what is queued
+  MutexLock lock(b->mu_);
+  const int claimed = b->queue_.empty() || !b->LoopMayRunLocked() ? -1 : b->ClaimLocked(/*wide_ok=*/false);
   if (claimed < 0) {  // nothing queued, or left to the workers (a busy one looks after its batch)
-    DropLenderLocked();
+    b->DropLenderLocked();
     return out;
   }
-  int64_t now = clock_->NowNs();
-  lend_until_ns_ = now + kLendGraceNs;
-  BatchQueue::Decision d = queue_.Next(now, /*flush=*/SendNowLocked(), narrow_workers() - busy_workers_);
+  int64_t now = b->clock_->NowNs();
+  b->lend_until_ns_ = now + kLendGraceNs;
+  BatchQueue::Decision d = b->queue_.Next(now, /*flush=*/b->SendNowLocked(), b->narrow_workers() - b->busy_workers_);
   if (d.batch.empty() && d.dropped.empty()) {
     out.keep = true;
     out.wait_ns = d.wake_at_ns > 0 ? std::max<int64_t>(d.wake_at_ns - now, 0) : -1;
     return out;
   }
   const auto tasks = static_cast<int64_t>(d.batch.size());
-  BeginLocked(claimed, d, now, /*shared=*/false);
-  ++callers_running_;
-  if (!d.batch.empty()) ++lent_batches_;
+  b->BeginLocked(claimed, d, now, /*shared=*/false);
+  ++b->callers_running_;
+  if (!d.batch.empty()) ++b->lent_batches_;
   lock.Unlock();
-  for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
+  slot_lock.Unlock();
+  for (auto& dropped : d.dropped) b->on_drop_(std::move(dropped.task), dropped.status);
   int64_t ran_ns = 0;
   if (!d.batch.empty()) {
-    const int64_t start = clock_->NowNs();
-    processor_(claimed, std::move(d.batch));
-    ran_ns = clock_->NowNs() - start;
+    const int64_t start = b->clock_->NowNs();
+    b->processor_(claimed, std::move(d.batch));
+    ran_ns = b->clock_->NowNs() - start;
   }
   lock.Lock();
-  EndLocked(claimed, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
-  if (--callers_running_ == 0) callers_cv_.SignalAll();
+  b->EndLocked(claimed, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
   out.ran = true;
-  now = clock_->NowNs();
-  lend_until_ns_ = now + kLendGraceNs;
-  if (stopping_) {
-    SignalAllLocked();
-    --lenders_;
-  } else if (queue_.empty()) {
-    --lenders_;
+  if (b->stopping_ || b->queue_.empty()) {
+    // Stopping: the workers drain the queue (Shutdown woke them).
+    --b->lenders_;
   } else {
+    now = b->clock_->NowNs();
+    b->lend_until_ns_ = now + kLendGraceNs;
     out.keep = true;
     out.wait_ns = 0;
   }
+  // Last: once the count is down, Shutdown may return and the batcher go.
+  if (--b->callers_running_ == 0) b->callers_cv_.SignalAll();
   return out;
 }
 
-void DynamicBatcher::LendEnd() {
-  MutexLock lock(mu_);
-  DropLenderLocked();
+void DynamicBatcher::LendEnd(LendSlot& slot) {
+  MutexLock slot_lock(slot.mu);
+  if (slot.batcher == nullptr) return;
+  MutexLock lock(slot.batcher->mu_);
+  slot.batcher->DropLenderLocked();
 }
 
 int64_t DynamicBatcher::lent_batches() const {

@@ -43,8 +43,9 @@
 // worker while the model's batches are short (kLoopLendBelowNs, never before
 // one was measured) and there is no wide worker; the loop takes the batch
 // later, on its own thread, by the same queue policy as a worker (LendRun),
-// and feeds the tuners as a worker does. A worker leaves the queue to a
-// loop that has looked at it within kLendGraceNs.
+// and feeds the tuners as a worker does. A worker that is awake leaves the
+// queue to a loop that has looked at it within kLendGraceNs; work queued by
+// another thread wakes one as usual.
 //
 // Shared runs (options.shared_runs): a caller that lends its thread but
 // finds every instance busy would wait for a worker to take its task and
@@ -150,21 +151,21 @@ class DynamicBatcher {
   // The way the delay tuner settled on (options.delay_tuner), if it runs.
   std::optional<BatchLeave> batch_leave() const;
 
-  // For a LoopLender, on its thread, with the model's LendSlot held: runs
-  // the batch a worker would take now on a free instance. `ran`: a batch
-  // ran (or dead tasks were dropped); `keep`: the loop should look again
-  // (after `wait_ns`, -1 = after its next event), else the queue is empty or
-  // left to the workers (the instance is busy, batches grew long, the model
-  // stops).
+  // For a LoopLender, on its thread: runs the batch the slot's model's
+  // worker would take now, on a free instance. `ran`: a batch ran (or dead
+  // tasks were dropped); `keep`: the loop should look again (after
+  // `wait_ns`, -1 = after its next event), else the queue is empty or left
+  // to the workers (the instance is busy, batches grew long, the model
+  // stopped).
   struct LendOutcome {
     bool ran = false;
     bool keep = false;
     int64_t wait_ns = -1;
   };
-  LendOutcome LendRun();
-  // A lender that listed this model stops lending (its loop ends): the
-  // workers take the queue.
-  void LendEnd();
+  static LendOutcome LendRun(LendSlot& slot);
+  // A lender that listed the slot's model stops lending (paused, or its loop
+  // ends): the workers take the queue.
+  static void LendEnd(LendSlot& slot);
   // Batches loops ran (LendRun) so far.
   int64_t lent_batches() const;
 

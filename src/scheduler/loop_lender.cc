@@ -18,9 +18,7 @@ LoopLender::~LoopLender() {
   if (t_lender == this) t_lender = nullptr;
   // Models still listed are left to their workers.
   for (auto& slot : slots_) {
-    if (!slot) continue;
-    MutexLock lock(slot->mu);
-    if (slot->batcher != nullptr) slot->batcher->LendEnd();
+    if (slot) DynamicBatcher::LendEnd(*slot);
   }
 }
 
@@ -36,6 +34,13 @@ bool LoopLender::Add(const std::shared_ptr<LendSlot>& slot) {
 
 bool LoopLender::RunDue(int64_t* wait_ns) {
   *wait_ns = -1;
+  if (paused_) {  // the models' workers take what is queued
+    for (auto& slot : slots_) {
+      if (slot) DynamicBatcher::LendEnd(*slot);
+    }
+    slots_.clear();
+    return false;
+  }
   bool ran = false;
   // By index: a batch's answers may queue into other models from this
   // thread, which lists them here meanwhile (they are looked at in this pass).
@@ -43,11 +48,7 @@ bool LoopLender::RunDue(int64_t* wait_ns) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     std::shared_ptr<LendSlot> slot = slots_[i];  // a copy: Add may move the vector
     if (!slot) continue;
-    DynamicBatcher::LendOutcome out;
-    {
-      MutexLock lock(slot->mu);  // the model does not stop while its batch runs here
-      if (slot->batcher != nullptr) out = slot->batcher->LendRun();
-    }
+    const DynamicBatcher::LendOutcome out = DynamicBatcher::LendRun(*slot);
     ran = ran || out.ran;
     if (!out.keep) {
       slots_[i].reset();  // no longer listed: a later Add in this pass lists it again

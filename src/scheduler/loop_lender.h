@@ -13,10 +13,16 @@
 // The answers are then the loop's own handlers.
 //
 // A model takes a loop's loan only for short batches (see
-// DynamicBatcher::kLoopLendBelowNs); its worker still takes a batch the loop
-// has not looked at for DynamicBatcher::kLendGraceNs (the loop busy with a
-// long request), a batch whose instance is busy, and everything queued by
-// other threads.
+// DynamicBatcher::kLoopLendBelowNs). Its workers take the queue when the
+// loop finds the instance busy (the worker looks after its batch), when
+// batches grow long, while the loop is paused, and when work from another
+// thread wakes one (it takes the loop's queued tasks with it, unless the
+// loop gets there first). A worker that is awake leaves the queue to the
+// loop while the loop looked at it within DynamicBatcher::kLendGraceNs; one
+// asleep is not woken for the loop's tasks, so a loop held by a long
+// request (a model load it serves synchronously) delays them as it delays
+// its other connections. Deadlines and cancellations of queued tasks are
+// still kept by the model's reaper while every instance is busy.
 //
 // Thread safety: a LoopLender belongs to the thread that created it (it is
 // that thread's lender until destroyed); Add is called by DynamicBatcher on
@@ -53,7 +59,8 @@ class LoopLender {
   static LoopLender* Current();
 
   // While paused (e.g. while the loop must answer refusals at once) models
-  // see no lender: what it queues goes to their workers.
+  // see no lender: what it queues goes to their workers, and the next
+  // RunDue hands the models it lists to their workers too.
   void set_paused(bool paused) { paused_ = paused; }
 
   // Remembers a model that holds work for this lender (DynamicBatcher,
@@ -72,7 +79,6 @@ class LoopLender {
 
  private:
   std::vector<std::shared_ptr<LendSlot>> slots_;
-  std::vector<std::shared_ptr<LendSlot>> scratch_;
   bool paused_ = false;
 };
 
