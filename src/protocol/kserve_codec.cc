@@ -17,6 +17,30 @@ namespace {
 
 using Writer = JsonWriter;
 
+// An object key known when compiling, with nothing to escape, kept quoted:
+// written as is (no length to count, no character to check).
+template <size_t N>
+struct JsonKey {
+  char quoted[N + 1] = {};                   // '"', the key's N - 1 characters, '"'
+  constexpr JsonKey(const char (&key)[N]) {  // NOLINT: implicit, for Key<"name">
+    quoted[0] = '"';
+    for (size_t i = 0; i + 1 < N; ++i) quoted[i + 1] = key[i];
+    quoted[N] = '"';
+  }
+};
+
+template <JsonKey K>
+void Key(Writer& w) {
+  static_assert([] {  // nothing JSON would escape between the quotes
+    for (size_t i = 1; i + 1 < sizeof K.quoted; ++i) {
+      const char c = K.quoted[i];
+      if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) return false;
+    }
+    return true;
+  }());
+  w.RawValue(K.quoted, sizeof K.quoted, rapidjson::kStringType);
+}
+
 void WriteShape(Writer& w, const Shape& s) {
   w.StartArray();
   for (int64_t d : s) w.Int64(d);
@@ -74,10 +98,16 @@ struct BinaryCursor {
 
 // The member `key` of `v` when `v` is an object that has it, else null: one
 // lookup where HasMember and operator[] take two (or three).
-const rapidjson::Value* Member(const rapidjson::Value& v, const char* key) {
+// The value of member `key` (a literal: its length is known, so no strlen
+// and no temporary value per look-up) of object `v`; the first if repeated.
+template <size_t N>
+const rapidjson::Value* Member(const rapidjson::Value& v, const char (&key)[N]) {
   if (!v.IsObject()) return nullptr;
-  const auto it = v.FindMember(key);
-  return it == v.MemberEnd() ? nullptr : &it->value;
+  constexpr rapidjson::SizeType n = N - 1;
+  for (auto it = v.MemberBegin(); it != v.MemberEnd(); ++it) {
+    if (it->name.GetStringLength() == n && std::memcmp(it->name.GetString(), key, n) == 0) return &it->value;
+  }
+  return nullptr;
 }
 
 Result<Tensor> ParseJsonTensor(const rapidjson::Value& in, const std::string& model, std::string& name,
@@ -453,22 +483,22 @@ Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs
   w.StartArray();
   for (const auto& o : outputs) {
     w.StartObject();
-    w.Key("name");
+    Key<"name">(w);
     w.String(o.name.c_str());
-    w.Key("datatype");
+    Key<"datatype">(w);
     const std::string_view datatype = DataTypeName(o.tensor.dtype());
     w.String(datatype.data(), static_cast<rapidjson::SizeType>(datatype.size()));
-    w.Key("shape");
+    Key<"shape">(w);
     WriteShape(w, o.tensor.shape());
     if (format.WantsBinary(o.name)) {
-      w.Key("parameters");
+      Key<"parameters">(w);
       w.StartObject();
-      w.Key("binary_data_size");
+      Key<"binary_data_size">(w);
       w.Uint64(o.tensor.byte_size());
       w.EndObject();
       binary_parts.push_back(&o.tensor);
     } else {
-      w.Key("data");
+      Key<"data">(w);
       QUERN_RETURN_IF_ERROR(WriteKServeData(w, o.tensor));
     }
     w.EndObject();
@@ -508,15 +538,15 @@ Status WriteKServeResult(JsonWriter& w, std::string_view id, std::string_view mo
                          std::vector<const Tensor*>& binary_parts) {
   w.StartObject();
   if (!id.empty()) {
-    w.Key("id");
+    Key<"id">(w);
     w.String(id.data(), static_cast<rapidjson::SizeType>(id.size()));
   }
-  w.Key("model_name");
+  Key<"model_name">(w);
   w.String(model.data(), static_cast<rapidjson::SizeType>(model.size()));
-  w.Key("model_version");
+  Key<"model_version">(w);
   const std::string v = std::to_string(version);
   w.String(v.data(), static_cast<rapidjson::SizeType>(v.size()));
-  w.Key("outputs");
+  Key<"outputs">(w);
   QUERN_RETURN_IF_ERROR(WriteKServeOutputs(w, outputs, format, binary_parts));
   w.EndObject();
   return Status::Ok();
