@@ -65,9 +65,17 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     import threading
     import time
 
+    import os
+
+    # QUERN_TEST_ONE_CORE=1: the server may use one CPU (as under taskset or a one-core cpuset),
+    # where its HTTP threads run their requests' batches themselves.
+    one_core = None
+    if os.environ.get("QUERN_TEST_ONE_CORE") == "1":
+        one_core = lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # noqa: E731
     proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0", "--host", "127.0.0.1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            preexec_fn=one_core)
     ports = {}
     sink = log.append if log is not None else (lambda line: None)
     deadline = time.time() + 60
