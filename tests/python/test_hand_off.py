@@ -268,6 +268,63 @@ def test_on_one_core_the_http_thread_runs_the_batches_of_concurrent_clients(serv
     assert woken_all > REQUESTS / 8, f"with every core, engine threads woken only {woken_all} times"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the flood needs a core of its own")
+def test_on_one_core_a_flood_of_pipelined_requests_does_not_hold_back_queued_batches(tmp_path):
+    # One connection keeps the HTTP thread's socket full of pipelined health checks (each answered
+    # at once, the next already read): the thread always has a handler ready. A batch it queued
+    # for another client must still run; it runs only between handlers, so they are taken a
+    # bounded number at a time.
+    import socket
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "linear"), repo / "linear")
+    proc, ports = start_on_one_core(str(repo))
+    stop = threading.Event()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"])
+        rng = np.random.default_rng(7)
+        other = http.client.HTTPConnection("127.0.0.1", ports["HTTP"])
+        for _ in range(20):  # measured, short: lent to the HTTP thread from now on
+            infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32))
+            infer_http(other, rng.standard_normal((1, 8)).astype(np.float32))
+        other.close()
+        flood = socket.create_connection(("127.0.0.1", ports["HTTP"]))
+        burst = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 20000
+
+        def send():
+            try:
+                while not stop.is_set():
+                    flood.sendall(burst)
+            except OSError:
+                pass
+
+        def drain():
+            try:
+                while not stop.is_set() and flood.recv(1 << 20):
+                    pass
+            except OSError:
+                pass
+
+        threads = [threading.Thread(target=send, daemon=True), threading.Thread(target=drain, daemon=True)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        conn.sock.settimeout(10)
+        started = time.monotonic()
+        for _ in range(5):
+            infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32))
+        took = time.monotonic() - started
+        conn.close()
+    finally:
+        stop.set()
+        try:
+            flood.shutdown(socket.SHUT_RDWR)
+        except (OSError, NameError):
+            pass
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert took < 2, f"5 requests took {took:.1f} s beside the flood"
+
+
 def thread_ids_policies(pid):
     """{thread id: (name, scheduling policy)} of a process (policy: field 41 of /proc/.../stat)."""
     out = {}

@@ -110,10 +110,23 @@ struct Loop {
   // Whether this loop's thread preempts computation when it wakes (short
   // slices) or waits for it (SCHED_BATCH). Loop thread only.
   bool urgent = false;
-  // This thread's lender while it runs batches (loops_run_batches). Loop
-  // thread only.
+  // This thread's lender while it runs batches (loops_run_batches), and
+  // when it last looked at their queues. Loop thread only.
   LoopLender* lender = nullptr;
+  int64_t lent_at_ns = 0;
   std::thread thread;
+
+  // Loop thread, before each request is read: the queued batches run
+  // between a pass's handlers too once the pass has taken kLendPassNs (a
+  // connection that always has its next request ready, a flood of
+  // pipelined cheap requests, keeps a pass going for as long as it lasts).
+  static constexpr int64_t kLendPassNs = 1'000'000;
+  void LendIfLate(int64_t now) {
+    if (lender == nullptr || now - lent_at_ns < kLendPassNs) return;
+    lent_at_ns = now;
+    int64_t wait_ns = 0;
+    lender->RunDue(&wait_ns);
+  }
 
   // Loop thread, before each request is read and at each sweep: while the
   // server refuses work (overloaded, rate-limited) this thread runs at once on
@@ -235,6 +248,7 @@ class Session : public std::enable_shared_from_this<Session> {
     read_clock_started_ = false;
     const int64_t now = NowNs();
     loop_.FollowRefusals(shared_.last_refusal_ns.load(std::memory_order_relaxed), now);
+    loop_.LendIfLate(now);
     idle_since_ns_.store(now, std::memory_order_relaxed);
     deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
     if (ReadLikeTheLast()) return;
@@ -942,6 +956,7 @@ class HttpServer::Impl {
     l.lender = &lender;
     while (!l.io.stopped()) {
       l.io.poll();
+      l.lent_at_ns = NowNs();
       int64_t wait_ns = -1;
       if (lender.RunDue(&wait_ns) || l.io.stopped()) continue;
       if (wait_ns < 0) {
