@@ -110,7 +110,7 @@ struct Loop {
   // Whether this loop's thread preempts computation when it wakes (short
   // slices) or waits for it (SCHED_BATCH). Loop thread only.
   bool urgent = false;
-  // This thread's lender while it runs batches (loops_run_batches), and
+  // This thread's lender while it runs batches (one usable core), and
   // when it last looked at their queues. Loop thread only.
   LoopLender* lender = nullptr;
   int64_t lent_at_ns = 0;
@@ -931,7 +931,9 @@ class HttpServer::Impl {
     if (!ec) acceptor_->listen(asio::socket_base::max_listen_connections, ec);
     if (ec) return Unavailable("cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " + ec.message());
     Accept();
-    const bool lend = o.loops_run_batches.value_or(UsableCores() == 1);
+    // On one usable core the loops run their requests' batches: a hand-off
+    // to an instance's thread would only take turns with them on it.
+    const bool lend = UsableCores() == 1;
     for (auto& loop : loops_) {
       ScheduleSweep(*loop);
       loop->thread = std::thread([l = loop.get(), lend] {

@@ -17,7 +17,6 @@
 
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "frontends/http/http_types.h"
@@ -53,12 +52,6 @@ struct HttpServerOptions {
   // PEM CA certificates to verify client certificates against; when set,
   // clients must present a certificate signed by one of them.
   std::string tls_client_ca_file;
-  // Whether each I/O thread runs the batches of the requests it reads (a
-  // LoopLender: no hand-off to an instance's thread and back, for short
-  // batches of ONNX models), instead of leaving them to the instances'
-  // threads. Unset: when the process has one usable core, where the two
-  // would only take turns on it.
-  std::optional<bool> loops_run_batches;
   // Called once per response, on any thread, as it is written: an access
   // log. Must be quick and thread-safe. Empty = none.
   std::function<void(const HttpAccess&)> access_log;
