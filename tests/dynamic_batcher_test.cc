@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -1175,12 +1176,14 @@ struct LentModel {
   std::condition_variable cv;
   std::vector<std::pair<std::vector<int>, std::thread::id>> batches;
   std::atomic<int64_t> cost_ns{100'000};  // per item
+  std::function<void(int)> on_run;        // called with each batch's first id, on the thread that runs it
   std::unique_ptr<DynamicBatcher> batcher;
 
-  explicit LentModel(int64_t delay_ns = 0) {
+  explicit LentModel(int64_t delay_ns = 0, int64_t max_queue_wait_ns = 0) {
     DynamicBatcherOptions o;
     o.queue.max_batch_size = 8;
     o.queue.max_queue_delay_ns = delay_ns;
+    o.max_queue_wait_ns = max_queue_wait_ns;
     o.clock = &clock;
     batcher = std::move(*DynamicBatcher::Create(
         o,
@@ -1188,6 +1191,7 @@ struct LentModel {
           clock.AdvanceNs(cost_ns.load() * static_cast<int64_t>(batch.size()));
           std::vector<int> ids;
           for (const auto& t : batch) ids.push_back(static_cast<const Item&>(*t).id);
+          if (on_run) on_run(ids.front());
           std::lock_guard lock(mu);
           batches.emplace_back(ids, std::this_thread::get_id());
           cv.notify_all();
@@ -1426,6 +1430,57 @@ TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
   b->Shutdown();
   ASSERT_TRUE(timed_out) << "the task waited for the busy instance past its timeout";
   EXPECT_EQ(dropped[0], std::make_pair(1, StatusCode::kDeadlineExceeded));
+}
+
+// A task the loop may not run (a large input; another thread's) that is
+// queued while the loop runs its batch is left to the worker, with what
+// the loop queued after it: the loop does not run it when its batch ends.
+TEST(LoopLender, ATaskNoLoopMayRunIsLeftToTheWorker) {
+  LentModel m;
+  LoopLender lender;
+  m.Measure();
+  m.on_run = [&](int id) {
+    if (id != 1) return;
+    std::thread([&] { ASSERT_TRUE(m.Schedule(2, /*loop_may_run=*/false).ok()); }).join();
+    ASSERT_TRUE(m.Schedule(3, true).ok());  // the loop's again, queued behind 2: not lent
+  };
+  ASSERT_TRUE(m.Schedule(1, true).ok());
+  int64_t wait_ns = 0;
+  EXPECT_TRUE(lender.RunDue(&wait_ns));  // runs {1}; 2 and 3 arrive meanwhile, the instance busy
+  EXPECT_EQ(lender.listed(), 0u);
+  auto items_after_first_two = [&] {
+    size_t n = 0;
+    for (size_t i = 2; i < m.batches.size(); ++i) n += m.batches[i].first.size();
+    return n;
+  };
+  {
+    std::unique_lock lock(m.mu);
+    ASSERT_TRUE(m.cv.wait_for(lock, std::chrono::seconds(10), [&] { return items_after_first_two() >= 2; }));
+  }
+  std::lock_guard lock(m.mu);
+  EXPECT_EQ(items_after_first_two(), 2u);
+  EXPECT_EQ(m.batches[1].first, std::vector<int>{1});
+  EXPECT_EQ(m.batches[1].second, std::this_thread::get_id());
+  for (size_t i = 2; i < m.batches.size(); ++i) {
+    EXPECT_NE(m.batches[i].second, std::this_thread::get_id()) << "batch " << i << " ran on the loop";
+  }
+}
+
+// The queue-waiting bound counts what a loop has queued for itself: while
+// the loop reads, the instance is free, yet the queued work waits for it.
+TEST(LoopLender, TheQueueWaitBoundCountsTheLoopsQueuedWork) {
+  LentModel m(/*delay_ns=*/0, /*max_queue_wait_ns=*/250'000);  // 2.5 items at 100 us
+  LoopLender lender;
+  m.Measure();
+  for (int id = 1; id <= 3; ++id) ASSERT_TRUE(m.Schedule(id, true).ok());
+  const Status refused = m.Schedule(4, true);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.message();
+  int64_t wait_ns = 0;
+  EXPECT_TRUE(lender.RunDue(&wait_ns));
+  ASSERT_EQ(m.Batches(), 2u);
+  EXPECT_EQ(m.batches[1].first, (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(m.Schedule(5, true).ok()) << "the queue ran: admitted again";
+  m.batcher->Shutdown();
 }
 }  // namespace
 }  // namespace quern

@@ -81,6 +81,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
     const int64_t now = clock_->NowNs();
     QUERN_RETURN_IF_ERROR(DeadlineAdmissionLocked(task->size(), options, now));
+    if (queue_.empty()) foreign_queued_ = false;
     TrackLoadLocked(now);
     QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
     const double present = options.in_model >= 0
@@ -122,8 +123,11 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
         lent = true;
       }
     }
-    // Work from elsewhere is the workers' (they take the loops' with it).
+    // Work from elsewhere is the workers' (they take the loops' with it),
+    // and a task no loop may run (a large input, another thread's) keeps
+    // the loops out of the queue until it has left.
     if (!lent && lenders_ > 0) lend_until_ns_ = 0;
+    if (!options.loop_may_run && (claimed < 0 || !queue_.empty())) foreign_queued_ = true;
     if (claimed < 0 || !queue_.empty()) {
       // Only a worker that may take the queue's work is woken: the wide one
       // while the load is light, else a free one of the others. One that
@@ -146,7 +150,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
 }
 
 bool DynamicBatcher::LoopMayRunLocked() const {
-  if (stopping_ || wide_ || ns_per_item_ <= 0) return false;
+  if (stopping_ || wide_ || ns_per_item_ <= 0 || foreign_queued_) return false;
   const auto items = static_cast<double>(std::min(queue_.items(), queue_.batch_limit()));
   return ns_per_item_ * items < kLoopLendBelowNs;
 }
@@ -201,6 +205,8 @@ DynamicBatcher::LendOutcome DynamicBatcher::LendRun(LendSlot& slot) {
   if (b->stopping_ || b->queue_.empty()) {
     // Stopping: the workers drain the queue (Shutdown woke them).
     --b->lenders_;
+  } else if (!b->LoopMayRunLocked()) {
+    b->DropLenderLocked();  // the rest is the workers' (queued meanwhile by another thread, or long)
   } else {
     now = b->clock_->NowNs();
     b->lend_until_ns_ = now + kLendGraceNs;
@@ -406,7 +412,8 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   // Admitted whenever an instance is free or nothing waits (a slow first
   // batch must not lock a model out); otherwise while the work queued
   // ahead of it fits in the limit.
-  if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && !AnyTaker() && queue_.items() > 0) {
+  // Work a loop has queued for itself waits for it as for a busy instance.
+  if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && (!AnyTaker() || lenders_ > 0) && queue_.items() > 0) {
     const double wait_ns = static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(narrow_workers());
     if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
       return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
@@ -562,7 +569,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (stopping_ && queue_.empty()) break;
     int64_t wake_at_ns = 0;
     int64_t now = 0;
-    if (instance_free && !stopping_ && lenders_ > 0 && !queue_.empty()) {
+    if (instance_free && !stopping_ && lenders_ > 0 && !foreign_queued_ && !queue_.empty()) {
       // A lending loop takes the queue; this worker only if it stops looking.
       now = clock_->NowNs();
       if (now < lend_until_ns_) {

@@ -324,6 +324,9 @@ class DynamicBatcher {
   int lenders_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t lend_until_ns_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t lent_batches_ QUERN_GUARDED_BY(mu_) = 0;
+  // A queued task no loop may run (ScheduleOptions::loop_may_run unset):
+  // until the queue empties, the loops leave it all to the workers.
+  bool foreign_queued_ QUERN_GUARDED_BY(mu_) = false;
   std::shared_ptr<LendSlot> lend_slot_ = std::make_shared<LendSlot>();
   std::vector<std::thread> workers_;
   std::thread reaper_;

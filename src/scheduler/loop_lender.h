@@ -17,7 +17,9 @@
 // loop finds the instance busy (the worker looks after its batch), when
 // batches grow long, while the loop is paused, and when work from another
 // thread wakes one (it takes the loop's queued tasks with it, unless the
-// loop gets there first). A worker that is awake leaves the queue to the
+// loop gets there first). A queued task no loop may run (a large input,
+// another thread's) keeps the loops out of the model's queue until the
+// queue has emptied. A worker that is awake leaves the queue to the
 // loop while the loop looked at it within DynamicBatcher::kLendGraceNs; one
 // asleep is not woken for the loop's tasks, so a loop held by a long
 // request (a model load it serves synchronously) delays them as it delays
