@@ -535,5 +535,156 @@ ensemble_scheduling { step [ { model_name: "linear" input_map { key: "x" value: 
   (void)engine_->UnloadModel("uses_linear");
 }
 
+// An ensemble of x [4] -> y [4] whose one step is `step` (an ensemble of the
+// same signature, or add_sub adding x to itself).
+std::string Passing(const std::string& step) {
+  if (step == "add_sub") {
+    return R"(
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: "add_sub" input_map { key: "INPUT0" value: "x" }
+  input_map { key: "INPUT1" value: "x" } output_map { key: "OUTPUT0" value: "y" } } ] }
+)";
+  }
+  return R"(
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: ")" +
+         step + R"(" input_map { key: "x" value: "x" } output_map { key: "y" value: "y" } } ] }
+)";
+}
+
+InferRequest Doubling(const std::string& model) {
+  InferRequest r;
+  r.model = model;
+  r.inputs = {{"x", Floats({1, 4}, {1, 2, 3, 4})}};
+  return r;
+}
+
+TEST_F(EnsembleTest, AReloadThatWouldMakeACycleIsRefusedAndNothingRecursesForever) {
+  // cyc_a -> cyc_b -> cyc_c -> add_sub, then cyc_c reloaded to call cyc_a:
+  // each version passes its own checks, the graph would not end.
+  ASSERT_TRUE(Load("cyc_c", Passing("add_sub")).ok());
+  ASSERT_TRUE(Load("cyc_b", Passing("cyc_c")).ok());
+  ASSERT_TRUE(Load("cyc_a", Passing("cyc_b")).ok());
+  Status st = Load("cyc_c", Passing("cyc_a"));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("cycle of ensembles: 'cyc_c' -> 'cyc_a' -> 'cyc_b' -> 'cyc_c'"), std::string::npos)
+      << st.message();
+  // Asking for admission and inferring walk the steps: they end.
+  for (const char* m : {"cyc_a", "cyc_b", "cyc_c"}) {
+    (void)engine_->CheckAdmission(m);
+    InferResponse r = engine_->Infer(Doubling(m)).get();
+    if (r.status.ok()) {
+      EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{2, 4, 6, 8}));
+    }
+  }
+  // An ensemble that calls itself is refused as well.
+  st = Load("cyc_self", Passing("cyc_self"));
+  EXPECT_NE(st.message().find("an ensemble cannot be a step of itself"), std::string::npos) << st.message();
+  for (const char* m : {"cyc_a", "cyc_b", "cyc_c", "cyc_self"}) (void)engine_->UnloadModel(m);
+}
+
+TEST(EnsembleGraphTest, AStartWithACycleNamesItOnceAndLoadsTheRest) {
+  TempDir dir;
+  CopyModel("add_sub", dir.path());
+  // loop_1 -> loop_2 -> loop_1, user -> loop_1, fine -> add_sub.
+  WriteEnsemble(dir.path(), "loop_1", Passing("loop_2"));
+  WriteEnsemble(dir.path(), "loop_2", Passing("loop_1"));
+  WriteEnsemble(dir.path(), "a_user", Passing("loop_1"));
+  WriteEnsemble(dir.path(), "fine", Passing("add_sub"));
+  EngineOptions o;
+  o.model_repository = dir.path().string();
+  auto e = Engine::Create(o);
+  ASSERT_TRUE(e.has_value()) << e.error().ToString();
+  for (const char* m : {"loop_1", "loop_2"}) {
+    auto st = (*e)->GetModel(m);
+    ASSERT_TRUE(st.has_value());
+    EXPECT_EQ(st->state, ModelState::kUnavailable);
+    EXPECT_NE(st->reason.find("part of a cycle of ensembles"), std::string::npos) << st->reason;
+    EXPECT_LT(st->reason.size(), 200u) << st->reason;
+  }
+  auto user = (*e)->GetModel("a_user");
+  ASSERT_TRUE(user.has_value());
+  EXPECT_EQ(user->state, ModelState::kUnavailable);
+  EXPECT_LT(user->reason.size(), 600u) << user->reason;
+  InferResponse r = (*e)->Infer(Doubling("fine")).get();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{2, 4, 6, 8}));
+  EXPECT_FALSE((*e)->Infer(Doubling("a_user")).get().status.ok());
+}
+
+TEST(EnsembleGraphTest, ADeepChainLoadsInAnyNameOrderUpToTheNestingBound) {
+  // chain_0000 -> chain_0001 -> ... -> add_sub: names sort against the
+  // order the chain must load in. Deeper than kMaxNesting is refused with
+  // a clear error; everything within it serves, from the deepest end.
+  TempDir dir;
+  CopyModel("add_sub", dir.path());
+  const int n = EnsembleModel::kMaxNesting + 4;
+  auto name = [](int i) {
+    char b[32];
+    std::snprintf(b, sizeof b, "chain_%04d", i);
+    return std::string(b);
+  };
+  for (int i = 0; i < n; ++i) WriteEnsemble(dir.path(), name(i), Passing(i + 1 < n ? name(i + 1) : "add_sub"));
+  EngineOptions o;
+  o.model_repository = dir.path().string();
+  auto e = Engine::Create(o);
+  ASSERT_TRUE(e.has_value()) << e.error().ToString();
+  for (int i = 0; i < n; ++i) {
+    auto st = (*e)->GetModel(name(i));
+    ASSERT_TRUE(st.has_value());
+    const int depth = n - i;
+    if (depth <= EnsembleModel::kMaxNesting) {
+      EXPECT_EQ(st->state, ModelState::kReady) << name(i) << ": " << st->reason;
+    } else {
+      EXPECT_EQ(st->state, ModelState::kUnavailable) << name(i);
+      EXPECT_LT(st->reason.size(), 600u);
+    }
+  }
+  auto deep = (*e)->GetModel(name(n - EnsembleModel::kMaxNesting - 1));
+  ASSERT_TRUE(deep.has_value());
+  EXPECT_NE(deep->reason.find("nests ensembles " + std::to_string(EnsembleModel::kMaxNesting + 1) + " deep"),
+            std::string::npos)
+      << deep->reason;
+  const std::string top = name(n - EnsembleModel::kMaxNesting);
+  EXPECT_TRUE((*e)->CheckAdmission(top).ok());
+  InferResponse r = (*e)->Infer(Doubling(top)).get();
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(ToFloats(r.outputs[0].tensor), (std::vector<float>{2, 4, 6, 8}));
+}
+
+TEST(EnsembleGraphTest, ARecursionTheRegistryLetThroughIsCutAtTheNestingBound) {
+  // An ensemble whose step model is itself, built without the registry's
+  // check: admission and submission stop at the bound with an error.
+  auto proto = ParseModelConfigText(Passing("other"), "config.pbtxt");
+  ASSERT_TRUE(proto.has_value()) << proto.error().ToString();
+  auto converted = ConvertModelConfig(*proto, "config.pbtxt");
+  ASSERT_TRUE(converted.has_value()) << converted.error().ToString();
+  ModelConfig config = *converted;
+  config.name = "self";
+  std::shared_ptr<EnsembleModel> self;
+  EnsembleModel::StepModels steps;
+  steps.config = [&](const std::string&, int64_t) -> Result<ModelConfig> { return config; };
+  steps.check_admission = [&](const std::string&, int64_t) { return self->CheckAdmission(); };
+  steps.submit = [&](InferRequest&& r, InferCallback& done) { return self->Submit(std::move(r), 1, done, false); };
+  auto created = EnsembleModel::Create(config, 1, steps, &RealClockInstance());
+  ASSERT_TRUE(created.has_value()) << created.error().ToString();
+  self = *created;
+  Status st = self->CheckAdmission();
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_NE(st.message().find("nested more than"), std::string::npos) << st.message();
+  InferRequest r = Doubling("self");
+  InferCallback done = [](InferResponse&&) {};
+  st = self->Submit(std::move(r), 1, done, false);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  self->Shutdown();
+  self.reset();
+}
+
 }  // namespace
 }  // namespace quern

@@ -33,6 +33,23 @@ class EnsembleModel::Run {
 };
 
 namespace {
+// How many ensembles' Submit or CheckAdmission are on this thread's stack
+// (each enters its first steps' models, which may be ensembles).
+thread_local int stack_nesting = 0;
+
+class NestingScope {
+ public:
+  NestingScope() { ++stack_nesting; }
+  ~NestingScope() { --stack_nesting; }
+  NestingScope(const NestingScope&) = delete;
+  NestingScope& operator=(const NestingScope&) = delete;
+  bool too_deep() const { return stack_nesting > EnsembleModel::kMaxNesting; }
+};
+
+Status TooDeep(const std::string& name) {
+  return FailedPrecondition("ensemble '" + name + "': ensembles nested more than " +
+                            std::to_string(EnsembleModel::kMaxNesting) + " deep (a cycle of ensembles?)");
+}
 
 // The shape a tensor has in requests: the batch dimension (-1) first when
 // the configuration batches.
@@ -246,12 +263,13 @@ Status EnsembleModel::StepError(int step, const Status& status) const {
 
 Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done,
                              bool /*run_here: steps are submitted as answers arrive*/) {
+  NestingScope nesting;
   Telemetry arrival;
   arrival.queue_start_ns = clock_->NowNs();
   {
     MutexLock lock(mu_);
-    if (stopping_) {
-      Status st = Unavailable("model '" + config_.name + "' is stopping");
+    if (stopping_ || nesting.too_deep()) {
+      Status st = stopping_ ? Unavailable("model '" + config_.name + "' is stopping") : TooDeep(config_.name);
       stats_.RecordRequest(st, arrival, 0, 0, arrival.queue_start_ns);
       return st;
     }
@@ -535,6 +553,8 @@ void EnsembleModel::Release() {
 }
 
 Status EnsembleModel::CheckAdmission() {
+  NestingScope nesting;
+  if (nesting.too_deep()) return TooDeep(config_.name);
   {
     MutexLock lock(mu_);
     if (stopping_) return Unavailable("model '" + config_.name + "' is stopping");

@@ -79,6 +79,13 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   ModelStatistics Statistics() const override;
   int64_t in_flight() const override;
 
+  // The most ensembles nested in one another (an ensemble whose step is an
+  // ensemble whose step ...) that are served: the registry refuses to load
+  // deeper ones, and Submit and CheckAdmission refuse a request that finds
+  // itself nested deeper on its thread's stack (the walks recurse through
+  // the step models), whatever the registry let through.
+  static constexpr int kMaxNesting = 256;
+
   // The most requests one step of one ensemble request may be split into
   // (rows beyond the step model's max_batch_size); more fail the request.
   static constexpr int64_t kMaxStepRequests = 4096;

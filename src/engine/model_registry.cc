@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 
 #include "core/cpus.h"
 #include "core/gpus.h"
@@ -13,6 +14,10 @@
 #include "engine/served_model.h"
 
 namespace quern {
+namespace {
+// The most of another model's load error a lookup's error quotes.
+constexpr size_t kMaxQuotedReason = 240;
+}  // namespace
 
 ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options)) {
   clock_ = options_.clock ? options_.clock : &RealClockInstance();
@@ -86,9 +91,10 @@ Result<std::shared_ptr<Servable>> ModelRegistry::Resolve(const std::string& name
       return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
     }
     if (!v->second.served) {
-      return Err(Unavailable("model '" + name + "' version " + std::to_string(version) +
-                             " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
-                             (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason + ")")));
+      return Err(Unavailable(
+          "model '" + name + "' version " + std::to_string(version) +
+          " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
+          (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason.substr(0, kMaxQuotedReason) + ")")));
     }
     return v->second.served;
   }
@@ -99,6 +105,9 @@ Result<std::shared_ptr<Servable>> ModelRegistry::Resolve(const std::string& name
   for (const auto& [n, slot] : versions) {
     if (!slot.status.reason.empty()) reason = slot.status.reason;
   }
+  // Bounded: an ensemble's load error quotes this, and a chain of them
+  // would quote each other's whole.
+  if (reason.size() > kMaxQuotedReason) reason = reason.substr(0, kMaxQuotedReason) + "...";
   return Err(Unavailable("model '" + name + "' is not ready" + (reason.empty() ? "" : ": " + reason)));
 }
 
@@ -185,33 +194,169 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersionSafely(const Reposit
 }
 
 void ModelRegistry::LoadInOrder(const std::vector<std::string>& names) {
-  std::vector<std::string> ensembles;
+  // Each model's configuration is read once; ensembles load after the
+  // ensembles among `names` that they use (Kahn's order: linear in the
+  // models and steps, whatever order the names come in).
+  std::map<std::string, std::vector<std::string>> uses;  // ensemble -> ensembles in `names` it uses
   for (const auto& n : names) {
-    if (IsEnsemble(n)) {
-      ensembles.push_back(n);
-    } else {
+    auto m = ReadRepositoryModel(options_.model_repository, n, options_.allow_links_outside_repository);
+    if (!m || !m->config.is_ensemble()) {
       (void)LoadModel(n);
+      continue;
+    }
+    auto& u = uses[n];
+    for (const EnsembleStep& step : m->config.ensemble_steps) u.push_back(step.model_name);
+  }
+  std::map<std::string, int> waits;
+  std::map<std::string, std::vector<std::string>> used_by;
+  for (auto& [n, u] : uses) {
+    std::sort(u.begin(), u.end());
+    u.erase(std::unique(u.begin(), u.end()), u.end());
+    std::erase_if(u, [&](const std::string& d) { return !uses.count(d); });
+    waits[n] = static_cast<int>(u.size());
+    for (const auto& d : u) used_by[d].push_back(n);
+  }
+  std::vector<std::string> ready;
+  for (const auto& [n, w] : waits) {
+    if (w == 0) ready.push_back(n);
+  }
+  while (!ready.empty()) {
+    const std::string n = std::move(ready.back());
+    ready.pop_back();
+    (void)LoadModel(n);
+    waits.erase(n);
+    for (const auto& user : used_by[n]) {
+      if (--waits[user] == 0) ready.push_back(user);
     }
   }
-  while (!ensembles.empty()) {
-    std::vector<std::string> failed;
-    for (const auto& n : ensembles) {
-      if (!LoadModel(n).ok()) failed.push_back(n);
+  // What is left is on a cycle or uses one. A cycle's members that serve
+  // nothing yet (at start) fail naming it; the others are loaded, so that
+  // the load's own check decides against what is served (on a reload, a
+  // served version keeps serving what it served) and the rest fail naming
+  // the step model that is not ready.
+  std::map<std::string, std::vector<std::string>> left;
+  for (const auto& [n, w] : waits) left[n] = uses[n];
+  std::vector<std::string> rest;
+  for (const auto& [n, u] : left) {
+    std::vector<std::string> cycle = FindCycle(n, [&](const std::string& m) -> std::vector<std::string> {
+      auto it = left.find(m);
+      return it == left.end() ? std::vector<std::string>{} : it->second;
+    });
+    if (!cycle.empty() && !Resolve(n, -1)) {
+      RecordLoadFailure(n, InvalidArgument("ensemble '" + n + "' is part of a cycle of ensembles: " + JoinPath(cycle)));
+    } else {
+      rest.push_back(n);
     }
-    if (failed.size() == ensembles.size()) break;
-    ensembles.swap(failed);
   }
+  for (const auto& n : rest) (void)LoadModel(n);
 }
 
-bool ModelRegistry::IsEnsemble(const std::string& name) const {
-  auto m = ReadRepositoryModel(options_.model_repository, name, options_.allow_links_outside_repository);
-  return m && m->config.is_ensemble();
+std::vector<std::string> ModelRegistry::FindCycle(
+    const std::string& from, const std::function<std::vector<std::string>(const std::string&)>& uses) {
+  // Depth-first, iterative (no recursion however deep the graph): the path
+  // from `from` to the step that leads back to it.
+  struct Frame {
+    std::string model;
+    std::vector<std::string> next;
+    size_t i = 0;
+  };
+  std::vector<Frame> path;
+  std::set<std::string> seen;
+  path.push_back({from, uses(from), 0});
+  seen.insert(from);
+  while (!path.empty()) {
+    Frame& top = path.back();
+    if (top.i == top.next.size()) {
+      path.pop_back();
+      continue;
+    }
+    std::string m = top.next[top.i++];
+    if (m == from) {
+      std::vector<std::string> cycle;
+      for (const auto& f : path) cycle.push_back(f.model);
+      cycle.push_back(from);
+      return cycle;
+    }
+    if (!seen.insert(m).second) continue;
+    auto next = uses(m);
+    path.push_back({std::move(m), std::move(next), 0});
+  }
+  return {};
+}
+
+std::string ModelRegistry::JoinPath(const std::vector<std::string>& models) {
+  std::string s;
+  for (const auto& m : models) s += (s.empty() ? "'" : " -> '") + m + "'";
+  return s;
+}
+
+void ModelRegistry::RecordLoadFailure(const std::string& name, const Status& status) {
+  MutexLock load_lock(load_mu_);
+  Entry entry;
+  VersionSlot slot;
+  slot.status = {name, 0, ModelState::kUnavailable, status.message(), {}};
+  slot.status.config.name = name;
+  entry.versions[0] = std::move(slot);
+  entry.fingerprint = FingerprintModelDir(std::filesystem::path(options_.model_repository) / name);
+  Replace(name, std::move(entry));
+}
+
+Status ModelRegistry::CheckEnsembleGraph(const std::string& name, const ModelConfig& config) const {
+  // The models each served ensemble uses (every served version's steps),
+  // with `name`'s taken from `config`, the configuration it is to serve.
+  std::map<std::string, std::vector<std::string>> uses;
+  {
+    ReaderLock lock(mu_);
+    for (const auto& [n, e] : models_) {
+      if (n == name) continue;
+      for (const auto& [v, slot] : e.versions) {
+        if (!slot.served || !slot.served->config().is_ensemble()) continue;
+        for (const EnsembleStep& step : slot.served->config().ensemble_steps) uses[n].push_back(step.model_name);
+      }
+    }
+  }
+  for (const EnsembleStep& step : config.ensemble_steps) uses[name].push_back(step.model_name);
+  auto next = [&](const std::string& m) {
+    auto it = uses.find(m);
+    return it == uses.end() ? std::vector<std::string>{} : it->second;
+  };
+  std::vector<std::string> cycle = FindCycle(name, next);
+  if (!cycle.empty()) {
+    return InvalidArgument("ensemble '" + name + "' would make a cycle of ensembles: " + JoinPath(cycle));
+  }
+  // The nesting depth below `name` (ensembles within ensembles): bounded,
+  // as every walk over it at run time is (EnsembleModel::kMaxNesting).
+  // Longest path in a graph without cycles, iteratively (memoised).
+  std::map<std::string, int> depth;
+  std::vector<std::pair<std::string, bool>> todo{{name, false}};
+  while (!todo.empty()) {
+    auto [m, expanded] = todo.back();
+    todo.pop_back();
+    if (depth.count(m)) continue;
+    const auto u = next(m);
+    if (!expanded) {
+      todo.emplace_back(m, true);
+      for (const auto& d : u) {
+        if (!depth.count(d)) todo.emplace_back(d, false);
+      }
+      continue;
+    }
+    int d = uses.count(m) ? 1 : 0;
+    for (const auto& s : u) d = std::max(d, 1 + depth[s]);
+    depth[m] = d;
+  }
+  if (depth[name] > EnsembleModel::kMaxNesting) {
+    return InvalidArgument("ensemble '" + name + "' nests ensembles " + std::to_string(depth[name]) +
+                           " deep; at most " + std::to_string(EnsembleModel::kMaxNesting) + " are served");
+  }
+  return Status::Ok();
 }
 
 Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryModel& m, const RepositoryVersion& v) {
   ModelConfig config = m.config;
   if (config.is_ensemble()) {
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
+    const ModelConfig asked = config;
     EnsembleModel::StepModels steps;
     steps.submit = [this](InferRequest&& r, InferCallback& done) { return Submit(std::move(r), NextId(), done); };
     steps.config = [this](const std::string& name, int64_t version) -> Result<ModelConfig> {
@@ -225,6 +370,9 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
     };
     QUERN_ASSIGN_OR_RETURN(auto ensemble,
                            EnsembleModel::Create(std::move(config), v.version, std::move(steps), clock_, m.dir));
+    // Each step checked on its own, then the whole graph (nothing has
+    // reached the new version yet).
+    QUERN_RETURN_IF_ERROR(CheckEnsembleGraph(m.name, asked));
     return std::shared_ptr<Servable>(std::move(ensemble));
   }
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;

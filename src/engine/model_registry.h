@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,11 +94,23 @@ class ModelRegistry {
   // Puts `entry` in service under `name` and retires the versions it replaces.
   void Replace(const std::string& name, Entry entry);
   void PollLoop();
-  // Loads `names`, ensembles after the models they use (an ensemble that
-  // fails is tried again while another pass loads more).
+  // Loads `names`, ensembles after the ensembles among them that they use
+  // (each configuration read once; linear in models and steps). Ensembles
+  // on a cycle fail naming it; nothing of a cycle is loaded.
   void LoadInOrder(const std::vector<std::string>& names);
-  // Whether the repository's `name` is configured as an ensemble.
-  bool IsEnsemble(const std::string& name) const;
+  // Refuses `config` as the ensemble `name` when the served ensembles and
+  // it would make a cycle (named in the error), or nest ensembles deeper
+  // than EnsembleModel::kMaxNesting. Called under load_mu_, so what it
+  // checks stays true until the version is in service.
+  Status CheckEnsembleGraph(const std::string& name, const ModelConfig& config) const;
+  // `name`, serving nothing, failed before any version loaded: it is
+  // listed UNAVAILABLE with `status`'s message.
+  void RecordLoadFailure(const std::string& name, const Status& status);
+  // A path of models from `from` back to itself following `uses`, or empty
+  // when there is none. Iterative: bounded by the graph, not the stack.
+  static std::vector<std::string> FindCycle(const std::string& from,
+                                            const std::function<std::vector<std::string>(const std::string&)>& uses);
+  static std::string JoinPath(const std::vector<std::string>& models);
 
   EngineOptions options_;
   const Clock* clock_ = nullptr;

@@ -630,13 +630,28 @@ class Session : public std::enable_shared_from_this<Session> {
   // Loop thread. Fires once per request: the client closed the connection
   // (cancel the request), sent more bytes (pipelining; the next read picks
   // them up), or sent the next request after the response went out.
+  // Only an end of stream or an error seen by the socket itself cancels:
+  // readiness alone may be left over from reading the body (asio takes
+  // the epoll event it gathered before the body's last read took the
+  // bytes), and a client still waiting must never be told it left.
   void OnWatch(beast::error_code ec) {
     if (ec == asio::error::operation_aborted || closed_) return;
+    bool gone = static_cast<bool>(ec);
+    if (!gone && !(state_.load(std::memory_order_acquire) & kResponded)) {
+      char byte;
+      const ssize_t r = ::recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        // Nothing to read and no end: watch on (a response finished
+        // meanwhile is seen by the next firing, which its Finish relies on).
+        plain_->async_wait(tcp::socket::wait_read,
+                           [self = shared_from_this()](beast::error_code e) { self->OnWatch(e); });
+        return;
+      }
+      gone = r <= 0;  // 0: the client closed its side; < 0: reset or another error
+    }
     const uint32_t prev = state_.fetch_or(kWatchFired, std::memory_order_acq_rel);
     if (prev & kResponded) return ReadNext();
-    beast::error_code avail_ec;
-    const size_t n = plain_->available(avail_ec);
-    if (ec || avail_ec || n == 0) cancel_->Cancel();
+    if (gone) cancel_->Cancel();
   }
 
   // Any thread, once per request: writes the response with a non-blocking

@@ -1,0 +1,114 @@
+"""Load tests of what a connection, a body or a stream can do to a real `quern serve`: clients that
+are still there are never told they left, and healthy clients keep being served while an attack
+runs. Bounded in count and time, loopback only; the figures they print are in docs/reliability.md."""
+import http.client
+import json
+import os
+import shutil
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from quern_testing import start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.environ["QUERN_TEST_MODELS"]
+
+
+def write_row_sum(repo):
+    """row_sum: y[N, 1] = the sum of each row of x[N, M] (FP32, any N and M): a large request, a small
+    answer, so that what is measured is the request's way in."""
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "M"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)
+    graph = helper.make_graph([node], "row_sum", [x], [y], initializer=[axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    os.makedirs(repo / "row_sum" / "1", exist_ok=True)
+    onnx.save(model, str(repo / "row_sum" / "1" / "model.onnx"))
+    (repo / "row_sum" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 0\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ -1, 1 ] } ]\n')
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    write_row_sum(repo)
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def binary_infer(values):
+    """A KServe binary-tensor request for row_sum: (headers, body)."""
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(values.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": values.nbytes}}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": False}}]}).encode()
+    return ({"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))},
+            header + values.tobytes())
+
+
+def keep_alive_client(port, values, count, failures, answered):
+    """Posts `count` large requests one after another on one connection; every answer must be a 200
+    with the row sums numpy computes."""
+    headers, body = binary_infer(values)
+    want = values.sum(axis=1, dtype=np.float64)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        for _ in range(count):
+            conn.request("POST", "/v2/models/row_sum/infer", body=body, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            if r.status != 200:
+                failures.append((r.status, data[:200]))
+                continue
+            got = np.array(json.loads(data)["outputs"][0]["data"], dtype=np.float64)
+            if not np.allclose(got, want, rtol=1e-4):
+                failures.append(("wrong answer", got[:4], want[:4]))
+            answered.append(1)
+    except Exception as e:  # noqa: BLE001: a broken connection is a failure like any other
+        failures.append(("exception", repr(e)))
+    finally:
+        conn.close()
+
+
+def abandon_mid_request(port, body_bytes, how_many):
+    """Connections that send a head and part of a large body, then close (some with a reset)."""
+    for i in range(how_many):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v2/models/row_sum/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % body_bytes + b"{" * 65536)
+        if i % 2:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+
+@pytest.mark.parametrize("connections", [4, 16, 64])
+def test_large_bodies_on_keep_alive_connections_are_never_cancelled(server, connections):
+    # 150,528 floats: a 224x224 RGB image as a tensor, 602 KB of body per request. Each
+    # connection sends its next request when its answer is in: a live client, never gone.
+    values = np.random.default_rng(connections).random((1, 3 * 224 * 224), dtype=np.float32)
+    per_connection = max(8, 512 // connections)
+    failures, answered = [], []
+    threads = [threading.Thread(target=keep_alive_client,
+                                args=(server["HTTP"], values, per_connection, failures, answered))
+               for _ in range(connections)]
+    for t in threads:
+        t.start()
+    # Meanwhile, other clients leave in the middle of their requests.
+    abandon_mid_request(server["HTTP"], 602_112, 16)
+    for t in threads:
+        t.join(timeout=240)
+    assert not failures, f"{len(failures)} of {connections * per_connection} failed: {failures[:5]}"
+    assert len(answered) == connections * per_connection
