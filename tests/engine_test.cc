@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "core/npy.h"
@@ -486,6 +487,59 @@ TEST(EngineRepository, PollingReloadsChangedModelsAndUnloadsRemovedOnes) {
   std::filesystem::remove_all(repo.path() / "add_sub");
   ASSERT_TRUE(engine->PollRepository().ok());
   EXPECT_FALSE(engine->GetModel("add_sub").has_value());
+}
+
+TEST(EngineRepository, AReloadThatFailsLeavesTheServingVersionServing) {
+  TempDir repo;
+  CopyModel("versions", repo.path(), "m");
+  const std::string good = "max_batch_size: 8\nversion_policy { specific { versions: 1 } }\n";
+  WriteFile(repo.path() / "m" / "config.pbtxt", good);
+  auto engine = Open(repo.path());
+  auto first = [&]() {
+    InferRequest req;
+    req.model = "m";
+    req.inputs = {{"x", Floats({1, 3}, {1, 2, 3})}};
+    InferResponse r = engine->Infer(std::move(req)).get();
+    EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+    return r.status.ok() ? ToFloats(r.outputs[0].tensor)[0] : -1.f;
+  };
+  auto reason = [&]() {
+    auto st = engine->GetModel("m");
+    return st ? st->reason : std::string("no model");
+  };
+  ASSERT_EQ(first(), 1.f);
+
+  // A configuration that does not parse: version 1 serves on, the failure is
+  // the ready version's reason, and the load says it failed.
+  WriteFile(repo.path() / "m" / "config.pbtxt", "max_batch_size: [[[ garbage\n");
+  ASSERT_TRUE(engine->PollRepository().ok());
+  EXPECT_TRUE(engine->ModelReady("m"));
+  EXPECT_EQ(first(), 1.f);
+  EXPECT_NE(reason().find("a reload failed, the version loaded before serves on"), std::string::npos) << reason();
+  EXPECT_FALSE(engine->LoadModel("m").ok());
+  EXPECT_EQ(first(), 1.f);
+
+  // A new version whose model file is truncated: version 1 serves on.
+  WriteFile(repo.path() / "m" / "config.pbtxt", "max_batch_size: 8\n");  // latest: version 3
+  std::filesystem::create_directories(repo.path() / "m" / "3");
+  std::string onnx;
+  {
+    std::ifstream in(repo.path() / "m" / "2" / "model.onnx", std::ios::binary);
+    onnx.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  WriteFile(repo.path() / "m" / "3" / "model.onnx", onnx.substr(0, onnx.size() / 2));
+  ASSERT_TRUE(engine->PollRepository().ok());
+  EXPECT_TRUE(engine->ModelReady("m"));
+  EXPECT_EQ(first(), 1.f);
+  EXPECT_NE(reason().find("version loaded before serves on"), std::string::npos) << reason();
+
+  // The files fixed: the next poll loads them and the note is gone.
+  WriteFile(repo.path() / "m" / "3" / "model.onnx", onnx);
+  ASSERT_TRUE(engine->PollRepository().ok());
+  EXPECT_EQ(first(), 10.f);
+  EXPECT_EQ(reason(), "");
+  auto v1 = engine->GetModel("m", 1);
+  EXPECT_FALSE(v1.has_value());
 }
 
 TEST(EngineRepository, ReloadDoesNotDropInFlightRequests) {

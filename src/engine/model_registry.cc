@@ -17,6 +17,8 @@ namespace quern {
 namespace {
 // The most of another model's load error a lookup's error quotes.
 constexpr size_t kMaxQuotedReason = 240;
+// How long a poll waits before its second look at the models that changed.
+constexpr int kSettleMs = 200;
 }  // namespace
 
 ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options)) {
@@ -168,8 +170,44 @@ Status ModelRegistry::LoadModel(const std::string& name) {
       entry.versions[v.version] = std::move(slot);
     }
   }
+  if (!overall.ok()) entry.failed_fingerprint = entry.fingerprint;
+  if (known && !overall.ok()) KeepServingWhatFailed(name, entry, overall);
   Replace(name, std::move(entry));
   return overall;
+}
+
+void ModelRegistry::KeepServingWhatFailed(const std::string& name, Entry& entry, const Status& failure) {
+  ReaderLock lock(mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) return;
+  const Entry& old = it->second;
+  const auto serving = [](const std::map<int64_t, VersionSlot>& versions) {
+    return std::any_of(versions.begin(), versions.end(), [](const auto& v) { return v.second.served != nullptr; });
+  };
+  if (!serving(old.versions)) return;
+  const std::string note = "a reload failed, the version loaded before serves on: " + failure.message();
+  if (!serving(entry.versions)) {
+    // Nothing of the new load serves: the old versions serve on, and a
+    // poll loads again once the files change from those that failed.
+    entry.versions = old.versions;
+    entry.fingerprint = old.fingerprint;
+    for (auto& [v, slot] : entry.versions) {
+      if (slot.served) slot.status.reason = note;
+    }
+  } else {
+    // Versions that failed and served before serve on.
+    for (auto& [v, slot] : entry.versions) {
+      auto before = old.versions.find(v);
+      if (slot.served || before == old.versions.end() || !before->second.served) continue;
+      slot = before->second;
+      slot.status.reason = note;
+      entry.fingerprint = old.fingerprint;
+    }
+  }
+  if (old.last_failure != failure.message()) {
+    Log(LogLevel::kWarning, note, {{"model", name}});
+  }
+  entry.last_failure = failure.message();
 }
 
 Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersionSafely(const RepositoryModel& m,
@@ -506,20 +544,39 @@ Status ModelRegistry::PollRepository() {
   if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
   auto names = ListRepositoryModels(options_.model_repository);
   if (!names) return names.error();
-  std::vector<std::string> to_load, to_unload;
+  const std::filesystem::path repo(options_.model_repository);
+  std::vector<std::string> changed, to_unload;
+  std::map<std::string, std::string> first_look;
   {
     ReaderLock lock(mu_);
     for (const auto& n : *names) {
       auto it = models_.find(n);
-      if (it == models_.end()) {
-        to_load.push_back(n);
-      } else if (!it->second.custom &&
-                 it->second.fingerprint != FingerprintModelDir(std::filesystem::path(options_.model_repository) / n)) {
-        to_load.push_back(n);
+      if (it != models_.end() && it->second.custom) continue;
+      std::string fingerprint = FingerprintModelDir(repo / n);
+      // New, or changed since it loaded and not the files a reload failed on.
+      if (it == models_.end() ||
+          (fingerprint != it->second.fingerprint && fingerprint != it->second.failed_fingerprint)) {
+        changed.push_back(n);
+        first_look[n] = std::move(fingerprint);
       }
     }
     for (const auto& [n, e] : models_) {
       if (!e.custom && !std::binary_search(names->begin(), names->end(), n)) to_unload.push_back(n);
+    }
+  }
+  // A model whose files are still being written (sizes or times moving
+  // between two looks) is left for a later poll: a copy in progress is
+  // never loaded half-written.
+  std::vector<std::string> to_load;
+  if (!changed.empty()) {
+    {
+      MutexLock lock(poll_mu_);
+      poll_cv_.WaitFor(lock, std::chrono::milliseconds(kSettleMs),
+                       [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
+      if (stopping_) return Status::Ok();
+    }
+    for (const auto& n : changed) {
+      if (FingerprintModelDir(repo / n) == first_look[n]) to_load.push_back(n);
     }
   }
   LoadInOrder(to_load);
@@ -618,6 +675,11 @@ void ModelRegistry::Replace(const std::string& name, Entry entry) {
     auto& e = models_[name];
     old.swap(e.versions);
     e = std::move(entry);
+    // Versions the new entry keeps serving (a reload that failed) go on.
+    std::erase_if(old, [&](const auto& v) {
+      auto kept = e.versions.find(v.first);
+      return v.second.served && kept != e.versions.end() && kept->second.served == v.second.served;
+    });
     HoldRetiringLocked(old);
   }
   RetireVersions(old);  // in-flight requests of the old versions finish first

@@ -39,6 +39,9 @@ class ModelRegistry {
     bool custom = false;
     std::string fingerprint;
     std::map<int64_t, VersionSlot> versions;
+    std::string last_failure;  // of the last reload that failed, logged once
+    // The files the last load failed on: a poll tries again once they change.
+    std::string failed_fingerprint;
   };
   explicit ModelRegistry(EngineOptions options);
   ~ModelRegistry();  // stops polling, then finishes every version's requests
@@ -83,6 +86,13 @@ class ModelRegistry {
                                                   Backend& backend, ModelConfig config, const GpuAvailability& gpus);
 
   Status UnloadLocked(const std::string& name) QUERN_REQUIRES(load_mu_);
+  // A reload of `name` failed (`failure`): what served before serves on
+  // (Triton's rule). When nothing of `entry` serves, `entry` becomes the
+  // served versions as they are; else each version that failed and served
+  // before is kept. Kept versions carry the failure as their reason (logged
+  // once per distinct failure); a poll loads again once the files change
+  // from those the load failed on (Entry::failed_fingerprint).
+  void KeepServingWhatFailed(const std::string& name, Entry& entry, const Status& failure);
 
   // With mu_ held: versions taken out of models_ stay counted by InFlight
   // until RetireVersions has finished their requests.
