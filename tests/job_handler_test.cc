@@ -7,6 +7,7 @@
 
 #include <future>
 #include <string>
+#include <thread>
 
 #include "store/result_store.h"
 #include "test_util.h"
@@ -86,6 +87,49 @@ TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
   HttpResponse expired = Call(jobs, "GET", "/v2/jobs/" + id);
   EXPECT_EQ(expired.status, 404);
   EXPECT_NE(expired.body.find("expired"), std::string::npos) << expired.body;
+}
+
+TEST(JobHandler, WithKeysAJobIsOnlyItsSubmittersToReadAndCancel) {
+  auto engine = Engine::Create({});
+  ASSERT_TRUE(engine.has_value());
+  ModelConfig c;
+  c.name = "echo";
+  c.max_batch_size = 1;
+  c.instance_count = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
+  ASSERT_TRUE((*engine)->RegisterModel(c, [] { return std::make_unique<Echo>(); }).ok());
+  MemoryResultStore store;
+  JobHandler jobs(engine->get(), &store);
+  jobs.set_owner_of([](const HttpRequest& r) { return JobOwner(r.Header("x-api-key")); });
+  auto call = [&](std::string method, std::string target, std::string key, std::string body = "") {
+    std::promise<HttpResponse> p;
+    HttpRequest r{std::move(method), std::move(target), {{"x-api-key", std::move(key)}}, std::move(body)};
+    jobs.Handle(std::move(r), [&](HttpResponse resp) { p.set_value(std::move(resp)); });
+    return p.get_future().get();
+  };
+  HttpResponse submitted = call("POST", "/v2/models/echo/jobs", "key-a",
+                                R"({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [2.5]}]})");
+  ASSERT_EQ(submitted.status, 202) << submitted.body;
+  rapidjson::Document d;
+  d.Parse(submitted.body.c_str());
+  const std::string id = d["job_id"].GetString();
+  std::string status;
+  for (int i = 0; i < 5000 && status != "done"; ++i) {
+    HttpResponse got = call("GET", "/v2/jobs/" + id, "key-a");
+    ASSERT_EQ(got.status, 200) << got.body;
+    d.Parse(got.body.c_str());
+    status = d["status"].GetString();
+    if (status != "done") std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(status, "done");
+  for (const char* method : {"GET", "DELETE"}) {
+    HttpResponse other = call(method, "/v2/jobs/" + id, "key-b");
+    EXPECT_EQ(other.status, 404) << method << " " << other.body;
+    EXPECT_EQ(other.body.find("2.5"), std::string::npos);
+  }
+  EXPECT_EQ(call("GET", "/v2/jobs/" + id, "").status, 404);
+  EXPECT_EQ(call("GET", "/v2/jobs/" + id, "key-a").status, 200);
 }
 
 }  // namespace

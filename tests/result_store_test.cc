@@ -5,8 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <set>
 
 namespace quern {
 namespace {
@@ -22,15 +24,57 @@ std::shared_ptr<const JobRecord> Done(std::string id, size_t output_bytes) {
   return r;
 }
 
-TEST(JobId, CarriesItsSubmissionTime) {
+TEST(JobId, CarriesItsSubmissionTimeAnd128RandomBits) {
   const std::string id = NewJobId(0x0193A7C2F1E0);
-  ASSERT_EQ(id.size(), 29u);
+  ASSERT_EQ(id.size(), 45u);
   EXPECT_EQ(id.substr(0, 13), "0193a7c2f1e0-");
   EXPECT_EQ(JobIdSubmittedMs(id), 0x0193A7C2F1E0);
   EXPECT_NE(NewJobId(1), NewJobId(1));  // random part
   EXPECT_EQ(JobIdSubmittedMs("not-a-job"), -1);
   EXPECT_EQ(JobIdSubmittedMs("0193a7c2f1e0-0123456789abcdeg"), -1);
   EXPECT_EQ(JobIdSubmittedMs("0193a7c2f1e0_0123456789abcdef"), -1);
+  // Ids of the older form (16 random digits) still tell their time.
+  EXPECT_EQ(JobIdSubmittedMs("0193a7c2f1e0-0123456789abcdef"), 0x0193A7C2F1E0);
+  // Every digit of the random part varies (a 64-bit generator's output
+  // would leave the last 16 alike or derived from the first).
+  std::set<std::string> seen;
+  std::array<std::set<char>, 32> digits;
+  for (int i = 0; i < 2000; ++i) {
+    const std::string r = NewJobId(1).substr(13);
+    ASSERT_EQ(r.size(), 32u);
+    seen.insert(r);
+    for (size_t k = 0; k < r.size(); ++k) digits[k].insert(r[k]);
+  }
+  EXPECT_EQ(seen.size(), 2000u);
+  for (const auto& d : digits) EXPECT_EQ(d.size(), 16u);
+}
+
+TEST(MemoryResultStore, AnOwnerFillingTheStoreEvictsItsOwnResultsNotAnothers) {
+  FakeClock clock;
+  MemoryResultStoreOptions o;
+  o.clock = &clock;
+  o.ttl_s = 0;
+  o.max_bytes = 40 << 10;
+  MemoryResultStore store(o);
+  auto owned = [](std::string id, std::string owner, size_t bytes) {
+    auto r = std::const_pointer_cast<JobRecord>(Done(std::move(id), bytes));
+    r->owner = std::move(owner);
+    return std::shared_ptr<const JobRecord>(r);
+  };
+  store.Put({owned("victim", "b", 4 << 10)});
+  for (int i = 0; i < 100; ++i) store.Put({owned("flood" + std::to_string(i), "a", 8 << 10)});
+  EXPECT_TRUE(store.Get("victim").has_value()) << "another owner's flood evicted it";
+  EXPECT_TRUE(store.Get("flood99").has_value());
+  auto gone = store.Get("flood0");
+  ASSERT_FALSE(gone.has_value());
+  EXPECT_NE(gone.error().message().find("evicted"), std::string::npos);
+  EXPECT_LE(store.bytes(), size_t{40} << 10);
+  // A third owner's result takes room from the largest owner, the flood.
+  store.Put({owned("c1", "c", 8 << 10)});
+  EXPECT_LE(store.bytes(), size_t{40} << 10);
+  EXPECT_TRUE(store.Get("c1").has_value());
+  EXPECT_TRUE(store.Get("victim").has_value());
+  EXPECT_FALSE(store.Get("flood96").has_value());
 }
 
 TEST(MemoryResultStore, StoresReplacesAndEvictsOldestFirst) {

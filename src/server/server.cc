@@ -352,6 +352,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
   });
   p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
+  if (p->keys->enabled()) {
+    p->jobs->set_owner_of(
+        [](const HttpRequest& r) { return JobOwner(PresentedKey(r.Header("authorization"), r.Header("x-api-key"))); });
+  }
 
   if (!o.access_log.empty()) {
     QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));

@@ -69,6 +69,10 @@ Status WriteJobJson(JsonWriter& w, const JobRecord& rec, JobJsonForm form, const
     }
   }
   if (stored) {
+    if (!rec.owner.empty()) {
+      w.Key("owner");
+      String(w, rec.owner);
+    }
     w.Key("binary_data_output");
     w.Bool(rec.binary_default);
     w.Key("binary_outputs");
@@ -117,6 +121,7 @@ Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json
   auto rec = std::make_shared<JobRecord>();
   rec->id = Str(doc, "job_id");
   rec->model = Str(doc, "model_name");
+  rec->owner = Str(doc, "owner");
   rec->version = std::atoll(Str(doc, "model_version").c_str());
   rec->submitted_ms = Int(doc, "submitted_ms");
   rec->started_ms = Int(doc, "started_ms");

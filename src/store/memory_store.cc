@@ -1,3 +1,7 @@
+#include <openssl/sha.h>
+#include <sys/random.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -32,15 +36,46 @@ size_t JobRecord::ByteSize() const {
 }
 
 std::string NewJobId(int64_t submitted_ms) {
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%012llx-%016llx", static_cast<unsigned long long>(submitted_ms & 0xFFFFFFFFFFFFLL),
-                static_cast<unsigned long long>(rng()));
+  uint64_t random[2] = {0, 0};
+  size_t got = 0;
+  while (got < sizeof random) {
+    const ssize_t n = ::getrandom(reinterpret_cast<char*>(random) + got, sizeof random - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      // No kernel CSPRNG (before Linux 3.17): std::random_device reads
+      // /dev/urandom.
+      std::random_device rd;
+      random[0] = uint64_t{rd()} << 32 | rd();
+      random[1] = uint64_t{rd()} << 32 | rd();
+      break;
+    }
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%012llx-%016llx%016llx",
+                static_cast<unsigned long long>(submitted_ms & 0xFFFFFFFFFFFFLL),
+                static_cast<unsigned long long>(random[0]), static_cast<unsigned long long>(random[1]));
   return buf;
 }
 
+std::string JobOwner(std::string_view key) {
+  if (key.empty()) return {};
+  // Domain-separated, so the digest is not the one keys are checked by.
+  const std::string input = std::string("quern job owner\n") + std::string(key);
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(input.data()), input.size(), digest);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * sizeof digest);
+  for (unsigned char c : digest) {
+    out += kHex[c >> 4];
+    out += kHex[c & 15];
+  }
+  return out;
+}
+
 int64_t JobIdSubmittedMs(std::string_view id) {
-  if (id.size() != 29 || id[12] != '-') return -1;
+  if ((id.size() != 45 && id.size() != 29) || id[12] != '-') return -1;
   int64_t ms = 0;
   for (size_t i = 0; i < id.size(); ++i) {
     if (i == 12) continue;
@@ -64,7 +99,8 @@ void MemoryResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> record
     const std::string id = r->id;
     if (auto it = entries_.find(id); it != entries_.end()) {
       bytes_ -= it->second.bytes;
-      entries_.erase(it);  // its order_ entry is skipped by seq
+      owners_[it->second.record->owner].bytes -= it->second.bytes;
+      entries_.erase(it);  // its order_ entries are skipped by seq
     }
     tombstones_.erase(id);
     Entry e;
@@ -74,25 +110,50 @@ void MemoryResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> record
     e.record = std::move(r);
     bytes_ += e.bytes;
     order_.emplace_back(e.seq, id);
+    Owner& owner = owners_[e.record->owner];
+    owner.bytes += e.bytes;
+    owner.order.emplace_back(e.seq, id);
     entries_.emplace(id, std::move(e));
   }
   EvictLocked(now);
 }
 
-// Drops expired results (all at the front of order_: one TTL for all) and
-// then the oldest ones while over the byte bound.
+// Drops expired results (all at the front of order_: one TTL for all), then,
+// while over the byte bound, the oldest result of the owner holding the
+// most bytes.
 void MemoryResultStore::EvictLocked(int64_t now_ns) {
+  const auto live = [this](const std::pair<uint64_t, std::string>& e) {
+    auto it = entries_.find(e.second);
+    return it != entries_.end() && it->second.seq == e.first;  // else replaced or already gone
+  };
   while (!order_.empty()) {
-    auto& [seq, id] = order_.front();
-    auto it = entries_.find(id);
-    if (it == entries_.end() || it->second.seq != seq) {  // replaced or already gone
+    if (!live(order_.front())) {
       order_.pop_front();
       continue;
     }
-    const bool expired = it->second.expires_ns != 0 && it->second.expires_ns <= now_ns;
-    if (!expired && bytes_ <= options_.max_bytes) break;
-    ForgetLocked(id, expired ? "expired" : "was evicted (the result store was full)");
+    auto it = entries_.find(order_.front().second);
+    if (it->second.expires_ns == 0 || it->second.expires_ns > now_ns) break;
+    ForgetLocked(order_.front().second, "expired");
     order_.pop_front();
+  }
+  while (bytes_ > options_.max_bytes) {
+    auto largest = owners_.end();
+    for (auto o = owners_.begin(); o != owners_.end(); ++o) {
+      if (largest == owners_.end() || o->second.bytes > largest->second.bytes) largest = o;
+    }
+    if (largest == owners_.end() || largest->second.bytes == 0) break;
+    auto& order = largest->second.order;
+    while (!order.empty() && !live(order.front())) order.pop_front();
+    if (order.empty()) break;
+    const std::string id = order.front().second;
+    order.pop_front();
+    ForgetLocked(id, "was evicted (the result store was full)");
+  }
+  // Owners with nothing left, and stale queue entries, are let go.
+  for (auto o = owners_.begin(); o != owners_.end();) {
+    auto& order = o->second.order;
+    while (!order.empty() && !live(order.front())) order.pop_front();
+    o = order.empty() ? owners_.erase(o) : std::next(o);
   }
 }
 
@@ -100,6 +161,7 @@ void MemoryResultStore::ForgetLocked(const std::string& id, const char* why) {
   auto it = entries_.find(id);
   if (it != entries_.end()) {
     bytes_ -= it->second.bytes;
+    if (auto o = owners_.find(it->second.record->owner); o != owners_.end()) o->second.bytes -= it->second.bytes;
     entries_.erase(it);
   }
   if (options_.max_tombstones == 0) return;

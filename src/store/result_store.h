@@ -33,6 +33,9 @@ struct JobRecord {
   std::string id;
   std::string model;
   int64_t version = 0;  // the version that ran it (0 = not known yet)
+  // Who may read and cancel it: a digest naming the API key that submitted
+  // it (JobOwner); empty = anyone (no keys, or a job from a Redis stream).
+  std::string owner;
   JobState state = JobState::kQueued;
   // Wall clock, milliseconds since the Unix epoch; 0 = not reached.
   int64_t submitted_ms = 0, started_ms = 0, finished_ms = 0;
@@ -55,11 +58,17 @@ struct JobRecord {
 Tensor OwnedCopy(const Tensor& t);
 
 // Job ids carry their submission time: 12 hex digits of milliseconds since
-// the epoch, '-', 16 random hex digits. A store can so tell an id that has
-// expired from one it never saw.
+// the epoch, '-', 32 hex digits of 128 random bits from the kernel's CSPRNG
+// (getrandom): another client's ids cannot be guessed from one's own. A
+// store can so tell an id that has expired from one it never saw.
 std::string NewJobId(int64_t submitted_ms);
-// The submission time inside a job id; -1 when `id` is not a job id.
+// The submission time inside a job id (also of the older form with 16
+// random digits); -1 when `id` is not a job id.
 int64_t JobIdSubmittedMs(std::string_view id);
+// The owner (JobRecord::owner) of jobs submitted with API key `key`: a
+// SHA-256 digest in hex, so a store never holds the key itself. Empty for
+// an empty key.
+std::string JobOwner(std::string_view key);
 
 class ResultStore {
  public:
@@ -83,7 +92,9 @@ class ResultStore {
 };
 
 struct MemoryResultStoreOptions {
-  // Bytes of results kept; beyond it the oldest finished results are evicted.
+  // Bytes of results kept; beyond it the oldest finished results of the
+  // owner holding the most bytes are evicted first (one key filling the
+  // store evicts its own results, not another key's).
   size_t max_bytes = size_t{256} << 20;
   // Seconds a finished result is kept; 0 = until evicted.
   int64_t ttl_s = 3600;
@@ -111,7 +122,12 @@ class MemoryResultStore final : public ResultStore {
     std::shared_ptr<const JobRecord> record;
     size_t bytes = 0;
     int64_t expires_ns = 0;  // on options_.clock; 0 = never
-    uint64_t seq = 0;        // insertion number, to match the order queue
+    uint64_t seq = 0;        // insertion number, to match the order queues
+  };
+  // One owner's results, oldest first, and their bytes.
+  struct Owner {
+    size_t bytes = 0;
+    std::deque<std::pair<uint64_t, std::string>> order;  // (seq, id)
   };
   void EvictLocked(int64_t now_ns) QUERN_REQUIRES(mu_);
   void ForgetLocked(const std::string& id, const char* why) QUERN_REQUIRES(mu_);
@@ -120,6 +136,7 @@ class MemoryResultStore final : public ResultStore {
   mutable Mutex mu_;
   std::unordered_map<std::string, Entry> entries_ QUERN_GUARDED_BY(mu_);
   std::deque<std::pair<uint64_t, std::string>> order_ QUERN_GUARDED_BY(mu_);       // (seq, id), oldest first
+  std::unordered_map<std::string, Owner> owners_ QUERN_GUARDED_BY(mu_);            // by JobRecord::owner
   std::unordered_map<std::string, const char*> tombstones_ QUERN_GUARDED_BY(mu_);  // id -> why it is gone
   std::deque<std::string> tombstone_order_ QUERN_GUARDED_BY(mu_);
   size_t bytes_ QUERN_GUARDED_BY(mu_) = 0;

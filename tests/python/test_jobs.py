@@ -16,7 +16,7 @@ from quern_testing import RedisServer, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
-ID_RE = re.compile(r"[0-9a-f]{12}-[0-9a-f]{16}$")
+ID_RE = re.compile(r"[0-9a-f]{12}-[0-9a-f]{32}$")
 TS_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 

@@ -107,6 +107,26 @@ def test_every_kserve_and_job_route_needs_a_key(keyed, method, path, body):
     assert status != 401
 
 
+def test_a_job_is_read_and_cancelled_only_with_the_key_that_submitted_it(keyed):
+    port = keyed["HTTP"]
+    status, _, data = request(port, "POST", "/v2/models/add_sub/jobs", add_sub_body(), bearer(USER_KEY))
+    assert status == 202, data
+    job = json.loads(data)["job_id"]
+    for _ in range(500):
+        status, _, data = request(port, "GET", f"/v2/jobs/{job}", None, bearer(USER_KEY))
+        assert status == 200, data
+        if json.loads(data)["status"] == "done":
+            break
+        time.sleep(0.01)
+    assert json.loads(data)["result"]["outputs"][0]["data"] == [2, 3, 4, 5]
+    # Another valid key: the job is an id never issued, not a result.
+    for method in ("GET", "DELETE"):
+        status, _, data = request(port, method, f"/v2/jobs/{job}", None, bearer(ENV_KEY))
+        assert status == 404 and b"no job" in data and b"OUTPUT" not in data, (method, status, data)
+    status, _, _ = request(port, "GET", f"/v2/jobs/{job}", None, {"X-API-Key": USER_KEY})
+    assert status == 200
+
+
 def test_tritonclient_http_with_a_key(keyed):
     c = httpclient.InferenceServerClient(f"127.0.0.1:{keyed['HTTP']}")
     assert not c.is_server_ready()

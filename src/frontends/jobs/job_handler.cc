@@ -63,6 +63,11 @@ std::string CancelledMessage(const std::string& id) {
   return "job '" + id + "' was cancelled (DELETE /v2/jobs/" + id + ")";
 }
 
+// Another owner's job is answered as an id never issued (the store's words).
+Status NoJob(const std::string& id) {
+  return NotFound("no job '" + id + "'");
+}
+
 enum PendingState : int { kQueued = 0, kRunning = 1, kCancelRequested = 2 };
 
 }  // namespace
@@ -70,6 +75,7 @@ enum PendingState : int { kQueued = 0, kRunning = 1, kCancelRequested = 2 };
 struct JobHandler::Pending {
   std::string id;
   std::string model;
+  std::string owner;
   int64_t version = -1;
   int64_t submitted_ms = 0;
   std::atomic<int64_t> started_ms{0};
@@ -128,8 +134,9 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
   const auto parts = SplitTargetPath(req.target);
   if (parts.size() == 3 && parts[1] == "jobs") {
     const std::string id(parts[2]);
-    if (req.method == "GET" || req.method == "HEAD") return Get(id, Query(req.target), std::move(done));
-    if (req.method == "DELETE") return Cancel(id, std::move(done));
+    const std::string owner = owner_of_ ? owner_of_(req) : std::string();
+    if (req.method == "GET" || req.method == "HEAD") return Get(id, owner, Query(req.target), std::move(done));
+    if (req.method == "DELETE") return Cancel(id, owner, std::move(done));
     HttpResponse r = ErrorResponse(InvalidArgument(
         "/v2/jobs/{id} takes GET (status and result) or DELETE (cancel), not " + req.method.substr(0, 32)));
     r.status = 405;
@@ -179,6 +186,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   job->submitted_ms = engine_->clock().WallMs();
   job->id = NewJobId(job->submitted_ms);
   job->model = model;
+  job->owner = owner_of_ ? owner_of_(req) : std::string();
   job->version = version;
   job->binary_default = parsed->format.binary_default;
   job->binary_outputs = std::move(parsed->format.binary_outputs);
@@ -225,6 +233,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   auto record = std::make_shared<JobRecord>();
   record->id = job->id;
   record->model = job->model;
+  record->owner = job->owner;
   record->version = r.version > 0 ? r.version : std::max<int64_t>(job->version, 0);
   record->submitted_ms = job->submitted_ms;
   record->started_ms = job->started_ms.load();
@@ -254,12 +263,13 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   (state == JobState::kDone ? done_ : state == JobState::kFailed ? failed_ : cancelled_).Increment();
 }
 
-void JobHandler::Get(const std::string& id, std::string_view query, HttpDone done) {
+void JobHandler::Get(const std::string& id, const std::string& owner, std::string_view query, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
     MutexLock lock(mu_);
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
+  if (pending && !pending->owner.empty() && pending->owner != owner) return done(ErrorResponse(NoJob(id)));
   rapidjson::StringBuffer buf;
   JsonWriter w(buf);
   std::vector<const Tensor*> binary_parts;
@@ -280,6 +290,7 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
   }
   auto stored = store_->Get(id);
   if (!stored) return done(ErrorResponse(stored.error()));
+  if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
   const JobRecord& rec = **stored;
   KServeOutputFormat format;
   format.binary_default = rec.binary_default;
@@ -295,15 +306,17 @@ void JobHandler::Get(const std::string& id, std::string_view query, HttpDone don
   done(KServeBody(200, buf, binary_parts));
 }
 
-void JobHandler::Cancel(const std::string& id, HttpDone done) {
+void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
     MutexLock lock(mu_);
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
+  if (pending && !pending->owner.empty() && pending->owner != owner) return done(ErrorResponse(NoJob(id)));
   if (!pending) {
     auto stored = store_->Get(id);
     if (!stored) return done(ErrorResponse(stored.error()));
+    if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
     return done(Conflict("job '" + id + "' has already finished (" + std::string(JobStateName((*stored)->state)) +
                          "); only a queued job can be cancelled"));
   }

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,17 +57,24 @@ class JobHandler {
 
   void Handle(HttpRequest&& request, HttpDone done);
 
+  // Who submits (JobRecord::owner): set when API keys are on, from the key a
+  // request presents. A job with an owner is read and cancelled only by a
+  // request with the same owner; to any other it is an id never issued.
+  // Unset: every job is anyone's. Set before the first request.
+  void set_owner_of(std::function<std::string(const HttpRequest&)> owner_of) { owner_of_ = std::move(owner_of); }
+
   JobStats stats() const;
 
  private:
   struct Pending;
   void Submit(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
-  void Get(const std::string& id, std::string_view query, HttpDone done);
-  void Cancel(const std::string& id, HttpDone done);
+  void Get(const std::string& id, const std::string& owner, std::string_view query, HttpDone done);
+  void Cancel(const std::string& id, const std::string& owner, HttpDone done);
   void Complete(const std::shared_ptr<Pending>& job, InferResponse&& response);
 
   Engine* engine_;
   ResultStore* store_;
+  std::function<std::string(const HttpRequest&)> owner_of_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry& metrics_;
   Counter& submitted_;
