@@ -73,6 +73,7 @@ Result<std::unique_ptr<ApiKeys>> ApiKeys::Load(const ApiKeyOptions& o) {
   }
   QUERN_RETURN_IF_ERROR(keys->AddKeys(SplitList(o.keys_env), false, "QUERN_API_KEYS"));
   QUERN_RETURN_IF_ERROR(keys->AddKeys(SplitList(o.admin_keys_env), true, "QUERN_ADMIN_KEYS"));
+  if (!o.vision_key.empty()) QUERN_RETURN_IF_ERROR(keys->AddKeys({o.vision_key}, false, "--vision-api-key"));
   if (!(o.rate_limit_per_s >= 0) || o.rate_limit_per_s > 1e9) {
     return Err(InvalidArgument("the API key rate limit must be a number of requests per second >= 0"));
   }

@@ -30,6 +30,9 @@ struct ApiKeyOptions {
   std::string admin_keys_file;  // admin keys; empty = none from a file
   std::string keys_env;         // value of QUERN_API_KEYS (comma-separated)
   std::string admin_keys_env;   // value of QUERN_ADMIN_KEYS (comma-separated)
+  // --vision-api-key: one more user key, like any other (the routes it
+  // opens are those every user key opens).
+  std::string vision_key;
   // Requests per second each key may make (token bucket, burst of
   // max(1, rate) requests); 0 = no limit.
   double rate_limit_per_s = 0;

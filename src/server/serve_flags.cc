@@ -66,7 +66,9 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                     "kept in Redis instead); default: in memory only");
   serve->add_option("--vision-port", o.vision_port,
                     "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
-  serve->add_option("--vision-api-key", o.vision.api_key, "Require this api_key on CodeProject.AI requests");
+  serve->add_option("--vision-api-key", o.keys.vision_key,
+                    "One more user key (CodeProject.AI clients send it as the api_key field): with it, every route "
+                    "that reveals or computes anything needs a key");
   serve
       ->add_option("--vision-max-predictions", o.vision.max_predictions,
                    "The most predictions a detection answer lists, the most confident first (0 = all)")

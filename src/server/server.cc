@@ -213,9 +213,10 @@ struct Server::Parts {
 
   int64_t NowNs() const { return engine->clock().NowNs(); }
 
-  // The key a request presents, checked before any handler sees it (the
-  // vision routes check theirs themselves: CodeProject.AI clients send it
-  // as a form field and expect errors as 200 with success false).
+  // The key a request presents, checked with its head before any body byte
+  // is read (the vision routes check theirs in VisionHandler::CheckHead:
+  // CodeProject.AI clients may send it as a form field and expect errors as
+  // 200 with success false).
   std::optional<HttpResponse> Denied(const HttpRequest& r) const {
     if (!keys->enabled()) return std::nullopt;
     // Decoded path segments: "/v2/repository/models/m/lo%61d" is a load.
@@ -255,10 +256,12 @@ struct Server::Parts {
     kserve->Handle(std::move(r), std::move(done));
   }
 
+  // The metrics port's key, with the head (--metrics-need-key).
+  std::optional<HttpResponse> MetricsHead(const HttpRequest& r) const {
+    return options.metrics_need_key ? Denied(r) : std::nullopt;
+  }
+
   void Metrics(HttpRequest&& r, HttpDone done) const {
-    if (options.metrics_need_key) {
-      if (auto denied = Denied(r)) return done(std::move(*denied));
-    }
     HttpResponse resp;
     if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
       resp.status = 404;
@@ -415,7 +418,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   o.metrics.host = o.http.host;
   auto metrics = HttpServer::Start(
-      o.metrics, [parts](HttpRequest&& r, HttpDone done) { parts->Metrics(std::move(r), std::move(done)); });
+      o.metrics, [parts](HttpRequest&& r, HttpDone done) { parts->Metrics(std::move(r), std::move(done)); },
+      [parts](const HttpRequest& r) { return parts->MetricsHead(r); });
   if (!metrics) return Err(Status(metrics.error().code(), "metrics: " + metrics.error().message()));
   p->metrics = std::move(*metrics);
   // Last: a failure above must not leave jobs in the engine that complete

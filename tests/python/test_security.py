@@ -238,6 +238,63 @@ def test_requests_without_a_key_are_refused_before_their_body_is_read(keyed):
     assert status == 200, data
 
 
+def head_only_answer(port, head):
+    """Sends a request head announcing a large body, none of it; returns the answer's head and body start."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        return data
+
+
+@pytest.mark.parametrize("port_name,head", [
+    # A vision form whose body would be inflated: its key cannot be in the form.
+    ("HTTP", b"POST /v1/vision/detection HTTP/1.1\r\nHost: q\r\nContent-Encoding: gzip\r\n"
+             b"Content-Type: multipart/form-data; boundary=xx\r\nContent-Length: 60000000\r\n\r\n"),
+    ("HTTP", b"POST /predict/add_sub HTTP/1.1\r\nHost: q\r\nContent-Length: 60000000\r\n\r\n"),
+    ("HTTP", b"POST /v1/vision/detection?api_key=wrong HTTP/1.1\r\nHost: q\r\n"
+             b"Content-Type: multipart/form-data; boundary=xx\r\nContent-Length: 60000000\r\n\r\n"),
+    ("metrics", b"POST /metrics HTTP/1.1\r\nHost: q\r\nContent-Encoding: gzip\r\nContent-Length: 60000000\r\n\r\n"),
+])
+def test_every_route_checks_the_key_in_the_head_before_the_body(keyed, port_name, head):
+    data = head_only_answer(keyed[port_name], head)
+    assert data.startswith(b"HTTP/1.1 401") or (data.startswith(b"HTTP/1.1 200") and b'"success":false' in data), data
+    assert b"key" in data, data
+
+
+def test_a_vision_api_key_alone_closes_every_route_that_reveals_or_computes(tmp_path):
+    """--vision-api-key without --api-keys: /predict, the model list, the dashboard's state and the KServe
+    routes need the key on both ports; a ping and the dashboard's page do not."""
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(QUERN, str(repo), "--vision-port", "0", "--vision-api-key", "s3cret")
+    try:
+        for port in (ports["HTTP"], ports["vision"]):
+            status, _, data = request(port, "POST", "/predict/add_sub", b'{"image": "AAAA"}')
+            assert status == 401, (port, status, data)
+            status, _, data = request(port, "GET", "/dashboard/state")
+            assert status == 401, (port, status, data)
+            for method in ("GET", "POST"):
+                doc = json.loads(request(port, method, "/v1/vision/custom/list")[2])
+                assert doc["success"] is False and "api_key" in doc["error"] and "models" not in doc, doc
+            doc = json.loads(request(port, "GET", "/v1/vision/custom/list?api_key=s3cret")[2])
+            assert doc["success"] is True, doc
+            assert json.loads(request(port, "GET", "/v1/status/ping")[2])["success"] is True
+            assert request(port, "GET", "/")[0] == 200
+        assert request(ports["HTTP"], "POST", "/v2/models/add_sub/infer", add_sub_body())[0] == 401
+        assert request(ports["HTTP"], "GET", "/v2/models/add_sub")[0] == 401
+        status, _, data = request(ports["HTTP"], "POST", "/v2/models/add_sub/infer", add_sub_body(), bearer("s3cret"))
+        assert status == 200, data
+        assert request(ports["vision"], "GET", "/dashboard/state", None, bearer("s3cret"))[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_vision_answers_nothing_about_models_without_a_key(tmp_path):
     """Without a key, /v1/vision/detection says the key is missing, not whether a detection model is loaded."""
     (tmp_path / "keys.txt").write_text(USER_KEY + "\n")

@@ -204,18 +204,9 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // field instead (checked with the form below).
   const std::string header_key = RequestKey(request);
   const bool ocr = path == "/v1/vision/ocr" || path == "/v1/image/ocr";
-  const bool form_route =
-      request.method == "POST" && (ocr || path == "/v1/vision/detection" || path == "/v1/vision/scene" ||
-                                   path == "/v1/vision/face" || path.starts_with("/v1/vision/face/") ||
-                                   (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
 
   if (path.starts_with("/predict")) {
-    job->kind = Job::Kind::kPredict;
-    if (options_.authorize) {
-      if (Status st = options_.authorize(header_key); !st.ok()) {
-        return done(JsonError(AuthHttpStatus(st), st.message()));
-      }
-    }
+    job->kind = Job::Kind::kPredict;  // its key was checked with the head
     const std::string model = path.size() > 9 ? PercentDecode(path.substr(9)) : "";
     if (request.method != "POST")
       return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
@@ -254,9 +245,8 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // CodeProject.AI routes.
   job->request = std::move(request);
   job->done = std::move(done);
-  if (options_.authorize && (!form_route || !header_key.empty())) {
-    if (Status st = options_.authorize(header_key); !st.ok()) return Fail(job, st);
-  }
+  // A key in the head was checked with it (CheckHead); a form route whose
+  // head has none takes its key from the form, below.
   if (path == "/v1/status/ping") {
     return Respond(job, Json(200, "{\"success\":true}"));
   }
@@ -268,10 +258,8 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
   // The face list needs no form: a GET, or a POST without one.
   if (path == "/v1/vision/face/list" &&
       (job->request.method == "GET" || !job->request.Header("content-type").starts_with("multipart/"))) {
-    if (options_.authorize && form_route && header_key.empty()) {
-      if (Status st = options_.authorize(header_key); !st.ok()) return Fail(job, st);
-    } else if (!options_.authorize && !options_.api_key.empty() && header_key != options_.api_key) {
-      return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
+    if (options_.authorize && header_key.empty()) {
+      if (Status st = AuthorizeCpai(header_key); !st.ok()) return Fail(job, st);
     }
     job->command = "list";
     return HandleFaces(job, {}, "");
@@ -328,25 +316,13 @@ void VisionHandler::Handle(HttpRequest&& request, HttpDone done) {
     // CodeProject.AI's OCR module names its file "upload".
     if ((p.name == "image" || (job->command == "ocr" && p.name == "upload")) && !image) image = &p;
     if (p.name == "min_confidence") job->min_confidence = ParseMinConfidence(p.data);
-    if (p.name == "api_key" && !options_.authorize && !options_.api_key.empty() && p.data != options_.api_key) {
-      return Fail(job, PermissionDenied("the api_key is not valid"));
-    }
   }
   if (options_.authorize && header_key.empty()) {
     std::string_view field_key;
     for (const auto& p : *parts) {
       if (p.name == "api_key") field_key = p.data;
     }
-    if (Status st = options_.authorize(field_key); !st.ok()) return Fail(job, st);
-  } else if (!options_.authorize && !options_.api_key.empty()) {
-    bool has_key = false;
-    for (const auto& p : *parts) has_key = has_key || p.name == "api_key";
-    // Without the form field, the key may come as the api_key query
-    // parameter (or a header), as CodeProject.AI accepts it.
-    if (!has_key && header_key.empty()) {
-      return Fail(job, PermissionDenied("this server requires an api_key (a form field or query parameter)"));
-    }
-    if (!has_key && header_key != options_.api_key) return Fail(job, PermissionDenied("the api_key is not valid"));
+    if (Status st = AuthorizeCpai(field_key); !st.ok()) return Fail(job, st);
   }
   if (job->command == "ocr") {
     if (!image) return Fail(job, InvalidArgument("no image was sent: expected a multipart form field named 'upload'"));
@@ -393,9 +369,45 @@ HttpResponse VisionHandler::Refusal(const Job& job, const Status& status) const 
   return CpaiError(job, status, nullptr);
 }
 
+Status VisionHandler::AuthorizeCpai(std::string_view key) const {
+  Status st = options_.authorize(key);
+  if (st.code() != StatusCode::kUnauthenticated) return st;
+  // In the words of CodeProject.AI's clients, which send an api_key field.
+  return Unauthenticated(key.empty() ? "this server requires an api_key (a form field, the api_key query parameter, "
+                                       "or Authorization: Bearer <key>)"
+                                     : "the api_key is not valid");
+}
+
+bool VisionHandler::IsFormRoute(std::string_view method, std::string_view path) {
+  return method == "POST" &&
+         (path == "/v1/vision/ocr" || path == "/v1/image/ocr" || path == "/v1/vision/detection" ||
+          path == "/v1/vision/scene" || path == "/v1/vision/face" || path.starts_with("/v1/vision/face/") ||
+          (path.starts_with("/v1/vision/custom/") && path != "/v1/vision/custom/list"));
+}
+
 std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
-  if (head.method != "POST" || options_.authorize || !options_.api_key.empty()) return std::nullopt;
   const std::string path = Path(head.target);
+  if (options_.authorize && path != "/v1/status/ping") {
+    // The key, before any byte of the body is read or decoded.
+    const std::string key = RequestKey(head);
+    const bool form_key = key.empty() && IsFormRoute(head.method, path);
+    Status st;
+    if (!form_key) {
+      st = path.starts_with("/predict") ? options_.authorize(key) : AuthorizeCpai(key);
+    } else if (!head.Header("content-encoding").empty()) {
+      // A form's key is read from the body, which is never inflated for a
+      // caller not known yet.
+      st = Unauthenticated("a compressed body must carry its api_key in a header or the query");
+    }
+    if (!st.ok()) {
+      if (path.starts_with("/predict")) return JsonError(AuthHttpStatus(st), st.message());
+      Job job;
+      job.received_ns = service_->clock().NowNs();
+      return CpaiError(job, st, nullptr);
+    }
+    if (form_key) return std::nullopt;  // admitted once its key is known
+  }
+  if (head.method != "POST") return std::nullopt;
   Job job;
   if (path.starts_with("/predict/")) {
     job.kind = Job::Kind::kPredict;

@@ -67,16 +67,16 @@ struct VisionOptions {
   // detection model (by name) in the CenterFace layout. /v1/vision/detection's
   // default skips such models.
   std::string face_model;
-  // When set, CodeProject.AI requests must carry it in the api_key field.
-  std::string api_key;
   // The most predictions one detection answer lists, the most confident
   // first (Frigate's DeepStack detector reads at most 20); 0 = all the
   // model keeps (its quern.detection.max_detections).
   int max_predictions = 0;
-  // When set, every vision request must present a key this accepts (its
-  // error is the answer): from "Authorization: Bearer <key>", "X-API-Key",
-  // the api_key query parameter or, on CodeProject.AI routes, the api_key
-  // form field. Replaces `api_key`.
+  // When set, every vision request but /v1/status/ping must present a key
+  // this accepts (its error is the answer): from "Authorization: Bearer
+  // <key>", "X-API-Key" or the api_key query parameter, checked by
+  // CheckHead before any body byte is read; or, on CodeProject.AI form
+  // routes whose head carries none and whose body is not compressed, the
+  // api_key form field, checked by Handle before the form's image is used.
   std::function<Status(std::string_view key)> authorize;
   // Face recognition: the registered faces (null: the face recognition
   // routes answer that it is off) and the embedding model that describes
@@ -106,16 +106,22 @@ class VisionHandler {
   // True for the paths this handler serves (/v1/..., /predict/...).
   static bool Handles(std::string_view target);
 
+  // The request's head went through CheckHead first (a key in its head was
+  // checked there and is not checked again).
   void Handle(HttpRequest&& request, HttpDone done);
 
-  // Given a request's line and headers alone: the refusal an image request
-  // would get because the service is full (by count or by memory) or its
-  // model's queue is, or nothing. Not used when keys are checked here (a
-  // CodeProject.AI form may carry its key in a field): such requests are
-  // refused after the check.
+  // Given a request's line and headers alone, before any body byte is read:
+  // the refusal for a missing or wrong key (see VisionOptions::authorize),
+  // else the refusal an image request would get because the service is full
+  // (by count or by memory) or its model's queue is, or nothing. A form
+  // route whose key is in its form is admitted in Handle, once the key is.
   std::optional<HttpResponse> CheckHead(const HttpRequest& head);
 
  private:
+  // `authorize` with CodeProject.AI's words for a missing or wrong key.
+  Status AuthorizeCpai(std::string_view key) const;
+  // Routes whose key may come in a multipart form field.
+  static bool IsFormRoute(std::string_view method, std::string_view path);
   struct Job;
   struct FaceJob;
   std::string DefaultDetectionModel();
