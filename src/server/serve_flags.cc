@@ -42,6 +42,8 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                     "Close a keep-alive connection idle for this long");
   serve->add_option("--http-read-timeout-secs", o.http.read_timeout_s,
                     "Close a connection whose request (or response) takes longer than this to transfer");
+  serve->add_option("--http-header-timeout-secs", o.http.header_timeout_s,
+                    "Close a connection whose request head takes longer than this to arrive");
   serve->add_option("--grpc-port", o.grpc.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
   serve->add_option("--grpc-max-message-bytes", o.grpc.max_receive_bytes,
                     "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");

@@ -231,9 +231,10 @@ def test_at_the_connection_limit_the_oldest_idle_connection_makes_room(port):
 def test_connection_limit_answers_503_when_no_connection_is_idle_and_recovers(port):
     # Last of the tests on this server: it leaves connections closing behind it.
     held = hold_connections(port, MAX_CONNECTIONS)
-    # Each held connection starts a request that has not finished arriving: busy, not idle.
+    # Each held connection has sent a request's head and part of its body: busy, not idle (a
+    # connection whose head is still arriving is as evictable as an idle one).
     for c in held:
-        c.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n")
+        c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
     time.sleep(0.05)
     extra = Conn(port)
     extra.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")

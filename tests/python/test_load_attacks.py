@@ -112,3 +112,79 @@ def test_large_bodies_on_keep_alive_connections_are_never_cancelled(server, conn
         t.join(timeout=240)
     assert not failures, f"{len(failures)} of {connections * per_connection} failed: {failures[:5]}"
     assert len(answered) == connections * per_connection
+
+
+def slow_head_server(tmp_path, *extra):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    return start_quern(QUERN, str(repo), "--http-max-connections", "100", *extra)
+
+
+def healthy(port, timeout=10):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/v2/health/live")
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_connections_that_sent_part_of_a_head_make_room_for_new_clients(tmp_path):
+    # Slowloris at the connection limit: 150 connections that each sent one byte of a request
+    # head and nothing more. New clients must still be served (the heads waiting longest go).
+    proc, ports = slow_head_server(tmp_path)
+    port = ports["HTTP"]
+    holders = []
+    try:
+        for _ in range(150):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"P")
+            holders.append(s)
+        time.sleep(0.5)
+        answers = [healthy(port) for _ in range(10)]
+        assert all(status == 200 for status, _ in answers), answers
+    finally:
+        for s in holders:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_head_dripped_in_is_closed_at_the_header_timeout(tmp_path):
+    # A byte of head per 0.4 s: never idle, never complete. The server closes it once the head
+    # has taken longer than --http-header-timeout-secs, and serves others meanwhile.
+    proc, ports = slow_head_server(tmp_path, "--http-header-timeout-secs", "2")
+    port = ports["HTTP"]
+    try:
+        drips = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        start = time.monotonic()
+        closed_after = {}
+        head = b"GET /v2/health/live HTTP/1.1\r\nHost: q\r\nX-Slow: " + b"a" * 200
+        for i in range(len(head)):
+            for k, s in enumerate(drips):
+                if k in closed_after:
+                    continue
+                try:
+                    s.sendall(head[i:i + 1])
+                except OSError:
+                    closed_after[k] = time.monotonic() - start
+            if len(closed_after) == len(drips) or time.monotonic() - start > 8:
+                break
+            assert healthy(port)[0] == 200
+            time.sleep(0.4)
+        for k, s in enumerate(drips):
+            if k not in closed_after:
+                s.settimeout(0.5)
+                try:
+                    gone = s.recv(1) == b""
+                except (socket.timeout, OSError) as e:
+                    gone = not isinstance(e, socket.timeout)
+                if gone:
+                    closed_after[k] = time.monotonic() - start
+            s.close()
+        assert len(closed_after) == len(drips), closed_after
+        assert max(closed_after.values()) < 5, closed_after
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

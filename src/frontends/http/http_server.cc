@@ -192,12 +192,14 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
-  // Loop thread: when the connection waits for a request of which no byte
-  // has arrived, since when (steady clock ns); otherwise 0.
+  // Loop thread: when the connection waits for a request whose head has not
+  // all arrived (none of it, or a part), since when (steady clock ns) it
+  // waits for it; otherwise 0. The longest waiting make room first: a head
+  // dripping in for long is as evictable as a connection that says nothing.
   int64_t IdleSince() const {
     if (reject_ || closing_ || closed_) return 0;
     if (handshaking_) return idle_since_ns_.load(std::memory_order_relaxed);
-    if (reading_) return parser_ && !parser_->got_some() ? idle_since_ns_.load(std::memory_order_relaxed) : 0;
+    if (reading_) return parser_ && !parser_->is_header_done() ? idle_since_ns_.load(std::memory_order_relaxed) : 0;
     // Between requests a keep-alive connection waits on the watch: idle
     // once its response is out (nothing is sending on it any more).
     const uint32_t state = state_.load(std::memory_order_acquire);
@@ -214,17 +216,21 @@ class Session : public std::enable_shared_from_this<Session> {
     HardClose();
   }
 
-  // Loop thread: closes the connection when its idle, read or write time is up.
+  // Loop thread: closes the connection when its idle, head, read or write
+  // time is up.
   void Sweep(int64_t now) {
     if (closed_) return;
     int64_t deadline = deadline_ns_.load(std::memory_order_acquire);
     if (deadline == 0) return;  // a request is in flight: the engine's timeouts govern it
-    if (reading_ && !read_clock_started_ && parser_ && parser_->got_some()) {
+    const bool head_started = reading_ && parser_ && (parser_->got_some() || buffer_.size() > 0);
+    if (head_started && !read_clock_started_) {
       read_clock_started_ = true;
       deadline = std::min(deadline, now + int64_t{shared_.options.read_timeout_s} * 1'000'000'000);
       deadline_ns_.store(deadline, std::memory_order_release);
+      head_deadline_ns_ = now + int64_t{shared_.options.header_timeout_s} * 1'000'000'000;
     }
-    if (now >= deadline) HardClose();
+    const bool head_late = head_started && !parser_->is_header_done() && now >= head_deadline_ns_;
+    if (now >= deadline || head_late) HardClose();
   }
 
  private:
@@ -896,6 +902,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::atomic<uint32_t> state_{0};         // kResponded | kWatchFired for the request in flight
   std::atomic<int64_t> idle_since_ns_{0};  // when the connection last began to wait for a request
   std::atomic<int64_t> deadline_ns_{0};    // idle/read/write/linger deadline; 0 = request in flight
+  int64_t head_deadline_ns_ = 0;           // loop thread: when the head begun must be complete
 };
 
 }  // namespace
@@ -916,7 +923,9 @@ class HttpServer::Impl {
     const auto& o = shared_.options;
     if (o.max_connections < 1) return InvalidArgument("--http-max-connections must be at least 1");
     if (o.max_header_bytes < 256) return InvalidArgument("--http-max-header-bytes must be at least 256");
-    if (o.idle_timeout_s < 1 || o.read_timeout_s < 1) return InvalidArgument("HTTP timeouts must be at least 1 s");
+    if (o.idle_timeout_s < 1 || o.read_timeout_s < 1 || o.header_timeout_s < 1) {
+      return InvalidArgument("HTTP timeouts must be at least 1 s");
+    }
     beast::error_code ec;
     if (o.tls_cert_file.empty() != o.tls_key_file.empty() ||
         (!o.tls_client_ca_file.empty() && o.tls_cert_file.empty())) {

@@ -42,9 +42,12 @@ struct HttpServerOptions {
   int io_threads = 1;
   size_t max_body_bytes = 64 << 20;    // larger: 413, answered from Content-Length
   size_t max_header_bytes = 16 << 10;  // request line + headers; larger: 431
-  int max_connections = 4096;          // more: the oldest idle one is closed; none idle: 503
-  int idle_timeout_s = 60;             // keep-alive connection with no request
-  int read_timeout_s = 30;             // from a request's first byte to its last; also bounds a write
+  // More: the connection longest without a complete request head (idle, or
+  // its head still arriving) is closed; none such: 503.
+  int max_connections = 4096;
+  int idle_timeout_s = 60;    // keep-alive connection with no request
+  int read_timeout_s = 30;    // from a request's first byte to its last; also bounds a write
+  int header_timeout_s = 10;  // from a request's first byte to the end of its head
   // TLS (HTTPS): PEM certificate chain and private key files; both empty =
   // plaintext. TLS 1.2 and later.
   std::string tls_cert_file;
