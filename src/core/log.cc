@@ -21,9 +21,51 @@ const char* LevelName(LogLevel level) {
   return "info";
 }
 
+// The length of the well-formed UTF-8 sequence at the start of `s` (no
+// overlong forms, no surrogates, nothing past U+10FFFF), or 0.
+size_t Utf8SequenceLength(std::string_view s) {
+  const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char c = b(0);
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (s.size() < n || b(1) < lo || b(1) > hi) return 0;
+  for (size_t i = 2; i < n; ++i) {
+    if (b(i) < 0x80 || b(i) > 0xBF) return 0;
+  }
+  return n;
+}
+
+// A JSON string of `s`: control characters escaped, well-formed UTF-8 as it
+// is, and each byte of anything else (a client's raw bytes in a path) as
+// \u00XX, so every line is valid JSON whatever a client sent.
 void JsonString(std::string& out, std::string_view s) {
   out += '"';
-  for (unsigned char c : s) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x80) {
+      if (const size_t n = Utf8SequenceLength(s.substr(i)); n > 0) {
+        out.append(s.data() + i, n);
+        i += n - 1;
+      } else {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        out += buf;
+      }
+      continue;
+    }
     switch (c) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
@@ -36,17 +78,27 @@ void JsonString(std::string& out, std::string_view s) {
           std::snprintf(buf, sizeof buf, "\\u%04x", c);
           out += buf;
         } else {
-          out += static_cast<char>(c);  // UTF-8 passes as it is
+          out += static_cast<char>(c);
         }
     }
   }
   out += '"';
 }
 
-// A text field's value: quoted when it holds spaces, quotes or control characters.
+// A text field's value: quoted when it holds spaces, quotes, control
+// characters or bytes that are not well-formed UTF-8.
 void TextValue(std::string& out, std::string_view v) {
   bool plain = !v.empty();
-  for (unsigned char c : v) plain = plain && c > 0x20 && c != '"' && c != 0x7f;
+  for (size_t i = 0; plain && i < v.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(v[i]);
+    if (c >= 0x80) {
+      const size_t n = Utf8SequenceLength(v.substr(i));
+      plain = n > 0;
+      i += n > 0 ? n - 1 : 0;
+    } else {
+      plain = c > 0x20 && c != '"' && c != 0x7f;
+    }
+  }
   if (plain) {
     out += v;
   } else {

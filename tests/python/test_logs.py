@@ -166,3 +166,62 @@ def test_bad_log_settings_are_refused(tmp_path, flag):
     r = subprocess.run([QUERN, "serve", "--model-repository", str(tmp_path), *flag], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode != 0 and flag[0] in (r.stdout + r.stderr), (r.returncode, r.stdout, r.stderr)
+
+
+def test_lines_an_attacker_writes_stay_json_and_few(tmp_path):
+    """Raw non-UTF-8 bytes in a request target make valid JSON access lines, and failed TLS handshakes on
+    the gRPC port (gRPC core logs one line each) are rate limited and in Quern's JSON format."""
+    import socket
+    d = tmp_path / "certs"
+    d.mkdir()
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out", "cert.pem", "-days", "2",
+        "-subj", "/CN=localhost")
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0", "--host", "127.0.0.1", "--log-format", "json", "--access-log",
+                             "-", "--grpc-tls-cert-file", str(d / "cert.pem"), "--grpc-tls-key-file",
+                             str(d / "key.pem")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, ports = [], {}
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(rb"(HTTP|gRPC) listening on [^:]+:(\d+)", line)
+            if m:
+                ports[m.group(1).decode()] = int(m.group(2))
+            if b'"serving ' in line:
+                break
+        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
+        for target in (b"/v2/models/\xff\xfe\xc3(/ready", b"/v2/\xe2\x82\xac/\xed\xa0\x80x"):
+            with socket.create_connection(("127.0.0.1", ports["HTTP"])) as s:
+                s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: q\r\nConnection: close\r\n\r\n")
+                while s.recv(65536):
+                    pass
+        for _ in range(300):
+            with socket.create_connection(("127.0.0.1", ports["gRPC"])) as s:
+                s.sendall(b"\x16\x03\x01\x00\x05garbage that is not a TLS hello" * 4)
+                try:
+                    s.settimeout(2)
+                    while s.recv(65536):
+                        pass
+                except OSError:
+                    pass
+        time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    events = []
+    for line in lines:
+        events.append(json.loads(line.decode("utf-8")))  # strict: every line is UTF-8 and JSON
+    access = [e for e in events if e.get("msg") == "access"]
+    assert any("\\u00ff" in json.dumps(e["path"]) or "\u00ff" in e["path"] for e in access), access
+    assert any("\u20ac" in e["path"] for e in access), access  # well-formed UTF-8 passes as it is
+    from_grpc = [e for e in events if e.get("source") == "grpc"]
+    assert 0 < len(from_grpc) <= 25, (len(from_grpc), from_grpc[:3])

@@ -1,6 +1,7 @@
 #include "frontends/grpc/grpc_server.h"
 
 #include <absl/synchronization/mutex.h>
+#include <grpc/support/log.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
@@ -741,6 +742,38 @@ class AccessLogInterceptorFactory final : public grpc::experimental::ServerInter
 
 }  // namespace
 
+// gRPC core's own log lines (a failed TLS handshake writes one per
+// connection, as any client can cause) go through Quern's logger, in its
+// format, at most kGrpcLogBurst lines per kGrpcLogWindowS seconds; the
+// lines dropped are counted in the next one written.
+constexpr int kGrpcLogBurst = 20;
+constexpr int64_t kGrpcLogWindowS = 10;
+
+void GrpcLogLine(gpr_log_func_args* args) {
+  static std::atomic<int64_t> window_start_s{0};
+  static std::atomic<int> written{0};
+  static std::atomic<int64_t> dropped{0};
+  if (args->severity == GPR_LOG_SEVERITY_DEBUG) return;
+  const int64_t now_s =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  int64_t start = window_start_s.load(std::memory_order_relaxed);
+  if (now_s - start >= kGrpcLogWindowS && window_start_s.compare_exchange_strong(start, now_s)) {
+    written.store(0, std::memory_order_relaxed);
+  }
+  if (written.fetch_add(1, std::memory_order_relaxed) >= kGrpcLogBurst) {
+    dropped.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const int64_t before = dropped.exchange(0, std::memory_order_relaxed);
+  const LogLevel level = args->severity == GPR_LOG_SEVERITY_ERROR ? LogLevel::kWarning : LogLevel::kInfo;
+  const std::string_view message = args->message ? args->message : "";
+  if (before > 0) {
+    Log(level, message, {{"source", "grpc"}, {"dropped_before", std::to_string(before)}});
+  } else {
+    Log(level, message, {{"source", "grpc"}});
+  }
+}
+
 class GrpcServer::Impl {
  public:
   Impl(GrpcServerOptions options, Engine* engine)
@@ -751,6 +784,7 @@ class GrpcServer::Impl {
     // of gRPC's mutexes then updates a global lock graph (a tenth of gRPC's
     // CPU time per call). Quern's own locks are std::mutex.
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+    gpr_set_log_function(GrpcLogLine);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     const std::string address =
