@@ -39,6 +39,10 @@ for f in /usr/bin/quern /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.
 done
 getent passwd quern >/dev/null || { echo "test_deb: no user quern" >&2; exit 1; }
 [ "$(stat -c %U /var/lib/quern/models)" = quern ] || { echo "test_deb: /var/lib/quern/models is not quern's" >&2; exit 1; }
+# Registered faces survive a restart, and nothing listens beyond this machine until keys are set.
+[ "$(stat -c %U /var/lib/quern/data)" = quern ] || { echo "test_deb: /var/lib/quern/data is not quern's" >&2; exit 1; }
+grep -qx 'data-dir = "/var/lib/quern/data"' /etc/quern/quern.toml || { echo "test_deb: no data-dir in the settings" >&2; exit 1; }
+grep -qx 'host = "127.0.0.1"' /etc/quern/quern.toml || { echo "test_deb: the settings listen beyond this machine" >&2; exit 1; }
 
 torch=0
 if [ -f "$BUILD/src/backends/libquern_pytorch.so" ]; then
