@@ -188,3 +188,85 @@ def test_a_head_dripped_in_is_closed_at_the_header_timeout(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def write_tile(repo):
+    """tile: y[1, 65536] = x[1, 1024] repeated 64 times: a 4 KiB request, a 256 KiB answer."""
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 65536])
+    reps = helper.make_tensor("reps", TensorProto.INT64, [2], [1, 64])
+    graph = helper.make_graph([helper.make_node("Tile", ["x", "reps"], ["y"])], "tile", [x], [y], initializer=[reps])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    os.makedirs(repo / "tile" / "1", exist_ok=True)
+    onnx.save(model, str(repo / "tile" / "1" / "model.onnx"))
+    (repo / "tile" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 0\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 1024 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 65536 ] } ]\n')
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_stream_whose_client_never_reads_holds_bounded_memory(tmp_path):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    repo = tmp_path / "repo"
+    write_tile(repo)
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}")
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        x = np.arange(1024, dtype=np.float32).reshape(1, 1024)
+        req = service_pb2.ModelInferRequest(model_name="tile")
+        t = req.inputs.add(name="x", datatype="FP32", shape=[1, 1024])
+        del t
+        req.raw_input_contents.append(x.tobytes())
+        sent = [0]
+        stop = threading.Event()
+
+        def requests():
+            # 3,000 requests (12 MB) whose answers (750 MB) the client never reads.
+            for _ in range(3000):
+                if stop.is_set():
+                    return
+                sent[0] += 1
+                yield req
+            stop.wait(30)
+
+        baseline = rss_mb(proc.pid)
+        call = stub.ModelStreamInfer(requests())  # its answers are never asked for
+        peak = baseline
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            peak = max(peak, rss_mb(proc.pid))
+            time.sleep(0.1)
+        # A healthy client is served meanwhile.
+        client_channel = grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}")
+        other = service_pb2_grpc.GRPCInferenceServiceStub(client_channel)
+        answer = other.ModelInfer(req, timeout=10)
+        got = np.frombuffer(answer.raw_output_contents[0], dtype=np.float32)
+        assert np.array_equal(got, np.tile(x, (1, 64)).ravel())
+        stop.set()
+        call.cancel()
+        growth = peak - baseline
+        print(f"stream never read: {sent[0]} requests sent, server RSS {baseline:.0f} -> peak {peak:.0f} MB")
+        assert growth < 150, f"RSS grew by {growth:.0f} MB behind an unread stream ({sent[0]} requests taken)"
+        # After the cancel the server goes on serving and holds no more than before.
+        time.sleep(1)
+        answer = other.ModelInfer(req, timeout=10)
+        after = rss_mb(proc.pid)
+        assert after - baseline < 150, (baseline, after)
+        client_channel.close()
+        channel.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -114,8 +114,17 @@ class InferReactor final : public grpc::ServerUnaryReactor {
 // Messages travel as raw bytes and are parsed here: gRPC would end the
 // stream with OK on a message that does not parse, without a word to the
 // client; here it is answered with an error and the stream goes on.
+// Backpressure: the stream reads its next message only while fewer than
+// kMaxStreamPending of its requests are unanswered and the answers waiting
+// to be written, with those its unanswered requests will make (each counted
+// as large as the last answer), come to less than kMaxStreamUnsentBytes;
+// otherwise it reads on once answers leave, and meanwhile HTTP/2 flow
+// control holds the client (a client that never reads its answers holds a
+// bounded amount).
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
   static constexpr size_t kAnswerBlock = 4096;
+  static constexpr int kMaxStreamPending = 256;
+  static constexpr size_t kMaxStreamUnsentBytes = size_t{16} << 20;
 
   // Blocks for a request's arena: the first one fits its fields, not its
   // raw bytes (those are strings of their own).
@@ -142,6 +151,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       MaybeFinishLocked();
       return;
     }
+    bool read_on;
     // The message and its parts live on an arena of its own (one block
     // for a typical request instead of an allocation per field), kept
     // until the request is answered: its tensors borrow the raw bytes.
@@ -162,8 +172,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // its only request in flight (a stream that keeps several in flight
       // batches them).
       lone = last_caller_->Repeats(reinterpret_cast<uintptr_t>(this)) && pending_ == 1 && writes_.empty();
+      read_on = RoomLocked();
+      read_paused_ = !read_on;
     }
-    StartNextRead();
+    if (read_on) StartNextRead();
     if (!parsed.ok()) {
       Answer("",
              InvalidArgument("stream message " + std::to_string(n) +
@@ -175,23 +187,33 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnWriteDone(bool ok) override {
-    MutexLock lock(mu_);
-    writing_ = false;
-    writes_.pop_front();
-    if (!ok) broken_ = true;
-    if (!broken_ && !writes_.empty()) {
-      writing_ = true;
-      StartWrite(writes_.front().get());
-      return;
+    bool read_on;
+    {
+      MutexLock lock(mu_);
+      writing_ = false;
+      unsent_bytes_ -= writes_.front()->Length();
+      writes_.pop_front();
+      if (!ok) broken_ = true;
+      if (!broken_ && !writes_.empty()) {
+        writing_ = true;
+        StartWrite(writes_.front().get());
+      }
+      if (broken_) {
+        writes_.clear();
+        unsent_bytes_ = 0;
+      }
+      read_on = ResumeLocked();
+      MaybeFinishLocked();
     }
-    if (broken_) writes_.clear();
-    MaybeFinishLocked();
+    if (read_on) StartNextRead();
   }
 
   void OnCancel() override {
     MutexLock lock(mu_);
     broken_ = true;
     for (auto& c : cancels_) c->Cancel();
+    (void)ResumeLocked();  // a paused stream reads no more: its reads are over
+    MaybeFinishLocked();
   }
 
   void OnDone() override {
@@ -205,6 +227,27 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
  private:
+  // Whether another message may be read now (see kMaxStreamPending).
+  bool RoomLocked() const QUERN_REQUIRES(mu_) {
+    return pending_ < kMaxStreamPending &&
+           unsent_bytes_ + static_cast<size_t>(pending_) * last_answer_bytes_ < kMaxStreamUnsentBytes;
+  }
+
+  // A paused stream: true when it may read on now (the caller then starts
+  // the read, outside the lock). A broken one reads no more: its reads are
+  // over.
+  bool ResumeLocked() QUERN_REQUIRES(mu_) {
+    if (!read_paused_) return false;
+    if (broken_) {
+      read_paused_ = false;
+      reads_done_ = true;
+      return false;
+    }
+    if (!RoomLocked()) return false;
+    read_paused_ = false;
+    return true;
+  }
+
   void StartNextRead() {
     reading_.Clear();
     StartRead(&reading_);
@@ -290,6 +333,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     MutexLock lock(mu_);
     if (broken_ || finished_) return;
+    unsent_bytes_ += bytes->Length();
+    last_answer_bytes_ = bytes->Length();
     writes_.push_back(std::move(bytes));
     if (!writing_) {
       writing_ = true;
@@ -300,13 +345,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // One message answered (its answer queued for writing): the stream may
   // end now, and the reactor may go once gRPC is done with it.
   void Release() {
-    bool last;
+    bool last, read_on;
     {
       MutexLock lock(mu_);
       --pending_;
+      read_on = ResumeLocked();
       MaybeFinishLocked();
       last = done_ && pending_ == 0;
     }
+    if (read_on) StartNextRead();
     if (last) delete this;
   }
 
@@ -330,7 +377,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Mutex mu_;
   std::deque<std::unique_ptr<grpc::ByteBuffer>> writes_ QUERN_GUARDED_BY(mu_);  // front = being written
   std::vector<std::shared_ptr<CancellationToken>> cancels_ QUERN_GUARDED_BY(mu_);
-  int pending_ QUERN_GUARDED_BY(mu_) = 0;  // messages read and not answered yet
+  int pending_ QUERN_GUARDED_BY(mu_) = 0;          // messages read and not answered yet
+  size_t unsent_bytes_ QUERN_GUARDED_BY(mu_) = 0;  // in writes_
+  size_t last_answer_bytes_ QUERN_GUARDED_BY(mu_) = 0;
+  bool read_paused_ QUERN_GUARDED_BY(mu_) = false;  // no read in flight: waiting for room
   bool writing_ QUERN_GUARDED_BY(mu_) = false;
   bool reads_done_ QUERN_GUARDED_BY(mu_) = false;
   bool broken_ QUERN_GUARDED_BY(mu_) = false;    // cancelled or a write failed: no more writes
