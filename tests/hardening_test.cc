@@ -398,5 +398,24 @@ TEST(ContentEncoding, BombsGarbageAndUnknownEncodingsAreRefused) {
   EXPECT_EQ(r.error().code(), StatusCode::kUnimplemented);
 }
 
+TEST(ContentEncoding, ABodyMayInflateAHundredfoldBeyondAMebibyteWithinTheLimit) {
+  // Under the body limit (64 MiB) but a thousandfold: refused as soon as it
+  // passes 100 times its size.
+  const std::string bomb = Compress(std::string(60 << 20, ' '), 15 + 16);
+  ASSERT_LT(bomb.size() * 100, size_t{60} << 20);
+  auto r = DecodeContentEncoding("gzip", bomb, size_t{64} << 20);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.error().message().find("100 times its"), std::string::npos) << r.error().message();
+  // Up to a mebibyte is let through whatever the ratio; a tenfold body of
+  // any size too.
+  const std::string small(1 << 20, ' ');
+  EXPECT_EQ(*DecodeContentEncoding("gzip", Compress(small, 15 + 16), size_t{64} << 20), small);
+  std::string varied(8 << 20, ' ');
+  uint32_t x = 1;
+  for (auto& c : varied) c = static_cast<char>('a' + ((x = x * 1103515245 + 12345) >> 16) % 8);
+  EXPECT_EQ(*DecodeContentEncoding("gzip", Compress(varied, 15 + 16), size_t{64} << 20), varied);
+}
+
 }  // namespace
 }  // namespace quern

@@ -270,3 +270,56 @@ def test_a_stream_whose_client_never_reads_holds_bounded_memory(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def gzip_bomb(inflated_mb):
+    """A gzip body of a JSON infer request for add_sub that inflates to about `inflated_mb` MiB."""
+    import zlib
+    head = b'{"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4'
+    pad = b" " * (inflated_mb << 20)
+    tail = b']}, {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return c.compress(head) + c.compress(pad) + c.compress(tail) + c.flush()
+
+
+def test_compression_bombs_delay_no_other_client(server):
+    bomb = gzip_bomb(63)
+    port = server["HTTP"]
+    stop = threading.Event()
+    refusals, others = [], []
+
+    def bomber():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while not stop.is_set():
+            conn.request("POST", "/v2/models/add_sub/infer", body=bomb,
+                         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            r = conn.getresponse()
+            refusals.append((r.status, r.read()))
+        conn.close()
+
+    bombers = [threading.Thread(target=bomber) for _ in range(4)]
+    for t in bombers:
+        t.start()
+    try:
+        time.sleep(0.3)
+        body = json.dumps({"inputs": [
+            {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+            {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(40):
+            start = time.monotonic()
+            conn.request("POST", "/v2/models/add_sub/infer", body=body)
+            r = conn.getresponse()
+            data = json.loads(r.read())
+            others.append(time.monotonic() - start)
+            assert r.status == 200 and data["outputs"][0]["data"] == [11, 22, 33, 44], data
+        conn.close()
+    finally:
+        stop.set()
+        for t in bombers:
+            t.join(timeout=60)
+    assert refusals and all(s == 413 and b"times its" in d for s, d in refusals), refusals[:3]
+    others.sort()
+    print(f"{len(bomb)} B gzip bombs: {len(refusals)} refused; healthy client p50 {others[len(others) // 2] * 1e3:.1f} "
+          f"ms, max {others[-1] * 1e3:.1f} ms")
+    assert others[len(others) // 2] < 0.1, others

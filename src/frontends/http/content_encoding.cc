@@ -17,7 +17,9 @@ std::string Lower(std::string_view s) {
 }
 
 // window_bits: 15 + 32 = zlib or gzip (detected), -15 = raw deflate.
-Result<std::string> Inflate(const std::string& in, int window_bits, size_t max_bytes, const std::string& name) {
+// `by_ratio`: max_bytes is the ratio's bound, not the body limit.
+Result<std::string> Inflate(const std::string& in, int window_bits, size_t max_bytes, bool by_ratio,
+                            const std::string& name) {
   z_stream zs{};
   if (inflateInit2(&zs, window_bits) != Z_OK) return Err(Internal("cannot start " + name + " decoding"));
   std::string out;
@@ -46,6 +48,11 @@ Result<std::string> Inflate(const std::string& in, int window_bits, size_t max_b
   }
   const std::string zmsg = zs.msg != nullptr ? zs.msg : "";
   inflateEnd(&zs);
+  if (produced > max_bytes && by_ratio) {
+    return Err(ResourceExhausted("the " + name + " request body inflates to more than " +
+                                 std::to_string(kMaxInflateRatio) + " times its " + std::to_string(in.size()) +
+                                 " bytes; send it uncompressed"));
+  }
   if (produced > max_bytes) {
     return Err(ResourceExhausted("the " + name + " request body inflates beyond the limit of " +
                                  std::to_string(max_bytes) + " bytes (--http-max-body-bytes)"));
@@ -66,15 +73,19 @@ Result<std::string> Inflate(const std::string& in, int window_bits, size_t max_b
 
 Result<std::string> DecodeContentEncoding(std::string_view encoding, std::string body, size_t max_bytes) {
   max_bytes = std::min<size_t>(max_bytes, size_t{1} << 40);  // room for the one-byte overshoot test
+  const size_t ratio_bound =
+      std::max(kInflateFloorBytes, std::min<size_t>(body.size(), size_t{1} << 32) * kMaxInflateRatio);
+  const bool by_ratio = ratio_bound < max_bytes;
+  max_bytes = std::min(max_bytes, ratio_bound);
   const std::string e = Lower(encoding);
   if (e.empty() || e == "identity") return body;
-  if (e == "gzip" || e == "x-gzip") return Inflate(body, 15 + 16, max_bytes, "gzip");
+  if (e == "gzip" || e == "x-gzip") return Inflate(body, 15 + 16, max_bytes, by_ratio, "gzip");
   if (e == "deflate") {
     // HTTP's "deflate" is the zlib format; some clients send raw deflate.
     const bool zlib_header =
         body.size() >= 2 && (static_cast<unsigned char>(body[0]) & 0x0f) == 8 &&
         ((static_cast<unsigned char>(body[0]) << 8) | static_cast<unsigned char>(body[1])) % 31 == 0;
-    return Inflate(body, zlib_header ? 15 : -15, max_bytes, "deflate");
+    return Inflate(body, zlib_header ? 15 : -15, max_bytes, by_ratio, "deflate");
   }
   return Err(Unimplemented("Content-Encoding '" + std::string(encoding) +
                            "' is not supported; send the body as it is, or with gzip or deflate"));

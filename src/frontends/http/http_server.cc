@@ -154,6 +154,10 @@ struct Shared {
   std::atomic<int64_t> last_refusal_ns{0};  // when a request was last answered 503 or 429
   std::unique_ptr<ssl::context> tls;        // null: plaintext
   std::atomic<int> writing{0};              // responses handed to a loop thread, not yet written
+  // Compressed bodies are inflated here, one at a time, never on a loop
+  // thread: a body that takes long to inflate delays no other connection
+  // (only other compressed bodies).
+  std::unique_ptr<asio::thread_pool> inflater = std::make_unique<asio::thread_pool>(1);
   // Request ids the server makes: a random prefix per server and a count.
   const uint32_t id_prefix = std::random_device{}();
   std::atomic<uint64_t> next_id{0};
@@ -618,18 +622,29 @@ class Session : public std::enable_shared_from_this<Session> {
                          [self = shared_from_this()](beast::error_code ec) { self->OnWatch(ec); });
     }
     access_bytes_ = req.body.size();
-    if (auto encoding = req.Header("content-encoding"); !encoding.empty()) {
-      auto decoded = DecodeContentEncoding(encoding, std::move(req.body), shared_.options.max_body_bytes);
-      if (!decoded) {
-        HttpResponse r;
-        const StatusCode code = decoded.error().code();
-        r.status = code == StatusCode::kResourceExhausted ? 413 : code == StatusCode::kUnimplemented ? 415 : 400;
-        r.body = JsonError(decoded.error().message());
-        return Respond(std::move(r));
-      }
-      req.body = std::move(*decoded);
-      std::erase_if(req.headers, [](const auto& h) { return h.first == "content-encoding"; });
+    if (!req.Header("content-encoding").empty()) {
+      asio::post(*shared_.inflater, [self = shared_from_this(), req = std::move(req)]() mutable {
+        self->InflateAndHandle(std::move(req));
+      });
+      return;
     }
+    shared_.handler(std::move(req), [self = shared_from_this()](HttpResponse r) { self->Respond(std::move(r)); });
+  }
+
+  // The inflater's thread: decodes a compressed body, then hands the
+  // request on (from this thread, like an engine thread's answer).
+  void InflateAndHandle(HttpRequest req) {
+    auto decoded =
+        DecodeContentEncoding(req.Header("content-encoding"), std::move(req.body), shared_.options.max_body_bytes);
+    if (!decoded) {
+      HttpResponse r;
+      const StatusCode code = decoded.error().code();
+      r.status = code == StatusCode::kResourceExhausted ? 413 : code == StatusCode::kUnimplemented ? 415 : 400;
+      r.body = JsonError(decoded.error().message());
+      return Respond(std::move(r));
+    }
+    req.body = std::move(*decoded);
+    std::erase_if(req.headers, [](const auto& h) { return h.first == "content-encoding"; });
     shared_.handler(std::move(req), [self = shared_from_this()](HttpResponse r) { self->Respond(std::move(r)); });
   }
 
@@ -1007,6 +1022,10 @@ class HttpServer::Impl {
     for (auto& loop : loops_) {
       if (loop->thread.joinable()) loop->thread.join();
     }
+    // Bodies not inflated yet are dropped with their sessions; one being
+    // inflated finishes first.
+    shared_.inflater->stop();
+    shared_.inflater->join();
   }
 
   int port() const { return acceptor_->local_endpoint().port(); }
