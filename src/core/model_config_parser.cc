@@ -409,7 +409,7 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
         !(c.backend == "quern" && (key == "quern.stage" || key.starts_with("quern.ocr."))) &&
         !(c.backend == "python" &&
           (key == "quern.python" || key == "quern.execute_timeout_ms" || key == "quern.initialize_timeout_ms" ||
-           key == "quern.same_core" || key == "quern.same_core_below_us")) &&
+           key == "quern.same_core" || key == "quern.same_core_below_us" || key == "quern.python.max_memory_mb")) &&
         !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
         !key.starts_with("quern.classification.") && !key.starts_with("quern.embedding.")) {
       return Err(InvalidArgument(source + ": unknown parameter " + key));

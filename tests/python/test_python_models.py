@@ -795,3 +795,102 @@ def test_example_python_models_around_imagenet(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# model.py starts a daemon that leaves the process group (setsid), and a process with subprocess;
+# rows starting with 555 hold the GIL in a C call (PyDLL does not release it) for 100 s.
+ESCAPES = '''
+import ctypes, os, subprocess, time
+import numpy as np
+
+DAEMON = 0
+SLEEPER = None
+
+def initialize(args):
+    global DAEMON, SLEEPER
+    DAEMON = os.fork()
+    if DAEMON == 0:
+        os.setsid()
+        time.sleep(1000)
+        os._exit(0)
+    SLEEPER = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+
+def infer(inputs):
+    x = inputs["x"]
+    if (x[:, 0] == 555).any():
+        ctypes.PyDLL(None).sleep(100)
+    pids = np.array([[DAEMON, SLEEPER.pid, os.getpid()]] * x.shape[0], dtype=np.int64)
+    return {"y": x * 2, "pids": pids}
+'''
+
+ESCAPES_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "pids" data_type: TYPE_INT64 dims: [ 3 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+
+def test_nothing_a_model_starts_outlives_its_unload(tmp_path):
+    write_model(tmp_path, "escapes", ESCAPES_CONFIG, ESCAPES)
+    proc, ports = start_quern(QUERN, str(tmp_path), "--model-control", "explicit")
+    try:
+        pids = [int(p) for p in plain_http({"ports": ports}, 1, "escapes").as_numpy("pids")[0]]
+        assert all(alive(p) for p in pids), pids
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        client.unload_model("escapes")
+        wait_until(lambda: not any(alive(p) for p in pids), timeout=15, what=f"the model's processes {pids} to end")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_nothing_a_model_starts_outlives_a_killed_server_even_holding_the_gil(tmp_path):
+    write_model(tmp_path, "escapes", ESCAPES_CONFIG, ESCAPES)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        pids = [int(p) for p in plain_http({"ports": ports}, 1, "escapes").as_numpy("pids")[0]]
+        # The model's process stops in a C call holding the GIL: its own watch cannot run.
+        threading.Thread(target=lambda: pytest.raises(Exception, plain_http, {"ports": ports}, 555, "escapes"),
+                         daemon=True).start()
+        time.sleep(1.5)
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_until(lambda: not any(alive(p) for p in pids), timeout=15,
+                   what=f"the model's processes {pids} to end with the server")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_model_over_its_memory_bound_fails_its_batch_clearly(tmp_path):
+    write_model(tmp_path, "hungry", PLAIN_CONFIG + '''
+parameters { key: "quern.python.max_memory_mb" value: { string_value: "512" } }
+''', '''
+import numpy as np
+
+def infer(inputs):
+    x = inputs["x"]
+    if (x[:, 0] == 1).any():
+        big = np.ones(20 << 30, dtype=np.uint8)  # 20 GiB
+        x = x + big[0]
+    return {"y": x * 2, "pid": np.zeros((x.shape[0], 1), dtype=np.int64)}
+''')
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            plain_http({"ports": ports}, 1, "hungry")
+        assert "MemoryError" in str(e.value) and "quern.python.max_memory_mb = 512" in str(e.value), str(e.value)
+        np.testing.assert_array_equal(plain_http({"ports": ports}, 2, "hungry").as_numpy("y"), [[4, 2, 4]])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -144,6 +144,7 @@ struct PythonModelSpec {
   std::string config_json;  // Triton's JSON form, for initialize(args)
   int64_t execute_timeout_ms = kDefaultExecuteTimeoutMs;
   int64_t initialize_timeout_ms = kDefaultInitializeTimeoutMs;
+  int64_t max_memory_mb = 0;                             // quern.python.max_memory_mb; 0 = none
   bool same_core = true;                                 // quern.same_core
   int64_t same_core_below_ns = kSameCoreBelowUs * 1000;  // quern.same_core_below_us
 };
@@ -280,6 +281,8 @@ class PythonModel final : public Model {
     w.Int(config_.max_batch_size);
     w.Key("server_pid");
     w.Int64(::getpid());
+    w.Key("max_memory_mb");
+    w.Int64(spec_->max_memory_mb);
     w.Key("inputs");
     WriteTensorList(w, config_.inputs);
     w.Key("outputs");
@@ -524,6 +527,18 @@ class PythonBackend final : public Backend {
                            MillisecondsParameter(config, "quern.execute_timeout_ms", kDefaultExecuteTimeoutMs));
     QUERN_ASSIGN_OR_RETURN(spec->initialize_timeout_ms,
                            MillisecondsParameter(config, "quern.initialize_timeout_ms", kDefaultInitializeTimeoutMs));
+    if (auto it = config.parameters.find("quern.python.max_memory_mb"); it != config.parameters.end()) {
+      int64_t mb = 0;
+      const std::string& v = it->second;
+      const auto parsed = std::from_chars(v.data(), v.data() + v.size(), mb);
+      if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || mb < 64 || mb > (int64_t{1} << 24)) {
+        return Err(InvalidArgument(who +
+                                   ": parameter quern.python.max_memory_mb must be mebibytes of address space in "
+                                   "[64, 16777216], got \"" +
+                                   v + "\""));
+      }
+      spec->max_memory_mb = mb;
+    }
     if (auto it = config.parameters.find("quern.same_core"); it != config.parameters.end()) {
       if (it->second == "on" || it->second == "true") {
         spec->same_core = true;

@@ -1,5 +1,6 @@
 #include "backends/python/python_process.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
@@ -15,12 +16,18 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "backends/python/python_sources.h"
+#include "core/cpus.h"
 #include "core/log.h"
 
 extern char** environ;
@@ -41,8 +48,20 @@ constexpr size_t kShmGranule = size_t{1} << 20;
 
 // Runs in `python -c`: reads the stub's source from the control socket and
 // runs it (nothing is written to disk, nothing depends on installed files).
+// Before anything else, the process asks the kernel to kill it when the
+// server's thread that started it ends (PR_SET_PDEATHSIG: a model stuck in
+// a C call holding the GIL cannot notice the server is gone), and makes
+// itself a subreaper (PR_SET_CHILD_SUBREAPER: what its children start and
+// leave, a daemonised grandchild included, stays in its tree for the server
+// to find and end). argv[2]: the server's pid, checked after the first so
+// that a server gone before it took effect is noticed.
 constexpr char kBootstrap[] =
-    "import os\n"
+    "import os, sys, ctypes\n"
+    "_libc = ctypes.CDLL(None)\n"
+    "_libc.prctl(1, 9, 0, 0, 0)\n"
+    "_libc.prctl(36, 1, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os._exit(0)\n"
     "def _read_exact(n):\n"
     "    b = bytearray()\n"
     "    while len(b) < n:\n"
@@ -57,6 +76,81 @@ constexpr char kBootstrap[] =
 
 std::string ErrnoText(int e) {
   return std::strerror(e);
+}
+
+// Runs `fn` on one thread started on first use and never ended (nor
+// destroyed: it outlives static destruction), and waits for it.
+void SpawnOnLongLivedThread(const std::function<void()>& fn) {
+  struct Spawner {
+    std::mutex mu;
+    std::condition_variable cv;
+    const std::function<void()>* job = nullptr;
+    uint64_t started = 0, finished = 0;
+    Spawner() {
+      std::thread([this] {
+        NameThisThread("quern-spawn");
+        std::unique_lock<std::mutex> lock(mu);
+        for (;;) {
+          cv.wait(lock, [this] { return job != nullptr; });
+          const std::function<void()>* j = job;
+          lock.unlock();
+          (*j)();
+          lock.lock();
+          job = nullptr;
+          ++finished;
+          cv.notify_all();
+        }
+      }).detach();
+    }
+  };
+  static Spawner* spawner = new Spawner();  // never destroyed
+  static std::mutex one_at_a_time;
+  std::lock_guard<std::mutex> turn(one_at_a_time);
+  std::unique_lock<std::mutex> lock(spawner->mu);
+  const uint64_t mine = spawner->finished + 1;
+  spawner->job = &fn;
+  spawner->cv.notify_all();
+  spawner->cv.wait(lock, [&] { return spawner->finished >= mine; });
+}
+
+// Every process below `root` (its children, theirs, ...), read from /proc.
+std::vector<pid_t> Descendants(pid_t root) {
+  std::multimap<pid_t, pid_t> children;  // parent -> child
+  if (DIR* d = ::opendir("/proc")) {
+    while (dirent* e = ::readdir(d)) {
+      char* end = nullptr;
+      const long pid = std::strtol(e->d_name, &end, 10);
+      if (pid <= 0 || *end != '\0') continue;
+      char path[64];
+      std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+      FILE* f = std::fopen(path, "re");
+      if (!f) continue;
+      char buf[512];
+      const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+      std::fclose(f);
+      buf[n] = '\0';
+      const char* close = std::strrchr(buf, ')');
+      if (!close) continue;
+      char state = 0;
+      long ppid = 0;
+      if (std::sscanf(close + 1, " %c %ld", &state, &ppid) == 2) {
+        children.emplace(static_cast<pid_t>(ppid), static_cast<pid_t>(pid));
+      }
+    }
+    ::closedir(d);
+  }
+  std::vector<pid_t> out;
+  std::vector<pid_t> todo{root};
+  while (!todo.empty() && out.size() < 100000) {
+    const pid_t p = todo.back();
+    todo.pop_back();
+    auto [b, e] = children.equal_range(p);
+    for (auto it = b; it != e; ++it) {
+      out.push_back(it->second);
+      todo.push_back(it->second);
+    }
+  }
+  return out;
 }
 
 void CloseFd(int& fd) {
@@ -241,10 +335,15 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   envp.push_back(nullptr);
   std::string python = launch.python, dash_c = "-c", bootstrap = kBootstrap,
               title = "quern-python:" + launch.model_name + ":" + std::to_string(launch.instance);
-  char* argv[] = {python.data(), dash_c.data(), bootstrap.data(), title.data(), nullptr};
+  std::string server_pid = std::to_string(::getpid());
+  char* argv[] = {python.data(), dash_c.data(), bootstrap.data(), title.data(), server_pid.data(), nullptr};
 
   pid_t pid = -1;
-  const int rc = ::posix_spawnp(&pid, python.c_str(), &actions, &attr, argv, envp.data());
+  // From a thread that lives as long as the process: the child's
+  // PR_SET_PDEATHSIG fires when the thread that started it ends, and the
+  // thread asking (a gRPC or poll thread) may end long before the server.
+  int rc = 0;
+  SpawnOnLongLivedThread([&] { rc = ::posix_spawnp(&pid, python.c_str(), &actions, &attr, argv, envp.data()); });
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
   ::close(child_control);
@@ -341,6 +440,12 @@ std::string PythonProcess::Reap(bool kill) {
   // ECHILD: someone else reaped it (an embedding program's SIGCHLD
   // handling); its pid may be another process's by now, so nothing is killed.
   if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 || errno != ECHILD) {
+    // What model.py started, in its group or not (a child that called
+    // setsid(), a daemon it left behind: the process is their subreaper),
+    // is killed with it; twice, for a child forked while the first look ran.
+    for (int round = 0; round < 2; ++round) {
+      for (pid_t d : Descendants(pid_)) ::kill(d, SIGKILL);
+    }
     ::kill(-pid_, SIGKILL);
     if (!exited) ::kill(pid_, SIGKILL);
     while ((r = ::waitpid(pid_, &status, 0)) < 0 && errno == EINTR) {

@@ -109,10 +109,53 @@ def _watch_server():
             _server_gone()  # a hang-up: nothing is ever written to the pipe
 
 
+_MAX_MEMORY_MB = 0  # quern.python.max_memory_mb; 0 = no bound
+
+
 def _last_line(exc):
     lines = traceback.format_exception_only(type(exc), exc)
     line = lines[-1].strip() if lines else type(exc).__name__
+    if isinstance(exc, MemoryError) and _MAX_MEMORY_MB:
+        line += f" (the model's memory bound: quern.python.max_memory_mb = {_MAX_MEMORY_MB})"
     return line if len(line) <= 2000 else line[:2000] + "..."
+
+
+def _end_with_this_process():
+    """What this process starts ends with it: each child (os.fork, multiprocessing, subprocess)
+    asks the kernel to be killed when the thread that started it ends (PR_SET_PDEATHSIG), so
+    that nothing outlives the server, whose death kills this process the same way (the
+    bootstrap), not even a child that left the process group with setsid()."""
+    import ctypes
+    import subprocess
+    libc = ctypes.CDLL(None)
+
+    def dies_with_parent():
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+
+    os.register_at_fork(after_in_child=dies_with_parent)
+    # subprocess forks in C without running the hooks above: its preexec_fn does it.
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, *args, preexec_fn=None, **kwargs):
+        def preexec():
+            dies_with_parent()
+            if preexec_fn is not None:
+                preexec_fn()
+        popen_init(self, *args, preexec_fn=preexec, **kwargs)
+
+    subprocess.Popen.__init__ = init
+
+
+def _bound_memory(mb):
+    """quern.python.max_memory_mb: the process's address space is bounded (RLIMIT_AS); an
+    allocation beyond it fails in the model (MemoryError in numpy), not on the host."""
+    global _MAX_MEMORY_MB
+    if not mb:
+        return
+    import resource
+    _MAX_MEMORY_MB = int(mb)
+    limit = _MAX_MEMORY_MB << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 class Shm:
@@ -480,6 +523,7 @@ def _main():
     threading.Thread(target=_watch_server, daemon=True, name="quern-server-watch").start()
     if os.getppid() != launch["server_pid"]:
         os._exit(0)
+    _end_with_this_process()
     sys.argv = [launch["model_file"]]
     # The model's version folder is importable (modules beside model.py); the
     # server's working directory is not.
@@ -491,6 +535,7 @@ def _main():
         utils.__file__ = "<quern: triton_python_backend_utils>"
         exec(compile(utils_source, utils.__file__, "exec"), utils.__dict__)
         sys.modules["triton_python_backend_utils"] = utils
+        _bound_memory(launch.get("max_memory_mb", 0))
         runner = Runner(launch, np, utils)
     except BaseException as e:
         traceback.print_exc()
