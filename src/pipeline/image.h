@@ -42,6 +42,8 @@ struct DecodeOptions {
   bool apply_exif_orientation = true;
 };
 
+inline constexpr int64_t kPlausiblePixels = int64_t{1} << 20;
+
 struct DecodedImage {
   Image image;  // displayed orientation; may be smaller than the source (DCT scaling)
   // The source image's size in its displayed orientation: results are
@@ -52,9 +54,13 @@ struct DecodedImage {
   int exif_orientation = 1;  // 1..8 as in EXIF; 1 = as stored
 };
 
-// Decodes `bytes` (format recognised from its signature). Fails with
-// InvalidArgument for an unknown format, a corrupt or truncated image, or one
-// over options.max_pixels.
+// Decodes `bytes` (format recognised from its signature; a CMYK JPEG
+// converted to RGB). Fails with InvalidArgument for an unknown format, a
+// GIF or an animated WebP (said so), a corrupt or truncated image, one over
+// options.max_pixels, or one claiming more pixels than a file of its size
+// can hold (beyond kPlausiblePixels, more pixels per byte than the format's
+// compression can reach: a forged header is refused before its pixels'
+// memory is taken).
 Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& options = {});
 
 // The EXIF orientation (1..8) of a JPEG, 1 when there is none or it cannot

@@ -20,9 +20,32 @@ std::string SizeText(int64_t w, int64_t h) {
   return std::to_string(w) + "x" + std::to_string(h);
 }
 
-Status CheckSize(int64_t w, int64_t h, const DecodeOptions& o, ImageFormat f) {
+// The most pixels a byte of a valid file of format `f` can hold, with room:
+// a flat JPEG still spends a bit or more per 8x8 block (DC) and scan; PNG,
+// BMP and GIF at most ~1032 bytes of pixels per compressed byte (deflate's
+// bound; LZW's is lower) at 8 pixels a byte (1 bit each); lossless WebP
+// copies up to 4096 pixels with one symbol.
+int64_t MaxPixelsPerByte(ImageFormat f) {
+  switch (f) {
+    case ImageFormat::kJpeg: return 2048;
+    case ImageFormat::kWebp: return 32768;
+    default: return 1032 * 8;
+  }
+}
+
+// `file_bytes`: the encoded image's size. Compression has its limits, so a
+// header claiming far more pixels than its file can hold is forged or cut.
+Status CheckSize(int64_t w, int64_t h, const DecodeOptions& o, ImageFormat f, size_t file_bytes) {
   if (w <= 0 || h <= 0) {
     return InvalidArgument(std::string(ImageFormatName(f)) + " image has no pixels (" + SizeText(w, h) + ")");
+  }
+  const int64_t plausible = std::max(
+      kPlausiblePixels, static_cast<int64_t>(std::min<size_t>(file_bytes, size_t{1} << 40)) * MaxPixelsPerByte(f));
+  if (w * h > plausible) {
+    return InvalidArgument(std::string(ImageFormatName(f)) + " image claims " + SizeText(w, h) + " pixels in " +
+                           std::to_string(file_bytes) +
+                           " bytes; no valid file that small holds that many "
+                           "(truncated or forged)");
   }
   if (w * h > o.max_pixels) {
     return InvalidArgument(std::string(ImageFormatName(f)) + " image is " + SizeText(w, h) + " = " +
@@ -91,7 +114,7 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
     tj.Reset();
     return std::unexpected(std::move(error));
   }
-  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kJpeg));
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kJpeg, bytes.size()));
   const int orientation = o.apply_exif_orientation ? JpegExifOrientation(bytes) : 1;
   const bool transposed = orientation >= 5;
   // The size the resize needs, in the stored orientation.
@@ -118,13 +141,31 @@ Result<DecodedImage> DecodeJpeg(std::string_view bytes, const DecodeOptions& o) 
   Image img;
   img.width = TJSCALED(w, best);
   img.height = TJSCALED(h, best);
-  img.pixels.resize(static_cast<size_t>(img.width) * static_cast<size_t>(img.height) * 3);
-  if (tjDecompress2(tj.h, data, size, img.pixels.data(), img.width, 0, img.height, TJPF_RGB,
-                    TJFLAG_FASTDCT | TJFLAG_STOPONWARNING) != 0) {
+  const size_t count = static_cast<size_t>(img.width) * static_cast<size_t>(img.height);
+  // CMYK and YCCK (scanners, print workflows, some cameras): libjpeg-turbo
+  // gives CMYK, converted below.
+  const bool cmyk = colorspace == TJCS_CMYK || colorspace == TJCS_YCCK;
+  std::vector<uint8_t> cmyk_pixels;
+  if (cmyk) cmyk_pixels.resize(count * 4);
+  img.pixels.resize(count * 3);
+  if (tjDecompress2(tj.h, data, size, cmyk ? cmyk_pixels.data() : img.pixels.data(), img.width, 0, img.height,
+                    cmyk ? TJPF_CMYK : TJPF_RGB, TJFLAG_FASTDCT | TJFLAG_STOPONWARNING) != 0) {
     Status error = InvalidArgument(std::string("corrupt or truncated JPEG image (") + SizeText(w, h) +
                                    "): " + tjGetErrorStr2(tj.h));
     tj.Reset();
     return std::unexpected(std::move(error));
+  }
+  if (cmyk) {
+    // JPEG CMYK is stored inverted (Adobe's convention, which every writer
+    // follows): each value is 255 - ink, so the light left is value x K.
+    for (size_t i = 0; i < count; ++i) {
+      const uint8_t* s = &cmyk_pixels[i * 4];
+      uint8_t* d = &img.pixels[i * 3];
+      const unsigned k = s[3];
+      d[0] = static_cast<uint8_t>((s[0] * k + 127) / 255);
+      d[1] = static_cast<uint8_t>((s[1] * k + 127) / 255);
+      d[2] = static_cast<uint8_t>((s[2] * k + 127) / 255);
+    }
   }
   DecodedImage out;
   out.format = ImageFormat::kJpeg;
@@ -142,7 +183,7 @@ Result<DecodedImage> DecodePng(std::string_view bytes, const DecodeOptions& o) {
   if (!png_image_begin_read_from_memory(&png, bytes.data(), bytes.size())) {
     return std::unexpected(InvalidArgument(std::string("corrupt or truncated PNG image: ") + png.message));
   }
-  if (Status st = CheckSize(png.width, png.height, o, ImageFormat::kPng); !st.ok()) {
+  if (Status st = CheckSize(png.width, png.height, o, ImageFormat::kPng, bytes.size()); !st.ok()) {
     png_image_free(&png);
     return std::unexpected(st);
   }
@@ -168,7 +209,11 @@ Result<DecodedImage> DecodeWebp(std::string_view bytes, const DecodeOptions& o) 
   if (!WebPGetInfo(data, bytes.size(), &w, &h)) {
     return std::unexpected(InvalidArgument("corrupt or truncated WebP image (its header cannot be read)"));
   }
-  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kWebp));
+  WebPBitstreamFeatures features;
+  if (WebPGetFeatures(data, bytes.size(), &features) == VP8_STATUS_OK && features.has_animation) {
+    return std::unexpected(InvalidArgument("animated WebP images are not supported (send one frame as a still image)"));
+  }
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kWebp, bytes.size()));
   DecodedImage out;
   out.format = ImageFormat::kWebp;
   out.image.width = out.source_width = w;
@@ -207,22 +252,24 @@ Status CheckBmpLength(std::string_view bytes, int w, int h) {
   return Status::Ok();
 }
 
-Result<DecodedImage> DecodeBmp(std::string_view bytes, const DecodeOptions& o) {
+// BMP (stb_image's other decoders are not used: GIF, PSD, PIC, ...).
+Result<DecodedImage> DecodeWithStb(std::string_view bytes, const DecodeOptions& o, ImageFormat format) {
+  const std::string name(ImageFormatName(format));
   auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
   const int len = static_cast<int>(std::min<size_t>(bytes.size(), INT32_MAX));
   int w = 0, h = 0, comp = 0;
   if (!stbi_info_from_memory(data, len, &w, &h, &comp)) {
-    return std::unexpected(InvalidArgument(std::string("corrupt or truncated BMP image: ") + stbi_failure_reason()));
+    return std::unexpected(InvalidArgument("corrupt or truncated " + name + " image: " + stbi_failure_reason()));
   }
-  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, ImageFormat::kBmp));
-  QUERN_RETURN_IF_ERROR(CheckBmpLength(bytes, w, h));
+  QUERN_RETURN_IF_ERROR(CheckSize(w, h, o, format, bytes.size()));
+  if (format == ImageFormat::kBmp) QUERN_RETURN_IF_ERROR(CheckBmpLength(bytes, w, h));
   std::unique_ptr<stbi_uc, void (*)(void*)> px(stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
   if (!px) {
     return std::unexpected(
-        InvalidArgument("corrupt or truncated BMP image (" + SizeText(w, h) + "): " + stbi_failure_reason()));
+        InvalidArgument("corrupt or truncated " + name + " image (" + SizeText(w, h) + "): " + stbi_failure_reason()));
   }
   DecodedImage out;
-  out.format = ImageFormat::kBmp;
+  out.format = format;
   out.image.width = out.source_width = w;
   out.image.height = out.source_height = h;
   out.image.pixels.assign(px.get(), px.get() + static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
@@ -309,7 +356,13 @@ Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& op
   if (n >= 12 && std::memcmp(p, "RIFF", 4) == 0 && std::memcmp(p + 8, "WEBP", 4) == 0) {
     return DecodeWebp(bytes, options);
   }
-  if (n >= 2 && p[0] == 'B' && p[1] == 'M') return DecodeBmp(bytes, options);
+  if (n >= 2 && p[0] == 'B' && p[1] == 'M') return DecodeWithStb(bytes, options, ImageFormat::kBmp);
+  if (n >= 6 && (std::memcmp(p, "GIF87a", 6) == 0 || std::memcmp(p, "GIF89a", 6) == 0)) {
+    // Said for what it is (a GIF is often an animation): not "corrupt".
+    return std::unexpected(
+        InvalidArgument("GIF images (animated or not) are not supported; send a frame as JPEG, "
+                        "PNG, WebP or BMP"));
+  }
   if (n == 0) return std::unexpected(InvalidArgument("the image is empty (0 bytes)"));
   return std::unexpected(InvalidArgument("the data is not an image Quern can decode (JPEG, PNG, BMP or WebP; " +
                                          std::to_string(n) + " bytes, none of these signatures)"));

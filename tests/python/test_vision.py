@@ -223,7 +223,7 @@ def test_errors_come_back_the_codeproject_way(server):
     cases = [
         (multipart([("min_confidence", b"0.5", None)]), "no image was sent"),
         (multipart([("image", b"", "empty.jpg")]), "empty"),
-        (multipart([("image", b"GIF89a not supported", "x.gif")]), "not an image"),
+        (multipart([("image", b"GIF89a not a GIF at all", "x.gif")]), "GIF images (animated or not) are not supported"),
         (multipart([("image", jpeg[: len(jpeg) // 2], "cut.jpg")]), "corrupt or truncated JPEG"),
         (multipart([("image", noisy[: len(noisy) * 3 // 5], "cut.jpg")]), "corrupt or truncated JPEG"),
         (multipart([("image", png[: len(png) * 3 // 5], "cut.png")]), "corrupt or truncated PNG"),
@@ -547,3 +547,32 @@ def test_stage_timings_in_header_and_metrics(repo):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_cmyk_jpegs_gifs_and_animations_as_cameras_and_scanners_send_them(server):
+    """A CMYK JPEG (scanners, print workflows) decodes to the picture it holds; an animated GIF or WebP
+    is refused as such, not as corrupt."""
+    img = painted(320, 240, SQUARES)
+    want = expected(320, 240, SQUARES, "yolov8")
+    cmyk = encode(img.convert("CMYK"), "JPEG", quality=95)
+    assert Image.open(io.BytesIO(cmyk)).mode == "CMYK"
+    check(detect(server, cmyk), want, 0.05)
+    second = painted(320, 240, [(1, 1, (0, 255, 0))])
+    gif = io.BytesIO()
+    img.save(gif, "GIF", save_all=True, append_images=[second], duration=100, loop=0)
+    r = detect(server, gif.getvalue())
+    assert r["success"] is False and "GIF images (animated or not) are not supported" in r["error"], r
+    webp = io.BytesIO()
+    img.save(webp, "WEBP", save_all=True, append_images=[second], duration=100, loop=0)
+    r = detect(server, webp.getvalue())
+    assert r["success"] is False and "animated WebP images are not supported" in r["error"], r
+    # A PNG header claiming 1700 x 1700 pixels (under this server's limit) in 69 bytes: refused for what it is.
+    import struct
+    import zlib
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
+    forged = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1700, 1700, 8, 2, 0, 0, 0)) +
+              chunk(b"IDAT", b"") + chunk(b"IEND", b""))
+    r = detect(server, forged)
+    assert r["success"] is False and "claims 1700x1700 pixels in" in r["error"], r
