@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,6 +63,19 @@ struct DecodedImage {
 // compression can reach: a forged header is refused before its pixels'
 // memory is taken).
 Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& options = {});
+
+// What an image's header says, read without decoding it (microseconds).
+struct ImageHeader {
+  ImageFormat format = ImageFormat::kJpeg;
+  int64_t width = 0, height = 0;
+  int bytes_per_sample = 1;  // 2 for a 16-bit PNG
+  // The memory a full decode takes: pixels x 3 channels, and its 16-bit
+  // rows' worth for a 16-bit PNG.
+  int64_t decoded_bytes() const { return width * height * 3 * bytes_per_sample; }
+};
+// The header of `bytes`; nullopt when it cannot be read (the decode then
+// fails, and says why).
+std::optional<ImageHeader> ReadImageHeader(std::string_view bytes);
 
 // The EXIF orientation (1..8) of a JPEG, 1 when there is none or it cannot
 // be read. Reads only the markers before the image data.

@@ -348,6 +348,50 @@ Image ApplyOrientation(const Image& in, int orientation) {
   return out;
 }
 
+std::optional<ImageHeader> ReadImageHeader(std::string_view bytes) {
+  auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  const size_t n = bytes.size();
+  ImageHeader h;
+  if (n >= 3 && p[0] == 0xFF && p[1] == 0xD8 && p[2] == 0xFF) {
+    thread_local TjHandle tj;
+    int w = 0, ht = 0, subsamp = 0, colorspace = 0;
+    if (!tj.h || tjDecompressHeader3(tj.h, p, static_cast<unsigned long>(n), &w, &ht, &subsamp, &colorspace) != 0) {
+      tj.Reset();
+      return std::nullopt;
+    }
+    h.format = ImageFormat::kJpeg;
+    h.width = w;
+    h.height = ht;
+    return h;
+  }
+  if (n >= 33 && std::memcmp(p, "\x89PNG\r\n\x1a\n", 8) == 0 && std::memcmp(p + 12, "IHDR", 4) == 0) {
+    h.format = ImageFormat::kPng;
+    h.width = Read32(p + 16, false);
+    h.height = Read32(p + 20, false);
+    h.bytes_per_sample = p[24] == 16 ? 2 : 1;
+    return h;
+  }
+  if (n >= 12 && std::memcmp(p, "RIFF", 4) == 0 && std::memcmp(p + 8, "WEBP", 4) == 0) {
+    int w = 0, ht = 0;
+    if (!WebPGetInfo(p, n, &w, &ht)) return std::nullopt;
+    h.format = ImageFormat::kWebp;
+    h.width = w;
+    h.height = ht;
+    return h;
+  }
+  if (n >= 2 && p[0] == 'B' && p[1] == 'M') {
+    int w = 0, ht = 0, comp = 0;
+    if (!stbi_info_from_memory(p, static_cast<int>(std::min<size_t>(n, INT32_MAX)), &w, &ht, &comp)) {
+      return std::nullopt;
+    }
+    h.format = ImageFormat::kBmp;
+    h.width = w;
+    h.height = ht;
+    return h;
+  }
+  return std::nullopt;
+}
+
 Result<DecodedImage> DecodeImage(std::string_view bytes, const DecodeOptions& options) {
   auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t n = bytes.size();

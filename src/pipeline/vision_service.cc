@@ -68,6 +68,8 @@ struct VisionService::Job {
   VisionCallback done;
   int64_t deadline_ns = 0;  // service clock
   int64_t charged_bytes = 0;
+  int64_t decoded_bytes = 0;  // the header's full decode size (0 = not read)
+  int format = 0;             // its ImageFormat
   ImageTransform transform;
   VisionTimings timings;
   int64_t post_start_ns = 0;
@@ -266,7 +268,14 @@ Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
 Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   const std::shared_ptr<const VisionModel>& m = request.model;
   if (!m) return InvalidArgument("a vision request needs a model");
-  int64_t bytes = request.held_bytes + static_cast<int64_t>(PreprocessedBytes(m->image));
+  // The decoded image's memory counts from admission on (a small file may
+  // decode to much), within the pixel bound the decoder applies.
+  const std::optional<ImageHeader> header = ReadImageHeader(request.image);
+  const int64_t decoded =
+      header && header->width > 0 && header->height > 0 && header->width * header->height <= options_.max_image_pixels
+          ? header->decoded_bytes()
+          : 0;
+  int64_t bytes = request.held_bytes + decoded + static_cast<int64_t>(PreprocessedBytes(m->image));
   if (request.descriptor) {
     if (m->task != VisionTask::kDetection || request.descriptor->task != VisionTask::kEmbedding) {
       return InvalidArgument("model '" + m->name + "' cannot be described by '" + request.descriptor->name +
@@ -295,6 +304,10 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   job->request = std::move(request);
   job->done = std::move(done);
   job->charged_bytes = bytes;
+  if (decoded > 0) {
+    job->decoded_bytes = decoded;
+    job->format = static_cast<int>(header->format);
+  }
   job->timings.received_ns = clock_->NowNs();
   job->deadline_ns = job->timings.received_ns + options_.request_timeout_ms * 1'000'000;
   requests_.Increment();
@@ -315,6 +328,20 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
                                  std::to_string(options_.request_timeout_ms) + " ms"),
                 /*dropped=*/true);
   }
+  // An image whose decode would end past its timeout (by the time per
+  // decoded byte measured for its format) is not begun.
+  if (job->decoded_bytes > 0) {
+    const double ns_per_byte = decode_ns_per_byte_[job->format].load(std::memory_order_relaxed);
+    const auto expected_ns = static_cast<int64_t>(ns_per_byte * static_cast<double>(job->decoded_bytes));
+    if (ns_per_byte > 0 && t.stage_start_ns + expected_ns > job->deadline_ns) {
+      return Fail(
+          job,
+          DeadlineExceeded("decoding this image would take about " + std::to_string(expected_ns / 1'000'000) +
+                           " ms, past the request timeout of " + std::to_string(options_.request_timeout_ms) +
+                           " ms (it waited " + std::to_string((t.stage_start_ns - t.received_ns) / 1'000'000) + " ms)"),
+          /*dropped=*/true);
+    }
+  }
   const VisionModel& m = *job->request.model;
   const int64_t c0 = ThreadCpuNs();
   DecodeOptions dopt;
@@ -332,6 +359,14 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   if (!decoded) return Fail(job, decoded.error(), false);
   const int64_t t1 = clock_->NowNs();
   const int64_t c1 = ThreadCpuNs();
+  if (job->decoded_bytes > 0) {
+    // The decode's CPU per byte of the full image (a JPEG shrunk while it
+    // decodes costs less, and says so), a moving average per format.
+    auto& avg = decode_ns_per_byte_[job->format];
+    const double sample = static_cast<double>(c1 - c0) / static_cast<double>(job->decoded_bytes);
+    const double before = avg.load(std::memory_order_relaxed);
+    avg.store(before == 0 ? sample : 0.8 * before + 0.2 * sample, std::memory_order_relaxed);
+  }
   Tensor input = Tensor::AllocateUninitialized(m.image.dtype, m.input_shape, PreprocessedBytes(m.image));
   job->transform = Preprocess(*decoded, m.image, input.mutable_data());
   const int64_t t2 = clock_->NowNs();

@@ -323,3 +323,86 @@ def test_compression_bombs_delay_no_other_client(server):
     print(f"{len(bomb)} B gzip bombs: {len(refusals)} refused; healthy client p50 {others[len(others) // 2] * 1e3:.1f} "
           f"ms, max {others[-1] * 1e3:.1f} ms")
     assert others[len(others) // 2] < 0.1, others
+
+
+def png16(width, height):
+    """A 16-bit RGB PNG of one colour: a few hundred KB to send, hundreds of MB of samples to inflate
+    and convert."""
+    import zlib
+    row = b"\0" + np.tile(np.array([40000, 20000, 50000], dtype=">u2"), width).tobytes()
+    c = zlib.compressobj(9)
+    raw = b"".join(c.compress(row) for _ in range(height)) + c.flush()
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)) +
+            chunk(b"IDAT", raw) + chunk(b"IEND", b""))
+
+
+def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "detect_yolov8"), repo / "detect_yolov8")
+    proc, ports = start_quern(QUERN, str(repo), "--vision-timeout-ms", "1500", "--detection-model", "detect_yolov8")
+    try:
+        image = png16(7000, 7000)
+        boundary = "xx"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n".encode() +
+                image + f"\r\n--{boundary}--\r\n".encode())
+        headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        took = []
+
+        def one():
+            conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
+            start = time.monotonic()
+            conn.request("POST", "/v1/vision/detection", body=body, headers=headers)
+            r = conn.getresponse()
+            doc = json.loads(r.read())
+            took.append((time.monotonic() - start, doc.get("success"), doc.get("error")))
+            conn.close()
+
+        one()  # the first decode is measured
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        print(f"{len(image)} B 16-bit PNGs: answered after " + ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + " s")
+        assert len(took) == 13
+        assert max(s for s, _, _ in took) < 1.75, sorted(took)  # the timeout, and an answer's way out
+        assert any(ok for _, ok, _ in took), took
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_admission_counts_what_an_image_decodes_to(tmp_path):
+    # 442 KB files that decode to 7000 x 7000 pixels (294 MB of 16-bit samples): under a 512 MiB
+    # bound one is decoded at a time, the others are refused at once, not decoded together.
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "detect_yolov8"), repo / "detect_yolov8")
+    proc, ports = start_quern(QUERN, str(repo), "--vision-max-memory-mb", "512", "--detection-model",
+                              "detect_yolov8")
+    try:
+        image = png16(7000, 7000)
+        body = (b"--xx\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n" + image +
+                b"\r\n--xx--\r\n")
+        answers = []
+
+        def one():
+            conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
+            conn.request("POST", "/v1/vision/detection", body=body,
+                         headers={"Content-Type": "multipart/form-data; boundary=xx"})
+            answers.append(json.loads(conn.getresponse().read()))
+            conn.close()
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        refused = [a for a in answers if not a["success"] and "--vision-max-memory-mb" in (a["error"] or "")]
+        decoded = [a for a in answers if a["success"]]
+        assert len(answers) == 6 and decoded and len(refused) >= 3, answers
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
