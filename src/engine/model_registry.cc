@@ -19,6 +19,8 @@ namespace {
 constexpr size_t kMaxQuotedReason = 240;
 // How long a poll waits before its second look at the models that changed.
 constexpr int kSettleMs = 200;
+// How often a poll looks at every model whatever the file events said.
+constexpr int kFullLookS = 60;
 }  // namespace
 
 ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options)) {
@@ -541,17 +543,34 @@ Status ModelRegistry::UnloadLocked(const std::string& name) {
 }
 
 Status ModelRegistry::PollRepository() {
+  return PollRepository(nullptr);
+}
+
+Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes) {
   if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
-  auto names = ListRepositoryModels(options_.model_repository);
-  if (!names) return names.error();
+  const bool everything = !changes || changes->everything;
+  if (!everything && !changes->listing && changes->models.empty()) return Status::Ok();  // nothing happened
+  std::vector<std::string> names;
+  if (everything || changes->listing) {
+    auto listed = ListRepositoryModels(options_.model_repository);
+    if (!listed) return listed.error();
+    names = std::move(*listed);
+  } else {
+    ReaderLock lock(mu_);
+    for (const auto& [n, e] : models_) {
+      if (!e.custom) names.push_back(n);  // sorted: the map's order
+    }
+  }
   const std::filesystem::path repo(options_.model_repository);
   std::vector<std::string> changed, to_unload;
   std::map<std::string, std::string> first_look;
   {
     ReaderLock lock(mu_);
-    for (const auto& n : *names) {
+    for (const auto& n : names) {
       auto it = models_.find(n);
       if (it != models_.end() && it->second.custom) continue;
+      // Only what the watch says may have changed is looked at.
+      if (!everything && it != models_.end() && !changes->models.count(n)) continue;
       std::string fingerprint = FingerprintModelDir(repo / n);
       // New, or changed since it loaded and not the files a reload failed on.
       if (it == models_.end() ||
@@ -561,7 +580,7 @@ Status ModelRegistry::PollRepository() {
       }
     }
     for (const auto& [n, e] : models_) {
-      if (!e.custom && !std::binary_search(names->begin(), names->end(), n)) to_unload.push_back(n);
+      if (!e.custom && !std::binary_search(names.begin(), names.end(), n)) to_unload.push_back(n);
     }
   }
   // A model whose files are still being written (sizes or times moving
@@ -701,13 +720,49 @@ void ModelRegistry::RetireVersions(std::map<int64_t, VersionSlot>& versions) {
 }
 
 void ModelRegistry::PollLoop() {
-  MutexLock lock(poll_mu_);
+  // Between full looks (every kFullLookS, for what file events miss: a
+  // network file system, a link's target), a poll looks only at what the
+  // kernel reported changed.
+  std::unique_ptr<RepositoryWatch> watch = RepositoryWatch::Start(options_.model_repository);
+  std::set<std::string> watched;
+  auto rewatch = [&](const std::vector<std::string>& names, bool all) {
+    if (!watch) return;
+    std::set<std::string> now(names.begin(), names.end());
+    for (const auto& n : watched) {
+      if (!now.count(n)) watch->Forget(n);
+    }
+    for (const auto& n : now) {
+      if (all || !watched.count(n)) watch->Watch(n);
+    }
+    watched = std::move(now);
+  };
+  if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, true);
   const auto interval = std::chrono::duration<double>(options_.repository_poll_interval_s);
+  const int64_t full_every_ns = int64_t{kFullLookS} * 1'000'000'000;
+  int64_t last_full_ns = clock_->NowNs();
+  MutexLock lock(poll_mu_);
   while (!stopping_) {
     poll_cv_.WaitFor(lock, interval, [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
     if (stopping_) break;
     lock.Unlock();
-    (void)PollRepository();
+    const int64_t now = clock_->NowNs();
+    RepositoryWatch::Changes changes;
+    const bool full = !watch || now - last_full_ns >= full_every_ns;
+    if (watch) changes = watch->Take();
+    if (full || changes.everything) {
+      last_full_ns = now;
+      (void)PollRepository(nullptr);
+      if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, changes.everything);
+    } else {
+      (void)PollRepository(&changes);
+      if (changes.listing) {
+        if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, false);
+      }
+      // A model whose folder was replaced is watched anew.
+      for (const auto& n : changes.models) {
+        if (watched.count(n)) watch->Watch(n);
+      }
+    }
     lock.Lock();
   }
 }

@@ -22,6 +22,7 @@
 #include "core/cpus.h"
 #include "core/mutex.h"
 #include "core/repository.h"
+#include "core/repository_watch.h"
 #include "engine/backend.h"
 #include "engine/instance_placement.h"
 #include "engine/servable.h"
@@ -104,6 +105,9 @@ class ModelRegistry {
   // Puts `entry` in service under `name` and retires the versions it replaces.
   void Replace(const std::string& name, Entry entry);
   void PollLoop();
+  // A poll: every model when `changes` is null or says everything, else
+  // the models it names (and the listing when it says so).
+  Status PollRepository(const RepositoryWatch::Changes* changes);
   // Loads `names`, ensembles after the ensembles among them that they use
   // (each configuration read once; linear in models and steps). Ensembles
   // on a cycle fail naming it; nothing of a cycle is loaded.

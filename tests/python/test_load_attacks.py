@@ -406,3 +406,105 @@ def test_admission_counts_what_an_image_decodes_to(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_polling_a_repository_with_many_files_costs_little_and_sees_changes(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    junk = repo / "assets"  # not a model: 30,000 files the poll must not stat every time
+    junk.mkdir()
+    for i in range(30000):
+        (junk / f"f{i}").write_bytes(b"")
+    proc, ports = start_quern(QUERN, str(repo), "--repository-poll-secs", "0.2")
+    try:
+        time.sleep(1)
+        before = cpu_seconds(proc.pid)
+        time.sleep(5)
+        idle = (cpu_seconds(proc.pid) - before) / 5
+        print(f"idle server polling 30,000 files every 0.2 s: {idle * 100:.1f} % of a core")
+        assert idle < 0.05, f"{idle * 100:.1f} % of a core"
+        # Changes are still seen: a new model, and a model removed.
+        shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub_2")
+        status = lambda m: http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=5)  # noqa: E731
+
+        def ready(model):
+            c = status(model)
+            c.request("GET", f"/v2/models/{model}/ready")
+            r = c.getresponse()
+            r.read()
+            return r.status == 200
+        deadline = time.monotonic() + 10
+        while not ready("add_sub_2") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready("add_sub_2")
+        shutil.rmtree(repo / "add_sub")
+        deadline = time.monotonic() + 10
+        while ready("add_sub") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ready("add_sub")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_model_file_copied_slowly_never_interrupts_the_serving_version(tmp_path):
+    # Version 2 of a served model arrives the way `cp` over a slow disk writes it: half the file,
+    # a pause, the rest. Requests go on all the while; version 1 serves until version 2 has loaded.
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "m")
+    proc, ports = start_quern(QUERN, str(repo), "--repository-poll-secs", "0.2")
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+        {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}).encode()
+    stop = threading.Event()
+    failures, answered = [], [0]
+
+    def client():
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=30)
+        while not stop.is_set():
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            r = conn.getresponse()
+            data = r.read()
+            if r.status != 200:
+                failures.append((r.status, data[:200]))
+            answered[0] += 1
+            time.sleep(0.01)
+        conn.close()
+
+    try:
+        t = threading.Thread(target=client)
+        t.start()
+        model = (repo / "m" / "1" / "model.onnx").read_bytes()
+        (repo / "m" / "2").mkdir()
+        with open(repo / "m" / "2" / "model.onnx", "wb") as f:
+            f.write(model[:len(model) // 2])
+            f.flush()
+            time.sleep(2.5)
+            f.write(model[len(model) // 2:])
+        # Garbage in the configuration for a while: the serving version goes on.
+        (repo / "m" / "config.pbtxt").write_text("max_batch_size: [[[ garbage")
+        time.sleep(1.5)
+        (repo / "m" / "config.pbtxt").unlink()
+        deadline = time.monotonic() + 10
+        ready = False
+        while time.monotonic() < deadline and not ready:
+            c = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=5)
+            c.request("GET", "/v2/models/m/versions/2/ready")
+            r = c.getresponse()
+            r.read()
+            ready = r.status == 200
+            time.sleep(0.1)
+        stop.set()
+        t.join(timeout=30)
+        assert ready, "version 2 never loaded"
+        assert not failures, f"{len(failures)} of {answered[0]} failed: {failures[:3]}"
+    finally:
+        stop.set()
+        proc.terminate()
+        proc.wait(timeout=30)
