@@ -543,10 +543,10 @@ Status ModelRegistry::UnloadLocked(const std::string& name) {
 }
 
 Status ModelRegistry::PollRepository() {
-  return PollRepository(nullptr);
+  return PollRepository(nullptr, nullptr);
 }
 
-Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes) {
+Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, std::set<std::string>* unsettled) {
   if (options_.model_repository.empty()) return FailedPrecondition("the engine has no model repository");
   const bool everything = !changes || changes->everything;
   if (!everything && !changes->listing && changes->models.empty()) return Status::Ok();  // nothing happened
@@ -595,7 +595,11 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes) {
       if (stopping_) return Status::Ok();
     }
     for (const auto& n : changed) {
-      if (FingerprintModelDir(repo / n) == first_look[n]) to_load.push_back(n);
+      if (FingerprintModelDir(repo / n) == first_look[n]) {
+        to_load.push_back(n);
+      } else if (unsettled) {
+        unsettled->insert(n);
+      }
     }
   }
   LoadInOrder(to_load);
@@ -725,6 +729,10 @@ void ModelRegistry::PollLoop() {
   // kernel reported changed.
   std::unique_ptr<RepositoryWatch> watch = RepositoryWatch::Start(options_.model_repository);
   std::set<std::string> watched;
+  // Models to look at on the next poll whatever the events say: those whose
+  // files were still changing, and those just watched (what happened before
+  // their watch began reached none).
+  std::set<std::string> again;
   auto rewatch = [&](const std::vector<std::string>& names, bool all) {
     if (!watch) return;
     std::set<std::string> now(names.begin(), names.end());
@@ -732,13 +740,19 @@ void ModelRegistry::PollLoop() {
       if (!now.count(n)) watch->Forget(n);
     }
     for (const auto& n : now) {
-      if (all || !watched.count(n)) watch->Watch(n);
+      if (all || !watched.count(n)) {
+        watch->Watch(n);
+        again.insert(n);
+      }
     }
     watched = std::move(now);
   };
   if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, true);
   const auto interval = std::chrono::duration<double>(options_.repository_poll_interval_s);
   const int64_t full_every_ns = int64_t{kFullLookS} * 1'000'000'000;
+  // The first poll looks at everything: what changed between the start's
+  // listing and the watch's start reached no watch.
+  bool first = true;
   int64_t last_full_ns = clock_->NowNs();
   MutexLock lock(poll_mu_);
   while (!stopping_) {
@@ -747,14 +761,17 @@ void ModelRegistry::PollLoop() {
     lock.Unlock();
     const int64_t now = clock_->NowNs();
     RepositoryWatch::Changes changes;
-    const bool full = !watch || now - last_full_ns >= full_every_ns;
+    const bool full = first || !watch || now - last_full_ns >= full_every_ns;
+    first = false;
     if (watch) changes = watch->Take();
+    changes.models.merge(again);
+    again.clear();
     if (full || changes.everything) {
       last_full_ns = now;
-      (void)PollRepository(nullptr);
+      (void)PollRepository(nullptr, &again);
       if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, changes.everything);
     } else {
-      (void)PollRepository(&changes);
+      (void)PollRepository(&changes, &again);
       if (changes.listing) {
         if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, false);
       }

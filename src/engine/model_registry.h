@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <thread>
@@ -106,8 +107,9 @@ class ModelRegistry {
   void Replace(const std::string& name, Entry entry);
   void PollLoop();
   // A poll: every model when `changes` is null or says everything, else
-  // the models it names (and the listing when it says so).
-  Status PollRepository(const RepositoryWatch::Changes* changes);
+  // the models it names (and the listing when it says so). Models whose
+  // files were still changing are added to `unsettled` (when not null).
+  Status PollRepository(const RepositoryWatch::Changes* changes, std::set<std::string>* unsettled);
   // Loads `names`, ensembles after the ensembles among them that they use
   // (each configuration read once; linear in models and steps). Ensembles
   // on a cycle fail naming it; nothing of a cycle is loaded.
