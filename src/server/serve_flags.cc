@@ -45,6 +45,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--http-header-timeout-secs", o.http.header_timeout_s,
                     "Close a connection whose request head takes longer than this to arrive");
   serve->add_option("--grpc-port", o.grpc.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
+  serve->add_option("--grpc-max-connections", o.grpc.max_connections,
+                    "Open plaintext gRPC connections (more: closed at once)");
+  serve->add_option("--grpc-idle-timeout-secs", o.grpc.idle_timeout_s,
+                    "Close a gRPC connection with no call for this long");
   serve->add_option("--grpc-max-message-bytes", o.grpc.max_receive_bytes,
                     "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");
   serve

@@ -290,7 +290,10 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   p->process_metrics = AddProcessMetrics(p->registry);
   Parts* parts = p.get();
   PrintModels(*p->engine, o.model_repository);
-  RaiseOpenFileLimit(o.http.max_connections + 64);
+  // Descriptors for every connection the limits allow (HTTP, the vision
+  // port, gRPC) and some for models, files and Redis.
+  RaiseOpenFileLimit(o.http.max_connections * (o.vision_port >= 0 ? 2 : 1) +
+                     (o.grpc.port >= 0 ? o.grpc.max_connections : 0) + 256);
   if (const char* k = std::getenv("QUERN_API_KEYS")) o.keys.keys_env = k;
   if (const char* k = std::getenv("QUERN_ADMIN_KEYS")) o.keys.admin_keys_env = k;
   auto keys = ApiKeys::Load(o.keys);

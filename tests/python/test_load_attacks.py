@@ -508,3 +508,61 @@ def test_a_model_file_copied_slowly_never_interrupts_the_serving_version(tmp_pat
         stop.set()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_idle_grpc_connections_cannot_take_the_servers_descriptors(tmp_path):
+    # 600 HTTP/2 connections that send the preface and SETTINGS and never call, against a server
+    # allowed 400 descriptors: HTTP and model loads go on, and once the idle ones are closed
+    # gRPC serves new clients again.
+    import resource
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    wrapper = tmp_path / "quern-400"
+    wrapper.write_text(f"#!/bin/sh\nulimit -n 400\nexec {QUERN} \"$@\"\n")
+    wrapper.chmod(0o755)
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    proc, ports = start_quern(str(wrapper), str(repo), "--http-max-connections", "100", "--grpc-max-connections",
+                              "200", "--grpc-idle-timeout-secs", "2", "--model-control", "explicit")
+    held = []
+    try:
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # empty SETTINGS
+        for _ in range(600):
+            try:
+                s = socket.create_connection(("127.0.0.1", ports["gRPC"]), timeout=5)
+                s.sendall(preface)
+                held.append(s)
+            except OSError:
+                pass
+        time.sleep(0.5)
+        assert healthy(ports["HTTP"])[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=30)
+        conn.request("POST", "/v2/repository/models/add_sub/load", body=b"{}")
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        conn.close()
+        with open(f"/proc/{proc.pid}/limits") as f:
+            limit_line = next(line for line in f if line.startswith("Max open files"))
+        used = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        print(f"600 idle HTTP/2 connections: server holds {used} descriptors ({limit_line.split()[3]} allowed)")
+        deadline = time.monotonic() + 20
+        live = False
+        while time.monotonic() < deadline and not live:
+            channel = grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}")
+            try:
+                live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                    service_pb2.ServerLiveRequest(), timeout=2).live
+            except grpc.RpcError:
+                time.sleep(0.5)
+            finally:
+                channel.close()
+        assert live, "gRPC never served a new client again"
+        assert proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,10 +1,19 @@
 #include "frontends/grpc/grpc_server.h"
 
 #include <absl/synchronization/mutex.h>
+#include <fcntl.h>
 #include <grpc/support/log.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_posix.h>
 #include <grpcpp/support/server_interceptor.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -864,7 +873,16 @@ class GrpcServer::Impl {
       }
       credentials = grpc::SslServerCredentials(ssl);
     }
-    builder.AddListeningPort(address, credentials, &port_);
+    // Plaintext connections are accepted here and counted (gRPC 1.51 cannot
+    // bound them: idle HTTP/2 connections used every descriptor); TLS ones
+    // by gRPC itself.
+    const bool own_listener = options_.tls_cert_file.empty();
+    if (own_listener) {
+      QUERN_RETURN_IF_ERROR(Listen());
+    } else {
+      builder.AddListeningPort(address, credentials, &port_);
+    }
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, std::max(1, options_.idle_timeout_s) * 1000);
     builder.RegisterService(&service_);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
@@ -891,6 +909,7 @@ class GrpcServer::Impl {
       server_ = builder.BuildAndStart();
     }
     if (!server_ || port_ == 0) return Unavailable("cannot listen for gRPC on " + address);
+    if (own_listener) acceptor_ = std::thread([this] { AcceptLoop(); });
     UpdateHealth();
     health_thread_ = std::thread([this] {
       MutexLock lock(mu_);
@@ -905,7 +924,13 @@ class GrpcServer::Impl {
     return Status::Ok();
   }
 
-  ~Impl() { Stop(); }
+  ~Impl() {
+    Stop();
+    for (int& fd : stop_pipe_) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  }
 
   void Stop() {
     {
@@ -915,6 +940,14 @@ class GrpcServer::Impl {
     }
     cv_.SignalAll();
     if (health_thread_.joinable()) health_thread_.join();
+    if (stop_pipe_[1] >= 0) {
+      const char c = 's';
+      ssize_t ignored = ::write(stop_pipe_[1], &c, 1);
+      (void)ignored;
+    }
+    if (acceptor_.joinable()) acceptor_.join();
+    if (listen_fd_ >= 0) ::close(listen_fd_);
+    listen_fd_ = -1;
     if (server_) {
       // Calls still running after a second are cancelled (their requests
       // are withdrawn from the batcher); Shutdown returns when all are done.
@@ -925,6 +958,85 @@ class GrpcServer::Impl {
   int port() const { return port_; }
 
  private:
+  // Binds and listens on options_.host:port (port 0: a free one).
+  Status Listen() {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const std::string port = std::to_string(options_.port);
+    if (::getaddrinfo(options_.host.c_str(), port.c_str(), &hints, &found) != 0 || !found) {
+      return InvalidArgument("gRPC: --host '" + options_.host + "' is not an IP address");
+    }
+    std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(found, ::freeaddrinfo);
+    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    if (fd < 0 || ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        ::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+      const std::string why = std::strerror(errno);
+      if (fd >= 0) ::close(fd);
+      return Unavailable("cannot listen for gRPC on " + options_.host + ":" + port + ": " + why);
+    }
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+    port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    listen_fd_ = fd;
+    if (::pipe2(stop_pipe_, O_CLOEXEC) != 0) return Unavailable("gRPC: cannot create a pipe");
+    return Status::Ok();
+  }
+
+  // The acceptor thread: each connection is counted and handed to gRPC; at
+  // the limit (after forgetting those gRPC has closed) it is closed at once.
+  void AcceptLoop() {
+    NameThisThread("quern-grpc-accept");
+    std::vector<std::pair<int, ino_t>> open;  // handed to gRPC: descriptor and its socket's inode
+    const size_t limit = static_cast<size_t>(std::max(1, options_.max_connections));
+    int64_t last_warning_ns = 0;
+    for (;;) {
+      pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_pipe_[0], POLLIN, 0}};
+      if (::poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[1].revents) return;
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) ::usleep(100000);  // the next look may find room
+        continue;
+      }
+      struct stat st {};
+      ::fstat(fd, &st);
+      if (open.size() >= limit) {
+        // gRPC closes connections itself: a descriptor no longer naming the
+        // socket handed over is gone (socket inodes are not reused soon).
+        std::erase_if(open, [](const std::pair<int, ino_t>& e) {
+          struct stat now {};
+          return ::fstat(e.first, &now) != 0 || now.st_ino != e.second;
+        });
+      }
+      if (open.size() >= limit) {
+        ::close(fd);
+        const int64_t now = engine_->clock().NowNs();
+        if (now - last_warning_ns > 10'000'000'000LL) {
+          last_warning_ns = now;
+          Log(LogLevel::kWarning, "gRPC connection limit reached (" + std::to_string(limit) +
+                                      ", --grpc-max-connections); closing new connections");
+        }
+        continue;
+      }
+      const int nodelay = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof nodelay);
+      // Sockets another part of the process closed and opened again under
+      // the same number are told apart by their inode.
+      std::erase_if(open, [&](const std::pair<int, ino_t>& e) { return e.first == fd; });
+      open.emplace_back(fd, st.st_ino);
+      grpc::AddInsecureChannelFromFd(server_.get(), fd);
+    }
+  }
+
   // grpc.health.v1: SERVING when every model is ready (service "" and
   // "inference.GRPCInferenceService").
   void UpdateHealth() {
@@ -948,6 +1060,9 @@ class GrpcServer::Impl {
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   std::optional<bool> last_ready_;  // the health thread's (and Start's, before it runs)
   std::thread health_thread_;
+  int listen_fd_ = -1;           // plaintext: the listening socket
+  int stop_pipe_[2] = {-1, -1};  // ends the acceptor
+  std::thread acceptor_;
 };
 
 GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -44,7 +44,14 @@ struct GrpcServerOptions {
   // into the server ahead of admission. 0 = gRPC's default (no limit).
   int max_concurrent_streams = 1024;
   int max_send_bytes = 64 << 20;  // larger responses: RESOURCE_EXHAUSTED
-  int health_poll_ms = 500;       // how often the health service re-reads readiness
+  // Open connections (plaintext: Quern accepts them and hands them to gRPC):
+  // beyond, a new connection is closed at once. Over TLS gRPC accepts them
+  // itself, and only the idle timeout bounds them.
+  int max_connections = 1024;
+  // A connection with no call for this long is closed (GOAWAY; clients
+  // reconnect when they next call).
+  int idle_timeout_s = 60;
+  int health_poll_ms = 500;  // how often the health service re-reads readiness
   // Model control (RepositoryModelLoad / Unload); off: FAILED_PRECONDITION.
   bool model_control = true;
   // When set, every call must present a key this accepts, in the metadata
