@@ -108,8 +108,14 @@ void CheckOne(const uint8_t* data, size_t size) {
   if (orientation < 1 || orientation > 8)
     quern::fuzz::Fail("EXIF orientation out of 1..8", std::to_string(orientation));
 
+  // The header admission reads before decoding: it agrees with the decode.
+  const std::optional<quern::ImageHeader> header = quern::ReadImageHeader(bytes);
   auto decoded = quern::DecodeImage(bytes, options);
   if (!decoded) return;
+  if (header && decoded->exif_orientation < 5 &&
+      (header->width != decoded->source_width || header->height != decoded->source_height)) {
+    quern::fuzz::Fail("the header read before decoding disagrees with the decode's size");
+  }
   const quern::Image& img = decoded->image;
   if (img.width <= 0 || img.height <= 0 || decoded->source_width <= 0 || decoded->source_height <= 0) {
     quern::fuzz::Fail("decoded an image with no pixels");
