@@ -430,6 +430,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (o.consume) {
     StreamConsumerOptions co = o.consumer;
     co.redis = p->redis_store->options().redis;
+    co.max_entry_bytes = o.http.max_body_bytes;
     co.metrics = &p->registry;
     auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
     if (!consumer) return Err(InvalidArgument(consumer.error().message()));

@@ -122,7 +122,7 @@ void MemoryResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> record
 // while over the byte bound, the oldest result of the owner holding the
 // most bytes.
 void MemoryResultStore::EvictLocked(int64_t now_ns) {
-  const auto live = [this](const std::pair<uint64_t, std::string>& e) {
+  const auto live = [this](const std::pair<uint64_t, std::string>& e) QUERN_REQUIRES(mu_) {
     auto it = entries_.find(e.second);
     return it != entries_.end() && it->second.seq == e.first;  // else replaced or already gone
   };

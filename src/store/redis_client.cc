@@ -181,6 +181,9 @@ std::optional<std::string_view> Line(std::string_view data, size_t pos, size_t& 
 }
 
 constexpr int kMaxDepth = 16;
+// Not a RESP2 or RESP3 type byte: written over the '$' of a bulk string
+// whose bytes are dropped.
+constexpr char kOversizeMarker = '\x01';
 
 // With build == false only checks that a whole reply is there (nothing is
 // copied); the reply returned is then empty.
@@ -204,6 +207,13 @@ Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, in
       if (!ParseInt(*line, n)) return Err(InvalidArgument("redis sent a bad integer reply"));
       r.type = RedisReply::Type::kInteger;
       r.integer = n;
+      pos = next;
+      return std::optional<RedisReply>(std::move(r));
+    case kOversizeMarker:
+      // A bulk string dropped as it arrived (MarkOversizeBulks): its length.
+      if (!ParseInt(*line, n) || n < 0) return Err(InvalidArgument("bad oversize marker"));
+      r.type = RedisReply::Type::kString;
+      r.oversize = n;
       pos = next;
       return std::optional<RedisReply>(std::move(r));
     case '$':
@@ -248,6 +258,47 @@ Result<std::optional<RedisReply>> ParseAt(std::string_view data, size_t& pos, in
 }
 
 }  // namespace
+
+size_t MarkOversizeBulks(std::string& buf, size_t& scan, size_t& skip, size_t max_bulk) {
+  size_t dropped = 0;
+  auto drop = [&](size_t at, size_t n) {
+    buf.erase(at, n);
+    dropped += n;
+  };
+  if (skip > 0) {
+    const size_t n = std::min(skip, buf.size() - std::min(scan, buf.size()));
+    drop(scan, n);
+    skip -= n;
+    if (skip > 0) return dropped;
+  }
+  while (scan < buf.size()) {
+    size_t next = 0;
+    auto line = Line(buf, scan + 1, next);
+    if (!line) break;  // the token's line is not all here yet
+    if (buf[scan] != '$') {
+      scan = next;  // arrays, integers, simple strings, markers: the line is the token
+      continue;
+    }
+    int64_t n = 0;
+    if (!ParseInt(*line, n) || n < 0) {
+      scan = next;  // nil, or garbage the parser will refuse
+      continue;
+    }
+    if (static_cast<uint64_t>(n) <= max_bulk) {
+      if (buf.size() < next + static_cast<size_t>(n) + 2) break;  // the payload is not all here yet
+      scan = next + static_cast<size_t>(n) + 2;
+      continue;
+    }
+    buf[scan] = kOversizeMarker;
+    const size_t total = static_cast<size_t>(n) + 2;  // the payload and its CRLF
+    const size_t here = std::min(total, buf.size() - next);
+    drop(next, here);
+    scan = next;
+    skip = total - here;
+    if (skip > 0) break;
+  }
+  return dropped;
+}
 
 Result<std::optional<RedisReply>> ParseRedisReply(std::string_view data, size_t& consumed) {
   // Check first that the whole reply is there: a large reply arrives in many
@@ -406,6 +457,7 @@ class RedisConnection::Impl {
       if (replies.size() == pipeline.size()) break;
       if (rpos_ > 0) {
         rbuf_.erase(0, rpos_);
+        scan_ = scan_ > rpos_ ? scan_ - rpos_ : 0;
         rpos_ = 0;
       }
       const size_t have = rbuf_.size();
@@ -424,12 +476,17 @@ class RedisConnection::Impl {
       }
       Status s = Run(done, deadline, [&] { CloseSocket(); });
       rbuf_.resize(have + got);
+      if (options_.max_bulk_bytes > 0 && got > 0) {
+        if (scan_ < rpos_) scan_ = rpos_;
+        (void)MarkOversizeBulks(rbuf_, scan_, skip_, options_.max_bulk_bytes);
+      }
       if (!s.ok()) return Err(Broken(s));
       if (ec) return Err(Broken(Unavailable("redis at " + options_.Address() + ": read failed: " + ec.message())));
     }
     if (rpos_ == rbuf_.size()) {
       rbuf_.clear();
       rpos_ = 0;
+      scan_ = 0;
     }
     // A replica now (a failover demoted this server): the master is
     // elsewhere; the owner connects again (with sentinels, to the new one).
@@ -509,6 +566,9 @@ class RedisConnection::Impl {
   std::optional<tcp::socket> tcp_;
   std::optional<asio::ssl::stream<tcp::socket>> tls_;
   std::string rbuf_;
+  // With max_bulk_bytes: where MarkOversizeBulks goes on in rbuf_, and the
+  // bytes of a dropped bulk string still to come.
+  size_t scan_ = 0, skip_ = 0;
   size_t rpos_ = 0;
   bool broken_ = false;
 };

@@ -42,6 +42,10 @@ struct RedisOptions {
   bool tls_skip_verify = false;             // no certificate check (testing only)
   std::chrono::milliseconds connect_timeout{2000};
   std::chrono::milliseconds io_timeout{5000};  // one round trip, on top of a command's own blocking time
+  // A bulk string (a stream entry's field, a value) longer than this is not
+  // kept: its bytes are dropped as they arrive and the reply holds its
+  // length instead (RedisReply::oversize). 0 = no bound.
+  size_t max_bulk_bytes = 0;
 
   // Sentinel: when `sentinels` is not empty, host and port are not used; each
   // Connect asks the sentinels, in turn, for the address of the master named
@@ -80,6 +84,9 @@ struct RedisReply {
   Type type = Type::kNil;
   std::string str;  // kString, kStatus, kError
   int64_t integer = 0;
+  // kString over RedisOptions::max_bulk_bytes: its length (str is empty);
+  // -1 otherwise.
+  int64_t oversize = -1;
   std::vector<RedisReply> elements;  // kArray
 
   bool is_error() const { return type == Type::kError; }
@@ -87,6 +94,14 @@ struct RedisReply {
   bool is_array() const { return type == Type::kArray; }
   bool is_string() const { return type == Type::kString || type == Type::kStatus; }
 };
+
+// Drops the bytes of bulk strings longer than `max_bulk` from `buf` as they
+// arrive, leaving a marker with the length that ParseRedisReply reads as a
+// string with RedisReply::oversize set. `scan` (where the next token starts)
+// and `skip` (bytes of a dropped string still to come) carry over between
+// calls, as more of the replies arrives; `buf` from `scan` on is what
+// arrived since. Returns the bytes dropped.
+size_t MarkOversizeBulks(std::string& buf, size_t& scan, size_t& skip, size_t max_bulk);
 
 // Parses one reply from the front of `data`. Returns the reply and sets
 // `consumed`; nullopt when `data` holds only part of a reply; INVALID_ARGUMENT

@@ -575,3 +575,35 @@ def test_a_job_waiting_longer_than_the_claim_idle_time_is_not_taken_over(repo, r
     finally:
         a.stop()
         b.stop()
+
+
+def test_giant_entries_are_dead_lettered_unread_and_starve_no_job(repo, redis_server):
+    # Three 40 MB entries (over a 1 MiB body limit) before a normal job: the consumer drops their
+    # bytes as they arrive, dead-letters them saying why, and the job behind them runs at once.
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub",
+              "--http-max-body-bytes", str(1 << 20))
+    try:
+        before = 0
+        with open(f"/proc/{q.proc.pid}/status") as f:
+            before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+        giant = "x" * (40 << 20)
+        for i in range(3):
+            r.xadd("quern:jobs:add_sub", {"id": f"giant{i}", "body": giant})
+        good = np.ones((1, 4), np.float32)
+        start = time.monotonic()
+        r.xadd("quern:jobs:add_sub", {"id": "after", "body": json.dumps(add_sub_body(good, good))})
+        doc = wait_until(lambda: stored(r, "after"), timeout=30, what="the job behind the giants")
+        took = time.monotonic() - start
+        assert doc["status"] == "done", doc
+        dead = wait_until(lambda: len(r.xrange("quern:dead:add_sub")) == 3 and r.xrange("quern:dead:add_sub"),
+                          timeout=30, what="three dead letters")
+        for _, fields in dead:
+            error = fields[b"error"].decode()
+            assert "holds 41943040 bytes, over the limit" in error, error
+        with open(f"/proc/{q.proc.pid}/status") as f:
+            after = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+        print(f"three 40 MB entries: the job behind them done after {took:.2f} s; consumer RSS {before} -> {after} MB")
+        assert after - before < 60, (before, after)
+    finally:
+        q.stop()

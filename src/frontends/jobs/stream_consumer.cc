@@ -72,12 +72,23 @@ bool ParseStreamEntry(RedisReply& e, StreamEntry& out) {
   }
   out.entry_id = std::move(e.elements[0].str);
   auto& f = e.elements[1].elements;
-  for (size_t i = 0; i + 1 < f.size(); i += 2) out.fields.emplace_back(std::move(f[i].str), std::move(f[i + 1].str));
+  for (size_t i = 0; i + 1 < f.size(); i += 2) {
+    if (f[i + 1].oversize >= 0) {
+      out.oversize.emplace_back(f[i].str.substr(0, 64), f[i + 1].oversize);
+    } else {
+      out.fields.emplace_back(std::move(f[i].str), std::move(f[i + 1].str));
+    }
+  }
   return true;
 }
 
 Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model, const std::string& stream) {
   StreamJob job;
+  if (!e.oversize.empty()) {
+    return Err(InvalidArgument("job stream entry " + e.entry_id + " of " + stream + ": field '" +
+                               e.oversize.front().first + "' holds " + std::to_string(e.oversize.front().second) +
+                               " bytes, over the limit for an entry's value (--http-max-body-bytes); it was not read"));
+  }
   const std::string_view body = e.Field("body");
   if (body.empty()) {
     return Err(InvalidArgument("job stream entry " + e.entry_id + " of " + stream +
@@ -645,6 +656,7 @@ StreamConsumer::~StreamConsumer() {
 
 Result<std::unique_ptr<StreamConsumer>> StreamConsumer::Start(StreamConsumerOptions options, Engine* engine,
                                                               RedisResultStore* store) {
+  options.redis.max_bulk_bytes = options.max_entry_bytes;
   auto impl = std::make_shared<Impl>(std::move(options), engine, store);
   if (Status s = impl->Init(); !s.ok()) return Err(s);
   impl->Run();

@@ -46,6 +46,9 @@ namespace quern {
 struct StreamEntry {
   std::string entry_id;  // "<ms>-<seq>"
   std::vector<std::pair<std::string, std::string>> fields;
+  // Fields whose values were over the consumer's bound (never read into
+  // memory; they are not in `fields`): name and length.
+  std::vector<std::pair<std::string, int64_t>> oversize;
   // The value of field `name`, or "" when absent.
   std::string_view Field(std::string_view name) const;
 };
@@ -77,6 +80,9 @@ struct StreamConsumerOptions {
   int64_t claim_idle_ms = 30000;  // reclaim entries pending (unacknowledged) this long
   int max_deliveries = 3;         // deliveries before a failing job is dead-lettered
   int block_ms = 500;             // XREADGROUP BLOCK
+  // The largest field value an entry may hold (an HTTP body's bound): a
+  // longer one is dropped as it arrives, and its entry dead-lettered.
+  size_t max_entry_bytes = size_t{64} << 20;
   // Where the quern_stream_* metrics are kept (must outlive the consumer
   // and the jobs it has in flight); null = a registry of its own.
   MetricsRegistry* metrics = nullptr;
