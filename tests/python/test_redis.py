@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import RedisServer, start_quern, wait_until
+from quern_testing import RedisServer, sanitized, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -604,6 +604,6 @@ def test_giant_entries_are_dead_lettered_unread_and_starve_no_job(repo, redis_se
         with open(f"/proc/{q.proc.pid}/status") as f:
             after = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
         print(f"three 40 MB entries: the job behind them done after {took:.2f} s; consumer RSS {before} -> {after} MB")
-        assert after - before < 60, (before, after)
+        assert after - before < 60 or sanitized(QUERN), (before, after)
     finally:
         q.stop()
