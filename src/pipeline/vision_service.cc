@@ -360,10 +360,11 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   const int64_t t1 = clock_->NowNs();
   const int64_t c1 = ThreadCpuNs();
   if (job->decoded_bytes > 0) {
-    // The decode's CPU per byte of the full image (a JPEG shrunk while it
-    // decodes costs less, and says so), a moving average per format.
+    // The decode's time per byte of the full image (a JPEG shrunk while it
+    // decodes costs less, and says so), a moving average per format: wall
+    // time, as the timeout is (a busy machine decodes slower).
     auto& avg = decode_ns_per_byte_[job->format];
-    const double sample = static_cast<double>(c1 - c0) / static_cast<double>(job->decoded_bytes);
+    const double sample = static_cast<double>(t1 - t.stage_start_ns) / static_cast<double>(job->decoded_bytes);
     const double before = avg.load(std::memory_order_relaxed);
     avg.store(before == 0 ? sample : 0.8 * before + 0.2 * sample, std::memory_order_relaxed);
   }

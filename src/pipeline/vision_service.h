@@ -252,7 +252,7 @@ class VisionService {
 
   std::atomic<int64_t> last_completion_ns_{0};
   std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
-  // EWMA of decoding CPU per decoded byte, per ImageFormat (0 = none yet).
+  // EWMA of decoding time per decoded byte, per ImageFormat (0 = none yet).
   std::array<std::atomic<double>, 4> decode_ns_per_byte_{};
   mutable std::atomic<int64_t> last_overload_log_ns_{0};
   Mutex idle_mu_;

@@ -372,7 +372,8 @@ def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
             t.join(timeout=120)
         print(f"{len(image)} B 16-bit PNGs: answered after " + ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + " s")
         assert len(took) == 13
-        assert max(s for s, _, _ in took) < 1.75, sorted(took)  # the timeout, and an answer's way out
+        # The timeout (1.5 s), and an answer's way out on a machine busy with other tests.
+        assert max(s for s, _, _ in took) < 2.0, sorted(took)
         assert any(ok for _, ok, _ in took), took
     finally:
         proc.terminate()

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -775,12 +776,39 @@ class AccessLogInterceptor final : public grpc::experimental::Interceptor {
   std::string_view status_ = "CANCELLED";  // no status sent: the call broke off
 };
 
+// The peer addresses of the connections Quern accepted and handed to gRPC,
+// by descriptor (gRPC names such a peer "fd:<n>").
+class AcceptedPeers {
+ public:
+  void Set(int fd, std::string address) {
+    MutexLock lock(mu_);
+    by_fd_[fd] = std::move(address);
+  }
+  std::string Get(int fd) const {
+    MutexLock lock(mu_);
+    auto it = by_fd_.find(fd);
+    return it == by_fd_.end() ? std::string() : it->second;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::map<int, std::string> by_fd_ QUERN_GUARDED_BY(mu_);
+};
+
 class AccessLogInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit AccessLogInterceptorFactory(const GrpcServerOptions& options) : options_(options) {}
+  AccessLogInterceptorFactory(const GrpcServerOptions& options, const AcceptedPeers* peers)
+      : options_(options), peers_(peers) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     auto* interceptor = new AccessLogInterceptor(info->method(), options_);
-    if (auto* ctx = info->server_context()) interceptor->set_client(PeerAddress(ctx->peer()));
+    if (auto* ctx = info->server_context()) {
+      const std::string peer = ctx->peer();
+      if (peer.starts_with("fd:") && peers_) {
+        interceptor->set_client(peers_->Get(std::atoi(peer.c_str() + 3)));
+      } else {
+        interceptor->set_client(PeerAddress(peer));
+      }
+    }
     return interceptor;
   }
 
@@ -797,6 +825,7 @@ class AccessLogInterceptorFactory final : public grpc::experimental::ServerInter
     return peer;
   }
   const GrpcServerOptions& options_;
+  const AcceptedPeers* peers_;
 };
 
 }  // namespace
@@ -886,7 +915,9 @@ class GrpcServer::Impl {
     builder.RegisterService(&service_);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
-    if (options_.access_log) interceptors.push_back(std::make_unique<AccessLogInterceptorFactory>(options_));
+    if (options_.access_log) {
+      interceptors.push_back(std::make_unique<AccessLogInterceptorFactory>(options_, &peers_));
+    }
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
     if (options_.max_concurrent_streams > 0) {
@@ -1002,7 +1033,9 @@ class GrpcServer::Impl {
         return;
       }
       if (fds[1].revents) return;
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      sockaddr_storage from{};
+      socklen_t from_len = sizeof from;
+      const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
         if (errno == EMFILE || errno == ENFILE) ::usleep(100000);  // the next look may find room
         continue;
@@ -1033,6 +1066,11 @@ class GrpcServer::Impl {
       // the same number are told apart by their inode.
       std::erase_if(open, [&](const std::pair<int, ino_t>& e) { return e.first == fd; });
       open.emplace_back(fd, st.st_ino);
+      if (options_.access_log) {
+        char host[NI_MAXHOST] = "";
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&from), from_len, host, sizeof host, nullptr, 0, NI_NUMERICHOST);
+        peers_.Set(fd, host);
+      }
       grpc::AddInsecureChannelFromFd(server_.get(), fd);
     }
   }
@@ -1060,6 +1098,7 @@ class GrpcServer::Impl {
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   std::optional<bool> last_ready_;  // the health thread's (and Start's, before it runs)
   std::thread health_thread_;
+  AcceptedPeers peers_;          // the access log's client addresses
   int listen_fd_ = -1;           // plaintext: the listening socket
   int stop_pipe_[2] = {-1, -1};  // ends the acceptor
   std::thread acceptor_;
