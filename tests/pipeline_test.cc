@@ -375,3 +375,27 @@ TEST(Decode, ACorruptJpegDoesNotSpoilTheNextOneOnTheSameThread) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(ImageHeader, SizesADecoderCannotTakeAreNotReported) {
+  // A PNG header claiming 0xFFFFFFFF x 0xFFFFFFFF: its product would wrap a
+  // caller's admission arithmetic (a negative charge lifted the memory bound).
+  std::string png("\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR", 16);
+  png += std::string("\xff\xff\xff\xff\xff\xff\xff\xff\x10\x02\x00\x00\x00", 13);
+  png += std::string(4, '\0');
+  EXPECT_FALSE(ReadImageHeader(png).has_value());
+  png[16] = png[17] = png[18] = 0;
+  png[19] = 100;
+  png[20] = png[21] = png[22] = 0;
+  png[23] = 50;
+  auto h = ReadImageHeader(png);
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->width, 100);
+  EXPECT_EQ(h->height, 50);
+  EXPECT_EQ(h->decoded_bytes(), 100 * 50 * 3 * 2);  // 16-bit samples
+}
+
+}  // namespace
+}  // namespace quern

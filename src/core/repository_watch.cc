@@ -42,7 +42,10 @@ bool RepositoryWatch::AddTree(const std::string& name, const std::filesystem::pa
     const std::filesystem::path d = std::move(todo.back());
     todo.pop_back();
     const int wd = ::inotify_add_watch(fd_, d.c_str(), kModelEvents | IN_ONLYDIR);
-    if (wd < 0) return errno == ENOTDIR || errno == ENOENT;  // gone meanwhile: its event says so
+    if (wd < 0) {
+      if (errno == ENOTDIR || errno == ENOENT) continue;  // gone meanwhile: its event says so
+      return false;
+    }
     // The same folder reached twice (a link inside the model) is one watch.
     if (!mine.insert(wd).second) continue;
     model_of_[wd] = name;
@@ -89,8 +92,14 @@ RepositoryWatch::Changes RepositoryWatch::Take() {
       }
       if (e->wd == root_wd_) {
         pending_.listing = true;
-        if (e->len > 0) pending_.models.insert(e->name);  // a model folder made, removed or renamed
-        if (e->mask & (IN_DELETE_SELF | IN_MOVE_SELF)) lost_ = true;
+        if (e->len > 0) {
+          pending_.models.insert(e->name);  // a model folder made, removed or renamed
+          pending_.replaced.insert(e->name);
+        }
+        if (e->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED)) {
+          lost_ = true;
+          root_wd_ = -1;
+        }
         continue;
       }
       auto m = model_of_.find(e->wd);
@@ -107,6 +116,12 @@ RepositoryWatch::Changes RepositoryWatch::Take() {
         if (auto w = watches_.find(name); w != watches_.end()) w->second.erase(e->wd);
       }
     }
+  }
+  if (root_wd_ < 0) {
+    // The repository's folder was replaced (a link swapped to a new one):
+    // watched again where it is now; what happened meanwhile is looked at whole.
+    root_wd_ = ::inotify_add_watch(fd_, repo_.c_str(), kRootEvents | IN_ONLYDIR);
+    lost_ = true;
   }
   Changes out = std::move(pending_);
   pending_ = Changes();

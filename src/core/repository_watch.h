@@ -35,6 +35,9 @@ class RepositoryWatch {
     bool everything = false;       // look at every model (events were lost)
     bool listing = false;          // the repository folder's entries changed
     std::set<std::string> models;  // models whose files may have changed
+    // Models whose folder itself was made, removed or renamed (their
+    // watches are to be made anew).
+    std::set<std::string> replaced;
   };
   // What happened since the last call (never blocks).
   Changes Take();
@@ -53,7 +56,7 @@ class RepositoryWatch {
 
   const std::filesystem::path repo_;
   const int fd_;
-  const int root_wd_;
+  int root_wd_;                                   // -1 while the repository folder is gone
   std::map<int, std::string> model_of_;           // watch -> model
   std::map<int, std::filesystem::path> dir_of_;   // watch -> folder
   std::map<std::string, std::set<int>> watches_;  // model -> its watches

@@ -17,6 +17,12 @@ namespace quern {
 namespace {
 // The most of another model's load error a lookup's error quotes.
 constexpr size_t kMaxQuotedReason = 240;
+// The first `n` bytes of `s`, fewer so as not to cut a UTF-8 character.
+std::string CutAtCharacter(const std::string& s, size_t n) {
+  if (s.size() <= n) return s;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return s.substr(0, n);
+}
 // How long a poll waits before its second look at the models that changed.
 constexpr int kSettleMs = 200;
 // How often a poll looks at every model whatever the file events said.
@@ -95,10 +101,11 @@ Result<std::shared_ptr<Servable>> ModelRegistry::Resolve(const std::string& name
       return Err(NotFound("model '" + name + "' has no version " + std::to_string(version)));
     }
     if (!v->second.served) {
-      return Err(Unavailable(
-          "model '" + name + "' version " + std::to_string(version) +
-          " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
-          (v->second.status.reason.empty() ? "" : " (" + v->second.status.reason.substr(0, kMaxQuotedReason) + ")")));
+      return Err(Unavailable("model '" + name + "' version " + std::to_string(version) +
+                             " is not ready: " + std::string(ModelStateName(v->second.status.state)) +
+                             (v->second.status.reason.empty()
+                                  ? ""
+                                  : " (" + CutAtCharacter(v->second.status.reason, kMaxQuotedReason) + ")")));
     }
     return v->second.served;
   }
@@ -111,7 +118,7 @@ Result<std::shared_ptr<Servable>> ModelRegistry::Resolve(const std::string& name
   }
   // Bounded: an ensemble's load error quotes this, and a chain of them
   // would quote each other's whole.
-  if (reason.size() > kMaxQuotedReason) reason = reason.substr(0, kMaxQuotedReason) + "...";
+  if (reason.size() > kMaxQuotedReason) reason = CutAtCharacter(reason, kMaxQuotedReason) + "...";
   return Err(Unavailable("model '" + name + "' is not ready" + (reason.empty() ? "" : ": " + reason)));
 }
 
@@ -551,7 +558,14 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
   const bool everything = !changes || changes->everything;
   if (!everything && !changes->listing && changes->models.empty()) return Status::Ok();  // nothing happened
   std::vector<std::string> names;
-  if (everything || changes->listing) {
+  // A model the watch names that is not served yet (its folder being filled
+  // in when the repository was last listed) is found by listing again.
+  bool list = everything || changes->listing;
+  if (!list) {
+    ReaderLock lock(mu_);
+    for (const auto& n : changes->models) list = list || !models_.count(n);
+  }
+  if (list) {
     auto listed = ListRepositoryModels(options_.model_repository);
     if (!listed) return listed.error();
     names = std::move(*listed);
@@ -775,9 +789,13 @@ void ModelRegistry::PollLoop() {
       if (changes.listing) {
         if (auto names = ListRepositoryModels(options_.model_repository); names) rewatch(*names, false);
       }
-      // A model whose folder was replaced is watched anew.
-      for (const auto& n : changes.models) {
-        if (watched.count(n)) watch->Watch(n);
+      // A model whose folder was made again is watched anew, and looked at
+      // again next time (events queued for its old watches are dropped).
+      for (const auto& n : changes.replaced) {
+        if (watched.count(n)) {
+          watch->Watch(n);
+          again.insert(n);
+        }
       }
     }
     lock.Lock();

@@ -288,6 +288,8 @@ std::string_view ImageFormatName(ImageFormat f) {
   return "image";
 }
 
+static std::optional<ImageHeader> ReadAnyImageHeader(std::string_view bytes);
+
 int JpegExifOrientation(std::string_view jpeg) {
   auto* p = reinterpret_cast<const uint8_t*>(jpeg.data());
   const size_t n = jpeg.size();
@@ -349,6 +351,14 @@ Image ApplyOrientation(const Image& in, int orientation) {
 }
 
 std::optional<ImageHeader> ReadImageHeader(std::string_view bytes) {
+  std::optional<ImageHeader> h = ReadAnyImageHeader(bytes);
+  // Sizes a decoder takes (a PNG's are 32-bit unsigned: their product must
+  // not wrap a caller's arithmetic).
+  if (h && (h->width <= 0 || h->height <= 0 || h->width > INT32_MAX || h->height > INT32_MAX)) return std::nullopt;
+  return h;
+}
+
+static std::optional<ImageHeader> ReadAnyImageHeader(std::string_view bytes) {
   auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t n = bytes.size();
   ImageHeader h;

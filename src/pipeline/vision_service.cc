@@ -334,6 +334,10 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
     const double ns_per_byte = decode_ns_per_byte_[job->format].load(std::memory_order_relaxed);
     const auto expected_ns = static_cast<int64_t>(ns_per_byte * static_cast<double>(job->decoded_bytes));
     if (ns_per_byte > 0 && t.stage_start_ns + expected_ns > job->deadline_ns) {
+      // Each refusal lowers the estimate a little, so that one slow image
+      // (or a busy moment) cannot keep its format refused for good: an
+      // image is decoded again, and measured, soon enough.
+      decode_ns_per_byte_[job->format].store(ns_per_byte * 0.9, std::memory_order_relaxed);
       return Fail(
           job,
           DeadlineExceeded("decoding this image would take about " + std::to_string(expected_ns / 1'000'000) +
@@ -362,9 +366,12 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   if (job->decoded_bytes > 0) {
     // The decode's time per byte of the full image (a JPEG shrunk while it
     // decodes costs less, and says so), a moving average per format: wall
-    // time, as the timeout is (a busy machine decodes slower).
+    // time, as the timeout is (a busy machine decodes slower), but no more
+    // than twice its CPU time (one decode stalled by the machine does not
+    // weigh like a slow image).
     auto& avg = decode_ns_per_byte_[job->format];
-    const double sample = static_cast<double>(t1 - t.stage_start_ns) / static_cast<double>(job->decoded_bytes);
+    const double sample =
+        static_cast<double>(std::min(t1 - t.stage_start_ns, 2 * (c1 - c0))) / static_cast<double>(job->decoded_bytes);
     const double before = avg.load(std::memory_order_relaxed);
     avg.store(before == 0 ? sample : 0.8 * before + 0.2 * sample, std::memory_order_relaxed);
   }

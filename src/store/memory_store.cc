@@ -149,6 +149,12 @@ void MemoryResultStore::EvictLocked(int64_t now_ns) {
     order.pop_front();
     ForgetLocked(id, "was evicted (the result store was full)");
   }
+  // The TTL queue holds an entry per result stored; those evicted by owner
+  // stay in it behind an older live one: compacted once it holds twice what
+  // is stored.
+  if (order_.size() > 2 * entries_.size() + 64) {
+    std::erase_if(order_, [&](const std::pair<uint64_t, std::string>& e) { return !live(e); });
+  }
   // Owners with nothing left, and stale queue entries, are let go.
   for (auto o = owners_.begin(); o != owners_.end();) {
     auto& order = o->second.order;

@@ -50,16 +50,13 @@ constexpr size_t kShmGranule = size_t{1} << 20;
 // runs it (nothing is written to disk, nothing depends on installed files).
 // Before anything else, the process asks the kernel to kill it when the
 // server's thread that started it ends (PR_SET_PDEATHSIG: a model stuck in
-// a C call holding the GIL cannot notice the server is gone), and makes
-// itself a subreaper (PR_SET_CHILD_SUBREAPER: what its children start and
-// leave, a daemonised grandchild included, stays in its tree for the server
-// to find and end). argv[2]: the server's pid, checked after the first so
-// that a server gone before it took effect is noticed.
+// a C call holding the GIL cannot notice the server is gone). argv[2]: the
+// server's pid, checked after, so that a server gone before it took effect
+// is noticed.
 constexpr char kBootstrap[] =
     "import os, sys, ctypes\n"
     "_libc = ctypes.CDLL(None)\n"
     "_libc.prctl(1, 9, 0, 0, 0)\n"
-    "_libc.prctl(36, 1, 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[2]):\n"
     "    os._exit(0)\n"
     "def _read_exact(n):\n"
@@ -441,8 +438,10 @@ std::string PythonProcess::Reap(bool kill) {
   // handling); its pid may be another process's by now, so nothing is killed.
   if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 || errno != ECHILD) {
     // What model.py started, in its group or not (a child that called
-    // setsid(), a daemon it left behind: the process is their subreaper),
-    // is killed with it; twice, for a child forked while the first look ran.
+    // setsid()), is killed with it. The process is stopped first, so that
+    // none of its children is reaped (its pid free for another process)
+    // between the look and the kill; twice, for a child forked meanwhile.
+    ::kill(pid_, SIGSTOP);
     for (int round = 0; round < 2; ++round) {
       for (pid_t d : Descendants(pid_)) ::kill(d, SIGKILL);
     }

@@ -121,22 +121,35 @@ def _last_line(exc):
 
 
 def _end_with_this_process():
-    """What this process starts ends with it: each child (os.fork, multiprocessing, subprocess)
-    asks the kernel to be killed when the thread that started it ends (PR_SET_PDEATHSIG), so
-    that nothing outlives the server, whose death kills this process the same way (the
-    bootstrap), not even a child that left the process group with setsid()."""
+    """What this process starts from its main thread (where initialize and execute run) ends with
+    it: each such child (os.fork, multiprocessing, subprocess) asks the kernel to be killed when
+    the thread that started it ends (PR_SET_PDEATHSIG), so that nothing outlives the server, whose
+    death kills this process the same way (the bootstrap), not even a child that left the process
+    group with setsid(). A child started from another thread is left as it is (that thread may
+    end long before the process); an unload still kills every process below this one."""
     import ctypes
     import subprocess
     libc = ctypes.CDLL(None)
+    forking_from_main = [False]
 
     def dies_with_parent():
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)
 
-    os.register_at_fork(after_in_child=dies_with_parent)
+    def before():
+        forking_from_main[0] = threading.current_thread() is threading.main_thread()
+
+    def after_in_child():
+        if forking_from_main[0]:
+            dies_with_parent()
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
     # subprocess forks in C without running the hooks above: its preexec_fn does it.
     popen_init = subprocess.Popen.__init__
 
     def init(self, *args, preexec_fn=None, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return popen_init(self, *args, preexec_fn=preexec_fn, **kwargs)
+
         def preexec():
             dies_with_parent()
             if preexec_fn is not None:

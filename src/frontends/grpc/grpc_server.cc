@@ -997,12 +997,27 @@ class GrpcServer::Impl {
     hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
     addrinfo* found = nullptr;
     const std::string port = std::to_string(options_.port);
-    if (::getaddrinfo(options_.host.c_str(), port.c_str(), &hints, &found) != 0 || !found) {
+    // Any address (0.0.0.0 or ::) listens on both families, as gRPC's own
+    // listener did: IPv6 with IPv4-mapped addresses, or IPv4 alone where
+    // the host has no IPv6.
+    const bool any = options_.host == "0.0.0.0" || options_.host == "::";
+    const char* host = any ? "::" : options_.host.c_str();
+    if (::getaddrinfo(host, port.c_str(), &hints, &found) != 0 || !found) {
       return InvalidArgument("gRPC: --host '" + options_.host + "' is not an IP address");
     }
     std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(found, ::freeaddrinfo);
-    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const int one = 1;
+    int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 && any) {
+      if (::getaddrinfo("0.0.0.0", port.c_str(), &hints, &found) != 0 || !found) {
+        return Unavailable("gRPC: cannot resolve 0.0.0.0");
+      }
+      guard.reset(found);
+      fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    }
+    const int one = 1, zero = 0;
+    if (fd >= 0 && found->ai_family == AF_INET6 && any) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+    }
     if (fd < 0 || ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
         ::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
       const std::string why = std::strerror(errno);
@@ -1023,7 +1038,12 @@ class GrpcServer::Impl {
   // the limit (after forgetting those gRPC has closed) it is closed at once.
   void AcceptLoop() {
     NameThisThread("quern-grpc-accept");
-    std::vector<std::pair<int, ino_t>> open;  // handed to gRPC: descriptor and its socket's inode
+    struct Handed {
+      int fd;
+      dev_t dev;
+      ino_t ino;  // the socket's: a descriptor naming another file is another connection
+    };
+    std::vector<Handed> open;  // handed to gRPC
     const size_t limit = static_cast<size_t>(std::max(1, options_.max_connections));
     int64_t last_warning_ns = 0;
     for (;;) {
@@ -1045,9 +1065,9 @@ class GrpcServer::Impl {
       if (open.size() >= limit) {
         // gRPC closes connections itself: a descriptor no longer naming the
         // socket handed over is gone (socket inodes are not reused soon).
-        std::erase_if(open, [](const std::pair<int, ino_t>& e) {
+        std::erase_if(open, [](const Handed& e) {
           struct stat now {};
-          return ::fstat(e.first, &now) != 0 || now.st_ino != e.second;
+          return ::fstat(e.fd, &now) != 0 || now.st_ino != e.ino || now.st_dev != e.dev;
         });
       }
       if (open.size() >= limit) {
@@ -1064,12 +1084,14 @@ class GrpcServer::Impl {
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof nodelay);
       // Sockets another part of the process closed and opened again under
       // the same number are told apart by their inode.
-      std::erase_if(open, [&](const std::pair<int, ino_t>& e) { return e.first == fd; });
-      open.emplace_back(fd, st.st_ino);
+      std::erase_if(open, [&](const Handed& e) { return e.fd == fd; });
+      open.push_back({fd, st.st_dev, st.st_ino});
       if (options_.access_log) {
         char host[NI_MAXHOST] = "";
         ::getnameinfo(reinterpret_cast<sockaddr*>(&from), from_len, host, sizeof host, nullptr, 0, NI_NUMERICHOST);
-        peers_.Set(fd, host);
+        std::string_view name = host;
+        if (name.starts_with("::ffff:") && name.find('.') != std::string_view::npos) name.remove_prefix(7);
+        peers_.Set(fd, std::string(name));
       }
       grpc::AddInsecureChannelFromFd(server_.get(), fd);
     }

@@ -634,6 +634,13 @@ class Session : public std::enable_shared_from_this<Session> {
   // The inflater's thread: decodes a compressed body, then hands the
   // request on (from this thread, like an engine thread's answer).
   void InflateAndHandle(HttpRequest req) {
+    if (req.cancel && req.cancel->cancelled()) {
+      // The client left while the body waited: nothing is inflated for it.
+      HttpResponse r;
+      r.status = 499;
+      r.body = JsonError("the client closed the request");
+      return Respond(std::move(r));
+    }
     auto decoded =
         DecodeContentEncoding(req.Header("content-encoding"), std::move(req.body), shared_.options.max_body_bytes);
     if (!decoded) {
@@ -1011,6 +1018,9 @@ class HttpServer::Impl {
 
   ~Impl() {
     Stop();
+    // Requests queued for the inflater hold sessions: let them go while the
+    // loops they belong to are still here.
+    shared_.inflater.reset();
     // Sessions with pending operations are freed with their io_context.
     acceptor_.reset();
     retry_timer_.reset();
@@ -1024,8 +1034,10 @@ class HttpServer::Impl {
     }
     // Bodies not inflated yet are dropped with their sessions; one being
     // inflated finishes first.
-    shared_.inflater->stop();
-    shared_.inflater->join();
+    if (shared_.inflater) {
+      shared_.inflater->stop();
+      shared_.inflater->join();
+    }
   }
 
   int port() const { return acceptor_->local_endpoint().port(); }

@@ -394,7 +394,8 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
     Status st;
     if (!form_key) {
       st = path.starts_with("/predict") ? options_.authorize(key) : AuthorizeCpai(key);
-    } else if (!head.Header("content-encoding").empty()) {
+    } else if (const auto encoding = head.Header("content-encoding");
+               !encoding.empty() && encoding != "identity" && encoding != "Identity") {
       // A form's key is read from the body, which is never inflated for a
       // caller not known yet.
       st = Unauthenticated("a compressed body must carry its api_key in a header or the query");
