@@ -153,7 +153,11 @@ void MemoryResultStore::EvictLocked(int64_t now_ns) {
   // stay in it behind an older live one: compacted once it holds twice what
   // is stored.
   if (order_.size() > 2 * entries_.size() + 64) {
-    std::erase_if(order_, [&](const std::pair<uint64_t, std::string>& e) { return !live(e); });
+    std::deque<std::pair<uint64_t, std::string>> kept;
+    for (auto& e : order_) {
+      if (live(e)) kept.push_back(std::move(e));
+    }
+    order_.swap(kept);
   }
   // Owners with nothing left, and stale queue entries, are let go.
   for (auto o = owners_.begin(); o != owners_.end();) {
