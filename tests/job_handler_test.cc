@@ -23,6 +23,17 @@ class Echo : public Model {
   }
 };
 
+// "echo": y = x, one FP32 value per row, one row a batch.
+Status RegisterEcho(Engine& engine) {
+  ModelConfig c;
+  c.name = "echo";
+  c.max_batch_size = 1;
+  c.instance_count = 1;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
+  return engine.RegisterModel(c, [] { return std::make_unique<Echo>(); });
+}
+
 HttpResponse Call(JobHandler& h, std::string method, std::string target, std::string body = "") {
   std::promise<HttpResponse> p;
   h.Handle({std::move(method), std::move(target), {}, std::move(body)},
@@ -50,13 +61,7 @@ TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
   FakeClock clock(1'000'000'000, 1'772'600'767'089'000'000);
   auto engine = Engine::Create({.clock = &clock});
   ASSERT_TRUE(engine.has_value());
-  ModelConfig c;
-  c.name = "echo";
-  c.max_batch_size = 1;
-  c.instance_count = 1;
-  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
-  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
-  ASSERT_TRUE((*engine)->RegisterModel(c, [] { return std::make_unique<Echo>(); }).ok());
+  ASSERT_TRUE(RegisterEcho(**engine).ok());
   MemoryResultStoreOptions so;
   so.clock = &clock;
   so.ttl_s = 60;
@@ -92,13 +97,7 @@ TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
 TEST(JobHandler, WithKeysAJobIsOnlyItsSubmittersToReadAndCancel) {
   auto engine = Engine::Create({});
   ASSERT_TRUE(engine.has_value());
-  ModelConfig c;
-  c.name = "echo";
-  c.max_batch_size = 1;
-  c.instance_count = 1;
-  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {1}}};
-  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {1}}};
-  ASSERT_TRUE((*engine)->RegisterModel(c, [] { return std::make_unique<Echo>(); }).ok());
+  ASSERT_TRUE(RegisterEcho(**engine).ok());
   MemoryResultStore store;
   JobHandler jobs(engine->get(), &store);
   jobs.set_owner_of([](const HttpRequest& r) { return JobOwner(r.Header("x-api-key")); });

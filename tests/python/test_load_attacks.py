@@ -18,6 +18,30 @@ from quern_testing import sanitized, start_quern
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
 
+# add_sub's infer request: OUTPUT0 = [11, 22, 33, 44].
+ADD_SUB_BODY = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+    {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}).encode()
+
+
+def detection_form(image):
+    """A CodeProject.AI detection form holding `image`: (body, headers)."""
+    body = (b"--xx\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n" + image +
+            b"\r\n--xx--\r\n")
+    return body, {"Content-Type": "multipart/form-data; boundary=xx"}
+
+
+def model_ready(port, path):
+    """True when GET `path` (a readiness route) answers 200."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        r.read()
+        return r.status == 200
+    finally:
+        c.close()
+
 
 def write_row_sum(repo):
     """row_sum: y[N, 1] = the sum of each row of x[N, M] (FP32, any N and M): a large request, a small
@@ -304,9 +328,7 @@ def test_compression_bombs_delay_no_other_client(server):
         t.start()
     try:
         time.sleep(0.3)
-        body = json.dumps({"inputs": [
-            {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-            {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}).encode()
+        body = ADD_SUB_BODY
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         for _ in range(40):
             start = time.monotonic()
@@ -349,10 +371,7 @@ def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
     proc, ports = start_quern(QUERN, str(repo), "--vision-timeout-ms", "1500", "--detection-model", "detect_yolov8")
     try:
         image = png16(7000, 7000)
-        boundary = "xx"
-        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n".encode() +
-                image + f"\r\n--{boundary}--\r\n".encode())
-        headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        body, headers = detection_form(image)
         took = []
 
         def one():
@@ -389,14 +408,12 @@ def test_admission_counts_what_an_image_decodes_to(tmp_path):
                               "detect_yolov8")
     try:
         image = png16(7000, 7000)
-        body = (b"--xx\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n" + image +
-                b"\r\n--xx--\r\n")
+        body, headers = detection_form(image)
         answers = []
 
         def one():
             conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
-            conn.request("POST", "/v1/vision/detection", body=body,
-                         headers={"Content-Type": "multipart/form-data; boundary=xx"})
+            conn.request("POST", "/v1/vision/detection", body=body, headers=headers)
             answers.append(json.loads(conn.getresponse().read()))
             conn.close()
 
@@ -438,14 +455,9 @@ def test_polling_a_repository_with_many_files_costs_little_and_sees_changes(tmp_
         assert idle < 0.05, f"{idle * 100:.1f} % of a core"
         # Changes are still seen: a new model, and a model removed.
         shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub_2")
-        status = lambda m: http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=5)  # noqa: E731
 
         def ready(model):
-            c = status(model)
-            c.request("GET", f"/v2/models/{model}/ready")
-            r = c.getresponse()
-            r.read()
-            return r.status == 200
+            return model_ready(ports["HTTP"], f"/v2/models/{model}/ready")
         deadline = time.monotonic() + 10
         while not ready("add_sub_2") and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -466,9 +478,7 @@ def test_a_model_file_copied_slowly_never_interrupts_the_serving_version(tmp_pat
     repo = tmp_path / "repo"
     shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "m")
     proc, ports = start_quern(QUERN, str(repo), "--repository-poll-secs", "0.2")
-    body = json.dumps({"inputs": [
-        {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
-        {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}).encode()
+    body = ADD_SUB_BODY
     stop = threading.Event()
     failures, answered = [], [0]
 
@@ -501,11 +511,7 @@ def test_a_model_file_copied_slowly_never_interrupts_the_serving_version(tmp_pat
         deadline = time.monotonic() + 10
         ready = False
         while time.monotonic() < deadline and not ready:
-            c = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=5)
-            c.request("GET", "/v2/models/m/versions/2/ready")
-            r = c.getresponse()
-            r.read()
-            ready = r.status == 200
+            ready = model_ready(ports["HTTP"], "/v2/models/m/versions/2/ready")
             time.sleep(0.1)
         stop.set()
         t.join(timeout=30)
