@@ -227,16 +227,29 @@ def test_health_follows_readiness_of_every_model(tmp_path):
             for service in ("", "inference.GRPCInferenceService"):
                 r = health.Check(health_pb2.HealthCheckRequest(service=service))
                 assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            unknown = health.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"))
+            assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            unknown.cancel()
+            # A watch hears the status now, then each change, and ends when the server stops.
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            heard = [next(watch).status]
             shutil.copy(os.path.join(MODELS, "add_sub", "1", "model.onnx"), tmp_path / "late" / "1" / "model.onnx")
             c.load_model("late")
             assert c.is_server_ready()
-            deadline = time.time() + 10
-            while health.Check(health_pb2.HealthCheckRequest(service="")).status != \
-                    health_pb2.HealthCheckResponse.SERVING:
-                assert time.time() < deadline, "grpc.health.v1 did not turn SERVING"
-                time.sleep(0.1)
+            heard.append(next(watch).status)
+            assert heard == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+            assert health.Check(health_pb2.HealthCheckRequest(service="")).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            proc.terminate()
+            rest = [m.status for m in watch]  # ends: the server finished the watch
+            assert rest[-1:] == [health_pb2.HealthCheckResponse.NOT_SERVING], rest
+            assert proc.wait(timeout=30) == 0
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(timeout=30)
 
 

@@ -579,3 +579,87 @@ def test_idle_grpc_connections_cannot_take_the_servers_descriptors(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_grpc_messages_without_a_key_are_never_read(tmp_path):
+    # With --api-keys, eight clients at once send 60 MB messages with no key to ModelInfer, to
+    # ModelMetadata (a 60 MB name) and to grpc.health.v1's Check (a 60 MB service name): each is refused
+    # UNAUTHENTICATED (health: answered SERVING for the server) without its message being read (gRPC
+    # reads a unary call's message before the call reaches its method), so the server's memory hardly
+    # moves; a client with the key is served meanwhile, and then its own 60 MB request.
+    if sanitized(QUERN):
+        pytest.skip("AddressSanitizer's quarantine holds freed memory: resident memory says little")
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    repo = tmp_path / "repo"
+    write_row_sum(repo)
+    (tmp_path / "keys").write_text("k-grpc-user-0123456789\n")
+    proc, ports = start_quern(QUERN, str(repo), "--api-keys", str(tmp_path / "keys"))
+    try:
+        values = np.ones((1, 15 * 1024 * 1024), dtype=np.float32)  # 60 MiB
+        big = service_pb2.ModelInferRequest(model_name="row_sum")
+        big.inputs.add(name="x", datatype="FP32", shape=list(values.shape))
+        big.raw_input_contents.append(values.tobytes())
+        big_name = service_pb2.ModelMetadataRequest(name="m" * (60 << 20))
+        big_health = health_pb2.HealthCheckRequest(service="s" * (60 << 20))
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        baseline = rss_mb(proc.pid)
+        peak = [baseline]
+        codes, health, elapsed = [], [], []
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_mb(proc.pid))
+                time.sleep(0.02)
+
+        def attacker(i):
+            channel = grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}", options=options)
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            start = time.monotonic()
+            try:
+                if i % 4 == 3:
+                    # grpc.health.v1 stays open without a key: answered for the server, unread.
+                    health.append(health_pb2_grpc.HealthStub(channel).Check(big_health, timeout=60).status)
+                elif i % 2:
+                    stub.ModelMetadata(big_name, timeout=60)
+                    codes.append(grpc.StatusCode.OK)
+                else:
+                    stub.ModelInfer(big, timeout=60)
+                    codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+            elapsed.append(time.monotonic() - start)
+            channel.close()
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        attackers = [threading.Thread(target=attacker, args=(i,)) for i in range(8)]
+        for t in attackers:
+            t.start()
+        keyed = grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}", options=options)
+        keyed_stub = service_pb2_grpc.GRPCInferenceServiceStub(keyed)
+        key = [("authorization", "Bearer k-grpc-user-0123456789")]
+        small = service_pb2.ModelInferRequest(model_name="row_sum")
+        small.inputs.add(name="x", datatype="FP32", shape=[2, 3])
+        small.raw_input_contents.append(np.arange(6, dtype=np.float32).tobytes())
+        answer = keyed_stub.ModelInfer(small, timeout=30, metadata=key)
+        assert np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).tolist() == [3.0, 12.0]
+        for t in attackers:
+            t.join(timeout=90)
+        done.set()
+        sampler.join()
+        print(f"8 x 60 MB without a key: codes {set(c.name for c in codes)}, slowest answer {max(elapsed):.2f} s, "
+              f"server RSS {baseline:.0f} -> peak {peak[0]:.0f} MB")
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 6, codes
+        assert health == [health_pb2.HealthCheckResponse.SERVING] * 2, health
+        assert peak[0] - baseline < 40, f"RSS grew by {peak[0] - baseline:.0f} MB for messages nobody may send"
+        # With the key, a 60 MB message is read and served.
+        answer = keyed_stub.ModelInfer(big, timeout=60, metadata=key)
+        assert np.frombuffer(answer.raw_output_contents[0], dtype=np.float32)[0] == values.shape[1]
+        keyed.close()
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

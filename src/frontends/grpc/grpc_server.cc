@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -36,6 +37,7 @@
 #include "core/mutex.h"
 #include "frontends/grpc/grpc_convert.h"
 #include "grpc_service.grpc.pb.h"
+#include "health.grpc.pb.h"
 #include "protocol/kserve_codec.h"
 #include "server/api_keys.h"
 
@@ -80,41 +82,145 @@ class LastCaller {
   std::atomic<uintptr_t> last_{0};
 };
 
-// One unary ModelInfer call. Deletes itself when gRPC is done with it; the
-// engine's callback always comes before that (Finish is called from it).
-class InferReactor final : public grpc::ServerUnaryReactor {
+// One unary call served as a stream of one message each way, so that the
+// call is admitted (its key, the server draining) before its message is
+// read: gRPC reads a unary method's whole message (up to
+// --grpc-max-message-bytes) before the method sees the call, a stream's
+// message only when the server asks for it. A call refused is answered
+// without its message being read; what its client sent meanwhile stays
+// within the stream's HTTP/2 window. Clients see a unary call as before.
+// Deletes itself when gRPC is done with it.
+class UnaryCall : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  InferReactor(Engine* engine, grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* request,
-               inference::ModelInferResponse* response)
-      : response_(response), cancel_(std::make_shared<CancellationToken>()) {
-    auto ir = ToInferRequest(*request);
-    if (!ir) {
-      Finish(ToGrpc(ir.error()));
-      return;
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 std::string(path_) + ": the call ended before its request message"));
     }
-    ir->cancel = cancel_;
-    ir->deadline_ns = DeadlineNs(ctx, *engine);
-    // The request's name in the engine (and a Python model's request_id()):
-    // its id, else the x-request-id metadata.
-    std::string_view name = request->id();
-    if (auto it = ctx->client_metadata().find("x-request-id"); name.empty() && it != ctx->client_metadata().end()) {
-      name = std::string_view(it->second.data(), it->second.size());
+    Run();
+  }
+  void OnDone() override { delete this; }
+
+ protected:
+  // `path`: the method's, "/inference.GRPCInferenceService/ModelInfer"
+  // (static storage).
+  explicit UnaryCall(std::string_view path) : path_(path) {}
+
+  // Reads the request when `admitted`, else answers with its error.
+  void Begin(const Status& admitted) {
+    if (!admitted.ok()) return Finish(ToGrpc(admitted));
+    StartRead(&request_bytes_);
+  }
+
+  // The request has arrived: parse it (Parse) and answer (Answer or Finish).
+  virtual void Run() = 0;
+
+  // Parses the request into `m`; false, with the call answered, when it is
+  // not a valid message for the method.
+  template <class M>
+  bool Parse(M* m) {
+    if (grpc::SerializationTraits<M>::Deserialize(&request_bytes_, m).ok()) return true;
+    Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the request is not a valid message for " + std::string(path_) + " (protobuf parsing failed)"));
+    return false;
+  }
+
+  // Sends `m` and OK in one batch.
+  template <class M>
+  void Answer(const M& m) {
+    bool own = false;
+    if (grpc::Status st = grpc::SerializationTraits<M>::Serialize(m, &answer_bytes_, &own); !st.ok()) {
+      return Finish(st);
     }
-    if (UsableRequestId(name)) ir->metadata.emplace_back("request_id", std::string(name));
-    InferCallback done = [this, request, engine](InferResponse&& r) {
-      if (!r.status.ok()) return Finish(ToGrpc(r.status));
-      if (Status st = ApplyClassifications(*request, *engine, r); !st.ok()) return Finish(ToGrpc(st));
-      ToInferResponse(r, request->id(), response_);
-      Finish(grpc::Status::OK);
-    };
-    if (Status st = engine->InferAsync(std::move(*ir), done); !st.ok()) Finish(ToGrpc(st));
+    StartWriteAndFinish(&answer_bytes_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+ private:
+  const std::string_view path_;
+  grpc::ByteBuffer request_bytes_;
+  grpc::ByteBuffer answer_bytes_;
+};
+
+// A unary method answered on gRPC's thread: `run` fills the answer or
+// returns an error.
+template <class Req, class Resp>
+class SimpleCall final : public UnaryCall {
+ public:
+  using Body = std::function<grpc::Status(grpc::CallbackServerContext*, const Req&, Resp*)>;
+
+  // `body` outlives the call (the service holds it).
+  SimpleCall(std::string_view path, grpc::CallbackServerContext* ctx, const Body* body, const Status& admitted)
+      : UnaryCall(path), ctx_(ctx), body_(body) {
+    Begin(admitted);
+  }
+
+ private:
+  void Run() override {
+    Req in;
+    if (!Parse(&in)) return;
+    Resp out;
+    const grpc::Status st = (*body_)(ctx_, in, &out);
+    if (!st.ok()) return Finish(st);
+    Answer(out);
+  }
+
+  grpc::CallbackServerContext* ctx_;
+  const Body* body_;
+};
+
+// One unary ModelInfer call. Its request and answer live on one arena: a
+// block or two instead of an allocation per field (raw bytes are strings
+// of their own). The engine's callback always comes before OnDone (it
+// finishes the call).
+class InferCall final : public UnaryCall {
+ public:
+  InferCall(Engine* engine, grpc::CallbackServerContext* ctx, const Status& admitted)
+      : UnaryCall("/inference.GRPCInferenceService/ModelInfer"),
+        engine_(engine),
+        ctx_(ctx),
+        arena_(ArenaBlocks()),
+        cancel_(std::make_shared<CancellationToken>()) {
+    Begin(admitted);
   }
 
   void OnCancel() override { cancel_->Cancel(); }
-  void OnDone() override { delete this; }
 
  private:
-  inference::ModelInferResponse* response_;
+  static google::protobuf::ArenaOptions ArenaBlocks() {
+    google::protobuf::ArenaOptions o;
+    o.start_block_size = 2048;
+    o.max_block_size = 64 * 1024;
+    return o;
+  }
+
+  void Run() override {
+    request_ = google::protobuf::Arena::CreateMessage<inference::ModelInferRequest>(&arena_);
+    if (!Parse(request_)) return;
+    auto ir = ToInferRequest(*request_);
+    if (!ir) return Finish(ToGrpc(ir.error()));
+    ir->cancel = cancel_;
+    ir->deadline_ns = DeadlineNs(ctx_, *engine_);
+    // The request's name in the engine (and a Python model's request_id()):
+    // its id, else the x-request-id metadata.
+    std::string_view name = request_->id();
+    if (auto it = ctx_->client_metadata().find("x-request-id"); name.empty() && it != ctx_->client_metadata().end()) {
+      name = std::string_view(it->second.data(), it->second.size());
+    }
+    if (UsableRequestId(name)) ir->metadata.emplace_back("request_id", std::string(name));
+    InferCallback done = [this](InferResponse&& r) {
+      if (!r.status.ok()) return Finish(ToGrpc(r.status));
+      if (Status st = ApplyClassifications(*request_, *engine_, r); !st.ok()) return Finish(ToGrpc(st));
+      auto* response = google::protobuf::Arena::CreateMessage<inference::ModelInferResponse>(&arena_);
+      ToInferResponse(r, request_->id(), response);
+      Answer(*response);
+    };
+    if (Status st = engine_->InferAsync(std::move(*ir), done); !st.ok()) Finish(ToGrpc(st));
+  }
+
+  Engine* engine_;
+  grpc::CallbackServerContext* ctx_;
+  google::protobuf::Arena arena_;
+  inference::ModelInferRequest* request_ = nullptr;
   std::shared_ptr<CancellationToken> cancel_;
 };
 
@@ -398,21 +504,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool done_ QUERN_GUARDED_BY(mu_) = false;      // OnDone called
 };
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
-  auto* r = ctx->DefaultReactor();
-  r->Finish(status);
-  return r;
-}
-
 Status ModelControlOff() {
   return FailedPrecondition(
       "model load and unload over the API are off; start quern serve with --model-control explicit");
 }
 
-grpc::ServerUnaryReactor* NotImplemented(grpc::CallbackServerContext* ctx, const char* what) {
-  return Reply(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                 std::string(what) + " is not implemented by Quern (no shared memory, tracing or "
-                                                     "log settings over gRPC)"));
+grpc::Status NotImplemented(std::string_view what) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      std::string(what) + " is not implemented by Quern (no shared memory, tracing or "
+                                          "log settings over gRPC)");
 }
 
 // A stream refused before it starts (no valid key).
@@ -422,304 +522,422 @@ class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnDone() override { delete this; }
 };
 
-// GRPCInferenceService::CallbackService with ModelStreamInfer on raw bytes
-// (see StreamReactor); every other method as generated.
-using G = GRPCInferenceService;
-using ServiceBase = G::WithCallbackMethod_ServerLive<G::WithCallbackMethod_ServerReady<
-    G::WithCallbackMethod_ModelReady<G::WithCallbackMethod_ServerMetadata<G::WithCallbackMethod_ModelMetadata<
-        G::WithCallbackMethod_ModelInfer<G::WithRawCallbackMethod_ModelStreamInfer<G::WithCallbackMethod_ModelConfig<
-            G::WithCallbackMethod_ModelStatistics<G::WithCallbackMethod_RepositoryIndex<
-                G::WithCallbackMethod_RepositoryModelLoad<G::WithCallbackMethod_RepositoryModelUnload<
-                    G::WithCallbackMethod_SystemSharedMemoryStatus<G::WithCallbackMethod_SystemSharedMemoryRegister<
-                        G::WithCallbackMethod_SystemSharedMemoryUnregister<
-                            G::WithCallbackMethod_CudaSharedMemoryStatus<G::WithCallbackMethod_CudaSharedMemoryRegister<
-                                G::WithCallbackMethod_CudaSharedMemoryUnregister<G::WithCallbackMethod_TraceSetting<
-                                    G::WithCallbackMethod_LogSettings<G::Service>>>>>>>>>>>>>>>>>>>>;
+// Who may make a call.
+enum class Access {
+  kUser,   // any valid key; refused while the server drains
+  kAdmin,  // an admin key; refused while the server drains
+  kProbe,  // any valid key; answered while the server drains too
+};
 
-// A unary ModelInfer's request and response on one arena per call: a block
-// or two instead of an allocation per field (raw bytes are strings of their
-// own). gRPC releases the holder once the call is done.
-class InferMessages final : public grpc::MessageHolder<inference::ModelInferRequest, inference::ModelInferResponse> {
+// A generated gRPC service whose every method is served here on raw bytes
+// and declared a stream to gRPC, so that a call's messages are read only
+// when its reactor asks (see UnaryCall): each call is admitted first.
+template <class Generated>
+class RawService : public Generated {
  public:
-  InferMessages() : arena_(Options()) {
-    set_request(google::protobuf::Arena::CreateMessage<inference::ModelInferRequest>(&arena_));
-    set_response(google::protobuf::Arena::CreateMessage<inference::ModelInferResponse>(&arena_));
+  // Whether every method of the service is served here (one left to gRPC's
+  // generated code would read its message before the call is admitted).
+  bool ServesEveryMethod() const { return served_ == descriptor_->method_count(); }
+
+ protected:
+  using Reactor = grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>;
+
+  RawService(std::string_view full_name, const GrpcServerOptions& options)
+      : options_(options),
+        descriptor_(google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(std::string(full_name))) {}
+
+  // Serves method `name` with the reactors `make` returns.
+  void Serve(std::string_view name, std::function<Reactor*(grpc::CallbackServerContext*)> make) {
+    using Handler = grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>;
+    const int index = descriptor_->FindMethodByName(std::string(name))->index();
+    this->MarkMethodStreamed(index, new Handler(nullptr));  // the stream type; the handler is replaced below
+    this->MarkMethodRawCallback(index, new Handler(std::move(make)));
+    ++served_;
   }
-  void Release() override { delete this; }
+
+  // Serves unary method `name` with `body` (see SimpleCall), admitted by
+  // `access`.
+  template <class Req, class Resp, class F>
+  void Unary(std::string_view name, Access access, F body) {
+    using Call = SimpleCall<Req, Resp>;
+    auto* fn = new typename Call::Body(std::move(body));
+    bodies_.emplace_back(fn);
+    const std::string_view path = Path(name);
+    Serve(name, [this, path, access, fn](grpc::CallbackServerContext* ctx) -> Reactor* {
+      return new Call(path, ctx, fn, Admit(ctx, access));
+    });
+  }
+
+  // "/<package>.<service>/<name>", kept as long as the service.
+  std::string_view Path(std::string_view name) {
+    return paths_.emplace_back("/" + descriptor_->full_name() + "/" + std::string(name));
+  }
+
+  // OK when the call may proceed: it presents an acceptable key (and, but
+  // for probes, the server is not draining). Takes the key's rate-limit
+  // token.
+  Status Admit(grpc::CallbackServerContext* ctx, Access access) const {
+    if (options_.authorize) {
+      std::string_view authorization, x_api_key;
+      for (const auto& [k, v] : ctx->client_metadata()) {
+        const std::string_view key(k.data(), k.size());
+        if (key == "authorization") authorization = std::string_view(v.data(), v.size());
+        if (key == "x-api-key") x_api_key = std::string_view(v.data(), v.size());
+      }
+      QUERN_RETURN_IF_ERROR(options_.authorize(PresentedKey(authorization, x_api_key), access == Access::kAdmin));
+    }
+    if (access != Access::kProbe && draining()) return Unavailable("the server is shutting down");
+    return Status::Ok();
+  }
+
+  bool draining() const { return options_.draining && options_.draining->load(std::memory_order_acquire); }
+
+  const GrpcServerOptions& options_;
 
  private:
-  static google::protobuf::ArenaOptions Options() {
-    google::protobuf::ArenaOptions o;
-    o.start_block_size = 2048;
-    o.max_block_size = 64 * 1024;
-    return o;
-  }
-  google::protobuf::Arena arena_;
+  const google::protobuf::ServiceDescriptor* descriptor_;
+  std::vector<std::shared_ptr<void>> bodies_;  // the unary methods' bodies, by pointer in their handlers
+  std::deque<std::string> paths_;
+  int served_ = 0;
 };
 
-class InferMessageAllocator final
-    : public grpc::MessageAllocator<inference::ModelInferRequest, inference::ModelInferResponse> {
+// GRPCInferenceService with every method on raw bytes, admitted before its
+// first message is read: the unary methods as UnaryCall, ModelStreamInfer
+// as a StreamReactor.
+class Service final : public RawService<GRPCInferenceService::Service> {
  public:
-  grpc::MessageHolder<inference::ModelInferRequest, inference::ModelInferResponse>* AllocateMessages() override {
-    return new InferMessages();
+  Service(Engine* engine, const GrpcServerOptions& options)
+      : RawService("inference.GRPCInferenceService", options), engine_(engine) {
+    namespace inf = inference;
+    Unary<inf::ServerLiveRequest, inf::ServerLiveResponse>("ServerLive", Access::kProbe, [](auto*, auto&, auto* out) {
+      out->set_live(true);
+      return grpc::Status::OK;
+    });
+    Unary<inf::ServerReadyRequest, inf::ServerReadyResponse>("ServerReady", Access::kProbe,
+                                                             [this](auto*, auto&, auto* out) {
+                                                               out->set_ready(!draining() && engine_->AllModelsReady());
+                                                               return grpc::Status::OK;
+                                                             });
+    Unary<inf::ModelReadyRequest, inf::ModelReadyResponse>("ModelReady", Access::kProbe,
+                                                           [this](auto*, auto& in, auto* out) {
+                                                             auto v = ParseModelVersion(in.name(), in.version());
+                                                             if (!v) return ToGrpc(v.error());
+                                                             out->set_ready(engine_->ModelReady(in.name(), *v));
+                                                             return grpc::Status::OK;
+                                                           });
+    Unary<inf::ServerMetadataRequest, inf::ServerMetadataResponse>("ServerMetadata", Access::kUser,
+                                                                   [](auto*, auto&, auto* out) {
+                                                                     out->set_name("quern");
+                                                                     out->set_version("0.1.0");
+                                                                     for (const std::string_view e : kKServeExtensions) {
+                                                                       out->add_extensions(std::string(e));
+                                                                     }
+                                                                     return grpc::Status::OK;
+                                                                   });
+    Unary<inf::ModelMetadataRequest, inf::ModelMetadataResponse>("ModelMetadata", Access::kUser,
+                                                                 [this](auto*, auto& in, auto* out) {
+                                                                   auto m = Model(in.name(), in.version());
+                                                                   if (!m) return ToGrpc(m.error());
+                                                                   FillMetadata(*m, out);
+                                                                   return grpc::Status::OK;
+                                                                 });
+    Unary<inf::ModelConfigRequest, inf::ModelConfigResponse>("ModelConfig", Access::kUser,
+                                                             [this](auto*, auto& in, auto* out) {
+                                                               auto m = Model(in.name(), in.version());
+                                                               if (!m) return ToGrpc(m.error());
+                                                               *out->mutable_config() = ToProto(m->config);
+                                                               return grpc::Status::OK;
+                                                             });
+    Unary<inf::ModelStatisticsRequest, inf::ModelStatisticsResponse>("ModelStatistics", Access::kUser,
+                                                                     [this](auto*, auto& in, auto* out) {
+                                                                       return Statistics(in, out);
+                                                                     });
+    Unary<inf::RepositoryIndexRequest, inf::RepositoryIndexResponse>("RepositoryIndex", Access::kUser,
+                                                                     [this](auto*, auto& in, auto* out) {
+                                                                       return Index(in, out);
+                                                                     });
+    Unary<inf::RepositoryModelLoadRequest, inf::RepositoryModelLoadResponse>(
+        "RepositoryModelLoad", Access::kAdmin, [this](auto*, auto& in, auto*) { return Load(in); });
+    Unary<inf::RepositoryModelUnloadRequest, inf::RepositoryModelUnloadResponse>(
+        "RepositoryModelUnload", Access::kAdmin, [this](auto*, auto& in, auto*) {
+          if (!options_.model_control) return ToGrpc(ModelControlOff());
+          return ToGrpc(engine_->UnloadModel(in.model_name()));
+        });
+    NotServed<inf::SystemSharedMemoryStatusRequest, inf::SystemSharedMemoryStatusResponse>("SystemSharedMemoryStatus");
+    NotServed<inf::SystemSharedMemoryRegisterRequest, inf::SystemSharedMemoryRegisterResponse>(
+        "SystemSharedMemoryRegister");
+    NotServed<inf::SystemSharedMemoryUnregisterRequest, inf::SystemSharedMemoryUnregisterResponse>(
+        "SystemSharedMemoryUnregister");
+    NotServed<inf::CudaSharedMemoryStatusRequest, inf::CudaSharedMemoryStatusResponse>("CudaSharedMemoryStatus");
+    NotServed<inf::CudaSharedMemoryRegisterRequest, inf::CudaSharedMemoryRegisterResponse>("CudaSharedMemoryRegister");
+    NotServed<inf::CudaSharedMemoryUnregisterRequest, inf::CudaSharedMemoryUnregisterResponse>(
+        "CudaSharedMemoryUnregister");
+    NotServed<inf::TraceSettingRequest, inf::TraceSettingResponse>("TraceSetting");
+    NotServed<inf::LogSettingsRequest, inf::LogSettingsResponse>("LogSettings");
+    Serve("ModelInfer", [this](grpc::CallbackServerContext* ctx) -> Reactor* {
+      return new InferCall(engine_, ctx, Admit(ctx, Access::kUser));
+    });
+    Serve("ModelStreamInfer", [this](grpc::CallbackServerContext* ctx) -> Reactor* {
+      if (Status st = Admit(ctx, Access::kUser); !st.ok()) return new RefusedStream(ToGrpc(st));
+      // Every message is a request: each one takes its key's rate-limit
+      // token and is refused while the server drains.
+      return new StreamReactor(engine_, ctx, [this, ctx] { return Admit(ctx, Access::kUser); }, &last_caller_);
+    });
   }
-};
 
-class Service final : public ServiceBase {
- public:
-  Service(Engine* engine, const GrpcServerOptions& options) : engine_(engine), options_(options) {
-    SetMessageAllocatorFor_ModelInfer(&infer_messages_);
+ private:
+  template <class Req, class Resp>
+  void NotServed(std::string_view name) {
+    Unary<Req, Resp>(name, Access::kUser, [name](auto*, auto&, auto*) { return NotImplemented(name); });
   }
 
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx, const inference::ServerLiveRequest*,
-                                       inference::ServerLiveResponse* out) override {
-    if (auto* denied = Deny(ctx, false, true)) return denied;
-    out->set_live(true);
-    return Reply(ctx, grpc::Status::OK);
+  Result<ModelStatus> Model(const std::string& name, const std::string& version) {
+    QUERN_ASSIGN_OR_RETURN(int64_t v, ParseModelVersion(name, version));
+    return engine_->GetModel(name, v);
   }
 
-  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx, const inference::ServerReadyRequest*,
-                                        inference::ServerReadyResponse* out) override {
-    if (auto* denied = Deny(ctx, false, true)) return denied;
-    out->set_ready(!draining() && engine_->AllModelsReady());
-    return Reply(ctx, grpc::Status::OK);
-  }
-
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx, const inference::ModelReadyRequest* in,
-                                       inference::ModelReadyResponse* out) override {
-    if (auto* denied = Deny(ctx, false, true)) return denied;
-    auto v = ParseModelVersion(in->name(), in->version());
-    if (!v) return Reply(ctx, ToGrpc(v.error()));
-    out->set_ready(engine_->ModelReady(in->name(), *v));
-    return Reply(ctx, grpc::Status::OK);
-  }
-
-  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
-                                           inference::ServerMetadataResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    out->set_name("quern");
-    out->set_version("0.1.0");
-    for (const std::string_view e : kKServeExtensions) out->add_extensions(std::string(e));
-    return Reply(ctx, grpc::Status::OK);
-  }
-
-  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* in,
-                                          inference::ModelMetadataResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    auto m = Model(in->name(), in->version());
-    if (!m) return Reply(ctx, ToGrpc(m.error()));
-    FillMetadata(*m, out);
-    return Reply(ctx, grpc::Status::OK);
-  }
-
-  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* ctx, const inference::ModelConfigRequest* in,
-                                        inference::ModelConfigResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    auto m = Model(in->name(), in->version());
-    if (!m) return Reply(ctx, ToGrpc(m.error()));
-    *out->mutable_config() = ToProto(m->config);
-    return Reply(ctx, grpc::Status::OK);
-  }
-
-  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* ctx,
-                                            const inference::ModelStatisticsRequest* in,
-                                            inference::ModelStatisticsResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    auto v = ParseModelVersion(in->name(), in->version());
-    if (!v) return Reply(ctx, ToGrpc(v.error()));
-    auto stats = engine_->GetStatistics(in->name(), *v);
-    if (!stats) return Reply(ctx, ToGrpc(stats.error()));
+  grpc::Status Statistics(const inference::ModelStatisticsRequest& in, inference::ModelStatisticsResponse* out) {
+    auto v = ParseModelVersion(in.name(), in.version());
+    if (!v) return ToGrpc(v.error());
+    auto stats = engine_->GetStatistics(in.name(), *v);
+    if (!stats) return ToGrpc(stats.error());
     for (const auto& s : *stats) FillStatistics(s, out->add_model_stats());
-    return Reply(ctx, grpc::Status::OK);
+    return grpc::Status::OK;
   }
 
-  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* ctx,
-                                            const inference::RepositoryIndexRequest* in,
-                                            inference::RepositoryIndexResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
+  grpc::Status Index(const inference::RepositoryIndexRequest& in, inference::RepositoryIndexResponse* out) {
     for (const auto& m : engine_->ListModels()) {
-      if (in->ready() && m.state != ModelState::kReady) continue;
+      if (in.ready() && m.state != ModelState::kReady) continue;
       auto* e = out->add_models();
       e->set_name(m.name);
       e->set_version(std::to_string(m.version));
       e->set_state(std::string(ModelStateName(m.state)));
       e->set_reason(m.reason);
     }
-    return Reply(ctx, grpc::Status::OK);
+    return grpc::Status::OK;
   }
 
-  grpc::ServerUnaryReactor* RepositoryModelLoad(grpc::CallbackServerContext* ctx,
-                                                const inference::RepositoryModelLoadRequest* in,
-                                                inference::RepositoryModelLoadResponse*) override {
-    if (auto* denied = Deny(ctx, true)) return denied;
-    if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
-    if (!in->parameters().empty()) {
+  grpc::Status Load(const inference::RepositoryModelLoadRequest& in) {
+    if (!options_.model_control) return ToGrpc(ModelControlOff());
+    if (!in.parameters().empty()) {
       // "config" (an override) and "file:..." (model files in the request):
       // Quern loads what the repository holds; refused rather than ignored.
-      return Reply(ctx, ToGrpc(InvalidArgument("model '" + in->model_name() + "': load parameter '" +
-                                               in->parameters().begin()->first.substr(0, 64) +
-                                               "' is not supported; Quern loads the model's files and "
-                                               "config.pbtxt from the repository as they are")));
+      return ToGrpc(InvalidArgument("model '" + in.model_name() + "': load parameter '" +
+                                    in.parameters().begin()->first.substr(0, 64) +
+                                    "' is not supported; Quern loads the model's files and "
+                                    "config.pbtxt from the repository as they are"));
     }
-    return Reply(ctx, ToGrpc(engine_->LoadModel(in->model_name())));
-  }
-
-  grpc::ServerUnaryReactor* RepositoryModelUnload(grpc::CallbackServerContext* ctx,
-                                                  const inference::RepositoryModelUnloadRequest* in,
-                                                  inference::RepositoryModelUnloadResponse*) override {
-    if (auto* denied = Deny(ctx, true)) return denied;
-    if (!options_.model_control) return Reply(ctx, ToGrpc(ModelControlOff()));
-    return Reply(ctx, ToGrpc(engine_->UnloadModel(in->model_name())));
-  }
-
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx, const inference::ModelInferRequest* in,
-                                       inference::ModelInferResponse* out) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return new InferReactor(engine_, ctx, in, out);
-  }
-
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
-      grpc::CallbackServerContext* ctx) override {
-    if (Status st = Authorize(ctx, false); !st.ok()) return new RefusedStream(ToGrpc(st));
-    if (draining()) return new RefusedStream(ToGrpc(Unavailable("the server is shutting down")));
-    // Every message is a request: each one takes its key's rate-limit token
-    // and is refused while the server drains.
-    return new StreamReactor(
-        engine_, ctx,
-        [this, ctx] {
-          if (draining()) return Unavailable("the server is shutting down");
-          return Authorize(ctx, false);
-        },
-        &last_caller_);
-  }
-
-  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
-                                                     const inference::SystemSharedMemoryStatusRequest*,
-                                                     inference::SystemSharedMemoryStatusResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "SystemSharedMemoryStatus");
-  }
-  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(grpc::CallbackServerContext* ctx,
-                                                       const inference::SystemSharedMemoryRegisterRequest*,
-                                                       inference::SystemSharedMemoryRegisterResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "SystemSharedMemoryRegister");
-  }
-  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
-                                                         const inference::SystemSharedMemoryUnregisterRequest*,
-                                                         inference::SystemSharedMemoryUnregisterResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "SystemSharedMemoryUnregister");
-  }
-  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
-                                                   const inference::CudaSharedMemoryStatusRequest*,
-                                                   inference::CudaSharedMemoryStatusResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "CudaSharedMemoryStatus");
-  }
-  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(grpc::CallbackServerContext* ctx,
-                                                     const inference::CudaSharedMemoryRegisterRequest*,
-                                                     inference::CudaSharedMemoryRegisterResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "CudaSharedMemoryRegister");
-  }
-  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(grpc::CallbackServerContext* ctx,
-                                                       const inference::CudaSharedMemoryUnregisterRequest*,
-                                                       inference::CudaSharedMemoryUnregisterResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "CudaSharedMemoryUnregister");
-  }
-  grpc::ServerUnaryReactor* TraceSetting(grpc::CallbackServerContext* ctx, const inference::TraceSettingRequest*,
-                                         inference::TraceSettingResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "TraceSetting");
-  }
-  grpc::ServerUnaryReactor* LogSettings(grpc::CallbackServerContext* ctx, const inference::LogSettingsRequest*,
-                                        inference::LogSettingsResponse*) override {
-    if (auto* denied = Deny(ctx)) return denied;
-    return NotImplemented(ctx, "LogSettings");
-  }
-
- private:
-  Result<ModelStatus> Model(const std::string& name, const std::string& version) {
-    QUERN_ASSIGN_OR_RETURN(int64_t v, ParseModelVersion(name, version));
-    return engine_->GetModel(name, v);
-  }
-
-  // Not OK when the call presents no acceptable key.
-  Status Authorize(grpc::CallbackServerContext* ctx, bool admin) const {
-    if (!options_.authorize) return Status::Ok();
-    std::string_view authorization, x_api_key;
-    for (const auto& [k, v] : ctx->client_metadata()) {
-      const std::string_view key(k.data(), k.size());
-      if (key == "authorization") authorization = std::string_view(v.data(), v.size());
-      if (key == "x-api-key") x_api_key = std::string_view(v.data(), v.size());
-    }
-    return options_.authorize(PresentedKey(authorization, x_api_key), admin);
-  }
-
-  bool draining() const { return options_.draining && options_.draining->load(std::memory_order_acquire); }
-
-  // A finished reactor when the call may not proceed, else null. `probe`:
-  // liveness and readiness, answered while draining too.
-  grpc::ServerUnaryReactor* Deny(grpc::CallbackServerContext* ctx, bool admin = false, bool probe = false) const {
-    Status st = Authorize(ctx, admin);
-    if (st.ok() && !probe && draining()) st = Unavailable("the server is shutting down");
-    return st.ok() ? nullptr : Reply(ctx, ToGrpc(st));
+    return ToGrpc(engine_->LoadModel(in.model_name()));
   }
 
   Engine* engine_;
-  const GrpcServerOptions& options_;
   LastCaller last_caller_;
-  InferMessageAllocator infer_messages_;  // outlives the server's calls: the service does
 };
 
-// gRPC 1.51 answers a request message that does not parse as its method's
-// protobuf with UNIMPLEMENTED and no message. This turns that answer into
-// INVALID_ARGUMENT naming the method. Every status Quern sends itself
-// carries a message, so an empty UNIMPLEMENTED for one of the service's own
-// methods can only come from there.
-class UnparseableMessageInterceptor final : public grpc::experimental::Interceptor {
- public:
-  // `method` outlives the call (gRPC's registered method name).
-  explicit UnparseableMessageInterceptor(const char* method) : method_(method) {}
+// grpc.health.v1 (Check and Watch) for "" (the server) and
+// "inference.GRPCInferenceService": SERVING while every model is ready and
+// the server is not draining. Open to load balancers with no key: a call
+// the keys would not admit is answered for the server as a whole without
+// its request being read (so it can make the server hold no large
+// message); an admitted one (or any, with no keys configured) is answered
+// for the service it names.
+class HealthService final : public RawService<grpc::health::v1::Health::Service> {
+  using Response = grpc::health::v1::HealthCheckResponse;
 
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const grpc::Status s = methods->GetSendStatus();
-      if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && s.error_message().empty()) {
-        methods->ModifySendStatus(grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            std::string("the request is not a valid message for ") + method_ + " (protobuf parsing failed)"));
+ public:
+  explicit HealthService(const GrpcServerOptions& options) : RawService("grpc.health.v1.Health", options) {
+    Serve("Check", [this](grpc::CallbackServerContext* ctx) -> Reactor* { return new CheckCall(this, ctx); });
+    Serve("Watch", [this](grpc::CallbackServerContext* ctx) -> Reactor* { return new WatchCall(this, ctx); });
+  }
+
+  // Sets whether the server serves; watchers are told of a change.
+  void Set(bool serving) {
+    const auto status = serving ? Response::SERVING : Response::NOT_SERVING;
+    MutexLock lock(mu_);
+    if (status == status_ || closed_) return;
+    status_ = status;
+    for (WatchCall* w : watchers_) w->Send(status, false);
+  }
+
+  // The server stops: NOT_SERVING from now on; each watch is sent it and
+  // finished.
+  void Close() {
+    MutexLock lock(mu_);
+    closed_ = true;
+    status_ = Response::NOT_SERVING;
+    for (WatchCall* w : watchers_) w->Send(status_, true);
+  }
+
+ private:
+  // Whether the call's request is read: it is admitted, or no keys are set.
+  bool Reads(grpc::CallbackServerContext* ctx) const {
+    return !options_.authorize || Admit(ctx, Access::kProbe).ok();
+  }
+  static bool Known(const std::string& service) {
+    return service.empty() || service == "inference.GRPCInferenceService";
+  }
+  Response::ServingStatus Current() const {
+    MutexLock lock(mu_);
+    return status_;
+  }
+
+  class CheckCall final : public UnaryCall {
+   public:
+    CheckCall(HealthService* health, grpc::CallbackServerContext* ctx)
+        : UnaryCall("/grpc.health.v1.Health/Check"), health_(health) {
+      if (health->Reads(ctx)) {
+        Begin(Status::Ok());
+      } else {
+        Reply(health->Current());
       }
     }
-    methods->Proceed();
+
+   private:
+    void Run() override {
+      grpc::health::v1::HealthCheckRequest in;
+      if (!Parse(&in)) return;
+      if (!Known(in.service())) {
+        return Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                   "unknown service '" + in.service().substr(0, 128) +
+                                       "' (known: \"\" and \"inference.GRPCInferenceService\")"));
+      }
+      Reply(health_->Current());
+    }
+    void Reply(Response::ServingStatus status) {
+      Response out;
+      out.set_status(status);
+      Answer(out);
+    }
+    HealthService* health_;
+  };
+
+  // One Watch: the status now, then each change, until the client leaves.
+  class WatchCall final : public Reactor {
+   public:
+    WatchCall(HealthService* health, grpc::CallbackServerContext* ctx) : health_(health) {
+      if (health->Reads(ctx)) {
+        StartRead(&request_bytes_);
+      } else {
+        Watch(true);
+      }
+    }
+
+    void OnReadDone(bool ok) override {
+      grpc::health::v1::HealthCheckRequest in;
+      if (!ok || !grpc::SerializationTraits<grpc::health::v1::HealthCheckRequest>::Deserialize(&request_bytes_, &in)
+                      .ok()) {
+        return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                   "the request is not a valid message for /grpc.health.v1.Health/Watch"));
+      }
+      Watch(Known(in.service()));
+    }
+
+    // Queues `status` to be written (a write in flight: after it); `last`:
+    // the watch ends once it is written.
+    void Send(Response::ServingStatus status, bool last) {
+      MutexLock lock(mu_);
+      wanted_ = status;
+      last_ = last_ || last;
+      if (!writing_) WriteOrEndLocked();
+    }
+
+    void OnWriteDone(bool ok) override {
+      MutexLock lock(mu_);
+      writing_ = false;
+      if (!ok) return FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the watch's answer was not sent"));
+      WriteOrEndLocked();
+    }
+
+    void OnCancel() override {
+      MutexLock lock(mu_);
+      FinishLocked(grpc::Status::CANCELLED);
+    }
+
+    void OnDone() override {
+      if (registered_) health_->Forget(this);
+      delete this;
+    }
+
+   private:
+    void Watch(bool known) {
+      if (!known) return Send(Response::SERVICE_UNKNOWN, false);  // it never changes: no updates follow
+      registered_ = true;
+      health_->Add(this);
+    }
+
+    void WriteOrEndLocked() QUERN_REQUIRES(mu_) {
+      if (finished_) return;
+      if (wanted_ != sent_) return WriteLocked();
+      if (last_) FinishLocked(grpc::Status::OK);
+    }
+
+    void WriteLocked() QUERN_REQUIRES(mu_) {
+      Response out;
+      out.set_status(wanted_);
+      sent_ = wanted_;
+      bool own = false;
+      answer_bytes_.Clear();
+      if (!grpc::SerializationTraits<Response>::Serialize(out, &answer_bytes_, &own).ok()) {
+        return FinishLocked(grpc::Status(grpc::StatusCode::INTERNAL, "cannot serialize the health status"));
+      }
+      writing_ = true;
+      StartWrite(&answer_bytes_);
+    }
+
+    void FinishLocked(const grpc::Status& status) QUERN_REQUIRES(mu_) {
+      if (finished_) return;
+      finished_ = true;
+      Finish(status);
+    }
+
+    HealthService* health_;
+    grpc::ByteBuffer request_bytes_;
+    bool registered_ = false;  // set before Add, read in OnDone: after the read or the constructor
+    Mutex mu_;
+    grpc::ByteBuffer answer_bytes_ QUERN_GUARDED_BY(mu_);
+    Response::ServingStatus wanted_ QUERN_GUARDED_BY(mu_) = Response::UNKNOWN;
+    Response::ServingStatus sent_ QUERN_GUARDED_BY(mu_) = Response::UNKNOWN;
+    bool writing_ QUERN_GUARDED_BY(mu_) = false;
+    bool last_ QUERN_GUARDED_BY(mu_) = false;  // finish once wanted_ is sent
+    bool finished_ QUERN_GUARDED_BY(mu_) = false;
+  };
+
+  void Add(WatchCall* w) {
+    MutexLock lock(mu_);
+    watchers_.insert(w);
+    w->Send(status_, closed_);
+  }
+  void Forget(WatchCall* w) {
+    MutexLock lock(mu_);
+    watchers_.erase(w);
   }
 
- private:
-  const char* method_;
+  mutable Mutex mu_;
+  Response::ServingStatus status_ QUERN_GUARDED_BY(mu_) = Response::NOT_SERVING;
+  bool closed_ QUERN_GUARDED_BY(mu_) = false;
+  std::set<WatchCall*> watchers_ QUERN_GUARDED_BY(mu_);
 };
 
-class UnparseableMessageInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
- public:
-  UnparseableMessageInterceptorFactory() {
-    const auto* service =
-        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("inference.GRPCInferenceService");
-    for (int i = 0; service && i < service->method_count(); ++i) {
-      methods_.insert("/" + service->full_name() + "/" + service->method(i)->name());
+// The model name and id of a ModelInferRequest's bytes, each cut to 256
+// bytes, read from its first fields without parsing the rest: protobuf
+// writes fields in number order, and these are fields 1 and 3. A message
+// written otherwise leaves them empty (the access log then names no model).
+void PeekInferNames(grpc::ByteBuffer* bytes, std::string* model, std::string* id) {
+  grpc::ProtoBufferReader reader(bytes);
+  google::protobuf::io::CodedInputStream in(&reader);
+  for (int fields = 0; fields < 3; ++fields) {
+    const uint32_t tag = in.ReadTag();
+    const uint32_t number = tag >> 3;
+    uint32_t size = 0;
+    if ((tag & 7) != 2 || number < 1 || number > 3 || !in.ReadVarint32(&size)) return;
+    const uint32_t kept = std::min<uint32_t>(size, 256);
+    std::string* into = number == 1 ? model : number == 3 ? id : nullptr;
+    if (into ? !(in.ReadString(into, static_cast<int>(kept)) && in.Skip(static_cast<int>(size - kept)))
+             : !in.Skip(static_cast<int>(size))) {
+      return;
     }
   }
-
-  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
-    // Only the service's own methods: an unknown method stays UNIMPLEMENTED.
-    const char* method = info->method();
-    if (!method || !methods_.contains(std::string_view(method))) return nullptr;
-    return new UnparseableMessageInterceptor(method);
-  }
-
- private:
-  std::set<std::string, std::less<>> methods_;
-};
+}
 
 // The access log's record of one call, written when gRPC destroys the
 // interceptor (the call is over).
@@ -748,9 +966,10 @@ class AccessLogInterceptor final : public grpc::experimental::Interceptor {
       }
     }
     if (infer_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
-      if (const auto* m = static_cast<const inference::ModelInferRequest*>(methods->GetRecvMessage())) {
-        model_ = m->model_name().substr(0, 256);
-        if (UsableRequestId(m->id())) request_id_ = m->id();  // before the metadata's, as the engine does
+      if (auto* bytes = static_cast<grpc::ByteBuffer*>(methods->GetRecvMessage())) {
+        std::string id;
+        PeekInferNames(bytes, &model_, &id);
+        if (UsableRequestId(id)) request_id_ = std::move(id);  // before the metadata's, as the engine does
       }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -865,15 +1084,18 @@ void GrpcLogLine(gpr_log_func_args* args) {
 class GrpcServer::Impl {
  public:
   Impl(GrpcServerOptions options, Engine* engine)
-      : options_(std::move(options)), engine_(engine), service_(engine, options_) {}
+      : options_(std::move(options)), engine_(engine), service_(engine, options_), health_(options_) {}
 
   Status Start() {
+    if (!service_.ServesEveryMethod() || !health_.ServesEveryMethod()) {
+      return Internal("a gRPC method is not served by Quern's own handlers");
+    }
     // Debian's Abseil is built with mutex deadlock detection on: every lock
     // of gRPC's mutexes then updates a global lock graph (a tenth of gRPC's
     // CPU time per call). Quern's own locks are std::mutex.
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     gpr_set_log_function(GrpcLogLine);
-    grpc::EnableDefaultHealthCheckService(true);
+    grpc::EnableDefaultHealthCheckService(false);  // HealthService instead
     grpc::ServerBuilder builder;
     const std::string address =
         (options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host) + ":" +
@@ -913,12 +1135,12 @@ class GrpcServer::Impl {
     }
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, std::max(1, options_.idle_timeout_s) * 1000);
     builder.RegisterService(&service_);
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-    interceptors.push_back(std::make_unique<UnparseableMessageInterceptorFactory>());
+    builder.RegisterService(&health_);
     if (options_.access_log) {
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
       interceptors.push_back(std::make_unique<AccessLogInterceptorFactory>(options_, &peers_));
+      builder.experimental().SetInterceptorCreators(std::move(interceptors));
     }
-    builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(options_.max_receive_bytes);
     if (options_.max_concurrent_streams > 0) {
       builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
@@ -979,6 +1201,7 @@ class GrpcServer::Impl {
     if (acceptor_.joinable()) acceptor_.join();
     if (listen_fd_ >= 0) ::close(listen_fd_);
     listen_fd_ = -1;
+    health_.Close();
     if (server_) {
       // Calls still running after a second are cancelled (their requests
       // are withdrawn from the batcher); Shutdown returns when all are done.
@@ -1097,28 +1320,22 @@ class GrpcServer::Impl {
     }
   }
 
-  // grpc.health.v1: SERVING when every model is ready (service "" and
-  // "inference.GRPCInferenceService").
+  // grpc.health.v1: SERVING while every model is ready and the server is
+  // not draining.
   void UpdateHealth() {
-    auto* health = server_->GetHealthCheckService();
-    if (!health) return;
-    const bool ready =
-        !(options_.draining && options_.draining->load(std::memory_order_acquire)) && engine_->AllModelsReady();
-    if (ready == last_ready_) return;
-    last_ready_ = ready;
-    health->SetServingStatus("inference.GRPCInferenceService", ready);
-    health->SetServingStatus(ready);  // every service known, "" included
+    health_.Set(!(options_.draining && options_.draining->load(std::memory_order_acquire)) &&
+                engine_->AllModelsReady());
   }
 
   GrpcServerOptions options_;
   Engine* engine_;
   Service service_;
+  HealthService health_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   Mutex mu_;
   CondVar cv_;
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
-  std::optional<bool> last_ready_;  // the health thread's (and Start's, before it runs)
   std::thread health_thread_;
   AcceptedPeers peers_;          // the access log's client addresses
   int listen_fd_ = -1;           // plaintext: the listening socket
