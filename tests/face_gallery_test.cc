@@ -1,13 +1,20 @@
-// The face gallery (registered faces and their file) and the square crops a
-// face descriptor reads. Expected values are worked out in the comments.
+// The face gallery (registered faces, their file and a shared store) and
+// the square crops a face descriptor reads. Expected values are worked out
+// in the comments; the file's records are written here from the format its
+// header states.
 #include "pipeline/face_gallery.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <csignal>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
+#include <map>
+#include <thread>
 #include <utility>
 
 #include "pipeline/image.h"
@@ -76,65 +83,231 @@ TEST(FaceGallery, RefusesWhatDoesNotFitAndKeepsWhatItHad) {
   EXPECT_EQ(g->Users(), (std::vector<std::string>{"ann", "bob"}));
 }
 
+// The file's size limit (RLIMIT_FSIZE) set to `bytes` for the scope: a
+// write past it fails with EFBIG (SIGXFSZ ignored), for root too.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    old_signal_ = std::signal(SIGXFSZ, SIG_IGN);
+    ::getrlimit(RLIMIT_FSIZE, &old_);
+    rlimit l = old_;
+    l.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &l);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    std::signal(SIGXFSZ, old_signal_);
+  }
+
+ private:
+  rlimit old_{};
+  void (*old_signal_)(int) = nullptr;
+};
+
+// One record of the log as face_gallery.cc writes it: u32 payload length,
+// its complement, u32 FNV-1a of the payload, payload = u32 id length, id,
+// u32 dimension, u32 count, the faces (no faces: deleted).
+std::string Record(const std::string& id, const std::vector<std::vector<float>>& faces) {
+  auto u32 = [](std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); };
+  std::string payload;
+  u32(payload, static_cast<uint32_t>(id.size()));
+  payload += id;
+  if (!faces.empty()) {
+    u32(payload, static_cast<uint32_t>(faces[0].size()));
+    u32(payload, static_cast<uint32_t>(faces.size()));
+    for (const auto& f : faces) payload.append(reinterpret_cast<const char*>(f.data()), f.size() * 4);
+  }
+  uint32_t h = 2166136261u;
+  for (char c : payload) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
+  std::string out;
+  u32(out, static_cast<uint32_t>(payload.size()));
+  u32(out, ~static_cast<uint32_t>(payload.size()));
+  u32(out, h);
+  return out + payload;
+}
+
 TEST(FaceGallery, AFileThatCannotBeWrittenChangesNothing) {
   TempDir dir;
   const auto file = dir.path() / "faces.bin";
   auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
   ASSERT_TRUE(g->Register("ann", {{1, 0}}).ok());
-  // The file is written beside itself first; a directory in that place
-  // makes every write fail (for root too).
-  std::filesystem::create_directory(dir.path() / "faces.bin.tmp");
-  Status st = g->Register("bob", {{0, 1}});
-  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
-  EXPECT_NE(st.message().find("faces.bin"), std::string::npos) << st.message();
-  EXPECT_EQ(g->Delete("ann").code(), StatusCode::kUnavailable);
+  const std::string before = ReadAll(file);
+  for (rlim_t room : {rlim_t{0}, rlim_t{10}}) {  // nothing written, or part of the record
+    Status st;
+    {
+      FileSizeLimit limit(before.size() + room);
+      st = g->Register("bob", {{0, 1}});
+    }
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << room;
+    EXPECT_NE(st.message().find("faces.bin"), std::string::npos) << st.message();
+    EXPECT_EQ(ReadAll(file), before) << "a record cut short stays in the file";
+  }
+  {
+    FileSizeLimit limit(before.size());
+    EXPECT_EQ(g->Delete("ann").code(), StatusCode::kUnavailable);
+  }
   EXPECT_EQ(g->Users(), (std::vector<std::string>{"ann"}));
-  std::filesystem::remove(dir.path() / "faces.bin.tmp");
-  EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann"}));
+  ASSERT_TRUE(g->Register("bob", {{0, 1}}).ok());  // and the log goes on where it was
+  EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann", "bob"}));
+  // Compaction writes beside the file: a folder in that place fails it, and
+  // the file stays as it was.
+  TempDir other;
+  const auto fresh = other.path() / "faces.bin";
+  std::filesystem::create_directory(other.path() / "faces.bin.tmp");
+  auto h = std::move(*FaceGallery::Open({}, FileFaceStore(fresh)));
+  EXPECT_EQ(h->Register("ann", {{1, 0}}).code(), StatusCode::kUnavailable);  // the first record writes the log whole
+  EXPECT_TRUE(h->Users().empty());
+  EXPECT_FALSE(std::filesystem::exists(fresh));
 }
 
-TEST(FaceGallery, ADamagedFileIsRefusedAtEveryCut) {
+TEST(FaceGallery, ARegistrationAppendsItsOwnRecordAndTheLogIsCompacted) {
   TempDir dir;
   const auto file = dir.path() / "faces.bin";
-  ASSERT_TRUE((*FaceGallery::Open({}, FileFaceStore(file)))->Register("ann", {{1, 2, 3}, {4, 5, 6}}).ok());
+  auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
+  // 200 users of 4 faces of 256 values: 200 records of 12 + 4 + 2..4 + 8 + 4096 bytes.
+  std::vector<std::vector<float>> four(4, std::vector<float>(256, 0.5f));
+  for (int u = 0; u < 200; ++u) {
+    std::string id = "u";  // (GCC 12 warns wrongly of "u" + std::to_string(u))
+    id.append(std::to_string(u));
+    ASSERT_TRUE(g->Register(id, four).ok());
+  }
+  const auto size = std::filesystem::file_size(file);
+  // One more face for u7: the file grows by u7's record (its 5 faces), not by the gallery.
+  std::vector<std::vector<float>> five = four;
+  five.push_back(std::vector<float>(256, 0.25f));
+  ASSERT_TRUE(g->Register("u7", {five.back()}).ok());
+  EXPECT_EQ(std::filesystem::file_size(file), size + Record("u7", five).size());
+  EXPECT_EQ(ReadAll(file).substr(size), Record("u7", five));
+  // A deletion appends a record of its own.
+  ASSERT_TRUE(g->Delete("u8").ok());
+  EXPECT_EQ(ReadAll(file).substr(size + Record("u7", five).size()), Record("u8", {}));
+  // 2,000 more registrations of one user (16 faces kept, 65 KB a record):
+  // the log is compacted whenever it passes twice its live bytes + 1 MiB.
+  std::vector<float> face(256, 0.1f);
+  uint64_t largest = 0;
+  for (int i = 0; i < 2000; ++i) {
+    face[i % 256] += 1;
+    ASSERT_TRUE(g->Register("busy", {face}).ok());
+    largest = std::max<uint64_t>(largest, std::filesystem::file_size(file));
+  }
+  const uint64_t live = 199 * Record("u0", four).size() + Record("busy", std::vector<std::vector<float>>(16, face)).size();
+  EXPECT_LE(largest, 2 * live + (1u << 20) + Record("busy", std::vector<std::vector<float>>(16, face)).size());
+  auto again = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
+  EXPECT_EQ(again->Users().size(), 200u);  // u0..u199 less u8, and busy
+  EXPECT_NEAR(again->Current()->Closest(face)->similarity, 1.0f, 1e-6);
+  EXPECT_EQ(again->Current()->Closest(face)->userid, "busy");
+}
+
+TEST(FaceGallery, ARecordCutShortAtTheEndIsDroppedAndDamageElsewhereRefused) {
+  TempDir dir;
+  const auto file = dir.path() / "faces.bin";
+  {
+    auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
+    ASSERT_TRUE(g->Register("ann", {{1, 2, 3}, {4, 5, 6}}).ok());
+    ASSERT_TRUE(g->Register("bob", {{0, 0, 1}}).ok());
+  }
   const std::string whole = ReadAll(file);
-  // 12-byte magic + dimension + users + id length + "ann" + faces + 2 x 3 floats.
-  ASSERT_EQ(whole.size(), 12u + 4 + 4 + 4 + 3 + 4 + 24);
-  for (size_t n = 1; n < whole.size(); ++n) {  // (an empty file stores nothing)
+  const std::string ann = Record("ann", {{1, 2, 3}, {4, 5, 6}}), bob = Record("bob", {{0, 0, 1}});
+  ASSERT_EQ(whole, std::string("QUERNFACES2\n") + ann + bob);
+  // Cut anywhere in bob's record (a stop while it was appended): bob is
+  // dropped, ann kept, and the next record goes where bob's began.
+  for (size_t n = whole.size() - bob.size() + 1; n < whole.size(); ++n) {
     std::ofstream(file, std::ios::binary | std::ios::trunc) << whole.substr(0, n);
     auto g = FaceGallery::Open({}, FileFaceStore(file));
-    EXPECT_FALSE(g.has_value()) << "cut at " << n;
-    if (!g) {
-      EXPECT_NE(g.error().message().find("faces.bin"), std::string::npos) << g.error().message();
-    }
+    ASSERT_TRUE(g.has_value()) << "cut at " << n << ": " << g.error().ToString();
+    EXPECT_EQ((*g)->Users(), (std::vector<std::string>{"ann"})) << n;
   }
-  std::ofstream(file, std::ios::binary | std::ios::trunc) << whole << "x";
-  EXPECT_FALSE(FaceGallery::Open({}, FileFaceStore(file)).has_value());
-  std::string huge = whole;
-  huge[12] = '\xff';  // a dimension of 255 + ...: the faces no longer fit the file
-  huge[13] = '\xff';
-  std::ofstream(file, std::ios::binary | std::ios::trunc) << huge;
+  {
+    auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
+    ASSERT_TRUE(g->Register("cat", {{1, 1, 0}}).ok());
+  }
+  EXPECT_EQ(ReadAll(file), std::string("QUERNFACES2\n") + ann + Record("cat", {{1, 1, 0}}));
+  // The last record's bytes overwritten (its checksum fails at the end): dropped too.
+  std::string flipped = whole;
+  flipped[flipped.size() - 1] ^= 0x40;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << flipped;
+  EXPECT_EQ((*FaceGallery::Open({}, FileFaceStore(file)))->Users(), (std::vector<std::string>{"ann"}));
+  // Anywhere before the last record, a wrong byte is damage: refused, naming the file and the record.
+  // (12: the first record's length, 16: its complement, 20: its checksum, 24 on: its payload.)
+  for (size_t at : {size_t{12}, size_t{13}, size_t{16}, size_t{20}, size_t{24}, size_t{12 + ann.size() - 1}}) {
+    std::string damaged = whole;
+    damaged[at] ^= 0x40;
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << damaged;
+    auto g = FaceGallery::Open({}, FileFaceStore(file));
+    ASSERT_FALSE(g.has_value()) << at;
+    EXPECT_NE(g.error().message().find("faces.bin"), std::string::npos) << g.error().message();
+  }
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << "QUERNFACES9\n" << ann;
   EXPECT_FALSE(FaceGallery::Open({}, FileFaceStore(file)).has_value());
 }
 
-// One store that several galleries (instances) share, as they share Redis.
+TEST(FaceGallery, TheEarlierWholeFileIsReadAndRewrittenAsALogAtTheFirstChange) {
+  TempDir dir;
+  const auto file = dir.path() / "faces.bin";
+  // The earlier form: magic, u32 dimension, u32 users, per user u32 id
+  // length, id, u32 faces, the faces.
+  auto u32 = [](std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); };
+  std::string old = "QUERNFACES1\n";
+  u32(old, 2);
+  u32(old, 2);
+  for (const auto& [id, f] : {std::pair<std::string, std::vector<float>>{"ann", {1, 0}}, {"bob", {0, 1}}}) {
+    u32(old, static_cast<uint32_t>(id.size()));
+    old += id;
+    u32(old, 1);
+    old.append(reinterpret_cast<const char*>(f.data()), 8);
+  }
+  std::ofstream(file, std::ios::binary) << old;
+  {
+    auto g = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
+    EXPECT_EQ(g->Users(), (std::vector<std::string>{"ann", "bob"}));
+    EXPECT_EQ(g->Current()->Closest(std::vector<float>{0, 2})->userid, "bob");
+    EXPECT_EQ(ReadAll(file), old);  // read only
+    ASSERT_TRUE(g->Register("cat", {{0.6f, 0.8f}}).ok());
+  }
+  EXPECT_EQ(ReadAll(file), std::string("QUERNFACES2\n") + Record("ann", {{1, 0}}) + Record("bob", {{0, 1}}) +
+                               Record("cat", {{0.6f, 0.8f}}));
+  old.resize(old.size() - 3);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << old;  // the earlier form cut short: refused
+  auto g = FaceGallery::Open({}, FileFaceStore(file));
+  ASSERT_FALSE(g.has_value());
+  EXPECT_NE(g.error().message().find("cut short"), std::string::npos) << g.error().message();
+}
+
+// One store that several galleries (instances) share, as they share Redis:
+// a log of records, every version's.
 struct SharedState {
-  std::string bytes;
-  int64_t version = 0;
+  std::vector<FaceRecord> log;
 };
 class SharedStore : public FaceGalleryStore {
  public:
   explicit SharedStore(std::shared_ptr<SharedState> s) : s_(std::move(s)) {}
-  Result<Stored> Read() override { return Stored{s_->bytes, s_->version}; }
-  Result<int64_t> Version() override { return s_->version; }
-  Result<std::optional<int64_t>> Write(const std::string& bytes, int64_t based_on) override {
+  Result<Records> Read() override {
+    std::map<std::string, std::string> latest;
+    for (const auto& r : s_->log) latest[r.userid] = r.faces;
+    Records out;
+    for (auto& [id, faces] : latest) {
+      if (!faces.empty()) out.records.push_back({id, faces});
+    }
+    out.version = static_cast<int64_t>(s_->log.size());
+    ++reads;
+    return out;
+  }
+  Result<int64_t> Version() override { return static_cast<int64_t>(s_->log.size()); }
+  Result<std::optional<Records>> ChangesSince(int64_t since) override {
+    if (since > static_cast<int64_t>(s_->log.size())) return std::optional<Records>();
+    return std::optional<Records>(
+        Records{std::vector<FaceRecord>(s_->log.begin() + since, s_->log.end()), static_cast<int64_t>(s_->log.size())});
+  }
+  Result<std::optional<int64_t>> Write(const FaceRecord& record, int64_t based_on) override {
     if (before_write) std::exchange(before_write, nullptr)();  // another instance writes first
-    if (based_on != s_->version) return std::optional<int64_t>();
-    s_->bytes = bytes;
-    return std::optional<int64_t>(++s_->version);
+    if (based_on != static_cast<int64_t>(s_->log.size())) return std::optional<int64_t>();
+    s_->log.push_back(record);
+    return std::optional<int64_t>(static_cast<int64_t>(s_->log.size()));
   }
   std::string Describe() const override { return "shared store"; }
+  bool Shared() const override { return true; }
   std::function<void()> before_write;
+  int reads = 0;
 
  private:
   std::shared_ptr<SharedState> s_;
@@ -145,7 +318,9 @@ TEST(FaceGallery, InstancesSharingAStoreLoseNoChange) {
   auto own = std::make_unique<SharedStore>(state);
   SharedStore* store = own.get();
   auto a = std::move(*FaceGallery::Open({}, std::move(own)));
-  auto b = std::move(*FaceGallery::Open({}, std::make_unique<SharedStore>(state)));
+  auto b_own = std::make_unique<SharedStore>(state);
+  SharedStore* b_store = b_own.get();
+  auto b = std::move(*FaceGallery::Open({}, std::move(b_own)));
   // b registers bob between a's read and a's write: a's write is refused,
   // and a applies its change again to what b wrote.
   store->before_write = [&] { ASSERT_TRUE(b->Register("bob", {{0, 1}}).ok()); };
@@ -156,6 +331,42 @@ TEST(FaceGallery, InstancesSharingAStoreLoseNoChange) {
   ASSERT_TRUE(a->Register("cat", {{0.6f, 0.8f}}).ok());
   EXPECT_EQ(b->Users(), (std::vector<std::string>{"ann", "cat"}));
   EXPECT_EQ(b->Current()->Closest(std::vector<float>{0.6f, 0.8f})->userid, "cat");
+  // After the first read, each instance reads only what changed.
+  EXPECT_EQ(store->reads, 1);
+  EXPECT_EQ(b_store->reads, 1);
+  // A user's faces from both instances: each keeps the other's.
+  store->before_write = [&] { ASSERT_TRUE(b->Register("ann", {{0.8f, 0.6f}}).ok()); };
+  ASSERT_TRUE(a->Register("ann", {{0, 1}}).ok());
+  EXPECT_NEAR(b->Current()->Closest(std::vector<float>{0.8f, 0.6f})->similarity, 1.0f, 1e-6);
+  EXPECT_NEAR(b->Current()->Closest(std::vector<float>{0, 1})->similarity, 1.0f, 1e-6);
+}
+
+// A shared store whose writes wait until the test lets them go.
+class SlowStore : public SharedStore {
+ public:
+  using SharedStore::SharedStore;
+  Result<std::optional<int64_t>> Write(const FaceRecord& record, int64_t based_on) override {
+    writing.set_value();
+    release.get_future().wait();
+    return SharedStore::Write(record, based_on);
+  }
+  std::promise<void> writing, release;
+};
+
+TEST(FaceGallery, RecognitionNeverWaitsForAChangeBeingWritten) {
+  auto state = std::make_shared<SharedState>();
+  auto own = std::make_unique<SlowStore>(state);
+  SlowStore* store = own.get();
+  auto g = std::move(*FaceGallery::Open({}, std::move(own)));
+  std::thread registering([&] { EXPECT_TRUE(g->Register("ann", {{1, 0}}).ok()); });
+  store->writing.get_future().wait();
+  // The write is under way and holds the store: recognition answers from the faces as they are.
+  auto now = std::async(std::launch::async, [&] { return g->Current(); });
+  ASSERT_EQ(now.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "recognition waited for the write";
+  EXPECT_TRUE(now.get()->users.empty());
+  store->release.set_value();
+  registering.join();
+  EXPECT_EQ(g->Current()->Closest(std::vector<float>{1, 0})->userid, "ann");
 }
 
 TEST(CropSquare, TheLongerSideCentredAndMovedInsideTheImage) {

@@ -21,6 +21,8 @@ namespace quern {
 class QUERN_CAPABILITY("mutex") Mutex {
  public:
   void Lock() QUERN_ACQUIRE() { mu_.lock(); }
+  // Takes the lock if it is free; whether it did.
+  bool TryLock() QUERN_TRY_ACQUIRE(true) { return mu_.try_lock(); }
   void Unlock() QUERN_RELEASE() { mu_.unlock(); }
   std::mutex& native() { return mu_; }
 

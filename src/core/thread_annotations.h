@@ -17,6 +17,7 @@
 #define QUERN_REQUIRES_SHARED(...) QUERN_THREAD_ANNOTATION_(requires_shared_capability(__VA_ARGS__))
 #define QUERN_ACQUIRE(...) QUERN_THREAD_ANNOTATION_(acquire_capability(__VA_ARGS__))
 #define QUERN_ACQUIRE_SHARED(...) QUERN_THREAD_ANNOTATION_(acquire_shared_capability(__VA_ARGS__))
+#define QUERN_TRY_ACQUIRE(...) QUERN_THREAD_ANNOTATION_(try_acquire_capability(__VA_ARGS__))
 #define QUERN_RELEASE(...) QUERN_THREAD_ANNOTATION_(release_capability(__VA_ARGS__))
 #define QUERN_RELEASE_SHARED(...) QUERN_THREAD_ANNOTATION_(release_shared_capability(__VA_ARGS__))
 #define QUERN_RELEASE_GENERIC(...) QUERN_THREAD_ANNOTATION_(release_generic_capability(__VA_ARGS__))

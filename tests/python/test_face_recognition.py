@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 
 import numpy as np
@@ -54,11 +55,11 @@ def failed(r, words):
     return r
 
 
-def serve(repo, data_dir, *models):
+def serve(repo, data_dir, *models, log=None):
     for m in models or ("faces", "face_descriptor"):
         if not os.path.exists(repo / m):
             shutil.copytree(os.path.join(MODELS, m), repo / m)
-    proc, ports = start_quern(QUERN, str(repo), "--data-dir", str(data_dir))
+    proc, ports = start_quern(QUERN, str(repo), "--data-dir", str(data_dir), log=log)
     return proc, ports["HTTP"]
 
 
@@ -151,15 +152,28 @@ def test_registered_faces_survive_a_restart(tmp_path):
         assert after[0]["userid"] == "obama" and abs(after[0]["confidence"] - before[0]["confidence"]) < 1e-5
     finally:
         stop(proc)
-    # A damaged gallery is refused at start with its name, and left as it is.
+    # The gallery is a log, one record per registration (Grace Hopper's last). Its last record cut
+    # short (the server stopped while writing it, before answering): that registration is dropped,
+    # with a warning, and the rest served.
     gallery = tmp_path / "data" / "faces.bin"
     data = gallery.read_bytes()
     gallery.write_bytes(data[:-100])
+    log = []
+    proc, port = serve(tmp_path / "repo", tmp_path / "data", log=log)
+    try:
+        assert users(port) == ["obama"]
+        assert any("faces.bin" in line and "cut short" in line for line in log), log
+    finally:
+        stop(proc)
+    # Damage before the last record is refused at start with the file's name, and left as it is.
+    damaged = bytearray(data)
+    damaged[40] ^= 0x55  # inside the first record (obama's)
+    gallery.write_bytes(bytes(damaged))
     out = subprocess.run([QUERN, "serve", "--model-repository", str(tmp_path / "repo"), "--data-dir",
                           str(tmp_path / "data"), "--http-port", "0", "--grpc-port", "-1", "--metrics-port", "0"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "faces.bin" in out.stderr and "cut short" in out.stderr, out.stderr
-    assert gallery.read_bytes() == data[:-100]
+    assert out.returncode != 0 and "faces.bin" in out.stderr and "damaged" in out.stderr, out.stderr
+    assert gallery.read_bytes() == bytes(damaged)
 
 
 def test_bad_requests_get_clear_errors_and_lose_nothing(server):
@@ -269,9 +283,22 @@ def test_instances_sharing_redis_share_their_faces(tmp_path):
     for m in ("faces", "face_descriptor"):
         shutil.copytree(os.path.join(MODELS, m), repo / m)
     url = ["--redis-url", redis.url()]
+    # A gallery an earlier release left (one string, "QUERNFACES1\n", u32 dimension, u32 users, per user
+    # u32 id length, id, u32 faces, the faces): moved into the per-user hash when first read.
+    import onnxruntime
+    dim = onnxruntime.InferenceSession(os.path.join(MODELS, "face_descriptor", "1", "model.onnx"),
+                                       providers=["CPUExecutionProvider"]).get_outputs()[0].shape[-1]
+    old = (b"QUERNFACES1\n" + struct.pack("<II", dim, 1) + struct.pack("<I", 6) + b"legacy" + struct.pack("<I", 1) +
+           np.eye(1, dim, dtype="<f4").tobytes())
+    redis.client().set("quern:faces", old)
+    redis.client().set("quern:faces:version", 3)
     (a, ports_a), (b, ports_b) = start_quern(QUERN, str(repo), *url), start_quern(QUERN, str(repo), *url)
     a_port, b_port = ports_a["HTTP"], ports_b["HTTP"]
     try:
+        assert users(b_port) == ["legacy"]
+        assert not redis.client().exists("quern:faces")
+        assert users(a_port) == ["legacy"]
+        ok(form(a_port, "/v1/vision/face/delete", userid="legacy"))
         ok(form(a_port, "/v1/vision/face/register", [("image", photo("obama.jpg"))], userid="obama"))
         found = recognize(b_port, "obama2.jpg")
         assert [f["userid"] for f in found] == ["obama"], found
@@ -306,12 +333,13 @@ def test_instances_sharing_redis_share_their_faces(tmp_path):
         # The gallery gone from Redis while its version stays (evicted, deleted): a registration is
         # refused rather than writing a gallery of one over everyone's faces.
         client = redis.client()
-        saved = client.get("quern:faces")
-        client.delete("quern:faces")
+        assert client.type("quern:faces:users") == b"hash"  # a record per user
+        saved = client.hgetall("quern:faces:users")
+        client.delete("quern:faces:users")
         client.incr("quern:faces:version")
         failed(form(ports["HTTP"], "/v1/vision/face/register", [("image", jpeg)], userid="late"), "missing")
-        assert client.get("quern:faces") is None
-        client.set("quern:faces", saved)
+        assert not client.exists("quern:faces:users")
+        client.hset("quern:faces:users", mapping=saved)
         client.incr("quern:faces:version")
         assert users(ports["HTTP"]) == expected
         # Redis gone: recognition answers from the faces last read; a registration fails plainly.

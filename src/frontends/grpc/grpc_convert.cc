@@ -1,5 +1,8 @@
 #include "frontends/grpc/grpc_convert.h"
 
+#include <google/protobuf/io/coded_stream.h>
+
+#include <algorithm>
 #include <charconv>
 #include <cstring>
 
@@ -223,6 +226,24 @@ void FillStatistics(const ModelStatistics& s, inference::ModelStatistics* out) {
     FillDuration(b.compute_input, bs->mutable_compute_input());
     FillDuration(b.compute_infer, bs->mutable_compute_infer());
     FillDuration(b.compute_output, bs->mutable_compute_output());
+  }
+}
+
+void PeekInferNames(google::protobuf::io::ZeroCopyInputStream* bytes, std::string* model, std::string* id) {
+  google::protobuf::io::CodedInputStream in(bytes);
+  for (int fields = 0; fields < 3; ++fields) {
+    const uint32_t tag = in.ReadTag();
+    const uint32_t number = tag >> 3;
+    uint32_t size = 0;
+    if ((tag & 7) != 2 || number < 1 || number > 3 || !in.ReadVarint32(&size) || size > INT32_MAX) return;
+    const auto kept = static_cast<int>(std::min<uint32_t>(size, 256));
+    std::string* into = number == 1 ? model : number == 3 ? id : nullptr;
+    std::string value;
+    if (into ? !(in.ReadString(&value, kept) && in.Skip(static_cast<int>(size) - kept))
+             : !in.Skip(static_cast<int>(size))) {
+      return;
+    }
+    if (into) *into = std::move(value);
   }
 }
 

@@ -3,6 +3,8 @@
 // grpc_server.cc calls it; tests/fuzz/grpc_convert fuzzes it).
 #pragma once
 
+#include <google/protobuf/io/zero_copy_stream.h>
+
 #include <string>
 
 #include "grpc_service.pb.h"
@@ -14,6 +16,13 @@ namespace quern {
 // A request's model version: "" = the highest ready one (-1), else a
 // positive integer (INVALID_ARGUMENT naming the model otherwise).
 Result<int64_t> ParseModelVersion(const std::string& model, const std::string& version);
+
+// The model name and id of a serialized ModelInferRequest, each cut to 256
+// bytes, read from its first fields without parsing the rest: protobuf
+// writes fields in number order, and these are fields 1 and 3. A message
+// written otherwise (or cut short) leaves what was not found unchanged.
+// Reads at most three fields' heads and 512 bytes of their values.
+void PeekInferNames(google::protobuf::io::ZeroCopyInputStream* bytes, std::string* model, std::string* id);
 
 // A ModelInferRequest as an InferRequest: raw_input_contents are viewed in
 // place (the message must outlive the request), typed contents copied.

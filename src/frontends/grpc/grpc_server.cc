@@ -918,27 +918,6 @@ class HealthService final : public RawService<grpc::health::v1::Health::Service>
   std::set<WatchCall*> watchers_ QUERN_GUARDED_BY(mu_);
 };
 
-// The model name and id of a ModelInferRequest's bytes, each cut to 256
-// bytes, read from its first fields without parsing the rest: protobuf
-// writes fields in number order, and these are fields 1 and 3. A message
-// written otherwise leaves them empty (the access log then names no model).
-void PeekInferNames(grpc::ByteBuffer* bytes, std::string* model, std::string* id) {
-  grpc::ProtoBufferReader reader(bytes);
-  google::protobuf::io::CodedInputStream in(&reader);
-  for (int fields = 0; fields < 3; ++fields) {
-    const uint32_t tag = in.ReadTag();
-    const uint32_t number = tag >> 3;
-    uint32_t size = 0;
-    if ((tag & 7) != 2 || number < 1 || number > 3 || !in.ReadVarint32(&size)) return;
-    const uint32_t kept = std::min<uint32_t>(size, 256);
-    std::string* into = number == 1 ? model : number == 3 ? id : nullptr;
-    if (into ? !(in.ReadString(into, static_cast<int>(kept)) && in.Skip(static_cast<int>(size - kept)))
-             : !in.Skip(static_cast<int>(size))) {
-      return;
-    }
-  }
-}
-
 // The access log's record of one call, written when gRPC destroys the
 // interceptor (the call is over).
 class AccessLogInterceptor final : public grpc::experimental::Interceptor {
@@ -968,7 +947,8 @@ class AccessLogInterceptor final : public grpc::experimental::Interceptor {
     if (infer_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (auto* bytes = static_cast<grpc::ByteBuffer*>(methods->GetRecvMessage())) {
         std::string id;
-        PeekInferNames(bytes, &model_, &id);
+        grpc::ProtoBufferReader reader(bytes);
+        PeekInferNames(&reader, &model_, &id);
         if (UsableRequestId(id)) request_id_ = std::move(id);  // before the metadata's, as the engine does
       }
     }
