@@ -131,5 +131,47 @@ TEST(JobHandler, WithKeysAJobIsOnlyItsSubmittersToReadAndCancel) {
   EXPECT_EQ(call("GET", "/v2/jobs/" + id, "key-a").status, 200);
 }
 
+TEST(JobHandler, InMemoryAJobFromBeforeTheServerStartedIsGoneNotUnknown) {
+  FakeClock clock(1'000'000'000, 1'772'600'767'089'000'000);  // wall clock 1'772'600'767'089 ms
+  auto engine = Engine::Create({.clock = &clock});
+  ASSERT_TRUE(engine.has_value());
+  ASSERT_TRUE(RegisterEcho(**engine).ok());
+  MemoryResultStoreOptions so;
+  so.clock = &clock;
+  MemoryResultStore store(so);
+  JobHandler jobs(engine->get(), &store);
+  // A job accepted by the process before this one: its result was in memory.
+  const std::string before = NewJobId(1'772'600'767'089 - 60'000);
+  for (const char* method : {"GET", "DELETE"}) {
+    HttpResponse r = Call(jobs, method, "/v2/jobs/" + before);
+    EXPECT_EQ(r.status, 410) << method << " " << r.body;
+    EXPECT_NE(r.body.find("the server restarted after this job was accepted; its result is lost"), std::string::npos)
+        << r.body;
+  }
+  // Never issued: unknown, not gone.
+  clock.AdvanceUs(5'000'000);
+  for (const std::string& id : {NewJobId(1'772'600'767'089 + 1'000), std::string("nope")}) {
+    HttpResponse r = Call(jobs, "GET", "/v2/jobs/" + id);
+    EXPECT_EQ(r.status, 404) << r.body;
+  }
+  // The acceptance says the job lives in this process only.
+  HttpResponse submitted = Call(jobs, "POST", "/v2/models/echo/jobs",
+                                R"({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [2.5]}]})");
+  ASSERT_EQ(submitted.status, 202) << submitted.body;
+  rapidjson::Document d;
+  d.Parse(submitted.body.c_str());
+  ASSERT_TRUE(d.HasMember("durable")) << submitted.body;
+  EXPECT_FALSE(d["durable"].GetBool());
+  // (Its callback must come before the store and the handler go.)
+  const std::string id = d["job_id"].GetString();
+  std::string status;
+  for (int i = 0; i < 5000 && status != "done"; ++i) {
+    d.Parse(Call(jobs, "GET", "/v2/jobs/" + id).body.c_str());
+    status = d["status"].GetString();
+    if (status != "done") std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(status, "done");
+}
+
 }  // namespace
 }  // namespace quern

@@ -84,6 +84,7 @@ class RedisResultStore final : public ResultStore {
   Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
   Status Health() const override;
   Status CanAccept() const override;
+  bool Durable() const override { return true; }
 
   // Blocks until everything queued so far is written, or `timeout` passes.
   bool Flush(std::chrono::milliseconds timeout);

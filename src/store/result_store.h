@@ -3,7 +3,8 @@
 //
 // A ResultStore holds finished jobs (done, failed or cancelled) by id. Two
 // implementations: MemoryResultStore (embedded, the default: bounded by
-// bytes, oldest finished results evicted first, TTL) and, later, Redis.
+// bytes, oldest finished results evicted first, TTL; lost on restart) and
+// RedisResultStore (store/redis_store.h).
 //
 // Thread safety: every method may be called from any thread.
 #pragma once
@@ -89,6 +90,9 @@ class ResultStore {
   // OK, or UNAVAILABLE when the store cannot take more results now (new
   // jobs are then refused rather than finished results dropped).
   virtual Status CanAccept() const { return Status::Ok(); }
+
+  // Whether results outlive this process (Redis: yes; memory: no).
+  virtual bool Durable() const = 0;
 };
 
 struct MemoryResultStoreOptions {
@@ -113,6 +117,7 @@ class MemoryResultStore final : public ResultStore {
   void Put(std::vector<std::shared_ptr<const JobRecord>> records) override;
   Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
   Status Health() const override { return Status::Ok(); }
+  bool Durable() const override { return false; }
 
   size_t bytes() const;
   size_t size() const;

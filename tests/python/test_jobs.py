@@ -179,6 +179,32 @@ def test_unknown_and_malformed_ids(server):
     assert status == 404
 
 
+def test_in_memory_jobs_from_before_a_restart_are_gone_not_unknown(repo):
+    """Without Redis a job lives in the process: the 202 says "durable": false, and after a restart
+    its id answers 410 with the reason, while an id never issued answers 404."""
+    proc, port, _ = start(repo)
+    try:
+        status, _, data = request(port, "POST", "/v2/models/add_sub/jobs",
+                                  add_sub_body(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32)))
+        job = json.loads(data)
+        assert status == 202 and job["durable"] is False, data
+        wait_finished(port, job["job_id"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    proc, port, _ = start(repo)
+    try:
+        for method in ("GET", "DELETE"):
+            status, _, data = request(port, method, f"/v2/jobs/{job['job_id']}")
+            assert status == 410, (method, status, data)
+            assert "the server restarted after this job was accepted; its result is lost" in json.loads(data)["error"]
+        never = f"{int(time.time() * 1000) + 60_000:012x}-{'0' * 32}"
+        assert request(port, "GET", f"/v2/jobs/{never}")[0] == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_failed_job_keeps_its_error(server):
     # fail_on_3 reshapes x to [N, 4]: an input of [1, 3] fails inside ONNX Runtime.
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1.0, 2.0, 3.0]}]}
@@ -264,10 +290,14 @@ def test_ttl_and_eviction(repo):
         time.sleep(1.3)
         status, _, data = request(port, "GET", f"/v2/jobs/{later[-1]}")
         assert status == 404 and "expired" in json.loads(data)["error"]
-        # An id from more than a TTL ago that this server never held also reads as expired.
+        # An id from more than a TTL ago that this server never held also reads as expired...
+        never_held = f"{int(first.split('-')[0], 16) + 1:012x}-{'0' * 32}"
+        status, _, data = request(port, "GET", f"/v2/jobs/{never_held}")
+        assert status == 404 and "expired" in json.loads(data)["error"], data
+        # ... and one from before the server started as gone with the process before it.
         old = f"{int(time.time() * 1000) - 60_000:012x}-0123456789abcdef"
         status, _, data = request(port, "GET", f"/v2/jobs/{old}")
-        assert status == 404 and "expired" in json.loads(data)["error"]
+        assert status == 410 and "restarted" in json.loads(data)["error"], data
         text = request(metrics, "GET", "/metrics")[2].decode()
         assert re.search(r'^quern_jobs_finished_total\{status="done"\} 9$', text, re.M), text
         assert re.search(r"^quern_jobs_submitted_total 9$", text, re.M)

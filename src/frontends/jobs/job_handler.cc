@@ -97,6 +97,7 @@ Counter& FinishedCounter(MetricsRegistry& metrics, const char* status) {
 JobHandler::JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metrics)
     : engine_(engine),
       store_(store),
+      started_ms_(engine->clock().WallMs()),
       own_metrics_(metrics ? nullptr : std::make_unique<MetricsRegistry>()),
       metrics_(metrics ? *metrics : *own_metrics_),
       submitted_(metrics_.AddCounter("quern_jobs_submitted_total", "Asynchronous jobs accepted.")),
@@ -223,6 +224,8 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   String(w, job->id);
   w.Key("status");
   w.String("queued");
+  w.Key("durable");  // the job is queued in this process: it dies with it
+  w.Bool(false);
   w.EndObject();
   HttpResponse resp = JsonResponse(202, buf);
   resp.headers.emplace_back("Location", "/v2/jobs/" + job->id);
@@ -289,7 +292,7 @@ void JobHandler::Get(const std::string& id, const std::string& owner, std::strin
     return done(st.ok() ? JsonResponse(200, buf) : ErrorResponse(st));
   }
   auto stored = store_->Get(id);
-  if (!stored) return done(ErrorResponse(stored.error()));
+  if (!stored) return done(NotStored(id, stored.error()));
   if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
   const JobRecord& rec = **stored;
   KServeOutputFormat format;
@@ -306,6 +309,22 @@ void JobHandler::Get(const std::string& id, const std::string& owner, std::strin
   done(KServeBody(200, buf, binary_parts));
 }
 
+HttpResponse JobHandler::NotStored(const std::string& id, const Status& not_found) const {
+  const int64_t submitted_ms = JobIdSubmittedMs(id);
+  if (not_found.code() != StatusCode::kNotFound || store_->Durable() || submitted_ms < 0 ||
+      submitted_ms >= started_ms_) {
+    return ErrorResponse(not_found);
+  }
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("error");
+  String(w, "job '" + id + "': the server restarted after this job was accepted; its result is lost (results are "
+                "kept in memory; with --redis-url they outlive a restart)");
+  w.EndObject();
+  return JsonResponse(410, buf);
+}
+
 void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
@@ -315,7 +334,7 @@ void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDon
   if (pending && !pending->owner.empty() && pending->owner != owner) return done(ErrorResponse(NoJob(id)));
   if (!pending) {
     auto stored = store_->Get(id);
-    if (!stored) return done(ErrorResponse(stored.error()));
+    if (!stored) return done(NotStored(id, stored.error()));
     if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
     return done(Conflict("job '" + id + "' has already finished (" + std::string(JobStateName((*stored)->state)) +
                          "); only a queued job can be cancelled"));

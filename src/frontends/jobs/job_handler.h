@@ -15,6 +15,11 @@
 // when the submission asked for them or when the query says
 // ?binary_data_output=true.
 //
+// A job is queued in this process, and dies with it: the 202 says
+// "durable": false. With a store that keeps no result past the process
+// (memory), an id issued before the process started (ids carry their
+// submission time) answers 410 Gone, where an id never issued answers 404.
+//
 // Thread safety: Handle may be called from any number of threads. The
 // engine must be drained (its callbacks delivered) before the handler is
 // destroyed; the store must outlive the handler.
@@ -72,8 +77,13 @@ class JobHandler {
   void Cancel(const std::string& id, const std::string& owner, HttpDone done);
   void Complete(const std::shared_ptr<Pending>& job, InferResponse&& response);
 
+  // The store's answer for `id` not found there: 410 Gone for an id issued
+  // before this handler started when the store is not durable.
+  HttpResponse NotStored(const std::string& id, const Status& not_found) const;
+
   Engine* engine_;
   ResultStore* store_;
+  const int64_t started_ms_;  // wall clock, when the handler was made
   std::function<std::string(const HttpRequest&)> owner_of_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry& metrics_;
