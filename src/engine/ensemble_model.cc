@@ -1,6 +1,7 @@
 #include "engine/ensemble_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <optional>
 
@@ -13,6 +14,11 @@ class EnsembleModel::Run {
  public:
   uint64_t id = 0;
   InferRequest request;  // without its inputs (they are in `values`)
+  // The caller's name for the request (metadata "request_id"), given to
+  // every step; empty = none. Set before the first step is launched.
+  std::string request_id;
+  // Whether request.on_start was called (by the first step to run).
+  std::atomic<bool> started{false};
   OutputIndices output_indices;
   InferCallback done;
   Mutex mu;
@@ -285,6 +291,9 @@ Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferC
     return st;
   }
   run->id = request_id;
+  for (const auto& [k, v] : request.metadata) {
+    if (k == "request_id") run->request_id = v;
+  }
   std::vector<NamedTensor> inputs = std::move(request.inputs);
   request.inputs.clear();
   run->request = std::move(request);
@@ -377,6 +386,14 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       r.timeout_us = run->request.timeout_us;
       r.deadline_ns = run->request.deadline_ns;
       r.cancel = run->request.cancel;
+      // A step is the caller's request, under its name (a Python step's
+      // request_id()); the first step to run starts the ensemble's request.
+      if (!run->request_id.empty()) r.metadata.emplace_back("request_id", run->request_id);
+      if (run->request.on_start) {
+        r.on_start = [run] {
+          if (!run->started.exchange(true, std::memory_order_relaxed)) run->request.on_start();
+        };
+      }
       // Admission is decided at the first steps: a request inside the
       // ensemble is not refused later for the queue's length (that would
       // throw away the work done), though queue sizes, timeouts and

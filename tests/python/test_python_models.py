@@ -1,6 +1,7 @@
 """Python models (backend "python") served by a real `quern serve`, driven by the real tritonclient
 (HTTP and gRPC). Every model.py is written by the test; expected values are computed here with numpy.
 A Triton Python-backend model runs unchanged; crashes, hangs and exceptions stay inside their batch."""
+import http.client as http_client
 import json
 import os
 import signal
@@ -211,6 +212,16 @@ def served(tmp_path_factory):
     write_model(repo, "strings", STRINGS_CONFIG, STRINGS)
     write_model(repo, "mirror", MIRROR_CONFIG, MIRROR)
     write_model(repo, "ids", IDS_CONFIG, IDS)
+    # An ensemble whose one step is "ids": its request's id reaches the step.
+    os.makedirs(repo / "ids_ensemble" / "1", exist_ok=True)
+    (repo / "ids_ensemble" / "config.pbtxt").write_text(textwrap.dedent('''
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "id" data_type: TYPE_STRING dims: [ 1 ] } ]
+        ensemble_scheduling { step [ { model_name: "ids" model_version: -1
+          input_map { key: "x" value: "x" } output_map { key: "id" value: "id" } } ] }
+        '''))
     # A model importing a module beside model.py, run by the test's own interpreter (a venv).
     write_model(repo, "venv", '''
         backend: "python"
@@ -450,6 +461,32 @@ def test_each_request_in_a_batch_has_its_own_request_id(served):
     assert grpc(served).infer("ids", x(grpcclient), request_id="g-1").as_numpy("id").ravel()[0] == b"g-1"
     assert client.infer("ids", x(httpclient), headers={"X-Request-ID": "hdr-2"}).as_numpy("id").ravel()[0] == b"hdr-2"
     assert client.infer("ids", x(httpclient)).as_numpy("id").ravel()[0] == b""
+
+
+def test_a_step_of_an_ensemble_sees_the_request_id_and_a_job_its_job_id(served):
+    i = httpclient.InferInput("x", [1, 1], "FP32")
+    i.set_data_from_numpy(np.zeros((1, 1), np.float32))
+    r = http(served).infer("ids_ensemble", [i], request_id="ens-7")
+    assert r.as_numpy("id").ravel()[0] == b"ens-7"
+    # A job through the ensemble: the step's request_id() is the job id, and the job has started.
+    port = served["ports"]["HTTP"]
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [0]}]})
+    c = http_client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/v2/models/ids_ensemble/jobs", body=body)
+    answer = c.getresponse()
+    job_id = json.loads(answer.read())["job_id"]
+    assert answer.status == 202
+    deadline = time.time() + 30
+    while True:
+        c.request("GET", f"/v2/jobs/{job_id}")
+        job = json.loads(c.getresponse().read())
+        if job["status"] not in ("queued", "running") or time.time() > deadline:
+            break
+        time.sleep(0.02)
+    c.close()
+    assert job["status"] == "done", job
+    assert job["result"]["outputs"][0]["data"] == [job_id], job
+    assert job["started"] and job["submitted"] <= job["started"] <= job["finished"], job
 
 
 def strings_request(served, words):
