@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <optional>
 #include <set>
 
 #include "core/log.h"
@@ -62,6 +63,10 @@ class Reader {
  private:
   std::string_view data_;
 };
+
+bool AllZero(std::string_view bytes) {
+  return std::all_of(bytes.begin(), bytes.end(), [](char c) { return c == 0; });
+}
 
 // FNV-1a: tells a record written whole from one cut short or overwritten.
 uint32_t Checksum(std::string_view data) {
@@ -140,6 +145,13 @@ class FileStore : public FaceGalleryStore {
     }
     whole_form_ = loaded.whole_form;
     log_bytes_ = loaded.good_bytes;
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    if (!whole_form_ && log_bytes_ > 0) {
+      // Appended to from the next change on (a record cut short is cut off
+      // first); -1: the next change writes the log whole.
+      fd_ = ::open(file_.c_str(), O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);
+    }
     live_.clear();
     live_bytes_ = 0;
     Records out;
@@ -181,14 +193,19 @@ class FileStore : public FaceGalleryStore {
     bool whole_form = false;                   // the earlier whole-file form
   };
 
-  // The file as it is on disk (nothing: no file, or an empty one).
-  Result<Loaded> Load() const {
+  // The file as it is on disk (nothing: no file, or an empty one), its
+  // first `limit` bytes when given (a log's: what this store wrote and
+  // flushed; past it only what a failed append left).
+  Result<Loaded> Load(std::optional<uint64_t> limit = std::nullopt) const {
     Loaded out;
     std::error_code ec;
     if (!std::filesystem::exists(file_, ec)) return out;
     std::ifstream in(file_, std::ios::binary);
     if (!in) return std::unexpected(Unavailable(Describe() + " cannot be read"));
-    const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (limit && data.starts_with(kLogMagic) && *limit >= kLogMagic.size() && *limit < data.size()) {
+      data.resize(*limit);
+    }
     if (data.empty()) return out;
     if (std::string_view(data).starts_with(kWholeMagic)) {
       QUERN_ASSIGN_OR_RETURN(std::vector<FaceRecord> records, ParseWholeGallery(data, Describe()));
@@ -214,7 +231,18 @@ class FileStore : public FaceGalleryStore {
         out.torn_bytes = data.size() - at;
         break;
       }
-      if (static_cast<uint32_t>(length) != ~static_cast<uint32_t>(complement)) return damaged();
+      if (static_cast<uint32_t>(length) != ~static_cast<uint32_t>(complement)) {
+        // A header written in part (zeros where the rest did not reach the
+        // disk) leaves a length no reading of which fits the file; a length
+        // damaged in place still has its complement to fit.
+        const size_t room = data.size() - at - kRecordHeaderBytes;
+        if (!AllZero(std::string_view(data).substr(at)) &&
+            (length <= room || static_cast<size_t>(~static_cast<uint32_t>(complement)) <= room)) {
+          return damaged();
+        }
+        out.torn_bytes = data.size() - at;
+        break;
+      }
       if (!r.Bytes(length, payload) || (Checksum(payload) != sum && r.done())) {
         out.torn_bytes = data.size() - at;
         break;
@@ -277,7 +305,7 @@ class FileStore : public FaceGalleryStore {
   // Writes the log whole, its latest records with `record` applied, beside
   // the file, flushes it and renames it over the file.
   Status Compact(const FaceRecord& record) {
-    QUERN_ASSIGN_OR_RETURN(Loaded loaded, Load());
+    QUERN_ASSIGN_OR_RETURN(Loaded loaded, Load(whole_form_ ? std::nullopt : std::optional<uint64_t>(log_bytes_)));
     if (record.faces.empty()) {
       loaded.latest.erase(record.userid);
     } else {
@@ -299,19 +327,20 @@ class FileStore : public FaceGalleryStore {
       ::unlink(tmp.c_str());
     }
     if (failed != 0) return Unavailable(Describe() + " cannot be written: " + std::strerror(failed));
-    // The rename itself reaches the disk with the folder's entry.
-    if (const int dir = ::open(file_.parent_path().empty() ? "." : file_.parent_path().c_str(),
-                               O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        dir >= 0) {
-      ::fsync(dir);
-      ::close(dir);
-    }
     if (fd_ >= 0) ::close(fd_);
     fd_ = ::open(file_.c_str(), O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);  // -1: the next change compacts
     whole_form_ = false;
     log_bytes_ = out.size();
     live_ = std::move(live);
     live_bytes_ = live_bytes;
+    // The rename itself reaches the disk with the folder's entry: until it
+    // has, a stop could bring the file before it back, so the change is not
+    // answered as stored.
+    const int dir = ::open(file_.parent_path().empty() ? "." : file_.parent_path().c_str(),
+                           O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0 || ::fsync(dir) != 0) failed = errno;
+    if (dir >= 0) ::close(dir);
+    if (failed != 0) return Unavailable(Describe() + "'s folder cannot be flushed: " + std::strerror(failed));
     return Status::Ok();
   }
 
@@ -468,9 +497,13 @@ Status FaceGallery::Delete(const std::string& userid) {
 
 std::shared_ptr<const FaceSet> FaceGallery::Current() {
   if (store_ && store_->Shared()) {
-    // A change being written (or a read under way) holds the store: the
-    // faces as they are now are answered without waiting for it.
-    if (store_mu_.TryLock()) {
+    if (!read_once_.load(std::memory_order_acquire)) {
+      // Nothing read yet: the empty gallery is no answer.
+      MutexLock lock(store_mu_);
+      if (const Status st = Sync(); !st.ok()) Warn(st);
+    } else if (store_mu_.TryLock()) {
+      // Else a change being written (or a read under way) holds the store:
+      // the faces as they are now are answered without waiting for it.
       const Status st = Sync();
       store_mu_.Unlock();
       if (!st.ok()) Warn(st);
@@ -539,6 +572,7 @@ Status FaceGallery::Sync() {
   QUERN_ASSIGN_OR_RETURN(std::shared_ptr<const FaceSet> next, Apply(FaceSet(), all.records, store_->Describe()));
   Publish(std::move(next));
   version_ = all.version;
+  read_once_.store(true, std::memory_order_release);
   return Status::Ok();
 }
 

@@ -78,12 +78,15 @@ class FaceGalleryStore {
 
 // A file written by this process alone, as a log: each change appended as
 // one record (length, checksum, user, faces) and flushed to disk (fdatasync)
-// before the change is answered. Once the log holds more than twice the
+// before the change is answered (a new log, or one rewritten, is renamed
+// into place and its folder flushed). Once the log holds more than twice the
 // bytes its latest records need (and at least 1 MiB), it is compacted:
 // written whole beside itself, flushed and renamed over it. A record the
-// process was still appending when it died (cut short, or its checksum
-// wrong, at the end of the file) was never answered: it is dropped, with a
-// warning. Any other damage fails Open. Mode 0600. A gallery file in the
+// process was still appending when it died (cut short, zeros, or its
+// checksum wrong, at the end of the file) was never answered: it is
+// dropped, with a warning (a last record damaged after it was stored cannot
+// be told from one cut short: it is dropped too). Any other damage fails
+// Open. Mode 0600. A gallery file in the
 // earlier whole-file form ("QUERNFACES1") is read, and rewritten as a log at
 // the first change.
 std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file);
@@ -140,7 +143,8 @@ class FaceGallery {
   Status Delete(const std::string& userid);
   // The faces now: a shared store's changes are read first (one question
   // to the store), unless a change is being written (then the faces as they
-  // were) or the store cannot be reached (the faces last read).
+  // were; before the store was first read, it waits for it) or the store
+  // cannot be reached (the faces last read).
   std::shared_ptr<const FaceSet> Current();
   std::vector<std::string> Users();
 
@@ -170,6 +174,7 @@ class FaceGallery {
   int64_t version_ QUERN_GUARDED_BY(store_mu_) = -1;  // the store's version faces_ holds; -1 = not read yet
   Mutex mu_;                                          // held only to swap or copy faces_
   std::shared_ptr<const FaceSet> faces_ QUERN_GUARDED_BY(mu_);
+  std::atomic<bool> read_once_{false};  // the store was read whole once (faces_ is what it holds)
   std::atomic<int64_t> last_warning_s_{0};
 };
 

@@ -78,8 +78,8 @@ Status RedisFaceStore::Missing(int64_t version) const {
   // Written once, gone now (evicted by maxmemory, deleted): an empty
   // gallery written over it would lose every instance's faces.
   return InvalidArgument(Describe() + ": the gallery is missing while its version is " + std::to_string(version) +
-                         " (evicted or deleted?); restore " + users_key_ + ", or delete " + version_key_ +
-                         " to start an empty gallery");
+                         " (evicted or deleted?); restore " + users_key_ + ", or delete " + version_key_ + " and " +
+                         changes_key_ + " to start an empty gallery");
 }
 
 Result<FaceGalleryStore::Records> RedisFaceStore::Read() {
@@ -254,13 +254,20 @@ Result<int64_t> RedisFaceStore::Version() {
 
 Result<std::optional<int64_t>> RedisFaceStore::Write(const FaceRecord& record, int64_t based_on) {
   QUERN_ASSIGN_OR_RETURN(RedisConnection * c, Connection());
+  // The hash is watched too: a version that stayed while the hash went
+  // (evicted, deleted) must not let one user's record start a new one.
   RedisPipeline watch;
-  watch.Add({"WATCH", version_key_});
+  watch.Add({"WATCH", version_key_, users_key_});
   watch.Add({"GET", version_key_});
+  watch.Add({"HEXISTS", users_key_, kWrittenField});
   auto seen = c->Execute(watch);
   if (!seen) return std::unexpected(Failed(seen.error()));
-  auto version = VersionOf(seen->back());
+  auto version = VersionOf((*seen)[1]);
   if (!version) return std::unexpected(Failed(version.error()));  // the WATCH goes with the connection
+  if (*version > 0 && (*seen)[2].integer != 1) {
+    conn_.reset();  // and the WATCH with it
+    return std::unexpected(Missing(*version));
+  }
   if (*version != based_on) {
     RedisPipeline unwatch;
     unwatch.Add({"UNWATCH"});

@@ -342,6 +342,14 @@ def test_instances_sharing_redis_share_their_faces(tmp_path):
         client.hset("quern:faces:users", mapping=saved)
         client.incr("quern:faces:version")
         assert users(ports["HTTP"]) == expected
+        # The hash gone while the version stays as this instance last read it: a registration is
+        # refused too (it would start a gallery of one).
+        client.delete("quern:faces:users")
+        failed(form(ports["HTTP"], "/v1/vision/face/register", [("image", jpeg)], userid="late"), "missing")
+        assert not client.exists("quern:faces:users")
+        client.hset("quern:faces:users", mapping=saved)
+        client.incr("quern:faces:version")
+        assert users(ports["HTTP"]) == expected
         # Redis gone: recognition answers from the faces last read; a registration fails plainly.
         redis.stop()
         assert recognize(ports["HTTP"], "obama3.jpg")[0]["userid"] == "obama"

@@ -253,6 +253,35 @@ def test_health_follows_readiness_of_every_model(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_health_watches_left_before_their_request_do_not_harm_the_server(server):
+    """Watch calls whose client leaves before sending its request (the read ends, and the call is
+    cancelled: both must come to one end of the call), and watches cancelled at once."""
+    import threading
+    with grpc.insecure_channel(server) as ch:
+        watch = ch.stream_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                                 response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        for _ in range(50):
+            never = threading.Event()
+
+            def nothing():
+                never.wait(5)
+                return
+                yield  # a generator that sends no message
+
+            call = watch(nothing())
+            call.cancel()
+            never.set()
+        for _ in range(50):
+            stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=0.002)
+            try:
+                for _ in stream:
+                    pass
+            except grpc.RpcError:
+                pass
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_unimplemented_rpcs_say_so(server):
     c = grpcclient.InferenceServerClient(server)
     with pytest.raises(InferenceServerException) as e:

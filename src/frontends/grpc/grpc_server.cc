@@ -826,8 +826,10 @@ class HealthService final : public RawService<grpc::health::v1::Health::Service>
       grpc::health::v1::HealthCheckRequest in;
       if (!ok || !grpc::SerializationTraits<grpc::health::v1::HealthCheckRequest>::Deserialize(&request_bytes_, &in)
                       .ok()) {
-        return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                   "the request is not a valid message for /grpc.health.v1.Health/Watch"));
+        // (A client that left makes both this and OnCancel run: one Finish.)
+        MutexLock lock(mu_);
+        return FinishLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         "the request is not a valid message for /grpc.health.v1.Health/Watch"));
       }
       Watch(Known(in.service()));
     }
