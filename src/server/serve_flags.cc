@@ -120,6 +120,12 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                     "Deliveries of a failing job before it moves to quern:dead:{model}");
   serve->add_option("--consume-max-inflight", o.consumer.max_inflight,
                     "Jobs taken from the streams and not yet finished (0 = 2 x batch size x instances)");
+  serve
+      ->add_option_function<int64_t>(
+          "--stream-retain-secs", [&o](int64_t secs) { o.consumer.stream_retain_ms = secs * 1000; },
+          "Keep job stream entries every consumer group acknowledged this long before trimming them (0 = trim "
+          "at once)")
+      ->check(CLI::Range(int64_t{0}, int64_t{10} * 365 * 24 * 3600));
   serve->add_option("--metrics-port", o.metrics.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
 
   serve

@@ -352,6 +352,56 @@ def test_stream_results_and_one_round_trip_per_batch(repo, redis_server):
         q.stop()
 
 
+def test_the_stream_keeps_only_what_a_group_still_needs(repo, redis_server):
+    """10,000 jobs through one stream: entries every group has acknowledged are trimmed as the
+    consumer goes, so XLEN stays bounded (at most a node of 100 entries and what is not yet
+    acknowledged, and the 1,000 acknowledged between two trims); a group that has read nothing
+    holds everything; --stream-retain-secs keeps the
+    acknowledged entries of that long."""
+    r = redis_server.client()
+    one = np.ones((1, 4), np.float32)
+    body = json.dumps(add_sub_body(one, one))
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub")
+    try:
+        wait_until(lambda: r.exists("quern:jobs:add_sub") and r.xinfo_groups("quern:jobs:add_sub"),
+                   what="the consumer group")
+        longest = 0
+        for chunk in range(20):  # 20 x 500 jobs, each chunk added at once
+            p = r.pipeline(transaction=False)
+            for k in range(500):
+                p.xadd("quern:jobs:add_sub", {"id": f"trim-{chunk}-{k}", "body": body})
+            p.execute()
+            wait_until(lambda: r.xpending("quern:jobs:add_sub", "quern")["pending"] == 0 and
+                       r.xinfo_groups("quern:jobs:add_sub")[0]["lag"] == 0, timeout=60, what="the chunk's jobs")
+            longest = max(longest, r.xlen("quern:jobs:add_sub"))
+        wait_until(lambda: r.xlen("quern:jobs:add_sub") <= 100, timeout=10, what="the stream trimmed")
+        print(f"10,000 jobs: XLEN at most {longest} after a chunk, {r.xlen('quern:jobs:add_sub')} at the end")
+        # A chunk of 500, the 1,000 acknowledged between two trims, a node of 100 a trim leaves.
+        assert longest <= 1600, longest
+        assert stored(r, "trim-19-499")["status"] == "done"
+        wait_until(lambda: (q.metric('quern_stream_trimmed_total{model="add_sub"}') or 0) >= 9900,
+                   what="the trimmed counter")
+        # Another group that has read nothing: nothing it still needs is trimmed.
+        r.xgroup_create("quern:jobs:add_sub", "audit", id="0")
+        before = r.xlen("quern:jobs:add_sub")
+        ids = xadd_jobs(r, "add_sub", [add_sub_body(one, one)] * 300, "held")
+        wait_until(lambda: all(stored(r, j) for j in ids), what="the held jobs")
+        time.sleep(2.5)  # two trims
+        assert r.xlen("quern:jobs:add_sub") == before + 300
+    finally:
+        q.stop()
+    r.delete("quern:jobs:add_sub")
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume", "--consume-models", "add_sub",
+              "--stream-retain-secs", "3600")
+    try:
+        ids = xadd_jobs(r, "add_sub", [add_sub_body(one, one)] * 300, "kept")
+        wait_until(lambda: all(stored(r, j) for j in ids), what="the kept jobs")
+        time.sleep(2.5)
+        assert r.xlen("quern:jobs:add_sub") == 300
+    finally:
+        q.stop()
+
+
 def test_two_instances_share_one_stream(repo, redis_server):
     r = redis_server.client()
     common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <unordered_set>
 #include <utility>
 
@@ -22,6 +23,31 @@ namespace {
 
 constexpr char kLengthHelp[] = "Entries in each model's job stream (XLEN).";
 constexpr char kPendingHelp[] = "Entries delivered to some consumer and not yet acknowledged (XPENDING).";
+constexpr char kTrimmedHelp[] =
+    "Entries trimmed from each model's job stream (acknowledged by every consumer group, past --stream-retain-secs).";
+
+// The streams are trimmed once a second, and after this many entries were
+// acknowledged (a fast stream grows by at most this much between trims).
+constexpr int kTrimEveryAcks = 1000;
+
+// A stream entry id, "<ms>-<seq>".
+struct EntryId {
+  uint64_t ms = 0, seq = 0;
+  bool operator<(const EntryId& o) const { return ms != o.ms ? ms < o.ms : seq < o.seq; }
+  std::string ToString() const { return std::to_string(ms) + "-" + std::to_string(seq); }
+};
+
+std::optional<EntryId> ParseEntryId(std::string_view s) {
+  const size_t dash = s.find('-');
+  if (dash == std::string_view::npos) return std::nullopt;
+  EntryId id;
+  const auto ms = std::from_chars(s.data(), s.data() + dash, id.ms);
+  const auto seq = std::from_chars(s.data() + dash + 1, s.data() + s.size(), id.seq);
+  if (ms.ec != std::errc() || ms.ptr != s.data() + dash || seq.ec != std::errc() || seq.ptr != s.data() + s.size()) {
+    return std::nullopt;
+  }
+  return id;
+}
 
 Counter& OutcomeCounter(MetricsRegistry& metrics, const char* outcome) {
   return metrics.AddCounter("quern_stream_entries_total",
@@ -155,6 +181,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     // Each model's series appears once Redis has told its value.
     metrics_.DeclareFamily("quern_stream_length", MetricType::kGauge, kLengthHelp);
     metrics_.DeclareFamily("quern_stream_pending", MetricType::kGauge, kPendingHelp);
+    metrics_.DeclareFamily("quern_stream_trimmed_total", MetricType::kCounter, kTrimmedHelp);
   }
 
   Status Init() {
@@ -188,6 +215,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       MutexLock lock(mu_);
       length_.assign(models_.size(), nullptr);
       pending_.assign(models_.size(), nullptr);
+      trimmed_.assign(models_.size(), nullptr);
     }
     if (options_.max_inflight <= 0) options_.max_inflight = std::max(2, 2 * auto_inflight);
     if (options_.max_deliveries < 1) options_.max_deliveries = 1;
@@ -222,8 +250,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     s.inflight = inflight_gauge_.value();
     MutexLock lock(mu_);
     for (size_t i = 0; i < models_.size(); ++i) {
-      s.streams.push_back(
-          {models_[i].name, length_[i] ? length_[i]->value() : -1, pending_[i] ? pending_[i]->value() : -1});
+      s.streams.push_back({models_[i].name, length_[i] ? length_[i]->value() : -1,
+                           pending_[i] ? pending_[i]->value() : -1, trimmed_[i] ? trimmed_[i]->value() : 0});
     }
     return s;
   }
@@ -255,7 +283,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         connected_.Set(1);
       }
       const auto now = std::chrono::steady_clock::now();
-      if (now >= next_stats) {
+      if (now >= next_stats || acked_since_trim_.load(std::memory_order_relaxed) >= kTrimEveryAcks) {
+        acked_since_trim_.store(0, std::memory_order_relaxed);
+        Trim();
         UpdateStreamStats();
         next_stats = now + std::chrono::seconds(1);
       }
@@ -461,6 +491,95 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
+  // Trims each stream below the oldest entry a consumer group still needs
+  // (its oldest pending entry, else the one after the last delivered), and
+  // keeps what was acknowledged within the last stream_retain_ms. The trim
+  // is approximate (`~`: whole nodes of the stream), so its work is bounded
+  // (at most 100 nodes a call) and a node's worth of entries may stay. A
+  // stream no group reads is left alone.
+  void Trim() {
+    RedisPipeline groups;
+    for (const auto& m : models_) groups.Add({"XINFO", "GROUPS", m.stream});
+    auto infos = conn_->Execute(groups);
+    if (!infos) return;
+    // Per model: the lowest entry id some group still needs.
+    std::vector<std::optional<EntryId>> floor(models_.size());
+    RedisPipeline oldest;  // each group with entries pending: its oldest
+    std::vector<size_t> oldest_model;
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const RedisReply& info = (*infos)[i];
+      if (!info.is_array() || info.elements.empty()) continue;  // no stream, or no group
+      bool known = true;
+      for (const RedisReply& g : info.elements) {
+        std::string_view name, last;
+        int64_t pending = -1;
+        for (size_t k = 0; g.is_array() && k + 1 < g.elements.size(); k += 2) {
+          const std::string_view key = g.elements[k].str;
+          if (key == "name") name = g.elements[k + 1].str;
+          if (key == "pending") pending = g.elements[k + 1].integer;
+          if (key == "last-delivered-id") last = g.elements[k + 1].str;
+        }
+        const auto delivered = ParseEntryId(last);
+        if (name.empty() || pending < 0 || !delivered) {
+          known = false;
+          break;
+        }
+        const EntryId next{delivered->ms, delivered->seq + 1};
+        if (!floor[i] || next < *floor[i]) floor[i] = next;
+        if (pending > 0) {
+          oldest.Add({"XPENDING", models_[i].stream, name, "-", "+", "1"});
+          oldest_model.push_back(i);
+        }
+      }
+      if (!known) floor[i].reset();
+    }
+    if (!oldest.empty()) {
+      auto firsts = conn_->Execute(oldest);
+      if (!firsts) return;
+      for (size_t k = 0; k < oldest_model.size(); ++k) {
+        const RedisReply& r = (*firsts)[k];
+        const size_t i = oldest_model[k];
+        if (r.is_array() && r.elements.empty()) continue;  // acknowledged since: the delivered bound holds
+        std::optional<EntryId> first;
+        if (r.is_array() && r.elements[0].is_array() && !r.elements[0].elements.empty()) {
+          first = ParseEntryId(r.elements[0].elements[0].str);
+        }
+        if (!first) {
+          floor[i].reset();  // not known: not trimmed this time
+        } else if (floor[i] && *first < *floor[i]) {
+          floor[i] = first;
+        }
+      }
+    }
+    if (options_.stream_retain_ms > 0) {
+      const int64_t keep_from = engine_->clock().WallMs() - options_.stream_retain_ms;
+      const EntryId retained{static_cast<uint64_t>(std::max<int64_t>(keep_from, 0)), 0};
+      for (auto& f : floor) {
+        if (f && retained < *f) f = retained;
+      }
+    }
+    RedisPipeline trim;
+    std::vector<size_t> trimmed_model;
+    for (size_t i = 0; i < models_.size(); ++i) {
+      if (!floor[i]) continue;
+      trim.Add({"XTRIM", models_[i].stream, "MINID", "~", floor[i]->ToString()});
+      trimmed_model.push_back(i);
+    }
+    if (trim.empty()) return;
+    auto counts = conn_->Execute(trim);
+    if (!counts) return;
+    MutexLock lock(mu_);
+    for (size_t k = 0; k < trimmed_model.size(); ++k) {
+      const RedisReply& r = (*counts)[k];
+      const size_t i = trimmed_model[k];
+      if (r.type != RedisReply::Type::kInteger) continue;
+      if (!trimmed_[i]) {
+        trimmed_[i] = &metrics_.AddCounter("quern_stream_trimmed_total", kTrimmedHelp, {{"model", models_[i].name}});
+      }
+      trimmed_[i]->Increment(static_cast<uint64_t>(std::max<int64_t>(r.integer, 0)));
+    }
+  }
+
   size_t ModelOf(const std::string& stream) const {
     for (size_t i = 0; i < models_.size(); ++i) {
       if (models_[i].stream == stream) return i;
@@ -614,6 +733,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         self->inflight_gauge_.Set(self->inflight_);
         for (const auto& k : settled) self->mine_.erase(k);
       }
+      self->acked_since_trim_.fetch_add(n, std::memory_order_relaxed);
       self->cv_.SignalAll();
     });
   }
@@ -644,7 +764,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   // Redis has answered.
   std::vector<Gauge*> length_ QUERN_GUARDED_BY(mu_);
   std::vector<Gauge*> pending_ QUERN_GUARDED_BY(mu_);
+  std::vector<Counter*> trimmed_ QUERN_GUARDED_BY(mu_);  // quern_stream_trimmed_total, once trimmed
   std::atomic<bool> stop_{false};
+  std::atomic<int> acked_since_trim_{0};  // entries acknowledged since the last trim
   std::thread reader_;
 };
 

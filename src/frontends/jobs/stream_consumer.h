@@ -24,6 +24,11 @@
 // job whose deadline has passed is stored as failed (DEADLINE_EXCEEDED) and
 // acknowledged, without running.
 //
+// The streams stay bounded: once a second, and after every 1,000 entries
+// acknowledged here, entries that every consumer group has been delivered
+// and has acknowledged (and older than stream_retain_ms) are trimmed
+// (XTRIM MINID ~, Redis 6.2+), at a bounded cost per call.
+//
 // Thread safety: Start/Stop from one thread. The engine and the store must
 // outlive the consumer, and the engine must be drained before the store is
 // destroyed.
@@ -83,6 +88,9 @@ struct StreamConsumerOptions {
   // The largest field value an entry may hold (an HTTP body's bound): a
   // longer one is dropped as it arrives, and its entry dead-lettered.
   size_t max_entry_bytes = size_t{64} << 20;
+  // Entries every consumer group has acknowledged are trimmed from the
+  // stream once older than this (0: at once; their id's time counts).
+  int64_t stream_retain_ms = 0;
   // Where the quern_stream_* metrics are kept (must outlive the consumer
   // and the jobs it has in flight); null = a registry of its own.
   MetricsRegistry* metrics = nullptr;
@@ -93,6 +101,7 @@ struct StreamModelStats {
   std::string model;
   int64_t length = -1;   // XLEN (gauge; -1 = not known yet)
   int64_t pending = -1;  // entries delivered and not acknowledged, all consumers (gauge)
+  uint64_t trimmed = 0;  // entries trimmed by this instance
 };
 struct StreamConsumerStats {
   uint64_t taken = 0;      // entries read (new or reclaimed)
