@@ -2,6 +2,7 @@
 // parsing, and the stored form of a job result. Talking to a real
 // redis-server is tested in tests/python/test_redis.py.
 #include <gtest/gtest.h>
+#include <rapidjson/document.h>
 
 #include <cmath>
 #include <cstring>
@@ -226,6 +227,41 @@ TEST(RedisResultStore, RecordRoundTripsThroughJsonAndBinaryValues) {
 
   // A missing binary value is damage, reported as such.
   EXPECT_FALSE(RedisResultStore::Decode(enc->json, {}).has_value());
+}
+
+TEST(RedisResultStore, SmallUtf8BytesOutputsAreJsonStrings) {
+  // Labels and OCR text: read with any Redis client as JSON strings. Bytes
+  // that are not UTF-8, and large BYTES outputs, stay binary values.
+  JobRecord rec;
+  rec.id = "job-text";
+  rec.model = "ocr";
+  rec.state = JobState::kDone;
+  auto text = Tensor::FromStrings(Shape{1, 3}, {"cat", "Zo\xc3\xab \xe5\xbc\xa0\xe4\xbc\x9f", "a \"quoted\"\n line"});
+  auto raw = Tensor::FromStrings(Shape{1, 2}, {"ok", "\xff\xfe not UTF-8"});
+  auto long_text = Tensor::FromStrings(Shape{1, 1}, {std::string(5000, 'x')});
+  rec.outputs = {{"text", text}, {"raw", raw}, {"long", long_text}};
+  RedisResultStoreOptions o;
+  o.inline_max_bytes = 4096;
+  auto enc = RedisResultStore::Encode(rec, o);
+  ASSERT_TRUE(enc.has_value()) << enc.error().ToString();
+  rapidjson::Document d;
+  d.Parse(enc->json.c_str());
+  ASSERT_FALSE(d.HasParseError()) << enc->json;
+  const auto& outputs = d["result"]["outputs"];
+  ASSERT_TRUE(outputs[0].HasMember("data")) << enc->json;
+  EXPECT_STREQ(outputs[0]["data"][1].GetString(), "Zo\xc3\xab \xe5\xbc\xa0\xe4\xbc\x9f");
+  EXPECT_STREQ(outputs[0]["data"][2].GetString(), "a \"quoted\"\n line");
+  EXPECT_FALSE(outputs[1].HasMember("data")) << "not UTF-8: a binary value";
+  EXPECT_FALSE(outputs[2].HasMember("data")) << "over inline_max_bytes: a binary value";
+  ASSERT_EQ(enc->binary.size(), 2u);
+  std::vector<std::string> values;
+  for (const auto& [key, bytes] : enc->binary) values.emplace_back(bytes);
+  auto dec = RedisResultStore::Decode(enc->json, values);
+  ASSERT_TRUE(dec.has_value()) << dec.error().ToString();
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ((*dec)->outputs[i].tensor.dtype(), DataType::kBytes);
+    EXPECT_EQ(*(*dec)->outputs[i].tensor.Strings(), *rec.outputs[i].tensor.Strings()) << i;
+  }
 }
 
 TEST(RedisResultStore, NonFiniteOutputsRoundTrip) {

@@ -15,8 +15,15 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace quern {
+
+// The length of the well-formed UTF-8 sequence at the start of `s` (no
+// overlong forms, no surrogates, nothing past U+10FFFF), or 0.
+size_t Utf8SequenceLength(std::string_view s);
+// Whether all of `s` is well-formed UTF-8 (a JSON string can carry it as it is).
+bool IsUtf8(std::string_view s);
 
 // Deeper documents are refused. Tensors nest one level per dimension; 64
 // covers any real shape and every request Quern defines.

@@ -1,5 +1,7 @@
 #include "core/log.h"
 
+#include "core/json.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -21,32 +23,6 @@ const char* LevelName(LogLevel level) {
   return "info";
 }
 
-// The length of the well-formed UTF-8 sequence at the start of `s` (no
-// overlong forms, no surrogates, nothing past U+10FFFF), or 0.
-size_t Utf8SequenceLength(std::string_view s) {
-  const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
-  const unsigned char c = b(0);
-  size_t n = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (s.size() < n || b(1) < lo || b(1) > hi) return 0;
-  for (size_t i = 2; i < n; ++i) {
-    if (b(i) < 0x80 || b(i) > 0xBF) return 0;
-  }
-  return n;
-}
 
 // A JSON string of `s`: control characters escaped, well-formed UTF-8 as it
 // is, and each byte of anything else (a client's raw bytes in a path) as

@@ -22,9 +22,20 @@ namespace {
 
 constexpr const char* kNotYet = "redis: not connected yet";
 
-// JSON can carry these exactly; the rest go as binary values.
-bool JsonFriendly(DataType t) {
-  return t != DataType::kBytes && t != DataType::kFp16 && t != DataType::kBf16 && t != DataType::kInvalid;
+// JSON can carry these exactly; the rest go as binary values. BYTES
+// elements go as JSON strings when every one is UTF-8 (labels, OCR text:
+// readable with any Redis client), else as a binary value.
+bool JsonFriendly(const Tensor& t) {
+  switch (t.dtype()) {
+    case DataType::kFp16:
+    case DataType::kBf16:
+    case DataType::kInvalid: return false;
+    case DataType::kBytes: {
+      auto strs = t.Strings();
+      return strs && std::all_of(strs->begin(), strs->end(), [](std::string_view s) { return IsUtf8(s); });
+    }
+    default: return true;
+  }
 }
 
 std::string BinaryKey(const RedisResultStoreOptions& o, const std::string& id, size_t k) {
@@ -36,8 +47,7 @@ std::string BinaryKey(const RedisResultStoreOptions& o, const std::string& id, s
 Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec, const RedisResultStoreOptions& o) {
   KServeOutputFormat format;  // binary: what JSON cannot carry exactly, or would bloat
   for (const auto& t : rec.outputs) {
-    format.binary_outputs.emplace_back(t.name,
-                                       t.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(t.tensor.dtype()));
+    format.binary_outputs.emplace_back(t.name, t.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(t.tensor));
   }
   rapidjson::StringBuffer buf;
   JsonWriter w(buf);

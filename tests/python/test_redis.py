@@ -18,6 +18,7 @@ from quern_testing import RedisServer, sanitized, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +399,31 @@ def test_the_stream_keeps_only_what_a_group_still_needs(repo, redis_server):
         wait_until(lambda: all(stored(r, j) for j in ids), what="the kept jobs")
         time.sleep(2.5)
         assert r.xlen("quern:jobs:add_sub") == 300
+    finally:
+        q.stop()
+
+
+def test_text_outputs_are_json_strings_any_redis_client_reads(tmp_path, redis_server):
+    """A Python model's BYTES output (class names, with non-ASCII ones written by the test) is JSON
+    strings in results:{id}, read with redis-py and json alone."""
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "examples", "models", "imagenet_top5"), repo / "imagenet_top5")
+    names = [f"class {k}" for k in range(1000)]
+    names[7] = "Zo\u00eb's \u5f20\u4f1f \"cat\""
+    os.makedirs(repo / "imagenet")
+    (repo / "imagenet" / "labels.txt").write_text("\n".join(names) + "\n", encoding="utf-8")
+    r = redis_server.client()
+    logits = np.zeros((1, 1000), np.float32)
+    logits[0, 7], logits[0, 3] = 9, 8
+    body = {"inputs": [{"name": "logits", "shape": [1, 1000], "datatype": "FP32", "data": logits.ravel().tolist()}]}
+    q = Quern(str(repo), "--redis-url", redis_server.url(), "--consume")
+    try:
+        xadd_jobs(r, "imagenet_top5", [body], "text")
+        wait_until(lambda: stored(r, "text-0"), what="the result")
+        doc = json.loads(r.get("results:text-0").decode("utf-8"))
+        labels = next(o for o in doc["result"]["outputs"] if o["name"] == "labels")
+        assert labels["datatype"] == "BYTES" and labels["data"][:2] == [names[7], names[3]], labels
+        assert "binary_keys" not in doc or len(doc["binary_keys"]) == 0, doc
     finally:
         q.stop()
 
