@@ -428,6 +428,36 @@ def test_text_outputs_are_json_strings_any_redis_client_reads(tmp_path, redis_se
         q.stop()
 
 
+def test_a_flooded_slow_model_does_not_starve_another_models_stream(repo, tmp_path, redis_server):
+    """300 jobs of a model that takes 0.1 s each, then 20 add_sub jobs: each model has its share of
+    the jobs an instance takes at once, so add_sub's are done at once, not after the flood."""
+    flood_repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(repo, "add_sub"), flood_repo / "add_sub")
+    os.makedirs(flood_repo / "sleepy" / "1")
+    (flood_repo / "sleepy" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    (flood_repo / "sleepy" / "1" / "model.py").write_text(
+        "import time\n\ndef infer(inputs):\n    time.sleep(0.1)\n    return {'y': inputs['x']}\n")
+    r = redis_server.client()
+    q = Quern(str(flood_repo), "--redis-url", redis_server.url(), "--consume")
+    try:
+        flood = xadd_jobs(r, "sleepy", [slow_body(np.ones((1, 1), np.float32))] * 300, "flood")
+        time.sleep(1)  # the flood is under way
+        one = np.ones((1, 4), np.float32)
+        start = time.monotonic()
+        quick = xadd_jobs(r, "add_sub", [add_sub_body(one * k, one) for k in range(20)], "quick")
+        wait_until(lambda: all(stored(r, j) for j in quick), timeout=60, what="add_sub's jobs")
+        took = time.monotonic() - start
+        flood_done = sum(1 for j in flood if stored(r, j))
+        print(f"20 add_sub jobs behind a flood of 300 x 0.1 s: done in {took:.2f} s ({flood_done} of the flood done)")
+        assert took < 1.5, took
+        assert flood_done < 250, "the flood was over before add_sub's jobs came: the test measured nothing"
+    finally:
+        q.stop(signal.SIGKILL)
+
+
 def test_two_instances_share_one_stream(repo, redis_server):
     r = redis_server.client()
     common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",

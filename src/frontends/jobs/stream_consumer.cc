@@ -216,6 +216,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       length_.assign(models_.size(), nullptr);
       pending_.assign(models_.size(), nullptr);
       trimmed_.assign(models_.size(), nullptr);
+      model_inflight_.assign(models_.size(), 0);
     }
     if (options_.max_inflight <= 0) options_.max_inflight = std::max(2, 2 * auto_inflight);
     if (options_.max_deliveries < 1) options_.max_deliveries = 1;
@@ -341,15 +342,40 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     return Status::Ok();
   }
 
+  // Whether model `m` may take more jobs: it holds fewer than the slots
+  // left when every other model keeps a batch's worth (so one model's flood
+  // or slow jobs never leave another model's stream unread).
+  bool HasShareLocked(size_t m) const QUERN_REQUIRES(mu_) {
+    int others = 0;
+    for (size_t j = 0; j < models_.size(); ++j) {
+      if (j != m) others += models_[j].count;
+    }
+    return model_inflight_[m] < std::max(models_[m].count, options_.max_inflight - others);
+  }
+
   void Read(int slots, int64_t block_ms) {
+    std::vector<size_t> open;  // the models with a share left
+    {
+      MutexLock lock(mu_);
+      for (size_t m = 0; m < models_.size(); ++m) {
+        if (HasShareLocked(m)) open.push_back(m);
+      }
+    }
+    if (open.empty()) {
+      MutexLock lock(mu_);
+      cv_.WaitFor(lock, std::chrono::milliseconds(50), [&] { return stop_.load(); });
+      return;
+    }
+    // A model at its share reads again soon after a job of its own ends.
+    if (open.size() < models_.size()) block_ms = std::min<int64_t>(block_ms, 50);
     int count = 1;
-    for (const auto& m : models_) count = std::max(count, m.count);
+    for (size_t m : open) count = std::max(count, models_[m].count);
     count = std::min(count, slots);
     std::vector<std::string_view> args{"XREADGROUP", "GROUP", options_.group, options_.consumer, "COUNT"};
     const std::string count_s = std::to_string(count), block_s = std::to_string(block_ms);
     args.insert(args.end(), {count_s, "BLOCK", block_s, "STREAMS"});
-    for (const auto& m : models_) args.push_back(m.stream);
-    for (size_t i = 0; i < models_.size(); ++i) args.push_back(">");
+    for (size_t m : open) args.push_back(models_[m].stream);
+    for (size_t i = 0; i < open.size(); ++i) args.push_back(">");
     RedisPipeline p;
     p.Add(args);
     auto r = conn_->Execute(p, std::chrono::milliseconds(block_ms));
@@ -597,7 +623,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       MutexLock lock(mu_);
       inflight_ += static_cast<int>(n);
       inflight_gauge_.Set(inflight_);
-      for (const auto& e : group->entries) mine_.insert(models_[e.model].stream + " " + e.entry_id);
+      for (const auto& e : group->entries) {
+        mine_.insert(models_[e.model].stream + " " + e.entry_id);
+        ++model_inflight_[e.model];
+      }
     }
     for (size_t i = 0; i < n; ++i) Submit(group, i);
   }
@@ -690,6 +719,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     std::vector<std::shared_ptr<const JobRecord>> records;
     RedisPipeline extra;
     std::vector<std::string> settled;  // mine_ keys of entries acknowledged by this write
+    std::vector<size_t> settled_models;  // and their models
     size_t retry = 0;
     for (size_t i = 0; i < group->entries.size(); ++i) {
       const Entry& e = group->entries[i];
@@ -704,6 +734,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
             {{"job_id", out.record->id}, {"stream", m.stream}});
         MutexLock lock(mu_);
         mine_.erase(m.stream + " " + e.entry_id);
+        --model_inflight_[e.model];
         continue;
       }
       if (out.kind == Kind::kDead) {
@@ -716,6 +747,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       extra.Add({"XACK", m.stream, options_.group, e.entry_id});
       (out.kind == Kind::kDone ? done_ : failed_).Increment();
       settled.push_back(m.stream + " " + e.entry_id);
+      settled_models.push_back(e.model);
       records.push_back(out.record);
     }
     if (retry > 0) {
@@ -726,12 +758,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     cv_.SignalAll();
     if (records.empty()) return;
     const int n = static_cast<int>(records.size());
-    store_->Put(std::move(records), std::move(extra), [self = shared_from_this(), n, settled = std::move(settled)] {
+    store_->Put(std::move(records), std::move(extra),
+                [self = shared_from_this(), n, settled = std::move(settled), models = std::move(settled_models)] {
       {
         MutexLock lock(self->mu_);
         self->inflight_ -= n;
         self->inflight_gauge_.Set(self->inflight_);
         for (const auto& k : settled) self->mine_.erase(k);
+        for (size_t m : models) --self->model_inflight_[m];
       }
       self->acked_since_trim_.fetch_add(n, std::memory_order_relaxed);
       self->cv_.SignalAll();
@@ -759,6 +793,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   mutable Mutex mu_;
   CondVar cv_;
   int inflight_ QUERN_GUARDED_BY(mu_) = 0;
+  std::vector<int> model_inflight_ QUERN_GUARDED_BY(mu_);  // inflight_ by model
   std::unordered_set<std::string> mine_ QUERN_GUARDED_BY(mu_);  // "stream entry-id" in flight here
   // Each model's XLEN and XPENDING gauges, by index in models_; null until
   // Redis has answered.

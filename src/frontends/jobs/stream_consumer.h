@@ -8,7 +8,8 @@
 // followed by binary tensors, as in Inference-Header-Content-Length; `id`
 // defaults to the entry id). Each instance reads with XREADGROUP in group
 // "quern" (up to the model's batch size per call, a bounded number in
-// flight), feeds the dynamic batcher, and writes each result to
+// flight, of which one model may hold all but a batch's worth for each
+// other model), feeds the dynamic batcher, and writes each result to
 // results:{id} (see RedisResultStore) together with the XACK, in one
 // MULTI/EXEC per batch: a result and its acknowledgement land together or
 // not at all.
