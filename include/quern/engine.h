@@ -297,6 +297,11 @@ class Engine {
   // request before reading its body. A refusal counts as a rejected request
   // in the model's statistics.
   Status CheckAdmission(const std::string& name, int64_t version = -1) const;
+  // Whether `request` fits its model, without running it: its model and
+  // version serve (NOT_FOUND / UNAVAILABLE otherwise) and it fits the
+  // model's inputs and outputs (INVALID_ARGUMENT naming the tensor), as
+  // InferAsync checks before it queues (admission aside: CheckAdmission).
+  Status Validate(const InferRequest& request) const;
 
   // Registers a model implemented in C++. `config` describes its inputs,
   // outputs, batching and instance count; `factory` makes one Model per

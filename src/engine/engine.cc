@@ -3,6 +3,7 @@
 #include "core/cpus.h"
 #include "core/mutex.h"
 #include "engine/model_registry.h"
+#include "engine/request_validation.h"
 
 namespace quern {
 
@@ -181,6 +182,14 @@ Status Engine::CheckAdmission(const std::string& name, int64_t version) const {
   auto served = impl_->Resolve(name, version);
   if (!served) return Status::Ok();
   return (*served)->CheckAdmission();
+}
+
+Status Engine::Validate(const InferRequest& request) const {
+  QUERN_ASSIGN_OR_RETURN(std::shared_ptr<Servable> served, impl_->Resolve(request.model, request.version));
+  int64_t items = 0;
+  uint64_t key = 0;
+  OutputIndices outputs;
+  return ValidateRequest(served->config(), request, items, key, outputs);
 }
 
 void Engine::StopRepositoryPolling() {

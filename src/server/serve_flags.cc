@@ -109,7 +109,11 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_flag("--redis-tls-skip-verify", o.redis.tls_skip_verify,
                   "Do not check the Redis server's certificate (testing only)");
   serve->add_flag("--consume", o.consume,
-                  "Take jobs from the Redis streams quern:jobs:{model} (XREADGROUP, group quern); needs --redis-url");
+                  "Take jobs from the Redis streams quern:jobs:{model} (XREADGROUP, group quern): the default "
+                  "with --redis-url");
+  serve->add_flag("--no-consume", o.no_consume,
+                  "With --redis-url, take no jobs from the streams (HTTP jobs accepted here are written to them "
+                  "and run by the instances that consume)");
   serve->add_option("--consume-models", o.consumer.models, "Models whose streams to take jobs from (default: all)")
       ->delimiter(',');
   serve->add_option("--consumer-name", o.consumer.consumer,

@@ -285,6 +285,9 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (o.consume && o.redis_url.empty()) {
     return Err(InvalidArgument("--consume takes jobs from Redis streams: give --redis-url too"));
   }
+  if (o.consume && o.no_consume) return Err(InvalidArgument("--consume and --no-consume together"));
+  const bool consume_asked = o.consume;
+  if (!o.redis_url.empty() && !o.no_consume) o.consume = true;
   QUERN_ASSIGN_OR_RETURN(p->engine, OpenEngine(o));
   p->engine_metrics = AddEngineMetrics(p->registry, *p->engine);
   p->process_metrics = AddProcessMetrics(p->registry);
@@ -358,6 +361,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
   });
   p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
+  if (p->redis_store) p->jobs->set_stream_prefix(o.consumer.stream_prefix);  // durable jobs, through the streams
   if (p->keys->enabled()) {
     p->jobs->set_owner_of(
         [](const HttpRequest& r) { return JobOwner(PresentedKey(r.Header("authorization"), r.Header("x-api-key"))); });
@@ -433,8 +437,15 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.max_entry_bytes = o.http.max_body_bytes;
     co.metrics = &p->registry;
     auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
-    if (!consumer) return Err(InvalidArgument(consumer.error().message()));
-    p->consumer = std::move(*consumer);
+    if (consumer) {
+      p->consumer = std::move(*consumer);
+    } else if (consume_asked) {
+      return Err(InvalidArgument(consumer.error().message()));
+    } else {
+      // Implied by --redis-url: a repository with no model ready yet takes
+      // no jobs (its HTTP jobs wait in the streams for an instance that does).
+      Log(LogLevel::kWarning, "taking no jobs from the redis streams: " + consumer.error().message());
+    }
   }
 
   // The start-up lines go to stdout (scripts read the ports from them).

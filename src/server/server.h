@@ -70,7 +70,11 @@ struct ServerOptions {
   MemoryResultStoreOptions store;
   std::string redis_url;  // "" = results in memory
   RedisOptions redis;
+  // Take jobs from the Redis streams: with --consume, or with a Redis URL
+  // unless no_consume (HTTP jobs then go to the streams: someone must run
+  // them).
   bool consume = false;
+  bool no_consume = false;
   StreamConsumerOptions consumer;
 };
 

@@ -133,8 +133,10 @@ Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json
     rec->state = JobState::kFailed;
   } else if (status == "cancelled") {
     rec->state = JobState::kCancelled;
+  } else if (status == "queued" || status == "running") {
+    rec->state = status == "queued" ? JobState::kQueued : JobState::kRunning;
   } else {
-    return Err(Internal("stored job '" + rec->id + "' has status '" + status + "', not a finished one"));
+    return Err(Internal("stored job '" + rec->id + "' has status '" + status + "', not a job's"));
   }
   if (auto it = doc.FindMember("binary_data_output"); it != doc.MemberEnd() && it->value.IsBool()) {
     rec->binary_default = it->value.GetBool();
@@ -143,6 +145,9 @@ Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json
     for (const auto& m : it->value.GetObject()) {
       if (m.value.IsBool()) rec->binary_outputs.emplace_back(m.name.GetString(), m.value.GetBool());
     }
+  }
+  if (rec->state == JobState::kQueued || rec->state == JobState::kRunning) {
+    return std::shared_ptr<const JobRecord>(std::move(rec));
   }
   if (rec->state != JobState::kDone) {
     auto it = doc.FindMember("error");

@@ -115,15 +115,25 @@ void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records
 }
 
 void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
-                           std::function<void()> on_written) {
+                           std::function<void(bool written)> on_written) {
   Batch b;
   for (const auto& r : records) b.bytes += r->ByteSize();
   b.bytes += extra.data().size();
   b.records = std::move(records);
   b.extra = std::move(extra);
   b.on_written = std::move(on_written);
+  Queue(std::move(b));
+}
+
+void RedisResultStore::Queue(Batch b) {
   {
     MutexLock lock(mu_);
+    if (b.submission && writes_failing_) {
+      // Redis failed the last write: refused now, not after the retries.
+      lock.Unlock();
+      b.on_written(false);
+      return;
+    }
     for (const auto& r : b.records) unwritten_[r->id] = r;
     backlog_bytes_held_ += b.bytes;
     backlog_.Set(static_cast<int64_t>(unwritten_.size()));
@@ -253,6 +263,7 @@ void RedisResultStore::WriterLoop() {
         Status s = Ping();
         lock.Lock();
         SetHealthLocked(s);
+        writes_failing_ = !s.ok();
         if (s.ok()) {
           backoff = std::chrono::milliseconds(50);
         } else {
@@ -293,6 +304,20 @@ void RedisResultStore::WriterLoop() {
     if (!s.ok()) {
       write_errors_.Increment();
       SetHealthLocked(s);
+      // Submissions (these and those queued meanwhile) are refused now;
+      // results are kept for the next try.
+      writes_failing_ = true;
+      std::vector<Batch> refused;
+      for (auto& b : batches) {
+        if (b.submission) refused.push_back(std::move(b));
+      }
+      std::erase_if(batches, [](const Batch& b) { return b.submission; });
+      for (auto& b : queue_) {
+        if (b.submission) refused.push_back(std::move(b));
+      }
+      std::erase_if(queue_, [](const Batch& b) { return b.submission; });
+      if (!refused.empty()) Settle(refused, /*written=*/false);
+      if (batches.empty()) continue;
       if (stop_) break;
       // Keep the batches; try again after the backoff (a stop wakes it).
       cv_.WaitFor(lock, backoff, [&]() QUERN_REQUIRES(mu_) { return stop_; });
@@ -300,6 +325,7 @@ void RedisResultStore::WriterLoop() {
       continue;
     }
     SetHealthLocked(Status::Ok());
+    writes_failing_ = false;
     backoff = std::chrono::milliseconds(50);
     writes_.Increment();
     Settle(batches, /*written=*/true);
@@ -307,7 +333,7 @@ void RedisResultStore::WriterLoop() {
 }
 
 void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
-  std::vector<std::function<void()>> callbacks;
+  std::vector<std::function<void(bool)>> callbacks;
   for (Batch& b : batches) {
     if (written) records_written_.Increment(b.records.size());
     for (const auto& r : b.records) {
@@ -324,7 +350,7 @@ void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
   written_cv_.SignalAll();
   if (!callbacks.empty()) {
     mu_.Unlock();
-    for (auto& cb : callbacks) cb();
+    for (auto& cb : callbacks) cb(written);
     mu_.Lock();
   }
 }
@@ -354,6 +380,58 @@ bool RedisResultStore::Flush(std::chrono::milliseconds timeout) {
   MutexLock lock(mu_);
   const uint64_t target = queued_seq_;
   return written_cv_.WaitFor(lock, timeout, [&]() QUERN_REQUIRES(mu_) { return written_seq_ >= target; });
+}
+
+void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
+                               const std::vector<std::pair<std::string, std::string>>& fields,
+                               std::function<void(Status)> done) {
+  std::vector<std::string_view> xadd{"XADD", stream, "*"};
+  for (const auto& [k, v] : fields) xadd.insert(xadd.end(), {k, v});
+  RedisPipeline extra;
+  extra.Add(xadd);
+  const std::string id = queued->id;
+  Batch b;
+  b.bytes = queued->ByteSize() + extra.data().size();
+  b.records = {std::move(queued)};
+  b.extra = std::move(extra);
+  b.submission = true;
+  b.on_written = [done = std::move(done), id, address = options_.redis.Address()](bool written) {
+    done(written ? Status::Ok()
+                 : Unavailable("the job could not be written to redis at " + address + "; it was not accepted"));
+  };
+  Queue(std::move(b));
+}
+
+// Sets a queued job's record to `ARGV[1]` (cancelled) if it is still queued;
+// answers the record's status before.
+constexpr char kCancelScript[] = R"lua(
+local v = redis.call('GET', KEYS[1])
+if not v then return 'missing' end
+if string.find(v, '"status":"queued"', 1, true) then
+  if tonumber(ARGV[2]) > 0 then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  else
+    redis.call('SET', KEYS[1], ARGV[1])
+  end
+  return 'queued'
+end
+return 'not queued'
+)lua";
+
+Status RedisResultStore::CancelQueued(std::shared_ptr<const JobRecord> cancelled) {
+  auto enc = Encode(*cancelled, options_);
+  if (!enc) return enc.error();
+  MutexLock lock(read_mu_);
+  if (Status s = EnsureConnected(reader_, false); !s.ok()) {
+    return Unavailable("job results are kept in redis, which cannot be reached now: " + s.message());
+  }
+  auto reply = reader_->Command({"EVAL", kCancelScript, "1", options_.key_prefix + cancelled->id, enc->json,
+                                 std::to_string(options_.ttl_s * 1000)});
+  if (!reply) return Unavailable("job results are kept in redis, which failed: " + reply.error().message());
+  if (reply->is_error()) return Unavailable("redis refused the cancel: " + reply->str);
+  if (reply->str == "queued") return Status::Ok();
+  if (reply->str == "missing") return NotFound("no job '" + cancelled->id + "'");
+  return FailedPrecondition("job '" + cancelled->id + "' is no longer queued");
 }
 
 Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string& id) {

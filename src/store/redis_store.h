@@ -77,10 +77,15 @@ class RedisResultStore final : public ResultStore {
   void Put(std::vector<std::shared_ptr<const JobRecord>> records) override;
   // As Put, and `extra` commands (e.g. XACK) run in the same MULTI/EXEC
   // as the records, so they take effect together or not at all.
-  // `on_written` (optional) runs on the writer thread after the EXEC (or
-  // after the write was given up: Redis refused it for good, e.g. NOPERM).
+  // `on_written` (optional) runs on the writer thread after the EXEC, with
+  // true (or false after the write was given up: Redis refused it for
+  // good, e.g. NOPERM).
   void Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
-           std::function<void()> on_written = nullptr);
+           std::function<void(bool written)> on_written = nullptr);
+  void Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
+               const std::vector<std::pair<std::string, std::string>>& fields,
+               std::function<void(Status)> done) override;
+  Status CancelQueued(std::shared_ptr<const JobRecord> cancelled) override;
   Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;
   Status Health() const override;
   Status CanAccept() const override;
@@ -104,9 +109,13 @@ class RedisResultStore final : public ResultStore {
   struct Batch {
     std::vector<std::shared_ptr<const JobRecord>> records;
     RedisPipeline extra;
-    std::function<void()> on_written;
+    std::function<void(bool written)> on_written;
     size_t bytes = 0;
+    // A job being submitted (Enqueue): a write that fails refuses it at
+    // once (its client may submit again) rather than holding it for later.
+    bool submission = false;
   };
+  void Queue(Batch b);
   void WriterLoop();
   Status Write(std::vector<Batch>& batches);
   // Batches written (or given up): forgets them, runs their on_written.
@@ -140,6 +149,7 @@ class RedisResultStore final : public ResultStore {
   bool stop_ QUERN_GUARDED_BY(mu_) = false;
   Status health_ QUERN_GUARDED_BY(mu_);
   bool health_ok_since_write_ QUERN_GUARDED_BY(mu_) = false;
+  bool writes_failing_ QUERN_GUARDED_BY(mu_) = false;  // the last write failed: submissions are refused
 
   Mutex read_mu_;
   std::unique_ptr<RedisConnection> reader_ QUERN_GUARDED_BY(read_mu_);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -93,6 +94,23 @@ class ResultStore {
 
   // Whether results outlive this process (Redis: yes; memory: no).
   virtual bool Durable() const = 0;
+
+  // Durable stores: stores `queued` (a job accepted, state kQueued) and
+  // appends an entry of `fields` to the job stream `stream`, both or
+  // neither; `done` gets OK once both are stored (on another thread), else
+  // the error. Others: UNIMPLEMENTED at once.
+  virtual void Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
+                       const std::vector<std::pair<std::string, std::string>>& fields,
+                       std::function<void(Status)> done) {
+    (void)queued, (void)stream, (void)fields;
+    done(Unimplemented("this result store takes no job streams"));
+  }
+  // Replaces a stored queued job's record by `cancelled` if it is still
+  // queued: FAILED_PRECONDITION when it is not, NOT_FOUND when none.
+  virtual Status CancelQueued(std::shared_ptr<const JobRecord> cancelled) {
+    (void)cancelled;
+    return Unimplemented("this result store keeps no queued jobs");
+  }
 };
 
 struct MemoryResultStoreOptions {

@@ -81,8 +81,10 @@ def submit(q, model, body):
 
 
 def stored(r, job_id):
+    """The finished job's record in Redis; None while there is none or it is queued or running."""
     raw = r.get(f"results:{job_id}")
-    return json.loads(raw) if raw else None
+    doc = json.loads(raw) if raw else None
+    return doc if doc and doc["status"] not in ("queued", "running") else None
 
 
 def outputs_of(doc, r=None):
@@ -161,41 +163,69 @@ def test_ttl_expiry_in_redis(repo, redis_server):
 
 
 def test_redis_restart_loses_no_finished_result(repo, redis_server):
+    """Redis killed (-9; append-only, fsync always) while jobs run and while others wait in the
+    stream: the running jobs' results wait in memory and are written once Redis is back, the
+    accepted jobs nobody had taken yet run after the restart, and submissions while Redis is away
+    are refused (503) rather than accepted unrecorded."""
     r = redis_server.client()
-    q = Quern(repo, "--redis-url", redis_server.url())
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "add_sub,slow_batch")
+    accepter = Quern(repo, "--redis-url", redis_server.url(), "--no-consume")  # accepts, runs nothing
+    runner = None
     try:
         wait_until(lambda: q.ready()[0] == 200, what="readiness")
         expected = {}
 
-        def run(k):
-            a, b = np.full((1, 4), k, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
-            job = submit(q, "add_sub", add_sub_body(a, b))
-            expected[job] = a + b
+        def run(quern, model, k):
+            if model == "add_sub":
+                a, b = np.full((1, 4), k, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+                job = submit(quern, "add_sub", add_sub_body(a, b))
+                expected[job] = ("OUTPUT0", a + b)
+            elif model == "tile4":
+                x = np.full((1, 300), k, np.float32)
+                job = submit(quern, "tile4", slow_body(x))
+                expected[job] = ("y", np.tile(x, (1, 4)))
+            else:
+                x = np.full((1, 3), k, np.float32)
+                job = submit(quern, "slow_batch", slow_body(x))
+                expected[job] = ("y", 2 * x)
             return job
 
-        before = [run(k) for k in range(10)]
+        before = [run(q, "add_sub", k) for k in range(10)]
         wait_until(lambda: all(stored(r, j) for j in before), what="results before the restart")
-        redis_server.stop(kill=True)  # appendfsync always: everything acknowledged is on disk
-        # Redis is away: readiness says so, and new jobs still run; their results wait in memory.
+        # Three slow_batch jobs taken (they wait 1 s for a batch of 4), and five tile4 jobs accepted
+        # by an instance that takes none (nobody takes tile4's yet).
+        running = [run(q, "slow_batch", k) for k in range(3)]
+        wait_until(lambda: q.metric("quern_stream_inflight") == 3, what="the slow jobs to be taken")
+        waiting = [run(accepter, "tile4", k) for k in range(20, 25)]
+        redis_server.stop(kill=True)
+        # Redis is away: readiness says so, the taken jobs finish, their results wait in memory.
         status, _, data = wait_until(lambda: (lambda s: s if s[0] == 503 else None)(q.ready()),
                                      what="readiness to drop")
         assert "redis" in json.loads(data)["error"]
-        during = [run(k) for k in range(10, 20)]
-        for job in during:
-            status, _, data = wait_until(lambda: (lambda s: s if json.loads(s[2])["status"] == "done" else None)(
+        status, _, data = q.request("POST", "/v2/models/add_sub/jobs",
+                                    add_sub_body(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32)))
+        assert status == 503 and "not accepted" in json.loads(data)["error"], data
+        for job in running:  # (503 until it is done: its record is in Redis, away)
+            wait_until(lambda: (lambda s: s if s[0] == 200 and json.loads(s[2])["status"] == "done" else None)(
                 q.request("GET", f"/v2/jobs/{job}")), what="a job to finish while redis is away")
-        assert q.metric("quern_redis_backlog") == 10
+        assert q.metric("quern_redis_backlog") == 3
         redis_server.start()
         wait_until(lambda: q.ready()[0] == 200, what="readiness after the restart")
         wait_until(lambda: q.metric("quern_redis_backlog") == 0, what="the backlog to be written")
         r = redis_server.client()
-        for job, want in expected.items():
+        assert r.xlen("quern:jobs:tile4") == 5  # accepted before the kill, kept by the append-only file
+        runner = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "tile4")
+        wait_until(lambda: all(stored(r, j) for j in waiting), what="the jobs accepted before the kill")
+        for job, (name, want) in expected.items():
             doc = stored(r, job)
             assert doc is not None, f"result of {job} lost"
-            np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], want)
+            np.testing.assert_array_equal(outputs_of(doc, r)[name], want)
         assert q.metric("quern_redis_reconnects_total") >= 1
     finally:
         q.stop()
+        accepter.stop()
+        if runner:
+            runner.stop()
 
 
 def test_results_wait_for_a_replica_when_asked(repo, tmp_path):
@@ -244,14 +274,20 @@ def test_a_server_turned_replica_is_left_for_a_new_connection(repo, tmp_path):
         q = Quern(repo, "--redis-url", master.url())
         wait_until(lambda: q.ready()[0] == 200, what="readiness")
         a, b = np.full((1, 4), 5, np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
-        wait_until(lambda: stored(m, submit(q, "add_sub", add_sub_body(a, b))), what="a first result")
+        first = submit(q, "add_sub", add_sub_body(a, b))
+        wait_until(lambda: stored(m, first), what="a first result")
         assert q.metric("quern_redis_reconnects_total") == 0
+        # A job taken (slow_batch waits 1 s for a batch), then the server demoted: its result's
+        # write answers READONLY, and a new submission is refused rather than accepted unrecorded.
+        x = np.full((1, 3), 4, np.float32)
+        job = submit(q, "slow_batch", slow_body(x))
+        wait_until(lambda: q.metric("quern_stream_inflight") == 1, what="the job to be taken")
         m.execute_command("REPLICAOF", "127.0.0.1", str(other.port))  # demoted: writes answer READONLY
-        job = submit(q, "add_sub", add_sub_body(a + 1, b))
         wait_until(lambda: q.metric("quern_redis_write_errors_total") >= 1, what="a refused write")
+        assert q.request("POST", "/v2/models/add_sub/jobs", add_sub_body(a + 1, b))[0] == 503
         m.execute_command("REPLICAOF", "NO", "ONE")
         doc = wait_until(lambda: stored(m, job), what="the result written once the server is a master again")
-        np.testing.assert_array_equal(outputs_of(doc)["OUTPUT0"], a + 1 + b)
+        np.testing.assert_array_equal(outputs_of(doc)["y"], 2 * x)
         assert q.metric("quern_redis_reconnects_total") >= 1
     finally:
         if q:
@@ -458,6 +494,72 @@ def test_a_flooded_slow_model_does_not_starve_another_models_stream(repo, tmp_pa
         q.stop(signal.SIGKILL)
 
 
+def test_http_jobs_survive_the_instance_that_accepted_them(tmp_path, redis_server):
+    """100 HTTP jobs accepted by instance A (a model taking 0.05 s a job, counting its runs in a
+    file), A killed -9 with most of them waiting: every job ends done, with its own result, read
+    from B; none ran more than twice (the one A was running may run again). A job that B saw
+    queued and cancelled never runs. Status reads on B: queued, then running or done."""
+    repo = tmp_path / "repo"
+    os.makedirs(repo / "counted" / "1")
+    runs = tmp_path / "runs.txt"
+    (repo / "counted" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    (repo / "counted" / "1" / "model.py").write_text(
+        "import os, time\n\n"
+        "def infer(inputs):\n"
+        "    with open(%r, 'a') as f:\n"
+        "        f.write(f\"{float(inputs['x'].ravel()[0])}\\n\")\n"
+        "    time.sleep(0.05)\n"
+        "    return {'y': inputs['x'] * 3}\n" % str(runs))
+    r = redis_server.client()
+    common = ["--redis-url", redis_server.url(), "--consume-claim-idle-ms", "1000"]
+    a = Quern(str(repo), *common, "--consumer-name", "a")
+    b = Quern(str(repo), *common, "--no-consume")  # reads and cancels; takes nothing yet
+    try:
+        ids = {}
+        for k in range(100):
+            status, _, data = a.request("POST", "/v2/models/counted/jobs",
+                                        {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [k]}]})
+            answer = json.loads(data)
+            assert status == 202 and answer["durable"] is True, data
+            ids[answer["job_id"]] = k
+        a.stop(signal.SIGKILL)
+        done_before = sum(1 for j in ids if stored(r, j))
+        # B answers for A's jobs: the ones not run yet are queued (or running: taken by A).
+        states = {json.loads(b.request("GET", f"/v2/jobs/{j}")[2])["status"] for j in ids}
+        assert states <= {"queued", "running", "done"} and "queued" in states, states
+        # One of them cancelled on B: nobody runs it.
+        victim = next(j for j in ids if json.loads(b.request("GET", f"/v2/jobs/{j}")[2])["status"] == "queued")
+        status, _, data = b.request("DELETE", f"/v2/jobs/{victim}")
+        assert status == 200, data
+        b.stop()
+        b = Quern(str(repo), *common, "--consumer-name", "b")  # now B takes jobs: A's too
+        wait_until(lambda: all(stored(r, j) for j in ids), timeout=60, what="every job to end")
+        for job, k in ids.items():
+            doc = stored(r, job)
+            if job == victim:
+                assert doc["status"] == "cancelled", doc
+                continue
+            assert doc["status"] == "done", doc
+            assert outputs_of(doc)["y"].ravel().tolist() == [3.0 * k], (job, doc)
+            status, _, data = b.request("GET", f"/v2/jobs/{job}")
+            assert status == 200 and json.loads(data)["result"]["outputs"][0]["data"] == [3.0 * k]
+        counts = {}
+        for line in runs.read_text().split():
+            counts[float(line)] = counts.get(float(line), 0) + 1
+        print(f"100 jobs, A killed after {done_before} done: {sum(counts.values())} runs, "
+              f"{sum(1 for c in counts.values() if c > 1)} jobs run twice")
+        assert float(ids[victim]) not in counts
+        assert all(counts.get(float(k), 0) >= 1 for j, k in ids.items() if j != victim)
+        assert max(counts.values()) <= 2, counts
+        assert done_before < 60, "A finished most jobs before it was killed: the test measured little"
+    finally:
+        a.stop(signal.SIGKILL)
+        b.stop()
+
+
 def test_two_instances_share_one_stream(repo, redis_server):
     r = redis_server.client()
     common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",
@@ -559,7 +661,8 @@ def test_sigterm_finishes_taken_jobs_and_flushes_their_results(repo, redis_serve
     xs = [np.full((1, 3), k + 1, np.float32) for k in range(3)]
     http_ids = [submit(q, "slow_batch", slow_body(x)) for x in xs[:2]]
     stream_ids = xadd_jobs(r, "slow_batch", [slow_body(x) for x in xs[2:]], "drain")
-    wait_until(lambda: q.metric("quern_stream_inflight") == 1, timeout=10, what="the stream job to be taken")
+    # (The HTTP jobs go through the stream too.)
+    wait_until(lambda: q.metric("quern_stream_inflight") == 3, timeout=10, what="the stream jobs to be taken")
     q.proc.send_signal(signal.SIGTERM)
     assert q.proc.wait(timeout=25) == 0
     for job, x in zip(http_ids + stream_ids, xs):

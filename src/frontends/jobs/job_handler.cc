@@ -63,6 +63,23 @@ std::string CancelledMessage(const std::string& id) {
   return "job '" + id + "' was cancelled (DELETE /v2/jobs/" + id + ")";
 }
 
+// The answer to an accepted job.
+HttpResponse Accepted(const std::string& id, bool durable) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, id);
+  w.Key("status");
+  w.String("queued");
+  w.Key("durable");
+  w.Bool(durable);
+  w.EndObject();
+  HttpResponse resp = JsonResponse(202, buf);
+  resp.headers.emplace_back("Location", "/v2/jobs/" + id);
+  return resp;
+}
+
 // Another owner's job is answered as an id never issued (the store's words).
 Status NoJob(const std::string& id) {
   return NotFound("no job '" + id + "'");
@@ -167,6 +184,7 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
 }
 
 void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  if (!stream_prefix_.empty()) return SubmitToStream(model, version, std::move(req), std::move(done));
   if (Status s = store_->CanAccept(); !s.ok()) {
     rejected_.Increment();
     return done(ErrorResponse(s));
@@ -217,19 +235,52 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     return done(ErrorResponse(st));
   }
   submitted_.Increment();
-  rapidjson::StringBuffer buf;
-  Writer w(buf);
-  w.StartObject();
-  w.Key("job_id");
-  String(w, job->id);
-  w.Key("status");
-  w.String("queued");
-  w.Key("durable");  // the job is queued in this process: it dies with it
-  w.Bool(false);
-  w.EndObject();
-  HttpResponse resp = JsonResponse(202, buf);
-  resp.headers.emplace_back("Location", "/v2/jobs/" + job->id);
-  done(std::move(resp));
+  done(Accepted(job->id, false));  // queued in this process: it dies with it
+}
+
+void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+  auto refuse = [&](const Status& st) {
+    rejected_.Increment();
+    done(ErrorResponse(st));
+  };
+  if (Status s = store_->CanAccept(); !s.ok()) return refuse(s);
+  const std::string header_length(req.Header("inference-header-content-length"));
+  std::string body = req.body;  // the entry's; the parse below consumes its own copy
+  auto parsed = ParseKServeInferBody(model, version, std::move(req.body), header_length);
+  if (!parsed) return refuse(parsed.error());
+  if (!parsed->format.classifications.empty()) {
+    return refuse(InvalidArgument(
+        "model '" + model + "' output '" + parsed->format.classifications.front().first +
+        "': parameter 'classification' is not supported for jobs (a job keeps its outputs as tensors)"));
+  }
+  // Refused as infer would refuse it (unknown model, bad input); a full
+  // queue is not a refusal: the stream is the queue, and any instance may
+  // take it.
+  if (Status st = engine_->Validate(parsed->request); !st.ok()) return refuse(st);
+  auto record = std::make_shared<JobRecord>();
+  record->submitted_ms = engine_->clock().WallMs();
+  record->id = NewJobId(record->submitted_ms);
+  record->model = model;
+  record->owner = owner_of_ ? owner_of_(req) : std::string();
+  record->version = std::max<int64_t>(version, 0);
+  record->state = JobState::kQueued;
+  record->binary_default = parsed->format.binary_default;
+  record->binary_outputs = std::move(parsed->format.binary_outputs);
+  std::vector<std::pair<std::string, std::string>> fields = {{"id", record->id}, {"body", std::move(body)}};
+  if (!header_length.empty()) fields.emplace_back("header_length", header_length);
+  if (version > 0) fields.emplace_back("version", std::to_string(version));
+  if (!record->owner.empty()) fields.emplace_back("owner", record->owner);
+  fields.emplace_back("tracked", "1");
+  const std::string id = record->id;
+  store_->Enqueue(std::move(record), stream_prefix_ + model, fields,
+                  [this, id, done = std::move(done)](Status st) {
+                    if (!st.ok()) {
+                      rejected_.Increment();
+                      return done(ErrorResponse(st));
+                    }
+                    submitted_.Increment();
+                    done(Accepted(id, true));
+                  });
 }
 
 void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r) {
@@ -325,6 +376,41 @@ HttpResponse JobHandler::NotStored(const std::string& id, const Status& not_foun
   return JsonResponse(410, buf);
 }
 
+void JobHandler::CancelStored(const std::string& id, const std::string& owner, HttpDone done) {
+  auto stored = store_->Get(id);
+  if (!stored) return done(NotStored(id, stored.error()));
+  const JobRecord& rec = **stored;
+  if (!rec.owner.empty() && rec.owner != owner) return done(ErrorResponse(NoJob(id)));
+  if (rec.state == JobState::kRunning) {
+    return done(Conflict("job '" + id + "' is running; only a queued job can be cancelled"));
+  }
+  if (rec.state != JobState::kQueued) {
+    return done(Conflict("job '" + id + "' has already finished (" + std::string(JobStateName(rec.state)) +
+                         "); only a queued job can be cancelled"));
+  }
+  auto cancelled = std::make_shared<JobRecord>(rec);
+  cancelled->state = JobState::kCancelled;
+  cancelled->finished_ms = engine_->clock().WallMs();
+  cancelled->error = Cancelled(CancelledMessage(id));
+  if (Status st = store_->CancelQueued(cancelled); !st.ok()) {
+    if (st.code() == StatusCode::kFailedPrecondition) {
+      return done(Conflict("job '" + id + "' is no longer queued (it started meanwhile); only a queued job can be "
+                           "cancelled"));
+    }
+    return done(ErrorResponse(st));
+  }
+  cancelled_.Increment();
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, id);
+  w.Key("status");
+  w.String("cancelled");
+  w.EndObject();
+  done(JsonResponse(200, buf));
+}
+
 void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDone done) {
   std::shared_ptr<Pending> pending;
   {
@@ -332,13 +418,7 @@ void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDon
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
   if (pending && !pending->owner.empty() && pending->owner != owner) return done(ErrorResponse(NoJob(id)));
-  if (!pending) {
-    auto stored = store_->Get(id);
-    if (!stored) return done(NotStored(id, stored.error()));
-    if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
-    return done(Conflict("job '" + id + "' has already finished (" + std::string(JobStateName((*stored)->state)) +
-                         "); only a queued job can be cancelled"));
-  }
+  if (!pending) return CancelStored(id, owner, std::move(done));
   int queued = kQueued;
   if (!pending->state.compare_exchange_strong(queued, kCancelRequested)) {
     if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));

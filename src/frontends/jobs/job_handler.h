@@ -15,8 +15,8 @@
 // when the submission asked for them or when the query says
 // ?binary_data_output=true.
 //
-// A job is queued in this process, and dies with it: the 202 says
-// "durable": false. With a store that keeps no result past the process
+// Without a stream (set_stream_prefix), a job is queued in this process
+// and dies with it: the 202 says "durable": false. With a store that keeps no result past the process
 // (memory), an id issued before the process started (ids carry their
 // submission time) answers 410 Gone, where an id never issued answers 404.
 //
@@ -68,11 +68,24 @@ class JobHandler {
   // Unset: every job is anyone's. Set before the first request.
   void set_owner_of(std::function<std::string(const HttpRequest&)> owner_of) { owner_of_ = std::move(owner_of); }
 
+  // Durable jobs: with a store that outlives the process, each accepted job
+  // is written to the stream `prefix`{model} (the StreamConsumer's format,
+  // with fields owner and tracked) together with a queued record, and
+  // answered 202 ("durable": true) once Redis has both; the instances that
+  // consume that stream run it, whichever of them is alive. Any instance
+  // answers its status from the record, and cancels it while it is queued.
+  // Set before the first request; empty (the default): jobs run here.
+  void set_stream_prefix(std::string prefix) { stream_prefix_ = std::move(prefix); }
+
   JobStats stats() const;
 
  private:
   struct Pending;
   void Submit(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
+  void SubmitToStream(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
+  // DELETE of a job this process does not hold: a queued record is set to
+  // cancelled in the store.
+  void CancelStored(const std::string& id, const std::string& owner, HttpDone done);
   void Get(const std::string& id, const std::string& owner, std::string_view query, HttpDone done);
   void Cancel(const std::string& id, const std::string& owner, HttpDone done);
   void Complete(const std::shared_ptr<Pending>& job, InferResponse&& response);
@@ -84,6 +97,7 @@ class JobHandler {
   Engine* engine_;
   ResultStore* store_;
   const int64_t started_ms_;  // wall clock, when the handler was made
+  std::string stream_prefix_;
   std::function<std::string(const HttpRequest&)> owner_of_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry& metrics_;

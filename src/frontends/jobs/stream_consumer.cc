@@ -21,6 +21,19 @@ namespace quern {
 
 namespace {
 
+// A tracked job's record (KEYS[1]) set to ARGV[1] (running; ARGV[2]: its
+// time to live in ms, 0 = none) unless the job was cancelled: 0 then, else 1.
+constexpr char kStartScript[] = R"lua(
+local v = redis.call('GET', KEYS[1])
+if v and string.find(v, '"status":"cancelled"', 1, true) then return 0 end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+)lua";
+
 constexpr char kLengthHelp[] = "Entries in each model's job stream (XLEN).";
 constexpr char kPendingHelp[] = "Entries delivered to some consumer and not yet acknowledged (XPENDING).";
 constexpr char kTrimmedHelp[] =
@@ -52,7 +65,8 @@ std::optional<EntryId> ParseEntryId(std::string_view s) {
 Counter& OutcomeCounter(MetricsRegistry& metrics, const char* outcome) {
   return metrics.AddCounter("quern_stream_entries_total",
                             "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead "
-                            "(dead-lettered), retried (left pending after a transient failure).",
+                            "(dead-lettered), retried (left pending after a transient failure), cancelled (a job "
+                            "cancelled while queued, acknowledged without running).",
                             {{"outcome", outcome}});
 }
 
@@ -127,7 +141,16 @@ Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model
                                  "' is not a Unix time in milliseconds"));
     }
   }
-  QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInferBody(model, -1, std::string(body), e.Field("header_length")));
+  int64_t version = -1;
+  if (auto v = e.Field("version"); !v.empty()) {
+    version = ParseInt64(v, -2);
+    if (version < 1) {
+      return Err(InvalidArgument("job stream entry " + e.entry_id + ": version '" + std::string(v.substr(0, 64)) +
+                                 "' is not a model version"));
+    }
+  }
+  QUERN_ASSIGN_OR_RETURN(job.infer,
+                         ParseKServeInferBody(model, version, std::string(body), e.Field("header_length")));
   if (!job.infer.format.classifications.empty()) {
     return Err(InvalidArgument("model '" + model + "' output '" + job.infer.format.classifications.front().first +
                                "': parameter 'classification' is not supported for jobs (a job keeps its outputs "
@@ -148,8 +171,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   struct Entry : StreamEntry {
     size_t model = 0;
     int64_t deliveries = 1;
+    bool cancelled = false;  // its job was cancelled while queued: acknowledged, not run
   };
-  enum class Kind { kDone, kFailed, kDead, kRetry };
+  enum class Kind { kDone, kFailed, kDead, kRetry, kSkipped };
   struct Outcome {
     Kind kind = Kind::kRetry;
     std::shared_ptr<JobRecord> record;
@@ -174,6 +198,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         failed_(OutcomeCounter(metrics_, "failed")),
         dead_(OutcomeCounter(metrics_, "dead")),
         retried_(OutcomeCounter(metrics_, "retried")),
+        cancelled_(OutcomeCounter(metrics_, "cancelled")),
         inflight_gauge_(metrics_.AddGauge("quern_stream_inflight",
                                           "Job stream entries taken by this instance and not yet finished.")),
         connected_(
@@ -628,7 +653,37 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         ++model_inflight_[e.model];
       }
     }
+    MarkRunning(*group);
     for (size_t i = 0; i < n; ++i) Submit(group, i);
+  }
+
+  // A job accepted over HTTP (field `tracked`) has a record saying queued:
+  // it now says running, unless the job was cancelled meanwhile (then the
+  // entry is only acknowledged). One round trip for the group; if Redis
+  // fails it, the jobs run with their records left queued.
+  void MarkRunning(Group& group) {
+    RedisPipeline p;
+    std::vector<size_t> asked;
+    const int64_t now = engine_->clock().WallMs();
+    const std::string ttl_ms = std::to_string(store_->options().ttl_s * 1000);
+    for (size_t i = 0; i < group.entries.size(); ++i) {
+      const Entry& e = group.entries[i];
+      if (e.Field("tracked") != "1") continue;
+      auto rec = NewRecord(e);
+      rec->state = JobState::kRunning;
+      rec->started_ms = now;
+      auto enc = RedisResultStore::Encode(*rec, store_->options());
+      if (!enc) continue;
+      p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json, ttl_ms});
+      asked.push_back(i);
+    }
+    if (p.empty()) return;
+    auto replies = conn_->Execute(p);
+    if (!replies) return;
+    for (size_t k = 0; k < asked.size(); ++k) {
+      const RedisReply& r = (*replies)[k];
+      if (r.type == RedisReply::Type::kInteger && r.integer == 0) group.entries[asked[k]].cancelled = true;
+    }
   }
 
   std::shared_ptr<JobRecord> NewRecord(const Entry& e) const {
@@ -636,12 +691,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     const std::string_view id = e.Field("id");
     rec->id = id.empty() ? e.entry_id : std::string(id);
     rec->model = models_[e.model].name;
+    rec->owner = std::string(e.Field("owner"));
     rec->submitted_ms = ParseInt64(std::string_view(e.entry_id).substr(0, e.entry_id.find('-')), 0);
+    if (const int64_t from_id = JobIdSubmittedMs(rec->id); from_id > 0) rec->submitted_ms = from_id;
     return rec;
   }
 
   void Submit(const std::shared_ptr<Group>& group, size_t i) {
     const Entry& e = group->entries[i];
+    if (e.cancelled) {
+      group->outcomes[i].kind = Kind::kSkipped;
+      if (group->remaining.fetch_sub(1) == 1) Complete(group);
+      return;
+    }
     auto rec = NewRecord(e);
     auto fail = [&](Status s) {
       rec->state = JobState::kFailed;
@@ -700,7 +762,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     const Entry& e = group->entries[i];
     if (status.ok()) {
       out.kind = Kind::kDone;
-    } else if (status.code() == StatusCode::kDeadlineExceeded) {
+    } else if (status.code() == StatusCode::kDeadlineExceeded ||
+               (e.Field("tracked") == "1" && status.code() != StatusCode::kUnavailable)) {
+      // (An HTTP job fails as its infer would: its client sees the error
+      // and may submit again; only a full queue or a stop is retried.)
       out.kind = Kind::kFailed;
     } else if (Deterministic(status.code()) || e.deliveries >= options_.max_deliveries) {
       out.kind = Kind::kDead;
@@ -737,6 +802,13 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         --model_inflight_[e.model];
         continue;
       }
+      if (out.kind == Kind::kSkipped) {  // cancelled before it ran: its record says so already
+        extra.Add({"XACK", m.stream, options_.group, e.entry_id});
+        cancelled_.Increment();
+        settled.push_back(m.stream + " " + e.entry_id);
+        settled_models.push_back(e.model);
+        continue;
+      }
       if (out.kind == Kind::kDead) {
         const std::string deliveries = std::to_string(e.deliveries);
         extra.Add({"XADD", m.dead, "*", "id", out.record->id, "entry", e.entry_id, "error", out.record->error.message(),
@@ -756,10 +828,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       inflight_gauge_.Set(inflight_);
     }
     cv_.SignalAll();
-    if (records.empty()) return;
-    const int n = static_cast<int>(records.size());
+    if (settled.empty()) return;
+    const int n = static_cast<int>(settled.size());
     store_->Put(std::move(records), std::move(extra),
-                [self = shared_from_this(), n, settled = std::move(settled), models = std::move(settled_models)] {
+                [self = shared_from_this(), n, settled = std::move(settled), models = std::move(settled_models)](bool) {
       {
         MutexLock lock(self->mu_);
         self->inflight_ -= n;
@@ -783,6 +855,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   Counter& failed_;
   Counter& dead_;
   Counter& retried_;
+  Counter& cancelled_;
   Gauge& inflight_gauge_;                       // inflight_, set with mu_ held
   Gauge& connected_;                            // 0 or 1
   std::vector<Model> models_;                   // fixed after Init

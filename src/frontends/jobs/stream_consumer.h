@@ -3,7 +3,13 @@
 //
 // Producers add a job with
 //   XADD quern:jobs:{model} * id {job id} body {KServe v2 infer request}
-//        [header_length {n}] [deadline_ms {Unix ms}]
+//        [header_length {n}] [deadline_ms {Unix ms}] [version {n}]
+// An HTTP job accepted by an instance with Redis (JobHandler) is such an
+// entry too, with `owner` (its submitter's JobOwner) and `tracked` 1: its
+// record says queued; taking it, a consumer sets it to running unless the
+// job was cancelled meanwhile (then the entry is acknowledged, not run);
+// it fails as its infer would (stored failed, not dead-lettered), but for
+// UNAVAILABLE (a full queue, a stop), which is retried.
 // (`body` is the JSON request, or with header_length the JSON header
 // followed by binary tensors, as in Inference-Header-Content-Length; `id`
 // defaults to the entry id). Each instance reads with XREADGROUP in group
