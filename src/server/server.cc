@@ -209,6 +209,7 @@ struct Server::Parts {
   std::unique_ptr<HttpServer> vision_http;
   std::unique_ptr<HttpServer> metrics;
   std::unique_ptr<StreamConsumer> consumer;
+  std::atomic<const StreamConsumer*> consumer_taking{nullptr};  // = consumer, once it runs (read by the I/O threads)
   bool shut_down = false;
 
   int64_t NowNs() const { return engine->clock().NowNs(); }
@@ -361,7 +362,16 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
   });
   p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
-  if (p->redis_store) p->jobs->set_stream_prefix(o.consumer.stream_prefix);  // durable jobs, through the streams
+  if (p->redis_store) {
+    // Durable jobs, through the streams: for the models this instance takes
+    // jobs for (others run here, as without Redis), or all with --no-consume
+    // (the instances that consume run them).
+    p->jobs->set_stream_prefix(o.consumer.stream_prefix, [parts, all = o.no_consume](const std::string& model) {
+      if (all) return true;
+      const StreamConsumer* c = parts->consumer_taking.load(std::memory_order_acquire);
+      return c != nullptr && c->Consumes(model);
+    });
+  }
   if (p->keys->enabled()) {
     p->jobs->set_owner_of(
         [](const HttpRequest& r) { return JobOwner(PresentedKey(r.Header("authorization"), r.Header("x-api-key"))); });
@@ -439,6 +449,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
     if (consumer) {
       p->consumer = std::move(*consumer);
+      p->consumer_taking.store(p->consumer.get(), std::memory_order_release);
     } else if (consume_asked) {
       return Err(InvalidArgument(consumer.error().message()));
     } else {
@@ -488,7 +499,9 @@ void Server::Shutdown() {
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, p.options.drain_timeout_s));
-  auto in_flight = [&p] { return p.engine->InFlight() + p.vision_service->stats().in_flight; };
+  auto in_flight = [&p] {
+    return p.engine->InFlight() + p.vision_service->stats().in_flight + p.jobs->submitting();
+  };
   while (in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -513,13 +526,17 @@ void Server::Shutdown() {
   p.vision.reset();
   p.vision_service.reset();
   p.engine.reset();  // drains the queues; late responses are dropped with their connections
+  p.consumer_taking.store(nullptr, std::memory_order_release);
   p.consumer.reset();
+  // Redis: writes what is queued; the answers to jobs being submitted go
+  // to the handler and the connections, both still here.
+  p.redis_store = nullptr;
+  p.store.reset();
   p.http.reset();
   p.vision_http.reset();
   p.grpc.reset();
   p.metrics.reset();
   p.jobs.reset();
-  p.store.reset();  // Redis: writes what is queued
 }
 
 }  // namespace quern

@@ -158,7 +158,10 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
   RedisPipeline p;
   p.Add({"MULTI"});
   const std::string ttl_ms = std::to_string(options_.ttl_s * 1000);
-  for (const Batch& b : batches) {
+  for (Batch& b : batches) {
+    b.commands.clear();
+    b.failed = false;
+    const size_t first = p.size() - 1;  // (EXEC's answers leave MULTI out)
     for (const auto& r : b.records) {
       auto enc = Encode(*r, options_);
       if (!enc) {
@@ -172,7 +175,9 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
         if (!enc) return enc.error();
       }
       const std::string key = options_.key_prefix + r->id;
-      if (options_.ttl_s > 0) {
+      // A queued job's record lives as long as the job waits; a finished
+      // one, the result's time to live.
+      if (options_.ttl_s > 0 && r->finished()) {
         p.Add({"SET", key, enc->json, "PX", ttl_ms});
         for (const auto& [k, v] : enc->binary) p.Add({"SET", k, v, "PX", ttl_ms});
       } else {
@@ -180,8 +185,13 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
         for (const auto& [k, v] : enc->binary) p.Add({"SET", k, v});
       }
     }
+    b.commands.emplace_back(first, p.size() - 1);
   }
-  for (const Batch& b : batches) p.Append(b.extra);
+  for (Batch& b : batches) {
+    const size_t first = p.size() - 1;
+    p.Append(b.extra);
+    b.commands.emplace_back(first, p.size() - 1);
+  }
   p.Add({"EXEC"});
   // With replicas to wait for, the results count as written (and their
   // stream entries as acknowledged, in the same transaction) only once the
@@ -242,6 +252,14 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
         Log(LogLevel::kError,
             "redis at " + options_.redis.Address() + ": a command written with job results failed: " + r.str);
         break;
+      }
+    }
+    // A submission with a failed command (its XADD: the stream key holds
+    // something else) was not accepted.
+    for (Batch& b : batches) {
+      if (!b.submission) continue;
+      for (const auto& [from, to] : b.commands) {
+        for (size_t i = from; i < to && i < exec.elements.size(); ++i) b.failed = b.failed || exec.elements[i].is_error();
       }
     }
   }
@@ -344,7 +362,13 @@ void RedisResultStore::Settle(std::vector<Batch>& batches, bool written) {
     backlog_.Set(static_cast<int64_t>(unwritten_.size()));
     backlog_bytes_.Set(static_cast<int64_t>(backlog_bytes_held_));
     ++written_seq_;
-    if (b.on_written) callbacks.push_back(std::move(b.on_written));
+    if (b.on_written) {
+      if (written && b.failed) {
+        callbacks.push_back([cb = std::move(b.on_written)](bool) { cb(false); });
+      } else {
+        callbacks.push_back(std::move(b.on_written));
+      }
+    }
   }
   batches.clear();
   written_cv_.SignalAll();

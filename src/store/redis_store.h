@@ -114,6 +114,11 @@ class RedisResultStore final : public ResultStore {
     // A job being submitted (Enqueue): a write that fails refuses it at
     // once (its client may submit again) rather than holding it for later.
     bool submission = false;
+    // Set by Write: a command of this submission failed inside the
+    // transaction (the rest took effect): it was not accepted.
+    bool failed = false;
+    // Where its commands are among the transaction's (filled by Write).
+    std::vector<std::pair<size_t, size_t>> commands;
   };
   void Queue(Batch b);
   void WriterLoop();

@@ -560,6 +560,41 @@ def test_http_jobs_survive_the_instance_that_accepted_them(tmp_path, redis_serve
         b.stop()
 
 
+def test_a_waiting_job_outlives_the_result_ttl_and_models_nobody_takes_run_here(repo, redis_server):
+    """A job waiting in the stream keeps its queued record past --job-result-ttl-secs (only a
+    finished record expires), and cancelled after that it still never runs. A model this instance
+    takes no jobs for (--consume-models) runs its HTTP jobs here, not durable, rather than leaving
+    them in a stream nobody reads."""
+    r = redis_server.client()
+    one = np.ones((1, 4), np.float32)
+    accepter = Quern(repo, "--redis-url", redis_server.url(), "--no-consume", "--job-result-ttl-secs", "1")
+    try:
+        waiting = submit(accepter, "add_sub", add_sub_body(one, one))
+        time.sleep(1.5)
+        status, _, data = accepter.request("GET", f"/v2/jobs/{waiting}")
+        assert status == 200 and json.loads(data)["status"] == "queued", data
+        assert accepter.request("DELETE", f"/v2/jobs/{waiting}")[0] == 200
+    finally:
+        accepter.stop()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "add_sub")
+    try:
+        wait_until(lambda: r.xinfo_groups("quern:jobs:add_sub"), what="the consumer group")
+        wait_until(lambda: r.xpending("quern:jobs:add_sub", "quern")["pending"] == 0 and
+                   r.xinfo_groups("quern:jobs:add_sub")[0]["lag"] == 0, what="the cancelled entry to be taken")
+        assert json.loads(r.get(f"results:{waiting}"))["status"] == "cancelled"
+        status, _, data = q.request("GET", "/v2/models/add_sub/stats")
+        assert json.loads(data)["model_stats"][0]["execution_count"] == 0
+        # slow_batch: not taken here, so its job runs here.
+        status, _, data = q.request("POST", "/v2/models/slow_batch/jobs", slow_body(np.ones((1, 3), np.float32)))
+        answer = json.loads(data)
+        assert status == 202 and answer["durable"] is False, data
+        doc = wait_until(lambda: stored(r, answer["job_id"]), what="the local job's result")
+        assert doc["status"] == "done"
+        assert not r.exists("quern:jobs:slow_batch")
+    finally:
+        q.stop()
+
+
 def test_two_instances_share_one_stream(repo, redis_server):
     r = redis_server.client()
     common = ["--redis-url", redis_server.url(), "--consume", "--consume-models", "slow_batch",

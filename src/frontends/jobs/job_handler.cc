@@ -184,7 +184,9 @@ void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
 }
 
 void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
-  if (!stream_prefix_.empty()) return SubmitToStream(model, version, std::move(req), std::move(done));
+  if (!stream_prefix_.empty() && (!durable_ || durable_(model))) {
+    return SubmitToStream(model, version, std::move(req), std::move(done));
+  }
   if (Status s = store_->CanAccept(); !s.ok()) {
     rejected_.Increment();
     return done(ErrorResponse(s));
@@ -272,14 +274,17 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   if (!record->owner.empty()) fields.emplace_back("owner", record->owner);
   fields.emplace_back("tracked", "1");
   const std::string id = record->id;
+  submitting_->fetch_add(1, std::memory_order_acq_rel);
   store_->Enqueue(std::move(record), stream_prefix_ + model, fields,
                   [this, id, done = std::move(done)](Status st) {
                     if (!st.ok()) {
                       rejected_.Increment();
-                      return done(ErrorResponse(st));
+                      done(ErrorResponse(st));
+                    } else {
+                      submitted_.Increment();
+                      done(Accepted(id, true));
                     }
-                    submitted_.Increment();
-                    done(Accepted(id, true));
+                    submitting_->fetch_sub(1, std::memory_order_acq_rel);
                   });
 }
 

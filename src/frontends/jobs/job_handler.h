@@ -74,8 +74,15 @@ class JobHandler {
   // answered 202 ("durable": true) once Redis has both; the instances that
   // consume that stream run it, whichever of them is alive. Any instance
   // answers its status from the record, and cancels it while it is queued.
-  // Set before the first request; empty (the default): jobs run here.
-  void set_stream_prefix(std::string prefix) { stream_prefix_ = std::move(prefix); }
+  // Only for the models `durable` says (whose streams someone takes jobs
+  // from); others run here. Set before the first request; empty prefix
+  // (the default): every job runs here.
+  void set_stream_prefix(std::string prefix, std::function<bool(const std::string& model)> durable) {
+    stream_prefix_ = std::move(prefix);
+    durable_ = std::move(durable);
+  }
+  // Jobs being written to the stream, not yet answered.
+  int64_t submitting() const { return submitting_->load(std::memory_order_acquire); }
 
   JobStats stats() const;
 
@@ -98,6 +105,8 @@ class JobHandler {
   ResultStore* store_;
   const int64_t started_ms_;  // wall clock, when the handler was made
   std::string stream_prefix_;
+  std::function<bool(const std::string&)> durable_;
+  std::shared_ptr<std::atomic<int64_t>> submitting_ = std::make_shared<std::atomic<int64_t>>(0);
   std::function<std::string(const HttpRequest&)> owner_of_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry& metrics_;

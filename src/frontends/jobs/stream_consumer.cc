@@ -21,17 +21,20 @@ namespace quern {
 
 namespace {
 
-// A tracked job's record (KEYS[1]) set to ARGV[1] (running; ARGV[2]: its
-// time to live in ms, 0 = none) unless the job was cancelled: 0 then, else 1.
+// A tracked job's record (KEYS[1]) set to ARGV[1] (running, no time to
+// live) when it says queued or running (a job taken over): 1. Otherwise 0:
+// the job was cancelled, or finished (another consumer wrote its result
+// before this one took the entry over), or its record is gone; the entry
+// is then acknowledged without running. (The record's JSON has one
+// "status" key, and its string values are escaped: no other text matches.)
 constexpr char kStartScript[] = R"lua(
 local v = redis.call('GET', KEYS[1])
-if v and string.find(v, '"status":"cancelled"', 1, true) then return 0 end
-if tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-else
+if not v then return 0 end
+if string.find(v, '"status":"queued"', 1, true) or string.find(v, '"status":"running"', 1, true) then
   redis.call('SET', KEYS[1], ARGV[1])
+  return 1
 end
-return 1
+return 0
 )lua";
 
 constexpr char kLengthHelp[] = "Entries in each model's job stream (XLEN).";
@@ -171,9 +174,12 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   struct Entry : StreamEntry {
     size_t model = 0;
     int64_t deliveries = 1;
-    bool cancelled = false;  // its job was cancelled while queued: acknowledged, not run
+    bool cancelled = false;  // its job was cancelled, or has a result: acknowledged, not run
+    bool unchecked = false;  // a tracked job Redis did not say may start: left pending, not run
   };
-  enum class Kind { kDone, kFailed, kDead, kRetry, kSkipped };
+  // kSkipped: acknowledged, not run (cancelled, or finished elsewhere);
+  // kLeft: not run, left pending for a later delivery.
+  enum class Kind { kDone, kFailed, kDead, kRetry, kSkipped, kLeft };
   struct Outcome {
     Kind kind = Kind::kRetry;
     std::shared_ptr<JobRecord> record;
@@ -283,6 +289,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   const std::string& name() const { return options_.consumer; }
+  bool Consumes(const std::string& model) const {
+    return std::any_of(models_.begin(), models_.end(), [&](const Model& m) { return m.name == model; });
+  }
 
  private:
   void Loop() {
@@ -665,7 +674,6 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     RedisPipeline p;
     std::vector<size_t> asked;
     const int64_t now = engine_->clock().WallMs();
-    const std::string ttl_ms = std::to_string(store_->options().ttl_s * 1000);
     for (size_t i = 0; i < group.entries.size(); ++i) {
       const Entry& e = group.entries[i];
       if (e.Field("tracked") != "1") continue;
@@ -674,15 +682,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       rec->started_ms = now;
       auto enc = RedisResultStore::Encode(*rec, store_->options());
       if (!enc) continue;
-      p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json, ttl_ms});
+      p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json});
       asked.push_back(i);
+      group.entries[i].unchecked = true;  // until Redis says
     }
     if (p.empty()) return;
     auto replies = conn_->Execute(p);
-    if (!replies) return;
+    if (!replies) return;  // none checked: left pending, taken again later
     for (size_t k = 0; k < asked.size(); ++k) {
       const RedisReply& r = (*replies)[k];
-      if (r.type == RedisReply::Type::kInteger && r.integer == 0) group.entries[asked[k]].cancelled = true;
+      Entry& e = group.entries[asked[k]];
+      if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
+      e.unchecked = false;
+      if (r.integer == 0) e.cancelled = true;
     }
   }
 
@@ -699,8 +711,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
 
   void Submit(const std::shared_ptr<Group>& group, size_t i) {
     const Entry& e = group->entries[i];
-    if (e.cancelled) {
-      group->outcomes[i].kind = Kind::kSkipped;
+    if (e.cancelled || (e.unchecked && e.deliveries <= options_.max_deliveries)) {
+      group->outcomes[i].kind = e.cancelled ? Kind::kSkipped : Kind::kLeft;
       if (group->remaining.fetch_sub(1) == 1) Complete(group);
       return;
     }
@@ -768,7 +780,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       // and may submit again; only a full queue or a stop is retried.)
       out.kind = Kind::kFailed;
     } else if (Deterministic(status.code()) || e.deliveries >= options_.max_deliveries) {
-      out.kind = Kind::kDead;
+      out.kind = e.Field("tracked") == "1" ? Kind::kFailed : Kind::kDead;
     } else {
       out.kind = Kind::kRetry;
       // The engine refused it (queue full, shutting down): read no more for a moment.
@@ -790,6 +802,13 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       const Entry& e = group->entries[i];
       const Outcome& out = group->outcomes[i];
       const Model& m = models_[e.model];
+      if (out.kind == Kind::kLeft) {
+        ++retry;
+        MutexLock lock(mu_);
+        mine_.erase(m.stream + " " + e.entry_id);
+        --model_inflight_[e.model];
+        continue;
+      }
       if (out.kind == Kind::kRetry) {
         ++retry;
         retried_.Increment();
@@ -802,7 +821,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         --model_inflight_[e.model];
         continue;
       }
-      if (out.kind == Kind::kSkipped) {  // cancelled before it ran: its record says so already
+      if (out.kind == Kind::kSkipped) {  // cancelled or finished: its record says so already
         extra.Add({"XACK", m.stream, options_.group, e.entry_id});
         cancelled_.Increment();
         settled.push_back(m.stream + " " + e.entry_id);
@@ -903,6 +922,10 @@ StreamConsumerStats StreamConsumer::stats() const {
 
 const std::string& StreamConsumer::consumer_name() const {
   return impl_->name();
+}
+
+bool StreamConsumer::Consumes(const std::string& model) const {
+  return impl_->Consumes(model);
 }
 
 }  // namespace quern

@@ -136,6 +136,8 @@ class StreamConsumer {
 
   StreamConsumerStats stats() const;
   const std::string& consumer_name() const;
+  // Whether it takes jobs from `model`'s stream (fixed at Start).
+  bool Consumes(const std::string& model) const;
 
   class Impl;
 
