@@ -94,16 +94,18 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", st.ToString().c_str());
       return 1;
     }
-    slowest_ms = std::max(slowest_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
+    slowest_ms =
+        std::max(slowest_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
   }
   const double total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const long long written = WrittenBytes() - before;
   done = true;
   reader.join();
-  std::printf("%zu registrations: %.1f ms (slowest %.1f ms), %.2f MB written to storage (%.1f KB each); "
-              "%lld looks at the faces meanwhile, slowest %.2f ms\n",
-              registrations, total_ms, slowest_ms, written / 1e6, written / 1e3 / registrations, looks.load(),
-              slowest_us / 1e3);
+  std::printf(
+      "%zu registrations: %.1f ms (slowest %.1f ms), %.2f MB written to storage (%.1f KB each); "
+      "%lld looks at the faces meanwhile, slowest %.2f ms\n",
+      registrations, total_ms, slowest_ms, written / 1e6, written / 1e3 / registrations, looks.load(),
+      slowest_us / 1e3);
   std::filesystem::remove(file);
   return 0;
 }

@@ -190,7 +190,8 @@ TEST(FaceGallery, ARegistrationAppendsItsOwnRecordAndTheLogIsCompacted) {
     ASSERT_TRUE(g->Register("busy", {face}).ok());
     largest = std::max<uint64_t>(largest, std::filesystem::file_size(file));
   }
-  const uint64_t live = 199 * Record("u0", four).size() + Record("busy", std::vector<std::vector<float>>(16, face)).size();
+  const uint64_t live =
+      199 * Record("u0", four).size() + Record("busy", std::vector<std::vector<float>>(16, face)).size();
   EXPECT_LE(largest, 2 * live + (1u << 20) + Record("busy", std::vector<std::vector<float>>(16, face)).size());
   auto again = std::move(*FaceGallery::Open({}, FileFaceStore(file)));
   EXPECT_EQ(again->Users().size(), 200u);  // u0..u199 less u8, and busy

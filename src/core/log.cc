@@ -1,11 +1,11 @@
 #include "core/log.h"
 
-#include "core/json.h"
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <ctime>
+
+#include "core/json.h"
 
 namespace quern {
 namespace {
@@ -22,7 +22,6 @@ const char* LevelName(LogLevel level) {
   }
   return "info";
 }
-
 
 // A JSON string of `s`: control characters escaped, well-formed UTF-8 as it
 // is, and each byte of anything else (a client's raw bytes in a path) as

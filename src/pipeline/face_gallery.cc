@@ -219,8 +219,8 @@ class FileStore : public FaceGalleryStore {
     size_t at = kLogMagic.size();
     for (size_t n = 1; at < data.size(); ++n) {
       const auto damaged = [&] {
-        return std::unexpected(InvalidArgument(Describe() + " is damaged at record " + std::to_string(n) +
-                                               " (byte " + std::to_string(at) + ")"));
+        return std::unexpected(InvalidArgument(Describe() + " is damaged at record " + std::to_string(n) + " (byte " +
+                                               std::to_string(at) + ")"));
       };
       Reader r(std::string_view(data).substr(at));
       size_t length = 0, complement = 0, sum = 0;
@@ -336,8 +336,8 @@ class FileStore : public FaceGalleryStore {
     // The rename itself reaches the disk with the folder's entry: until it
     // has, a stop could bring the file before it back, so the change is not
     // answered as stored.
-    const int dir = ::open(file_.parent_path().empty() ? "." : file_.parent_path().c_str(),
-                           O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    const int dir =
+        ::open(file_.parent_path().empty() ? "." : file_.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir < 0 || ::fsync(dir) != 0) failed = errno;
     if (dir >= 0) ::close(dir);
     if (failed != 0) return Unavailable(Describe() + "'s folder cannot be flushed: " + std::strerror(failed));
@@ -346,9 +346,9 @@ class FileStore : public FaceGalleryStore {
 
   const std::filesystem::path file_;
   int64_t version_ = 0;
-  int fd_ = -1;               // the log, open for appending; -1: none yet (the next change writes it whole)
-  bool whole_form_ = false;   // the file is in the earlier form: rewritten at the next change
-  uint64_t log_bytes_ = 0;    // the log's bytes up to its last whole record
+  int fd_ = -1;                           // the log, open for appending; -1: none yet (the next change writes it whole)
+  bool whole_form_ = false;               // the file is in the earlier form: rewritten at the next change
+  uint64_t log_bytes_ = 0;                // the log's bytes up to its last whole record
   std::map<std::string, uint64_t> live_;  // each user's latest record's bytes in the log
   uint64_t live_bytes_ = 0;               // their sum
 };
@@ -465,34 +465,35 @@ Status FaceGallery::Register(const std::string& userid, const Faces& faces) {
       if (!std::isfinite(v)) return InvalidArgument("a face descriptor that is not finite");
     }
   }
-  return Change(userid, [&](const FaceSet& set,
-                            const std::shared_ptr<const Faces>& mine) -> Result<std::shared_ptr<const Faces>> {
-    if (!set.users.empty() && dim != set.dimension) {
-      return std::unexpected(
-          FailedPrecondition("the registered faces were described with " + std::to_string(set.dimension) +
-                             " values and this descriptor gives " + std::to_string(dim) +
-                             " (another face descriptor model?); delete them to register with this one"));
-    }
-    if (!mine && set.users.size() >= options_.max_users) {
-      return std::unexpected(
-          ResourceExhausted("the face gallery holds its limit of " + std::to_string(options_.max_users) + " users"));
-    }
-    auto after = std::make_shared<Faces>(mine ? *mine : Faces());
-    after->insert(after->end(), faces.begin(), faces.end());
-    if (after->size() > options_.max_faces_per_user) {
-      after->erase(after->begin(),
-                   after->begin() + static_cast<std::ptrdiff_t>(after->size() - options_.max_faces_per_user));
-    }
-    return std::shared_ptr<const Faces>(std::move(after));
-  });
+  return Change(
+      userid,
+      [&](const FaceSet& set, const std::shared_ptr<const Faces>& mine) -> Result<std::shared_ptr<const Faces>> {
+        if (!set.users.empty() && dim != set.dimension) {
+          return std::unexpected(
+              FailedPrecondition("the registered faces were described with " + std::to_string(set.dimension) +
+                                 " values and this descriptor gives " + std::to_string(dim) +
+                                 " (another face descriptor model?); delete them to register with this one"));
+        }
+        if (!mine && set.users.size() >= options_.max_users) {
+          return std::unexpected(ResourceExhausted("the face gallery holds its limit of " +
+                                                   std::to_string(options_.max_users) + " users"));
+        }
+        auto after = std::make_shared<Faces>(mine ? *mine : Faces());
+        after->insert(after->end(), faces.begin(), faces.end());
+        if (after->size() > options_.max_faces_per_user) {
+          after->erase(after->begin(),
+                       after->begin() + static_cast<std::ptrdiff_t>(after->size() - options_.max_faces_per_user));
+        }
+        return std::shared_ptr<const Faces>(std::move(after));
+      });
 }
 
 Status FaceGallery::Delete(const std::string& userid) {
-  return Change(userid, [&](const FaceSet&,
-                            const std::shared_ptr<const Faces>& mine) -> Result<std::shared_ptr<const Faces>> {
-    if (!mine) return std::unexpected(NotFound("no face is registered as '" + userid + "'"));
-    return std::shared_ptr<const Faces>();
-  });
+  return Change(userid,
+                [&](const FaceSet&, const std::shared_ptr<const Faces>& mine) -> Result<std::shared_ptr<const Faces>> {
+                  if (!mine) return std::unexpected(NotFound("no face is registered as '" + userid + "'"));
+                  return std::shared_ptr<const Faces>();
+                });
 }
 
 std::shared_ptr<const FaceSet> FaceGallery::Current() {
@@ -600,8 +601,8 @@ Result<std::shared_ptr<const FaceSet>> FaceGallery::Apply(const FaceSet& base, c
                                              std::to_string(dim) + " values"));
     }
     if (mine == set->users.end() && others >= options_.max_users) {
-      return std::unexpected(InvalidArgument(where + " holds more than " + std::to_string(options_.max_users) +
-                                             " users (the limit)"));
+      return std::unexpected(
+          InvalidArgument(where + " holds more than " + std::to_string(options_.max_users) + " users (the limit)"));
     }
     set->users[r.userid] = std::make_shared<const Faces>(std::move(*faces));
     set->dimension = dim;

@@ -157,8 +157,8 @@ class FaceGallery {
   // yet) in `set`; an error leaves the gallery as it was. The record is
   // stored (again on what the store holds when another writer came first)
   // and published.
-  using UserChange = std::function<Result<std::shared_ptr<const Faces>>(const FaceSet& set,
-                                                                        const std::shared_ptr<const Faces>& mine)>;
+  using UserChange =
+      std::function<Result<std::shared_ptr<const Faces>>(const FaceSet& set, const std::shared_ptr<const Faces>& mine)>;
   Status Change(const std::string& userid, const UserChange& change) QUERN_EXCLUDES(store_mu_);
   // `records` applied to a copy of `base` (errors name `where`).
   Result<std::shared_ptr<const FaceSet>> Apply(const FaceSet& base, const std::vector<FaceRecord>& records,
@@ -170,7 +170,7 @@ class FaceGallery {
 
   const FaceGalleryOptions options_;
   const std::unique_ptr<FaceGalleryStore> store_;
-  Mutex store_mu_;  // one change or read of the store at a time
+  Mutex store_mu_;                                    // one change or read of the store at a time
   int64_t version_ QUERN_GUARDED_BY(store_mu_) = -1;  // the store's version faces_ holds; -1 = not read yet
   Mutex mu_;                                          // held only to swap or copy faces_
   std::shared_ptr<const FaceSet> faces_ QUERN_GUARDED_BY(mu_);

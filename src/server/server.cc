@@ -499,9 +499,7 @@ void Server::Shutdown() {
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, p.options.drain_timeout_s));
-  auto in_flight = [&p] {
-    return p.engine->InFlight() + p.vision_service->stats().in_flight + p.jobs->submitting();
-  };
+  auto in_flight = [&p] { return p.engine->InFlight() + p.vision_service->stats().in_flight + p.jobs->submitting(); };
   while (in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

@@ -124,8 +124,8 @@ Result<FaceGalleryStore::Records> RedisFaceStore::Read() {
     if (!written && out.version > 0) return std::unexpected(Missing(out.version));
     return out;
   }
-  return std::unexpected(Failed(Internal("the gallery of an earlier release is still at " + key_ +
-                                         " after it was moved")));
+  return std::unexpected(
+      Failed(Internal("the gallery of an earlier release is still at " + key_ + " after it was moved")));
 }
 
 Status RedisFaceStore::MoveWholeGallery(RedisConnection* c) {
@@ -142,10 +142,9 @@ Status RedisFaceStore::MoveWholeGallery(RedisConnection* c) {
     return Status::Ok();
   }
   if (!whole.is_string() || whole.oversize >= 0) {
-    return Failed(InvalidArgument("the gallery at " + key_ + " cannot be read whole (" +
-                                  (whole.oversize >= 0 ? std::to_string(whole.oversize) + " bytes"
-                                                       : std::string("not a string")) +
-                                  ")"));
+    return Failed(InvalidArgument(
+        "the gallery at " + key_ + " cannot be read whole (" +
+        (whole.oversize >= 0 ? std::to_string(whole.oversize) + " bytes" : std::string("not a string")) + ")"));
   }
   auto records = ParseWholeGallery(whole.str, Describe() + " (key " + key_ + ")");
   if (!records) {
@@ -309,9 +308,8 @@ Result<std::optional<int64_t>> RedisFaceStore::Write(const FaceRecord& record, i
   }
   const RedisReply& exec = replies->back();
   if (exec.is_nil()) return std::optional<int64_t>();  // the version changed after the check
-  const size_t incr = record.faces.empty() ? 2 : 1;  // INCR's answer among the transaction's
-  if (!exec.is_array() || exec.elements.size() != incr + 3 ||
-      exec.elements[incr].type != RedisReply::Type::kInteger) {
+  const size_t incr = record.faces.empty() ? 2 : 1;    // INCR's answer among the transaction's
+  if (!exec.is_array() || exec.elements.size() != incr + 3 || exec.elements[incr].type != RedisReply::Type::kInteger) {
     for (const auto& r : *replies) {
       if (r.is_error()) return std::unexpected(Failed(Unavailable(r.str)));
     }

@@ -259,7 +259,8 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
     for (Batch& b : batches) {
       if (!b.submission) continue;
       for (const auto& [from, to] : b.commands) {
-        for (size_t i = from; i < to && i < exec.elements.size(); ++i) b.failed = b.failed || exec.elements[i].is_error();
+        for (size_t i = from; i < to && i < exec.elements.size(); ++i)
+          b.failed = b.failed || exec.elements[i].is_error();
       }
     }
   }

@@ -510,9 +510,9 @@ Status ModelControlOff() {
 }
 
 grpc::Status NotImplemented(std::string_view what) {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      std::string(what) + " is not implemented by Quern (no shared memory, tracing or "
-                                          "log settings over gRPC)");
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, std::string(what) +
+                                                           " is not implemented by Quern (no shared memory, tracing or "
+                                                           "log settings over gRPC)");
 }
 
 // A stream refused before it starts (no valid key).
@@ -625,15 +625,15 @@ class Service final : public RawService<GRPCInferenceService::Service> {
                                                              out->set_ready(engine_->ModelReady(in.name(), *v));
                                                              return grpc::Status::OK;
                                                            });
-    Unary<inf::ServerMetadataRequest, inf::ServerMetadataResponse>("ServerMetadata", Access::kUser,
-                                                                   [](auto*, auto&, auto* out) {
-                                                                     out->set_name("quern");
-                                                                     out->set_version("0.1.0");
-                                                                     for (const std::string_view e : kKServeExtensions) {
-                                                                       out->add_extensions(std::string(e));
-                                                                     }
-                                                                     return grpc::Status::OK;
-                                                                   });
+    Unary<inf::ServerMetadataRequest, inf::ServerMetadataResponse>(
+        "ServerMetadata", Access::kUser, [](auto*, auto&, auto* out) {
+          out->set_name("quern");
+          out->set_version("0.1.0");
+          for (const std::string_view e : kKServeExtensions) {
+            out->add_extensions(std::string(e));
+          }
+          return grpc::Status::OK;
+        });
     Unary<inf::ModelMetadataRequest, inf::ModelMetadataResponse>("ModelMetadata", Access::kUser,
                                                                  [this](auto*, auto& in, auto* out) {
                                                                    auto m = Model(in.name(), in.version());
@@ -648,14 +648,10 @@ class Service final : public RawService<GRPCInferenceService::Service> {
                                                                *out->mutable_config() = ToProto(m->config);
                                                                return grpc::Status::OK;
                                                              });
-    Unary<inf::ModelStatisticsRequest, inf::ModelStatisticsResponse>("ModelStatistics", Access::kUser,
-                                                                     [this](auto*, auto& in, auto* out) {
-                                                                       return Statistics(in, out);
-                                                                     });
-    Unary<inf::RepositoryIndexRequest, inf::RepositoryIndexResponse>("RepositoryIndex", Access::kUser,
-                                                                     [this](auto*, auto& in, auto* out) {
-                                                                       return Index(in, out);
-                                                                     });
+    Unary<inf::ModelStatisticsRequest, inf::ModelStatisticsResponse>(
+        "ModelStatistics", Access::kUser, [this](auto*, auto& in, auto* out) { return Statistics(in, out); });
+    Unary<inf::RepositoryIndexRequest, inf::RepositoryIndexResponse>(
+        "RepositoryIndex", Access::kUser, [this](auto*, auto& in, auto* out) { return Index(in, out); });
     Unary<inf::RepositoryModelLoadRequest, inf::RepositoryModelLoadResponse>(
         "RepositoryModelLoad", Access::kAdmin, [this](auto*, auto& in, auto*) { return Load(in); });
     Unary<inf::RepositoryModelUnloadRequest, inf::RepositoryModelUnloadResponse>(
@@ -681,7 +677,8 @@ class Service final : public RawService<GRPCInferenceService::Service> {
       if (Status st = Admit(ctx, Access::kUser); !st.ok()) return new RefusedStream(ToGrpc(st));
       // Every message is a request: each one takes its key's rate-limit
       // token and is refused while the server drains.
-      return new StreamReactor(engine_, ctx, [this, ctx] { return Admit(ctx, Access::kUser); }, &last_caller_);
+      return new StreamReactor(
+          engine_, ctx, [this, ctx] { return Admit(ctx, Access::kUser); }, &last_caller_);
     });
   }
 
@@ -770,9 +767,7 @@ class HealthService final : public RawService<grpc::health::v1::Health::Service>
 
  private:
   // Whether the call's request is read: it is admitted, or no keys are set.
-  bool Reads(grpc::CallbackServerContext* ctx) const {
-    return !options_.authorize || Admit(ctx, Access::kProbe).ok();
-  }
+  bool Reads(grpc::CallbackServerContext* ctx) const { return !options_.authorize || Admit(ctx, Access::kProbe).ok(); }
   static bool Known(const std::string& service) {
     return service.empty() || service == "inference.GRPCInferenceService";
   }
@@ -797,9 +792,9 @@ class HealthService final : public RawService<grpc::health::v1::Health::Service>
       grpc::health::v1::HealthCheckRequest in;
       if (!Parse(&in)) return;
       if (!Known(in.service())) {
-        return Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                   "unknown service '" + in.service().substr(0, 128) +
-                                       "' (known: \"\" and \"inference.GRPCInferenceService\")"));
+        return Finish(
+            grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service '" + in.service().substr(0, 128) +
+                                                          "' (known: \"\" and \"inference.GRPCInferenceService\")"));
       }
       Reply(health_->Current());
     }
@@ -824,8 +819,8 @@ class HealthService final : public RawService<grpc::health::v1::Health::Service>
 
     void OnReadDone(bool ok) override {
       grpc::health::v1::HealthCheckRequest in;
-      if (!ok || !grpc::SerializationTraits<grpc::health::v1::HealthCheckRequest>::Deserialize(&request_bytes_, &in)
-                      .ok()) {
+      if (!ok ||
+          !grpc::SerializationTraits<grpc::health::v1::HealthCheckRequest>::Deserialize(&request_bytes_, &in).ok()) {
         // (A client that left makes both this and OnCancel run: one Finish.)
         MutexLock lock(mu_);
         return FinishLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

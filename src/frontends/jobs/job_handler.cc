@@ -275,17 +275,16 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   fields.emplace_back("tracked", "1");
   const std::string id = record->id;
   submitting_->fetch_add(1, std::memory_order_acq_rel);
-  store_->Enqueue(std::move(record), stream_prefix_ + model, fields,
-                  [this, id, done = std::move(done)](Status st) {
-                    if (!st.ok()) {
-                      rejected_.Increment();
-                      done(ErrorResponse(st));
-                    } else {
-                      submitted_.Increment();
-                      done(Accepted(id, true));
-                    }
-                    submitting_->fetch_sub(1, std::memory_order_acq_rel);
-                  });
+  store_->Enqueue(std::move(record), stream_prefix_ + model, fields, [this, id, done = std::move(done)](Status st) {
+    if (!st.ok()) {
+      rejected_.Increment();
+      done(ErrorResponse(st));
+    } else {
+      submitted_.Increment();
+      done(Accepted(id, true));
+    }
+    submitting_->fetch_sub(1, std::memory_order_acq_rel);
+  });
 }
 
 void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r) {
@@ -375,7 +374,8 @@ HttpResponse JobHandler::NotStored(const std::string& id, const Status& not_foun
   Writer w(buf);
   w.StartObject();
   w.Key("error");
-  String(w, "job '" + id + "': the server restarted after this job was accepted; its result is lost (results are "
+  String(w, "job '" + id +
+                "': the server restarted after this job was accepted; its result is lost (results are "
                 "kept in memory; with --redis-url they outlive a restart)");
   w.EndObject();
   return JsonResponse(410, buf);
@@ -399,7 +399,8 @@ void JobHandler::CancelStored(const std::string& id, const std::string& owner, H
   cancelled->error = Cancelled(CancelledMessage(id));
   if (Status st = store_->CancelQueued(cancelled); !st.ok()) {
     if (st.code() == StatusCode::kFailedPrecondition) {
-      return done(Conflict("job '" + id + "' is no longer queued (it started meanwhile); only a queued job can be "
+      return done(Conflict("job '" + id +
+                           "' is no longer queued (it started meanwhile); only a queued job can be "
                            "cancelled"));
     }
     return done(ErrorResponse(st));

@@ -152,8 +152,7 @@ Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model
                                  "' is not a model version"));
     }
   }
-  QUERN_ASSIGN_OR_RETURN(job.infer,
-                         ParseKServeInferBody(model, version, std::string(body), e.Field("header_length")));
+  QUERN_ASSIGN_OR_RETURN(job.infer, ParseKServeInferBody(model, version, std::string(body), e.Field("header_length")));
   if (!job.infer.format.classifications.empty()) {
     return Err(InvalidArgument("model '" + model + "' output '" + job.infer.format.classifications.front().first +
                                "': parameter 'classification' is not supported for jobs (a job keeps its outputs "
@@ -795,7 +794,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   void Complete(const std::shared_ptr<Group>& group) {
     std::vector<std::shared_ptr<const JobRecord>> records;
     RedisPipeline extra;
-    std::vector<std::string> settled;  // mine_ keys of entries acknowledged by this write
+    std::vector<std::string> settled;    // mine_ keys of entries acknowledged by this write
     std::vector<size_t> settled_models;  // and their models
     size_t retry = 0;
     for (size_t i = 0; i < group->entries.size(); ++i) {
@@ -851,16 +850,16 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     const int n = static_cast<int>(settled.size());
     store_->Put(std::move(records), std::move(extra),
                 [self = shared_from_this(), n, settled = std::move(settled), models = std::move(settled_models)](bool) {
-      {
-        MutexLock lock(self->mu_);
-        self->inflight_ -= n;
-        self->inflight_gauge_.Set(self->inflight_);
-        for (const auto& k : settled) self->mine_.erase(k);
-        for (size_t m : models) --self->model_inflight_[m];
-      }
-      self->acked_since_trim_.fetch_add(n, std::memory_order_relaxed);
-      self->cv_.SignalAll();
-    });
+                  {
+                    MutexLock lock(self->mu_);
+                    self->inflight_ -= n;
+                    self->inflight_gauge_.Set(self->inflight_);
+                    for (const auto& k : settled) self->mine_.erase(k);
+                    for (size_t m : models) --self->model_inflight_[m];
+                  }
+                  self->acked_since_trim_.fetch_add(n, std::memory_order_relaxed);
+                  self->cv_.SignalAll();
+                });
   }
 
   StreamConsumerOptions options_;
@@ -885,7 +884,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   mutable Mutex mu_;
   CondVar cv_;
   int inflight_ QUERN_GUARDED_BY(mu_) = 0;
-  std::vector<int> model_inflight_ QUERN_GUARDED_BY(mu_);  // inflight_ by model
+  std::vector<int> model_inflight_ QUERN_GUARDED_BY(mu_);       // inflight_ by model
   std::unordered_set<std::string> mine_ QUERN_GUARDED_BY(mu_);  // "stream entry-id" in flight here
   // Each model's XLEN and XPENDING gauges, by index in models_; null until
   // Redis has answered.
