@@ -470,8 +470,10 @@ backend quern
         return self.bed.run("P", [sys.executable, LOAD, mode, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
-    def jobs(self, count, rate, prefix, wait=60):
+    def jobs(self, count, rate, prefix, wait=60, http_host=None):
         where = ["--redis", f"{self.r}:6379"]
+        if http_host:  # posted to that host's HTTP port (durable jobs through the stream)
+            where += ["--http", f"{self.bed.addr(http_host)}:8000"]
         if self.sentinel:  # the producer follows failovers too, and counts a job only once a replica has it
             where = ["--sentinel", ",".join(f"{self.bed.addr(h)}:{self.SENTINEL_PORT}" for h in self.sentinel_hosts),
                      "--master", self.MASTER, "--wait-replicas", "1"]

@@ -2,6 +2,7 @@
 
     python netbed_load.py jobs  --redis HOST:PORT --model add_sub --count N --rate R --prefix P --wait S
     python netbed_load.py jobs  --sentinel H:P,H:P,H:P --master NAME --wait-replicas 1 ...
+    python netbed_load.py jobs  --redis HOST:PORT --http HOST:PORT ...
     python netbed_load.py infer --url http://HOST:PORT --model add_sub --seconds S --concurrency C
 
 `jobs` adds N stream jobs (XADD quern:jobs:{model}, fields id and body) at R a second, then waits up
@@ -10,7 +11,9 @@ came back, what was wrong or missing, the rate reached, and the time from XADD t
 finished_ms, whole milliseconds). With --sentinel the producer follows failovers (redis-py's Sentinel
 client), and with --wait-replicas a job counts as accepted only once that many replicas have it;
 the others are reported as unconfirmed (a failover may lose them) and their results, when they
-come, are checked all the same.
+come, are checked all the same. With --http the jobs are posted to that Quern instead
+(POST /v2/models/{model}/jobs): a job counts as accepted on its 202, under the id it answered, and
+the first failure to post (the host cut off) ends the posting, the rest counted as refused.
 `infer` sends synchronous KServe infers through the load balancer from C threads for S seconds and
 reports every request: start and end (seconds since the epoch), HTTP status (0: no answer), and the
 host that answered (the balancer's X-Served-By header).
@@ -47,7 +50,29 @@ def run_jobs(args):
     stream = f"quern:jobs:{args.model}"
     accepted, refused, unconfirmed = {}, 0, {}
     t0 = time.time()
+    conn = None
     for k in range(args.count):
+        if args.http:
+            wait = t0 + k / args.rate - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            body, plus, minus = add_sub_body(k)
+            sent = time.time()
+            try:
+                if conn is None:
+                    host, port = args.http.rsplit(":", 1)
+                    conn = http.client.HTTPConnection(host, int(port), timeout=2)
+                conn.request("POST", f"/v2/models/{args.model}/jobs", body=json.dumps(body))
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status != 202:
+                    refused += 1
+                    continue
+                accepted[json.loads(data)["job_id"]] = (sent, plus, minus)
+            except (OSError, http.client.HTTPException):
+                refused += args.count - k
+                break
+            continue
         wait = t0 + k / args.rate - time.time()
         if wait > 0:
             time.sleep(wait)
@@ -84,10 +109,10 @@ def run_jobs(args):
         now = time.time()
         left = []
         for job, raw in zip(waiting, values):
-            if raw is None:
+            doc = json.loads(raw) if raw is not None else None
+            if doc is None or doc.get("status") in ("queued", "running"):  # (an HTTP job's record, waiting)
                 left.append(job)
                 continue
-            doc = json.loads(raw)
             added, plus, minus = expected[job]
             outs = {o["name"]: o.get("data") for o in doc.get("result", {}).get("outputs", [])}
             if doc.get("status") != "done" or outs.get("OUTPUT0") != plus or outs.get("OUTPUT1") != minus:
@@ -156,6 +181,7 @@ def main():
     where = j.add_mutually_exclusive_group(required=True)
     where.add_argument("--redis", help="HOST:PORT")
     where.add_argument("--sentinel", help="HOST:PORT,HOST:PORT,...: the master is asked of these")
+    j.add_argument("--http", help="HOST:PORT of a Quern: post the jobs to it (results still read from --redis)")
     j.add_argument("--master", default="quern", help="the master's name, with --sentinel")
     j.add_argument("--wait-replicas", type=int, default=0, help="a job counts as accepted once this many replicas have it")
     j.add_argument("--model", default="add_sub")

@@ -120,6 +120,22 @@ def test_a_host_cut_off_and_brought_back_loses_nothing_and_shows_no_job_twice(cl
     assert len(list(r.scan_iter("results:cut-*", count=1000))) == 1500
 
 
+def test_http_jobs_accepted_by_a_host_cut_off_and_lost_are_done_by_the_others(cluster):
+    """Jobs posted over HTTP to Q3 (each appended to the stream before its 202), then Q3 cut off
+    and killed while it holds some (the host is gone for good): every job Q3 accepted ends done with
+    its own result, by the others (those Q3 held after the claim idle time); none lost, none wrong."""
+    jobs = cluster.jobs(count=600, rate=300, prefix="http-cut", http_host="Q3")
+    time.sleep(1.0)  # about 300 posted
+    cluster.bed.link("Q3", up=False)
+    cluster.quern["Q3"].send_signal(signal.SIGKILL)
+    j = cluster.report(jobs)
+    assert j["wrong"] == [] and j["missing"] == [], j
+    assert j["accepted"] == j["results"] and j["accepted"] >= 100, j
+    wait_until(lambda: cluster.client().xpending("quern:jobs:add_sub", "quern")["pending"] == 0, timeout=30,
+               what="every job acknowledged")
+    print(f"HTTP jobs into Q3, Q3 cut off and killed: {j['accepted']} accepted, {j['results']} done")
+
+
 def test_a_host_added_under_load_takes_work_at_once(cluster):
     jobs = cluster.jobs(count=1500, rate=250, prefix="grow")
     time.sleep(1.5)
