@@ -110,19 +110,24 @@ Result<Faces> DecodeFaces(std::string_view bytes, size_t max_faces) {
   return out;
 }
 
+// Writes all of `bytes` to `fd`; 0, or the errno that stopped it.
+int WriteAll(int fd, std::string_view bytes) {
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : EIO;
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 // Writes `bytes` to a new file `path` (mode 0600, never through a link) and
 // flushes it; errno on failure (the file removed).
 int WriteNewFile(const std::filesystem::path& path, std::string_view bytes) {
   ::unlink(path.c_str());  // one left by a crash; never followed if it is a link
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return errno;
-  int failed = 0;
-  for (size_t done = 0; done < bytes.size() && failed == 0;) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) failed = n < 0 ? errno : EIO;
-    if (n > 0) done += static_cast<size_t>(n);
-  }
+  int failed = WriteAll(fd, bytes);
   if (failed == 0 && ::fsync(fd) != 0) failed = errno;
   if (::close(fd) != 0 && failed == 0) failed = errno;
   if (failed != 0) ::unlink(path.c_str());
@@ -284,12 +289,7 @@ class FileStore : public FaceGalleryStore {
   Status Append(const std::string& frame) {
     int failed = 0;
     if (::ftruncate(fd_, static_cast<off_t>(log_bytes_)) != 0) failed = errno;  // a record cut short goes
-    for (size_t done = 0; done < frame.size() && failed == 0;) {
-      const ssize_t n = ::write(fd_, frame.data() + done, frame.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) failed = n < 0 ? errno : EIO;
-      if (n > 0) done += static_cast<size_t>(n);
-    }
+    if (failed == 0) failed = WriteAll(fd_, frame);
     if (failed == 0 && ::fdatasync(fd_) != 0) failed = errno;
     if (failed != 0) {
       if (::ftruncate(fd_, static_cast<off_t>(log_bytes_)) != 0) {

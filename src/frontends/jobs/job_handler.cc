@@ -63,6 +63,19 @@ std::string CancelledMessage(const std::string& id) {
   return "job '" + id + "' was cancelled (DELETE /v2/jobs/" + id + ")";
 }
 
+// The answer to a job cancelled by its DELETE.
+HttpResponse CancelledAnswer(const std::string& id) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key("job_id");
+  String(w, id);
+  w.Key("status");
+  w.String("cancelled");
+  w.EndObject();
+  return JsonResponse(200, buf);
+}
+
 // The answer to an accepted job.
 HttpResponse Accepted(const std::string& id, bool durable) {
   rapidjson::StringBuffer buf;
@@ -406,15 +419,7 @@ void JobHandler::CancelStored(const std::string& id, const std::string& owner, H
     return done(ErrorResponse(st));
   }
   cancelled_.Increment();
-  rapidjson::StringBuffer buf;
-  Writer w(buf);
-  w.StartObject();
-  w.Key("job_id");
-  String(w, id);
-  w.Key("status");
-  w.String("cancelled");
-  w.EndObject();
-  done(JsonResponse(200, buf));
+  done(CancelledAnswer(id));
 }
 
 void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDone done) {
@@ -432,15 +437,7 @@ void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDon
   }
   pending->cancelled_ms.store(engine_->clock().WallMs());
   pending->cancel->Cancel();
-  rapidjson::StringBuffer buf;
-  Writer w(buf);
-  w.StartObject();
-  w.Key("job_id");
-  String(w, id);
-  w.Key("status");
-  w.String("cancelled");
-  w.EndObject();
-  done(JsonResponse(200, buf));
+  done(CancelledAnswer(id));
 }
 
 }  // namespace quern
