@@ -175,3 +175,77 @@ TEST(JobHandler, InMemoryAJobFromBeforeTheServerStartedIsGoneNotUnknown) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+KServeInfer ParsedJob(float x) {
+  std::string body = R"({"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[)";
+  body.append(std::to_string(x)).append("]}]}");
+  auto parsed = ParseKServeInferBody("echo", -1, std::move(body), "");
+  EXPECT_TRUE(parsed.has_value());
+  return std::move(*parsed);
+}
+
+float FirstInput(const KServeInfer& infer) {
+  return reinterpret_cast<const float*>(infer.request.inputs.at(0).tensor.data())[0];
+}
+
+TEST(LocalJobInputs, KeepsEachJobUntilTakenOnce) {
+  FakeClock clock;
+  LocalJobInputs local({.clock = &clock});
+  ASSERT_TRUE(local.Put("a", ParsedJob(1), 100));
+  ASSERT_TRUE(local.Put("b", ParsedJob(2), 100));
+  EXPECT_FALSE(local.Put("a", ParsedJob(3), 100)) << "an id kept already is not replaced";
+  EXPECT_EQ(local.bytes(), 200u);
+  // Taken out of the order they were kept in.
+  auto b = local.Take("b");
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(FirstInput(*b), 2.0f);
+  EXPECT_FALSE(local.Take("b").has_value()) << "taken once";
+  EXPECT_FALSE(local.Take("never").has_value());
+  local.Drop("a");
+  EXPECT_FALSE(local.Take("a").has_value());
+  EXPECT_EQ(local.bytes(), 0u);
+  EXPECT_EQ(local.size(), 0u);
+}
+
+TEST(LocalJobInputs, BoundedByBytesCountAndAge) {
+  FakeClock clock;
+  LocalJobInputs local({.max_bytes = 1000, .max_entries = 3, .max_age_ms = 30000, .clock = &clock});
+  ASSERT_TRUE(local.Put("big", ParsedJob(1), 900));
+  EXPECT_FALSE(local.Put("over", ParsedJob(2), 101)) << "past max_bytes: not kept";
+  ASSERT_TRUE(local.Put("fits", ParsedJob(3), 100));
+  EXPECT_EQ(local.bytes(), 1000u);
+  ASSERT_TRUE(local.Take("big").has_value());
+  ASSERT_TRUE(local.Put("c", ParsedJob(4), 10));
+  ASSERT_TRUE(local.Put("d", ParsedJob(5), 10));
+  EXPECT_FALSE(local.Put("e", ParsedJob(6), 10)) << "past max_entries: not kept";
+  // Too old: forgotten (its job has most likely been taken elsewhere); room again.
+  clock.AdvanceUs(30'000'001);
+  ASSERT_TRUE(local.Put("f", ParsedJob(7), 10));
+  EXPECT_FALSE(local.Take("fits").has_value());
+  EXPECT_FALSE(local.Take("c").has_value());
+  EXPECT_EQ(local.size(), 1u);
+  EXPECT_EQ(local.bytes(), 10u);
+  auto f = local.Take("f");
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(FirstInput(*f), 7.0f);
+}
+
+TEST(LocalJobInputs, TheOrderOfIdsStaysBoundedWhenJobsAreTakenOutOfOrder) {
+  FakeClock clock;
+  LocalJobInputs local({.clock = &clock});
+  ASSERT_TRUE(local.Put("first", ParsedJob(0), 1));  // never taken: holds the front of the order
+  for (int i = 0; i < 100000; ++i) {
+    std::string id = "j";
+    id.append(std::to_string(i));
+    ASSERT_TRUE(local.Put(id, ParsedJob(1), 1));
+    ASSERT_TRUE(local.Take(id).has_value());
+  }
+  EXPECT_EQ(local.size(), 1u);
+  EXPECT_TRUE(local.Take("first").has_value());
+}
+
+}  // namespace
+}  // namespace quern

@@ -88,13 +88,44 @@ TEST(Resp, PipelineEncodesCommandsBackToBack) {
   p.Add({"SET", "k", std::string_view("v\r\n\0", 4)});
   p.Add(std::vector<std::string>{"PING"});
   EXPECT_EQ(p.size(), 2u);
-  EXPECT_EQ(p.data(), std::string("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\nv\r\n") + std::string(1, '\0') +
-                          std::string("\r\n*1\r\n$4\r\nPING\r\n"));
+  EXPECT_EQ(p.Joined(), std::string("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\nv\r\n") + std::string(1, '\0') +
+                            std::string("\r\n*1\r\n$4\r\nPING\r\n"));
   RedisPipeline q;
   q.Add({"MULTI"});
   q.Append(p);
   EXPECT_EQ(q.size(), 3u);
-  EXPECT_EQ(q.data(), "*1\r\n$5\r\nMULTI\r\n" + p.data());
+  EXPECT_EQ(q.Joined(), "*1\r\n$5\r\nMULTI\r\n" + p.Joined());
+}
+
+TEST(Resp, ViewedArgumentsAreSentInPlaceWithTheSameEncoding) {
+  auto big = std::make_shared<const std::string>(std::string(100000, 'x') + "\r\n");
+  RedisPipeline copied, viewed;
+  copied.Add({"SET", "a", *big});
+  copied.Add({"SET", "b", "small"});
+  viewed.AddViewing({"SET", "a"}, *big, big);
+  viewed.Add({"SET", "b", "small"});
+  EXPECT_EQ(viewed.Joined(), copied.Joined());
+  EXPECT_EQ(viewed.bytes(), copied.bytes());
+  // The big value is one piece of its own, not a copy.
+  const auto pieces = viewed.Pieces();
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_EQ(pieces[1].data(), big->data());
+  // Appended after other commands, twice: the offsets move with it.
+  RedisPipeline all;
+  all.Add({"MULTI"});
+  all.Append(viewed);
+  all.Append(viewed);
+  all.Add({"EXEC"});
+  EXPECT_EQ(all.size(), 6u);
+  EXPECT_EQ(all.Joined(), "*1\r\n$5\r\nMULTI\r\n" + copied.Joined() + copied.Joined() + "*1\r\n$4\r\nEXEC\r\n");
+  // The pipeline keeps the value alive.
+  std::weak_ptr<const std::string> watch = big;
+  big.reset();
+  viewed.Clear();
+  copied.Clear();
+  EXPECT_FALSE(watch.expired());  // `all` holds it still
+  all.Clear();
+  EXPECT_TRUE(watch.expired());
 }
 
 TEST(RedisUrl, ParsesHostPortDbAndCredentials) {

@@ -507,10 +507,7 @@ Status WriteKServeOutputs(JsonWriter& w, const std::vector<NamedTensor>& outputs
   return Status::Ok();
 }
 
-Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version, std::string body,
-                                         std::string_view json_length) {
-  // The body outlives the request's input views; when the last goes, its
-  // string goes back to the pool the HTTP server receives bodies into.
+std::shared_ptr<const std::string> ShareBody(std::string body) {
   struct PooledBody {
     explicit PooledBody(std::string&& b) : bytes(std::move(b)) {}
     ~PooledBody() { GiveBodyBuffer(std::move(bytes)); }
@@ -519,7 +516,17 @@ Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t versi
     std::string bytes;
   };
   auto holder = std::make_shared<PooledBody>(std::move(body));
-  std::shared_ptr<const std::string> owned(holder, &holder->bytes);
+  return std::shared_ptr<const std::string>(holder, &holder->bytes);
+}
+
+Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version, std::string body,
+                                         std::string_view json_length) {
+  // The body outlives the request's input views.
+  return ParseKServeInferBody(model, version, ShareBody(std::move(body)), json_length);
+}
+
+Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version,
+                                         std::shared_ptr<const std::string> owned, std::string_view json_length) {
   size_t json_size = owned->size();
   if (!json_length.empty()) {
     auto [p, ec] = std::from_chars(json_length.data(), json_length.data() + json_length.size(), json_size);

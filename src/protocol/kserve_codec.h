@@ -80,6 +80,13 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
 // JSON) and the rest binary data. Takes the body; binary inputs view it.
 Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version, std::string body,
                                          std::string_view json_length);
+// The same for a body the caller shares (ShareBody): the caller may go on
+// reading it while the request's inputs view it.
+Result<KServeInfer> ParseKServeInferBody(const std::string& model, int64_t version,
+                                         std::shared_ptr<const std::string> body, std::string_view json_length);
+// A body to share between readers: its string goes back to the pool the
+// HTTP server receives bodies into when the last of them lets go.
+std::shared_ptr<const std::string> ShareBody(std::string body);
 
 // Writes KServe's "outputs" array (the key must already be written) into
 // `w`; outputs the format wants as binary are listed with binary_data_size

@@ -202,6 +202,8 @@ struct Server::Parts {
   std::unique_ptr<VisionHandler> vision;
   std::unique_ptr<ResultStore> store;
   RedisResultStore* redis_store = nullptr;  // = store when results go to Redis
+  // Jobs accepted into the streams, kept parsed for this instance's consumer.
+  std::unique_ptr<LocalJobInputs> local_inputs;
   std::unique_ptr<JobHandler> jobs;
   std::shared_ptr<AccessLog> access_log;  // null: none
   std::unique_ptr<HttpServer> http;
@@ -371,6 +373,12 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       const StreamConsumer* c = parts->consumer_taking.load(std::memory_order_acquire);
       return c != nullptr && c->Consumes(model);
     });
+    if (o.consume) {
+      LocalJobInputsOptions lo;
+      lo.clock = &p->engine->clock();
+      p->local_inputs = std::make_unique<LocalJobInputs>(lo);
+      p->jobs->set_local_inputs(p->local_inputs.get());
+    }
   }
   if (p->keys->enabled()) {
     p->jobs->set_owner_of(
@@ -446,6 +454,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.redis = p->redis_store->options().redis;
     co.max_entry_bytes = o.http.max_body_bytes;
     co.metrics = &p->registry;
+    co.local = p->local_inputs.get();
     auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
     if (consumer) {
       p->consumer = std::move(*consumer);

@@ -342,6 +342,52 @@ void RedisPipeline::Add(const std::vector<std::string>& args) {
   for (const auto& a : args) Arg(a);
 }
 
+void RedisPipeline::AddViewing(std::initializer_list<std::string_view> args, std::string_view viewed,
+                               std::shared_ptr<const void> owner) {
+  AddViewing(std::vector<std::string_view>(args), viewed, std::move(owner));
+}
+
+void RedisPipeline::AddViewing(const std::vector<std::string_view>& args, std::string_view viewed,
+                               std::shared_ptr<const void> owner) {
+  Begin(args.size() + 1);
+  for (auto a : args) Arg(a);
+  data_ += '$';
+  data_ += std::to_string(viewed.size());
+  data_ += "\r\n";
+  views_.push_back({data_.size(), viewed, std::move(owner)});
+  viewed_bytes_ += viewed.size();
+  data_ += "\r\n";
+}
+
+void RedisPipeline::Append(const RedisPipeline& other) {
+  const size_t base = data_.size();
+  data_ += other.data_;
+  for (const View& v : other.views_) views_.push_back({base + v.at, v.bytes, v.owner});
+  viewed_bytes_ += other.viewed_bytes_;
+  count_ += other.count_;
+}
+
+std::string RedisPipeline::Joined() const {
+  std::string out;
+  out.reserve(bytes());
+  for (std::string_view piece : Pieces()) out.append(piece);
+  return out;
+}
+
+std::vector<std::string_view> RedisPipeline::Pieces() const {
+  std::vector<std::string_view> out;
+  out.reserve(2 * views_.size() + 1);
+  const std::string_view all(data_);
+  size_t from = 0;
+  for (const View& v : views_) {
+    if (v.at > from) out.push_back(all.substr(from, v.at - from));
+    if (!v.bytes.empty()) out.push_back(v.bytes);
+    from = v.at;
+  }
+  if (from < all.size()) out.push_back(all.substr(from));
+  return out;
+}
+
 // ---- connection ----
 
 class RedisConnection::Impl {
@@ -434,10 +480,12 @@ class RedisConnection::Impl {
       ec = e;
       done = true;
     };
+    std::vector<asio::const_buffer> buffers;
+    for (std::string_view piece : pipeline.Pieces()) buffers.emplace_back(piece.data(), piece.size());
     if (tls_) {
-      asio::async_write(*tls_, asio::buffer(pipeline.data()), on_write);
+      asio::async_write(*tls_, buffers, on_write);
     } else {
-      asio::async_write(*tcp_, asio::buffer(pipeline.data()), on_write);
+      asio::async_write(*tcp_, buffers, on_write);
     }
     if (Status s = Run(done, deadline, [&] { CloseSocket(); }); !s.ok()) return Err(Broken(s));
     if (ec) return Err(Broken(Unavailable("redis at " + options_.Address() + ": write failed: " + ec.message())));

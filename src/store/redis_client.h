@@ -114,26 +114,43 @@ class RedisPipeline {
   void Add(std::initializer_list<std::string_view> args);
   void Add(const std::vector<std::string_view>& args);
   void Add(const std::vector<std::string>& args);
+  // A command whose last argument, `viewed`, is sent from where it is, not
+  // copied: the pipeline keeps `owner` (which keeps `viewed` alive) until it
+  // goes. For large values (a job's body).
+  void AddViewing(std::initializer_list<std::string_view> args, std::string_view viewed,
+                  std::shared_ptr<const void> owner);
+  void AddViewing(const std::vector<std::string_view>& args, std::string_view viewed,
+                  std::shared_ptr<const void> owner);
 
   // Appends `other`'s commands after these.
-  void Append(const RedisPipeline& other) {
-    data_ += other.data_;
-    count_ += other.count_;
-  }
+  void Append(const RedisPipeline& other);
 
   size_t size() const { return count_; }
   bool empty() const { return count_ == 0; }
-  const std::string& data() const { return data_; }
+  // The bytes to send, in order (the encoding and the viewed arguments).
+  std::vector<std::string_view> Pieces() const;
+  size_t bytes() const { return data_.size() + viewed_bytes_; }
+  // The pieces joined (a copy: for tests).
+  std::string Joined() const;
   void Clear() {
     data_.clear();
+    views_.clear();
+    viewed_bytes_ = 0;
     count_ = 0;
   }
 
  private:
+  struct View {
+    size_t at = 0;  // where in data_ it goes
+    std::string_view bytes;
+    std::shared_ptr<const void> owner;
+  };
   void Begin(size_t n);
   void Arg(std::string_view a);
 
   std::string data_;
+  std::vector<View> views_;  // in the order of `at`
+  size_t viewed_bytes_ = 0;
   size_t count_ = 0;
 };
 

@@ -118,7 +118,7 @@ void RedisResultStore::Put(std::vector<std::shared_ptr<const JobRecord>> records
                            std::function<void(bool written)> on_written) {
   Batch b;
   for (const auto& r : records) b.bytes += r->ByteSize();
-  b.bytes += extra.data().size();
+  b.bytes += extra.bytes();
   b.records = std::move(records);
   b.extra = std::move(extra);
   b.on_written = std::move(on_written);
@@ -407,16 +407,22 @@ bool RedisResultStore::Flush(std::chrono::milliseconds timeout) {
   return written_cv_.WaitFor(lock, timeout, [&]() QUERN_REQUIRES(mu_) { return written_seq_ >= target; });
 }
 
-void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
-                               const std::vector<std::pair<std::string, std::string>>& fields,
+void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const StreamSubmission& submission,
                                std::function<void(Status)> done) {
-  std::vector<std::string_view> xadd{"XADD", stream, "*"};
-  for (const auto& [k, v] : fields) xadd.insert(xadd.end(), {k, v});
+  std::vector<std::string_view> xadd{"XADD", submission.stream, "*"};
+  for (const auto& [k, v] : submission.fields) xadd.insert(xadd.end(), {k, v});
   RedisPipeline extra;
+  if (!submission.value_key.empty()) {
+    if (submission.value_owner) {
+      extra.AddViewing({"SET", submission.value_key}, submission.value, submission.value_owner);
+    } else {
+      extra.Add({"SET", submission.value_key, submission.value});
+    }
+  }
   extra.Add(xadd);
   const std::string id = queued->id;
   Batch b;
-  b.bytes = queued->ByteSize() + extra.data().size();
+  b.bytes = queued->ByteSize() + extra.bytes();
   b.records = {std::move(queued)};
   b.extra = std::move(extra);
   b.submission = true;

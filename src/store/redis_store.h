@@ -82,8 +82,7 @@ class RedisResultStore final : public ResultStore {
   // good, e.g. NOPERM).
   void Put(std::vector<std::shared_ptr<const JobRecord>> records, RedisPipeline extra,
            std::function<void(bool written)> on_written = nullptr);
-  void Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
-               const std::vector<std::pair<std::string, std::string>>& fields,
+  void Enqueue(std::shared_ptr<const JobRecord> queued, const StreamSubmission& submission,
                std::function<void(Status)> done) override;
   Status CancelQueued(std::shared_ptr<const JobRecord> cancelled) override;
   Result<std::shared_ptr<const JobRecord>> Get(const std::string& id) override;

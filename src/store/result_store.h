@@ -72,6 +72,19 @@ int64_t JobIdSubmittedMs(std::string_view id);
 // an empty key.
 std::string JobOwner(std::string_view key);
 
+// A job written to a stream (ResultStore::Enqueue): the entry's fields, and
+// a value under a key of its own (the job's body, which the entry names)
+// written with it.
+struct StreamSubmission {
+  std::string stream;
+  std::vector<std::pair<std::string, std::string>> fields;
+  std::string value_key;  // "" = no value
+  std::string_view value;
+  // Keeps `value` alive until it is written (then it is not copied); null:
+  // `value` is read before Enqueue returns.
+  std::shared_ptr<const void> value_owner;
+};
+
 class ResultStore {
  public:
   virtual ~ResultStore() = default;
@@ -96,13 +109,13 @@ class ResultStore {
   virtual bool Durable() const = 0;
 
   // Durable stores: stores `queued` (a job accepted, state kQueued) and
-  // appends an entry of `fields` to the job stream `stream`, both or
-  // neither; `done` gets OK once both are stored (on another thread), else
-  // the error. Others: UNIMPLEMENTED at once.
-  virtual void Enqueue(std::shared_ptr<const JobRecord> queued, const std::string& stream,
-                       const std::vector<std::pair<std::string, std::string>>& fields,
+  // `submission`'s value (when it has a key; no time to live) and appends
+  // its entry to its stream, all or none; `done` gets OK once all are
+  // stored (on another thread), else the error. Others: UNIMPLEMENTED at
+  // once.
+  virtual void Enqueue(std::shared_ptr<const JobRecord> queued, const StreamSubmission& submission,
                        std::function<void(Status)> done) {
-    (void)queued, (void)stream, (void)fields;
+    (void)queued, (void)submission;
     done(Unimplemented("this result store takes no job streams"));
   }
   // Replaces a stored queued job's record by `cancelled` if it is still

@@ -72,11 +72,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (nl == std::string_view::npos) break;
     start = nl + 1;
   }
-  quern::RedisPipeline pipeline;
+  // The last argument once copied, once viewed (after a command before it,
+  // then appended to another): the same bytes either way.
+  quern::RedisPipeline pipeline, viewing, appended;
   pipeline.Add(args);
+  const std::vector<std::string_view> head(args.begin(), args.end() - 1);
+  auto last = std::make_shared<const std::string>(args.back());
+  viewing.Add({"PING"});
+  viewing.AddViewing(head, *last, last);
+  appended.Add({"PING"});
+  appended.Append(viewing);
+  if (appended.Joined() != "*1\r\n$4\r\nPING\r\n*1\r\n$4\r\nPING\r\n" + pipeline.Joined() || appended.size() != 3 ||
+      appended.bytes() != appended.Joined().size()) {
+    quern::fuzz::Fail("a viewed argument is sent differently from a copied one");
+  }
+  const std::string encoded = pipeline.Joined();
   size_t consumed = 0;
-  auto back = quern::ParseRedisReply(pipeline.data(), consumed);
-  if (!back || !*back || consumed != pipeline.data().size()) quern::fuzz::Fail("an encoded command does not parse");
+  auto back = quern::ParseRedisReply(encoded, consumed);
+  if (!back || !*back || consumed != encoded.size()) quern::fuzz::Fail("an encoded command does not parse");
   const quern::RedisReply& cmd = **back;
   if (!cmd.is_array() || cmd.elements.size() != args.size()) quern::fuzz::Fail("an encoded command lost arguments");
   for (size_t i = 0; i < args.size(); ++i) {

@@ -555,9 +555,73 @@ def test_http_jobs_survive_the_instance_that_accepted_them(tmp_path, redis_serve
         assert all(counts.get(float(k), 0) >= 1 for j, k in ids.items() if j != victim)
         assert max(counts.values()) <= 2, counts
         assert done_before < 60, "A finished most jobs before it was killed: the test measured little"
+        # B read A's jobs' bodies from Redis (A kept them in memory, and died), and each body went
+        # with its job's acknowledgement, the cancelled one's too.
+        assert b.metric('quern_stream_entries_total{outcome="local"}') == 0
+        assert list(r.scan_iter("quern:jobs:counted:body:*")) == []
     finally:
         a.stop(signal.SIGKILL)
         b.stop()
+
+
+def test_http_jobs_run_from_memory_where_accepted_and_leave_no_body_behind(repo, redis_server):
+    """An HTTP job's entry names its body (under its stream's :body: keys) rather than holding it;
+    the instance that accepted it runs it from the request it parsed then, and its body goes with
+    its acknowledgement. Results checked against numpy."""
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "add_sub", "--stream-retain-secs", "3600")
+    try:
+        rng = np.random.default_rng(7)
+        jobs = {}
+        for _ in range(20):
+            a, b = rng.standard_normal((2, 1, 4)).astype(np.float32)
+            jobs[submit(q, "add_sub", add_sub_body(a, b))] = (a, b)
+        wait_until(lambda: all(stored(r, j) for j in jobs), timeout=30, what="every job to end")
+        for job, (a, b) in jobs.items():
+            out = outputs_of(stored(r, job), r)
+            np.testing.assert_allclose(out["OUTPUT0"], a + b, rtol=1e-6)
+            np.testing.assert_allclose(out["OUTPUT1"], a - b, rtol=1e-6)
+        # Kept (--stream-retain-secs) to be read here: the entries hold no body, only its key.
+        entries = {f[b"id"].decode(): f for _, f in r.xrange("quern:jobs:add_sub")}
+        assert set(entries) == set(jobs)
+        for job, fields in entries.items():
+            assert b"body" not in fields and fields[b"body_key"].decode() == f"quern:jobs:add_sub:body:{job}"
+        wait_until(lambda: q.metric('quern_stream_entries_total{outcome="local"}') == 20, what="the local count")
+        assert list(r.scan_iter("quern:jobs:add_sub:body:*")) == []
+    finally:
+        q.stop()
+
+
+def test_entries_that_name_their_body_by_key(repo, redis_server):
+    """A producer may put a body under {stream}:body:{id} and name it (body_key): run, then the key is
+    deleted. A body_key outside that prefix is refused (dead-lettered, the key it named left alone);
+    one naming a key that is not there fails saying so."""
+    r = redis_server.client()
+    q = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "add_sub")
+    try:
+        a = np.arange(4, dtype=np.float32).reshape(1, 4)
+        b = np.full((1, 4), 0.5, np.float32)
+        r.set("quern:jobs:add_sub:body:ext", json.dumps(add_sub_body(a, b)))
+        r.set("precious", json.dumps(add_sub_body(a, b)))
+        r.xadd("quern:jobs:add_sub", {"id": "ext", "body_key": "quern:jobs:add_sub:body:ext"})
+        r.xadd("quern:jobs:add_sub", {"id": "foreign", "body_key": "precious"})
+        r.xadd("quern:jobs:add_sub", {"id": "missing", "body_key": "quern:jobs:add_sub:body:nothing"})
+        for job in ("ext", "foreign", "missing"):
+            wait_until(lambda: stored(r, job), timeout=30, what=f"{job}'s result")
+        np.testing.assert_allclose(outputs_of(stored(r, "ext"), r)["OUTPUT0"], a + b)
+        assert not r.exists("quern:jobs:add_sub:body:ext")
+        foreign = stored(r, "foreign")
+        assert foreign["status"] == "failed" and foreign["error"]["code"] == "INVALID_ARGUMENT", foreign
+        assert "body_key 'precious' is not a key under quern:jobs:add_sub:body:" in foreign["error"]["message"]
+        assert r.get("precious") is not None, "a key outside the stream's was deleted"
+        missing = stored(r, "missing")
+        assert missing["status"] == "failed" and missing["error"]["code"] == "FAILED_PRECONDITION", missing
+        assert "is not in redis" in missing["error"]["message"]
+        dead = {f[b"id"].decode() for _, f in r.xrange("quern:dead:add_sub")}
+        assert dead == {"foreign", "missing"}
+        assert q.proc.poll() is None
+    finally:
+        q.stop()
 
 
 def test_a_waiting_job_outlives_the_result_ttl_and_models_nobody_takes_run_here(repo, redis_server):
@@ -570,6 +634,7 @@ def test_a_waiting_job_outlives_the_result_ttl_and_models_nobody_takes_run_here(
     accepter = Quern(repo, "--redis-url", redis_server.url(), "--no-consume", "--job-result-ttl-secs", "1")
     try:
         waiting = submit(accepter, "add_sub", add_sub_body(one, one))
+        assert r.exists(f"quern:jobs:add_sub:body:{waiting}")
         time.sleep(1.5)
         status, _, data = accepter.request("GET", f"/v2/jobs/{waiting}")
         assert status == 200 and json.loads(data)["status"] == "queued", data
@@ -582,6 +647,7 @@ def test_a_waiting_job_outlives_the_result_ttl_and_models_nobody_takes_run_here(
         wait_until(lambda: r.xpending("quern:jobs:add_sub", "quern")["pending"] == 0 and
                    r.xinfo_groups("quern:jobs:add_sub")[0]["lag"] == 0, what="the cancelled entry to be taken")
         assert json.loads(r.get(f"results:{waiting}"))["status"] == "cancelled"
+        assert not r.exists(f"quern:jobs:add_sub:body:{waiting}"), "the cancelled job's body stayed"
         status, _, data = q.request("GET", "/v2/models/add_sub/stats")
         assert json.loads(data)["model_stats"][0]["execution_count"] == 0
         # slow_batch: not taken here, so its job runs here.

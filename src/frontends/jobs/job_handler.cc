@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "frontends/http/kserve_handler.h"
+#include "frontends/jobs/stream_consumer.h"
 #include "store/job_json.h"
 
 namespace quern {
@@ -260,8 +261,9 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   };
   if (Status s = store_->CanAccept(); !s.ok()) return refuse(s);
   const std::string header_length(req.Header("inference-header-content-length"));
-  std::string body = req.body;  // the entry's; the parse below consumes its own copy
-  auto parsed = ParseKServeInferBody(model, version, std::move(req.body), header_length);
+  // Shared: the request's inputs view it, and it is written to Redis.
+  std::shared_ptr<const std::string> body = ShareBody(std::move(req.body));
+  auto parsed = ParseKServeInferBody(model, version, body, header_length);
   if (!parsed) return refuse(parsed.error());
   if (!parsed->format.classifications.empty()) {
     return refuse(InvalidArgument(
@@ -280,16 +282,27 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   record->version = std::max<int64_t>(version, 0);
   record->state = JobState::kQueued;
   record->binary_default = parsed->format.binary_default;
-  record->binary_outputs = std::move(parsed->format.binary_outputs);
-  std::vector<std::pair<std::string, std::string>> fields = {{"id", record->id}, {"body", std::move(body)}};
-  if (!header_length.empty()) fields.emplace_back("header_length", header_length);
-  if (version > 0) fields.emplace_back("version", std::to_string(version));
-  if (!record->owner.empty()) fields.emplace_back("owner", record->owner);
-  fields.emplace_back("tracked", "1");
+  record->binary_outputs = parsed->format.binary_outputs;
+  // The body goes under a key of its own, which the entry names: a
+  // consumer that has the job here already (local_) never reads it back.
+  StreamSubmission sub;
+  sub.stream = stream_prefix_ + model;
+  sub.value_key = StreamBodyKey(sub.stream, record->id);
+  sub.value = *body;
+  sub.value_owner = body;
+  sub.fields = {{"id", record->id}, {"body_key", sub.value_key}};
+  if (!header_length.empty()) sub.fields.emplace_back("header_length", header_length);
+  if (version > 0) sub.fields.emplace_back("version", std::to_string(version));
+  if (!record->owner.empty()) sub.fields.emplace_back("owner", record->owner);
+  sub.fields.emplace_back("tracked", "1");
   const std::string id = record->id;
+  // Kept before it is written: this instance's consumer may read the entry
+  // before the write's answer comes back.
+  const bool kept = local_ && local_->Put(id, std::move(*parsed), body->size());
   submitting_->fetch_add(1, std::memory_order_acq_rel);
-  store_->Enqueue(std::move(record), stream_prefix_ + model, fields, [this, id, done = std::move(done)](Status st) {
+  store_->Enqueue(std::move(record), sub, [this, id, kept, done = std::move(done)](Status st) {
     if (!st.ok()) {
+      if (kept) local_->Drop(id);
       rejected_.Increment();
       done(ErrorResponse(st));
     } else {

@@ -34,6 +34,7 @@
 
 #include "core/mutex.h"
 #include "frontends/http/http_types.h"
+#include "frontends/jobs/local_job_inputs.h"
 #include "metrics/registry.h"
 #include "quern/engine.h"
 #include "store/result_store.h"
@@ -70,17 +71,21 @@ class JobHandler {
 
   // Durable jobs: with a store that outlives the process, each accepted job
   // is written to the stream `prefix`{model} (the StreamConsumer's format,
-  // with fields owner and tracked) together with a queued record, and
-  // answered 202 ("durable": true) once Redis has both; the instances that
-  // consume that stream run it, whichever of them is alive. Any instance
-  // answers its status from the record, and cancels it while it is queued.
-  // Only for the models `durable` says (whose streams someone takes jobs
-  // from); others run here. Set before the first request; empty prefix
+  // with fields owner and tracked, its body under StreamBodyKey) together
+  // with a queued record, and answered 202 ("durable": true) once Redis has
+  // them all; the instances that consume that stream run it, whichever of
+  // them is alive. Any instance answers its status from the record, and
+  // cancels it while it is queued. Only for the models `durable` says
+  // (whose streams someone takes jobs from); others run here. Set before the first request; empty prefix
   // (the default): every job runs here.
   void set_stream_prefix(std::string prefix, std::function<bool(const std::string& model)> durable) {
     stream_prefix_ = std::move(prefix);
     durable_ = std::move(durable);
   }
+  // Where the jobs accepted into a stream are kept parsed for this
+  // instance's consumer (which takes them from there); null (the default):
+  // not kept. Must outlive the handler; set before the first request.
+  void set_local_inputs(LocalJobInputs* local) { local_ = local; }
   // Jobs being written to the stream, not yet answered.
   int64_t submitting() const { return submitting_->load(std::memory_order_acquire); }
 
@@ -106,6 +111,7 @@ class JobHandler {
   const int64_t started_ms_;  // wall clock, when the handler was made
   std::string stream_prefix_;
   std::function<bool(const std::string&)> durable_;
+  LocalJobInputs* local_ = nullptr;
   std::shared_ptr<std::atomic<int64_t>> submitting_ = std::make_shared<std::atomic<int64_t>>(0);
   std::function<std::string(const HttpRequest&)> owner_of_;
   std::unique_ptr<MetricsRegistry> own_metrics_;

@@ -69,7 +69,8 @@ Counter& OutcomeCounter(MetricsRegistry& metrics, const char* outcome) {
   return metrics.AddCounter("quern_stream_entries_total",
                             "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead "
                             "(dead-lettered), retried (left pending after a transient failure), cancelled (a job "
-                            "cancelled while queued, acknowledged without running).",
+                            "cancelled while queued, acknowledged without running), local (an HTTP job taken by the "
+                            "instance that accepted it, run from the request it kept, its body not read back).",
                             {{"outcome", outcome}});
 }
 
@@ -102,6 +103,10 @@ std::string DefaultConsumerName() {
 
 }  // namespace
 
+std::string StreamBodyKey(const std::string& stream, const std::string& job_id) {
+  return stream + ":body:" + job_id;
+}
+
 std::string_view StreamEntry::Field(std::string_view name) const {
   for (const auto& [k, v] : fields) {
     if (k == name) return v;
@@ -125,6 +130,17 @@ bool ParseStreamEntry(RedisReply& e, StreamEntry& out) {
   return true;
 }
 
+Result<int64_t> StreamEntryDeadline(const StreamEntry& e) {
+  const std::string_view d = e.Field("deadline_ms");
+  if (d.empty()) return int64_t{0};
+  const int64_t deadline_ms = ParseInt64(d, -1);
+  if (deadline_ms < 0) {
+    return Err(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d.substr(0, 64)) +
+                               "' is not a Unix time in milliseconds"));
+  }
+  return deadline_ms;
+}
+
 Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model, const std::string& stream) {
   StreamJob job;
   if (!e.oversize.empty()) {
@@ -137,13 +153,7 @@ Result<StreamJob> DecodeStreamJob(const StreamEntry& e, const std::string& model
     return Err(InvalidArgument("job stream entry " + e.entry_id + " of " + stream +
                                " has no 'body' field (the KServe v2 infer request)"));
   }
-  if (auto d = e.Field("deadline_ms"); !d.empty()) {
-    job.deadline_ms = ParseInt64(d, -1);
-    if (job.deadline_ms < 0) {
-      return Err(InvalidArgument("job stream entry " + e.entry_id + ": deadline_ms '" + std::string(d.substr(0, 64)) +
-                                 "' is not a Unix time in milliseconds"));
-    }
-  }
+  QUERN_ASSIGN_OR_RETURN(job.deadline_ms, StreamEntryDeadline(e));
   int64_t version = -1;
   if (auto v = e.Field("version"); !v.empty()) {
     version = ParseInt64(v, -2);
@@ -173,8 +183,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   struct Entry : StreamEntry {
     size_t model = 0;
     int64_t deliveries = 1;
-    bool cancelled = false;  // its job was cancelled, or has a result: acknowledged, not run
-    bool unchecked = false;  // a tracked job Redis did not say may start: left pending, not run
+    bool cancelled = false;            // its job was cancelled, or has a result: acknowledged, not run
+    bool unchecked = false;            // Redis did not answer what it needs (may it start, its body): left pending
+    std::string body_key;              // its field body_key, when it has no body of its own
+    Status problem;                    // set: not run, fails with this (a body_key not its stream's, a body gone)
+    std::optional<KServeInfer> local;  // its job, parsed when it was accepted here
   };
   // kSkipped: acknowledged, not run (cancelled, or finished elsewhere);
   // kLeft: not run, left pending for a later delivery.
@@ -198,6 +211,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         own_metrics_(options_.metrics ? nullptr : std::make_unique<MetricsRegistry>()),
         metrics_(options_.metrics ? *options_.metrics : *own_metrics_),
         taken_(OutcomeCounter(metrics_, "taken")),
+        local_(OutcomeCounter(metrics_, "local")),
         reclaimed_(OutcomeCounter(metrics_, "reclaimed")),
         done_(OutcomeCounter(metrics_, "done")),
         failed_(OutcomeCounter(metrics_, "failed")),
@@ -273,6 +287,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     StreamConsumerStats s;
     s.taken = taken_.value();
     s.reclaimed = reclaimed_.value();
+    s.local = local_.value();
     s.done = done_.value();
     s.failed = failed_.value();
     s.dead = dead_.value();
@@ -661,39 +676,84 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         ++model_inflight_[e.model];
       }
     }
-    MarkRunning(*group);
+    for (auto& e : group->entries) {
+      if (!e.Field("body").empty()) continue;
+      const std::string_view key = e.Field("body_key");
+      if (key.empty()) continue;
+      const std::string& stream = models_[e.model].stream;
+      if (!key.starts_with(stream + ":body:")) {
+        e.problem = InvalidArgument("job stream entry " + e.entry_id + " of " + stream + ": body_key '" +
+                                    std::string(key.substr(0, 128)) + "' is not a key under " + stream + ":body:");
+        continue;
+      }
+      e.body_key = key;
+      if (options_.local && e.Field("tracked") == "1") {
+        e.local = options_.local->Take(std::string(e.Field("id")));
+        if (e.local) local_.Increment();
+      }
+    }
+    Prepare(*group);
     for (size_t i = 0; i < n; ++i) Submit(group, i);
   }
 
   // A job accepted over HTTP (field `tracked`) has a record saying queued:
   // it now says running, unless the job was cancelled meanwhile (then the
-  // entry is only acknowledged). One round trip for the group; if Redis
-  // fails it, the jobs run with their records left queued.
-  void MarkRunning(Group& group) {
+  // entry is only acknowledged). An entry whose body is under body_key,
+  // and not here already, gets it. One round trip for the group; if Redis
+  // fails it, the entries it was for are left pending (not run).
+  void Prepare(Group& group) {
     RedisPipeline p;
-    std::vector<size_t> asked;
+    enum class Ask { kStart, kBody };
+    std::vector<std::pair<size_t, Ask>> asked;
+    std::vector<int> wanted(group.entries.size(), 0), answered(group.entries.size(), 0);  // replies, by entry
     const int64_t now = engine_->clock().WallMs();
     for (size_t i = 0; i < group.entries.size(); ++i) {
-      const Entry& e = group.entries[i];
-      if (e.Field("tracked") != "1") continue;
-      auto rec = NewRecord(e);
-      rec->state = JobState::kRunning;
-      rec->started_ms = now;
-      auto enc = RedisResultStore::Encode(*rec, store_->options());
-      if (!enc) continue;
-      p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json});
-      asked.push_back(i);
-      group.entries[i].unchecked = true;  // until Redis says
+      Entry& e = group.entries[i];
+      if (!e.problem.ok()) continue;
+      if (e.Field("tracked") == "1") {
+        auto rec = NewRecord(e);
+        rec->state = JobState::kRunning;
+        rec->started_ms = now;
+        if (auto enc = RedisResultStore::Encode(*rec, store_->options())) {
+          p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json});
+          asked.emplace_back(i, Ask::kStart);
+          ++wanted[i];
+          e.unchecked = true;  // until Redis says
+        }
+      }
+      if (!e.body_key.empty() && !e.local) {
+        p.Add({"GET", e.body_key});
+        asked.emplace_back(i, Ask::kBody);
+        ++wanted[i];
+        e.unchecked = true;
+      }
     }
     if (p.empty()) return;
     auto replies = conn_->Execute(p);
     if (!replies) return;  // none checked: left pending, taken again later
     for (size_t k = 0; k < asked.size(); ++k) {
-      const RedisReply& r = (*replies)[k];
-      Entry& e = group.entries[asked[k]];
-      if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
-      e.unchecked = false;
-      if (r.integer == 0) e.cancelled = true;
+      RedisReply& r = (*replies)[k];
+      const auto [i, ask] = asked[k];
+      Entry& e = group.entries[i];
+      if (ask == Ask::kStart) {
+        if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
+        if (r.integer == 0) e.cancelled = true;
+      } else if (r.is_nil()) {
+        e.problem = FailedPrecondition("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
+                                       ": its body (key " + e.body_key +
+                                       ") is not in redis (deleted, or evicted: job streams need "
+                                       "maxmemory-policy noeviction)");
+      } else if (r.oversize >= 0) {
+        e.oversize.emplace_back("body", r.oversize);
+      } else if (r.type == RedisReply::Type::kString) {
+        e.fields.emplace_back("body", std::move(r.str));
+      } else {
+        continue;  // an error: unchecked
+      }
+      ++answered[i];
+    }
+    for (size_t i = 0; i < group.entries.size(); ++i) {
+      if (wanted[i] > 0 && answered[i] == wanted[i]) group.entries[i].unchecked = false;
     }
   }
 
@@ -730,7 +790,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
                            std::to_string(e.deliveries) + " times without finishing (limit " +
                            std::to_string(options_.max_deliveries) + ", --consume-max-deliveries)"));
     }
-    auto job = DecodeStreamJob(e, models_[e.model].name, models_[e.model].stream);
+    if (!e.problem.ok()) return fail(e.problem);
+    Result<StreamJob> job = Err(Internal("unset"));
+    if (e.local) {
+      job = StreamJob{};
+      if (auto deadline = StreamEntryDeadline(e)) {
+        job->deadline_ms = *deadline;
+        job->infer = std::move(*group->entries[i].local);
+      } else {
+        job = Err(deadline.error());
+      }
+    } else {
+      job = DecodeStreamJob(e, models_[e.model].name, models_[e.model].stream);
+    }
     if (!job) return fail(job.error());
     const int64_t deadline_ms = job->deadline_ms;
     if (deadline_ms > 0 && deadline_ms <= engine_->clock().WallMs()) {
@@ -820,6 +892,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         --model_inflight_[e.model];
         continue;
       }
+      // Its body goes with it (a dead letter holds a copy).
+      if (!e.body_key.empty()) extra.Add({"DEL", e.body_key});
       if (out.kind == Kind::kSkipped) {  // cancelled or finished: its record says so already
         extra.Add({"XACK", m.stream, options_.group, e.entry_id});
         cancelled_.Increment();
@@ -868,6 +942,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   std::unique_ptr<MetricsRegistry> own_metrics_;
   MetricsRegistry& metrics_;
   Counter& taken_;
+  Counter& local_;
   Counter& reclaimed_;
   Counter& done_;
   Counter& failed_;

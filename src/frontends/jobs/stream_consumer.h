@@ -4,8 +4,13 @@
 // Producers add a job with
 //   XADD quern:jobs:{model} * id {job id} body {KServe v2 infer request}
 //        [header_length {n}] [deadline_ms {Unix ms}] [version {n}]
-// An HTTP job accepted by an instance with Redis (JobHandler) is such an
-// entry too, with `owner` (its submitter's JobOwner) and `tracked` 1: its
+// An entry may name the key holding its body instead of holding it:
+// `body_key` {stream}:body:{job id} (read with GET when the entry is taken,
+// deleted with its acknowledgement; a key outside {stream}:body: is
+// refused). An HTTP job accepted by an instance with Redis (JobHandler) is
+// such an entry, with `owner` (its submitter's JobOwner) and `tracked` 1;
+// the instance that accepted it keeps it parsed (LocalJobInputs) and its
+// consumer, if it takes the entry, runs it from there. Its
 // record says queued; taking it, a consumer sets it to running unless the
 // job was cancelled meanwhile (then the entry is acknowledged, not run);
 // it fails as its infer would (stored failed, not dead-lettered), but for
@@ -47,6 +52,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontends/jobs/local_job_inputs.h"
 #include "protocol/kserve_codec.h"
 #include "quern/engine.h"
 #include "store/redis_client.h"
@@ -76,6 +82,13 @@ struct StreamJob {
   KServeInfer infer;        // the request in `body` (+ `header_length`), for `model`
 };
 
+// Where an entry of `stream` keeps job `job_id`'s body (field body_key).
+std::string StreamBodyKey(const std::string& stream, const std::string& job_id);
+
+// An entry's deadline_ms (0 when absent); INVALID_ARGUMENT when it is not
+// a Unix time in milliseconds.
+Result<int64_t> StreamEntryDeadline(const StreamEntry& entry);
+
 // Decodes an entry's job for `model` (`stream` names it in errors).
 // INVALID_ARGUMENT names the entry and what was wrong with it; the
 // deadline is not checked against the clock here.
@@ -101,6 +114,10 @@ struct StreamConsumerOptions {
   // Where the quern_stream_* metrics are kept (must outlive the consumer
   // and the jobs it has in flight); null = a registry of its own.
   MetricsRegistry* metrics = nullptr;
+  // The jobs accepted by this instance, parsed (JobHandler): a tracked
+  // entry whose job is there runs from there, its body never read back.
+  // Null = none; must outlive the consumer.
+  LocalJobInputs* local = nullptr;
 };
 
 // The quern_stream_* metrics, read back; cumulative unless noted.
@@ -113,6 +130,7 @@ struct StreamModelStats {
 struct StreamConsumerStats {
   uint64_t taken = 0;      // entries read (new or reclaimed)
   uint64_t reclaimed = 0;  // of which taken over with XAUTOCLAIM
+  uint64_t local = 0;      // of which run from the request kept here at acceptance (LocalJobInputs)
   uint64_t done = 0;       // results stored as done and acknowledged
   uint64_t failed = 0;     // stored as failed and acknowledged
   uint64_t dead = 0;       // of which copied to the dead-letter stream
