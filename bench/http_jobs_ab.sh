@@ -3,7 +3,10 @@
 # (batch 1, binary tensors, 48 KiB) posted by wrk (16 connections) to
 # POST /v2/models/small_cnn/jobs for a few seconds, then every accepted job
 # waited for; jobs/s = jobs done / (last finished - first submitted), from
-# the results' own timestamps in Redis. Each round runs BASE then NEW on one
+# the results' own timestamps in Redis; CPU per job = the CPU time the
+# servers and Redis used from the first post until every job had ended,
+# over the jobs done (Redis's includes this script's polls for the end,
+# the same for both builds). Each round runs BASE then NEW on one
 # instance, then NEW on two instances (wrk posts to the first; both take
 # jobs from the stream). Redis runs here without persistence.
 #   bench/http_jobs_ab.sh BASE_BINARY NEW_BINARY [seconds of load, 3] [rounds, 3]
@@ -48,17 +51,34 @@ start() {
   PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/$1.log" | sed 's/.*://')
 }
 
-# run LABEL: posts jobs for SECS to PORT, waits for them, prints the line.
+# cpu_ticks PID...: the CPU time (user + system, in clock ticks) they used so far.
+cpu_ticks() {
+  local t=0 pid
+  for pid in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$pid/stat"))); done
+  echo "$t"
+}
+
+# run LABEL SERVER_PID...: posts jobs for SECS to PORT, waits for them, prints the line.
 run() {
+  local label=$1; shift
   redis-cli -p "$RPORT" flushall >/dev/null
-  local out non2xx
+  local out non2xx q0 r0
+  q0=$(cpu_ticks "$@"); r0=$(cpu_ticks "${PIDS[0]}")
   out=$(wrk -t 1 -c 16 -d "${SECS}s" -s "$WORK/jobs.lua" "http://127.0.0.1:$PORT/v2/models/small_cnn/jobs")
   non2xx=$(echo "$out" | awk '/Non-2xx/ {print $5}')
-  build/venv/bin/python - "$RPORT" "$1" "${non2xx:-0}" <<'PY'
+  build/venv/bin/python - "$RPORT" "$label" "${non2xx:-0}" "$q0" "$r0" "$(getconf CLK_TCK)" "${PIDS[0]}" "$@" <<'PY'
 import json, sys, time
 import redis
 r = redis.Redis(port=int(sys.argv[1]))
 label, refused = sys.argv[2], int(sys.argv[3])
+q0, r0, tck, redis_pid, servers = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7], sys.argv[8:]
+def ticks(pids):
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
 deadline = time.time() + 120
 while True:
     keys = [k for k in r.scan_iter("results:*", count=10000) if b":bin:" not in k]
@@ -67,17 +87,20 @@ while True:
     if waiting == 0 or time.time() > deadline:
         break
     time.sleep(0.2)
+q_us = (ticks(servers) - q0) / tck * 1e6
+r_us = (ticks([redis_pid]) - r0) / tck * 1e6
 done = [d for d in docs if d["status"] == "done"]
 span = (max(d["finished_ms"] for d in done) - min(d["submitted_ms"] for d in done)) / 1000
 print(f"{label:28s} {len(done):6d} jobs done, {refused} refused, {len(docs) - len(done) - waiting} failed, "
-      f"{waiting} unfinished: {len(done) / span:8.0f} jobs/s")
+      f"{waiting} unfinished: {len(done) / span:8.0f} jobs/s; CPU per job: Quern {q_us / len(done):5.0f} us, "
+      f"Redis {r_us / len(done):4.0f} us")
 PY
 }
 
 for round in $(seq "$ROUNDS"); do
-  start base "$BASE"; run "round $round base, 1 instance"; kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
-  start new "$NEW"; run "round $round new, 1 instance"; kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
+  start base "$BASE"; run "round $round base, 1 instance" "${PIDS[-1]}"; kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
+  start new "$NEW"; run "round $round new, 1 instance" "${PIDS[-1]}"; kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
   start new2 "$NEW"; first=$PORT; start new3 "$NEW"; PORT=$first
-  run "round $round new, 2 instances"
+  run "round $round new, 2 instances" "${PIDS[-2]}" "${PIDS[-1]}"
   for _ in 1 2; do kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'; done
 done
