@@ -10,6 +10,7 @@
 # instance, then NEW on two instances (wrk posts to the first; both take
 # jobs from the stream). Redis runs here without persistence.
 #   bench/http_jobs_ab.sh BASE_BINARY NEW_BINARY [seconds of load, 3] [rounds, 3]
+#   QUERN_JOBS_MODEL=identity ...   # 16-byte jobs ([1, 4] FP32) instead
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -20,15 +21,17 @@ WORK=$(mktemp -d)
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/repo"
-ln -s "$ROOT/bench/models/small_cnn" "$WORK/repo/small_cnn"
+MODEL="${QUERN_JOBS_MODEL:-small_cnn}"
+ln -s "$ROOT/bench/models/$MODEL" "$WORK/repo/$MODEL"
 RPORT=$(build/venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 redis-server --port "$RPORT" --bind 127.0.0.1 --dir "$WORK" --save "" --appendonly no > "$WORK/redis.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
-build/venv/bin/python - "$WORK" <<'PY'
+build/venv/bin/python - "$WORK" "$MODEL" <<'PY'
 import json, sys, numpy as np
-x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32).tobytes()
-h = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 64, 64], "datatype": "FP32",
+name, shape = ("x", [1, 4]) if sys.argv[2] == "identity" else ("input", [1, 3, 64, 64])
+x = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
+h = json.dumps({"inputs": [{"name": name, "shape": shape, "datatype": "FP32",
                             "parameters": {"binary_data_size": len(x)}}]}).encode()
 open(f"{sys.argv[1]}/body", "wb").write(h + x)
 open(f"{sys.argv[1]}/len", "w").write(str(len(h)))
@@ -64,7 +67,7 @@ run() {
   redis-cli -p "$RPORT" flushall >/dev/null
   local out non2xx q0 r0
   q0=$(cpu_ticks "$@"); r0=$(cpu_ticks "${PIDS[0]}")
-  out=$(wrk -t 1 -c 16 -d "${SECS}s" -s "$WORK/jobs.lua" "http://127.0.0.1:$PORT/v2/models/small_cnn/jobs")
+  out=$(wrk -t 1 -c 16 -d "${SECS}s" -s "$WORK/jobs.lua" "http://127.0.0.1:$PORT/v2/models/$MODEL/jobs")
   non2xx=$(echo "$out" | awk '/Non-2xx/ {print $5}')
   build/venv/bin/python - "$RPORT" "$label" "${non2xx:-0}" "$q0" "$r0" "$(getconf CLK_TCK)" "${PIDS[0]}" "$@" <<'PY'
 import json, sys, time

@@ -19,13 +19,13 @@
 #include <memory>
 #include <string>
 
+#include "auth/api_keys.h"
 #include "frontends/grpc/grpc_server.h"
 #include "frontends/http/http_server.h"
 #include "frontends/jobs/stream_consumer.h"
 #include "frontends/vision/vision_handler.h"
 #include "pipeline/vision_service.h"
 #include "quern/status.h"
-#include "server/api_keys.h"
 #include "store/redis_store.h"
 #include "store/result_store.h"
 

@@ -31,6 +31,7 @@
 #include <sstream>
 #include <thread>
 
+#include "auth/api_keys.h"
 #include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
@@ -39,7 +40,6 @@
 #include "grpc_service.grpc.pb.h"
 #include "health.grpc.pb.h"
 #include "protocol/kserve_codec.h"
-#include "server/api_keys.h"
 
 namespace quern {
 namespace {

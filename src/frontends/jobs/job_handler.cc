@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "frontends/http/kserve_handler.h"
+#include "frontends/http/http_util.h"
 #include "frontends/jobs/stream_consumer.h"
 #include "store/job_json.h"
 

@@ -14,11 +14,11 @@
 #include <ctime>
 #include <random>
 
+#include "auth/api_keys.h"
 #include "core/cpus.h"
 #include "core/json.h"
-#include "frontends/http/kserve_handler.h"
+#include "frontends/http/http_util.h"
 #include "frontends/vision/multipart.h"
-#include "server/api_keys.h"
 
 namespace quern {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/api_keys.h"
+#include "auth/api_keys.h"
 
 #include <openssl/sha.h>
 

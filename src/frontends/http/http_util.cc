@@ -1,0 +1,105 @@
+#include "frontends/http/http_util.h"
+
+#include <rapidjson/writer.h>
+
+#include <algorithm>
+
+#include "protocol/kserve_codec.h"
+
+namespace quern {
+
+std::string PercentDecode(std::string_view s) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && hex(s[i + 1]) >= 0 && hex(s[i + 2]) >= 0) {
+      out += static_cast<char>(hex(s[i + 1]) * 16 + hex(s[i + 2]));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+TargetPath SplitTargetPath(std::string_view target) {
+  if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
+  TargetPath parts;
+  // Decoding never lengthens a segment: room for the whole path, reserved
+  // once (past the inline size, so a move keeps the views valid), holds
+  // every decoded segment without moving.
+  if (target.find('%') != std::string_view::npos) parts.decoded_.reserve(std::max<size_t>(target.size(), 32));
+  size_t pos = 0;
+  while (pos < target.size()) {
+    if (target[pos] == '/') {
+      ++pos;
+      continue;
+    }
+    size_t end = target.find('/', pos);
+    if (end == std::string_view::npos) end = target.size();
+    const std::string_view segment = target.substr(pos, end - pos);
+    if (segment.find('%') == std::string_view::npos) {
+      parts.segments_.push_back(segment);
+    } else {
+      const size_t at = parts.decoded_.size();
+      parts.decoded_ += PercentDecode(segment);
+      parts.segments_.push_back(std::string_view(parts.decoded_).substr(at));
+    }
+    pos = end;
+  }
+  return parts;
+}
+
+int HttpStatusFor(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kOk: return 200;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kFailedPrecondition: return 400;
+    case StatusCode::kNotFound: return 404;
+    case StatusCode::kResourceExhausted: return 413;
+    case StatusCode::kPermissionDenied: return 403;
+    case StatusCode::kUnauthenticated: return 401;
+    case StatusCode::kUnavailable: return 503;
+    case StatusCode::kDeadlineExceeded: return 504;
+    case StatusCode::kUnimplemented: return 501;
+    case StatusCode::kCancelled: return 499;
+    default: return 500;
+  }
+}
+
+HttpResponse KServeBody(int status, const rapidjson::StringBuffer& json,
+                        const std::vector<const Tensor*>& binary_parts) {
+  KServeMessage m = JoinKServeMessage(json, binary_parts);
+  HttpResponse resp;
+  resp.status = status;
+  resp.body = std::move(m.bytes);
+  if (m.binary) {
+    resp.headers.emplace_back("Inference-Header-Content-Length", std::to_string(m.json_size));
+    resp.content_type = "application/octet-stream";
+  }
+  return resp;
+}
+
+HttpResponse ErrorResponse(const Status& st) {
+  rapidjson::StringBuffer buf;
+  rapidjson::Writer<rapidjson::StringBuffer> w(buf);
+  w.StartObject();
+  w.Key("error");
+  w.String(st.message().c_str(), static_cast<rapidjson::SizeType>(st.message().size()));
+  w.EndObject();
+  HttpResponse r;
+  r.status = HttpStatusFor(st);
+  r.body.assign(buf.GetString(), buf.GetSize());
+  // A refusal for now (queue full, a deadline it cannot meet, stopping):
+  // clients and load balancers that honour it come back a second later.
+  if (r.status == 503) r.headers.emplace_back("Retry-After", "1");
+  return r;
+}
+
+}  // namespace quern
