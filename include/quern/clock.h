@@ -1,6 +1,8 @@
 // Injectable time source. Every timeout, deadline and batching delay in Quern
 // reads a Clock, and so do the timestamps it writes, so tests replace the
-// real one with FakeClock and never sleep. NowNs is monotonic time (for
+// real one with FakeClock to set what the code reads. Waiting is not
+// injected yet: a thread that waits (CondVar::WaitFor) waits in real time,
+// so a test of a wait still lets real time pass. NowNs is monotonic time (for
 // durations and deadlines); WallNs is the date (for timestamps people read
 // and deadlines given as dates).
 #pragma once

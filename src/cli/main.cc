@@ -19,7 +19,7 @@
 #include "server/server.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"quern: a fast model server for ONNX models"};
+  CLI::App app{"quern: a fast model server (ONNX, TorchScript and Python models)"};
   app.require_subcommand(1);
 
   quern::ServerOptions options;

@@ -1,6 +1,7 @@
 // How the engine turns a repository model's files into loaded instances,
-// without knowing any runtime: each backend (ONNX Runtime today) registers a
-// Backend under its configuration name ("backend" in config.pbtxt), and the
+// without knowing any runtime: each backend (ONNX Runtime, PyTorch, Python,
+// the vision and OCR stages) registers a Backend under its configuration
+// name ("backend" in config.pbtxt), and the
 // engine asks the registry for the one a model names.
 //
 // Thread safety: a registry is filled before the engine starts and only read
