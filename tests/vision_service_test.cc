@@ -264,6 +264,118 @@ TEST_F(VisionServiceTest, UndecodableImagesFailWithTheDecodersReason) {
   EXPECT_EQ(s.stats().failed, 1u);
 }
 
+// Takes an encoded image whole (BYTES "image" [1]) and answers its length,
+// once `gate` opens: an OCR model's shape, holding its images as long as a
+// test wants.
+class HeldReader : public Model {
+ public:
+  explicit HeldReader(std::shared_future<void> gate) : gate_(std::move(gate)) {}
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
+    gate_.wait();
+    auto strings = inputs.at(0).tensor.Strings();
+    if (!strings) return strings.error();
+    outputs = {{"length", testing::Floats({1}, {static_cast<float>(strings->at(0).size())})}};
+    return Status::Ok();
+  }
+
+ private:
+  std::shared_future<void> gate_;
+};
+
+class EncodedImageTest : public VisionServiceTest {
+ protected:
+  void SetUp() override {
+    VisionServiceTest::SetUp();
+    ModelConfig c;
+    c.name = "reader";
+    c.max_batch_size = 0;
+    c.instance_count = 1;
+    c.inputs = {{.name = "image", .dtype = DataType::kBytes, .dims = {1}}};
+    c.outputs = {{.name = "length", .dtype = DataType::kFp32, .dims = {1}}};
+    std::shared_future<void> gate = open_.get_future().share();
+    ASSERT_TRUE(engine_->RegisterModel(c, [gate] { return std::make_unique<HeldReader>(gate); }).ok());
+  }
+  void TearDown() override {
+    if (!opened_) open_.set_value();
+  }
+  void Open() {
+    opened_ = true;
+    open_.set_value();
+  }
+  EncodedImageRequest Image(const std::string& bytes) {
+    EncodedImageRequest r;
+    r.model = "reader";
+    r.image = bytes;
+    r.held_bytes = 100;
+    return r;
+  }
+
+  std::promise<void> open_;
+  bool opened_ = false;
+};
+
+TEST_F(EncodedImageTest, AnImageItsModelDecodesIsAdmittedLikeEveryOther) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 1;
+  VisionService s(engine_.get(), o);
+  std::promise<float> first;
+  EncodedImageCallback done = [&](InferResponse&& r, const VisionTimings& t) {
+    EXPECT_EQ(t.received_ns, 1'000'000'000) << "the service's clock";
+    first.set_value(r.status.ok() ? r.outputs.at(0).tensor.values<float>()[0] : -1.0f);
+  };
+  ASSERT_TRUE(s.SubmitEncoded(Image(image_), done).ok());
+  EXPECT_FALSE(done) << "an admitted image takes its callback";
+  EXPECT_EQ(s.stats().in_flight, 1);
+  // Past the capacity: refused at once, as an image for a detection model is.
+  EncodedImageCallback second = [&](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
+  Status refused = s.SubmitEncoded(Image(image_), second);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("1 images are already waiting"), std::string::npos) << refused.message();
+  EXPECT_TRUE(second) << "a refused image leaves its callback with the caller";
+  VisionCallback detection = [](VisionResult&&) {};
+  EXPECT_EQ(s.Submit(Red(s), detection).code(), StatusCode::kUnavailable) << "one capacity for every image";
+  EXPECT_EQ(s.stats().rejected_overload, 2u);
+  Open();
+  auto answer = first.get_future();
+  ASSERT_EQ(answer.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(answer.get(), static_cast<float>(image_.size())) << "the image sent whole";
+  ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
+  EXPECT_EQ(s.stats().in_flight_bytes, 0) << "its memory is given back";
+  EXPECT_EQ(s.stats().requests, 1u);
+}
+
+TEST_F(EncodedImageTest, ItsMemoryCountsTheImageDecoded) {
+  VisionServiceOptions o = Options();
+  o.max_in_flight_bytes = 10'000;
+  VisionService s(engine_.get(), o);
+  // A 4x4 BMP: 54 + 48 bytes encoded, 48 decoded (counted four times).
+  EncodedImageCallback a = [](InferResponse&&, const VisionTimings&) {};
+  ASSERT_TRUE(s.SubmitEncoded(Image(image_), a).ok());
+  EXPECT_EQ(s.stats().in_flight_bytes, 100 + static_cast<int64_t>(image_.size()) + 4 * 48);
+  // 40x40: 4800 bytes decoded, 19,200 charged: past the bound beside the first.
+  const std::string large = SolidBmp(40, 40, 0, 255, 0);
+  EncodedImageCallback b = [](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
+  Status refused = s.SubmitEncoded(Image(large), b);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("--vision-max-memory-mb"), std::string::npos) << refused.message();
+  Open();
+  ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
+  EXPECT_EQ(s.stats().in_flight_bytes, 0);
+}
+
+TEST_F(EncodedImageTest, AnUnknownModelIsNotAnOverload) {
+  VisionService s(engine_.get(), Options());
+  EncodedImageRequest r = Image(image_);
+  r.model = "nobody";
+  EncodedImageCallback done = [](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
+  Status st = s.SubmitEncoded(r, done);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_TRUE(done);
+  EXPECT_EQ(s.stats().rejected_overload, 0u);
+  EXPECT_EQ(s.stats().in_flight, 0);
+  EXPECT_EQ(s.stats().in_flight_bytes, 0);
+}
+
 TEST(ParseMinConfidence, ReadsItTheWayCodeProjectAIDoes) {
   EXPECT_FLOAT_EQ(ParseMinConfidence("0.55"), 0.55f);
   EXPECT_FLOAT_EQ(ParseMinConfidence("  0.7\r\n"), 0.7f);  // whitespace around it

@@ -265,6 +265,77 @@ Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
   return st.ok() ? st : Refused(std::move(st));
 }
 
+Status VisionService::Claim(const std::string& model, int64_t version, int64_t bytes) {
+  // The model's own queue is asked first: an image it would refuse is not
+  // decoded and resized for nothing.
+  Status st = engine_->CheckAdmission(model, version);
+  if (!st.ok()) return st;
+  // Both bounds are claimed first and given back on refusal, so that
+  // concurrent admissions cannot pass them together.
+  const int64_t capacity = Capacity();
+  const int64_t before = in_flight_.Add(1);
+  const int64_t held = in_flight_bytes_.Add(bytes);
+  st = Busy(before, capacity, held, bytes);
+  if (!st.ok()) {
+    in_flight_.Add(-1);
+    in_flight_bytes_.Add(-bytes);
+  }
+  return st;
+}
+
+void VisionService::Release(int64_t received_ns, int64_t charged_bytes) {
+  const int64_t now = clock_->NowNs();
+  // The time per image behind the derived capacity: the time this image
+  // kept the pipeline busy (since it arrived or since the previous image
+  // finished, whichever is later) — under load, 1 / throughput.
+  const int64_t last = last_completion_ns_.exchange(now);
+  const double busy_ms = static_cast<double>(now - std::max(received_ns, last)) / 1e6;
+  ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
+  in_flight_bytes_.Add(-charged_bytes);
+  if (in_flight_.Add(-1) == 1) {
+    MutexLock lock(idle_mu_);
+    idle_cv_.SignalAll();
+  }
+}
+
+Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done) {
+  if (request.model.empty()) return InvalidArgument("an encoded image request needs a model");
+  const std::optional<ImageHeader> header = ReadImageHeader(request.image);
+  const int64_t decoded =
+      header && header->width > 0 && header->height > 0 && header->width * header->height <= options_.max_image_pixels
+          ? header->decoded_bytes()
+          : 0;
+  const int64_t bytes = request.held_bytes + static_cast<int64_t>(request.image.size()) + 4 * decoded;
+  if (Status st = Claim(request.model, -1, bytes); !st.ok()) return Refused(std::move(st));
+  requests_.Increment();
+  VisionTimings timings;
+  timings.received_ns = timings.stage_start_ns = clock_->NowNs();
+  InferRequest ir;
+  ir.model = request.model;
+  ir.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(request.image)})});
+  ir.cancel = std::move(request.cancel);
+  ir.deadline_ns = engine_->clock().NowNs() + options_.request_timeout_ms * 1'000'000;
+  request.owner.reset();  // the image is copied into the request
+  auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
+  InferCallback infer_done = [this, answered, timings, bytes](InferResponse&& r) mutable {
+    timings.infer_ns = r.telemetry.compute_ns();
+    timings.queue_ns = r.telemetry.queue_ns();
+    if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
+      dropped_.Increment();
+    }
+    (*answered)(std::move(r), timings);
+    Release(timings.received_ns, bytes);
+  };
+  if (Status st = engine_->InferAsync(std::move(ir), infer_done); !st.ok()) {
+    // Refused by the engine after all (its queue filled meanwhile, no such
+    // model): given back, and the callback returned to the caller.
+    done = std::move(*answered);
+    Release(timings.received_ns, bytes);
+    return st.code() == StatusCode::kUnavailable ? Refused(std::move(st)) : st;
+  }
+  return Status::Ok();
+}
+
 Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   const std::shared_ptr<const VisionModel>& m = request.model;
   if (!m) return InvalidArgument("a vision request needs a model");
@@ -284,22 +355,7 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
     request.max_described = std::clamp(request.max_described, 1, std::max(request.descriptor->max_batch_size, 1));
     bytes += request.max_described * static_cast<int64_t>(PreprocessedBytes(request.descriptor->image));
   }
-  // The model's own queue is asked first: an image it would refuse is not
-  // decoded and resized for nothing.
-  Status st = engine_->CheckAdmission(m->name, m->version);
-  if (st.ok()) {
-    // Both bounds are claimed first and given back on refusal, so that
-    // concurrent admissions cannot pass them together.
-    const int64_t capacity = Capacity();
-    const int64_t before = in_flight_.Add(1);
-    const int64_t held = in_flight_bytes_.Add(bytes);
-    st = Busy(before, capacity, held, bytes);
-    if (!st.ok()) {
-      in_flight_.Add(-1);
-      in_flight_bytes_.Add(-bytes);
-    }
-  }
-  if (!st.ok()) return Refused(std::move(st));
+  if (Status st = Claim(m->name, m->version, bytes); !st.ok()) return Refused(std::move(st));
   auto job = std::make_shared<Job>();
   job->request = std::move(request);
   job->done = std::move(done);
@@ -563,19 +619,8 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   if (done) done(std::move(result));
   // Given back after the callback: whoever waits for the service to be idle
   // (a draining server) finds the answer already handed on.
-  const int64_t now = clock_->NowNs();
-  // The time per image behind the derived capacity: the time this image
-  // kept the pipeline busy (since it arrived or since the previous image
-  // finished, whichever is later) — under load, 1 / throughput.
-  const int64_t last = last_completion_ns_.exchange(now);
-  const double busy_ms = static_cast<double>(now - std::max(job->timings.received_ns, last)) / 1e6;
-  ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  in_flight_bytes_.Add(-job->charged_bytes);
   job->request.owner.reset();
-  if (in_flight_.Add(-1) == 1) {
-    MutexLock lock(idle_mu_);
-    idle_cv_.SignalAll();
-  }
+  Release(job->timings.received_ns, job->charged_bytes);
 }
 
 }  // namespace quern

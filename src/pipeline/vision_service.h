@@ -124,6 +124,19 @@ struct VisionResult {
 
 using VisionCallback = std::function<void(VisionResult&&)>;
 
+// An image for a model that takes it encoded and decodes it itself (input
+// "image", BYTES [1]): the OCR ensemble, say.
+struct EncodedImageRequest {
+  std::string model;
+  std::string_view image;             // encoded, sent as it is
+  std::shared_ptr<const void> owner;  // keeps `image` alive until it is sent (may be null)
+  int64_t held_bytes = 0;             // bytes the caller holds for it, as VisionRequest's
+  std::shared_ptr<CancellationToken> cancel;
+};
+// The model's answer and the image's timings (received, stage start = sent,
+// queue and infer from the engine).
+using EncodedImageCallback = std::function<void(InferResponse&&, const VisionTimings&)>;
+
 // The quern_vision_* metrics, read back; counters are cumulative.
 struct VisionStats {
   uint64_t requests = 0;           // images admitted
@@ -173,15 +186,22 @@ class VisionService {
   // caller gone, model failure).
   Status Submit(VisionRequest request, VisionCallback& done);
 
+  // The same admission for an image its model decodes itself: the capacity,
+  // the image's memory (its decoded size counted four times over: the
+  // model's steps hold it decoded and as floats), the model's queue; the
+  // same timeout (as the request's deadline) and cancellation. Nothing is
+  // decoded here. Refused: the refusal is returned (UNAVAILABLE, counted;
+  // or the engine's error: unknown model, bad input), and `done` is left
+  // with the caller. Admitted: `done` is moved out and runs exactly once,
+  // on an engine thread.
+  Status SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done);
+
   // Counts a request that failed before it reached the service (a form
   // without an image, say), so that `failed` covers every failed request.
   void CountFailure() { failed_.Increment(); }
 
   VisionStats stats() const;
   const Clock& clock() const { return *clock_; }
-  // The engine the service runs models on (routes that call a model
-  // themselves, such as OCR's ensemble).
-  Engine& engine() const { return *engine_; }
 
  private:
   struct Job;
@@ -193,6 +213,12 @@ class VisionService {
   // `held` bytes, under `capacity`; else the refusal.
   Status Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const;
   Status Refused(Status status);
+  // Claims a place and `bytes` for an image for `model` (the model's queue
+  // asked first): OK, or the refusal (nothing claimed, not yet counted).
+  Status Claim(const std::string& model, int64_t version, int64_t bytes);
+  // Gives back what an image admitted at `received_ns` claimed, once its
+  // answer is handed on; measures the time per image.
+  void Release(int64_t received_ns, int64_t charged_bytes);
   void Post(std::function<void()> task, bool urgent);
   void StageLoop();
   void Process(const std::shared_ptr<Job>& job);

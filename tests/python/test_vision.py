@@ -435,6 +435,59 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
         proc.wait(timeout=30)
 
 
+def test_ocr_is_admitted_like_every_image(tmp_path):
+    """/v1/vision/ocr goes through the vision service's admission (it went to its model directly,
+    queueing without bound): past --vision-queue-capacity an OCR request is refused at once, from
+    its head too. The model here sleeps 1 s and answers the length of the image it got."""
+    d = tmp_path / "repo" / "slow_ocr"
+    os.makedirs(d / "1")
+    (d / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "image" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        'output [ { name: "text" data_type: TYPE_STRING dims: [ -1 ] },\n'
+        '         { name: "confidence" data_type: TYPE_FP32 dims: [ -1 ] },\n'
+        '         { name: "boxes" data_type: TYPE_FP32 dims: [ -1, 4, 2 ] } ]\n')
+    (d / "1" / "model.py").write_text(
+        "import time\nimport numpy as np\n\n"
+        "def infer(inputs):\n"
+        "    time.sleep(1)\n"
+        "    n = len(inputs['image'].ravel()[0])\n"
+        "    return {'text': np.array([f'len={n}'.encode()], dtype=np.object_),\n"
+        "            'confidence': np.array([0.9], np.float32),\n"
+        "            'boxes': np.array([[[1, 2], [30, 2], [30, 12], [1, 12]]], np.float32)}\n")
+    proc, port, metrics = start(str(tmp_path / "repo"), "--ocr-model", "slow_ocr", "--vision-queue-capacity", "1")
+    try:
+        img = encode(painted(64, 48, SQUARES), "PNG")
+        body, headers = multipart([("upload", img, "page.png")])
+        results = {}
+
+        def first():
+            results["first"] = json.loads(request(port, "POST", "/v1/vision/ocr", body, headers)[2])
+
+        t = threading.Thread(target=first)
+        t.start()
+        wait_for = time.time() + 10
+        while metric(metrics, "quern_vision_in_flight") != 1 and time.time() < wait_for:
+            time.sleep(0.02)
+        start_t = time.time()
+        busy = json.loads(request(port, "POST", "/v1/vision/ocr", body, headers)[2])
+        assert time.time() - start_t < 0.5, "an over-capacity OCR request must be refused at once"
+        assert busy["success"] is False and "busy" in busy["error"], busy
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/vision/ocr HTTP/1.1\r\nHost: q\r\n"
+                         b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 5000000\r\n\r\n")
+            early = json.loads(read_http_response(sock).split(b"\r\n\r\n", 1)[1])
+        assert early["success"] is False and "busy" in early["error"], early
+        t.join()
+        assert results["first"]["success"] is True, results["first"]
+        assert [p["label"] for p in results["first"]["predictions"]] == [f"len={len(img)}"]
+        assert metric(metrics, "quern_vision_rejected_overload_total") == 2
+        assert metric(metrics, "quern_vision_in_flight") == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def read_http_response(sock):
     """One HTTP response (headers and Content-Length bytes of body) from a socket."""
     data = b""

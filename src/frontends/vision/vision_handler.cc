@@ -416,6 +416,8 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
     job.command = "custom";
   } else if (path == "/v1/vision/scene") {
     job.command = "scene";
+  } else if (path == "/v1/vision/ocr" || path == "/v1/image/ocr") {
+    job.command = "ocr";
   } else if (path == "/v1/vision/face") {
     if (options_.face_model.empty()) return std::nullopt;  // found per request; admitted there
     job.command = "face";
@@ -430,6 +432,7 @@ std::optional<HttpResponse> VisionHandler::CheckHead(const HttpRequest& head) {
                       : job.command == "custom"       ? PercentDecode(path.substr(18))
                       : job.command == "scene"        ? options_.scene_model
                       : job.command == "face"         ? options_.face_model
+                      : job.command == "ocr"          ? options_.ocr_model
                                                       : options_.detection_model;
   if (model.empty() && job.kind != Job::Kind::kPredict && job.command == "detect") {
     MutexLock lock(models_mu_);
@@ -475,16 +478,16 @@ Status VisionHandler::SubmitCounted(VisionRequest request, std::function<void(Vi
 }
 
 void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view image) {
-  InferRequest r;
+  // Admitted like every image (the service's capacity and memory bound,
+  // the model's queue); the model decodes it itself.
+  EncodedImageRequest r;
   r.model = options_.ocr_model;
-  r.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(image)})});
+  r.image = image;
+  r.owner = job;  // the body the image is viewed in
+  r.held_bytes = static_cast<int64_t>(job->request.body.size());
   r.cancel = job->request.cancel;
-  const int64_t started = service_->clock().NowNs();
   BeginPending();
-  InferCallback answer = [this, job, started](InferResponse&& resp) {
-    VisionTimings t;
-    t.stage_start_ns = started;
-    t.infer_ns = resp.telemetry.compute_end_ns > resp.telemetry.compute_start_ns ? resp.telemetry.compute_ns() : 0;
+  EncodedImageCallback answer = [this, job](InferResponse&& resp, const VisionTimings& t) {
     const Tensor* text = resp.FindOutput("text");
     const Tensor* confidence = resp.FindOutput("confidence");
     const Tensor* boxes = resp.FindOutput("boxes");
@@ -543,8 +546,7 @@ void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view 
     }
     EndPending();
   };
-  Status st = service_->engine().InferAsync(std::move(r), answer);
-  if (!st.ok()) {
+  if (Status st = service_->SubmitEncoded(std::move(r), answer); !st.ok()) {
     EndPending();
     Fail(job, st);
   }

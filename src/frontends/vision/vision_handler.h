@@ -142,7 +142,8 @@ class VisionHandler {
   // /v1/vision/face/{register,recognize,match,list,delete}; `face_model`
   // finds the faces.
   void HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts, const std::string& face_model);
-  // /v1/vision/ocr: the image to options_.ocr_model through the engine,
+  // /v1/vision/ocr: the image to options_.ocr_model through the vision
+  // service (admitted like every image; the model decodes it),
   // its lines answered as CodeProject.AI's OCR module answers them.
   void HandleOcr(const std::shared_ptr<Job>& job, std::string_view image);
   // Counts work handed to the service or the engine whose answer is still
