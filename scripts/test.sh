@@ -36,13 +36,14 @@ scripts/setup.sh
 # The scale-out tests fail rather than skip when hosts cannot be built here.
 export QUERN_REQUIRE_NETBED=1
 
-step "format and layer checks"
+step "format, layer and function-length checks"
 mapfile -t sources < <(git ls-files '*.h' '*.cc' 2>/dev/null || true)
 if [ ${#sources[@]} -gt 0 ]; then
   clang-format --dry-run --Werror "${sources[@]}"
 fi
 scripts/check_layers.sh --self-test
 scripts/check_layers.sh
+scripts/check_functions.sh
 
 step "release build (warnings are errors)"
 cmake --preset ci >/dev/null
