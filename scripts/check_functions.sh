@@ -12,7 +12,6 @@ LIZARD="$ROOT/build/venv/bin/lizard"
 MAX=150
 LONG=(
   "src/server/serve_flags.cc quern::AddServeFlags"
-  "src/server/server.cc quern::Server::Start"
   "src/frontends/vision/vision_handler.cc quern::VisionHandler::Handle"
   "src/engine/ensemble_model.cc quern::EnsembleModel::Plan"
   "src/pipeline/postprocess.cc quern::DecodeDetections"

@@ -216,6 +216,14 @@ struct Server::Parts {
 
   int64_t NowNs() const { return engine->clock().NowNs(); }
 
+  // Server::Start's steps, in order; each reads `options` and makes its parts.
+  Status OpenVision(const RedisOptions& redis);  // the vision service, registered faces, the vision routes
+  void OpenJobs(const RedisOptions& redis);      // the result store and the job handler
+  Status StartGrpc(bool explicit_control);
+  Status StartVisionPort();
+  Status StartConsumer(bool consume_asked);  // the job streams
+  void AnnounceServing() const;              // the start-up lines, and systemd
+
   // The key a request presents, checked with its head before any body byte
   // is read (the vision routes check theirs in VisionHandler::CheckHead:
   // CodeProject.AI clients may send it as a form field and expect errors as
@@ -277,6 +285,193 @@ struct Server::Parts {
   }
 };
 
+// Redis, when there is one (results, job streams, registered faces): the
+// URL's settings, with passwords from the environment when the URL has none.
+Result<RedisOptions> RedisSettings(const ServerOptions& o) {
+  RedisOptions redis = o.redis;
+  if (o.redis_url.empty()) return redis;
+  if (Status s = ParseRedisUrl(o.redis_url, redis); !s.ok()) return Err(InvalidArgument(s.message()));
+  if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && redis.password.empty()) {
+    redis.password = pw;
+  }
+  if (const char* pw = std::getenv("QUERN_REDIS_SENTINEL_PASSWORD");
+      pw != nullptr && !redis.sentinels.empty() && redis.sentinel_password.empty()) {
+    redis.sentinel_password = pw;
+  }
+  return redis;
+}
+
+Status Server::Parts::OpenVision(const RedisOptions& redis) {
+  ServerOptions& o = options;
+  Parts* parts = this;
+  o.vision_service.model_repository = o.model_repository;
+  o.vision_service.max_in_flight_bytes = o.vision_max_memory_mb << 20;
+  o.vision_service.max_queue_wait_ms = o.max_queue_wait_ms;
+  o.vision_service.clock = &engine->clock();
+  o.vision_service.metrics = &registry;
+  vision_service = std::make_unique<VisionService>(engine.get(), o.vision_service);
+  if (keys->enabled()) {
+    o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
+  }
+  // Registered faces: in Redis when there is one (shared by the instances
+  // that use it), else in the data directory, else in memory.
+  std::unique_ptr<FaceGalleryStore> faces_store;
+  if (!o.redis_url.empty()) {
+    faces_store = std::make_unique<RedisFaceStore>(redis);
+  } else if (!o.data_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.data_dir, ec);
+    if (ec) return InvalidArgument("--data-dir " + o.data_dir + " cannot be made: " + ec.message());
+    faces_store = FileFaceStore(std::filesystem::path(o.data_dir) / "faces.bin");
+  }
+  auto gallery = FaceGallery::Open({}, std::move(faces_store));
+  if (!gallery) return gallery.error();
+  faces = std::move(*gallery);
+  o.vision.faces = faces.get();
+  vision = std::make_unique<VisionHandler>(vision_service.get(), o.vision);
+  return Status::Ok();
+}
+
+void Server::Parts::OpenJobs(const RedisOptions& redis) {
+  ServerOptions& o = options;
+  Parts* parts = this;
+  if (!o.redis_url.empty()) {
+    RedisResultStoreOptions ro;
+    ro.redis = redis;
+    ro.ttl_s = o.store.ttl_s;
+    ro.max_backlog_bytes = o.store.max_bytes;
+    ro.clock = &engine->clock();
+    ro.metrics = &registry;
+    auto rs = std::make_unique<RedisResultStore>(ro);
+    redis_store = rs.get();
+    store = std::move(rs);
+  } else {
+    o.store.clock = &engine->clock();
+    store = std::make_unique<MemoryResultStore>(o.store);
+  }
+  kserve->set_ready_check([parts] {
+    if (parts->draining.load(std::memory_order_acquire)) return Unavailable("the server is shutting down");
+    return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
+  });
+  jobs = std::make_unique<JobHandler>(engine.get(), store.get(), &registry);
+  if (redis_store) {
+    // Durable jobs, through the streams: for the models this instance takes
+    // jobs for (others run here, as without Redis), or all with --no-consume
+    // (the instances that consume run them).
+    jobs->set_stream_prefix(o.consumer.stream_prefix, [parts, all = o.no_consume](const std::string& model) {
+      if (all) return true;
+      const StreamConsumer* c = parts->consumer_taking.load(std::memory_order_acquire);
+      return c != nullptr && c->Consumes(model);
+    });
+    if (o.consume) {
+      LocalJobInputsOptions lo;
+      lo.clock = &engine->clock();
+      local_inputs = std::make_unique<LocalJobInputs>(lo);
+      jobs->set_local_inputs(local_inputs.get());
+    }
+  }
+  if (keys->enabled()) {
+    jobs->set_owner_of(
+        [](const HttpRequest& r) { return JobOwner(PresentedKey(r.Header("authorization"), r.Header("x-api-key"))); });
+  }
+}
+
+Status Server::Parts::StartGrpc(bool explicit_control) {
+  const ServerOptions& o = options;
+  Parts* parts = this;
+  GrpcServerOptions g = o.grpc;
+  g.host = o.http.host;
+  g.max_send_bytes = g.max_receive_bytes;
+  if (g.tls_cert_file.empty() && g.tls_key_file.empty()) {
+    g.tls_cert_file = o.http.tls_cert_file;
+    g.tls_key_file = o.http.tls_key_file;
+    if (g.tls_client_ca_file.empty()) g.tls_client_ca_file = o.http.tls_client_ca_file;
+  }
+  g.model_control = explicit_control;
+  g.draining = &draining;
+  if (access_log) g.access_log = [log = access_log](const GrpcAccess& a) { log->Write(a); };
+  if (keys->enabled()) {
+    g.authorize = [parts](std::string_view key, bool admin) {
+      return parts->keys->Authorize(key, admin, parts->NowNs());
+    };
+  }
+  auto started = GrpcServer::Start(g, engine.get());
+  if (!started) return Status(started.error().code(), "gRPC: " + started.error().message());
+  grpc = std::move(*started);
+  return Status::Ok();
+}
+
+Status Server::Parts::StartVisionPort() {
+  Parts* parts = this;
+  HttpServerOptions vo = options.http;
+  vo.port = options.vision_port;
+  auto started = HttpServer::Start(
+      vo,
+      [parts](HttpRequest&& r, HttpDone done) {
+        if (auto refused = parts->Draining(r)) return done(std::move(*refused));
+        if (auto file = DashboardFile(r)) return done(std::move(*file));
+        if (IsDashboardState(r)) {
+          return done(DashboardState({parts->engine.get(), parts->vision_service.get(), &parts->registry}));
+        }
+        if (VisionHandler::Handles(r.target)) return parts->vision->Handle(std::move(r), std::move(done));
+        HttpResponse resp;
+        resp.status = 404;
+        resp.body =
+            "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
+        done(std::move(resp));
+      },
+      [parts](const HttpRequest& r) -> std::optional<HttpResponse> {
+        if (auto refused = parts->Draining(r)) return refused;
+        if (VisionHandler::Handles(r.target)) return parts->vision->CheckHead(r);
+        if (IsDashboardState(r)) return parts->Denied(r);  // it names models
+        return std::nullopt;
+      });
+  if (!started) return Status(started.error().code(), "vision: " + started.error().message());
+  vision_http = std::move(*started);
+  return Status::Ok();
+}
+
+Status Server::Parts::StartConsumer(bool consume_asked) {
+  StreamConsumerOptions co = options.consumer;
+  co.redis = redis_store->options().redis;
+  co.max_entry_bytes = options.http.max_body_bytes;
+  co.metrics = &registry;
+  co.local = local_inputs.get();
+  auto started = StreamConsumer::Start(co, engine.get(), redis_store);
+  if (started) {
+    consumer = std::move(*started);
+    consumer_taking.store(consumer.get(), std::memory_order_release);
+  } else if (consume_asked) {
+    return InvalidArgument(started.error().message());
+  } else {
+    // Implied by --redis-url: a repository with no model ready yet takes
+    // no jobs (its HTTP jobs wait in the streams for an instance that does).
+    Log(LogLevel::kWarning, "taking no jobs from the redis streams: " + started.error().message());
+  }
+  return Status::Ok();
+}
+
+void Server::Parts::AnnounceServing() const {
+  const ServerOptions& o = options;
+  // The start-up lines go to stdout (scripts read the ports from them).
+  auto listening = [](const char* what, const std::string& host, int port) {
+    LogTo(stdout, LogLevel::kInfo, std::string(what) + " listening on " + host + ":" + std::to_string(port));
+  };
+  listening("HTTP", o.http.host, http->port());
+  if (grpc) listening("gRPC", o.http.host, grpc->port());
+  if (vision_http) listening("vision", o.http.host, vision_http->port());
+  listening("metrics", o.metrics.host, metrics->port());
+  if (consumer) {
+    LogTo(stdout, LogLevel::kInfo,
+          "taking jobs from redis at " + redis_store->options().redis.Address() + " as consumer " +
+              consumer->consumer_name());
+  }
+  LogTo(stdout, LogLevel::kInfo, "serving " + o.model_repository + " (Ctrl-C to stop)");
+  if (!NotifySystemd("READY=1\nSTATUS=serving")) {
+    Log(LogLevel::kWarning, "could not tell systemd (NOTIFY_SOCKET) that the server is ready");
+  }
+}
+
 Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   auto p = std::make_unique<Parts>();
   p->options = std::move(options);
@@ -309,81 +504,9 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
   p->kserve = std::make_unique<KServeHandler>(p->engine.get());
   p->kserve->set_model_control(explicit_control);
-  o.vision_service.model_repository = o.model_repository;
-  o.vision_service.max_in_flight_bytes = o.vision_max_memory_mb << 20;
-  o.vision_service.max_queue_wait_ms = o.max_queue_wait_ms;
-  o.vision_service.clock = &p->engine->clock();
-  o.vision_service.metrics = &p->registry;
-  p->vision_service = std::make_unique<VisionService>(p->engine.get(), o.vision_service);
-  if (p->keys->enabled()) {
-    o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
-  }
-  // Redis, when there is one: results, job streams and registered faces.
-  RedisOptions redis = o.redis;
-  if (!o.redis_url.empty()) {
-    if (Status s = ParseRedisUrl(o.redis_url, redis); !s.ok()) return Err(InvalidArgument(s.message()));
-    if (const char* pw = std::getenv("QUERN_REDIS_PASSWORD"); pw != nullptr && redis.password.empty()) {
-      redis.password = pw;
-    }
-    if (const char* pw = std::getenv("QUERN_REDIS_SENTINEL_PASSWORD");
-        pw != nullptr && !redis.sentinels.empty() && redis.sentinel_password.empty()) {
-      redis.sentinel_password = pw;
-    }
-  }
-  // Registered faces: in Redis when there is one (shared by the instances
-  // that use it), else in the data directory, else in memory.
-  std::unique_ptr<FaceGalleryStore> faces_store;
-  if (!o.redis_url.empty()) {
-    faces_store = std::make_unique<RedisFaceStore>(redis);
-  } else if (!o.data_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.data_dir, ec);
-    if (ec) return Err(InvalidArgument("--data-dir " + o.data_dir + " cannot be made: " + ec.message()));
-    faces_store = FileFaceStore(std::filesystem::path(o.data_dir) / "faces.bin");
-  }
-  QUERN_ASSIGN_OR_RETURN(p->faces, FaceGallery::Open({}, std::move(faces_store)));
-  o.vision.faces = p->faces.get();
-  p->vision = std::make_unique<VisionHandler>(p->vision_service.get(), o.vision);
-
-  if (!o.redis_url.empty()) {
-    RedisResultStoreOptions ro;
-    ro.redis = redis;
-    ro.ttl_s = o.store.ttl_s;
-    ro.max_backlog_bytes = o.store.max_bytes;
-    ro.clock = &p->engine->clock();
-    ro.metrics = &p->registry;
-    auto rs = std::make_unique<RedisResultStore>(ro);
-    p->redis_store = rs.get();
-    p->store = std::move(rs);
-  } else {
-    o.store.clock = &p->engine->clock();
-    p->store = std::make_unique<MemoryResultStore>(o.store);
-  }
-  p->kserve->set_ready_check([parts] {
-    if (parts->draining.load(std::memory_order_acquire)) return Unavailable("the server is shutting down");
-    return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
-  });
-  p->jobs = std::make_unique<JobHandler>(p->engine.get(), p->store.get(), &p->registry);
-  if (p->redis_store) {
-    // Durable jobs, through the streams: for the models this instance takes
-    // jobs for (others run here, as without Redis), or all with --no-consume
-    // (the instances that consume run them).
-    p->jobs->set_stream_prefix(o.consumer.stream_prefix, [parts, all = o.no_consume](const std::string& model) {
-      if (all) return true;
-      const StreamConsumer* c = parts->consumer_taking.load(std::memory_order_acquire);
-      return c != nullptr && c->Consumes(model);
-    });
-    if (o.consume) {
-      LocalJobInputsOptions lo;
-      lo.clock = &p->engine->clock();
-      p->local_inputs = std::make_unique<LocalJobInputs>(lo);
-      p->jobs->set_local_inputs(p->local_inputs.get());
-    }
-  }
-  if (p->keys->enabled()) {
-    p->jobs->set_owner_of(
-        [](const HttpRequest& r) { return JobOwner(PresentedKey(r.Header("authorization"), r.Header("x-api-key"))); });
-  }
+  QUERN_ASSIGN_OR_RETURN(const RedisOptions redis, RedisSettings(o));
+  QUERN_RETURN_IF_ERROR(p->OpenVision(redis));
+  p->OpenJobs(redis);
 
   if (!o.access_log.empty()) {
     QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));
@@ -393,54 +516,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       p->http, HttpServer::Start(
                    o.http, [parts](HttpRequest&& r, HttpDone done) { parts->Route(std::move(r), std::move(done)); },
                    [parts](const HttpRequest& r) { return parts->Head(r); }));
-  if (o.grpc.port >= 0) {
-    GrpcServerOptions g = o.grpc;
-    g.host = o.http.host;
-    g.max_send_bytes = g.max_receive_bytes;
-    if (g.tls_cert_file.empty() && g.tls_key_file.empty()) {
-      g.tls_cert_file = o.http.tls_cert_file;
-      g.tls_key_file = o.http.tls_key_file;
-      if (g.tls_client_ca_file.empty()) g.tls_client_ca_file = o.http.tls_client_ca_file;
-    }
-    g.model_control = explicit_control;
-    g.draining = &p->draining;
-    if (p->access_log) g.access_log = [log = p->access_log](const GrpcAccess& a) { log->Write(a); };
-    if (p->keys->enabled()) {
-      g.authorize = [parts](std::string_view key, bool admin) {
-        return parts->keys->Authorize(key, admin, parts->NowNs());
-      };
-    }
-    auto grpc = GrpcServer::Start(g, p->engine.get());
-    if (!grpc) return Err(Status(grpc.error().code(), "gRPC: " + grpc.error().message()));
-    p->grpc = std::move(*grpc);
-  }
-  if (o.vision_port >= 0) {
-    HttpServerOptions vo = o.http;
-    vo.port = o.vision_port;
-    auto vision_http = HttpServer::Start(
-        vo,
-        [parts](HttpRequest&& r, HttpDone done) {
-          if (auto refused = parts->Draining(r)) return done(std::move(*refused));
-          if (auto file = DashboardFile(r)) return done(std::move(*file));
-          if (IsDashboardState(r)) {
-            return done(DashboardState({parts->engine.get(), parts->vision_service.get(), &parts->registry}));
-          }
-          if (VisionHandler::Handles(r.target)) return parts->vision->Handle(std::move(r), std::move(done));
-          HttpResponse resp;
-          resp.status = 404;
-          resp.body =
-              "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
-          done(std::move(resp));
-        },
-        [parts](const HttpRequest& r) -> std::optional<HttpResponse> {
-          if (auto refused = parts->Draining(r)) return refused;
-          if (VisionHandler::Handles(r.target)) return parts->vision->CheckHead(r);
-          if (IsDashboardState(r)) return parts->Denied(r);  // it names models
-          return std::nullopt;
-        });
-    if (!vision_http) return Err(Status(vision_http.error().code(), "vision: " + vision_http.error().message()));
-    p->vision_http = std::move(*vision_http);
-  }
+  if (o.grpc.port >= 0) QUERN_RETURN_IF_ERROR(p->StartGrpc(explicit_control));
+  if (o.vision_port >= 0) QUERN_RETURN_IF_ERROR(p->StartVisionPort());
   o.metrics.host = o.http.host;
   auto metrics = HttpServer::Start(
       o.metrics, [parts](HttpRequest&& r, HttpDone done) { parts->Metrics(std::move(r), std::move(done)); },
@@ -449,42 +526,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   p->metrics = std::move(*metrics);
   // Last: a failure above must not leave jobs in the engine that complete
   // into a consumer already destroyed.
-  if (o.consume) {
-    StreamConsumerOptions co = o.consumer;
-    co.redis = p->redis_store->options().redis;
-    co.max_entry_bytes = o.http.max_body_bytes;
-    co.metrics = &p->registry;
-    co.local = p->local_inputs.get();
-    auto consumer = StreamConsumer::Start(co, p->engine.get(), p->redis_store);
-    if (consumer) {
-      p->consumer = std::move(*consumer);
-      p->consumer_taking.store(p->consumer.get(), std::memory_order_release);
-    } else if (consume_asked) {
-      return Err(InvalidArgument(consumer.error().message()));
-    } else {
-      // Implied by --redis-url: a repository with no model ready yet takes
-      // no jobs (its HTTP jobs wait in the streams for an instance that does).
-      Log(LogLevel::kWarning, "taking no jobs from the redis streams: " + consumer.error().message());
-    }
-  }
-
-  // The start-up lines go to stdout (scripts read the ports from them).
-  auto listening = [](const char* what, const std::string& host, int port) {
-    LogTo(stdout, LogLevel::kInfo, std::string(what) + " listening on " + host + ":" + std::to_string(port));
-  };
-  listening("HTTP", o.http.host, p->http->port());
-  if (p->grpc) listening("gRPC", o.http.host, p->grpc->port());
-  if (p->vision_http) listening("vision", o.http.host, p->vision_http->port());
-  listening("metrics", o.metrics.host, p->metrics->port());
-  if (p->consumer) {
-    LogTo(stdout, LogLevel::kInfo,
-          "taking jobs from redis at " + p->redis_store->options().redis.Address() + " as consumer " +
-              p->consumer->consumer_name());
-  }
-  LogTo(stdout, LogLevel::kInfo, "serving " + o.model_repository + " (Ctrl-C to stop)");
-  if (!NotifySystemd("READY=1\nSTATUS=serving")) {
-    Log(LogLevel::kWarning, "could not tell systemd (NOTIFY_SOCKET) that the server is ready");
-  }
+  if (o.consume) QUERN_RETURN_IF_ERROR(p->StartConsumer(consume_asked));
+  p->AnnounceServing();
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }
 
