@@ -250,9 +250,11 @@ const char* Version();
 
 class Engine {
  public:
-  // Opens the repository and loads its models. A model that fails to load is
-  // reported by ListModels with its error and does not fail Create; a missing
-  // repository does.
+  // Opens the repository and loads its models, with the backends this build
+  // has (ONNX Runtime, PyTorch, Python, the OCR stages; defined where they
+  // are, so a program that calls Create links them). A model that fails to
+  // load is reported by ListModels with its error and does not fail Create;
+  // a missing repository does.
   static Result<std::unique_ptr<Engine>> Create(EngineOptions options);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -348,6 +350,7 @@ class Engine {
   const Clock& clock() const;
 
  private:
+  friend class EngineFactory;  // makes engines with a given set of backends
   explicit Engine(std::unique_ptr<ModelRegistry> impl);
   std::unique_ptr<ModelRegistry> impl_;
 };

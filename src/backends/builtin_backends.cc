@@ -11,6 +11,7 @@
 #include "backends/stages/ocr_stages.h"
 #include "core/log.h"
 #include "engine/backend.h"
+#include "engine/engine_factory.h"
 #include "engine/instance_placement.h"
 
 namespace quern {
@@ -155,6 +156,12 @@ void RegisterBuiltinBackends(BackendRegistry& registry) {
   registry.Register("onnxruntime", std::make_shared<OrtBackend>());
   registry.Register("python", NewPythonBackend());
   registry.Register("pytorch", NewPytorchBackend());
+}
+
+// The engine with the built-in backends: the composition every program
+// that links this library gets.
+Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
+  return EngineFactory::Create(std::move(options), RegisterBuiltinBackends);
 }
 
 }  // namespace quern

@@ -2,6 +2,7 @@
 
 #include "core/cpus.h"
 #include "core/mutex.h"
+#include "engine/engine_factory.h"
 #include "engine/model_registry.h"
 #include "engine/request_validation.h"
 
@@ -52,8 +53,9 @@ void CompletionQueue::Push(InferResponse&& response) {
   cv_.notify_one();
 }
 
-Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
-  auto impl = std::make_unique<ModelRegistry>(std::move(options));
+Result<std::unique_ptr<Engine>> EngineFactory::Create(EngineOptions options,
+                                                      const std::function<void(BackendRegistry&)>& install) {
+  auto impl = std::make_unique<ModelRegistry>(std::move(options), install);
   QUERN_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

@@ -29,10 +29,11 @@ constexpr int kSettleMs = 200;
 constexpr int kFullLookS = 60;
 }  // namespace
 
-ModelRegistry::ModelRegistry(EngineOptions options) : options_(std::move(options)) {
+ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(BackendRegistry&)>& install)
+    : options_(std::move(options)) {
   clock_ = options_.clock ? options_.clock : &RealClockInstance();
   cores_ = options_.cores > 0 ? options_.cores : UsableCores();
-  RegisterBuiltinBackends(backends_);
+  if (install) install(backends_);
   std::random_device rd;
   next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
   if (next_id_ == 0) next_id_ = 1;

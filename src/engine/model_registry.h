@@ -45,7 +45,8 @@ class ModelRegistry {
     // The files the last load failed on: a poll tries again once they change.
     std::string failed_fingerprint;
   };
-  explicit ModelRegistry(EngineOptions options);
+  // With the backends `install` registers.
+  ModelRegistry(EngineOptions options, const std::function<void(BackendRegistry&)>& install);
   ~ModelRegistry();  // stops polling, then finishes every version's requests
 
   // Loads the repository's models (each failure is that model's state) and
