@@ -363,15 +363,36 @@ TEST_F(EncodedImageTest, ItsMemoryCountsTheImageDecoded) {
   EXPECT_EQ(s.stats().in_flight_bytes, 0);
 }
 
-TEST_F(EncodedImageTest, AnUnknownModelIsNotAnOverload) {
+TEST_F(EncodedImageTest, AnUnknownModelIsNotAnOverloadAndMeasuresNothing) {
   VisionService s(engine_.get(), Options());
-  EncodedImageRequest r = Image(image_);
-  r.model = "nobody";
+  const double ms_per_image = s.stats().ms_per_image;
+  for (int i = 0; i < 50; ++i) {
+    EncodedImageRequest r = Image(image_);
+    r.model = "nobody";
+    EncodedImageCallback done = [](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
+    Status st = s.SubmitEncoded(r, done);
+    ASSERT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+    EXPECT_TRUE(done);
+  }
+  const VisionStats st = s.stats();
+  EXPECT_EQ(st.rejected_overload, 0u);
+  EXPECT_EQ(st.requests, 0u) << "never admitted";
+  EXPECT_EQ(st.in_flight, 0);
+  EXPECT_EQ(st.in_flight_bytes, 0);
+  // (A refusal taken for an answered image would drive the time per image,
+  // and with it the capacity's bound, to nothing.)
+  EXPECT_EQ(st.ms_per_image, ms_per_image);
+}
+
+TEST_F(EncodedImageTest, AnImageOverThePixelLimitIsRefusedBeforeItsModel) {
+  VisionServiceOptions o = Options();
+  o.max_image_pixels = 100;  // 4x4 passes, 40x40 does not
+  VisionService s(engine_.get(), o);
   EncodedImageCallback done = [](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
-  Status st = s.SubmitEncoded(r, done);
-  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  Status st = s.SubmitEncoded(Image(SolidBmp(40, 40, 0, 0, 255)), done);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("40 x 40 pixels, over the limit of 100"), std::string::npos) << st.message();
   EXPECT_TRUE(done);
-  EXPECT_EQ(s.stats().rejected_overload, 0u);
   EXPECT_EQ(s.stats().in_flight, 0);
   EXPECT_EQ(s.stats().in_flight_bytes, 0);
 }

@@ -283,6 +283,19 @@ Status VisionService::Claim(const std::string& model, int64_t version, int64_t b
   return st;
 }
 
+void VisionService::Unclaim(int64_t bytes) {
+  in_flight_bytes_.Add(-bytes);
+  if (in_flight_.Add(-1) == 1) {
+    MutexLock lock(idle_mu_);
+    idle_cv_.SignalAll();
+  }
+}
+
+int64_t VisionService::TimeoutNs() const {
+  constexpr int64_t kMaxMs = int64_t{30} * 24 * 3600 * 1000;  // 30 days: nanoseconds stay far from overflow
+  return std::clamp<int64_t>(options_.request_timeout_ms, 0, kMaxMs) * 1'000'000;
+}
+
 void VisionService::Release(int64_t received_ns, int64_t charged_bytes) {
   const int64_t now = clock_->NowNs();
   // The time per image behind the derived capacity: the time this image
@@ -291,35 +304,36 @@ void VisionService::Release(int64_t received_ns, int64_t charged_bytes) {
   const int64_t last = last_completion_ns_.exchange(now);
   const double busy_ms = static_cast<double>(now - std::max(received_ns, last)) / 1e6;
   ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  in_flight_bytes_.Add(-charged_bytes);
-  if (in_flight_.Add(-1) == 1) {
-    MutexLock lock(idle_mu_);
-    idle_cv_.SignalAll();
-  }
+  Unclaim(charged_bytes);
 }
 
 Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done) {
   if (request.model.empty()) return InvalidArgument("an encoded image request needs a model");
   const std::optional<ImageHeader> header = ReadImageHeader(request.image);
-  const int64_t decoded =
-      header && header->width > 0 && header->height > 0 && header->width * header->height <= options_.max_image_pixels
-          ? header->decoded_bytes()
-          : 0;
+  // The pixel bound the decoder applies to every other image, applied here
+  // (the model decodes it): a small file may claim a huge image.
+  if (header && header->width > 0 && header->height > 0 && header->width * header->height > options_.max_image_pixels) {
+    return InvalidArgument("the image is " + std::to_string(header->width) + " x " + std::to_string(header->height) +
+                           " pixels, over the limit of " + std::to_string(options_.max_image_pixels) +
+                           " (--vision-max-image-pixels)");
+  }
+  const int64_t decoded = header && header->width > 0 && header->height > 0 ? header->decoded_bytes() : 0;
   const int64_t bytes = request.held_bytes + static_cast<int64_t>(request.image.size()) + 4 * decoded;
   if (Status st = Claim(request.model, -1, bytes); !st.ok()) return Refused(std::move(st));
-  requests_.Increment();
   VisionTimings timings;
   timings.received_ns = timings.stage_start_ns = clock_->NowNs();
   InferRequest ir;
   ir.model = request.model;
   ir.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(request.image)})});
   ir.cancel = std::move(request.cancel);
-  ir.deadline_ns = engine_->clock().NowNs() + options_.request_timeout_ms * 1'000'000;
+  ir.admitted = true;  // by Claim, within this service's own bounds
+  ir.deadline_ns = engine_->clock().NowNs() + TimeoutNs();
   request.owner.reset();  // the image is copied into the request
   auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
   InferCallback infer_done = [this, answered, timings, bytes](InferResponse&& r) mutable {
-    timings.infer_ns = r.telemetry.compute_ns();
-    timings.queue_ns = r.telemetry.queue_ns();
+    const auto& tm = r.telemetry;
+    timings.infer_ns = tm.compute_end_ns > tm.compute_start_ns ? tm.compute_ns() : 0;
+    timings.queue_ns = tm.compute_start_ns > tm.queue_start_ns ? tm.queue_ns() : 0;
     if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
       dropped_.Increment();
     }
@@ -328,11 +342,13 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   };
   if (Status st = engine_->InferAsync(std::move(ir), infer_done); !st.ok()) {
     // Refused by the engine after all (its queue filled meanwhile, no such
-    // model): given back, and the callback returned to the caller.
+    // model): given back without measuring a time per image, and the
+    // callback returned to the caller.
     done = std::move(*answered);
-    Release(timings.received_ns, bytes);
+    Unclaim(bytes);
     return st.code() == StatusCode::kUnavailable ? Refused(std::move(st)) : st;
   }
+  requests_.Increment();
   return Status::Ok();
 }
 
@@ -365,7 +381,7 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
     job->format = static_cast<int>(header->format);
   }
   job->timings.received_ns = clock_->NowNs();
-  job->deadline_ns = job->timings.received_ns + options_.request_timeout_ms * 1'000'000;
+  job->deadline_ns = job->timings.received_ns + TimeoutNs();
   requests_.Increment();
   Post([this, job] { Process(job); }, false);
   return Status::Ok();

@@ -219,6 +219,10 @@ class VisionService {
   // Gives back what an image admitted at `received_ns` claimed, once its
   // answer is handed on; measures the time per image.
   void Release(int64_t received_ns, int64_t charged_bytes);
+  // Gives back a claim without an answer (nothing measured).
+  void Unclaim(int64_t bytes);
+  // The request timeout in nanoseconds (bounded: no overflow).
+  int64_t TimeoutNs() const;
   void Post(std::function<void()> task, bool urgent);
   void StageLoop();
   void Process(const std::shared_ptr<Job>& job);

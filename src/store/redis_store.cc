@@ -256,13 +256,19 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
     }
     // A submission with a failed command (its XADD: the stream key holds
     // something else) was not accepted.
+    RedisPipeline undo;
     for (Batch& b : batches) {
       if (!b.submission) continue;
       for (const auto& [from, to] : b.commands) {
         for (size_t i = from; i < to && i < exec.elements.size(); ++i)
           b.failed = b.failed || exec.elements[i].is_error();
       }
+      if (b.failed) undo.Append(b.undo);
     }
+    // What such a submission did write (its queued record, its body) goes:
+    // a client told it was not accepted may submit again, and nothing would
+    // ever delete them. Best effort: a failure here leaves them as before.
+    if (!undo.empty()) (void)conn->Execute(undo);
   }
   return Status::Ok();
 }
@@ -412,8 +418,11 @@ void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const St
   std::vector<std::string_view> xadd{"XADD", submission.stream, "*"};
   for (const auto& [k, v] : submission.fields) xadd.insert(xadd.end(), {k, v});
   RedisPipeline extra;
+  // A large value is sent from where it is; a small one is copied (a piece
+  // of its own would cost a write, a TLS record, of its own).
+  constexpr size_t kViewFrom = 4096;
   if (!submission.value_key.empty()) {
-    if (submission.value_owner) {
+    if (submission.value_owner && submission.value.size() >= kViewFrom) {
       extra.AddViewing({"SET", submission.value_key}, submission.value, submission.value_owner);
     } else {
       extra.Add({"SET", submission.value_key, submission.value});
@@ -426,6 +435,8 @@ void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const St
   b.records = {std::move(queued)};
   b.extra = std::move(extra);
   b.submission = true;
+  b.undo.Add({"DEL", options_.key_prefix + b.records[0]->id});
+  if (!submission.value_key.empty()) b.undo.Add({"DEL", submission.value_key});
   b.on_written = [done = std::move(done), id, address = options_.redis.Address()](bool written) {
     done(written ? Status::Ok()
                  : Unavailable("the job could not be written to redis at " + address + "; it was not accepted"));

@@ -114,8 +114,10 @@ class RedisResultStore final : public ResultStore {
     // once (its client may submit again) rather than holding it for later.
     bool submission = false;
     // Set by Write: a command of this submission failed inside the
-    // transaction (the rest took effect): it was not accepted.
+    // transaction (the rest took effect): it was not accepted, and `undo`
+    // (its record's and value's DEL) is run.
     bool failed = false;
+    RedisPipeline undo;
     // Where its commands are among the transaction's (filled by Write).
     std::vector<std::pair<size_t, size_t>> commands;
   };

@@ -592,33 +592,71 @@ def test_http_jobs_run_from_memory_where_accepted_and_leave_no_body_behind(repo,
         q.stop()
 
 
+def test_a_submission_redis_half_refused_leaves_nothing_behind(repo, redis_server):
+    """The stream key holds something else: the XADD fails inside the transaction that also wrote the
+    job's queued record and its body. The job is refused (503), and what was written of it is deleted:
+    a client that submits again would leave another copy each time, and nothing deletes them."""
+    r = redis_server.client()
+    r.set("quern:jobs:add_sub", "not a stream")
+    q = Quern(repo, "--redis-url", redis_server.url(), "--no-consume")
+    try:
+        one = np.ones((1, 4), np.float32)
+        for _ in range(3):
+            status, _, data = q.request("POST", "/v2/models/add_sub/jobs", add_sub_body(one, one))
+            assert status == 503 and "not accepted" in json.loads(data)["error"], data
+        assert list(r.scan_iter("results:*")) == []
+        assert list(r.scan_iter("quern:jobs:add_sub:body:*")) == []
+        assert r.get("quern:jobs:add_sub") == b"not a stream"
+    finally:
+        q.stop()
+
+
 def test_entries_that_name_their_body_by_key(repo, redis_server):
     """A producer may put a body under {stream}:body:{id} and name it (body_key): run, then the key is
-    deleted. A body_key outside that prefix is refused (dead-lettered, the key it named left alone);
-    one naming a key that is not there fails saying so."""
+    deleted. A body_key that is not the job's own (outside the stream's keys, or another job's) is
+    refused and the key it named left alone; one naming a key that holds no string fails and is kept;
+    one naming a key that is not there fails saying so, unless the job has finished (its body went
+    with an earlier delivery's acknowledgement): then the entry is only acknowledged, its result kept."""
     r = redis_server.client()
     q = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "add_sub")
     try:
         a = np.arange(4, dtype=np.float32).reshape(1, 4)
         b = np.full((1, 4), 0.5, np.float32)
-        r.set("quern:jobs:add_sub:body:ext", json.dumps(add_sub_body(a, b)))
-        r.set("precious", json.dumps(add_sub_body(a, b)))
+        body = json.dumps(add_sub_body(a, b))
+        r.set("quern:jobs:add_sub:body:ext", body)
+        r.set("precious", body)
+        r.set("quern:jobs:add_sub:body:other", body)
+        r.xadd("quern:jobs:add_sub:body:stream", {"x": "1"})  # e.g. the stream of a model named "add_sub:body:stream"
+        done_before = json.dumps({"job_id": "again", "status": "done", "model_name": "add_sub", "model_version": 1,
+                                  "submitted_ms": 1, "started_ms": 2, "finished_ms": 3, "result": {"outputs": []}},
+                                 separators=(",", ":"))  # as Quern writes records
+        r.set("results:again", done_before)
         r.xadd("quern:jobs:add_sub", {"id": "ext", "body_key": "quern:jobs:add_sub:body:ext"})
         r.xadd("quern:jobs:add_sub", {"id": "foreign", "body_key": "precious"})
-        r.xadd("quern:jobs:add_sub", {"id": "missing", "body_key": "quern:jobs:add_sub:body:nothing"})
-        for job in ("ext", "foreign", "missing"):
+        r.xadd("quern:jobs:add_sub", {"id": "thief", "body_key": "quern:jobs:add_sub:body:other"})
+        r.xadd("quern:jobs:add_sub", {"id": "stream", "body_key": "quern:jobs:add_sub:body:stream"})
+        r.xadd("quern:jobs:add_sub", {"id": "missing", "body_key": "quern:jobs:add_sub:body:missing"})
+        r.xadd("quern:jobs:add_sub", {"id": "again", "body_key": "quern:jobs:add_sub:body:again"})
+        for job in ("ext", "foreign", "thief", "stream", "missing"):
             wait_until(lambda: stored(r, job), timeout=30, what=f"{job}'s result")
+        wait_until(lambda: r.xpending("quern:jobs:add_sub", "quern")["pending"] == 0 and
+                   r.xinfo_groups("quern:jobs:add_sub")[0]["lag"] == 0, what="every entry to be acknowledged")
         np.testing.assert_allclose(outputs_of(stored(r, "ext"), r)["OUTPUT0"], a + b)
         assert not r.exists("quern:jobs:add_sub:body:ext")
-        foreign = stored(r, "foreign")
-        assert foreign["status"] == "failed" and foreign["error"]["code"] == "INVALID_ARGUMENT", foreign
-        assert "body_key 'precious' is not a key under quern:jobs:add_sub:body:" in foreign["error"]["message"]
-        assert r.get("precious") is not None, "a key outside the stream's was deleted"
+        for job, key in (("foreign", "precious"), ("thief", "quern:jobs:add_sub:body:other")):
+            doc = stored(r, job)
+            assert doc["status"] == "failed" and doc["error"]["code"] == "INVALID_ARGUMENT", doc
+            assert f"body_key '{key}' is not this job's (quern:jobs:add_sub:body:{job})" in doc["error"]["message"]
+            assert r.get(key) == body.encode(), f"{key} was deleted or changed"
+        stream = stored(r, "stream")
+        assert stream["status"] == "failed" and "holds something other than a body" in stream["error"]["message"]
+        assert r.type("quern:jobs:add_sub:body:stream") == b"stream" and r.xlen("quern:jobs:add_sub:body:stream") == 1
         missing = stored(r, "missing")
         assert missing["status"] == "failed" and missing["error"]["code"] == "FAILED_PRECONDITION", missing
         assert "is not in redis" in missing["error"]["message"]
+        assert r.get("results:again") == done_before.encode(), "a finished job's result was overwritten"
         dead = {f[b"id"].decode() for _, f in r.xrange("quern:dead:add_sub")}
-        assert dead == {"foreign", "missing"}
+        assert dead == {"foreign", "thief", "stream", "missing"}
         assert q.proc.poll() is None
     finally:
         q.stop()

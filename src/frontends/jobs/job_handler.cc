@@ -298,7 +298,11 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   const std::string id = record->id;
   // Kept before it is written: this instance's consumer may read the entry
   // before the write's answer comes back.
-  const bool kept = local_ && local_->Put(id, std::move(*parsed), body->size());
+  // Its memory: the body, and the inputs (a JSON array decodes to several
+  // times its text; binary inputs view the body and are counted twice).
+  size_t held = body->size();
+  for (const auto& in : parsed->request.inputs) held += in.tensor.byte_size();
+  const bool kept = local_ && local_->Put(id, std::move(*parsed), held);
   submitting_->fetch_add(1, std::memory_order_acq_rel);
   store_->Enqueue(std::move(record), sub, [this, id, kept, done = std::move(done)](Status st) {
     if (!st.ok()) {

@@ -186,6 +186,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     bool cancelled = false;            // its job was cancelled, or has a result: acknowledged, not run
     bool unchecked = false;            // Redis did not answer what it needs (may it start, its body): left pending
     std::string body_key;              // its field body_key, when it has no body of its own
+    bool delete_body = false;          // body_key holds its body (a string): deleted with the entry
     Status problem;                    // set: not run, fails with this (a body_key not its stream's, a body gone)
     std::optional<KServeInfer> local;  // its job, parsed when it was accepted here
   };
@@ -416,9 +417,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     // A model at its share reads again soon after a job of its own ends.
     if (open.size() < models_.size()) block_ms = std::min<int64_t>(block_ms, 50);
+    // COUNT applies to each stream read: together they stay within the
+    // slots left.
     int count = 1;
     for (size_t m : open) count = std::max(count, models_[m].count);
-    count = std::min(count, slots);
+    count = std::min(count, std::max(1, slots / static_cast<int>(open.size())));
     std::vector<std::string_view> args{"XREADGROUP", "GROUP", options_.group, options_.consumer, "COUNT"};
     const std::string count_s = std::to_string(count), block_s = std::to_string(block_ms);
     args.insert(args.end(), {count_s, "BLOCK", block_s, "STREAMS"});
@@ -442,18 +445,21 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     error_backoff_ = std::chrono::milliseconds(0);
     if (!reply.is_array()) return;  // timed out, nothing new
-    auto group = std::make_shared<Group>();
+    // A group per model: entries finish (and their results are written)
+    // with the others of their model, never held back by another model's
+    // slow ones read in the same call.
     for (auto& stream : reply.elements) {
       if (!stream.is_array() || stream.elements.size() != 2) continue;
       const size_t model = ModelOf(stream.elements[0].str);
       if (model == models_.size()) continue;
+      auto group = std::make_shared<Group>();
       for (auto& e : stream.elements[1].elements) {
         Entry entry;
         entry.model = model;
         if (ParseStreamEntry(e, entry)) group->entries.push_back(std::move(entry));
       }
+      Dispatch(group);
     }
-    Dispatch(group);
   }
 
   void PauseFor(std::chrono::milliseconds d) {
@@ -497,7 +503,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     if (slots <= 0) return;
     const std::string idle = std::to_string(options_.claim_idle_ms);
-    const std::string count = std::to_string(slots);
+    const std::string count = std::to_string(std::max<size_t>(1, static_cast<size_t>(slots) / models_.size()));
     RedisPipeline p;
     for (const auto& m : models_) {
       p.Add({"XAUTOCLAIM", m.stream, options_.group, options_.consumer, idle, m.claim_cursor, "COUNT", count});
@@ -538,7 +544,16 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     reclaimed_.Increment(group->entries.size());
-    Dispatch(group);
+    // A group per model, as Read makes them.
+    std::vector<std::shared_ptr<Group>> per_model(models_.size());
+    for (auto& e : group->entries) {
+      auto& g = per_model[e.model];
+      if (!g) g = std::make_shared<Group>();
+      g->entries.push_back(std::move(e));
+    }
+    for (const auto& g : per_model) {
+      if (g) Dispatch(g);
+    }
   }
 
   void UpdateStreamStats() {
@@ -680,16 +695,26 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       if (!e.Field("body").empty()) continue;
       const std::string_view key = e.Field("body_key");
       if (key.empty()) continue;
+      // Only this job's own key: an entry cannot make a consumer read (and
+      // delete) another job's body, or any other key.
       const std::string& stream = models_[e.model].stream;
-      if (!key.starts_with(stream + ":body:")) {
+      const std::string_view id = e.Field("id");
+      const std::string expected = StreamBodyKey(stream, id.empty() ? e.entry_id : std::string(id));
+      if (key != expected) {
         e.problem = InvalidArgument("job stream entry " + e.entry_id + " of " + stream + ": body_key '" +
-                                    std::string(key.substr(0, 128)) + "' is not a key under " + stream + ":body:");
+                                    std::string(key.substr(0, 128)) + "' is not this job's (" + expected + ")");
         continue;
       }
       e.body_key = key;
       if (options_.local && e.Field("tracked") == "1") {
-        e.local = options_.local->Take(std::string(e.Field("id")));
-        if (e.local) local_.Increment();
+        e.local = options_.local->Take(std::string(id));
+        // Kept for this job of this model only (an id reused in another
+        // model's stream reads its own body).
+        if (e.local && e.local->request.model != models_[e.model].name) e.local.reset();
+        if (e.local) {
+          e.delete_body = true;  // written by this instance, a string
+          local_.Increment();
+        }
       }
     }
     Prepare(*group);
@@ -706,6 +731,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     enum class Ask { kStart, kBody };
     std::vector<std::pair<size_t, Ask>> asked;
     std::vector<int> wanted(group.entries.size(), 0), answered(group.entries.size(), 0);  // replies, by entry
+    std::vector<size_t> missing;  // entries whose body key is not there
     const int64_t now = engine_->clock().WallMs();
     for (size_t i = 0; i < group.entries.size(); ++i) {
       Entry& e = group.entries[i];
@@ -739,21 +765,52 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
         if (r.integer == 0) e.cancelled = true;
       } else if (r.is_nil()) {
-        e.problem = FailedPrecondition("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
-                                       ": its body (key " + e.body_key +
-                                       ") is not in redis (deleted, or evicted: job streams need "
-                                       "maxmemory-policy noeviction)");
+        missing.push_back(i);
       } else if (r.oversize >= 0) {
         e.oversize.emplace_back("body", r.oversize);
+        e.delete_body = true;
       } else if (r.type == RedisReply::Type::kString) {
         e.fields.emplace_back("body", std::move(r.str));
+        e.delete_body = true;
+      } else if (r.is_error() && r.str.starts_with("WRONGTYPE")) {
+        e.problem = FailedPrecondition("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
+                                       ": its body_key " + e.body_key + " holds something other than a body");
       } else {
-        continue;  // an error: unchecked
+        continue;  // an error (NOPERM, LOADING...): unchecked
       }
       ++answered[i];
     }
     for (size_t i = 0; i < group.entries.size(); ++i) {
       if (wanted[i] > 0 && answered[i] == wanted[i]) group.entries[i].unchecked = false;
+    }
+    if (!missing.empty()) Missing(group, missing);
+  }
+
+  // Entries whose body key is gone: a job that has finished (another
+  // consumer ran it and deleted its body with its acknowledgement, before
+  // this delivery) is acknowledged and left as it is; any other fails
+  // saying its body is gone.
+  void Missing(Group& group, const std::vector<size_t>& missing) {
+    RedisPipeline p;
+    for (size_t i : missing) p.Add({"GET", store_->options().key_prefix + NewRecord(group.entries[i])->id});
+    auto replies = conn_->Execute(p);
+    for (size_t k = 0; k < missing.size(); ++k) {
+      Entry& e = group.entries[missing[k]];
+      if (!replies) {
+        e.unchecked = true;  // left pending, taken again later
+        continue;
+      }
+      const RedisReply& r = (*replies)[k];
+      if (r.type == RedisReply::Type::kString && (r.str.find(R"("status":"done")") != std::string::npos ||
+                                                  r.str.find(R"("status":"failed")") != std::string::npos ||
+                                                  r.str.find(R"("status":"cancelled")") != std::string::npos)) {
+        e.cancelled = true;  // finished: acknowledged, not run
+        continue;
+      }
+      e.problem = FailedPrecondition("job stream entry " + e.entry_id + " of " + models_[e.model].stream +
+                                     ": its body (key " + e.body_key +
+                                     ") is not in redis (deleted, or evicted: job streams need "
+                                     "maxmemory-policy noeviction)");
     }
   }
 
@@ -893,7 +950,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         continue;
       }
       // Its body goes with it (a dead letter holds a copy).
-      if (!e.body_key.empty()) extra.Add({"DEL", e.body_key});
+      if (e.delete_body) extra.Add({"DEL", e.body_key});
       if (out.kind == Kind::kSkipped) {  // cancelled or finished: its record says so already
         extra.Add({"XACK", m.stream, options_.group, e.entry_id});
         cancelled_.Increment();

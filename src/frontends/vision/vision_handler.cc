@@ -548,6 +548,7 @@ void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view 
   };
   if (Status st = service_->SubmitEncoded(std::move(r), answer); !st.ok()) {
     EndPending();
+    if (st.code() == StatusCode::kUnavailable) return Respond(job, Refusal(*job, st));  // counted as a refusal
     Fail(job, st);
   }
 }
