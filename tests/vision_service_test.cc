@@ -264,6 +264,35 @@ TEST_F(VisionServiceTest, UndecodableImagesFailWithTheDecodersReason) {
   EXPECT_EQ(s.stats().failed, 1u);
 }
 
+TEST_F(VisionServiceTest, ModelsAreLookedUpAgainOnlyWhenTheEnginesModelsChange) {
+  VisionService s(engine_.get(), Options());
+  auto first = s.Model("colour");
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(s.Models(VisionTask::kClassification), std::vector<std::string>{"colour"});
+  const uint64_t before = engine_->ModelsGeneration();
+  auto again = s.Model("colour");
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(first->get(), again->get()) << "the same pipeline, nothing changed";
+  // Another model comes: the lists know it at once.
+  ModelConfig c;
+  c.name = "another";
+  c.max_batch_size = 1;
+  c.instance_count = 1;
+  c.inputs = {{.name = "image", .dtype = DataType::kFp32, .dims = {3, 4, 4}}};
+  c.outputs = {{.name = "scores", .dtype = DataType::kFp32, .dims = {3}}};
+  c.parameters = {{"quern.task", "classification"}};
+  ASSERT_TRUE(engine_->RegisterModel(c, [] { return std::make_unique<ChannelMeans>(); }).ok());
+  EXPECT_GT(engine_->ModelsGeneration(), before);
+  EXPECT_EQ(s.Models(VisionTask::kClassification), (std::vector<std::string>{"another", "colour"}));
+  auto after = s.Model("colour");
+  ASSERT_TRUE(after.has_value());
+  EXPECT_EQ(first->get(), after->get()) << "its version is the same: its pipeline is kept";
+  // Unloaded: no longer found.
+  ASSERT_TRUE(engine_->UnloadModel("another").ok());
+  EXPECT_FALSE(s.Model("another").has_value());
+  EXPECT_EQ(s.Models(VisionTask::kClassification), std::vector<std::string>{"colour"});
+}
+
 // Takes an encoded image whole (BYTES "image" [1]) and answers its length,
 // once `gate` opens: an OCR model's shape, holding its images as long as a
 // test wants.

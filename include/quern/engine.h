@@ -320,6 +320,11 @@ class Engine {
 
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version = -1) const;
+  // A number that changes whenever what ListModels and GetModel answer may
+  // have (a model loading, loaded, failed, reloaded, unloaded): what a
+  // caller derived from them while it reads the same number is current,
+  // without copying a configuration again. Thread-safe, lock-free.
+  uint64_t ModelsGeneration() const;
   // The class labels of an output of a ready model version (from the
   // output's label_filename, read when the version loaded); null when the
   // output has none or the model is not ready.

@@ -163,6 +163,9 @@ Status Engine::PollRepository() {
 std::vector<ModelStatus> Engine::ListModels() const {
   return impl_->ListModels();
 }
+uint64_t Engine::ModelsGeneration() const {
+  return impl_->Generation();
+}
 Result<ModelStatus> Engine::GetModel(const std::string& name, int64_t version) const {
   return impl_->GetModel(name, version);
 }

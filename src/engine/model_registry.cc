@@ -155,6 +155,7 @@ Status ModelRegistry::LoadModel(const std::string& name) {
     loading.status = {name, 0, ModelState::kLoading, "", {}};
     loading.status.config.name = name;
     models_[name].versions[0] = std::move(loading);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
   Entry entry;
   Status overall;
@@ -542,6 +543,7 @@ Status ModelRegistry::UnloadLocked(const std::string& name) {
     WriterLock lock(mu_);
     auto it = models_.find(name);
     if (it == models_.end()) return NotFound("unknown model '" + name + "'");
+    generation_.fetch_add(1, std::memory_order_acq_rel);
     old.swap(it->second.versions);
     models_.erase(it);
     HoldRetiringLocked(old);
@@ -713,6 +715,7 @@ void ModelRegistry::Replace(const std::string& name, Entry entry) {
     auto& e = models_[name];
     old.swap(e.versions);
     e = std::move(entry);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
     // Versions the new entry keeps serving (a reload that failed) go on.
     std::erase_if(old, [&](const auto& v) {
       auto kept = e.versions.find(v.first);

@@ -71,6 +71,7 @@ class ModelRegistry {
 
   std::vector<ModelStatus> ListModels() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version) const;
+  uint64_t Generation() const { return generation_.load(std::memory_order_acquire); }
   Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const;
   // Model::Abandon on every instance of every version (retiring ones too).
   void Abandon();
@@ -137,6 +138,8 @@ class ModelRegistry {
   std::atomic<uint64_t> next_id_{1};
   mutable SharedMutex mu_;
   std::map<std::string, Entry> models_ QUERN_GUARDED_BY(mu_);
+  // Counts the changes to models_ (each made with mu_ held for writing).
+  std::atomic<uint64_t> generation_{0};
   // Versions out of service whose requests are finishing.
   std::vector<std::shared_ptr<Servable>> retiring_ QUERN_GUARDED_BY(mu_);
   Mutex load_mu_;  // serialises loads, reloads and unloads

@@ -199,6 +199,14 @@ void VisionService::StageLoop() {
 }
 
 Result<std::shared_ptr<const VisionModel>> VisionService::Model(const std::string& name) {
+  // Read before the engine is asked: a change after it makes the next call
+  // ask again.
+  const uint64_t generation = engine_->ModelsGeneration();
+  {
+    MutexLock lock(models_mu_);
+    auto it = models_.find(name);
+    if (it != models_.end() && it->second.generation == generation) return it->second.model;
+  }
   QUERN_ASSIGN_OR_RETURN(ModelStatus status, engine_->GetModel(name));
   if (status.state != ModelState::kReady) {
     return std::unexpected(Unavailable("model '" + name + "' is not ready (" +
@@ -213,16 +221,25 @@ Result<std::shared_ptr<const VisionModel>> VisionService::Model(const std::strin
   {
     MutexLock lock(models_mu_);
     auto it = models_.find(name);
-    if (it != models_.end() && it->second->version == status.version) return it->second;
+    if (it != models_.end() && it->second.model->version == status.version) {
+      it->second.generation = generation;
+      return it->second.model;
+    }
   }
   QUERN_ASSIGN_OR_RETURN(VisionModel m, VisionModelFromStatus(status, options_.model_repository / name));
   auto shared = std::make_shared<const VisionModel>(std::move(m));
   MutexLock lock(models_mu_);
-  models_[name] = shared;
+  models_[name] = {generation, shared};
   return shared;
 }
 
 std::vector<std::string> VisionService::Models(VisionTask task) {
+  const uint64_t generation = engine_->ModelsGeneration();
+  {
+    MutexLock lock(models_mu_);
+    auto it = model_lists_.find(static_cast<int>(task));
+    if (it != model_lists_.end() && it->second.first == generation) return it->second.second;
+  }
   std::vector<std::string> out;
   for (const auto& m : engine_->ListModels()) {  // sorted by name
     if (m.state != ModelState::kReady || !IsVisionModel(m.config)) continue;
@@ -230,6 +247,8 @@ std::vector<std::string> VisionService::Models(VisionTask task) {
     auto vm = Model(m.name);
     if (vm && (*vm)->task == task) out.push_back(m.name);
   }
+  MutexLock lock(models_mu_);
+  model_lists_[static_cast<int>(task)] = {generation, out};
   return out;
 }
 

@@ -165,7 +165,8 @@ class VisionService {
   VisionService(const VisionService&) = delete;
   VisionService& operator=(const VisionService&) = delete;
 
-  // A ready vision model's pipeline (cached per version). NOT_FOUND,
+  // A ready vision model's pipeline (cached per version, and looked up
+  // without asking the engine while its models are unchanged). NOT_FOUND,
   // UNAVAILABLE (not ready) or INVALID_ARGUMENT (no image pipeline, or one
   // that does not read).
   Result<std::shared_ptr<const VisionModel>> Model(const std::string& name);
@@ -266,8 +267,16 @@ class VisionService {
   Counter& resize_cpu_ns_;
   Counter& post_cpu_ns_;
 
+  // Each model's pipeline, and the models of each task, as the engine's
+  // models were at `generation` (Engine::ModelsGeneration): a request finds
+  // its model without copying a configuration while nothing changed.
+  struct CachedModel {
+    uint64_t generation = 0;
+    std::shared_ptr<const VisionModel> model;
+  };
   Mutex models_mu_;
-  std::map<std::string, std::shared_ptr<const VisionModel>> models_ QUERN_GUARDED_BY(models_mu_);
+  std::map<std::string, CachedModel> models_ QUERN_GUARDED_BY(models_mu_);
+  std::map<int, std::pair<uint64_t, std::vector<std::string>>> model_lists_ QUERN_GUARDED_BY(models_mu_);
   // Per model, made at its first answered image; never removed (the
   // registry keeps every series), so references stay valid.
   Mutex histograms_mu_;
