@@ -304,7 +304,10 @@ TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
       [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
         gate.wait();  // the whole queue is in place before the first batch runs
         const auto n = static_cast<int64_t>(batch.size());
-        clock.AdvanceUs(per_item_us.at(n) * n);
+        // (The first batch was formed before the gate, of whatever was
+        // queued then: any size up to 8, priced as the next size up.)
+        const auto cost = per_item_us.lower_bound(n);
+        clock.AdvanceUs((cost == per_item_us.end() ? per_item_us.rbegin()->second : cost->second) * n);
         std::lock_guard lock(rec.mu);
         rec.batches.push_back(std::vector<int>(batch.size()));
         rec.items += static_cast<int>(n);
