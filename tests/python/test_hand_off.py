@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from quern_testing import start_quern, voluntary_switches
+from quern_testing import sanitized, start_quern, voluntary_switches
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -94,7 +94,10 @@ def test_a_lone_http_client_is_answered_on_the_io_thread(server, model):
         infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32), model)
     woken = engine_wakeups(proc.pid) - before
     conn.close()
-    assert woken < REQUESTS / 10, f"engine threads woken {woken} times for {REQUESTS} requests of one client"
+    # Under AddressSanitizer a batch runs several times slower, and now and then past the time below
+    # which the I/O thread runs it (a worker then takes it): most are still run here.
+    bound = REQUESTS / 4 if sanitized(QUERN) else REQUESTS / 10
+    assert woken < bound, f"engine threads woken {woken} times for {REQUESTS} requests of one client"
 
 
 @pytest.mark.parametrize("model,width", [("echo", 8), ("tile4", 20000)], ids=["python-model", "large-input"])
