@@ -78,14 +78,19 @@ class VisionServiceTest : public ::testing::Test {
     auto e = Engine::Create({});
     ASSERT_TRUE(e.has_value());
     engine_ = std::move(*e);
+    ASSERT_TRUE(RegisterChannelMeans("colour").ok());
+  }
+
+  // A classification model `name` on 4x4 images: ChannelMeans.
+  Status RegisterChannelMeans(const std::string& name) {
     ModelConfig c;
-    c.name = "colour";
+    c.name = name;
     c.max_batch_size = 1;
     c.instance_count = 1;
     c.inputs = {{.name = "image", .dtype = DataType::kFp32, .dims = {3, 4, 4}}};
     c.outputs = {{.name = "scores", .dtype = DataType::kFp32, .dims = {3}}};
     c.parameters = {{"quern.task", "classification"}};
-    ASSERT_TRUE(engine_->RegisterModel(c, [] { return std::make_unique<ChannelMeans>(); }).ok());
+    return engine_->RegisterModel(c, [] { return std::make_unique<ChannelMeans>(); });
   }
 
   VisionServiceOptions Options() {
@@ -274,14 +279,7 @@ TEST_F(VisionServiceTest, ModelsAreLookedUpAgainOnlyWhenTheEnginesModelsChange) 
   ASSERT_TRUE(again.has_value());
   EXPECT_EQ(first->get(), again->get()) << "the same pipeline, nothing changed";
   // Another model comes: the lists know it at once.
-  ModelConfig c;
-  c.name = "another";
-  c.max_batch_size = 1;
-  c.instance_count = 1;
-  c.inputs = {{.name = "image", .dtype = DataType::kFp32, .dims = {3, 4, 4}}};
-  c.outputs = {{.name = "scores", .dtype = DataType::kFp32, .dims = {3}}};
-  c.parameters = {{"quern.task", "classification"}};
-  ASSERT_TRUE(engine_->RegisterModel(c, [] { return std::make_unique<ChannelMeans>(); }).ok());
+  ASSERT_TRUE(RegisterChannelMeans("another").ok());
   EXPECT_GT(engine_->ModelsGeneration(), before);
   EXPECT_EQ(s.Models(VisionTask::kClassification), (std::vector<std::string>{"another", "colour"}));
   auto after = s.Model("colour");
