@@ -12,7 +12,6 @@ LIZARD="$ROOT/build/venv/bin/lizard"
 MAX=150
 LONG=(
   "src/server/serve_flags.cc quern::AddServeFlags"
-  "src/frontends/vision/vision_handler.cc quern::VisionHandler::Handle"
   "src/engine/ensemble_model.cc quern::EnsembleModel::Plan"
   "src/pipeline/postprocess.cc quern::DecodeDetections"
   "src/cli/perf.cc quern::cli::Perf"

@@ -34,26 +34,39 @@ Status RegisterEcho(Engine& engine) {
   return engine.RegisterModel(c, [] { return std::make_unique<Echo>(); });
 }
 
-HttpResponse Call(JobHandler& h, std::string method, std::string target, std::string body = "") {
+HttpResponse Call(JobHandler& h, std::string method, std::string target, std::string body = "",
+                  std::vector<std::pair<std::string, std::string>> headers = {}) {
+  Router router;
+  EXPECT_TRUE(h.AddRoutes(router).ok());
   std::promise<HttpResponse> p;
-  h.Handle({std::move(method), std::move(target), {}, std::move(body)},
-           [&](HttpResponse r) { p.set_value(std::move(r)); });
+  router.Dispatch({std::move(method), std::move(target), std::move(headers), std::move(body)},
+                  [&](HttpResponse r) { p.set_value(std::move(r)); });
   return p.get_future().get();
 }
 
 TEST(JobHandler, RecognisesItsRoutesWithOrWithoutPercentEscapes) {
-  EXPECT_TRUE(JobHandler::Handles("/v2/jobs"));
-  EXPECT_TRUE(JobHandler::Handles("/v2/jobs/abc?wait=1"));
-  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/jobs"));
-  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/versions/2/jobs"));
+  auto engine = Engine::Create({});
+  ASSERT_TRUE(engine.has_value());
+  MemoryResultStore store;
+  JobHandler jobs(engine->get(), &store);
+  Router router;
+  ASSERT_TRUE(jobs.AddRoutes(router).ok());
+  const std::string get = "/v2/jobs/{id}", submit = "/v2/models/{model}[/versions/{version}]/jobs";
+  EXPECT_EQ(router.PatternOf("GET", "/v2/jobs/abc?wait=1"), get);
+  EXPECT_EQ(router.PatternOf("DELETE", "/v2/jobs/abc"), get);
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m/jobs"), submit);
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m/versions/2/jobs"), submit);
   // Segments are compared decoded: these are the same routes.
-  EXPECT_TRUE(JobHandler::Handles("/v2/%6Aobs/abc"));
-  EXPECT_TRUE(JobHandler::Handles("/v2/models/m/jo%62s"));
-  EXPECT_FALSE(JobHandler::Handles("/v2/models/m/infer"));
-  EXPECT_FALSE(JobHandler::Handles("/v2/models/jobs/infer")) << "a model named jobs";
-  EXPECT_FALSE(JobHandler::Handles("/v2/models/m/infer?next=jobs"));
-  EXPECT_FALSE(JobHandler::Handles("/v2/models/m%2Fjobs/infer"));
-  EXPECT_FALSE(JobHandler::Handles("/v1/vision/detection"));
+  EXPECT_EQ(router.PatternOf("GET", "/v2/%6Aobs/abc"), get);
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m/jo%62s"), submit);
+  EXPECT_EQ(router.ModelOf("/v2/models/m/jo%62s"), "m");
+  EXPECT_EQ(router.PatternOf("GET", "/v2/jobs"), "") << "no job named";
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m/infer"), "");
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/jobs/infer"), "") << "a model named jobs";
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m/infer?next=jobs"), "");
+  EXPECT_EQ(router.PatternOf("POST", "/v2/models/m%2Fjobs/infer"), "");
+  EXPECT_EQ(router.PatternOf("POST", "/v1/vision/detection"), "");
+  EXPECT_EQ(router.PatternOf("GET", "/v2/models/m/jobs"), "") << "jobs are submitted with POST";
 }
 
 TEST(JobHandler, TimestampsAndExpiryFollowTheInjectedClock) {
@@ -102,10 +115,7 @@ TEST(JobHandler, WithKeysAJobIsOnlyItsSubmittersToReadAndCancel) {
   JobHandler jobs(engine->get(), &store);
   jobs.set_owner_of([](const HttpRequest& r) { return JobOwner(r.Header("x-api-key")); });
   auto call = [&](std::string method, std::string target, std::string key, std::string body = "") {
-    std::promise<HttpResponse> p;
-    HttpRequest r{std::move(method), std::move(target), {{"x-api-key", std::move(key)}}, std::move(body)};
-    jobs.Handle(std::move(r), [&](HttpResponse resp) { p.set_value(std::move(resp)); });
-    return p.get_future().get();
+    return Call(jobs, std::move(method), std::move(target), std::move(body), {{"x-api-key", std::move(key)}});
   };
   HttpResponse submitted = call("POST", "/v2/models/echo/jobs", "key-a",
                                 R"({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [2.5]}]})");

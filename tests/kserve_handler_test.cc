@@ -26,9 +26,11 @@ class KServeHandlerTest : public ::testing::Test {
 
   HttpResponse Call(std::string method, std::string target, std::string body = "") {
     KServeHandler h(engine_);
+    Router router;
+    EXPECT_TRUE(h.AddRoutes(router).ok());
     std::promise<HttpResponse> p;
-    h.Handle({std::move(method), std::move(target), {}, std::move(body)},
-             [&](HttpResponse r) { p.set_value(std::move(r)); });
+    router.Dispatch({std::move(method), std::move(target), {}, std::move(body)},
+                    [&](HttpResponse r) { p.set_value(std::move(r)); });
     return p.get_future().get();
   }
 
@@ -130,8 +132,10 @@ namespace {
 
 HttpResponse CallWithHeaders(Engine* engine, HttpRequest req) {
   KServeHandler h(engine);
+  Router router;
+  EXPECT_TRUE(h.AddRoutes(router).ok());
   std::promise<HttpResponse> p;
-  h.Handle(std::move(req), [&](HttpResponse r) { p.set_value(std::move(r)); });
+  router.Dispatch(std::move(req), [&](HttpResponse r) { p.set_value(std::move(r)); });
   return p.get_future().get();
 }
 

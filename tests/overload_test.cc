@@ -81,6 +81,8 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   std::atomic<int> calls{0};
   ASSERT_TRUE(e.RegisterModel(c, [&] { return std::unique_ptr<Model>(new Gated(gate, &calls)); }).ok());
   KServeHandler handler(&e);
+  Router router;
+  ASSERT_TRUE(handler.AddRoutes(router).ok());
   HttpRequest head;
   head.method = "POST";
   head.target = "/v2/models/gated/infer";
@@ -89,7 +91,7 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   EXPECT_TRUE(e.CheckAdmission("unknown").ok()) << "Infer reports unknown models";
   ASSERT_TRUE(e.Infer(Request()).get().status.ok());  // measures ~5 ms per item
   EXPECT_TRUE(e.CheckAdmission("gated").ok()) << "the instance is free";
-  EXPECT_FALSE(handler.CheckHead(head).has_value());
+  EXPECT_FALSE(router.Head(head).has_value());
 
   auto running = e.Infer(Request());  // holds the only instance at the gate
   ASSERT_TRUE(WaitFor([&] { return calls.load() == 2; }));
@@ -102,21 +104,21 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
   EXPECT_NE(refused.message().find("model 'gated'"), std::string::npos) << refused.message();
   EXPECT_NE(refused.message().find("queue is full"), std::string::npos) << refused.message();
-  auto answer = handler.CheckHead(head);
+  auto answer = router.Head(head);
   ASSERT_TRUE(answer.has_value());
   EXPECT_EQ(answer->status, 503);
   EXPECT_NE(answer->body.find("queue is full"), std::string::npos) << answer->body;
   head.target = "/v2/models/gated/versions/" + std::to_string(e.GetModel("gated")->version) + "/infer?x=1";
-  EXPECT_TRUE(handler.CheckHead(head).has_value()) << head.target;
+  EXPECT_TRUE(router.Head(head).has_value()) << head.target;
   // Only inference requests are refused from their head.
   for (const char* target : {"/v2/models/gated", "/v2/models/gated/ready", "/v2/models/gated/infer/x",
                              "/v2/models/unknown/infer", "/v2/models/gated/versions/x/infer", "/v2/health/ready"}) {
     head.target = target;
-    EXPECT_FALSE(handler.CheckHead(head).has_value()) << target;
+    EXPECT_FALSE(router.Head(head).has_value()) << target;
   }
   head.target = "/v2/models/gated/infer";
   head.method = "GET";
-  EXPECT_FALSE(handler.CheckHead(head).has_value());
+  EXPECT_FALSE(router.Head(head).has_value());
 
   // A request its caller admitted already (asked CheckAdmission when it took
   // it, and bounds what it holds) is not refused by the same bound again.

@@ -12,19 +12,10 @@
 namespace quern {
 namespace {
 
-std::string_view PathOf(const HttpRequest& r) {
-  std::string_view t = r.target;
-  return t.substr(0, t.find('?'));
-}
-
-const dashboard_assets::Asset* FindAsset(const HttpRequest& r) {
-  if (r.method != "GET") return nullptr;
-  std::string_view path = PathOf(r);
-  if (path == "/") path = "/dashboard/index.html";
-  if (!path.starts_with("/dashboard/")) return nullptr;
-  path.remove_prefix(11);
+// The asset `name` ("index.html"), or null.
+const dashboard_assets::Asset* FindAsset(std::string_view name) {
   for (const auto& a : dashboard_assets::kAssets) {
-    if (a.name == path) return &a;
+    if (a.name == name) return &a;
   }
   return nullptr;
 }
@@ -45,15 +36,10 @@ const char* TaskName(VisionTask t) {
   return "";
 }
 
-}  // namespace
-
-bool IsDashboardFile(const HttpRequest& r) {
-  return FindAsset(r) != nullptr;
-}
-
-std::optional<HttpResponse> DashboardFile(const HttpRequest& r) {
-  const dashboard_assets::Asset* a = FindAsset(r);
-  if (!a) return std::nullopt;
+// The file `name`, or 404.
+HttpResponse DashboardFile(std::string_view name) {
+  const dashboard_assets::Asset* a = FindAsset(name);
+  if (!a) return ErrorResponse(NotFound("no dashboard file '" + std::string(name.substr(0, 64)) + "'"));
   HttpResponse resp;
   resp.content_type = ContentType(a->name);
   resp.body.assign(reinterpret_cast<const char*>(a->data), a->size);
@@ -71,9 +57,7 @@ std::optional<HttpResponse> DashboardFile(const HttpRequest& r) {
   return resp;
 }
 
-bool IsDashboardState(const HttpRequest& r) {
-  return r.method == "GET" && PathOf(r) == "/dashboard/state";
-}
+}  // namespace
 
 HttpResponse DashboardState(const DashboardSources& s) {
   // First, so that a model listed below has its series in the text (a
@@ -136,6 +120,24 @@ HttpResponse DashboardState(const DashboardSources& s) {
   resp.body.assign(sb.GetString(), sb.GetSize());
   resp.headers.emplace_back("Cache-Control", "no-store");
   return resp;
+}
+
+Status AddDashboardRoutes(Router& router, const DashboardSources& sources) {
+  const Route routes[] = {
+      {"GET", "/", KeyPolicy::kNone, false, nullptr,
+       [](HttpRequest&&, const RouteMatch&, HttpDone done) { done(DashboardFile("index.html")); }},
+      // Only at its own path: "/dashboard/app.js/" or "/dashboard//app.js" is no file.
+      {"GET", "/dashboard/{file}", KeyPolicy::kNone, false, nullptr,
+       [](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         const std::string_view path = std::string_view(r.target).substr(0, r.target.find('?'));
+         done(DashboardFile(path == "/dashboard/" + m.param("file") ? m.param("file") : std::string_view()));
+       }},
+      // It names models.
+      {"GET", "/dashboard/state", KeyPolicy::kUser, false, nullptr,
+       [&sources](HttpRequest&&, const RouteMatch&, HttpDone done) { done(DashboardState(sources)); }},
+  };
+  for (const Route& r : routes) QUERN_RETURN_IF_ERROR(router.Add(r));
+  return Status::Ok();
 }
 
 }  // namespace quern

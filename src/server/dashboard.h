@@ -14,19 +14,12 @@
 #include <optional>
 
 #include "frontends/http/http_types.h"
+#include "frontends/http/router.h"
 #include "metrics/registry.h"
 #include "pipeline/vision_service.h"
 #include "quern/engine.h"
 
 namespace quern {
-
-// GET /, /dashboard/app.js or /dashboard/app.css.
-bool IsDashboardFile(const HttpRequest& r);
-// The file IsDashboardFile names; nullopt for any other request.
-std::optional<HttpResponse> DashboardFile(const HttpRequest& r);
-
-// GET /dashboard/state.
-bool IsDashboardState(const HttpRequest& r);
 
 struct DashboardSources {
   const Engine* engine = nullptr;
@@ -39,5 +32,10 @@ struct DashboardSources {
 // the metrics registry rendered as Prometheus text, the same text GET
 // /metrics serves, so that the page's numbers are those of /metrics.
 HttpResponse DashboardState(const DashboardSources& sources);
+
+// Declares GET / (the page) and GET /dashboard/{file} (its files), open to
+// anyone, and GET /dashboard/state (a user key) on `router`; `sources` must
+// outlive it.
+Status AddDashboardRoutes(Router& router, const DashboardSources& sources);
 
 }  // namespace quern

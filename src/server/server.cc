@@ -20,6 +20,7 @@
 #include "metrics/registry.h"
 #include "pipeline/vision_model.h"
 #include "server/dashboard.h"
+#include "server/routes.h"
 #include "server/systemd_notify.h"
 #include "store/redis_face_store.h"
 
@@ -39,11 +40,6 @@ void RaiseOpenFileLimit(int wanted) {
   if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= static_cast<rlim_t>(wanted)) return;
   lim.rlim_cur = std::min(lim.rlim_max, static_cast<rlim_t>(wanted));
   setrlimit(RLIMIT_NOFILE, &lim);
-}
-
-bool IsHealthRoute(const std::string& target) {
-  const auto parts = SplitTargetPath(target);
-  return parts.size() == 3 && parts[0] == "v2" && parts[1] == "health";
 }
 
 // "vision detection, 416x416 BGR stretch; 80 labels: person, bicycle, ..."
@@ -129,9 +125,10 @@ class AccessLog {
   ~AccessLog() {
     if (owned_) std::fclose(file_);
   }
-  void Write(const HttpAccess& a) {
+  // `model`: the model the request's route names ("" for none).
+  void Write(const HttpAccess& a, const std::string& model) {
     Write(a.client, a.method, a.target, std::to_string(a.status), std::to_string(a.request_bytes),
-          std::to_string(a.response_bytes), a.duration_ns, ModelOf(a.target), a.request_id);
+          std::to_string(a.response_bytes), a.duration_ns, model, a.request_id);
   }
   // A gRPC call: method "GRPC", the path its method's name, the status the
   // code's name; message sizes are not counted ("-").
@@ -168,17 +165,6 @@ class AccessLog {
   }
 
   AccessLog(std::FILE* file, bool owned) : file_(file), owned_(owned) {}
-  // The model a KServe, /predict or vision path names ("" for others).
-  static std::string ModelOf(std::string_view target) {
-    target = target.substr(0, target.find('?'));
-    for (std::string_view prefix : {"/v2/models/", "/predict/", "/v1/vision/custom/"}) {
-      if (target.starts_with(prefix)) {
-        target.remove_prefix(prefix.size());
-        return std::string(target.substr(0, target.find('/')));
-      }
-    }
-    return {};
-  }
   std::FILE* file_;
   const bool owned_;
   Mutex mu_;
@@ -206,6 +192,10 @@ struct Server::Parts {
   std::unique_ptr<LocalJobInputs> local_inputs;
   std::unique_ptr<JobHandler> jobs;
   std::shared_ptr<AccessLog> access_log;  // null: none
+  DashboardSources dashboard;
+  // Each port's routes: HTTP (KServe, jobs, vision, the dashboard), the
+  // vision port (vision, the dashboard), metrics.
+  std::unique_ptr<Router> router, vision_router, metrics_router;
   std::unique_ptr<HttpServer> http;
   std::unique_ptr<GrpcServer> grpc;
   std::unique_ptr<HttpServer> vision_http;
@@ -224,69 +214,20 @@ struct Server::Parts {
   Status StartConsumer(bool consume_asked);  // the job streams
   void AnnounceServing() const;              // the start-up lines, and systemd
 
-  // The key a request presents, checked with its head before any body byte
-  // is read (the vision routes check theirs in VisionHandler::CheckHead:
-  // CodeProject.AI clients may send it as a form field and expect errors as
-  // 200 with success false).
-  std::optional<HttpResponse> Denied(const HttpRequest& r) const {
-    if (!keys->enabled()) return std::nullopt;
-    // Decoded path segments: "/v2/repository/models/m/lo%61d" is a load.
-    const auto parts = SplitTargetPath(r.target);
-    const bool admin = parts.size() == 5 && parts[0] == "v2" && parts[1] == "repository" && parts[2] == "models" &&
-                       (parts[4] == "load" || parts[4] == "unload");
-    Status st = keys->Authorize(PresentedKey(r.Header("authorization"), r.Header("x-api-key")), admin, NowNs());
-    if (st.ok()) return std::nullopt;
-    HttpResponse resp = ErrorResponse(st);
-    resp.status = AuthHttpStatus(st);
-    if (resp.status == 401) resp.headers.emplace_back("WWW-Authenticate", "Bearer");
-    return resp;
-  }
-
-  std::optional<HttpResponse> Draining(const HttpRequest& r) const {
-    if (!draining.load(std::memory_order_acquire) || IsHealthRoute(r.target)) return std::nullopt;
-    return ErrorResponse(Unavailable("the server is shutting down"));
-  }
-
-  // Decided from a request's line and headers, before its body is read:
-  // draining, keys, and inference requests whose model's queue is full.
-  std::optional<HttpResponse> Head(const HttpRequest& r) const {
-    if (auto refused = Draining(r)) return refused;
-    if (IsDashboardFile(r)) return std::nullopt;
-    if (VisionHandler::Handles(r.target)) return vision->CheckHead(r);
-    if (auto denied = Denied(r)) return denied;
-    return kserve->CheckHead(r);
-  }
-
-  void Route(HttpRequest&& r, HttpDone done) {
-    // Draining may have begun while the body arrived.
-    if (auto refused = Draining(r)) return done(std::move(*refused));
-    if (auto file = DashboardFile(r)) return done(std::move(*file));
-    if (IsDashboardState(r)) return done(DashboardState({engine.get(), vision_service.get(), &registry}));
-    if (VisionHandler::Handles(r.target)) return vision->Handle(std::move(r), std::move(done));
-    if (JobHandler::Handles(r.target)) return jobs->Handle(std::move(r), std::move(done));
-    kserve->Handle(std::move(r), std::move(done));
-  }
-
-  // The metrics port's key, with the head (--metrics-need-key).
-  std::optional<HttpResponse> MetricsHead(const HttpRequest& r) const {
-    return options.metrics_need_key ? Denied(r) : std::nullopt;
-  }
-
-  void Metrics(HttpRequest&& r, HttpDone done) const {
-    HttpResponse resp;
-    if (r.method != "GET" || r.target.rfind("/metrics", 0) != 0) {
-      resp.status = 404;
-      resp.body = "{\"error\":\"metrics are served at GET /metrics\"}";
-      return done(std::move(resp));
+  // The routers' options: keys (when any is configured) and draining.
+  RouterOptions Routing(bool drains) {
+    RouterOptions r;
+    if (keys->enabled()) {
+      r.authorize = [this](std::string_view key, bool admin) { return keys->Authorize(key, admin, NowNs()); };
     }
-    resp.content_type = "text/plain; version=0.0.4";
-    resp.body = registry.Render();
-    done(std::move(resp));
+    if (drains) r.draining = &draining;
+    return r;
   }
+  Status MakeRouters();
 };
 
-// Redis, when there is one (results, job streams, registered faces): the
-// URL's settings, with passwords from the environment when the URL has none.
+// Redis, when there is one (results, job streams// Redis, when there is one (results, job streams, registered faces):
+// the URL's settings, with passwords from the environment when the URL has none.
 Result<RedisOptions> RedisSettings(const ServerOptions& o) {
   RedisOptions redis = o.redis;
   if (o.redis_url.empty()) return redis;
@@ -303,16 +244,12 @@ Result<RedisOptions> RedisSettings(const ServerOptions& o) {
 
 Status Server::Parts::OpenVision(const RedisOptions& redis) {
   ServerOptions& o = options;
-  Parts* parts = this;
   o.vision_service.model_repository = o.model_repository;
   o.vision_service.max_in_flight_bytes = o.vision_max_memory_mb << 20;
   o.vision_service.max_queue_wait_ms = o.max_queue_wait_ms;
   o.vision_service.clock = &engine->clock();
   o.vision_service.metrics = &registry;
   vision_service = std::make_unique<VisionService>(engine.get(), o.vision_service);
-  if (keys->enabled()) {
-    o.vision.authorize = [parts](std::string_view key) { return parts->keys->Authorize(key, false, parts->NowNs()); };
-  }
   // Registered faces: in Redis when there is one (shared by the instances
   // that use it), else in the data directory, else in memory.
   std::unique_ptr<FaceGalleryStore> faces_store;
@@ -401,31 +338,32 @@ Status Server::Parts::StartGrpc(bool explicit_control) {
   return Status::Ok();
 }
 
+Status Server::Parts::MakeRouters() {
+  dashboard = {engine.get(), vision_service.get(), &registry};
+  const HttpFrontEnds front_ends{kserve.get(), jobs.get(), vision.get(), &dashboard};
+  router = std::make_unique<Router>(Routing(/*drains=*/true));
+  QUERN_RETURN_IF_ERROR(AddHttpPortRoutes(*router, front_ends));
+  vision_router = std::make_unique<Router>(Routing(/*drains=*/true));
+  QUERN_RETURN_IF_ERROR(AddVisionPortRoutes(*vision_router, front_ends));
+  metrics_router = std::make_unique<Router>(Routing(/*drains=*/false));  // served while draining
+  return AddMetricsPortRoutes(*metrics_router, &registry, options.metrics_need_key);
+}
+
+namespace {
+
+// An HttpServer for `router`.
+Result<std::unique_ptr<HttpServer>> StartHttp(const HttpServerOptions& options, const Router* router) {
+  return HttpServer::Start(
+      options, [router](HttpRequest&& r, HttpDone done) { router->Dispatch(std::move(r), std::move(done)); },
+      [router](const HttpRequest& r) { return router->Head(r); });
+}
+
+}  // namespace
+
 Status Server::Parts::StartVisionPort() {
-  Parts* parts = this;
   HttpServerOptions vo = options.http;
   vo.port = options.vision_port;
-  auto started = HttpServer::Start(
-      vo,
-      [parts](HttpRequest&& r, HttpDone done) {
-        if (auto refused = parts->Draining(r)) return done(std::move(*refused));
-        if (auto file = DashboardFile(r)) return done(std::move(*file));
-        if (IsDashboardState(r)) {
-          return done(DashboardState({parts->engine.get(), parts->vision_service.get(), &parts->registry}));
-        }
-        if (VisionHandler::Handles(r.target)) return parts->vision->Handle(std::move(r), std::move(done));
-        HttpResponse resp;
-        resp.status = 404;
-        resp.body =
-            "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}";
-        done(std::move(resp));
-      },
-      [parts](const HttpRequest& r) -> std::optional<HttpResponse> {
-        if (auto refused = parts->Draining(r)) return refused;
-        if (VisionHandler::Handles(r.target)) return parts->vision->CheckHead(r);
-        if (IsDashboardState(r)) return parts->Denied(r);  // it names models
-        return std::nullopt;
-      });
+  auto started = StartHttp(vo, vision_router.get());
   if (!started) return Status(started.error().code(), "vision: " + started.error().message());
   vision_http = std::move(*started);
   return Status::Ok();
@@ -489,7 +427,6 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   QUERN_ASSIGN_OR_RETURN(p->engine, OpenEngine(o));
   p->engine_metrics = AddEngineMetrics(p->registry, *p->engine);
   p->process_metrics = AddProcessMetrics(p->registry);
-  Parts* parts = p.get();
   PrintModels(*p->engine, o.model_repository);
   // Descriptors for every connection the limits allow (HTTP, the vision
   // port, gRPC) and some for models, files and Redis.
@@ -508,20 +445,18 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   QUERN_RETURN_IF_ERROR(p->OpenVision(redis));
   p->OpenJobs(redis);
 
+  QUERN_RETURN_IF_ERROR(p->MakeRouters());
   if (!o.access_log.empty()) {
     QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));
-    o.http.access_log = [log = p->access_log](const HttpAccess& a) { log->Write(a); };
+    o.http.access_log = [log = p->access_log, router = p->router.get()](const HttpAccess& a) {
+      log->Write(a, router->ModelOf(a.target));
+    };
   }
-  QUERN_ASSIGN_OR_RETURN(
-      p->http, HttpServer::Start(
-                   o.http, [parts](HttpRequest&& r, HttpDone done) { parts->Route(std::move(r), std::move(done)); },
-                   [parts](const HttpRequest& r) { return parts->Head(r); }));
+  QUERN_ASSIGN_OR_RETURN(p->http, StartHttp(o.http, p->router.get()));
   if (o.grpc.port >= 0) QUERN_RETURN_IF_ERROR(p->StartGrpc(explicit_control));
   if (o.vision_port >= 0) QUERN_RETURN_IF_ERROR(p->StartVisionPort());
   o.metrics.host = o.http.host;
-  auto metrics = HttpServer::Start(
-      o.metrics, [parts](HttpRequest&& r, HttpDone done) { parts->Metrics(std::move(r), std::move(done)); },
-      [parts](const HttpRequest& r) { return parts->MetricsHead(r); });
+  auto metrics = StartHttp(o.metrics, p->metrics_router.get());
   if (!metrics) return Err(Status(metrics.error().code(), "metrics: " + metrics.error().message()));
   p->metrics = std::move(*metrics);
   // Last: a failure above must not leave jobs in the engine that complete

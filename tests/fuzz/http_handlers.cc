@@ -54,6 +54,7 @@ struct World {
   quern::VisionHandler* vision = nullptr;
   quern::MemoryResultStore* store = nullptr;
   quern::JobHandler* jobs = nullptr;
+  quern::Router* router = nullptr;  // the three front ends' routes, as the server's HTTP port has them
   std::string last_job_id = "0";
 };
 World* world = nullptr;
@@ -104,6 +105,7 @@ parameters { key: "quern.image.resize" value { string_value: "center_crop" } }
 
 void Shutdown() {
   if (world == nullptr) return;
+  delete world->router;
   delete world->vision_service;  // waits for its images, which need the engine and the handler
   delete world->vision;
   delete world->kserve;
@@ -201,6 +203,11 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   so.max_tombstones = 1024;
   world->store = new quern::MemoryResultStore(so);
   world->jobs = new quern::JobHandler(world->engine, world->store);
+  world->router = new quern::Router();
+  for (const quern::Status& st : {world->kserve->AddRoutes(*world->router), world->jobs->AddRoutes(*world->router),
+                                  world->vision->AddRoutes(*world->router)}) {
+    if (!st.ok()) Die("routes: " + st.ToString());
+  }
   std::atexit(Shutdown);
   return 0;
 }
@@ -219,18 +226,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   quern::fuzz::SmallStack::Run([&] {
     // The checks the server makes from a request's head first (their
     // answer, when there is one, is not the request's: it goes on anyway).
-    if (quern::VisionHandler::Handles(target)) {
-      (void)world->vision->CheckHead(request);
-    } else {
-      (void)world->kserve->CheckHead(request);
-    }
-    if (quern::VisionHandler::Handles(target)) {
-      world->vision->Handle(std::move(request), std::move(done));
-    } else if (quern::JobHandler::Handles(target)) {
-      world->jobs->Handle(std::move(request), std::move(done));
-    } else {
-      world->kserve->Handle(std::move(request), std::move(done));
-    }
+    (void)world->router->Head(request);
+    world->router->Dispatch(std::move(request), std::move(done));
   });
   if (future.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
     quern::fuzz::Fail("no answer within 30 s", target);

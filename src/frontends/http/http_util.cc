@@ -3,6 +3,7 @@
 #include <rapidjson/writer.h>
 
 #include <algorithm>
+#include <charconv>
 
 #include "protocol/kserve_codec.h"
 
@@ -54,6 +55,17 @@ TargetPath SplitTargetPath(std::string_view target) {
     pos = end;
   }
   return parts;
+}
+
+Status ParseModelVersion(std::string_view segment, int64_t* version) {
+  *version = -1;
+  if (segment.empty()) return Status::Ok();
+  auto [p, ec] = std::from_chars(segment.data(), segment.data() + segment.size(), *version);
+  if (ec != std::errc() || p != segment.data() + segment.size() || *version < 0) {
+    *version = -1;
+    return InvalidArgument("model version '" + std::string(segment.substr(0, 64)) + "' is not a number");
+  }
+  return Status::Ok();
 }
 
 int HttpStatusFor(const Status& s) {

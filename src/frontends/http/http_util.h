@@ -55,6 +55,10 @@ TargetPath SplitTargetPath(std::string_view target);
 // `s` with %XX sequences decoded (others kept as they are).
 std::string PercentDecode(std::string_view s);
 
+// A {version} path segment: "" = -1 (the model's latest), else a
+// non-negative integer; INVALID_ARGUMENT naming the segment otherwise.
+Status ParseModelVersion(std::string_view segment, int64_t* version);
+
 // {"error": message} with the status mapped by HttpStatusFor.
 HttpResponse ErrorResponse(const Status& status);
 

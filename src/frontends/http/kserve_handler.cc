@@ -92,7 +92,7 @@ void WriteTensorMetadata(Writer& w, const TensorConfig& t, bool batched) {
   w.EndObject();
 }
 
-HttpResponse ServerMetadata() {
+HttpResponse ServerMetadataJson() {
   rapidjson::StringBuffer buf;
   Writer w(buf);
   w.StartObject();
@@ -201,36 +201,6 @@ std::string JsonString(const std::string& s) {
   return std::string(buf.GetString(), buf.GetSize());
 }
 
-HttpResponse MethodNotAllowed(const HttpRequest& req, const char* allowed) {
-  HttpResponse r = Error(
-      InvalidArgument(req.method.substr(0, 32) + " " + req.target.substr(0, 256) + ": this route takes " + allowed));
-  r.status = 405;
-  r.headers.emplace_back("Allow", std::string(allowed) + (std::string_view(allowed) == "GET" ? ", HEAD" : ""));
-  return r;
-}
-
-// The method a KServe route takes, or null when `parts` names no route.
-const char* AllowedMethod(const TargetPath& parts) {
-  if (parts.empty() || parts[0] != "v2") return nullptr;
-  const size_t n = parts.size();
-  if (n == 1) return "GET";
-  if (n == 3 && parts[1] == "health" && (parts[2] == "live" || parts[2] == "ready")) return "GET";
-  if (n == 3 && parts[1] == "repository" && parts[2] == "index") return "POST";
-  if (n == 5 && parts[1] == "repository" && parts[2] == "models" && (parts[4] == "load" || parts[4] == "unload")) {
-    return "POST";
-  }
-  if (parts[1] != "models" || n < 3) return nullptr;
-  if (n == 3) return "GET";  // /v2/models/stats or /v2/models/{m}
-  size_t next = 3;
-  if (n >= 5 && parts[3] == "versions") next = 5;
-  if (n == next) return "GET";
-  if (n != next + 1) return nullptr;
-  const std::string_view action = parts[next];
-  if (action == "ready" || action == "stats" || action == "config") return "GET";
-  if (action == "infer") return "POST";
-  return nullptr;
-}
-
 HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_only) {
   rapidjson::StringBuffer buf;
   Writer w(buf);
@@ -252,173 +222,180 @@ HttpResponse RepositoryIndex(const std::vector<ModelStatus>& models, bool ready_
   return Json(200, buf);
 }
 
-}  // namespace
-
-void KServeHandler::Handle(HttpRequest&& req, HttpDone done) {
-  const auto parts = SplitTargetPath(req.target);
-  const bool get = req.method == "GET" || req.method == "HEAD";
-  // {"<key>": value[, "error": reason]} (health and readiness answers).
-  auto flag = [](int status, const char* key, bool value, const std::string& error = {}) {
-    rapidjson::StringBuffer buf;
-    Writer w(buf);
-    w.StartObject();
-    w.Key(key);
-    w.Bool(value);
-    if (!error.empty()) {
-      w.Key("error");
-      w.String(error.c_str(), static_cast<rapidjson::SizeType>(error.size()));
-    }
-    w.EndObject();
-    return Json(status, buf);
-  };
-  static constexpr std::string_view kMethods[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"};
-  if (std::find(std::begin(kMethods), std::end(kMethods), req.method) == std::end(kMethods)) {
-    HttpResponse r = Error(Status(StatusCode::kUnimplemented, "method " + req.method.substr(0, 32) +
-                                                                  " is not supported (routes take GET, HEAD or POST)"));
-    r.status = 501;
-    return done(std::move(r));
+// {"<key>": value[, "error": reason]} (health and readiness answers).
+HttpResponse Flag(int status, const char* key, bool value, const std::string& error = {}) {
+  rapidjson::StringBuffer buf;
+  Writer w(buf);
+  w.StartObject();
+  w.Key(key);
+  w.Bool(value);
+  if (!error.empty()) {
+    w.Key("error");
+    w.String(error.c_str(), static_cast<rapidjson::SizeType>(error.size()));
   }
-  if (parts.empty() || parts[0] != "v2") return done(Error(NotFound("no route for " + req.target)));
-  if (parts.size() == 1) return get ? done(ServerMetadata()) : done(MethodNotAllowed(req, "GET"));
-  if (parts.size() == 3 && parts[1] == "health" && (parts[2] == "live" || parts[2] == "ready")) {
-    if (!get) return done(MethodNotAllowed(req, "GET"));
-    if (parts[2] == "live") return done(flag(200, "live", true));
-    if (!engine_->AllModelsReady()) {
-      std::string why;
-      for (const auto& m : engine_->ListModels()) {
-        if (m.state != ModelState::kReady) {
-          why = "model '" + m.name + "' is " + std::string(ModelStateName(m.state));
-          break;
-        }
-      }
-      return done(flag(503, "ready", false, "not ready: " + why));
-    }
-    if (ready_check_) {
-      if (Status s = ready_check_(); !s.ok()) return done(flag(503, "ready", false, "not ready: " + s.message()));
-    }
-    return done(flag(200, "ready", true));
-  }
-  if (parts.size() == 2 && parts[1] == "repository") return done(Error(NotFound("no route for " + req.target)));
-  if (parts.size() == 3 && parts[1] == "repository" && parts[2] == "index" && req.method == "POST") {
-    rapidjson::Document doc;
-    bool ready_only = false;
-    if (JsonParseError e; !req.body.empty() && ParseJson(doc, req.body.data(), req.body.size(), e) && doc.IsObject() &&
-                          doc.HasMember("ready") && doc["ready"].IsBool()) {
-      ready_only = doc["ready"].GetBool();
-    }
-    return done(RepositoryIndex(engine_->ListModels(), ready_only));
-  }
-  if (parts.size() == 5 && parts[1] == "repository" && parts[2] == "models" && req.method == "POST" &&
-      (parts[4] == "load" || parts[4] == "unload")) {
-    const std::string model(parts[3]);
-    if (!model_control_) {
-      return done(Error(FailedPrecondition(
-          "model load and unload over the API are off; start quern serve with --model-control explicit")));
-    }
-    // Triton's load takes parameters "config" (a configuration override)
-    // and "file:<path>" (model files in the request); Quern loads what the
-    // repository holds, so a request asking for more is refused rather than
-    // half applied. Unload's "unload_dependents" has nothing to act on.
-    if (!req.body.empty()) {
-      rapidjson::Document doc;
-      JsonParseError e;
-      if (!ParseJson(doc, req.body.data(), req.body.size(), e) || !doc.IsObject()) {
-        return done(Error(InvalidArgument("model '" + model + "': the " + std::string(parts[4]) +
-                                          " request body must be a JSON object (" +
-                                          (e.message.empty() ? "not an object" : e.message) + ")")));
-      }
-      if (auto it = doc.FindMember("parameters"); it != doc.MemberEnd()) {
-        if (!it->value.IsObject()) {
-          return done(Error(InvalidArgument("model '" + model + "': 'parameters' must be an object")));
-        }
-        for (const auto& m : it->value.GetObject()) {
-          const std::string key(m.name.GetString(), m.name.GetStringLength());
-          if (parts[4] == "unload" && key == "unload_dependents") continue;
-          return done(Error(InvalidArgument(
-              "model '" + model + "': " + std::string(parts[4]) + " parameter '" + key.substr(0, 64) +
-              "' is not supported; Quern loads the model's files and config.pbtxt from the repository as they are")));
-        }
-      }
-    }
-    Status st = parts[4] == "load" ? engine_->LoadModel(model) : engine_->UnloadModel(model);
-    if (!st.ok()) {
-      // Triton answers a failed load with 400 and the reason.
-      return done(Error(st.code() == StatusCode::kNotFound ? st : InvalidArgument(st.message())));
-    }
-    HttpResponse ok;
-    ok.body = "{}";
-    return done(std::move(ok));
-  }
-  if (parts.size() == 3 && parts[1] == "models" && parts[2] == "stats" && get) {
-    auto stats = engine_->GetStatistics();
-    if (!stats) return done(Error(stats.error()));
-    return done(StatisticsJson(*stats));
-  }
-  if (parts.size() >= 3 && parts[1] == "models") {
-    const std::string model(parts[2]);
-    size_t next = 3;
-    int64_t version = -1;
-    if (parts.size() >= 5 && parts[3] == "versions") {
-      auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
-      if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) {
-        return done(Error(InvalidArgument("model version '" + std::string(parts[4]) + "' is not a number")));
-      }
-      next = 5;
-    }
-    const std::string_view action = parts.size() > next ? parts[next] : std::string_view();
-    if (parts.size() > next + 1) return done(Error(NotFound("no route for " + req.target)));
-    if (action.empty() && get) {
-      auto m = engine_->GetModel(model, version);
-      if (!m) return done(Error(m.error()));
-      return done(ModelMetadata(*m));
-    }
-    if (action == "ready" && get) {
-      const bool ready = engine_->ModelReady(model, version);
-      HttpResponse r = flag(ready ? 200 : 400, "ready", ready);
-      r.body.insert(1, "\"name\":" + JsonString(model) + ",");
-      return done(std::move(r));
-    }
-    if (action == "stats" && get) {
-      auto stats = engine_->GetStatistics(model, version);
-      if (!stats) return done(Error(stats.error()));
-      return done(StatisticsJson(*stats));
-    }
-    if (action == "config" && get) {
-      auto m = engine_->GetModel(model, version);
-      if (!m) return done(Error(m.error()));
-      google::protobuf::util::JsonPrintOptions opts;
-      opts.preserve_proto_field_names = true;
-      HttpResponse r;
-      auto st = google::protobuf::util::MessageToJsonString(ToProto(m->config), &r.body, opts);
-      if (!st.ok()) return done(Error(Internal("cannot write the configuration of '" + model + "' as JSON")));
-      return done(std::move(r));
-    }
-    if (action == "infer" && req.method == "POST") return Infer(model, version, std::move(req), std::move(done));
-  }
-  if (const char* allowed = AllowedMethod(parts)) return done(MethodNotAllowed(req, allowed));
-  done(Error(NotFound("no route for " + req.method + " " + req.target)));
+  w.EndObject();
+  return Json(status, buf);
 }
 
-std::optional<HttpResponse> KServeHandler::CheckHead(const HttpRequest& head) const {
-  if (head.method != "POST") return std::nullopt;
-  // Only a path that ends in /infer is split (the common case for a POST).
-  const std::string_view target = std::string_view(head.target).substr(0, head.target.find('?'));
-  if (!target.ends_with("/infer")) return std::nullopt;
-  const auto parts = SplitTargetPath(target);
-  int64_t version = -1;
-  if (parts.size() == 6 && parts[3] == "versions") {
-    auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
-    if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) return std::nullopt;
-  } else if (parts.size() != 4) {
-    return std::nullopt;
+}  // namespace
+
+Status KServeHandler::AddRoutes(Router& router) {
+  using K = KeyPolicy;
+  // Binds a member function as a route's handler.
+  auto to = [this](void (KServeHandler::*f)(HttpRequest&&, const RouteMatch&, HttpDone)) -> RouteHandler {
+    return [this, f](HttpRequest&& r, const RouteMatch& m, HttpDone done) { (this->*f)(std::move(r), m, done); };
+  };
+  const Route routes[] = {
+      {"GET", "/v2", K::kUser, false, nullptr, to(&KServeHandler::ServerMetadata)},
+      {"GET", "/v2/health/live", K::kUser, true, nullptr, to(&KServeHandler::Live)},
+      {"GET", "/v2/health/ready", K::kUser, true, nullptr, to(&KServeHandler::Ready)},
+      {"POST", "/v2/repository/index", K::kUser, false, nullptr, to(&KServeHandler::Index)},
+      {"POST", "/v2/repository/models/{model}/load", K::kAdmin, false, nullptr,
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) { Control(true, std::move(r), m, done); }},
+      {"POST", "/v2/repository/models/{model}/unload", K::kAdmin, false, nullptr,
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) { Control(false, std::move(r), m, done); }},
+      {"GET", "/v2/models/stats", K::kUser, false, nullptr, to(&KServeHandler::Stats)},
+      {"GET", "/v2/models/{model}[/versions/{version}]", K::kUser, false, nullptr, to(&KServeHandler::Metadata)},
+      {"GET", "/v2/models/{model}[/versions/{version}]/ready", K::kUser, false, nullptr, to(&KServeHandler::Ready)},
+      {"GET", "/v2/models/{model}[/versions/{version}]/stats", K::kUser, false, nullptr, to(&KServeHandler::Stats)},
+      {"GET", "/v2/models/{model}[/versions/{version}]/config", K::kUser, false, nullptr, to(&KServeHandler::Config)},
+      {"POST", "/v2/models/{model}[/versions/{version}]/infer", K::kUser, false,
+       [this](const HttpRequest&, const RouteMatch& m) { return Admission(m); }, to(&KServeHandler::Infer)},
+  };
+  for (const Route& r : routes) QUERN_RETURN_IF_ERROR(router.Add(r));
+  return Status::Ok();
+}
+
+void KServeHandler::ServerMetadata(HttpRequest&&, const RouteMatch&, HttpDone done) {
+  done(ServerMetadataJson());
+}
+
+void KServeHandler::Live(HttpRequest&&, const RouteMatch&, HttpDone done) {
+  done(Flag(200, "live", true));
+}
+
+// /v2/health/ready, and a model's .../ready.
+void KServeHandler::Ready(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+  if (const std::string& model = m.param("model"); !model.empty()) {
+    int64_t version = -1;
+    if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
+    const bool ready = engine_->ModelReady(model, version);
+    HttpResponse r = Flag(ready ? 200 : 400, "ready", ready);
+    r.body.insert(1, "\"name\":" + JsonString(model) + ",");
+    return done(std::move(r));
   }
-  if (parts[0] != "v2" || parts[1] != "models" || parts.back() != "infer") return std::nullopt;
-  Status st = engine_->CheckAdmission(std::string(parts[2]), version);
+  if (!engine_->AllModelsReady()) {
+    std::string why;
+    for (const auto& s : engine_->ListModels()) {
+      if (s.state != ModelState::kReady) {
+        why = "model '" + s.name + "' is " + std::string(ModelStateName(s.state));
+        break;
+      }
+    }
+    return done(Flag(503, "ready", false, "not ready: " + why));
+  }
+  if (ready_check_) {
+    if (Status s = ready_check_(); !s.ok()) return done(Flag(503, "ready", false, "not ready: " + s.message()));
+  }
+  done(Flag(200, "ready", true));
+}
+
+void KServeHandler::Index(HttpRequest&& req, const RouteMatch&, HttpDone done) {
+  rapidjson::Document doc;
+  bool ready_only = false;
+  if (JsonParseError e; !req.body.empty() && ParseJson(doc, req.body.data(), req.body.size(), e) && doc.IsObject() &&
+                        doc.HasMember("ready") && doc["ready"].IsBool()) {
+    ready_only = doc["ready"].GetBool();
+  }
+  done(RepositoryIndex(engine_->ListModels(), ready_only));
+}
+
+// .../load and .../unload.
+void KServeHandler::Control(bool load, HttpRequest&& req, const RouteMatch& m, const HttpDone& done) {
+  const std::string& model = m.param("model");
+  const std::string_view action = load ? "load" : "unload";
+  if (!model_control_) {
+    return done(Error(FailedPrecondition(
+        "model load and unload over the API are off; start quern serve with --model-control explicit")));
+  }
+  // Triton's load takes parameters "config" (a configuration override)
+  // and "file:<path>" (model files in the request); Quern loads what the
+  // repository holds, so a request asking for more is refused rather than
+  // half applied. Unload's "unload_dependents" has nothing to act on.
+  if (!req.body.empty()) {
+    rapidjson::Document doc;
+    JsonParseError e;
+    if (!ParseJson(doc, req.body.data(), req.body.size(), e) || !doc.IsObject()) {
+      return done(Error(InvalidArgument("model '" + model + "': the " + std::string(action) +
+                                        " request body must be a JSON object (" +
+                                        (e.message.empty() ? "not an object" : e.message) + ")")));
+    }
+    if (auto it = doc.FindMember("parameters"); it != doc.MemberEnd()) {
+      if (!it->value.IsObject()) {
+        return done(Error(InvalidArgument("model '" + model + "': 'parameters' must be an object")));
+      }
+      for (const auto& p : it->value.GetObject()) {
+        const std::string key(p.name.GetString(), p.name.GetStringLength());
+        if (action == "unload" && key == "unload_dependents") continue;
+        return done(Error(InvalidArgument(
+            "model '" + model + "': " + std::string(action) + " parameter '" + key.substr(0, 64) +
+            "' is not supported; Quern loads the model's files and config.pbtxt from the repository as they are")));
+      }
+    }
+  }
+  Status st = load ? engine_->LoadModel(model) : engine_->UnloadModel(model);
+  if (!st.ok()) {
+    // Triton answers a failed load with 400 and the reason.
+    return done(Error(st.code() == StatusCode::kNotFound ? st : InvalidArgument(st.message())));
+  }
+  HttpResponse ok;
+  ok.body = "{}";
+  done(std::move(ok));
+}
+
+// /v2/models/stats (every model) and a model's .../stats.
+void KServeHandler::Stats(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+  int64_t version = -1;
+  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
+  const std::string& model = m.param("model");
+  auto stats = model.empty() ? engine_->GetStatistics() : engine_->GetStatistics(model, version);
+  if (!stats) return done(Error(stats.error()));
+  done(StatisticsJson(*stats));
+}
+
+void KServeHandler::Metadata(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+  int64_t version = -1;
+  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
+  auto model = engine_->GetModel(m.param("model"), version);
+  if (!model) return done(Error(model.error()));
+  done(ModelMetadata(*model));
+}
+
+void KServeHandler::Config(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+  int64_t version = -1;
+  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
+  auto model = engine_->GetModel(m.param("model"), version);
+  if (!model) return done(Error(model.error()));
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  HttpResponse r;
+  auto st = google::protobuf::util::MessageToJsonString(ToProto(model->config), &r.body, opts);
+  if (!st.ok()) return done(Error(Internal("cannot write the configuration of '" + model->name + "' as JSON")));
+  done(std::move(r));
+}
+
+std::optional<HttpResponse> KServeHandler::Admission(const RouteMatch& m) const {
+  int64_t version = -1;
+  if (!ParseModelVersion(m.param("version"), &version).ok()) return std::nullopt;  // answered with the body
+  Status st = engine_->CheckAdmission(m.param("model"), version);
   if (st.ok()) return std::nullopt;
   return Error(st);
 }
 
-void KServeHandler::Infer(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {
+void KServeHandler::Infer(HttpRequest&& req, const RouteMatch& m, HttpDone done) {
+  int64_t version = -1;
+  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
+  const std::string& model = m.param("model");
   auto parsed =
       ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
   if (!parsed) return done(Error(parsed.error()));

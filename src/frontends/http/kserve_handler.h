@@ -17,6 +17,7 @@
 
 #include "frontends/http/http_types.h"
 #include "frontends/http/http_util.h"
+#include "frontends/http/router.h"
 #include "protocol/kserve_codec.h"
 #include "quern/engine.h"
 
@@ -27,12 +28,11 @@ class KServeHandler {
   // `engine` must outlive the handler.
   explicit KServeHandler(Engine* engine) : engine_(engine) {}
 
-  void Handle(HttpRequest&& request, HttpDone done);
-
-  // Given a request's line and headers alone (body not read yet): the 503
-  // an inference request would get because its model's queue is full, or
-  // nothing. Lets the server refuse before it reads and parses the body.
-  std::optional<HttpResponse> CheckHead(const HttpRequest& head) const;
+  // Declares the /v2 routes (metadata, health, repository, statistics,
+  // configuration, infer) on `router`, which must not outlive the handler.
+  // Infer's head check refuses, before the body is read, a request whose
+  // model's queue is full (503).
+  Status AddRoutes(Router& router);
 
   // An extra condition for /v2/health/ready (e.g. the job result store is
   // reachable): not OK answers 503 with its message. Set before serving.
@@ -43,9 +43,20 @@ class KServeHandler {
   void set_model_control(bool on) { model_control_ = on; }
 
  private:
+  // The routes' handlers.
+  void ServerMetadata(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  void Live(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  void Ready(HttpRequest&& request, const RouteMatch& match, HttpDone done);  // the server's, or a model's
+  void Index(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  void Control(bool load, HttpRequest&& request, const RouteMatch& match, const HttpDone& done);
+  void Stats(HttpRequest&& request, const RouteMatch& match, HttpDone done);  // every model's, or one's
+  void Metadata(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  void Config(HttpRequest&& request, const RouteMatch& match, HttpDone done);
   // POST .../infer: JSON tensors and the binary tensor data extension
   // (Inference-Header-Content-Length); binary inputs are used without copying.
-  void Infer(const std::string& model, int64_t version, HttpRequest&& request, HttpDone done);
+  void Infer(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  // Infer's head check: the model's queue.
+  std::optional<HttpResponse> Admission(const RouteMatch& match) const;
 
   Engine* engine_;
   std::function<Status()> ready_check_;

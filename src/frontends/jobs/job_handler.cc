@@ -141,16 +141,6 @@ JobHandler::JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metr
 
 JobHandler::~JobHandler() = default;
 
-bool JobHandler::Handles(std::string_view target) {
-  // Asked of every request, most of them not for jobs: a path with no
-  // percent escape has a "jobs" segment only if it has the letters.
-  const std::string_view path = target.substr(0, target.find('?'));
-  if (path.find('%') == std::string_view::npos && path.find("jobs") == std::string_view::npos) return false;
-  const auto parts = SplitTargetPath(target);
-  if (parts.size() >= 2 && parts[0] == "v2" && parts[1] == "jobs") return true;
-  return parts.size() >= 4 && parts[0] == "v2" && parts[1] == "models" && parts.back() == "jobs";
-}
-
 JobStats JobHandler::stats() const {
   JobStats s;
   s.submitted = submitted_.value();
@@ -162,39 +152,25 @@ JobStats JobHandler::stats() const {
   return s;
 }
 
-void JobHandler::Handle(HttpRequest&& req, HttpDone done) {
-  const auto parts = SplitTargetPath(req.target);
-  if (parts.size() == 3 && parts[1] == "jobs") {
-    const std::string id(parts[2]);
-    const std::string owner = owner_of_ ? owner_of_(req) : std::string();
-    if (req.method == "GET" || req.method == "HEAD") return Get(id, owner, Query(req.target), std::move(done));
-    if (req.method == "DELETE") return Cancel(id, owner, std::move(done));
-    HttpResponse r = ErrorResponse(InvalidArgument(
-        "/v2/jobs/{id} takes GET (status and result) or DELETE (cancel), not " + req.method.substr(0, 32)));
-    r.status = 405;
-    r.headers.emplace_back("Allow", "GET, HEAD, DELETE");
-    return done(std::move(r));
-  }
-  if (parts.size() >= 4 && parts[1] == "models" && parts.back() == "jobs") {
-    if (req.method != "POST") {
-      HttpResponse r = ErrorResponse(InvalidArgument("jobs are submitted with POST"));
-      r.status = 405;
-      r.headers.emplace_back("Allow", "POST");
-      return done(std::move(r));
-    }
-    const std::string model(parts[2]);
-    int64_t version = -1;
-    if (parts.size() == 6 && parts[3] == "versions") {
-      auto [p, ec] = std::from_chars(parts[4].data(), parts[4].data() + parts[4].size(), version);
-      if (ec != std::errc() || p != parts[4].data() + parts[4].size() || version < 0) {
-        return done(ErrorResponse(InvalidArgument("model version '" + std::string(parts[4]) + "' is not a number")));
-      }
-    } else if (parts.size() != 4) {
-      return done(ErrorResponse(NotFound("no route for " + req.method + " " + req.target)));
-    }
-    return Submit(model, version, std::move(req), std::move(done));
-  }
-  done(ErrorResponse(NotFound("no route for " + req.method + " " + req.target)));
+Status JobHandler::AddRoutes(Router& router) {
+  const Route routes[] = {
+      {"POST", "/v2/models/{model}[/versions/{version}]/jobs", KeyPolicy::kUser, false, nullptr,
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         int64_t version = -1;
+         if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(ErrorResponse(st));
+         Submit(m.param("model"), version, std::move(r), std::move(done));
+       }},
+      {"GET", "/v2/jobs/{id}", KeyPolicy::kUser, false, nullptr,
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         Get(m.param("id"), owner_of_ ? owner_of_(r) : std::string(), Query(r.target), std::move(done));
+       }},
+      {"DELETE", "/v2/jobs/{id}", KeyPolicy::kUser, false, nullptr,
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         Cancel(m.param("id"), owner_of_ ? owner_of_(r) : std::string(), std::move(done));
+       }},
+  };
+  for (const Route& r : routes) QUERN_RETURN_IF_ERROR(router.Add(r));
+  return Status::Ok();
 }
 
 void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&& req, HttpDone done) {

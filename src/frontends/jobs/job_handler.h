@@ -20,7 +20,7 @@
 // (memory), an id issued before the process started (ids carry their
 // submission time) answers 410 Gone, where an id never issued answers 404.
 //
-// Thread safety: Handle may be called from any number of threads. The
+// Thread safety: the routes may be called from any number of threads. The
 // engine must be drained (its callbacks delivered) before the handler is
 // destroyed; the store must outlive the handler.
 #pragma once
@@ -34,6 +34,7 @@
 
 #include "core/mutex.h"
 #include "frontends/http/http_types.h"
+#include "frontends/http/router.h"
 #include "frontends/jobs/local_job_inputs.h"
 #include "metrics/registry.h"
 #include "quern/engine.h"
@@ -58,10 +59,9 @@ class JobHandler {
   JobHandler(const JobHandler&) = delete;
   JobHandler& operator=(const JobHandler&) = delete;
 
-  // True for the paths this handler serves.
-  static bool Handles(std::string_view target);
-
-  void Handle(HttpRequest&& request, HttpDone done);
+  // Declares the routes above on `router`, which must not outlive the
+  // handler.
+  Status AddRoutes(Router& router);
 
   // Who submits (JobRecord::owner): set when API keys are on, from the key a
   // request presents. A job with an owner is read and cancelled only by a

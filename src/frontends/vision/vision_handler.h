@@ -26,7 +26,7 @@
 // once, and runs decoding, pre-processing, inference and post-processing;
 // this handler writes the answer.
 //
-// Thread safety: Handle may be called from any number of threads.
+// Thread safety: the routes may be called from any number of threads.
 #pragma once
 
 #include <rapidjson/stringbuffer.h>
@@ -41,6 +41,7 @@
 
 #include "core/mutex.h"
 #include "frontends/http/http_types.h"
+#include "frontends/http/router.h"
 #include "frontends/vision/multipart.h"
 #include "pipeline/face_gallery.h"
 #include "pipeline/vision_service.h"
@@ -71,13 +72,6 @@ struct VisionOptions {
   // first (Frigate's DeepStack detector reads at most 20); 0 = all the
   // model keeps (its quern.detection.max_detections).
   int max_predictions = 0;
-  // When set, every vision request but /v1/status/ping must present a key
-  // this accepts (its error is the answer): from "Authorization: Bearer
-  // <key>", "X-API-Key" or the api_key query parameter, checked by
-  // CheckHead before any body byte is read; or, on CodeProject.AI form
-  // routes whose head carries none and whose body is not compressed, the
-  // api_key form field, checked by Handle before the form's image is used.
-  std::function<Status(std::string_view key)> authorize;
   // Face recognition: the registered faces (null: the face recognition
   // routes answer that it is off) and the embedding model that describes
   // faces ("" = the first model with quern.task: embedding).
@@ -103,27 +97,32 @@ class VisionHandler {
   VisionHandler(const VisionHandler&) = delete;
   VisionHandler& operator=(const VisionHandler&) = delete;
 
-  // True for the paths this handler serves (/v1/..., /predict/...).
-  static bool Handles(std::string_view target);
-
-  // The request's head went through CheckHead first (a key in its head was
-  // checked there and is not checked again).
-  void Handle(HttpRequest&& request, HttpDone done);
-
-  // Given a request's line and headers alone, before any body byte is read:
-  // the refusal for a missing or wrong key (see VisionOptions::authorize),
-  // else the refusal an image request would get because the service is full
-  // (by count or by memory) or its model's queue is, or nothing. A form
-  // route whose key is in its form is admitted in Handle, once the key is.
-  std::optional<HttpResponse> CheckHead(const HttpRequest& head);
+  // Declares the routes above on `router` (which must not outlive the
+  // handler), with the scopes /v1 (CodeProject.AI: keys also as the api_key
+  // query parameter or form field, errors as 200 with success false) and
+  // /predict. The image routes' head checks refuse, before the body is
+  // read, a request the service is too full for (by count or by memory) or
+  // whose model's queue is full.
+  Status AddRoutes(Router& router);
 
  private:
-  // `authorize` with CodeProject.AI's words for a missing or wrong key.
-  Status AuthorizeCpai(std::string_view key) const;
-  // Routes whose key may come in a multipart form field.
-  static bool IsFormRoute(std::string_view method, std::string_view path);
   struct Job;
   struct FaceJob;
+  // The routes' handlers. Form: a CodeProject.AI form route (`command`:
+  // detect, custom, scene, face, register, recognize, match, delete, list,
+  // ocr) on `model`.
+  void Form(const std::string& command, const std::string& model, HttpRequest&& request, const RouteMatch& match,
+            HttpDone done);
+  void CustomList(HttpRequest&& request, HttpDone done);
+  void Predict(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  // The image routes' head check: the service's room and `model`'s queue.
+  std::optional<HttpResponse> Admission(const HttpRequest& head, const std::string& command,
+                                        const std::string& model) const;
+  // A refused key's answer: /predict's {"error"}, or CodeProject.AI's.
+  HttpResponse KeyRefusal(const Status& status, KeyProblem problem, bool predict) const;
+  // A refused key in the words of CodeProject.AI's clients.
+  static Status CpaiKeyWords(const Status& status, KeyProblem problem);
+  std::shared_ptr<Job> NewJob(HttpRequest&& request, HttpDone done) const;
   std::string DefaultDetectionModel();
   // The first detection model by name that detects faces (CenterFace layout),
   // or that does not; "" when there is none.

@@ -1,0 +1,49 @@
+#include "server/routes.h"
+
+namespace quern {
+namespace {
+
+// A port that answers nothing but its own routes: 404 with `body`, to a
+// request with the key `key` asks.
+Status NothingElse(Router& router, KeyPolicy key, std::string body) {
+  RouteScope others;
+  others.key = key;
+  others.unmatched = [body = std::move(body)](HttpRequest&&, std::string_view, HttpDone done) {
+    HttpResponse resp;
+    resp.status = 404;
+    resp.body = body;
+    done(std::move(resp));
+  };
+  return router.AddScope(std::move(others));
+}
+
+}  // namespace
+
+Status AddHttpPortRoutes(Router& router, const HttpFrontEnds& f) {
+  QUERN_RETURN_IF_ERROR(f.kserve->AddRoutes(router));
+  QUERN_RETURN_IF_ERROR(f.jobs->AddRoutes(router));
+  QUERN_RETURN_IF_ERROR(f.vision->AddRoutes(router));
+  return AddDashboardRoutes(router, *f.dashboard);
+}
+
+Status AddVisionPortRoutes(Router& router, const HttpFrontEnds& f) {
+  QUERN_RETURN_IF_ERROR(f.vision->AddRoutes(router));
+  QUERN_RETURN_IF_ERROR(AddDashboardRoutes(router, *f.dashboard));
+  return NothingElse(
+      router, KeyPolicy::kNone,
+      "{\"success\":false,\"error\":\"this port serves the vision routes (/v1/vision/..., /predict/...)\"}");
+}
+
+Status AddMetricsPortRoutes(Router& router, const MetricsRegistry* registry, bool need_key) {
+  const KeyPolicy key = need_key ? KeyPolicy::kUser : KeyPolicy::kNone;
+  QUERN_RETURN_IF_ERROR(
+      router.Add({"GET", "/metrics", key, false, nullptr, [registry](HttpRequest&&, const RouteMatch&, HttpDone done) {
+                    HttpResponse resp;
+                    resp.content_type = "text/plain; version=0.0.4";
+                    resp.body = registry->Render();
+                    done(std::move(resp));
+                  }}));
+  return NothingElse(router, key, "{\"error\":\"metrics are served at GET /metrics\"}");
+}
+
+}  // namespace quern
