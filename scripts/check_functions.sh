@@ -14,7 +14,7 @@ LONG=(
   "src/server/serve_flags.cc quern::AddServeFlags"
   "src/engine/ensemble_model.cc quern::EnsembleModel::Plan"
   "src/pipeline/postprocess.cc quern::DecodeDetections"
-  "src/cli/perf.cc quern::cli::Perf"
+  "src/tools/perf.cc quern::cli::Perf"
   "src/backends/python/python_process.cc quern::PythonProcess::Start"
   "src/core/model_config_parser.cc quern::ConvertModelConfig"
 )

@@ -30,6 +30,7 @@ declare -A ALLOWED=(
   [frontends]="core protocol metrics pipeline store auth frontends"
   [server]="core protocol scheduler metrics engine backends pipeline store auth frontends server"
   [python]="core python"
+  [tools]="core tools"
   [cli]="core protocol scheduler metrics engine backends pipeline store auth frontends server cli"
   [embed]="core protocol scheduler metrics engine backends pipeline store auth frontends server embed"
 )

@@ -33,8 +33,8 @@ echo "== cpack -G DEB"
 deb=$(ls "$WORK"/quern_*.deb)
 echo "== dpkg -i $(basename "$deb")"
 $sudo dpkg -i "$deb" >/dev/null
-for f in /usr/bin/quern /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.1 /usr/lib/systemd/system/quern.service \
-         /etc/quern/quern.toml /usr/include/quern/engine.h; do
+for f in /usr/bin/quern /usr/bin/quern-perf /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.1 \
+         /usr/lib/systemd/system/quern.service /etc/quern/quern.toml /usr/include/quern/engine.h; do
   [ -e "$f" ] || { echo "test_deb: $f is missing after installing" >&2; exit 1; }
 done
 getent passwd quern >/dev/null || { echo "test_deb: no user quern" >&2; exit 1; }
@@ -113,7 +113,8 @@ if [ "$torch" = 1 ]; then
   [ ! -e /usr/lib/quern/libquern_pytorch.so ] || { echo "test_deb: the plugin outlived dpkg -r quern-pytorch" >&2; exit 1; }
 fi
 $sudo dpkg -r quern >/dev/null
-for f in /usr/bin/quern /usr/lib/libquern.so.0 /usr/lib/quern /usr/lib/systemd/system/quern.service /usr/include/quern; do
+for f in /usr/bin/quern /usr/bin/quern-perf /usr/lib/libquern.so.0 /usr/lib/quern /usr/lib/systemd/system/quern.service \
+         /usr/include/quern; do
   [ ! -e "$f" ] || { echo "test_deb: $f is still there after dpkg -r" >&2; exit 1; }
 done
 [ -e /etc/quern/quern.toml ] || { echo "test_deb: dpkg -r removed the settings (only --purge should)" >&2; exit 1; }

@@ -22,6 +22,7 @@ headers=$(cd "$PREFIX/include" && find . -type f | sort | tr '\n' ' ')
 expected=$(cd "$ROOT/include" && find . -type f -name '*.h' | sort | tr '\n' ' ')
 [ "$headers" = "$expected" ] || { echo "installed headers: $headers; expected the public ones: $expected" >&2; exit 1; }
 "$PREFIX/bin/quern" --help >/dev/null
+"$PREFIX/bin/quern" perf --help >/dev/null  # runs quern-perf, installed beside it
 
 echo "== examples/embed with find_package(Quern)"
 cmake -S examples/embed -B "$WORK/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null

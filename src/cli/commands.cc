@@ -1,7 +1,12 @@
 // `quern models` and `quern infer`: a repository's models, and one request.
 #include "cli/commands.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -119,6 +124,20 @@ int Models(const std::string& repo) {
     if (m.state != quern::ModelState::kReady) return 3;
   }
   return 0;
+}
+
+int RunPerfTool(int argc, char** argv) {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::filesystem::path tool = (ec ? std::filesystem::path(argv[0]) : self).parent_path() / "quern-perf";
+  std::vector<char*> args(argv, argv + argc);
+  const std::string name = tool.string();
+  args[0] = const_cast<char*>(name.c_str());
+  args.push_back(nullptr);
+  execv(name.c_str(), args.data());
+  std::fprintf(stderr, "quern perf: cannot run %s: %s (it is installed beside quern)\n", name.c_str(),
+               std::strerror(errno));
+  return 127;
 }
 
 }  // namespace quern::cli

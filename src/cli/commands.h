@@ -14,4 +14,9 @@ int Models(const std::string& repo);
 // (a batch of 1), and prints the outputs and the request's timings.
 int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs);
 
+// `quern perf ARGS`: runs quern-perf (the load generator, a binary of its
+// own beside this one) with ARGS; returns only when it cannot (127, saying
+// why).
+int RunPerfTool(int argc, char** argv);
+
 }  // namespace quern::cli

@@ -14,11 +14,11 @@
 #include <vector>
 
 #include "cli/commands.h"
-#include "cli/perf.h"
 #include "server/serve_flags.h"
 #include "server/server.h"
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string_view(argv[1]) == "perf") return quern::cli::RunPerfTool(argc, argv);
   CLI::App app{"quern: a fast model server (ONNX, TorchScript and Python models)"};
   app.require_subcommand(1);
 
@@ -37,38 +37,12 @@ int main(int argc, char** argv) {
   infer->add_option("model", infer_model, "Model name")->required();
   infer->add_option("--input,-i", inputs, "NAME=FILE.npy, NAME=zeros or NAME=random (batch of 1)");
 
-  quern::cli::PerfOptions perf_options;
-  auto* perf = app.add_subcommand(
-      "perf", "Load a running server with KServe v2 infer requests; report throughput, latency and CPU per request");
-  perf->add_option("--url", perf_options.url, "The server: http://HOST:PORT[/PATH] or grpc://HOST:PORT")
-      ->capture_default_str();
-  perf->add_flag("--grpc-stream", perf_options.grpc_stream,
-                 "gRPC: send over ModelStreamInfer, one stream per connection (default: unary ModelInfer)");
-  perf->add_option("--stream-inflight", perf_options.stream_inflight,
-                   "gRPC streams: requests kept in flight on each stream, answers matched by request id (closed "
-                   "loop: -c counts streams; default 1)");
-  perf->add_option("--model,-m", perf_options.model, "Model name")->required();
-  perf->add_option("--model-version", perf_options.version, "Model version (default: the server's choice)");
-  perf->add_option("--input,-i", perf_options.inputs, "NAME=random, NAME=zeros or NAME=FILE.npy (default random)");
-  perf->add_option("--shape", perf_options.shapes,
-                   "NAME=D,D,...: the shape of an input whose dimensions the model leaves open (default 1)");
-  perf->add_flag("--json", perf_options.json, "Send tensors as JSON numbers (default: binary tensors)");
-  perf->add_option("--concurrency,-c", perf_options.concurrency,
-                   "Closed loop: requests kept in flight, one per connection; several values sweep (default 1)");
-  perf->add_option("--rate,-r", perf_options.rates,
-                   "Open loop: requests sent per second whatever the answers; several values sweep");
-  perf->add_option("--max-inflight", perf_options.max_inflight, "Open loop: connections, the most in flight")
-      ->capture_default_str();
-  perf->add_option("--seconds,-s", perf_options.seconds, "Seconds measured per level")->capture_default_str();
-  perf->add_option("--warmup", perf_options.warmup, "Seconds of load before each measurement")->capture_default_str();
-  perf->add_option("--timeout", perf_options.timeout, "Seconds one request may take")->capture_default_str();
-  perf->add_option("--deadline-ms", perf_options.deadline_ms,
-                   "Each request's deadline: a gRPC call's deadline; over HTTP and gRPC streams the KServe `timeout` "
-                   "parameter (the most it may wait in the server's queue). Answers after it are counted");
-  perf->add_option("--metrics-url", perf_options.metrics_url,
-                   "The server's metrics (e.g. http://127.0.0.1:8002/metrics): adds its CPU per request, queue "
-                   "and compute times and batch size");
-  perf->add_option("--format", perf_options.format, "table, csv or json")->capture_default_str();
+  // `quern perf ...` runs quern-perf, the load generator beside this binary
+  // (the server does not carry it); listed here for --help.
+  app.add_subcommand("perf",
+                     "Load a running server with KServe v2 infer requests (runs quern-perf; see quern "
+                     "perf --help)")
+      ->prefix_command();
 
   // A configuration file's settings go in before the command line's own,
   // which override them.
@@ -93,7 +67,6 @@ int main(int argc, char** argv) {
 
   if (*models) return quern::cli::Models(models_repo);
   if (*infer) return quern::cli::Infer(infer_repo, infer_model, inputs);
-  if (*perf) return quern::cli::Perf(perf_options);
 
   // SIGINT and SIGTERM are blocked before the server starts (its threads
   // inherit the mask) and waited for here: one that comes right after the

@@ -1,5 +1,5 @@
 // `quern perf`: see perf.h.
-#include "cli/perf.h"
+#include "tools/perf.h"
 
 // Beast's response parser trips GCC's maybe-uninitialized under the
 // sanitizers (a boost::optional in basic_parser::do_field, reached only once
