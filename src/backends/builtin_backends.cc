@@ -122,6 +122,8 @@ class OrtBackend final : public Backend {
 
   std::string WhyNoGpu() const override { return OrtWhyNoCuda(); }
   bool GpuByDefault() const override { return true; }
+  // A session's run is bounded by its inputs and runs no code of the user's.
+  bool RunsOnCallerThreads() const override { return true; }
 };
 
 // Built-in stages (backend "quern", parameter quern.stage): C++ steps for

@@ -59,6 +59,11 @@ class Backend {
   // Whether the automatic layout (no instance_group) puts its instances on
   // the GPUs (when WhyNoGpu is empty; KIND_AUTO does whenever it is).
   virtual bool GpuByDefault() const { return false; }
+  // Whether a batch of its CPU instances is short and bounded by its inputs
+  // (no Python process, no model code of the user's), so that a caller may
+  // run it on its own thread (InferRequest::lend_thread, a lending loop):
+  // the engine still lends only small inputs and batches measured short.
+  virtual bool RunsOnCallerThreads() const { return false; }
 };
 
 class BackendRegistry {

@@ -500,7 +500,8 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadInstances(const RepositoryM
   // it back to the system rather than leave it in the allocator's free lists.
   ReturnFreedMemory();
   QUERN_ASSIGN_OR_RETURN(auto served,
-                         ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir, wide));
+                         ServedModel::Create(std::move(config), v.version, std::move(instances), clock_, m.dir,
+                                             {.wide = wide, .on_caller_threads = backend.RunsOnCallerThreads()}));
   return std::shared_ptr<Servable>(std::move(served));
 }
 

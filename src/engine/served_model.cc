@@ -90,7 +90,7 @@ constexpr int kSharedRunsPerInstance = 3;
 Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int64_t version,
                                                          std::vector<std::unique_ptr<Model>> instances,
                                                          const Clock* clock, std::filesystem::path model_dir,
-                                                         bool wide) {
+                                                         ServedModelRuns runs) {
   if (instances.empty()) return Err(Internal("model '" + config.name + "' has no instances"));
   std::shared_ptr<ServedModel> m(new ServedModel(std::move(config), version, std::move(instances), clock));
   // Class labels (KServe's classification extension names them): read once,
@@ -102,7 +102,8 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
 
   DynamicBatcherOptions opts;
   opts.num_workers = static_cast<int>(m->instances_.size());
-  opts.wide_worker = wide && opts.num_workers >= 2;
+  opts.wide_worker = runs.wide && opts.num_workers >= 2;
+  m->on_caller_threads_ = runs.on_caller_threads;
   // Callers that find every instance busy may share one for short batches
   // when every instance (the wide one aside) allows concurrent runs: up to
   // three such runs per instance, so that at most four run on a core's
@@ -240,10 +241,10 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   so.admitted = task->request.admitted;
   so.in_model = in_model;
   // A lent thread (InferRequest::lend_thread) is taken only where its run is
-  // short and bounded: ONNX models, small inputs; the batcher checks the rest.
-  // A lending loop's thread (LoopLender) likewise, later, for its batches.
-  if (!run_here && (task->request.lend_thread || LoopLender::Current() != nullptr) &&
-      config_.backend == "onnxruntime") {
+  // short and bounded: a backend that says so, small inputs; the batcher
+  // checks the rest. A lending loop's thread (LoopLender) likewise, later,
+  // for its batches.
+  if (!run_here && (task->request.lend_thread || LoopLender::Current() != nullptr) && on_caller_threads_) {
     size_t bytes = 0;
     for (const auto& in : task->request.inputs) bytes += in.tensor.byte_size();
     if (bytes <= InferRequest::kLendMaxBytes) {

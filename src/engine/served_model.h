@@ -29,15 +29,23 @@
 
 namespace quern {
 
+// How a served model's instances may be run.
+struct ServedModelRuns {
+  // The last instance runs a batch with every core, alone, while the load
+  // is light (DynamicBatcherOptions::wide_worker).
+  bool wide = false;
+  // A caller may run a short batch on its own thread (the backend's
+  // Backend::RunsOnCallerThreads).
+  bool on_caller_threads = false;
+};
+
 class ServedModel final : public Servable {
  public:
   // `instances` are loaded already. Runs the configured warm-up samples on
   // every instance (files are read from `model_dir`/warmup/) before returning.
-  // `wide`: the last instance runs a batch with every core, alone, while the
-  // load is light (DynamicBatcherOptions::wide_worker).
   static Result<std::shared_ptr<ServedModel>> Create(ModelConfig config, int64_t version,
                                                      std::vector<std::unique_ptr<Model>> instances, const Clock* clock,
-                                                     std::filesystem::path model_dir, bool wide = false);
+                                                     std::filesystem::path model_dir, ServedModelRuns runs = {});
   ~ServedModel() override;
 
   // Servable (see there). Abandon asks every instance (Model::Abandon);
@@ -73,6 +81,7 @@ class ServedModel final : public Servable {
   std::unique_ptr<DynamicBatcher> batcher_;
   ResponseSequencer sequencer_;
   const bool ordered_;
+  bool on_caller_threads_ = false;  // ServedModelRuns::on_caller_threads; set by Create
 
   std::atomic<int64_t> in_flight_{0};
 
