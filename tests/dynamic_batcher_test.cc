@@ -1181,6 +1181,9 @@ struct LentModel {
   std::atomic<int64_t> cost_ns{100'000};  // per item
   std::function<void(int)> on_run;        // called with each batch's first id, on the thread that runs it
   std::unique_ptr<DynamicBatcher> batcher;
+  // The loop Schedule passes with a task a loop may run, as a front end
+  // passes its own (SubmitOptions::loop); used on its thread only.
+  LoopLender* loop = nullptr;
 
   explicit LentModel(int64_t delay_ns = 0, int64_t max_queue_wait_ns = 0) {
     DynamicBatcherOptions o;
@@ -1205,6 +1208,7 @@ struct LentModel {
     std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
     ScheduleOptions so;
     so.loop_may_run = loop_may_run;
+    so.loop = loop_may_run ? LoopLender::Lending(loop) : nullptr;
     return batcher->Schedule(t, so);
   }
   bool WaitBatches(size_t n) {
@@ -1226,10 +1230,18 @@ struct LentModel {
   }
 };
 
+// A model's Schedule calls pass `lender` while this lives.
+struct LoopScope {
+  LoopScope(LentModel& model, LoopLender& lender) : m(model) { m.loop = &lender; }
+  ~LoopScope() { m.loop = nullptr; }
+  LentModel& m;
+};
+
 TEST(LoopLender, TheLoopRunsTheBatchItQueuedOnItsOwnThreadAndWakesNoWorker) {
   LentModel m;
   {
     LoopLender lender;
+    LoopScope lending(m, lender);
     m.Measure();  // before any measurement the worker runs it, lender or not
     EXPECT_NE(m.batches[0].second, std::this_thread::get_id());
     for (int id = 1; id <= 3; ++id) ASSERT_TRUE(m.Schedule(id, true).ok());
@@ -1264,6 +1276,7 @@ TEST(LoopLender, TheLoopRunsTheBatchItQueuedOnItsOwnThreadAndWakesNoWorker) {
 TEST(LoopLender, TheLoopKeepsTheBatchingDelay) {
   LentModel m(/*delay_ns=*/5'000'000);
   LoopLender lender;
+  LoopScope lending(m, lender);
   ASSERT_TRUE(m.Schedule(0, true).ok());  // the worker's, after its delay
   m.clock.AdvanceNs(5'000'000);
   m.batcher->Kick();
@@ -1290,6 +1303,7 @@ TEST(LoopLender, TheLoopKeepsTheBatchingDelay) {
 TEST(LoopLender, AWorkerTakesWhatTheLoopDoesNotLookAtInTime) {
   LentModel m;
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   ASSERT_TRUE(m.Schedule(1, true).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -1307,6 +1321,7 @@ TEST(LoopLender, AWorkerTakesWhatTheLoopDoesNotLookAtInTime) {
 TEST(LoopLender, WorkFromAnotherThreadWakesTheWorkerWhichTakesTheLoopsToo) {
   LentModel m;
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   ASSERT_TRUE(m.Schedule(1, true).ok());
   std::thread other([&] { ASSERT_TRUE(m.Schedule(2, /*loop_may_run=*/false).ok()); });
@@ -1327,6 +1342,7 @@ TEST(LoopLender, LongBatchesAreLeftToTheWorkers) {
   LentModel m;
   m.cost_ns = 5'000'000;  // 5 ms per item: over kLoopLendBelowNs
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   ASSERT_TRUE(m.Schedule(1, true).ok());
   EXPECT_EQ(lender.listed(), 0u);
@@ -1338,6 +1354,7 @@ TEST(LoopLender, LongBatchesAreLeftToTheWorkers) {
 TEST(LoopLender, AModelThatStopsIsForgottenAndItsQueueIsRun) {
   auto m = std::make_unique<LentModel>();
   LoopLender lender;
+  m->loop = &lender;  // the model goes first
   m->Measure();
   ASSERT_TRUE(m->Schedule(1, true).ok());
   ASSERT_EQ(lender.listed(), 1u);
@@ -1355,6 +1372,7 @@ TEST(LoopLender, ALenderThatEndsLeavesItsQueuesToTheWorkers) {
   m.Measure();
   {
     LoopLender lender;
+    LoopScope lending(m, lender);
     ASSERT_TRUE(m.Schedule(1, true).ok());
     ASSERT_EQ(lender.listed(), 1u);
   }
@@ -1367,6 +1385,7 @@ TEST(LoopLender, ALenderThatEndsLeavesItsQueuesToTheWorkers) {
 TEST(LoopLender, APausedLoopHandsWhatItListsToTheWorkers) {
   LentModel m;
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   ASSERT_TRUE(m.Schedule(1, true).ok());
   ASSERT_EQ(lender.listed(), 1u);
@@ -1419,6 +1438,7 @@ TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
   LoopLender lender;
   ScheduleOptions so;
   so.loop_may_run = true;
+  so.loop = &lender;
   so.timeout_ns = 20'000'000;
   ASSERT_TRUE(schedule(1, so).ok());
   int64_t wait_ns = 0;
@@ -1441,6 +1461,7 @@ TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
 TEST(LoopLender, ATaskNoLoopMayRunIsLeftToTheWorker) {
   LentModel m;
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   m.on_run = [&](int id) {
     if (id != 1) return;
@@ -1474,6 +1495,7 @@ TEST(LoopLender, ATaskNoLoopMayRunIsLeftToTheWorker) {
 TEST(LoopLender, TheQueueWaitBoundCountsTheLoopsQueuedWork) {
   LentModel m(/*delay_ns=*/0, /*max_queue_wait_ns=*/250'000);  // 2.5 items at 100 us
   LoopLender lender;
+  LoopScope lending(m, lender);
   m.Measure();
   for (int id = 1; id <= 3; ++id) ASSERT_TRUE(m.Schedule(id, true).ok());
   const Status refused = m.Schedule(4, true);

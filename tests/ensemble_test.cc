@@ -671,7 +671,9 @@ TEST(EnsembleGraphTest, ARecursionTheRegistryLetThroughIsCutAtTheNestingBound) {
   EnsembleModel::StepModels steps;
   steps.config = [&](const std::string&, int64_t) -> Result<ModelConfig> { return config; };
   steps.check_admission = [&](const std::string&, int64_t) { return self->CheckAdmission(); };
-  steps.submit = [&](InferRequest&& r, InferCallback& done) { return self->Submit(std::move(r), 1, done, false); };
+  steps.submit = [&](InferRequest&& r, InferCallback& done, const SubmitOptions& o) {
+    return self->Submit(std::move(r), 1, done, o, false);
+  };
   auto created = EnsembleModel::Create(config, 1, steps, &RealClockInstance());
   ASSERT_TRUE(created.has_value()) << created.error().ToString();
   self = *created;
@@ -680,7 +682,7 @@ TEST(EnsembleGraphTest, ARecursionTheRegistryLetThroughIsCutAtTheNestingBound) {
   EXPECT_NE(st.message().find("nested more than"), std::string::npos) << st.message();
   InferRequest r = Doubling("self");
   InferCallback done = [](InferResponse&&) {};
-  st = self->Submit(std::move(r), 1, done, false);
+  st = self->Submit(std::move(r), 1, done, {}, false);
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
   self->Shutdown();
   self.reset();

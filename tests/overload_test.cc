@@ -124,9 +124,7 @@ TEST(EarlyAdmission, EngineAndHandlerRefuseOnlyWhileTheQueueIsFull) {
   // it, and bounds what it holds) is not refused by the same bound again.
   auto refused_now = e.Infer(Request()).get();
   EXPECT_EQ(refused_now.status.code(), StatusCode::kUnavailable) << refused_now.status.message();
-  InferRequest admitted = Request();
-  admitted.admitted = true;
-  auto taken = e.Infer(std::move(admitted));
+  auto taken = e.Infer(Request(), {.admitted = true});
 
   open.set_value();
   EXPECT_TRUE(running.get().status.ok());

@@ -59,6 +59,13 @@ struct InferRequest {
   // key "request_id" names the request in the engine's log lines (a request
   // the model failed is logged with it; the engine's own number otherwise).
   std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+class CallerLoop;
+
+// How a request is submitted (InferAsync), besides the request itself: what
+// its caller did already and how the caller's thread may help.
+struct SubmitOptions {
   // The caller admitted this request already: it asked CheckAdmission when
   // it took the request and bounds the work it holds itself (the vision
   // pipeline does, for the images it decodes). The queue-waiting bound is
@@ -69,20 +76,50 @@ struct InferRequest {
   // request starts to run; never for a request that does not run. Must be
   // quick (it delays the batch).
   std::function<void()> on_start;
-  // InferAsync only: the submitting thread may run this request's batch
-  // itself, inside InferAsync; its callback then runs on that thread before
-  // InferAsync returns. A hand-off to an engine thread and back costs two
-  // sleeps and wake-ups, more than a small model's run; a front end's thread
-  // that can spare a short while lends itself. The engine takes it only for
-  // an ONNX model (its run is this process's own bounded compute; a Python
+  // The submitting thread may run this request's batch itself, inside
+  // InferAsync; its callback then runs on that thread before InferAsync
+  // returns. A hand-off to an engine thread and back costs two sleeps and
+  // wake-ups, more than a small model's run; a front end's thread that can
+  // spare a short while lends itself. The engine takes it only for a backend
+  // whose run is this process's own bounded compute (ONNX Runtime; a Python
   // model's process or an embedder's code may block), with nothing else
   // running or queued, a free instance other than the wide one, a batch
-  // measured to take under kLendBelowNs, and inputs of at most
-  // kLendMaxBytes in all (the time per item says nothing of an item far
-  // larger than usual). Otherwise the request is handed over as usual.
+  // measured to take under a millisecond, and inputs of at most 64 KiB in
+  // all (the time per item says nothing of an item far larger than usual).
+  // Otherwise the request is handed over as usual.
   bool lend_thread = false;
-  static constexpr int64_t kLendBelowNs = 1'000'000;
-  static constexpr size_t kLendMaxBytes = 64 << 10;
+  // The submitting thread is this event loop's (CallerLoop): the request's
+  // batch may wait for the loop to run it, between its events, under the
+  // same conditions. Used only when InferAsync is called on the loop's own
+  // thread; valid for the call.
+  CallerLoop* loop = nullptr;
+};
+
+// An event loop's thread that runs the batches of the requests it submits
+// (SubmitOptions::loop). On a machine with one usable core, a request handed
+// from the loop to an instance's thread and its answer handed back cost each
+// batch two sleeps and two wake-ups of threads that share that core, and
+// nothing runs in parallel in exchange: the loop runs the batches instead,
+// once it has handled every ready event. Made on the loop's thread
+// (Engine::NewCallerLoop) and used there only; the models it holds work for
+// are handed to their workers when it is destroyed. Only the engine makes
+// them.
+class CallerLoop {
+ public:
+  virtual ~CallerLoop() = default;
+  // Runs, on this thread, the batches its models would send off now, one per
+  // model at most; whether any ran (their answers may now be pending
+  // handlers). `*wait_ns`: how long the loop may wait for events before it
+  // should call again (-1: until an event).
+  virtual bool RunDue(int64_t* wait_ns) = 0;
+  // While paused (the loop must answer refusals at once) requests submitted
+  // with it go to the models' workers, and the next RunDue hands them what
+  // it holds.
+  virtual void set_paused(bool paused) = 0;
+
+ private:
+  friend class LoopLender;  // the one kind there is
+  CallerLoop() = default;
 };
 
 // Where the time went, for one request. Timestamps are on the engine clock.
@@ -256,6 +293,8 @@ class Engine {
   // load is reported by ListModels with its error and does not fail Create;
   // a missing repository does.
   static Result<std::unique_ptr<Engine>> Create(EngineOptions options);
+  // A loop for the calling thread (see CallerLoop).
+  static std::unique_ptr<CallerLoop> NewCallerLoop();
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -263,7 +302,7 @@ class Engine {
   // Submits a request; its future holds exactly one response. Every error
   // (unknown model, bad input, queue full, timeout, cancellation, backend
   // failure) is a response with a non-OK status, never an exception.
-  std::future<InferResponse> Infer(InferRequest request);
+  std::future<InferResponse> Infer(InferRequest request, const SubmitOptions& options = {});
 
   // Runs a request and returns its response, blocking the calling thread
   // (errors as with Infer). When an instance of the model is free and the
@@ -284,9 +323,9 @@ class Engine {
   // never to run. A request taken returns OK, `done` is moved out, and it
   // runs exactly once, on an engine thread, with the response (which may
   // still carry a timeout, a cancellation or a backend failure); with
-  // InferRequest::lend_thread it may instead run on the calling
+  // SubmitOptions::lend_thread it may instead run on the calling
   // thread, before InferAsync returns. `done` must not block for long.
-  Status InferAsync(InferRequest request, InferCallback& done);
+  Status InferAsync(InferRequest request, InferCallback& done, const SubmitOptions& options = {});
   // The same with a completion queue: the request id, and the response,
   // carrying it, is pushed to `queue` (which must outlive the request); a
   // refusal is returned and nothing is pushed.

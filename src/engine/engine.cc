@@ -5,6 +5,7 @@
 #include "engine/engine_factory.h"
 #include "engine/model_registry.h"
 #include "engine/request_validation.h"
+#include "scheduler/loop_lender.h"
 
 namespace quern {
 
@@ -91,13 +92,13 @@ const char* Version() {
   return QUERN_VERSION_STRING;
 }
 
-std::future<InferResponse> Engine::Infer(InferRequest request) {
+std::future<InferResponse> Engine::Infer(InferRequest request, const SubmitOptions& options) {
   auto promise = std::make_shared<std::promise<InferResponse>>();
   auto future = promise->get_future();
   const uint64_t id = impl_->NextId();
   RequestEcho echo(request);
   InferCallback done = [promise](InferResponse&& r) { promise->set_value(std::move(r)); };
-  if (Status st = impl_->Submit(std::move(request), id, done); !st.ok()) {
+  if (Status st = impl_->Submit(std::move(request), id, done, options); !st.ok()) {
     promise->set_value(std::move(echo).Refusal(std::move(st), id, clock().NowNs()));
   }
   return future;
@@ -121,7 +122,7 @@ InferResponse Engine::Run(InferRequest request) {
     slot.answered = true;
     slot.cv.Signal();  // under the lock: the slot lives until the waiter has seen it
   };
-  if (Status st = impl_->Submit(std::move(request), id, done, /*run_here=*/true); !st.ok()) {
+  if (Status st = impl_->Submit(std::move(request), id, done, {}, /*run_here=*/true); !st.ok()) {
     return std::move(echo).Refusal(std::move(st), id, clock().NowNs());
   }
   MutexLock lock(slot.mu);
@@ -129,8 +130,12 @@ InferResponse Engine::Run(InferRequest request) {
   return std::move(slot.response);
 }
 
-Status Engine::InferAsync(InferRequest request, InferCallback& done) {
-  return impl_->Submit(std::move(request), impl_->NextId(), done);
+Status Engine::InferAsync(InferRequest request, InferCallback& done, const SubmitOptions& options) {
+  return impl_->Submit(std::move(request), impl_->NextId(), done, options);
+}
+
+std::unique_ptr<CallerLoop> Engine::NewCallerLoop() {
+  return std::make_unique<LoopLender>();
 }
 
 Result<uint64_t> Engine::InferAsync(InferRequest request, CompletionQueue* queue) {

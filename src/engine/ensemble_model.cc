@@ -17,7 +17,10 @@ class EnsembleModel::Run {
   // The caller's name for the request (metadata "request_id"), given to
   // every step; empty = none. Set before the first step is launched.
   std::string request_id;
-  // Whether request.on_start was called (by the first step to run).
+  // The caller's SubmitOptions::admitted and on_start, and whether on_start
+  // was called (by the first step to run).
+  bool admitted = false;
+  std::function<void()> on_start;
   std::atomic<bool> started{false};
   OutputIndices output_indices;
   InferCallback done;
@@ -268,7 +271,7 @@ Status EnsembleModel::StepError(int step, const Status& status) const {
 }
 
 Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done,
-                             bool /*run_here: steps are submitted as answers arrive*/) {
+                             const SubmitOptions& options, bool /*run_here: steps are submitted as answers arrive*/) {
   NestingScope nesting;
   Telemetry arrival;
   arrival.queue_start_ns = clock_->NowNs();
@@ -291,6 +294,8 @@ Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferC
     return st;
   }
   run->id = request_id;
+  run->admitted = options.admitted;
+  run->on_start = options.on_start;
   for (const auto& [k, v] : request.metadata) {
     if (k == "request_id") run->request_id = v;
   }
@@ -321,7 +326,9 @@ Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferC
     run->telemetry.padded_batch_size = items;
   }
   run->done = std::move(done);
-  st = Launch(run, first_steps_, /*first_launch=*/true);
+  // The caller's loop may run the first steps' batches (they are submitted
+  // on its thread, now); later steps are submitted as answers arrive.
+  st = Launch(run, first_steps_, /*first_launch=*/true, options.loop);
   if (!st.ok()) {
     // Nothing was submitted: the request is refused, its callback handed back.
     done = std::move(run->done);
@@ -332,7 +339,8 @@ Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferC
   return Status::Ok();
 }
 
-Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch) {
+Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch,
+                             CallerLoop* loop) {
   for (size_t k = 0; k < steps.size(); ++k) {
     const int s = steps[k];
     const Step& step = steps_[static_cast<size_t>(s)];
@@ -389,16 +397,18 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       // A step is the caller's request, under its name (a Python step's
       // request_id()); the first step to run starts the ensemble's request.
       if (!run->request_id.empty()) r.metadata.emplace_back("request_id", run->request_id);
-      if (run->request.on_start) {
-        r.on_start = [run] {
-          if (!run->started.exchange(true, std::memory_order_relaxed)) run->request.on_start();
+      SubmitOptions o;
+      if (run->on_start) {
+        o.on_start = [run] {
+          if (!run->started.exchange(true, std::memory_order_relaxed)) run->on_start();
         };
       }
       // Admission is decided at the first steps: a request inside the
       // ensemble is not refused later for the queue's length (that would
       // throw away the work done), though queue sizes, timeouts and
       // deadlines still apply.
-      r.admitted = run->request.admitted || !first_launch;
+      o.admitted = run->admitted || !first_launch;
+      o.loop = loop;
       Status st;
       if (chunks == 1) {
         r.inputs = std::move(inputs);
@@ -418,7 +428,7 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
         InferCallback done = [self = shared_from_this(), run, s, c, chunks](InferResponse&& response) {
           self->StepDone(run, s, c, chunks, std::move(response));
         };
-        st = models_.submit(std::move(r), done);
+        st = models_.submit(std::move(r), done, o);
       }
       if (!st.ok()) {
         st = StepError(s, st);

@@ -48,7 +48,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // How an ensemble reaches the models of its steps (the registry's).
   struct StepModels {
     // Engine::InferAsync's contract: a refusal is returned, `done` left.
-    std::function<Status(InferRequest&& request, InferCallback& done)> submit;
+    std::function<Status(InferRequest&& request, InferCallback& done, const SubmitOptions& options)> submit;
     // The configuration of the ready version `version` (-1 = the highest).
     std::function<Result<ModelConfig>(const std::string& name, int64_t version)> config;
     // Servable::CheckAdmission of that version.
@@ -63,7 +63,8 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
                                                        const Clock* clock, const std::filesystem::path& model_dir = {});
   ~EnsembleModel() override;
 
-  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) override;
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, const SubmitOptions& options,
+                bool run_here) override;
   // Refuses while stopping, or when a model of a first step would refuse.
   Status CheckAdmission() override;
   void Abandon() override {}  // its requests run in the step models, which are abandoned themselves
@@ -110,7 +111,8 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // of the run was submitted before (`first_launch`) is returned instead of
   // answered, so that Submit can refuse the request; any other refusal
   // fails the run.
-  Status Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch);
+  Status Launch(const std::shared_ptr<Run>& run, const std::vector<int>& steps, bool first_launch,
+                CallerLoop* loop = nullptr);
   // A step's answer; with `chunks` > 1, that of rows chunk `chunk` of it,
   // kept until every chunk has answered and then joined in order.
   void StepDone(const std::shared_ptr<Run>& run, int step, int chunk, int chunks, InferResponse&& response);

@@ -76,7 +76,8 @@ Status ModelRegistry::Start() {
   return Status::Ok();
 }
 
-Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done, bool run_here) {
+Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback& done, const SubmitOptions& options,
+                             bool run_here) {
   // A version replaced between the lookup and the submission (a reload)
   // refuses as it stops and hands the request back: it goes to the version
   // that replaced it. Bounded, in case reloads follow one another.
@@ -85,7 +86,7 @@ Status ModelRegistry::Submit(InferRequest&& request, uint64_t id, InferCallback&
     auto served = Resolve(request.model, request.version);
     if (!served) return served.error();
     if (*served == previous) return Unavailable("model '" + request.model + "' is stopping");
-    Status st = (*served)->Submit(std::move(request), id, done, run_here);
+    Status st = (*served)->Submit(std::move(request), id, done, options, run_here);
     if (st.ok() || attempt == 3 || !(*served)->stopping()) return st;
     previous = std::move(*served);
   }
@@ -407,7 +408,9 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
     QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
     const ModelConfig asked = config;
     EnsembleModel::StepModels steps;
-    steps.submit = [this](InferRequest&& r, InferCallback& done) { return Submit(std::move(r), NextId(), done); };
+    steps.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& options) {
+      return Submit(std::move(r), NextId(), done, options);
+    };
     steps.config = [this](const std::string& name, int64_t version) -> Result<ModelConfig> {
       auto served = Resolve(name, version);
       if (!served) return Err(served.error());

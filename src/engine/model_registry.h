@@ -56,7 +56,8 @@ class ModelRegistry {
   uint64_t NextId() { return next_id_.fetch_add(1, std::memory_order_relaxed); }
   // Engine::InferAsync's contract: a refusal is returned, `done` left
   // (`run_here`: see Servable::Submit).
-  Status Submit(InferRequest&& request, uint64_t id, InferCallback& done, bool run_here = false);
+  Status Submit(InferRequest&& request, uint64_t id, InferCallback& done, const SubmitOptions& options = {},
+                bool run_here = false);
   // The ready version `version` (-1 = the highest) of `name`.
   Result<std::shared_ptr<Servable>> Resolve(const std::string& name, int64_t version) const;
 

@@ -27,9 +27,11 @@ class Servable {
   // statistics, and `done` is left with the caller, untouched; refused
   // because it is stopping (stopping() true), `request` too is left as it
   // was, so that the caller can give it to the version that replaced this one.
-  // `run_here`: the caller blocks until the answer anyway; its batch may run
-  // on the calling thread, and `done` may then be called before Submit returns.
-  virtual Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) = 0;
+  // `options`: as Engine::InferAsync takes them. `run_here`: the caller
+  // blocks until the answer anyway; its batch may run on the calling thread,
+  // and `done` may then be called before Submit returns.
+  virtual Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, const SubmitOptions& options,
+                        bool run_here) = 0;
   // Whether Shutdown has begun.
   virtual bool stopping() const = 0;
 

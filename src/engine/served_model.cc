@@ -23,6 +23,7 @@ class ServedModel::Task final : public BatchTask {
   uint64_t key = 0;
   OutputIndices output_indices;  // indices into config outputs
   InferCallback done;
+  std::function<void()> on_start;  // SubmitOptions::on_start
   uint64_t ticket = 0;
   Telemetry telemetry;
   int64_t input_ns = 0;   // this request's batch: gathering inputs
@@ -84,6 +85,12 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
 
 // Shared runs (see DynamicBatcher) allowed per instance.
 constexpr int kSharedRunsPerInstance = 3;
+
+// A caller's thread (SubmitOptions::lend_thread, a lending loop) runs only
+// batches measured to take under this, of inputs of at most kLendMaxBytes
+// in all (the time per item says nothing of an item far larger than usual).
+constexpr int64_t kLendBelowNs = 1'000'000;
+constexpr size_t kLendMaxBytes = 64 << 10;
 
 }  // namespace
 
@@ -221,7 +228,8 @@ Status ServedModel::Warmup(const std::filesystem::path& model_dir) {
   return Status::Ok();
 }
 
-Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) {
+Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCallback& done,
+                           const SubmitOptions& options, bool run_here) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   const int64_t in_model = unanswered_.fetch_add(1, std::memory_order_relaxed) + 1;
   auto task = std::make_unique<Task>();
@@ -230,6 +238,7 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   Status st = ValidateRequest(config_, request, task->items, task->key, task->output_indices);
   task->request = std::move(request);
   if (!st.ok()) return Refuse(*task, std::move(st));
+  task->on_start = options.on_start;
   task->ticket = ordered_ ? sequencer_.NextTicket() : 0;
   ScheduleOptions so;
   so.priority = task->request.priority;
@@ -238,19 +247,21 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   // deadline computed from it overflows.
   so.timeout_ns = static_cast<int64_t>(std::min(task->request.timeout_us, kMaxQueueTimeoutUs)) * 1000;
   so.deadline_ns = task->request.deadline_ns;
-  so.admitted = task->request.admitted;
+  so.admitted = options.admitted;
   so.in_model = in_model;
-  // A lent thread (InferRequest::lend_thread) is taken only where its run is
-  // short and bounded: a backend that says so, small inputs; the batcher
-  // checks the rest. A lending loop's thread (LoopLender) likewise, later,
-  // for its batches.
-  if (!run_here && (task->request.lend_thread || LoopLender::Current() != nullptr) && on_caller_threads_) {
+  // A lent thread (SubmitOptions::lend_thread) is taken only where its run
+  // is short and bounded: a backend that says so, small inputs; the batcher
+  // checks the rest. A lending loop's thread (SubmitOptions::loop) likewise,
+  // later, for its batches.
+  LoopLender* loop = LoopLender::Lending(options.loop);
+  if (!run_here && (options.lend_thread || loop != nullptr) && on_caller_threads_) {
     size_t bytes = 0;
     for (const auto& in : task->request.inputs) bytes += in.tensor.byte_size();
-    if (bytes <= InferRequest::kLendMaxBytes) {
-      so.run_here = task->request.lend_thread;
-      so.run_here_below_ns = InferRequest::kLendBelowNs;
+    if (bytes <= kLendMaxBytes) {
+      so.run_here = options.lend_thread;
+      so.run_here_below_ns = kLendBelowNs;
       so.loop_may_run = true;
+      so.loop = loop;
     }
   }
   so.run_here = so.run_here || run_here;
@@ -374,7 +385,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   const bool batched = config_.max_batch_size > 0;
   const int64_t padded = batched ? PaddedBatchSize(config_.fixed_batch_sizes, items) : items;
   for (const auto& task : tasks) {
-    if (task->request.on_start) task->request.on_start();
+    if (task->on_start) task->on_start();
   }
   const int64_t start = clock_->NowNs();
 

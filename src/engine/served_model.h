@@ -50,7 +50,8 @@ class ServedModel final : public Servable {
 
   // Servable (see there). Abandon asks every instance (Model::Abandon);
   // CheckAdmission refuses while the queue is full.
-  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, bool run_here) override;
+  Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, const SubmitOptions& options,
+                bool run_here) override;
   void Abandon() override;
   Status CheckAdmission() override;
   void Shutdown() override;

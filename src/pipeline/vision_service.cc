@@ -345,7 +345,6 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   ir.model = request.model;
   ir.inputs.push_back({"image", Tensor::FromStrings({1}, {std::string(request.image)})});
   ir.cancel = std::move(request.cancel);
-  ir.admitted = true;  // by Claim, within this service's own bounds
   ir.deadline_ns = engine_->clock().NowNs() + TimeoutNs();
   request.owner.reset();  // the image is copied into the request
   auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
@@ -359,7 +358,8 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
     (*answered)(std::move(r), timings);
     Release(timings.received_ns, bytes);
   };
-  if (Status st = engine_->InferAsync(std::move(ir), infer_done); !st.ok()) {
+  // Admitted by Claim, within this service's own bounds.
+  if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
     // Refused by the engine after all (its queue filled meanwhile, no such
     // model): given back without measuring a time per image, and the
     // callback returned to the caller.
@@ -489,13 +489,13 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   ir.version = m.version;
   ir.inputs.push_back({m.input_name, std::move(input)});
   ir.cancel = job->request.cancel;
-  ir.admitted = true;  // by Submit, within this service's own bounds
   ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - t2, 1);
   InferCallback infer_done = [this, job](InferResponse&& r) {
     auto response = std::make_shared<InferResponse>(std::move(r));
     Post([this, job, response] { PostProcess(job, std::move(*response)); }, true);
   };
-  if (Status st = engine_->InferAsync(std::move(ir), infer_done); !st.ok()) Fail(job, st, false);
+  // Admitted by Submit, within this service's own bounds.
+  if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) Fail(job, st, false);
 }
 
 void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&& r) {
@@ -551,14 +551,13 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
   ir.version = d.version;
   ir.inputs.push_back({d.input_name, std::move(input)});
   ir.cancel = job->request.cancel;
-  ir.admitted = true;  // charged by Submit
   ir.deadline_ns = engine_->clock().NowNs() + std::max<int64_t>(job->deadline_ns - clock_->NowNs(), 1);
   auto shared = std::make_shared<VisionResult>(std::move(result));
   InferCallback done = [this, job, shared](InferResponse&& r) {
     auto response = std::make_shared<InferResponse>(std::move(r));
     Post([this, job, shared, response] { Described(job, shared, std::move(*response)); }, true);
   };
-  if (Status st = engine_->InferAsync(std::move(ir), done); !st.ok()) {
+  if (Status st = engine_->InferAsync(std::move(ir), done, {.admitted = true}); !st.ok()) {  // charged by Submit
     Fail(job, Status(st.code(), "face descriptor '" + d.name + "': " + st.message()), false);
   }
 }

@@ -95,10 +95,13 @@ struct ScheduleOptions {
   // For a caller that would not otherwise wait (an asynchronous front end's
   // thread lending itself briefly). 0 = no bound.
   int64_t run_here_below_ns = 0;
-  // The calling thread's loop may run the task's batch later (a LoopLender;
-  // DynamicBatcher): set where that run is bounded (an ONNX model, inputs
-  // of usual size).
+  // A lending loop may run the task's batch later (DynamicBatcher): set
+  // where that run is bounded (a backend that says so, inputs of usual
+  // size), whether or not the caller is a loop.
   bool loop_may_run = false;
+  // With loop_may_run: the loop that may, when Schedule is called on its
+  // thread while it lends (LoopLender::Lending); null: none.
+  class LoopLender* loop = nullptr;
 };
 
 class BatchQueue {

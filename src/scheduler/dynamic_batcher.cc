@@ -112,7 +112,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     // A lending loop takes the batch later, on its thread: no worker is woken.
     bool lent = false;
     if (claimed < 0 && options.loop_may_run && LoopMayRunLocked()) {
-      if (LoopLender* lender = LoopLender::Current(); lender != nullptr) {
+      if (LoopLender* lender = options.loop; lender != nullptr) {
         // The grace runs from the listing or the loop's last look, not from
         // each arrival: a loop too busy to look (a flood of events) leaves
         // its queue to the workers.

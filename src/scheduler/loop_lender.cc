@@ -6,24 +6,18 @@
 
 namespace quern {
 
-namespace {
-thread_local LoopLender* t_lender = nullptr;
-}  // namespace
-
-LoopLender::LoopLender() {
-  t_lender = this;
-}
+LoopLender::LoopLender() = default;
 
 LoopLender::~LoopLender() {
-  if (t_lender == this) t_lender = nullptr;
   // Models still listed are left to their workers.
   for (auto& slot : slots_) {
     if (slot) DynamicBatcher::LendEnd(*slot);
   }
 }
 
-LoopLender* LoopLender::Current() {
-  return t_lender != nullptr && !t_lender->paused_ ? t_lender : nullptr;
+LoopLender* LoopLender::Lending(CallerLoop* loop) {
+  auto* lender = static_cast<LoopLender*>(loop);  // the only kind of CallerLoop
+  return lender != nullptr && !lender->paused_ && lender->owner_ == std::this_thread::get_id() ? lender : nullptr;
 }
 
 bool LoopLender::Add(const std::shared_ptr<LendSlot>& slot) {

@@ -26,16 +26,22 @@
 // its other connections. Deadlines and cancellations of queued tasks are
 // still kept by the model's reaper while every instance is busy.
 //
-// Thread safety: a LoopLender belongs to the thread that created it (it is
-// that thread's lender until destroyed); Add is called by DynamicBatcher on
-// that thread, RunDue by the loop.
+// The loop passes it with each request it submits (SubmitOptions::loop,
+// through the engine to ScheduleOptions::loop): no thread-local, so only
+// requests their front end hands it to are lent.
+//
+// Thread safety: a LoopLender belongs to the thread that created it; Add is
+// called by DynamicBatcher on that thread (Lending checks it), RunDue by the
+// loop.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "core/mutex.h"
+#include "quern/engine.h"
 
 namespace quern {
 
@@ -48,22 +54,22 @@ struct LendSlot {
   DynamicBatcher* batcher QUERN_GUARDED_BY(mu) = nullptr;
 };
 
-class LoopLender {
+class LoopLender final : public CallerLoop {
  public:
-  // Installs itself as the calling thread's lender until destroyed.
+  // Belongs to the calling thread.
   LoopLender();
-  ~LoopLender();
+  ~LoopLender() override;
   LoopLender(const LoopLender&) = delete;
   LoopLender& operator=(const LoopLender&) = delete;
 
-  // The calling thread's lender while it lends (null otherwise, or while
-  // paused).
-  static LoopLender* Current();
+  // `loop` when it is a LoopLender called on its own thread and not paused:
+  // a lender that may take work now; null otherwise.
+  static LoopLender* Lending(CallerLoop* loop);
 
   // While paused (e.g. while the loop must answer refusals at once) models
   // see no lender: what it queues goes to their workers, and the next
   // RunDue hands the models it lists to their workers too.
-  void set_paused(bool paused) { paused_ = paused; }
+  void set_paused(bool paused) override { paused_ = paused; }
 
   // Remembers a model that holds work for this lender (DynamicBatcher,
   // on this thread). Whether it was listed already.
@@ -74,12 +80,13 @@ class LoopLender {
   // pending handlers). `*wait_ns` is set to how long the loop may wait for
   // events before it should call again (-1: until an event, nothing is
   // waiting for time to pass).
-  bool RunDue(int64_t* wait_ns);
+  bool RunDue(int64_t* wait_ns) override;
 
   // Models listed.
   size_t listed() const { return slots_.size(); }
 
  private:
+  const std::thread::id owner_ = std::this_thread::get_id();
   std::vector<std::shared_ptr<LendSlot>> slots_;
   bool paused_ = false;
 };

@@ -446,6 +446,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   p->OpenJobs(redis);
 
   QUERN_RETURN_IF_ERROR(p->MakeRouters());
+  o.http.caller_loop = &Engine::NewCallerLoop;  // on one core the I/O threads run their requests' batches
   if (!o.access_log.empty()) {
     QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));
     o.http.access_log = [log = p->access_log, router = p->router.get()](const HttpAccess& a) {

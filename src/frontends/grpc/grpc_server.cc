@@ -64,7 +64,7 @@ int64_t DeadlineNs(const grpc::CallbackServerContext* ctx, const Engine& engine)
 // Which stream the previous streamed inference came from. A stream whose
 // requests follow one another with nobody else's between them, one in
 // flight at a time, is alone: its batch may run on the gRPC thread that
-// received it (InferRequest::lend_thread; the engine decides whether it is
+// received it (SubmitOptions::lend_thread; the engine decides whether it is
 // short enough), with no hand-off to an engine thread and back. While
 // streams take turns, their requests go to the engine's threads, where they
 // batch: run on the receiving threads, each would run alone (on a busy core
@@ -386,7 +386,6 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     auto cancel = std::make_shared<CancellationToken>();
     ir->cancel = cancel;
     ir->deadline_ns = DeadlineNs(ctx_, *engine_);
-    ir->lend_thread = lone;
     {
       MutexLock lock(mu_);
       if (broken_) cancel->Cancel();
@@ -402,7 +401,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       Release();
     };
-    if (Status st = engine_->InferAsync(std::move(*ir), done); !st.ok()) {
+    if (Status st = engine_->InferAsync(std::move(*ir), done, {.lend_thread = lone}); !st.ok()) {
       InferResponse refused;  // answered and counted as the callback does
       refused.status = std::move(st);
       done(std::move(refused));

@@ -36,7 +36,6 @@
 #include "core/log.h"
 #include "core/memory.h"
 #include "frontends/http/content_encoding.h"
-#include "scheduler/loop_lender.h"
 
 namespace quern {
 
@@ -112,7 +111,7 @@ struct Loop {
   bool urgent = false;
   // This thread's lender while it runs batches (one usable core), and
   // when it last looked at their queues. Loop thread only.
-  LoopLender* lender = nullptr;
+  CallerLoop* lender = nullptr;
   int64_t lent_at_ns = 0;
   std::thread thread;
 
@@ -609,6 +608,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!cancel_ || cancel_.use_count() != 1 || cancel_->cancelled()) cancel_ = std::make_shared<CancellationToken>();
     req.cancel = cancel_;
     req.lone_client = loop_.last_client == this;
+    req.loop = loop_.lender;
     loop_.last_client = this;
     deadline_ns_.store(0, std::memory_order_release);
     state_.store(0, std::memory_order_relaxed);
@@ -979,14 +979,14 @@ class HttpServer::Impl {
     Accept();
     // On one usable core the loops run their requests' batches: a hand-off
     // to an instance's thread would only take turns with them on it.
-    const bool lend = UsableCores() == 1;
+    const bool lend = UsableCores() == 1 && shared_.options.caller_loop;
     for (auto& loop : loops_) {
       ScheduleSweep(*loop);
-      loop->thread = std::thread([l = loop.get(), lend] {
+      loop->thread = std::thread([this, l = loop.get(), lend] {
         NameThisThread("quern-http");
         DeferToRunningThreads();  // until the server refuses work (Session::ReadNext)
         if (lend) {
-          RunLending(*l);
+          RunLending(*l, shared_.options.caller_loop());
         } else {
           l->io.run();
         }
@@ -999,14 +999,13 @@ class HttpServer::Impl {
   // handler first (reading the requests that have arrived, writing
   // answers), then the batches due, then a wait for the next event or for
   // the time a queued batch is due.
-  static void RunLending(Loop& l) {
-    LoopLender lender;
-    l.lender = &lender;
+  static void RunLending(Loop& l, std::unique_ptr<CallerLoop> lender) {
+    l.lender = lender.get();
     while (!l.io.stopped()) {
       l.io.poll();
       l.lent_at_ns = NowNs();
       int64_t wait_ns = -1;
-      if (lender.RunDue(&wait_ns) || l.io.stopped()) continue;
+      if (lender->RunDue(&wait_ns) || l.io.stopped()) continue;
       if (wait_ns < 0) {
         l.io.run_one();
       } else if (wait_ns > 0) {

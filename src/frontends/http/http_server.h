@@ -58,6 +58,10 @@ struct HttpServerOptions {
   // Called once per response, on any thread, as it is written: an access
   // log. Must be quick and thread-safe. Empty = none.
   std::function<void(const HttpAccess&)> access_log;
+  // On a machine with one usable core, each I/O thread makes a loop with
+  // this (on itself) and runs its requests' batches (HttpRequest::loop);
+  // empty: never (e.g. Engine::NewCallerLoop).
+  std::function<std::unique_ptr<CallerLoop>()> caller_loop;
 };
 
 class HttpServer {

@@ -35,6 +35,10 @@ struct HttpRequest {
   // thread instead of handing it to another thread and back. While several
   // clients take turns, it stays false: their requests would wait unread.
   bool lone_client = false;
+  // Set by the server while its I/O thread runs its requests' batches (one
+  // usable core, HttpServerOptions::caller_loop): a handler that submits on
+  // this thread passes it on (SubmitOptions::loop). Null otherwise.
+  CallerLoop* loop = nullptr;
 
   // The value of header `name` (lower case), or "" when absent.
   std::string_view Header(std::string_view name) const {

@@ -401,8 +401,9 @@ void KServeHandler::Infer(HttpRequest&& req, const RouteMatch& m, HttpDone done)
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
   // A lone client's batch may run on this I/O thread (the engine decides
-  // whether it is short enough): no hand-off to an engine thread and back.
-  parsed->request.lend_thread = req.lone_client;
+  // whether it is short enough): no hand-off to an engine thread and back;
+  // a lending loop's, later, on it.
+  const SubmitOptions options{.lend_thread = req.lone_client, .loop = req.loop};
   // The request's name in the engine (and a Python model's request_id()):
   // its KServe id, else the X-Request-ID.
   if (UsableRequestId(parsed->format.id)) {
@@ -427,7 +428,7 @@ void KServeHandler::Infer(HttpRequest&& req, const RouteMatch& m, HttpDone done)
     AnswerScratch::Release();
     done(std::move(answer));
   };
-  if (Status st = engine_->InferAsync(std::move(parsed->request), respond); !st.ok()) {
+  if (Status st = engine_->InferAsync(std::move(parsed->request), respond, options); !st.ok()) {
     InferResponse refused;  // the callback is still ours: it answers
     refused.status = std::move(st);
     respond(std::move(refused));

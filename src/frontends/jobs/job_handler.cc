@@ -205,10 +205,12 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   InferRequest ir = std::move(parsed->request);
   ir.metadata.emplace_back("request_id", job->id);  // the engine's log lines name the job
   ir.cancel = job->cancel;                          // the job outlives the connection that submitted it
-  ir.on_start = [job, clock = &engine_->clock()] {
+  SubmitOptions options;
+  options.on_start = [job, clock = &engine_->clock()] {
     int queued = kQueued;
     if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(clock->WallMs());
   };
+  options.loop = req.loop;
   {
     // Listed before it is submitted: it may complete (and be unlisted) at once.
     MutexLock lock(mu_);
@@ -216,7 +218,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     pending_count_.Set(static_cast<int64_t>(pending_.size()));
   }
   InferCallback complete = [this, job](InferResponse&& r) { Complete(job, std::move(r)); };
-  if (Status st = engine_->InferAsync(std::move(ir), complete); !st.ok()) {
+  if (Status st = engine_->InferAsync(std::move(ir), complete, options); !st.ok()) {
     // Refused at submission (bad input, unknown model, queue full): no job.
     {
       MutexLock lock(mu_);

@@ -878,7 +878,8 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       ir.deadline_ns = engine_->clock().NowNs() + ahead_ms * 1'000'000;
     }
     auto started = std::make_shared<std::atomic<int64_t>>(0);
-    ir.on_start = [started, clock = &engine_->clock()] { started->store(clock->WallMs()); };
+    SubmitOptions options;
+    options.on_start = [started, clock = &engine_->clock()] { started->store(clock->WallMs()); };
     InferCallback done = [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
       rec->started_ms = started->load();
       rec->finished_ms = self->engine_->clock().WallMs();
@@ -894,7 +895,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       Status status = r.status;
       self->Finish(group, i, rec, std::move(status));
     };
-    if (Status st = engine_->InferAsync(std::move(ir), done); !st.ok()) fail(std::move(st));
+    if (Status st = engine_->InferAsync(std::move(ir), done, options); !st.ok()) fail(std::move(st));
   }
 
   void Finish(const std::shared_ptr<Group>& group, size_t i, std::shared_ptr<JobRecord> rec, Status status) {
