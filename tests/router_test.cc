@@ -173,6 +173,7 @@ TEST(Router, AFormRoutesKeyMayComeInItsBodyButNeverInACompressedOne) {
                   .ok());
   RouteScope cpai;
   cpai.prefix = "v1";
+  cpai.key = KeyPolicy::kUserOrForm;  // read as kUser: no route's handler reads the form
   cpai.query_key = true;
   KeyProblem seen = KeyProblem::kRefused;
   cpai.refuse = [&](const HttpRequest&, const Status& st, KeyProblem problem) {
@@ -202,6 +203,10 @@ TEST(Router, AFormRoutesKeyMayComeInItsBodyButNeverInACompressedOne) {
   EXPECT_EQ(checked, "in the head");
   auto missing = Head(r, "GET", "/v1/vision/detection");
   ASSERT_TRUE(missing.has_value()) << "a GET has no form: its key is in its head";
+  EXPECT_EQ(seen, KeyProblem::kMissing);
+  seen = KeyProblem::kRefused;
+  auto unrouted = Head(r, "POST", "/v1/vision/detection/more");
+  ASSERT_TRUE(unrouted.has_value()) << "no route's handler would read the form: its body is not read for a key";
   EXPECT_EQ(seen, KeyProblem::kMissing);
 }
 

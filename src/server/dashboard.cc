@@ -123,21 +123,22 @@ HttpResponse DashboardState(const DashboardSources& s) {
 }
 
 Status AddDashboardRoutes(Router& router, const DashboardSources& sources) {
-  const Route routes[] = {
-      {"GET", "/", KeyPolicy::kNone, false, nullptr,
-       [](HttpRequest&&, const RouteMatch&, HttpDone done) { done(DashboardFile("index.html")); }},
-      // Only at its own path: "/dashboard/app.js/" or "/dashboard//app.js" is no file.
-      {"GET", "/dashboard/{file}", KeyPolicy::kNone, false, nullptr,
-       [](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
-         const std::string_view path = std::string_view(r.target).substr(0, r.target.find('?'));
-         done(DashboardFile(path == "/dashboard/" + m.param("file") ? m.param("file") : std::string_view()));
-       }},
-      // It names models.
-      {"GET", "/dashboard/state", KeyPolicy::kUser, false, nullptr,
-       [&sources](HttpRequest&&, const RouteMatch&, HttpDone done) { done(DashboardState(sources)); }},
+  // Each file at its own path alone ("/dashboard/app.js/" is no file), open
+  // to anyone; any other path under /dashboard is no route of these.
+  auto file = [](std::string name) -> RouteHandler {
+    return [name](HttpRequest&& r, const RouteMatch&, HttpDone done) {
+      const std::string_view path = std::string_view(r.target).substr(0, r.target.find('?'));
+      done(DashboardFile(path == "/" || path == "/dashboard/" + name ? name : std::string()));
+    };
   };
-  for (const Route& r : routes) QUERN_RETURN_IF_ERROR(router.Add(r));
-  return Status::Ok();
+  QUERN_RETURN_IF_ERROR(router.Add({"GET", "/", KeyPolicy::kNone, false, nullptr, file("index.html")}));
+  for (const auto& a : dashboard_assets::kAssets) {
+    const std::string name(a.name);
+    QUERN_RETURN_IF_ERROR(router.Add({"GET", "/dashboard/" + name, KeyPolicy::kNone, false, nullptr, file(name)}));
+  }
+  // It names models.
+  return router.Add({"GET", "/dashboard/state", KeyPolicy::kUser, false, nullptr,
+                     [&sources](HttpRequest&&, const RouteMatch&, HttpDone done) { done(DashboardState(sources)); }});
 }
 
 }  // namespace quern

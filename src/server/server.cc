@@ -226,8 +226,8 @@ struct Server::Parts {
   Status MakeRouters();
 };
 
-// Redis, when there is one (results, job streams// Redis, when there is one (results, job streams, registered faces):
-// the URL's settings, with passwords from the environment when the URL has none.
+// Redis, when there is one (results, job streams, registered faces): the
+// URL's settings, with passwords from the environment when the URL has none.
 Result<RedisOptions> RedisSettings(const ServerOptions& o) {
   RedisOptions redis = o.redis;
   if (o.redis_url.empty()) return redis;

@@ -259,6 +259,12 @@ def head_only_answer(port, head):
     ("HTTP", b"POST /v1/vision/detection?api_key=wrong HTTP/1.1\r\nHost: q\r\n"
              b"Content-Type: multipart/form-data; boundary=xx\r\nContent-Length: 60000000\r\n\r\n"),
     ("metrics", b"POST /metrics HTTP/1.1\r\nHost: q\r\nContent-Encoding: gzip\r\nContent-Length: 60000000\r\n\r\n"),
+    # No route: no form of a route's is read for a key, so the body is not read at all.
+    ("HTTP", b"POST /v1/no/such/route HTTP/1.1\r\nHost: q\r\n"
+             b"Content-Type: multipart/form-data; boundary=xx\r\nContent-Length: 60000000\r\n\r\n"),
+    ("HTTP", b"POST /v1/vision/detection/more HTTP/1.1\r\nHost: q\r\n"
+             b"Content-Type: multipart/form-data; boundary=xx\r\nContent-Length: 60000000\r\n\r\n"),
+    ("HTTP", b"GET /dashboard/no-such-file HTTP/1.1\r\nHost: q\r\nContent-Length: 60000000\r\n\r\n"),
 ])
 def test_every_route_checks_the_key_in_the_head_before_the_body(keyed, port_name, head):
     data = head_only_answer(keyed[port_name], head)

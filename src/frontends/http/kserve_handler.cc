@@ -243,7 +243,9 @@ Status KServeHandler::AddRoutes(Router& router) {
   using K = KeyPolicy;
   // Binds a member function as a route's handler.
   auto to = [this](void (KServeHandler::*f)(HttpRequest&&, const RouteMatch&, HttpDone)) -> RouteHandler {
-    return [this, f](HttpRequest&& r, const RouteMatch& m, HttpDone done) { (this->*f)(std::move(r), m, done); };
+    return [this, f](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+      (this->*f)(std::move(r), m, std::move(done));
+    };
   };
   const Route routes[] = {
       {"GET", "/v2", K::kUser, false, nullptr, to(&KServeHandler::ServerMetadata)},

@@ -232,6 +232,13 @@ Router::Found Router::Match(unsigned method_bits, std::string_view target) const
   return f;
 }
 
+KeyPolicy Router::KeyOf(const Route* route, const RouteScope* scope) {
+  if (route) return route->key;
+  // No handler of a route reads a form's key here.
+  if (!scope || scope->key == KeyPolicy::kUserOrForm) return KeyPolicy::kUser;
+  return scope->key;
+}
+
 bool Router::Draining() const {
   return options_.draining != nullptr && options_.draining->load(std::memory_order_acquire);
 }
@@ -270,10 +277,9 @@ std::optional<HttpResponse> Router::Head(const HttpRequest& head) const {
   if (Draining() && !(route && route->while_draining)) {
     return ErrorResponse(Unavailable("the server is shutting down"));
   }
-  const KeyPolicy key = route ? route->key : f.scope ? f.scope->key : KeyPolicy::kUser;
-  if (auto refused = Authorize(head, key, f.scope)) return refused;
+  if (auto refused = Authorize(head, KeyOf(route, f.scope), f.scope)) return refused;
   // A key still to come in the body: admitted once it is known.
-  if (!route || !route->head || KeyInBody(head, key, f.scope)) return std::nullopt;
+  if (!route || !route->head || KeyInBody(head, route->key, f.scope)) return std::nullopt;
   return route->head(head, f.match);
 }
 

@@ -114,9 +114,11 @@ struct Route {
 };
 
 struct RouteScope {
-  std::string prefix;                // the first path segment ("v2"), "" = every path under no other scope
-  KeyPolicy key = KeyPolicy::kUser;  // for a request no route takes
-  bool query_key = false;            // a key may come as ?api_key=... (CodeProject.AI clients)
+  std::string prefix;  // the first path segment ("v2"), "" = every path under no other scope
+  // For a request no route takes (kUserOrForm is read as kUser: no handler
+  // reads its form).
+  KeyPolicy key = KeyPolicy::kUser;
+  bool query_key = false;  // a key may come as ?api_key=... (CodeProject.AI clients)
   // A refused key's answer (null: 401 with WWW-Authenticate: Bearer, 403,
   // 429, as {"error": ...}).
   std::function<HttpResponse(const HttpRequest& head, const Status& refused, KeyProblem problem)> refuse;
@@ -175,6 +177,8 @@ class Router {
   bool KeyInBody(const HttpRequest& head, KeyPolicy key, const RouteScope* scope) const;
   std::optional<HttpResponse> Authorize(const HttpRequest& head, KeyPolicy key, const RouteScope* scope) const;
   bool Draining() const;
+  // The key a request needs: its route's, else its scope's.
+  static KeyPolicy KeyOf(const Route* route, const RouteScope* scope);
 
   RouterOptions options_;
   std::vector<Route> routes_;                        // as declared

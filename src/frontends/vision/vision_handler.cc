@@ -115,7 +115,7 @@ Status VisionHandler::AddRoutes(Router& router) {
   // field or the query) and read errors as 200 with success false.
   RouteScope cpai;
   cpai.prefix = "v1";
-  cpai.key = K::kUserOrForm;
+  cpai.key = K::kUser;
   cpai.query_key = true;
   cpai.refuse = [this](const HttpRequest&, const Status& st, KeyProblem problem) {
     return KeyRefusal(st, problem, /*predict=*/false);
