@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 #include "pipeline/postprocess.h"
 
 namespace {

@@ -17,7 +17,7 @@
 #include <thread>
 #include <utility>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 #include "test_util.h"
 
 namespace quern {

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "image/ocr.h"
+
 namespace quern::ocr {
 namespace {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "frontends/vision/multipart.h"
-#include "pipeline/image.h"
+#include "image/image.h"
 #include "pipeline/postprocess.h"
 
 namespace quern {

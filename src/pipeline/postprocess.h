@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 #include "quern/status.h"
 #include "quern/tensor.h"
 

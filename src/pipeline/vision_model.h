@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 #include "pipeline/postprocess.h"
 #include "quern/engine.h"
 

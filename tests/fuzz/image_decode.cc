@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "fuzz_util.h"
-#include "pipeline/image.h"
+#include "image/image.h"
 
 #ifndef QUERN_FUZZ_FORMAT
 #define QUERN_FUZZ_FORMAT 0  // 0 any, 1 JPEG, 2 PNG, 3 BMP, 4 WebP

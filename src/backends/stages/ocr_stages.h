@@ -30,8 +30,8 @@
 //                        dropped; boxes moved back to the source image
 //
 // Each stage is a Model (max_batch_size 0: one image per request) whose
-// inputs and outputs the backend fills into the configuration. The geometry
-// helpers are exposed for tests.
+// inputs and outputs the backend fills into the configuration; the
+// algorithms are in image/ocr.h.
 #pragma once
 
 #include <array>
@@ -44,45 +44,6 @@
 #include "quern/model.h"
 
 namespace quern::ocr {
-
-struct Point {
-  double x = 0, y = 0;
-};
-
-// cv2.minAreaRect / boxPoints for a set of points: the four corners of the
-// smallest rectangle holding them and its shorter side.
-struct MinRect {
-  std::array<Point, 4> corners;
-  double short_side = 0;
-};
-MinRect MinAreaRect(std::vector<Point> points);
-
-// DB post-processing of one probability map (height x width, row-major) to
-// boxes in a destination image of dest_width x dest_height: each box is
-// four corners, top-left, top-right, bottom-right, bottom-left, in reading
-// order.
-struct DbOptions {
-  float threshold = 0.3f;
-  float box_threshold = 0.5f;
-  float unclip_ratio = 1.6f;
-  int max_candidates = 1000;
-  bool dilate = true;
-};
-struct TextBox {
-  std::array<Point, 4> corners;
-  float score = 0;
-};
-std::vector<TextBox> DetectBoxes(const float* probability, int width, int height, int dest_width, int dest_height,
-                                 const DbOptions& options);
-
-// CTC greedy decoding of one line: `probabilities` is steps x classes;
-// class 0 is the blank, class i is characters[i - 1].
-struct Decoded {
-  std::string text;
-  float confidence = 0;
-};
-Decoded CtcDecode(const float* probabilities, int64_t steps, int64_t classes,
-                  const std::vector<std::string>& characters);
 
 // The stage `stage` for `config` (its inputs, outputs and max_batch_size are
 // filled in; `model_dir` holds files it reads, such as the dictionary), or

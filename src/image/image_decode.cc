@@ -11,7 +11,7 @@
 #include <cstring>
 #include <memory>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 
 namespace quern {
 namespace {

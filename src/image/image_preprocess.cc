@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "pipeline/image.h"
+#include "image/image.h"
 
 namespace quern {
 namespace {

@@ -1,0 +1,429 @@
+#include "image/ocr.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace quern::ocr {
+namespace {
+
+// ---------------------------------------------------------------- geometry
+
+double Cross(const Point& o, const Point& a, const Point& b) {
+  return (a.x - o.x) * (b.y - o.y) - (a.y - o.y) * (b.x - o.x);
+}
+
+// Andrew's monotone chain: the convex hull, counter-clockwise, no repeats.
+std::vector<Point> ConvexHull(std::vector<Point> p) {
+  std::sort(p.begin(), p.end(), [](const Point& a, const Point& b) { return a.x < b.x || (a.x == b.x && a.y < b.y); });
+  p.erase(std::unique(p.begin(), p.end(), [](const Point& a, const Point& b) { return a.x == b.x && a.y == b.y; }),
+          p.end());
+  if (p.size() < 3) return p;
+  std::vector<Point> hull(2 * p.size());
+  size_t k = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    while (k >= 2 && Cross(hull[k - 2], hull[k - 1], p[i]) <= 0) --k;
+    hull[k++] = p[i];
+  }
+  for (size_t i = p.size() - 1, t = k + 1; i > 0; --i) {
+    while (k >= t && Cross(hull[k - 2], hull[k - 1], p[i - 1]) <= 0) --k;
+    hull[k++] = p[i - 1];
+  }
+  hull.resize(k - 1);
+  return hull;
+}
+
+// get_mini_boxes' order: of the corners sorted by x, the upper of the left
+// two is top-left, the lower bottom-left; likewise on the right.
+std::array<Point, 4> MiniBoxOrder(std::array<Point, 4> c) {
+  std::stable_sort(c.begin(), c.end(), [](const Point& a, const Point& b) { return a.x < b.x; });
+  const Point tl = c[1].y > c[0].y ? c[0] : c[1];
+  const Point bl = c[1].y > c[0].y ? c[1] : c[0];
+  const Point tr = c[3].y > c[2].y ? c[2] : c[3];
+  const Point br = c[3].y > c[2].y ? c[3] : c[2];
+  return {tl, tr, br, bl};
+}
+
+// order_points_clockwise: left two by y (top-left, bottom-left), right two
+// by y (top-right, bottom-right).
+std::array<Point, 4> ClockwiseOrder(std::array<Point, 4> c) {
+  std::stable_sort(c.begin(), c.end(), [](const Point& a, const Point& b) { return a.x < b.x; });
+  auto by_y = [](const Point& a, const Point& b) { return a.y < b.y; };
+  std::stable_sort(c.begin(), c.begin() + 2, by_y);
+  std::stable_sort(c.begin() + 2, c.end(), by_y);
+  return {c[0], c[2], c[3], c[1]};
+}
+
+bool InsideOrOn(const std::array<Point, 4>& poly, double x, double y) {
+  bool inside = false;
+  for (size_t i = 0, j = 3; i < 4; j = i++) {
+    const Point& a = poly[i];
+    const Point& b = poly[j];
+    // On the edge (cv2.fillPoly paints the outline too).
+    const double cross = (b.x - a.x) * (y - a.y) - (b.y - a.y) * (x - a.x);
+    if (std::abs(cross) < 1e-9 && x >= std::min(a.x, b.x) - 1e-9 && x <= std::max(a.x, b.x) + 1e-9 &&
+        y >= std::min(a.y, b.y) - 1e-9 && y <= std::max(a.y, b.y) + 1e-9) {
+      return true;
+    }
+    if ((a.y > y) != (b.y > y) && x < (b.x - a.x) * (y - a.y) / (b.y - a.y) + a.x) inside = !inside;
+  }
+  return inside;
+}
+
+// box_score_fast: the mean probability inside the box (corners truncated
+// to whole pixels, as the polygon is filled).
+float BoxScore(const float* prob, int width, int height, const std::array<Point, 4>& box) {
+  double xmin = box[0].x, xmax = box[0].x, ymin = box[0].y, ymax = box[0].y;
+  for (const Point& p : box) {
+    xmin = std::min(xmin, p.x);
+    xmax = std::max(xmax, p.x);
+    ymin = std::min(ymin, p.y);
+    ymax = std::max(ymax, p.y);
+  }
+  const int x0 = std::clamp(static_cast<int>(std::floor(xmin)), 0, width - 1);
+  const int x1 = std::clamp(static_cast<int>(std::ceil(xmax)), 0, width - 1);
+  const int y0 = std::clamp(static_cast<int>(std::floor(ymin)), 0, height - 1);
+  const int y1 = std::clamp(static_cast<int>(std::ceil(ymax)), 0, height - 1);
+  std::array<Point, 4> local;
+  for (size_t i = 0; i < 4; ++i) {
+    local[i] = {std::trunc(box[i].x - x0), std::trunc(box[i].y - y0)};
+  }
+  double sum = 0;
+  int64_t n = 0;
+  for (int y = y0; y <= y1; ++y) {
+    for (int x = x0; x <= x1; ++x) {
+      if (InsideOrOn(local, x - x0, y - y0)) {
+        sum += prob[static_cast<size_t>(y) * static_cast<size_t>(width) + static_cast<size_t>(x)];
+        ++n;
+      }
+    }
+  }
+  return n ? static_cast<float>(sum / static_cast<double>(n)) : 0.f;
+}
+
+// ---------------------------------------------------------------- pixels
+
+// The source pixel left of (or above) output pixel `o`'s centre, and the
+// weight of the next one, for a resize by `scale` = source / output size;
+// edges clamped.
+int SourceIndex(int o, double scale, int size, float& weight) {
+  double f = (o + 0.5) * scale - 0.5;
+  int i = static_cast<int>(std::floor(f));
+  f -= i;
+  if (i < 0) i = 0, f = 0;
+  if (i >= size - 1) i = size - 1, f = 0;
+  weight = static_cast<float>(f);
+  return i;
+}
+
+// Solves the 8 unknowns of the perspective map taking `from` to `to`
+// (cv2.getPerspectiveTransform); h[8] = 1.
+std::array<double, 9> Perspective(const std::array<Point, 4>& from, const std::array<Point, 4>& to) {
+  double a[8][9] = {};
+  for (int i = 0; i < 4; ++i) {
+    const Point& f = from[static_cast<size_t>(i)];
+    const Point& t = to[static_cast<size_t>(i)];
+    double* r0 = a[i];
+    double* r1 = a[i + 4];
+    r0[0] = f.x, r0[1] = f.y, r0[2] = 1, r0[6] = -f.x * t.x, r0[7] = -f.y * t.x, r0[8] = t.x;
+    r1[3] = f.x, r1[4] = f.y, r1[5] = 1, r1[6] = -f.x * t.y, r1[7] = -f.y * t.y, r1[8] = t.y;
+  }
+  for (int c = 0; c < 8; ++c) {
+    int pivot = c;
+    for (int r = c + 1; r < 8; ++r) {
+      if (std::abs(a[r][c]) > std::abs(a[pivot][c])) pivot = r;
+    }
+    std::swap(a[c], a[pivot]);
+    if (std::abs(a[c][c]) < 1e-12) return {1, 0, 0, 0, 1, 0, 0, 0, 1};  // degenerate: identity
+    for (int r = 0; r < 8; ++r) {
+      if (r == c) continue;
+      const double k = a[r][c] / a[c][c];
+      for (int k2 = c; k2 < 9; ++k2) a[r][k2] -= k * a[c][k2];
+    }
+  }
+  std::array<double, 9> h{};
+  for (int i = 0; i < 8; ++i) h[static_cast<size_t>(i)] = a[i][8] / a[i][i];
+  h[8] = 1;
+  return h;
+}
+
+}  // namespace
+
+double Distance(const Point& a, const Point& b) {
+  return std::hypot(a.x - b.x, a.y - b.y);
+}
+
+// cv2.resize INTER_LINEAR of an 8-bit 3-channel image (pixel centres at
+// half-integers, edges clamped), rounded back to 8 bits.
+std::vector<uint8_t> Resize(const uint8_t* src, int sw, int sh, int dw, int dh) {
+  std::vector<uint8_t> out(static_cast<size_t>(dw) * static_cast<size_t>(dh) * 3);
+  std::vector<int> xs(static_cast<size_t>(dw));
+  std::vector<float> fx(static_cast<size_t>(dw));
+  const double sx = static_cast<double>(sw) / dw, sy = static_cast<double>(sh) / dh;
+  for (int x = 0; x < dw; ++x) {
+    xs[static_cast<size_t>(x)] = SourceIndex(x, sx, sw, fx[static_cast<size_t>(x)]);
+  }
+  for (int y = 0; y < dh; ++y) {
+    float wy = 0;
+    const int j = SourceIndex(y, sy, sh, wy);
+    const uint8_t* r0 = src + static_cast<size_t>(j) * static_cast<size_t>(sw) * 3;
+    const uint8_t* r1 = src + static_cast<size_t>(std::min(j + 1, sh - 1)) * static_cast<size_t>(sw) * 3;
+    uint8_t* o = out.data() + static_cast<size_t>(y) * static_cast<size_t>(dw) * 3;
+    for (int x = 0; x < dw; ++x) {
+      const size_t i0 = static_cast<size_t>(xs[static_cast<size_t>(x)]) * 3;
+      const size_t i1 = static_cast<size_t>(std::min(xs[static_cast<size_t>(x)] + 1, sw - 1)) * 3;
+      const float wx = fx[static_cast<size_t>(x)];
+      for (size_t c = 0; c < 3; ++c) {
+        const float top = r0[i0 + c] + (r0[i1 + c] - r0[i0 + c]) * wx;
+        const float bottom = r1[i0 + c] + (r1[i1 + c] - r1[i0 + c]) * wx;
+        o[static_cast<size_t>(x) * 3 + c] = static_cast<uint8_t>(std::lround(top + (bottom - top) * wy));
+      }
+    }
+  }
+  return out;
+}
+
+// Writes an 8-bit image as planar floats (pixel / 255 - mean) / std into a
+// [3, height, stride] plane (the columns past `width` are left as they are).
+void ToPlanes(const uint8_t* src, int width, int height, float* out, int stride, const std::array<float, 3>& mean,
+              const std::array<float, 3>& std) {
+  const size_t plane = static_cast<size_t>(height) * static_cast<size_t>(stride);
+  for (int y = 0; y < height; ++y) {
+    for (int x = 0; x < width; ++x) {
+      const uint8_t* p = src + (static_cast<size_t>(y) * static_cast<size_t>(width) + static_cast<size_t>(x)) * 3;
+      for (size_t c = 0; c < 3; ++c) {
+        out[c * plane + static_cast<size_t>(y) * static_cast<size_t>(stride) + static_cast<size_t>(x)] =
+            (static_cast<float>(p[c]) / 255.f - mean[c]) / std[c];
+      }
+    }
+  }
+}
+
+// get_rotate_crop_image: the box straightened into an image of its own
+// (bilinear, edges replicated); turned 90 degrees counter-clockwise when it
+// is at least 1.5 times as tall as wide.
+Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box) {
+  const int w = std::max(1, static_cast<int>(std::max(Distance(box[0], box[1]), Distance(box[2], box[3]))));
+  const int h = std::max(1, static_cast<int>(std::max(Distance(box[0], box[3]), Distance(box[1], box[2]))));
+  const std::array<Point, 4> straight = {Point{0, 0}, Point{static_cast<double>(w), 0},
+                                         Point{static_cast<double>(w), static_cast<double>(h)},
+                                         Point{0, static_cast<double>(h)}};
+  const auto m = Perspective(straight, box);  // crop pixel -> source pixel
+  Image out;
+  out.width = w;
+  out.height = h;
+  out.pixels.resize(static_cast<size_t>(w) * static_cast<size_t>(h) * 3);
+  auto at = [&](int x, int y, size_t c) {
+    x = std::clamp(x, 0, sw - 1);
+    y = std::clamp(y, 0, sh - 1);
+    return static_cast<float>(src[(static_cast<size_t>(y) * static_cast<size_t>(sw) + static_cast<size_t>(x)) * 3 + c]);
+  };
+  for (int y = 0; y < h; ++y) {
+    for (int x = 0; x < w; ++x) {
+      const double d = m[6] * x + m[7] * y + m[8];
+      const double u = (m[0] * x + m[1] * y + m[2]) / d;
+      const double v = (m[3] * x + m[4] * y + m[5]) / d;
+      const int x0 = static_cast<int>(std::floor(u)), y0 = static_cast<int>(std::floor(v));
+      const float fx = static_cast<float>(u - x0), fy = static_cast<float>(v - y0);
+      for (size_t c = 0; c < 3; ++c) {
+        const float top = at(x0, y0, c) + (at(x0 + 1, y0, c) - at(x0, y0, c)) * fx;
+        const float bottom = at(x0, y0 + 1, c) + (at(x0 + 1, y0 + 1, c) - at(x0, y0 + 1, c)) * fx;
+        out.pixels[(static_cast<size_t>(y) * static_cast<size_t>(w) + static_cast<size_t>(x)) * 3 + c] =
+            static_cast<uint8_t>(std::clamp(std::lround(top + (bottom - top) * fy), 0L, 255L));
+      }
+    }
+  }
+  if (h >= 1.5 * w) {
+    Image turned;
+    turned.width = h;
+    turned.height = w;
+    turned.pixels.resize(out.pixels.size());
+    for (int i = 0; i < w; ++i) {    // rows of the turned image
+      for (int j = 0; j < h; ++j) {  // its columns
+        const uint8_t* p =
+            &out.pixels[(static_cast<size_t>(j) * static_cast<size_t>(w) + static_cast<size_t>(w - 1 - i)) * 3];
+        std::memcpy(&turned.pixels[(static_cast<size_t>(i) * static_cast<size_t>(h) + static_cast<size_t>(j)) * 3], p,
+                    3);
+      }
+    }
+    return turned;
+  }
+  return out;
+}
+
+MinRect MinAreaRect(std::vector<Point> points) {
+  MinRect r;
+  const std::vector<Point> hull = ConvexHull(std::move(points));
+  if (hull.empty()) return r;
+  if (hull.size() < 3) {
+    const Point a = hull.front(), b = hull.back();
+    r.corners = {a, b, b, a};
+    r.short_side = 0;
+    return r;
+  }
+  double best = -1;
+  for (size_t i = 0; i < hull.size(); ++i) {
+    const Point& a = hull[i];
+    const Point& b = hull[(i + 1) % hull.size()];
+    const double len = Distance(a, b);
+    if (len == 0) continue;
+    const double ux = (b.x - a.x) / len, uy = (b.y - a.y) / len;
+    double min_u = 1e300, max_u = -1e300, min_v = 1e300, max_v = -1e300;
+    for (const Point& p : hull) {
+      const double u = (p.x - a.x) * ux + (p.y - a.y) * uy;
+      const double v = -(p.x - a.x) * uy + (p.y - a.y) * ux;
+      min_u = std::min(min_u, u), max_u = std::max(max_u, u);
+      min_v = std::min(min_v, v), max_v = std::max(max_v, v);
+    }
+    const double area = (max_u - min_u) * (max_v - min_v);
+    if (best < 0 || area < best) {
+      best = area;
+      auto corner = [&](double u, double v) { return Point{a.x + u * ux - v * uy, a.y + u * uy + v * ux}; };
+      r.corners = {corner(min_u, min_v), corner(max_u, min_v), corner(max_u, max_v), corner(min_u, max_v)};
+      r.short_side = std::min(max_u - min_u, max_v - min_v);
+    }
+  }
+  return r;
+}
+
+std::vector<TextBox> DetectBoxes(const float* prob, int width, int height, int dest_width, int dest_height,
+                                 const DbOptions& o) {
+  const size_t count = static_cast<size_t>(width) * static_cast<size_t>(height);
+  std::vector<uint8_t> mask(count);
+  for (size_t i = 0; i < count; ++i) mask[i] = prob[i] > o.threshold;
+  if (o.dilate) {
+    // cv2.dilate with a 2x2 kernel: a pixel is set when it, its left, upper
+    // or upper-left neighbour is.
+    std::vector<uint8_t> d(count);
+    for (int y = 0; y < height; ++y) {
+      for (int x = 0; x < width; ++x) {
+        auto at = [&](int xx, int yy) {
+          return xx >= 0 && yy >= 0 &&
+                 mask[static_cast<size_t>(yy) * static_cast<size_t>(width) + static_cast<size_t>(xx)];
+        };
+        d[static_cast<size_t>(y) * static_cast<size_t>(width) + static_cast<size_t>(x)] =
+            at(x, y) || at(x - 1, y) || at(x, y - 1) || at(x - 1, y - 1);
+      }
+    }
+    mask.swap(d);
+  }
+  // 8-connected regions (their outer contours are what cv2.findContours
+  // finds; a region's minimum-area rectangle is that of its pixels).
+  std::vector<int32_t> label(count, -1);
+  std::vector<TextBox> boxes;
+  std::vector<std::pair<int, int>> stack;
+  int regions = 0;
+  for (int y0 = 0; y0 < height && regions < o.max_candidates; ++y0) {
+    for (int x0 = 0; x0 < width && regions < o.max_candidates; ++x0) {
+      const size_t i0 = static_cast<size_t>(y0) * static_cast<size_t>(width) + static_cast<size_t>(x0);
+      if (!mask[i0] || label[i0] >= 0) continue;
+      std::vector<Point> pixels;
+      label[i0] = regions;
+      stack.push_back({x0, y0});
+      while (!stack.empty()) {
+        const auto [x, y] = stack.back();
+        stack.pop_back();
+        pixels.push_back({static_cast<double>(x), static_cast<double>(y)});
+        for (int dy = -1; dy <= 1; ++dy) {
+          for (int dx = -1; dx <= 1; ++dx) {
+            const int xx = x + dx, yy = y + dy;
+            if (xx < 0 || yy < 0 || xx >= width || yy >= height) continue;
+            const size_t j = static_cast<size_t>(yy) * static_cast<size_t>(width) + static_cast<size_t>(xx);
+            if (mask[j] && label[j] < 0) {
+              label[j] = regions;
+              stack.push_back({xx, yy});
+            }
+          }
+        }
+      }
+      ++regions;
+      const MinRect r = MinAreaRect(std::move(pixels));
+      if (r.short_side < 3) continue;
+      const std::array<Point, 4> box = MiniBoxOrder(r.corners);
+      const float score = BoxScore(prob, width, height, box);
+      if (score < o.box_threshold) continue;
+      // Unclip: the box grown on every side by area x ratio / perimeter
+      // (an offset with round joins, whose minimum-area rectangle this is),
+      // from corners on whole pixels.
+      std::array<Point, 4> whole;
+      for (size_t k = 0; k < 4; ++k) whole[k] = {std::trunc(box[k].x), std::trunc(box[k].y)};
+      double area = 0, perimeter = 0;
+      for (size_t k = 0; k < 4; ++k) {
+        const Point& a = whole[k];
+        const Point& b = whole[(k + 1) % 4];
+        area += a.x * b.y - b.x * a.y;
+        perimeter += Distance(a, b);
+      }
+      area = std::abs(area) / 2;
+      if (perimeter <= 0) continue;
+      const double grow = area * o.unclip_ratio / perimeter;
+      MinRect g = MinAreaRect(std::vector<Point>(whole.begin(), whole.end()));
+      Point centre{0, 0};
+      for (const Point& p : g.corners) centre.x += p.x / 4, centre.y += p.y / 4;
+      const Point e0{g.corners[1].x - g.corners[0].x, g.corners[1].y - g.corners[0].y};
+      const Point e1{g.corners[3].x - g.corners[0].x, g.corners[3].y - g.corners[0].y};
+      const double l0 = std::hypot(e0.x, e0.y), l1 = std::hypot(e1.x, e1.y);
+      if (l0 == 0 || l1 == 0) continue;
+      std::array<Point, 4> grown;
+      for (size_t k = 0; k < 4; ++k) {
+        const Point& p = g.corners[k];
+        const double s0 = ((p.x - centre.x) * e0.x + (p.y - centre.y) * e0.y) >= 0 ? 1 : -1;
+        const double s1 = ((p.x - centre.x) * e1.x + (p.y - centre.y) * e1.y) >= 0 ? 1 : -1;
+        grown[k] = {p.x + s0 * grow * e0.x / l0 + s1 * grow * e1.x / l1,
+                    p.y + s0 * grow * e0.y / l0 + s1 * grow * e1.y / l1};
+      }
+      if (std::min(l0, l1) + 2 * grow < 3 + 2) continue;
+      std::array<Point, 4> out = MiniBoxOrder(grown);
+      for (Point& p : out) {
+        p.x = std::clamp(std::nearbyint(p.x / width * dest_width), 0.0, static_cast<double>(dest_width));
+        p.y = std::clamp(std::nearbyint(p.y / height * dest_height), 0.0, static_cast<double>(dest_height));
+      }
+      // RapidOCR's filter: clockwise, inside the image, wider and taller than 3.
+      out = ClockwiseOrder(out);
+      for (Point& p : out) {
+        p.x = std::clamp(std::trunc(p.x), 0.0, static_cast<double>(dest_width - 1));
+        p.y = std::clamp(std::trunc(p.y), 0.0, static_cast<double>(dest_height - 1));
+      }
+      if (static_cast<int>(Distance(out[0], out[1])) <= 3 || static_cast<int>(Distance(out[0], out[3])) <= 3) continue;
+      boxes.push_back({out, score});
+    }
+  }
+  // Reading order: by the top-left corner's y, then x; boxes whose tops lie
+  // within 10 pixels are ordered left to right.
+  std::stable_sort(boxes.begin(), boxes.end(), [](const TextBox& a, const TextBox& b) {
+    return a.corners[0].y < b.corners[0].y || (a.corners[0].y == b.corners[0].y && a.corners[0].x < b.corners[0].x);
+  });
+  for (size_t i = 0; i + 1 < boxes.size(); ++i) {
+    for (size_t j = i + 1; j-- > 0;) {
+      if (std::abs(boxes[j + 1].corners[0].y - boxes[j].corners[0].y) < 10 &&
+          boxes[j + 1].corners[0].x < boxes[j].corners[0].x) {
+        std::swap(boxes[j], boxes[j + 1]);
+      } else {
+        break;
+      }
+    }
+  }
+  return boxes;
+}
+
+Decoded CtcDecode(const float* p, int64_t steps, int64_t classes, const std::vector<std::string>& characters) {
+  Decoded d;
+  double sum = 0;
+  int64_t kept = 0, previous = -1;
+  for (int64_t t = 0; t < steps; ++t) {
+    const float* row = p + t * classes;
+    const int64_t best = std::max_element(row, row + classes) - row;
+    if (best != 0 && best != previous) {
+      d.text += best <= static_cast<int64_t>(characters.size()) ? characters[static_cast<size_t>(best - 1)] : " ";
+      sum += row[best];
+      ++kept;
+    }
+    previous = best;
+  }
+  d.confidence = kept ? static_cast<float>(sum / static_cast<double>(kept)) : 0.f;
+  return d;
+}
+
+}  // namespace quern::ocr

@@ -1,0 +1,74 @@
+// The OCR algorithms the built-in OCR stages run (backends/stages), after
+// PaddleOCR / RapidOCR: DB post-processing of a text detector's probability
+// map into text boxes, minimum-area rectangles, straightened crops of boxes,
+// cv2-compatible resizing and normalisation, and CTC greedy decoding. Plain
+// functions over pixels and floats, no engine or model types.
+//
+// Thread safety: every function is pure and may run on any thread.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "image/image.h"
+
+namespace quern::ocr {
+
+struct Point {
+  double x = 0, y = 0;
+};
+
+// cv2.minAreaRect / boxPoints for a set of points: the four corners of the
+// smallest rectangle holding them and its shorter side.
+struct MinRect {
+  std::array<Point, 4> corners;
+  double short_side = 0;
+};
+MinRect MinAreaRect(std::vector<Point> points);
+
+// DB post-processing of one probability map (height x width, row-major) to
+// boxes in a destination image of dest_width x dest_height: each box is
+// four corners, top-left, top-right, bottom-right, bottom-left, in reading
+// order.
+struct DbOptions {
+  float threshold = 0.3f;
+  float box_threshold = 0.5f;
+  float unclip_ratio = 1.6f;
+  int max_candidates = 1000;
+  bool dilate = true;
+};
+struct TextBox {
+  std::array<Point, 4> corners;
+  float score = 0;
+};
+std::vector<TextBox> DetectBoxes(const float* probability, int width, int height, int dest_width, int dest_height,
+                                 const DbOptions& options);
+
+// CTC greedy decoding of one line: `probabilities` is steps x classes;
+// class 0 is the blank, class i is characters[i - 1].
+struct Decoded {
+  std::string text;
+  float confidence = 0;
+};
+Decoded CtcDecode(const float* probabilities, int64_t steps, int64_t classes,
+                  const std::vector<std::string>& characters);
+
+double Distance(const Point& a, const Point& b);
+
+// cv2.resize INTER_LINEAR of an 8-bit 3-channel image (pixel centres at
+// half-integers, edges clamped), rounded back to 8 bits.
+std::vector<uint8_t> Resize(const uint8_t* src, int sw, int sh, int dw, int dh);
+
+// Writes an 8-bit image as planar floats (pixel / 255 - mean) / std into a
+// [3, height, stride] plane (the columns past `width` are left as they are).
+void ToPlanes(const uint8_t* src, int width, int height, float* out, int stride, const std::array<float, 3>& mean,
+              const std::array<float, 3>& std);
+
+// get_rotate_crop_image: the box straightened into an image of its own
+// (bilinear, edges replicated); turned 90 degrees counter-clockwise when it
+// is at least 1.5 times as tall as wide.
+Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box);
+
+}  // namespace quern::ocr
