@@ -20,9 +20,8 @@ bool Given(const std::vector<std::string>& args, const std::string& name) {
                      [&](const std::string& a) { return a == flag || a.starts_with(flag + "="); });
 }
 
-}  // namespace
-
-void AddServeFlags(CLI::App* serve, ServerOptions& o) {
+// The repository and its configuration file.
+void AddRepositoryFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--config",
                     "Read settings from this TOML file (keys: these flags' names without the dashes); "
                     "flags given here override it");
@@ -32,6 +31,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_flag("--allow-links-outside-repository", o.allow_links_outside_repository,
                   "Let a model folder be a symbolic link to a folder outside the repository (its files must stay "
                   "inside that folder); by default every model file must lie inside the repository");
+}
+
+// HTTP and gRPC: ports, threads and limits.
+void AddNetworkFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--http-port", o.http.port, "KServe v2 HTTP port (0 = pick a free one and log it)");
   serve->add_option("--host", o.http.host, "Address to listen on");
   serve->add_option("--http-threads", o.http.io_threads, "HTTP I/O threads");
@@ -55,6 +58,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
       ->add_option("--grpc-max-concurrent-streams", o.grpc.max_concurrent_streams,
                    "Calls one gRPC connection may have open at once; more wait on the client (0 = no limit)")
       ->check(CLI::Range(0, 1 << 30));
+}
+
+// The vision routes: their models, port, key and bounds.
+void AddVisionFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--detection-model", o.vision.detection_model,
                     "Model behind POST /v1/vision/detection (default: the first detection model)");
   serve->add_option("--face-model", o.vision.face_model,
@@ -92,6 +99,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
                    "Memory the images admitted at once may hold (bodies and model inputs); more are refused "
                    "(0 = no bound)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+}
+
+// Asynchronous jobs: where results live, Redis, the job streams.
+void AddJobFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--job-result-ttl-secs", o.store.ttl_s,
                     "Seconds a finished job's result is kept (0 = until evicted)");
   serve->add_option("--job-store-max-bytes", o.store.max_bytes,
@@ -130,6 +141,10 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
           "Keep job stream entries every consumer group acknowledged this long before trimming them (0 = trim "
           "at once)")
       ->check(CLI::Range(int64_t{0}, int64_t{10} * 365 * 24 * 3600));
+}
+
+// Metrics, model control, keys, admission, logs, draining and TLS.
+void AddOperationFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--metrics-port", o.metrics.port, "Prometheus metrics port, /metrics (0 = pick a free one)");
 
   serve
@@ -173,6 +188,16 @@ void AddServeFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--grpc-tls-key-file", o.grpc.tls_key_file, "gRPC only: PEM private key (default: --tls-key-file)");
   serve->add_option("--grpc-tls-client-ca-file", o.grpc.tls_client_ca_file,
                     "gRPC only: client certificate CAs (default: --tls-client-ca-file)");
+}
+
+}  // namespace
+
+void AddServeFlags(CLI::App* serve, ServerOptions& o) {
+  AddRepositoryFlags(serve, o);
+  AddNetworkFlags(serve, o);
+  AddVisionFlags(serve, o);
+  AddJobFlags(serve, o);
+  AddOperationFlags(serve, o);
 }
 
 std::string ConfigFileArgument(const std::vector<std::string>& args) {

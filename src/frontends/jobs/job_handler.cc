@@ -64,34 +64,33 @@ std::string CancelledMessage(const std::string& id) {
   return "job '" + id + "' was cancelled (DELETE /v2/jobs/" + id + ")";
 }
 
-// The answer to a job cancelled by its DELETE.
-HttpResponse CancelledAnswer(const std::string& id) {
+// {"job_id": id, "status": status[, "durable": ...]}: the answer to an
+// accepted job (202, durable given, with its Location) or a cancelled one.
+HttpResponse JobStatusAnswer(const std::string& id, const char* status, std::optional<bool> durable) {
   rapidjson::StringBuffer buf;
   Writer w(buf);
   w.StartObject();
   w.Key("job_id");
   String(w, id);
   w.Key("status");
-  w.String("cancelled");
+  w.String(status);
+  if (durable) {
+    w.Key("durable");
+    w.Bool(*durable);
+  }
   w.EndObject();
-  return JsonResponse(200, buf);
-}
-
-// The answer to an accepted job.
-HttpResponse Accepted(const std::string& id, bool durable) {
-  rapidjson::StringBuffer buf;
-  Writer w(buf);
-  w.StartObject();
-  w.Key("job_id");
-  String(w, id);
-  w.Key("status");
-  w.String("queued");
-  w.Key("durable");
-  w.Bool(durable);
-  w.EndObject();
+  if (!durable) return JsonResponse(200, buf);
   HttpResponse resp = JsonResponse(202, buf);
   resp.headers.emplace_back("Location", "/v2/jobs/" + id);
   return resp;
+}
+
+HttpResponse CancelledAnswer(const std::string& id) {
+  return JobStatusAnswer(id, "cancelled", std::nullopt);
+}
+
+HttpResponse Accepted(const std::string& id, bool durable) {
+  return JobStatusAnswer(id, "queued", durable);
 }
 
 // Another owner's job is answered as an id never issued (the store's words).
