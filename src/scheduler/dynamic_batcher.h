@@ -38,14 +38,17 @@
 // machine, more than a small model's run); a caller's own run costs none. A
 // worker whose instance a caller holds waits for it.
 //
-// A loop that lends its thread (ScheduleOptions::loop_may_run, from a
-// thread with a LoopLender; see loop_lender.h): a task it queues wakes no
-// worker while the model's batches are short (kLoopLendBelowNs, never before
-// one was measured) and there is no wide worker; the loop takes the batch
-// later, on its own thread, by the same queue policy as a worker (LendRun),
-// and feeds the tuners as a worker does. A worker that is awake leaves the
+// A loop that lends its thread (ScheduleOptions::loop, the LoopLender its
+// caller passed, on the loop's thread; see loop_lender.h): a task it queues
+// wakes no worker while the model's batches are short (kLoopLendBelowNs,
+// never before one was measured) and there is no wide worker; the loop
+// takes the batch later, on its own thread, by the same queue policy as a
+// worker (LendRun), and feeds the tuners as a worker does. A worker that is awake leaves the
 // queue to a loop that has looked at it within kLendGraceNs; work queued by
 // another thread wakes one as usual.
+//
+// The caller-run and lending members are in caller_runs.cc; the workers,
+// the reaper and Schedule in dynamic_batcher.cc.
 //
 // Shared runs (options.shared_runs): a caller that lends its thread but
 // finds every instance busy would wait for a worker to take its task and
