@@ -29,7 +29,7 @@ float ParseMinConfidence(std::string_view field, float fallback) {
 }
 
 VisionHandler::VisionHandler(VisionService* service, VisionOptions options)
-    : service_(service), options_(std::move(options)) {
+    : service_(service), options_(std::move(options)), faces_(service, options_.faces, options_.face_descriptor_model) {
   char host[256] = {};
   hostname_ = gethostname(host, sizeof(host) - 1) == 0 ? host : "quern";
 }

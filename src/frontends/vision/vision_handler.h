@@ -44,6 +44,7 @@
 #include "frontends/http/router.h"
 #include "frontends/vision/multipart.h"
 #include "pipeline/face_gallery.h"
+#include "pipeline/face_service.h"
 #include "pipeline/vision_service.h"
 #include "quern/engine.h"
 
@@ -84,10 +85,6 @@ struct VisionOptions {
   std::string ocr_model = "ocr";
 };
 
-// Recognition's default threshold (DeepStack's and CodeProject.AI's): a face
-// whose closest registered face is less similar is "unknown".
-inline constexpr float kDefaultFaceMatchConfidence = 0.67f;
-
 class VisionHandler {
  public:
   // `service` must outlive the handler.
@@ -107,7 +104,6 @@ class VisionHandler {
 
  private:
   struct Job;
-  struct FaceJob;
   // The routes' handlers. Form: a CodeProject.AI form route (`command`:
   // detect, custom, scene, face, register, recognize, match, delete, list,
   // ocr) on `model`.
@@ -149,11 +145,12 @@ class VisionHandler {
   // to come (the destructor waits for it).
   void BeginPending();
   void EndPending();
-  // Every image of a face request answered: the answer.
-  void FinishFaces(FaceJob& face_job);
+  // A face request's answer.
+  void AnswerFaces(const std::shared_ptr<Job>& job, FaceResult&& result);
 
   VisionService* service_;
   VisionOptions options_;
+  FaceService faces_;  // over service_ and options_.faces
   std::string hostname_;
 
   Mutex models_mu_;

@@ -23,22 +23,4 @@ struct VisionHandler::Job {
   int64_t received_ns = 0;  // the service's clock
 };
 
-// One face recognition request: its images, each with the vision service,
-// and their results as they come.
-struct VisionHandler::FaceJob {
-  std::shared_ptr<Job> job;
-  std::string userid;                             // register
-  float threshold = kDefaultFaceMatchConfidence;  // recognize
-  std::vector<std::string> fields;                // the image fields, in form order
-  Mutex mu;
-  std::vector<VisionResult> results QUERN_GUARDED_BY(mu);  // by field
-  size_t remaining QUERN_GUARDED_BY(mu) = 0;
-  // Records field i's result; true for the last one.
-  bool Done(size_t i, VisionResult&& r) {
-    MutexLock lock(mu);
-    results[i] = std::move(r);
-    return --remaining == 0;
-  }
-};
-
 }  // namespace quern
