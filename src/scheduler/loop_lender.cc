@@ -17,7 +17,9 @@ LoopLender::~LoopLender() {
 
 LoopLender* LoopLender::Lending(CallerLoop* loop) {
   auto* lender = static_cast<LoopLender*>(loop);  // the only kind of CallerLoop
-  return lender != nullptr && !lender->paused_ && lender->owner_ == std::this_thread::get_id() ? lender : nullptr;
+  // Its owner first: paused_ is the owner thread's to read.
+  if (lender == nullptr || lender->owner_ != std::this_thread::get_id()) return nullptr;
+  return lender->paused_ ? nullptr : lender;
 }
 
 bool LoopLender::Add(const std::shared_ptr<LendSlot>& slot) {

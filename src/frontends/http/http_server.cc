@@ -623,6 +623,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     access_bytes_ = req.body.size();
     if (!req.Header("content-encoding").empty()) {
+      req.loop = nullptr;  // handled on the inflater's thread, which is no loop's
       asio::post(*shared_.inflater, [self = shared_from_this(), req = std::move(req)]() mutable {
         self->InflateAndHandle(std::move(req));
       });
