@@ -11,7 +11,6 @@ LIZARD="$ROOT/build/venv/bin/lizard"
 [ -x "$LIZARD" ] || { echo "check_functions: needs lizard in build/venv (scripts/setup.sh)" >&2; exit 1; }
 MAX=150
 LONG=(
-  "src/engine/ensemble_model.cc quern::EnsembleModel::Plan"
   "src/pipeline/postprocess.cc quern::DecodeDetections"
   "src/tools/perf.cc quern::cli::Perf"
   "src/backends/python/python_process.cc quern::PythonProcess::Start"

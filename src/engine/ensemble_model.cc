@@ -234,11 +234,17 @@ Status EnsembleModel::Plan() {
     }
   }
 
-  // Every step becomes ready: no cycles (Kahn's order from the inputs).
+  std::vector<int> writer(tensors_.size());
+  for (size_t t = 0; t < tensors_.size(); ++t) writer[t] = source[t].step;
+  return OrderSteps(writer);
+}
+
+// Every step becomes ready: no cycles (Kahn's order from the inputs).
+Status EnsembleModel::OrderSteps(const std::vector<int>& writer) {
   waits_for_.assign(steps_.size(), 0);
   for (size_t i = 0; i < steps_.size(); ++i) {
     for (const auto& [name, t] : steps_[i].inputs) {
-      if (source[static_cast<size_t>(t)].step >= 0) ++waits_for_[i];
+      if (writer[static_cast<size_t>(t)] >= 0) ++waits_for_[i];
     }
     if (waits_for_[i] == 0) first_steps_.push_back(static_cast<int>(i));
   }
@@ -259,7 +265,8 @@ Status EnsembleModel::Plan() {
     for (size_t i = 0; i < steps_.size(); ++i) {
       if (waiting[i] > 0) stuck += (stuck.empty() ? "" : ", ") + std::to_string(i);
     }
-    return InvalidArgument(e + ": steps " + stuck + " wait for one another's tensors (a cycle)");
+    return InvalidArgument("ensemble '" + config_.name + "': steps " + stuck +
+                           " wait for one another's tensors (a cycle)");
   }
   return Status::Ok();
 }

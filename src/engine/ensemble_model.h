@@ -107,6 +107,10 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
 
   EnsembleModel(ModelConfig config, int64_t version, StepModels models, const Clock* clock);
   Status Plan();
+  // Plan's last part: the steps each waits for (waits_for_), those that
+  // start (first_steps_), and no cycle among them. `writer`: the step that
+  // writes each tensor (-1 an ensemble input).
+  Status OrderSteps(const std::vector<int>& writer);
   // Submits `steps` of `run`. A refusal of the first of them while nothing
   // of the run was submitted before (`first_launch`) is returned instead of
   // answered, so that Submit can refuse the request; any other refusal
