@@ -365,18 +365,20 @@ void KServeHandler::Stats(HttpRequest&&, const RouteMatch& m, HttpDone done) {
   done(StatisticsJson(*stats));
 }
 
-void KServeHandler::Metadata(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+Result<ModelStatus> KServeHandler::FindModel(const RouteMatch& m) const {
   int64_t version = -1;
-  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
-  auto model = engine_->GetModel(m.param("model"), version);
+  QUERN_RETURN_IF_ERROR(ParseModelVersion(m.param("version"), &version));
+  return engine_->GetModel(m.param("model"), version);
+}
+
+void KServeHandler::Metadata(HttpRequest&&, const RouteMatch& m, HttpDone done) {
+  auto model = FindModel(m);
   if (!model) return done(Error(model.error()));
   done(ModelMetadata(*model));
 }
 
 void KServeHandler::Config(HttpRequest&&, const RouteMatch& m, HttpDone done) {
-  int64_t version = -1;
-  if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
-  auto model = engine_->GetModel(m.param("model"), version);
+  auto model = FindModel(m);
   if (!model) return done(Error(model.error()));
   google::protobuf::util::JsonPrintOptions opts;
   opts.preserve_proto_field_names = true;
