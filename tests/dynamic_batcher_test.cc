@@ -1237,6 +1237,22 @@ struct LoopScope {
   LentModel& m;
 };
 
+// A loop is passed with each request (no thread-local): it lends only on
+// its own thread and while not paused; a request handed to another thread
+// with the loop's pointer (a body inflated elsewhere) is not lent.
+TEST(LoopLender, LendsOnlyOnItsOwnThreadAndUnpaused) {
+  LoopLender lender;
+  EXPECT_EQ(LoopLender::Lending(&lender), &lender);
+  EXPECT_EQ(LoopLender::Lending(nullptr), nullptr);
+  LoopLender* elsewhere = &lender;
+  std::thread([&] { elsewhere = LoopLender::Lending(&lender); }).join();
+  EXPECT_EQ(elsewhere, nullptr) << "another thread's loop";
+  lender.set_paused(true);
+  EXPECT_EQ(LoopLender::Lending(&lender), nullptr);
+  lender.set_paused(false);
+  EXPECT_EQ(LoopLender::Lending(&lender), &lender);
+}
+
 TEST(LoopLender, TheLoopRunsTheBatchItQueuedOnItsOwnThreadAndWakesNoWorker) {
   LentModel m;
   {
