@@ -72,7 +72,6 @@ TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
     EXPECT_TRUE(rec.batches.empty()) << "fake time has not moved: the batch must wait";
   }
   clock.AdvanceUs(5000);
-  (*b)->Kick();
   rec.Wait(3);
   ASSERT_EQ(rec.batches.size(), 1u);
   EXPECT_EQ(rec.batches[0], (std::vector<int>{0, 1, 2}));
@@ -150,9 +149,9 @@ TEST(DynamicBatcher, WithALatencyTargetABatchLeavesOnceEveryRecentClientIsQueued
 TEST(DynamicBatcher, WhenTheLoadHandsTheQueueToTheOtherWorkersTheyAreWoken) {
   // One instance and a wide one. Two tasks arrive at light load: the wide
   // worker waits out the batching delay (20 ms) for them, the other sleeps.
-  // Ten seconds of fake time pass with both queued, and a third arrival is
-  // refused (queue full): the load is heavy now, so the wide worker may not
-  // take them when it wakes. It must hand them to the other worker, which
+  // Time passes with both queued, and a third arrival is refused (queue
+  // full): the load is heavy now, so the wide worker may not take them when
+  // it wakes. It must hand them to the other worker, which
   // nobody else wakes (before, both slept until the next arrival).
   FakeClock clock;
   DynamicBatcherOptions o;
@@ -171,10 +170,13 @@ TEST(DynamicBatcher, WhenTheLoadHandsTheQueueToTheOtherWorkersTheyAreWoken) {
     std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
     ASSERT_TRUE((*b)->Schedule(t, {}).ok());
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the wide worker is waiting out the delay
-  clock.AdvanceNs(10'000'000'000);
+  // 19 ms pass with both queued (short of the delay: the wide worker waits
+  // on), and a third arrival is refused: the load is heavy now. Then the
+  // delay passes and the wide worker wakes to find it so.
+  clock.AdvanceNs(19'000'000);
   std::unique_ptr<BatchTask> third = std::make_unique<Item>(3);
   EXPECT_EQ((*b)->Schedule(third, {}).code(), StatusCode::kUnavailable) << "the queue holds two";
+  clock.AdvanceNs(10'000'000'000);
   std::unique_lock lock(rec.mu);
   ASSERT_TRUE(rec.cv.wait_for(lock, std::chrono::seconds(10), [&] { return rec.items >= 2; }))
       << "the queued tasks were left with no worker looking at them";
@@ -272,7 +274,6 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
   std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(1);
   ASSERT_TRUE((*b)->Schedule(waiting, {.deadline_ns = clock.NowNs() + 1'000'000}).ok());
   clock.AdvanceUs(1000);
-  (*b)->Kick();
   {
     std::unique_lock lock(mu);
     cv.wait(lock, [&] { return !dropped.empty(); });
@@ -1295,7 +1296,6 @@ TEST(LoopLender, TheLoopKeepsTheBatchingDelay) {
   LoopScope lending(m, lender);
   ASSERT_TRUE(m.Schedule(0, true).ok());  // the worker's, after its delay
   m.clock.AdvanceNs(5'000'000);
-  m.batcher->Kick();
   ASSERT_TRUE(m.WaitBatches(1));
   for (int i = 0; i < 2000 && m.batcher->ns_per_item() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -1325,7 +1325,7 @@ TEST(LoopLender, AWorkerTakesWhatTheLoopDoesNotLookAtInTime) {
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(m.Batches(), 1u);
   m.clock.AdvanceNs(DynamicBatcher::kLendGraceNs);  // the loop, busy elsewhere, never looked
-  m.batcher->Kick();
+  m.batcher->Kick();                                // a worker looks (as one does once it ends a batch)
   ASSERT_TRUE(m.WaitBatches(2));
   EXPECT_NE(m.batches[1].second, std::this_thread::get_id());
   int64_t wait_ns = 0;

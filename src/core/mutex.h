@@ -9,12 +9,15 @@
 //   cv_.Wait(lock, [&]() QUERN_REQUIRES(mu_) { return !queue_.empty(); });
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 #include <shared_mutex>
 
 #include "core/thread_annotations.h"
+#include "quern/clock.h"
 
 namespace quern {
 
@@ -82,35 +85,62 @@ class QUERN_SCOPED_CAPABILITY ReaderLock {
 
 // A condition variable for Mutex: waits release the lock and take it back.
 // Predicates run with the lock held (annotate them QUERN_REQUIRES(mu)).
+// A wait with a time limit waits on a Clock (quern/clock.h), so a FakeClock
+// ends it in tests: there is no wait in real time here.
 class CondVar {
  public:
   void Wait(MutexLock& lock) { cv_.wait(lock.lock_); }
-  template <typename Rep, typename Period>
-  void WaitFor(MutexLock& lock, std::chrono::duration<Rep, Period> timeout) {
-    cv_.wait_for(lock.lock_, timeout);
-  }
   template <typename Predicate>
   void Wait(MutexLock& lock, Predicate pred) {
     cv_.wait(lock.lock_, std::move(pred));
   }
-  // False when the time passed with `pred` still false.
+  // Until notified, `clock` reaches `deadline_ns` (its NowNs time), or
+  // spuriously; true when the deadline has passed.
+  bool WaitUntil(MutexLock& lock, const Clock& clock, int64_t deadline_ns) {
+    return clock.WaitUntil(cv_, lock.lock_, deadline_ns);
+  }
+  // Until `pred` holds (true) or `clock` reaches `deadline_ns` with it false
+  // (false).
+  // (`pred` runs with the lock held, which the analysis cannot see through
+  // a MutexLock: it is not analysed here, as std::condition_variable's own
+  // predicate loop is not.)
+  template <typename Predicate>
+  bool WaitUntil(MutexLock& lock, const Clock& clock, int64_t deadline_ns,
+                 Predicate pred) QUERN_NO_THREAD_SAFETY_ANALYSIS {
+    while (!pred()) {
+      if (clock.WaitUntil(cv_, lock.lock_, deadline_ns)) return pred();
+    }
+    return true;
+  }
+  // The same for `timeout` from now on `clock`.
   template <typename Rep, typename Period, typename Predicate>
-  bool WaitFor(MutexLock& lock, std::chrono::duration<Rep, Period> timeout, Predicate pred) {
-    return cv_.wait_for(lock.lock_, timeout, std::move(pred));
+  bool WaitFor(MutexLock& lock, const Clock& clock, std::chrono::duration<Rep, Period> timeout, Predicate pred) {
+    return WaitUntil(lock, clock, Deadline(clock, timeout), std::move(pred));
   }
-  template <typename Clock, typename Duration, typename Predicate>
-  bool WaitUntil(MutexLock& lock, std::chrono::time_point<Clock, Duration> deadline, Predicate pred) {
-    return cv_.wait_until(lock.lock_, deadline, std::move(pred));
-  }
-  template <typename Clock, typename Duration>
-  void WaitUntil(MutexLock& lock, std::chrono::time_point<Clock, Duration> deadline) {
-    cv_.wait_until(lock.lock_, deadline);
+  template <typename Rep, typename Period>
+  bool WaitFor(MutexLock& lock, const Clock& clock, std::chrono::duration<Rep, Period> timeout) {
+    return WaitUntil(lock, clock, Deadline(clock, timeout));
   }
   void Signal() { cv_.notify_one(); }
   void SignalAll() { cv_.notify_all(); }
 
  private:
+  template <typename Rep, typename Period>
+  static int64_t Deadline(const Clock& clock, std::chrono::duration<Rep, Period> timeout) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+    return clock.NowNs() + std::max<int64_t>(ns, 0);
+  }
   std::condition_variable cv_;
 };
+
+// Lets `timeout` pass on `clock` (a FakeClock's test moves it on). For a
+// loop that polls what nothing signals.
+template <typename Rep, typename Period>
+void SleepFor(const Clock& clock, std::chrono::duration<Rep, Period> timeout) {
+  Mutex mu;
+  CondVar cv;
+  MutexLock lock(mu);
+  cv.WaitFor(lock, clock, timeout, [] { return false; });
+}
 
 }  // namespace quern

@@ -611,7 +611,7 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
   if (!changed.empty()) {
     {
       MutexLock lock(poll_mu_);
-      poll_cv_.WaitFor(lock, std::chrono::milliseconds(kSettleMs),
+      poll_cv_.WaitFor(lock, *clock_, std::chrono::milliseconds(kSettleMs),
                        [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
       if (stopping_) return Status::Ok();
     }
@@ -778,7 +778,7 @@ void ModelRegistry::PollLoop() {
   int64_t last_full_ns = clock_->NowNs();
   MutexLock lock(poll_mu_);
   while (!stopping_) {
-    poll_cv_.WaitFor(lock, interval, [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
+    poll_cv_.WaitFor(lock, *clock_, interval, [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
     if (stopping_) break;
     lock.Unlock();
     const int64_t now = clock_->NowNs();

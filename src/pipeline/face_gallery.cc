@@ -534,8 +534,7 @@ std::optional<FaceMatch> FaceSet::Closest(std::span<const float> face) const {
 }
 
 void FaceGallery::Warn(const Status& st) {
-  const int64_t now =
-      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const int64_t now = (options_.clock ? *options_.clock : RealClockInstance()).NowNs() / 1'000'000'000;
   int64_t last = last_warning_s_.load();
   if (now - last >= 10 && last_warning_s_.compare_exchange_strong(last, now)) {
     Log(LogLevel::kWarning, st.message() + " (answering from the faces last read)");

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "quern/clock.h"
 #include "quern/status.h"
 
 namespace quern {
@@ -95,6 +96,7 @@ std::unique_ptr<FaceGalleryStore> FileFaceStore(std::filesystem::path file);
 struct FaceGalleryOptions {
   size_t max_users = 1000;
   size_t max_faces_per_user = 16;  // beyond it a user's oldest faces go
+  const Clock* clock = nullptr;    // paces its warnings; null = the real clock
 };
 
 struct FaceMatch {

@@ -436,7 +436,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
       now = clock_->NowNs();
       if (now < lend_until_ns_) {
         if (!wide) waiting_[w] = 1;
-        cv.WaitFor(lock, std::chrono::nanoseconds(lend_until_ns_ - now));
+        cv.WaitUntil(lock, *clock_, lend_until_ns_);
         if (!wide) waiting_[w] = 0;
         continue;
       }
@@ -487,8 +487,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
     if (wake_at_ns == 0) {
       cv.Wait(lock);
     } else {
-      // Real time elapses at the clock's pace; a FakeClock is re-read after Kick().
-      cv.WaitFor(lock, std::chrono::nanoseconds(std::max<int64_t>(wake_at_ns - now, 0)));
+      cv.WaitUntil(lock, *clock_, wake_at_ns);
     }
     if (!wide) waiting_[w] = 0;
   }
@@ -532,7 +531,7 @@ void DynamicBatcher::ReaperLoop() {
     int64_t wait_ns = int64_t{kReapPollMs} * 1'000'000;
     if (next > 0) wait_ns = std::min(wait_ns, std::max<int64_t>(next - now, 0));
     reaper_wake_ns_ = now + wait_ns;
-    reaper_cv_.WaitFor(lock, std::chrono::nanoseconds(wait_ns));
+    reaper_cv_.WaitUntil(lock, *clock_, now + wait_ns);
     reaper_wake_ns_ = -1;
   }
 }

@@ -134,7 +134,10 @@ class DynamicBatcher {
   // end refuse a request before it reads and parses the request's body.
   Status CheckAdmission() const;
 
-  // Makes waiting workers re-evaluate the queue now (for a FakeClock that moved).
+  // Wakes the idle workers to look at the queue now, as a worker that ends
+  // a batch does. (Time passing wakes only workers waiting for a time: a
+  // batching delay, a deadline, a lending loop's grace once a worker is
+  // awake; a worker asleep while a loop has the queue stays asleep.)
   void Kick();
 
   // Stops intake, drains the queue through the processor and joins workers. Idempotent.

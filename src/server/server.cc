@@ -254,14 +254,14 @@ Status Server::Parts::OpenVision(const RedisOptions& redis) {
   // that use it), else in the data directory, else in memory.
   std::unique_ptr<FaceGalleryStore> faces_store;
   if (!o.redis_url.empty()) {
-    faces_store = std::make_unique<RedisFaceStore>(redis);
+    faces_store = std::make_unique<RedisFaceStore>(redis, "quern:faces", &engine->clock());
   } else if (!o.data_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(o.data_dir, ec);
     if (ec) return InvalidArgument("--data-dir " + o.data_dir + " cannot be made: " + ec.message());
     faces_store = FileFaceStore(std::filesystem::path(o.data_dir) / "faces.bin");
   }
-  auto gallery = FaceGallery::Open({}, std::move(faces_store));
+  auto gallery = FaceGallery::Open({.clock = &engine->clock()}, std::move(faces_store));
   if (!gallery) return gallery.error();
   faces = std::move(*gallery);
   o.vision.faces = faces.get();
@@ -447,6 +447,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
   QUERN_RETURN_IF_ERROR(p->MakeRouters());
   o.http.caller_loop = &Engine::NewCallerLoop;  // on one core the I/O threads run their requests' batches
+  o.http.clock = &p->engine->clock();
   if (!o.access_log.empty()) {
     QUERN_ASSIGN_OR_RETURN(p->access_log, AccessLog::Open(o.access_log));
     o.http.access_log = [log = p->access_log, router = p->router.get()](const HttpAccess& a) {
@@ -457,6 +458,7 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (o.grpc.port >= 0) QUERN_RETURN_IF_ERROR(p->StartGrpc(explicit_control));
   if (o.vision_port >= 0) QUERN_RETURN_IF_ERROR(p->StartVisionPort());
   o.metrics.host = o.http.host;
+  o.metrics.clock = o.http.clock;
   auto metrics = StartHttp(o.metrics, p->metrics_router.get());
   if (!metrics) return Err(Status(metrics.error().code(), "metrics: " + metrics.error().message()));
   p->metrics = std::move(*metrics);
@@ -485,21 +487,17 @@ void Server::Shutdown() {
   p.draining.store(true, std::memory_order_release);
   p.engine->StopRepositoryPolling();   // the models in service stay as they are
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, p.options.drain_timeout_s));
+  const Clock& clock = p.engine->clock();
+  const int64_t deadline_ns = clock.NowNs() + static_cast<int64_t>(std::max(0.0, p.options.drain_timeout_s) * 1e9);
   auto in_flight = [&p] { return p.engine->InFlight() + p.vision_service->stats().in_flight + p.jobs->submitting(); };
-  while (in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  while (in_flight() > 0 && clock.NowNs() < deadline_ns) SleepFor(clock, std::chrono::milliseconds(10));
   if (const int64_t left = in_flight(); left > 0) {
     LogTo(stdout, LogLevel::kWarning, "drain timeout: " + std::to_string(left) + " requests still in flight");
     p.engine->Abandon();  // a batch that never ends (a hung Python execute) must not hold the stop
   }
   // Answers the I/O threads still write (large ones, every one over TLS).
   auto writing = [&p] { return p.http->pending_writes() + (p.vision_http ? p.vision_http->pending_writes() : 0); };
-  while (writing() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  while (writing() > 0 && clock.NowNs() < deadline_ns) SleepFor(clock, std::chrono::milliseconds(5));
   LogTo(stdout, LogLevel::kInfo, "stopping");
   std::fflush(stdout);
   p.metrics->Stop();

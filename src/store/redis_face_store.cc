@@ -12,7 +12,7 @@ namespace {
 
 // How long a store that could not connect answers at once with that error
 // instead of trying again (recognition asks on every request).
-constexpr auto kReconnectAfter = std::chrono::seconds(1);
+constexpr int64_t kReconnectAfterNs = 1'000'000'000;
 // Changes kept for readers that missed them (older ones read every user).
 constexpr int kKeptChanges = 1024;
 // The users hash's field that marks the gallery as written (no user id is
@@ -39,12 +39,13 @@ Result<int64_t> VersionOf(const RedisReply& r) {
 
 }  // namespace
 
-RedisFaceStore::RedisFaceStore(RedisOptions options, std::string key)
+RedisFaceStore::RedisFaceStore(RedisOptions options, std::string key, const Clock* clock)
     : options_(std::move(options)),
       key_(std::move(key)),
       users_key_(key_ + ":users"),
       version_key_(key_ + ":version"),
-      changes_key_(key_ + ":changes") {}
+      changes_key_(key_ + ":changes"),
+      clock_(clock ? *clock : RealClockInstance()) {}
 
 RedisFaceStore::~RedisFaceStore() = default;
 
@@ -55,14 +56,14 @@ std::string RedisFaceStore::Describe() const {
 Result<RedisConnection*> RedisFaceStore::Connection() {
   if (conn_ && !conn_->broken()) return conn_.get();
   conn_.reset();
-  const auto now = std::chrono::steady_clock::now();
-  if (now < retry_at_) return std::unexpected(last_error_);
+  const int64_t now = clock_.NowNs();
+  if (now < retry_at_ns_) return std::unexpected(last_error_);
   auto c = RedisConnection::Connect(options_);
   if (!c) {
     last_error_ =
         Status(c.error().code() == StatusCode::kPermissionDenied ? c.error().code() : StatusCode::kUnavailable,
                Describe() + ": " + c.error().message());
-    retry_at_ = now + kReconnectAfter;
+    retry_at_ns_ = now + kReconnectAfterNs;
     return std::unexpected(last_error_);
   }
   conn_ = std::move(*c);

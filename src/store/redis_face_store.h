@@ -29,7 +29,8 @@ namespace quern {
 
 class RedisFaceStore : public FaceGalleryStore {
  public:
-  explicit RedisFaceStore(RedisOptions options, std::string key = "quern:faces");
+  // `clock` paces reconnection attempts (null = the real clock).
+  explicit RedisFaceStore(RedisOptions options, std::string key = "quern:faces", const Clock* clock = nullptr);
   ~RedisFaceStore() override;
 
   Result<Records> Read() override;
@@ -52,10 +53,11 @@ class RedisFaceStore : public FaceGalleryStore {
 
   const RedisOptions options_;
   const std::string key_, users_key_, version_key_, changes_key_;
+  const Clock& clock_;
   std::unique_ptr<RedisConnection> conn_;
-  // After a failed connection: its error, until retry_at_.
+  // After a failed connection: its error, until retry_at_ns_ (clock_ time).
   Status last_error_;
-  std::chrono::steady_clock::time_point retry_at_;
+  int64_t retry_at_ns_ = 0;
 };
 
 }  // namespace quern

@@ -282,7 +282,7 @@ void RedisResultStore::WriterLoop() {
     if (batches.empty()) {
       // Idle: check the connection every second, so readiness tells the
       // truth before the next write needs it.
-      if (!cv_.WaitFor(lock, health_ok_since_write_ ? std::chrono::milliseconds(1000) : backoff,
+      if (!cv_.WaitFor(lock, *options_.clock, health_ok_since_write_ ? std::chrono::milliseconds(1000) : backoff,
                        [&]() QUERN_REQUIRES(mu_) { return stop_ || !queue_.empty(); })) {
         lock.Unlock();
         Status s = Ping();
@@ -345,7 +345,7 @@ void RedisResultStore::WriterLoop() {
       if (batches.empty()) continue;
       if (stop_) break;
       // Keep the batches; try again after the backoff (a stop wakes it).
-      cv_.WaitFor(lock, backoff, [&]() QUERN_REQUIRES(mu_) { return stop_; });
+      cv_.WaitFor(lock, *options_.clock, backoff, [&]() QUERN_REQUIRES(mu_) { return stop_; });
       backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
       continue;
     }
@@ -410,7 +410,8 @@ void RedisResultStore::SetHealthLocked(const Status& s) {
 bool RedisResultStore::Flush(std::chrono::milliseconds timeout) {
   MutexLock lock(mu_);
   const uint64_t target = queued_seq_;
-  return written_cv_.WaitFor(lock, timeout, [&]() QUERN_REQUIRES(mu_) { return written_seq_ >= target; });
+  return written_cv_.WaitFor(lock, *options_.clock, timeout,
+                             [&]() QUERN_REQUIRES(mu_) { return written_seq_ >= target; });
 }
 
 void RedisResultStore::Enqueue(std::shared_ptr<const JobRecord> queued, const StreamSubmission& submission,
@@ -486,12 +487,12 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
   if (!reader_ || reader_->broken()) {
     // While Redis is away, answer at once rather than have every poll wait
     // for a connect timeout: one attempt per second.
-    const auto now = std::chrono::steady_clock::now();
-    if (now - reader_failed_at_ < std::chrono::seconds(1)) {
+    const int64_t now = options_.clock->NowNs();
+    if (reader_failed_at_ns_ != 0 && now - reader_failed_at_ns_ < 1'000'000'000) {
       return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + reader_error_));
     }
     if (Status s = EnsureConnected(reader_, false); !s.ok()) {
-      reader_failed_at_ = now;
+      reader_failed_at_ns_ = now;
       reader_error_ = s.message();
       return Err(Unavailable("job results are kept in redis, which cannot be reached now: " + s.message()));
     }

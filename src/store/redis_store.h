@@ -159,7 +159,7 @@ class RedisResultStore final : public ResultStore {
 
   Mutex read_mu_;
   std::unique_ptr<RedisConnection> reader_ QUERN_GUARDED_BY(read_mu_);
-  std::chrono::steady_clock::time_point reader_failed_at_ QUERN_GUARDED_BY(read_mu_);
+  int64_t reader_failed_at_ns_ QUERN_GUARDED_BY(read_mu_) = 0;  // options_.clock; 0 = never
   std::string reader_error_ QUERN_GUARDED_BY(read_mu_);
 
   std::atomic<bool> ever_connected_{false};

@@ -1143,7 +1143,7 @@ class GrpcServer::Impl {
     health_thread_ = std::thread([this] {
       MutexLock lock(mu_);
       while (!stopping_) {
-        cv_.WaitFor(lock, std::chrono::milliseconds(options_.health_poll_ms));
+        cv_.WaitFor(lock, engine_->clock(), std::chrono::milliseconds(options_.health_poll_ms));
         if (stopping_) break;
         lock.Unlock();
         UpdateHealth();

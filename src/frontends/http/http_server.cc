@@ -67,11 +67,6 @@ constexpr auto kSweepInterval = std::chrono::milliseconds(500);
 // computation to read (and refuse) the next ones at once for this long.
 constexpr int64_t kUrgentNs = 1'000'000'000;
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string JsonError(const std::string& message) {
   std::string out = "{\"error\":\"";
   for (char c : message) {
@@ -82,8 +77,7 @@ std::string JsonError(const std::string& message) {
 }
 
 // A limited warning log: at most one line per second per call site.
-void WarnRateLimited(std::atomic<int64_t>& last_ns, const char* message) {
-  const int64_t now = NowNs();
+void WarnRateLimited(std::atomic<int64_t>& last_ns, int64_t now, const char* message) {
   int64_t last = last_ns.load(std::memory_order_relaxed);
   if (now - last < 1'000'000'000 || !last_ns.compare_exchange_strong(last, now)) return;
   Log(LogLevel::kWarning, message);
@@ -145,6 +139,8 @@ struct Loop {
 
 struct Shared {
   HttpServerOptions options;
+  const Clock* clock = &RealClockInstance();  // options.clock when given
+  int64_t NowNs() const { return clock->NowNs(); }
   HttpHandler handler;
   HttpHeadCheck head_check;       // may be empty
   std::atomic<int> open{0};       // served connections
@@ -185,7 +181,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Start() {
     if (!tls_) return ReadNext();
     handshaking_ = true;
-    const int64_t now = NowNs();
+    const int64_t now = shared_.NowNs();
     idle_since_ns_.store(now, std::memory_order_relaxed);
     deadline_ns_.store(now + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
     tls_->async_handshake(ssl::stream_base::server, [self = shared_from_this()](beast::error_code ec) {
@@ -255,7 +251,7 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(shared_.options.max_body_bytes);
     reading_ = true;
     read_clock_started_ = false;
-    const int64_t now = NowNs();
+    const int64_t now = shared_.NowNs();
     loop_.FollowRefusals(shared_.last_refusal_ns.load(std::memory_order_relaxed), now);
     loop_.LendIfLate(now);
     idle_since_ns_.store(now, std::memory_order_relaxed);
@@ -360,7 +356,7 @@ class Session : public std::enable_shared_from_this<Session> {
     request_.method = std::string(msg.method_string());
     request_.target = std::string(msg.target());
     if (shared_.options.access_log) {
-      access_start_ns_ = NowNs();
+      access_start_ns_ = shared_.NowNs();
       access_method_ = request_.method;
       access_target_ = request_.target;
       access_bytes_ = 0;
@@ -579,7 +575,8 @@ class Session : public std::enable_shared_from_this<Session> {
     discard_ -= from_buffer;
     if (discard_ == 0) return ReadNext();
     reading_ = true;
-    deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
+    deadline_ns_.store(shared_.NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000,
+                       std::memory_order_release);
     WithStream([&](auto& stream) {
       stream.async_read_some(asio::buffer(loop_.discard.data(), std::min(discard_, loop_.discard.size())),
                              [self = shared_from_this()](beast::error_code ec, size_t n) {
@@ -686,10 +683,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // Any thread, once per request: writes the response with a non-blocking
   // send; what the socket does not take is finished on the loop thread.
   void Respond(HttpResponse r) {
-    if (r.status == 503 || r.status == 429) shared_.last_refusal_ns.store(NowNs(), std::memory_order_relaxed);
+    if (r.status == 503 || r.status == 429) shared_.last_refusal_ns.store(shared_.NowNs(), std::memory_order_relaxed);
     if (shared_.options.access_log && !access_method_.empty()) {
       shared_.options.access_log({access_method_, access_target_, r.status, access_bytes_,
-                                  head_ ? size_t{0} : r.body.size(), NowNs() - access_start_ns_, client_, request_id_});
+                                  head_ ? size_t{0} : r.body.size(), shared_.NowNs() - access_start_ns_, client_,
+                                  request_id_});
     }
     // Moved out: a response to a request that never got this far (one that
     // does not parse) must not carry the previous request's id.
@@ -783,7 +781,8 @@ class Session : public std::enable_shared_from_this<Session> {
       shared_.writing.fetch_sub(1, std::memory_order_acq_rel);
       return Finish(true);
     }
-    deadline_ns_.store(NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000, std::memory_order_release);
+    deadline_ns_.store(shared_.NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000,
+                       std::memory_order_release);
     std::array<asio::const_buffer, 2> bufs;
     size_t count = 0;
     if (out_sent_ < out_head_.size()) {
@@ -810,7 +809,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Any thread: the response is out (or the connection broke).
   void Finish(bool failed) {
-    const int64_t now = NowNs();
+    const int64_t now = shared_.NowNs();
     idle_since_ns_.store(now, std::memory_order_relaxed);
     deadline_ns_.store(now + int64_t{shared_.options.idle_timeout_s} * 1'000'000'000, std::memory_order_release);
     if (failed || !keep_alive_) {
@@ -833,7 +832,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void LingerClose() {
     if (closing_ || closed_) return;
     closing_ = true;
-    deadline_ns_.store(NowNs() + kLingerNs, std::memory_order_release);
+    deadline_ns_.store(shared_.NowNs() + kLingerNs, std::memory_order_release);
     if (tls_) {
       // close_notify, then wait (up to the linger time) for the client's.
       tls_->async_shutdown([self = shared_from_this()](beast::error_code) { self->HardClose(); });
@@ -934,6 +933,7 @@ class HttpServer::Impl {
  public:
   Impl(HttpServerOptions options, HttpHandler handler, HttpHeadCheck head_check) {
     shared_.options = std::move(options);
+    if (shared_.options.clock) shared_.clock = shared_.options.clock;
     shared_.handler = std::move(handler);
     shared_.head_check = std::move(head_check);
     const int n = std::max(1, shared_.options.io_threads);
@@ -1000,11 +1000,11 @@ class HttpServer::Impl {
   // handler first (reading the requests that have arrived, writing
   // answers), then the batches due, then a wait for the next event or for
   // the time a queued batch is due.
-  static void RunLending(Loop& l, std::unique_ptr<CallerLoop> lender) {
+  void RunLending(Loop& l, std::unique_ptr<CallerLoop> lender) {
     l.lender = lender.get();
     while (!l.io.stopped()) {
       l.io.poll();
-      l.lent_at_ns = NowNs();
+      l.lent_at_ns = shared_.NowNs();
       int64_t wait_ns = -1;
       if (lender->RunDue(&wait_ns) || l.io.stopped()) continue;
       if (wait_ns < 0) {
@@ -1051,7 +1051,7 @@ class HttpServer::Impl {
       if (ec == asio::error::operation_aborted) return;
       if (ec) {
         // Out of file descriptors, most likely: wait instead of spinning.
-        WarnRateLimited(accept_warning_, ("cannot accept a connection: " + ec.message()).c_str());
+        WarnRateLimited(accept_warning_, shared_.NowNs(), ("cannot accept a connection: " + ec.message()).c_str());
         retry_timer_->expires_after(std::chrono::milliseconds(100));
         retry_timer_->async_wait([this](beast::error_code e) {
           if (!e) Accept();
@@ -1097,12 +1097,12 @@ class HttpServer::Impl {
       return;
     }
     // Every connection is busy: answer 503 while few are being answered so.
-    WarnRateLimited(shared_.last_limit_warning,
+    WarnRateLimited(shared_.last_limit_warning, shared_.NowNs(),
                     "HTTP connection limit reached and no connection is idle; answering 503");
     if (shared_.rejecting.fetch_add(1, std::memory_order_relaxed) >= kMaxRejecting) {
       shared_.rejecting.fetch_sub(1, std::memory_order_relaxed);
-      shared_.last_refusal_ns.store(NowNs(), std::memory_order_relaxed);  // refused without a word
-      return;                                                             // closes the socket
+      shared_.last_refusal_ns.store(shared_.NowNs(), std::memory_order_relaxed);  // refused without a word
+      return;                                                                     // closes the socket
     }
     StartSession(loop, std::move(socket), true, /*posted=*/false);
   }
@@ -1166,7 +1166,7 @@ class HttpServer::Impl {
     loop.sweep_timer.expires_after(kSweepInterval);
     loop.sweep_timer.async_wait([this, &loop](beast::error_code ec) {
       if (ec) return;
-      const int64_t now = NowNs();
+      const int64_t now = shared_.NowNs();
       loop.FollowRefusals(shared_.last_refusal_ns.load(std::memory_order_relaxed), now);
       auto& s = loop.sessions;
       size_t kept = 0;

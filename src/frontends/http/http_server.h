@@ -20,6 +20,7 @@
 #include <string>
 
 #include "frontends/http/http_types.h"
+#include "quern/clock.h"
 #include "quern/status.h"
 
 namespace quern {
@@ -62,6 +63,8 @@ struct HttpServerOptions {
   // this (on itself) and runs its requests' batches (HttpRequest::loop);
   // empty: never (e.g. Engine::NewCallerLoop).
   std::function<std::unique_ptr<CallerLoop>()> caller_loop;
+  // What the connection timeouts above are read on; null = the real clock.
+  const Clock* clock = nullptr;
 };
 
 class HttpServer {

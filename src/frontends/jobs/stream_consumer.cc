@@ -310,10 +310,11 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
 
  private:
   void Loop() {
+    const Clock& clock = engine_->clock();
     auto backoff = std::chrono::milliseconds(50);
-    auto next_claim = std::chrono::steady_clock::now();
-    auto next_stats = next_claim;
-    const auto claim_every = std::chrono::milliseconds(std::clamp<int64_t>(options_.claim_idle_ms / 4, 50, 5000));
+    int64_t next_claim_ns = clock.NowNs();
+    int64_t next_stats_ns = next_claim_ns;
+    const int64_t claim_every_ns = std::clamp<int64_t>(options_.claim_idle_ms / 4, 50, 5000) * 1'000'000;
     while (!stop_.load()) {
       if (!conn_ || conn_->broken()) {
         connected_.Set(0);
@@ -324,7 +325,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
             last_error_ = s.message();
           }
           MutexLock lock(mu_);
-          cv_.WaitFor(lock, backoff, [&] { return stop_.load(); });
+          cv_.WaitFor(lock, clock, backoff, [&] { return stop_.load(); });
           backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
           continue;
         }
@@ -332,38 +333,36 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         backoff = std::chrono::milliseconds(50);
         connected_.Set(1);
       }
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= next_stats || acked_since_trim_.load(std::memory_order_relaxed) >= kTrimEveryAcks) {
+      const int64_t now = clock.NowNs();
+      if (now >= next_stats_ns || acked_since_trim_.load(std::memory_order_relaxed) >= kTrimEveryAcks) {
         acked_since_trim_.store(0, std::memory_order_relaxed);
         Trim();
         UpdateStreamStats();
-        next_stats = now + std::chrono::seconds(1);
+        next_stats_ns = now + 1'000'000'000;
       }
-      if (now >= next_claim) {
+      if (now >= next_claim_ns) {
         Heartbeat();
         Reclaim();
-        next_claim = std::chrono::steady_clock::now() + claim_every;
+        next_claim_ns = clock.NowNs() + claim_every_ns;
       }
       int slots = 0;
       {
         MutexLock lock(mu_);
-        cv_.WaitFor(lock, std::chrono::milliseconds(200),
+        cv_.WaitFor(lock, clock, std::chrono::milliseconds(200),
                     [&]() QUERN_REQUIRES(mu_) { return stop_.load() || inflight_ < options_.max_inflight; });
         slots = options_.max_inflight - inflight_;
       }
       if (stop_.load() || slots <= 0) continue;
       // After an error reply, or while the engine refuses work (queue full):
       // wait instead of asking again at once.
-      const auto pause = std::chrono::steady_clock::time_point(
-          std::chrono::steady_clock::duration(pause_until_.load(std::memory_order_relaxed)));
-      if (std::chrono::steady_clock::now() < pause) {
+      const int64_t pause_ns = pause_until_ns_.load(std::memory_order_relaxed);
+      if (clock.NowNs() < pause_ns) {
         MutexLock lock(mu_);
-        cv_.WaitUntil(lock, pause, [&] { return stop_.load(); });
+        cv_.WaitUntil(lock, clock, pause_ns, [&] { return stop_.load(); });
         continue;
       }
-      const auto until_claim =
-          std::chrono::duration_cast<std::chrono::milliseconds>(next_claim - std::chrono::steady_clock::now());
-      const int64_t block = std::clamp<int64_t>(until_claim.count(), 1, options_.block_ms);
+      const int64_t until_claim_ms = (next_claim_ns - clock.NowNs()) / 1'000'000;
+      const int64_t block = std::clamp<int64_t>(until_claim_ms, 1, options_.block_ms);
       Read(slots, block);
     }
   }
@@ -412,7 +411,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     }
     if (open.empty()) {
       MutexLock lock(mu_);
-      cv_.WaitFor(lock, std::chrono::milliseconds(50), [&] { return stop_.load(); });
+      cv_.WaitFor(lock, engine_->clock(), std::chrono::milliseconds(50), [&] { return stop_.load(); });
       return;
     }
     // A model at its share reads again soon after a job of its own ends.
@@ -463,9 +462,9 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void PauseFor(std::chrono::milliseconds d) {
-    const auto until = (std::chrono::steady_clock::now() + d).time_since_epoch().count();
-    int64_t cur = pause_until_.load(std::memory_order_relaxed);
-    while (cur < until && !pause_until_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
+    const int64_t until = engine_->clock().NowNs() + std::chrono::nanoseconds(d).count();
+    int64_t cur = pause_until_ns_.load(std::memory_order_relaxed);
+    while (cur < until && !pause_until_ns_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
     }
   }
 
@@ -1013,7 +1012,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   std::unique_ptr<RedisConnection> conn_;       // reader thread only
   std::string last_error_;                      // reader thread only
   std::chrono::milliseconds error_backoff_{0};  // reader thread only
-  std::atomic<int64_t> pause_until_{0};         // steady_clock ticks: no reads before
+  std::atomic<int64_t> pause_until_ns_{0};      // engine clock: no reads before
   mutable Mutex mu_;
   CondVar cv_;
   int inflight_ QUERN_GUARDED_BY(mu_) = 0;

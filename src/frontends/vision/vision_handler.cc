@@ -36,7 +36,8 @@ VisionHandler::VisionHandler(VisionService* service, VisionOptions options)
 
 VisionHandler::~VisionHandler() {
   MutexLock lock(pending_mu_);
-  pending_cv_.WaitFor(lock, std::chrono::seconds(30), [this]() QUERN_REQUIRES(pending_mu_) { return pending_ == 0; });
+  pending_cv_.WaitFor(lock, service_->clock(), std::chrono::seconds(30),
+                      [this]() QUERN_REQUIRES(pending_mu_) { return pending_ == 0; });
 }
 
 std::string VisionHandler::DefaultDetectionModel() {
