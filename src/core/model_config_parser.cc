@@ -248,18 +248,9 @@ Status ConvertEnsemble(const inference::ModelConfig& p, const std::string& sourc
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const std::string& source) {
-  ModelConfig c;
-  c.name = p.name();
-  c.platform = p.platform();
-  c.backend = p.backend();
+// backend and platform: which runs the model (ONNX Runtime unless said).
+Status ConvertBackend(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
   const bool ensemble = c.platform == "ensemble";
-  if (ensemble != p.has_ensemble_scheduling()) {
-    return Err(InvalidArgument(source + (ensemble ? ": platform \"ensemble\" needs ensemble_scheduling { step [ ... ] }"
-                                                  : ": ensemble_scheduling is for platform \"ensemble\" only")));
-  }
   if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
   if (c.backend.empty() && c.platform == "pytorch_libtorch") c.backend = "pytorch";
   if (ensemble && c.backend.empty()) {
@@ -269,139 +260,126 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   } else if (c.backend == "pytorch" && (c.platform.empty() || c.platform == "pytorch_libtorch")) {
     c.platform = "pytorch_libtorch";  // a TorchScript model.pt, run by LibTorch
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
-    return Err(InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
-                               "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                               "platform \"onnxruntime_onnx\"), PyTorch models (backend \"pytorch\" or platform "
-                               "\"pytorch_libtorch\"), Python models (backend \"python\"), built-in stages "
-                               "(backend \"quern\") and ensembles "
-                               "(platform \"ensemble\")"));
+    return InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
+                           "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
+                           "platform \"onnxruntime_onnx\"), PyTorch models (backend \"pytorch\" or platform "
+                           "\"pytorch_libtorch\"), Python models (backend \"python\"), built-in stages "
+                           "(backend \"quern\") and ensembles "
+                           "(platform \"ensemble\")");
   } else {
     c.platform = "onnxruntime_onnx";
   }
-  if (p.max_batch_size() < 0 || p.max_batch_size() > kMaxBatchSize) {
-    return Err(InvalidArgument(source + ": max_batch_size must be in [0, " + std::to_string(kMaxBatchSize) + "], got " +
-                               std::to_string(p.max_batch_size())));
+  return Status::Ok();
+}
+
+// A tensor's dims: a bounded rank, each in [-1, kMaxDim], a product in 64 bits.
+template <typename Dims>
+Status CheckDims(const std::string& source, const std::string& field, const Dims& dims) {
+  if (static_cast<size_t>(dims.size()) > kMaxTensorRank) {
+    return InvalidArgument(source + ": " + field + " has " + std::to_string(dims.size()) + " dimensions; at most " +
+                           std::to_string(kMaxTensorRank));
   }
-  if (static_cast<size_t>(p.input_size()) > kMaxConfigTensors ||
-      static_cast<size_t>(p.output_size()) > kMaxConfigTensors) {
-    return Err(InvalidArgument(source + ": more than " + std::to_string(kMaxConfigTensors) + " inputs or outputs"));
-  }
-  auto check_dims = [&](const std::string& field, const auto& dims) -> Status {
-    if (static_cast<size_t>(dims.size()) > kMaxTensorRank) {
-      return InvalidArgument(source + ": " + field + " has " + std::to_string(dims.size()) + " dimensions; at most " +
-                             std::to_string(kMaxTensorRank));
+  int64_t elements = 1;
+  for (int64_t d : dims) {
+    if (d < -1 || d > kMaxDim) {
+      return InvalidArgument(source + ": " + field + " dimension " + std::to_string(d) + " is outside [-1, " +
+                             std::to_string(kMaxDim) + "]");
     }
-    int64_t elements = 1;
-    for (int64_t d : dims) {
-      if (d < -1 || d > kMaxDim) {
-        return InvalidArgument(source + ": " + field + " dimension " + std::to_string(d) + " is outside [-1, " +
-                               std::to_string(kMaxDim) + "]");
+    if (d > 0 && __builtin_mul_overflow(elements, d, &elements)) {
+      return InvalidArgument(source + ": " + field + " has more elements than fit in 64 bits");
+    }
+  }
+  return Status::Ok();
+}
+
+// instance_group: kinds, devices and counts, bounded in all.
+Status ConvertInstanceGroups(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
+  for (int gi = 0; gi < p.instance_group_size(); ++gi) {
+    const auto& g = p.instance_group(gi);
+    const std::string which = source + ": instance_group " + std::to_string(gi);
+    InstanceGroup group;
+    switch (g.kind()) {
+      case inference::ModelInstanceGroup::KIND_AUTO: group.kind = InstanceGroup::Kind::kAuto; break;
+      case inference::ModelInstanceGroup::KIND_CPU:
+      case inference::ModelInstanceGroup::KIND_MODEL:  // the model places its work: its instances, on the CPU
+        group.kind = InstanceGroup::Kind::kCpu;
+        break;
+      case inference::ModelInstanceGroup::KIND_GPU: group.kind = InstanceGroup::Kind::kGpu; break;
+      default:
+        return InvalidArgument(which + ": kind " + std::to_string(g.kind()) +
+                               " is not one of KIND_AUTO, KIND_GPU, KIND_CPU, KIND_MODEL");
+    }
+    group.count = g.count() > 0 ? g.count() : 1;  // as Triton: below 1 means 1
+    if (g.gpus_size() > 0 && g.kind() == inference::ModelInstanceGroup::KIND_CPU) {
+      return InvalidArgument(which + ": kind KIND_CPU lists gpus; use KIND_GPU to run on them");
+    }
+    for (int32_t d : g.gpus()) {
+      if (d < 0 || d >= kMaxGpus) {
+        return InvalidArgument(which + ": gpus lists device " + std::to_string(d) +
+                               "; a device is a CUDA ordinal in [0, " + std::to_string(kMaxGpus) + ")");
       }
-      if (d > 0 && __builtin_mul_overflow(elements, d, &elements)) {
-        return InvalidArgument(source + ": " + field + " has more elements than fit in 64 bits");
+      if (std::find(group.gpus.begin(), group.gpus.end(), d) != group.gpus.end()) {
+        return InvalidArgument(which + ": gpus lists device " + std::to_string(d) + " twice");
       }
+      group.gpus.push_back(d);
+    }
+    if (group.kind == InstanceGroup::Kind::kCpu) group.gpus.clear();  // KIND_MODEL's list: not ours to place
+    // Instances on each listed device (at least one device: how many an
+    // empty list means is known when the model loads).
+    const int64_t count = int64_t{group.count} * std::max<int64_t>(1, static_cast<int64_t>(group.gpus.size()));
+    if (count > kMaxInstances - c.instance_count) {
+      return InvalidArgument(which + ": count " + std::to_string(g.count()) +
+                             " brings the model's instances above the limit of " + std::to_string(kMaxInstances));
+    }
+    c.instance_count += static_cast<int>(count);
+    c.instance_groups.push_back(std::move(group));
+  }
+  return Status::Ok();
+}
+
+// dynamic_batching, with bounds on delays, levels and timeouts.
+Status ConvertDynamicBatching(const inference::ModelDynamicBatching& db, const std::string& source, ModelConfig& c) {
+  if (db.preferred_batch_size_size() > 64) {
+    return InvalidArgument(source + ": dynamic_batching lists more than 64 preferred_batch_size values");
+  }
+  if (db.max_queue_delay_microseconds() > kMaxQueueDelayUs) {
+    return InvalidArgument(source + ": dynamic_batching.max_queue_delay_microseconds " +
+                           std::to_string(db.max_queue_delay_microseconds()) + " is above the limit of " +
+                           std::to_string(kMaxQueueDelayUs) + " (1 hour)");
+  }
+  if (db.priority_levels() > kMaxPriorityLevels) {
+    return InvalidArgument(source + ": dynamic_batching.priority_levels " + std::to_string(db.priority_levels()) +
+                           " is above the limit of " + std::to_string(kMaxPriorityLevels));
+  }
+  auto check_policy = [&](const inference::ModelQueuePolicy& q, const std::string& field) -> Status {
+    if (q.default_timeout_microseconds() > kMaxQueueTimeoutUs) {
+      return InvalidArgument(source + ": " + field + ".default_timeout_microseconds " +
+                             std::to_string(q.default_timeout_microseconds()) + " is above the limit of " +
+                             std::to_string(kMaxQueueTimeoutUs) + " (30 days)");
     }
     return Status::Ok();
   };
-  for (const auto& in : p.input()) {
-    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' dims", in.dims()));
-    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' reshape", in.reshape().shape()));
+  QUERN_RETURN_IF_ERROR(check_policy(db.default_queue_policy(), "dynamic_batching.default_queue_policy"));
+  for (const auto& [level, policy] : db.priority_queue_policy()) {
+    QUERN_RETURN_IF_ERROR(
+        check_policy(policy, "dynamic_batching.priority_queue_policy[" + std::to_string(level) + "]"));
   }
-  for (const auto& out : p.output()) {
-    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' dims", out.dims()));
-    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' reshape", out.reshape().shape()));
+  BatchingConfig b;
+  b.preferred_batch_sizes.assign(db.preferred_batch_size().begin(), db.preferred_batch_size().end());
+  b.max_queue_delay_us = db.max_queue_delay_microseconds();
+  b.preserve_ordering = db.preserve_ordering();
+  b.priority_levels = static_cast<uint32_t>(db.priority_levels());
+  b.default_priority_level = static_cast<uint32_t>(db.default_priority_level());
+  if (db.has_default_queue_policy()) b.default_queue_policy = ConvertQueuePolicy(db.default_queue_policy());
+  for (const auto& [level, policy] : db.priority_queue_policy()) {
+    b.priority_queue_policy[static_cast<uint32_t>(level)] = ConvertQueuePolicy(policy);
   }
-  c.max_batch_size = p.max_batch_size();
-  for (const auto& in : p.input()) c.inputs.push_back(ConvertInput(in));
-  for (const auto& out : p.output()) c.outputs.push_back(ConvertOutput(out));
+  c.batching = std::move(b);
+  return Status::Ok();
+}
 
-  c.instance_count = 0;  // automatic unless instance_group says otherwise
-  if (ensemble) {
-    QUERN_RETURN_IF_ERROR(ConvertEnsemble(p, source, c));
-  } else if (p.instance_group_size() > 0) {
-    for (int gi = 0; gi < p.instance_group_size(); ++gi) {
-      const auto& g = p.instance_group(gi);
-      const std::string which = source + ": instance_group " + std::to_string(gi);
-      InstanceGroup group;
-      switch (g.kind()) {
-        case inference::ModelInstanceGroup::KIND_AUTO: group.kind = InstanceGroup::Kind::kAuto; break;
-        case inference::ModelInstanceGroup::KIND_CPU:
-        case inference::ModelInstanceGroup::KIND_MODEL:  // the model places its work: its instances, on the CPU
-          group.kind = InstanceGroup::Kind::kCpu;
-          break;
-        case inference::ModelInstanceGroup::KIND_GPU: group.kind = InstanceGroup::Kind::kGpu; break;
-        default:
-          return Err(InvalidArgument(which + ": kind " + std::to_string(g.kind()) +
-                                     " is not one of KIND_AUTO, KIND_GPU, KIND_CPU, KIND_MODEL"));
-      }
-      group.count = g.count() > 0 ? g.count() : 1;  // as Triton: below 1 means 1
-      if (g.gpus_size() > 0 && g.kind() == inference::ModelInstanceGroup::KIND_CPU) {
-        return Err(InvalidArgument(which + ": kind KIND_CPU lists gpus; use KIND_GPU to run on them"));
-      }
-      for (int32_t d : g.gpus()) {
-        if (d < 0 || d >= kMaxGpus) {
-          return Err(InvalidArgument(which + ": gpus lists device " + std::to_string(d) +
-                                     "; a device is a CUDA ordinal in [0, " + std::to_string(kMaxGpus) + ")"));
-        }
-        if (std::find(group.gpus.begin(), group.gpus.end(), d) != group.gpus.end()) {
-          return Err(InvalidArgument(which + ": gpus lists device " + std::to_string(d) + " twice"));
-        }
-        group.gpus.push_back(d);
-      }
-      if (group.kind == InstanceGroup::Kind::kCpu) group.gpus.clear();  // KIND_MODEL's list: not ours to place
-      // Instances on each listed device (at least one device: how many an
-      // empty list means is known when the model loads).
-      const int64_t count = int64_t{group.count} * std::max<int64_t>(1, static_cast<int64_t>(group.gpus.size()));
-      if (count > kMaxInstances - c.instance_count) {
-        return Err(InvalidArgument(which + ": count " + std::to_string(g.count()) +
-                                   " brings the model's instances above the limit of " +
-                                   std::to_string(kMaxInstances)));
-      }
-      c.instance_count += static_cast<int>(count);
-      c.instance_groups.push_back(std::move(group));
-    }
-  }
-
-  if (p.has_dynamic_batching()) {
-    const auto& db = p.dynamic_batching();
-    if (db.preferred_batch_size_size() > 64) {
-      return Err(InvalidArgument(source + ": dynamic_batching lists more than 64 preferred_batch_size values"));
-    }
-    if (db.max_queue_delay_microseconds() > kMaxQueueDelayUs) {
-      return Err(InvalidArgument(source + ": dynamic_batching.max_queue_delay_microseconds " +
-                                 std::to_string(db.max_queue_delay_microseconds()) + " is above the limit of " +
-                                 std::to_string(kMaxQueueDelayUs) + " (1 hour)"));
-    }
-    if (db.priority_levels() > kMaxPriorityLevels) {
-      return Err(InvalidArgument(source + ": dynamic_batching.priority_levels " + std::to_string(db.priority_levels()) +
-                                 " is above the limit of " + std::to_string(kMaxPriorityLevels)));
-    }
-    auto check_policy = [&](const inference::ModelQueuePolicy& q, const std::string& field) -> Status {
-      if (q.default_timeout_microseconds() > kMaxQueueTimeoutUs) {
-        return InvalidArgument(source + ": " + field + ".default_timeout_microseconds " +
-                               std::to_string(q.default_timeout_microseconds()) + " is above the limit of " +
-                               std::to_string(kMaxQueueTimeoutUs) + " (30 days)");
-      }
-      return Status::Ok();
-    };
-    QUERN_RETURN_IF_ERROR(check_policy(db.default_queue_policy(), "dynamic_batching.default_queue_policy"));
-    for (const auto& [level, policy] : db.priority_queue_policy()) {
-      QUERN_RETURN_IF_ERROR(
-          check_policy(policy, "dynamic_batching.priority_queue_policy[" + std::to_string(level) + "]"));
-    }
-    BatchingConfig b;
-    b.preferred_batch_sizes.assign(db.preferred_batch_size().begin(), db.preferred_batch_size().end());
-    b.max_queue_delay_us = db.max_queue_delay_microseconds();
-    b.preserve_ordering = db.preserve_ordering();
-    b.priority_levels = static_cast<uint32_t>(db.priority_levels());
-    b.default_priority_level = static_cast<uint32_t>(db.default_priority_level());
-    if (db.has_default_queue_policy()) b.default_queue_policy = ConvertQueuePolicy(db.default_queue_policy());
-    for (const auto& [level, policy] : db.priority_queue_policy()) {
-      b.priority_queue_policy[static_cast<uint32_t>(level)] = ConvertQueuePolicy(policy);
-    }
-    c.batching = std::move(b);
-  }
-
+// parameters: Quern's own (quern.*) checked by name and read.
+Status ConvertParameters(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
   for (const auto& [key, value] : p.parameters()) {
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
@@ -412,12 +390,12 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
            key == "quern.same_core" || key == "quern.same_core_below_us" || key == "quern.python.max_memory_mb")) &&
         !key.starts_with("quern.image.") && !key.starts_with("quern.detection.") &&
         !key.starts_with("quern.classification.") && !key.starts_with("quern.embedding.")) {
-      return Err(InvalidArgument(source + ": unknown parameter " + key));
+      return InvalidArgument(source + ": unknown parameter " + key);
     }
   }
   if (auto it = c.parameters.find(std::string(kFixedBatchSizesParam)); it != c.parameters.end()) {
     auto sizes = ParseIntList(it->second, source + ": parameter " + it->first);
-    if (!sizes) return Err(sizes.error());
+    if (!sizes) return sizes.error();
     c.fixed_batch_sizes = std::move(*sizes);
   }
   QUERN_RETURN_IF_ERROR(OnOffParameter(c, kBatchSizeTuningParam, source, c.batch_size_tuning));
@@ -426,22 +404,18 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   std::optional<int64_t> target_ms;
   QUERN_RETURN_IF_ERROR(MillisecondsParameter(c, kLatencyTargetParam, source, target_ms));
   c.latency_target_ms = target_ms.value_or(0);
-  if (p.has_optimization() && p.optimization().has_graph()) {
-    c.graph_optimization_level = p.optimization().graph().level();
-    if (c.graph_optimization_level < -1 || c.graph_optimization_level > 2) {
-      return Err(InvalidArgument(source + ": optimization.graph.level " + std::to_string(c.graph_optimization_level) +
-                                 " is outside [-1, 2]"));
-    }
-  }
-  c.default_model_filename = p.default_model_filename();
+  return Status::Ok();
+}
 
+// model_warmup: samples, bounded.
+Status ConvertWarmup(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
   for (const auto& w : p.model_warmup()) {
     if (w.count() > kMaxWarmupCount) {
-      return Err(InvalidArgument(source + ": model_warmup '" + w.name() + "' count " + std::to_string(w.count()) +
-                                 " is above the limit of " + std::to_string(kMaxWarmupCount)));
+      return InvalidArgument(source + ": model_warmup '" + w.name() + "' count " + std::to_string(w.count()) +
+                             " is above the limit of " + std::to_string(kMaxWarmupCount));
     }
     for (const auto& [name, in] : w.inputs()) {
-      QUERN_RETURN_IF_ERROR(check_dims("model_warmup '" + w.name() + "' input '" + name + "' dims", in.dims()));
+      QUERN_RETURN_IF_ERROR(CheckDims(source, "model_warmup '" + w.name() + "' input '" + name + "' dims", in.dims()));
     }
     WarmupSample s;
     s.name = w.name();
@@ -461,6 +435,63 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     }
     c.warmup.push_back(std::move(s));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const std::string& source) {
+  ModelConfig c;
+  c.name = p.name();
+  c.platform = p.platform();
+  c.backend = p.backend();
+  const bool ensemble = c.platform == "ensemble";
+  if (ensemble != p.has_ensemble_scheduling()) {
+    return Err(InvalidArgument(source + (ensemble ? ": platform \"ensemble\" needs ensemble_scheduling { step [ ... ] }"
+                                                  : ": ensemble_scheduling is for platform \"ensemble\" only")));
+  }
+  QUERN_RETURN_IF_ERROR(ConvertBackend(p, source, c));
+  if (p.max_batch_size() < 0 || p.max_batch_size() > kMaxBatchSize) {
+    return Err(InvalidArgument(source + ": max_batch_size must be in [0, " + std::to_string(kMaxBatchSize) + "], got " +
+                               std::to_string(p.max_batch_size())));
+  }
+  if (static_cast<size_t>(p.input_size()) > kMaxConfigTensors ||
+      static_cast<size_t>(p.output_size()) > kMaxConfigTensors) {
+    return Err(InvalidArgument(source + ": more than " + std::to_string(kMaxConfigTensors) + " inputs or outputs"));
+  }
+  auto check_dims = [&](const std::string& field, const auto& dims) { return CheckDims(source, field, dims); };
+  for (const auto& in : p.input()) {
+    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' dims", in.dims()));
+    QUERN_RETURN_IF_ERROR(check_dims("input '" + in.name() + "' reshape", in.reshape().shape()));
+  }
+  for (const auto& out : p.output()) {
+    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' dims", out.dims()));
+    QUERN_RETURN_IF_ERROR(check_dims("output '" + out.name() + "' reshape", out.reshape().shape()));
+  }
+  c.max_batch_size = p.max_batch_size();
+  for (const auto& in : p.input()) c.inputs.push_back(ConvertInput(in));
+  for (const auto& out : p.output()) c.outputs.push_back(ConvertOutput(out));
+
+  c.instance_count = 0;  // automatic unless instance_group says otherwise
+  if (ensemble) {
+    QUERN_RETURN_IF_ERROR(ConvertEnsemble(p, source, c));
+  } else {
+    QUERN_RETURN_IF_ERROR(ConvertInstanceGroups(p, source, c));
+  }
+
+  if (p.has_dynamic_batching()) QUERN_RETURN_IF_ERROR(ConvertDynamicBatching(p.dynamic_batching(), source, c));
+
+  QUERN_RETURN_IF_ERROR(ConvertParameters(p, source, c));
+  if (p.has_optimization() && p.optimization().has_graph()) {
+    c.graph_optimization_level = p.optimization().graph().level();
+    if (c.graph_optimization_level < -1 || c.graph_optimization_level > 2) {
+      return Err(InvalidArgument(source + ": optimization.graph.level " + std::to_string(c.graph_optimization_level) +
+                                 " is outside [-1, 2]"));
+    }
+  }
+  c.default_model_filename = p.default_model_filename();
+
+  QUERN_RETURN_IF_ERROR(ConvertWarmup(p, source, c));
   return c;
 }
 

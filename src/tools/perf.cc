@@ -1018,6 +1018,166 @@ std::string PercentEncode(const std::string& s) {
   return out;
 }
 
+// The options' own consistency, before anything is sent.
+Status CheckOptions(const PerfOptions& o) {
+  if (o.model.empty()) return InvalidArgument("--model is required");
+  if (o.format != "table" && o.format != "csv" && o.format != "json") {
+    return InvalidArgument("--format must be table, csv or json");
+  }
+  if (!o.rates.empty() && !o.concurrency.empty()) {
+    return InvalidArgument("give --concurrency (closed loop) or --rate (open loop), not both");
+  }
+  for (int c : o.concurrency) {
+    if (c < 1 || c > 4096) return InvalidArgument("--concurrency values are 1-4096");
+  }
+  for (double r : o.rates) {
+    if (!(r > 0) || r > 1e7) return InvalidArgument("--rate values are above 0 and at most 10^7");
+  }
+  if (o.max_inflight < 1 || o.max_inflight > 4096) return InvalidArgument("--max-inflight is 1-4096");
+  if (!(o.seconds > 0) || !(o.warmup >= 0) || !(o.timeout > 0)) {
+    return InvalidArgument("--seconds and --timeout must be above 0, --warmup at least 0");
+  }
+  if (!(o.deadline_ms >= 0) || o.deadline_ms > 1e9) return InvalidArgument("--deadline-ms is 0 to 10^9");
+  const bool grpc = o.url.starts_with("grpc://");
+  if (!grpc && o.grpc_stream) return InvalidArgument("--grpc-stream needs a grpc://HOST:PORT --url");
+  if (o.stream_inflight < 1 || o.stream_inflight > 1024) {
+    return InvalidArgument("--stream-inflight is 1-1024");
+  }
+  if (o.stream_inflight > 1 && !o.grpc_stream) return InvalidArgument("--stream-inflight needs --grpc-stream");
+  if (o.stream_inflight > 1 && !o.rates.empty()) {
+    return InvalidArgument("--stream-inflight is for the closed loop (-c), not --rate");
+  }
+  if (grpc && o.json) return InvalidArgument("--json is for HTTP: gRPC sends raw tensor contents");
+  return Status::Ok();
+}
+
+// The table's or the CSV's head (JSON has none).
+void PrintHeader(const PerfOptions& o, const std::vector<InputSpec>& inputs, const char* tensors,
+                 const std::string& mode) {
+  if (o.format == "table") {
+    std::printf("model %s at %s, %s tensors, inputs:", o.model.c_str(), o.url.c_str(), tensors);
+    for (const auto& in : inputs) {
+      std::printf(" %s %s %s", in.name.c_str(), std::string(DataTypeName(in.dtype)).c_str(),
+                  ShapeToString(in.shape).c_str());
+    }
+    std::printf("; %.3g s per level after %.3g s of warm-up", o.seconds, o.warmup);
+    if (o.deadline_ms > 0) std::printf("; deadline %.6g ms", o.deadline_ms);
+    std::printf("\n");
+    std::printf("%12s %10s %9s %9s %9s %9s %7s %10s %10s %9s %10s %6s\n", mode.c_str(), "req/s", "p50 ms", "p90 ms",
+                "p95 ms", "p99 ms", "errors", "client µs", "server µs", "queue µs", "compute µs", "batch");
+  } else if (o.format == "csv") {
+    std::printf(
+        "mode,value,requests_per_s,p50_ms,p90_ms,p95_ms,p99_ms,ok,errors,client_cpu_us_per_request,"
+        "server_cpu_us_per_request,server_queue_us,server_compute_us,server_batch_size,late,past_deadline\n");
+  }
+}
+
+// One level's line in the table or the CSV (JSON: at the end).
+void PrintRow(const PerfOptions& o, const Level& level, const Row& row) {
+  if (o.format == "table") {
+    std::printf("%12s %10.1f %9s %9s %9s %9s %7lld %10s %10s %9s %10s %6s\n",
+                Num(level.value, level.mode == "rate" ? 1 : 0).c_str(), row.throughput, Num(row.p50, 3).c_str(),
+                Num(row.p90, 3).c_str(), Num(row.p95, 3).c_str(), Num(row.p99, 3).c_str(),
+                static_cast<long long>(row.errors), Num(row.client_us, 1).c_str(), Num(row.server_us, 1).c_str(),
+                Num(row.queue_us, 1).c_str(), Num(row.compute_us, 1).c_str(), Num(row.batch, 2).c_str());
+    for (const auto& [kind, v] : row.kinds) {
+      std::printf("%12s   %lld x %s: %s\n", "", static_cast<long long>(v.first), kind.c_str(), v.second.c_str());
+    }
+    if (row.late > 0) {
+      std::printf(
+          "%12s   %lld requests sent over 1 ms after they were due (the client busy, or every connection in use: see "
+          "--max-inflight)\n",
+          "", static_cast<long long>(row.late));
+    }
+    if (o.deadline_ms > 0) {
+      std::printf("%12s   %lld answers came after the %.6g ms deadline\n", "",
+                  static_cast<long long>(row.past_deadline), o.deadline_ms);
+    }
+    std::fflush(stdout);
+  } else if (o.format == "csv") {
+    std::printf("%s,%g,%.3f,%s,%s,%s,%s,%lld,%lld,%s,%s,%s,%s,%s,%lld,%lld\n", level.mode.c_str(), level.value,
+                row.throughput, Num(row.p50, 4).c_str(), Num(row.p90, 4).c_str(), Num(row.p95, 4).c_str(),
+                Num(row.p99, 4).c_str(), static_cast<long long>(row.ok), static_cast<long long>(row.errors),
+                Num(row.client_us, 2).c_str(), Num(row.server_us, 2).c_str(), Num(row.queue_us, 2).c_str(),
+                Num(row.compute_us, 2).c_str(), Num(row.batch, 3).c_str(), static_cast<long long>(row.late),
+                static_cast<long long>(row.past_deadline));
+    std::fflush(stdout);
+  }
+}
+
+// Every level as one JSON document.
+void PrintJson(const PerfOptions& o, const std::vector<Row>& rows, const char* tensors) {
+  rapidjson::StringBuffer sb;
+  rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+  w.StartObject();
+  w.Key("model");
+  w.String(o.model.c_str());
+  w.Key("url");
+  w.String(o.url.c_str());
+  w.Key("tensors");
+  w.String(tensors);
+  w.Key("deadline_ms");
+  if (o.deadline_ms > 0) {
+    w.Double(o.deadline_ms);
+  } else {
+    w.Null();
+  }
+  w.Key("levels");
+  w.StartArray();
+  auto number = [&](const char* key, double v) {
+    w.Key(key);
+    if (std::isnan(v)) {
+      w.Null();
+    } else {
+      w.Double(v);
+    }
+  };
+  auto count = [&](const char* key, int64_t v) {
+    w.Key(key);
+    w.Int64(v);
+  };
+  for (const Row& r : rows) {
+    w.StartObject();
+    w.Key("mode");
+    w.String(r.mode.c_str());
+    number("value", r.value);
+    number("requests_per_s", r.throughput);
+    w.Key("latency_ms");
+    w.StartObject();
+    number("mean", r.mean);
+    number("p50", r.p50);
+    number("p90", r.p90);
+    number("p95", r.p95);
+    number("p99", r.p99);
+    w.EndObject();
+    count("ok", r.ok);
+    count("errors", r.errors);
+    w.Key("error_kinds");
+    w.StartObject();
+    for (const auto& [kind, v] : r.kinds) {
+      w.Key(kind.c_str());
+      w.StartObject();
+      count("count", v.first);
+      w.Key("first");
+      w.String(v.second.c_str(), static_cast<rapidjson::SizeType>(v.second.size()));
+      w.EndObject();
+    }
+    w.EndObject();
+    count("completed_total", r.completed_total);
+    count("late", r.late);
+    count("past_deadline", r.past_deadline);
+    number("client_cpu_us_per_request", r.client_us);
+    number("server_cpu_us_per_request", r.server_us);
+    number("server_queue_us", r.queue_us);
+    number("server_compute_us", r.compute_us);
+    number("server_batch_size", r.batch);
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
+  std::printf("%s\n", sb.GetString());
+}
+
 }  // namespace
 
 int Perf(const PerfOptions& o) {
@@ -1025,34 +1185,8 @@ int Perf(const PerfOptions& o) {
     std::fprintf(stderr, "quern perf: %s\n", s.message().c_str());
     return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
   };
-  if (o.model.empty()) return fail(InvalidArgument("--model is required"));
-  if (o.format != "table" && o.format != "csv" && o.format != "json") {
-    return fail(InvalidArgument("--format must be table, csv or json"));
-  }
-  if (!o.rates.empty() && !o.concurrency.empty()) {
-    return fail(InvalidArgument("give --concurrency (closed loop) or --rate (open loop), not both"));
-  }
-  for (int c : o.concurrency) {
-    if (c < 1 || c > 4096) return fail(InvalidArgument("--concurrency values are 1-4096"));
-  }
-  for (double r : o.rates) {
-    if (!(r > 0) || r > 1e7) return fail(InvalidArgument("--rate values are above 0 and at most 10^7"));
-  }
-  if (o.max_inflight < 1 || o.max_inflight > 4096) return fail(InvalidArgument("--max-inflight is 1-4096"));
-  if (!(o.seconds > 0) || !(o.warmup >= 0) || !(o.timeout > 0)) {
-    return fail(InvalidArgument("--seconds and --timeout must be above 0, --warmup at least 0"));
-  }
-  if (!(o.deadline_ms >= 0) || o.deadline_ms > 1e9) return fail(InvalidArgument("--deadline-ms is 0 to 10^9"));
+  if (Status s = CheckOptions(o); !s.ok()) return fail(s);
   const bool grpc = o.url.starts_with("grpc://");
-  if (!grpc && o.grpc_stream) return fail(InvalidArgument("--grpc-stream needs a grpc://HOST:PORT --url"));
-  if (o.stream_inflight < 1 || o.stream_inflight > 1024) {
-    return fail(InvalidArgument("--stream-inflight is 1-1024"));
-  }
-  if (o.stream_inflight > 1 && !o.grpc_stream) return fail(InvalidArgument("--stream-inflight needs --grpc-stream"));
-  if (o.stream_inflight > 1 && !o.rates.empty()) {
-    return fail(InvalidArgument("--stream-inflight is for the closed loop (-c), not --rate"));
-  }
-  if (grpc && o.json) return fail(InvalidArgument("--json is for HTTP: gRPC sends raw tensor contents"));
   const auto timeout_us = static_cast<uint64_t>(std::llround(o.deadline_ms * 1e3));
   // The deadline travels as the KServe `timeout` parameter where the
   // protocol has no deadline of its own.
@@ -1131,127 +1265,15 @@ int Perf(const PerfOptions& o) {
 
   std::vector<Row> rows;
   bool every_level_answered = true;
-  if (o.format == "table") {
-    std::printf("model %s at %s, %s tensors, inputs:", o.model.c_str(), o.url.c_str(), tensors);
-    for (const auto& in : *inputs) {
-      std::printf(" %s %s %s", in.name.c_str(), std::string(DataTypeName(in.dtype)).c_str(),
-                  ShapeToString(in.shape).c_str());
-    }
-    std::printf("; %.3g s per level after %.3g s of warm-up", o.seconds, o.warmup);
-    if (o.deadline_ms > 0) std::printf("; deadline %.6g ms", o.deadline_ms);
-    std::printf("\n");
-    std::printf("%12s %10s %9s %9s %9s %9s %7s %10s %10s %9s %10s %6s\n", levels[0].mode.c_str(), "req/s", "p50 ms",
-                "p90 ms", "p95 ms", "p99 ms", "errors", "client µs", "server µs", "queue µs", "compute µs", "batch");
-  } else if (o.format == "csv") {
-    std::printf(
-        "mode,value,requests_per_s,p50_ms,p90_ms,p95_ms,p99_ms,ok,errors,client_cpu_us_per_request,"
-        "server_cpu_us_per_request,server_queue_us,server_compute_us,server_batch_size,late,past_deadline\n");
-  }
+  PrintHeader(o, *inputs, tensors, levels[0].mode);
   for (const Level& level : levels) {
     Row row = ToRow(RunLevel(o, make_caller, level, metrics, metrics_e));
     if (row.ok == 0) every_level_answered = false;
-    if (o.format == "table") {
-      std::printf("%12s %10.1f %9s %9s %9s %9s %7lld %10s %10s %9s %10s %6s\n",
-                  Num(level.value, level.mode == "rate" ? 1 : 0).c_str(), row.throughput, Num(row.p50, 3).c_str(),
-                  Num(row.p90, 3).c_str(), Num(row.p95, 3).c_str(), Num(row.p99, 3).c_str(),
-                  static_cast<long long>(row.errors), Num(row.client_us, 1).c_str(), Num(row.server_us, 1).c_str(),
-                  Num(row.queue_us, 1).c_str(), Num(row.compute_us, 1).c_str(), Num(row.batch, 2).c_str());
-      for (const auto& [kind, v] : row.kinds) {
-        std::printf("%12s   %lld x %s: %s\n", "", static_cast<long long>(v.first), kind.c_str(), v.second.c_str());
-      }
-      if (row.late > 0) {
-        std::printf(
-            "%12s   %lld requests sent over 1 ms after they were due (the client busy, or every connection in use: see "
-            "--max-inflight)\n",
-            "", static_cast<long long>(row.late));
-      }
-      if (o.deadline_ms > 0) {
-        std::printf("%12s   %lld answers came after the %.6g ms deadline\n", "",
-                    static_cast<long long>(row.past_deadline), o.deadline_ms);
-      }
-      std::fflush(stdout);
-    } else if (o.format == "csv") {
-      std::printf("%s,%g,%.3f,%s,%s,%s,%s,%lld,%lld,%s,%s,%s,%s,%s,%lld,%lld\n", level.mode.c_str(), level.value,
-                  row.throughput, Num(row.p50, 4).c_str(), Num(row.p90, 4).c_str(), Num(row.p95, 4).c_str(),
-                  Num(row.p99, 4).c_str(), static_cast<long long>(row.ok), static_cast<long long>(row.errors),
-                  Num(row.client_us, 2).c_str(), Num(row.server_us, 2).c_str(), Num(row.queue_us, 2).c_str(),
-                  Num(row.compute_us, 2).c_str(), Num(row.batch, 3).c_str(), static_cast<long long>(row.late),
-                  static_cast<long long>(row.past_deadline));
-      std::fflush(stdout);
-    }
+    PrintRow(o, level, row);
     rows.push_back(std::move(row));
   }
-  if (o.format == "json") {
-    rapidjson::StringBuffer sb;
-    rapidjson::Writer<rapidjson::StringBuffer> w(sb);
-    w.StartObject();
-    w.Key("model");
-    w.String(o.model.c_str());
-    w.Key("url");
-    w.String(o.url.c_str());
-    w.Key("tensors");
-    w.String(grpc ? (o.grpc_stream ? "grpc_stream" : "grpc") : o.json ? "json" : "binary");
-    w.Key("deadline_ms");
-    if (o.deadline_ms > 0) {
-      w.Double(o.deadline_ms);
-    } else {
-      w.Null();
-    }
-    w.Key("levels");
-    w.StartArray();
-    auto number = [&](const char* key, double v) {
-      w.Key(key);
-      if (std::isnan(v)) {
-        w.Null();
-      } else {
-        w.Double(v);
-      }
-    };
-    auto count = [&](const char* key, int64_t v) {
-      w.Key(key);
-      w.Int64(v);
-    };
-    for (const Row& r : rows) {
-      w.StartObject();
-      w.Key("mode");
-      w.String(r.mode.c_str());
-      number("value", r.value);
-      number("requests_per_s", r.throughput);
-      w.Key("latency_ms");
-      w.StartObject();
-      number("mean", r.mean);
-      number("p50", r.p50);
-      number("p90", r.p90);
-      number("p95", r.p95);
-      number("p99", r.p99);
-      w.EndObject();
-      count("ok", r.ok);
-      count("errors", r.errors);
-      w.Key("error_kinds");
-      w.StartObject();
-      for (const auto& [kind, v] : r.kinds) {
-        w.Key(kind.c_str());
-        w.StartObject();
-        count("count", v.first);
-        w.Key("first");
-        w.String(v.second.c_str(), static_cast<rapidjson::SizeType>(v.second.size()));
-        w.EndObject();
-      }
-      w.EndObject();
-      count("completed_total", r.completed_total);
-      count("late", r.late);
-      count("past_deadline", r.past_deadline);
-      number("client_cpu_us_per_request", r.client_us);
-      number("server_cpu_us_per_request", r.server_us);
-      number("server_queue_us", r.queue_us);
-      number("server_compute_us", r.compute_us);
-      number("server_batch_size", r.batch);
-      w.EndObject();
-    }
-    w.EndArray();
-    w.EndObject();
-    std::printf("%s\n", sb.GetString());
-  }
+  if (o.format == "json")
+    PrintJson(o, rows, grpc ? (o.grpc_stream ? "grpc_stream" : "grpc") : o.json ? "json" : "binary");
   return every_level_answered ? 0 : 1;
 }
 

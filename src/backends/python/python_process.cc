@@ -220,6 +220,65 @@ int64_t NowMs() {
       .count();
 }
 
+// The descriptors the child gets (each becomes its kChild*Fd).
+struct ChildFds {
+  int control, reply, life, log;
+  const int* shm;  // PythonProcess::kSlots of them
+};
+
+// Starts the interpreter with the bootstrap, its descriptors in place and
+// default signal handling: posix_spawnp's result (0 = started, *pid set).
+int SpawnInterpreter(const PythonLaunch& launch, const ChildFds& fds, pid_t* pid) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, fds.log, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds.log, STDERR_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds.control, kChildControlFd);
+  posix_spawn_file_actions_adddup2(&actions, fds.reply, kChildReplyFd);
+  posix_spawn_file_actions_adddup2(&actions, fds.life, kChildLifeFd);
+  for (int i = 0; i < PythonProcess::kSlots; ++i) posix_spawn_file_actions_adddup2(&actions, fds.shm[i], kChildShmFds[i]);
+  posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[PythonProcess::kSlots - 1] + 1);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  // A process group of its own: a terminal's Ctrl-C is the server's to handle.
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
+
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view kv(*e);
+    if (kv.starts_with("PYTHONDONTWRITEBYTECODE=") || kv.starts_with("PYTHONUNBUFFERED=")) continue;
+    env.emplace_back(kv);
+  }
+  // No __pycache__ in the repository (it would also look like a change of
+  // the model); output reaches the log line by line.
+  env.emplace_back("PYTHONDONTWRITEBYTECODE=1");
+  env.emplace_back("PYTHONUNBUFFERED=1");
+  std::vector<char*> envp;
+  for (auto& kv : env) envp.push_back(kv.data());
+  envp.push_back(nullptr);
+  std::string python = launch.python, dash_c = "-c", bootstrap = kBootstrap,
+              title = "quern-python:" + launch.model_name + ":" + std::to_string(launch.instance);
+  std::string server_pid = std::to_string(::getpid());
+  char* argv[] = {python.data(), dash_c.data(), bootstrap.data(), title.data(), server_pid.data(), nullptr};
+
+  // From a thread that lives as long as the process: the child's
+  // PR_SET_PDEATHSIG fires when the thread that started it ends, and the
+  // thread asking (a gRPC or poll thread) may end long before the server.
+  int rc = 0;
+  SpawnOnLongLivedThread([&] { rc = ::posix_spawnp(pid, python.c_str(), &actions, &attr, argv, envp.data()); });
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  return rc;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& launch) {
@@ -295,54 +354,9 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   int child_shm[kSlots];
   for (int i = 0; i < kSlots; ++i) child_shm[i] = ::fcntl(p->slots_[i].fd, F_DUPFD_CLOEXEC, 10);
 
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, child_log, STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, child_log, STDERR_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, child_control, kChildControlFd);
-  posix_spawn_file_actions_adddup2(&actions, child_reply, kChildReplyFd);
-  posix_spawn_file_actions_adddup2(&actions, child_life, kChildLifeFd);
-  for (int i = 0; i < kSlots; ++i) posix_spawn_file_actions_adddup2(&actions, child_shm[i], kChildShmFds[i]);
-  posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[kSlots - 1] + 1);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  sigemptyset(&defaults);
-  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}) sigaddset(&defaults, sig);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  // A process group of its own: a terminal's Ctrl-C is the server's to handle.
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
-
-  std::vector<std::string> env;
-  for (char** e = environ; e && *e; ++e) {
-    const std::string_view kv(*e);
-    if (kv.starts_with("PYTHONDONTWRITEBYTECODE=") || kv.starts_with("PYTHONUNBUFFERED=")) continue;
-    env.emplace_back(kv);
-  }
-  // No __pycache__ in the repository (it would also look like a change of
-  // the model); output reaches the log line by line.
-  env.emplace_back("PYTHONDONTWRITEBYTECODE=1");
-  env.emplace_back("PYTHONUNBUFFERED=1");
-  std::vector<char*> envp;
-  for (auto& kv : env) envp.push_back(kv.data());
-  envp.push_back(nullptr);
-  std::string python = launch.python, dash_c = "-c", bootstrap = kBootstrap,
-              title = "quern-python:" + launch.model_name + ":" + std::to_string(launch.instance);
-  std::string server_pid = std::to_string(::getpid());
-  char* argv[] = {python.data(), dash_c.data(), bootstrap.data(), title.data(), server_pid.data(), nullptr};
-
   pid_t pid = -1;
-  // From a thread that lives as long as the process: the child's
-  // PR_SET_PDEATHSIG fires when the thread that started it ends, and the
-  // thread asking (a gRPC or poll thread) may end long before the server.
-  int rc = 0;
-  SpawnOnLongLivedThread([&] { rc = ::posix_spawnp(&pid, python.c_str(), &actions, &attr, argv, envp.data()); });
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
+  const ChildFds fds{child_control, child_reply, child_life, child_log, child_shm};
+  const int rc = SpawnInterpreter(launch, fds, &pid);
   ::close(child_control);
   ::close(child_reply);
   ::close(child_life);
