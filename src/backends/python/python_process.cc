@@ -237,7 +237,8 @@ int SpawnInterpreter(const PythonLaunch& launch, const ChildFds& fds, pid_t* pid
   posix_spawn_file_actions_adddup2(&actions, fds.control, kChildControlFd);
   posix_spawn_file_actions_adddup2(&actions, fds.reply, kChildReplyFd);
   posix_spawn_file_actions_adddup2(&actions, fds.life, kChildLifeFd);
-  for (int i = 0; i < PythonProcess::kSlots; ++i) posix_spawn_file_actions_adddup2(&actions, fds.shm[i], kChildShmFds[i]);
+  for (int i = 0; i < PythonProcess::kSlots; ++i)
+    posix_spawn_file_actions_adddup2(&actions, fds.shm[i], kChildShmFds[i]);
   posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[PythonProcess::kSlots - 1] + 1);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
