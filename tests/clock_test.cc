@@ -99,7 +99,9 @@ TEST(FakeClock, ManyWaitersEachEndAtTheirOwnDeadline) {
   for (int step = 1; step <= 8; ++step) {
     clock.AdvanceNs(1'000'000);
     ASSERT_TRUE(Eventually([&] { return ended.load() == step; })) << "step " << step;
-    EXPECT_EQ(clock.waiters(), 8 - step);
+    // (An early waiter woken with a due one on its condition variable
+    // leaves the registry for a moment and waits again.)
+    EXPECT_TRUE(Eventually([&] { return clock.waiters() == 8 - step; })) << "step " << step;
   }
   for (auto& t : waiters) t.join();
 }

@@ -299,6 +299,45 @@ TEST(Multipart, PartsAndErrors) {
   EXPECT_FALSE(ParseMultipart(body.substr(0, body.size() - 9), "XyZ").has_value());
 }
 
+TEST(Form, UrlEncodedFieldsAreDecodedAndViewedSafelyAfterAMove) {
+  // As Python's urllib.parse.urlencode({"api_key": "k+y/1", "userid": "Ann Lee", "empty": ""}) writes it.
+  const std::string body = "api_key=k%2By%2F1&userid=Ann+Lee&empty=&&flag&bad=%zz%4";
+  auto form = ParseForm("Application/X-WWW-Form-Urlencoded; charset=utf-8", body);
+  ASSERT_TRUE(form.has_value()) << form.error().message();
+  Form moved = std::move(*form);  // the views move with the buffer
+  ASSERT_EQ(moved.parts.size(), 5u);
+  EXPECT_EQ(moved.Field("api_key")->data, "k+y/1");
+  EXPECT_EQ(moved.Field("userid")->data, "Ann Lee");
+  EXPECT_EQ(moved.Field("empty")->data, "");
+  EXPECT_EQ(moved.Field("flag")->data, "");
+  EXPECT_EQ(moved.Field("bad")->data, "%zz%4") << "an invalid escape is kept as it is";
+  EXPECT_EQ(moved.Field("missing"), nullptr);
+}
+
+TEST(Form, ContentTypesAndBounds) {
+  EXPECT_TRUE(ParseForm("", "").has_value()) << "an empty body is an empty form";
+  EXPECT_TRUE(ParseForm("text/plain", "")->parts.empty());
+  auto other = ParseForm("application/json", "{}");
+  ASSERT_FALSE(other.has_value());
+  EXPECT_NE(other.error().message().find("application/x-www-form-urlencoded"), std::string::npos);
+  EXPECT_TRUE(IsFormContentType("multipart/form-data; boundary=x"));
+  EXPECT_TRUE(IsFormContentType("application/x-www-form-urlencoded"));
+  EXPECT_FALSE(IsFormContentType("application/json"));
+  // kMaxFormParts fields, and one more.
+  std::string fields;
+  for (size_t i = 0; i < kMaxFormParts; ++i) fields.append("f").append(std::to_string(i)).append("=1&");
+  EXPECT_TRUE(ParseUrlEncodedForm(fields).has_value());
+  auto over = ParseUrlEncodedForm(fields + "one=more");
+  ASSERT_FALSE(over.has_value());
+  EXPECT_NE(over.error().message().find("more than 256"), std::string::npos);
+  std::string parts;
+  for (size_t i = 0; i <= kMaxFormParts; ++i) parts += "--B\r\nContent-Disposition: form-data; name=x\r\n\r\n1\r\n";
+  parts += "--B--\r\n";
+  auto many = ParseForm("multipart/form-data; boundary=B", parts);
+  ASSERT_FALSE(many.has_value());
+  EXPECT_NE(many.error().message().find("more than 256"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace quern
 

@@ -45,16 +45,19 @@ void FakeClock::AdvanceNs(int64_t ns) {
       }
     }
   }
-  if (due.empty()) return;
+  // Each waiter is let go as soon as it is notified: one waiting for its
+  // record to be free never waits on another waiter's mutex.
   for (Waiter* w : due) {
-    std::lock_guard waiter_lock(*w->mu);
-    w->cv->notify_all();
+    {
+      std::lock_guard waiter_lock(*w->mu);
+      w->cv->notify_all();
+    }
+    {
+      std::lock_guard g(mu_);
+      --w->firing;
+    }
+    fired_.notify_all();
   }
-  {
-    std::lock_guard g(mu_);
-    for (Waiter* w : due) --w->firing;
-  }
-  fired_.notify_all();
 }
 
 int FakeClock::waiters() const {

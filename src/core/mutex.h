@@ -127,8 +127,11 @@ class CondVar {
  private:
   template <typename Rep, typename Period>
   static int64_t Deadline(const Clock& clock, std::chrono::duration<Rep, Period> timeout) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
-    return clock.NowNs() + std::max<int64_t>(ns, 0);
+    // Saturated: a timeout past the clock's range waits without end.
+    const int64_t now = clock.NowNs();
+    const std::chrono::duration<double, std::nano> ns = timeout;
+    if (ns.count() >= static_cast<double>(INT64_MAX - now)) return INT64_MAX;
+    return now + std::max<int64_t>(static_cast<int64_t>(ns.count()), 0);
   }
   std::condition_variable cv_;
 };

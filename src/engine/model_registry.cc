@@ -611,7 +611,8 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
   if (!changed.empty()) {
     {
       MutexLock lock(poll_mu_);
-      poll_cv_.WaitFor(lock, *clock_, std::chrono::milliseconds(kSettleMs),
+      // Real time: another process's copy proceeds at its own pace.
+      poll_cv_.WaitFor(lock, RealClockInstance(), std::chrono::milliseconds(kSettleMs),
                        [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
       if (stopping_) return Status::Ok();
     }

@@ -127,7 +127,7 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
 VisionService::~VisionService() {
   {
     MutexLock lock(idle_mu_);
-    idle_cv_.WaitFor(lock, *clock_, std::chrono::seconds(30), [this] { return in_flight_.value() == 0; });
+    idle_cv_.WaitFor(lock, RealClockInstance(), std::chrono::seconds(30), [this] { return in_flight_.value() == 0; });
   }
   {
     MutexLock lock(pool_mu_);

@@ -488,7 +488,11 @@ void Server::Shutdown() {
   p.engine->StopRepositoryPolling();   // the models in service stay as they are
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
   const Clock& clock = p.engine->clock();
-  const int64_t deadline_ns = clock.NowNs() + static_cast<int64_t>(std::max(0.0, p.options.drain_timeout_s) * 1e9);
+  // A timeout too large for the clock (or infinite) waits until done.
+  const double drain_ns = std::max(0.0, p.options.drain_timeout_s) * 1e9;
+  const int64_t start_ns = clock.NowNs();
+  const int64_t deadline_ns =
+      drain_ns >= static_cast<double>(INT64_MAX - start_ns) ? INT64_MAX : start_ns + static_cast<int64_t>(drain_ns);
   auto in_flight = [&p] { return p.engine->InFlight() + p.vision_service->stats().in_flight + p.jobs->submitting(); };
   while (in_flight() > 0 && clock.NowNs() < deadline_ns) SleepFor(clock, std::chrono::milliseconds(10));
   if (const int64_t left = in_flight(); left > 0) {

@@ -1,5 +1,5 @@
-// Fuzz target: multipart/form-data (MultipartBoundary + ParseMultipart), as
-// the CodeProject.AI vision routes read a form post.
+// Fuzz target: form bodies (MultipartBoundary + ParseMultipart, and
+// ParseUrlEncodedForm), as the CodeProject.AI vision routes read a form post.
 //
 // Input: the Content-Type header's value up to the first '\n', then the body.
 // An input without '\n' is a body under "multipart/form-data; boundary=X".
@@ -16,6 +16,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (const size_t nl = in.find('\n'); nl != std::string_view::npos) {
     content_type.assign(in.substr(0, nl));
     in.remove_prefix(nl + 1);
+  }
+  {
+    const std::string body(in);
+    auto form = quern::ParseUrlEncodedForm(body);
+    if (form) {
+      if (form->parts.size() > quern::kMaxFormParts) quern::fuzz::Fail("more form fields than the bound", "");
+      for (const auto& p : form->parts) {
+        const char* first = form->decoded.data();
+        if (!p.data.empty() &&
+            (p.data.data() < first || p.data.data() + p.data.size() > first + form->decoded.size())) {
+          quern::fuzz::Fail("a url-encoded field's data lies outside the decoded buffer", p.name);
+        }
+      }
+    }
   }
   auto boundary = quern::MultipartBoundary(content_type);
   if (!boundary) return 0;

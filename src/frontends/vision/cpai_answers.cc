@@ -189,9 +189,29 @@ void VisionHandler::WriteCpaiMeta(Writer& w, const Job& job, const VisionTimings
   String(w, RequestId());
 }
 
-HttpResponse VisionHandler::KeyRefusal(const Status& st, KeyProblem problem, bool predict) const {
+std::string VisionHandler::CommandOf(std::string_view target) {
+  const TargetPath path = SplitTargetPath(target);
+  // /v1/vision/<route>[/<sub>], /v1/image/ocr
+  if (path.size() < 3) return "detect";
+  const std::string_view route = path[2];
+  if (route == "detection") return "detect";
+  if (route == "custom") return path.size() > 3 && path[3] == "list" ? "list" : "custom";
+  if (route == "face" && path.size() > 3) {
+    for (const char* c : {"register", "recognize", "match", "list", "delete"}) {
+      if (path[3] == c) return c;
+    }
+  }
+  for (const char* c : {"scene", "face", "ocr"}) {
+    if (route == c) return c;
+  }
+  return "detect";
+}
+
+HttpResponse VisionHandler::KeyRefusal(const HttpRequest& head, const Status& st, KeyProblem problem,
+                                       bool predict) const {
   if (predict) return JsonError(AuthHttpStatus(st), st.message());
   Job job;
+  job.command = CommandOf(head.target);
   job.received_ns = service_->clock().NowNs();
   return CpaiError(job, CpaiKeyWords(st, problem), nullptr);
 }

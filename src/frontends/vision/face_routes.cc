@@ -18,16 +18,23 @@ using vision::String;
 using vision::WriteBox;
 using vision::Writer;
 
-void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts,
-                                const std::string& face_model) {
+namespace {
+
+// A part that carries a file: one with a filename (every client's file
+// upload), or a field named image or image<digits> (a form built by hand).
+bool IsImagePart(const FormPart& p) {
+  if (!p.filename.empty()) return true;
+  return p.name.starts_with("image") &&
+         std::all_of(p.name.begin() + 5, p.name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
+void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::string& face_model) {
   const std::string& command = job->command;
   if (Status st = faces_.Available(); !st.ok()) return Fail(job, st);
-  const auto field = [&parts](std::string_view name) -> const FormPart* {
-    for (const auto& p : parts) {
-      if (p.name == name) return &p;
-    }
-    return nullptr;
-  };
+  const std::vector<FormPart>& parts = job->form.parts;
+  const auto field = [job](std::string_view name) { return job->form.Field(name); };
   const auto respond = [this, &job](const std::function<void(Writer&)>& fields) {
     rapidjson::StringBuffer sb;
     Writer w(sb);
@@ -63,37 +70,40 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::vect
       w.String("face deleted");
     });
   }
-  // register, recognize and match: their images, by field.
-  std::vector<std::string> names;
+  // register, recognize and match: their images. Register takes every
+  // file sent, under any field name (DeepStack's clients name theirs
+  // image<uuid>); recognize the one named image, else the first file.
   if (command == "register") {
     r.kind = FaceRequest::Kind::kRegister;
     for (const auto& p : parts) {
-      const bool numbered = p.name.size() > 5 && p.name.starts_with("image") &&
-                            std::all_of(p.name.begin() + 5, p.name.end(), [](char c) { return c >= '0' && c <= '9'; });
-      if (p.name != "image" && !numbered) continue;
-      if (std::find(names.begin(), names.end(), p.name) != names.end()) continue;
-      if (names.size() == kMaxRegisterImages) {
+      if (!IsImagePart(p)) continue;
+      if (r.images.size() == kMaxRegisterImages) {
         return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxRegisterImages) + " images"));
       }
-      names.emplace_back(p.name);
+      r.images.push_back({p.name, p.data});
+    }
+    if (r.images.empty()) {
+      return Fail(job, InvalidArgument("no image was sent: expected one or more files (e.g. a field named 'image')"));
     }
   } else if (command == "recognize") {
     r.kind = FaceRequest::Kind::kRecognize;
-    names = {"image"};
+    const FormPart* image = field("image");
+    for (auto it = parts.begin(); image == nullptr && it != parts.end(); ++it) {
+      if (IsImagePart(*it)) image = &*it;
+    }
+    if (!image) return Fail(job, InvalidArgument("no image was sent: expected a file in a field named 'image'"));
+    r.images.push_back({image->name, image->data});
     if (const FormPart* c = field("min_confidence")) r.threshold = ParseMinConfidence(c->data, r.threshold);
   } else {
     r.kind = FaceRequest::Kind::kMatch;
-    names = {"image1", "image2"};
-  }
-  if (names.empty()) {
-    return Fail(job, InvalidArgument("no image was sent: expected form fields named 'image' or 'image1'.."));
-  }
-  for (const auto& name : names) {
-    const FormPart* p = field(name);
-    if (!p) {
-      return Fail(job, InvalidArgument("no image was sent in '" + name + "': expected a form field of that name"));
+    for (const char* name : {"image1", "image2"}) {
+      const FormPart* p = field(name);
+      if (!p) {
+        return Fail(job, InvalidArgument(std::string("no image was sent in '") + name +
+                                         "': expected a form field of that name"));
+      }
+      r.images.push_back({name, p->data});
     }
-    r.images.push_back({name, p->data});
   }
   r.face_model = face_model;
   r.owner = job;  // the body the images are viewed in

@@ -42,7 +42,80 @@ std::string Param(std::string_view header, std::string_view key) {
   return "";
 }
 
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// Appends `s` with '+' and %XX decoded to `out`.
+template <typename Out>
+void AppendFormDecoded(std::string_view s, Out& out) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '+') {
+      out.push_back(' ');
+    } else if (s[i] == '%' && i + 2 < s.size() && HexValue(s[i + 1]) >= 0 && HexValue(s[i + 2]) >= 0) {
+      out.push_back(static_cast<char>(HexValue(s[i + 1]) * 16 + HexValue(s[i + 2])));
+      i += 2;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+}
+
 }  // namespace
+
+const FormPart* Form::Field(std::string_view name) const {
+  for (const auto& p : parts) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+bool IsFormContentType(std::string_view content_type) {
+  const std::string lower = Lower(content_type.substr(0, 40));
+  return lower.starts_with("multipart/form-data") || lower.starts_with("application/x-www-form-urlencoded");
+}
+
+Result<Form> ParseUrlEncodedForm(std::string_view body) {
+  Form form;
+  // Decoded values are never longer than the body: the buffer is never
+  // reallocated, so the views taken into it stay valid.
+  form.decoded.reserve(body.size());
+  while (!body.empty()) {
+    const size_t amp = body.find('&');
+    const std::string_view pair = body.substr(0, amp);
+    body = amp == std::string_view::npos ? std::string_view{} : body.substr(amp + 1);
+    if (pair.empty()) continue;
+    if (form.parts.size() == kMaxFormParts) {
+      return std::unexpected(InvalidArgument("the form has more than " + std::to_string(kMaxFormParts) + " fields"));
+    }
+    const size_t eq = pair.find('=');
+    FormPart part;
+    AppendFormDecoded(pair.substr(0, eq), part.name);
+    const size_t start = form.decoded.size();
+    if (eq != std::string_view::npos) AppendFormDecoded(pair.substr(eq + 1), form.decoded);
+    part.data = std::string_view(form.decoded.data() + start, form.decoded.size() - start);
+    form.parts.push_back(std::move(part));
+  }
+  return form;
+}
+
+Result<Form> ParseForm(std::string_view content_type, std::string_view body) {
+  const std::string lower = Lower(content_type.substr(0, 40));
+  if (lower.starts_with("application/x-www-form-urlencoded")) return ParseUrlEncodedForm(body);
+  if (!lower.starts_with("multipart/form-data")) {
+    if (body.empty()) return Form{};
+    return std::unexpected(InvalidArgument(
+        "expected a form: Content-Type multipart/form-data or application/x-www-form-urlencoded, got '" +
+        std::string(content_type.empty() ? "(none)" : content_type.substr(0, 100)) + "'"));
+  }
+  QUERN_ASSIGN_OR_RETURN(const std::string boundary, MultipartBoundary(content_type));
+  Form form;
+  QUERN_ASSIGN_OR_RETURN(form.parts, ParseMultipart(body, boundary));
+  return form;
+}
 
 Result<std::string> MultipartBoundary(std::string_view content_type) {
   const std::string lower = Lower(content_type);
@@ -114,6 +187,9 @@ Result<std::vector<FormPart>> ParseMultipart(std::string_view body, std::string_
                                              " has no blank line after its headers"));
     }
     part.data = body.substr(data_start, end - data_start);
+    if (parts.size() == kMaxFormParts) {
+      return std::unexpected(InvalidArgument("the form has more than " + std::to_string(kMaxFormParts) + " parts"));
+    }
     parts.push_back(std::move(part));
     pos = end + 2;  // at the next delimiter
   }

@@ -35,8 +35,10 @@ VisionHandler::VisionHandler(VisionService* service, VisionOptions options)
 }
 
 VisionHandler::~VisionHandler() {
+  // A bound on the process's stop, in real time (and the service may be
+  // gone already: nothing of it is read here).
   MutexLock lock(pending_mu_);
-  pending_cv_.WaitFor(lock, service_->clock(), std::chrono::seconds(30),
+  pending_cv_.WaitFor(lock, RealClockInstance(), std::chrono::seconds(30),
                       [this]() QUERN_REQUIRES(pending_mu_) { return pending_ == 0; });
 }
 
@@ -118,8 +120,8 @@ Status VisionHandler::AddRoutes(Router& router) {
   cpai.prefix = "v1";
   cpai.key = K::kUser;
   cpai.query_key = true;
-  cpai.refuse = [this](const HttpRequest&, const Status& st, KeyProblem problem) {
-    return KeyRefusal(st, problem, /*predict=*/false);
+  cpai.refuse = [this](const HttpRequest& head, const Status& st, KeyProblem problem) {
+    return KeyRefusal(head, st, problem, /*predict=*/false);
   };
   cpai.unmatched = [this](HttpRequest&& r, std::string_view, HttpDone done) {
     auto job = NewJob(std::move(r), std::move(done));
@@ -136,8 +138,8 @@ Status VisionHandler::AddRoutes(Router& router) {
   RouteScope predict;
   predict.prefix = "predict";
   predict.query_key = true;
-  predict.refuse = [this](const HttpRequest&, const Status& st, KeyProblem problem) {
-    return KeyRefusal(st, problem, /*predict=*/true);
+  predict.refuse = [this](const HttpRequest& head, const Status& st, KeyProblem problem) {
+    return KeyRefusal(head, st, problem, /*predict=*/true);
   };
   predict.unmatched = [](HttpRequest&& r, std::string_view, HttpDone done) {
     if (r.method != "POST") return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
@@ -172,19 +174,17 @@ void VisionHandler::Form(const std::string& command, const std::string& model, H
                          const RouteMatch& match, HttpDone done) {
   auto job = NewJob(std::move(request), std::move(done));
   job->command = command;
-  // The face list needs no form: a GET, or a POST without one.
-  if (command == "list" &&
-      (job->request.method == "GET" || !job->request.Header("content-type").starts_with("multipart/"))) {
-    if (Status st = match.CheckKey(""); !st.ok()) return Fail(job, CpaiKeyWords(st, KeyProblem::kMissing));
-    return HandleFaces(job, {}, "");
+  // A form, multipart or url-encoded. The face list needs none: a GET, or
+  // a POST with a body of another kind (ignored).
+  const std::string_view content_type = job->request.Header("content-type");
+  if (job->request.method == "POST" && (command != "list" || IsFormContentType(content_type))) {
+    auto form = ParseForm(content_type, job->request.body);
+    if (!form) return Fail(job, form.error());
+    job->form = std::move(*form);
   }
-  auto boundary = MultipartBoundary(job->request.Header("content-type"));
-  if (!boundary) return Fail(job, boundary.error());
-  auto parts = ParseMultipart(job->request.body, *boundary);
-  if (!parts) return Fail(job, parts.error());
   const FormPart* image = nullptr;
   std::string_view field_key;
-  for (const auto& p : *parts) {
+  for (const auto& p : job->form.parts) {
     // CodeProject.AI's OCR module names its file "upload".
     if ((p.name == "image" || (command == "ocr" && p.name == "upload")) && !image) image = &p;
     if (p.name == "min_confidence") job->min_confidence = ParseMinConfidence(p.data);
@@ -201,7 +201,7 @@ void VisionHandler::Form(const std::string& command, const std::string& model, H
     return HandleOcr(job, image->data);
   }
   if (command != "detect" && command != "custom" && command != "scene" && command != "face") {
-    return HandleFaces(job, *parts, model);
+    return HandleFaces(job, model);
   }
   if (model.empty() && command == "face") {
     return Fail(job, Unavailable("no face model is loaded (a detection model with quern.detection.format "

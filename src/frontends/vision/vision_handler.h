@@ -7,12 +7,13 @@
 //   GET or POST /v1/vision/custom/list   {success, models: [...]}
 //   POST /v1/vision/scene            multipart: image → {success, label, confidence} (--scene-model)
 //   POST /v1/vision/face             multipart: image → faces, as detection answers them (--face-model)
-//   POST /v1/vision/face/register    multipart: userid, image (or image1..imageN) → the faces are registered
-//   POST /v1/vision/face/recognize   multipart: image, min_confidence (default 0.67) → faces with their userid
-//                                    ("unknown" below the threshold)
+//   POST /v1/vision/face/register    form: userid, files under any name → the faces are registered
+//   POST /v1/vision/face/recognize   form: image (else the first file), min_confidence (default 0.67) → faces
+//                                    with their userid ("unknown" below the threshold)
 //   POST /v1/vision/face/match       multipart: image1, image2 → similarity of their faces
 //   POST /v1/vision/face/list        {success, faces: [userid, ...]} (GET too)
-//   POST /v1/vision/face/delete      multipart: userid
+//   POST /v1/vision/face/delete      form: userid
+//   (every form: multipart/form-data or application/x-www-form-urlencoded)
 //   GET  /v1/status/ping             {success: true}
 //   POST /predict/{model}            JSON {"image": "<base64>"} → top-5 classes
 //
@@ -115,7 +116,11 @@ class VisionHandler {
   std::optional<HttpResponse> Admission(const HttpRequest& head, const std::string& command,
                                         const std::string& model) const;
   // A refused key's answer: /predict's {"error"}, or CodeProject.AI's.
-  HttpResponse KeyRefusal(const Status& status, KeyProblem problem, bool predict) const;
+  // `head` names the route, whose command the answer gives.
+  HttpResponse KeyRefusal(const HttpRequest& head, const Status& status, KeyProblem problem, bool predict) const;
+  // The command a CodeProject.AI route's answers name ("detect", "custom",
+  // "list", "register", ...), from the request's path.
+  static std::string CommandOf(std::string_view target);
   // A refused key in the words of CodeProject.AI's clients.
   static Status CpaiKeyWords(const Status& status, KeyProblem problem);
   std::shared_ptr<Job> NewJob(HttpRequest&& request, HttpDone done) const;
@@ -136,7 +141,8 @@ class VisionHandler {
   void Respond(const std::shared_ptr<Job>& job, HttpResponse response);
   // /v1/vision/face/{register,recognize,match,list,delete}; `face_model`
   // finds the faces.
-  void HandleFaces(const std::shared_ptr<Job>& job, const std::vector<FormPart>& parts, const std::string& face_model);
+  // The face routes, over the job's form.
+  void HandleFaces(const std::shared_ptr<Job>& job, const std::string& face_model);
   // /v1/vision/ocr: the image to options_.ocr_model through the vision
   // service (admitted like every image; the model decodes it),
   // its lines answered as CodeProject.AI's OCR module answers them.

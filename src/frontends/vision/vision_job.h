@@ -17,6 +17,7 @@ struct VisionHandler::Job {
   std::string command = "detect";
   HttpRequest request;  // owns the body the image is viewed in
   HttpDone done;
+  quern::Form form;           // a form route's fields (views into request.body or its own buffer)
   std::string image_storage;  // decoded base64 (/predict)
   std::string_view image;
   float min_confidence = kDefaultMinConfidence;
