@@ -196,13 +196,57 @@ TEST_F(VisionServiceTest, AdmissionIsBoundedByCountAndRefusalsLeaveTheCallback) 
   VisionCallback third = [&](VisionResult&&) { answers.fetch_add(100); };
   Status refused = s.Submit(Red(s), third);
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
-  EXPECT_NE(refused.message().find("2 images are already waiting"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("2 images for model 'colour' are already waiting"), std::string::npos)
+      << refused.message();
   EXPECT_TRUE(third) << "a refused image leaves its callback with the caller";
   EXPECT_EQ(s.CheckAdmission("colour", 100).code(), StatusCode::kUnavailable) << "the same answer before the body";
   EXPECT_EQ(s.stats().rejected_overload, 2u);
   ASSERT_TRUE(Drive([&] { return answers.load() >= 2 && s.stats().in_flight == 0; }));
   EXPECT_EQ(answers.load(), 2) << "each admitted image is answered once; the refused one never";
   EXPECT_TRUE(s.CheckAdmission("colour", 100).ok());
+}
+
+TEST_F(VisionServiceTest, ACheapModelIsNotRefusedBehindASlowOne) {
+  // Three images of a slow model, each 1.5 s on the fake clock, then 50 of
+  // a cheap one at once: each model is admitted by its own time per image
+  // (one measure for every model would have let about 11 in: 5000 ms over
+  // the 421 ms the slow images brought it to).
+  ASSERT_TRUE(RegisterChannelMeans("slow").ok());
+  VisionServiceOptions o = Options();
+  o.request_timeout_ms = 5000;
+  VisionService s(engine_.get(), o);
+  auto slow = s.Model("slow");
+  ASSERT_TRUE(slow.has_value());
+  for (int i = 0; i < 3; ++i) {
+    std::promise<VisionResult> got;
+    VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+    VisionRequest r = Red(s);
+    r.model = *slow;
+    ASSERT_TRUE(s.Submit(std::move(r), done).ok());
+    clock_.AdvanceNs(1'500'000'000);
+    ASSERT_TRUE(Await(got).status.ok());
+  }
+  std::atomic<int> answered{0};
+  for (int i = 0; i < 50; ++i) {
+    VisionCallback done = [&](VisionResult&& r) {
+      EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+      answered.fetch_add(1);
+    };
+    Status st = s.Submit(Red(s), done);
+    ASSERT_TRUE(st.ok()) << "classification " << i << ": " << st.ToString();
+  }
+  EXPECT_EQ(s.stats().rejected_overload, 0u);
+  // The slow model keeps its own bound: 5000 ms over its time per image.
+  int admitted = 0;
+  for (int i = 0; i < 50; ++i) {
+    VisionCallback done = [&](VisionResult&&) { answered.fetch_add(1); };
+    VisionRequest r = Red(s);
+    r.model = *slow;
+    if (s.Submit(std::move(r), done).ok()) ++admitted;
+  }
+  EXPECT_GE(admitted, 5);
+  EXPECT_LE(admitted, 15) << "about 5000 / 421 of the slow model's images";
+  ASSERT_TRUE(Drive([&] { return answered.load() == 50 + admitted; }));
 }
 
 TEST_F(VisionServiceTest, AdmissionIsBoundedByMemory) {
@@ -357,18 +401,19 @@ TEST_F(EncodedImageTest, AnImageItsModelDecodesIsAdmittedLikeEveryOther) {
   EncodedImageCallback second = [&](InferResponse&&, const VisionTimings&) { ADD_FAILURE() << "ran"; };
   Status refused = s.SubmitEncoded(Image(image_), second);
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
-  EXPECT_NE(refused.message().find("1 images are already waiting"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("1 images for model 'reader' are already waiting"), std::string::npos)
+      << refused.message();
   EXPECT_TRUE(second) << "a refused image leaves its callback with the caller";
-  VisionCallback detection = [](VisionResult&&) {};
-  EXPECT_EQ(s.Submit(Red(s), detection).code(), StatusCode::kUnavailable) << "one capacity for every image";
-  EXPECT_EQ(s.stats().rejected_overload, 2u);
+  VisionCallback other = [](VisionResult&&) {};
+  EXPECT_TRUE(s.Submit(Red(s), other).ok()) << "another model's image: its own capacity";
+  EXPECT_EQ(s.stats().rejected_overload, 1u);
   Open();
   auto answer = first.get_future();
   ASSERT_EQ(answer.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   EXPECT_EQ(answer.get(), static_cast<float>(image_.size())) << "the image sent whole";
   ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
   EXPECT_EQ(s.stats().in_flight_bytes, 0) << "its memory is given back";
-  EXPECT_EQ(s.stats().requests, 1u);
+  EXPECT_EQ(s.stats().requests, 2u) << "the encoded image and the other model's";
 }
 
 TEST_F(EncodedImageTest, ItsMemoryCountsTheImageDecoded) {

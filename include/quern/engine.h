@@ -338,6 +338,11 @@ class Engine {
   // request before reading its body. A refusal counts as a rejected request
   // in the model's statistics.
   Status CheckAdmission(const std::string& name, int64_t version = -1) const;
+  // Counts a request for `name` (`version`, -1 = the latest ready) that the
+  // caller refused on its own grounds (`status`, e.g. UNAVAILABLE for a
+  // front end's own capacity) in the model's statistics, as a refusal of
+  // CheckAdmission is counted. Unknown or unready models: nothing.
+  void CountRefused(const std::string& name, int64_t version, const Status& status) const;
   // Whether `request` fits its model, without running it: its model and
   // version serve (NOT_FOUND / UNAVAILABLE otherwise) and it fits the
   // model's inputs and outputs (INVALID_ARGUMENT naming the tensor), as

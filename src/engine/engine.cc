@@ -194,6 +194,10 @@ Status Engine::CheckAdmission(const std::string& name, int64_t version) const {
   return (*served)->CheckAdmission();
 }
 
+void Engine::CountRefused(const std::string& name, int64_t version, const Status& status) const {
+  if (auto served = impl_->Resolve(name, version); served) (*served)->CountRefused(status);
+}
+
 Status Engine::Validate(const InferRequest& request) const {
   QUERN_ASSIGN_OR_RETURN(std::shared_ptr<Servable> served, impl_->Resolve(request.model, request.version));
   int64_t items = 0;

@@ -586,6 +586,12 @@ void EnsembleModel::Release() {
   if (--in_flight_ == 0) idle_.SignalAll();
 }
 
+void EnsembleModel::CountRefused(const Status& status) {
+  Telemetry refused;
+  refused.queue_start_ns = clock_->NowNs();
+  stats_.RecordRequest(status, refused, 0, 0, refused.queue_start_ns);
+}
+
 Status EnsembleModel::CheckAdmission() {
   NestingScope nesting;
   if (nesting.too_deep()) return TooDeep(config_.name);

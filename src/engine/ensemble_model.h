@@ -67,6 +67,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
                 bool run_here) override;
   // Refuses while stopping, or when a model of a first step would refuse.
   Status CheckAdmission() override;
+  void CountRefused(const Status& status) override;
   void Abandon() override {}  // its requests run in the step models, which are abandoned themselves
   // Stops intake and waits until every accepted request is answered (their
   // steps run in the step models, which must still be served).

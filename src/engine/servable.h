@@ -38,6 +38,9 @@ class Servable {
   // OK, or the UNAVAILABLE a request would get now (counted as refused: the
   // caller answers it without submitting it).
   virtual Status CheckAdmission() = 0;
+  // Counts a request a front end refused for this model on its own grounds
+  // (`status`: why), as CheckAdmission counts its refusals.
+  virtual void CountRefused(const Status& status) = 0;
 
   // Asks running work to end early and later work to fail (see
   // Model::Abandon); once, from any thread.

@@ -292,11 +292,14 @@ void ServedModel::Abandon() {
 Status ServedModel::CheckAdmission() {
   Status st = batcher_->CheckAdmission();
   if (st.ok()) return st;
-  // Counted as a request refused at once (it never reaches Submit).
+  CountRefused(st);  // a request refused at once (it never reaches Submit)
+  return Status(st.code(), "model '" + config_.name + "': " + st.message());
+}
+
+void ServedModel::CountRefused(const Status& status) {
   Telemetry refused;
   refused.queue_start_ns = clock_->NowNs();
-  stats_.RecordRequest(st, refused, 0, 0, refused.queue_start_ns);
-  return Status(st.code(), "model '" + config_.name + "': " + st.message());
+  stats_.RecordRequest(status, refused, 0, 0, refused.queue_start_ns);
 }
 
 void ServedModel::RecordOutcome(const Task& task, const Status& status) {

@@ -54,6 +54,7 @@ class ServedModel final : public Servable {
                 bool run_here) override;
   void Abandon() override;
   Status CheckAdmission() override;
+  void CountRefused(const Status& status) override;
   void Shutdown() override;
   bool stopping() const override;
   const ModelConfig& config() const override { return config_; }

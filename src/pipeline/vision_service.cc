@@ -115,12 +115,15 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
   }
   // Its series come with each model's first answered image.
   metrics_.DeclareFamily(kStageDurationFamily, MetricType::kHistogram, kStageDurationHelp);
-  metrics_.DeclareFamily("quern_vision_queue_capacity", MetricType::kGauge, "Images admitted at once.");
+  metrics_.DeclareFamily("quern_vision_queue_capacity", MetricType::kGauge, "Images of the model admitted at once.");
   metrics_.DeclareFamily("quern_vision_ms_per_image", MetricType::kGauge,
-                         "Measured pipeline time per image behind the derived capacity.");
+                         "The model's measured pipeline time per image behind its capacity.");
   collection_ = metrics_.AddCollector([this](MetricWriter& w) {
-    w.Sample("quern_vision_queue_capacity", {}, static_cast<double>(Capacity()));
-    w.Sample("quern_vision_ms_per_image", {}, ms_per_image_.load());
+    MutexLock lock(load_mu_);
+    for (const auto& [model, load] : loads_) {
+      w.Sample("quern_vision_queue_capacity", {{"model", model}}, static_cast<double>(Capacity(load.ms_per_image)));
+      w.Sample("quern_vision_ms_per_image", {{"model", model}}, load.ms_per_image);
+    }
   });
 }
 
@@ -145,7 +148,10 @@ VisionStats VisionService::stats() const {
   s.failed = failed_.value();
   s.in_flight = in_flight_.value();
   s.in_flight_bytes = in_flight_bytes_.value();
-  s.capacity = Capacity();
+  {
+    MutexLock lock(load_mu_);
+    for (const auto& [model, load] : loads_) s.capacity += Capacity(load.ms_per_image);
+  }
   s.ms_per_image = ms_per_image_.load();
   s.timed_images = timed_images_.value();
   s.decode_ns = decode_ns_.value();
@@ -159,9 +165,9 @@ VisionStats VisionService::stats() const {
   return s;
 }
 
-int64_t VisionService::Capacity() const {
+int64_t VisionService::Capacity(double ms_per_image) const {
   if (options_.queue_capacity > 0) return options_.queue_capacity;
-  const double per_image = std::max(0.01, ms_per_image_.load());
+  const double per_image = std::max(0.01, ms_per_image);
   return std::max<int64_t>(std::max(options_.stage_threads, 1),
                            static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
 }
@@ -252,11 +258,11 @@ std::vector<std::string> VisionService::Models(VisionTask task) {
   return out;
 }
 
-Status VisionService::Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const {
-  if (in_flight >= capacity) {
-    return Unavailable("the server is busy: " + std::to_string(capacity) +
-                       " images are already waiting, as many as it can finish within " +
-                       std::to_string(QueueBudgetMs()) + " ms; try again later");
+Status VisionService::Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes) const {
+  if (const int64_t capacity = Capacity(load.ms_per_image); load.in_flight >= capacity) {
+    return Unavailable("the server is busy: " + std::to_string(capacity) + " images for model '" + model +
+                       "' are already waiting, as many as it can finish within " + std::to_string(QueueBudgetMs()) +
+                       " ms; try again later");
   }
   // One image is always let in, however large (within the body limit).
   if (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes) {
@@ -279,7 +285,13 @@ Status VisionService::Refused(Status status) {
 }
 
 Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
-  Status st = Busy(in_flight_.value(), Capacity(), in_flight_bytes_.value(), bytes);
+  Status st;
+  {
+    MutexLock lock(load_mu_);
+    auto it = loads_.find(model);
+    st = Busy(model, it == loads_.end() ? ModelLoad{} : it->second, in_flight_bytes_.value(), bytes);
+  }
+  if (!st.ok() && !model.empty()) engine_->CountRefused(model, -1, st);  // the model's own refusals count there
   if (st.ok() && !model.empty()) st = engine_->CheckAdmission(model);
   return st.ok() ? st : Refused(std::move(st));
 }
@@ -289,20 +301,28 @@ Status VisionService::Claim(const std::string& model, int64_t version, int64_t b
   // decoded and resized for nothing.
   Status st = engine_->CheckAdmission(model, version);
   if (!st.ok()) return st;
-  // Both bounds are claimed first and given back on refusal, so that
-  // concurrent admissions cannot pass them together.
-  const int64_t capacity = Capacity();
-  const int64_t before = in_flight_.Add(1);
-  const int64_t held = in_flight_bytes_.Add(bytes);
-  st = Busy(before, capacity, held, bytes);
+  // Checked and claimed under one lock: concurrent admissions cannot pass
+  // the bounds together.
+  MutexLock lock(load_mu_);
+  auto it = loads_.find(model);
+  if (it == loads_.end()) it = loads_.emplace(model, ModelLoad{}).first;
+  st = Busy(model, it->second, in_flight_bytes_.value(), bytes);
   if (!st.ok()) {
-    in_flight_.Add(-1);
-    in_flight_bytes_.Add(-bytes);
+    lock.Unlock();
+    engine_->CountRefused(model, version, st);  // in the model's statistics too (the engine counts its own)
+    return st;
   }
+  ++it->second.in_flight;
+  in_flight_.Add(1);
+  in_flight_bytes_.Add(bytes);
   return st;
 }
 
-void VisionService::Unclaim(int64_t bytes) {
+void VisionService::Unclaim(const std::string& model, int64_t bytes) {
+  {
+    MutexLock lock(load_mu_);
+    if (auto it = loads_.find(model); it != loads_.end()) --it->second.in_flight;
+  }
   in_flight_bytes_.Add(-bytes);
   if (in_flight_.Add(-1) == 1) {
     MutexLock lock(idle_mu_);
@@ -315,15 +335,25 @@ int64_t VisionService::TimeoutNs() const {
   return std::clamp<int64_t>(options_.request_timeout_ms, 0, kMaxMs) * 1'000'000;
 }
 
-void VisionService::Release(int64_t received_ns, int64_t charged_bytes) {
+void VisionService::Release(const std::string& model, int64_t received_ns, int64_t charged_bytes) {
   const int64_t now = clock_->NowNs();
-  // The time per image behind the derived capacity: the time this image
-  // kept the pipeline busy (since it arrived or since the previous image
-  // finished, whichever is later) — under load, 1 / throughput.
+  // The time per image behind a model's capacity: the time this image kept
+  // the model's pipeline busy (since it arrived or since the model's
+  // previous image finished, whichever is later) — under load, 1 /
+  // throughput. The same over every model, for the service's figures.
+  {
+    MutexLock lock(load_mu_);
+    if (auto it = loads_.find(model); it != loads_.end()) {
+      ModelLoad& load = it->second;
+      const double busy_ms = static_cast<double>(now - std::max(received_ns, load.last_completion_ns)) / 1e6;
+      load.ms_per_image = 0.9 * load.ms_per_image + 0.1 * busy_ms;
+      load.last_completion_ns = now;
+    }
+  }
   const int64_t last = last_completion_ns_.exchange(now);
   const double busy_ms = static_cast<double>(now - std::max(received_ns, last)) / 1e6;
   ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  Unclaim(charged_bytes);
+  Unclaim(model, charged_bytes);
 }
 
 Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done) {
@@ -348,7 +378,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   ir.deadline_ns = engine_->clock().NowNs() + TimeoutNs();
   request.owner.reset();  // the image is copied into the request
   auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
-  InferCallback infer_done = [this, answered, timings, bytes](InferResponse&& r) mutable {
+  InferCallback infer_done = [this, answered, timings, bytes, model = request.model](InferResponse&& r) mutable {
     const auto& tm = r.telemetry;
     timings.infer_ns = tm.compute_end_ns > tm.compute_start_ns ? tm.compute_ns() : 0;
     timings.queue_ns = tm.compute_start_ns > tm.queue_start_ns ? tm.queue_ns() : 0;
@@ -356,7 +386,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
       dropped_.Increment();
     }
     (*answered)(std::move(r), timings);
-    Release(timings.received_ns, bytes);
+    Release(model, timings.received_ns, bytes);
   };
   // Admitted by Claim, within this service's own bounds.
   if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
@@ -364,7 +394,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
     // model): given back without measuring a time per image, and the
     // callback returned to the caller.
     done = std::move(*answered);
-    Unclaim(bytes);
+    Unclaim(request.model, bytes);
     return st.code() == StatusCode::kUnavailable ? Refused(std::move(st)) : st;
   }
   requests_.Increment();
@@ -654,7 +684,7 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   // Given back after the callback: whoever waits for the service to be idle
   // (a draining server) finds the answer already handed on.
   job->request.owner.reset();
-  Release(job->timings.received_ns, job->charged_bytes);
+  Release(job->request.model->name, job->timings.received_ns, job->charged_bytes);
 }
 
 }  // namespace quern

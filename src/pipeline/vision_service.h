@@ -3,12 +3,13 @@
 // admission, beside the engine and apart from any transport. The HTTP vision
 // routes (CodeProject.AI, /predict) call it; gRPC, jobs or Python can too.
 //
-// Admission ("the glass of water") is synchronous: Submit refuses at once
-// (returning the refusal) when the model's queue is full, when as many images
-// are in the service as it can finish within its time budget (the request
-// timeout, or the engine's queue-waiting bound when smaller, over the
-// measured time per image), or when admitted images hold more memory than
-// allowed. An admitted image always gets exactly one result; one whose
+// Admission ("the glass of water") is synchronous and per model: Submit
+// refuses at once (returning the refusal) when the model's queue is full,
+// when as many of the model's images are in the service as it can finish
+// within its time budget (the request timeout, or the engine's
+// queue-waiting bound when smaller, over the model's own measured time per
+// image: a cheap classification is not refused behind slow detections), or
+// when admitted images hold more memory than allowed. An admitted image always gets exactly one result; one whose
 // caller has gone (its cancellation token) or whose timeout has passed is
 // dropped before decoding and before inference.
 //
@@ -55,8 +56,8 @@ struct VisionServiceOptions {
   // An image not answered within this is dropped (before decoding or before
   // inference) and answered with DEADLINE_EXCEEDED.
   int64_t request_timeout_ms = 15000;
-  // Images admitted at once; 0 = the time budget over the measured time per
-  // image (at least the number of stage threads).
+  // Images of one model admitted at once; 0 = the time budget over the
+  // model's measured time per image (at least the number of stage threads).
   int queue_capacity = 0;
   // The engine's bound on queueing (EngineOptions::max_queue_wait_ms): the
   // service admits no more images than it can finish within it, so that
@@ -144,9 +145,9 @@ struct VisionStats {
   uint64_t dropped = 0;            // caller gone or timeout passed before inference
   uint64_t failed = 0;             // answered with an error (bad input, model errors, timeouts)
   int64_t in_flight = 0;
-  int64_t capacity = 0;
+  int64_t capacity = 0;         // the models' capacities, summed (each model has its own)
   int64_t in_flight_bytes = 0;  // what admitted images hold (see max_in_flight_bytes)
-  double ms_per_image = 0;      // the measure behind the derived capacity
+  double ms_per_image = 0;      // measured time per image, every model together
   // Where answered images spent their time, summed over `timed_images`
   // (images that went through every stage): decoding, resizing and
   // normalising, waiting in the model's queue, running in a batch, and
@@ -206,22 +207,29 @@ class VisionService {
 
  private:
   struct Job;
-  int64_t Capacity() const;
+  // A model's images in the service and its measured time per image.
+  struct ModelLoad {
+    int64_t in_flight = 0;
+    double ms_per_image = 20.0;  // EWMA of busy time per image
+    int64_t last_completion_ns = 0;
+  };
+  // Images of a model taking `ms_per_image` each admitted at once.
+  int64_t Capacity(double ms_per_image) const;
   // The time admitted images may take: the request timeout, or the
   // engine's queueing bound when smaller.
   int64_t QueueBudgetMs() const;
-  // OK when an image charged `bytes` fits beside `in_flight` images holding
-  // `held` bytes, under `capacity`; else the refusal.
-  Status Busy(int64_t in_flight, int64_t capacity, int64_t held, int64_t bytes) const;
+  // OK when an image for `model` charged `bytes` fits beside the model's
+  // `load` and the `held` bytes of every admitted image; else the refusal.
+  Status Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes) const;
   Status Refused(Status status);
   // Claims a place and `bytes` for an image for `model` (the model's queue
   // asked first): OK, or the refusal (nothing claimed, not yet counted).
   Status Claim(const std::string& model, int64_t version, int64_t bytes);
-  // Gives back what an image admitted at `received_ns` claimed, once its
-  // answer is handed on; measures the time per image.
-  void Release(int64_t received_ns, int64_t charged_bytes);
+  // Gives back what an image for `model` admitted at `received_ns` claimed,
+  // once its answer is handed on; measures the model's time per image.
+  void Release(const std::string& model, int64_t received_ns, int64_t charged_bytes);
   // Gives back a claim without an answer (nothing measured).
-  void Unclaim(int64_t bytes);
+  void Unclaim(const std::string& model, int64_t bytes);
   // The request timeout in nanoseconds (bounded: no overflow).
   int64_t TimeoutNs() const;
   void Post(std::function<void()> task, bool urgent);
@@ -289,8 +297,11 @@ class VisionService {
   bool stopping_ QUERN_GUARDED_BY(pool_mu_) = false;
   std::vector<std::thread> threads_;
 
+  // Admission, per model; a model's entry stays once made (models are few).
+  mutable Mutex load_mu_;
+  std::map<std::string, ModelLoad, std::less<>> loads_ QUERN_GUARDED_BY(load_mu_);
   std::atomic<int64_t> last_completion_ns_{0};
-  std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image
+  std::atomic<double> ms_per_image_{20.0};  // EWMA of busy time per image, every model together
   // EWMA of decoding time per decoded byte, per ImageFormat (0 = none yet).
   std::array<std::atomic<double>, 4> decode_ns_per_byte_{};
   mutable std::atomic<int64_t> last_overload_log_ns_{0};

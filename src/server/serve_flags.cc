@@ -89,7 +89,7 @@ void AddVisionFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--vision-timeout-ms", o.vision_service.request_timeout_ms,
                     "Vision requests not answered within this are dropped (and answered with an error)");
   serve->add_option("--vision-queue-capacity", o.vision_service.queue_capacity,
-                    "Images admitted at once (0 = timeout / measured time per image)");
+                    "Images of one model admitted at once (0 = timeout / the model's measured time per image)");
   serve->add_option("--vision-threads", o.vision_service.stage_threads,
                     "Decode / pre- / post-processing threads (0 = one per core)");
   serve->add_option("--vision-max-image-pixels", o.vision_service.max_image_pixels,

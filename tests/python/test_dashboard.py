@@ -7,6 +7,7 @@ KServe repository index, request and error counts against the number of requests
 percentiles against Prometheus' histogram_quantile computed here from GET /metrics, and the boxes
 drawn on the test page against what a person reads in the photograph (the regions in
 test_real_models.py) and against the pixels of the canvas."""
+import base64
 import json
 import os
 import shutil
@@ -250,15 +251,49 @@ def test_the_test_page_draws_the_boxes_a_person_sees_in_the_photograph(server, b
         "return Array.from(document.querySelectorAll('#try-timings tr')).map(r => r.dataset.stage)")
     assert stages == ["decode", "resize", "queue", "infer", "post", "round trip (this browser)"]
 
-    # A classification model: its labels, no boxes (POST /predict).
-    browser.execute_script("document.getElementById('try-model').value = 'imagenet';")
+    # Boxes that share a corner (whole-image boxes, as a scene-like detector answers) get labels
+    # that do not cover each other: the server's answer for the same photograph, with three such
+    # boxes put in its place in the browser.
+    browser.execute_script("""
+        const real = window.fetch;
+        window.fetch = async (url, options) => {
+          const r = await real(url, options);
+          if (!String(url).includes('/v1/vision/custom/')) return r;
+          const answer = await r.json();
+          answer.predictions = [0.9, 0.8, 0.7].map((confidence, i) => ({
+            label: 'whole ' + i, confidence, x_min: 0, y_min: 0, x_max: 768, y_max: 576}));
+          return new Response(JSON.stringify(answer), {status: r.status, headers: r.headers});
+        };""")
+    browser.find_element("id", "try-image").send_keys(os.path.abspath(os.path.join(PHOTOS, "dog.jpg")))
+    browser.find_element("id", "try-run").click()
+    rects = wait_for(browser, """
+        const rows = Array.from(document.querySelectorAll('#try-predictions tbody tr[data-label]'));
+        return rows.length === 3 && rows[0].dataset.label === 'whole 0' && rows.map(r => JSON.parse(r.dataset.labelAt));""",
+                     timeout=60)
+    for i, a in enumerate(rects):
+        for b in rects[i + 1:]:
+            apart = a[0] + a[2] <= b[0] or b[0] + b[2] <= a[0] or a[1] + a[3] <= b[1] or b[1] + b[3] <= a[1]
+            assert apart, f"labels {a} and {b} cover each other"
+
+    # A classification model: its labels, no boxes (POST /predict), those under the page's
+    # "Min. confidence" left out as for detections.
+    browser.execute_script("document.getElementById('try-model').value = 'imagenet';"
+                           "document.getElementById('try-confidence').value = '0.3';")
     browser.find_element("id", "try-image").send_keys(os.path.abspath(os.path.join(PHOTOS, "eagle.jpg")))
     browser.find_element("id", "try-run").click()
-    labels = wait_for(browser, """
+    shown = wait_for(browser, """
         const rows = Array.from(document.querySelectorAll('#try-predictions tbody tr[data-label]'));
-        return rows.length > 0 && rows.every(r => r.dataset.box === '') && rows.map(r => r.dataset.label);""",
-                      timeout=60)
+        return rows.length > 0 && rows.every(r => r.dataset.box === '') &&
+               rows.map(r => [r.dataset.label, Number(r.dataset.confidence)]);""", timeout=60)
+    labels = [label for label, _ in shown]
     assert {"bald eagle", "kite"} & set(labels[:2]), labels
+    assert all(c >= 0.3 for _, c in shown), shown
+    # The same photograph answered by the server itself: the classes the page left out are there.
+    status, _, data = http_request(server["HTTP"], "POST", "/predict/imagenet",
+                                   json.dumps({"image": base64.b64encode(open(os.path.join(PHOTOS, "eagle.jpg"), "rb").read()).decode()}).encode(),
+                                   {"Content-Type": "application/json"}, timeout=60)
+    assert status == 200, data
+    assert any(p["confidence"] < 0.3 for p in json.loads(data)["predictions"]), "nothing for the threshold to leave out"
     assert console_errors(browser) == []
 
 

@@ -411,12 +411,14 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
         t.start()
         time.sleep(0.1)
         start_t = time.time()
-        busy = detect(port, img, path="/v1/vision/custom/detect_yolov8")
+        busy = detect(port, img, path="/v1/vision/custom/detect_slow")
         assert time.time() - start_t < 0.3, "an over-capacity request must be refused at once"
         assert busy["success"] is False and "busy" in busy["error"]
+        # The capacity is the model's own: another model's image is taken meanwhile.
+        check(detect(port, img, path="/v1/vision/custom/detect_yolov8"), expected(128, 96, SQUARES, "yolov8"))
         # Refused from the request's head: the answer comes before any of the body is sent.
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"POST /v1/vision/custom/detect_yolov8 HTTP/1.1\r\nHost: q\r\n"
+            sock.sendall(b"POST /v1/vision/custom/detect_slow HTTP/1.1\r\nHost: q\r\n"
                          b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 5000000\r\n\r\n")
             head = read_http_response(sock)
         assert head.startswith(b"HTTP/1.1 200"), head
@@ -426,6 +428,11 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
         assert results["slow"]["success"] is False and "deadline" in results["slow"]["error"].lower()
         assert metric(metrics, "quern_vision_rejected_overload_total") == 2
         assert metric(metrics, "quern_vision_dropped_total") == 1
+        # The refusals count as the model's own (the dashboard's Errors column reads this).
+        text = request(metrics, "GET", "/metrics")[2].decode()
+        rejected = re.search(r'^quern_request_failure_total\{[^}]*model="detect_slow"[^}]*reason="rejected"[^}]*\} (\S+)$',
+                             text, re.M)
+        assert rejected and float(rejected.group(1)) == 2, [l for l in text.splitlines() if "detect_slow" in l]
         stats = json.loads(request(port, "GET", "/v2/models/detect_slow/stats")[2])["model_stats"][0]
         assert stats["execution_count"] == 0, "the timed-out image was computed"
         # The pipeline is free again.

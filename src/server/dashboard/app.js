@@ -531,7 +531,11 @@
         throw new Error(answer.error || "the request failed (HTTP " + resp.status + ")");
       }
       const image = await createImageBitmap(file);
-      drawAnswer(model, image, answer.predictions || []);
+      // /predict answers its top classes whatever their confidence: the
+      // page's threshold applies to them as the detection routes apply it.
+      const threshold = Number($("try-confidence").value || "0.4");
+      const predictions = (answer.predictions || []).filter((p) => !(p.confidence < threshold));
+      drawAnswer(model, image, predictions);
       drawTimings(resp.headers.get("Server-Timing"), answer, roundTrip);
     } catch (e) {
       $("try-error").textContent = model + ": " + e.message;
@@ -556,10 +560,13 @@
     ctx.font = "bold " + fontPx + "px system-ui, sans-serif";
     ctx.textBaseline = "top";
     const rows = [];
+    const labels = [];  // the label boxes drawn so far: a label never covers another
+    const overlaps = (a, b) => a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h;
     predictions.forEach((p, i) => {
       const color = COLORS[i % COLORS.length];
       const boxed = [p.x_min, p.y_min, p.x_max, p.y_max].every(Number.isFinite);
       const text = p.label + " " + (100 * p.confidence).toFixed(0) + "%";
+      let labelAt = "";
       if (boxed) {
         const x = p.x_min * scale, y = p.y_min * scale;
         const w = (p.x_max - p.x_min) * scale, h = (p.y_max - p.y_min) * scale;
@@ -567,7 +574,14 @@
         ctx.strokeStyle = color;
         ctx.strokeRect(x, y, w, h);
         const tw = ctx.measureText(text).width + 8, th = fontPx + 6;
-        const ty = y >= th ? y - th : y;
+        // Above the box, or inside it at its top when there is no room
+        // (a box from the image's edge); moved down past labels already
+        // there (boxes that share a corner, such as whole-image ones).
+        const label = {x, y: y >= th ? y - th : y, w: tw, h: th};
+        while (labels.some((o) => overlaps(o, label)) && label.y + 2 * th <= canvas.height) label.y += th;
+        labels.push(label);
+        labelAt = JSON.stringify([label.x, label.y, label.w, label.h]);
+        const ty = label.y;
         ctx.fillStyle = color;
         ctx.fillRect(x, ty, tw, th);
         ctx.fillStyle = "#fff";
@@ -576,7 +590,7 @@
       const box = boxed ? [p.x_min, p.y_min, p.x_max, p.y_max].join(", ") : "–";
       const swatch = el("span", {class: "state", text: p.label});
       swatch.style.color = color;
-      rows.push(el("tr", {data: {label: p.label, confidence: p.confidence, color,
+      rows.push(el("tr", {data: {label: p.label, confidence: p.confidence, color, labelAt,
                                  box: boxed ? JSON.stringify([p.x_min, p.y_min, p.x_max, p.y_max]) : ""}},
           el("td", {}, swatch), el("td", {text: (100 * p.confidence).toFixed(1) + " %"}), el("td", {text: box})));
     });
