@@ -317,6 +317,15 @@ TEST(Form, UrlEncodedFieldsAreDecodedAndViewedSafelyAfterAMove) {
 TEST(Form, ContentTypesAndBounds) {
   EXPECT_TRUE(ParseForm("", "").has_value()) << "an empty body is an empty form";
   EXPECT_TRUE(ParseForm("text/plain", "")->parts.empty());
+  EXPECT_TRUE(ParseForm("multipart/form-data; boundary=x", "")->parts.empty()) << "no body, no fields";
+  // A body of names holds no buffer of its size; a name past the bound is refused.
+  auto names = ParseUrlEncodedForm("a&b&c=12&" + std::string(200, 'n'));
+  ASSERT_TRUE(names.has_value());
+  EXPECT_LE(names->decoded.capacity(), 16u);
+  EXPECT_EQ(names->Field("c")->data, "12");
+  auto long_name = ParseUrlEncodedForm(std::string(kMaxFormNameBytes + 1, 'n') + "=1");
+  ASSERT_FALSE(long_name.has_value());
+  EXPECT_NE(long_name.error().message().find("name is over"), std::string::npos);
   auto other = ParseForm("application/json", "{}");
   ASSERT_FALSE(other.has_value());
   EXPECT_NE(other.error().message().find("application/x-www-form-urlencoded"), std::string::npos);

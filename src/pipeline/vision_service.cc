@@ -286,12 +286,17 @@ Status VisionService::Refused(Status status) {
 
 Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
   Status st;
+  bool own = false;
   {
     MutexLock lock(load_mu_);
     auto it = loads_.find(model);
-    st = Busy(model, it == loads_.end() ? ModelLoad{} : it->second, in_flight_bytes_.value(), bytes);
+    const ModelLoad& load = it == loads_.end() ? ModelLoad{} : it->second;
+    st = Busy(model, load, in_flight_bytes_.value(), bytes);
+    own = load.in_flight >= Capacity(load.ms_per_image);
   }
-  if (!st.ok() && !model.empty()) engine_->CountRefused(model, -1, st);  // the model's own refusals count there
+  // The model's own refusals (its capacity, not the memory every model
+  // shares) count in its statistics.
+  if (own && !model.empty()) engine_->CountRefused(model, -1, st);
   if (st.ok() && !model.empty()) st = engine_->CheckAdmission(model);
   return st.ok() ? st : Refused(std::move(st));
 }
@@ -308,8 +313,9 @@ Status VisionService::Claim(const std::string& model, int64_t version, int64_t b
   if (it == loads_.end()) it = loads_.emplace(model, ModelLoad{}).first;
   st = Busy(model, it->second, in_flight_bytes_.value(), bytes);
   if (!st.ok()) {
+    const bool own = it->second.in_flight >= Capacity(it->second.ms_per_image);
     lock.Unlock();
-    engine_->CountRefused(model, version, st);  // in the model's statistics too (the engine counts its own)
+    if (own) engine_->CountRefused(model, version, st);  // in the model's statistics too (the engine counts its own)
     return st;
   }
   ++it->second.in_flight;

@@ -76,7 +76,8 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::stri
   if (command == "register") {
     r.kind = FaceRequest::Kind::kRegister;
     for (const auto& p : parts) {
-      if (!IsImagePart(p)) continue;
+      // (A browser sends an empty file input as a part of 0 bytes without a filename.)
+      if (!IsImagePart(p) || (p.data.empty() && p.filename.empty())) continue;
       if (r.images.size() == kMaxRegisterImages) {
         return Fail(job, InvalidArgument("register takes at most " + std::to_string(kMaxRegisterImages) + " images"));
       }
@@ -107,7 +108,7 @@ void VisionHandler::HandleFaces(const std::shared_ptr<Job>& job, const std::stri
   }
   r.face_model = face_model;
   r.owner = job;  // the body the images are viewed in
-  r.held_bytes = static_cast<int64_t>(job->request.body.size());
+  r.held_bytes = static_cast<int64_t>(job->request.body.size() + job->form.decoded.capacity());
   r.cancel = job->request.cancel;
   BeginPending();
   if (Status st = faces_.Submit(std::move(r),

@@ -80,9 +80,17 @@ bool IsFormContentType(std::string_view content_type) {
 
 Result<Form> ParseUrlEncodedForm(std::string_view body) {
   Form form;
-  // Decoded values are never longer than the body: the buffer is never
-  // reallocated, so the views taken into it stay valid.
-  form.decoded.reserve(body.size());
+  // The values' encoded length bounds their decoded length: reserved once,
+  // the buffer is never reallocated, so the views taken into it stay valid
+  // (and a body of names holds no buffer of its size).
+  size_t values = 0;
+  for (std::string_view rest = body; !rest.empty();) {
+    const size_t amp = rest.find('&');
+    const std::string_view pair = rest.substr(0, amp);
+    rest = amp == std::string_view::npos ? std::string_view{} : rest.substr(amp + 1);
+    if (const size_t eq = pair.find('='); eq != std::string_view::npos) values += pair.size() - eq - 1;
+  }
+  form.decoded.reserve(values);
   while (!body.empty()) {
     const size_t amp = body.find('&');
     const std::string_view pair = body.substr(0, amp);
@@ -92,6 +100,10 @@ Result<Form> ParseUrlEncodedForm(std::string_view body) {
       return std::unexpected(InvalidArgument("the form has more than " + std::to_string(kMaxFormParts) + " fields"));
     }
     const size_t eq = pair.find('=');
+    if (std::min(eq, pair.size()) > kMaxFormNameBytes) {
+      return std::unexpected(
+          InvalidArgument("a form field's name is over " + std::to_string(kMaxFormNameBytes) + " bytes"));
+    }
     FormPart part;
     AppendFormDecoded(pair.substr(0, eq), part.name);
     const size_t start = form.decoded.size();
@@ -105,8 +117,8 @@ Result<Form> ParseUrlEncodedForm(std::string_view body) {
 Result<Form> ParseForm(std::string_view content_type, std::string_view body) {
   const std::string lower = Lower(content_type.substr(0, 40));
   if (lower.starts_with("application/x-www-form-urlencoded")) return ParseUrlEncodedForm(body);
+  if (body.empty()) return Form{};  // no fields, whatever the type
   if (!lower.starts_with("multipart/form-data")) {
-    if (body.empty()) return Form{};
     return std::unexpected(InvalidArgument(
         "expected a form: Content-Type multipart/form-data or application/x-www-form-urlencoded, got '" +
         std::string(content_type.empty() ? "(none)" : content_type.substr(0, 100)) + "'"));

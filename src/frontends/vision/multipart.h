@@ -21,6 +21,8 @@ struct FormPart {
 };
 
 inline constexpr size_t kMaxFormParts = 256;
+// A url-encoded field's name (encoded) is at most this long.
+inline constexpr size_t kMaxFormNameBytes = 256;
 
 // A parsed form: its parts, whose data views the body (multipart) or
 // `decoded` (url-encoded). Moving a Form keeps the views valid (a vector's
@@ -52,7 +54,9 @@ Result<Form> ParseForm(std::string_view content_type, std::string_view body);
 
 // The fields of an application/x-www-form-urlencoded body ('&'-separated
 // name=value pairs, '+' and %XX decoded; an invalid % escape is kept as it
-// is). More than kMaxFormParts fields: InvalidArgument.
+// is). More than kMaxFormParts fields, or a name over kMaxFormNameBytes:
+// InvalidArgument. The decoded values are held in a buffer of at most the
+// body's size (a caller charging memory counts `decoded.capacity()`).
 Result<Form> ParseUrlEncodedForm(std::string_view body);
 
 // The boundary of a "multipart/form-data; boundary=..." Content-Type, or an

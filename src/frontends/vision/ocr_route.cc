@@ -23,7 +23,7 @@ void VisionHandler::HandleOcr(const std::shared_ptr<Job>& job, std::string_view 
   r.model = options_.ocr_model;
   r.image = image;
   r.owner = job;  // the body the image is viewed in
-  r.held_bytes = static_cast<int64_t>(job->request.body.size());
+  r.held_bytes = static_cast<int64_t>(job->request.body.size() + job->form.decoded.capacity());
   r.cancel = job->request.cancel;
   BeginPending();
   EncodedImageCallback answer = [this, job](InferResponse&& resp, const VisionTimings& t) {

@@ -245,7 +245,8 @@ void VisionHandler::Submit(std::shared_ptr<Job> job, std::shared_ptr<const Visio
   r.model = std::move(model);
   r.image = job->image;
   r.owner = job;  // the body (or the decoded base64) the image is viewed in
-  r.held_bytes = static_cast<int64_t>(job->request.body.size() + job->image_storage.size());
+  r.held_bytes =
+      static_cast<int64_t>(job->request.body.size() + job->image_storage.size() + job->form.decoded.capacity());
   r.min_confidence = job->min_confidence;
   r.cancel = job->request.cancel;
   Status st = SubmitCounted(std::move(r), [this, job](VisionResult&& result) { Answer(job, std::move(result)); });
