@@ -469,6 +469,90 @@ TEST(DynamicBatcher, ARequestThatCannotMeetItsDeadlineIsRefusedAtOnce) {
   EXPECT_EQ(dropped.load(), 0) << "6 and 8 could still finish in time when their turn came";
 }
 
+TEST(DynamicBatcher, TheWaitEstimateIsNoMorePessimisticThanTheMeasuredQueue) {
+  // A batch takes 10 ms of fake time whatever its size (up to 8), on one
+  // worker. Single requests make the time per item 10 ms; under load the
+  // queue drains 8 items per 10 ms. A request behind 16 queued items waits
+  // 30 ms (the running batch's 10, two full batches' 20): the time per item
+  // alone would say about 140 ms, what the queue was measured to take says
+  // about 40.
+  FakeClock clock;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.num_workers = 1;
+  o.clock = &clock;
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  int held = -1;  // the id a batch holds at the gate until released
+  std::atomic<int> holding{-1};
+  Recorder rec;
+  std::atomic<int> dropped{0};
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        const int id = static_cast<Item&>(*batch[0]).id;
+        {
+          std::unique_lock lock(gate_mu);
+          if (id == held) {
+            holding = id;
+            gate_cv.wait(lock, [&] { return held != id; });
+          }
+        }
+        clock.AdvanceNs(10'000'000);
+        rec.Record(worker, batch);
+      },
+      [&](std::unique_ptr<BatchTask>, const Status&) { ++dropped; });
+  ASSERT_TRUE(b.has_value());
+  int scheduled = 0;
+  auto schedule = [&](int id, const ScheduleOptions& opts) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    Status st = (*b)->Schedule(t, opts);
+    if (st.ok()) ++scheduled;
+    return st;
+  };
+  for (int i = 0; i < 5; ++i) {  // a light load: one at a time
+    ASSERT_TRUE(schedule(i, {}).ok());
+    rec.Wait(scheduled);
+  }
+  EXPECT_NEAR((*b)->ns_per_item(), 10e6, 1);
+  // A burst behind a held batch, twice: the first teaches the queue's pace.
+  auto burst = [&](int first) {
+    {
+      std::lock_guard lock(gate_mu);
+      held = first;
+    }
+    EXPECT_TRUE(schedule(first, {}).ok());
+    while (holding != first) std::this_thread::yield();
+    for (int i = 1; i <= 16; ++i) EXPECT_TRUE(schedule(first + i, {}).ok());
+  };
+  auto release = [&] {
+    {
+      std::lock_guard lock(gate_mu);
+      held = -1;
+    }
+    gate_cv.notify_all();
+    rec.Wait(scheduled);
+  };
+  burst(100);
+  release();
+  EXPECT_GT((*b)->ns_per_item(), 8e6) << "still mostly the single requests' time";
+  burst(200);
+  ScheduleOptions enough;
+  enough.timeout_ns = 45'000'000;
+  const Status admitted = schedule(300, enough);
+  EXPECT_TRUE(admitted.ok()) << "it waits 30 ms, within its 45 ms: " << admitted.message();
+  ScheduleOptions too_short;
+  too_short.timeout_ns = 20'000'000;
+  const Status refused = schedule(301, too_short);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << "it would wait 30 ms, over its 20 ms";
+  EXPECT_NE(refused.message().find("longer than its queue timeout of 20 ms"), std::string::npos) << refused.message();
+  release();
+  EXPECT_EQ(dropped.load(), 0);
+  std::lock_guard lock(rec.mu);
+  ASSERT_FALSE(rec.batches.empty());
+  EXPECT_EQ(rec.batches.back(), (std::vector<int>{300})) << "it ran, in time";
+}
+
 TEST(DynamicBatcher, AdmissionNeverLocksAModelOut) {
   // One item takes 6 s of fake time, over the 5 s limit: later tasks are
   // still admitted whenever a worker is free or nothing waits.
