@@ -86,6 +86,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev python3-numpy curl ca-certificates clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
+  fonts-liberation2 fonts-urw-base35 fonts-comic-neue fonts-roboto-unhinted  # the OCR page set: serif, sans, mono, condensed, bold, handwriting-like
   procps  # pgrep, ps: the tests look for the processes a server started
   valgrind  # bench/instr_count.sh: instructions per request, a count the host's load does not move
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)

@@ -85,6 +85,80 @@ TEST(OcrGeometry, DbDropsFaintSmallAndEmptyRegionsAndOrdersLines) {
   EXPECT_TRUE(DetectBoxes(empty.data(), 100, 50, 100, 50, DbOptions{}).empty());
 }
 
+// An axis-aligned box x0..x1, y0..y1 as DetectBoxes gives it.
+TextBox Box(double x0, double y0, double x1, double y1) {
+  return {{Point{x0, y0}, Point{x1, y0}, Point{x1, y1}, Point{x0, y1}}, 0.8f};
+}
+
+std::vector<std::array<double, 4>> Extents(const std::vector<TextBox>& boxes) {
+  std::vector<std::array<double, 4>> out;
+  for (const TextBox& b : boxes) {
+    double x0 = 1e9, y0 = 1e9, x1 = -1e9, y1 = -1e9;
+    for (const Point& p : b.corners) {
+      x0 = std::min(x0, p.x), y0 = std::min(y0, p.y), x1 = std::max(x1, p.x), y1 = std::max(y1, p.y);
+    }
+    out.push_back({std::round(x0), std::round(y0), std::round(x1), std::round(y1)});
+  }
+  return out;
+}
+
+TEST(OcrLines, WordsOnALineBecomeOneBoxAndFarOnesDoNot) {
+  // Words 20 px high: gaps of 10 px (half a height) join, 40 px (two heights) do not; a word a
+  // line below, a 60 px heading above and an upright box stay apart. Given out of order.
+  const std::vector<TextBox> in = {Box(300, 100, 360, 120), Box(100, 101, 160, 121), Box(170, 100, 250, 119),
+                                   Box(100, 140, 150, 160), Box(400, 20, 700, 80),   Box(20, 200, 30, 260)};
+  const auto lines = Extents(JoinLines(in, 1.0));
+  const std::vector<std::array<double, 4>> want = {
+      {400, 20, 700, 80}, {100, 100, 250, 121}, {300, 100, 360, 120}, {100, 140, 150, 160}, {20, 200, 30, 260}};
+  ASSERT_EQ(lines.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    for (size_t k = 0; k < 4; ++k) EXPECT_NEAR(lines[i][k], want[i][k], 1.5) << "line " << i << " coordinate " << k;
+  }
+  // Without joining only the order changes: rows top to bottom, each left to right.
+  const auto ordered = Extents(JoinLines(in, 0));
+  ASSERT_EQ(ordered.size(), in.size());
+  EXPECT_EQ(ordered[1], (std::array<double, 4>{100, 101, 160, 121}));
+  EXPECT_EQ(ordered[2], (std::array<double, 4>{170, 100, 250, 119}));
+}
+
+TEST(OcrLines, ColumnsOfRunningTextAreReadOneAfterTheOther) {
+  // A heading over two columns of four 20 px lines, 200 px long, 150 px apart: the left column
+  // first. The same with short cells (a table: 40 px) is read row by row.
+  for (const double w : {200.0, 40.0}) {
+    const double right = 100 + w + 150;
+    std::vector<TextBox> in = {Box(150, 10, 450, 40)};
+    for (int r = 0; r < 4; ++r) {
+      in.push_back(Box(right, 60 + 40 * r, right + w, 80 + 40 * r));  // the right column first
+      in.push_back(Box(100, 60 + 40 * r, 100 + w, 80 + 40 * r));
+    }
+    const auto got = Extents(JoinLines(in, 1.0));
+    ASSERT_EQ(got.size(), 9u);
+    EXPECT_EQ(got[0][1], 10);
+    for (int k = 1; k < 9; ++k) {
+      const int r = w > 100 ? (k - 1) % 4 : (k - 1) / 2;
+      const bool left = w > 100 ? k <= 4 : (k - 1) % 2 == 0;
+      EXPECT_EQ(got[static_cast<size_t>(k)][1], 60 + 40 * r) << "w " << w << " k " << k;
+      EXPECT_EQ(got[static_cast<size_t>(k)][0], left ? 100 : right) << "w " << w << " k " << k;
+    }
+  }
+}
+
+TEST(OcrLines, ExpandBoxGrowsAlongTheBoxsOwnAxes) {
+  const auto e = ExpandBox(Box(10, 20, 110, 40).corners, 0.25);  // 100 x 20: 5 px each side
+  EXPECT_NEAR(e[0].x, 5, 1e-9);
+  EXPECT_NEAR(e[0].y, 15, 1e-9);
+  EXPECT_NEAR(e[2].x, 115, 1e-9);
+  EXPECT_NEAR(e[2].y, 45, 1e-9);
+  // Turned 90 degrees (corners starting at the bottom-left): still 5 px, along its axes.
+  const std::array<Point, 4> turned = {Point{0, 100}, Point{0, 0}, Point{20, 0}, Point{20, 100}};
+  const auto t = ExpandBox(turned, 0.25);
+  EXPECT_NEAR(t[0].x, -5, 1e-9);
+  EXPECT_NEAR(t[0].y, 105, 1e-9);
+  EXPECT_NEAR(t[2].x, 25, 1e-9);
+  EXPECT_NEAR(t[2].y, -5, 1e-9);
+  EXPECT_EQ(ExpandBox(turned, 0)[0].x, 0);
+}
+
 TEST(OcrDecode, CtcGreedyDecoding) {
   // Classes: 0 blank, 1 'a', 2 'b', 3 '中', 4 the space after the dictionary.
   const std::vector<std::string> dict = {"a", "b", "中"};

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
 namespace quern::ocr {
 namespace {
@@ -406,6 +408,180 @@ std::vector<TextBox> DetectBoxes(const float* prob, int width, int height, int d
     }
   }
   return boxes;
+}
+
+namespace {
+
+// A box's extent on the page's axes and its own height.
+struct Extent {
+  double x0, x1, y0, y1, height;
+  bool upright;
+};
+
+Extent ExtentOf(const TextBox& b) {
+  Extent e{b.corners[0].x, b.corners[0].x, b.corners[0].y, b.corners[0].y, 0, false};
+  for (const Point& p : b.corners) {
+    e.x0 = std::min(e.x0, p.x);
+    e.x1 = std::max(e.x1, p.x);
+    e.y0 = std::min(e.y0, p.y);
+    e.y1 = std::max(e.y1, p.y);
+  }
+  const double w = (Distance(b.corners[0], b.corners[1]) + Distance(b.corners[3], b.corners[2])) / 2;
+  e.height = (Distance(b.corners[0], b.corners[3]) + Distance(b.corners[1], b.corners[2])) / 2;
+  e.upright = e.height > 2 * w;
+  return e;
+}
+
+bool SameLine(const Extent& a, const Extent& b, double max_gap) {
+  if (a.upright || b.upright || a.height <= 0 || b.height <= 0) return false;
+  if (std::max(a.height, b.height) > 1.6 * std::min(a.height, b.height)) return false;
+  const double overlap = std::min(a.y1, b.y1) - std::max(a.y0, b.y0);
+  if (overlap < 0.5 * std::min(a.y1 - a.y0, b.y1 - b.y0)) return false;
+  const double gap = std::max(b.x0 - a.x1, a.x0 - b.x1);
+  return gap <= max_gap * std::max(a.height, b.height);
+}
+
+size_t Root(std::vector<size_t>& parent, size_t i) {
+  while (parent[i] != i) i = parent[i] = parent[parent[i]];
+  return i;
+}
+
+// Rows: top to bottom by each row's first box's top (a box whose middle lies
+// within that box's height is on its row), each row left to right.
+void RowOrder(const std::vector<Extent>& ext, std::vector<size_t> ids, std::vector<size_t>& out) {
+  std::stable_sort(ids.begin(), ids.end(), [&](size_t a, size_t b) { return ext[a].y0 < ext[b].y0; });
+  std::vector<size_t> row;
+  for (size_t k = 0; k < ids.size();) {
+    const Extent& first = ext[ids[k]];
+    row.clear();
+    for (; k < ids.size(); ++k) {
+      const Extent& e = ext[ids[k]];
+      if (!row.empty() && (e.y0 + e.y1) / 2 > first.y1) break;
+      row.push_back(ids[k]);
+    }
+    std::stable_sort(row.begin(), row.end(), [&](size_t a, size_t b) { return ext[a].x0 < ext[b].x0; });
+    out.insert(out.end(), row.begin(), row.end());
+  }
+}
+
+// The widest gap in the projection of `ids` on one axis (x or y): where it
+// starts and ends; {0, 0} when the boxes leave none.
+std::pair<double, double> WidestGap(const std::vector<Extent>& ext, std::vector<size_t> ids, bool on_x) {
+  auto lo = [&](size_t i) { return on_x ? ext[i].x0 : ext[i].y0; };
+  auto hi = [&](size_t i) { return on_x ? ext[i].x1 : ext[i].y1; };
+  std::sort(ids.begin(), ids.end(), [&](size_t a, size_t b) { return lo(a) < lo(b); });
+  std::pair<double, double> best{0, 0};
+  double reach = hi(ids[0]);
+  for (size_t k = 1; k < ids.size(); ++k) {
+    if (lo(ids[k]) > reach && lo(ids[k]) - reach > best.second - best.first) best = {reach, lo(ids[k])};
+    reach = std::max(reach, hi(ids[k]));
+  }
+  return best;
+}
+
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+// Whether boxes side by side are columns of running text (read one to its
+// end before the next) rather than the cells of a table's rows: at least
+// three lines each, lines at least six times as long as they are high.
+bool TextColumn(const std::vector<Extent>& ext, const std::vector<size_t>& ids) {
+  if (ids.size() < 3) return false;
+  std::vector<double> ratio;
+  for (size_t i : ids) ratio.push_back((ext[i].x1 - ext[i].x0) / std::max(1.0, ext[i].height));
+  return Median(std::move(ratio)) >= 6;
+}
+
+// Reading order, XY-cut style: columns of running text apart (a gutter at
+// least twice the lines' height wide) are read left to right, each to its
+// end; otherwise the boxes split at their widest horizontal gap, top part
+// first; what splits no more is read in rows.
+void ReadingOrder(const std::vector<Extent>& ext, std::vector<size_t> ids, std::vector<size_t>& out) {
+  if (ids.size() >= 6) {
+    std::vector<double> heights;
+    for (size_t i : ids) heights.push_back(ext[i].height);
+    const double line = Median(std::move(heights));
+    const auto [x0, x1] = WidestGap(ext, ids, /*on_x=*/true);
+    if (x1 - x0 >= 2 * line) {
+      std::vector<size_t> left, right;
+      for (size_t i : ids) (ext[i].x1 <= x0 ? left : right).push_back(i);
+      if (TextColumn(ext, left) && TextColumn(ext, right)) {
+        ReadingOrder(ext, std::move(left), out);
+        ReadingOrder(ext, std::move(right), out);
+        return;
+      }
+    }
+    const auto [y0, y1] = WidestGap(ext, ids, /*on_x=*/false);
+    if (y1 > y0) {
+      std::vector<size_t> top, bottom;
+      for (size_t i : ids) (ext[i].y1 <= y0 ? top : bottom).push_back(i);
+      ReadingOrder(ext, std::move(top), out);
+      ReadingOrder(ext, std::move(bottom), out);
+      return;
+    }
+  }
+  RowOrder(ext, std::move(ids), out);
+}
+
+}  // namespace
+
+std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap) {
+  const size_t n = boxes.size();
+  if (max_gap > 0 && n > 1) {
+    std::vector<Extent> ext;
+    ext.reserve(n);
+    for (const TextBox& b : boxes) ext.push_back(ExtentOf(b));
+    std::vector<size_t> parent(n);
+    std::iota(parent.begin(), parent.end(), size_t{0});
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = i + 1; j < n; ++j) {
+        if (SameLine(ext[i], ext[j], max_gap)) parent[Root(parent, i)] = Root(parent, j);
+      }
+    }
+    std::vector<std::vector<size_t>> groups(n);
+    for (size_t i = 0; i < n; ++i) groups[Root(parent, i)].push_back(i);
+    std::vector<TextBox> joined;
+    for (const auto& g : groups) {
+      if (g.empty()) continue;
+      if (g.size() == 1) {
+        joined.push_back(boxes[g[0]]);
+        continue;
+      }
+      std::vector<Point> points;
+      double score = 0;
+      for (size_t i : g) {
+        points.insert(points.end(), boxes[i].corners.begin(), boxes[i].corners.end());
+        score += boxes[i].score;
+      }
+      joined.push_back({ClockwiseOrder(MinAreaRect(std::move(points)).corners),
+                        static_cast<float>(score / static_cast<double>(g.size()))});
+    }
+    boxes = std::move(joined);
+  }
+  std::vector<Extent> ext;
+  ext.reserve(boxes.size());
+  for (const TextBox& b : boxes) ext.push_back(ExtentOf(b));
+  std::vector<size_t> all(boxes.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  std::vector<size_t> order;
+  order.reserve(boxes.size());
+  ReadingOrder(ext, std::move(all), order);
+  std::vector<TextBox> out;
+  out.reserve(boxes.size());
+  for (size_t i : order) out.push_back(boxes[i]);
+  return out;
+}
+
+std::array<Point, 4> ExpandBox(const std::array<Point, 4>& box, double margin) {
+  const double w = Distance(box[0], box[1]), h = Distance(box[0], box[3]);
+  if (w <= 0 || h <= 0 || margin <= 0) return box;
+  const double m = margin * std::min(w, h);
+  const Point ux{(box[1].x - box[0].x) / w * m, (box[1].y - box[0].y) / w * m};
+  const Point uy{(box[3].x - box[0].x) / h * m, (box[3].y - box[0].y) / h * m};
+  return {Point{box[0].x - ux.x - uy.x, box[0].y - ux.y - uy.y}, Point{box[1].x + ux.x - uy.x, box[1].y + ux.y - uy.y},
+          Point{box[2].x + ux.x + uy.x, box[2].y + ux.y + uy.y}, Point{box[3].x - ux.x + uy.x, box[3].y - ux.y + uy.y}};
 }
 
 Decoded CtcDecode(const float* p, int64_t steps, int64_t classes, const std::vector<std::string>& characters) {

@@ -46,6 +46,20 @@ struct TextBox {
 std::vector<TextBox> DetectBoxes(const float* probability, int width, int height, int dest_width, int dest_height,
                                  const DbOptions& options);
 
+// Text lines from the boxes DetectBoxes found in one image, in reading
+// order. Boxes side by side on one line -- heights within 1.6 times of each
+// other, overlapping vertically by at least half the lower one, at most
+// `max_gap` times the taller one's height apart -- become one box: the
+// smallest rectangle around them, scored their mean. Upright boxes (more
+// than twice as tall as wide) are left alone. The order: lines top to
+// bottom (a box whose middle lies within a line's height is on that line),
+// each line's boxes left to right. `max_gap` 0 joins nothing and only orders.
+std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap);
+
+// `box` grown by `margin` times its shorter side on every side, along its
+// own axes (corners in DetectBoxes' order).
+std::array<Point, 4> ExpandBox(const std::array<Point, 4>& box, double margin);
+
 // CTC greedy decoding of one line: `probabilities` is steps x classes;
 // class 0 is the blank, class i is characters[i - 1].
 struct Decoded {

@@ -13,6 +13,7 @@ import tritonclient.http as httpclient
 from PIL import Image, ImageDraw, ImageFont
 from tritonclient.utils import InferenceServerException
 
+import ocr_pages
 from quern_testing import post_form, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
@@ -99,7 +100,9 @@ def test_the_rendered_text_comes_back_with_boxes_over_its_lines(server, name):
         assert (bx1 - bx0) < (x1 - x0) + 2 * (y1 - y0) + 10 and (by1 - by0) < 3 * (y1 - y0) + 10, (name, box.tolist())
 
 
-def test_rapidocr_reads_the_same_text(server):
+def test_rapidocr_reads_the_same_words(server):
+    """On pages of one word per line RapidOCR (same models, its own pre- and post-processing) reads
+    what Quern reads, and its boxes (the detector's, before any margin) are Quern's."""
     from rapidocr_onnxruntime import RapidOCR
     reference = RapidOCR()
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
@@ -109,6 +112,22 @@ def test_rapidocr_reads_the_same_text(server):
         result, _ = reference(png)
         assert text == [r[1] for r in result], name
         np.testing.assert_allclose(boxes, np.array([r[0] for r in result], dtype=np.float32), atol=3, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(ocr_pages.BUILDERS))
+def test_pages_read_line_by_line_at_least_as_well_as_rapidocr(server, name):
+    """The page set (fonts, sizes, a rotated page, a photo, two columns, a receipt; the renderer's text
+    as the truth): each line of text is one prediction, word spaces kept, in reading order, and the
+    reading scores at least RapidOCR's character accuracy (spaces included)."""
+    from rapidocr_onnxruntime import RapidOCR
+    png, truth = ocr_pages.pages()[name]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+    text, _, boxes = read(client, png)
+    theirs = [r[1] for r in (RapidOCR()(png)[0] or [])]
+    ours, reference = ocr_pages.accuracy(text, truth), ocr_pages.accuracy(theirs, truth)
+    assert ours >= reference and ours >= 0.97, (name, ours, reference, text, theirs)
+    assert len(text) == len(truth), (name, text, truth)
+    assert boxes.shape == (len(text), 4, 2)
 
 
 def test_pages_without_text_have_no_lines(server):
@@ -189,7 +208,7 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
         call(client, "ocr_boxes", [("probability", np.ones((1, 1, 8, 8), np.float32), "FP32"),
                                    ("geometry", np.array([np.nan, 1, 0], np.float32), "FP32")])
     assert "geometry" in str(e.value), str(e.value)
-    buckets = ["96", "192", "320", "640", "1280", "wide"]
+    buckets = ["96", "192", "320", "448", "640", "896", "1280", "1792", "2560", "wide"]
     probabilities = [(f"probabilities_{b}", np.ones((1 if b == "96" else 0, 4, 7), np.float32), "FP32")
                      for b in buckets]
     rest = [("order", np.array([[0, 0]], np.int32), "INT32"), ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),

@@ -117,14 +117,16 @@ Result<std::array<float, 3>> Geometry(const std::string& model, const Tensor& t)
 
 class DetectionBoxes final : public Model {
  public:
-  DetectionBoxes(std::string name, DbOptions options) : name_(std::move(name)), options_(options) {}
+  DetectionBoxes(std::string name, DbOptions options, float join_gap)
+      : name_(std::move(name)), options_(options), join_gap_(join_gap) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
     const Tensor& prob = inputs[0].tensor;
     QUERN_ASSIGN_OR_RETURN(auto g, Geometry(name_, inputs[1].tensor));
     const Shape& s = prob.shape();  // [1, 1, H, W]
     if (s[0] != 1 || s[2] < 1 || s[3] < 1) return WrongInput(name_, "input 'probability' must be one map");
-    const auto boxes = DetectBoxes(prob.values<float>().data(), static_cast<int>(s[3]), static_cast<int>(s[2]),
-                                   static_cast<int>(g[0]), static_cast<int>(g[1]), options_);
+    auto boxes = DetectBoxes(prob.values<float>().data(), static_cast<int>(s[3]), static_cast<int>(s[2]),
+                             static_cast<int>(g[0]), static_cast<int>(g[1]), options_);
+    if (join_gap_ > 0) boxes = JoinLines(std::move(boxes), join_gap_);
     const int64_t n = static_cast<int64_t>(boxes.size());
     std::vector<float> corners, scores;
     for (const auto& b : boxes) {
@@ -142,11 +144,12 @@ class DetectionBoxes final : public Model {
  private:
   std::string name_;
   DbOptions options_;
+  float join_gap_;  // 0: the detector's boxes as they are, in RapidOCR's order
 };
 
 class Crop final : public Model {
  public:
-  explicit Crop(std::string name) : name_(std::move(name)) {}
+  Crop(std::string name, float margin) : name_(std::move(name)), margin_(margin) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
     const Tensor& pixels = inputs[0].tensor;
     const Tensor& boxes = inputs[1].tensor;
@@ -170,6 +173,7 @@ class Crop final : public Model {
           return WrongInput(name_, "input 'boxes' holds a corner that is not a pixel position");
         }
       }
+      box = ExpandBox(box, margin_);
       const double cw = std::max(Distance(box[0], box[1]), Distance(box[2], box[3]));
       const double ch = std::max(Distance(box[0], box[3]), Distance(box[1], box[2]));
       crop_pixels += cw * ch;
@@ -223,13 +227,18 @@ class Crop final : public Model {
 
  private:
   std::string name_;
+  float margin_;  // each side, times the box's height
 };
 
 // The recogniser's inputs by width: a line goes to the narrowest width that
 // holds it (the rest padded with zeros, as PaddleOCR pads), so that lines of
 // every request meet in batches of one shape; lines wider than the widest
-// bucket go together at their own widest width.
-constexpr std::array<int, 5> kLineBuckets = {96, 192, 320, 640, 1280};
+// bucket go together at their own widest width. Past 320 the widths grow by
+// 1.4 at most: a line padded to twice its width or more loses its word
+// spaces (PP-OCRv4 reads "CORNER BAKERY", 410 px at height 48, right padded
+// to 640 and as "CORNERBAKERY" padded to 960; PaddleOCR, which pads each
+// batch of lines sorted by width to its widest, pads little more).
+constexpr std::array<int, 9> kLineBuckets = {96, 192, 320, 448, 640, 896, 1280, 1792, 2560};
 constexpr size_t kBuckets = kLineBuckets.size() + 1;  // and the wide ones
 
 std::string BucketName(const std::string& prefix, size_t b) {
@@ -330,6 +339,10 @@ class Text final : public Model {
       const int64_t steps = p.shape()[1];
       Decoded d = CtcDecode(p.values<float>().data() + row * steps * classes, steps, classes, *characters_);
       if (d.confidence < min_confidence_) continue;
+      // Blank margins around a line read as spaces at its ends.
+      d.text.erase(0, d.text.find_first_not_of(' '));
+      d.text.erase(d.text.find_last_not_of(' ') + 1);
+      if (d.text.empty()) continue;
       text.push_back(std::move(d.text));
       confidence.push_back(d.confidence);
       for (size_t k = 0; k < 8; ++k) {
@@ -407,14 +420,16 @@ Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& sta
     QUERN_ASSIGN_OR_RETURN(o.threshold, FloatParameter(c, "quern.ocr.threshold", 0.3f, 0, 1));
     QUERN_ASSIGN_OR_RETURN(o.box_threshold, FloatParameter(c, "quern.ocr.box_threshold", 0.5f, 0, 1));
     QUERN_ASSIGN_OR_RETURN(o.unclip_ratio, FloatParameter(c, "quern.ocr.unclip_ratio", 1.6f, 0, 10));
-    return Factory([name, o] { return std::make_unique<DetectionBoxes>(name, o); });
+    QUERN_ASSIGN_OR_RETURN(float join_gap, FloatParameter(c, "quern.ocr.join_gap", 0, 0, 100));
+    return Factory([name, o, join_gap] { return std::make_unique<DetectionBoxes>(name, o, join_gap); });
   }
   if (stage == "ocr_crop") {
     QUERN_RETURN_IF_ERROR(
         Declare(c, stage, {T("pixels", DataType::kUint8, {-1, -1, 3}), T("boxes", DataType::kFp32, {-1, 4, 2})},
                 {T("classifier_input", DataType::kFp32, {-1, 3, kLineHeight, kClassifierWidth}),
                  T("lines", DataType::kUint8, {-1, kLineHeight, -1, 3}), T("widths", DataType::kInt32, {-1})}));
-    return Factory([name] { return std::make_unique<Crop>(name); });
+    QUERN_ASSIGN_OR_RETURN(float margin, FloatParameter(c, "quern.ocr.crop_margin", 0, 0, 2));
+    return Factory([name, margin] { return std::make_unique<Crop>(name, margin); });
   }
   if (stage == "ocr_lines") {
     std::vector<TensorConfig> out;
