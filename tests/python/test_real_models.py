@@ -1,5 +1,6 @@
-"""The real models of the example repository, fetched and converted by scripts/setup.sh: `objects`
-(NanoDet-m, COCO), `imagenet` (EfficientNet-Lite0) and `faces` (CenterFace), on real photographs
+"""The real models of the example repository, fetched and converted by scripts/setup.sh: `objects_fast`
+(NanoDet-m, COCO; the default detector `objects`, YOLOv12-N, has test_detector.py), `imagenet`
+(EfficientNet-Lite0) and `faces` (CenterFace), on real photographs
 from Debian's darknet package (examples/data/).
 
 What the photographs show, read by a person looking at them (regions in pixels, approximate):
@@ -39,7 +40,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MODELS = os.path.join(ROOT, "examples", "models")
 PHOTOS = os.path.join(ROOT, "examples", "data")
 
-# NanoDet-m's pipeline as examples/models/objects/config.pbtxt declares it.
+# NanoDet-m's pipeline as examples/models/objects_fast/config.pbtxt declares it.
 OBJ_SIZE = 416
 OBJ_MEAN = np.array([103.53, 116.28, 123.675], np.float32)  # B, G, R
 OBJ_STD = np.array([57.375, 57.12, 58.395], np.float32)
@@ -60,7 +61,7 @@ def png(name):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for m in ("objects", "imagenet", "faces"):
+    for m in ("objects_fast", "imagenet", "faces"):
         shutil.copytree(os.path.join(MODELS, m), repo / m)
     proc, ports = start_quern(QUERN, str(repo))
     yield ports["HTTP"]
@@ -121,12 +122,12 @@ def test_the_objects_in_each_photograph_are_found_where_they_are(server, name):
 
 def test_the_detection_route_answers_with_the_coco_model_by_default(server):
     default = form(server, "/v1/vision/detection", photo("dog.jpg"))
-    named = form(server, "/v1/vision/custom/objects", photo("dog.jpg"))
+    named = form(server, "/v1/vision/custom/objects_fast", photo("dog.jpg"))
     assert default["success"] and default["predictions"] == named["predictions"], (default, named)
     # CodeProject.AI's default threshold (0.4) keeps the bicycle; the message names what was found.
     assert "bicycle" in default["message"], default
     # The labels are spelled as CodeProject.AI's YOLOv5 spells them.
-    with open(os.path.join(MODELS, "objects", "labels.txt")) as f:
+    with open(os.path.join(MODELS, "objects_fast", "labels.txt")) as f:
         labels = f.read().split("\n")
     assert "motorcycle" in labels and "tv" in labels and "motorbike" not in labels
 
@@ -203,10 +204,10 @@ def assert_same_detections(quern, reference):
 @pytest.mark.parametrize("name", ["dog.jpg", "person.jpg", "giraffe.jpg", "eagle.jpg"])
 def test_objects_agree_with_onnxruntime_and_numpy(server, name):
     rgb = np.asarray(Image.open(os.path.join(PHOTOS, name)).convert("RGB"))
-    out = onnx_session("objects").run(None, {"image": objects_input(rgb)})[0][0]
-    reference = decode_yolov8(out, rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects"))
+    out = onnx_session("objects_fast").run(None, {"image": objects_input(rgb)})[0][0]
+    reference = decode_yolov8(out, rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects_fast"))
     assert reference, "the reference found nothing"
-    assert_same_detections(detect(server, png(name), "/v1/vision/custom/objects"), reference)
+    assert_same_detections(detect(server, png(name), "/v1/vision/custom/objects_fast"), reference)
 
 
 @pytest.mark.parametrize("name", ["person.jpg", "giraffe.jpg"])
@@ -232,17 +233,17 @@ def test_every_front_end_gives_the_same_detections(server):
     decoded, it is what /v1/vision/detection answers."""
     rgb = np.asarray(Image.open(os.path.join(PHOTOS, "dog.jpg")).convert("RGB"))
     x = objects_input(rgb)
-    expected = onnx_session("objects").run(None, {"image": x})[0]
+    expected = onnx_session("objects_fast").run(None, {"image": x})[0]
     body = json.dumps({"inputs": [{"name": "image", "shape": list(x.shape), "datatype": "FP32",
                                    "data": x.ravel().tolist()}]})
-    status, _, data = http_request(server, "POST", "/v2/models/objects/infer", body, timeout=60)
+    status, _, data = http_request(server, "POST", "/v2/models/objects_fast/infer", body, timeout=60)
     assert status == 200, data
     kserve = json.loads(data)["outputs"][0]
     assert kserve["shape"] == [1, 84, 3549], kserve["shape"]
     kserve = np.array(kserve["data"], np.float32).reshape(1, 84, 3549)
     np.testing.assert_allclose(kserve, expected, atol=1e-4)
 
-    status, _, data = http_request(server, "POST", "/v2/models/objects/jobs", body, timeout=60)
+    status, _, data = http_request(server, "POST", "/v2/models/objects_fast/jobs", body, timeout=60)
     assert status == 202, data
     job = json.loads(data)["job_id"]
     deadline = time.monotonic() + 60  # a shared machine may run the job late; poll, never spin
@@ -255,13 +256,13 @@ def test_every_front_end_gives_the_same_detections(server):
     assert j["status"] == "done", j
     np.testing.assert_array_equal(np.array(j["result"]["outputs"][0]["data"], np.float32).reshape(1, 84, 3549), kserve)
 
-    decoded = decode_yolov8(kserve[0], rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects"))
+    decoded = decode_yolov8(kserve[0], rgb.shape[1], rgb.shape[0], 0.3, labels_of("objects_fast"))
     assert_same_detections(detect(server, png("dog.jpg")), decoded)
 
 
 # ---- what a camera client may send wrong
 
-@pytest.mark.parametrize("path", ["/v1/vision/detection", "/v1/vision/custom/objects", "/v1/vision/face"])
+@pytest.mark.parametrize("path", ["/v1/vision/detection", "/v1/vision/custom/objects_fast", "/v1/vision/face"])
 def test_bad_images_get_a_codeproject_error_and_the_server_stays_up(server, path):
     jpeg = photo("dog.jpg")
     for image, words in ((b"", "image"), (b"not an image at all", "image"), (jpeg[: len(jpeg) // 3], "image"),
@@ -273,10 +274,10 @@ def test_bad_images_get_a_codeproject_error_and_the_server_stays_up(server, path
 
 def test_quern_models_lists_the_real_models_with_their_labels(tmp_path):
     repo = tmp_path / "repo"
-    for m in ("objects", "imagenet"):
+    for m in ("objects_fast", "imagenet"):
         shutil.copytree(os.path.join(MODELS, m), repo / m)
     out = subprocess.run([QUERN, "models", str(repo)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "objects v1  READY" in out.stdout and "imagenet v1  READY" in out.stdout, out.stdout
+    assert "objects_fast v1  READY" in out.stdout and "imagenet v1  READY" in out.stdout, out.stdout
     assert "80 labels: person, bicycle, car" in out.stdout, out.stdout
     assert "1000 labels: tench" in out.stdout, out.stdout

@@ -1,0 +1,121 @@
+"""The default COCO detector `objects` (YOLOv12-N, the export crates.io's easy-yolo 0.1.3 ships; see
+examples/models/objects/config.pbtxt) on real photographs:
+- against an independent reference: onnxruntime (PyPI) runs the same file on the same pixels,
+  letterboxed and decoded here with numpy (quern_testing.resample, YOLOv8 decoding, class-wise NMS);
+  Quern must agree within 1 px and 1e-3;
+- against what a person reads in the photographs: tests/data/labels/detection.json (boxed by hand
+  over a grid; detection_labels.py scores it). No false alarm at confidence >= 0.5 (a close-up of a
+  cat is a cat, not a person), precision and recall at IoU 0.5 of at least 0.9."""
+import io
+import os
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from detection_labels import LABELS, PHOTOS, score
+from quern_testing import iou, post_form, resample, start_quern
+
+QUERN = os.environ["QUERN_BIN"]
+MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models")
+SIZE, NMS_IOU, MAX_DET = 640, 0.45, 100
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for m in ("objects", "objects_fast"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    proc, ports = start_quern(QUERN, str(repo))
+    yield ports["HTTP"]
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def png(name):
+    buf = io.BytesIO()
+    Image.open(os.path.join(PHOTOS, name)).convert("RGB").save(buf, "PNG")
+    return buf.getvalue()
+
+
+def detect(port, image, path="/v1/vision/custom/objects", min_confidence=0.3):
+    r = post_form(port, path, [("image", image)], min_confidence=min_confidence)
+    assert r["success"] is True, r
+    return r["predictions"]
+
+
+def labels():
+    with open(os.path.join(MODELS, "objects", "labels.txt")) as f:
+        return f.read().splitlines()
+
+
+def reference(rgb, threshold):
+    """YOLOv12-N by onnxruntime on the photograph letterboxed into 640x640 (centred, grey 114), RGB /
+    255; the best class per cell, class-wise greedy NMS, boxes back in the photograph's pixels."""
+    import onnxruntime  # the PyPI package, independent of the server's library
+    h, w, _ = rgb.shape
+    s = min(SIZE / w, SIZE / h)
+    ox, oy = np.floor((SIZE - round(w * s)) / 2 + 1e-9), np.floor((SIZE - round(h * s)) / 2 + 1e-9)
+    x = resample(rgb, SIZE, SIZE, s, s, ox, oy).astype(np.float32) / 255
+    session = onnxruntime.InferenceSession(os.path.join(MODELS, "objects", "1", "model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    out = session.run(None, {"images": np.ascontiguousarray(x.transpose(2, 0, 1)[None])})[0][0]
+    cls = out[4:]
+    best = np.argmax(cls, axis=0)
+    conf = cls[best, np.arange(out.shape[1])]
+    boxes = []
+    for i in np.nonzero(conf >= np.float32(threshold))[0]:
+        cx, cy, bw, bh = (float(v) for v in out[:4, i])
+        boxes.append((float(conf[i]), int(best[i]), ((cx - bw / 2 - ox) / s, (cy - bh / 2 - oy) / s,
+                                                     (cx + bw / 2 - ox) / s, (cy + bh / 2 - oy) / s)))
+    boxes.sort(key=lambda b: -b[0])
+    kept = []
+    for b in boxes:
+        if len(kept) < MAX_DET and all(k[1] != b[1] or iou(k[2], b[2]) <= NMS_IOU for k in kept):
+            kept.append(b)
+    names, clip = labels(), (w, h, w, h)
+    corners = ("x_min", "y_min", "x_max", "y_max")
+    return [{"label": names[c], "confidence": p,
+             **{k: int(np.floor(min(max(box[j], 0.0), clip[j]) + 0.5)) for j, k in enumerate(corners)}}
+            for p, c, box in kept]
+
+
+@pytest.mark.parametrize("name", ["dog.jpg", "person.jpg", "giraffe.jpg", "chelsea.png", "coffee.png"])
+def test_objects_agree_with_onnxruntime_and_numpy(server, name):
+    rgb = np.asarray(Image.open(os.path.join(PHOTOS, name)).convert("RGB"))
+    want = reference(rgb, 0.3)
+    assert want, "the reference found nothing"
+    got = detect(server, png(name))
+    assert [p["label"] for p in got] == [p["label"] for p in want], (got, want)
+    for q, r in zip(got, want):
+        assert abs(q["confidence"] - r["confidence"]) <= 1e-3, (q, r)
+        for k in ("x_min", "y_min", "x_max", "y_max"):
+            assert abs(q[k] - r[k]) <= 1, (q, r)
+
+
+def test_the_labelled_photographs_get_no_false_alarm(server):
+    found = {}
+    for photo in LABELS:
+        with open(os.path.join(PHOTOS, photo), "rb") as f:
+            found[photo] = [(p["label"], p["confidence"], [p["x_min"], p["y_min"], p["x_max"], p["y_max"]])
+                            for p in detect(server, f.read(), min_confidence=0.25)]
+    # A false alarm: a confident detection of something the photograph does not show at all.
+    for photo, truth in LABELS.items():
+        shown = {n for o in truth["objects"] for n in [o["label"]] + o.get("also", [])}
+        shown |= {r["label"] for r in truth["ignore"] if "label" in r}
+        alarms = [(label, conf) for label, conf, _ in found[photo] if conf >= 0.5 and label not in shown]
+        assert not alarms, (photo, alarms, found[photo])
+    r = score(found, 0.5)
+    assert r["precision"] >= 0.9 and r["recall"] >= 0.9, r
+    cat = found["chelsea.png"]
+    assert cat and cat[0][0] == "cat" and all(label != "person" for label, _, _ in cat), cat
+
+
+def test_the_detection_route_answers_with_objects_and_the_fast_one_is_named(server):
+    with open(os.path.join(PHOTOS, "dog.jpg"), "rb") as f:
+        jpeg = f.read()
+    default = detect(server, jpeg, "/v1/vision/detection")
+    assert default == detect(server, jpeg), default
+    fast = detect(server, jpeg, "/v1/vision/custom/objects_fast")
+    assert fast and fast != default, fast
