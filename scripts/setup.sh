@@ -371,7 +371,8 @@ prepare_examples() {
   convert_once "$models/faces/1/model.onnx" "$FACES_MODEL_SHA256" --centerface "$rm/centerface.onnx"
   convert_once "$models/objects_fast/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
     --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
-  if [ ! -f "$models/objects/1/model.onnx" ]; then  # the export as it ships
+  # The export as it ships (replacing what a checkout from before NanoDet-m moved may hold there).
+  if ! cmp -s "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"; then
     mkdir -p "$models/objects/1"
     cp "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"
   fi
