@@ -124,6 +124,22 @@ def two_columns():
     return img, ["A Short History of Milling"] + left + right
 
 
+def screen():
+    """A screenshot's menu and table: short words, 18 px, on light grey (words a direction classifier
+    shown the crop's margin takes for upside down)."""
+    img = Image.new("RGB", (900, 260), (245, 245, 245))
+    d = ImageDraw.Draw(img)
+    f = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", 18)
+    menu = ["File", "Edit", "View", "Models", "Help"]
+    for i, m in enumerate(menu):
+        d.text((20 + 130 * i, 10), m, font=f, fill="black")
+    rows = [["Request001", "37ms", "loading"], ["Request005", "85ms", "failed"], ["Request006", "22ms", "ready"]]
+    for r, row in enumerate(rows):
+        for x, word in zip((60, 360, 560), row):
+            d.text((x, 80 + 48 * r), word, font=f, fill="black")
+    return img, menu + [w for row in rows for w in row]
+
+
 def receipt():
     rows = [("Rye loaf", "4.20"), ("Spelt flour 1kg", "3.85"), ("Oat biscuits", "2.10"), ("Honey jar", "6.50")]
     img = Image.new("RGB", (560, 520), (250, 248, 240))
@@ -148,7 +164,7 @@ BUILDERS = {"invoice (serif)": invoice, "report (sans, 16-44 px)": sans_sizes, "
             "dense paragraph (sans 22 px)": dense,
             "sale (bold, condensed)": condensed_bold, "note (handwriting-like)": handwriting,
             "rotated 2.5 degrees": rotated, "camera overlay on a photo": camera_overlay,
-            "two columns": two_columns, "receipt": receipt}
+            "two columns": two_columns, "receipt": receipt, "menu and table (sans 18 px)": screen}
 
 
 def pages():

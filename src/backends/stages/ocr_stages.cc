@@ -147,6 +147,24 @@ class DetectionBoxes final : public Model {
   float join_gap_;  // 0: the detector's boxes as they are, in RapidOCR's order
 };
 
+// `image` less `inset` pixels on every side (itself when that would leave
+// less than a pixel).
+Image Inset(const Image& image, int inset) {
+  if (inset <= 0 || image.width <= 2 * inset || image.height <= 2 * inset) return image;
+  Image out;
+  out.width = image.width - 2 * inset;
+  out.height = image.height - 2 * inset;
+  out.pixels.resize(static_cast<size_t>(out.width) * static_cast<size_t>(out.height) * 3);
+  for (int y = 0; y < out.height; ++y) {
+    std::memcpy(
+        &out.pixels[static_cast<size_t>(y) * static_cast<size_t>(out.width) * 3],
+        &image.pixels[(static_cast<size_t>(y + inset) * static_cast<size_t>(image.width) + static_cast<size_t>(inset)) *
+                      3],
+        static_cast<size_t>(out.width) * 3);
+  }
+  return out;
+}
+
 class Crop final : public Model {
  public:
   Crop(std::string name, float margin) : name_(std::move(name)), margin_(margin) {}
@@ -163,6 +181,7 @@ class Crop final : public Model {
     const auto* src = reinterpret_cast<const uint8_t*>(pixels.data());
     auto corners = boxes.values<float>();
     std::vector<Image> crops;
+    std::vector<int> insets;
     double crop_pixels = 0;
     for (int64_t i = 0; i < n; ++i) {
       std::array<Point, 4> box;
@@ -173,6 +192,9 @@ class Crop final : public Model {
           return WrongInput(name_, "input 'boxes' holds a corner that is not a pixel position");
         }
       }
+      // The margin each side, in the crop's pixels (the crop keeps the box's scale).
+      insets.push_back(
+          static_cast<int>(std::lround(margin_ * std::min(Distance(box[0], box[1]), Distance(box[0], box[3])))));
       box = ExpandBox(box, margin_);
       const double cw = std::max(Distance(box[0], box[1]), Distance(box[2], box[3]));
       const double ch = std::max(Distance(box[0], box[3]), Distance(box[1], box[2]));
@@ -208,7 +230,9 @@ class Crop final : public Model {
       const Image& c = crops[static_cast<size_t>(i)];
       const int lw = widths[static_cast<size_t>(i)];
       const int cw = std::min(lw, kClassifierWidth);
-      const auto small = Resize(c.pixels.data(), c.width, c.height, cw, kLineHeight);
+      // The direction classifier sees the box itself: its margin misleads it on short words.
+      const Image inner = Inset(c, insets[static_cast<size_t>(i)]);
+      const auto small = Resize(inner.pixels.data(), inner.width, inner.height, cw, kLineHeight);
       ToPlanes(small.data(), cw, kLineHeight, cls_out + static_cast<size_t>(i) * cls_plane, kClassifierWidth, kHalf,
                kHalf);
       const auto line = Resize(c.pixels.data(), c.width, c.height, lw, kLineHeight);
