@@ -208,7 +208,7 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
         call(client, "ocr_boxes", [("probability", np.ones((1, 1, 8, 8), np.float32), "FP32"),
                                    ("geometry", np.array([np.nan, 1, 0], np.float32), "FP32")])
     assert "geometry" in str(e.value), str(e.value)
-    buckets = ["96", "192", "320", "448", "640", "896", "1280", "1792", "2560", "wide"]
+    buckets = ["96", "128", "192", "256", "320", "448", "640", "896", "1280", "1792", "2560", "wide"]
     probabilities = [(f"probabilities_{b}", np.ones((1 if b == "96" else 0, 4, 7), np.float32), "FP32")
                      for b in buckets]
     rest = [("order", np.array([[0, 0]], np.int32), "INT32"), ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),
@@ -227,8 +227,8 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
     lines = rng.integers(0, 256, (2, 48, 100, 3), dtype=np.uint8)
     out = call(client, "ocr_lines", [("lines", lines, "UINT8"), ("widths", np.array([10**9, 50], np.int32), "INT32"),
                                      ("direction", np.array([[0, 1], [1, 0]], np.float32), "FP32")])
-    assert out.as_numpy("order").tolist() == [[1, 0], [0, 0]]  # 100 px -> 192, 50 px -> 96
-    wide, narrow = out.as_numpy("lines_192")[0], out.as_numpy("lines_96")[0]
+    assert out.as_numpy("order").tolist() == [[1, 0], [0, 0]]  # 100 px -> 128, 50 px -> 96
+    wide, narrow = out.as_numpy("lines_128")[0], out.as_numpy("lines_96")[0]
     np.testing.assert_allclose(wide[:, :, :100], (lines[0][::-1, ::-1].transpose(2, 0, 1) / 127.5 - 1), atol=1e-6)
     assert not wide[:, :, 100:].any()
     np.testing.assert_allclose(narrow[:, :, :50], lines[1][:, :50].transpose(2, 0, 1) / 127.5 - 1, atol=1e-6)

@@ -257,12 +257,12 @@ class Crop final : public Model {
 // The recogniser's inputs by width: a line goes to the narrowest width that
 // holds it (the rest padded with zeros, as PaddleOCR pads), so that lines of
 // every request meet in batches of one shape; lines wider than the widest
-// bucket go together at their own widest width. Past 320 the widths grow by
-// 1.4 at most: a line padded to twice its width or more loses its word
+// bucket go together at their own widest width. Past 128 the widths grow by
+// 1.5 at most: a line padded to twice its width or more loses its word
 // spaces (PP-OCRv4 reads "CORNER BAKERY", 410 px at height 48, right padded
 // to 640 and as "CORNERBAKERY" padded to 960; PaddleOCR, which pads each
 // batch of lines sorted by width to its widest, pads little more).
-constexpr std::array<int, 9> kLineBuckets = {96, 192, 320, 448, 640, 896, 1280, 1792, 2560};
+constexpr std::array<int, 11> kLineBuckets = {96, 128, 192, 256, 320, 448, 640, 896, 1280, 1792, 2560};
 constexpr size_t kBuckets = kLineBuckets.size() + 1;  // and the wide ones
 
 std::string BucketName(const std::string& prefix, size_t b) {
