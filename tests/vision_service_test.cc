@@ -249,6 +249,41 @@ TEST_F(VisionServiceTest, ACheapModelIsNotRefusedBehindASlowOne) {
   ASSERT_TRUE(Drive([&] { return answered.load() == 50 + admitted; }));
 }
 
+TEST_F(VisionServiceTest, ALargeImageCountsAsManyAsItsPixels) {
+  // Room for 8 images of the model's usual size (learnt from the images
+  // admitted: 4 x 4 at first). An 8 x 8 image counts as 4 of them, the next
+  // as 64 / 20.8 pixels (the usual size moved towards it), so two get in
+  // (7.1) and the third (64 / 25.1 = 2.5 more) is refused, as is a usual one.
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 8;
+  VisionService s(engine_.get(), o);
+  for (int i = 0; i < 3; ++i) {
+    std::promise<VisionResult> got;
+    VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+    ASSERT_TRUE(s.Submit(Red(s), done).ok());
+    ASSERT_TRUE(Await(got).status.ok());
+  }
+  const std::string large = SolidBmp(8, 8, 255, 0, 0);
+  std::atomic<int> answered{0};
+  auto submit = [&](const std::string& image) {
+    VisionRequest r = Red(s);
+    r.image = image;
+    VisionCallback done = [&](VisionResult&&) { answered.fetch_add(1); };
+    return s.Submit(std::move(r), done);
+  };
+  ASSERT_TRUE(submit(large).ok());
+  ASSERT_TRUE(submit(large).ok());
+  const Status refused = submit(large);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("2 images for model 'colour' are already waiting (this one, of 2.5 times"),
+            std::string::npos)
+      << refused.message();
+  EXPECT_EQ(submit(image_).code(), StatusCode::kUnavailable) << "8 of 8 taken";
+  ASSERT_TRUE(Drive([&] { return answered.load() == 2 && s.stats().in_flight == 0; }));
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(submit(image_).ok()) << "usual image " << i;
+  ASSERT_TRUE(Drive([&] { return answered.load() == 10; }));
+}
+
 TEST_F(VisionServiceTest, AdmissionIsBoundedByMemory) {
   VisionServiceOptions o = Options();
   // A 3x4x4 FP32 input is 192 bytes; the first image always gets in.

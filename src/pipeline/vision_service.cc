@@ -68,6 +68,7 @@ struct VisionService::Job {
   VisionCallback done;
   int64_t deadline_ns = 0;  // service clock
   int64_t charged_bytes = 0;
+  double units = 1;           // its work in the model's usual images (Claim)
   int64_t decoded_bytes = 0;  // the header's full decode size (0 = not read)
   int format = 0;             // its ImageFormat
   ImageTransform transform;
@@ -258,11 +259,21 @@ std::vector<std::string> VisionService::Models(VisionTask task) {
   return out;
 }
 
-Status VisionService::Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes) const {
-  if (const int64_t capacity = Capacity(load.ms_per_image); load.in_flight >= capacity) {
-    return Unavailable("the server is busy: " + std::to_string(capacity) + " images for model '" + model +
-                       "' are already waiting, as many as it can finish within " + std::to_string(QueueBudgetMs()) +
-                       " ms; try again later");
+bool VisionService::Full(const ModelLoad& load, double units) const {
+  return load.in_flight > 0 && load.units + units > static_cast<double>(Capacity(load.ms_per_image)) + 1e-9;
+}
+
+Status VisionService::Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes,
+                           double units) const {
+  if (Full(load, units)) {
+    std::string what = std::to_string(load.in_flight) + " images for model '" + model + "' are already waiting";
+    if (units > 1) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " (this one, of %.1f times their usual pixels, counts as many)", units);
+      what += buf;
+    }
+    return Unavailable("the server is busy: " + what + ", as many as it can finish within " +
+                       std::to_string(QueueBudgetMs()) + " ms; try again later");
   }
   // One image is always let in, however large (within the body limit).
   if (options_.max_in_flight_bytes > 0 && held > 0 && held + bytes > options_.max_in_flight_bytes) {
@@ -291,8 +302,8 @@ Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
     MutexLock lock(load_mu_);
     auto it = loads_.find(model);
     const ModelLoad& load = it == loads_.end() ? ModelLoad{} : it->second;
-    st = Busy(model, load, in_flight_bytes_.value(), bytes);
-    own = load.in_flight >= Capacity(load.ms_per_image);
+    st = Busy(model, load, in_flight_bytes_.value(), bytes, 1);
+    own = Full(load, 1);
   }
   // The model's own refusals (its capacity, not the memory every model
   // shares) count in its statistics.
@@ -301,7 +312,7 @@ Status VisionService::CheckAdmission(const std::string& model, int64_t bytes) {
   return st.ok() ? st : Refused(std::move(st));
 }
 
-Status VisionService::Claim(const std::string& model, int64_t version, int64_t bytes) {
+Status VisionService::Claim(const std::string& model, int64_t version, int64_t bytes, int64_t pixels, double& units) {
   // The model's own queue is asked first: an image it would refuse is not
   // decoded and resized for nothing.
   Status st = engine_->CheckAdmission(model, version);
@@ -311,23 +322,33 @@ Status VisionService::Claim(const std::string& model, int64_t version, int64_t b
   MutexLock lock(load_mu_);
   auto it = loads_.find(model);
   if (it == loads_.end()) it = loads_.emplace(model, ModelLoad{}).first;
-  st = Busy(model, it->second, in_flight_bytes_.value(), bytes);
+  ModelLoad& load = it->second;
+  units = pixels > 0 && load.avg_pixels > 0 ? std::max(1.0, static_cast<double>(pixels) / load.avg_pixels) : 1.0;
+  st = Busy(model, load, in_flight_bytes_.value(), bytes, units);
   if (!st.ok()) {
-    const bool own = it->second.in_flight >= Capacity(it->second.ms_per_image);
+    const bool own = Full(load, units);
     lock.Unlock();
     if (own) engine_->CountRefused(model, version, st);  // in the model's statistics too (the engine counts its own)
     return st;
   }
-  ++it->second.in_flight;
+  if (pixels > 0) {
+    const auto p = static_cast<double>(pixels);
+    load.avg_pixels = load.avg_pixels == 0 ? p : 0.9 * load.avg_pixels + 0.1 * p;
+  }
+  ++load.in_flight;
+  load.units += units;
   in_flight_.Add(1);
   in_flight_bytes_.Add(bytes);
   return st;
 }
 
-void VisionService::Unclaim(const std::string& model, int64_t bytes) {
+void VisionService::Unclaim(const std::string& model, int64_t bytes, double units) {
   {
     MutexLock lock(load_mu_);
-    if (auto it = loads_.find(model); it != loads_.end()) --it->second.in_flight;
+    if (auto it = loads_.find(model); it != loads_.end()) {
+      --it->second.in_flight;
+      it->second.units = it->second.in_flight == 0 ? 0 : std::max(0.0, it->second.units - units);
+    }
   }
   in_flight_bytes_.Add(-bytes);
   if (in_flight_.Add(-1) == 1) {
@@ -341,7 +362,7 @@ int64_t VisionService::TimeoutNs() const {
   return std::clamp<int64_t>(options_.request_timeout_ms, 0, kMaxMs) * 1'000'000;
 }
 
-void VisionService::Release(const std::string& model, int64_t received_ns, int64_t charged_bytes) {
+void VisionService::Release(const std::string& model, int64_t received_ns, int64_t charged_bytes, double units) {
   const int64_t now = clock_->NowNs();
   // The time per image behind a model's capacity: the time this image kept
   // the model's pipeline busy (since it arrived or since the model's
@@ -359,7 +380,7 @@ void VisionService::Release(const std::string& model, int64_t received_ns, int64
   const int64_t last = last_completion_ns_.exchange(now);
   const double busy_ms = static_cast<double>(now - std::max(received_ns, last)) / 1e6;
   ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  Unclaim(model, charged_bytes);
+  Unclaim(model, charged_bytes, units);
 }
 
 Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done) {
@@ -374,7 +395,9 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   }
   const int64_t decoded = header && header->width > 0 && header->height > 0 ? header->decoded_bytes() : 0;
   const int64_t bytes = request.held_bytes + static_cast<int64_t>(request.image.size()) + 4 * decoded;
-  if (Status st = Claim(request.model, -1, bytes); !st.ok()) return Refused(std::move(st));
+  const int64_t pixels = decoded > 0 ? header->width * header->height : 0;
+  double units = 1;
+  if (Status st = Claim(request.model, -1, bytes, pixels, units); !st.ok()) return Refused(std::move(st));
   VisionTimings timings;
   timings.received_ns = timings.stage_start_ns = clock_->NowNs();
   InferRequest ir;
@@ -384,7 +407,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   ir.deadline_ns = engine_->clock().NowNs() + TimeoutNs();
   request.owner.reset();  // the image is copied into the request
   auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
-  InferCallback infer_done = [this, answered, timings, bytes, model = request.model](InferResponse&& r) mutable {
+  InferCallback infer_done = [this, answered, timings, bytes, units, model = request.model](InferResponse&& r) mutable {
     const auto& tm = r.telemetry;
     timings.infer_ns = tm.compute_end_ns > tm.compute_start_ns ? tm.compute_ns() : 0;
     timings.queue_ns = tm.compute_start_ns > tm.queue_start_ns ? tm.queue_ns() : 0;
@@ -392,7 +415,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
       dropped_.Increment();
     }
     (*answered)(std::move(r), timings);
-    Release(model, timings.received_ns, bytes);
+    Release(model, timings.received_ns, bytes, units);
   };
   // Admitted by Claim, within this service's own bounds.
   if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
@@ -400,7 +423,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
     // model): given back without measuring a time per image, and the
     // callback returned to the caller.
     done = std::move(*answered);
-    Unclaim(request.model, bytes);
+    Unclaim(request.model, bytes, units);
     return st.code() == StatusCode::kUnavailable ? Refused(std::move(st)) : st;
   }
   requests_.Increment();
@@ -426,8 +449,13 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
     request.max_described = std::clamp(request.max_described, 1, std::max(request.descriptor->max_batch_size, 1));
     bytes += request.max_described * static_cast<int64_t>(PreprocessedBytes(request.descriptor->image));
   }
-  if (Status st = Claim(m->name, m->version, bytes); !st.ok()) return Refused(std::move(st));
+  double units = 1;
+  if (Status st = Claim(m->name, m->version, bytes, decoded > 0 ? header->width * header->height : 0, units);
+      !st.ok()) {
+    return Refused(std::move(st));
+  }
   auto job = std::make_shared<Job>();
+  job->units = units;
   job->request = std::move(request);
   job->done = std::move(done);
   job->charged_bytes = bytes;
@@ -690,7 +718,7 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   // Given back after the callback: whoever waits for the service to be idle
   // (a draining server) finds the answer already handed on.
   job->request.owner.reset();
-  Release(job->request.model->name, job->timings.received_ns, job->charged_bytes);
+  Release(job->request.model->name, job->timings.received_ns, job->charged_bytes, job->units);
 }
 
 }  // namespace quern

@@ -210,9 +210,16 @@ class VisionService {
   // A model's images in the service and its measured time per image.
   struct ModelLoad {
     int64_t in_flight = 0;
+    // The admitted images' work, in images of the model's usual size: an
+    // image counts as its pixels over avg_pixels, at least 1 (its decoding
+    // and resizing grow with its pixels).
+    double units = 0;
+    double avg_pixels = 0;       // EWMA of the admitted images' pixels (0 = none yet)
     double ms_per_image = 20.0;  // EWMA of busy time per image
     int64_t last_completion_ns = 0;
   };
+  // Whether `load` has no room for an image of `units` (one always fits).
+  bool Full(const ModelLoad& load, double units) const;
   // Images of a model taking `ms_per_image` each admitted at once.
   int64_t Capacity(double ms_per_image) const;
   // The time admitted images may take: the request timeout, or the
@@ -220,16 +227,17 @@ class VisionService {
   int64_t QueueBudgetMs() const;
   // OK when an image for `model` charged `bytes` fits beside the model's
   // `load` and the `held` bytes of every admitted image; else the refusal.
-  Status Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes) const;
+  Status Busy(const std::string& model, const ModelLoad& load, int64_t held, int64_t bytes, double units) const;
   Status Refused(Status status);
-  // Claims a place and `bytes` for an image for `model` (the model's queue
-  // asked first): OK, or the refusal (nothing claimed, not yet counted).
-  Status Claim(const std::string& model, int64_t version, int64_t bytes);
+  // Claims a place and `bytes` for an image of `pixels` (0 = unknown) for
+  // `model` (the model's queue asked first): OK with the work it counts as
+  // in `units`, or the refusal (nothing claimed, not yet counted).
+  Status Claim(const std::string& model, int64_t version, int64_t bytes, int64_t pixels, double& units);
   // Gives back what an image for `model` admitted at `received_ns` claimed,
   // once its answer is handed on; measures the model's time per image.
-  void Release(const std::string& model, int64_t received_ns, int64_t charged_bytes);
+  void Release(const std::string& model, int64_t received_ns, int64_t charged_bytes, double units);
   // Gives back a claim without an answer (nothing measured).
-  void Unclaim(const std::string& model, int64_t bytes);
+  void Unclaim(const std::string& model, int64_t bytes, double units);
   // The request timeout in nanoseconds (bounded: no overflow).
   int64_t TimeoutNs() const;
   void Post(std::function<void()> task, bool urgent);
