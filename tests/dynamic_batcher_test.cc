@@ -474,8 +474,8 @@ TEST(DynamicBatcher, TheWaitEstimateIsNoMorePessimisticThanTheMeasuredQueue) {
   // worker. Single requests make the time per item 10 ms; under load the
   // queue drains 8 items per 10 ms. A request behind 16 queued items waits
   // 30 ms (the running batch's 10, two full batches' 20): the time per item
-  // alone would say about 140 ms, what the queue was measured to take says
-  // about 40.
+  // alone would say about 140 ms, the full batches' time per item (1.25 ms,
+  // measured on the batches the limit cut short) about 28.
   FakeClock clock;
   DynamicBatcherOptions o;
   o.queue.max_batch_size = 8;
@@ -541,6 +541,10 @@ TEST(DynamicBatcher, TheWaitEstimateIsNoMorePessimisticThanTheMeasuredQueue) {
   enough.timeout_ns = 45'000'000;
   const Status admitted = schedule(300, enough);
   EXPECT_TRUE(admitted.ok()) << "it waits 30 ms, within its 45 ms: " << admitted.message();
+  ScheduleOptions before_its_run;  // with 3 full batches ahead now (17 items), and the running one
+  before_its_run.deadline_ns = clock.NowNs() + 30'000'000;
+  const Status late = schedule(302, before_its_run);
+  EXPECT_EQ(late.code(), StatusCode::kUnavailable) << "it would finish after about 40 ms, past its 30";
   ScheduleOptions too_short;
   too_short.timeout_ns = 20'000'000;
   const Status refused = schedule(301, too_short);

@@ -143,6 +143,33 @@ TEST(OcrLines, ColumnsOfRunningTextAreReadOneAfterTheOther) {
   }
 }
 
+TEST(OcrLines, ATallBoxBesideLinesDoesNotMakeThemOneRow) {
+  // An upright label 400 px tall at the left, five lines of 20 px beside it,
+  // each indented less than the one before: read top to bottom, not by x.
+  std::vector<TextBox> in = {Box(10, 10, 40, 410)};
+  for (int r = 0; r < 5; ++r) in.push_back(Box(200 - 20 * r, 20 + 50 * r, 500, 40 + 50 * r));
+  const auto got = Extents(JoinLines(in, 1.0));
+  ASSERT_EQ(got.size(), 6u);
+  std::vector<double> tops;
+  for (const auto& e : got) {
+    if (e[0] != 10) tops.push_back(e[1]);
+  }
+  EXPECT_EQ(tops, (std::vector<double>{20, 70, 120, 170, 220}));
+}
+
+TEST(OcrLines, AGrownBoxIsTurnedAsTheBoxItGrewFrom) {
+  // A 20 x 31 box (1.55 times as tall as wide: turned) grown by a quarter of
+  // its width is 30 x 41 (1.37): still turned, as the box it grew from.
+  std::vector<uint8_t> page(100 * 100 * 3, 255);
+  const auto tall = Box(40, 30, 60, 61).corners;
+  const auto grown = ExpandBox(tall, 0.25);
+  const Image plain = CropBox(page.data(), 100, 100, grown);
+  EXPECT_LT(plain.width, plain.height) << "by its own shape it stays";
+  const Image turned = CropBox(page.data(), 100, 100, grown, &tall);
+  EXPECT_EQ(turned.width, plain.height);
+  EXPECT_EQ(turned.height, plain.width);
+}
+
 TEST(OcrLines, ExpandBoxGrowsAlongTheBoxsOwnAxes) {
   const auto e = ExpandBox(Box(10, 20, 110, 40).corners, 0.25);  // 100 x 20: 5 px each side
   EXPECT_NEAR(e[0].x, 5, 1e-9);

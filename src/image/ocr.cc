@@ -206,9 +206,14 @@ void ToPlanes(const uint8_t* src, int width, int height, float* out, int stride,
 // get_rotate_crop_image: the box straightened into an image of its own
 // (bilinear, edges replicated); turned 90 degrees counter-clockwise when it
 // is at least 1.5 times as tall as wide.
-Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box) {
-  const int w = std::max(1, static_cast<int>(std::max(Distance(box[0], box[1]), Distance(box[2], box[3]))));
-  const int h = std::max(1, static_cast<int>(std::max(Distance(box[0], box[3]), Distance(box[1], box[2]))));
+std::pair<int, int> CropSize(const std::array<Point, 4>& box) {
+  return {std::max(1, static_cast<int>(std::max(Distance(box[0], box[1]), Distance(box[2], box[3])))),
+          std::max(1, static_cast<int>(std::max(Distance(box[0], box[3]), Distance(box[1], box[2]))))};
+}
+
+Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box,
+              const std::array<Point, 4>* upright_of) {
+  const auto [w, h] = CropSize(box);
   const std::array<Point, 4> straight = {Point{0, 0}, Point{static_cast<double>(w), 0},
                                          Point{static_cast<double>(w), static_cast<double>(h)},
                                          Point{0, static_cast<double>(h)}};
@@ -237,7 +242,8 @@ Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& bo
       }
     }
   }
-  if (h >= 1.5 * w) {
+  const auto [uw, uh] = upright_of ? CropSize(*upright_of) : std::pair<int, int>{w, h};
+  if (uh >= 1.5 * uw) {
     Image turned;
     turned.width = h;
     turned.height = w;
@@ -446,17 +452,26 @@ size_t Root(std::vector<size_t>& parent, size_t i) {
   return i;
 }
 
+double Median(std::vector<double> v);
+
 // Rows: top to bottom by each row's first box's top (a box whose middle lies
-// within that box's height is on its row), each row left to right.
+// within that box's height -- at most 1.5 times the boxes' median height, so
+// that a tall box does not gather every line beside it -- is on its row),
+// each row left to right.
 void RowOrder(const std::vector<Extent>& ext, std::vector<size_t> ids, std::vector<size_t>& out) {
+  if (ids.empty()) return;
   std::stable_sort(ids.begin(), ids.end(), [&](size_t a, size_t b) { return ext[a].y0 < ext[b].y0; });
+  std::vector<double> heights;
+  for (size_t i : ids) heights.push_back(ext[i].height);
+  const double band = 1.5 * Median(std::move(heights));
   std::vector<size_t> row;
   for (size_t k = 0; k < ids.size();) {
     const Extent& first = ext[ids[k]];
+    const double bottom = std::min(first.y1, first.y0 + band);
     row.clear();
     for (; k < ids.size(); ++k) {
       const Extent& e = ext[ids[k]];
-      if (!row.empty() && (e.y0 + e.y1) / 2 > first.y1) break;
+      if (!row.empty() && (e.y0 + e.y1) / 2 > bottom) break;
       row.push_back(ids[k]);
     }
     std::stable_sort(row.begin(), row.end(), [&](size_t a, size_t b) { return ext[a].x0 < ext[b].x0; });

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "image/image.h"
@@ -82,7 +83,12 @@ void ToPlanes(const uint8_t* src, int width, int height, float* out, int stride,
 
 // get_rotate_crop_image: the box straightened into an image of its own
 // (bilinear, edges replicated); turned 90 degrees counter-clockwise when it
-// is at least 1.5 times as tall as wide.
-Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box);
+// is at least 1.5 times as tall as wide -- or, given `upright_of`, when that
+// box is (a box grown by a margin is turned as the box it grew from).
+Image CropBox(const uint8_t* src, int sw, int sh, const std::array<Point, 4>& box,
+              const std::array<Point, 4>* upright_of = nullptr);
+
+// The width and height of the image CropBox cuts for `box` (before any turn).
+std::pair<int, int> CropSize(const std::array<Point, 4>& box);
 
 }  // namespace quern::ocr

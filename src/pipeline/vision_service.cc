@@ -259,6 +259,11 @@ std::vector<std::string> VisionService::Models(VisionTask task) {
   return out;
 }
 
+// The most places one image takes, however large against the usual ones: a
+// stream of small images (or a client sending tiny ones) cannot lock large
+// ones out.
+constexpr double kMaxImageUnits = 4;
+
 bool VisionService::Full(const ModelLoad& load, double units) const {
   return load.in_flight > 0 && load.units + units > static_cast<double>(Capacity(load.ms_per_image)) + 1e-9;
 }
@@ -323,7 +328,9 @@ Status VisionService::Claim(const std::string& model, int64_t version, int64_t b
   auto it = loads_.find(model);
   if (it == loads_.end()) it = loads_.emplace(model, ModelLoad{}).first;
   ModelLoad& load = it->second;
-  units = pixels > 0 && load.avg_pixels > 0 ? std::max(1.0, static_cast<double>(pixels) / load.avg_pixels) : 1.0;
+  units = pixels > 0 && load.avg_pixels > 0
+              ? std::clamp(static_cast<double>(pixels) / load.avg_pixels, 1.0, kMaxImageUnits)
+              : 1.0;
   st = Busy(model, load, in_flight_bytes_.value(), bytes, units);
   if (!st.ok()) {
     const bool own = Full(load, units);

@@ -211,7 +211,7 @@ class VisionService {
   struct ModelLoad {
     int64_t in_flight = 0;
     // The admitted images' work, in images of the model's usual size: an
-    // image counts as its pixels over avg_pixels, at least 1 (its decoding
+    // image counts as its pixels over avg_pixels, from 1 to 4 (its decoding
     // and resizing grow with its pixels).
     double units = 0;
     double avg_pixels = 0;       // EWMA of the admitted images' pixels (0 = none yet)

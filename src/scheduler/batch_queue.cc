@@ -86,7 +86,6 @@ Status BatchQueue::Enqueue(std::unique_ptr<BatchTask>& task, const ScheduleOptio
   const int64_t timeout = QueueTimeout(lv, opts);
   Entry e;
   e.enqueue_ns = now_ns;
-  for (const Level* l = levels_.data(); l <= found; ++l) e.items_ahead += l->items;
   e.timeout_at_ns = timeout > 0 ? now_ns + timeout : 0;
   e.deadline_ns = opts.deadline_ns;
   e.target_ns = options_.latency_target_ns > 0 ? now_ns + options_.latency_target_ns : 0;
@@ -258,10 +257,6 @@ BatchQueue::Decision BatchQueue::Next(int64_t now_ns, bool flush, int free_worke
     p.level->items -= e.task->size();
     d.items += e.task->size();
     d.oldest_enqueue_ns = std::min(d.oldest_enqueue_ns, e.enqueue_ns);
-    if (e.items_ahead > 0) {
-      d.waited_ns += now_ns - e.enqueue_ns;
-      d.waited_behind += e.items_ahead;
-    }
     d.batch.push_back(std::move(e.task));
   }
   // Compact the queues: remove entries whose task was taken.

@@ -121,12 +121,6 @@ class BatchQueue {
     bool capped = false;
     // When the batch's oldest task was enqueued.
     int64_t oldest_enqueue_ns = 0;
-    // The tasks of `batch` that found items queued ahead of them when they
-    // arrived: their waits in the queue, summed, and those items, summed.
-    // Their ratio is what the queue took per item ahead, measured (batches
-    // that grew under load and every instance included).
-    int64_t waited_ns = 0;
-    int64_t waited_behind = 0;
   };
 
   BatchQueue(BatchQueue&&) = default;
@@ -189,7 +183,6 @@ class BatchQueue {
     int64_t timeout_at_ns = 0;  // queue-policy timeout; 0 = none
     int64_t deadline_ns = 0;    // hard deadline; 0 = none
     int64_t target_ns = 0;      // enqueue + latency target; 0 = none
-    int64_t items_ahead = 0;    // queued ahead of it when it arrived
   };
   struct Level {
     Level() = default;

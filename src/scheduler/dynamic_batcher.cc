@@ -172,10 +172,6 @@ void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {
 
 void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) {
   TrackLoadLocked(now_ns);  // dropped tasks leave
-  if (d.waited_behind > 0) {
-    const double sample = static_cast<double>(d.waited_ns) / static_cast<double>(d.waited_behind);
-    drain_ns_per_item_ = drain_ns_per_item_ == 0 ? sample : 0.75 * drain_ns_per_item_ + 0.25 * sample;
-  }
   running_tasks_ += static_cast<int64_t>(d.batch.size());
   if (shared) {  // beside the instance's own batch, which keeps its state
     ++shared_running_;
@@ -229,6 +225,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Deci
     const double runs = static_cast<double>(busy_workers_ + 1 + shared_running_);
     const double alone = sample * std::min(1.0, static_cast<double>(narrow_workers()) / runs);
     alone_ns_per_item_ = alone_ns_per_item_ == 0 ? alone : 0.9 * alone_ns_per_item_ + 0.1 * alone;
+    if (capped && !wide) full_ns_per_item_ = full_ns_per_item_ == 0 ? sample : 0.75 * full_ns_per_item_ + 0.25 * sample;
   }
   // Batches of a light load (the wide instance's, or the narrow ones' while
   // it is off) tell whether the wide instance pays.
@@ -280,8 +277,7 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   // ahead of it fits in the limit.
   // Work a loop has queued for itself waits for it as for a busy instance.
   if (max_queue_wait_ns_ > 0 && ns_per_item_ > 0 && (!AnyTaker() || lenders_ > 0) && queue_.items() > 0) {
-    const double wait_ns = QueueWaitLocked(
-        static_cast<double>(queue_.items()) * ns_per_item_ / static_cast<double>(narrow_workers()), queue_.items());
+    const double wait_ns = QueueWorkLocked(queue_.items()) / static_cast<double>(narrow_workers());
     if (wait_ns > static_cast<double>(max_queue_wait_ns_)) {
       return Unavailable("the queue is full: its " + std::to_string(queue_.items()) + " items need about " +
                          std::to_string(static_cast<int64_t>(wait_ns / 1e6)) + " ms, over the limit of " +
@@ -291,9 +287,12 @@ Status DynamicBatcher::AdmissionLocked(bool queue_wait) const {
   return Status::Ok();
 }
 
-double DynamicBatcher::QueueWaitLocked(double modelled_ns, int64_t items_ahead) const {
-  if (drain_ns_per_item_ <= 0 || items_ahead <= 0) return modelled_ns;
-  return std::min(modelled_ns, drain_ns_per_item_ * static_cast<double>(items_ahead));
+double DynamicBatcher::QueueWorkLocked(int64_t items_ahead) const {
+  const double modelled = ns_per_item_ * static_cast<double>(items_ahead);
+  if (full_ns_per_item_ <= 0 || items_ahead <= 0) return modelled;
+  const int64_t limit = queue_.batch_limit();
+  const int64_t batches = (items_ahead + limit - 1) / limit;
+  return std::min(modelled, full_ns_per_item_ * static_cast<double>(batches * limit));
 }
 
 Status DynamicBatcher::DeadlineAdmissionLocked(int64_t items, const ScheduleOptions& options, int64_t now_ns) const {
@@ -317,8 +316,7 @@ Status DynamicBatcher::DeadlineAdmissionLocked(int64_t items, const ScheduleOpti
       const double left = static_cast<double>(std::max<int64_t>(0, end - now_ns));
       left_ns += wide ? left * narrow_workers() : left;
     }
-    wait_ns = QueueWaitLocked((left_ns + ns_per_item_ * static_cast<double>(arrival->items_ahead)) / narrow_workers(),
-                              arrival->items_ahead);
+    wait_ns = (left_ns + QueueWorkLocked(arrival->items_ahead)) / narrow_workers();
   }
   const double finish_ns = wait_ns + ns_per_item_ * static_cast<double>(items);
   auto ms = [](double ns) {  // "1200", "50", "1.5", "0.032"

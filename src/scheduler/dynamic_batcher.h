@@ -247,11 +247,10 @@ class DynamicBatcher {
   // Schedule's admission decision; `queue_wait` false for work its caller
   // admitted already (only a stopping model refuses it).
   Status AdmissionLocked(bool queue_wait) const QUERN_REQUIRES(mu_);
-  // How long a task behind `items_ahead` queued items waits: `modelled_ns`
-  // (the run time per item over the instances), or less when the queue was
-  // measured to drain faster (drain_ns_per_item_): never more pessimistic
-  // than the queue's own record.
-  double QueueWaitLocked(double modelled_ns, int64_t items_ahead) const QUERN_REQUIRES(mu_);
+  // The instances' time to run `items_ahead` queued items: at the time per
+  // item, or in whole full batches at full_ns_per_item_ when that is less
+  // (never more pessimistic than the queue's measured pace under backlog).
+  double QueueWorkLocked(int64_t items_ahead) const QUERN_REQUIRES(mu_);
   // Refuses (UNAVAILABLE) a task of `items` that cannot start before its
   // queue timeout or finish before its deadline, judged from the work ahead
   // of it and the measured time per item; admits while that is unknown.
@@ -290,12 +289,12 @@ class DynamicBatcher {
   // runs ran beside it: what a run takes alone (decides shared runs, whose
   // own slowing must not turn them off).
   double alone_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
-  // What the queue took per item queued ahead of a task, measured from the
-  // tasks' own waits (Decision::waited_ns); 0 = not measured yet. Batches
-  // grow under load, so the queue drains faster than ns_per_item_ (mostly
-  // fed by small batches of a light load) says: the admission estimates
-  // take the smaller of the two.
-  double drain_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
+  // The time per item of batches the batch limit cut short (more work was
+  // queued: a backlog), on the narrow instances; 0 = none yet. A queue
+  // drains in such batches, which cost less per item than the small ones of
+  // a light load that mostly feed ns_per_item_: the admission estimates take
+  // the smaller of the two (QueueWorkLocked).
+  double full_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   int busy_workers_ QUERN_GUARDED_BY(mu_) = 0;  // not counting the wide worker
   // Per worker: its instance runs a batch (not kept for the wide one: see
   // wide_running_), and it waits on its condition variable.

@@ -200,7 +200,9 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
     huge = np.array([[[0, 0], [1e6, 0], [1e6, 1e6], [0, 1e6]]], np.float32)
     many = np.tile(np.array([[[0, 0], [5, 0], [5, 5], [0, 5]]], np.float32), (2000, 1, 1))
     nan = np.full((1, 4, 2), np.nan, np.float32)
-    for boxes, why in ((huge, "pixels"), (many, "at most 1000"), (nan, "not a pixel position")):
+    # Boxes of no height but a side 2e6 long: each crop is still a row of 2e6 pixels.
+    flat = np.tile(np.array([[[-999999, 0], [999999, 0], [999999, 0], [-999999, 0]]], np.float32), (1000, 1, 1))
+    for boxes, why in ((huge, "pixels"), (many, "at most 1000"), (nan, "not a pixel position"), (flat, "pixels")):
         with pytest.raises(InferenceServerException) as e:
             call(client, "ocr_crop", [("pixels", pixels, "UINT8"), ("boxes", boxes, "FP32")])
         assert "ocr_crop" in str(e.value) and why in str(e.value), str(e.value)

@@ -195,15 +195,15 @@ class Crop final : public Model {
       // The margin each side, in the crop's pixels (the crop keeps the box's scale).
       insets.push_back(
           static_cast<int>(std::lround(margin_ * std::min(Distance(box[0], box[1]), Distance(box[0], box[3])))));
-      box = ExpandBox(box, margin_);
-      const double cw = std::max(Distance(box[0], box[1]), Distance(box[2], box[3]));
-      const double ch = std::max(Distance(box[0], box[3]), Distance(box[1], box[2]));
-      crop_pixels += cw * ch;
+      const std::array<Point, 4> grown = ExpandBox(box, margin_);
+      // What CropBox will allocate (a side of no length still takes a pixel).
+      const auto [cw, ch] = CropSize(grown);
+      crop_pixels += static_cast<double>(cw) * static_cast<double>(ch);
       if (crop_pixels > static_cast<double>(kMaxCropPixels)) {
         return WrongInput(
             name_, "input 'boxes' would cut crops of more than " + std::to_string(kMaxCropPixels) + " pixels in all");
       }
-      crops.push_back(CropBox(src, sw, sh, box));
+      crops.push_back(CropBox(src, sw, sh, grown, &box));
     }
     // Each line at height 48, its aspect kept (at most kMaxLineWidth wide),
     // as 8-bit pixels: ocr_lines turns and normalises them.
@@ -231,7 +231,9 @@ class Crop final : public Model {
       const int lw = widths[static_cast<size_t>(i)];
       const int cw = std::min(lw, kClassifierWidth);
       // The direction classifier sees the box itself: its margin misleads it on short words.
-      const Image inner = Inset(c, insets[static_cast<size_t>(i)]);
+      const int inset = insets[static_cast<size_t>(i)];
+      const Image inset_copy = inset > 0 ? Inset(c, inset) : Image{};
+      const Image& inner = inset > 0 ? inset_copy : c;
       const auto small = Resize(inner.pixels.data(), inner.width, inner.height, cw, kLineHeight);
       ToPlanes(small.data(), cw, kLineHeight, cls_out + static_cast<size_t>(i) * cls_plane, kClassifierWidth, kHalf,
                kHalf);
