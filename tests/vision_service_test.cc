@@ -275,7 +275,7 @@ TEST_F(VisionServiceTest, ALargeImageCountsAsManyAsItsPixels) {
   ASSERT_TRUE(submit(large).ok());
   const Status refused = submit(large);
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
-  EXPECT_NE(refused.message().find("2 images for model 'colour' are already waiting (this one, of 2.5 times"),
+  EXPECT_NE(refused.message().find("2 images for model 'colour' are already waiting (this one has 2.5 times"),
             std::string::npos)
       << refused.message();
   EXPECT_EQ(submit(image_).code(), StatusCode::kUnavailable) << "8 of 8 taken";

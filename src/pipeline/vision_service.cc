@@ -273,8 +273,8 @@ Status VisionService::Busy(const std::string& model, const ModelLoad& load, int6
   if (Full(load, units)) {
     std::string what = std::to_string(load.in_flight) + " images for model '" + model + "' are already waiting";
     if (units > 1) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, " (this one, of %.1f times their usual pixels, counts as many)", units);
+      char buf[128];
+      std::snprintf(buf, sizeof buf, " (this one has %.1f times their usual pixels and counts as that many)", units);
       what += buf;
     }
     return Unavailable("the server is busy: " + what + ", as many as it can finish within " +
