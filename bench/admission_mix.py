@@ -11,7 +11,6 @@ connection each.
 import argparse
 import base64
 import http.client
-import io
 import json
 import os
 import sys
@@ -19,15 +18,8 @@ import threading
 import time
 import uuid
 
-from PIL import Image
-
-PHOTOS = os.path.join(os.path.dirname(__file__), "..", "third_party", "real-models", "photos")
-
-
-def frame():
-    out = io.BytesIO()
-    Image.open(os.path.join(PHOTOS, "dog.jpg")).convert("RGB").resize((640, 480)).save(out, "JPEG", quality=90)
-    return out.getvalue()
+sys.path.insert(0, os.path.dirname(__file__))
+from detector_quality import frame_640x480 as frame  # noqa: E402
 
 
 def main():

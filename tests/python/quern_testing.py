@@ -55,6 +55,33 @@ def resample(rgb, width, height, scale_x, scale_y, offset_x=0.0, offset_y=0.0, p
     return out.astype(np.uint8)
 
 
+def decode_yolov8(out, width, height, threshold, labels, scale_x, scale_y, offset_x=0.0, offset_y=0.0,
+                  nms_iou=0.45, max_det=100):
+    """An independent reference for a YOLOv8-layout detector's answer: `out` is [84, cells] (cx, cy,
+    w, h in input pixels and 80 probabilities); the best class per cell at >= threshold, class-wise
+    greedy NMS (suppress above nms_iou), best first, boxes mapped back to the photograph's pixels
+    (input = photo * scale + offset), clipped and rounded as CodeProject.AI answers them."""
+    import numpy as np
+    cls = out[4:]
+    best = np.argmax(cls, axis=0)
+    conf = cls[best, np.arange(out.shape[1])]
+    boxes = []
+    for i in np.nonzero(conf >= np.float32(threshold))[0]:
+        cx, cy, w, h = (float(v) for v in out[:4, i])
+        boxes.append((float(conf[i]), int(best[i]), ((cx - w / 2 - offset_x) / scale_x, (cy - h / 2 - offset_y) / scale_y,
+                                                     (cx + w / 2 - offset_x) / scale_x, (cy + h / 2 - offset_y) / scale_y)))
+    boxes.sort(key=lambda b: -b[0])
+    kept = []
+    for b in boxes:
+        if len(kept) < max_det and all(k[1] != b[1] or iou(k[2], b[2]) <= nms_iou for k in kept):
+            kept.append(b)
+    clip = (width, height, width, height)
+    corners = ("x_min", "y_min", "x_max", "y_max")
+    return [{"label": labels[c], "confidence": p,
+             **{k: int(np.floor(min(max(box[j], 0.0), clip[j]) + 0.5)) for j, k in enumerate(corners)}}
+            for p, c, box in kept]
+
+
 def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
     `env` as its environment and `cwd` as its working directory when given.

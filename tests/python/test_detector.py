@@ -15,11 +15,11 @@ import pytest
 from PIL import Image
 
 from detection_labels import LABELS, PHOTOS, score
-from quern_testing import iou, post_form, resample, start_quern
+from quern_testing import decode_yolov8, post_form, resample, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models")
-SIZE, NMS_IOU, MAX_DET = 640, 0.45, 100
+SIZE = 640
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def labels():
 
 def reference(rgb, threshold):
     """YOLOv12-N by onnxruntime on the photograph letterboxed into 640x640 (centred, grey 114), RGB /
-    255; the best class per cell, class-wise greedy NMS, boxes back in the photograph's pixels."""
+    255, decoded by quern_testing.decode_yolov8."""
     import onnxruntime  # the PyPI package, independent of the server's library
     h, w, _ = rgb.shape
     s = min(SIZE / w, SIZE / h)
@@ -61,24 +61,7 @@ def reference(rgb, threshold):
     session = onnxruntime.InferenceSession(os.path.join(MODELS, "objects", "1", "model.onnx"),
                                            providers=["CPUExecutionProvider"])
     out = session.run(None, {"images": np.ascontiguousarray(x.transpose(2, 0, 1)[None])})[0][0]
-    cls = out[4:]
-    best = np.argmax(cls, axis=0)
-    conf = cls[best, np.arange(out.shape[1])]
-    boxes = []
-    for i in np.nonzero(conf >= np.float32(threshold))[0]:
-        cx, cy, bw, bh = (float(v) for v in out[:4, i])
-        boxes.append((float(conf[i]), int(best[i]), ((cx - bw / 2 - ox) / s, (cy - bh / 2 - oy) / s,
-                                                     (cx + bw / 2 - ox) / s, (cy + bh / 2 - oy) / s)))
-    boxes.sort(key=lambda b: -b[0])
-    kept = []
-    for b in boxes:
-        if len(kept) < MAX_DET and all(k[1] != b[1] or iou(k[2], b[2]) <= NMS_IOU for k in kept):
-            kept.append(b)
-    names, clip = labels(), (w, h, w, h)
-    corners = ("x_min", "y_min", "x_max", "y_max")
-    return [{"label": names[c], "confidence": p,
-             **{k: int(np.floor(min(max(box[j], 0.0), clip[j]) + 0.5)) for j, k in enumerate(corners)}}
-            for p, c, box in kept]
+    return decode_yolov8(out, w, h, threshold, labels(), s, s, ox, oy)
 
 
 @pytest.mark.parametrize("name", ["dog.jpg", "person.jpg", "giraffe.jpg", "chelsea.png", "coffee.png"])

@@ -127,6 +127,7 @@ def test_pages_read_line_by_line_at_least_as_well_as_rapidocr(server, name):
     ours, reference = ocr_pages.accuracy(text, truth), ocr_pages.accuracy(theirs, truth)
     assert ours >= reference and ours >= 0.97, (name, ours, reference, text, theirs)
     assert len(text) == len(truth), (name, text, truth)
+    assert all(t and t == t.strip() for t in text), (name, text)  # no blank margin read as spaces
     assert boxes.shape == (len(text), 4, 2)
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from quern_testing import decode_yolov8 as decode
 from quern_testing import http_request, iou, post_form, resample, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
@@ -44,7 +45,6 @@ PHOTOS = os.path.join(ROOT, "examples", "data")
 OBJ_SIZE = 416
 OBJ_MEAN = np.array([103.53, 116.28, 123.675], np.float32)  # B, G, R
 OBJ_STD = np.array([57.375, 57.12, 58.395], np.float32)
-NMS_IOU, MAX_DET = 0.45, 100
 
 
 def photo(name):
@@ -164,28 +164,9 @@ def objects_input(rgb):
 
 
 def decode_yolov8(out, width, height, threshold, labels):
-    """[84, cells]: cx, cy, w, h in input pixels and 80 probabilities; the best class per cell,
-    class-wise greedy NMS (suppress above IoU 0.45), best first, boxes in the photograph's pixels."""
-    cls = out[4:]
-    best = np.argmax(cls, axis=0)
-    conf = cls[best, np.arange(out.shape[1])]
-    keep = np.nonzero(conf >= np.float32(threshold))[0]
-    sx, sy = OBJ_SIZE / width, OBJ_SIZE / height
-    boxes = []
-    for i in keep:
-        cx, cy, w, h = (float(v) for v in out[:4, i])
-        boxes.append((float(conf[i]), int(best[i]), ((cx - w / 2) / sx, (cy - h / 2) / sy,
-                                                     (cx + w / 2) / sx, (cy + h / 2) / sy)))
-    boxes.sort(key=lambda b: -b[0])
-    kept = []
-    for b in boxes:
-        if len(kept) < MAX_DET and all(k[1] != b[1] or iou(k[2], b[2]) <= NMS_IOU for k in kept):
-            kept.append(b)
-    clip = (width, height, width, height)
-    corners = ("x_min", "y_min", "x_max", "y_max")
-    return [{"label": labels[c], "confidence": conf,
-             **{k: int(np.floor(min(max(box[j], 0.0), clip[j]) + 0.5)) for j, k in enumerate(corners)}}
-            for conf, c, box in kept]
+    """NanoDet-m's [84, cells] decoded (quern_testing.decode_yolov8) for a photograph stretched to
+    416x416."""
+    return decode(out, width, height, threshold, labels, OBJ_SIZE / width, OBJ_SIZE / height)
 
 
 def labels_of(model):
