@@ -452,7 +452,11 @@ size_t Root(std::vector<size_t>& parent, size_t i) {
   return i;
 }
 
-double Median(std::vector<double> v);
+// The median of a non-empty `v`.
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
 
 // Rows: top to bottom by each row's first box's top (a box whose middle lies
 // within that box's height -- at most 1.5 times the boxes' median height, so
@@ -492,11 +496,6 @@ std::pair<double, double> WidestGap(const std::vector<Extent>& ext, std::vector<
     reach = std::max(reach, hi(ids[k]));
   }
   return best;
-}
-
-double Median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
 }
 
 // Whether boxes side by side are columns of running text (read one to its
