@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
+#include <climits>
 #include <cmath>
 #include <numbers>
 
@@ -184,6 +187,72 @@ TEST(OcrLines, ExpandBoxGrowsAlongTheBoxsOwnAxes) {
   EXPECT_NEAR(t[2].x, 25, 1e-9);
   EXPECT_NEAR(t[2].y, -5, 1e-9);
   EXPECT_EQ(ExpandBox(turned, 0)[0].x, 0);
+}
+
+// Every way to cut the sorted widths into at most `groups` runs, tried one by
+// one: the fewest lines padded past their bound, then the least padding.
+std::pair<int64_t, int64_t> BestByHand(std::vector<int> w, int groups, int step, int free_width, double stretch) {
+  std::sort(w.begin(), w.end());
+  std::pair<int64_t, int64_t> best{INT64_MAX, INT64_MAX};
+  const size_t n = w.size();
+  for (uint32_t cuts = 0; cuts < (1u << (n - 1)); ++cuts) {
+    if (std::popcount(cuts) + 1 > groups) continue;
+    std::pair<int64_t, int64_t> c{0, 0};
+    size_t a = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (i + 1 < n && !(cuts >> i & 1u)) continue;
+      const int64_t padded = (w[i] + step - 1) / step * step;  // the run [a, i] at the width of its widest
+      for (size_t j = a; j <= i; ++j) {
+        c.second += padded;
+        if (padded > std::max<double>(free_width, stretch * w[j])) ++c.first;
+      }
+      a = i + 1;
+    }
+    best = std::min(best, c);
+  }
+  return best;
+}
+
+TEST(OcrLines, LinesArePackedIntoGroupsThatPadAsLittleAsTheyCan) {
+  // Twelve lines, three groups; widths whose best cut is not the obvious one.
+  const std::vector<int> widths = {57, 300, 61, 64, 130, 100, 129, 190, 71, 58, 450, 140};
+  for (int groups : {1, 2, 3, 5, 12}) {
+    const LineGroups g = PackLines(widths, groups, 8, 96, 1.5);
+    ASSERT_EQ(g.group_of.size(), widths.size());
+    ASSERT_EQ(g.width.size(), static_cast<size_t>(groups));
+    std::pair<int64_t, int64_t> got{0, 0};
+    std::vector<int> count(static_cast<size_t>(groups), 0);
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const int padded = g.width[static_cast<size_t>(g.group_of[i])];
+      EXPECT_GE(padded, widths[i]) << "line " << i << " in " << groups << " groups";
+      EXPECT_EQ(padded % 8, 0);
+      got.second += padded;
+      if (padded > std::max<double>(96, 1.5 * widths[i])) ++got.first;
+      ++count[static_cast<size_t>(g.group_of[i])];
+    }
+    EXPECT_EQ(got, BestByHand(widths, groups, 8, 96, 1.5)) << groups << " groups";
+    EXPECT_EQ(std::vector<int>(g.count.begin(), g.count.end()), count);
+    for (size_t k = 1; k < g.width.size(); ++k) {
+      if (g.count[k] > 0 && g.count[k - 1] > 0) {
+        EXPECT_LT(g.width[k - 1], g.width[k]) << "narrowest first";
+      }
+    }
+  }
+  // Twelve groups for twelve lines: each padded only to a multiple of 8.
+  const LineGroups each = PackLines(widths, 12, 8, 96, 1.5);
+  for (size_t i = 0; i < widths.size(); ++i) {
+    EXPECT_EQ(each.width[static_cast<size_t>(each.group_of[i])], (widths[i] + 7) / 8 * 8);
+  }
+  // Widths too varied for two groups to keep every bound: the fewest lines go past theirs.
+  const std::vector<int> varied = {10, 100, 1000, 1000, 1000};
+  EXPECT_EQ(BestByHand(varied, 2, 8, 96, 1.5).first, 1);
+  const LineGroups two = PackLines(varied, 2, 8, 96, 1.5);
+  EXPECT_EQ(two.group_of[0], two.group_of[1]);  // 10 and 100 together: only the 10 is padded past 96
+  EXPECT_EQ(two.width[static_cast<size_t>(two.group_of[0])], 104);
+  // No lines: every group empty, at the step's width.
+  const LineGroups none = PackLines({}, 3, 8, 96, 1.5);
+  EXPECT_EQ(none.width, (std::vector<int>{8, 8, 8}));
+  EXPECT_EQ(none.count, (std::vector<int>{0, 0, 0}));
 }
 
 TEST(OcrDecode, CtcGreedyDecoding) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <utility>
 
@@ -596,6 +597,94 @@ std::array<Point, 4> ExpandBox(const std::array<Point, 4>& box, double margin) {
   const Point uy{(box[3].x - box[0].x) / h * m, (box[3].y - box[0].y) / h * m};
   return {Point{box[0].x - ux.x - uy.x, box[0].y - ux.y - uy.y}, Point{box[1].x + ux.x - uy.x, box[1].y + ux.y - uy.y},
           Point{box[2].x + ux.x + uy.x, box[2].y + ux.y + uy.y}, Point{box[3].x - ux.x + uy.x, box[3].y - ux.y + uy.y}};
+}
+
+LineGroups PackLines(const std::vector<int>& widths, int groups, int step, int free_width, double max_stretch) {
+  groups = std::max(groups, 1);
+  step = std::max(step, 1);
+  LineGroups out;
+  out.group_of.assign(widths.size(), 0);
+  out.width.assign(static_cast<size_t>(groups), step);
+  out.count.assign(static_cast<size_t>(groups), 0);
+  if (widths.empty()) return out;
+  // The distinct padded widths, narrowest first, with their lines and the
+  // narrowest line among them.
+  struct Bin {
+    int64_t padded = 0, lines = 0, narrowest = 0;
+  };
+  std::vector<std::pair<int64_t, int64_t>> sorted;  // (padded, own width)
+  for (int w : widths) {
+    const int64_t own = std::clamp<int64_t>(w, 1, int64_t{1} << 20);
+    sorted.emplace_back((own + step - 1) / step * step, own);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<Bin> bins;
+  for (const auto& [padded, own] : sorted) {
+    if (bins.empty() || bins.back().padded != padded) bins.push_back({padded, 0, own});
+    ++bins.back().lines;
+  }
+  const size_t d = bins.size(), k = std::min(static_cast<size_t>(groups), d);
+  std::vector<int64_t> before(d + 1, 0);  // lines in bins [0, i)
+  for (size_t i = 0; i < d; ++i) before[i + 1] = before[i] + bins[i].lines;
+  // A line's bound grows with its width, so the lines a group of bins
+  // [a, b] pads past their bounds are those of bins [a, past[b]).
+  auto bound = [&](size_t i) {
+    return std::max<double>(free_width, max_stretch * static_cast<double>(bins[i].narrowest));
+  };
+  std::vector<size_t> past(d, 0);
+  for (size_t b = 0, m = 0; b < d; ++b) {
+    while (m < d && bound(m) < static_cast<double>(bins[b].padded)) ++m;
+    past[b] = m;
+  }
+  // A group's cost: (lines padded past their bound, padded width in all),
+  // compared in that order.
+  auto cost = [&](size_t a, size_t b) {
+    const size_t m = std::min(past[b], b + 1);
+    const int64_t over = m > a ? before[m] - before[a] : 0;
+    return std::pair<int64_t, int64_t>{over, (before[b + 1] - before[a]) * bins[b].padded};
+  };
+  using Cost = std::pair<int64_t, int64_t>;
+  constexpr Cost kNone{std::numeric_limits<int64_t>::max(), 0};
+  // best[j][b]: bins [0, b] in j + 1 groups; from[j][b]: where its last group starts.
+  std::vector<std::vector<Cost>> best(k, std::vector<Cost>(d, kNone));
+  std::vector<std::vector<size_t>> from(k, std::vector<size_t>(d, 0));
+  for (size_t b = 0; b < d; ++b) best[0][b] = cost(0, b);
+  for (size_t j = 1; j < k; ++j) {
+    for (size_t b = j; b < d; ++b) {
+      for (size_t a = j; a <= b; ++a) {
+        const Cost& left = best[j - 1][a - 1];
+        if (left == kNone) continue;
+        const Cost c = cost(a, b);
+        const Cost total{left.first + c.first, left.second + c.second};
+        if (total < best[j][b]) {
+          best[j][b] = total;
+          from[j][b] = a;
+        }
+      }
+    }
+  }
+  // Bins [start[g], start[g + 1]) form group g.
+  std::vector<size_t> start(k + 1, d);
+  size_t end = d - 1;
+  for (size_t j = k; j-- > 0;) {
+    start[j] = j == 0 ? 0 : from[j][end];
+    if (j > 0) end = start[j] - 1;
+  }
+  std::vector<int> group_of_bin(d, 0);
+  for (size_t g = 0; g < k; ++g) {
+    out.width[g] = static_cast<int>(bins[start[g + 1] - 1].padded);
+    for (size_t i = start[g]; i < start[g + 1]; ++i) group_of_bin[i] = static_cast<int>(g);
+  }
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const int64_t own = std::clamp<int64_t>(widths[i], 1, int64_t{1} << 20);
+    const int64_t padded = (own + step - 1) / step * step;
+    const size_t bin = static_cast<size_t>(
+        std::lower_bound(bins.begin(), bins.end(), padded, [](const Bin& x, int64_t v) { return x.padded < v; }) -
+        bins.begin());
+    out.group_of[i] = group_of_bin[bin];
+    ++out.count[static_cast<size_t>(group_of_bin[bin])];
+  }
+  return out;
 }
 
 Decoded CtcDecode(const float* p, int64_t steps, int64_t classes, const std::vector<std::string>& characters) {

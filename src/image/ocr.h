@@ -61,6 +61,23 @@ std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap);
 // own axes (corners in DetectBoxes' order).
 std::array<Point, 4> ExpandBox(const std::array<Point, 4>& box, double margin);
 
+// The recogniser's batches for one image's lines, `widths` their widths at
+// height 48: at most `groups` groups of lines, each padded to its widest line
+// rounded up to a multiple of `step`, chosen so that the padded widths add up
+// to as little as they can (a line's recognition costs in proportion to its
+// padded width, and batching lines of one width gains little). A line is
+// padded to at most max(`free_width`, `max_stretch` times its own width)
+// whenever `groups` groups allow it (PP-OCRv4 drops word spaces in a line
+// padded to twice its width); where they cannot, the fewest lines are padded
+// past it. Groups are numbered from the narrowest; an empty group's width is
+// `step`. Requires groups >= 1, step >= 1; widths are held to [1, 1 << 20].
+struct LineGroups {
+  std::vector<int> group_of;  // for each line, its group
+  std::vector<int> width;     // for each group, its padded width
+  std::vector<int> count;     // for each group, its lines
+};
+LineGroups PackLines(const std::vector<int>& widths, int groups, int step, int free_width, double max_stretch);
+
 // CTC greedy decoding of one line: `probabilities` is steps x classes;
 // class 0 is the blank, class i is characters[i - 1].
 struct Decoded {

@@ -211,31 +211,31 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
         call(client, "ocr_boxes", [("probability", np.ones((1, 1, 8, 8), np.float32), "FP32"),
                                    ("geometry", np.array([np.nan, 1, 0], np.float32), "FP32")])
     assert "geometry" in str(e.value), str(e.value)
-    buckets = ["96", "128", "192", "256", "320", "448", "640", "896", "1280", "1792", "2560", "wide"]
-    probabilities = [(f"probabilities_{b}", np.ones((1 if b == "96" else 0, 4, 7), np.float32), "FP32")
-                     for b in buckets]
+    probabilities = [(f"probabilities_{g}", np.ones((1 if g == 0 else 0, 4, 7), np.float32), "FP32")
+                     for g in range(12)]
     rest = [("order", np.array([[0, 0]], np.int32), "INT32"), ("boxes", np.zeros((1, 4, 2), np.float32), "FP32"),
             ("geometry", np.array([10, 10, 0], np.float32), "FP32")]
     with pytest.raises(InferenceServerException) as e:
         call(client, "ocr_text", probabilities + rest)
     assert "classes" in str(e.value) and "dictionary" in str(e.value), str(e.value)
-    probabilities[0] = ("probabilities_96", np.ones((1, 4, 6625), np.float32), "FP32")
+    probabilities[0] = ("probabilities_0", np.ones((1, 4, 6625), np.float32), "FP32")
     rest[0] = ("order", np.array([[3, 7]], np.int32), "INT32")
     with pytest.raises(InferenceServerException) as e:
         call(client, "ocr_text", probabilities + rest)
     assert "order" in str(e.value), str(e.value)
     # ocr_lines: widths past the line's end are held to it; an upside-down line is turned within its
-    # width, and each line lands in the narrowest width that holds it.
+    # width; two lines in twelve groups go each into a group of its own, padded to a multiple of 8.
     rng = np.random.default_rng(0)
     lines = rng.integers(0, 256, (2, 48, 100, 3), dtype=np.uint8)
     out = call(client, "ocr_lines", [("lines", lines, "UINT8"), ("widths", np.array([10**9, 50], np.int32), "INT32"),
                                      ("direction", np.array([[0, 1], [1, 0]], np.float32), "FP32")])
-    assert out.as_numpy("order").tolist() == [[1, 0], [0, 0]]  # 100 px -> 128, 50 px -> 96
-    wide, narrow = out.as_numpy("lines_128")[0], out.as_numpy("lines_96")[0]
+    assert out.as_numpy("order").tolist() == [[1, 0], [0, 0]]  # 100 px -> 104, 50 px -> 56
+    wide, narrow = out.as_numpy("lines_1")[0], out.as_numpy("lines_0")[0]
+    assert wide.shape == (3, 48, 104) and narrow.shape == (3, 48, 56)
     np.testing.assert_allclose(wide[:, :, :100], (lines[0][::-1, ::-1].transpose(2, 0, 1) / 127.5 - 1), atol=1e-6)
     assert not wide[:, :, 100:].any()
     np.testing.assert_allclose(narrow[:, :, :50], lines[1][:, :50].transpose(2, 0, 1) / 127.5 - 1, atol=1e-6)
-    assert out.as_numpy("lines_wide").shape[0] == 0
+    assert all(out.as_numpy(f"lines_{g}").shape[0] == 0 for g in range(2, 12))
     with pytest.raises(InferenceServerException) as e:
         call(client, "ocr_lines", [("lines", np.zeros((1, 48, 0, 3), np.uint8), "UINT8"),
                                    ("widths", np.array([5], np.int32), "INT32"),

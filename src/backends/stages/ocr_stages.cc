@@ -256,19 +256,20 @@ class Crop final : public Model {
   float margin_;  // each side, times the box's height
 };
 
-// The recogniser's inputs by width: a line goes to the narrowest width that
-// holds it (the rest padded with zeros, as PaddleOCR pads), so that lines of
-// every request meet in batches of one shape; lines wider than the widest
-// bucket go together at their own widest width. Past 128 the widths grow by
-// 1.5 at most: a line padded to twice its width or more loses its word
-// spaces (PP-OCRv4 reads "CORNER BAKERY", 410 px at height 48, right padded
-// to 640 and as "CORNERBAKERY" padded to 960; PaddleOCR, which pads each
-// batch of lines sorted by width to its widest, pads little more).
-constexpr std::array<int, 11> kLineBuckets = {96, 128, 192, 256, 320, 448, 640, 896, 1280, 1792, 2560};
-constexpr size_t kBuckets = kLineBuckets.size() + 1;  // and the wide ones
+// The recogniser's inputs: an image's lines in kLineGroups groups, each
+// padded (with zeros, as PaddleOCR pads) to its widest line rounded up to 8,
+// the groups chosen to pad as little as they can (PackLines): a line costs
+// the recogniser in proportion to its padded width. A line is padded to at
+// most 96 or 1.5 times its width where the groups allow (PP-OCRv4 reads
+// "CORNER BAKERY", 410 px at height 48, right padded to 640 and as
+// "CORNERBAKERY" padded to 960).
+constexpr size_t kLineGroups = 12;
+constexpr int kLineGroupStep = 8;
+constexpr int kLineFreeWidth = 96;
+constexpr double kLineMaxStretch = 1.5;
 
-std::string BucketName(const std::string& prefix, size_t b) {
-  return prefix + (b < kLineBuckets.size() ? std::to_string(kLineBuckets[b]) : std::string("wide"));
+std::string GroupName(const std::string& prefix, size_t g) {
+  return prefix + std::to_string(g);
 }
 
 class Lines final : public Model {
@@ -283,25 +284,26 @@ class Lines final : public Model {
       return WrongInput(name_, "inputs 'widths' and 'direction' must have one row per line");
     }
     if (n > 0 && w < 1) return WrongInput(name_, "input 'lines' has lines of no width");
-    std::vector<int64_t> count(kBuckets, 0);
-    std::vector<std::pair<int32_t, int32_t>> place(static_cast<size_t>(n));
-    int64_t wide = 0;
+    std::vector<int> held(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t lw = std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w);
-      size_t b = 0;
-      while (b < kLineBuckets.size() && lw > kLineBuckets[b]) ++b;
-      if (b == kLineBuckets.size()) wide = std::max(wide, (lw + 31) / 32 * 32);
-      place[static_cast<size_t>(i)] = {static_cast<int32_t>(b), static_cast<int32_t>(count[b]++)};
+      held[static_cast<size_t>(i)] = static_cast<int>(std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w));
     }
-    std::vector<Tensor> out(kBuckets);
-    for (size_t b = 0; b < kBuckets; ++b) {
-      const int64_t bw = b < kLineBuckets.size() ? kLineBuckets[b] : std::max<int64_t>(wide, 32);
-      out[b] = Tensor::Allocate(DataType::kFp32, {count[b], 3, h, bw},
-                                static_cast<size_t>(count[b] * 3 * h * bw) * sizeof(float));
+    const LineGroups groups = PackLines(held, kLineGroups, kLineGroupStep, kLineFreeWidth, kLineMaxStretch);
+    std::vector<std::pair<int32_t, int32_t>> place(static_cast<size_t>(n));
+    std::vector<int64_t> rows(kLineGroups, 0);
+    for (size_t i = 0; i < place.size(); ++i) {
+      const size_t g = static_cast<size_t>(groups.group_of[i]);
+      place[i] = {static_cast<int32_t>(g), static_cast<int32_t>(rows[g]++)};
+    }
+    std::vector<Tensor> out(kLineGroups);
+    for (size_t g = 0; g < kLineGroups; ++g) {
+      const int64_t gw = groups.width[g];
+      out[g] = Tensor::Allocate(DataType::kFp32, {rows[g], 3, h, gw},
+                                static_cast<size_t>(rows[g] * 3 * h * gw) * sizeof(float));
     }
     const auto* src = reinterpret_cast<const uint8_t*>(lines.data());
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t lw = std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w);
+      const int64_t lw = held[static_cast<size_t>(i)];
       const float p0 = direction[static_cast<size_t>(2 * i)], p180 = direction[static_cast<size_t>(2 * i + 1)];
       const bool turn = p180 > threshold_ && p180 > p0;  // upside down: turned 180 degrees within its width
       const auto [b, row] = place[static_cast<size_t>(i)];
@@ -321,7 +323,7 @@ class Lines final : public Model {
       order.push_back(b);
       order.push_back(row);
     }
-    for (size_t b = 0; b < kBuckets; ++b) outputs.push_back({BucketName("lines_", b), std::move(out[b])});
+    for (size_t g = 0; g < kLineGroups; ++g) outputs.push_back({GroupName("lines_", g), std::move(out[g])});
     outputs.push_back({"order", Tensor::From<int32_t>(DataType::kInt32, {n, 2}, order)});
     return Status::Ok();
   }
@@ -336,14 +338,14 @@ class Text final : public Model {
   Text(std::string name, std::shared_ptr<const std::vector<std::string>> characters, float min_confidence)
       : name_(std::move(name)), characters_(std::move(characters)), min_confidence_(min_confidence) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
-    // inputs: probabilities_<bucket> [N_b, T_b, C] for each bucket, order [N, 2], boxes [N, 4, 2], geometry
-    const Tensor& order = inputs[kBuckets].tensor;
-    const Tensor& boxes = inputs[kBuckets + 1].tensor;
-    QUERN_ASSIGN_OR_RETURN(auto g, Geometry(name_, inputs[kBuckets + 2].tensor));
+    // inputs: probabilities_<g> [N_g, T_g, C] for each group, order [N, 2], boxes [N, 4, 2], geometry
+    const Tensor& order = inputs[kLineGroups].tensor;
+    const Tensor& boxes = inputs[kLineGroups + 1].tensor;
+    QUERN_ASSIGN_OR_RETURN(auto g, Geometry(name_, inputs[kLineGroups + 2].tensor));
     const int64_t n = order.shape()[0];
     if (boxes.shape()[0] != n) return WrongInput(name_, "inputs 'order' and 'boxes' differ in lines");
     const int64_t classes = static_cast<int64_t>(characters_->size()) + 2;
-    for (size_t b = 0; b < kBuckets; ++b) {
+    for (size_t b = 0; b < kLineGroups; ++b) {
       const Shape& s = inputs[b].tensor.shape();
       if (s[0] > 0 && s[2] != classes) {
         return WrongInput(name_, "input '" + inputs[b].name + "': the recogniser gives " + std::to_string(s[2]) +
@@ -357,7 +359,7 @@ class Text final : public Model {
     auto where = order.values<int32_t>();
     for (int64_t i = 0; i < n; ++i) {
       const int32_t b = where[static_cast<size_t>(2 * i)], row = where[static_cast<size_t>(2 * i + 1)];
-      if (b < 0 || static_cast<size_t>(b) >= kBuckets || row < 0 ||
+      if (b < 0 || static_cast<size_t>(b) >= kLineGroups || row < 0 ||
           row >= inputs[static_cast<size_t>(b)].tensor.shape()[0]) {
         return WrongInput(name_, "input 'order' names line " + std::to_string(i) + "'s place wrongly");
       }
@@ -459,10 +461,8 @@ Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& sta
   }
   if (stage == "ocr_lines") {
     std::vector<TensorConfig> out;
-    for (size_t b = 0; b < kBuckets; ++b) {
-      out.push_back(T(BucketName("lines_", b), DataType::kFp32,
-                      {-1, 3, kLineHeight, b < kLineBuckets.size() ? kLineBuckets[b] : -1}));
-    }
+    for (size_t g = 0; g < kLineGroups; ++g)
+      out.push_back(T(GroupName("lines_", g), DataType::kFp32, {-1, 3, kLineHeight, -1}));
     out.push_back(T("order", DataType::kInt32, {-1, 2}));
     QUERN_RETURN_IF_ERROR(Declare(c, stage,
                                   {T("lines", DataType::kUint8, {-1, kLineHeight, -1, 3}),
@@ -473,8 +473,8 @@ Result<std::function<std::unique_ptr<Model>()>> MakeStage(const std::string& sta
   }
   if (stage == "ocr_text") {
     std::vector<TensorConfig> text_in;
-    for (size_t b = 0; b < kBuckets; ++b)
-      text_in.push_back(T(BucketName("probabilities_", b), DataType::kFp32, {-1, -1, -1}));
+    for (size_t b = 0; b < kLineGroups; ++b)
+      text_in.push_back(T(GroupName("probabilities_", b), DataType::kFp32, {-1, -1, -1}));
     text_in.push_back(T("order", DataType::kInt32, {-1, 2}));
     text_in.push_back(T("boxes", DataType::kFp32, {-1, 4, 2}));
     text_in.push_back(T("geometry", DataType::kFp32, {3}));
