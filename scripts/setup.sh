@@ -51,6 +51,11 @@ EASY_YOLO_CRATE_SHA256=a72f1736040714256f140dfcefc49f4e72db4b6169e393ecb20c7e4ec
 YOLOV12N_SHA256=e548ab3a406227202334bf5a6623c9814ac6286ff04e68aeb4dc2357732d1a4f
 SKIMAGE_WHL=scikit_image-0.24.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
 SKIMAGE_WHL_SHA256=fa27b3a0dbad807b966b8db2d78da734cb812ca4787f7fbb143764800ce2fa9c
+CALIBRATION_STAMP=.complete-1
+# examples/models/objects_int8: scripts/quantize.py's output from yolov12n.onnx and the calibration
+# images (onnxruntime and onnx as scripts/requirements.txt pins them); the detection head's decoding stays FP32.
+OBJECTS_INT8_KEEP_FP32='^/model\.21/(?!cv[23])'
+OBJECTS_INT8_MODEL_SHA256=e911811b8ab1778bbeafca58f2b7bdc2bf531e2deb4782f3423514ebdd5b7498
 OBJECTS_MODEL_SHA256=3314d65c77e0721095503670934a366918eeab314049bd328392b881a3d3ee3e
 IMAGENET_MODEL_SHA256=1db9d7b7688965c7ade1ca1b28ecef96f50daecf4e9169e01321b821f0f124b5
 FACE_DESCRIPTOR_MODEL_SHA256=f462115cb92fe1bcb0f1ef1991396a3285f04c65b35c9ad7d9103f6853518613
@@ -321,8 +326,11 @@ install_yolo() {
 # More photographs for the detectors' labelled set (tests/data/labels): scikit-image's sample data
 # (a cat, a cup, a motorcycle, two people, a rocket), inside its PyPI wheel.
 install_labelled_photos() {
-  local dest="$TP/real-models/photos"
-  if [ -f "$dest/rocket.jpg" ]; then log "labelled photographs present"; return 0; fi
+  local dest="$TP/real-models/photos" calibration="$TP/real-models/calibration"
+  if [ -f "$dest/rocket.jpg" ] && [ -f "$calibration/$CALIBRATION_STAMP" ]; then
+    log "labelled photographs and calibration images present"
+    return 0
+  fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
@@ -333,7 +341,9 @@ install_labelled_photos() {
   "$VENV/bin/python" - "$tmp/$SKIMAGE_WHL" "$tmp" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
-    for name in ("chelsea.png", "astronaut.png", "coffee.png", "motorcycle_left.png", "camera.png", "rocket.jpg"):
+    for name in ("chelsea.png", "astronaut.png", "coffee.png", "motorcycle_left.png", "camera.png", "rocket.jpg",
+                 "hubble_deep_field.jpg", "coins.png", "brick.png", "grass.png", "gravel.png", "clock_motion.png",
+                 "retina.jpg", "ihc.png", "color.png", "logo.png", "text.png", "page.png", "moon.png"):
         with open(f"{sys.argv[2]}/{name}", "wb") as f:
             f.write(z.read(f"skimage/data/{name}"))
 PY
@@ -347,7 +357,30 @@ PY
     check_sha "$tmp/${f%%:*}" "${f##*:}"
   done
   mkdir -p "$dest"
-  cp "$tmp"/*.png "$tmp/rocket.jpg" "$dest/"
+  cp "$tmp"/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$tmp/rocket.jpg" "$dest/"
+  # Calibration images for the INT8 example models: none of the photographs the tests label.
+  for f in hubble_deep_field.jpg:3a19c5dd8a927a9334bb1229a6d63711b1c0c767fb27e2286e7c84a3e2c2f5f4 \
+    coins.png:f8d773fc9cfa6f4d8e5942dc34d0a0788fcaed2a4fefbbed0aef5398d7ef4cba \
+    brick.png:7966caf324f6ba843118d98f7a07746d22f6a343430add0233eca5f6eaaa8fcf \
+    grass.png:b6b6022426b38936c43a4ac09635cd78af074e90f42ffa8227ac8b7452d39f89 \
+    gravel.png:c48615b451bf1e606fbd72c0aa9f8cc0f068ab7111ef7d93bb9b0f2586440c12 \
+    clock_motion.png:f029226b28b642e80113d86622e9b215ee067a0966feaf5e60604a1e05733955 \
+    retina.jpg:38a07f36f27f095e818aea7b96d34202c05176d30253c66733f2e00379e9e0e6 \
+    ihc.png:f8dd1aa387ddd1f49d8ad13b50921b237df8e9b262606d258770687b0ef93cef \
+    color.png:7d2df993de2b4fa2a78e04e5df8050f49a9c511aa75e59ab3bd56ac9c98aef7e \
+    logo.png:f2c57fe8af089f08b5ba523d95573c26e62904ac5967f4c8851b27d033690168 \
+    text.png:bd84aa3a6e3c9887850d45d606c96b2e59433fbef50338570b63c319e668e6d1 \
+    page.png:341a6f0a61557662b02734a9b6e56ec33a915b2c41886b97509dedf2a43b47a3 \
+    moon.png:78739619d11f7eb9c165bb5d2efd4772cee557812ec847532dbb1d92ef71f577; do
+    check_sha "$tmp/${f%%:*}" "${f##*:}"
+  done
+  rm -rf "$calibration"
+  mkdir -p "$calibration"
+  cp "$tmp"/{hubble_deep_field,retina}.jpg "$tmp"/{coins,brick,grass,gravel,clock_motion,ihc,color,logo,text,page,moon}.png \
+    "$calibration/"
+  cp "$dest"/{kite,scream,obama2,obama3}.jpg "$calibration/"
+  cp "$VENV/lib/python3.11/site-packages/matplotlib/mpl-data/sample_data/Minduka_Present_Blue_Pack.png" "$calibration/"
+  touch "$calibration/$CALIBRATION_STAMP"
 }
 
 # Example repository: the real PP-OCR text-direction classifier, CenterFace, NanoDet-m and
@@ -375,6 +408,23 @@ prepare_examples() {
   if ! cmp -s "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"; then
     mkdir -p "$models/objects/1"
     cp "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"
+  fi
+  # YOLOv12-N in INT8 (scripts/quantize.py), calibrated on images the tests never label; its
+  # agreement with the FP32 model measured on the labelled photographs.
+  local int8="$models/objects_int8/1/model.onnx"
+  if [ ! -f "$int8" ] || [ "$(sha256sum "$int8" | cut -d' ' -f1)" != "$OBJECTS_INT8_MODEL_SHA256" ]; then
+    local q
+    q=$(mktemp -d)
+    "$VENV/bin/python" "$ROOT/scripts/quantize.py" "$models/objects" --calibration "$rm/calibration" \
+      --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg \
+      "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg \
+      --keep-fp32 "$OBJECTS_INT8_KEEP_FP32" --out "$q/objects_int8" > "$q/report.txt" 2>&1 ||
+      { cat "$q/report.txt"; die "quantizing examples/models/objects failed"; }
+    check_sha "$q/objects_int8/1/model.onnx" "$OBJECTS_INT8_MODEL_SHA256"
+    mkdir -p "$models/objects_int8/1"
+    cp "$q/objects_int8/1/model.onnx" "$models/objects_int8/1/model.onnx"
+    cp "$q/objects_int8/agreement.json" "$models/objects_int8/agreement.json"
+    rm -rf "$q"
   fi
   convert_once "$models/imagenet/1/model.onnx" "$IMAGENET_MODEL_SHA256" --efficientnet-lite0 "$rm/efficientnet-lite0.pth"
   convert_once "$models/face_descriptor/1/model.onnx" "$FACE_DESCRIPTOR_MODEL_SHA256" \

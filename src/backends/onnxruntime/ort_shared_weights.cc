@@ -183,7 +183,18 @@ SharedOnnxWeights::~SharedOnnxWeights() {
 Ort::Session SharedOnnxWeights::NewSession(Ort::SessionOptions& options) const {
   options.SetGraphOptimizationLevel(ORT_DISABLE_ALL);  // optimized once, in Create
   for (size_t i = 0; i < names_.size(); ++i) options.AddInitializer(names_[i].c_str(), values_[i]);
-  return Ort::Session(OrtEnv(), optimized_file_.c_str(), options, container_);
+  if (container_ && !unshareable_packing_.load(std::memory_order_relaxed)) {
+    try {
+      return Ort::Session(OrtEnv(), optimized_file_.c_str(), options, container_);
+    } catch (const Ort::Exception& e) {
+      // Some kernels cannot hand their packed weights to a container (the
+      // quantized convolutions a QDQ model's graph is fused into): such a
+      // model's sessions share the weights but each packs its own.
+      if (std::string_view(e.what()).find("pre-packed") == std::string_view::npos) throw;
+      unshareable_packing_.store(true, std::memory_order_relaxed);
+    }
+  }
+  return Ort::Session(OrtEnv(), optimized_file_.c_str(), options);
 }
 
 void SharedOnnxWeights::RemoveFiles() {

@@ -21,6 +21,8 @@
 // so a repacked matrix then exists twice (its original and one packed form)
 // however many sessions share it; one session alone would free the
 // original. Hence the backend shares only between two or more sessions.
+// Kernels that cannot cache packed weights (the quantized convolutions of a
+// QDQ model) refuse the container; then every session packs its own.
 // Initializers the graph also lists as inputs (a caller may override them)
 // stay with each session.
 //
@@ -29,6 +31,7 @@
 
 #include <onnxruntime_cxx_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <filesystem>
 #include <memory>
@@ -84,6 +87,8 @@ class SharedOnnxWeights {
   std::vector<std::string> names_;
   std::vector<Ort::Value> values_;  // tensors over buffer_, one per name
   OrtPrepackedWeightsContainer* container_ = nullptr;
+  // Set once a session could not use container_: later ones do without.
+  mutable std::atomic<bool> unshareable_packing_{false};
 };
 
 }  // namespace quern

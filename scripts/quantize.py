@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""quern quantize: an INT8 twin of an ONNX image model, calibrated on your own images, with a report of
+how far its answers agree with the FP32 model's.
+
+    scripts/quantize.py MODEL_DIR --calibration IMAGES [--check IMAGES] [--out OUT_DIR] [--name NAME]
+                        [--keep-fp32 REGEX] [--count N] [--threshold T]
+
+MODEL_DIR is a model of a Quern repository (MODEL_DIR/config.pbtxt with its `quern.image.*` parameters,
+MODEL_DIR/1/model.onnx). Each calibration image goes through the model's own pre-processing (the
+`quern.image.*` parameters: resize stretch/letterbox/center_crop, pad value, RGB/BGR, scale, mean,
+std, NCHW/NHWC) and through the FP32 model; onnxruntime's static quantization then writes a QDQ
+model: weights INT8 per output channel, activations UINT8 with ranges from the calibration (min/max).
+Nodes whose names match --keep-fp32 stay in FP32 (e.g. a detector's last layers).
+
+The INT8 model goes to OUT_DIR (default: MODEL_DIR's name + "_int8" beside it) as a model of its own:
+OUT_DIR/1/model.onnx, OUT_DIR/config.pbtxt (MODEL_DIR's, renamed), the label files, and
+OUT_DIR/agreement.json: on the --check images (which should not be calibration images) the FP32 and the
+INT8 model are run on the same tensors and compared:
+  - detection (quern.detection.format yolov8 or yolov5): the fraction of the FP32 model's boxes at
+    confidence >= --threshold matched by an INT8 box of the same label with IoU >= 0.9 (and >= 0.5),
+    the INT8 boxes matching none, and the confidence differences of the matched boxes;
+  - classification: top-1 and top-5 agreement (the FP32 top-1 within the INT8 top-5).
+Needs numpy, Pillow, onnx and onnxruntime (the Python packages).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+from PIL import Image
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+
+# ----------------------------------------------------------------- the model's configuration
+
+def parse_config(text):
+    """The few fields of a config.pbtxt this tool needs: name, max_batch_size, the inputs and outputs
+    (name, dims) and the string parameters."""
+    body = re.sub(r"#[^\n]*", "", text)
+    cfg = {"name": None, "max_batch_size": 0, "inputs": [], "outputs": [], "parameters": {}}
+    m = re.search(r'^\s*name\s*:\s*"([^"]*)"', body, re.M)
+    cfg["name"] = m.group(1) if m else None
+    m = re.search(r"max_batch_size\s*:\s*(\d+)", body)
+    cfg["max_batch_size"] = int(m.group(1)) if m else 0
+    for kind in ("input", "output"):
+        m = re.search(kind + r"\s*\[(.*?)\]\s*(?=\n\s*(?:input|output|dynamic_batching|parameters|instance_group|"
+                      r"optimization|version_policy|backend|platform|name|max_batch_size)\b|\Z)", body, re.S)
+        if not m:
+            continue
+        for t in re.finditer(r"\{(.*?dims\s*:\s*\[[^\]]*\][^}]*)\}", m.group(1), re.S):
+            name = re.search(r'name\s*:\s*"([^"]*)"', t.group(1))
+            dims = re.search(r"dims\s*:\s*\[([^\]]*)\]", t.group(1))
+            cfg[kind + "s"].append({"name": name.group(1) if name else None,
+                                    "dims": [int(d) for d in dims.group(1).split(",") if d.strip()]})
+    for p in re.finditer(r'key\s*:\s*"([^"]+)"\s*value\s*\{\s*string_value\s*:\s*"([^"]*)"\s*\}', body):
+        cfg["parameters"][p.group(1)] = p.group(2)
+    return cfg
+
+
+class Preprocess:
+    """The model's image pre-processing as its quern.image.* parameters state it (as Quern's vision
+    pipeline applies it; resizing here is PIL's bilinear, close to but not bit-equal with Quern's)."""
+
+    def __init__(self, cfg):
+        p = cfg["parameters"]
+        if not cfg["inputs"]:
+            sys.exit(f"model '{cfg['name']}': its config.pbtxt lists no input; the image input's dims are needed")
+        name = p.get("quern.image.input", cfg["inputs"][0]["name"])
+        inp = next((i for i in cfg["inputs"] if i["name"] == name), None)
+        if inp is None:
+            sys.exit(f"model '{cfg['name']}': quern.image.input names '{name}', which is not an input")
+        dims = list(inp["dims"])
+        if cfg["max_batch_size"] == 0 and len(dims) == 4:
+            dims = dims[1:]
+        if len(dims) != 3 or not (dims[0] == 3 or dims[2] == 3):
+            sys.exit(f"model '{cfg['name']}': image input '{name}' has dims {inp['dims']}; expected [3, H, W] or "
+                     f"[H, W, 3]")
+        self.name = name
+        self.nchw = p.get("quern.image.layout", "NCHW" if dims[0] == 3 else "NHWC") == "NCHW"
+        h, w = (dims[1], dims[2]) if self.nchw else (dims[0], dims[1])
+        if "quern.image.size" in p:
+            w, h = (int(v) for v in p["quern.image.size"].split("x"))
+        if w < 1 or h < 1:
+            sys.exit(f"model '{cfg['name']}': the image input has no fixed size; set quern.image.size")
+        self.width, self.height = w, h
+        detection = p.get("quern.task") == "detection"
+        self.resize = p.get("quern.image.resize", "letterbox" if detection else "stretch")
+        self.pad = int(p.get("quern.image.pad_value", "114"))
+        self.bgr = p.get("quern.image.channels", "RGB") == "BGR"
+        self.scale = float(p.get("quern.image.scale", "0.00392156862745098"))
+        self.mean = np.array([float(v) for v in p.get("quern.image.mean", "0,0,0").split(",")], np.float32)
+        self.std = np.array([float(v) for v in p.get("quern.image.std", "1,1,1").split(",")], np.float32)
+        self.resize_shortest = int(p["quern.image.resize_shortest"]) if "quern.image.resize_shortest" in p else None
+
+    def __call__(self, image):
+        """(tensor [1, ...], (scale_x, scale_y, offset_x, offset_y)): input = photo * scale + offset."""
+        img = image.convert("RGB")
+        w, h = img.size
+        if self.resize == "letterbox":
+            s = min(self.width / w, self.height / h)
+            nw, nh = max(1, round(w * s)), max(1, round(h * s))
+            canvas = Image.new("RGB", (self.width, self.height), (self.pad,) * 3)
+            ox, oy = (self.width - nw) // 2, (self.height - nh) // 2
+            canvas.paste(img.resize((nw, nh), Image.BILINEAR), (ox, oy))
+            img, geometry = canvas, (nw / w, nh / h, ox, oy)
+        elif self.resize == "center_crop":
+            s = self.resize_shortest / min(w, h) if self.resize_shortest else max(self.width / w, self.height / h)
+            nw, nh = max(self.width, round(w * s)), max(self.height, round(h * s))
+            img = img.resize((nw, nh), Image.BILINEAR)
+            ox, oy = (nw - self.width) // 2, (nh - self.height) // 2
+            img, geometry = img.crop((ox, oy, ox + self.width, oy + self.height)), (nw / w, nh / h, -ox, -oy)
+        else:
+            img, geometry = img.resize((self.width, self.height), Image.BILINEAR), (self.width / w, self.height / h, 0, 0)
+        x = np.asarray(img, np.float32)
+        if self.bgr:
+            x = x[:, :, ::-1]
+        x = (x * self.scale - self.mean) / self.std
+        if self.nchw:
+            x = x.transpose(2, 0, 1)
+        return np.ascontiguousarray(x[None], np.float32), geometry
+
+
+def images_in(paths):
+    """The images among `paths` (files, or folders whose images are taken), sorted by path."""
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += [os.path.join(p, f) for f in os.listdir(p) if f.lower().endswith(IMAGE_SUFFIXES)]
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            sys.exit(f"no such file or folder: {p}")
+    if not files:
+        sys.exit(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {' '.join(paths)}")
+    return sorted(files)
+
+
+def calibration_tensors(files, pre, count):
+    """Each image as it is, mirrored, and its middle 60 % (objects nearer), until `count` tensors."""
+    views = []
+    for f in files:
+        img = Image.open(f).convert("RGB")
+        w, h = img.size
+        middle = img.crop((int(w * 0.2), int(h * 0.2), int(w * 0.8), int(h * 0.8)))
+        views += [img, img.transpose(Image.FLIP_LEFT_RIGHT), middle]
+    order = list(range(0, len(views), 3)) + list(range(1, len(views), 3)) + list(range(2, len(views), 3))
+    return [pre(views[i])[0] for i in order[:count]]
+
+
+# ----------------------------------------------------------------- agreement
+
+def iou(a, b):
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def decode(out, fmt, threshold, nms_iou=0.45):
+    """[(confidence, class, (x1, y1, x2, y2) in input pixels)] after class-wise NMS, best first."""
+    out = np.asarray(out, np.float32)
+    while out.ndim > 2 and out.shape[0] == 1:
+        out = out[0]
+    if fmt == "yolov8":  # [4 + classes, cells]
+        cls = out[4:]
+        best = np.argmax(cls, axis=0)
+        conf = cls[best, np.arange(out.shape[1])]
+        xywh = out[:4].T
+    elif fmt == "yolov5":  # [cells, 5 + classes]
+        scores = out[:, 5:] * out[:, 4:5]
+        best = np.argmax(scores, axis=1)
+        conf = scores[np.arange(out.shape[0]), best]
+        xywh = out[:, :4]
+    else:
+        return None
+    boxes = []
+    for i in np.nonzero(conf >= threshold)[0]:
+        cx, cy, w, h = (float(v) for v in xywh[i])
+        boxes.append((float(conf[i]), int(best[i]), (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
+    boxes.sort(key=lambda b: -b[0])
+    kept = []
+    for b in boxes:
+        if all(k[1] != b[1] or iou(k[2], b[2]) <= nms_iou for k in kept):
+            kept.append(b)
+    return kept
+
+
+def detection_agreement(pairs, fmt, threshold):
+    reference = matched_09 = matched_05 = extra = 0
+    deltas = []
+    per_image = []
+    for name, ref_out, q_out in pairs:
+        ref, q = decode(ref_out, fmt, threshold), decode(q_out, fmt, threshold)
+        if ref is None:
+            return {"computed": False, "why": f"box agreement is computed for the yolov8 and yolov5 formats, "
+                                              f"not {fmt!r}"}
+        used = set()
+        here = 0
+        for conf, cls, box in ref:
+            best, best_iou = None, 0.0
+            for j, (qc, qcls, qbox) in enumerate(q):
+                if qcls == cls and j not in used and iou(box, qbox) > best_iou:
+                    best, best_iou = j, iou(box, qbox)
+            reference += 1
+            if best is not None and best_iou >= 0.5:
+                matched_05 += 1
+            if best is not None and best_iou >= 0.9:
+                matched_09 += 1
+                here += 1
+                used.add(best)
+                deltas.append(q[best][0] - conf)
+        extra += sum(1 for j, (qc, qcls, qbox) in enumerate(q)
+                     if j not in used and not any(c == qcls and iou(b, qbox) >= 0.5 for _, c, b in ref))
+        per_image.append({"image": name, "fp32_boxes": len(ref), "int8_boxes": len(q), "matched_iou_0.9": here})
+    d = np.array(deltas or [0.0])
+    return {"computed": True, "threshold": threshold, "fp32_boxes": reference,
+            "matched_iou_0.9": matched_09, "matched_iou_0.5": matched_05,
+            "agreement_iou_0.9": matched_09 / reference if reference else None,
+            "agreement_iou_0.5": matched_05 / reference if reference else None,
+            "int8_boxes_matching_none": extra,
+            "confidence_delta_mean": float(d.mean()), "confidence_delta_max_abs": float(np.abs(d).max()),
+            "images": per_image}
+
+
+def classification_agreement(pairs):
+    top1 = top5 = 0
+    for _, ref_out, q_out in pairs:
+        r, q = np.asarray(ref_out).reshape(-1), np.asarray(q_out).reshape(-1)
+        top1 += int(np.argmax(r) == np.argmax(q))
+        top5 += int(np.argmax(r) in np.argsort(-q)[:5])
+    n = len(pairs)
+    return {"computed": True, "images": n, "top1_agreement": top1 / n if n else None,
+            "top5_agreement": top5 / n if n else None}
+
+
+# ----------------------------------------------------------------- main
+
+def session(path, threads):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def seconds_per_run(sess, name, x, budget=2.0):
+    sess.run(None, {name: x})
+    t, n = time.perf_counter(), 0
+    while time.perf_counter() - t < budget:
+        sess.run(None, {name: x})
+        n += 1
+    return (time.perf_counter() - t) / n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--calibration", required=True, nargs="+", help="images, or folders of them, to calibrate on")
+    ap.add_argument("--check", nargs="+", help="images, or folders of them (not calibration ones), to measure "
+                    "agreement on")
+    ap.add_argument("--out", help="the INT8 model's folder (default: MODEL_DIR_int8 beside MODEL_DIR)")
+    ap.add_argument("--name", help="the INT8 model's name (default: the folder's name)")
+    ap.add_argument("--keep-fp32", default="", help="regular expression: nodes whose names match stay FP32")
+    ap.add_argument("--count", type=int, default=48, help="calibration tensors (default 48)")
+    ap.add_argument("--threshold", type=float, default=0.25, help="box confidence for agreement (default 0.25)")
+    ap.add_argument("--method", choices=("minmax", "entropy", "percentile"), default="minmax",
+                    help="how activation ranges are chosen from the calibration (default minmax)")
+    ap.add_argument("--ops", default="", help="comma-separated operator types to quantize (default: all "
+                    "onnxruntime can), e.g. Conv to leave attention's MatMuls in FP32")
+    ap.add_argument("--moving-average", action="store_true",
+                    help="minmax: each activation's range averaged over the calibration tensors, not their extremes")
+    ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
+    args = ap.parse_args()
+
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    model_dir = os.path.abspath(args.model_dir.rstrip("/"))
+    with open(os.path.join(model_dir, "config.pbtxt")) as f:
+        config_text = f.read()
+    cfg = parse_config(config_text)
+    src = os.path.join(model_dir, "1", "model.onnx")
+    if not os.path.isfile(src):
+        sys.exit(f"no ONNX model at {src}")
+    pre = Preprocess(cfg)
+    out_dir = os.path.abspath(args.out or model_dir + "_int8")
+    name = args.name or os.path.basename(out_dir)
+    if out_dir == model_dir:
+        sys.exit("--out must differ from the model's own folder")
+
+    calibration = images_in(args.calibration)
+    if args.check and set(calibration) & set(images_in(args.check)):
+        sys.exit("the --check images must not be calibration images: " +
+                 ", ".join(sorted(set(calibration) & set(images_in(args.check)))))
+    tensors = calibration_tensors(calibration, pre, args.count)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(tensors)
+
+        def get_next(self):
+            x = next(self.it, None)
+            return None if x is None else {pre.name: x}
+
+    graph = onnx.load(src).graph
+    keep = [n.name for n in graph.node if args.keep_fp32 and re.search(args.keep_fp32, n.name)]
+    os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
+    dst = os.path.join(out_dir, "1", "model.onnx")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("TMPDIR", tmp)
+        quantize_static(src, dst, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                                          "percentile": CalibrationMethod.Percentile}[args.method], nodes_to_exclude=keep,
+                        op_types_to_quantize=[o for o in args.ops.split(",") if o] or None,
+                        extra_options={"ActivationSymmetric": False, "WeightSymmetric": True,
+                                       "CalibMovingAverage": args.moving_average})
+
+    header = (f"# INT8 twin of '{cfg['name']}' (scripts/quantize.py: QDQ, weights INT8 per channel, activations\n"
+              f"# UINT8 calibrated on {len(tensors)} views of {len(calibration)} images;"
+              f" {len(keep)} nodes kept in FP32).\n# agreement.json: how its answers compare with the FP32 model's.\n")
+    text = re.sub(r'^(\s*name\s*:\s*)"[^"]*"', lambda m: m.group(1) + f'"{name}"', config_text, count=1, flags=re.M)
+    with open(os.path.join(out_dir, "config.pbtxt"), "w") as f:
+        f.write(header + text)
+    for f in os.listdir(model_dir):
+        if f.endswith((".txt", ".labels", ".names")) and f != "config.pbtxt":
+            shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
+
+    report = {"model": cfg["name"], "int8_model": name, "calibration_images": [os.path.basename(f) for f in calibration],
+              "calibration_tensors": len(tensors),
+              "nodes_kept_fp32": keep}
+    if args.check:
+        ref, q = session(src, 1), session(dst, 1)
+        pairs = []
+        for f in images_in(args.check):
+            x, _ = pre(Image.open(f))
+            pairs.append((os.path.basename(f), ref.run(None, {pre.name: x})[0], q.run(None, {pre.name: x})[0]))
+        task = cfg["parameters"].get("quern.task", "classification")
+        if task == "detection":
+            report["detection"] = detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
+                                                      args.threshold)
+        elif task == "classification":
+            report["classification"] = classification_agreement(pairs)
+        if args.time:
+            report["ms_per_run_one_thread"] = {"fp32": 1e3 * seconds_per_run(ref, pre.name, x),
+                                               "int8": 1e3 * seconds_per_run(q, pre.name, x)}
+    with open(os.path.join(out_dir, "agreement.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    summary = {k: v for k, v in report.items() if k != "nodes_kept_fp32"}
+    for k in ("detection",):
+        if k in summary:
+            summary[k] = {a: b for a, b in summary[k].items() if a != "images"}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

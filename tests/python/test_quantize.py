@@ -1,0 +1,133 @@
+"""scripts/quantize.py (quern quantize) on a small image classifier built here: it writes an INT8 twin
+(QDQ) beside the model, renamed, with a report whose top-1 / top-5 agreement is the one computed here
+independently (onnxruntime runs both files on the check photographs, pre-processed here with PIL and
+numpy); calibration and check images may not overlap; the twin is served by Quern."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from quern_testing import start_quern
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+QUANTIZE = os.path.join(ROOT, "scripts", "quantize.py")
+PHOTOS = os.path.join(ROOT, "third_party", "real-models", "photos")
+CALIBRATION = ["kite.jpg", "scream.jpg", "obama2.jpg", "obama3.jpg"]
+CHECK = ["dog.jpg", "person.jpg", "horses.jpg", "giraffe.jpg", "eagle.jpg", "grace_hopper.jpg", "obama.jpg",
+         "biden.jpg"]
+SIZE = 32
+
+
+def small_classifier(path):
+    """Conv(3->16, 3x3) -> Relu -> Conv(16->32, 3x3, stride 2) -> Relu -> GlobalAveragePool -> Flatten ->
+    Gemm(32->10) -> Softmax, weights drawn from a fixed seed."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(3)
+    w1 = rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.2, (32, 16, 3, 3)).astype(np.float32)
+    w3 = rng.normal(0, 0.5, (10, 32)).astype(np.float32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"),
+                                                          (np.zeros(16, np.float32), "b1"),
+                                                          (np.zeros(32, np.float32), "b2"),
+                                                          (np.zeros(10, np.float32), "b3"))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("GlobalAveragePool", ["r2"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "w3", "b3"], ["g"], transB=1, name="fc"),
+             helper.make_node("Softmax", ["g"], ["probabilities"], name="softmax")]
+    graph = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                            ["n", 3, SIZE, SIZE])],
+                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", 10])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    model = repo / "small"
+    (model / "1").mkdir(parents=True)
+    small_classifier(str(model / "1" / "model.onnx"))
+    (model / "labels.txt").write_text("\n".join(f"class{i}" for i in range(10)) + "\n")
+    (model / "config.pbtxt").write_text(f"""# a small classifier
+name: "small"
+backend: "onnxruntime"
+max_batch_size: 4
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 3, {SIZE}, {SIZE} ] }} ]
+output [ {{ name: "probabilities" data_type: TYPE_FP32 dims: [ 10 ] label_filename: "labels.txt" }} ]
+parameters {{ key: "quern.task" value {{ string_value: "classification" }} }}
+parameters {{ key: "quern.image.resize" value {{ string_value: "stretch" }} }}
+""")
+    run = subprocess.run([sys.executable, QUANTIZE, str(model), "--calibration"] +
+                         [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
+                         [os.path.join(PHOTOS, f) for f in CHECK], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return repo
+
+
+def top(session, x, k):
+    return list(np.argsort(-session.run(None, {"x": x})[0][0])[:k])
+
+
+def test_the_report_states_the_agreement_computed_here(quantized):
+    import onnx
+    import onnxruntime
+    twin = quantized / "small_int8"
+    report = json.loads((twin / "agreement.json").read_text())
+    ops = {n.op_type for n in onnx.load(str(twin / "1" / "model.onnx")).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops, ops
+    fp32 = onnxruntime.InferenceSession(str(quantized / "small" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    int8 = onnxruntime.InferenceSession(str(twin / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    top1 = top5 = 0
+    for f in CHECK:
+        img = Image.open(os.path.join(PHOTOS, f)).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)
+        x = np.ascontiguousarray((np.asarray(img, np.float32) / 255).transpose(2, 0, 1)[None])
+        a, b = top(fp32, x, 1)[0], top(int8, x, 5)
+        top1 += a == b[0]
+        top5 += a in b
+    got = report["classification"]
+    assert got["images"] == len(CHECK), got
+    assert got["top1_agreement"] == pytest.approx(top1 / len(CHECK)), (got, top1)
+    assert got["top5_agreement"] == pytest.approx(top5 / len(CHECK)), (got, top5)
+    assert report["calibration_images"] == sorted(CALIBRATION), report
+    config = (twin / "config.pbtxt").read_text()
+    assert 'name: "small_int8"' in config and 'name: "small"' not in config, config
+    assert (twin / "labels.txt").read_text() == (quantized / "small" / "labels.txt").read_text()
+
+
+def test_check_images_may_not_be_calibration_images(quantized, tmp_path):
+    run = subprocess.run([sys.executable, QUANTIZE, str(quantized / "small"), "--out", str(tmp_path / "again"),
+                          "--calibration", os.path.join(PHOTOS, "kite.jpg"), "--check", os.path.join(PHOTOS, "kite.jpg")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "must not be calibration images" in run.stderr and "kite.jpg" in run.stderr, run
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_twin_is_served_beside_its_model(quantized, tmp_path):
+    import tritonclient.http as httpclient
+    repo = tmp_path / "repo"
+    shutil.copytree(quantized, repo)
+    proc, ports = start_quern(os.environ["QUERN_BIN"], str(repo))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        x = np.random.default_rng(0).random((1, 3, SIZE, SIZE), dtype=np.float32)
+        outs = {}
+        for m in ("small", "small_int8"):
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            outs[m] = client.infer(m, [inp]).as_numpy("probabilities")[0]
+        assert abs(outs["small"].sum() - 1) < 1e-4 and abs(outs["small_int8"].sum() - 1) < 1e-2, outs
+        assert np.abs(outs["small"] - outs["small_int8"]).max() < 0.1, outs
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
