@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 from . import _quern
 from ._quern import Engine as _Engine
 
-__all__ = ["Engine", "Result", "InferFuture", "Error", "InvalidArgument", "NotFound", "Unavailable", "DeadlineExceeded",
+__version__: str = _quern.__version__  # the project's version, as CMake states it (quern --version)
+
+__all__ = ["__version__", "Engine", "Result", "InferFuture", "Error", "InvalidArgument", "NotFound", "Unavailable", "DeadlineExceeded",
            "Cancelled", "ResourceExhausted", "FailedPrecondition", "Internal", "Unimplemented"]
 
 

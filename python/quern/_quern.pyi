@@ -3,6 +3,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+__version__: str
+
 class Cancellation:
     def cancel(self) -> None: ...
     @property

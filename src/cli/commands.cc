@@ -7,10 +7,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <random>
+#include <set>
+#include <sstream>
 
+#include "core/model_config_parser.h"
 #include "core/npy.h"
 #include "server/server.h"
 
@@ -48,19 +52,52 @@ quern::Result<quern::Tensor> MakeInput(const quern::ModelConfig& c, const quern:
 }
 
 // The repository opened as `quern serve` opens it; the error printed.
-quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo) {
+quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, bool load_all_models = true) {
   quern::ServerOptions options;
   options.model_repository = repo;
-  auto engine = quern::OpenEngine(options);
+  auto engine = quern::OpenEngine(options, load_all_models);
   if (!engine) std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
   return engine;
+}
+
+// The models an ensemble's config.pbtxt names as its steps (none for a
+// model without one, or whose file does not parse: its load says why).
+std::vector<std::string> StepsOf(const std::string& repo, const std::string& model) {
+  std::vector<std::string> steps;
+  const std::filesystem::path file = std::filesystem::path(repo) / model / "config.pbtxt";
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return steps;
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto proto = quern::ParseModelConfigText(text.str(), file.string());
+  if (!proto) return steps;
+  for (const auto& step : proto->ensemble_scheduling().step()) steps.push_back(step.model_name());
+  return steps;
+}
+
+// Loads `model` after the models its ensemble steps run (and theirs), each
+// once; a cycle or a model that fails to load is left to LoadModel to name.
+quern::Status LoadWithSteps(quern::Engine& engine, const std::string& repo, const std::string& model,
+                            std::set<std::string>& loaded) {
+  if (!loaded.insert(model).second) return quern::Status::Ok();
+  for (const std::string& step : StepsOf(repo, model)) {
+    quern::Status st = LoadWithSteps(engine, repo, step, loaded);
+    if (!st.ok()) return st;
+  }
+  return engine.LoadModel(model);
 }
 
 }  // namespace
 
 int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs) {
-  auto engine = Open(repo);
+  // Only the model asked for (and what an ensemble runs) is loaded.
+  auto engine = Open(repo, /*load_all_models=*/false);
   if (!engine) return 1;
+  std::set<std::string> loaded;
+  if (quern::Status st = LoadWithSteps(**engine, repo, model, loaded); !st.ok()) {
+    std::fprintf(stderr, "quern: %s\n", st.ToString().c_str());
+    return 1;
+  }
   auto status = (*engine)->GetModel(model);
   if (!status) {
     std::fprintf(stderr, "quern: %s\n", status.error().ToString().c_str());

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "quern/engine.h"
 #include "server/serve_flags.h"
 #include "server/server.h"
 
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "perf") return quern::cli::RunPerfTool(argc, argv);
   CLI::App app{"quern: a fast model server (ONNX, TorchScript and Python models)"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("quern ") + quern::Version());
 
   quern::ServerOptions options;
   auto* serve = app.add_subcommand("serve", "Load a model repository and serve it");

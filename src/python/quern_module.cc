@@ -582,6 +582,7 @@ class PyEngine {
 
 PYBIND11_MODULE(_quern, m) {
   m.doc() = "Quern's engine (use the quern package)";
+  m.attr("__version__") = quern::Version();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -193,6 +193,7 @@ void AddOperationFlags(CLI::App* serve, ServerOptions& o) {
 }  // namespace
 
 void AddServeFlags(CLI::App* serve, ServerOptions& o) {
+  serve->option_defaults()->always_capture_default();  // --help shows each option's default
   AddRepositoryFlags(serve, o);
   AddNetworkFlags(serve, o);
   AddVisionFlags(serve, o);

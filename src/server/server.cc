@@ -64,9 +64,10 @@ void PrintVisionModel(const ModelStatus& status, const std::filesystem::path& mo
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options) {
+Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool load_all_models) {
   EngineOptions o;
   o.model_repository = options.model_repository;
+  o.load_all_models = load_all_models;
   o.max_queue_wait_ms = options.max_queue_wait_ms;
   o.allow_links_outside_repository = options.allow_links_outside_repository;
   o.repository_poll_interval_s = options.repository_poll_secs;

@@ -79,8 +79,9 @@ struct ServerOptions {
 };
 
 // The engine as `quern serve` opens it: vision pipelines are checked while
-// their models load.
-Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options);
+// their models load. With load_all_models false it loads none of the
+// repository's models (Engine::LoadModel loads them one by one).
+Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool load_all_models = true);
 
 // Each model with its state, tensors and load error (stdout); a vision model
 // also with its image pipeline and labels, read from `repository`.

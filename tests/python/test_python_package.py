@@ -31,6 +31,13 @@ def test_the_package_under_test():
     assert np.dtype(np.float32).itemsize == 4  # numpy imported beside the extension
 
 
+def test_the_version_is_the_projects():
+    import re
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "CMakeLists.txt")) as f:
+        want = re.search(r"project\(quern VERSION ([0-9.]+)", f.read()).group(1)
+    assert quern.__version__ == want, quern.__version__
+
+
 def test_infer_answers_what_numpy_computes(engine):
     a = np.arange(8, dtype=np.float32).reshape(2, 4)
     b = np.full((2, 4), 0.5, np.float32)
