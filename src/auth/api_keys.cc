@@ -82,6 +82,12 @@ Result<std::unique_ptr<ApiKeys>> ApiKeys::Load(const ApiKeyOptions& o) {
   return keys;
 }
 
+size_t ApiKeys::admin_count() const {
+  size_t n = 0;
+  for (const auto& [digest, admin] : digests_) n += admin ? 1 : 0;
+  return n;
+}
+
 Status ApiKeys::Authorize(std::string_view presented, bool admin, int64_t now_ns) {
   if (digests_.empty()) return Status::Ok();
   if (presented.empty()) {

@@ -46,6 +46,11 @@ class ApiKeys {
 
   // True when any key is configured: every request must then carry one.
   bool enabled() const { return !digests_.empty(); }
+  // How many distinct keys are configured, and how many of them are admin keys.
+  size_t size() const { return digests_.size(); }
+  size_t admin_count() const;
+  // Requests per second each key may make; 0 = no limit.
+  double rate_limit_per_s() const { return rate_; }
 
   // Checks a presented key for an ordinary request (`admin` false) or a
   // model-control request (`admin` true). OK; UNAUTHENTICATED when the key

@@ -390,6 +390,14 @@ Status Server::Parts::StartConsumer(bool consume_asked) {
   return Status::Ok();
 }
 
+namespace {
+std::string Shortest(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace
+
 void Server::Parts::AnnounceServing() const {
   const ServerOptions& o = options;
   // The start-up lines go to stdout (scripts read the ports from them).
@@ -405,6 +413,36 @@ void Server::Parts::AnnounceServing() const {
           "taking jobs from redis at " + redis_store->options().redis.Address() + " as consumer " +
               consumer->consumer_name());
   }
+  // What a newcomer (or an operator reading the log) needs to know next:
+  // who may call, whether the wire is encrypted, where jobs go.
+  if (keys->enabled()) {
+    const size_t admin = keys->admin_count();
+    LogTo(stdout, LogLevel::kInfo,
+          "API keys: " + std::to_string(keys->size()) + " (" + std::to_string(admin) + " admin); every request " +
+              "needs one" +
+              (keys->rate_limit_per_s() > 0 ? ", at most " + Shortest(keys->rate_limit_per_s()) + "/s per key"
+                                            : std::string()));
+  } else {
+    LogTo(stdout, LogLevel::kInfo, "API keys: none; every request is served without one");
+  }
+  const bool http_tls = !o.http.tls_cert_file.empty();
+  const bool grpc_tls = grpc && (!o.grpc.tls_cert_file.empty() || http_tls);
+  std::string tls = http_tls ? "HTTP" : "";
+  if (grpc_tls) tls += tls.empty() ? "gRPC" : " and gRPC";
+  if (tls.empty()) {
+    LogTo(stdout, LogLevel::kInfo, "TLS: off; plaintext on every port");
+  } else {
+    LogTo(stdout, LogLevel::kInfo,
+          "TLS: on for " + tls + (o.http.tls_client_ca_file.empty() ? "" : ", client certificates required"));
+  }
+  LogTo(stdout, LogLevel::kInfo,
+        redis_store ? "jobs: kept in redis at " + redis_store->options().redis.Address() + " (durable)"
+                    : "jobs: kept in this process's memory (lost if it stops)");
+  size_t ready = 0, failed = 0;
+  for (const auto& m : engine->ListModels()) (m.state == ModelState::kReady ? ready : failed) += 1;
+  LogTo(stdout, LogLevel::kInfo,
+        "models: " + std::to_string(ready) + " ready" +
+            (failed ? ", " + std::to_string(failed) + " not (their errors are above)" : std::string()));
   LogTo(stdout, LogLevel::kInfo, "serving " + o.model_repository + " (Ctrl-C to stop)");
   if (!NotifySystemd("READY=1\nSTATUS=serving")) {
     Log(LogLevel::kWarning, "could not tell systemd (NOTIFY_SOCKET) that the server is ready");

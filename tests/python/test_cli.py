@@ -90,3 +90,39 @@ ensemble_scheduling { step [ { model_name: "add_sub" model_version: -1
     r = subprocess.run([QUERN, "infer", str(repo), "marker", "--input", "x=zeros"], capture_output=True, text=True,
                        timeout=60, env=env)
     assert marker.exists(), r
+
+
+def start_lines(tmp_path, *flags, env=None):
+    """The lines `quern serve` prints up to "serving ...", for add_sub with `flags`."""
+    from quern_testing import start_quern
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        repo.mkdir()
+        shutil.copytree(os.path.join(MODELS, "add_sub"), repo / "add_sub")
+    log = []
+    proc, _ = start_quern(QUERN, str(repo), *flags, env=env, log=log)
+    try:
+        import time
+        deadline = time.time() + 10
+        while not any("serving " in line for line in log) and time.time() < deadline:
+            time.sleep(0.05)
+        return [line.strip() for line in log]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_says_who_may_call_whether_the_wire_is_encrypted_and_where_jobs_go(tmp_path):
+    plain = start_lines(tmp_path)
+    for want in ("API keys: none; every request is served without one", "TLS: off; plaintext on every port",
+                 "jobs: kept in this process's memory (lost if it stops)", "models: 1 ready"):
+        assert any(want in line for line in plain), (want, plain)
+    from test_security import make_certificates
+    make_certificates(tmp_path)
+    env = dict(os.environ, QUERN_API_KEYS="user-key-1,user-key-2", QUERN_ADMIN_KEYS="admin-key-1")
+    closed = start_lines(tmp_path, "--api-key-rate-limit", "5", "--tls-cert-file", str(tmp_path / "server.pem"),
+                         "--tls-key-file", str(tmp_path / "server.key"), "--tls-client-ca-file",
+                         str(tmp_path / "ca.pem"), env=env)
+    for want in ("API keys: 3 (1 admin); every request needs one, at most 5/s per key",
+                 "TLS: on for HTTP and gRPC, client certificates required"):
+        assert any(want in line for line in closed), (want, closed)
