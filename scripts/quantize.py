@@ -40,47 +40,53 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 # ----------------------------------------------------------------- the model's configuration
 
 def parse_config(text):
-    """The few fields of a config.pbtxt this tool needs: name, max_batch_size, the inputs and outputs
-    (name, dims) and the string parameters."""
+    """What this tool needs of a config.pbtxt: the model's name (a top-level `name:` line, if any)
+    and its string parameters (`parameters { key: "K" value { string_value: "V" } }`, with or
+    without the colons). The image input's name and shape come from the ONNX model itself."""
     body = re.sub(r"#[^\n]*", "", text)
-    cfg = {"name": None, "max_batch_size": 0, "inputs": [], "outputs": [], "parameters": {}}
-    m = re.search(r'^\s*name\s*:\s*"([^"]*)"', body, re.M)
-    cfg["name"] = m.group(1) if m else None
-    m = re.search(r"max_batch_size\s*:\s*(\d+)", body)
-    cfg["max_batch_size"] = int(m.group(1)) if m else 0
-    for kind in ("input", "output"):
-        m = re.search(kind + r"\s*\[(.*?)\]\s*(?=\n\s*(?:input|output|dynamic_batching|parameters|instance_group|"
-                      r"optimization|version_policy|backend|platform|name|max_batch_size)\b|\Z)", body, re.S)
-        if not m:
+    m = re.search(r'^name\s*:\s*"([^"]*)"', body, re.M)
+    params = {p.group(1): p.group(2) for p in re.finditer(
+        r'key\s*:\s*"([^"]+)"\s*value\s*:?\s*\{\s*string_value\s*:\s*"([^"]*)"\s*\}', body)}
+    return {"name": m.group(1) if m else None, "parameters": params}
+
+
+def onnx_inputs(model):
+    """[(name, dims with -1 for a dimension the file leaves open, element type)] of the graph's inputs
+    that are not initializers."""
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for i in model.graph.input:
+        if i.name in inits:
             continue
-        for t in re.finditer(r"\{(.*?dims\s*:\s*\[[^\]]*\][^}]*)\}", m.group(1), re.S):
-            name = re.search(r'name\s*:\s*"([^"]*)"', t.group(1))
-            dims = re.search(r"dims\s*:\s*\[([^\]]*)\]", t.group(1))
-            cfg[kind + "s"].append({"name": name.group(1) if name else None,
-                                    "dims": [int(d) for d in dims.group(1).split(",") if d.strip()]})
-    for p in re.finditer(r'key\s*:\s*"([^"]+)"\s*value\s*\{\s*string_value\s*:\s*"([^"]*)"\s*\}', body):
-        cfg["parameters"][p.group(1)] = p.group(2)
-    return cfg
+        t = i.type.tensor_type
+        out.append((i.name, [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim], t.elem_type))
+    return out
 
 
 class Preprocess:
     """The model's image pre-processing as its quern.image.* parameters state it (as Quern's vision
     pipeline applies it; resizing here is PIL's bilinear, close to but not bit-equal with Quern's)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, inputs):
         p = cfg["parameters"]
-        if not cfg["inputs"]:
-            sys.exit(f"model '{cfg['name']}': its config.pbtxt lists no input; the image input's dims are needed")
-        name = p.get("quern.image.input", cfg["inputs"][0]["name"])
-        inp = next((i for i in cfg["inputs"] if i["name"] == name), None)
-        if inp is None:
-            sys.exit(f"model '{cfg['name']}': quern.image.input names '{name}', which is not an input")
-        dims = list(inp["dims"])
-        if cfg["max_batch_size"] == 0 and len(dims) == 4:
+        name = p.get("quern.image.input", inputs[0][0] if len(inputs) == 1 else None)
+        if name is None:
+            sys.exit(f"model '{cfg['name']}' has {len(inputs)} inputs; name the image input with parameter "
+                     f"quern.image.input")
+        found = next((i for i in inputs if i[0] == name), None)
+        if found is None:
+            sys.exit(f"model '{cfg['name']}': quern.image.input names '{name}', which the ONNX model does not take")
+        dims, elem = list(found[1]), found[2]
+        if len(dims) == 4 and dims[0] in (1, -1):
             dims = dims[1:]
         if len(dims) != 3 or not (dims[0] == 3 or dims[2] == 3):
-            sys.exit(f"model '{cfg['name']}': image input '{name}' has dims {inp['dims']}; expected [3, H, W] or "
-                     f"[H, W, 3]")
+            sys.exit(f"model '{cfg['name']}': image input '{name}' has dims {found[1]}; expected [N, 3, H, W] or "
+                     f"[N, H, W, 3]")
+        # onnx.TensorProto: FLOAT 1, UINT8 2, FLOAT16 10.
+        if elem not in (1, 2, 10):
+            sys.exit(f"model '{cfg['name']}': image input '{name}' has element type {elem}; images feed FP32, "
+                     f"FP16 or UINT8 inputs")
+        self.dtype = {1: np.float32, 2: np.uint8, 10: np.float16}[elem]
         self.name = name
         self.nchw = p.get("quern.image.layout", "NCHW" if dims[0] == 3 else "NHWC") == "NCHW"
         h, w = (dims[1], dims[2]) if self.nchw else (dims[0], dims[1])
@@ -100,7 +106,8 @@ class Preprocess:
 
     def __call__(self, image):
         """(tensor [1, ...], (scale_x, scale_y, offset_x, offset_y)): input = photo * scale + offset."""
-        img = image.convert("RGB")
+        from PIL import ImageOps
+        img = ImageOps.exif_transpose(image).convert("RGB")
         w, h = img.size
         if self.resize == "letterbox":
             s = min(self.width / w, self.height / h)
@@ -120,10 +127,11 @@ class Preprocess:
         x = np.asarray(img, np.float32)
         if self.bgr:
             x = x[:, :, ::-1]
-        x = (x * self.scale - self.mean) / self.std
+        if self.dtype != np.uint8:  # a UINT8 input takes the pixels as they are
+            x = (x * self.scale - self.mean) / self.std
         if self.nchw:
             x = x.transpose(2, 0, 1)
-        return np.ascontiguousarray(x[None], np.float32), geometry
+        return np.ascontiguousarray(x[None]).astype(self.dtype), geometry
 
 
 def images_in(paths):
@@ -286,10 +294,11 @@ def main():
     with open(os.path.join(model_dir, "config.pbtxt")) as f:
         config_text = f.read()
     cfg = parse_config(config_text)
+    cfg["name"] = cfg["name"] or os.path.basename(model_dir)  # Quern names a model without one by its folder
     src = os.path.join(model_dir, "1", "model.onnx")
     if not os.path.isfile(src):
         sys.exit(f"no ONNX model at {src}")
-    pre = Preprocess(cfg)
+    pre = Preprocess(cfg, onnx_inputs(onnx.load(src, load_external_data=False)))
     out_dir = os.path.abspath(args.out or model_dir + "_int8")
     name = args.name or os.path.basename(out_dir)
     if out_dir == model_dir:
@@ -326,7 +335,7 @@ def main():
     header = (f"# INT8 twin of '{cfg['name']}' (scripts/quantize.py: QDQ, weights INT8 per channel, activations\n"
               f"# UINT8 calibrated on {len(tensors)} views of {len(calibration)} images;"
               f" {len(keep)} nodes kept in FP32).\n# agreement.json: how its answers compare with the FP32 model's.\n")
-    text = re.sub(r'^(\s*name\s*:\s*)"[^"]*"', lambda m: m.group(1) + f'"{name}"', config_text, count=1, flags=re.M)
+    text = re.sub(r'^(name\s*:\s*)"[^"]*"', lambda m: m.group(1) + f'"{name}"', config_text, count=1, flags=re.M)
     with open(os.path.join(out_dir, "config.pbtxt"), "w") as f:
         f.write(header + text)
     for f in os.listdir(model_dir):

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cmath>
 #include <numbers>
+#include <random>
 
 #include "image/ocr.h"
 
@@ -237,6 +238,34 @@ TEST(OcrLines, LinesArePackedIntoGroupsThatPadAsLittleAsTheyCan) {
         EXPECT_LT(g.width[k - 1], g.width[k]) << "narrowest first";
       }
     }
+  }
+  // Widths where a bin's narrowest line is over its bound and its wider ones
+  // are not, then random widths, each against every cut tried by hand.
+  for (const std::vector<int>& w :
+       {std::vector<int>{247, 291, 241, 196, 199, 114, 119}, std::vector<int>{297, 97, 71, 65, 274}}) {
+    const LineGroups g = PackLines(w, 2, 8, 96, 1.5);
+    std::pair<int64_t, int64_t> got{0, 0};
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int padded = g.width[static_cast<size_t>(g.group_of[i])];
+      got.second += padded;
+      if (padded > std::max<double>(96, 1.5 * w[i])) ++got.first;
+    }
+    EXPECT_EQ(got, BestByHand(w, 2, 8, 96, 1.5)) << w.size() << " lines";
+  }
+  std::mt19937 random(7);
+  for (int round = 0; round < 3000; ++round) {
+    std::vector<int> w(static_cast<size_t>(1 + random() % 9));
+    for (int& x : w) x = 60 + static_cast<int>(random() % 341);
+    const int groups = 1 + static_cast<int>(random() % 3);
+    const LineGroups g = PackLines(w, groups, 8, 96, 1.5);
+    std::pair<int64_t, int64_t> got{0, 0};
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int padded = g.width[static_cast<size_t>(g.group_of[i])];
+      ASSERT_GE(padded, w[i]);
+      got.second += padded;
+      if (padded > std::max<double>(96, 1.5 * w[i])) ++got.first;
+    }
+    ASSERT_EQ(got, BestByHand(w, groups, 8, 96, 1.5)) << "round " << round;
   }
   // Twelve groups for twelve lines: each padded only to a multiple of 8.
   const LineGroups each = PackLines(widths, 12, 8, 96, 1.5);

@@ -607,10 +607,9 @@ LineGroups PackLines(const std::vector<int>& widths, int groups, int step, int f
   out.width.assign(static_cast<size_t>(groups), step);
   out.count.assign(static_cast<size_t>(groups), 0);
   if (widths.empty()) return out;
-  // The distinct padded widths, narrowest first, with their lines and the
-  // narrowest line among them.
+  // The distinct padded widths, narrowest first, with their lines.
   struct Bin {
-    int64_t padded = 0, lines = 0, narrowest = 0;
+    int64_t padded = 0, lines = 0;
   };
   std::vector<std::pair<int64_t, int64_t>> sorted;  // (padded, own width)
   for (int w : widths) {
@@ -619,28 +618,28 @@ LineGroups PackLines(const std::vector<int>& widths, int groups, int step, int f
   }
   std::sort(sorted.begin(), sorted.end());
   std::vector<Bin> bins;
-  for (const auto& [padded, own] : sorted) {
-    if (bins.empty() || bins.back().padded != padded) bins.push_back({padded, 0, own});
+  for (const auto& line : sorted) {
+    if (bins.empty() || bins.back().padded != line.first) bins.push_back({line.first, 0});
     ++bins.back().lines;
   }
   const size_t d = bins.size(), k = std::min(static_cast<size_t>(groups), d);
   std::vector<int64_t> before(d + 1, 0);  // lines in bins [0, i)
   for (size_t i = 0; i < d; ++i) before[i + 1] = before[i] + bins[i].lines;
-  // A line's bound grows with its width, so the lines a group of bins
-  // [a, b] pads past their bounds are those of bins [a, past[b]).
-  auto bound = [&](size_t i) {
-    return std::max<double>(free_width, max_stretch * static_cast<double>(bins[i].narrowest));
+  // A line's bound grows with its width, and the lines (sorted) of bins
+  // [a, b] are lines [before[a], before[b + 1]): those a group padded to
+  // bins[b].padded pads past their bounds are the ones before past[b].
+  auto bound = [&](size_t line) {
+    return std::max<double>(free_width, max_stretch * static_cast<double>(sorted[line].second));
   };
-  std::vector<size_t> past(d, 0);
+  std::vector<int64_t> past(d, 0);
   for (size_t b = 0, m = 0; b < d; ++b) {
-    while (m < d && bound(m) < static_cast<double>(bins[b].padded)) ++m;
-    past[b] = m;
+    while (m < sorted.size() && bound(m) < static_cast<double>(bins[b].padded)) ++m;
+    past[b] = static_cast<int64_t>(m);
   }
   // A group's cost: (lines padded past their bound, padded width in all),
   // compared in that order.
   auto cost = [&](size_t a, size_t b) {
-    const size_t m = std::min(past[b], b + 1);
-    const int64_t over = m > a ? before[m] - before[a] : 0;
+    const int64_t over = std::max<int64_t>(0, std::min(past[b], before[b + 1]) - before[a]);
     return std::pair<int64_t, int64_t>{over, (before[b + 1] - before[a]) * bins[b].padded};
   };
   using Cost = std::pair<int64_t, int64_t>;

@@ -1,5 +1,5 @@
-"""Hosts on one machine: Linux network namespaces joined by a bridge, for the scale-out tests and
-scripts/scale_out.py.
+"""Hosts on one machine: Linux network namespaces joined by a bridge, for the scale-out tests
+(tests/python/test_scale_out.py) and bench/scale_out_bench.py.
 
 Every host is a namespace with one interface, eth0, whose other end is a port of the bridge br0
 in a switch namespace of its own; nothing is added to the namespace this program runs in. The
@@ -259,6 +259,35 @@ class NetBed:
         self.close()
 
 
+HAPROXY_CFG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "packaging", "haproxy", "haproxy.cfg")
+
+
+def haproxy_config(path, address, servers, socket_path, check_inter_ms):
+    """The HAProxy configuration at `path` for a bed: `bind :PORT` on `address`, each backend's
+    `server` lines replaced by one per (name, address) in `servers` (the first line's port and
+    options kept), the stats socket at `socket_path`, checks every `check_inter_ms`."""
+    out, done = [], set()
+    backend = None
+    for line in open(path).read().splitlines():
+        words = line.split()
+        if words[:1] == ["backend"]:
+            backend = words[1]
+        if words[:2] == ["stats", "socket"]:
+            line = f"  stats socket {socket_path} " + " ".join(words[3:])
+        elif words[:1] == ["bind"] and words[1].startswith(":"):
+            line = f"  bind {address}{words[1]} " + " ".join(words[2:])
+        elif words[:1] == ["default-server"]:
+            line = re.sub(r"\binter \S+", f"inter {check_inter_ms}ms", line)
+        elif words[:1] == ["server"]:
+            if backend in done:
+                continue
+            done.add(backend)
+            port = words[2].rsplit(":", 1)[1]
+            line = "\n".join(f"  server {name} {addr}:{port} " + " ".join(words[3:]) for name, addr in servers)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 class Cluster:
     """Host R runs redis-server (append-only, fsync always), hosts Q1..Qn `quern serve --consume`
     on a repository holding add_sub, host L HAProxy in front of the Qs' HTTP ports (health checks
@@ -391,7 +420,7 @@ sentinel parallel-syncs {self.MASTER} 1
         self.logs[name] = log
         self.quern[name] = self.bed.run(
             name, [self.quern_bin, "serve", "--model-repository", str(self.repo), "--host", "0.0.0.0", "--http-port", "8000",
-                   "--grpc-port", "-1", "--metrics-port", "8002", "--redis-url", self.redis_url(),
+                   "--grpc-port", "8001", "--metrics-port", "8002", "--redis-url", self.redis_url(),
                    "--consume", "--consume-models", "add_sub", "--consumer-name", name,
                    "--consume-claim-idle-ms", str(CLAIM_IDLE_MS)],
             stdout=log, stderr=subprocess.STDOUT)
@@ -415,31 +444,13 @@ sentinel parallel-syncs {self.MASTER} 1
 
     # ---- HAProxy on L
     def start_haproxy(self, hosts):
+        """HAProxy on L with packaging/haproxy/haproxy.cfg, the file docs/deploy.md gives: its bind
+        lines on L's address, its server lines for `hosts`, its stats socket in tmp and its check
+        interval CHECK_INTER_MS; nothing else changed."""
         self.haproxy_sock = str(self.tmp / "haproxy.sock")
-        servers = "\n".join(f"  server {h} {self.bed.addr(h)}:8000 check" for h in hosts)
         cfg = self.tmp / "haproxy.cfg"
-        cfg.write_text(f"""global
-  stats socket {self.haproxy_sock} mode 600 level admin
-  maxconn 4000
-defaults
-  mode http
-  timeout connect 1s
-  timeout client 30s
-  timeout server 30s
-  retries 3
-  option redispatch 1
-  option http-server-close
-frontend fe
-  bind {self.l_addr}:8000
-  default_backend quern
-backend quern
-  balance leastconn
-  option httpchk GET /v2/health/ready
-  http-check expect status 200
-  default-server inter {CHECK_INTER_MS}ms fall 2 rise 2
-  http-response set-header X-Served-By %[srv_name]
-{servers}
-""")
+        cfg.write_text(haproxy_config(HAPROXY_CFG, self.l_addr, [(h, self.bed.addr(h)) for h in hosts],
+                                      self.haproxy_sock, CHECK_INTER_MS))
         self.haproxy = self.bed.run("L", ["haproxy", "-db", "-f", str(cfg)], stdout=open(self.tmp / "haproxy.log", "w"),
                                     stderr=subprocess.STDOUT)
         wait_until(lambda: all(s == "UP" for s in self.servers().values()) and self.servers(),
@@ -463,7 +474,8 @@ backend quern
         except OSError:
             return {}
         lines = [line.split(",") for line in text.splitlines() if line and not line.startswith("#")]
-        return {f[1]: f[17].split()[0] for f in lines if f[0] == "quern" and f[1] not in ("FRONTEND", "BACKEND")}
+        return {f[1]: f[17].split()[0] for f in lines
+                if f[0] == "quern_http" and f[1] not in ("FRONTEND", "BACKEND")}
 
     # ---- load from P
     def start_load(self, mode, *args):
@@ -480,7 +492,11 @@ backend quern
         return self.start_load("jobs", *where, "--count", str(count), "--rate", str(rate), "--prefix", prefix,
                                "--wait", str(wait))
 
-    def infer(self, seconds, concurrency=4):
+    def infer(self, seconds, concurrency=4, grpc=False):
+        """Synchronous requests from P through HAProxy on L: HTTP to :8000, or gRPC to :8001."""
+        if grpc:
+            return self.start_load("infer", "--grpc", "--url", f"{self.l_addr}:8001", "--seconds", str(seconds),
+                                   "--concurrency", str(concurrency))
         return self.start_load("infer", "--url", f"http://{self.l_addr}:8000", "--seconds", str(seconds),
                                "--concurrency", str(concurrency))
 

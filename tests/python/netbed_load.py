@@ -128,7 +128,54 @@ def run_jobs(args):
                "missing": [j for j in waiting if j in accepted], "latency_s": sorted(latency)}, sys.stdout)
 
 
+def run_grpc(args):
+    """KServe v2 gRPC calls (tritonclient) to --url for --seconds from --concurrency callers, each on
+    its own channel: (start, end, status, "") per call, status 200 for a right answer, -1 for a wrong
+    one, 0 for an error."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    records, errors = [], []
+    lock = threading.Lock()
+    stop = time.time() + args.seconds
+
+    def worker(w):
+        client = grpcclient.InferenceServerClient(args.url.split("://", 1)[-1])
+        k = w
+        while time.time() < stop:
+            body, plus, _ = add_sub_body(k % 1000)
+            k += args.concurrency
+            inputs = []
+            for t in body["inputs"]:
+                x = grpcclient.InferInput(t["name"], t["shape"], t["datatype"])
+                x.set_data_from_numpy(np.array(t["data"], np.float32).reshape(t["shape"]))
+                inputs.append(x)
+            start = time.time()
+            try:
+                out = client.infer(args.model, inputs, client_timeout=10).as_numpy("OUTPUT0")
+                status = 200 if out.ravel().tolist() == plus else -1
+            except InferenceServerException as e:
+                status = 0
+                with lock:
+                    if len(errors) < 3:
+                        errors.append(str(e))
+            with lock:
+                records.append((start, time.time(), status, ""))
+            if status != 200:
+                time.sleep(0.01)
+        client.close()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    json.dump({"requests": records, "errors": errors}, sys.stdout)
+
+
 def run_infer(args):
+    if args.grpc:
+        return run_grpc(args)
     u = urllib.parse.urlparse(args.url)
     records = []
     lock = threading.Lock()
@@ -194,6 +241,7 @@ def main():
     i.add_argument("--model", default="add_sub")
     i.add_argument("--seconds", type=float, default=5)
     i.add_argument("--concurrency", type=int, default=4)
+    i.add_argument("--grpc", action="store_true", help="KServe v2 gRPC to --url (HOST:PORT) instead of HTTP")
     args = ap.parse_args()
     run_jobs(args) if args.mode == "jobs" else run_infer(args)
 

@@ -75,6 +75,21 @@ parameters {{ key: "quern.image.resize" value {{ string_value: "stretch" }} }}
     return repo
 
 
+def test_the_configuration_is_read_in_either_spelling():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import quantize
+    text = """# a comment: name: "not this"
+name: "m"
+input [ { name: "images" data_type: TYPE_FP32 dims: [ 3, 640, 640 ] } ]
+parameters { key: "quern.task" value: { string_value: "detection" } }
+parameters: { key: "quern.image.pad_value" value { string_value: "0" } }
+model_warmup [ { name: "w" batch_size: 1 } ]
+"""
+    cfg = quantize.parse_config(text)
+    assert cfg == {"name": "m", "parameters": {"quern.task": "detection", "quern.image.pad_value": "0"}}, cfg
+    assert quantize.parse_config('input [ { name: "x" } ]')["name"] is None
+
+
 def top(session, x, k):
     return list(np.argsort(-session.run(None, {"x": x})[0][0])[:k])
 

@@ -1,7 +1,8 @@
 """Quern across hosts: hosts are network namespaces on a bridge (netbed.py), each with its own
 address in 198.18.0.0/24. Host R runs redis-server (append-only, fsync always), hosts Q1..Q3 run
-`quern serve --redis-url redis://R --consume`, host L runs HAProxy (Debian's) in front of the Qs'
-HTTP ports with health checks on /v2/health/ready, and host P runs the producers and clients
+`quern serve --redis-url redis://R --consume`, host L runs HAProxy (Debian's) with
+packaging/haproxy/haproxy.cfg (the file docs/deploy.md gives) in front of the Qs' HTTP and gRPC
+ports with health checks on /v2/health/ready, and host P runs the producers and clients
 (netbed_load.py). Each failure is a test that counts what was lost; the answer must be 0. Expected
 values come from numpy in the producer."""
 import os
@@ -33,7 +34,10 @@ def cluster(tmp_path):
 def test_steady_load_spreads_over_every_host_and_loses_nothing(cluster):
     jobs = cluster.jobs(count=600, rate=200, prefix="steady")
     infer = cluster.infer(seconds=3, concurrency=6)
-    j, i = cluster.report(jobs), cluster.report(infer)
+    grpc = cluster.infer(seconds=3, concurrency=3, grpc=True)  # HTTP/2 through the same HAProxy
+    j, i, g = cluster.report(jobs), cluster.report(infer), cluster.report(grpc)
+    calls = [r[2] for r in g["requests"]]
+    assert len(calls) > 50 and set(calls) == {200}, ({s: calls.count(s) for s in set(calls)}, g["errors"])
     assert j["refused"] == 0 and j["wrong"] == [] and j["missing"] == [], j
     assert j["accepted"] == j["results"] == 600
     statuses = [r[2] for r in i["requests"]]

@@ -286,7 +286,9 @@ class Lines final : public Model {
     if (n > 0 && w < 1) return WrongInput(name_, "input 'lines' has lines of no width");
     std::vector<int> held(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
-      held[static_cast<size_t>(i)] = static_cast<int>(std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, w));
+      // PackLines holds widths to 2^20 too: a group is never narrower than its lines.
+      held[static_cast<size_t>(i)] =
+          static_cast<int>(std::clamp<int64_t>(widths[static_cast<size_t>(i)], 1, std::min<int64_t>(w, 1 << 20)));
     }
     const LineGroups groups = PackLines(held, kLineGroups, kLineGroupStep, kLineFreeWidth, kLineMaxStretch);
     std::vector<std::pair<int32_t, int32_t>> place(static_cast<size_t>(n));
