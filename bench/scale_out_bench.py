@@ -2,7 +2,7 @@
 and what each job costs Redis. Needs root.
 
     build/venv/bin/python bench/scale_out_bench.py --quern build/release/src/cli/quern \\
-        --models build/ci/test_models --hosts 1 2 3 --jobs 6000
+        --models examples/models --hosts 1 2 3 --jobs 6000
 
 For each host count: a fresh bed (Redis on R with append-only files fsynced at every write, N hosts
 running `quern serve --consume`), then

@@ -259,7 +259,10 @@ class NetBed:
         self.close()
 
 
-HAPROXY_CFG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "packaging", "haproxy", "haproxy.cfg")
+PACKAGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "packaging")
+HAPROXY_CFG = os.path.join(PACKAGING, "haproxy", "haproxy.cfg")
+REDIS_CONF = os.path.join(PACKAGING, "redis", "redis.conf")
+SENTINEL_CONF = os.path.join(PACKAGING, "redis", "sentinel.conf")
 
 
 def haproxy_config(path, address, servers, socket_path, check_inter_ms):
@@ -336,9 +339,10 @@ class Cluster:
         data.mkdir(exist_ok=True)
         if os.path.exists(sock):
             os.unlink(sock)  # left by a killed server
-        argv = ["redis-server", "--bind", self.bed.addr(host), "--port", "6379", "--protected-mode", "no",
-                "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(data), "--appendonly", "yes",
-                "--appendfsync", "always", "--save", "", "--daemonize", "no", "--repl-diskless-sync-delay", "0"]
+        # packaging/redis/redis.conf (append-only, fsync always) with this bed's address and files.
+        argv = ["redis-server", REDIS_CONF, "--bind", self.bed.addr(host), "--port", "6379", "--protected-mode", "no",
+                "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(data), "--daemonize", "no",
+                "--repl-diskless-sync-delay", "0"]
         if replica_of:
             argv += ["--replicaof", replica_of, "6379"]
         proc = self.bed.run(host, argv, stdout=open(self.tmp / f"redis-{host}.log", "a"), stderr=subprocess.STDOUT)
@@ -373,15 +377,13 @@ class Cluster:
         self.sentinel_hosts = list(hosts)
         for h in hosts:
             cfg = self.tmp / f"sentinel-{h}.conf"  # sentinel rewrites its file as it learns
-            cfg.write_text(f"""bind {self.bed.addr(h)}
-port {self.SENTINEL_PORT}
-protected-mode no
-dir {self.tmp}
-sentinel monitor {self.MASTER} {self.r} 6379 2
-sentinel down-after-milliseconds {self.MASTER} 1000
-sentinel failover-timeout {self.MASTER} 10000
-sentinel parallel-syncs {self.MASTER} 1
-""")
+            # packaging/redis/sentinel.conf with this bed's addresses and shorter timeouts.
+            text = open(SENTINEL_CONF).read()
+            text = text.replace("10.0.0.21", self.r).replace(f"port 26379", f"port {self.SENTINEL_PORT}")
+            text = text.replace("down-after-milliseconds quern 5000", "down-after-milliseconds quern 1000")
+            text = text.replace("failover-timeout quern 60000", "failover-timeout quern 10000")
+            assert f"sentinel monitor {self.MASTER} {self.r} 6379 2" in text, text
+            cfg.write_text(f"bind {self.bed.addr(h)}\nprotected-mode no\ndir {self.tmp}\n" + text)
             self.bed.run(h, ["redis-sentinel", str(cfg)], stdout=open(self.tmp / f"sentinel-{h}.log", "w"),
                          stderr=subprocess.STDOUT)
         # Ready when every sentinel knows the replica and the other sentinels.
