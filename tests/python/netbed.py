@@ -339,8 +339,12 @@ class Cluster:
         data.mkdir(exist_ok=True)
         if os.path.exists(sock):
             os.unlink(sock)  # left by a killed server
-        # packaging/redis/redis.conf (append-only, fsync always) with this bed's address and files.
-        argv = ["redis-server", REDIS_CONF, "--bind", self.bed.addr(host), "--port", "6379", "--protected-mode", "no",
+        # A copy of packaging/redis/redis.conf (append-only, fsync always; Redis rewrites the file it
+        # was started with when Sentinel changes its role) with this bed's address and files.
+        conf = self.tmp / f"redis-{host}.conf"
+        if not conf.exists():
+            shutil.copyfile(REDIS_CONF, conf)
+        argv = ["redis-server", str(conf), "--bind", self.bed.addr(host), "--port", "6379", "--protected-mode", "no",
                 "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(data), "--daemonize", "no",
                 "--repl-diskless-sync-delay", "0"]
         if replica_of:
