@@ -432,8 +432,16 @@ void Server::Parts::AnnounceServing() const {
   if (tls.empty()) {
     LogTo(stdout, LogLevel::kInfo, "TLS: off; plaintext on every port");
   } else {
-    LogTo(stdout, LogLevel::kInfo,
-          "TLS: on for " + tls + (o.http.tls_client_ca_file.empty() ? "" : ", client certificates required"));
+    // gRPC takes the HTTP certificate, and its client CAs, unless given its own (StartGrpc).
+    const bool grpc_own = !o.grpc.tls_cert_file.empty();
+    const bool http_ca = http_tls && !o.http.tls_client_ca_file.empty();
+    const bool grpc_ca =
+        grpc_tls && (!o.grpc.tls_client_ca_file.empty() || (!grpc_own && !o.http.tls_client_ca_file.empty()));
+    const std::string ca = http_ca && grpc_ca ? ", client certificates required"
+                           : http_ca          ? ", client certificates required on HTTP"
+                           : grpc_ca          ? ", client certificates required on gRPC"
+                                              : "";
+    LogTo(stdout, LogLevel::kInfo, "TLS: on for " + tls + ca);
   }
   LogTo(stdout, LogLevel::kInfo,
         redis_store ? "jobs: kept in redis at " + redis_store->options().redis.Address() + " (durable)"

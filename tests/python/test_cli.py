@@ -126,3 +126,11 @@ def test_serve_says_who_may_call_whether_the_wire_is_encrypted_and_where_jobs_go
     for want in ("API keys: 3 (1 admin); every request needs one, at most 5/s per key",
                  "TLS: on for HTTP and gRPC, client certificates required"):
         assert any(want in line for line in closed), (want, closed)
+
+
+def test_the_tls_line_names_grpc_alone_when_only_grpc_has_tls(tmp_path):
+    from test_security import make_certificates
+    make_certificates(tmp_path)
+    lines = start_lines(tmp_path, "--grpc-tls-cert-file", str(tmp_path / "server.pem"), "--grpc-tls-key-file",
+                        str(tmp_path / "server.key"), "--grpc-tls-client-ca-file", str(tmp_path / "ca.pem"))
+    assert any("TLS: on for gRPC, client certificates required on gRPC" in line for line in lines), lines
