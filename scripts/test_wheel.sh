@@ -16,7 +16,12 @@ DIST="$ROOT/build/wheel/dist"
 VENV="$ROOT/build/wheel/venv"
 rm -rf "$DIST" "$VENV"
 echo "== building the wheel (pip wheel .)"
-build/venv/bin/pip wheel -q --disable-pip-version-check --no-deps -w "$DIST" .
+# With the release build's compiler and compile flags (-Werror, as the ci preset) and a build folder
+# as deep as build/ci, every engine object is a ccache hit after that build (ccache hashes the
+# compiler's name too): only the extension is compiled.
+CI_CXX=$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' build/ci/CMakeCache.txt 2>/dev/null || true)
+CXX="${CI_CXX:-${CXX:-c++}}" build/venv/bin/pip wheel -q --disable-pip-version-check --no-deps -w "$DIST" \
+  --config-settings=cmake.define.QUERN_WERROR=ON --config-settings=build-dir=build/wheel-build .
 wheel=$(ls "$DIST"/quern-*.whl)
 echo "== installing $(basename "$wheel") into a fresh venv with $NUMPY2"
 /usr/bin/python3 -m venv "$VENV"
