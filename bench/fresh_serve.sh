@@ -19,6 +19,7 @@ fi
 cp /usr/local/share/ca-certificates/*.crt "$R/usr/local/share/ca-certificates/" 2>/dev/null
 chroot "$R" update-ca-certificates >/dev/null 2>&1
 cp /etc/resolv.conf "$R/etc/resolv.conf"
+[ -f "$R/etc/hosts" ] || printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' > "$R/etc/hosts"
 printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$R/etc/pip.conf"
 for m in proc sys dev dev/pts; do mountpoint -q "$R/$m" && continue
   case $m in proc) mount -t proc proc "$R/proc" ;; sys) mount -t sysfs sys "$R/sys" ;; *) mount --bind "/$m" "$R/$m" ;; esac
