@@ -131,6 +131,7 @@ APT_PACKAGES=(
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl
   python3 python3-venv curl ca-certificates
   python3-numpy  # the Python backend runs the system's python3: the example Python models import numpy
+  file  # cpack -G DEB (the Debian package) reads its binaries' dependencies with it
 )
 # ... and the tests, the benchmarks and the Python package.
 APT_TEST_PACKAGES=(
