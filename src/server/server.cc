@@ -183,6 +183,10 @@ struct Server::Parts {
   // Set when draining begins: the server answers what it has taken and
   // refuses the rest.
   std::atomic<bool> draining{false};
+  // Set once every port listens (Server::Start's end): until then readiness
+  // (HTTP and gRPC) says not ready, so that a load balancer or probe that
+  // finds one port ready never sends to another that is not listening yet.
+  std::atomic<bool> all_listening{false};
   std::unique_ptr<KServeHandler> kserve;
   std::unique_ptr<VisionService> vision_service;
   std::unique_ptr<FaceGallery> faces;
@@ -289,6 +293,7 @@ void Server::Parts::OpenJobs(const RedisOptions& redis) {
   }
   kserve->set_ready_check([parts] {
     if (parts->draining.load(std::memory_order_acquire)) return Unavailable("the server is shutting down");
+    if (!parts->all_listening.load(std::memory_order_acquire)) return Unavailable("the server is starting");
     return parts->redis_store ? parts->redis_store->Health() : Status::Ok();
   });
   jobs = std::make_unique<JobHandler>(engine.get(), store.get(), &registry);
@@ -327,6 +332,7 @@ Status Server::Parts::StartGrpc(bool explicit_control) {
   }
   g.model_control = explicit_control;
   g.draining = &draining;
+  g.started = &all_listening;
   if (access_log) g.access_log = [log = access_log](const GrpcAccess& a) { log->Write(a); };
   if (keys->enabled()) {
     g.authorize = [parts](std::string_view key, bool admin) {
@@ -512,6 +518,8 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   // Last: a failure above must not leave jobs in the engine that complete
   // into a consumer already destroyed.
   if (o.consume) QUERN_RETURN_IF_ERROR(p->StartConsumer(consume_asked));
+  p->all_listening.store(true, std::memory_order_release);
+  if (p->grpc) p->grpc->RefreshHealth();
   p->AnnounceServing();
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }

@@ -440,3 +440,56 @@ def test_transfer_encodings_other_than_one_chunked_are_refused(port):
     assert status == 200, resp
     np.testing.assert_allclose(outputs(resp)["OUTPUT0"], a + b)
     c.close()
+
+
+def _ready_first_then_every_port(binary, repo, ask_http):
+    """Starts a server on fixed free ports and polls one readiness (HTTP /v2/health/ready, or gRPC
+    health) as fast as it can from the first instant; at the first 'ready', returns the ports that
+    do not accept a connection yet (none, when readiness waits for every port)."""
+    import subprocess
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from quern_testing import free_port
+    http, grpc_port, metrics = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", str(http), "--grpc-port",
+                             str(grpc_port), "--metrics-port", str(metrics), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if ask_http:
+                    with socket.create_connection(("127.0.0.1", http), timeout=2) as s:
+                        s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                        ready = s.recv(64).startswith(b"HTTP/1.1 200")
+                else:
+                    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+                        ready = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status \
+                            == health_pb2.HealthCheckResponse.SERVING
+            except (OSError, grpc.RpcError):
+                ready = False
+            if ready:
+                closed = []
+                for p in (http, grpc_port, metrics):
+                    try:
+                        socket.create_connection(("127.0.0.1", p), timeout=2).close()
+                    except OSError:
+                        closed.append(p)
+                return closed
+        raise AssertionError("the server never said ready")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("ask_http", [True, False], ids=["http", "grpc-health"])
+def test_ready_only_once_every_port_listens(tmp_path, ask_http):
+    """A load balancer or probe that finds one port ready must find the others listening: HTTP used
+    to answer ready before the gRPC and metrics ports were bound (19 of 20 starts, caught by polling
+    from the first instant)."""
+    import shutil
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "add_sub"), repo / "add_sub")
+    for _ in range(5):
+        assert _ready_first_then_every_port(os.environ["QUERN_BIN"], str(repo), ask_http) == []

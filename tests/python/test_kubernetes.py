@@ -1,6 +1,7 @@
 """packaging/kubernetes/ as it is written: every resource validates against the Kubernetes schemas
-(1.30 and 1.37) or KServe's CRD schema (scripts/validate_k8s.py), the validator refuses what an API
-server would, and each container runs as its manifest says: its arguments are flags `quern serve`
+(1.30 and 1.37) or KServe's CRD schema (scripts/validate_k8s.py), the validator refuses unknown
+fields and wrong types (a schema check: names, selectors and the like are checked below, by
+running the manifests' commands and comparing their parts), and each container runs as its manifest says: its arguments are flags `quern serve`
 takes, its probes answer where they point (with API keys set, as the Secret would set them), the
 Service's and the metrics annotation's ports are ones Quern listens on, and SIGTERM drains within
 the pod's grace period. No cluster: the container's command runs here, its ports mapped to free
@@ -59,7 +60,7 @@ def test_every_manifest_validates_against_its_schema():
     ("ServingRuntime", lambda d: d["spec"]["containers"][0].update(args="serve"), "args"),
     ("InferenceService", lambda d: d["spec"]["predictor"]["model"].update(runtimee="quern"), "runtimee"),
 ])
-def test_the_validator_refuses_what_an_api_server_would(kind, mutate, expect):
+def test_the_validator_refuses_unknown_fields_and_wrong_types(kind, mutate, expect):
     doc = copy.deepcopy(next(d for (k, _), d in resources().items() if k == kind))
     mutate(doc)
     found = validate_k8s.problems(doc, validate_k8s.crd_schemas())
@@ -88,6 +89,8 @@ class Container:
             elif a == f"--model-repository={repo_flag_value}":
                 a = f"--model-repository={repo}"
             elif a.startswith("--host="):
+                # A pod is reached on its own address: the manifest must listen on every interface.
+                assert a == "--host=0.0.0.0", a
                 a = "--host=127.0.0.1"
             args.append(a)
         assert args[0] == "serve", args
@@ -150,6 +153,9 @@ def test_the_deployment_runs_as_written(repo):
         # The Service's target ports are the container's, and each is one Quern listens on.
         service = docs[("Service", "quern")]
         assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+        assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels(deploy).items()
+        for name in c.named:
+            assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 15, name
         assert service["spec"]["selector"].items() <= pod_labels(deploy).items()
         for p in service["spec"]["ports"]:
             assert c.port(p["targetPort"]) and p["port"] == c.named[p["targetPort"]]

@@ -590,6 +590,7 @@ class RawService : public Generated {
   }
 
   bool draining() const { return options_.draining && options_.draining->load(std::memory_order_acquire); }
+  bool starting() const { return options_.started && !options_.started->load(std::memory_order_acquire); }
 
   const GrpcServerOptions& options_;
 
@@ -612,11 +613,11 @@ class Service final : public RawService<GRPCInferenceService::Service> {
       out->set_live(true);
       return grpc::Status::OK;
     });
-    Unary<inf::ServerReadyRequest, inf::ServerReadyResponse>("ServerReady", Access::kProbe,
-                                                             [this](auto*, auto&, auto* out) {
-                                                               out->set_ready(!draining() && engine_->AllModelsReady());
-                                                               return grpc::Status::OK;
-                                                             });
+    Unary<inf::ServerReadyRequest, inf::ServerReadyResponse>(
+        "ServerReady", Access::kProbe, [this](auto*, auto&, auto* out) {
+          out->set_ready(!starting() && !draining() && engine_->AllModelsReady());
+          return grpc::Status::OK;
+        });
     Unary<inf::ModelReadyRequest, inf::ModelReadyResponse>("ModelReady", Access::kProbe,
                                                            [this](auto*, auto& in, auto* out) {
                                                              auto v = ParseModelVersion(in.name(), in.version());
@@ -1186,6 +1187,7 @@ class GrpcServer::Impl {
   }
 
   int port() const { return port_; }
+  void RefreshHealth() { UpdateHealth(); }
 
  private:
   // Binds and listens on options_.host:port (port 0: a free one).
@@ -1296,10 +1298,11 @@ class GrpcServer::Impl {
     }
   }
 
-  // grpc.health.v1: SERVING while every model is ready and the server is
-  // not draining.
+  // grpc.health.v1: SERVING while every model is ready and the server has
+  // started and is not draining.
   void UpdateHealth() {
-    health_.Set(!(options_.draining && options_.draining->load(std::memory_order_acquire)) &&
+    health_.Set(!(options_.started && !options_.started->load(std::memory_order_acquire)) &&
+                !(options_.draining && options_.draining->load(std::memory_order_acquire)) &&
                 engine_->AllModelsReady());
   }
 
@@ -1326,6 +1329,9 @@ void GrpcServer::Stop() {
 }
 int GrpcServer::port() const {
   return impl_->port();
+}
+void GrpcServer::RefreshHealth() {
+  impl_->RefreshHealth();
 }
 
 Result<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options, Engine* engine) {

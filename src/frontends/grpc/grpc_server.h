@@ -63,6 +63,10 @@ struct GrpcServerOptions {
   // and grpc.health.v1 answer not ready, and new calls other than liveness
   // and readiness get UNAVAILABLE.
   const std::atomic<bool>* draining = nullptr;
+  // When set and false, the server has not finished starting (another of
+  // its ports does not listen yet): ServerReady and grpc.health.v1 answer
+  // not ready until it is true and RefreshHealth() (or the next poll) runs.
+  const std::atomic<bool>* started = nullptr;
   // TLS: PEM certificate chain and private key files; both empty = plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -85,6 +89,10 @@ class GrpcServer {
   void Stop();
 
   int port() const;
+
+  // Re-reads readiness now (not at the next poll): grpc.health.v1's status,
+  // and its watchers are told of a change.
+  void RefreshHealth();
 
   class Impl;
 
