@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (preset fuzz: clang, ASan + UBSan) and runs each
+# Builds the libFuzzer targets (preset fuzz: clang, ASan + UBSan, -O2) and runs each
 # one for a while on a copy of its corpus, then minimises the corpus with what
 # it found (libFuzzer -merge=1) back into tests/fuzz/corpus/<target>: the
 # hand-made seed-* files, and the fewest inputs that add coverage to them.
@@ -10,15 +10,18 @@
 #                                      # for QUERN_FUZZ_CI_SECONDS (8), two at a
 #                                      # time, nothing merged back
 #
-# Environment: QUERN_FUZZ_JOBS (targets run at once; 1, or 2 in CI),
+# Environment: QUERN_FUZZ_PRESET (the build to use: fuzz, or asan -- the sanitizer
+# build the tests run in, which builds the fuzz targets too; scripts/test.sh
+# uses it so that CI compiles the project once under clang),
+# QUERN_FUZZ_JOBS (targets run at once; 1, or 2 in CI),
 # QUERN_FUZZ_RESULTS (file a line per target is appended to;
-# build/fuzz/results.txt), QUERN_FUZZ_MERGE=0 (do not merge back),
+# build/<preset>/results.txt), QUERN_FUZZ_MERGE=0 (do not merge back),
 # QUERN_FUZZ_RUNS (stop a target after this many executions, or at the time
 # given, whichever comes first).
 # Prints the executions per target and exits non-zero on any crash, leak,
 # timeout, out-of-memory or undefined behaviour; the input that caused it is
-# kept in build/fuzz/artifacts/<target>/ (run the target on that file to
-# reproduce: build/fuzz/tests/fuzz/fuzz_<target> FILE).
+# kept in build/<preset>/artifacts/<target>/ (run the target on that file to
+# reproduce: build/<preset>/tests/fuzz/fuzz_<target> FILE).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -43,14 +46,16 @@ for t in "${TARGETS[@]}"; do
   [ -d "tests/fuzz/corpus/$t" ] || { echo "fuzz: unknown target '$t' (targets: ${ALL_TARGETS[*]})" >&2; exit 2; }
 done
 
-BUILD="$ROOT/build/fuzz"
+PRESET="${QUERN_FUZZ_PRESET:-fuzz}"
+case "$PRESET" in fuzz | asan) ;; *) echo "fuzz: QUERN_FUZZ_PRESET must be fuzz or asan, not '$PRESET'" >&2; exit 2 ;; esac
+BUILD="$ROOT/build/$PRESET"
 RESULTS="${QUERN_FUZZ_RESULTS:-$BUILD/results.txt}"
 
 log() { printf '[fuzz] %s\n' "$*"; }
 
-log "building (preset fuzz)"
-cmake --preset fuzz >/dev/null
-cmake --build --preset fuzz
+log "building (preset $PRESET)"
+cmake --preset "$PRESET" >/dev/null
+cmake --build --preset "$PRESET"
 
 # Readable stacks: llvm-symbolizer when installed, else binutils' addr2line.
 SYMBOLIZER="$(command -v llvm-symbolizer-16 || command -v llvm-symbolizer || command -v addr2line || true)"
@@ -61,7 +66,7 @@ export LSAN_OPTIONS="suppressions=$ROOT/tests/fuzz/lsan.supp:print_suppressions=
 
 if [ "$CI" = 1 ]; then
   log "replaying every corpus (ctest)"
-  ctest --preset fuzz -j"$JOBS"
+  ctest --preset "$PRESET" -j"$JOBS" -R '^fuzz_replay_'
 fi
 
 WORK="$BUILD/work"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite: a release build with warnings
-# as errors, then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer,
-# then every fuzz target for a short time (scripts/fuzz.sh in its CI mode).
+# as errors (gcc), then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer
+# (clang), then every fuzz target for a short time (scripts/fuzz.sh in its CI mode, on
+# the sanitizer build's objects: the project is compiled once per compiler).
 #   scripts/test.sh            # all three
 #   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
 #   QUERN_TEST_FUZZ=0 ...      # skip the fuzzing step (libFuzzer, every target briefly)
@@ -48,6 +49,30 @@ scripts/check_functions.sh
 step "release build (warnings are errors)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci
+
+# The benchmarks (no test runs them) and the sanitizer build compile meanwhile on what the
+# tests leave of the CPU: as SCHED_IDLE tasks, which run only when no test process wants a core
+# (the tests wait on sockets, child processes and timers for about a quarter of their time).
+BACKGROUND_LOG="$ROOT/build/background-build.log"
+background_build() {
+  set -euo pipefail
+  cd "$ROOT"
+  local started=$SECONDS
+  chrt --idle 0 cmake --build --preset ci --target quern_bench
+  if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
+    cmake --preset asan >/dev/null
+    chrt --idle 0 cmake --build --preset asan
+  fi
+  echo "== background build: $((SECONDS - started)) s"
+}
+export -f background_build
+export ROOT QUERN_TEST_ASAN
+# Its own process group (setsid), so that a failing step stops all of it.
+setsid bash -c background_build >"$BACKGROUND_LOG" 2>&1 &
+BACKGROUND=$!
+trap 'kill -- -$BACKGROUND 2>/dev/null || true' EXIT
+
+step "release tests (the benchmarks and the sanitizer build compile meanwhile)"
 ctest --preset ci -j2
 step "the Python wheel (pip wheel ., a fresh venv with numpy 2)"
 QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
@@ -56,16 +81,24 @@ scripts/test_install.sh "$ROOT/build/ci"
 step "the Debian package (cpack; dpkg -i, started as its unit starts it, dpkg -r and --purge)"
 scripts/test_deb.sh "$ROOT/build/ci"
 
+step "the benchmarks' and the sanitizer build's rest (clang; the fuzz targets too)"
+if ! wait "$BACKGROUND"; then
+  tail -60 "$BACKGROUND_LOG"
+  echo "== the background build failed (all of it: $BACKGROUND_LOG)"
+  exit 1
+fi
+trap - EXIT
+tail -1 "$BACKGROUND_LOG"
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
-  step "AddressSanitizer + UndefinedBehaviorSanitizer build"
-  cmake --preset asan >/dev/null
-  cmake --build --preset asan
+  step "AddressSanitizer + UndefinedBehaviorSanitizer tests"
+  # The corpora are replayed by the fuzzing step.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --preset asan -j2 $([ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || echo "-E ^(python_scale_out|python_batch_delay)$")
+    ctest --preset asan -j2 -E "^(fuzz_replay_.*$([ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || echo "|python_scale_out|python_batch_delay"))$"
 fi
 if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
   step "fuzzing (libFuzzer under ASan + UBSan, every target briefly; scripts/fuzz.sh runs long)"
-  QUERN_FUZZ_CI=1 scripts/fuzz.sh
+  # On the sanitizer build's objects when that step ran, else on the fuzz preset's own build.
+  QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET="$([ "${QUERN_TEST_ASAN:-1}" = 1 ] && echo asan || echo fuzz)" scripts/fuzz.sh
 fi
 step ""
 echo "== all tests passed in $((SECONDS - START)) s"

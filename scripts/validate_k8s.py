@@ -54,7 +54,8 @@ def crd_schemas():
     if not CRD_DIR.is_dir():
         return out
     for path in sorted(CRD_DIR.glob("*.yaml")):
-        for crd in yaml.safe_load_all(path.read_text()):
+        # libyaml's loader where PyYAML has it: the CRDs are 1.2 MB (2.3 s in pure Python, 0.2 s).
+        for crd in yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
             if not crd or crd.get("kind") != "CustomResourceDefinition":
                 continue
             group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]

@@ -128,8 +128,14 @@ def test_http_jobs_accepted_by_a_host_cut_off_and_lost_are_done_by_the_others(cl
     """Jobs posted over HTTP to Q3 (each appended to the stream before its 202), then Q3 cut off
     and killed while it holds some (the host is gone for good): every job Q3 accepted ends done with
     its own result, by the others (those Q3 held after the claim idle time); none lost, none wrong."""
+    r = cluster.client()
+    stream = "quern:jobs:add_sub"
+    added = lambda: r.xinfo_stream(stream)["entries-added"] if r.exists(stream) else 0  # noqa: E731
+    before = added()
     jobs = cluster.jobs(count=600, rate=300, prefix="http-cut", http_host="Q3")
-    time.sleep(1.0)  # about 300 posted
+    # Q3 appends each job to the stream before its 202: cut it off once it accepted 150 (how soon
+    # depends on how fast the producer starts on a loaded machine, so it is waited for, not slept).
+    wait_until(lambda: added() - before >= 150, timeout=60, every=0.01, what="Q3 to accept 150 jobs")
     cluster.bed.link("Q3", up=False)
     cluster.quern["Q3"].send_signal(signal.SIGKILL)
     j = cluster.report(jobs)
