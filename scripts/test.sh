@@ -50,29 +50,7 @@ step "release build (warnings are errors)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci
 
-# The benchmarks (no test runs them) and the sanitizer build compile meanwhile on what the
-# tests leave of the CPU: as SCHED_IDLE tasks, which run only when no test process wants a core
-# (the tests wait on sockets, child processes and timers for about a quarter of their time).
-BACKGROUND_LOG="$ROOT/build/background-build.log"
-background_build() {
-  set -euo pipefail
-  cd "$ROOT"
-  local started=$SECONDS
-  chrt --idle 0 cmake --build --preset ci --target quern_bench
-  if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
-    cmake --preset asan >/dev/null
-    chrt --idle 0 cmake --build --preset asan
-  fi
-  echo "== background build: $((SECONDS - started)) s"
-}
-export -f background_build
-export ROOT QUERN_TEST_ASAN
-# Its own process group (setsid), so that a failing step stops all of it.
-setsid bash -c background_build >"$BACKGROUND_LOG" 2>&1 &
-BACKGROUND=$!
-trap 'kill -- -$BACKGROUND 2>/dev/null || true' EXIT
-
-step "release tests (the benchmarks and the sanitizer build compile meanwhile)"
+step "release tests"
 ctest --preset ci -j2
 step "the Python wheel (pip wheel ., a fresh venv with numpy 2)"
 QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
@@ -81,19 +59,15 @@ scripts/test_install.sh "$ROOT/build/ci"
 step "the Debian package (cpack; dpkg -i, started as its unit starts it, dpkg -r and --purge)"
 scripts/test_deb.sh "$ROOT/build/ci"
 
-step "the benchmarks' and the sanitizer build's rest (clang; the fuzz targets too)"
-if ! wait "$BACKGROUND"; then
-  tail -60 "$BACKGROUND_LOG"
-  echo "== the background build failed (all of it: $BACKGROUND_LOG)"
-  exit 1
-fi
-trap - EXIT
-tail -1 "$BACKGROUND_LOG"
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
+  step "AddressSanitizer + UndefinedBehaviorSanitizer build (clang; the fuzz targets too)"
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan
   step "AddressSanitizer + UndefinedBehaviorSanitizer tests"
-  # The corpora are replayed by the fuzzing step.
+  # The corpora are replayed by the fuzzing step. Three at a time: the tests here leave CPU time,
+  # RSS and latency bounds to the release stage, and a fifth of the cores' time idle at two.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --preset asan -j2 -E "^(fuzz_replay_.*$([ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || echo "|python_scale_out|python_batch_delay"))$"
+    ctest --preset asan -j3 -E "^(fuzz_replay_.*$([ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || echo "|python_scale_out|python_batch_delay"))$"
 fi
 if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
   step "fuzzing (libFuzzer under ASan + UBSan, every target briefly; scripts/fuzz.sh runs long)"
