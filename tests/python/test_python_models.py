@@ -583,7 +583,9 @@ def test_two_instances_use_two_cores(tmp_path):
     try:
         def call(out, i):
             inp = httpclient.InferInput("n", [1, 1], "INT64")
-            inp.set_data_from_numpy(np.array([[3_000_000]], dtype=np.int64))
+            # ~0.7 s of CPU each: long beside the tens of milliseconds by which the second
+            # execute() may start after the first (counted in the span).
+            inp.set_data_from_numpy(np.array([[8_000_000]], dtype=np.int64))
             out[i] = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}",
                                                       network_timeout=120).infer("busy", [inp]).as_numpy("info")[0]
 
