@@ -97,7 +97,7 @@ CUDA_WHEELS=( # requirement, file, SHA-256: what onnxruntime-gpu 1.30.0's "cuda"
   "nvidia-nvjitlink==13.5.37 nvidia_nvjitlink-13.5.37-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl 280d7cb9649704145f074b8dbde500de04ce02d0872e066e20a83c17bcaa93eb"
 )
 
-log() { printf '[setup] %s\n' "$*"; }
+log() { printf '[setup %4d s] %s\n' "$SECONDS" "$*"; }  # seconds since setup started
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 check_sha() { # file expected
   local got
