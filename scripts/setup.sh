@@ -160,21 +160,23 @@ APT_TEST_PACKAGES=(
   libtorch-dev  # the LibTorch plugin: PyTorch (TorchScript) models
   python3-torch python3-torchvision  # the PyTorch tests write their TorchScript (and ONNX) models with these
 )
-[ "$MODE" = all ] && APT_PACKAGES+=("${APT_TEST_PACKAGES[@]}")
 [ "${QUERN_WITH_CUDA:-0}" = 1 ] && APT_PACKAGES+=(patchelf unzip)
 
-install_apt() {
+APT_UPDATED=0
+install_apt() { # packages...
   [ "${QUERN_SKIP_APT:-0}" = 1 ] && return 0
   local missing=()
-  for p in "${APT_PACKAGES[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
   done
-  [ ${#missing[@]} -eq 0 ] && { log "Debian packages present"; return 0; }
+  [ ${#missing[@]} -eq 0 ] && { log "Debian packages present ($#)"; return 0; }
   log "installing Debian packages: ${missing[*]}"
   local sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  $sudo apt-get update -qq
+  [ "$APT_UPDATED" = 1 ] || $sudo apt-get update -qq
+  APT_UPDATED=1
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  log "Debian packages installed (${#missing[@]})"
 }
 
 # Downloads one Debian package (name=version) of a suite into a folder, through a private package
@@ -560,15 +562,34 @@ convert_once() { # out expected-sha256 convert_models.py arguments...
   mv "$out.tmp" "$out"
 }
 
-install_apt
-install_onnxruntime
-install_ocr_models
+# Downloads that need nothing of each other run side by side (each step is a subshell that dies on
+# its own; `wait_for` names the one that failed). The order that stays: the Debian packages first
+# (curl, python3; the tests' own packages beside the venv), ONNX Runtime before its CUDA provider, the venv before what pip fetches, and
+# install_real_models (it replaces third_party/real-models) before what writes into that folder.
+JOBS=()
+start() { "$@" & JOBS+=("$!:$1"); }
+wait_for() {
+  local job failed=""
+  for job in "${JOBS[@]}"; do
+    wait "${job%%:*}" || failed+=" ${job#*:}"
+  done
+  JOBS=()
+  [ -z "$failed" ] || die "failed:$failed (its lines above)"
+}
+
+install_apt "${APT_PACKAGES[@]}"  # curl, python3-venv: what the steps below use
+# The tests' packages (Chromium, LibTorch, clang, ...) install while the venv fills.
+[ "$MODE" = all ] && start install_apt "${APT_TEST_PACKAGES[@]}"
+start install_onnxruntime
+start install_ocr_models
+start install_kserve_crds
 install_venv
+wait_for  # install_onnxruntime_cuda adds to ONNX Runtime's folder
 install_onnxruntime_cuda
 install_real_models
-install_nanodet
-install_yolo
-install_kserve_crds
+start install_nanodet
+start install_yolo
 install_labelled_photos
+wait_for
 prepare_examples
 log "done"
