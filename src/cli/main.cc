@@ -4,6 +4,8 @@
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
 //   quern perf   --url http://HOST:PORT|grpc://HOST:PORT --model MODEL [--concurrency N... | --rate R...]
 //                                         load a running server, report its throughput and costs
+//   quern quantize MODEL_DIR --calibration IMAGES... [--check IMAGES...]
+//                                         an INT8 twin of an image model and its agreement report
 #include <pthread.h>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +22,7 @@
 
 int main(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "perf") return quern::cli::RunPerfTool(argc, argv);
+  if (argc >= 2 && std::string_view(argv[1]) == "quantize") return quern::cli::RunQuantizeTool(argc, argv);
   CLI::App app{"quern: a fast model server (ONNX, TorchScript and Python models)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("quern ") + quern::Version());
@@ -44,6 +47,10 @@ int main(int argc, char** argv) {
   app.add_subcommand("perf",
                      "Load a running server with KServe v2 infer requests (runs quern-perf; see quern "
                      "perf --help)")
+      ->prefix_command();
+  app.add_subcommand("quantize",
+                     "Write an INT8 twin of an ONNX image model, calibrated on your images, with a report of "
+                     "its agreement with the FP32 model (runs quern-quantize, Python; see quern quantize --help)")
       ->prefix_command();
 
   // A configuration file's settings go in before the command line's own,

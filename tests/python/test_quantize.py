@@ -68,9 +68,11 @@ output [ {{ name: "probabilities" data_type: TYPE_FP32 dims: [ 10 ] label_filena
 parameters {{ key: "quern.task" value {{ string_value: "classification" }} }}
 parameters {{ key: "quern.image.resize" value {{ string_value: "stretch" }} }}
 """)
-    run = subprocess.run([sys.executable, QUANTIZE, str(model), "--calibration"] +
+    # Through the binary: `quern quantize` runs quern-quantize (this script, beside it) with QUERN_PYTHON.
+    run = subprocess.run([os.environ["QUERN_BIN"], "quantize", str(model), "--calibration"] +
                          [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
-                         [os.path.join(PHOTOS, f) for f in CHECK], capture_output=True, text=True, timeout=300)
+                         [os.path.join(PHOTOS, f) for f in CHECK], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, QUERN_PYTHON=sys.executable))
     assert run.returncode == 0, run.stdout + run.stderr
     return repo
 
@@ -146,3 +148,22 @@ def test_the_twin_is_served_beside_its_model(quantized, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_quern_quantize_says_what_python_lacks(tmp_path):
+    # A Python without site packages (-S): none of numpy, Pillow, onnx, onnxruntime.
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    env = dict(os.environ, QUERN_PYTHON=str(bare))
+    run = subprocess.run([os.environ["QUERN_BIN"], "quantize", str(tmp_path), "--calibration", PHOTOS],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode != 0, run
+    assert "lacks numpy, Pillow, onnx, onnxruntime" in run.stderr and "QUERN_PYTHON" in run.stderr, run.stderr
+    # --help needs none of them, and names the command as it was typed.
+    run = subprocess.run([os.environ["QUERN_BIN"], "quantize", "--help"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0 and run.stdout.startswith("usage: quern quantize") and "--calibration" in run.stdout, run
+    run = subprocess.run([os.environ["QUERN_BIN"], "quantize", "--help"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, QUERN_PYTHON=str(tmp_path / "no-such-python")))
+    assert run.returncode == 127 and "QUERN_PYTHON" in run.stderr and "no-such-python" in run.stderr, run

@@ -61,7 +61,7 @@ def png(name):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for m in ("objects_fast", "imagenet", "faces"):
+    for m in ("objects_fast", "imagenet", "imagenet_int8", "faces"):
         shutil.copytree(os.path.join(MODELS, m), repo / m)
     proc, ports = start_quern(QUERN, str(repo))
     yield ports["HTTP"]
@@ -145,6 +145,32 @@ def test_imagenet_names_what_the_photograph_shows(server, name):
     assert top[0]["confidence"] > 0.3 and len(top) == 5, top
     scene = form(server, "/v1/vision/custom/imagenet", photo(name))
     assert scene["success"] is False and "/predict/imagenet" in scene["error"], scene
+
+
+CALIBRATION = {"kite.jpg", "scream.jpg", "obama2.jpg", "obama3.jpg"}  # the INT8 twins' (scripts/setup.sh)
+
+
+def test_the_int8_classifier_names_what_its_fp32_twin_names(server):
+    """imagenet_int8 (`quern quantize`'s output at setup) against imagenet, both served, on every
+    photograph its calibration did not see: the FP32 top-1 is in the INT8 top-5 on each, the INT8 top-1
+    is the FP32 one wherever the FP32 model is not torn between two classes (its top-1 leads its
+    second by 0.05 in probability; person.jpg's borzoi/Great Pyrenees is such a tie, 0.01 apart), and
+    the FP32 top-1's probability moves by at most 0.1."""
+    names = sorted(f for f in os.listdir(PHOTOS) if f.endswith(".jpg") and f not in CALIBRATION)
+    assert len(names) >= 8, names
+    decided = 0
+    for name in names:
+        fp32, int8 = predict(server, "imagenet", photo(name)), predict(server, "imagenet_int8", photo(name))
+        assert fp32[0]["label"] in [p["label"] for p in int8], (name, fp32, int8)
+        if fp32[0]["confidence"] - fp32[1]["confidence"] >= 0.05:
+            decided += 1
+            assert int8[0]["label"] == fp32[0]["label"], (name, fp32, int8)
+        same = [p for p in int8 if p["class_id"] == fp32[0]["class_id"]][0]
+        assert abs(same["confidence"] - fp32[0]["confidence"]) <= 0.1, (name, fp32, int8)
+    assert decided >= len(names) - 2, decided
+    report = json.load(open(os.path.join(MODELS, "imagenet_int8", "agreement.json")))
+    # 14 photographs in three views each; calibrated on the ones left out here.
+    assert report["classification"]["images"] == 42 and CALIBRATION <= set(report["calibration_images"]), report
 
 
 # ---- the independent reference: onnxruntime + numpy on the same pixels
