@@ -552,6 +552,7 @@ quantize_once() {
   fi
   local q got
   q=$(mktemp -d)
+  log "quantizing examples/models/$name to INT8 (scripts/quantize.py)"
   "$VENV/bin/python" "$ROOT/scripts/quantize.py" "$models/$name" --calibration "$rm/calibration" \
     --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg \
     "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg \
