@@ -43,7 +43,7 @@ def frame():
 
 
 def load(port, path, body, headers, connections, seconds):
-    """(images/s, median ms, failures) of `connections` closed-loop clients for `seconds`."""
+    """(images answered, images/s, median ms, failures) of `connections` closed-loop clients for `seconds`."""
     lat, failed, lock = [], [], threading.Lock()
     stop = time.perf_counter() + seconds
 
@@ -68,7 +68,7 @@ def load(port, path, body, headers, connections, seconds):
         t.start()
     for t in threads:
         t.join()
-    return len(lat) / (time.perf_counter() - t0), statistics.median(lat) * 1e3 if lat else 0, failed
+    return len(lat), len(lat) / (time.perf_counter() - t0), statistics.median(lat) * 1e3 if lat else 0, failed
 
 
 def main():
@@ -100,8 +100,8 @@ def main():
                     load(ports["HTTP"], path, body, headers, 2, 2)  # warm-up
                     for n in a.connections:
                         c0 = cpu_seconds(proc.pid)
-                        ips, p50, failed = load(ports["HTTP"], path, body, headers, n, a.seconds)
-                        cpu_ms = (cpu_seconds(proc.pid) - c0) / max(1, ips * a.seconds) * 1e3
+                        count, ips, p50, failed = load(ports["HTTP"], path, body, headers, n, a.seconds)
+                        cpu_ms = (cpu_seconds(proc.pid) - c0) / max(1, count) * 1e3
                         results.setdefault((pair, model, n), []).append(ips)
                         print(f"round {r + 1} {model:<14} {n:>3} connections {ips:7.1f} images/s  p50 {p50:7.1f} ms  "
                               f"server CPU {cpu_ms:6.1f} ms/image  failed {len(failed)}"

@@ -257,8 +257,8 @@ def classification_agreement(pairs):
         top1 += int(order[0] == np.argmax(q))
         top5 += int(order[0] in np.argsort(-q)[:5])
         if order[0] != np.argmax(q):
-            differ.append({"image": name, "fp32_top1": int(order[0]), "int8_top1": int(np.argmax(q)),
-                           "fp32_margin": float(r[order[0]] - r[order[1]])})
+            differ.append({"image": name, "fp32_top1": int(order[0]), "fp32_second": int(order[1]),
+                           "int8_top1": int(np.argmax(q)), "fp32_margin": float(r[order[0]] - r[order[1]])})
     n = len(pairs)
     return {"computed": True, "images": n, "top1_agreement": top1 / n if n else None,
             "top5_agreement": top5 / n if n else None,
@@ -287,7 +287,8 @@ def seconds_per_run(sess, name, x, budget=2.0):
 
 def require_packages():
     missing = []
-    for module, package in (("numpy", "numpy"), ("PIL", "Pillow"), ("onnx", "onnx"), ("onnxruntime", "onnxruntime")):
+    for module, package in (("numpy", "numpy"), ("PIL.Image", "Pillow"), ("onnx", "onnx"),
+                            ("onnxruntime", "onnxruntime")):
         try:
             importlib.import_module(module)
         except ImportError:
@@ -320,6 +321,9 @@ def main():
     ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
     args = ap.parse_args()
     require_packages()
+    global np, Image
+    import numpy as np  # noqa: F811 (imported above when present; here for certain)
+    from PIL import Image  # noqa: F811
 
     import onnx
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,

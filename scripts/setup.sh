@@ -152,7 +152,7 @@ APT_PACKAGES=(
 )
 # ... and the tests, the benchmarks and the Python package.
 APT_TEST_PACKAGES=(
-  libgtest-dev libgmock-dev redis-server python3-dev clang-format
+  libgtest-dev libgmock-dev redis-server clang-format
   clang-16 libclang-rt-16-dev  # the fuzz preset: libFuzzer, ASan and UBSan runtimes
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   fonts-liberation2 fonts-urw-base35 fonts-comic-neue fonts-roboto-unhinted  # the OCR page set: serif, sans, mono, condensed, bold, handwriting-like
@@ -179,7 +179,7 @@ install_apt() { # packages...
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   [ "$APT_UPDATED" = 1 ] || $sudo apt-get update -qq
   APT_UPDATED=1
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
   log "Debian packages installed (${#missing[@]})"
 }
 
@@ -192,7 +192,7 @@ apt_download() { # suite package=version folder
   echo "deb http://deb.debian.org/debian $1 main" > "$lists/sources.list"
   local aptopts=(-o Dir::Etc::SourceList="$lists/sources.list" -o Dir::Etc::SourceParts=/dev/null
                  -o Dir::State::Lists="$lists/lists" -o Dir::Cache::Archives="$lists/archives"
-                 -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
+                 -o Dir::Cache="$lists" -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
   apt-get "${aptopts[@]}" update -qq
   (cd "$3" && apt-get "${aptopts[@]}" download "$2" >/dev/null)
   rm -rf "$lists"
@@ -545,18 +545,25 @@ prepare_examples() {
 quantize_once() {
   local name="$1" sha="$2" models="$ROOT/examples/models" rm="$TP/real-models"
   shift 2
-  local int8="$models/${name}_int8/1/model.onnx"
-  if [ -f "$int8" ] && [ -f "$models/${name}_int8/agreement.json" ] &&
-    [ "$(sha256sum "$int8" | cut -d' ' -f1)" = "$sha" ]; then
+  local int8="$models/${name}_int8/1/model.onnx" stamp="$models/${name}_int8/.quantized"
+  local args=("$models/$name" --calibration "$rm/calibration"
+    --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg
+    "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg --check-views "$@")
+  mkdir -p "$models/${name}_int8/1"
+  find "$models/$name" -maxdepth 1 \( -name '*.txt' -o -name '*.labels' -o -name '*.names' \) \
+    -exec cp {} "$models/${name}_int8/" \;  # the label files, as the FP32 model's are now
+  # Done again when the model, the tool or the command changes (the stamp records them), not when
+  # the output only differs from the pinned one (another CPU's rounding).
+  local want
+  want=$( (sha256sum "$models/$name/1/model.onnx" "$ROOT/scripts/quantize.py" | cut -d' ' -f1
+           printf '%s\n' "${args[@]#"$ROOT"/}") | sha256sum | cut -d' ' -f1)
+  if [ -f "$int8" ] && [ -f "$models/${name}_int8/agreement.json" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
   local q got
   q=$(mktemp -d)
   log "quantizing examples/models/$name to INT8 (scripts/quantize.py)"
-  "$VENV/bin/python" "$ROOT/scripts/quantize.py" "$models/$name" --calibration "$rm/calibration" \
-    --check "$rm"/photos/{chelsea,astronaut,coffee,motorcycle_left,camera}.png "$rm"/photos/{rocket,dog,person}.jpg \
-    "$rm"/photos/{horses,giraffe,eagle,grace_hopper,obama,biden}.jpg \
-    --check-views "$@" --out "$q/${name}_int8" > "$q/report.txt" 2>&1 ||
+  "$VENV/bin/python" "$ROOT/scripts/quantize.py" "${args[@]}" --out "$q/${name}_int8" > "$q/report.txt" 2>&1 ||
     { cat "$q/report.txt"; rm -rf "$q"; die "quantizing examples/models/$name failed"; }
   # The calibration runs the FP32 model: another CPU's rounding may move a range by a bit, and
   # the file with it; agreement.json then says how that twin agrees.
@@ -565,10 +572,9 @@ quantize_once() {
     log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md (SHA-256 $got)"
   mkdir -p "$models/${name}_int8/1"
   cp "$q/${name}_int8/agreement.json" "$models/${name}_int8/agreement.json"
-  find "$q/${name}_int8" -maxdepth 1 \( -name '*.txt' -o -name '*.labels' -o -name '*.names' \) ! -name report.txt \
-    -exec cp {} "$models/${name}_int8/" \;  # the label files
   cp "$q/${name}_int8/1/model.onnx" "$int8.tmp"
   mv "$int8.tmp" "$int8"
+  echo "$want" > "$stamp"
   rm -rf "$q"
 }
 
@@ -598,10 +604,18 @@ wait_for() { # [step]: that step's job, or every job
     fi
   done
   JOBS=("${left[@]}")
-  [ -z "$failed" ] || die "failed:$failed (its lines above)"
+  if [ -n "$failed" ]; then
+    wait  # the others end first: a package install is never left running behind a failed setup
+    die "failed:$failed (its lines above)"
+  fi
 }
+# A step that fails in the foreground waits for those in the background too (never killed: an
+# apt-get cut short leaves dpkg half-done).
+trap 'wait' EXIT
 
-install_apt "${APT_PACKAGES[@]}"  # curl, python3-venv: what the steps below use
+# curl, python3-venv: what the steps below use; python3-dev (the Python package's headers) too, so
+# that an upgrade of python3.11 it may pull never happens under the running pip.
+if [ "$MODE" = all ]; then install_apt "${APT_PACKAGES[@]}" python3-dev; else install_apt "${APT_PACKAGES[@]}"; fi
 # The tests' packages (Chromium, LibTorch, clang, ...) install while the venv fills.
 [ "$MODE" = all ] && start install_apt "${APT_TEST_PACKAGES[@]}"
 start install_onnxruntime

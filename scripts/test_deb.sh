@@ -33,7 +33,7 @@ echo "== cpack -G DEB"
 deb=$(ls "$WORK"/quern_*.deb)
 echo "== dpkg -i $(basename "$deb")"
 $sudo dpkg -i "$deb" >/dev/null
-for f in /usr/bin/quern /usr/bin/quern-perf /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.1 \
+for f in /usr/bin/quern /usr/bin/quern-perf /usr/bin/quern-quantize /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.1 \
          /usr/lib/systemd/system/quern.service /etc/quern/quern.toml /usr/include/quern/engine.h; do
   [ -e "$f" ] || { echo "test_deb: $f is missing after installing" >&2; exit 1; }
 done
@@ -113,7 +113,7 @@ if [ "$torch" = 1 ]; then
   [ ! -e /usr/lib/quern/libquern_pytorch.so ] || { echo "test_deb: the plugin outlived dpkg -r quern-pytorch" >&2; exit 1; }
 fi
 $sudo dpkg -r quern >/dev/null
-for f in /usr/bin/quern /usr/bin/quern-perf /usr/lib/libquern.so.0 /usr/lib/quern /usr/lib/systemd/system/quern.service \
+for f in /usr/bin/quern /usr/bin/quern-perf /usr/bin/quern-quantize /usr/lib/libquern.so.0 /usr/lib/quern /usr/lib/systemd/system/quern.service \
          /usr/include/quern; do
   [ ! -e "$f" ] || { echo "test_deb: $f is still there after dpkg -r" >&2; exit 1; }
 done

@@ -23,6 +23,8 @@ expected=$(cd "$ROOT/include" && find . -type f -name '*.h' | sort | tr '\n' ' '
 [ "$headers" = "$expected" ] || { echo "installed headers: $headers; expected the public ones: $expected" >&2; exit 1; }
 "$PREFIX/bin/quern" --help >/dev/null
 "$PREFIX/bin/quern" perf --help >/dev/null  # runs quern-perf, installed beside it
+# runs quern-quantize (Python, by its first line), installed beside it; --help needs no packages
+"$PREFIX/bin/quern" quantize --help | grep -q "^usage: quern quantize"
 
 echo "== examples/embed with find_package(Quern)"
 cmake -S examples/embed -B "$WORK/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -189,6 +189,11 @@ int RunPerfTool(int argc, char** argv) {
 
 int RunQuantizeTool(int argc, char** argv) {
   const std::string script = (SelfDir(argv[0]) / "quern-quantize").string();
+  if (access(script.c_str(), R_OK) != 0) {
+    std::fprintf(stderr, "quern quantize: cannot read %s: %s (it is installed beside quern)\n", script.c_str(),
+                 std::strerror(errno));
+    return 127;
+  }
   // argv[1] is "quantize": the script takes what follows it.
   std::vector<char*> args;
   const char* python = std::getenv("QUERN_PYTHON");
@@ -203,11 +208,12 @@ int RunQuantizeTool(int argc, char** argv) {
   } else {
     execvp(interpreter.c_str(), args.data());
   }
+  const int error = errno;
   std::fprintf(stderr, "quern quantize: cannot run %s: %s (%s)\n",
-               interpreter.empty() ? script.c_str() : interpreter.c_str(), std::strerror(errno),
-               interpreter.empty() ? "it is installed beside quern, and runs python3 from PATH"
+               interpreter.empty() ? script.c_str() : interpreter.c_str(), std::strerror(error),
+               interpreter.empty() ? "it runs the python3 on PATH; QUERN_PYTHON=/path/to/python names another"
                                    : "QUERN_PYTHON names the Python interpreter");
-  return 127;
+  return error == EACCES ? 126 : 127;  // as a shell says: found but not runnable, or not found
 }
 
 }  // namespace quern::cli

@@ -448,15 +448,15 @@ def test_polling_a_repository_with_many_files_costs_little_and_sees_changes(tmp_
     proc, ports = start_quern(QUERN, str(repo), "--repository-poll-secs", "0.2")
     try:
         # The start's looks (every file fingerprinted twice, the folder's load refused) may run late
-        # on a loaded machine: the quietest of three windows is the steady state. Polling every file
-        # would cost in each of them (78 % of a core measured with the file events off).
+        # on a loaded machine and fall in one window: the median of three is the steady state. Polling
+        # every file costs in each of them (78 % of a core measured with the file events off).
         time.sleep(1)
         windows = []
         for _ in range(3):
             before = cpu_seconds(proc.pid)
             time.sleep(2.5)
             windows.append((cpu_seconds(proc.pid) - before) / 2.5)
-        idle = min(windows)
+        idle = sorted(windows)[1]
         print(f"idle server polling 30,000 files every 0.2 s: {[round(w * 100, 1) for w in windows]} % of a core")
         assert idle < 0.05, f"{idle * 100:.1f} % of a core"
         # Changes are still seen: a new model, and a model removed.

@@ -4,6 +4,7 @@ independently (onnxruntime runs both files on the check photographs, pre-process
 numpy); calibration and check images may not overlap; the twin is served by Quern."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def test_the_twin_is_served_beside_its_model(quantized, tmp_path):
 def test_quern_quantize_says_what_python_lacks(tmp_path):
     # A Python without site packages (-S): none of numpy, Pillow, onnx, onnxruntime.
     bare = tmp_path / "bare-python"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -I -S \"$@\"\n")  # -I: no PYTHONPATH either
     bare.chmod(0o755)
     env = dict(os.environ, QUERN_PYTHON=str(bare))
     run = subprocess.run([os.environ["QUERN_BIN"], "quantize", str(tmp_path), "--calibration", PHOTOS],
@@ -164,6 +165,11 @@ def test_quern_quantize_says_what_python_lacks(tmp_path):
     run = subprocess.run([os.environ["QUERN_BIN"], "quantize", "--help"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert run.returncode == 0 and run.stdout.startswith("usage: quern quantize") and "--calibration" in run.stdout, run
+    # Without QUERN_PYTHON: quern-quantize's own first line (the python3 on PATH).
+    plain = {k: v for k, v in os.environ.items() if k != "QUERN_PYTHON"}
+    run = subprocess.run([os.environ["QUERN_BIN"], "quantize", "--help"], capture_output=True, text=True,
+                         timeout=60, env=plain)
+    assert run.returncode == 0 and run.stdout.startswith("usage: quern quantize"), run
     run = subprocess.run([os.environ["QUERN_BIN"], "quantize", "--help"], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, QUERN_PYTHON=str(tmp_path / "no-such-python")))
     assert run.returncode == 127 and "QUERN_PYTHON" in run.stderr and "no-such-python" in run.stderr, run
