@@ -35,9 +35,9 @@ import time
 
 try:  # main() says which are missing
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageOps
 except ImportError:
-    np = Image = None
+    np = Image = ImageOps = None
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -111,7 +111,6 @@ class Preprocess:
 
     def __call__(self, image):
         """(tensor [1, ...], (scale_x, scale_y, offset_x, offset_y)): input = photo * scale + offset."""
-        from PIL import ImageOps
         img = ImageOps.exif_transpose(image).convert("RGB")
         w, h = img.size
         if self.resize == "letterbox":
@@ -321,9 +320,6 @@ def main():
     ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
     args = ap.parse_args()
     require_packages()
-    global np, Image
-    import numpy as np  # noqa: F811 (imported above when present; here for certain)
-    from PIL import Image  # noqa: F811
 
     import onnx
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
@@ -388,10 +384,7 @@ def main():
         ref, q = session(src, 1), session(dst, 1)
         pairs = []
         for f in images_in(args.check):
-            img = Image.open(f)
-            if args.check_views:
-                from PIL import ImageOps
-                img = ImageOps.exif_transpose(img).convert("RGB")
+            img = ImageOps.exif_transpose(Image.open(f)).convert("RGB")
             for suffix, view in views_of(img) if args.check_views else [("", img)]:
                 x, _ = pre(view)
                 pairs.append((os.path.basename(f) + suffix, ref.run(None, {pre.name: x})[0],

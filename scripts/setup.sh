@@ -570,7 +570,6 @@ quantize_once() {
   got=$(sha256sum "$q/${name}_int8/1/model.onnx" | cut -d' ' -f1)
   [ "$got" = "$sha" ] ||
     log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md (SHA-256 $got)"
-  mkdir -p "$models/${name}_int8/1"
   cp "$q/${name}_int8/agreement.json" "$models/${name}_int8/agreement.json"
   cp "$q/${name}_int8/1/model.onnx" "$int8.tmp"
   mv "$int8.tmp" "$int8"

@@ -167,6 +167,14 @@ def post_form(port, path, files=(), **fields):
     return json.loads(data)
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds process `pid` has used (/proc/PID/stat)."""
+    import os
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @functools.lru_cache(maxsize=None)
 def sanitized(binary):
     """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident

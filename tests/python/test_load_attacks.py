@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import sanitized, start_quern
+from quern_testing import cpu_seconds, sanitized, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -428,12 +428,6 @@ def test_admission_counts_what_an_image_decodes_to(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_polling_a_repository_with_many_files_costs_little_and_sees_changes(tmp_path):

@@ -32,7 +32,7 @@ def small_classifier(path):
     rng = np.random.default_rng(3)
     w1 = rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32)
     w2 = rng.normal(0, 0.2, (32, 16, 3, 3)).astype(np.float32)
-    w3 = rng.normal(0, 0.5, (10, 32)).astype(np.float32)
+    w3 = rng.normal(0, 0.01, (10, 32)).astype(np.float32)  # close logits: a few top-1s flip (3 of 24)
     inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"),
                                                           (np.zeros(16, np.float32), "b1"),
                                                           (np.zeros(32, np.float32), "b2"),
@@ -72,8 +72,8 @@ parameters {{ key: "quern.image.resize" value {{ string_value: "stretch" }} }}
     # Through the binary: `quern quantize` runs quern-quantize (this script, beside it) with QUERN_PYTHON.
     run = subprocess.run([os.environ["QUERN_BIN"], "quantize", str(model), "--calibration"] +
                          [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
-                         [os.path.join(PHOTOS, f) for f in CHECK], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, QUERN_PYTHON=sys.executable))
+                         [os.path.join(PHOTOS, f) for f in CHECK] + ["--check-views"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, QUERN_PYTHON=sys.executable))
     assert run.returncode == 0, run.stdout + run.stderr
     return repo
 
@@ -97,6 +97,13 @@ def top(session, x, k):
     return list(np.argsort(-session.run(None, {"x": x})[0][0])[:k])
 
 
+def views(img):
+    """--check-views, written here: the photograph, mirrored, and the middle 60 % of it."""
+    w, h = img.size
+    return {"": img, " (mirrored)": img.transpose(Image.FLIP_LEFT_RIGHT),
+            " (middle)": img.crop((int(w * 0.2), int(h * 0.2), int(w * 0.8), int(h * 0.8)))}
+
+
 def test_the_report_states_the_agreement_computed_here(quantized):
     import onnx
     import onnxruntime
@@ -107,16 +114,28 @@ def test_the_report_states_the_agreement_computed_here(quantized):
     fp32 = onnxruntime.InferenceSession(str(quantized / "small" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     int8 = onnxruntime.InferenceSession(str(twin / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     top1 = top5 = 0
+    differ = {}
     for f in CHECK:
-        img = Image.open(os.path.join(PHOTOS, f)).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)
-        x = np.ascontiguousarray((np.asarray(img, np.float32) / 255).transpose(2, 0, 1)[None])
-        a, b = top(fp32, x, 1)[0], top(int8, x, 5)
-        top1 += a == b[0]
-        top5 += a in b
+        for suffix, view in views(Image.open(os.path.join(PHOTOS, f)).convert("RGB")).items():
+            img = view.resize((SIZE, SIZE), Image.BILINEAR)
+            x = np.ascontiguousarray((np.asarray(img, np.float32) / 255).transpose(2, 0, 1)[None])
+            a, b = top(fp32, x, 2), top(int8, x, 5)
+            first = int(np.argmax(int8.run(None, {"x": x})[0][0]))  # the first of equal scores, as argmax
+            top1 += a[0] == first
+            top5 += a[0] in b
+            if a[0] != first:
+                p = fp32.run(None, {"x": x})[0][0]
+                differ[f + suffix] = (a[0], a[1], first, p[a[0]] - p[a[1]])
     got = report["classification"]
-    assert got["images"] == len(CHECK), got
-    assert got["top1_agreement"] == pytest.approx(top1 / len(CHECK)), (got, top1)
-    assert got["top5_agreement"] == pytest.approx(top5 / len(CHECK)), (got, top5)
+    n = 3 * len(CHECK)
+    assert got["images"] == n, got
+    assert got["top1_agreement"] == pytest.approx(top1 / n), (got, top1)
+    assert got["top5_agreement"] == pytest.approx(top5 / n), (got, top5)
+    # Each input whose top-1 differs, named, with the FP32 model's two best and its margin.
+    assert {d["image"]: (d["fp32_top1"], d["fp32_second"], d["int8_top1"]) for d in got["top1_differs"]} == \
+        {k: v[:3] for k, v in differ.items()}, (got["top1_differs"], differ)
+    for d in got["top1_differs"]:
+        assert d["fp32_margin"] == pytest.approx(differ[d["image"]][3], abs=1e-5), (d, differ)
     assert report["calibration_images"] == sorted(CALIBRATION), report
     config = (twin / "config.pbtxt").read_text()
     assert 'name: "small_int8"' in config and 'name: "small"' not in config, config
