@@ -263,7 +263,11 @@ def test_on_one_core_the_http_thread_runs_the_batches_of_concurrent_clients(serv
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert woken < REQUESTS / 20, f"engine threads woken {woken} times for {REQUESTS} requests on one core"
+    # Handed over, 300 requests of 4 clients are at least 75 batches, each a wake-up. Under
+    # AddressSanitizer, beside two other tests, the pinned server is now and then off its core for
+    # longer than a worker leaves a queued batch to the HTTP thread (44 of 300 seen): most still run there.
+    bound = REQUESTS / 5 if sanitized(QUERN) else REQUESTS / 20
+    assert woken < bound, f"engine threads woken {woken} times for {REQUESTS} requests on one core"
     sproc, sports = server
     before = engine_wakeups(sproc.pid)
     assert not http_clients(sports["HTTP"], 4, REQUESTS // 4, 40)
