@@ -9,20 +9,12 @@
 #include <thread>
 
 #include "core/mutex.h"
+#include "eventually.h"
 
 namespace quern {
 namespace {
 
-// Waits until `cond` holds (another thread's progress), up to ten seconds.
-template <typename F>
-bool Eventually(F cond) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!cond()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
+using testing::Eventually;
 
 TEST(FakeClock, AWaitEndsWhenTheClockIsMovedToItsDeadlineAndNotBefore) {
   FakeClock clock;

@@ -8,9 +8,13 @@
 
 namespace quern {
 
-// The process's one environment, with one CPU arena that sessions created
-// with session.use_env_allocators allocate from.
+class BlockCache;
+
+// The process's one environment, with one CPU allocator that sessions created
+// with session.use_env_allocators allocate from: its large blocks come from
+// OrtRunMemory(), kept between runs and returned once idle.
 Ort::Env& OrtEnv();
+BlockCache& OrtRunMemory();
 
 // Element types; kInvalid / UNDEFINED where the other side has no match.
 DataType FromOrt(ONNXTensorElementDataType type);

@@ -13,6 +13,9 @@
 
 #include "backends/onnxruntime/ort_internal.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
+#include "core/block_cache.h"
+#include "core/memory.h"
+#include "quern/clock.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define QUERN_LSAN 1
@@ -101,9 +104,43 @@ Status CheckAgainstModel(const ModelConfig& c, const TensorConfig& t, const Onnx
 
 }  // namespace
 
-// One CPU arena that every session allocates from (session.use_env_allocators):
-// a model's instances share the memory their runs need instead of each
-// growing an arena of its own.
+namespace {
+
+// The CPU allocator every session uses (session.use_env_allocators): a
+// model's instances share the memory their runs need, and a run's large
+// buffers come from a BlockCache (core/block_cache.h): reused run after run,
+// returned to the system once unused for its idle time, where ONNX Runtime's
+// arena kept what the largest batch ever run needed until the end.
+class RunMemory final : public OrtAllocator {
+ public:
+  explicit RunMemory(BlockCache& cache) : cache_(cache) {
+    version = ORT_API_VERSION;
+    OrtAllocator::Alloc = [](OrtAllocator* self, size_t size) {
+      return static_cast<RunMemory*>(self)->cache_.Alloc(size);
+    };
+    OrtAllocator::Free = [](OrtAllocator* self, void* p) { static_cast<RunMemory*>(self)->cache_.Free(p); };
+    OrtAllocator::Info = [](const OrtAllocator* self) -> const OrtMemoryInfo* {
+      return static_cast<const RunMemory*>(self)->info_;
+    };
+    OrtAllocator::Reserve = OrtAllocator::Alloc;  // what a session keeps from its start: the same
+  }
+
+ private:
+  BlockCache& cache_;
+  Ort::MemoryInfo info_ = Ort::MemoryInfo::CreateCpu(OrtDeviceAllocator, OrtMemTypeDefault);
+};
+
+}  // namespace
+
+BlockCache& OrtRunMemory() {
+  static BlockCache* cache = [] {
+    BlockCache::Options o;
+    o.on_idle = ReturnFreedMemory;  // what the runs' small buffers left in the C library's lists too
+    return new BlockCache(std::move(o), RealClockInstance());
+  }();
+  return *cache;
+}
+
 Ort::Env& OrtEnv() {
   static Ort::Env* env = [] {
     // ONNX Runtime 1.29 and later start Microsoft's telemetry on Linux when
@@ -125,8 +162,8 @@ Ort::Env& OrtEnv() {
     auto* e = new Ort::Env(ORT_LOGGING_LEVEL_WARNING, "quern");
 #endif
     e->DisableTelemetryEvents();
-    Ort::ArenaCfg arena(0, -1, -1, -1);  // ONNX Runtime's defaults
-    e->CreateAndRegisterAllocator(Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault), arena);
+    static RunMemory* run_memory = new RunMemory(OrtRunMemory());  // outlives every session
+    Ort::ThrowOnError(Ort::GetApi().RegisterAllocator(*e, run_memory));
     return e;
   }();
   return *env;

@@ -1,0 +1,230 @@
+#include "core/block_cache.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <utility>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define QUERN_BLOCK_CACHE_LSAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define QUERN_BLOCK_CACHE_LSAN 1
+#endif
+#endif
+#ifdef QUERN_BLOCK_CACHE_LSAN
+#include <sanitizer/lsan_interface.h>
+#endif
+
+namespace quern {
+
+namespace {
+
+// LeakSanitizer looks for pointers in what malloc gave out, not in mapped
+// memory: a block holding the only pointer to something (a string tensor's
+// strings) is shown to it while mapped.
+void* Map(size_t bytes) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+#ifdef QUERN_BLOCK_CACHE_LSAN
+  __lsan_register_root_region(base, bytes);
+#endif
+  return base;
+}
+
+// `base` (a block of `had` bytes) as a block of `bytes`, perhaps moved; nullptr
+// (and `base` as it was) when the system cannot.
+void* Remap(void* base, size_t had, size_t bytes) {
+  void* moved = mremap(base, had, bytes, MREMAP_MAYMOVE);
+  if (moved == MAP_FAILED) return nullptr;
+#ifdef QUERN_BLOCK_CACHE_LSAN
+  __lsan_unregister_root_region(base, had);
+  __lsan_register_root_region(moved, bytes);
+#endif
+  return moved;
+}
+
+void Unmap(void* base, size_t bytes) {
+#ifdef QUERN_BLOCK_CACHE_LSAN
+  __lsan_unregister_root_region(base, bytes);
+#endif
+  munmap(base, bytes);
+}
+
+// Each block starts with this header, kAlignment bytes before the pointer
+// handed out: the class size of a mapped block (what munmap takes), 0 for
+// one from the C library.
+struct Header {
+  size_t class_bytes;
+};
+constexpr size_t kHeader = BlockCache::kAlignment;
+constexpr size_t kPage = 4096;
+
+Header* HeaderOf(void* p) {
+  return reinterpret_cast<Header*>(static_cast<std::byte*>(p) - kHeader);
+}
+void* UserOf(void* base) {
+  return static_cast<std::byte*>(base) + kHeader;
+}
+
+}  // namespace
+
+BlockCache::BlockCache(Options options, const Clock& clock)
+    : options_(std::move(options)), clock_(clock), releaser_([this] { ReleaseLoop(); }) {}
+
+BlockCache::~BlockCache() {
+  {
+    MutexLock lock(mu_);
+    stop_ = true;
+  }
+  wake_.SignalAll();
+  releaser_.join();
+  MutexLock lock(mu_);
+  for (auto& [bytes, blocks] : kept_) {
+    for (const Kept& k : blocks) Unmap(k.base, bytes);
+  }
+  kept_.clear();
+}
+
+size_t BlockCache::ClassBytes(size_t size) const {
+  if (size < options_.min_cached_bytes) return 0;
+  const size_t total = size + kHeader;
+  const size_t step = std::max(std::bit_floor(total) / 8, kPage);
+  return (total + step - 1) / step * step;
+}
+
+void* BlockCache::TakeKept(std::map<size_t, std::deque<Kept>>::iterator it) {
+  void* base = it->second.back().base;
+  use_.kept_bytes -= it->first;
+  it->second.pop_back();
+  if (it->second.empty()) kept_.erase(it);
+  return base;
+}
+
+void* BlockCache::Alloc(size_t size) {
+  if (size == 0) size = 1;
+  if (size > (SIZE_MAX >> 2)) return nullptr;  // no machine has it; the sums below stay in range
+  const size_t bytes = ClassBytes(size);
+  if (bytes == 0) {
+    void* base = std::aligned_alloc(kAlignment, (size + kHeader + kAlignment - 1) / kAlignment * kAlignment);
+    if (base == nullptr) return nullptr;
+    new (base) Header{0};
+    return UserOf(base);
+  }
+  {
+    MutexLock lock(mu_);
+    auto it = kept_.lower_bound(bytes);
+    if (it != kept_.end() && it->first <= 2 * bytes) {
+      const size_t got = it->first;
+      void* base = TakeKept(it);
+      use_.in_use_bytes += got;
+      return UserOf(base);
+    }
+    if (!kept_.empty()) {
+      // None fits: the nearest kept block larger (else the largest) is resized to this class
+      // instead of mapping one more beside it (what it keeps of its pages stays in place).
+      if (it == kept_.end()) --it;
+      const size_t had = it->first;
+      void* old = TakeKept(it);
+      use_.in_use_bytes += bytes;
+      ++use_.resized;
+      lock.Unlock();
+      if (void* base = Remap(old, had, bytes)) {
+        new (base) Header{bytes};
+        return UserOf(base);
+      }
+      Unmap(old, had);  // it could not be resized: a new block instead
+      lock.Lock();
+      --use_.resized;
+      ++use_.returned;
+      ++use_.mapped;
+    } else {
+      use_.in_use_bytes += bytes;  // counted before mapping, so that InUse never misses it
+      ++use_.mapped;
+    }
+  }
+  void* base = Map(bytes);
+  if (base == nullptr) {
+    MutexLock lock(mu_);
+    use_.in_use_bytes -= bytes;
+    --use_.mapped;
+    return nullptr;
+  }
+  new (base) Header{bytes};
+  return UserOf(base);
+}
+
+void BlockCache::Free(void* p) {
+  if (p == nullptr) return;
+  void* base = HeaderOf(p);
+  const size_t bytes = HeaderOf(p)->class_bytes;
+  if (bytes == 0) {
+    std::free(base);
+    return;
+  }
+  bool wake = false;
+  {
+    MutexLock lock(mu_);
+    kept_[bytes].push_back({base, clock_.NowNs()});
+    use_.in_use_bytes -= bytes;
+    use_.kept_bytes += bytes;
+    wake = sleeping_;
+    sleeping_ = false;
+  }
+  if (wake) wake_.Signal();
+}
+
+BlockCache::Use BlockCache::InUse() const {
+  MutexLock lock(mu_);
+  return use_;
+}
+
+void BlockCache::ReleaseLoop() {
+  std::vector<std::pair<void*, size_t>> expired;
+  MutexLock lock(mu_);
+  while (!stop_) {
+    if (kept_.empty()) {
+      sleeping_ = true;  // a Free wakes it
+      wake_.Wait(lock);
+      continue;
+    }
+    // The oldest kept block decides when to look again.
+    const int64_t now = clock_.NowNs();
+    int64_t next = INT64_MAX;
+    for (auto it = kept_.begin(); it != kept_.end();) {
+      auto& blocks = it->second;
+      while (!blocks.empty() && now - blocks.front().freed_ns >= options_.idle_release_ns) {
+        expired.emplace_back(blocks.front().base, it->first);
+        blocks.pop_front();
+      }
+      if (blocks.empty()) {
+        it = kept_.erase(it);
+      } else {
+        next = std::min(next, blocks.front().freed_ns + options_.idle_release_ns);
+        ++it;
+      }
+    }
+    if (!expired.empty()) {
+      for (const auto& [base, bytes] : expired) use_.kept_bytes -= bytes;
+      use_.returned += static_cast<int64_t>(expired.size());
+      lock.Unlock();  // munmap outside the lock: Alloc and Free go on meanwhile
+      for (const auto& [base, bytes] : expired) Unmap(base, bytes);
+      expired.clear();
+      lock.Lock();
+      if (kept_.empty() && use_.in_use_bytes == 0 && options_.on_idle) {
+        lock.Unlock();
+        options_.on_idle();
+        lock.Lock();
+      }
+      continue;
+    }
+    wake_.WaitUntil(lock, clock_, next);
+  }
+}
+
+}  // namespace quern
