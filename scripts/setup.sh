@@ -627,6 +627,7 @@ install_real_models
 start install_nanodet
 start install_yolo
 install_labelled_photos
+wait_for install_ocr_models
 wait_for install_nanodet
 wait_for install_yolo
 prepare_examples  # beside the tests' Debian packages, which it does not use

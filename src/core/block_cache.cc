@@ -26,33 +26,34 @@ namespace quern {
 namespace {
 
 // LeakSanitizer looks for pointers in what malloc gave out, not in mapped
-// memory: a block holding the only pointer to something (a string tensor's
-// strings) is shown to it while mapped.
-void* Map(size_t bytes) {
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return nullptr;
+// memory: a block in use (which may hold the only pointer to something, a
+// string tensor's strings) is shown to it, and hidden again once freed (what
+// a kept block still holds is stale and must not keep a leak reachable).
+void ShowToLsan([[maybe_unused]] void* base, [[maybe_unused]] size_t bytes) {
 #ifdef QUERN_BLOCK_CACHE_LSAN
   __lsan_register_root_region(base, bytes);
 #endif
-  return base;
+}
+
+void HideFromLsan([[maybe_unused]] void* base, [[maybe_unused]] size_t bytes) {
+#ifdef QUERN_BLOCK_CACHE_LSAN
+  __lsan_unregister_root_region(base, bytes);
+#endif
+}
+
+void* Map(size_t bytes) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return base == MAP_FAILED ? nullptr : base;
 }
 
 // `base` (a block of `had` bytes) as a block of `bytes`, perhaps moved; nullptr
 // (and `base` as it was) when the system cannot.
 void* Remap(void* base, size_t had, size_t bytes) {
   void* moved = mremap(base, had, bytes, MREMAP_MAYMOVE);
-  if (moved == MAP_FAILED) return nullptr;
-#ifdef QUERN_BLOCK_CACHE_LSAN
-  __lsan_unregister_root_region(base, had);
-  __lsan_register_root_region(moved, bytes);
-#endif
-  return moved;
+  return moved == MAP_FAILED ? nullptr : moved;
 }
 
 void Unmap(void* base, size_t bytes) {
-#ifdef QUERN_BLOCK_CACHE_LSAN
-  __lsan_unregister_root_region(base, bytes);
-#endif
   munmap(base, bytes);
 }
 
@@ -106,16 +107,20 @@ void* BlockCache::TakeKept(std::map<size_t, std::deque<Kept>>::iterator it) {
   return base;
 }
 
+void* BlockCache::AllocLasting(size_t size) {
+  if (size == 0) size = 1;
+  if (size > (SIZE_MAX >> 2)) return nullptr;
+  void* base = std::aligned_alloc(kAlignment, (size + kHeader + kAlignment - 1) / kAlignment * kAlignment);
+  if (base == nullptr) return nullptr;
+  new (base) Header{0};
+  return UserOf(base);
+}
+
 void* BlockCache::Alloc(size_t size) {
   if (size == 0) size = 1;
   if (size > (SIZE_MAX >> 2)) return nullptr;  // no machine has it; the sums below stay in range
   const size_t bytes = ClassBytes(size);
-  if (bytes == 0) {
-    void* base = std::aligned_alloc(kAlignment, (size + kHeader + kAlignment - 1) / kAlignment * kAlignment);
-    if (base == nullptr) return nullptr;
-    new (base) Header{0};
-    return UserOf(base);
-  }
+  if (bytes == 0) return AllocLasting(size);
   {
     MutexLock lock(mu_);
     auto it = kept_.lower_bound(bytes);
@@ -123,6 +128,7 @@ void* BlockCache::Alloc(size_t size) {
       const size_t got = it->first;
       void* base = TakeKept(it);
       use_.in_use_bytes += got;
+      ShowToLsan(base, got);
       return UserOf(base);
     }
     if (!kept_.empty()) {
@@ -136,6 +142,7 @@ void* BlockCache::Alloc(size_t size) {
       lock.Unlock();
       if (void* base = Remap(old, had, bytes)) {
         new (base) Header{bytes};
+        ShowToLsan(base, bytes);
         return UserOf(base);
       }
       Unmap(old, had);  // it could not be resized: a new block instead
@@ -156,6 +163,7 @@ void* BlockCache::Alloc(size_t size) {
     return nullptr;
   }
   new (base) Header{bytes};
+  ShowToLsan(base, bytes);
   return UserOf(base);
 }
 
@@ -167,6 +175,7 @@ void BlockCache::Free(void* p) {
     std::free(base);
     return;
   }
+  HideFromLsan(base, bytes);
   bool wake = false;
   {
     MutexLock lock(mu_);

@@ -5,9 +5,12 @@
 // first time its size class is asked for; when freed it is kept, and the next
 // request of its class, or of a class down to half its size, takes it back (the
 // smallest that fits; of one class, the last freed: its pages are the warmest).
-// When no kept block fits, the nearest kept one is resized (mremap) rather
-// than a new one mapped beside it: a change of batch sizes reuses what the old
-// ones held instead of adding to it. A kept block that no request took for `idle_release_ns`
+// When no kept block fits, the smallest larger kept block (else the largest
+// kept one, whatever its size) is resized (mremap) rather than a new one
+// mapped beside it: a change of batch sizes reuses what the old ones held
+// instead of adding to it. (Two models whose runs need very different sizes
+// can take each other's kept blocks this way; the one resized back faults
+// its pages in again.) A kept block that no request took for `idle_release_ns`
 // goes back to the system (munmap), so memory follows the load: a burst of
 // large batches leaves nothing behind once it has been over for that long,
 // while a steady load reuses its blocks and never maps anew. (ONNX Runtime's
@@ -68,7 +71,12 @@ class BlockCache {
   // `size` bytes (0 is treated as 1), aligned to kAlignment; nullptr when the
   // system has no memory left (or `size` is beyond any: over SIZE_MAX / 4).
   void* Alloc(size_t size);
-  // Takes back what Alloc returned (nullptr: nothing).
+  // `size` bytes from the C library whatever the size, aligned to kAlignment,
+  // and not counted in InUse: for what lives as long as its owner (a
+  // session's weights), which keeping or timing would only waste. nullptr as
+  // Alloc.
+  void* AllocLasting(size_t size);
+  // Takes back what Alloc or AllocLasting returned (nullptr: nothing).
   void Free(void* p);
 
   Use InUse() const;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory_resource>
 #include <mutex>
+#include <new>
 
 #include "backends/onnxruntime/ort_internal.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
@@ -113,16 +114,26 @@ namespace {
 // arena kept what the largest batch ever run needed until the end.
 class RunMemory final : public OrtAllocator {
  public:
-  explicit RunMemory(BlockCache& cache) : cache_(cache) {
-    version = ORT_API_VERSION;
+  // ONNX Runtime's allocators throw when memory runs out (the run fails, the
+  // server stays): a null pointer would be written through.
+  explicit RunMemory(BlockCache& cache) : OrtAllocator{}, cache_(cache) {
+    version = 18;  // the fields set here: Alloc, Free, Info and Reserve (API 18)
     OrtAllocator::Alloc = [](OrtAllocator* self, size_t size) {
-      return static_cast<RunMemory*>(self)->cache_.Alloc(size);
+      void* p = static_cast<RunMemory*>(self)->cache_.Alloc(size);
+      if (p == nullptr) throw std::bad_alloc();
+      return p;
     };
     OrtAllocator::Free = [](OrtAllocator* self, void* p) { static_cast<RunMemory*>(self)->cache_.Free(p); };
     OrtAllocator::Info = [](const OrtAllocator* self) -> const OrtMemoryInfo* {
       return static_cast<const RunMemory*>(self)->info_;
     };
-    OrtAllocator::Reserve = OrtAllocator::Alloc;  // what a session keeps from its start: the same
+    // What a session keeps from its start to its end (its weights): not kept for runs, not
+    // counted as a run's.
+    OrtAllocator::Reserve = [](OrtAllocator* self, size_t size) {
+      void* p = static_cast<RunMemory*>(self)->cache_.AllocLasting(size);
+      if (p == nullptr) throw std::bad_alloc();
+      return p;
+    };
   }
 
  private:
