@@ -80,6 +80,8 @@ scripts/test_deb.sh "$ROOT/build/ci"
 
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   step "AddressSanitizer + UndefinedBehaviorSanitizer build (clang; the fuzz targets too): its end"
+  running=1
+  kill -0 "$asan_build" 2>/dev/null || running=0
   rc=0
   wait "$asan_build" || rc=$?
   asan_build=""
@@ -88,7 +90,11 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
     echo "== the sanitizer build failed (rc $rc; build/asan/build.log)" >&2
     exit 1
   fi
-  echo "== (the sanitizer build took $((SECONDS - asan_start)) s from its start beside the release tests)"
+  if [ "$running" = 1 ]; then
+    echo "== (the sanitizer build, started $((SECONDS - asan_start)) s ago beside the release tests, ended now)"
+  else
+    echo "== (the sanitizer build, started $((SECONDS - asan_start)) s ago beside the release tests, had ended)"
+  fi
   step "AddressSanitizer + UndefinedBehaviorSanitizer tests"
   # Three at a time: the tests here leave CPU time, RSS and latency bounds to the release stage,
   # and a fifth of the cores' time idle at two. The corpora are replayed by the fuzzing step
