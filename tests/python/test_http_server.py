@@ -450,13 +450,21 @@ def _ready_first_then_every_port(binary, repo, ask_http):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from quern_testing import free_port
+    import tempfile
     http, grpc_port, metrics = free_port(), free_port(), free_port()
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", str(http), "--grpc-port",
                              str(grpc_port), "--metrics-port", str(metrics), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
+            if proc.poll() is not None:  # say why, instead of polling a server that is gone
+                log.seek(0)
+                why = log.read().decode(errors="replace")
+                if "in use" in why:
+                    raise PortTaken(why)  # another test took a port between free_port and the bind
+                raise AssertionError(f"the server exited ({proc.returncode}) before it was ready: {why}")
             try:
                 if ask_http:
                     with socket.create_connection(("127.0.0.1", http), timeout=2) as s:
@@ -480,6 +488,11 @@ def _ready_first_then_every_port(binary, repo, ask_http):
     finally:
         proc.kill()
         proc.wait()
+        log.close()
+
+
+class PortTaken(Exception):
+    """A port chosen free was taken by another test before the server bound it."""
 
 
 @pytest.mark.parametrize("ask_http", [True, False], ids=["http", "grpc-health"])
@@ -491,5 +504,13 @@ def test_ready_only_once_every_port_listens(tmp_path, ask_http):
     repo = tmp_path / "models"
     repo.mkdir()
     shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "add_sub"), repo / "add_sub")
-    for _ in range(5):
-        assert _ready_first_then_every_port(os.environ["QUERN_BIN"], str(repo), ask_http) == []
+    started = 0
+    for _ in range(10):
+        try:
+            assert _ready_first_then_every_port(os.environ["QUERN_BIN"], str(repo), ask_http) == []
+        except PortTaken:
+            continue
+        started += 1
+        if started == 5:
+            break
+    assert started == 5, "ports taken by other tests on most starts"
