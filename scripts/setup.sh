@@ -144,6 +144,7 @@ npm_fetch() {
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libcli11-dev libtomlplusplus-dev
+  libnghttp2-dev  # the gRPC transport (Debian's nghttp2 carries the HTTP/2 security fixes)
   libboost-dev libboost-system-dev rapidjson-dev zlib1g-dev
   libturbojpeg0-dev libpng-dev libwebp-dev libstb-dev libssl-dev openssl
   python3 python3-venv curl ca-certificates

@@ -49,9 +49,18 @@ void AddNetworkFlags(CLI::App* serve, ServerOptions& o) {
                     "Close a connection whose request head takes longer than this to arrive");
   serve->add_option("--grpc-port", o.grpc.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
   serve->add_option("--grpc-max-connections", o.grpc.max_connections,
-                    "Open plaintext gRPC connections (more: closed at once)");
+                    "Open gRPC connections, plaintext and TLS (more: the one longest without a call closes, "
+                    "else the new one)");
+  serve->add_option("--grpc-max-connections-per-client", o.grpc.max_connections_per_client,
+                    "Open gRPC connections from one client address (0 = half of --grpc-max-connections; "
+                    "raise it behind a load balancer)");
   serve->add_option("--grpc-idle-timeout-secs", o.grpc.idle_timeout_s,
                     "Close a gRPC connection with no call for this long");
+  serve->add_option("--grpc-message-timeout-secs", o.grpc.message_timeout_s,
+                    "A gRPC request message must arrive within this (else DEADLINE_EXCEEDED)");
+  serve->add_option("--grpc-write-timeout-secs", o.grpc.write_timeout_s,
+                    "Close a gRPC connection whose answers have not moved for this long (a client that does not "
+                    "read)");
   serve->add_option("--grpc-max-message-bytes", o.grpc.max_receive_bytes,
                     "Largest gRPC request or response message (larger: RESOURCE_EXHAUSTED)");
   serve

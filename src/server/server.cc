@@ -324,6 +324,7 @@ Status Server::Parts::StartGrpc(bool explicit_control) {
   Parts* parts = this;
   GrpcServerOptions g = o.grpc;
   g.host = o.http.host;
+  g.io_threads = o.http.io_threads;
   g.max_send_bytes = g.max_receive_bytes;
   if (g.tls_cert_file.empty() && g.tls_key_file.empty()) {
     g.tls_cert_file = o.http.tls_cert_file;

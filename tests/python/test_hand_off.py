@@ -356,15 +356,14 @@ def thread_policies(pid):
 
 
 def test_grpcs_threads_do_not_preempt_the_engine_and_the_rest_keep_their_policy(server):
-    """An answer written from an engine thread wakes one of gRPC's callback threads; were it to
-    preempt the engine thread on its core at every answer, a batch's answers would ping-pong
-    between them. gRPC's threads run under SCHED_BATCH (3), which does not preempt on wakeup; the
-    engine's, HTTP's and the main thread keep SCHED_OTHER (0): the policy is lent only while gRPC
-    starts."""
+    """An answer handed over by an engine thread wakes a gRPC I/O thread; were it to preempt the
+    engine thread on its core at every answer, a batch's answers would ping-pong between them.
+    gRPC's I/O threads (quern-grpc) run under SCHED_BATCH (3), which does not preempt on wakeup; the
+    engine's and the main thread keep SCHED_OTHER (0)."""
     proc, ports = server
     stream_requests(f"127.0.0.1:{ports['gRPC']}", 20, 5)  # gRPC's threads all started
     policies = thread_policies(proc.pid)
-    assert policies.get("nexting_thread") == {3}, policies
+    assert policies.get("quern-grpc") == {3}, policies
     for ours in ("quern", "quern-infer"):
         assert policies.get(ours) == {0}, (ours, policies)
     assert policies.get("quern-http") == {3}, policies  # while nothing is refused (next test)
@@ -385,7 +384,7 @@ def thread_slices(pid):
 
 
 def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp_path):
-    """Models load on the thread that asks: over gRPC (RepositoryModelLoad) one of gRPC's threads,
+    """Models load on the thread that asks: over gRPC (RepositoryModelLoad) a gRPC I/O thread,
     under SCHED_BATCH; over HTTP an I/O thread, with short slices. The threads made there (the
     engine's; ONNX Runtime's, which keep the loading thread's name) and a Python model's process
     must get the engine's own scheduling instead (engine threads under SCHED_BATCH would stop
@@ -395,7 +394,7 @@ def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp
         c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
         assert c.is_server_live()
         before = thread_ids_policies(proc.pid)
-        grpcs = [p for name, p in before.values() if name == "nexting_thread"]
+        grpcs = [p for name, p in before.values() if name == "quern-grpc"]
         assert grpcs and set(grpcs) == {3}, before
         main_slice = thread_slices(proc.pid).get(proc.pid)
         # The models arrive in the repository after the start, and are loaded over the API.

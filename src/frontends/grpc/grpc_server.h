@@ -1,10 +1,12 @@
 // GrpcServer: the KServe v2 GRPCInferenceService (Triton's flavour) and the
-// standard grpc.health.v1.Health service over a quern::Engine, on gRPC's
-// callback API (no thread per request).
+// standard grpc.health.v1.Health service over a quern::Engine, on Quern's
+// own gRPC transport (grpc_transport.h: gRPC over HTTP/2 on nghttp2, every
+// per-connection and per-call resource bounded).
 //
-// ModelInfer takes raw_input_contents without copying (the tensors view the
-// request message until the response is sent) or typed contents; answers
-// carry raw_output_contents. A client deadline becomes the request's
+// Every call is admitted (its key, the server draining) from its headers,
+// before any byte of its message is read. ModelInfer takes
+// raw_input_contents (the tensors view the parsed request until the
+// response is sent) or typed contents; answers carry raw_output_contents. A client deadline becomes the request's
 // deadline in the batcher, and a cancelled call withdraws its request.
 // ModelStreamInfer runs many requests on one stream and writes each
 // response as soon as it is ready; a failed request yields an error_message
@@ -37,20 +39,31 @@ struct GrpcAccess {
 struct GrpcServerOptions {
   std::string host = "0.0.0.0";
   int port = 8001;                   // 0 = pick a free port (see GrpcServer::port)
+  int io_threads = 1;                // event loops (connections are spread over them)
   int max_receive_bytes = 64 << 20;  // larger requests: RESOURCE_EXHAUSTED
   // Calls a connection may have open at once (HTTP/2
   // SETTINGS_MAX_CONCURRENT_STREAMS): a client with more waits for one to
   // finish, so an open-loop client cannot pile unbounded work and memory
-  // into the server ahead of admission. 0 = gRPC's default (no limit).
-  int max_concurrent_streams = 1024;
+  // into the server ahead of admission. 0 = no limit.
+  int max_concurrent_streams = 256;
   int max_send_bytes = 64 << 20;  // larger responses: RESOURCE_EXHAUSTED
-  // Open connections (plaintext: Quern accepts them and hands them to gRPC):
-  // beyond, a new connection is closed at once. Over TLS gRPC accepts them
-  // itself, and only the idle timeout bounds them.
+  // Open connections, plaintext and TLS: at the limit the connection
+  // longest without an open call is closed to make room; none such: the new
+  // one is closed at once.
   int max_connections = 1024;
+  // The same bound for one client address; 0 = half of max_connections.
+  int max_connections_per_client = 0;
   // A connection with no call for this long is closed (GOAWAY; clients
   // reconnect when they next call).
   int idle_timeout_s = 60;
+  // A request message must arrive within this (from its first byte, and
+  // for a unary call from the call's start): else DEADLINE_EXCEEDED.
+  int message_timeout_s = 30;
+  // Answers that wait for a client that does not read: at most this many
+  // bytes per connection (more: RESOURCE_EXHAUSTED), and a connection whose
+  // answers do not move for write_timeout_s is closed.
+  size_t max_unsent_bytes = size_t{32} << 20;
+  int write_timeout_s = 30;
   int health_poll_ms = 500;  // how often the health service re-reads readiness
   // Model control (RepositoryModelLoad / Unload); off: FAILED_PRECONDITION.
   bool model_control = true;
@@ -74,7 +87,7 @@ struct GrpcServerOptions {
   // clients must present a certificate signed by one of them.
   std::string tls_client_ca_file;
   // When set, called once per call (a stream is one call), on a gRPC
-  // thread, when it ends: an access log.
+  // I/O thread, when it ends: an access log.
   std::function<void(const GrpcAccess&)> access_log;
 };
 
