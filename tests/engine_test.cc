@@ -542,6 +542,29 @@ TEST(EngineRepository, AReloadThatFailsLeavesTheServingVersionServing) {
   EXPECT_FALSE(v1.has_value());
 }
 
+TEST(EngineRepository, ABrokenVersionRemovedTakesItsFailureNoteWithIt) {
+  TempDir repo;
+  CopyModel("versions", repo.path(), "m");
+  WriteFile(repo.path() / "m" / "config.pbtxt", "max_batch_size: 8\n");  // the latest version: 2
+  auto engine = Open(repo.path());
+  auto reason = [&]() {
+    auto st = engine->GetModel("m");
+    return st ? st->reason : std::string("no model");
+  };
+  ASSERT_EQ(reason(), "");
+  // A broken version 3 appears: version 2 serves on, the failure its reason.
+  std::filesystem::create_directories(repo.path() / "m" / "3");
+  WriteFile(repo.path() / "m" / "3" / "model.onnx", "not a model");
+  ASSERT_TRUE(engine->PollRepository().ok());
+  EXPECT_TRUE(engine->ModelReady("m"));
+  EXPECT_NE(reason().find("a reload failed"), std::string::npos) << reason();
+  // It is taken away: the files are those that loaded, and nothing failed any more.
+  std::filesystem::remove_all(repo.path() / "m" / "3");
+  ASSERT_TRUE(engine->PollRepository().ok());
+  EXPECT_TRUE(engine->ModelReady("m"));
+  EXPECT_EQ(reason(), "");
+}
+
 TEST(EngineRepository, ReloadDoesNotDropInFlightRequests) {
   TempDir repo;
   CopyModel("fixed4", repo.path(), "m");

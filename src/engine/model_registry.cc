@@ -15,6 +15,9 @@
 
 namespace quern {
 namespace {
+
+// The reason a serving version shows after a reload of its model failed.
+constexpr std::string_view kReloadFailedNote = "a reload failed, the version loaded before serves on: ";
 // The most of another model's load error a lookup's error quotes.
 constexpr size_t kMaxQuotedReason = 240;
 // The first `n` bytes of `s`, fewer so as not to cut a UTF-8 character.
@@ -188,6 +191,18 @@ Status ModelRegistry::LoadModel(const std::string& name) {
   return overall;
 }
 
+void ModelRegistry::ForgetReloadFailures(const std::vector<std::string>& names) {
+  WriterLock lock(mu_);
+  for (const auto& n : names) {
+    auto it = models_.find(n);
+    if (it == models_.end()) continue;
+    it->second.failed_fingerprint.clear();
+    for (auto& [v, slot] : it->second.versions) {
+      if (slot.served && slot.status.reason.starts_with(kReloadFailedNote)) slot.status.reason.clear();
+    }
+  }
+}
+
 void ModelRegistry::KeepServingWhatFailed(const std::string& name, Entry& entry, const Status& failure) {
   ReaderLock lock(mu_);
   auto it = models_.find(name);
@@ -197,7 +212,7 @@ void ModelRegistry::KeepServingWhatFailed(const std::string& name, Entry& entry,
     return std::any_of(versions.begin(), versions.end(), [](const auto& v) { return v.second.served != nullptr; });
   };
   if (!serving(old.versions)) return;
-  const std::string note = "a reload failed, the version loaded before serves on: " + failure.message();
+  const std::string note = std::string(kReloadFailedNote) + failure.message();
   if (!serving(entry.versions)) {
     // Nothing of the new load serves: the old versions serve on, and a
     // poll loads again once the files change from those that failed.
@@ -583,7 +598,7 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
     }
   }
   const std::filesystem::path repo(options_.model_repository);
-  std::vector<std::string> changed, to_unload;
+  std::vector<std::string> changed, to_unload, recovered;
   std::map<std::string, std::string> first_look;
   {
     ReaderLock lock(mu_);
@@ -593,6 +608,11 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
       // Only what the watch says may have changed is looked at.
       if (!everything && it != models_.end() && !changes->models.count(n)) continue;
       std::string fingerprint = FingerprintModelDir(repo / n);
+      // Back to the files that loaded after a reload failed (the broken
+      // version taken away): the failure no longer stands.
+      if (it != models_.end() && !it->second.failed_fingerprint.empty() && fingerprint == it->second.fingerprint) {
+        recovered.push_back(n);
+      }
       // New, or changed since it loaded and not the files a reload failed on.
       if (it == models_.end() ||
           (fingerprint != it->second.fingerprint && fingerprint != it->second.failed_fingerprint)) {
@@ -604,6 +624,7 @@ Status ModelRegistry::PollRepository(const RepositoryWatch::Changes* changes, st
       if (!e.custom && !std::binary_search(names.begin(), names.end(), n)) to_unload.push_back(n);
     }
   }
+  if (!recovered.empty()) ForgetReloadFailures(recovered);
   // A model whose files are still being written (sizes or times moving
   // between two looks) is left for a later poll: a copy in progress is
   // never loaded half-written.

@@ -98,6 +98,9 @@ class ModelRegistry {
   // once per distinct failure); a poll loads again once the files change
   // from those the load failed on (Entry::failed_fingerprint).
   void KeepServingWhatFailed(const std::string& name, Entry& entry, const Status& failure);
+  // The models named were back to the files that loaded after a reload of
+  // them failed: their serving versions' failure notes go.
+  void ForgetReloadFailures(const std::vector<std::string>& names);
 
   // With mu_ held: versions taken out of models_ stay counted by InFlight
   // until RetireVersions has finished their requests.

@@ -88,6 +88,8 @@ RedisResultStore::RedisResultStore(RedisResultStoreOptions options)
       backlog_bytes_(
           metrics_.AddGauge("quern_redis_backlog_bytes", "Bytes of job results waiting to be written to Redis.")) {
   if (!options_.clock) options_.clock = &RealClockInstance();
+  // Every reply this store reads is bounded by what a result may hold.
+  options_.redis.max_bulk_bytes = options_.max_value_bytes > 0 ? options_.max_value_bytes : options_.max_backlog_bytes;
   health_ = Unavailable(kNotYet);
   writer_ = std::thread([this] {
     NameThisThread("quern-redis");
@@ -153,6 +155,33 @@ Status RedisResultStore::EnsureConnected(std::unique_ptr<RedisConnection>& conn,
   if (count_reconnect) reconnects_.Increment();
   return Status::Ok();
 }
+
+namespace {
+
+// UNAVAILABLE unless `replies` (MULTI, the commands, EXEC) are what Redis
+// answers a transaction that ran: the job is not counted as written.
+Status CheckTransactionReplies(const std::vector<RedisReply>& replies, const std::string& address) {
+  const auto garbage = [&](const std::string& what) {
+    return Unavailable("redis at " + address + " answered a transaction with " + what +
+                       ", which Redis never does; the results are not counted as written");
+  };
+  if (replies.size() < 2) return garbage("too few replies");
+  const RedisReply& multi = replies.front();
+  if (multi.type != RedisReply::Type::kStatus || multi.str != "OK") return garbage("something else than +OK to MULTI");
+  const size_t queued = replies.size() - 2;
+  for (size_t i = 1; i + 1 < replies.size(); ++i) {
+    if (replies[i].type != RedisReply::Type::kStatus || replies[i].str != "QUEUED") {
+      return garbage("something else than +QUEUED to a queued command");
+    }
+  }
+  const RedisReply& exec = replies.back();
+  if (!exec.is_array() || exec.elements.size() != queued) {
+    return garbage("an EXEC reply that is not an array of " + std::to_string(queued) + " replies");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status RedisResultStore::Write(std::vector<Batch>& batches) {
   RedisPipeline p;
@@ -244,6 +273,10 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
     const std::string message = "redis at " + options_.redis.Address() + " refused the write: " + why;
     return transient ? Unavailable(message) : FailedPrecondition(message);
   }
+  // What Redis answers a transaction: +OK to MULTI, +QUEUED to each command,
+  // and EXEC an array of their replies. Anything else (a proxy or a server
+  // speaking something else) wrote nothing we can count on.
+  if (Status st = CheckTransactionReplies(*replies, options_.redis.Address()); !st.ok()) return st;
   // A command inside the transaction can fail on its own (e.g. WRONGTYPE on
   // a key that is not a stream): the rest took effect; say so.
   if (exec.is_array()) {
@@ -509,6 +542,12 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
   if (!reply) return Err(Unavailable("job results are kept in redis, which failed: " + reply.error().message()));
   if (reply->is_nil()) return missing();
   if (!reply->is_string()) return Err(Internal("redis key " + options_.key_prefix + id + " is not a job result"));
+  const auto oversize = [&](const RedisReply& r) {
+    return Err(Internal("redis key " + options_.key_prefix + id + " holds " + std::to_string(r.oversize) +
+                        " bytes, more than a job result here may (" + std::to_string(options_.redis.max_bulk_bytes) +
+                        "); it was not read"));
+  };
+  if (reply->oversize >= 0) return oversize(*reply);
   std::vector<std::string> binary;
   {
     rapidjson::Document doc;
@@ -526,6 +565,7 @@ Result<std::shared_ptr<const JobRecord>> RedisResultStore::Get(const std::string
         if (!arr.is_array()) return Err(Internal("redis MGET: " + arr.str));
         for (const RedisReply& e : arr.elements) {
           if (e.is_nil()) return missing();  // expired between the two reads
+          if (e.oversize >= 0) return oversize(e);
           binary.push_back(e.str);
         }
       }

@@ -49,6 +49,11 @@ struct RedisResultStoreOptions {
   int64_t ttl_s = 3600;                          // 0 = results never expire
   size_t inline_max_bytes = 4096;                // larger outputs go in a binary key
   size_t max_backlog_bytes = size_t{256} << 20;  // results waiting for Redis
+  // The largest value a read takes from Redis (a result's record or one of
+  // its binary outputs): a longer one is dropped as it arrives and the read
+  // fails (a Redis, or whatever answers in its place, cannot make the server
+  // hold more). 0 = max_backlog_bytes (no result written here is larger).
+  size_t max_value_bytes = 0;
   std::string key_prefix = "results:";
   const Clock* clock = nullptr;  // job ages for TTLs; null = the real clock
   // Where the quern_redis_* metrics are kept (must outlive the store); null

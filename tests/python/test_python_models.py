@@ -911,6 +911,39 @@ def test_nothing_a_model_starts_outlives_a_killed_server_even_holding_the_gil(tm
             proc.kill()
 
 
+def test_a_model_without_a_memory_bound_gets_half_the_machines_memory(tmp_path):
+    """Issue: with no quern.python.max_memory_mb a model's 20 GB allocation was stopped only by the
+    execute timeout. By default a Python model's process may now map half of the machine's memory
+    (at least 4 GiB): asking for three quarters of it fails in the model with MemoryError naming the
+    bound. (np.empty touches no page: without the bound the allocation succeeds and takes nothing.)"""
+    with open("/proc/meminfo") as f:
+        total_mb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+    bound_mb = max(4096, total_mb // 2)
+    ask = total_mb * 3 // 4
+    if ask <= bound_mb:
+        pytest.skip(f"a machine of {total_mb} MB: three quarters of it are within the 4 GiB floor")
+    write_model(tmp_path, "roomy", PLAIN_CONFIG, f'''
+import numpy as np
+
+def infer(inputs):
+    x = inputs["x"]
+    if (x[:, 0] == 1).any():
+        big = np.empty({ask} << 20, dtype=np.uint8)
+        x = x + (big.size > 0)
+    return {{"y": x * 2, "pid": np.zeros((x.shape[0], 1), dtype=np.int64)}}
+''')
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            plain_http({"ports": ports}, 1, "roomy")
+        assert "MemoryError" in str(e.value) and f"quern.python.max_memory_mb = {bound_mb}" in str(e.value), \
+            str(e.value)
+        np.testing.assert_array_equal(plain_http({"ports": ports}, 2, "roomy").as_numpy("y"), [[4, 2, 4]])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_model_over_its_memory_bound_fails_its_batch_clearly(tmp_path):
     write_model(tmp_path, "hungry", PLAIN_CONFIG + '''
 parameters { key: "quern.python.max_memory_mb" value: { string_value: "512" } }

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -964,3 +965,143 @@ def test_giant_entries_are_dead_lettered_unread_and_starve_no_job(repo, redis_se
         assert after - before < 60 or sanitized(QUERN), (before, after)
     finally:
         q.stop()
+
+
+class FakeRedis:
+    """A TCP server that reads RESP commands and answers each with `answer` (bytes): a Redis that
+    speaks garbage. Counts the commands it saw."""
+
+    def __init__(self, answer):
+        """`answer`: bytes sent for every command, or a function (args, socket) that answers."""
+        import socket as socketlib
+        self.answer = answer
+        self.commands = []
+        self.sock = socketlib.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        buf = b""
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                while True:
+                    cmd, rest = self._parse(buf)
+                    if cmd is None:
+                        break
+                    buf = rest
+                    self.commands.append(cmd[0].upper() if cmd else b"")
+                    if callable(self.answer):
+                        self.answer(cmd, conn)
+                    else:
+                        conn.sendall(self.answer)
+        except OSError:
+            return
+
+    @staticmethod
+    def _parse(buf):
+        """One RESP array of bulk strings from the front of `buf`: (args, rest), or (None, buf)."""
+        if not buf.startswith(b"*") or b"\r\n" not in buf:
+            return None, buf
+        head, rest = buf.split(b"\r\n", 1)
+        args = []
+        for _ in range(int(head[1:])):
+            if b"\r\n" not in rest:
+                return None, buf
+            size_line, rest = rest.split(b"\r\n", 1)
+            size = int(size_line[1:])
+            if len(rest) < size + 2:
+                return None, buf
+            args.append(rest[:size])
+            rest = rest[size + 2:]
+        return args, rest
+
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.sock.close()
+
+
+def test_a_redis_that_answers_garbage_never_makes_a_job_durable(repo):
+    """Issue: a Redis answering `:7` to every command (MULTI, SET, EXEC alike) still gave 202
+    "durable": true. A job is durable only when EXEC's reply says each queued command ran: here the
+    submission is refused (503) with a message that names Redis, or at least not called durable."""
+    fake = FakeRedis(b":7\r\n")
+    q = Quern(repo, "--redis-url", fake.url())
+    try:
+        status, _, data = q.request("POST", "/v2/models/add_sub/jobs",
+                                    add_sub_body(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32)))
+        assert b"EXEC" in b" ".join(fake.commands) or status != 202, (status, data, fake.commands[:10])
+        if status == 202:
+            assert json.loads(data)["durable"] is False, data
+        else:
+            assert status == 503 and b"redis" in data.lower(), (status, data)
+    finally:
+        q.stop()
+        fake.stop()
+
+
+def test_a_huge_reply_from_redis_is_not_read_into_memory(repo):
+    """Issue: a 700 MB reply to the result store's GET took the server to 1,470 MB (779 MB kept).
+    Every reply the store reads is now bounded by what a result may hold (--job-store-max-bytes,
+    256 MiB): a longer value is dropped as it arrives and the read fails with a clear error."""
+    from quern_testing import sanitized
+    if sanitized(QUERN):
+        pytest.skip("AddressSanitizer's quarantine holds freed memory: resident memory says little")
+    size = 700 << 20
+
+    def answer(args, conn):
+        name = args[0].upper() if args else b""
+        if name == b"GET":
+            conn.sendall(b"$%d\r\n" % size)
+            chunk = b"x" * (1 << 20)
+            for _ in range(size >> 20):
+                conn.sendall(chunk)
+            conn.sendall(b"\r\n")
+        elif name == b"PING":
+            conn.sendall(b"+PONG\r\n")
+        else:
+            conn.sendall(b"+OK\r\n")
+
+    fake = FakeRedis(answer)
+    q = Quern(repo, "--redis-url", fake.url())
+    try:
+        def rss():
+            with open(f"/proc/{q.proc.pid}/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+        before = rss()
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.02)
+        t = threading.Thread(target=sample)
+        t.start()
+        job = "%012x-%s" % (int(time.time() * 1000), "0" * 32)  # a job id's shape: submit time, random part
+        status, _, data = q.request("GET", f"/v2/jobs/{job}")
+        done.set()
+        t.join()
+        print(f"a {size >> 20} MB GET reply: RSS {before} MB before, peak {peak[0]} MB; answered {status} {data[:160]}")
+        assert status >= 500 and b"not read" in data, (status, data)
+        assert peak[0] < before + 100, (before, peak[0])
+        assert q.proc.poll() is None
+    finally:
+        q.stop()
+        fake.stop()

@@ -24,6 +24,15 @@ namespace {
 constexpr size_t kAlign = 64;
 constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
+
+// quern.python.max_memory_mb when a model does not say: half of the
+// machine's memory, at least 4 GiB (the interpreter, numpy and a framework
+// map well under that before a model allocates anything).
+int64_t DefaultPythonMemoryMb() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  const int64_t total_mb = pages > 0 && page > 0 ? (static_cast<int64_t>(pages) * page) >> 20 : 0;
+  return std::max<int64_t>(4096, total_mb / 2);
+}
 // A process that failed to start is not started again sooner than this.
 constexpr auto kRestartBackoff = std::chrono::seconds(1);
 // A process that died (or was killed for a timeout) while running this many
@@ -527,14 +536,18 @@ class PythonBackend final : public Backend {
                            MillisecondsParameter(config, "quern.execute_timeout_ms", kDefaultExecuteTimeoutMs));
     QUERN_ASSIGN_OR_RETURN(spec->initialize_timeout_ms,
                            MillisecondsParameter(config, "quern.initialize_timeout_ms", kDefaultInitializeTimeoutMs));
+    // By default half of the machine's memory (at least 4 GiB): a model
+    // that asks for more fails its batch instead of taking the host.
+    spec->max_memory_mb = DefaultPythonMemoryMb();
     if (auto it = config.parameters.find("quern.python.max_memory_mb"); it != config.parameters.end()) {
       int64_t mb = 0;
       const std::string& v = it->second;
       const auto parsed = std::from_chars(v.data(), v.data() + v.size(), mb);
-      if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || mb < 64 || mb > (int64_t{1} << 24)) {
+      if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || (mb != 0 && mb < 64) ||
+          mb > (int64_t{1} << 24)) {
         return Err(InvalidArgument(who +
                                    ": parameter quern.python.max_memory_mb must be mebibytes of address space in "
-                                   "[64, 16777216], got \"" +
+                                   "[64, 16777216], or 0 for no bound, got \"" +
                                    v + "\""));
       }
       spec->max_memory_mb = mb;
