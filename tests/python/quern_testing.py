@@ -101,8 +101,11 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     one_core = None
     if os.environ.get("QUERN_TEST_ONE_CORE") == "1":
         one_core = lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # noqa: E731
+    # QUERN_TEST_SERVE_ARGS: more flags for every server a test file starts (a suite run again with
+    # another setting, e.g. two I/O threads).
+    more = os.environ.get("QUERN_TEST_SERVE_ARGS", "").split()
     proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
-                             "--metrics-port", "0", "--host", "127.0.0.1", *extra],
+                             "--metrics-port", "0", "--host", "127.0.0.1", *more, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             preexec_fn=one_core)
     ports = {}

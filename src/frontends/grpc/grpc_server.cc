@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "auth/api_keys.h"
+#include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
@@ -61,19 +62,75 @@ std::string Serialize(const M& m) {
   return out;
 }
 
+// One thread for the calls that take long on purpose (model loads and
+// unloads): never on an I/O thread, where every other call of its
+// connections would wait. Jobs run in order; Stop drops those not started
+// and waits for the one running.
+class SlowCallWorker {
+ public:
+  SlowCallWorker()
+      : thread_([this] {
+          NameThisThread("quern-grpc-admin");
+          Run();
+        }) {}
+  ~SlowCallWorker() { Stop(); }
+
+  void Post(std::function<void()> job) {
+    MutexLock lock(mu_);
+    if (stopping_) return;
+    jobs_.push_back(std::move(job));
+    cv_.Signal();
+  }
+
+  void Stop() {
+    std::deque<std::function<void()>> dropped;
+    {
+      MutexLock lock(mu_);
+      stopping_ = true;
+      dropped.swap(jobs_);
+      cv_.Signal();
+    }
+    dropped.clear();  // outside the lock: they hold calls
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    MutexLock lock(mu_);
+    while (true) {
+      while (!stopping_ && jobs_.empty()) cv_.Wait(lock);
+      if (stopping_) return;
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.Unlock();
+      job();
+      job = nullptr;
+      lock.Lock();
+    }
+  }
+
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> jobs_ QUERN_GUARDED_BY(mu_);
+  bool stopping_ QUERN_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 // A handler that does nothing: its call was refused when it started.
 class Refused final : public GrpcHandler {
  public:
   void OnMessage(std::string) override {}
 };
 
-// One unary call: `run` answers the parsed request (on the call's loop
-// thread) or returns an error. Reads the request only when admitted.
+// One unary call: `body` answers the parsed request or returns an error,
+// on the call's loop thread, or on `slow` when given. Reads the request only
+// when admitted.
 template <class Req, class Resp>
 class UnaryHandler final : public GrpcHandler {
  public:
   using Body = std::function<Status(const Req&, Resp*)>;
-  UnaryHandler(GrpcCall* call, const Body* body) : call_(call), body_(body) {}
+  UnaryHandler(const std::shared_ptr<GrpcCall>& call, const Body* body, SlowCallWorker* slow)
+      : call_(call.get()), weak_(call), body_(body), slow_(slow) {}
 
   void OnMessage(std::string message) override {
     Req in;
@@ -82,18 +139,27 @@ class UnaryHandler final : public GrpcHandler {
                                            " (protobuf parsing failed)"));
     }
     message = {};
-    Resp out;
-    if (Status st = (*body_)(in, &out); !st.ok()) return call_->Finish(st);
-    if (!call_->Write(Serialize(out))) return call_->Finish(ResourceExhausted("the answer could not be queued"));
-    call_->Finish(Status::Ok());
+    if (!slow_) return Answer(*call_, *body_, in);
+    slow_->Post([call = weak_.lock(), body = body_, in = std::move(in)] {
+      if (call) Answer(*call, *body, in);
+    });
   }
   void OnHalfClose() override {
     call_->Finish(InvalidArgument(std::string(call_->path()) + ": the call ended before its request message"));
   }
 
  private:
+  static void Answer(GrpcCall& call, const Body& body, const Req& in) {
+    Resp out;
+    if (Status st = body(in, &out); !st.ok()) return call.Finish(st);
+    if (!call.Write(Serialize(out))) return call.Finish(ResourceExhausted("the answer could not be queued"));
+    call.Finish(Status::Ok());
+  }
+
   GrpcCall* call_;
+  std::weak_ptr<GrpcCall> weak_;
   const Body* body_;
+  SlowCallWorker* slow_;
 };
 
 // One ModelInfer call. Its request and answer live on one arena: a block or
@@ -611,6 +677,7 @@ class GrpcServer::Impl {
     // Calls still running after a second are cancelled (their requests are
     // withdrawn from the batcher).
     if (transport_) transport_->Stop(1000);
+    slow_calls_.Stop();
   }
 
   int port() const { return transport_ ? transport_->port() : 0; }
@@ -635,17 +702,17 @@ class GrpcServer::Impl {
   // A unary method of the inference service, answered by `body`.
   template <class Req, class Resp>
   void Unary(std::vector<GrpcMethodSpec>& out, std::string_view name, Access access,
-             std::function<Status(const Req&, Resp*)> body) {
+             std::function<Status(const Req&, Resp*)> body, SlowCallWorker* slow = nullptr) {
     auto* fn = new typename UnaryHandler<Req, Resp>::Body(std::move(body));
     bodies_.emplace_back(fn);
-    out.push_back({std::string(kService) + std::string(name), false,
-                   [this, access, fn](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
+    out.push_back({std::string(kService) + std::string(name), false, false,
+                   [this, access, fn, slow](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
                      LogRequestId(*call);
                      if (Status st = Admit(*call, access); !st.ok()) {
                        call->Finish(st);
                        return std::make_unique<Refused>();
                      }
-                     auto h = std::make_unique<UnaryHandler<Req, Resp>>(call.get(), fn);
+                     auto h = std::make_unique<UnaryHandler<Req, Resp>>(call, fn, slow);
                      call->Read();
                      return h;
                    }});
@@ -710,6 +777,7 @@ class GrpcServer::Impl {
   LastCaller last_caller_;
   std::vector<std::shared_ptr<void>> bodies_;  // the unary methods' bodies
   std::unique_ptr<GrpcTransport> transport_;
+  SlowCallWorker slow_calls_;  // model loads and unloads
   Mutex mu_;
   CondVar cv_;
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
@@ -759,12 +827,14 @@ std::vector<GrpcMethodSpec> GrpcServer::Impl::Methods() {
   Unary<inf::RepositoryIndexRequest, inf::RepositoryIndexResponse>(
       m, "RepositoryIndex", Access::kUser, [this](auto& in, auto* out) { return Index(in, out); });
   Unary<inf::RepositoryModelLoadRequest, inf::RepositoryModelLoadResponse>(
-      m, "RepositoryModelLoad", Access::kAdmin, [this](auto& in, auto*) { return Load(in); });
+      m, "RepositoryModelLoad", Access::kAdmin, [this](auto& in, auto*) { return Load(in); }, &slow_calls_);
   Unary<inf::RepositoryModelUnloadRequest, inf::RepositoryModelUnloadResponse>(
-      m, "RepositoryModelUnload", Access::kAdmin, [this](auto& in, auto*) {
+      m, "RepositoryModelUnload", Access::kAdmin,
+      [this](auto& in, auto*) {
         if (!options_.model_control) return ModelControlOff();
         return engine_->UnloadModel(in.model_name());
-      });
+      },
+      &slow_calls_);
   NotServed<inf::SystemSharedMemoryStatusRequest, inf::SystemSharedMemoryStatusResponse>(m, "SystemSharedMemoryStatus");
   NotServed<inf::SystemSharedMemoryRegisterRequest, inf::SystemSharedMemoryRegisterResponse>(
       m, "SystemSharedMemoryRegister");
@@ -777,7 +847,7 @@ std::vector<GrpcMethodSpec> GrpcServer::Impl::Methods() {
   NotServed<inf::TraceSettingRequest, inf::TraceSettingResponse>(m, "TraceSetting");
   NotServed<inf::LogSettingsRequest, inf::LogSettingsResponse>(m, "LogSettings");
   const size_t max_send = static_cast<size_t>(std::max(1, options_.max_send_bytes));
-  m.push_back({std::string(kService) + "ModelInfer", false,
+  m.push_back({std::string(kService) + "ModelInfer", false, false,
                [this, max_send](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
                  LogRequestId(*call);
                  if (Status st = Admit(*call, Access::kUser); !st.ok()) {
@@ -788,7 +858,7 @@ std::vector<GrpcMethodSpec> GrpcServer::Impl::Methods() {
                  call->Read();
                  return h;
                }});
-  m.push_back({std::string(kService) + "ModelStreamInfer", true,
+  m.push_back({std::string(kService) + "ModelStreamInfer", true, false,
                [this, max_send](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
                  LogRequestId(*call);
                  if (Status st = Admit(*call, Access::kUser); !st.ok()) {
@@ -805,12 +875,12 @@ std::vector<GrpcMethodSpec> GrpcServer::Impl::Methods() {
                }});
   // grpc.health.v1: a call the keys would not admit is answered for the
   // server without its request being read.
-  m.push_back({std::string(kHealth) + "Check", false,
+  m.push_back({std::string(kHealth) + "Check", false, false,
                [this](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
                  const bool reads = !options_.authorize || Admit(*call, Access::kProbe).ok();
                  return std::make_unique<HealthService::CheckHandler>(&health_, call.get(), reads);
                }});
-  m.push_back({std::string(kHealth) + "Watch", true,
+  m.push_back({std::string(kHealth) + "Watch", true, /*long_lived=*/true,
                [this](const std::shared_ptr<GrpcCall>& call) -> std::unique_ptr<GrpcHandler> {
                  const bool reads = !options_.authorize || Admit(*call, Access::kProbe).ok();
                  auto h = std::make_unique<HealthService::WatchHandler>(&health_, call.get());

@@ -128,12 +128,21 @@ class LoopRef {
 
 class Connection;
 
+// Answer bytes a connection's calls have queued and nghttp2 has not taken
+// yet: shared by the connection and its calls, so that a Write on another
+// thread counts without touching the connection.
+struct SendBudget {
+  std::atomic<size_t> unsent{0};
+  size_t limit = 0;
+};
+
 // A connection's place in the server's count: what the acceptor reads to
 // bound connections and to pick one to close.
 struct Slot {
   std::weak_ptr<Connection> conn;
   std::shared_ptr<LoopRef> loop;
   std::string peer;
+  std::string client;                     // what the per-client bound counts: the address; for IPv6 its /64
   std::atomic<int64_t> idle_since_ns{0};  // 0: a call is open
   bool evicting = false;                  // under the registry's mutex
 };
@@ -142,9 +151,14 @@ struct Shared;
 
 class Call final : public GrpcCall, public std::enable_shared_from_this<Call> {
  public:
-  Call(int32_t id, std::weak_ptr<Connection> conn, std::shared_ptr<LoopRef> loop, const std::string& peer,
-       int64_t start_ns)
-      : id_(id), conn_(std::move(conn)), loop_(std::move(loop)), peer_(peer), start_ns_(start_ns) {}
+  Call(int32_t id, std::weak_ptr<Connection> conn, std::shared_ptr<LoopRef> loop, std::shared_ptr<SendBudget> budget,
+       const std::string& peer, int64_t start_ns)
+      : id_(id),
+        conn_(std::move(conn)),
+        loop_(std::move(loop)),
+        budget_(std::move(budget)),
+        peer_(peer),
+        start_ns_(start_ns) {}
   // The handler goes first, while everything it may still touch (a Write
   // from another thread) is here.
   ~Call() override { handler_.reset(); }
@@ -171,6 +185,7 @@ class Call final : public GrpcCall, public std::enable_shared_from_this<Call> {
   const int32_t id_;
   std::weak_ptr<Connection> conn_;
   std::shared_ptr<LoopRef> loop_;
+  std::shared_ptr<SendBudget> budget_;
   const std::string peer_;
   const int64_t start_ns_;
   std::string path_, method_, content_type_, encoding_;
@@ -181,8 +196,12 @@ class Call final : public GrpcCall, public std::enable_shared_from_this<Call> {
   std::unique_ptr<GrpcHandler> handler_;
   bool started_ = false;
 
+  bool long_lived_ = false;  // a watch: its connection counts as idle for eviction
+  bool counted_busy_ = false;
+
   // Receiving.
-  std::string in_;          // received, not yet delivered
+  std::string in_;  // received; delivered up to in_off_
+  size_t in_off_ = 0;
   size_t unconsumed_ = 0;   // received bytes not yet given back to the stream's window
   bool want_read_ = false;  // a Read waits for a message
   bool remote_closed_ = false;
@@ -223,7 +242,7 @@ struct Loop {
 
 struct Shared {
   GrpcTransportOptions options;
-  std::map<std::string, std::pair<GrpcMethod, bool>, std::less<>> methods;  // path -> (make, client streaming)
+  std::map<std::string, GrpcMethodSpec, std::less<>> methods;  // by path
   std::unique_ptr<ssl::context> tls;
   const Clock* clock = nullptr;
   std::mutex reg_mu;
@@ -237,6 +256,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(Shared& shared, Loop& loop, tcp::socket socket, std::shared_ptr<Slot> slot)
       : shared_(shared), loop_(loop), slot_(std::move(slot)), peer_(slot_->peer) {
+    budget_->limit = shared_.options.max_unsent_bytes;
     if (shared_.tls) {
       tls_.emplace(std::move(socket), *shared_.tls);
     } else {
@@ -285,7 +305,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (calls_.empty() && now - idle_since_ns_ > int64_t{o.idle_timeout_s} * 1'000'000'000) {
         return GoAway(NGHTTP2_NO_ERROR);
       }
-      const bool stalled_output = writing_ || unsent_.load(std::memory_order_relaxed) > 0;
+      const bool stalled_output = writing_ || budget_->unsent.load(std::memory_order_relaxed) > 0;
       if (stalled_output && now - last_progress_ns_ > int64_t{o.write_timeout_s} * 1'000'000'000) {
         TransportLog(
             LogLevel::kInfo,
@@ -296,10 +316,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
       const int64_t message_ns = int64_t{o.message_timeout_s} * 1'000'000'000;
       std::vector<std::shared_ptr<Call>> late;
       for (auto& [id, c] : calls_) {
+        // A header block left unfinished (HEADERS without END_HEADERS)
+        // blocks the whole connection: it ends.
+        if (!c->started_ && now - c->start_ns_ > int64_t{o.handshake_timeout_s} * 1'000'000'000) return Close();
         if (c->finish_requested_) continue;
-        const bool partial = c->message_started_ns_ > 0 && now - c->message_started_ns_ > message_ns;
-        const bool unary_waiting = !c->client_streaming_ && c->want_read_ && c->in_.empty() && !c->remote_closed_ &&
-                                   now - c->start_ns_ > message_ns;
+        // Only while the handler waits for it: a message held back by the
+        // server's own backpressure is not the client's delay.
+        const bool partial = c->want_read_ && c->message_started_ns_ > 0 && now - c->message_started_ns_ > message_ns;
+        const bool unary_waiting = !c->client_streaming_ && c->want_read_ && c->in_.size() == c->in_off_ &&
+                                   !c->remote_closed_ && now - c->start_ns_ > message_ns;
         if (partial || unary_waiting) late.push_back(c);
       }
       // (Their trailers end the stream; OnFrameSend then resets what the
@@ -320,6 +345,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (calls_.empty() || code != NGHTTP2_NO_ERROR) closing_ = true;
   }
 
+  // Makes room for a new connection: GOAWAY when no call is open, else
+  // (watches, or a call that began since it was picked) closed now, so the
+  // count never passes the bound.
+  void Evict() {
+    if (calls_.empty()) {
+      GoAway(NGHTTP2_NO_ERROR);
+    } else {
+      Close();
+    }
+  }
+
   // Ends the connection now: every open call is cancelled.
   void Close() {
     if (closed_) return;
@@ -338,15 +374,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
     shared_.open.fetch_sub(1, std::memory_order_relaxed);
   }
 
-  size_t unsent_reserve_limit() const { return shared_.options.max_unsent_bytes; }
-  std::atomic<size_t> unsent_{0};  // answer bytes queued by calls, not yet taken by nghttp2
+  std::shared_ptr<SendBudget> budget_ = std::make_shared<SendBudget>();
   bool closed_ = false;
   nghttp2_session* session_ = nullptr;
 
   // A call's bytes left the queue.
   void Taken(Call& c, size_t n) {
     c.unsent_.fetch_sub(n, std::memory_order_relaxed);
-    unsent_.fetch_sub(n, std::memory_order_relaxed);
+    budget_->unsent.fetch_sub(n, std::memory_order_relaxed);
     last_progress_ns_ = shared_.NowNs();
   }
 
@@ -381,11 +416,26 @@ class Connection : public std::enable_shared_from_this<Connection> {
     nghttp2_submit_response(session_, c.id_, nva.data(), nva.size(), nullptr);
   }
 
-  void CallOpened() {
-    if (calls_.size() == 1) slot_->idle_since_ns.store(0, std::memory_order_relaxed);
+  // Counts `c` among the calls that keep the connection from being idle
+  // (`busy`), or no longer: the acceptor closes idle connections first.
+  void Busy(Call& c, bool busy) {
+    if (c.counted_busy_ == busy) return;
+    c.counted_busy_ = busy;
+    if (busy && busy_++ == 0) slot_->idle_since_ns.store(0, std::memory_order_relaxed);
+    if (!busy && --busy_ == 0) {
+      idle_since_ns_ = shared_.NowNs();
+      slot_->idle_since_ns.store(idle_since_ns_, std::memory_order_relaxed);
+    }
   }
 
   void RequestRead(Call& c);  // the stream window opens for `c`
+  // `n` of `c`'s buffered bytes were delivered (or dropped).
+  void TakeInbound(Call& c, size_t n);
+  void ForgetInbound(Call& c);  // drops what `c` has buffered
+  int64_t NowNs() const { return shared_.NowNs(); }
+  // Request bytes a connection buffers for its calls before only the oldest
+  // message may grow: one message at the limit, and as much again.
+  size_t InboundBudget() const { return 2 * shared_.options.max_message_bytes; }
   void PumpSoon(const std::shared_ptr<Call>& c) {
     if (std::find(ready_.begin(), ready_.end(), c) == ready_.end()) ready_.push_back(c);
   }
@@ -542,11 +592,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void EndCall(Call& c, bool trailers_out) {
     if (c.ended_.exchange(true)) return;
     const size_t left = c.unsent_.exchange(0);
-    unsent_.fetch_sub(left, std::memory_order_relaxed);
+    budget_->unsent.fetch_sub(left, std::memory_order_relaxed);
     c.out_.clear();
-    c.in_.clear();
-    c.in_.shrink_to_fit();
+    ForgetInbound(c);
     if (c.started_) loop_.open_calls.fetch_sub(1, std::memory_order_relaxed);
+    Busy(c, false);
     const bool finished = c.finish_requested_ && trailers_out;
     if (c.handler_ && !finished) {
       ++depth_;
@@ -595,10 +645,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
       nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, frame->hd.stream_id, NGHTTP2_REFUSED_STREAM);
       return 0;
     }
-    auto c = std::make_shared<Call>(frame->hd.stream_id, self->weak_from_this(), self->loop_.ref, self->peer_,
-                                    self->shared_.NowNs());
+    auto c = std::make_shared<Call>(frame->hd.stream_id, self->weak_from_this(), self->loop_.ref, self->budget_,
+                                    self->peer_, self->shared_.NowNs());
     self->calls_[frame->hd.stream_id] = c;
-    self->CallOpened();
     nghttp2_session_set_stream_user_data(session, frame->hd.stream_id, c.get());
     return 0;
   }
@@ -633,7 +682,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   static int OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* user) {
     Connection* self = Self(user);
-    if (frame->hd.type == NGHTTP2_RST_STREAM) return self->OnClientReset();
     if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
     auto it = self->calls_.find(frame->hd.stream_id);
     if (it == self->calls_.end()) return 0;
@@ -646,9 +694,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     return 0;
   }
 
-  // A stream the client reset: a token from its bucket; none left, the
-  // connection ends (GOAWAY ENHANCE_YOUR_CALM).
-  int OnClientReset() {
+  // A call reset before its answer: a token from the connection's bucket;
+  // none left, the connection ends (GOAWAY ENHANCE_YOUR_CALM).
+  int OnCallReset() {
     const auto& o = shared_.options;
     const int64_t now = shared_.NowNs();
     if (reset_tokens_ < 0) reset_tokens_ = o.reset_burst;
@@ -674,24 +722,27 @@ class Connection : public std::enable_shared_from_this<Connection> {
     auto it = self->calls_.find(stream_id);
     if (it == self->calls_.end() || it->second->finish_requested_) return 0;  // refused or answered: dropped
     auto c = it->second;
-    if (c->in_.empty()) c->message_started_ns_ = self->shared_.NowNs();
+    if (c->in_.size() == c->in_off_ && c->want_read_) c->message_started_ns_ = self->shared_.NowNs();
     c->in_.append(reinterpret_cast<const char*>(data), len);
+    self->inbound_ += len;
     c->unconsumed_ += len;
     if (c->want_read_) self->RequestRead(*c);
     self->PumpSoon(c);
     return 0;
   }
 
-  static int OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, void* user) {
+  static int OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user) {
     Connection* self = Self(user);
     auto it = self->calls_.find(stream_id);
     if (it == self->calls_.end()) return 0;
     auto c = std::move(it->second);
     self->calls_.erase(it);
+    // A call reset before it was answered (by the client's RST_STREAM, or
+    // by a stream error the client caused): a token from the reset bucket.
+    if (error_code != NGHTTP2_NO_ERROR && !c->trailers_sent_) self->OnCallReset();
     self->EndCall(*c, c->trailers_sent_);
     if (self->calls_.empty()) {
-      self->idle_since_ns_ = self->shared_.NowNs();
-      self->slot_->idle_since_ns.store(self->idle_since_ns_, std::memory_order_relaxed);
+      if (self->busy_ == 0) self->idle_since_ns_ = self->shared_.NowNs();
       if (self->going_away_) self->closing_ = true;
     }
     return 0;
@@ -757,7 +808,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool handshaken_ = false, reading_ = false, writing_ = false;
   bool going_away_ = false, closing_ = false, preface_seen_ = false;
   int64_t started_ns_ = 0, idle_since_ns_ = 0, last_progress_ns_ = 0;
+  int busy_ = 0;  // calls that make the connection busy (Busy)
   size_t header_block_bytes_ = 0;
+  size_t inbound_ = 0;  // request bytes buffered in calls, not yet delivered
   double reset_tokens_ = -1;
   int64_t reset_refill_ns_ = 0;
 
@@ -765,10 +818,45 @@ class Connection : public std::enable_shared_from_this<Connection> {
 };
 
 void Connection::RequestRead(Call& c) {
-  if (c.unconsumed_ > 0 && !closed_) {
-    nghttp2_session_consume_stream(session_, c.id_, c.unconsumed_);
-    c.unconsumed_ = 0;
+  if (c.unconsumed_ == 0 || closed_) return;
+  // Over the connection's budget of buffered request bytes, only the call
+  // whose message began first reads on (so that one always completes);
+  // the others wait, held by their stream windows.
+  if (inbound_ > InboundBudget()) {
+    for (auto& [id, other] : calls_) {
+      if (other.get() != &c && other->want_read_ && other->message_started_ns_ > 0 &&
+          other->message_started_ns_ < c.message_started_ns_) {
+        return;
+      }
+    }
   }
+  nghttp2_session_consume_stream(session_, c.id_, c.unconsumed_);
+  c.unconsumed_ = 0;
+}
+
+void Connection::TakeInbound(Call& c, size_t n) {
+  const bool was_over = inbound_ > InboundBudget();
+  inbound_ -= std::min(n, inbound_);
+  if (c.in_off_ >= c.in_.size()) {
+    c.in_ = std::string();
+    c.in_off_ = 0;
+  } else if (c.in_off_ > (size_t{1} << 20) && c.in_off_ > c.in_.size() / 2) {
+    c.in_.erase(0, c.in_off_);  // now and then, not per message
+    c.in_off_ = 0;
+  }
+  c.message_started_ns_ = c.in_.size() > c.in_off_ && c.want_read_ ? NowNs() : 0;
+  if (was_over && inbound_ <= InboundBudget()) {
+    for (auto& [id, other] : calls_) {
+      if (other->want_read_ && other->unconsumed_ > 0) RequestRead(*other);
+    }
+  }
+}
+
+void Connection::ForgetInbound(Call& c) {
+  TakeInbound(c, c.in_.size() - c.in_off_);
+  c.in_ = std::string();
+  c.in_off_ = 0;
+  c.message_started_ns_ = 0;
 }
 
 void Connection::StartCall(const std::shared_ptr<Call>& c) {
@@ -788,14 +876,16 @@ void Connection::StartCall(const std::shared_ptr<Call>& c) {
   if (m == shared_.methods.end()) {
     return refuse(Unimplemented("method '" + c->path_.substr(0, 256) + "' is not served here"));
   }
-  if (unsent_.load(std::memory_order_relaxed) >= shared_.options.max_unsent_bytes) {
+  if (budget_->unsent.load(std::memory_order_relaxed) >= budget_->limit) {
     return refuse(ResourceExhausted("this connection holds " +
-                                    std::to_string(unsent_.load(std::memory_order_relaxed) >> 20) +
+                                    std::to_string(budget_->unsent.load(std::memory_order_relaxed) >> 20) +
                                     " MB of answers its client has not read; no new call is taken until they leave"));
   }
-  c->client_streaming_ = m->second.second;
+  c->client_streaming_ = m->second.client_streaming;
+  c->long_lived_ = m->second.long_lived;
+  if (!c->long_lived_) Busy(*c, true);
   ++depth_;
-  c->handler_ = m->second.first(c);
+  c->handler_ = m->second.make(c);
   --depth_;
 }
 
@@ -803,8 +893,9 @@ void Connection::Pump(Call& c) {
   if (c.ended_ || !c.handler_) return;
   const size_t max = shared_.options.max_message_bytes;
   while (c.want_read_ && !c.ended_ && !c.finish_requested_) {
-    if (c.in_.size() >= 5) {
-      const auto* p = reinterpret_cast<const uint8_t*>(c.in_.data());
+    const size_t have = c.in_.size() - c.in_off_;
+    if (have >= 5) {
+      const auto* p = reinterpret_cast<const uint8_t*>(c.in_.data() + c.in_off_);
       const uint8_t flag = p[0];
       const size_t len = (size_t{p[1]} << 24) | (size_t{p[2]} << 16) | (size_t{p[3]} << 8) | p[4];
       if (len > max) {
@@ -812,10 +903,17 @@ void Connection::Pump(Call& c) {
                                      std::to_string(max) + " (--grpc-max-message-bytes)"));
         return;
       }
-      if (c.in_.size() < 5 + len) return;
-      std::string message = c.in_.substr(5, len);
-      c.in_.erase(0, 5 + len);
-      c.message_started_ns_ = c.in_.empty() ? 0 : shared_.NowNs();
+      if (have < 5 + len) return;
+      std::string message;
+      if (c.in_off_ == 0 && have == 5 + len) {
+        c.in_.erase(0, 5);  // the buffer becomes the message
+        message = std::move(c.in_);
+        c.in_ = std::string();
+      } else {
+        message.assign(c.in_, c.in_off_ + 5, len);
+        c.in_off_ += 5 + len;
+      }
+      TakeInbound(c, 5 + len);
       if (flag & 1) {
         if (c.encoding_.empty() || c.encoding_ == "identity") {
           c.DoFinish(Internal("a message is marked compressed but the call names no grpc-encoding"));
@@ -836,8 +934,8 @@ void Connection::Pump(Call& c) {
       continue;
     }
     if (c.remote_closed_) {
-      if (!c.in_.empty()) {
-        c.DoFinish(Internal("the request ended inside a message (" + std::to_string(c.in_.size()) + " bytes left)"));
+      if (have > 0) {
+        c.DoFinish(Internal("the request ended inside a message (" + std::to_string(have) + " bytes left)"));
         return;
       }
       c.want_read_ = false;
@@ -864,18 +962,17 @@ void Call::DoRead() {
   auto conn = conn_.lock();
   if (!conn || ended_ || half_close_delivered_) return;
   want_read_ = true;
+  if (in_.size() > in_off_) message_started_ns_ = conn->NowNs();  // its clock starts now
   conn->RequestRead(*this);
   conn->PumpSoon(shared_from_this());
 }
 
 bool Call::Write(std::string message) {
   if (ended_.load(std::memory_order_acquire)) return false;
-  auto conn = conn_.lock();
-  if (!conn) return false;
   const size_t n = message.size() + 5;
-  const size_t before = conn->unsent_.fetch_add(n, std::memory_order_relaxed);
-  if (before > 0 && before + n > conn->unsent_reserve_limit()) {
-    conn->unsent_.fetch_sub(n, std::memory_order_relaxed);
+  const size_t before = budget_->unsent.fetch_add(n, std::memory_order_relaxed);
+  if (before > 0 && before + n > budget_->limit) {
+    budget_->unsent.fetch_sub(n, std::memory_order_relaxed);
     return false;
   }
   unsent_.fetch_add(n, std::memory_order_relaxed);
@@ -886,7 +983,7 @@ bool Call::Write(std::string message) {
   auto self = weak_from_this().lock();
   if (!self) {
     unsent_.fetch_sub(n, std::memory_order_relaxed);
-    conn->unsent_.fetch_sub(n, std::memory_order_relaxed);
+    budget_->unsent.fetch_sub(n, std::memory_order_relaxed);
     return false;
   }
   loop_->Post([self = std::move(self), m = std::move(message), n]() mutable {
@@ -900,11 +997,11 @@ bool Call::Write(std::string message) {
 void Call::DoWrite(std::string message, size_t reserved) {
   auto conn = conn_.lock();
   if (!conn || ended_ || finish_requested_) {
-    // Never queued: give the reservation back.
-    if (conn && !ended_) {
-      unsent_.fetch_sub(reserved, std::memory_order_relaxed);
-      conn->unsent_.fetch_sub(reserved, std::memory_order_relaxed);
-    }
+    // Never queued: give the reservation back (EndCall may have taken
+    // this call's count before the reservation landed: whatever is left).
+    const size_t left = std::min(reserved, unsent_.load(std::memory_order_relaxed));
+    unsent_.fetch_sub(left, std::memory_order_relaxed);
+    budget_->unsent.fetch_sub(left, std::memory_order_relaxed);
     return;
   }
   Out o;
@@ -931,9 +1028,10 @@ void Call::DoFinish(Status status) {
   if (!conn || ended_ || finish_requested_) return;
   finish_requested_ = true;
   want_read_ = false;
-  final_message_ = PercentEncodeGrpcMessage(status.message());
+  // C-core clients refuse response headers over 8 KiB: a long message is cut.
+  final_message_ = PercentEncodeGrpcMessage(std::string_view(status.message()).substr(0, 2048));
   final_ = std::move(status);
-  in_.clear();
+  conn->ForgetInbound(*this);
   if (!headers_sent_) {
     conn->SubmitTrailersOnly(*this);
   } else {
@@ -943,12 +1041,25 @@ void Call::DoFinish(Status status) {
 
 }  // namespace
 
+namespace {
+
+// A client for the per-client bound: an IPv4 address, or an IPv6 address's
+// /64 (one host is usually given a whole /64).
+std::string ClientKey(const asio::ip::address& a) {
+  if (!a.is_v6()) return a.to_string();
+  auto bytes = a.to_v6().to_bytes();
+  std::fill(bytes.begin() + 8, bytes.end(), 0);
+  return asio::ip::address_v6(bytes).to_string() + "/64";
+}
+
+}  // namespace
+
 class GrpcTransport::Impl {
  public:
   Impl(GrpcTransportOptions options, std::vector<GrpcMethodSpec> methods) {
     shared_.options = std::move(options);
     shared_.clock = shared_.options.clock;
-    for (auto& m : methods) shared_.methods.emplace(m.path, std::make_pair(std::move(m.make), m.client_streaming));
+    for (auto& m : methods) shared_.methods.emplace(m.path, std::move(m));
   }
 
   ~Impl() {
@@ -1087,8 +1198,12 @@ class GrpcTransport::Impl {
     return Status::Ok();
   }
 
+  // The next connection's socket is made on the loop it will live on: its
+  // reads and writes complete on that loop's thread, as everything else of
+  // the connection runs.
   void Accept() {
-    acceptor_->async_accept([this](boost::system::error_code ec, tcp::socket socket) {
+    Loop* target = loops_[next_loop_++ % loops_.size()].get();
+    acceptor_->async_accept(target->io, [this, target](boost::system::error_code ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted || stopped_) return;
       if (ec) {
         // Out of descriptors: try again shortly (the sweep may free some).
@@ -1098,12 +1213,12 @@ class GrpcTransport::Impl {
         });
         return;
       }
-      Admit(std::move(socket));
+      Admit(std::move(socket), target);
       Accept();
     });
   }
 
-  void Admit(tcp::socket socket) {
+  void Admit(tcp::socket socket, Loop* target) {
     boost::system::error_code ec;
     const auto remote = socket.remote_endpoint(ec);
     if (ec) return;
@@ -1114,12 +1229,12 @@ class GrpcTransport::Impl {
     socket.set_option(tcp::no_delay(true), ec);
     auto slot = std::make_shared<Slot>();
     slot->peer = address.to_string();
+    slot->client = ClientKey(address);
     slot->idle_since_ns.store(shared_.NowNs(), std::memory_order_relaxed);  // no call yet
     const auto& o = shared_.options;
     const size_t limit = static_cast<size_t>(std::max(1, o.max_connections));
     const size_t per_client = static_cast<size_t>(
         o.max_connections_per_client > 0 ? o.max_connections_per_client : std::max(1, o.max_connections / 2));
-    Loop* target = loops_[next_loop_++ % loops_.size()].get();
     slot->loop = target->ref;
     {
       std::lock_guard lock(shared_.reg_mu);
@@ -1127,11 +1242,11 @@ class GrpcTransport::Impl {
       for (auto& s : shared_.slots) {
         if (s->evicting) continue;
         ++all;
-        if (s->peer == slot->peer) ++same;
+        if (s->client == slot->client) ++same;
       }
       // At a bound, the connection longest without a call goes (of this
       // client's, at its own bound); none such: this one is refused.
-      if (same >= per_client && !EvictLocked(&slot->peer)) return Refuse("per client", per_client, slot->peer);
+      if (same >= per_client && !EvictLocked(&slot->client)) return Refuse("per client", per_client, slot->peer);
       if (all >= limit && !EvictLocked(nullptr)) return Refuse("", limit, slot->peer);
       shared_.slots.push_back(slot);
     }
@@ -1141,11 +1256,13 @@ class GrpcTransport::Impl {
     asio::post(target->io, [conn] { conn->Start(); });
   }
 
-  bool EvictLocked(const std::string* peer) {
+  // Closes the connection longest without a busy call (of `client`'s, when
+  // given); false when there is none.
+  bool EvictLocked(const std::string* client) {
     std::shared_ptr<Slot> oldest;
     int64_t oldest_ns = 0;
     for (auto& s : shared_.slots) {
-      if (s->evicting || (peer && s->peer != *peer)) continue;
+      if (s->evicting || (client && s->client != *client)) continue;
       const int64_t idle = s->idle_since_ns.load(std::memory_order_relaxed);
       if (idle == 0) continue;
       if (!oldest || idle < oldest_ns) {
@@ -1156,7 +1273,7 @@ class GrpcTransport::Impl {
     if (!oldest) return false;
     oldest->evicting = true;
     oldest->loop->Post([weak = oldest->conn] {
-      if (auto c = weak.lock()) c->Run([&] { c->GoAway(NGHTTP2_NO_ERROR); });
+      if (auto c = weak.lock()) c->Run([&] { c->Evict(); });
     });
     return true;
   }

@@ -109,6 +109,10 @@ using GrpcMethod = std::function<std::unique_ptr<GrpcHandler>(const std::shared_
 struct GrpcMethodSpec {
   std::string path;               // "/inference.GRPCInferenceService/ModelInfer"
   bool client_streaming = false;  // false: the call's one message must arrive within message_timeout_s
+  // A call that may stay open for good (a health watch): it does not keep
+  // its connection from counting as idle, so at a connection bound it may be
+  // closed to make room.
+  bool long_lived = false;
   GrpcMethod make;
 };
 
