@@ -32,11 +32,36 @@ namespace quern {
 // running batch completes normally.
 class CancellationToken {
  public:
-  void Cancel() { cancelled_.store(true, std::memory_order_release); }
+  // Marks the request cancelled; the first call runs the function set by
+  // SetOnCancel, if any. Thread-safe.
+  void Cancel() {
+    if (cancelled_.exchange(true, std::memory_order_acq_rel)) return;
+    std::lock_guard lock(mu_);
+    if (on_cancel_) on_cancel_();
+  }
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  // For the engine, while the request's batch runs: `f` runs once when the
+  // request is cancelled (at once when it already is), on the cancelling
+  // thread; it must be quick. Replaces an earlier one.
+  void SetOnCancel(std::function<void()> f) {
+    std::lock_guard lock(mu_);
+    if (cancelled()) {
+      f();
+      return;
+    }
+    on_cancel_ = std::move(f);
+  }
+  // The function set is not running and will not run once this returns.
+  void ClearOnCancel() {
+    std::lock_guard lock(mu_);
+    on_cancel_ = nullptr;
+  }
 
  private:
   std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::function<void()> on_cancel_;
 };
 
 struct InferRequest {

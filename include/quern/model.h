@@ -168,6 +168,24 @@ struct ModelConfig {
   const TensorConfig* FindOutput(const std::string& n) const;
 };
 
+// How the engine stops a running batch whose every request was cancelled
+// (their clients left). A backend arms it just before its run with a
+// function that makes the run end early (ONNX Runtime's terminate flag) and
+// disarms it right after; a run so stopped fails its batch, and the engine
+// answers CANCELLED.
+class BatchInterrupt {
+ public:
+  virtual ~BatchInterrupt() = default;
+  // `stop` runs at most once, on another thread, while armed, when the last
+  // request of the batch is cancelled (before Arm returns when all already
+  // are). It must be quick.
+  virtual void Arm(std::function<void()> stop) = 0;
+  // After the run: `stop` is not running and will not run once this returns.
+  virtual void Disarm() = 0;
+  // Whether `stop` ran.
+  virtual bool stopped() const = 0;
+};
+
 // A model implemented in C++. Lifecycle contract: the constructor is cheap;
 // Load() does the expensive work once; Execute() is never called
 // concurrently on one instance (each instance is its own object, made by the
@@ -199,6 +217,10 @@ class Model {
     // Each request's id (InferRequest metadata "request_id"; "" for none),
     // or empty when the caller has none to give.
     std::span<const std::string_view> ids = {};
+    // When set: a backend that can end a run early arms it for the run (see
+    // BatchInterrupt), so that a batch whose every request is cancelled
+    // stops instead of computing answers nobody waits for.
+    BatchInterrupt* interrupt = nullptr;
   };
   virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
                                  std::vector<NamedTensor>& outputs) {

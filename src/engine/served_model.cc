@@ -373,6 +373,61 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
   in_flight_.fetch_sub(1, std::memory_order_release);
 }
 
+namespace {
+
+// A batch's BatchInterrupt: counts its requests' cancellations while armed
+// and stops the run at the last. A batch with a request that cannot be
+// cancelled (no token) is never stopped.
+class BatchCancelWatch final : public BatchInterrupt {
+ public:
+  explicit BatchCancelWatch(std::span<CancellationToken* const> tokens) : tokens_(tokens) {
+    watchable_ = !tokens_.empty() && std::none_of(tokens_.begin(), tokens_.end(), [](auto* t) { return t == nullptr; });
+  }
+  ~BatchCancelWatch() override { Disarm(); }
+
+  bool watchable() const { return watchable_; }
+
+  void Arm(std::function<void()> stop) override {
+    if (!watchable_) return;
+    {
+      std::lock_guard lock(mu_);
+      stop_ = std::move(stop);
+      armed_ = true;
+    }
+    for (CancellationToken* t : tokens_) t->SetOnCancel([this] { OneCancelled(); });
+  }
+
+  void Disarm() override {
+    {
+      std::lock_guard lock(mu_);
+      if (!armed_) return;
+      armed_ = false;
+    }
+    for (CancellationToken* t : tokens_) t->ClearOnCancel();
+  }
+
+  bool stopped() const override { return stopped_.load(std::memory_order_acquire); }
+
+ private:
+  void OneCancelled() {
+    if (cancelled_.fetch_add(1, std::memory_order_acq_rel) + 1 != tokens_.size()) return;
+    std::lock_guard lock(mu_);
+    if (!armed_ || !stop_) return;
+    stopped_.store(true, std::memory_order_release);
+    stop_();
+  }
+
+  std::span<CancellationToken* const> tokens_;
+  bool watchable_ = false;
+  std::mutex mu_;
+  std::function<void()> stop_;
+  bool armed_ = false;
+  std::atomic<size_t> cancelled_{0};
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace
+
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
   // The batch's bookkeeping lives on the stack for batches of a few
   // requests (no allocation per batch for it), on the heap beyond.
@@ -431,8 +486,14 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
       if (k == "request_id") ids[i] = v;
     }
   }
-  Status st =
-      instances_[static_cast<size_t>(worker)]->ExecuteRequests(inputs, padded, {rows, per_status, ids}, outputs);
+  std::pmr::vector<CancellationToken*> tokens(tasks.size(), &arena);
+  for (size_t i = 0; i < tasks.size(); ++i) tokens[i] = tasks[i]->request.cancel.get();
+  BatchCancelWatch watch(tokens);
+  Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(
+      inputs, padded, {rows, per_status, ids, watch.watchable() ? &watch : nullptr}, outputs);
+  if (watch.stopped()) {
+    st = Cancelled("model '" + config_.name + "': every request of the batch was cancelled; its run was stopped");
+  }
   const int64_t end = clock_->NowNs();
   inputs.clear();
 

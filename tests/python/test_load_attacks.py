@@ -663,3 +663,73 @@ def test_grpc_messages_without_a_key_are_never_read(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def write_slow_chain(repo, n=64, size=1024):
+    """slow_chain: y[1, 1] = the sum of x[1, 1024] tiled to 1024 x 1024 and multiplied by a 1024 x 1024
+    matrix 64 times: one run is a few seconds of MatMuls (kernels ONNX Runtime can stop between)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])
+    reps = numpy_helper.from_array(np.array([size, 1], np.int64), "reps")
+    w = numpy_helper.from_array(np.eye(size, dtype=np.float32) * 0.5 + 0.5 / size, "w")
+    axes = numpy_helper.from_array(np.array([0, 1], np.int64), "axes")
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["h0"])]
+    nodes += [helper.make_node("MatMul", [f"h{i}", "w"], [f"h{i + 1}"]) for i in range(n)]
+    nodes.append(helper.make_node("ReduceSum", [f"h{n}", "axes"], ["y"], keepdims=1))
+    graph = helper.make_graph(nodes, "slow_chain", [x], [y], initializer=[reps, w, axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    os.makedirs(repo / "slow_chain" / "1", exist_ok=True)
+    onnx.save(model, str(repo / "slow_chain" / "1" / "model.onnx"))
+    (repo / "slow_chain" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 0\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 1024 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 1 ] } ]\n')
+
+
+def test_a_running_batch_whose_every_client_left_is_stopped(tmp_path):
+    """Issue: Frigate's DeepStack detector gives up after 0.1 s, and each abandoned detection still
+    took a core until its run ended. Now a batch whose every request is cancelled (its client
+    closed the connection) stops its ONNX Runtime run (the terminate flag). Measured side by side
+    in one server: a full run's compute time (a patient client), then an abandoned one's, which
+    must have been cut short; the abandoned request counts as failed."""
+    import tritonclient.http as httpclient
+    repo = tmp_path / "repo"
+    write_slow_chain(repo)
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
+
+        def stats():
+            s = c.get_inference_statistics("slow_chain")["model_stats"][0]["inference_stats"]
+            return int(s["compute_infer"]["ns"]), int(s["fail"]["count"])
+
+        x = httpclient.InferInput("x", [1, 1024], "FP32")
+        x.set_data_from_numpy(np.ones((1, 1024), np.float32))
+        ns0, _ = stats()
+        c.infer("slow_chain", [x])  # the first run (warm-up)
+        ns1, _ = stats()
+        c.infer("slow_chain", [x])  # a full run, measured
+        ns2, fails = stats()
+        full = ns2 - ns1
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 1024], "datatype": "FP32",
+                                       "data": [1.0] * 1024}]}).encode()
+        s = socket.create_connection(("127.0.0.1", ports["HTTP"]))
+        s.sendall(b"POST /v2/models/slow_chain/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.2)  # the run has started; the client gives up (Frigate: 0.1 s)
+        s.close()
+        deadline = time.monotonic() + 60
+        while stats()[1] == fails and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ns3, fails_after = stats()
+        cut = ns3 - ns2
+        print(f"slow_chain: a full run {full / 1e9:.2f} s of compute; abandoned after 0.2 s: {cut / 1e9:.2f} s")
+        assert fails_after == fails + 1, "the abandoned request did not end as failed"
+        assert cut < full / 2, (full, cut)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

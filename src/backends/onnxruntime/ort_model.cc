@@ -445,8 +445,34 @@ Status OrtModel::Load() {
 
 Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch_size*/,
                          std::vector<NamedTensor>& outputs) {
+  return Run(inputs, outputs, nullptr);
+}
+
+Status OrtModel::ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t /*batch_size*/, BatchRequests requests,
+                                 std::vector<NamedTensor>& outputs) {
+  return Run(inputs, outputs, requests.interrupt);
+}
+
+Status OrtModel::Run(const std::vector<NamedTensor>& inputs, std::vector<NamedTensor>& outputs,
+                     BatchInterrupt* interrupt) {
   if (!session_) return FailedPrecondition("model '" + model_name_ + "' is not loaded");
+  // A run that may be stopped has run options of its own (runs may go on
+  // beside it on the same session: ExecutesConcurrently).
+  std::optional<Ort::RunOptions> own;
+  Ort::RunOptions* run_options = &session_->run_options;
+  struct Disarm {
+    BatchInterrupt* interrupt;
+    ~Disarm() {
+      if (interrupt) interrupt->Disarm();
+    }
+  } disarm{nullptr};
   try {
+    if (interrupt) {
+      own.emplace();
+      run_options = &*own;
+      interrupt->Arm([run_options] { run_options->SetTerminate(); });
+      disarm.interrupt = interrupt;
+    }
     // The call's arrays live on the stack for a few inputs and outputs.
     alignas(std::max_align_t) std::byte scratch[512];
     std::pmr::monotonic_buffer_resource arena(scratch, sizeof(scratch));
@@ -477,8 +503,8 @@ Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch
     std::pmr::vector<Ort::Value> results(&arena);
     results.reserve(session_->output_cnames.size());
     for (size_t i = 0; i < session_->output_cnames.size(); ++i) results.emplace_back(nullptr);
-    session_->session.Run(session_->run_options, names.data(), values.data(), values.size(),
-                          session_->output_cnames.data(), results.data(), results.size());
+    session_->session.Run(*run_options, names.data(), values.data(), values.size(), session_->output_cnames.data(),
+                          results.data(), results.size());
     outputs.clear();
     outputs.reserve(results.size());
     for (size_t i = 0; i < results.size(); ++i) {
@@ -502,6 +528,9 @@ Status OrtModel::Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch
           {session_->output_names[i], Tensor::Borrow(dtype, std::move(shape), data, bytes, std::move(owner))});
     }
   } catch (const Ort::Exception& e) {
+    if (interrupt && interrupt->stopped()) {
+      return Cancelled("model '" + model_name_ + "': every request of the batch was cancelled; its run was stopped");
+    }
     return Internal("model '" + model_name_ + "': onnxruntime failed to run the batch: " + e.what());
   } catch (const std::exception& e) {
     return Internal("model '" + model_name_ + "': running the batch failed: " + e.what());

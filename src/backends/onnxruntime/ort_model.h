@@ -80,11 +80,20 @@ class OrtModel final : public Model {
   Status Load() override;
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t batch_size,
                  std::vector<NamedTensor>& outputs) override;
+  // As Execute; with requests.interrupt, the run ends early (ONNX Runtime's
+  // terminate flag, checked between its kernels) once every request of the
+  // batch is cancelled.
+  Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests requests,
+                         std::vector<NamedTensor>& outputs) override;
 
   // A session's Run is thread-safe; concurrent runs are offered only for
   // an instance on one intra-op thread (no pool to share).
   bool ExecutesConcurrently() const override { return options_.intra_op_threads == 1; }
 
+ private:
+  Status Run(const std::vector<NamedTensor>& inputs, std::vector<NamedTensor>& outputs, BatchInterrupt* interrupt);
+
+ public:
   // Valid after a successful Load().
   const OnnxModelIO& io() const { return io_; }
 
