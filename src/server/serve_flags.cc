@@ -47,6 +47,9 @@ void AddNetworkFlags(CLI::App* serve, ServerOptions& o) {
                     "Close a connection whose request (or response) takes longer than this to transfer");
   serve->add_option("--http-header-timeout-secs", o.http.header_timeout_s,
                     "Close a connection whose request head takes longer than this to arrive");
+  serve->add_option("--http-min-body-rate", o.http.min_body_bytes_per_s,
+                    "Close a connection whose request body arrives slower than this many bytes a second on average "
+                    "(from 5 s after it began; 0 = no minimum)");
   serve->add_option("--grpc-port", o.grpc.port, "KServe v2 gRPC port (0 = pick a free one and log it; -1 = off)");
   serve->add_option("--grpc-max-connections", o.grpc.max_connections,
                     "Open gRPC connections, plaintext and TLS (more: the one longest without a call closes, "

@@ -391,8 +391,9 @@ def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
             t.join(timeout=120)
         print(f"{len(image)} B 16-bit PNGs: answered after " + ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + " s")
         assert len(took) == 13
-        # The timeout (1.5 s), and an answer's way out on a machine busy with other tests.
-        assert max(s for s, _, _ in took) < 2.0, sorted(took)
+        # The timeout (1.5 s), and an answer's way out on a machine busy with other tests (2.08 s was
+        # seen beside a compile on both cores); decoding 13 such images takes many times longer.
+        assert max(s for s, _, _ in took) < 3.0, sorted(took)
         assert any(ok for _, ok, _ in took), took
     finally:
         proc.terminate()
@@ -731,5 +732,59 @@ def test_a_running_batch_whose_every_client_left_is_stopped(tmp_path):
         assert cut < full / 2, (full, cut)
         assert proc.poll() is None
     finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_bodies_that_trickle_in_make_room_and_are_closed(tmp_path):
+    """Issue: 4,200 connections that sent a whole head and then one body byte every 5 s (reopening
+    when the 30 s read timeout closed them) left 0 of 99 legitimate requests answered ("connection
+    limit reached and no connection is idle"). Now a body trickling in is what makes room at the
+    limit, and one averaging under --http-min-body-rate (1 KiB/s) is closed 5 s after it began.
+    Scaled down: 120 such connections against --http-max-connections 100."""
+    proc, ports = slow_head_server(tmp_path)
+    port = ports["HTTP"]
+    head = (b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{")
+    holders, closed_after = [], []
+    stop = threading.Event()
+    try:
+        for _ in range(120):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(head)
+                holders.append((s, time.monotonic()))
+            except OSError:
+                pass
+
+        def trickle():
+            while not stop.is_set():
+                for s, start in list(holders):
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        if all(s is not c for c, _ in closed_after):
+                            closed_after.append((s, time.monotonic() - start))
+                stop.wait(1)
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        time.sleep(1.5)  # every slot held by a trickling body
+        answered = 0
+        for _ in range(20):
+            status, _ = healthy(port, timeout=10)
+            answered += status == 200
+        deadline = time.monotonic() + 15
+        while len(closed_after) < len(holders) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        print(f"{len(holders)} connections trickling a body byte a second: {answered} of 20 requests answered; "
+              f"{len(closed_after)} trickling connections closed, the last after "
+              f"{max((t for _, t in closed_after), default=0):.1f} s")
+        assert answered == 20, answered
+        assert len(closed_after) == len(holders)
+        assert max(t for _, t in closed_after) < 12
+    finally:
+        stop.set()
+        for s, _ in holders:
+            s.close()
         proc.terminate()
         proc.wait(timeout=30)

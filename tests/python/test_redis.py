@@ -1105,3 +1105,42 @@ def test_a_huge_reply_from_redis_is_not_read_into_memory(repo):
     finally:
         q.stop()
         fake.stop()
+
+
+def test_a_stream_entry_cannot_take_over_another_owners_job(repo, redis_server, tmp_path):
+    """Issue: a stream producer wrote an entry reusing a victim's HTTP job id with its own owner: the
+    victim got 404 for its own job and the entry's owner read its result. Every entry now claims its
+    job's record in one step on the Redis side (a script): a record of another owner makes the entry
+    acknowledged and not run, and nothing is written under that id."""
+    from quern_testing import wait_until
+    victim_key, other_key = "k-victim-0123456789abcdef", "k-other-0123456789abcdef"
+    (tmp_path / "keys").write_text(f"{victim_key}\n{other_key}\n")
+    keys = ("--api-keys", str(tmp_path / "keys"))
+    r = redis_server.client()
+    accepter = Quern(repo, "--redis-url", redis_server.url(), "--no-consume", *keys)
+    consumer = None
+    try:
+        one = np.ones((1, 4), np.float32)
+        status, _, data = accepter.request("POST", "/v2/models/add_sub/jobs", add_sub_body(one, one),
+                                           {"Authorization": f"Bearer {victim_key}"})
+        assert status == 202, data
+        job = json.loads(data)["job_id"]
+        # Into another model's stream, with a body of its own: its consumer claims the victim's id.
+        r.xadd("quern:jobs:slow_batch", {"id": job, "body": json.dumps(slow_body(np.ones((1, 3), np.float32))),
+                                          "owner": "someone else", "tracked": "1"})
+        consumer = Quern(repo, "--redis-url", redis_server.url(), "--consume-models", "slow_batch", *keys)
+        def taken():
+            try:
+                return all_taken(r, "quern:jobs:slow_batch")
+            except StopIteration:  # the consumer's group is not there yet
+                return False
+        wait_until(taken, timeout=30, what="the entry taken and acknowledged")
+        status, _, data = accepter.request("GET", f"/v2/jobs/{job}", headers={"Authorization": f"Bearer {victim_key}"})
+        assert status == 200, data
+        doc = json.loads(data)
+        assert doc["status"] == "queued" and doc.get("model", "add_sub") == "add_sub", doc
+        assert consumer.metric('quern_stream_entries_total{outcome="foreign"}') == 1
+    finally:
+        accepter.stop()
+        if consumer:
+            consumer.stop()

@@ -63,6 +63,13 @@ constexpr int kMaxRejecting = 64;
 // How long a closing connection may take to send its last bytes to us.
 constexpr int64_t kLingerNs = 2'000'000'000;
 constexpr auto kSweepInterval = std::chrono::milliseconds(500);
+// A request body must average HttpServerOptions::min_body_bytes_per_s from
+// this long after it began.
+constexpr int64_t kBodyRateGraceNs = 5'000'000'000;
+// Under connection pressure a body averaging less than this, a second or
+// more after it began, is closed first (with idle connections).
+constexpr size_t kEvictableBodyRate = 64 << 10;
+constexpr int64_t kEvictableBodyGraceNs = 1'000'000'000;
 // After the server refused a request (503, 429), its I/O threads preempt
 // computation to read (and refuse) the next ones at once for this long.
 constexpr int64_t kUrgentNs = 1'000'000'000;
@@ -146,6 +153,7 @@ struct Shared {
   std::atomic<int> open{0};       // served connections
   std::atomic<int> rejecting{0};  // over-limit connections being answered 503
   std::atomic<int64_t> last_limit_warning{0};
+  std::atomic<int64_t> last_slow_body_warning{0};
   std::atomic<int64_t> last_refusal_ns{0};  // when a request was last answered 503 or 429
   std::unique_ptr<ssl::context> tls;        // null: plaintext
   std::atomic<int> writing{0};              // responses handed to a loop thread, not yet written
@@ -198,6 +206,12 @@ class Session : public std::enable_shared_from_this<Session> {
   int64_t IdleSince() const {
     if (reject_ || closing_ || closed_) return 0;
     if (handshaking_) return idle_since_ns_.load(std::memory_order_relaxed);
+    // A body arriving slower than kEvictableBodyRate is as evictable as an
+    // idle connection, from when it began: under connection pressure the
+    // slowest uploads make room first.
+    if (reading_ && body_started_ns_ > 0) {
+      return BodyRateBelow(shared_.NowNs(), kEvictableBodyRate, kEvictableBodyGraceNs) ? body_started_ns_ : 0;
+    }
     if (reading_) return parser_ && !parser_->is_header_done() ? idle_since_ns_.load(std::memory_order_relaxed) : 0;
     // Between requests a keep-alive connection waits on the watch: idle
     // once its response is out (nothing is sending on it any more).
@@ -206,6 +220,16 @@ class Session : public std::enable_shared_from_this<Session> {
       return idle_since_ns_.load(std::memory_order_relaxed);
     }
     return 0;
+  }
+
+  // Loop thread: whether the body being read has come at less than `rate`
+  // bytes a second on average since it began, `grace_ns` or more ago.
+  bool BodyRateBelow(int64_t now, size_t rate, int64_t grace_ns) const {
+    if (!reading_ || body_started_ns_ == 0 || rate == 0) return false;
+    const int64_t elapsed = now - body_started_ns_;
+    if (elapsed < grace_ns) return false;
+    const size_t have = body_by_length_ ? body_have_ : (parser_ ? parser_->get().body().size() : 0);
+    return static_cast<double>(have) < static_cast<double>(rate) * static_cast<double>(elapsed) * 1e-9;
   }
 
   // Loop thread: closes an idle connection to make room for a new one,
@@ -229,7 +253,12 @@ class Session : public std::enable_shared_from_this<Session> {
       head_deadline_ns_ = now + int64_t{shared_.options.header_timeout_s} * 1'000'000'000;
     }
     const bool head_late = head_started && !parser_->is_header_done() && now >= head_deadline_ns_;
-    if (now >= deadline || head_late) HardClose();
+    if (now >= deadline || head_late) return HardClose();
+    if (BodyRateBelow(now, shared_.options.min_body_bytes_per_s, kBodyRateGraceNs)) {
+      WarnRateLimited(shared_.last_slow_body_warning, now,
+                      "closing HTTP connections whose request body arrives slower than --http-min-body-rate");
+      HardClose();
+    }
   }
 
  private:
@@ -447,6 +476,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Loop thread: reads the body of the request whose head is in request_.
   void ReadBody() {
+    body_started_ns_ = shared_.NowNs();
+    body_have_ = 0;
     size_t len = 0;
     if (!parser_->chunked() && KnownLength(len) && body_pre_ > 0) {
       // Read with the head (ReadLikeTheLast): body_ holds len bytes' room
@@ -477,15 +508,22 @@ class Session : public std::enable_shared_from_this<Session> {
   // `have`; reads the rest straight into it, then dispatches.
   void ReadBodyRest(size_t have, size_t len) {
     body_by_length_ = true;
+    body_have_ = have;
     if (have == len) return Dispatch();
     WithStream([&](auto& stream) {
-      asio::async_read(stream, asio::buffer(body_.data() + have, len - have),
-                       [self = shared_from_this()](beast::error_code e, size_t) {
-                         if (e == asio::error::eof || e == ssl::error::stream_truncated) {
-                           e = http::error::partial_message;
-                         }
-                         self->OnBody(e);
-                       });
+      // The condition sees each read's progress: what the body rate reads.
+      asio::async_read(
+          stream, asio::buffer(body_.data() + have, len - have),
+          [this, have, rest = len - have](const beast::error_code& e, size_t n) -> size_t {
+            body_have_ = have + n;
+            return e ? 0 : rest - n;
+          },
+          [self = shared_from_this()](beast::error_code e, size_t) {
+            if (e == asio::error::eof || e == ssl::error::stream_truncated) {
+              e = http::error::partial_message;
+            }
+            self->OnBody(e);
+          });
     });
   }
 
@@ -590,6 +628,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Dispatch() {
     reading_ = false;
+    body_started_ns_ = 0;
     HttpRequest req = std::move(request_);
     request_ = HttpRequest();
     if (body_by_length_) {
@@ -902,6 +941,8 @@ class Session : public std::enable_shared_from_this<Session> {
   size_t last_head_ = 0, last_body_ = 0;  // the lengths of the request before (Predict)
   size_t discard_ = 0;                    // bytes of a body answered early, still to skip
   bool body_by_length_ = false;
+  int64_t body_started_ns_ = 0;  // when the body of the request being read began (0: none)
+  size_t body_have_ = 0;         // of a body of known length, the bytes read so far
   bool reading_ = false;
   bool read_clock_started_ = false;
   bool counted_ = true;  // holds a place in Shared::open (or rejecting)

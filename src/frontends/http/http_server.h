@@ -49,6 +49,10 @@ struct HttpServerOptions {
   int idle_timeout_s = 60;    // keep-alive connection with no request
   int read_timeout_s = 30;    // from a request's first byte to its last; also bounds a write
   int header_timeout_s = 10;  // from a request's first byte to the end of its head
+  // A request body must arrive at this many bytes a second on average
+  // (from 5 s after it began): a body trickling in slower (slowloris on the
+  // body) closes its connection. 0 = no minimum.
+  size_t min_body_bytes_per_s = 1024;
   // TLS (HTTPS): PEM certificate chain and private key files; both empty =
   // plaintext. TLS 1.2 and later.
   std::string tls_cert_file;

@@ -27,11 +27,23 @@ namespace {
 // before this one took the entry over), or its record is gone; the entry
 // is then acknowledged without running. (The record's JSON has one
 // "status" key, and its string values are escaped: no other text matches.)
-constexpr char kStartScript[] = R"lua(
+// Claims a job for an entry before it runs, in one step on the Redis side:
+// KEYS[1] the job's record, ARGV[1] the entry's owner, ARGV[2] the record
+// saying running (an HTTP job's entry, whose record says queued) or "".
+// -1: the record is another owner's (an entry may not take over another
+// key's job); 0: not to run (an HTTP job cancelled, finished or gone);
+// 1: run it.
+constexpr char kClaimScript[] = R"lua(
 local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
+if not v then
+  if ARGV[2] ~= '' then return 0 end
+  return 1
+end
+local owner = string.match(v, '"owner":"([^"]*)"') or ''
+if owner ~= ARGV[1] then return -1 end
+if ARGV[2] == '' then return 1 end
 if string.find(v, '"status":"queued"', 1, true) or string.find(v, '"status":"running"', 1, true) then
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[2])
   return 1
 end
 return 0
@@ -70,7 +82,8 @@ Counter& OutcomeCounter(MetricsRegistry& metrics, const char* outcome) {
                             "Job stream entries by outcome: taken (read or reclaimed), reclaimed, done, failed, dead "
                             "(dead-lettered), retried (left pending after a transient failure), cancelled (a job "
                             "cancelled while queued, acknowledged without running), local (an HTTP job taken by the "
-                            "instance that accepted it, run from the request it kept, its body not read back).",
+                            "instance that accepted it, run from the request it kept, its body not read back), "
+                            "foreign (an entry naming a job another owner submitted: acknowledged, not run).",
                             {{"outcome", outcome}});
 }
 
@@ -219,6 +232,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         dead_(OutcomeCounter(metrics_, "dead")),
         retried_(OutcomeCounter(metrics_, "retried")),
         cancelled_(OutcomeCounter(metrics_, "cancelled")),
+        foreign_(OutcomeCounter(metrics_, "foreign")),
         inflight_gauge_(metrics_.AddGauge("quern_stream_inflight",
                                           "Job stream entries taken by this instance and not yet finished.")),
         connected_(
@@ -735,17 +749,21 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     for (size_t i = 0; i < group.entries.size(); ++i) {
       Entry& e = group.entries[i];
       if (!e.problem.ok()) continue;
+      // Every entry claims its job's record: one whose record is another
+      // owner's is not run (its result would replace theirs).
+      auto rec = NewRecord(e);
+      std::string running;
       if (e.Field("tracked") == "1") {
-        auto rec = NewRecord(e);
         rec->state = JobState::kRunning;
         rec->started_ms = now;
-        if (auto enc = RedisResultStore::Encode(*rec, store_->options())) {
-          p.Add({"EVAL", kStartScript, "1", store_->options().key_prefix + rec->id, enc->json});
-          asked.emplace_back(i, Ask::kStart);
-          ++wanted[i];
-          e.unchecked = true;  // until Redis says
-        }
+        auto enc = RedisResultStore::Encode(*rec, store_->options());
+        if (!enc) continue;
+        running = std::move(enc->json);
       }
+      p.Add({"EVAL", kClaimScript, "1", store_->options().key_prefix + rec->id, rec->owner, running});
+      asked.emplace_back(i, Ask::kStart);
+      ++wanted[i];
+      e.unchecked = true;  // until Redis says
       if (!e.body_key.empty() && !e.local) {
         p.Add({"GET", e.body_key});
         asked.emplace_back(i, Ask::kBody);
@@ -763,6 +781,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       if (ask == Ask::kStart) {
         if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
         if (r.integer == 0) e.cancelled = true;
+        if (r.integer < 0) {
+          // Acknowledged and not run: nothing is written under that job's id.
+          e.cancelled = true;
+          foreign_.Increment();
+          Log(LogLevel::kWarning, "job stream entry " + e.entry_id + " of " + models_[e.model].stream + " names job '" +
+                                      NewRecord(e)->id.substr(0, 64) +
+                                      "', which another owner submitted: dropped, not run");
+        }
       } else if (r.is_nil()) {
         missing.push_back(i);
       } else if (r.oversize >= 0) {
@@ -1006,6 +1032,7 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   Counter& dead_;
   Counter& retried_;
   Counter& cancelled_;
+  Counter& foreign_;
   Gauge& inflight_gauge_;                       // inflight_, set with mu_ held
   Gauge& connected_;                            // 0 or 1
   std::vector<Model> models_;                   // fixed after Init
