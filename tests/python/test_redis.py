@@ -1144,3 +1144,40 @@ def test_a_stream_entry_cannot_take_over_another_owners_job(repo, redis_server, 
         accepter.stop()
         if consumer:
             consumer.stop()
+
+
+def test_a_hung_redis_never_stalls_other_requests(repo):
+    """Issue: while one job request waited on a Redis that did not answer, a plain infer on the same
+    HTTP I/O thread took 4.5-5.0 s. Job lookups now wait on a thread of their own: the infer is
+    answered while the lookup still waits, and the lookup fails with 503 once Redis's time is up."""
+    from quern_testing import wait_until
+    hung = threading.Event()
+    before = set()  # connections made before the lookup (the result writer's)
+    looking = threading.Event()
+
+    def answer(args, conn):
+        if looking.is_set() and conn not in before:
+            hung.set()  # the lookup's connection: its first command (it waits for an answer that never comes)
+        elif not looking.is_set():
+            before.add(conn)
+    fake = FakeRedis(answer)
+    q = Quern(repo, "--redis-url", fake.url(), "--http-threads", "1")
+    try:
+        job = "%012x-%s" % (int(time.time() * 1000), "0" * 32)
+        looked_up = []
+        wait_until(lambda: before, timeout=30, what="the result writer's first command")
+        looking.set()
+        t = threading.Thread(target=lambda: looked_up.append(q.request("GET", f"/v2/jobs/{job}")))
+        t.start()
+        assert hung.wait(30), "the lookup never reached redis"
+        one = np.ones((1, 4), np.float32)
+        status, _, data = q.request("POST", "/v2/models/add_sub/infer", add_sub_body(one, one))
+        still_waiting = t.is_alive()
+        t.join(timeout=60)
+        assert status == 200, data
+        assert still_waiting, "the infer was answered only after the job lookup ended"
+        status, _, data = looked_up[0]
+        assert status == 503 and b"redis" in data, (status, data)
+    finally:
+        q.stop()
+        fake.stop()

@@ -11,10 +11,10 @@
 #include <thread>
 
 #include "auth/api_keys.h"
-#include "core/cpus.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
+#include "core/serial_worker.h"
 #include "frontends/grpc/grpc_convert.h"
 #include "frontends/grpc/grpc_transport.h"
 #include "health.pb.h"
@@ -62,60 +62,6 @@ std::string Serialize(const M& m) {
   return out;
 }
 
-// One thread for the calls that take long on purpose (model loads and
-// unloads): never on an I/O thread, where every other call of its
-// connections would wait. Jobs run in order; Stop drops those not started
-// and waits for the one running.
-class SlowCallWorker {
- public:
-  SlowCallWorker()
-      : thread_([this] {
-          NameThisThread("quern-grpc-admin");
-          Run();
-        }) {}
-  ~SlowCallWorker() { Stop(); }
-
-  void Post(std::function<void()> job) {
-    MutexLock lock(mu_);
-    if (stopping_) return;
-    jobs_.push_back(std::move(job));
-    cv_.Signal();
-  }
-
-  void Stop() {
-    std::deque<std::function<void()>> dropped;
-    {
-      MutexLock lock(mu_);
-      stopping_ = true;
-      dropped.swap(jobs_);
-      cv_.Signal();
-    }
-    dropped.clear();  // outside the lock: they hold calls
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void Run() {
-    MutexLock lock(mu_);
-    while (true) {
-      while (!stopping_ && jobs_.empty()) cv_.Wait(lock);
-      if (stopping_) return;
-      auto job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.Unlock();
-      job();
-      job = nullptr;
-      lock.Lock();
-    }
-  }
-
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> jobs_ QUERN_GUARDED_BY(mu_);
-  bool stopping_ QUERN_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
-
 // A handler that does nothing: its call was refused when it started.
 class Refused final : public GrpcHandler {
  public:
@@ -129,7 +75,7 @@ template <class Req, class Resp>
 class UnaryHandler final : public GrpcHandler {
  public:
   using Body = std::function<Status(const Req&, Resp*)>;
-  UnaryHandler(const std::shared_ptr<GrpcCall>& call, const Body* body, SlowCallWorker* slow)
+  UnaryHandler(const std::shared_ptr<GrpcCall>& call, const Body* body, SerialWorker* slow)
       : call_(call.get()), weak_(call), body_(body), slow_(slow) {}
 
   void OnMessage(std::string message) override {
@@ -140,9 +86,10 @@ class UnaryHandler final : public GrpcHandler {
     }
     message = {};
     if (!slow_) return Answer(*call_, *body_, in);
-    slow_->Post([call = weak_.lock(), body = body_, in = std::move(in)] {
+    const bool queued = slow_->Post([call = weak_.lock(), body = body_, in = std::move(in)] {
       if (call) Answer(*call, *body, in);
     });
+    if (!queued) call_->Finish(Unavailable("too many model loads and unloads are waiting; try again later"));
   }
   void OnHalfClose() override {
     call_->Finish(InvalidArgument(std::string(call_->path()) + ": the call ended before its request message"));
@@ -159,7 +106,7 @@ class UnaryHandler final : public GrpcHandler {
   GrpcCall* call_;
   std::weak_ptr<GrpcCall> weak_;
   const Body* body_;
-  SlowCallWorker* slow_;
+  SerialWorker* slow_;
 };
 
 // One ModelInfer call. Its request and answer live on one arena: a block or
@@ -702,7 +649,7 @@ class GrpcServer::Impl {
   // A unary method of the inference service, answered by `body`.
   template <class Req, class Resp>
   void Unary(std::vector<GrpcMethodSpec>& out, std::string_view name, Access access,
-             std::function<Status(const Req&, Resp*)> body, SlowCallWorker* slow = nullptr) {
+             std::function<Status(const Req&, Resp*)> body, SerialWorker* slow = nullptr) {
     auto* fn = new typename UnaryHandler<Req, Resp>::Body(std::move(body));
     bodies_.emplace_back(fn);
     out.push_back({std::string(kService) + std::string(name), false, false,
@@ -777,7 +724,7 @@ class GrpcServer::Impl {
   LastCaller last_caller_;
   std::vector<std::shared_ptr<void>> bodies_;  // the unary methods' bodies
   std::unique_ptr<GrpcTransport> transport_;
-  SlowCallWorker slow_calls_;  // model loads and unloads
+  SerialWorker slow_calls_{"quern-grpc-admin", 64};  // model loads and unloads: never on an I/O thread
   Mutex mu_;
   CondVar cv_;
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;

@@ -138,7 +138,9 @@ JobHandler::JobHandler(Engine* engine, ResultStore* store, MetricsRegistry* metr
       cancelled_(FinishedCounter(metrics_, "cancelled")),
       pending_count_(metrics_.AddGauge("quern_jobs_pending", "Jobs queued or running now.")) {}
 
-JobHandler::~JobHandler() = default;
+JobHandler::~JobHandler() {
+  store_io_.Stop();  // before anything its lookups use goes
+}
 
 JobStats JobHandler::stats() const {
   JobStats s;
@@ -353,6 +355,24 @@ void JobHandler::Get(const std::string& id, const std::string& owner, std::strin
     Status st = WriteJobJson(w, rec, JobJsonForm::kPoll, KServeOutputFormat{}, binary_parts);
     return done(st.ok() ? JsonResponse(200, buf) : ErrorResponse(st));
   }
+  Lookup(std::move(done),
+         [this, id, owner, query = std::string(query)](HttpDone d) { GetStored(id, owner, query, std::move(d)); });
+}
+
+void JobHandler::Lookup(HttpDone done, std::function<void(HttpDone)> lookup) {
+  if (!store_->Durable()) return lookup(std::move(done));
+  auto shared = std::make_shared<HttpDone>(std::move(done));
+  const bool queued = store_io_.Post([shared, lookup = std::move(lookup)] { lookup(std::move(*shared)); });
+  if (!queued) {
+    (*shared)(ErrorResponse(Unavailable("the job store is busy: " + std::to_string(kMaxStoreLookups) +
+                                        " lookups wait for redis already; try again later")));
+  }
+}
+
+void JobHandler::GetStored(const std::string& id, const std::string& owner, std::string_view query, HttpDone done) {
+  rapidjson::StringBuffer buf;
+  JsonWriter w(buf);
+  std::vector<const Tensor*> binary_parts;
   auto stored = store_->Get(id);
   if (!stored) return done(NotStored(id, stored.error()));
   if (!(*stored)->owner.empty() && (*stored)->owner != owner) return done(ErrorResponse(NoJob(id)));
@@ -423,7 +443,9 @@ void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDon
     if (auto it = pending_.find(id); it != pending_.end()) pending = it->second;
   }
   if (pending && !pending->owner.empty() && pending->owner != owner) return done(ErrorResponse(NoJob(id)));
-  if (!pending) return CancelStored(id, owner, std::move(done));
+  if (!pending) {
+    return Lookup(std::move(done), [this, id, owner](HttpDone d) { CancelStored(id, owner, std::move(d)); });
+  }
   int queued = kQueued;
   if (!pending->state.compare_exchange_strong(queued, kCancelRequested)) {
     if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));

@@ -33,6 +33,7 @@
 #include <unordered_map>
 
 #include "core/mutex.h"
+#include "core/serial_worker.h"
 #include "frontends/http/http_types.h"
 #include "frontends/http/router.h"
 #include "frontends/jobs/local_job_inputs.h"
@@ -99,6 +100,11 @@ class JobHandler {
   // cancelled in the store.
   void CancelStored(const std::string& id, const std::string& owner, HttpDone done);
   void Get(const std::string& id, const std::string& owner, std::string_view query, HttpDone done);
+  // GET of a job this process does not hold: its record from the store.
+  void GetStored(const std::string& id, const std::string& owner, std::string_view query, HttpDone done);
+  // Runs `lookup` (a store lookup that answers `done`) on store_io_ when the
+  // store is a round trip away (Redis), at once otherwise (in memory).
+  void Lookup(HttpDone done, std::function<void(HttpDone)> lookup);
   void Cancel(const std::string& id, const std::string& owner, HttpDone done);
   void Complete(const std::shared_ptr<Pending>& job, InferResponse&& response);
 
@@ -122,6 +128,11 @@ class JobHandler {
   Counter& failed_;
   Counter& cancelled_;
   Gauge& pending_count_;  // pending_.size()
+  // Store lookups that wait on Redis run here, never on an HTTP I/O thread
+  // (a slow or hung Redis would stall every connection of that thread);
+  // at most kMaxStoreLookups wait, beyond: 503.
+  static constexpr size_t kMaxStoreLookups = 256;
+  SerialWorker store_io_{"quern-jobs-io", kMaxStoreLookups};
   mutable Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<Pending>> pending_ QUERN_GUARDED_BY(mu_);  // queued or running
 };
