@@ -121,6 +121,46 @@ def test_infer_raw_contents_matches_numpy(server):
     assert r.get_response().model_version == "1"
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_calls_unary_and_stream(server, algorithm):
+    """tritonclient's compression_algorithm: the client's grpc-encoding, each message compressed."""
+    import queue
+    c = grpcclient.InferenceServerClient(server)
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((4, 4)).astype(np.float32)
+    b = np.zeros((4, 4), np.float32)  # compresses well
+    r = c.infer("add_sub", add_sub_inputs(a, b), compression_algorithm=algorithm)
+    np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+    answers = queue.Queue()
+    c.start_stream(callback=lambda result, error: answers.put((result, error)), compression_algorithm=algorithm)
+    try:
+        for k in range(3):
+            c.async_stream_infer("add_sub", add_sub_inputs(a * k, b), request_id=str(k))
+        got = {}
+        for _ in range(3):
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            got[result.get_response().id] = result.as_numpy("OUTPUT0")
+        for k in range(3):
+            np.testing.assert_allclose(got[str(k)], a * k, rtol=1e-6)
+    finally:
+        c.stop_stream()
+
+
+def test_a_compressed_message_that_inflates_past_the_limit_is_refused(server):
+    """A message of 10 MB of zeros sent gzip-compressed (about 10 KB on the wire) to a server whose
+    limit here is 1 MB: RESOURCE_EXHAUSTED once it inflates past the limit, and the server goes on."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    with grpc.insecure_channel(server) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelMetadata(service_pb2.ModelMetadataRequest(name="\x00" * (10 << 20)),
+                               compression=grpc.Compression.Gzip, timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live
+
+
 def test_typed_contents_through_the_raw_stub(server):
     """tritonclient always sends raw bytes; typed `contents` go through the generated stub."""
     with grpc.insecure_channel(server) as ch:
