@@ -699,5 +699,26 @@ TEST(RealModel, TextDirectionClassifierTellsUprightFromFlipped) {
   }
 }
 
+TEST(CancellationTokenTest, EveryBatchWatchingATokenHearsItsCancelOnce) {
+  // A token may be in two running batches at once (an ensemble's steps, a
+  // request's face crops): each watch hears the cancel, once; one removed
+  // hears nothing; one added after the cancel hears it at once.
+  CancellationToken token;
+  int a = 0, b = 0, c = 0;
+  const int key_a = 0, key_b = 0, key_c = 0;
+  token.AddOnCancel(&key_a, [&] { ++a; });
+  token.AddOnCancel(&key_b, [&] { ++b; });
+  token.AddOnCancel(&key_c, [&] { ++c; });
+  token.RemoveOnCancel(&key_c);
+  token.Cancel();
+  token.Cancel();
+  EXPECT_EQ(a, 1);
+  EXPECT_EQ(b, 1);
+  EXPECT_EQ(c, 0);
+  int late = 0;
+  token.AddOnCancel(&key_c, [&] { ++late; });
+  EXPECT_EQ(late, 1);
+}
+
 }  // namespace
 }  // namespace quern

@@ -32,36 +32,45 @@ namespace quern {
 // running batch completes normally.
 class CancellationToken {
  public:
-  // Marks the request cancelled; the first call runs the function set by
-  // SetOnCancel, if any. Thread-safe.
+  // Marks the request cancelled; the first call runs the functions added by
+  // AddOnCancel. Thread-safe.
   void Cancel() {
     if (cancelled_.exchange(true, std::memory_order_acq_rel)) return;
     std::lock_guard lock(mu_);
-    if (on_cancel_) on_cancel_();
+    for (auto& [key, f] : on_cancel_) f();
   }
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
 
-  // For the engine, while the request's batch runs: `f` runs once when the
-  // request is cancelled (at once when it already is), on the cancelling
-  // thread; it must be quick. Replaces an earlier one.
-  void SetOnCancel(std::function<void()> f) {
+  // For the engine, while a batch holding the request runs (a token may be
+  // in several at once: an ensemble's steps, a request's face crops): `f`
+  // runs once when the request is cancelled (at once when it already is),
+  // on the cancelling thread; it must be quick. `key` names it for
+  // RemoveOnCancel; adding a key again replaces its function.
+  void AddOnCancel(const void* key, std::function<void()> f) {
     std::lock_guard lock(mu_);
     if (cancelled()) {
       f();
       return;
     }
-    on_cancel_ = std::move(f);
+    for (auto& [k, g] : on_cancel_) {
+      if (k == key) {
+        g = std::move(f);
+        return;
+      }
+    }
+    on_cancel_.emplace_back(key, std::move(f));
   }
-  // The function set is not running and will not run once this returns.
-  void ClearOnCancel() {
+  // The function added under `key` is not running and will not run once
+  // this returns.
+  void RemoveOnCancel(const void* key) {
     std::lock_guard lock(mu_);
-    on_cancel_ = nullptr;
+    std::erase_if(on_cancel_, [key](const auto& e) { return e.first == key; });
   }
 
  private:
   std::atomic<bool> cancelled_{false};
   std::mutex mu_;
-  std::function<void()> on_cancel_;
+  std::vector<std::pair<const void*, std::function<void()>>> on_cancel_;
 };
 
 struct InferRequest {

@@ -377,11 +377,14 @@ namespace {
 
 // A batch's BatchInterrupt: counts its requests' cancellations while armed
 // and stops the run at the last. A batch with a request that cannot be
-// cancelled (no token) is never stopped.
+// cancelled (no token) is never stopped. `tokens` may name one token more
+// than once (requests that share it): each counts once.
 class BatchCancelWatch final : public BatchInterrupt {
  public:
-  explicit BatchCancelWatch(std::span<CancellationToken* const> tokens) : tokens_(tokens) {
+  explicit BatchCancelWatch(std::pmr::vector<CancellationToken*>& tokens) : tokens_(tokens) {
     watchable_ = !tokens_.empty() && std::none_of(tokens_.begin(), tokens_.end(), [](auto* t) { return t == nullptr; });
+    std::sort(tokens_.begin(), tokens_.end());
+    tokens_.erase(std::unique(tokens_.begin(), tokens_.end()), tokens_.end());
   }
   ~BatchCancelWatch() override { Disarm(); }
 
@@ -391,10 +394,12 @@ class BatchCancelWatch final : public BatchInterrupt {
     if (!watchable_) return;
     {
       std::lock_guard lock(mu_);
+      if (armed_) return;  // armed once per run
       stop_ = std::move(stop);
       armed_ = true;
+      cancelled_.store(0, std::memory_order_relaxed);
     }
-    for (CancellationToken* t : tokens_) t->SetOnCancel([this] { OneCancelled(); });
+    for (CancellationToken* t : tokens_) t->AddOnCancel(this, [this] { OneCancelled(); });
   }
 
   void Disarm() override {
@@ -403,7 +408,7 @@ class BatchCancelWatch final : public BatchInterrupt {
       if (!armed_) return;
       armed_ = false;
     }
-    for (CancellationToken* t : tokens_) t->ClearOnCancel();
+    for (CancellationToken* t : tokens_) t->RemoveOnCancel(this);
   }
 
   bool stopped() const override { return stopped_.load(std::memory_order_acquire); }
@@ -417,7 +422,7 @@ class BatchCancelWatch final : public BatchInterrupt {
     stop_();
   }
 
-  std::span<CancellationToken* const> tokens_;
+  std::pmr::vector<CancellationToken*>& tokens_;  // distinct
   bool watchable_ = false;
   std::mutex mu_;
   std::function<void()> stop_;
@@ -491,6 +496,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   BatchCancelWatch watch(tokens);
   Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(
       inputs, padded, {rows, per_status, ids, watch.watchable() ? &watch : nullptr}, outputs);
+  watch.Disarm();  // before the requests (and their tokens) are answered and let go
   if (watch.stopped()) {
     st = Cancelled("model '" + config_.name + "': every request of the batch was cancelled; its run was stopped");
   }

@@ -562,7 +562,8 @@ void Server::Shutdown() {
   std::fflush(stdout);
   p.metrics->Stop();
   p.engine_metrics.Reset();
-  p.http->Stop();  // no new requests reach the engine
+  p.http->Stop();                     // no new requests reach the engine
+  if (p.jobs) p.jobs->StopLookups();  // before the store and the connections they answer on go
   if (p.vision_http) p.vision_http->Stop();
   if (p.grpc) p.grpc->Stop();
   // Images still in the vision service need the engine to finish; their

@@ -193,6 +193,17 @@ Status RedisResultStore::Write(std::vector<Batch>& batches) {
     const size_t first = p.size() - 1;  // (EXEC's answers leave MULTI out)
     for (const auto& r : b.records) {
       auto enc = Encode(*r, options_);
+      // A value longer than reads take would be written and never read
+      // back: the job fails saying so instead.
+      if (enc && options_.redis.max_bulk_bytes > 0) {
+        size_t largest = enc->json.size();
+        for (const auto& [k, v] : enc->binary) largest = std::max(largest, v.size());
+        if (largest > options_.redis.max_bulk_bytes) {
+          enc = Err(ResourceExhausted("the result holds a value of " + std::to_string(largest) +
+                                      " bytes, more than the job store keeps (" +
+                                      std::to_string(options_.redis.max_bulk_bytes) + ", --job-store-max-bytes)"));
+        }
+      }
       if (!enc) {
         // Cannot happen for records the engine produced; never block the
         // queue on one: store the reason instead.

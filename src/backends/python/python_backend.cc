@@ -25,12 +25,23 @@ constexpr size_t kAlign = 64;
 constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 
-// quern.python.max_memory_mb when a model does not say: half of the
-// machine's memory, at least 4 GiB (the interpreter, numpy and a framework
-// map well under that before a model allocates anything).
+// quern.python.max_memory_mb when a model does not say: half of the memory
+// the process may have (the machine's, or its cgroup's limit when lower), at
+// least 4 GiB (the interpreter, numpy and a CPU framework map well under
+// that before a model allocates anything). GPU instances get none by
+// default: CUDA reserves far more address space than it uses.
 int64_t DefaultPythonMemoryMb() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  const int64_t total_mb = pages > 0 && page > 0 ? (static_cast<int64_t>(pages) * page) >> 20 : 0;
+  int64_t total_mb = pages > 0 && page > 0 ? (static_cast<int64_t>(pages) * page) >> 20 : 0;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      unsigned long long limit = 0;
+      if (std::fscanf(f, "%llu", &limit) == 1 && limit > 0 && static_cast<int64_t>(limit >> 20) < total_mb) {
+        total_mb = static_cast<int64_t>(limit >> 20);
+      }
+      std::fclose(f);
+    }
+  }
   return std::max<int64_t>(4096, total_mb / 2);
 }
 // A process that failed to start is not started again sooner than this.
@@ -154,6 +165,7 @@ struct PythonModelSpec {
   int64_t execute_timeout_ms = kDefaultExecuteTimeoutMs;
   int64_t initialize_timeout_ms = kDefaultInitializeTimeoutMs;
   int64_t max_memory_mb = 0;                             // quern.python.max_memory_mb; 0 = none
+  bool max_memory_given = false;                         // set by the model (else not for GPU instances)
   bool same_core = true;                                 // quern.same_core
   int64_t same_core_below_ns = kSameCoreBelowUs * 1000;  // quern.same_core_below_us
 };
@@ -291,7 +303,7 @@ class PythonModel final : public Model {
     w.Key("server_pid");
     w.Int64(::getpid());
     w.Key("max_memory_mb");
-    w.Int64(spec_->max_memory_mb);
+    w.Int64(device_.gpu && !spec_->max_memory_given ? 0 : spec_->max_memory_mb);
     w.Key("inputs");
     WriteTensorList(w, config_.inputs);
     w.Key("outputs");
@@ -551,6 +563,7 @@ class PythonBackend final : public Backend {
                                    v + "\""));
       }
       spec->max_memory_mb = mb;
+      spec->max_memory_given = true;
     }
     if (auto it = config.parameters.find("quern.same_core"); it != config.parameters.end()) {
       if (it->second == "on" || it->second == "true") {

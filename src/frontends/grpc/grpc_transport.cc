@@ -224,6 +224,7 @@ class Call final : public GrpcCall, public std::enable_shared_from_this<Call> {
   bool written_notice_ = false;  // a message was taken: tell the handler
   std::atomic<bool> ended_{false};
   std::atomic<size_t> unsent_{0};
+  std::atomic<int> posted_writes_{0};  // Writes posted to the loop, not yet carried out
   std::string log_model_, log_request_id_;
 
   void DoRead();
@@ -986,10 +987,12 @@ bool Call::Write(std::string message) {
     budget_->unsent.fetch_sub(n, std::memory_order_relaxed);
     return false;
   }
+  posted_writes_.fetch_add(1, std::memory_order_acq_rel);
   loop_->Post([self = std::move(self), m = std::move(message), n]() mutable {
     if (auto c = self->conn_.lock()) {
       c->Run([&] { self->DoWrite(std::move(m), n); });
     }
+    self->posted_writes_.fetch_sub(1, std::memory_order_acq_rel);
   });
   return true;
 }
@@ -1026,6 +1029,15 @@ void Call::Finish(const Status& status) {
 void Call::DoFinish(Status status) {
   auto conn = conn_.lock();
   if (!conn || ended_ || finish_requested_) return;
+  // A message written from another thread before this Finish may still be
+  // on its way to the loop: the end waits behind it (a Finish made on the
+  // loop thread would otherwise overtake it, and the message be dropped).
+  if (posted_writes_.load(std::memory_order_acquire) > 0) {
+    loop_->Post([self = shared_from_this(), status = std::move(status)]() mutable {
+      if (auto c = self->conn_.lock()) c->Run([&] { self->DoFinish(std::move(status)); });
+    });
+    return;
+  }
   finish_requested_ = true;
   want_read_ = false;
   // C-core clients refuse response headers over 8 KiB: a long message is cut.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "frontends/http/http_util.h"
@@ -361,11 +362,22 @@ void JobHandler::Get(const std::string& id, const std::string& owner, std::strin
 
 void JobHandler::Lookup(HttpDone done, std::function<void(HttpDone)> lookup) {
   if (!store_->Durable()) return lookup(std::move(done));
-  auto shared = std::make_shared<HttpDone>(std::move(done));
-  const bool queued = store_io_.Post([shared, lookup = std::move(lookup)] { lookup(std::move(*shared)); });
-  if (!queued) {
-    (*shared)(ErrorResponse(Unavailable("the job store is busy: " + std::to_string(kMaxStoreLookups) +
-                                        " lookups wait for redis already; try again later")));
+  // Answered exactly once: by the lookup, or 503 when the worker refuses it
+  // or drops it unrun (the server stopping).
+  struct Answer {
+    HttpDone done;
+    ~Answer() {
+      if (done) done(ErrorResponse(Unavailable("the server is shutting down")));
+    }
+  };
+  auto answer = std::make_shared<Answer>();  // in place: a copy's destructor would answer
+  answer->done = std::move(done);
+  const bool queued =
+      store_io_.Post([answer, lookup = std::move(lookup)] { lookup(std::exchange(answer->done, nullptr)); });
+  if (!queued && answer->done) {
+    std::exchange(answer->done,
+                  nullptr)(ErrorResponse(Unavailable("the job store is busy: " + std::to_string(kMaxStoreLookups) +
+                                                     " lookups wait for redis already; try again later")));
   }
 }
 

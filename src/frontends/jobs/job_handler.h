@@ -69,6 +69,10 @@ class JobHandler {
   // request with the same owner; to any other it is an id never issued.
   // Unset: every job is anyone's. Set before the first request.
   void set_owner_of(std::function<std::string(const HttpRequest&)> owner_of) { owner_of_ = std::move(owner_of); }
+  // Waits for the store lookup running, if any; those still queued, and
+  // later ones, are answered 503. For a stopping server, before the store
+  // and the HTTP server go.
+  void StopLookups() { store_io_.Stop(); }
 
   // Durable jobs: with a store that outlives the process, each accepted job
   // is written to the stream `prefix`{model} (the StreamConsumer's format,

@@ -39,10 +39,13 @@ if not v then
   if ARGV[2] ~= '' then return 0 end
   return 1
 end
-local owner = string.match(v, '"owner":"([^"]*)"') or ''
+local ok, doc = pcall(cjson.decode, v)
+if not ok or type(doc) ~= 'table' then return -1 end
+local owner = doc['owner']
+if type(owner) ~= 'string' then owner = '' end
 if owner ~= ARGV[1] then return -1 end
 if ARGV[2] == '' then return 1 end
-if string.find(v, '"status":"queued"', 1, true) or string.find(v, '"status":"running"', 1, true) then
+if doc['status'] == 'queued' or doc['status'] == 'running' then
   redis.call('SET', KEYS[1], ARGV[2])
   return 1
 end
@@ -741,19 +744,19 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
   // fails it, the entries it was for are left pending (not run).
   void Prepare(Group& group) {
     RedisPipeline p;
-    enum class Ask { kStart, kBody };
+    enum class Ask { kStart, kCheck, kBody };
     std::vector<std::pair<size_t, Ask>> asked;
     std::vector<int> wanted(group.entries.size(), 0), answered(group.entries.size(), 0);  // replies, by entry
     std::vector<size_t> missing;  // entries whose body key is not there
     const int64_t now = engine_->clock().WallMs();
     for (size_t i = 0; i < group.entries.size(); ++i) {
       Entry& e = group.entries[i];
-      if (!e.problem.ok()) continue;
-      // Every entry claims its job's record: one whose record is another
-      // owner's is not run (its result would replace theirs).
+      // Every entry claims its job's record, one with a problem too (it is
+      // stored as failed): one whose record is another owner's is neither
+      // run nor stored (its record would replace theirs).
       auto rec = NewRecord(e);
       std::string running;
-      if (e.Field("tracked") == "1") {
+      if (e.problem.ok() && e.Field("tracked") == "1") {
         rec->state = JobState::kRunning;
         rec->started_ms = now;
         auto enc = RedisResultStore::Encode(*rec, store_->options());
@@ -761,9 +764,10 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
         running = std::move(enc->json);
       }
       p.Add({"EVAL", kClaimScript, "1", store_->options().key_prefix + rec->id, rec->owner, running});
-      asked.emplace_back(i, Ask::kStart);
+      asked.emplace_back(i, running.empty() ? Ask::kCheck : Ask::kStart);
       ++wanted[i];
       e.unchecked = true;  // until Redis says
+      if (!e.problem.ok()) continue;
       if (!e.body_key.empty() && !e.local) {
         p.Add({"GET", e.body_key});
         asked.emplace_back(i, Ask::kBody);
@@ -778,8 +782,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
       RedisReply& r = (*replies)[k];
       const auto [i, ask] = asked[k];
       Entry& e = group.entries[i];
-      if (ask == Ask::kStart) {
-        if (r.type != RedisReply::Type::kInteger) continue;  // an error (NOPERM, OOM...): unchecked
+      if (ask == Ask::kStart || ask == Ask::kCheck) {
+        if (r.type != RedisReply::Type::kInteger) {
+          // An error (NOPERM, scripting off, OOM...): an HTTP job's entry is
+          // left unchecked (pending, taken again); any other runs, as entries
+          // did before they were claimed.
+          if (ask == Ask::kCheck) ++answered[i];
+          continue;
+        }
         if (r.integer == 0) e.cancelled = true;
         if (r.integer < 0) {
           // Acknowledged and not run: nothing is written under that job's id.
