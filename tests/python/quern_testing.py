@@ -179,6 +179,18 @@ def cpu_seconds(pid):
 
 
 @functools.lru_cache(maxsize=None)
+def rss_mb(pid):
+    """Resident memory of process `pid`, MB (/proc/PID/status VmRSS); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
 def sanitized(binary):
     """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident
     memory says little about leaks there, and its checks take CPU time; LeakSanitizer checks leaks at

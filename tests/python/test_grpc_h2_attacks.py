@@ -15,20 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import sanitized, start_quern, wait_until
+from quern_testing import rss_mb, sanitized, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LIVE = "/inference.GRPCInferenceService/ServerLive"
-
-
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def write_spread(repo):

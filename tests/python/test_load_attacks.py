@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import cpu_seconds, sanitized, start_quern
+from quern_testing import cpu_seconds, rss_mb, sanitized, start_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -230,14 +230,6 @@ def write_tile(repo):
         'backend: "onnxruntime"\nmax_batch_size: 0\n'
         'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 1024 ] } ]\n'
         'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 65536 ] } ]\n')
-
-
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def test_a_stream_whose_client_never_reads_holds_bounded_memory(tmp_path):

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quern_testing import http_request, sanitized, start_quern
+from quern_testing import http_request, rss_mb, sanitized, start_quern
 
 QUERN = os.environ.get("QUERN_BIN", "quern")
 C, HW, OUT = 1024, 4, 2048  # conv weights 1024x1024x3x3 (37.7 MB), matmul weights 1024x2048 (8.4 MB)
@@ -76,14 +76,6 @@ def make_repo(root, model_path, config):
         with open(os.path.join(repo, "big", "config.pbtxt"), "w") as f:
             f.write(config)
     return repo
-
-
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def infer(port, x):

@@ -18,6 +18,7 @@
 #include "core/cpus.h"
 #include "core/log.h"
 #include "frontends/http/content_encoding.h"
+#include "frontends/http/tls_context.h"
 
 namespace quern {
 
@@ -1175,19 +1176,8 @@ class GrpcTransport::Impl {
 
   Status MakeTls() {
     auto& o = shared_.options;
-    boost::system::error_code ec;
-    auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
-    ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
-                     ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
-    ctx->use_certificate_chain_file(o.tls_cert_file, ec);
-    if (ec) return InvalidArgument("gRPC TLS certificate file '" + o.tls_cert_file + "': " + ec.message());
-    ctx->use_private_key_file(o.tls_key_file, ssl::context::pem, ec);
-    if (ec) return InvalidArgument("gRPC TLS key file '" + o.tls_key_file + "': " + ec.message());
-    if (!o.tls_client_ca_file.empty()) {
-      ctx->load_verify_file(o.tls_client_ca_file, ec);
-      if (ec) return InvalidArgument("gRPC TLS client CA file '" + o.tls_client_ca_file + "': " + ec.message());
-      ctx->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
-    }
+    QUERN_ASSIGN_OR_RETURN(auto ctx,
+                           MakeServerTlsContext(o.tls_cert_file, o.tls_key_file, o.tls_client_ca_file, "gRPC TLS"));
     // ALPN: HTTP/2 ("h2") is all gRPC speaks.
     SSL_CTX_set_alpn_select_cb(
         ctx->native_handle(),

@@ -36,6 +36,7 @@
 #include "core/log.h"
 #include "core/memory.h"
 #include "frontends/http/content_encoding.h"
+#include "frontends/http/tls_context.h"
 
 namespace quern {
 
@@ -996,19 +997,8 @@ class HttpServer::Impl {
       return InvalidArgument("TLS needs both a certificate and a key file (and them for client certificates)");
     }
     if (!o.tls_cert_file.empty()) {
-      auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
-      ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
-                       ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
-      ctx->use_certificate_chain_file(o.tls_cert_file, ec);
-      if (ec) return InvalidArgument("TLS certificate file '" + o.tls_cert_file + "': " + ec.message());
-      ctx->use_private_key_file(o.tls_key_file, ssl::context::pem, ec);
-      if (ec) return InvalidArgument("TLS key file '" + o.tls_key_file + "': " + ec.message());
-      if (!o.tls_client_ca_file.empty()) {
-        ctx->load_verify_file(o.tls_client_ca_file, ec);
-        if (ec) return InvalidArgument("TLS client CA file '" + o.tls_client_ca_file + "': " + ec.message());
-        ctx->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
-      }
-      shared_.tls = std::move(ctx);
+      QUERN_ASSIGN_OR_RETURN(shared_.tls,
+                             MakeServerTlsContext(o.tls_cert_file, o.tls_key_file, o.tls_client_ca_file, "TLS"));
     }
     auto address = asio::ip::make_address(o.host, ec);
     if (ec) return InvalidArgument("--host '" + o.host + "' is not an IP address");
