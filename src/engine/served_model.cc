@@ -576,6 +576,11 @@ ModelStatistics ServedModel::Statistics() const {
   s.version = version_;
   s.pending = batcher_ ? batcher_->queued() : 0;
   s.batch_limit = batcher_ && config_.max_batch_size > 0 ? batcher_->batch_limit() : 0;
+  if (batcher_) {
+    s.caller_batches = static_cast<uint64_t>(batcher_->caller_batches());
+    s.loop_batches = static_cast<uint64_t>(batcher_->lent_batches());
+    s.shared_batches = static_cast<uint64_t>(batcher_->shared_batches());
+  }
   if (auto leave = batcher_ ? batcher_->batch_leave() : std::nullopt) {
     switch (*leave) {
       case BatchLeave::kAtOnce: s.batch_leave = "at_once"; break;

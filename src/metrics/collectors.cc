@@ -70,6 +70,10 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
   registry.DeclareFamily("quern_inference_count_total", MetricType::kCounter,
                          "Items (batch rows) computed, without padding.");
   registry.DeclareFamily("quern_execution_count_total", MetricType::kCounter, "Batches run.");
+  registry.DeclareFamily("quern_batches_total", MetricType::kCounter,
+                         "Batches run, by the thread that ran them: engine (the engine's own threads), caller (the "
+                         "submitting thread, lent for a short batch), loop (an event loop's thread between its "
+                         "events), shared (a caller's thread beside a busy instance).");
   registry.DeclareFamily("quern_pending_requests", MetricType::kGauge, "Requests waiting in the model's queue.");
   registry.DeclareFamily("quern_batch_size_limit", MetricType::kGauge,
                          "Largest batch formed now: max_batch_size, or less where the batch size tuner found a "
@@ -92,6 +96,12 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
       }
       w.Sample("quern_inference_count_total", labels, static_cast<double>(s.inference_count));
       w.Sample("quern_execution_count_total", labels, static_cast<double>(s.execution_count));
+      const uint64_t elsewhere = s.caller_batches + s.loop_batches + s.shared_batches;
+      for (auto [where, n] : {std::pair{"engine", s.execution_count > elsewhere ? s.execution_count - elsewhere : 0},
+                              std::pair{"caller", s.caller_batches}, std::pair{"loop", s.loop_batches},
+                              std::pair{"shared", s.shared_batches}}) {
+        w.Sample("quern_batches_total", Labels(s, "ran_on", where), static_cast<double>(n));
+      }
       w.Sample("quern_pending_requests", labels, static_cast<double>(s.pending));
       w.Sample("quern_batch_size_limit", labels, static_cast<double>(s.batch_limit));
       if (!s.batch_leave.empty()) {

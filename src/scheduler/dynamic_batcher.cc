@@ -107,6 +107,7 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
       } else {
         BeginLocked(claimed, here, now, shared);
         ++callers_running_;
+        if (!shared && !here.batch.empty()) ++caller_batches_;
       }
     }
     // A lending loop takes the batch later, on its thread: no worker is woken.
@@ -406,6 +407,11 @@ std::optional<BatchLeave> DynamicBatcher::batch_leave() const {
 int64_t DynamicBatcher::wide_batches() const {
   MutexLock lock(mu_);
   return wide_batches_;
+}
+
+int64_t DynamicBatcher::caller_batches() const {
+  MutexLock lock(mu_);
+  return caller_batches_;
 }
 
 int64_t DynamicBatcher::shared_batches() const {

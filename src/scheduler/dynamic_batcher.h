@@ -207,6 +207,10 @@ class DynamicBatcher {
   int64_t wide_batches() const;
   // Batches callers ran beside busy instances (shared runs) so far.
   int64_t shared_batches() const;
+  // Batches callers ran on their own threads on an idle instance so far
+  // (ScheduleOptions::run_here: a front end's thread lent for a short batch,
+  // Engine::Run's blocking caller).
+  int64_t caller_batches() const;
 
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
@@ -308,6 +312,7 @@ class DynamicBatcher {
   std::vector<int> shared_on_ QUERN_GUARDED_BY(mu_);
   int max_shared_runs_ = 0;  // set before any thread starts
   int64_t shared_batches_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t caller_batches_ QUERN_GUARDED_BY(mu_) = 0;
   CondVar callers_cv_;
   bool wide_ = false;  // set before any thread starts
   bool wide_running_ QUERN_GUARDED_BY(mu_) = false;
