@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, start_quern
+from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, http_request, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -27,9 +27,15 @@ def start_server(repo, *extra):
     return proc, f"127.0.0.1:{ports['gRPC']}"
 
 
+# The module server's ports (its metrics port: what tests wait on).
+PORTS = {}
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc, address = start_server(MODELS, "--grpc-max-message-bytes", "1000000", "--model-control", "explicit")
+    proc, ports = start_quern(QUERN, MODELS, "--grpc-max-message-bytes", "1000000", "--model-control", "explicit")
+    PORTS.update(ports)
+    address = f"127.0.0.1:{ports['gRPC']}"
     yield address
     proc.terminate()
     proc.wait(timeout=30)
@@ -412,6 +418,15 @@ def test_stream_many_requests_out_of_order_and_errors_do_not_end_it(server):
         c.stop_stream()
 
 
+def pending(model):
+    """Requests waiting in `model`'s queue now (the server's quern_pending_requests)."""
+    _, _, body = http_request(PORTS["metrics"], "GET", "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(f'quern_pending_requests{{model="{model}"'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
 def test_deadline_expiry_removes_the_request_before_it_runs(server):
     c = grpcclient.InferenceServerClient(server)
     before = stats(c, "slow_batch")
@@ -433,9 +448,11 @@ def test_cancelled_call_is_not_computed(server):
     x.set_data_from_numpy(np.ones((1, 3), np.float32))
     done = queue.Queue()
     future = c.async_infer("slow_batch", [x], lambda result, error: done.put(error))
-    time.sleep(0.2)
+    wait_until(lambda: pending("slow_batch") == 1, timeout=30, what="the call queued (slow_batch waits 1 s for company)")
     future.cancel()
-    time.sleep(1.5)
+    wait_until(lambda: stats(c, "slow_batch").inference_stats.fail.count == before.inference_stats.fail.count + 1,
+               timeout=30, what="the cancelled call counted as failed")
+    time.sleep(1.5)  # past the batching delay: had it stayed queued, its batch would have run by now
     after = stats(c, "slow_batch")
     assert after.execution_count == before.execution_count, "the cancelled request was computed"
     assert after.inference_stats.fail.count == before.inference_stats.fail.count + 1

@@ -9,7 +9,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, start_quern
+from quern_testing import DTYPE_ARRAYS, DTYPE_NAMES, http_request, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -207,9 +207,21 @@ def test_client_disconnect_cancels_the_queued_request(server):
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v2/models/slow_batch/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    time.sleep(0.2)  # queued: the model waits up to 1 s for a fuller batch
+    _, port_m = METRICS.split(":")
+
+    def pending():
+        _, _, text = http_request(int(port_m), "GET", "/metrics")
+        line = next((x for x in text.decode().splitlines() if x.startswith('quern_pending_requests{model="slow_batch"')),
+                    " 0")
+        return int(float(line.split()[-1]))
+
+    def fails():
+        return c.get_inference_statistics("slow_batch")["model_stats"][0]["inference_stats"]["fail"]["count"]
+    wait_until(lambda: pending() == 1, timeout=30, what="the request queued (the model waits 1 s for company)")
     s.close()
-    time.sleep(1.5)  # past the batching delay: the batch would have run by now
+    wait_until(lambda: fails() == before["inference_stats"]["fail"]["count"] + 1, timeout=30,
+               what="the abandoned request counted as failed")
+    time.sleep(1.5)  # past the batching delay: had it stayed queued, its batch would have run by now
     after = c.get_inference_statistics("slow_batch")["model_stats"][0]
     assert after["execution_count"] == before["execution_count"], "the abandoned request was computed"
     assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
