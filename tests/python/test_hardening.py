@@ -513,14 +513,17 @@ def test_idle_connections_do_not_lock_clients_out(tmp_path):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
             sock.connect(("127.0.0.1", s.http))
             idle.append(sock)
-        time.sleep(1.0)
+        # The clients go on being answered with the idle connections held (progress, not a rate:
+        # a busy machine answers fewer a second; a locked-out client none).
         before = results["ok"]
-        time.sleep(2.0)
+        deadline = time.monotonic() + 60
+        while results["ok"] - before < 16 * 10 and time.monotonic() < deadline and not results["failed"]:
+            time.sleep(0.1)
         stop.set()
         for t in threads:
             t.join(timeout=30)
         assert not results["failed"], results["failed"][:5]
-        assert results["ok"] - before > 100, results
+        assert results["ok"] - before >= 16 * 10, results
         # A new client is served too.
         s.alive()
     finally:
