@@ -178,7 +178,6 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@functools.lru_cache(maxsize=None)
 def rss_mb(pid):
     """Resident memory of process `pid`, MB (/proc/PID/status VmRSS); 0 once it is gone."""
     try:
@@ -191,6 +190,7 @@ def rss_mb(pid):
     return 0.0
 
 
+@functools.lru_cache(maxsize=None)
 def sanitized(binary):
     """True when `binary` runs under AddressSanitizer (its quarantine holds freed memory, so resident
     memory says little about leaks there, and its checks take CPU time; LeakSanitizer checks leaks at
