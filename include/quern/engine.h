@@ -273,11 +273,11 @@ struct ModelStatistics {
   // more requests leave, as measured online: "at_once", "everyone_here" or
   // "after_delay" (empty: the model has no such choice).
   std::string batch_leave;
-  // Where the batches ran (of execution_count): on the submitting thread
-  // (a front end's thread lent for a short batch, a blocking caller), on an
-  // event loop's thread between its events, on a caller's thread beside a
-  // busy instance; the rest on the engine's own threads.
-  uint64_t caller_batches = 0, loop_batches = 0, shared_batches = 0;
+  // Where the batches ran, counted as they start: on the engine's own
+  // threads, on the submitting thread (a front end's thread lent for a
+  // short batch, a blocking caller), on an event loop's thread between its
+  // events, on a caller's thread beside a busy instance.
+  uint64_t engine_batches = 0, caller_batches = 0, loop_batches = 0, shared_batches = 0;
   // Distributions, in microseconds (durations) and items (batch size).
   Histogram request_us{{100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000}};
   Histogram queue_us{{10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000, 100000, 500000, 1000000}};

@@ -96,10 +96,8 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
       }
       w.Sample("quern_inference_count_total", labels, static_cast<double>(s.inference_count));
       w.Sample("quern_execution_count_total", labels, static_cast<double>(s.execution_count));
-      const uint64_t elsewhere = s.caller_batches + s.loop_batches + s.shared_batches;
-      for (auto [where, n] : {std::pair{"engine", s.execution_count > elsewhere ? s.execution_count - elsewhere : 0},
-                              std::pair{"caller", s.caller_batches}, std::pair{"loop", s.loop_batches},
-                              std::pair{"shared", s.shared_batches}}) {
+      for (auto [where, n] : {std::pair{"engine", s.engine_batches}, std::pair{"caller", s.caller_batches},
+                              std::pair{"loop", s.loop_batches}, std::pair{"shared", s.shared_batches}}) {
         w.Sample("quern_batches_total", Labels(s, "ran_on", where), static_cast<double>(n));
       }
       w.Sample("quern_pending_requests", labels, static_cast<double>(s.pending));

@@ -409,6 +409,11 @@ int64_t DynamicBatcher::wide_batches() const {
   return wide_batches_;
 }
 
+int64_t DynamicBatcher::worker_batches() const {
+  MutexLock lock(mu_);
+  return worker_batches_;
+}
+
 int64_t DynamicBatcher::caller_batches() const {
   MutexLock lock(mu_);
   return caller_batches_;
@@ -464,6 +469,7 @@ void DynamicBatcher::WorkerLoop(int worker) {
         const bool more = !queue_.empty();
         const auto tasks = static_cast<int64_t>(d.batch.size());
         BeginLocked(worker, d, now, /*shared=*/false);
+        if (!d.batch.empty()) ++worker_batches_;
         if (!AnyTaker() && more && ReaperNeedsWake(0, now)) reaper_cv_.Signal();
         if (more && !wide) WakeNarrowLocked();  // let another free instance take the next batch
         lock.Unlock();

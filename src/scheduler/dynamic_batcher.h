@@ -211,6 +211,8 @@ class DynamicBatcher {
   // (ScheduleOptions::run_here: a front end's thread lent for a short batch,
   // Engine::Run's blocking caller).
   int64_t caller_batches() const;
+  // Batches the workers ran so far (the wide one's included).
+  int64_t worker_batches() const;
 
  private:
   DynamicBatcher(BatchQueue queue, const Clock* clock, BatchProcessor processor, DropHandler on_drop);
@@ -313,6 +315,7 @@ class DynamicBatcher {
   int max_shared_runs_ = 0;  // set before any thread starts
   int64_t shared_batches_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t caller_batches_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t worker_batches_ QUERN_GUARDED_BY(mu_) = 0;
   CondVar callers_cv_;
   bool wide_ = false;  // set before any thread starts
   bool wide_running_ QUERN_GUARDED_BY(mu_) = false;

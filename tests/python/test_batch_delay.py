@@ -86,7 +86,7 @@ def test_an_open_loop_waits_out_the_delay_and_runs_fuller_batches(server):
     after = stats(server)
     inferences, executions = after["inferences"] - before["inferences"], after["executions"] - before["executions"]
     assert level["errors"] == 0, level
-    assert inferences > 0 and executions > 0, (inferences, executions)
+    assert executions > 0 and inferences >= level["ok"], (inferences, executions, level)  # warm-up counted too
     ways = leave_metric(server)
     assert sorted(ways.values()) == [0, 0, 1], ways
     if ways["after_delay"] == 1:

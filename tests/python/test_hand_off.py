@@ -273,7 +273,8 @@ def test_on_one_core_the_http_thread_runs_the_batches_of_concurrent_clients(serv
     # The pinned server, now and then off its core for longer than a worker leaves a queued batch
     # to the HTTP thread (under AddressSanitizer beside two other tests: 44 of 300 seen), hands
     # that batch over: most still run on the HTTP thread.
-    assert where["loop"] >= sum(where.values()) / 2, f"on one core the batches ran {where}"
+    # (A lone client's batch runs on the HTTP thread too, counted as the caller's.)
+    assert where["engine"] <= sum(where.values()) / 2, f"on one core the batches ran {where}"
     sproc, sports = server
     before = batches(sports)
     assert not http_clients(sports["HTTP"], 4, REQUESTS // 4, 40)
