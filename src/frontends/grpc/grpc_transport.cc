@@ -17,6 +17,7 @@
 
 #include "core/cpus.h"
 #include "core/log.h"
+#include "core/serial_worker.h"
 #include "frontends/http/content_encoding.h"
 #include "frontends/http/tls_context.h"
 
@@ -207,6 +208,7 @@ class Call final : public GrpcCall, public std::enable_shared_from_this<Call> {
   bool want_read_ = false;  // a Read waits for a message
   bool remote_closed_ = false;
   bool half_close_delivered_ = false;
+  bool inflating_ = false;          // a message of this call is on the inflater
   int64_t message_started_ns_ = 0;  // first byte of a message not yet whole (0: none)
 
   // Sending.
@@ -251,6 +253,10 @@ struct Shared {
   std::list<std::shared_ptr<Slot>> slots;  // under reg_mu
   std::atomic<int> open{0};
   std::atomic<int64_t> last_warning_ns{0};
+  // Compressed messages are inflated here, one at a time, never on a loop
+  // thread (a message inflating to the limit takes a while: the loop's
+  // other connections would wait for it).
+  std::unique_ptr<SerialWorker> inflater;
   int64_t NowNs() const { return clock ? clock->NowNs() : SteadyNs(); }
 };
 
@@ -431,6 +437,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void RequestRead(Call& c);  // the stream window opens for `c`
+  // A compressed message of `c` goes to the inflater; Inflated delivers it
+  // (on the loop thread) once it is plain.
+  void Inflate(Call& c, std::string message);
+  void Inflated(Call& c, Result<std::string> plain);
   // `n` of `c`'s buffered bytes were delivered (or dropped).
   void TakeInbound(Call& c, size_t n);
   void ForgetInbound(Call& c);  // drops what `c` has buffered
@@ -891,8 +901,39 @@ void Connection::StartCall(const std::shared_ptr<Call>& c) {
   --depth_;
 }
 
+void Connection::Inflate(Call& c, std::string message) {
+  if (c.encoding_.empty() || c.encoding_ == "identity") {
+    return c.DoFinish(Internal("a message is marked compressed but the call names no grpc-encoding"));
+  }
+  c.inflating_ = true;
+  const size_t max = shared_.options.max_message_bytes;
+  auto job = [call = c.shared_from_this(), message = std::move(message), max]() mutable {
+    Result<std::string> plain = DecodeContentEncoding(call->encoding_, std::move(message), max);
+    call->loop_->Post([call, plain = std::move(plain)]() mutable {
+      if (auto conn = call->conn_.lock()) conn->Run([&] { conn->Inflated(*call, std::move(plain)); });
+    });
+  };
+  if (!shared_.inflater->Post(std::move(job))) {
+    c.inflating_ = false;
+    c.DoFinish(Unavailable("too many compressed messages wait to be inflated; try again"));
+  }
+}
+
+void Connection::Inflated(Call& c, Result<std::string> plain) {
+  c.inflating_ = false;
+  if (c.ended_ || c.finish_requested_ || !c.handler_) return;
+  if (!plain) {
+    return c.DoFinish(Status(plain.error().code(),
+                             "the request message's " + c.encoding_ + " compression: " + plain.error().message()));
+  }
+  ++depth_;
+  c.handler_->OnMessage(std::move(*plain));
+  --depth_;
+  PumpSoon(c.shared_from_this());  // the handler may have asked for the next one
+}
+
 void Connection::Pump(Call& c) {
-  if (c.ended_ || !c.handler_) return;
+  if (c.ended_ || !c.handler_ || c.inflating_) return;
   const size_t max = shared_.options.max_message_bytes;
   while (c.want_read_ && !c.ended_ && !c.finish_requested_) {
     const size_t have = c.in_.size() - c.in_off_;
@@ -916,20 +957,8 @@ void Connection::Pump(Call& c) {
         c.in_off_ += 5 + len;
       }
       TakeInbound(c, 5 + len);
-      if (flag & 1) {
-        if (c.encoding_.empty() || c.encoding_ == "identity") {
-          c.DoFinish(Internal("a message is marked compressed but the call names no grpc-encoding"));
-          return;
-        }
-        auto plain = DecodeContentEncoding(c.encoding_, std::move(message), max);
-        if (!plain) {
-          c.DoFinish(Status(plain.error().code(),
-                            "the request message's " + c.encoding_ + " compression: " + plain.error().message()));
-          return;
-        }
-        message = std::move(*plain);
-      }
       c.want_read_ = false;
+      if (flag & 1) return Inflate(c, std::move(message));
       ++depth_;
       c.handler_->OnMessage(std::move(message));
       --depth_;
@@ -1072,6 +1101,7 @@ class GrpcTransport::Impl {
   Impl(GrpcTransportOptions options, std::vector<GrpcMethodSpec> methods) {
     shared_.options = std::move(options);
     shared_.clock = shared_.options.clock;
+    shared_.inflater = std::make_unique<SerialWorker>("quern-grpc-zip", 64);
     for (auto& m : methods) shared_.methods.emplace(m.path, std::move(m));
   }
 
@@ -1132,6 +1162,7 @@ class GrpcTransport::Impl {
   void Stop(int grace_ms) {
     if (stopped_) return;
     stopped_ = true;
+    shared_.inflater->Stop();  // what it still holds is dropped with its calls
     if (loops_.empty()) return;
     asio::post(loops_[0]->io, [this] {
       boost::system::error_code ignored;
