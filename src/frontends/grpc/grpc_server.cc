@@ -26,11 +26,6 @@ namespace {
 constexpr std::string_view kService = "/inference.GRPCInferenceService/";
 constexpr std::string_view kHealth = "/grpc.health.v1.Health/";
 
-// The remaining time of a client deadline on the engine's clock; 0 = none.
-int64_t DeadlineNs(const GrpcCall& call) {
-  return call.deadline_ns();
-}
-
 // Which stream the previous streamed inference came from. A stream whose
 // requests follow one another with nobody else's between them, one in
 // flight at a time, is alone: its batch may run on the gRPC thread that
@@ -148,7 +143,7 @@ class InferHandler final : public GrpcHandler {
     auto ir = ToInferRequest(*request_);
     if (!ir) return call->Finish(ir.error());
     ir->cancel = cancel_;
-    ir->deadline_ns = DeadlineNs(*call);
+    ir->deadline_ns = call->deadline_ns();  // the engine's clock (the transport's)
     if (usable) ir->metadata.emplace_back("request_id", std::string(name));
     InferCallback done = [this, call](InferResponse&& r) {
       if (!r.status.ok()) return call->Finish(r.status);
@@ -296,7 +291,7 @@ class StreamHandler final : public GrpcHandler {
     }
     auto cancel = std::make_shared<CancellationToken>();
     ir->cancel = cancel;
-    ir->deadline_ns = DeadlineNs(*raw_);
+    ir->deadline_ns = raw_->deadline_ns();
     {
       MutexLock lock(mu_);
       if (broken_) cancel->Cancel();
