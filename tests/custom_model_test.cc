@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "eventually.h"
 #include "metrics/collectors.h"
 #include "quern/engine.h"
 #include "test_util.h"
@@ -219,7 +220,8 @@ TEST(CustomModel, PreserveOrderingAcrossInstances) {
     };
     ASSERT_TRUE(engine->InferAsync(std::move(r), cb).ok());
   }
-  while (done.load() < 2) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return done.load() == 2; }));
+  std::lock_guard lock(mu);
   EXPECT_EQ(order, (std::vector<int>{0, 1}));
 }
 

@@ -16,6 +16,8 @@
 #include <set>
 #include <thread>
 
+#include "eventually.h"
+
 namespace quern {
 namespace {
 
@@ -232,7 +234,7 @@ TEST(DynamicBatcher, AFreeInstanceTakesTheNextBatchWhileAnotherIsBusy) {
   ASSERT_TRUE(b.has_value());
   std::unique_ptr<BatchTask> t0 = std::make_unique<Item>(0);
   ASSERT_TRUE((*b)->Schedule(t0, {}).ok());
-  while (started.load() == 0) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return !(started.load() == 0); }));
   std::unique_ptr<BatchTask> t1 = std::make_unique<Item>(1);
   ASSERT_TRUE((*b)->Schedule(t1, {}).ok());
   rec.Wait(1);  // the second batch ran although the first still blocks
@@ -270,7 +272,7 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
   ASSERT_TRUE(b.has_value());
   std::unique_ptr<BatchTask> busy = std::make_unique<Item>(0);
   ASSERT_TRUE((*b)->Schedule(busy, {}).ok());
-  while (started.load() == 0) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return !(started.load() == 0); }));
   std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(1);
   ASSERT_TRUE((*b)->Schedule(waiting, {.deadline_ns = clock.NowNs() + 1'000'000}).ok());
   clock.AdvanceUs(1000);
@@ -360,7 +362,7 @@ TEST(DynamicBatcher, AdmissionRefusesWorkBeyondTheWaitingTimeLimit) {
   rec.Wait(1);
   // Measured alone: another batch running meanwhile would advance the
   // shared fake clock inside this one's measurement.
-  while ((*b)->ns_per_item() == 0) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return !((*b)->ns_per_item() == 0); }));
   EXPECT_NEAR((*b)->ns_per_item(), 10'000'000.0, 1.0);
   // Two items occupy the workers, then the queue fills to its 100 ms.
   int admitted = 0;
@@ -427,10 +429,10 @@ TEST(DynamicBatcher, ARequestThatCannotMeetItsDeadlineIsRefusedAtOnce) {
   impossible.deadline_ns = start + 1;  // nothing measured yet: admitted (and run: it starts at once)
   ASSERT_TRUE((*b)->Schedule(t, impossible).ok());
   rec.Wait(1);
-  while ((*b)->ns_per_item() == 0) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return !((*b)->ns_per_item() == 0); }));
   t = std::make_unique<Item>(1);
   ASSERT_TRUE((*b)->Schedule(t, {}).ok());
-  while (!running_1) std::this_thread::yield();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return !(!running_1); }));
   const int64_t now = clock.NowNs();
   for (int i = 2; i <= 4; ++i) {
     t = std::make_unique<Item>(i);
@@ -1107,8 +1109,7 @@ TEST(DynamicBatcher, CallersAndWorkersShareInstancesWithoutOverlapAndLoseNothing
   for (auto& t : threads) t.join();
   // Drained by the workers before Shutdown (which runs what is left on
   // every worker at once).
-  for (int i = 0; i < 10000 && done.load() < 6 * 500; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  EXPECT_EQ(done.load(), 6 * 500);
+  EXPECT_TRUE(quern::testing::Eventually([&] { return done.load() == 6 * 500; })) << done.load();
   b->Shutdown();
   EXPECT_FALSE(overlap) << "two batches on one instance";
   EXPECT_FALSE(wide_overlap) << "a wide batch beside another";
@@ -1196,8 +1197,7 @@ TEST(DynamicBatcher, ACallerWhoFindsEveryInstanceBusyRunsBesideOneWhileRunsAreSh
   callers.push_back(h.Caller(4));
   ASSERT_TRUE(h.WaitRuns(5));
   callers.push_back(h.Caller(5));
-  for (int i = 0; i < 100 && h.batcher->queued() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  EXPECT_EQ(h.batcher->queued(), 1u);
+  EXPECT_TRUE(quern::testing::Eventually([&] { return h.batcher->queued() == 1u; }));
   EXPECT_EQ(h.Started(), 5u);
   {
     std::lock_guard lock(h.mu);

@@ -9,6 +9,7 @@
 
 #include "core/model_config_parser.h"
 #include "engine/ensemble_model.h"
+#include "eventually.h"
 #include "test_util.h"
 
 namespace quern {
@@ -259,7 +260,6 @@ TEST_F(EnsembleTest, CancellationAndDeadlinesReachTheSteps) {
   r.cancel = cancel;
   const auto t0 = std::chrono::steady_clock::now();
   auto f = engine_->Infer(std::move(r));
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   cancel->Cancel();
   InferResponse resp = f.get();
   EXPECT_EQ(resp.status.code(), StatusCode::kCancelled) << resp.status.ToString();
@@ -268,17 +268,8 @@ TEST_F(EnsembleTest, CancellationAndDeadlinesReachTheSteps) {
   EXPECT_NE(resp.status.message().find("ensemble 'slow' step 0 (model 'slow_batch')"), std::string::npos)
       << resp.status.message();
   EXPECT_TRUE(resp.steps.empty());
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1500));
-
-  InferRequest d;
-  d.model = "slow";
-  d.inputs = {{"x", Floats({1, 3}, {1, 2, 3})}};
-  d.deadline_ns = engine_->clock().NowNs() + 100'000'000;
-  const auto t1 = std::chrono::steady_clock::now();
-  resp = engine_->Infer(std::move(d)).get();
-  EXPECT_EQ(resp.status.code(), StatusCode::kDeadlineExceeded) << resp.status.ToString();
-  EXPECT_NE(resp.status.message().find("slow"), std::string::npos) << resp.status.message();
-  EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::milliseconds(700));
+  // Ended, not left waiting (a generous bound: the step's batch would form after 1 s).
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
 
   // A request cancelled before it is submitted runs no step at all.
   InferRequest pre;
@@ -288,6 +279,37 @@ TEST_F(EnsembleTest, CancellationAndDeadlinesReachTheSteps) {
   pre.cancel->Cancel();
   resp = engine_->Infer(std::move(pre)).get();
   EXPECT_EQ(resp.status.code(), StatusCode::kCancelled) << resp.status.ToString();
+}
+
+// A request's deadline reaches the step that holds it: on the engine's clock
+// (a FakeClock here), 150 ms pass, past the request's 100 ms and short of the
+// step's 1 s batching delay, and the request ends DEADLINE_EXCEEDED without
+// the clock moving further.
+TEST(EnsembleDeadline, ReachesTheStepsOnTheEnginesClock) {
+  TempDir dir;
+  CopyModel("slow_batch", dir.path());
+  WriteEnsemble(dir.path(), "slow", kSlow);
+  FakeClock clock;
+  EngineOptions o;
+  o.model_repository = dir.path().string();
+  o.clock = &clock;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.has_value()) << engine.error().ToString();
+  const int idle_waiters = clock.waiters();
+  InferRequest d;
+  d.model = "slow";
+  d.inputs = {{"x", Floats({1, 3}, {1, 2, 3})}};
+  d.deadline_ns = clock.NowNs() + 100'000'000;
+  auto f = (*engine)->Infer(std::move(d));
+  // Once the step waits for company (or at once: a clock moved before the
+  // step looks finds the deadline passed all the same).
+  (void)quern::testing::Eventually([&] { return clock.waiters() > idle_waiters; });
+  clock.AdvanceNs(150'000'000);
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(30)), std::future_status::ready)
+      << "the deadline passed on the engine's clock and the request still waited for its batch";
+  InferResponse resp = f.get();
+  EXPECT_EQ(resp.status.code(), StatusCode::kDeadlineExceeded) << resp.status.ToString();
+  EXPECT_NE(resp.status.message().find("slow"), std::string::npos) << resp.status.message();
 }
 
 TEST_F(EnsembleTest, AStepModelReloadedUnderLoadFailsNoRequest) {

@@ -6,13 +6,22 @@
 
 namespace quern::testing {
 
-// Waits until `cond` holds, up to ten seconds of real time; whether it did.
+// Waits until `cond` holds, up to thirty seconds of real time (a generous
+// bound: a sanitizer build on a machine whose cores other processes keep
+// busy); whether it did. It yields for the first millisecond, then sleeps
+// 100 us between checks, leaving the CPU to the thread it waits for.
 template <typename F>
 bool Eventually(F cond) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::seconds(30);
   while (!cond()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::yield();
+    const auto now = std::chrono::steady_clock::now();
+    if (now > until) return false;
+    if (now - start < std::chrono::milliseconds(1)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
   }
   return true;
 }

@@ -1,5 +1,6 @@
 """Shared inputs for the black-box tests: one 1x2 array per datatype of the `dtypes` test model (an
 Identity per input), with the KServe datatype name of each."""
+import collections
 import functools
 
 import numpy as np
@@ -84,6 +85,12 @@ def decode_yolov8(out, width, height, threshold, labels, scale_x, scale_y, offse
             for p, c, box in kept]
 
 
+# Every server start_quern started in this process, (when, process): a failing test's report shows the
+# last LOG_TAIL_LINES lines of each server started during it or still running (conftest.py).
+STARTED = []
+LOG_TAIL_LINES = 40
+
+
 def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
     `env` as its environment and `cwd` as its working directory when given.
@@ -109,7 +116,14 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             preexec_fn=one_core)
     ports = {}
-    sink = log.append if log is not None else (lambda line: None)
+    tail = collections.deque(maxlen=LOG_TAIL_LINES)
+    proc.quern_log_tail = tail
+    STARTED.append((time.time(), proc))
+    keep = log.append if log is not None else (lambda line: None)
+
+    def sink(line):
+        tail.append(line)
+        keep(line)
     deadline = time.time() + 60
     while time.time() < deadline:
         line = proc.stdout.readline()
@@ -121,23 +135,55 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
             ports[m.group(1)] = int(m.group(2))
     if len(ports) < 3:
         proc.kill()
-        raise AssertionError(f"quern serve did not report its ports (got {ports})")
+        raise AssertionError(f"quern serve did not report its ports (got {ports}); its output:\n" + "".join(tail))
     # Keep reading the log so the server never blocks on a full pipe (into
-    # `log`, a list, when given).
-    threading.Thread(target=lambda: [sink(line) for line in proc.stdout], daemon=True).start()
+    # `log`, a list, when given); stop_quern joins this thread.
+    proc.quern_log_reader = threading.Thread(target=lambda: [sink(line) for line in proc.stdout], daemon=True)
+    proc.quern_log_reader.start()
     return proc, ports
 
 
+def stop_quern(proc, timeout=30):
+    """SIGTERM to a server start_quern started; waits for it to exit and for its last log line to be
+    read. Returns its exit code."""
+    proc.terminate()
+    code = proc.wait(timeout=timeout)
+    reader = getattr(proc, "quern_log_reader", None)
+    if reader is not None:
+        reader.join(timeout=timeout)
+    return code
+
+
 def wait_until(pred, timeout=30, what="condition", every=0.05):
-    """pred()'s first true value, polled every `every` seconds; fails after `timeout` seconds."""
+    """pred()'s first true value, polled every `every` seconds; fails after `timeout` seconds, saying
+    what it waited for and the last value it saw."""
     import time
     deadline = time.time() + timeout
+    v = None
     while time.time() < deadline:
         v = pred()
         if v:
             return v
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last seen: {v!r})")
+
+
+def metric_sum(port, name, **labels):
+    """The sum of metric `name`'s samples whose labels include `labels`, read from the server's
+    metrics port (0 when none)."""
+    import re
+    data = http_request(port, "GET", "/metrics")[2].decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", data, re.M):
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def pending(port, model):
+    """How many of `model`'s requests wait in its queue (quern_pending_requests, metrics port `port`)."""
+    return metric_sum(port, "quern_pending_requests", model=model)
 
 
 def http_request(port, method, path, body=None, headers=None, timeout=30):

@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import http_request, sanitized, start_quern
+from quern_testing import http_request, pending, sanitized, start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -565,8 +565,11 @@ def test_grpc_calls_in_flight_per_connection_are_bounded(tmp_path):
             t.join(timeout=60)
         assert len(times) == 3
         times.sort()
-        assert times[1] < 1.8, times  # the first two: one batching delay
-        assert times[2] > 1.8, times  # the third waited for a free stream, then its own delay
+        # The first two formed one batch; the third, admitted only once they were answered, its own
+        # (three calls let in at once are one batch of three: the delay is 1 s, the bound 4).
+        stats = json.loads(s.request("GET", "/v2/models/slow_batch/stats")[2])["model_stats"][0]
+        assert (stats["inference_count"], stats["execution_count"]) == (3, 2), stats
+        assert times[2] > 1.8, times  # the third waited for a free stream, then its own 1 s delay
     finally:
         s.stop()
 
@@ -606,12 +609,14 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2, 3)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # the three requests wait in the batcher (its delay is 1 s)
+    # The three requests wait in the batcher (its delay is 1 s; a batch that left already finishes too).
+    wait_until(lambda: pending(s.ports["metrics"], "slow_batch") == 3 or results, timeout=30,
+               what="three requests queued for slow_batch")
     started = time.time()
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    status, _, body = s.request("GET", "/v2/health/ready")
-    assert status == 503 and json.loads(body)["ready"] is False
+    status, _, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(s.request("GET", "/v2/health/ready")),
+                                 timeout=10, what="readiness to turn false after SIGTERM")
+    assert json.loads(body)["ready"] is False
     status, _, body = s.request("POST", "/v2/models/add_sub/infer", body=add_sub_body())
     assert status == 503 and "shutting down" in json.loads(body)["error"]
     g = grpcclient.InferenceServerClient(s.grpc)

@@ -232,10 +232,16 @@ def test_connection_limit_answers_503_when_no_connection_is_idle_and_recovers(po
     # Last of the tests on this server: it leaves connections closing behind it.
     held = hold_connections(port, MAX_CONNECTIONS)
     # Each held connection has sent a request's head and part of its body: busy, not idle (a
-    # connection whose head is still arriving is as evictable as an idle one).
+    # connection whose head is still arriving is as evictable as an idle one). The server's
+    # "100 Continue" says it has read the head.
     for c in held:
-        c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
-    time.sleep(0.05)
+        c.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n"
+               b"Expect: 100-continue\r\n\r\n")
+        while b"\r\n\r\n" not in c.buf:
+            c._fill()
+        interim, c.buf = c.buf.split(b"\r\n\r\n", 1)
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        c.send(b"{")
     extra = Conn(port)
     extra.send(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
     status, headers, body = extra.response()

@@ -338,7 +338,9 @@ def test_compression_bombs_delay_no_other_client(server):
     others.sort()
     print(f"{len(bomb)} B gzip bombs: {len(refusals)} refused; healthy client p50 {others[len(others) // 2] * 1e3:.1f} "
           f"ms, max {others[-1] * 1e3:.1f} ms")
-    assert others[len(others) // 2] < 0.1, others
+    # A bound far above a loaded machine's latency (a few ms here with other processes on every core),
+    # below what an I/O thread inflating the bombers' bodies in turn would give (hundreds of ms each).
+    assert others[len(others) // 2] < 0.25, others
 
 
 def png16(width, height):

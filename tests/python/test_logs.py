@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from quern_testing import http_request, start_quern
+from quern_testing import free_port, http_request, start_quern, stop_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -63,10 +63,20 @@ def start_json(repo, *extra):
             ports[m.group(1)] = int(m.group(2))
         if '"serving ' in line:
             break
-    threading.Thread(target=lambda: [out.append(x) for x in proc.stdout], daemon=True).start()
-    threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True).start()
+    proc.readers = [threading.Thread(target=lambda: [out.append(x) for x in proc.stdout], daemon=True),
+                    threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True)]
+    for t in proc.readers:
+        t.start()
     assert "HTTP" in ports, out
     return proc, ports, out, err
+
+
+def stop_json(proc):
+    """SIGTERM; returns once the server has exited and its last line is read."""
+    proc.terminate()
+    proc.wait(timeout=30)
+    for t in proc.readers:
+        t.join(timeout=30)
 
 
 def add_sub(port, client_module=httpclient, **kwargs):
@@ -97,11 +107,8 @@ def test_json_lines_with_levels_fields_and_an_access_log(tmp_path):
         # An id that could forge a log line or a header is not used.
         status, headers, _ = http_request(ports["HTTP"], "GET", "/v2/health/live", headers={"X-Request-ID": 'a" b'})
         assert re.fullmatch(r"[0-9a-f]{20}", headers["X-Request-ID"]) and headers["X-Request-ID"] != made
-        time.sleep(0.5)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    time.sleep(0.2)
+        stop_json(proc)  # every line written before it exits
     events = [json.loads(line) for line in out + err if line.strip()]  # every line is one JSON object
     assert all({"time", "level", "msg"} <= e.keys() for e in events), events[:3]
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["time"]) for e in events)
@@ -139,24 +146,32 @@ def test_text_lines_and_the_level(tmp_path):
     proc, ports = start_quern(QUERN, str(repo), "--access-log", "-", log=log)
     try:
         add_sub(ports["HTTP"])
-        time.sleep(0.5)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    time.sleep(0.2)
+        stop_quern(proc)  # every line written before it exits
     access = [line for line in log if line.startswith("quern: access ")]
     assert len(access) == 1, access
     assert re.search(r"time=\S+Z client=127\.0\.0\.1 method=POST path=/v2/models/add_sub/infer status=200 "
                      r"bytes_in=\d+ bytes_out=\d+ ms=[\d.]+ model=add_sub request_id=[0-9a-f]{20}$", access[0].strip()), access
 
     # At --log-level error, the model's print (info) does not reach the log; the broken model (an error) does.
-    p = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "-1",
-                          "--metrics-port", "0", "--log-level", "error", "--log-format", "json"],
+    port = free_port()
+    p = subprocess.Popen([QUERN, "serve", "--model-repository", str(repo), "--http-port", str(port), "--grpc-port", "-1",
+                          "--metrics-port", "0", "--host", "127.0.0.1", "--log-level", "error", "--log-format", "json"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(4)
+    output = []
+    reader = threading.Thread(target=lambda: [output.append(x) for x in p.stdout], daemon=True)
+    reader.start()
+
+    def talker_ready():  # its initialize() has printed by then
+        try:
+            return http_request(port, "GET", "/v2/models/talker/ready", timeout=5)[0] == 200
+        except OSError:
+            return False
+    wait_until(talker_ready, timeout=60, what="model talker to be ready")
     p.terminate()
-    output, _ = p.communicate(timeout=30)
-    events = [json.loads(line) for line in output.splitlines() if line.strip()]
+    p.wait(timeout=30)
+    reader.join(timeout=30)
+    events = [json.loads(line) for line in output if line.strip()]
     assert events and all(e["level"] == "error" for e in events), events
     assert any(e.get("model") == "broken" for e in events)
 
@@ -198,7 +213,8 @@ def test_lines_an_attacker_writes_stay_json_and_few(tmp_path):
                 ports[m.group(1).decode()] = int(m.group(2))
             if b'"serving ' in line:
                 break
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
+        reader = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True)
+        reader.start()
         for target in (b"/v2/models/\xff\xfe\xc3(/ready", b"/v2/\xe2\x82\xac/\xed\xa0\x80x"):
             with socket.create_connection(("127.0.0.1", ports["HTTP"])) as s:
                 s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: q\r\nConnection: close\r\n\r\n")
@@ -213,10 +229,10 @@ def test_lines_an_attacker_writes_stay_json_and_few(tmp_path):
                         pass
                 except OSError:
                     pass
-        time.sleep(1)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    reader.join(timeout=30)  # every line written before it exited
     events = []
     for line in lines:
         events.append(json.loads(line.decode("utf-8")))  # strict: every line is UTF-8 and JSON
