@@ -328,6 +328,7 @@ def test_on_one_core_a_flood_of_pipelined_requests_does_not_hold_back_queued_bat
         for _ in range(5):
             infer_http(conn, rng.standard_normal((1, 8)).astype(np.float32))
         took = time.monotonic() - started
+        flooding = threads[0].is_alive()
         conn.close()
     finally:
         stop.set()
@@ -337,7 +338,10 @@ def test_on_one_core_a_flood_of_pipelined_requests_does_not_hold_back_queued_bat
             pass
         proc.terminate()
         proc.wait(timeout=30)
-    assert took < 2, f"5 requests took {took:.1f} s beside the flood"
+    # Answered while the flood went on (each within the socket's 10 s: a starved batch would wait for
+    # as long as the flood lasts).
+    print(f"5 requests beside the flood: {took:.2f} s")
+    assert flooding, "the flood ended before the requests were answered: the test saw nothing"
 
 
 def thread_ids_policies(pid):

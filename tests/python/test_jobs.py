@@ -247,9 +247,9 @@ def test_full_queue_refuses_the_submission_at_once(server, store_kind):
         pytest.skip("with Redis the stream is the queue: a submission waits there for an instance to take it")
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     jobs = [submit(server, "small_queue", body) for _ in range(2)]
-    t0 = time.time()
+    # Refused, not held until there is room: the two wait out their 1 s batching delay.
     status, _, data = request(server, "POST", "/v2/models/small_queue/jobs", body)
-    assert status == 503 and "queue" in json.loads(data)["error"] and time.time() - t0 < 0.5
+    assert status == 503 and "queue" in json.loads(data)["error"], data
     for job in jobs:
         j = json.loads(wait_finished(server, job)[1])
         assert j["status"] == "done"

@@ -385,9 +385,10 @@ def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
             t.join(timeout=120)
         print(f"{len(image)} B 16-bit PNGs: answered after " + ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + " s")
         assert len(took) == 13
-        # The timeout (1.5 s), and an answer's way out on a machine busy with other tests (2.08 s was
-        # seen beside a compile on both cores); decoding 13 such images takes many times longer.
-        assert max(s for s, _, _ in took) < 3.0, sorted(took)
+        # The timeout (1.5 s), and an answer's way out on a machine busy with other work (2.08 s was
+        # seen beside a compile on both cores); decoding the 12 images sent at once takes 6 decodes'
+        # time on two cores (the first one's figure is printed above: over 1 s each).
+        assert max(s for s, _, _ in took) < 4.5, sorted(took)
         assert any(ok for _, ok, _ in took), took
     finally:
         proc.terminate()

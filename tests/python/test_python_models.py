@@ -356,11 +356,10 @@ def test_a_process_that_dies_at_every_batch_is_started_again_only_after_a_pause(
             plain_http(served, 777)
         assert "killed by signal 9" in str(e.value), str(e.value)
     # Three deaths in a row: no process is started for the next second; batches fail at once.
-    started = time.monotonic()
     with pytest.raises(InferenceServerException) as e:
         plain_http(served, 5)
+    # Failed at once: a call held until the pause ended would have started a process and been answered.
     assert "died running 3 batches in a row" in str(e.value) and "503" in str(e.value.status()), str(e.value)
-    assert time.monotonic() - started < 0.9
     time.sleep(1.1)
     np.testing.assert_array_equal(plain_http(served, 5).as_numpy("y"), [[10, 2, 4]])  # the streak ends
     with pytest.raises(InferenceServerException) as e:
