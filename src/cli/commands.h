@@ -14,6 +14,11 @@ int Models(const std::string& repo);
 // (a batch of 1), and prints the outputs and the request's timings.
 int Infer(const std::string& repo, const std::string& model, const std::vector<std::string>& specs);
 
+// `quern openvino-ir MODEL_FILE OUT.xml [--f16]`: writes an ONNX (or IR)
+// model as OpenVINO IR (OUT.xml and OUT.bin) for a model folder of backend
+// "openvino"; 1 with the reason when it cannot.
+int OpenvinoIr(const std::string& model_file, const std::string& xml_file, bool f16);
+
 // `quern perf ARGS`: runs quern-perf (the load generator, a binary of its
 // own beside this one) with ARGS; returns only when it cannot (127, saying
 // why).

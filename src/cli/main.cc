@@ -4,6 +4,7 @@
 //   quern infer  DIR MODEL --input NAME=FILE.npy|zeros|random   run one request
 //   quern perf   --url http://HOST:PORT|grpc://HOST:PORT --model MODEL [--concurrency N... | --rate R...]
 //                                         load a running server, report its throughput and costs
+//   quern openvino-ir MODEL.onnx OUT.xml [--f16]   the model as OpenVINO IR
 //   quern quantize MODEL_DIR --calibration IMAGES... [--check IMAGES...]
 //                                         an INT8 twin of an image model and its agreement report
 #include <pthread.h>
@@ -42,6 +43,14 @@ int main(int argc, char** argv) {
   infer->add_option("model", infer_model, "Model name")->required();
   infer->add_option("--input,-i", inputs, "NAME=FILE.npy, NAME=zeros or NAME=random (batch of 1)");
 
+  std::string ir_in, ir_out;
+  bool ir_f16 = false;
+  auto* openvino_ir = app.add_subcommand(
+      "openvino-ir", "Write an ONNX model as OpenVINO IR (model.xml and model.bin) for backend \"openvino\"");
+  openvino_ir->add_option("model", ir_in, "The ONNX file (or an IR .xml)")->required();
+  openvino_ir->add_option("xml", ir_out, "The .xml to write (its .bin beside it)")->required();
+  openvino_ir->add_flag("--f16", ir_f16, "Store the weights as f16 (half the file)");
+
   // `quern perf ...` runs quern-perf, the load generator beside this binary
   // (the server does not carry it); listed here for --help.
   app.add_subcommand("perf",
@@ -76,6 +85,7 @@ int main(int argc, char** argv) {
 
   if (*models) return quern::cli::Models(models_repo);
   if (*infer) return quern::cli::Infer(infer_repo, infer_model, inputs);
+  if (*openvino_ir) return quern::cli::OpenvinoIr(ir_in, ir_out, ir_f16);
 
   // SIGINT and SIGTERM are blocked before the server starts (its threads
   // inherit the mask) and waited for here: one that comes right after the

@@ -259,11 +259,14 @@ Status ConvertBackend(const inference::ModelConfig& p, const std::string& source
     // A Python model (model.py), run in processes of its own, or a built-in stage.
   } else if (c.backend == "pytorch" && (c.platform.empty() || c.platform == "pytorch_libtorch")) {
     c.platform = "pytorch_libtorch";  // a TorchScript model.pt, run by LibTorch
+  } else if (c.backend == "openvino" && (c.platform.empty() || c.platform == "openvino")) {
+    c.platform = "openvino";  // model.xml (OpenVINO IR) or model.onnx, run by OpenVINO
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
     return InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
                            "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                           "platform \"onnxruntime_onnx\"), PyTorch models (backend \"pytorch\" or platform "
-                           "\"pytorch_libtorch\"), Python models (backend \"python\"), built-in stages "
+                           "platform \"onnxruntime_onnx\"), OpenVINO models (backend \"openvino\"), PyTorch "
+                           "models (backend \"pytorch\" or platform \"pytorch_libtorch\"), Python models "
+                           "(backend \"python\"), built-in stages "
                            "(backend \"quern\") and ensembles "
                            "(platform \"ensemble\")");
   } else {

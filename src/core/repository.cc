@@ -125,6 +125,12 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
   }
   for (int64_t v : m.version_policy.Select(available)) {
     const fs::path version_dir = m.dir / std::to_string(v);
+    std::string version_file = file;
+    if (m.config.backend == "openvino" && m.config.default_model_filename.empty()) {
+      // OpenVINO IR (model.xml beside model.bin) when the folder has it, else model.onnx.
+      std::error_code xml_ec;
+      if (fs::exists(version_dir / "model.xml", xml_ec)) version_file = "model.xml";
+    }
     if (m.config.is_ensemble() || m.config.backend == "quern") {
       // An ensemble's version folder holds no file (Triton's layout), nor
       // does a built-in stage's: the folder itself stands for the version.
@@ -133,9 +139,9 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
       m.versions.push_back({v, std::move(dir)});
       continue;
     }
-    QUERN_ASSIGN_OR_RETURN(
-        fs::path model_file,
-        ResolveInRepository(repo, version_dir, file, "model '" + name + "' version " + std::to_string(v) + " file"));
+    QUERN_ASSIGN_OR_RETURN(fs::path model_file,
+                           ResolveInRepository(repo, version_dir, version_file,
+                                               "model '" + name + "' version " + std::to_string(v) + " file"));
     m.versions.push_back({v, std::move(model_file)});
   }
   if (m.versions.empty()) {

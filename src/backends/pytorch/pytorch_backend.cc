@@ -1,13 +1,7 @@
 #include "backends/pytorch/pytorch_backend.h"
 
-#include <dlfcn.h>
-#include <limits.h>
-#include <stdlib.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -15,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/plugin_loader.h"
 #include "backends/pytorch/torch_plugin_api.h"
 #include "core/log.h"
 
@@ -28,58 +23,31 @@ Result<const QuernTorchApi*> Plugin() {
   static const QuernTorchApi* api = nullptr;
   static std::string error;
   std::call_once(once, [] {
-    std::vector<std::string> candidates;
-    if (const char* env = std::getenv("QUERN_PYTORCH_PLUGIN"); env && *env) {
-      candidates.emplace_back(env);  // that one only
-    } else {
+    PluginLocation where;
+    where.env = "QUERN_PYTORCH_PLUGIN";
 #ifdef QUERN_PYTORCH_PLUGIN_PATH
-      // Installed: beside the binary's or the library's own folder.
-      Dl_info self{};
-      char real[PATH_MAX];
-      // For the main program dladdr names argv[0] ("quern" when run from
-      // PATH): its file is /proc/self/exe.
-      const char* object = nullptr;
-      if (::dladdr(reinterpret_cast<void*>(&NewPytorchBackend), &self) && self.dli_fname) {
-        object = std::strcmp(self.dli_fname, program_invocation_name) == 0 || !std::strchr(self.dli_fname, '/')
-                     ? "/proc/self/exe"
-                     : self.dli_fname;
-      }
-      if (object && ::realpath(object, real)) {
-        const std::filesystem::path dir = std::filesystem::path(real).parent_path();
-        for (const char* rel : {QUERN_PYTORCH_PLUGIN_FROM_BIN, QUERN_PYTORCH_PLUGIN_FROM_LIB}) {
-          std::error_code ec;
-          const auto p = (dir / rel).lexically_normal();
-          if (std::filesystem::is_regular_file(p, ec)) candidates.push_back(p.string());
-        }
-      }
-      candidates.emplace_back(QUERN_PYTORCH_PLUGIN_PATH);  // the build tree's
+    where.from_bin = QUERN_PYTORCH_PLUGIN_FROM_BIN;
+    where.from_lib = QUERN_PYTORCH_PLUGIN_FROM_LIB;
+    where.build_path = QUERN_PYTORCH_PLUGIN_PATH;
 #endif
+    where.symbol = "quern_torch_api";
+    where.what = "LibTorch plugin";
+    where.missing =
+        "this build of Quern has no LibTorch plugin (LibTorch was not found when it was built: "
+        "scripts/setup.sh installs it)";
+    auto loaded = LoadPlugin(where);
+    if (!loaded) {
+      error = loaded.error().message();
+      return;
     }
-    if (candidates.empty()) {
+    const QuernTorchApi* found = reinterpret_cast<QuernTorchApiFn>(loaded->symbol)();
+    if (!found || found->abi != QUERN_TORCH_PLUGIN_ABI) {
       error =
-          "this build of Quern has no LibTorch plugin (LibTorch was not found when it was built: "
-          "scripts/setup.sh installs it)";
+          "cannot load Quern's LibTorch plugin (" + loaded->path + ": not a LibTorch plugin of this version of Quern)";
       return;
     }
-    std::string tried;
-    for (const auto& path : candidates) {
-      void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (!handle) {
-        const char* why = ::dlerror();
-        tried += (tried.empty() ? "" : "; ") + path + ": " + (why ? why : "cannot load");
-        continue;
-      }
-      auto fn = reinterpret_cast<QuernTorchApiFn>(::dlsym(handle, "quern_torch_api"));
-      const QuernTorchApi* found = fn ? fn() : nullptr;
-      if (!found || found->abi != QUERN_TORCH_PLUGIN_ABI) {
-        tried += (tried.empty() ? "" : "; ") + path + ": not a LibTorch plugin of this version of Quern";
-        continue;
-      }
-      api = found;
-      Log(LogLevel::kInfo, "LibTorch plugin " + path + " (LibTorch " + found->version + ")");
-      return;
-    }
-    error = "cannot load Quern's LibTorch plugin (" + tried + ")";
+    api = found;
+    Log(LogLevel::kInfo, "LibTorch plugin " + loaded->path + " (LibTorch " + found->version + ")");
   });
   if (!api) return Err(Unavailable(error));
   return api;

@@ -1,0 +1,299 @@
+#include "backends/openvino/openvino_backend.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backends/onnxruntime/ort_model.h"
+#include "backends/openvino/ov_plugin_api.h"
+#include "backends/plugin_loader.h"
+#include "core/log.h"
+#include "engine/instance_placement.h"
+
+namespace quern {
+namespace {
+
+// The plugin, loaded once per process (never unloaded: OpenVINO's CPU
+// plugin and TBB threads outlive any model).
+Result<const QuernOvApi*> Plugin() {
+  static std::once_flag once;
+  static const QuernOvApi* api = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    PluginLocation where;
+    where.env = "QUERN_OPENVINO_PLUGIN";
+#ifdef QUERN_OPENVINO_PLUGIN_PATH
+    where.from_bin = QUERN_OPENVINO_PLUGIN_FROM_BIN;
+    where.from_lib = QUERN_OPENVINO_PLUGIN_FROM_LIB;
+    where.build_path = QUERN_OPENVINO_PLUGIN_PATH;
+#endif
+    where.symbol = "quern_openvino_api";
+    where.what = "OpenVINO plugin";
+    where.missing =
+        "this build of Quern has no OpenVINO plugin (OpenVINO was not found when it was built: "
+        "scripts/setup.sh installs it)";
+    auto loaded = LoadPlugin(where);
+    if (!loaded) {
+      error = loaded.error().message();
+      return;
+    }
+    const QuernOvApi* found = reinterpret_cast<QuernOvApiFn>(loaded->symbol)();
+    if (!found || found->abi != QUERN_OV_PLUGIN_ABI) {
+      error = "cannot load Quern's OpenVINO plugin (" + loaded->path + ": not an OpenVINO plugin of this version)";
+      return;
+    }
+    api = found;
+    Log(LogLevel::kInfo, "OpenVINO plugin " + loaded->path + " (OpenVINO " + found->version + ")");
+  });
+  if (!api) return Err(Unavailable(error));
+  return api;
+}
+
+std::string Take(const QuernOvApi* api, char* s) {
+  std::string out = s ? s : "unknown error";
+  if (s) api->free_string(s);
+  return out;
+}
+
+// A compiled model, released when its last instance and opener let go.
+struct Compiled {
+  const QuernOvApi* api = nullptr;
+  void* model = nullptr;
+  std::vector<std::string> output_names;  // the compiled model's, in its order
+  ~Compiled() {
+    if (model) api->release_model(model);
+  }
+};
+
+class OvModel final : public Model {
+ public:
+  OvModel(std::string name, std::shared_ptr<const Compiled> compiled, std::vector<std::string> outputs)
+      : name_(std::move(name)), compiled_(std::move(compiled)), wanted_(std::move(outputs)) {}
+  ~OvModel() override {
+    if (request_) compiled_->api->release_request(request_);
+  }
+
+  Status Load() override {
+    char* error = nullptr;
+    request_ = compiled_->api->new_request(compiled_->model, &error);
+    if (!request_)
+      return Unavailable(Who() + ": OpenVINO cannot create an infer request: " + Take(compiled_->api, error));
+    for (const auto& name : wanted_) {
+      auto it = std::find(compiled_->output_names.begin(), compiled_->output_names.end(), name);
+      if (it == compiled_->output_names.end())
+        return InvalidArgument(Who() + ": the model has no output '" + name + "'");
+      output_index_.push_back(static_cast<int>(it - compiled_->output_names.begin()));
+    }
+    return Status::Ok();
+  }
+
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t /*batch_size*/,
+                 std::vector<NamedTensor>& outputs) override {
+    return Run(inputs, outputs, nullptr);
+  }
+  Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t /*batch_size*/, BatchRequests requests,
+                         std::vector<NamedTensor>& outputs) override {
+    return Run(inputs, outputs, requests.interrupt);
+  }
+
+ private:
+  std::string Who() const { return "model '" + name_ + "'"; }
+
+  Status Run(const std::vector<NamedTensor>& inputs, std::vector<NamedTensor>& outputs, BatchInterrupt* interrupt) {
+    const QuernOvApi* api = compiled_->api;
+    std::vector<const char*> names;
+    std::vector<QuernOvTensor> args(inputs.size());
+    names.reserve(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Tensor& t = inputs[i].tensor;
+      if (t.dtype() == DataType::kBytes) {
+        return InvalidArgument(Who() + ": input '" + inputs[i].name + "' is BYTES, which OpenVINO models do not take");
+      }
+      if (t.shape().size() > 8)
+        return InvalidArgument(Who() + ": input '" + inputs[i].name + "' has over 8 dimensions");
+      names.push_back(inputs[i].name.c_str());
+      QuernOvTensor& a = args[i];
+      a.dtype = static_cast<uint8_t>(t.dtype());
+      a.rank = static_cast<int32_t>(t.shape().size());
+      std::copy(t.shape().begin(), t.shape().end(), a.dims);
+      a.data = const_cast<std::byte*>(t.data());  // read, never written
+      a.bytes = t.byte_size();
+    }
+    struct Disarm {
+      BatchInterrupt* interrupt;
+      ~Disarm() {
+        if (interrupt) interrupt->Disarm();
+      }
+    } disarm{interrupt};
+    if (interrupt) interrupt->Arm([api, request = request_] { api->cancel(request); });
+    char* error = nullptr;
+    const int rc = api->run(request_, names.data(), args.data(), static_cast<int>(args.size()), &error);
+    if (rc == 1 || (interrupt && interrupt->stopped())) {
+      if (rc == -1) Take(api, error);
+      return Cancelled(Who() + ": every request of the batch was cancelled; its run was stopped");
+    }
+    if (rc != 0) return Internal(Who() + ": OpenVINO failed to run the batch: " + Take(api, error));
+    outputs.clear();
+    outputs.reserve(wanted_.size());
+    for (size_t i = 0; i < wanted_.size(); ++i) {
+      QuernOvTensor out{};
+      if (api->output(request_, output_index_[i], &out, &error) != 0) {
+        return Internal(Who() + ": OpenVINO output '" + wanted_[i] + "': " + Take(api, error));
+      }
+      if (out.dtype == 0) return Internal(Who() + ": output '" + wanted_[i] + "' has a type Quern has no name for");
+      // Copied: the request reuses its output memory at the next run, while
+      // this batch's answers may still be on their way.
+      Tensor copy = Tensor::AllocateUninitialized(static_cast<DataType>(out.dtype),
+                                                  Shape(out.dims, out.dims + out.rank), out.bytes);
+      if (out.bytes) std::memcpy(copy.mutable_data(), out.data, out.bytes);
+      outputs.push_back({wanted_[i], std::move(copy)});
+    }
+    return Status::Ok();
+  }
+
+  std::string name_;
+  std::shared_ptr<const Compiled> compiled_;
+  std::vector<std::string> wanted_;
+  std::vector<int> output_index_;
+  void* request_ = nullptr;
+};
+
+class OvOpenedModel final : public OpenedModel {
+ public:
+  explicit OvOpenedModel(std::shared_ptr<const Compiled> compiled) : compiled_(std::move(compiled)) {}
+  Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
+    if (device.gpu) return Err(InvalidArgument("model '" + config.name + "': OpenVINO runs it on the CPU only"));
+    std::vector<std::string> outputs;
+    for (const auto& o : config.outputs) outputs.push_back(o.name);
+    auto model = std::make_unique<OvModel>(config.name, compiled_, std::move(outputs));
+    QUERN_RETURN_IF_ERROR(model->Load());
+    return std::unique_ptr<Model>(std::move(model));
+  }
+
+ private:
+  std::shared_ptr<const Compiled> compiled_;
+};
+
+// A whole number parameter in [1, 1024], or an error naming it.
+Status PositiveParameter(const std::string& who, const std::string& key, const std::string& v) {
+  int n = 0;
+  const auto parsed = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (parsed.ec != std::errc() || parsed.ptr != v.data() + v.size() || n < 1 || n > 1024) {
+    return InvalidArgument(who + ": parameter " + key + " must be a whole number in [1, 1024], got \"" + v + "\"");
+  }
+  return Status::Ok();
+}
+
+// OpenVINO's compile properties from the configuration's parameters.
+Result<std::map<std::string, std::string>> Properties(const ModelConfig& config, int cores) {
+  const std::string who = "model '" + config.name + "'";
+  std::map<std::string, std::string> props;
+  const std::map<std::string, std::vector<std::string>> choices = {
+      {"PERFORMANCE_HINT", {"LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"}},
+      {"INFERENCE_PRECISION_HINT", {"f32", "bf16", "f16"}},
+  };
+  for (const auto& [key, value] : config.parameters) {
+    if (key == "NUM_STREAMS" || key == "INFERENCE_NUM_THREADS") {
+      QUERN_RETURN_IF_ERROR(PositiveParameter(who, key, value));
+      props[key] = value;
+    } else if (auto it = choices.find(key); it != choices.end()) {
+      if (std::find(it->second.begin(), it->second.end(), value) == it->second.end()) {
+        std::string listed;
+        for (const auto& c : it->second) listed += (listed.empty() ? "" : ", ") + c;
+        return Err(
+            InvalidArgument(who + ": parameter " + key + " must be one of " + listed + ", got \"" + value + "\""));
+      }
+      props[key] = value;
+    }
+  }
+  if (!props.count("NUM_STREAMS") && !props.count("PERFORMANCE_HINT")) {
+    props["NUM_STREAMS"] = std::to_string(std::max(1, CpuInstances(config)));
+  }
+  if (!props.count("INFERENCE_NUM_THREADS")) props["INFERENCE_NUM_THREADS"] = std::to_string(std::max(1, cores));
+  return props;
+}
+
+class OpenvinoBackend final : public Backend {
+ public:
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                            bool has_config_file, int cores, int /*instances*/) override {
+    const std::string who = "model '" + config.name + "'";
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec)) {
+      return Err(NotFound(who + ": " + file.string() +
+                          " does not exist (an OpenVINO model is <version>/model.xml beside model.bin, or "
+                          "<version>/model.onnx)"));
+    }
+    QUERN_ASSIGN_OR_RETURN(auto props, Properties(config, cores));
+    QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
+    std::vector<const char*> keys, values;
+    for (const auto& [k, v] : props) {
+      keys.push_back(k.c_str());
+      values.push_back(v.c_str());
+    }
+    // A configured batch over 1: the first dimension of every input made
+    // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
+    const int batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
+    char* error = nullptr;
+    auto compiled = std::make_shared<Compiled>();
+    compiled->api = api;
+    compiled->model =
+        api->compile(file.c_str(), keys.data(), values.data(), static_cast<int>(keys.size()), batch_dynamic, &error);
+    if (!compiled->model) {
+      return Err(InvalidArgument(who + ": OpenVINO cannot compile " + file.string() + ": " + Take(api, error)));
+    }
+    OnnxModelIO io;
+    for (int side = 0; side < 2; ++side) {
+      const QuernOvPort* ports = nullptr;
+      const int n = api->ports(compiled->model, side, &ports);
+      for (int i = 0; i < n; ++i) {
+        OnnxTensorInfo t;
+        t.name = ports[i].name;
+        if (t.name.empty()) {
+          return Err(InvalidArgument(who + ": " + (side ? "output " : "input ") + std::to_string(i) +
+                                     " has no name (Quern addresses tensors by name)"));
+        }
+        t.dtype = static_cast<DataType>(ports[i].dtype);
+        if (ports[i].rank < 0) {
+          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has a dynamic rank, which Quern cannot batch"));
+        }
+        t.shape.assign(ports[i].dims, ports[i].dims + ports[i].rank);
+        (side ? io.outputs : io.inputs).push_back(std::move(t));
+        if (side) compiled->output_names.push_back(ports[i].name);
+      }
+    }
+    QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, io, has_config_file));
+    std::string chosen;
+    for (const char* key : {"INFERENCE_PRECISION_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT"}) {
+      if (char* v = api->property(compiled->model, key))
+        chosen += std::string(chosen.empty() ? "" : ", ") + key + "=" + Take(api, v);
+    }
+    Log(LogLevel::kInfo, "OpenVINO compiled " + file.filename().string() + " for the CPU (" + chosen + ")",
+        {{"model", config.name}});
+    return std::unique_ptr<OpenedModel>(std::make_unique<OvOpenedModel>(std::move(compiled)));
+  }
+
+  std::string WhyNoGpu() const override { return "Quern runs OpenVINO models on the CPU only"; }
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> NewOpenvinoBackend() {
+  return std::make_shared<OpenvinoBackend>();
+}
+
+Status SaveOpenvinoIr(const std::filesystem::path& model_file, const std::filesystem::path& xml_file, bool f16) {
+  QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
+  char* error = nullptr;
+  if (api->save_ir(model_file.c_str(), xml_file.c_str(), f16 ? 1 : 0, &error) != 0) {
+    return InvalidArgument("OpenVINO cannot write " + model_file.string() + " as " + xml_file.string() + ": " +
+                           Take(api, error));
+  }
+  return Status::Ok();
+}
+
+}  // namespace quern

@@ -1,0 +1,299 @@
+// Quern's OpenVINO plugin (libquern_openvino.so): the C interface of
+// ov_plugin_api.h over OpenVINO's C++ API. Every OpenVINO exception is
+// caught here and becomes an error string; nothing throws across the
+// interface.
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <openvino/openvino.hpp>
+#include <openvino/runtime/exception.hpp>
+#include <string>
+#include <vector>
+
+#include "backends/openvino/ov_plugin_api.h"
+
+namespace {
+
+// quern::DataType's values (include/quern/tensor.h), kept in step by hand:
+// the plugin needs none of Quern's code.
+enum : uint8_t {
+  kInvalid = 0,
+  kBool = 1,
+  kUint8 = 2,
+  kUint16 = 3,
+  kUint32 = 4,
+  kUint64 = 5,
+  kInt8 = 6,
+  kInt16 = 7,
+  kInt32 = 8,
+  kInt64 = 9,
+  kFp16 = 10,
+  kFp32 = 11,
+  kFp64 = 12,
+  kBf16 = 14,
+};
+
+uint8_t ToQuern(const ov::element::Type& t) {
+  switch (ov::element::Type_t(t)) {
+    case ov::element::Type_t::boolean: return kBool;
+    case ov::element::Type_t::u8: return kUint8;
+    case ov::element::Type_t::u16: return kUint16;
+    case ov::element::Type_t::u32: return kUint32;
+    case ov::element::Type_t::u64: return kUint64;
+    case ov::element::Type_t::i8: return kInt8;
+    case ov::element::Type_t::i16: return kInt16;
+    case ov::element::Type_t::i32: return kInt32;
+    case ov::element::Type_t::i64: return kInt64;
+    case ov::element::Type_t::f16: return kFp16;
+    case ov::element::Type_t::f32: return kFp32;
+    case ov::element::Type_t::f64: return kFp64;
+    case ov::element::Type_t::bf16: return kBf16;
+    default: return kInvalid;
+  }
+}
+
+ov::element::Type FromQuern(uint8_t t) {
+  switch (t) {
+    case kBool: return ov::element::boolean;
+    case kUint8: return ov::element::u8;
+    case kUint16: return ov::element::u16;
+    case kUint32: return ov::element::u32;
+    case kUint64: return ov::element::u64;
+    case kInt8: return ov::element::i8;
+    case kInt16: return ov::element::i16;
+    case kInt32: return ov::element::i32;
+    case kInt64: return ov::element::i64;
+    case kFp16: return ov::element::f16;
+    case kFp32: return ov::element::f32;
+    case kFp64: return ov::element::f64;
+    case kBf16: return ov::element::bf16;
+    default: return ov::element::dynamic;
+  }
+}
+
+char* Copy(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out) std::memcpy(out, s.c_str(), s.size() + 1);
+  return out;
+}
+
+void SetError(char** error, const std::string& message) {
+  if (error) *error = Copy(message);
+}
+
+// One process-wide Core: it holds the CPU plugin, loaded once.
+ov::Core& TheCore() {
+  static ov::Core* core = new ov::Core();  // never destroyed: compiled models may outlive static destruction
+  return *core;
+}
+
+struct Model {
+  ov::CompiledModel compiled;
+  std::vector<std::string> names[2];
+  std::vector<QuernOvPort> ports[2];
+};
+
+struct Request {
+  ov::InferRequest request;
+  Model* model;
+};
+
+void Describe(Model& m) {
+  for (int side = 0; side < 2; ++side) {
+    const auto& list = side == 0 ? m.compiled.inputs() : m.compiled.outputs();
+    m.names[side].clear();
+    for (const auto& port : list) {
+      std::string name;
+      try {
+        name = port.get_any_name();
+      } catch (const std::exception&) {
+        name = "";  // an unnamed port: addressed by position
+      }
+      m.names[side].push_back(name);
+    }
+    m.ports[side].assign(list.size(), QuernOvPort{});
+    for (size_t i = 0; i < list.size(); ++i) {
+      QuernOvPort& p = m.ports[side][i];
+      p.name = m.names[side][i].c_str();
+      p.dtype = ToQuern(list[i].get_element_type());
+      const ov::PartialShape& shape = list[i].get_partial_shape();
+      if (shape.rank().is_dynamic() || shape.rank().get_length() > 8) {
+        p.rank = -1;
+        continue;
+      }
+      p.rank = static_cast<int32_t>(shape.rank().get_length());
+      for (int32_t d = 0; d < p.rank; ++d) p.dims[d] = shape[d].is_static() ? shape[d].get_length() : -1;
+    }
+  }
+}
+
+void* Compile(const char* path, const char* const* keys, const char* const* values, int n, int batch_dynamic,
+              char** error) {
+  try {
+    std::shared_ptr<ov::Model> model = TheCore().read_model(path);
+    if (batch_dynamic) {
+      std::map<ov::Output<ov::Node>, ov::PartialShape> shapes;
+      for (auto& input : model->inputs()) {
+        ov::PartialShape shape = input.get_partial_shape();
+        if (shape.rank().is_static() && shape.rank().get_length() >= 1 && shape[0].is_static()) {
+          shape[0] = ov::Dimension::dynamic();
+          shapes[input] = shape;
+        }
+      }
+      if (!shapes.empty()) model->reshape(shapes);
+    }
+    ov::AnyMap properties;
+    for (int i = 0; i < n; ++i) properties[keys[i]] = std::string(values[i]);
+    auto m = std::make_unique<Model>();
+    m->compiled = TheCore().compile_model(model, "CPU", properties);
+    Describe(*m);
+    return m.release();
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return nullptr;
+}
+
+void ReleaseModel(void* model) {
+  delete static_cast<Model*>(model);
+}
+
+int Ports(void* model, int outputs, const QuernOvPort** ports) {
+  auto& list = static_cast<Model*>(model)->ports[outputs ? 1 : 0];
+  *ports = list.data();
+  return static_cast<int>(list.size());
+}
+
+char* Property(void* model, const char* key) {
+  try {
+    return Copy(static_cast<Model*>(model)->compiled.get_property(key).as<std::string>());
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void* NewRequest(void* model, char** error) {
+  try {
+    auto* m = static_cast<Model*>(model);
+    return new Request{m->compiled.create_infer_request(), m};
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return nullptr;
+}
+
+void ReleaseRequest(void* request) {
+  delete static_cast<Request*>(request);
+}
+
+int Run(void* request, const char* const* names, const QuernOvTensor* inputs, int n, char** error) {
+  auto* r = static_cast<Request*>(request);
+  try {
+    const auto& ports = r->model->compiled.inputs();
+    const auto& known = r->model->names[0];
+    for (int i = 0; i < n; ++i) {
+      const QuernOvTensor& t = inputs[i];
+      size_t at = known.size();
+      for (size_t k = 0; k < known.size(); ++k) {
+        if (known[k] == names[i]) at = k;
+      }
+      if (at == known.size()) {
+        SetError(error, std::string("the model has no input '") + names[i] + "'");
+        return -1;
+      }
+      const ov::element::Type type = FromQuern(t.dtype);
+      if (type != ports[at].get_element_type()) {
+        SetError(error, std::string("input '") + names[i] + "' is " + type.get_type_name() + ", the model takes " +
+                            ports[at].get_element_type().get_type_name());
+        return -1;
+      }
+      ov::Shape shape(t.dims, t.dims + t.rank);
+      // OpenVINO reads the bytes in place: it does not write inputs.
+      r->request.set_tensor(ports[at], ov::Tensor(type, shape, t.data));
+    }
+    r->request.start_async();
+    r->request.wait();
+    return 0;
+  } catch (const ov::Cancelled&) {
+    return 1;
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return -1;
+}
+
+int Output(void* request, int index, QuernOvTensor* out, char** error) {
+  auto* r = static_cast<Request*>(request);
+  try {
+    ov::Tensor t = r->request.get_output_tensor(static_cast<size_t>(index));
+    const ov::Shape shape = t.get_shape();
+    if (shape.size() > 8) {
+      SetError(error, "an output has more than 8 dimensions");
+      return -1;
+    }
+    out->dtype = ToQuern(t.get_element_type());
+    out->rank = static_cast<int32_t>(shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) out->dims[d] = static_cast<int64_t>(shape[d]);
+    out->data = t.data();
+    out->bytes = t.get_byte_size();
+    return 0;
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return -1;
+}
+
+void Cancel(void* request) {
+  try {
+    static_cast<Request*>(request)->request.cancel();
+  } catch (...) {
+  }
+}
+
+void FreeString(char* s) {
+  std::free(s);
+}
+
+int SaveIr(const char* path, const char* xml_path, int compress_f16, char** error) {
+  try {
+    ov::save_model(TheCore().read_model(path), xml_path, compress_f16 != 0);
+    return 0;
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return -1;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const QuernOvApi* quern_openvino_api(void) {
+  static const std::string version = ov::get_openvino_version().buildNumber;
+  static const QuernOvApi api = {
+      QUERN_OV_PLUGIN_ABI,
+      version.c_str(),
+      Compile,
+      ReleaseModel,
+      Ports,
+      Property,
+      NewRequest,
+      ReleaseRequest,
+      Run,
+      Output,
+      Cancel,
+      FreeString,
+      SaveIr,
+  };
+  return &api;
+}

@@ -1,0 +1,225 @@
+"""The OpenVINO backend (`backend: "openvino"`): every ONNX model of the examples and of the test models
+served by ONNX Runtime and by OpenVINO side by side in one server, the same inputs to both, and their
+outputs compared (OpenVINO at f32: within float rounding of ONNX Runtime's; the INT8 twins within
+their quantization step). The default detector at OpenVINO's own precision on this CPU (bf16 where
+it has AVX512_BF16 or AMX) against ONNX Runtime FP32 on the labelled photographs: the same boxes.
+Bad parameters are refused at load, naming the model and the parameter."""
+import io
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from detection_labels import LABELS, PHOTOS, iou
+from quern_testing import http_request, post_form, start_quern, stop_quern
+
+QUERN = os.environ["QUERN_BIN"]
+TEST_MODELS = os.environ["QUERN_TEST_MODELS"]
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models")
+
+# (folder, model): the ONNX models served by both runtimes.
+MODELS = [(TEST_MODELS, m) for m in ("add_sub", "linear", "detect_yolov8", "fixed4", "tile4", "nobatch")] + [
+    (EXAMPLES, m) for m in ("objects", "objects_fast", "objects_int8", "imagenet", "imagenet_int8", "small_cnn",
+                            "faces", "face_descriptor", "text_direction", "ocr_detector", "ocr_recognizer")]
+OV = "_openvino"
+
+
+def as_openvino(src, dst, name, precision=None):
+    """Copies model folder `src` to `dst` as model `name` run by OpenVINO (the configuration's
+    backend, platform and name replaced; a bare model gets a configuration naming the backend)."""
+    shutil.copytree(src, dst)
+    config = dst / "config.pbtxt"
+    text = config.read_text() if config.exists() else ""
+    text = re.sub(r'(?m)^\s*(backend|platform|name)\s*:.*$', "", text)
+    text = f'name: "{name}"\nbackend: "openvino"\n' + text
+    if precision:
+        text += f'parameters {{ key: "INFERENCE_PRECISION_HINT" value {{ string_value: "{precision}" }} }}\n'
+    config.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for folder, m in MODELS:
+        shutil.copytree(os.path.join(folder, m), repo / m)
+        as_openvino(os.path.join(folder, m), repo / (m + OV), m + OV, precision="f32")
+    as_openvino(os.path.join(EXAMPLES, "objects"), repo / "objects_bf16", "objects_bf16")
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log)
+    yield ports, log
+    stop_quern(proc)
+
+
+def metadata(port, model):
+    status, _, body = http_request(port, "GET", f"/v2/models/{model}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+NUMPY = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
+         "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+
+
+def inputs_for(meta, rng):
+    """One random input per tensor: the batch dimension 1, other dynamic ones 64."""
+    out = []
+    for t in meta["inputs"]:
+        shape = [(1 if i == 0 else 64) if d == -1 else d for i, d in enumerate(t["shape"])]
+        dtype = NUMPY[t["datatype"]]
+        if np.issubdtype(dtype, np.floating):
+            a = rng.random(shape).astype(dtype)
+        elif dtype == np.bool_:
+            a = rng.random(shape) < 0.5
+        else:
+            a = rng.integers(0, 100, shape).astype(dtype)
+        out.append((t["name"], t["datatype"], a))
+    return out
+
+
+def infer(port, model, inputs):
+    body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": d, "data": a.ravel().tolist()}
+                       for n, d, a in inputs]}
+    status, _, data = http_request(port, "POST", f"/v2/models/{model}/infer", json.dumps(body).encode(), timeout=120)
+    assert status == 200, (model, data[:500])
+    return {o["name"]: np.array(o["data"], dtype=np.float64).reshape(o["shape"]) for o in json.loads(data)["outputs"]}
+
+
+@pytest.mark.parametrize("folder,model", MODELS, ids=[m for _, m in MODELS])
+def test_openvino_answers_as_onnx_runtime_does(server, folder, model):
+    ports, _ = server
+    port = ports["HTTP"]
+    meta, meta_ov = metadata(port, model), metadata(port, model + OV)
+    assert meta_ov["platform"] == "openvino"
+    # The configuration completed from the file alike (OpenVINO reads the same ONNX names and types).
+    assert [(t["name"], t["datatype"]) for t in meta_ov["inputs"]] == [(t["name"], t["datatype"]) for t in meta["inputs"]]
+    assert [(t["name"], t["datatype"]) for t in meta_ov["outputs"]] == [(t["name"], t["datatype"]) for t in meta["outputs"]]
+    rng = np.random.default_rng(abs(hash(model)) % (1 << 32))
+    inputs = inputs_for(meta, rng)
+    want, got = infer(port, model, inputs), infer(port, model + OV, inputs)
+    assert want.keys() == got.keys()
+    # Errors relative to the output's largest value, or to 1e-3 when all are smaller (a text detector's
+    # map of random noise is ~1e-7 everywhere). The INT8 twins: OpenVINO and ONNX Runtime round the
+    # requantized activations each their own way, an 8-bit step here and there (measured on random
+    # inputs: 5.9 % of the classifier's largest logit, 7.8 % of the detector's largest output).
+    rtol = 0.12 if model.endswith("_int8") else 2e-3
+    for name in want:
+        a, b = want[name], got[name]
+        assert a.shape == b.shape, (model, name, a.shape, b.shape)
+        scale = max(float(np.abs(a).max()), 1e-3)
+        err = float(np.abs(a - b).max()) / scale
+        print(f"{model}.{name} {list(a.shape)}: max |ort - ov| / max |ort| = {err:.2e}")
+        assert err <= rtol, (model, name, err)
+
+
+def test_the_detector_at_openvinos_own_precision_keeps_onnx_runtimes_boxes(server):
+    """OpenVINO's default precision on this CPU (bf16 with AVX512_BF16 or AMX) against ONNX Runtime
+    FP32, the same file and photographs through POST /v1/vision/custom/<model>: every FP32 box at
+    confidence >= 0.25 is found by the other run with the same label at IoU >= 0.9 (allowing one
+    miss in a hundred), and confidences move by less than 0.05."""
+    ports, log = server
+    port = ports["HTTP"]
+    said = [line for line in log if "OpenVINO compiled" in line and "model=objects_bf16" in line]
+    assert said and "INFERENCE_PRECISION_HINT=" in said[0], said
+    kept, total, moved = 0, 0, []
+    for photo in sorted(LABELS):
+        buf = io.BytesIO()
+        Image.open(os.path.join(PHOTOS, photo)).convert("RGB").save(buf, "PNG")
+        image = buf.getvalue()
+        boxes = {}
+        for model in ("objects", "objects_bf16"):
+            r = post_form(port, f"/v1/vision/custom/{model}", [("image", image)], min_confidence=0.2)
+            assert r["success"] is True, r
+            boxes[model] = [(p["label"], p["confidence"], (p["x_min"], p["y_min"], p["x_max"], p["y_max"]))
+                            for p in r["predictions"]]
+        for label, conf, box in boxes["objects"]:
+            if conf < 0.25:
+                continue
+            total += 1
+            match = [c for lab, c, b in boxes["objects_bf16"] if lab == label and iou(box, b) >= 0.9]
+            if match:
+                kept += 1
+                moved.append(abs(max(match) - conf))
+    print(f"{said[0].strip()}: {kept} of {total} FP32 boxes kept at IoU >= 0.9; confidence moved by "
+          f"{np.mean(moved):.4f} on average, {max(moved):.4f} at most")
+    assert total >= 20, "the photographs gave too few boxes to compare"
+    assert kept >= 0.99 * total, (kept, total)
+    assert max(moved) < 0.05, max(moved)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("NUM_STREAMS", "0", "NUM_STREAMS must be a whole number in [1, 1024]"),
+    ("INFERENCE_NUM_THREADS", "two", "INFERENCE_NUM_THREADS must be a whole number"),
+    ("INFERENCE_PRECISION_HINT", "int4", "INFERENCE_PRECISION_HINT must be one of f32, bf16, f16"),
+    ("PERFORMANCE_HINT", "FAST", "PERFORMANCE_HINT must be one of LATENCY, THROUGHPUT"),
+])
+def test_bad_parameters_fail_the_load_naming_the_model(tmp_path, key, value, says):
+    repo = tmp_path / "repo"
+    as_openvino(os.path.join(TEST_MODELS, "add_sub"), repo / "broken", "broken")
+    with open(repo / "broken" / "config.pbtxt", "a") as f:
+        f.write(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n')
+    shutil.copytree(os.path.join(TEST_MODELS, "add_sub"), repo / "add_sub")
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log)
+    try:
+        status, _, body = http_request(ports["HTTP"], "GET", "/v2/models/broken/ready")
+        assert status != 200
+        assert http_request(ports["HTTP"], "GET", "/v2/models/add_sub/ready")[0] == 200
+    finally:
+        stop_quern(proc)
+    text = "".join(log)
+    assert "model 'broken'" in text and says in text, text[-2000:]
+
+
+def test_an_unreadable_file_is_refused_with_openvinos_reason(tmp_path):
+    repo = tmp_path / "repo"
+    as_openvino(os.path.join(TEST_MODELS, "add_sub"), repo / "garbage", "garbage")
+    (repo / "garbage" / "1" / "model.onnx").write_bytes(b"\x08\x07 not a model at all" * 10)
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log)
+    try:
+        assert http_request(ports["HTTP"], "GET", "/v2/models/garbage/ready")[0] != 200
+        assert proc.poll() is None
+    finally:
+        stop_quern(proc)
+    text = "".join(log)
+    assert "model 'garbage': OpenVINO cannot compile" in text, text[-2000:]
+
+
+def test_openvino_ir_written_by_quern_serves_as_the_onnx_file_does(tmp_path):
+    """`quern openvino-ir` writes the classifier as OpenVINO IR (model.xml + model.bin, and with --f16
+    its weights in half the bytes); a folder holding only the IR serves the answers ONNX Runtime
+    gives for the ONNX file (f16 weights: within 3 % of the largest logit)."""
+    import subprocess
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(EXAMPLES, "imagenet"), repo / "imagenet")
+    onnx = os.path.join(EXAMPLES, "imagenet", "1", "model.onnx")
+    sizes = {}
+    for name, flags in (("imagenet_ir", []), ("imagenet_ir16", ["--f16"])):
+        as_openvino(os.path.join(EXAMPLES, "imagenet"), repo / name, name, precision="f32")
+        os.remove(repo / name / "1" / "model.onnx")
+        r = subprocess.run([QUERN, "openvino-ir", onnx, str(repo / name / "1" / "model.xml"), *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(repo / name / "1")) == ["model.bin", "model.xml"]
+        sizes[name] = os.path.getsize(repo / name / "1" / "model.bin")
+    assert sizes["imagenet_ir16"] < 0.6 * sizes["imagenet_ir"], sizes
+    bad = subprocess.run([QUERN, "openvino-ir", str(tmp_path / "missing.onnx"), str(tmp_path / "x.xml")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "OpenVINO cannot write" in bad.stderr, bad.stderr
+    proc, ports = start_quern(QUERN, str(repo))
+    try:
+        port = ports["HTTP"]
+        inputs = inputs_for(metadata(port, "imagenet"), np.random.default_rng(5))
+        want = infer(port, "imagenet", inputs)["logits"]
+        scale = float(np.abs(want).max())
+        for name, rtol in (("imagenet_ir", 2e-3), ("imagenet_ir16", 3e-2)):  # f16 weights: 1.0 % measured
+            got = infer(port, name, inputs)["logits"]
+            err = float(np.abs(got - want).max()) / scale
+            print(f"{name}: max |ort - ov| / max |ort| = {err:.2e}")
+            assert err <= rtol, (name, err)
+    finally:
+        stop_quern(proc)
