@@ -167,6 +167,7 @@ APT_TEST_PACKAGES=(
   fonts-dejavu-core fonts-droid-fallback  # the OCR tests render Latin and CJK text
   fonts-liberation2 fonts-urw-base35 fonts-comic-neue fonts-roboto-unhinted  # the OCR page set: serif, sans, mono, condensed, bold, handwriting-like
   procps  # pgrep, ps: the tests look for the processes a server started
+  strace  # the OpenVINO tests check that a model loads and runs without opening a network socket
   valgrind  # bench/instr_count.sh: instructions per request, a count the host's load does not move
   libgl1 libglib2.0-0  # OpenCV, under RapidOCR (the OCR tests' reference)
   chromium chromium-driver  # the dashboard's tests drive a real, headless browser

@@ -223,3 +223,21 @@ def test_openvino_ir_written_by_quern_serves_as_the_onnx_file_does(tmp_path):
             assert err <= rtol, (name, err)
     finally:
         stop_quern(proc)
+
+
+def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
+    """No telemetry and no download at run time: `quern infer` loads and runs the detector through
+    OpenVINO in a network namespace of its own (no interface at all), under strace, and no process
+    of it opens an IP socket."""
+    import subprocess
+    repo = tmp_path / "repo"
+    as_openvino(os.path.join(EXAMPLES, "objects"), repo / "objects_ov", "objects_ov")
+    trace = tmp_path / "trace"
+    r = subprocess.run(["unshare", "--net", "strace", "-f", "-qq", "-e", "trace=socket,connect", "-o", str(trace),
+                        QUERN, "infer", str(repo), "objects_ov", "--input", "images=random"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "output0" in r.stdout, r.stdout[-2000:]
+    calls = trace.read_text().splitlines()
+    ip = [c for c in calls if "AF_INET" in c or "AF_INET6" in c]
+    assert not ip, ip[:10]
