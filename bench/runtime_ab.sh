@@ -8,6 +8,7 @@
 # latency per run, then the medians over the rounds.
 #   bench/runtime_ab.sh [seconds per run, default 5] [rounds, default 3]
 #   QUERN_BENCH_PRESET=release ...   # another optimised build (default: ci)
+#   QUERN_BENCH_AB_OV_PARAMS="NUM_STREAMS=1 ..."   # more parameters for the OpenVINO variants
 #   QUERN_BENCH_AB_MODEL=examples/models/imagenet ...  # another model folder (served at /v2/.../infer
 #                                                      # is not measured: vision routes only)
 set -euo pipefail
@@ -33,6 +34,12 @@ for variant in openvino openvino_f32; do
 done
 echo 'parameters { key: "INFERENCE_PRECISION_HINT" value { string_value: "f32" } }' \
   >> "$WORK/repo/${MODEL}_openvino_f32/config.pbtxt"
+for kv in ${QUERN_BENCH_AB_OV_PARAMS:-}; do  # more OpenVINO parameters for both, KEY=VALUE
+  for variant in openvino openvino_f32; do
+    echo "parameters { key: \"${kv%%=*}\" value { string_value: \"${kv#*=}\" } }" \
+      >> "$WORK/repo/${MODEL}_$variant/config.pbtxt"
+  done
+done
 build/$PRESET/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --metrics-port 0 --grpc-port -1 \
   --host 127.0.0.1 > "$WORK/log" 2>&1 &
 SERVER=$!

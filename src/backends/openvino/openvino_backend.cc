@@ -162,20 +162,84 @@ class OvModel final : public Model {
   void* request_ = nullptr;
 };
 
+// What one compile needs: the file, OpenVINO's properties, whether the
+// batch dimension is made dynamic.
+struct CompileSpec {
+  std::string model_name;
+  std::filesystem::path file;
+  std::map<std::string, std::string> props;
+  int batch_dynamic = 0;
+};
+
+// Compiles `spec` and logs what OpenVINO chose (precision, streams, threads).
+Result<std::shared_ptr<Compiled>> CompileModel(const QuernOvApi* api, const CompileSpec& spec, const char* layout) {
+  const std::string who = "model '" + spec.model_name + "'";
+  std::vector<const char*> keys, values;
+  for (const auto& [k, v] : spec.props) {
+    keys.push_back(k.c_str());
+    values.push_back(v.c_str());
+  }
+  char* error = nullptr;
+  auto compiled = std::make_shared<Compiled>();
+  compiled->api = api;
+  compiled->model = api->compile(spec.file.c_str(), keys.data(), values.data(), static_cast<int>(keys.size()),
+                                 spec.batch_dynamic, &error);
+  if (!compiled->model) {
+    return Err(InvalidArgument(who + ": OpenVINO cannot compile " + spec.file.string() + ": " + Take(api, error)));
+  }
+  const QuernOvPort* ports = nullptr;
+  const int n = api->ports(compiled->model, 1, &ports);
+  for (int i = 0; i < n; ++i) compiled->output_names.push_back(ports[i].name);
+  std::string chosen;
+  for (const char* key : {"INFERENCE_PRECISION_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT"}) {
+    if (char* v = api->property(compiled->model, key)) {
+      chosen += std::string(chosen.empty() ? "" : ", ") + key + "=" + Take(api, v);
+    }
+  }
+  Log(LogLevel::kInfo,
+      "OpenVINO compiled " + spec.file.filename().string() + " for the CPU, " + layout + " (" + chosen + ")",
+      {{"model", spec.model_name}});
+  return compiled;
+}
+
 class OvOpenedModel final : public OpenedModel {
  public:
-  explicit OvOpenedModel(std::shared_ptr<const Compiled> compiled) : compiled_(std::move(compiled)) {}
+  OvOpenedModel(std::shared_ptr<const Compiled> compiled, CompileSpec spec, int cores, bool wide)
+      : compiled_(std::move(compiled)), spec_(std::move(spec)), cores_(cores), wide_(wide) {}
   Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
     if (device.gpu) return Err(InvalidArgument("model '" + config.name + "': OpenVINO runs it on the CPU only"));
+    return Instance(config, compiled_);
+  }
+
+  // One stream on every core: a compile of its own (OpenVINO fixes a
+  // compiled model's threads per stream), unless the configuration chose
+  // the streams or the hint itself.
+  Result<std::unique_ptr<Model>> NewWideInstance(const ModelConfig& config) override {
+    if (!wide_ || cores_ < 2) return std::unique_ptr<Model>();
+    if (!wide_compiled_) {
+      CompileSpec wide = spec_;
+      wide.props["NUM_STREAMS"] = "1";
+      wide.props["INFERENCE_NUM_THREADS"] = std::to_string(cores_);
+      QUERN_ASSIGN_OR_RETURN(wide_compiled_, CompileModel(compiled_->api, wide, "one stream on every core"));
+    }
+    return Instance(config, wide_compiled_);
+  }
+
+ private:
+  static Result<std::unique_ptr<Model>> Instance(const ModelConfig& config,
+                                                 const std::shared_ptr<const Compiled>& compiled) {
     std::vector<std::string> outputs;
     for (const auto& o : config.outputs) outputs.push_back(o.name);
-    auto model = std::make_unique<OvModel>(config.name, compiled_, std::move(outputs));
+    auto model = std::make_unique<OvModel>(config.name, compiled, std::move(outputs));
     QUERN_RETURN_IF_ERROR(model->Load());
     return std::unique_ptr<Model>(std::move(model));
   }
 
- private:
   std::shared_ptr<const Compiled> compiled_;
+  CompileSpec spec_;
+  int cores_;
+  bool wide_;
+  std::shared_ptr<const Compiled> wide_compiled_;
 };
 
 // A whole number parameter in [1, 1024], or an error naming it.
@@ -228,24 +292,18 @@ class OpenvinoBackend final : public Backend {
                           " does not exist (an OpenVINO model is <version>/model.xml beside model.bin, or "
                           "<version>/model.onnx)"));
     }
-    QUERN_ASSIGN_OR_RETURN(auto props, Properties(config, cores));
-    QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
-    std::vector<const char*> keys, values;
-    for (const auto& [k, v] : props) {
-      keys.push_back(k.c_str());
-      values.push_back(v.c_str());
-    }
+    CompileSpec spec;
+    spec.model_name = config.name;
+    spec.file = file;
+    QUERN_ASSIGN_OR_RETURN(spec.props, Properties(config, cores));
     // A configured batch over 1: the first dimension of every input made
     // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
-    const int batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
-    char* error = nullptr;
-    auto compiled = std::make_shared<Compiled>();
-    compiled->api = api;
-    compiled->model =
-        api->compile(file.c_str(), keys.data(), values.data(), static_cast<int>(keys.size()), batch_dynamic, &error);
-    if (!compiled->model) {
-      return Err(InvalidArgument(who + ": OpenVINO cannot compile " + file.string() + ": " + Take(api, error)));
-    }
+    spec.batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
+    QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
+    const int streams = std::max(1, CpuInstances(config));
+    QUERN_ASSIGN_OR_RETURN(
+        std::shared_ptr<Compiled> compiled,
+        CompileModel(api, spec, streams > 1 ? "a stream per instance" : "one stream for its instance"));
     OnnxModelIO io;
     for (int side = 0; side < 2; ++side) {
       const QuernOvPort* ports = nullptr;
@@ -263,21 +321,16 @@ class OpenvinoBackend final : public Backend {
         }
         t.shape.assign(ports[i].dims, ports[i].dims + ports[i].rank);
         (side ? io.outputs : io.inputs).push_back(std::move(t));
-        if (side) compiled->output_names.push_back(ports[i].name);
       }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, io, has_config_file));
-    std::string chosen;
-    for (const char* key : {"INFERENCE_PRECISION_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT"}) {
-      if (char* v = api->property(compiled->model, key))
-        chosen += std::string(chosen.empty() ? "" : ", ") + key + "=" + Take(api, v);
-    }
-    Log(LogLevel::kInfo, "OpenVINO compiled " + file.filename().string() + " for the CPU (" + chosen + ")",
-        {{"model", config.name}});
-    return std::unique_ptr<OpenedModel>(std::make_unique<OvOpenedModel>(std::move(compiled)));
+    const bool wide = !config.parameters.count("NUM_STREAMS") && !config.parameters.count("PERFORMANCE_HINT");
+    return std::unique_ptr<OpenedModel>(std::make_unique<OvOpenedModel>(std::move(compiled), spec, cores, wide));
   }
 
   std::string WhyNoGpu() const override { return "Quern runs OpenVINO models on the CPU only"; }
+  // A run is bounded by its inputs and runs no code of the user's.
+  bool RunsOnCallerThreads() const override { return true; }
 };
 
 }  // namespace
