@@ -91,9 +91,10 @@ STARTED = []
 LOG_TAIL_LINES = 40
 
 
-def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
+def start_quern(binary, repo, *extra, env=None, cwd=None, log=None, start_timeout=60):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
-    `env` as its environment and `cwd` as its working directory when given.
+    `env` as its environment and `cwd` as its working directory when given, allowing it
+    `start_timeout` seconds to load its models.
     Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background
     (its lines appended to `log` when that is a list)."""
     import re
@@ -124,7 +125,7 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None):
     def sink(line):
         tail.append(line)
         keep(line)
-    deadline = time.time() + 60
+    deadline = time.time() + start_timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
         sink(line)
