@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/auto_backend.h"
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
 #include "backends/openvino/openvino_backend.h"
@@ -156,10 +157,13 @@ class StageBackend final : public Backend {
 
 void RegisterBuiltinBackends(BackendRegistry& registry) {
   registry.Register("quern", std::make_shared<StageBackend>());
-  registry.Register("onnxruntime", std::make_shared<OrtBackend>());
+  auto onnxruntime = std::make_shared<OrtBackend>();
+  auto openvino = NewOpenvinoBackend();
+  registry.Register("onnxruntime", onnxruntime);
+  registry.Register("openvino", openvino);
+  registry.Register("auto", NewAutoBackend(onnxruntime, openvino));
   registry.Register("python", NewPythonBackend());
   registry.Register("pytorch", NewPytorchBackend());
-  registry.Register("openvino", NewOpenvinoBackend());
 }
 
 // The engine with the built-in backends: the composition every program

@@ -261,14 +261,18 @@ Status ConvertBackend(const inference::ModelConfig& p, const std::string& source
     c.platform = "pytorch_libtorch";  // a TorchScript model.pt, run by LibTorch
   } else if (c.backend == "openvino" && (c.platform.empty() || c.platform == "openvino")) {
     c.platform = "openvino";  // model.xml (OpenVINO IR) or model.onnx, run by OpenVINO
+  } else if (c.backend == "auto" && (c.platform.empty() || c.platform == "onnxruntime_onnx")) {
+    c.platform = "onnxruntime_onnx";  // model.onnx, run by the runtime measured fastest at load
   } else if (c.backend != "onnxruntime" || (!c.platform.empty() && c.platform != "onnxruntime_onnx")) {
-    return InvalidArgument(source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
-                           "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
-                           "platform \"onnxruntime_onnx\"), OpenVINO models (backend \"openvino\"), PyTorch "
-                           "models (backend \"pytorch\" or platform \"pytorch_libtorch\"), Python models "
-                           "(backend \"python\"), built-in stages "
-                           "(backend \"quern\") and ensembles "
-                           "(platform \"ensemble\")");
+    return InvalidArgument(
+        source + ": backend '" + p.backend() + "' / platform '" + p.platform() +
+        "' is not supported; Quern serves ONNX models (backend \"onnxruntime\" or "
+        "platform \"onnxruntime_onnx\"; backend \"auto\": the runtime measured fastest), OpenVINO models "
+        "(backend \"openvino\"), PyTorch "
+        "models (backend \"pytorch\" or platform \"pytorch_libtorch\"), Python models "
+        "(backend \"python\"), built-in stages "
+        "(backend \"quern\") and ensembles "
+        "(platform \"ensemble\")");
   } else {
     c.platform = "onnxruntime_onnx";
   }

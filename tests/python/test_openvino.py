@@ -248,3 +248,76 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     calls = trace.read_text().splitlines()
     ip = [c for c in calls if "AF_INET" in c or "AF_INET6" in c]
     assert not ip, ip[:10]
+
+
+CHOSEN = re.compile(r"runtime chosen by measurement \(batch 1, one instance\): (.*); over (.*) model=(\S+)")
+
+
+def parse_choice(line):
+    """(chosen label, {label: (ms or None, agreement or why left out)}) from the load's log line."""
+    m = CHOSEN.search(line)
+    assert m, line
+    table, chosen = {}, None
+    for part in [m.group(1)] + m.group(2).split("; "):
+        timed = re.match(r"(.+?): ([\d.e+-]+) ms, outputs within (\S+) of ONNX Runtime's$", part.strip())
+        if timed:
+            table[timed.group(1)] = (float(timed.group(2)), float(timed.group(3)))
+        else:
+            left = re.match(r"(.+?): (.*)$", part.strip())
+            assert left, part
+            table[left.group(1)] = (None, left.group(2))
+        chosen = chosen or next(iter(table))
+    return chosen, table
+
+
+@pytest.mark.parametrize("no_bf16", [False, True], ids=["this-cpu", "no-bf16"])
+def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no_bf16):
+    """backend "auto": ONNX Runtime, OpenVINO f32 and (where the CPU has it) OpenVINO bf16 each run a
+    check input at load; the fastest whose outputs agree with ONNX Runtime's (0.1 % at f32, 5 % at bf16)
+    serves, the log says which and why, the metadata names its platform. The INT8 twin's OpenVINO
+    runs round differently from ONNX Runtime's (8-14 %): ONNX Runtime serves it. QUERN_NO_BF16=1
+    acts as a CPU without bf16."""
+    repo = tmp_path / "repo"
+    for m in ("objects", "imagenet", "objects_int8"):
+        shutil.copytree(os.path.join(EXAMPLES, m), repo / m)
+        config = repo / m / "config.pbtxt"
+        config.write_text(re.sub(r'(?m)^backend\s*:.*$', 'backend: "auto"', config.read_text()))
+    shutil.copytree(os.path.join(TEST_MODELS, "add_sub"), repo / "add_sub")
+    (repo / "add_sub" / "config.pbtxt").write_text('backend: "auto"\n')
+    env = dict(os.environ)
+    if no_bf16:
+        env["QUERN_NO_BF16"] = "1"
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log, env=env, start_timeout=300)
+    try:
+        port = ports["HTTP"]
+        choices = {}
+        for line in log:
+            if "runtime chosen by measurement" in line:
+                chosen, table = parse_choice(line)
+                choices[CHOSEN.search(line).group(3)] = (chosen, table)
+        assert set(choices) == {"objects", "imagenet", "objects_int8", "add_sub"}, "".join(log)
+        for model, (chosen, table) in choices.items():
+            print(model, chosen, table)
+            assert ("openvino bf16" in table) == (not no_bf16), (model, table)
+            assert {"onnxruntime", "openvino f32"} <= table.keys(), (model, table)
+            ms, _ = table[chosen]
+            assert ms is not None, (model, table)
+            # The fastest of those that agree.
+            assert all(t is None or ms <= t for t, _ in table.values()), (model, table)
+            meta = metadata(port, model)
+            assert meta["platform"] == ("openvino" if chosen.startswith("openvino") else "onnxruntime_onnx"), meta
+        # OpenVINO's INT8 arithmetic is not ONNX Runtime's: left out, saying so.
+        _, int8 = choices["objects_int8"]
+        assert choices["objects_int8"][0] == "onnxruntime", int8
+        assert all("outputs differ from ONNX Runtime's" in str(note) for label, (t, note) in int8.items()
+                   if label.startswith("openvino")), int8
+        # Whatever serves answers as FP32 does, within the tolerance its precision was chosen by.
+        ort = infer(port, "add_sub", [("INPUT0", "FP32", np.ones((1, 4), np.float32)),
+                                      ("INPUT1", "FP32", np.full((1, 4), 2, np.float32))])
+        assert ort["OUTPUT0"].tolist() == [[3, 3, 3, 3]] and ort["OUTPUT1"].tolist() == [[-1, -1, -1, -1]], ort
+        r = post_form(port, "/v1/vision/custom/objects", [("image", open(os.path.join(PHOTOS, "dog.jpg"), "rb").read())],
+                      min_confidence=0.5)
+        assert r["success"] is True and {"dog", "bicycle"} <= {p["label"] for p in r["predictions"]}, r
+    finally:
+        stop_quern(proc)

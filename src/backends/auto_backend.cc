@@ -1,0 +1,255 @@
+#include "backends/auto_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/log.h"
+
+namespace quern {
+namespace {
+
+// How long each candidate is measured (after one warm-up run), and how many
+// runs at most.
+constexpr double kMeasureSeconds = 0.6;
+constexpr int kMaxRuns = 15;
+// A candidate agrees when every output lies within this share of FP32's
+// largest value (or of 1e-3, when all are smaller): at f32, rounding only
+// (measured: 1e-6); at bf16 (8 bits of mantissa against 24) the check
+// input's outputs move by a few percent (measured on a noise input: the
+// classifier 4.2 %, the detector 3.5 %, whose boxes on photographs stay
+// within IoU 0.9, tests/python/test_openvino.py).
+constexpr double kAgreementF32 = 1e-3;
+constexpr double kAgreementBf16 = 0.05;
+
+// Whether the CPU computes bf16 natively (AVX512_BF16 or AMX), unless
+// QUERN_NO_BF16 says to act as if not.
+bool CpuHasBf16() {
+  if (const char* off = std::getenv("QUERN_NO_BF16"); off && *off && std::strcmp(off, "0") != 0) return false;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    return line.find(" avx512_bf16") != std::string::npos || line.find(" amx_bf16") != std::string::npos;
+  }
+  return false;
+}
+
+struct Candidate {
+  std::string label;    // "openvino bf16"
+  std::string backend;  // "openvino"
+  Backend* runtime = nullptr;
+  std::map<std::string, std::string> parameters;
+  ModelConfig config;
+  std::unique_ptr<OpenedModel> opened;
+  std::vector<NamedTensor> outputs;
+  double ms = std::numeric_limits<double>::infinity();
+  double error = 0;      // against FP32
+  std::string left_out;  // why it was not a choice
+};
+
+// A check input for every configured input: batch 1, open dimensions 64,
+// values in [0, 1) (whole numbers 0-9). Empty with `why` set when a type
+// cannot be made up (strings).
+std::vector<NamedTensor> CheckInputs(const ModelConfig& config, std::string& why) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> unit(0.f, 1.f);
+  std::vector<NamedTensor> inputs;
+  for (const auto& in : config.inputs) {
+    Shape shape;
+    if (config.max_batch_size > 0) shape.push_back(1);
+    for (int64_t d : in.dims) shape.push_back(d < 0 ? (shape.empty() ? 1 : 64) : d);
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const size_t size = DataTypeByteSize(in.dtype);
+    if (size == 0) {
+      why = "input '" + in.name + "' is " + std::string(DataTypeName(in.dtype));
+      return {};
+    }
+    Tensor t = Tensor::Allocate(in.dtype, shape, static_cast<size_t>(n) * size);
+    std::byte* p = t.mutable_data();
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = unit(rng);
+      switch (in.dtype) {
+        case DataType::kFp32: std::memcpy(p + i * 4, &v, 4); break;
+        case DataType::kFp64: {
+          const double d = v;
+          std::memcpy(p + i * 8, &d, 8);
+          break;
+        }
+        case DataType::kBool: p[i] = std::byte{v < 0.5f}; break;
+        default: {
+          // Whole numbers 0-9 in the type's width (little-endian), or the
+          // low byte of a half float's pattern: a value a model accepts.
+          const auto k = static_cast<uint64_t>(v * 10);
+          std::memcpy(p + i * static_cast<int64_t>(size), &k, size);
+        }
+      }
+    }
+    inputs.push_back({in.name, std::move(t)});
+  }
+  return inputs;
+}
+
+double AsDouble(const Tensor& t, int64_t i) {
+  const std::byte* p = t.data() + i * static_cast<int64_t>(DataTypeByteSize(t.dtype()));
+  switch (t.dtype()) {
+    case DataType::kFp32: {
+      float v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DataType::kFp64: {
+      double v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
+    case DataType::kInt64: {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return static_cast<double>(v);
+    }
+    case DataType::kInt32: {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DataType::kUint8:
+    case DataType::kBool: return static_cast<double>(static_cast<uint8_t>(*p));
+    case DataType::kInt8: return static_cast<double>(static_cast<int8_t>(*p));
+    default: return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+// The largest difference from `want`, over the largest |want| (or 1e-3);
+// infinity when the shapes or types differ, or a value is not a number.
+double Disagreement(const std::vector<NamedTensor>& want, const std::vector<NamedTensor>& got) {
+  double worst = 0;
+  for (const auto& w : want) {
+    auto it = std::find_if(got.begin(), got.end(), [&](const NamedTensor& g) { return g.name == w.name; });
+    if (it == got.end() || it->tensor.shape() != w.tensor.shape() || it->tensor.dtype() != w.tensor.dtype()) {
+      return std::numeric_limits<double>::infinity();
+    }
+    const int64_t n =
+        static_cast<int64_t>(w.tensor.byte_size() / std::max<size_t>(1, DataTypeByteSize(w.tensor.dtype())));
+    double scale = 1e-3, diff = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double a = AsDouble(w.tensor, i), b = AsDouble(it->tensor, i);
+      if (std::isnan(a) != std::isnan(b)) return std::numeric_limits<double>::infinity();
+      if (std::isnan(a)) continue;
+      scale = std::max(scale, std::fabs(a));
+      diff = std::max(diff, std::fabs(a - b));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+// Runs `c` on `inputs`: its outputs, and its median time of a batch.
+Status Measure(Candidate& c, const std::vector<NamedTensor>& inputs) {
+  QUERN_ASSIGN_OR_RETURN(auto model, c.opened->NewInstance(c.config, InstanceDevice{}));
+  QUERN_RETURN_IF_ERROR(model->Execute(inputs, 1, c.outputs));  // warm-up, and the answer compared
+  std::vector<double> ms;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(kMeasureSeconds);
+  while (static_cast<int>(ms.size()) < kMaxRuns && (ms.size() < 3 || std::chrono::steady_clock::now() < until)) {
+    std::vector<NamedTensor> out;
+    const auto start = std::chrono::steady_clock::now();
+    QUERN_RETURN_IF_ERROR(model->Execute(inputs, 1, out));
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  c.ms = ms[ms.size() / 2];
+  return Status::Ok();
+}
+
+std::string Describe(const Candidate& c) {
+  char buf[96];
+  if (!c.left_out.empty()) return c.label + ": " + c.left_out;
+  std::snprintf(buf, sizeof buf, ": %.3g ms, outputs within %.2g of ONNX Runtime's", c.ms, c.error);
+  return c.label + buf;
+}
+
+class AutoBackend final : public Backend {
+ public:
+  AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov) : ort_(std::move(ort)), ov_(std::move(ov)) {}
+
+  Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
+                                            bool has_config_file, int cores, int instances) override {
+    std::vector<Candidate> cs;
+    cs.push_back({"onnxruntime", "onnxruntime", ort_.get(), {}});
+    cs.push_back({"openvino f32", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "f32"}}});
+    if (CpuHasBf16()) cs.push_back({"openvino bf16", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "bf16"}}});
+    for (auto& c : cs) {
+      c.config = config;
+      c.config.backend = c.backend;
+      c.config.platform = c.backend == "openvino" ? "openvino" : "onnxruntime_onnx";
+      for (const auto& [k, v] : c.parameters) c.config.parameters[k] = v;
+      auto opened = c.runtime->Open(c.config, file, has_config_file, cores, instances);
+      if (!opened) {
+        if (&c == &cs.front()) return Err(opened.error());  // the reference
+        c.left_out = "cannot open it: " + opened.error().message();
+        continue;
+      }
+      c.opened = std::move(*opened);
+    }
+    std::string why;
+    const std::vector<NamedTensor> inputs = CheckInputs(cs.front().config, why);
+    Candidate* best = &cs.front();
+    if (inputs.empty() && !cs.front().config.inputs.empty()) {
+      for (auto& c : cs) {
+        if (c.left_out.empty() && &c != &cs.front()) c.left_out = "not measured: " + why;
+      }
+    } else {
+      for (auto& c : cs) {
+        if (!c.left_out.empty()) continue;
+        if (Status st = Measure(c, inputs); !st.ok()) {
+          if (&c == &cs.front()) return Err(st);
+          c.left_out = "cannot run it: " + st.message();
+          continue;
+        }
+        c.error = &c == &cs.front() ? 0 : Disagreement(cs.front().outputs, c.outputs);
+        const bool bf16 =
+            c.parameters.count("INFERENCE_PRECISION_HINT") && c.parameters["INFERENCE_PRECISION_HINT"] == "bf16";
+        if (c.error > (bf16 ? kAgreementBf16 : kAgreementF32)) {
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "outputs differ from ONNX Runtime's by %.2g", c.error);
+          c.left_out = buf;
+          continue;
+        }
+        if (c.ms < best->ms) best = &c;
+      }
+    }
+    std::string table;
+    for (const auto& c : cs) {
+      if (&c != best) table += (table.empty() ? "" : "; ") + Describe(c);
+    }
+    Log(LogLevel::kInfo,
+        "runtime chosen by measurement (batch 1, one instance): " + Describe(*best) + "; over " + table,
+        {{"model", config.name}});
+    config = best->config;
+    return std::move(best->opened);
+  }
+
+  std::string WhyNoGpu() const override { return "backend \"auto\" chooses among CPU runtimes"; }
+  bool RunsOnCallerThreads() const override { return true; }
+
+ private:
+  std::shared_ptr<Backend> ort_, ov_;
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino) {
+  return std::make_shared<AutoBackend>(std::move(onnxruntime), std::move(openvino));
+}
+
+}  // namespace quern
