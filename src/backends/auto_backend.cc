@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/half.h"
 #include "core/log.h"
 
 namespace quern {
@@ -86,10 +87,21 @@ std::vector<NamedTensor> CheckInputs(const ModelConfig& config, std::string& why
           std::memcpy(p + i * 8, &d, 8);
           break;
         }
+        case DataType::kFp16: {
+          const uint16_t h = FloatToHalf(v);
+          std::memcpy(p + i * 2, &h, 2);
+          break;
+        }
+        case DataType::kBf16: {
+          uint32_t bits;
+          std::memcpy(&bits, &v, 4);
+          const auto h = static_cast<uint16_t>(bits >> 16);
+          std::memcpy(p + i * 2, &h, 2);
+          break;
+        }
         case DataType::kBool: p[i] = std::byte{v < 0.5f}; break;
         default: {
-          // Whole numbers 0-9 in the type's width (little-endian), or the
-          // low byte of a half float's pattern: a value a model accepts.
+          // Whole numbers 0-9 in the type's width (little-endian).
           const auto k = static_cast<uint64_t>(v * 10);
           std::memcpy(p + i * static_cast<int64_t>(size), &k, size);
         }
@@ -123,10 +135,43 @@ double AsDouble(const Tensor& t, int64_t i) {
       std::memcpy(&v, p, 4);
       return v;
     }
+    case DataType::kFp16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return HalfToFloat(h);
+    }
+    case DataType::kBf16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      float v;
+      std::memcpy(&v, &bits, 4);
+      return v;
+    }
+    case DataType::kInt16: {
+      int16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case DataType::kUint16: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case DataType::kUint32: {
+      uint32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DataType::kUint64: {
+      uint64_t v;
+      std::memcpy(&v, p, 8);
+      return static_cast<double>(v);
+    }
     case DataType::kUint8:
     case DataType::kBool: return static_cast<double>(static_cast<uint8_t>(*p));
     case DataType::kInt8: return static_cast<double>(static_cast<int8_t>(*p));
-    default: return std::numeric_limits<double>::quiet_NaN();
+    default: return std::numeric_limits<double>::quiet_NaN();  // BYTES: not compared (see Disagreement)
   }
 }
 
@@ -136,8 +181,9 @@ double Disagreement(const std::vector<NamedTensor>& want, const std::vector<Name
   double worst = 0;
   for (const auto& w : want) {
     auto it = std::find_if(got.begin(), got.end(), [&](const NamedTensor& g) { return g.name == w.name; });
-    if (it == got.end() || it->tensor.shape() != w.tensor.shape() || it->tensor.dtype() != w.tensor.dtype()) {
-      return std::numeric_limits<double>::infinity();
+    if (it == got.end() || it->tensor.shape() != w.tensor.shape() || it->tensor.dtype() != w.tensor.dtype() ||
+        DataTypeByteSize(w.tensor.dtype()) == 0) {
+      return std::numeric_limits<double>::infinity();  // BYTES outputs cannot be compared: left out
     }
     const int64_t n =
         static_cast<int64_t>(w.tensor.byte_size() / std::max<size_t>(1, DataTypeByteSize(w.tensor.dtype())));
