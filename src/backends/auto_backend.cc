@@ -30,6 +30,8 @@ constexpr int kMaxRuns = 15;
 // classifier 4.2 %, the detector 3.5 %, whose boxes on photographs stay
 // within IoU 0.9, tests/python/test_openvino.py).
 constexpr double kAgreementF32 = 1e-3;
+// A check input larger than this (elements per input) is not made up.
+constexpr int64_t kMaxCheckElements = int64_t{1} << 24;
 constexpr double kAgreementBf16 = 0.05;
 
 // Whether the CPU computes bf16 natively (AVX512_BF16 or AMX), unless
@@ -65,15 +67,22 @@ std::vector<NamedTensor> CheckInputs(const ModelConfig& config, std::string& why
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> unit(0.f, 1.f);
   std::vector<NamedTensor> inputs;
+  // The batch the model runs: 1, or its smallest fixed size.
+  const int64_t batch = config.fixed_batch_sizes.empty() ? 1 : config.fixed_batch_sizes.front();
   for (const auto& in : config.inputs) {
     Shape shape;
-    if (config.max_batch_size > 0) shape.push_back(1);
-    for (int64_t d : in.dims) shape.push_back(d < 0 ? (shape.empty() ? 1 : 64) : d);
+    if (config.max_batch_size > 0) shape.push_back(batch);
+    // What the model receives: the configured reshape when there is one.
+    for (int64_t d : in.reshape ? *in.reshape : in.dims) shape.push_back(d < 0 ? (shape.empty() ? 1 : 64) : d);
     int64_t n = 1;
-    for (int64_t d : shape) n *= d;
+    for (int64_t d : shape) n = d >= 0 && (d == 0 || n <= kMaxCheckElements / d) ? n * d : kMaxCheckElements + 1;
     const size_t size = DataTypeByteSize(in.dtype);
     if (size == 0) {
       why = "input '" + in.name + "' is " + std::string(DataTypeName(in.dtype));
+      return {};
+    }
+    if (n > kMaxCheckElements) {
+      why = "input '" + in.name + "' would take over 16M elements";
       return {};
     }
     Tensor t = Tensor::Allocate(in.dtype, shape, static_cast<size_t>(n) * size);
@@ -185,13 +194,19 @@ double Disagreement(const std::vector<NamedTensor>& want, const std::vector<Name
         DataTypeByteSize(w.tensor.dtype()) == 0) {
       return std::numeric_limits<double>::infinity();  // BYTES outputs cannot be compared: left out
     }
-    const int64_t n =
-        static_cast<int64_t>(w.tensor.byte_size() / std::max<size_t>(1, DataTypeByteSize(w.tensor.dtype())));
+    const DataType type = w.tensor.dtype();
+    const bool real =
+        type == DataType::kFp32 || type == DataType::kFp64 || type == DataType::kFp16 || type == DataType::kBf16;
+    const int64_t n = static_cast<int64_t>(w.tensor.byte_size() / DataTypeByteSize(type));
     double scale = 1e-3, diff = 0;
     for (int64_t i = 0; i < n; ++i) {
       const double a = AsDouble(w.tensor, i), b = AsDouble(it->tensor, i);
-      if (std::isnan(a) != std::isnan(b)) return std::numeric_limits<double>::infinity();
-      if (std::isnan(a)) continue;
+      // Whole numbers (class ids, indices, counts) and what is not finite
+      // (-inf masks, NaN) must be the same; NaN matches NaN.
+      if (!real || !std::isfinite(a) || !std::isfinite(b)) {
+        if (a != b && !(std::isnan(a) && std::isnan(b))) return std::numeric_limits<double>::infinity();
+        continue;
+      }
       scale = std::max(scale, std::fabs(a));
       diff = std::max(diff, std::fabs(a - b));
     }
@@ -234,52 +249,66 @@ class AutoBackend final : public Backend {
     cs.push_back({"onnxruntime", "onnxruntime", ort_.get(), {}});
     cs.push_back({"openvino f32", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "f32"}}});
     if (CpuHasBf16()) cs.push_back({"openvino bf16", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "bf16"}}});
+    // One candidate open at a time beside the best so far (and the
+    // reference): the load holds at most three copies of the weights.
+    Candidate* best = nullptr;
+    std::vector<NamedTensor> inputs;
     for (auto& c : cs) {
+      const bool reference = &c == &cs.front();
       c.config = config;
       c.config.backend = c.backend;
       c.config.platform = c.backend == "openvino" ? "openvino" : "onnxruntime_onnx";
       for (const auto& [k, v] : c.parameters) c.config.parameters[k] = v;
       auto opened = c.runtime->Open(c.config, file, has_config_file, cores, instances);
       if (!opened) {
-        if (&c == &cs.front()) return Err(opened.error());  // the reference
+        if (reference) return Err(opened.error());
         c.left_out = "cannot open it: " + opened.error().message();
         continue;
       }
       c.opened = std::move(*opened);
-    }
-    std::string why;
-    const std::vector<NamedTensor> inputs = CheckInputs(cs.front().config, why);
-    Candidate* best = &cs.front();
-    if (inputs.empty() && !cs.front().config.inputs.empty()) {
-      for (auto& c : cs) {
-        if (c.left_out.empty() && &c != &cs.front()) c.left_out = "not measured: " + why;
-      }
-    } else {
-      for (auto& c : cs) {
-        if (!c.left_out.empty()) continue;
-        if (Status st = Measure(c, inputs); !st.ok()) {
-          if (&c == &cs.front()) return Err(st);
-          c.left_out = "cannot run it: " + st.message();
-          continue;
+      if (reference) {
+        best = &c;
+        std::string why;
+        inputs = CheckInputs(c.config, why);
+        if (inputs.empty() && !c.config.inputs.empty()) {
+          c.left_out = "served without a measurement: " + why;
+          break;  // nothing to compare the others on
         }
-        c.error = &c == &cs.front() ? 0 : Disagreement(cs.front().outputs, c.outputs);
-        const bool bf16 =
-            c.parameters.count("INFERENCE_PRECISION_HINT") && c.parameters["INFERENCE_PRECISION_HINT"] == "bf16";
-        if (c.error > (bf16 ? kAgreementBf16 : kAgreementF32)) {
-          char buf[64];
-          std::snprintf(buf, sizeof buf, "outputs differ from ONNX Runtime's by %.2g", c.error);
-          c.left_out = buf;
-          continue;
+      }
+      if (Status st = Measure(c, inputs); !st.ok()) {
+        if (reference) {  // the made-up input does not suit the model: ONNX Runtime serves it
+          c.left_out = "served without a measurement: the check input failed: " + st.message();
+          break;
         }
-        if (c.ms < best->ms) best = &c;
+        c.left_out = "cannot run it: " + st.message();
+        c.opened.reset();
+        continue;
+      }
+      c.error = reference ? 0 : Disagreement(cs.front().outputs, c.outputs);
+      const auto hint = c.parameters.find("INFERENCE_PRECISION_HINT");
+      const bool bf16 = hint != c.parameters.end() && hint->second == "bf16";
+      if (c.error > (bf16 ? kAgreementBf16 : kAgreementF32)) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "outputs differ from ONNX Runtime's by %.2g", c.error);
+        c.left_out = buf;
+        c.opened.reset();
+        continue;
+      }
+      if (c.ms < best->ms) {
+        if (best != &cs.front()) best->opened.reset();  // the reference stays: its outputs are compared
+        best = &c;
+      } else if (!reference) {
+        c.opened.reset();
       }
     }
+    if (best != &cs.front()) cs.front().opened.reset();
     std::string table;
     for (const auto& c : cs) {
       if (&c != best) table += (table.empty() ? "" : "; ") + Describe(c);
     }
     Log(LogLevel::kInfo,
-        "runtime chosen by measurement (batch 1, one instance): " + Describe(*best) + "; over " + table,
+        "runtime chosen by measurement (batch 1, one instance): " + Describe(*best) +
+            (table.empty() ? "" : "; over " + table),
         {{"model", config.name}});
     config = best->config;
     return std::move(best->opened);

@@ -53,6 +53,10 @@ Result<LoadedPlugin> LoadPlugin(const PluginLocation& where) {
       tried += (tried.empty() ? "" : "; ") + path + ": not a " + where.what;
       continue;
     }
+    if (where.accept && !where.accept(symbol)) {
+      tried += (tried.empty() ? "" : "; ") + path + ": not a " + where.what + " of this version of Quern";
+      continue;
+    }
     return LoadedPlugin{symbol, path};
   }
   return Err(Unavailable(std::string("cannot load Quern's ") + where.what + " (" + tried + ")"));

@@ -10,6 +10,7 @@
 // Thread safety: a free function; callers load once (std::call_once).
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "quern/status.h"
@@ -24,6 +25,9 @@ struct PluginLocation {
   const char* symbol = nullptr;   // the plugin's one exported function
   const char* what = nullptr;     // "LibTorch plugin", in messages
   const char* missing = nullptr;  // why this build has none, for the error
+  // Whether the symbol found is of this version of Quern (its ABI): a file
+  // that is not is passed over for the next candidate.
+  std::function<bool(void* symbol)> accept;
 };
 
 // The plugin's exported `symbol` (dlsym's answer) from the first candidate

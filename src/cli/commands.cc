@@ -165,6 +165,69 @@ int Models(const std::string& repo) {
   return 0;
 }
 
+int Tune(const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path src = fs::weakly_canonical(model_dir, ec);
+  int64_t version = -1;
+  for (auto it = fs::directory_iterator(src, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (!n.empty() && n.size() < 18 && n.find_first_not_of("0123456789") == std::string::npos &&
+        fs::exists(it->path() / "model.onnx")) {
+      version = std::max<int64_t>(version, std::stoll(n));
+    }
+  }
+  if (version < 0) {
+    std::fprintf(stderr, "quern tune: %s has no <version>/model.onnx\n", model_dir.c_str());
+    return 1;
+  }
+  char tmpl[] = "/tmp/quern-tune-XXXXXX";
+  if (!::mkdtemp(tmpl)) {
+    std::fprintf(stderr, "quern tune: cannot make a temporary folder: %s\n", std::strerror(errno));
+    return 1;
+  }
+  const fs::path tmp = tmpl, model = tmp / src.filename();
+  fs::create_directories(model / "1", ec);
+  // The folder's files as they are (labels, ...; linked, else copied), its
+  // configuration with backend "auto".
+  const auto place = [&](const fs::path& from, const fs::path& to) {
+    std::error_code link_ec;
+    fs::create_hard_link(from, to, link_ec);
+    if (link_ec) fs::copy_file(from, to, ec);
+  };
+  for (auto it = fs::directory_iterator(src, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n != "config.pbtxt" && it->is_regular_file()) place(it->path(), model / n);
+  }
+  place(src / std::to_string(version) / "model.onnx", model / "1" / "model.onnx");
+  std::string config = "backend: \"auto\"\n";
+  if (std::ifstream in(src / "config.pbtxt"); in) {
+    for (std::string line; std::getline(in, line);) {
+      const size_t at = line.find_first_not_of(" \t");
+      const std::string_view rest = at == std::string::npos ? "" : std::string_view(line).substr(at);
+      if (rest.starts_with("backend") || rest.starts_with("platform") || rest.starts_with("name")) continue;
+      config += line + "\n";
+    }
+  }
+  std::ofstream(model / "config.pbtxt") << config;
+  quern::ServerOptions options;
+  options.model_repository = tmp.string();
+  auto engine = quern::OpenEngine(options, true);
+  int rc = 0;
+  if (!engine) {
+    std::fprintf(stderr, "quern tune: %s\n", engine.error().ToString().c_str());
+    rc = 1;
+  } else {
+    for (const auto& m : (*engine)->ListModels()) {
+      if (m.state != quern::ModelState::kReady) rc = 1;
+      if (!m.reason.empty()) std::fprintf(stderr, "quern tune: %s\n", m.reason.c_str());
+    }
+    engine->reset();
+  }
+  fs::remove_all(tmp, ec);
+  return rc;
+}
+
 int OpenvinoIr(const std::string& model_file, const std::string& xml_file, bool f16) {
   if (const Status st = SaveOpenvinoIr(model_file, xml_file, f16); !st.ok()) {
     std::fprintf(stderr, "quern openvino-ir: %s\n", st.message().c_str());

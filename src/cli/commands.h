@@ -19,6 +19,12 @@ int Infer(const std::string& repo, const std::string& model, const std::vector<s
 // "openvino"; 1 with the reason when it cannot.
 int OpenvinoIr(const std::string& model_file, const std::string& xml_file, bool f16);
 
+// `quern tune MODEL_DIR`: loads the model folder's newest version with
+// backend "auto" (whatever its configuration names), which measures the
+// runtimes this machine offers on it and logs the table and its choice; 1
+// when the model does not load.
+int Tune(const std::string& model_dir);
+
 // `quern perf ARGS`: runs quern-perf (the load generator, a binary of its
 // own beside this one) with ARGS; returns only when it cannot (127, saying
 // why).

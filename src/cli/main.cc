@@ -5,6 +5,7 @@
 //   quern perf   --url http://HOST:PORT|grpc://HOST:PORT --model MODEL [--concurrency N... | --rate R...]
 //                                         load a running server, report its throughput and costs
 //   quern openvino-ir MODEL.onnx OUT.xml [--f16]   the model as OpenVINO IR
+//   quern tune MODEL_DIR                  the runtimes measured on a model, and backend "auto"'s choice
 //   quern quantize MODEL_DIR --calibration IMAGES... [--check IMAGES...]
 //                                         an INT8 twin of an image model and its agreement report
 #include <pthread.h>
@@ -42,6 +43,12 @@ int main(int argc, char** argv) {
   infer->add_option("repository", infer_repo, "Model repository")->required();
   infer->add_option("model", infer_model, "Model name")->required();
   infer->add_option("--input,-i", inputs, "NAME=FILE.npy, NAME=zeros or NAME=random (batch of 1)");
+
+  std::string tune_dir;
+  auto* tune = app.add_subcommand("tune",
+                                  "Measure the runtimes this machine offers on an ONNX model folder and say which "
+                                  "backend \"auto\" would choose");
+  tune->add_option("model_dir", tune_dir, "The model's folder (config.pbtxt, <version>/model.onnx)")->required();
 
   std::string ir_in, ir_out;
   bool ir_f16 = false;
@@ -86,6 +93,7 @@ int main(int argc, char** argv) {
   if (*models) return quern::cli::Models(models_repo);
   if (*infer) return quern::cli::Infer(infer_repo, infer_model, inputs);
   if (*openvino_ir) return quern::cli::OpenvinoIr(ir_in, ir_out, ir_f16);
+  if (*tune) return quern::cli::Tune(tune_dir);
 
   // SIGINT and SIGTERM are blocked before the server starts (its threads
   // inherit the mask) and waited for here: one that comes right after the

@@ -321,3 +321,46 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
         assert r["success"] is True and {"dog", "bicycle"} <= {p["label"] for p in r["predictions"]}, r
     finally:
         stop_quern(proc)
+
+
+def test_quern_tune_prints_the_measured_choice(tmp_path):
+    """`quern tune MODEL_DIR` loads the folder as backend "auto" would (whatever its configuration
+    names) and logs the table and the choice; a folder without a model.onnx is refused."""
+    import subprocess
+    r = subprocess.run([QUERN, "tune", os.path.join(EXAMPLES, "imagenet")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(line for line in (r.stdout + r.stderr).splitlines() if "runtime chosen by measurement" in line)
+    chosen, table = parse_choice(line)
+    assert {"onnxruntime", "openvino f32"} <= table.keys() and table[chosen][0] is not None, table
+    bad = subprocess.run([QUERN, "tune", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "has no <version>/model.onnx" in bad.stderr, bad.stderr
+
+
+def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_path):
+    """A model whose input is an index into a table of three rows: the made-up check input (whole
+    numbers 0-9) is out of range, so there is nothing to measure on; the model loads anyway, on ONNX
+    Runtime, the log saying why, and answers its own requests."""
+    import onnx
+    from onnx import TensorProto, helper
+    table = helper.make_tensor("table", TensorProto.FLOAT, [3, 2], [1, 2, 3, 4, 5, 6])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0)], "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [-1, 4])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [-1, 4, 2])], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    repo = tmp_path / "repo"
+    (repo / "lookup" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "lookup" / "1" / "model.onnx"))
+    (repo / "lookup" / "config.pbtxt").write_text('backend: "auto"\nmax_batch_size: 4\n')
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    try:
+        line = next(line for line in log if "runtime chosen by measurement" in line)
+        chosen, table_ = parse_choice(line)
+        assert chosen == "onnxruntime" and "served without a measurement" in str(table_["onnxruntime"][1]), line
+        assert metadata(ports["HTTP"], "lookup")["platform"] == "onnxruntime_onnx"
+        got = infer(ports["HTTP"], "lookup", [("ids", "INT64", np.array([[0, 2, 1, 0]], np.int64))])["rows"]
+        assert got.tolist() == [[[1, 2], [5, 6], [3, 4], [1, 2]]], got
+    finally:
+        stop_quern(proc)

@@ -36,6 +36,10 @@ Result<const QuernOvApi*> Plugin() {
     where.missing =
         "this build of Quern has no OpenVINO plugin (OpenVINO was not found when it was built: "
         "scripts/setup.sh installs it)";
+    where.accept = [](void* symbol) {
+      const auto* found = reinterpret_cast<QuernOvApiFn>(symbol)();
+      return found && found->abi == QUERN_OV_PLUGIN_ABI;
+    };
     auto loaded = LoadPlugin(where);
     if (!loaded) {
       error = loaded.error().message();
@@ -129,7 +133,12 @@ class OvModel final : public Model {
         if (interrupt) interrupt->Disarm();
       }
     } disarm{interrupt};
-    if (interrupt) interrupt->Arm([api, request = request_] { api->cancel(request); });
+    if (interrupt) {
+      interrupt->Arm([api, request = request_] { api->cancel(request); });
+      // Every request already cancelled: stop ran inside Arm, before the run
+      // (OpenVINO's cancel acts only on a running request).
+      if (interrupt->stopped()) return Cancelled(Who() + ": every request of the batch was cancelled before it ran");
+    }
     char* error = nullptr;
     const int rc = api->run(request_, names.data(), args.data(), static_cast<int>(args.size()), &error);
     if (rc == 1 || (interrupt && interrupt->stopped())) {
@@ -216,12 +225,18 @@ class OvOpenedModel final : public OpenedModel {
   // the streams or the hint itself.
   Result<std::unique_ptr<Model>> NewWideInstance(const ModelConfig& config) override {
     if (!wide_ || cores_ < 2) return std::unique_ptr<Model>();
-    if (!wide_compiled_) {
+    std::call_once(wide_once_, [&] {
       CompileSpec wide = spec_;
       wide.props["NUM_STREAMS"] = "1";
       wide.props["INFERENCE_NUM_THREADS"] = std::to_string(cores_);
-      QUERN_ASSIGN_OR_RETURN(wide_compiled_, CompileModel(compiled_->api, wide, "one stream on every core"));
-    }
+      auto compiled = CompileModel(compiled_->api, wide, "one stream on every core");
+      if (compiled) {
+        wide_compiled_ = std::move(*compiled);
+      } else {  // optional: the instances serve without it
+        Log(LogLevel::kWarning, "no wide instance: " + compiled.error().message(), {{"model", config.name}});
+      }
+    });
+    if (!wide_compiled_) return std::unique_ptr<Model>();
     return Instance(config, wide_compiled_);
   }
 
@@ -239,6 +254,7 @@ class OvOpenedModel final : public OpenedModel {
   CompileSpec spec_;
   int cores_;
   bool wide_;
+  std::once_flag wide_once_;
   std::shared_ptr<const Compiled> wide_compiled_;
 };
 
@@ -299,7 +315,14 @@ class OpenvinoBackend final : public Backend {
     // A configured batch over 1: the first dimension of every input made
     // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
     spec.batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
-    QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
+    auto plugin = Plugin();
+    if (!plugin) return Err(Unavailable(who + ": " + plugin.error().message()));
+    const QuernOvApi* api = *plugin;
+    for (const auto& in : config.inputs) {
+      if (in.optional) {
+        return Err(InvalidArgument(who + ": input '" + in.name + "' is optional; OpenVINO models take every input"));
+      }
+    }
     const int streams = std::max(1, CpuInstances(config));
     QUERN_ASSIGN_OR_RETURN(
         std::shared_ptr<Compiled> compiled,
@@ -317,14 +340,17 @@ class OpenvinoBackend final : public Backend {
         }
         t.dtype = static_cast<DataType>(ports[i].dtype);
         if (ports[i].rank < 0) {
-          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has a dynamic rank, which Quern cannot batch"));
+          return Err(InvalidArgument(
+              who + ": tensor '" + t.name + "' has " +
+              (ports[i].rank == -1 ? "a dynamic rank, which Quern cannot batch" : "over 8 dimensions")));
         }
         t.shape.assign(ports[i].dims, ports[i].dims + ports[i].rank);
         (side ? io.outputs : io.inputs).push_back(std::move(t));
       }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, io, has_config_file));
-    const bool wide = !config.parameters.count("NUM_STREAMS") && !config.parameters.count("PERFORMANCE_HINT");
+    const bool wide = !config.parameters.count("NUM_STREAMS") && !config.parameters.count("PERFORMANCE_HINT") &&
+                      !config.parameters.count("INFERENCE_NUM_THREADS");
     return std::unique_ptr<OpenedModel>(std::make_unique<OvOpenedModel>(std::move(compiled), spec, cores, wide));
   }
 

@@ -85,7 +85,13 @@ void SetError(char** error, const std::string& message) {
 
 // One process-wide Core: it holds the CPU plugin, loaded once.
 ov::Core& TheCore() {
-  static ov::Core* core = new ov::Core();  // never destroyed: compiled models may outlive static destruction
+  static ov::Core* core = [] {
+    auto* c = new ov::Core();  // never destroyed: compiled models may outlive static destruction
+    // Weights read into memory, not mapped from model.bin: a file replaced in
+    // place while its version serves cannot take the process down (SIGBUS).
+    c->set_property(ov::enable_mmap(false));
+    return c;
+  }();
   return *core;
 }
 
@@ -119,8 +125,12 @@ void Describe(Model& m) {
       p.name = m.names[side][i].c_str();
       p.dtype = ToQuern(list[i].get_element_type());
       const ov::PartialShape& shape = list[i].get_partial_shape();
-      if (shape.rank().is_dynamic() || shape.rank().get_length() > 8) {
+      if (shape.rank().is_dynamic()) {
         p.rank = -1;
+        continue;
+      }
+      if (shape.rank().get_length() > 8) {
+        p.rank = -2;
         continue;
       }
       p.rank = static_cast<int32_t>(shape.rank().get_length());
@@ -197,6 +207,9 @@ int Run(void* request, const char* const* names, const QuernOvTensor* inputs, in
   try {
     const auto& ports = r->model->compiled.inputs();
     const auto& known = r->model->names[0];
+    // Every input, every run: a port left unset would read the last run's
+    // (freed) buffer.
+    std::vector<bool> given(known.size(), false);
     for (int i = 0; i < n; ++i) {
       const QuernOvTensor& t = inputs[i];
       size_t at = known.size();
@@ -213,9 +226,25 @@ int Run(void* request, const char* const* names, const QuernOvTensor* inputs, in
                             ports[at].get_element_type().get_type_name());
         return -1;
       }
+      if (t.rank < 0 || t.rank > 8) {
+        SetError(error, std::string("input '") + names[i] + "' has a rank over 8");
+        return -1;
+      }
       ov::Shape shape(t.dims, t.dims + t.rank);
+      if (ov::shape_size(shape) * type.size() != t.bytes) {
+        SetError(error, std::string("input '") + names[i] + "' has " + std::to_string(t.bytes) +
+                            " bytes, not those of its shape");
+        return -1;
+      }
       // OpenVINO reads the bytes in place: it does not write inputs.
       r->request.set_tensor(ports[at], ov::Tensor(type, shape, t.data));
+      given[at] = true;
+    }
+    for (size_t k = 0; k < given.size(); ++k) {
+      if (!given[k]) {
+        SetError(error, "input '" + known[k] + "' is missing (OpenVINO models take every input)");
+        return -1;
+      }
     }
     r->request.start_async();
     r->request.wait();

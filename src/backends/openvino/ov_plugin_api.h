@@ -27,7 +27,8 @@ struct QuernOvTensor {
 };
 
 // A model's input or output as compiled: -1 for a dynamic dimension, rank
-// -1 for a dynamic rank; dtype 0 for a type Quern has no name for.
+// -1 for a dynamic rank, -2 for a rank over 8; dtype 0 for a type Quern has
+// no name for.
 struct QuernOvPort {
   const char* name;
   uint8_t dtype;
@@ -56,9 +57,10 @@ struct QuernOvApi {
   // An infer request of the compiled model (requests share its weights).
   void* (*new_request)(void* model, char** error);
   void (*release_request)(void* request);
-  // Runs one inference on `n` inputs given by name (their bytes are read,
-  // not copied, and must live until run returns). 0 on success; -1 with
-  // *error set; 1 when cancel ended it.
+  // Runs one inference on `n` inputs given by name, every input of the
+  // model (their bytes are read, not copied, and must live until run
+  // returns; `bytes` must match the shape). 0 on success; -1 with *error
+  // set; 1 when cancel ended it.
   int (*run)(void* request, const char* const* names, const QuernOvTensor* inputs, int n, char** error);
   // Output `index` of the last run: its bytes stay valid until the next run
   // on this request or its release.

@@ -35,6 +35,10 @@ Result<const QuernTorchApi*> Plugin() {
     where.missing =
         "this build of Quern has no LibTorch plugin (LibTorch was not found when it was built: "
         "scripts/setup.sh installs it)";
+    where.accept = [](void* symbol) {
+      const auto* found = reinterpret_cast<QuernTorchApiFn>(symbol)();
+      return found && found->abi == QUERN_TORCH_PLUGIN_ABI;
+    };
     auto loaded = LoadPlugin(where);
     if (!loaded) {
       error = loaded.error().message();
