@@ -661,9 +661,10 @@ def test_grpc_messages_without_a_key_are_never_read(tmp_path):
         proc.wait(timeout=30)
 
 
-def write_slow_chain(repo, n=64, size=1024):
+def write_slow_chain(repo, n=64, size=1024, backend="onnxruntime"):
     """slow_chain: y[1, 1] = the sum of x[1, 1024] tiled to 1024 x 1024 and multiplied by a 1024 x 1024
-    matrix 64 times: one run is a few seconds of MatMuls (kernels ONNX Runtime can stop between)."""
+    matrix 64 times: one run is a few seconds of MatMuls (kernels the runtime can stop between); run
+    by `backend` (OpenVINO at f32)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])
@@ -680,20 +681,23 @@ def write_slow_chain(repo, n=64, size=1024):
     os.makedirs(repo / "slow_chain" / "1", exist_ok=True)
     onnx.save(model, str(repo / "slow_chain" / "1" / "model.onnx"))
     (repo / "slow_chain" / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 0\n'
+        f'backend: "{backend}"\nmax_batch_size: 0\n'
         'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 1024 ] } ]\n'
-        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 1 ] } ]\n')
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1, 1 ] } ]\n' +
+        ('parameters { key: "INFERENCE_PRECISION_HINT" value { string_value: "f32" } }\n'
+         if backend == "openvino" else ""))
 
 
-def test_a_running_batch_whose_every_client_left_is_stopped(tmp_path):
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_a_running_batch_whose_every_client_left_is_stopped(tmp_path, backend):
     """Issue: Frigate's DeepStack detector gives up after 0.1 s, and each abandoned detection still
     took a core until its run ended. Now a batch whose every request is cancelled (its client
-    closed the connection) stops its ONNX Runtime run (the terminate flag). Measured side by side
-    in one server: a full run's compute time (a patient client), then an abandoned one's, which
-    must have been cut short; the abandoned request counts as failed."""
+    closed the connection) stops its run (ONNX Runtime's terminate flag, OpenVINO's request cancel).
+    Measured side by side in one server: a full run's compute time (a patient client), then an
+    abandoned one's, which must have been cut short; the abandoned request counts as failed."""
     import tritonclient.http as httpclient
     repo = tmp_path / "repo"
-    write_slow_chain(repo)
+    write_slow_chain(repo, backend=backend)
     proc, ports = start_quern(QUERN, str(repo))
     try:
         c = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
