@@ -13,6 +13,7 @@ with the answers per second of the load phase.
 
     build/venv/bin/python bench/memory_bench.py bench/models/resnet50 [--counts 1 2 4]
     build/venv/bin/python bench/memory_bench.py examples/models/objects --counts --load 16
+    build/venv/bin/python bench/memory_bench.py examples/models/objects --keep-config --backend openvino
 """
 import argparse
 import concurrent.futures
@@ -72,7 +73,7 @@ def request_body(base):
     return header + struct.pack(f"<{n}f", *([0.5] * n)), len(header)
 
 
-def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet):
+def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet, backend=None):
     repo = tempfile.mkdtemp(prefix="quern-memory-")
     try:
         own = os.path.join(model_dir, "config.pbtxt")
@@ -84,6 +85,9 @@ def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, 
         else:
             os.makedirs(os.path.join(repo, "m", "1"))
             shutil.copy(os.path.join(model_dir, "1", "model.onnx"), os.path.join(repo, "m", "1", "model.onnx"))
+        if backend:
+            config = f'backend: "{backend}"\n' + "".join(
+                line + "\n" for line in config.splitlines() if not line.lstrip().startswith(("backend", "platform")))
         if count:
             config += f"instance_group [ {{ count: {count} }} ]\n"
         with open(os.path.join(repo, "m", "config.pbtxt"), "w") as f:
@@ -145,6 +149,7 @@ def main():
     ap.add_argument("model", help="a model folder holding 1/model.onnx")
     ap.add_argument("--counts", type=int, nargs="*", default=[1, 2, 4], help="instance_group counts to measure")
     ap.add_argument("--keep-config", action="store_true", help="the model's own config.pbtxt (max_batch_size ...)")
+    ap.add_argument("--backend", help='the backend to run it ("openvino", "auto"; default: its own, else ONNX Runtime)')
     ap.add_argument("--steady", type=float, default=8, help="seconds of requests one at a time (batch 1)")
     ap.add_argument("--load", type=int, default=16, help="requests in flight in the load phase")
     ap.add_argument("--seconds", type=float, default=10, help="length of the load phase")
@@ -158,7 +163,8 @@ def main():
     cols = ["after load", "batch 1", "after requests", "load", "quiet", "answers/s"]
     print(f"{'layout':<24} " + " ".join(f"{c:>14}" for c in cols))
     for count in [0] + a.counts:
-        row = measure(a.quern, a.perf, a.model, count, a.keep_config, a.steady, a.load, a.seconds, a.quiet)
+        row = measure(a.quern, a.perf, a.model, count, a.keep_config, a.steady, a.load, a.seconds, a.quiet,
+                      a.backend)
         label = "automatic (cores + wide)" if count == 0 else f"count {count}"
         print(f"{label:<24} " + " ".join(f"{row[c]:>14.1f}" if c == "answers/s" else f"{row[c]:>14.0f}"
                                          for c in cols), flush=True)
