@@ -214,6 +214,7 @@ TEST_F(VisionServiceTest, ACheapModelIsNotRefusedBehindASlowOne) {
   ASSERT_TRUE(RegisterChannelMeans("slow").ok());
   VisionServiceOptions o = Options();
   o.request_timeout_ms = 5000;
+  o.stage_threads = 1;  // the capacity's floor: 2, under the bound measured
   VisionService s(engine_.get(), o);
   auto slow = s.Model("slow");
   ASSERT_TRUE(slow.has_value());
@@ -247,6 +248,35 @@ TEST_F(VisionServiceTest, ACheapModelIsNotRefusedBehindASlowOne) {
   EXPECT_GE(admitted, 5);
   EXPECT_LE(admitted, 15) << "about 5000 / 421 of the slow model's images";
   ASSERT_TRUE(Drive([&] { return answered.load() == 50 + admitted; }));
+}
+
+TEST_F(VisionServiceTest, CallersWithAnImageEachAreNotRefusedBelowTwoPerStageThread) {
+  // Ten images of 0.9 s each on the fake clock against a 1 s budget: the
+  // budget alone would let one in at a time. Four callers on two stage
+  // threads, one image each, are all admitted; a fifth image is refused.
+  VisionServiceOptions o = Options();
+  o.request_timeout_ms = 1000;
+  o.stage_threads = 2;
+  VisionService s(engine_.get(), o);
+  for (int i = 0; i < 10; ++i) {
+    std::promise<VisionResult> got;
+    VisionCallback done = [&](VisionResult&& r) { got.set_value(std::move(r)); };
+    ASSERT_TRUE(s.Submit(Red(s), done).ok());
+    clock_.AdvanceNs(900'000'000);
+    ASSERT_TRUE(Await(got).status.ok());
+  }
+  std::atomic<int> answered{0};
+  for (int i = 0; i < 4; ++i) {
+    VisionCallback done = [&](VisionResult&&) { answered.fetch_add(1); };
+    Status st = s.Submit(Red(s), done);
+    ASSERT_TRUE(st.ok()) << "caller " << i << ": " << st.ToString();
+  }
+  VisionCallback fifth = [&](VisionResult&&) { answered.fetch_add(100); };
+  Status refused = s.Submit(Red(s), fifth);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
+  EXPECT_NE(refused.message().find("4 images for model 'colour' are already waiting"), std::string::npos)
+      << refused.message();
+  ASSERT_TRUE(Drive([&] { return answered.load() == 4 && s.stats().in_flight == 0; }));
 }
 
 TEST_F(VisionServiceTest, ALargeImageCountsAsManyAsItsPixels) {

@@ -169,7 +169,12 @@ VisionStats VisionService::stats() const {
 int64_t VisionService::Capacity(double ms_per_image) const {
   if (options_.queue_capacity > 0) return options_.queue_capacity;
   const double per_image = std::max(0.01, ms_per_image);
-  return std::max<int64_t>(std::max(options_.stage_threads, 1),
+  // Never below two images per core: one decoding or post-processing on
+  // each while another runs in the model. Callers with a page each in flight
+  // are not refused however slow the pages measure on a busy machine (four
+  // OCR callers on two cores were, at a capacity of three).
+  const int lanes = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
+  return std::max<int64_t>(2 * std::max(lanes, 1),
                            static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
 }
 

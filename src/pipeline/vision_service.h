@@ -57,7 +57,7 @@ struct VisionServiceOptions {
   // inference) and answered with DEADLINE_EXCEEDED.
   int64_t request_timeout_ms = 15000;
   // Images of one model admitted at once; 0 = the time budget over the
-  // model's measured time per image (at least the number of stage threads).
+  // model's measured time per image (at least twice the stage threads).
   int queue_capacity = 0;
   // The engine's bound on queueing (EngineOptions::max_queue_wait_ms): the
   // service admits no more images than it can finish within it, so that
