@@ -82,8 +82,20 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
                          "1 for the way batches leave, as measured online (models with a latency target and a "
                          "batching delay): at_once, everyone_here or after_delay.");
   for (const auto& h : kHistograms) registry.DeclareFamily(h.name, MetricType::kHistogram, h.help);
+  registry.DeclareFamily("quern_model_runtime", MetricType::kGauge,
+                         "1 for the runtime that runs a ready model: its backend and, where the configuration or "
+                         "backend \"auto\" set one, its precision (\"openvino bf16\").");
 
   return registry.AddCollector([&engine](MetricWriter& w) {
+    for (const ModelStatus& m : engine.ListModels()) {
+      if (m.state != ModelState::kReady || m.config.backend.empty()) continue;
+      std::string runtime = m.config.backend;
+      if (auto it = m.config.parameters.find("INFERENCE_PRECISION_HINT"); it != m.config.parameters.end()) {
+        runtime += " " + it->second;
+      }
+      w.Sample("quern_model_runtime",
+               {{"model", m.name}, {"version", std::to_string(m.version)}, {"runtime", std::move(runtime)}}, 1);
+    }
     auto stats = engine.GetStatistics();
     if (!stats) return;
     for (const ModelStatistics& s : *stats) {

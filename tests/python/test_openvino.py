@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from detection_labels import LABELS, PHOTOS, iou
-from quern_testing import http_request, post_form, sanitized, start_quern, stop_quern
+from quern_testing import http_request, metric_sum, post_form, sanitized, start_quern, stop_quern
 
 QUERN = os.environ["QUERN_BIN"]
 TEST_MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -307,6 +307,8 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
             assert all(t is None or ms <= t for t, _ in table.values()), (model, table)
             meta = metadata(port, model)
             assert meta["platform"] == ("openvino" if chosen.startswith("openvino") else "onnxruntime_onnx"), meta
+            # /metrics says it too.
+            assert metric_sum(ports["metrics"], "quern_model_runtime", model=model, runtime=chosen) == 1, model
         # OpenVINO's INT8 arithmetic is not ONNX Runtime's: left out, saying so.
         _, int8 = choices["objects_int8"]
         assert choices["objects_int8"][0] == "onnxruntime", int8
