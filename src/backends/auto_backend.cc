@@ -68,7 +68,9 @@ std::vector<NamedTensor> CheckInputs(const ModelConfig& config, std::string& why
   std::uniform_real_distribution<float> unit(0.f, 1.f);
   std::vector<NamedTensor> inputs;
   // The batch the model runs: 1, or its smallest fixed size.
-  const int64_t batch = config.fixed_batch_sizes.empty() ? 1 : config.fixed_batch_sizes.front();
+  const int64_t batch = config.fixed_batch_sizes.empty()
+                            ? 1
+                            : *std::min_element(config.fixed_batch_sizes.begin(), config.fixed_batch_sizes.end());
   for (const auto& in : config.inputs) {
     Shape shape;
     if (config.max_batch_size > 0) shape.push_back(batch);
@@ -218,13 +220,14 @@ double Disagreement(const std::vector<NamedTensor>& want, const std::vector<Name
 // Runs `c` on `inputs`: its outputs, and its median time of a batch.
 Status Measure(Candidate& c, const std::vector<NamedTensor>& inputs) {
   QUERN_ASSIGN_OR_RETURN(auto model, c.opened->NewInstance(c.config, InstanceDevice{}));
-  QUERN_RETURN_IF_ERROR(model->Execute(inputs, 1, c.outputs));  // warm-up, and the answer compared
+  const int64_t batch = c.config.max_batch_size > 0 && !inputs.empty() ? inputs.front().tensor.shape().front() : 1;
+  QUERN_RETURN_IF_ERROR(model->Execute(inputs, batch, c.outputs));  // warm-up, and the answer compared
   std::vector<double> ms;
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(kMeasureSeconds);
   while (static_cast<int>(ms.size()) < kMaxRuns && (ms.size() < 3 || std::chrono::steady_clock::now() < until)) {
     std::vector<NamedTensor> out;
     const auto start = std::chrono::steady_clock::now();
-    QUERN_RETURN_IF_ERROR(model->Execute(inputs, 1, out));
+    QUERN_RETURN_IF_ERROR(model->Execute(inputs, batch, out));
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(ms.begin(), ms.end());
@@ -234,7 +237,14 @@ Status Measure(Candidate& c, const std::vector<NamedTensor>& inputs) {
 
 std::string Describe(const Candidate& c) {
   char buf[96];
-  if (!c.left_out.empty()) return c.label + ": " + c.left_out;
+  if (!c.left_out.empty()) {
+    // One line, and no "; " (the table's separator): runtimes' messages span lines.
+    std::string why = c.left_out;
+    for (char& ch : why) {
+      if (ch == '\n' || ch == '\r' || ch == ';') ch = ' ';
+    }
+    return c.label + ": " + why;
+  }
   std::snprintf(buf, sizeof buf, ": %.3g ms, outputs within %.2g of ONNX Runtime's", c.ms, c.error);
   return c.label + buf;
 }
@@ -302,12 +312,15 @@ class AutoBackend final : public Backend {
       }
     }
     if (best != &cs.front()) cs.front().opened.reset();
+    for (auto& c : cs) {  // after a break: those the loop never reached
+      if (&c != best && c.left_out.empty() && !std::isfinite(c.ms)) c.left_out = "not measured";
+    }
     std::string table;
     for (const auto& c : cs) {
       if (&c != best) table += (table.empty() ? "" : "; ") + Describe(c);
     }
     Log(LogLevel::kInfo,
-        "runtime chosen by measurement (batch 1, one instance): " + Describe(*best) +
+        "runtime chosen by measurement (the check input, one instance): " + Describe(*best) +
             (table.empty() ? "" : "; over " + table),
         {{"model", config.name}});
     config = best->config;

@@ -51,10 +51,12 @@ Result<LoadedPlugin> LoadPlugin(const PluginLocation& where) {
     void* symbol = ::dlsym(handle, where.symbol);
     if (!symbol) {
       tried += (tried.empty() ? "" : "; ") + path + ": not a " + where.what;
+      ::dlclose(handle);
       continue;
     }
     if (where.accept && !where.accept(symbol)) {
       tried += (tried.empty() ? "" : "; ") + path + ": not a " + where.what + " of this version of Quern";
+      ::dlclose(handle);  // with the libraries it brought, which the next candidate must not bind to
       continue;
     }
     return LoadedPlugin{symbol, path};

@@ -1,6 +1,7 @@
 // `quern models` and `quern infer`: a repository's models, and one request.
 #include "cli/commands.h"
 
+#include <google/protobuf/text_format.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -170,61 +171,88 @@ int Tune(const std::string& model_dir) {
   std::error_code ec;
   const fs::path src = fs::weakly_canonical(model_dir, ec);
   int64_t version = -1;
+  fs::path version_dir;
   for (auto it = fs::directory_iterator(src, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
     const std::string n = it->path().filename().string();
+    std::error_code file_ec;
     if (!n.empty() && n.size() < 18 && n.find_first_not_of("0123456789") == std::string::npos &&
-        fs::exists(it->path() / "model.onnx")) {
-      version = std::max<int64_t>(version, std::stoll(n));
+        fs::exists(it->path() / "model.onnx", file_ec) && std::stoll(n) > version) {
+      version = std::stoll(n);
+      version_dir = it->path();
     }
   }
   if (version < 0) {
     std::fprintf(stderr, "quern tune: %s has no <version>/model.onnx\n", model_dir.c_str());
     return 1;
   }
-  char tmpl[] = "/tmp/quern-tune-XXXXXX";
-  if (!::mkdtemp(tmpl)) {
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string tmpl = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/quern-tune-XXXXXX";
+  if (!::mkdtemp(tmpl.data())) {
     std::fprintf(stderr, "quern tune: cannot make a temporary folder: %s\n", std::strerror(errno));
     return 1;
   }
-  const fs::path tmp = tmpl, model = tmp / src.filename();
+  const fs::path tmp = tmpl;
+  struct Remove {  // the temporary repository goes, whatever happens below
+    fs::path dir;
+    ~Remove() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  } remove{tmp};
+  const fs::path model = tmp / src.filename();
   fs::create_directories(model / "1", ec);
-  // The folder's files as they are (labels, ...; linked, else copied), its
-  // configuration with backend "auto".
-  const auto place = [&](const fs::path& from, const fs::path& to) {
-    std::error_code link_ec;
-    fs::create_hard_link(from, to, link_ec);
-    if (link_ec) fs::copy_file(from, to, ec);
+  // The folder's files as they are (labels; the version's model.onnx and
+  // its external data), linked to the files links point at, else copied.
+  const auto place_files = [&](const fs::path& from_dir, const fs::path& to_dir) -> bool {
+    std::error_code list_ec;
+    for (auto it = fs::directory_iterator(from_dir, list_ec); !list_ec && it != fs::directory_iterator();
+         it.increment(list_ec)) {
+      std::error_code file_ec;
+      const std::string n = it->path().filename().string();
+      if (n == "config.pbtxt" || !fs::is_regular_file(it->path(), file_ec)) continue;
+      const fs::path from = fs::canonical(it->path(), file_ec);
+      std::error_code link_ec;
+      if (!file_ec) fs::create_hard_link(from, to_dir / n, link_ec);
+      if (file_ec || link_ec) fs::copy_file(from, to_dir / n, file_ec);
+      if (file_ec) {
+        std::fprintf(stderr, "quern tune: cannot place %s: %s\n", it->path().c_str(), file_ec.message().c_str());
+        return false;
+      }
+    }
+    return !list_ec;
   };
-  for (auto it = fs::directory_iterator(src, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
-    const std::string n = it->path().filename().string();
-    if (n != "config.pbtxt" && it->is_regular_file()) place(it->path(), model / n);
-  }
-  place(src / std::to_string(version) / "model.onnx", model / "1" / "model.onnx");
+  if (!place_files(src, model) || !place_files(version_dir, model / "1")) return 1;
+  // Its configuration as parsed, with backend "auto" and the automatic
+  // layout of one version (a file that does not parse: its load says why).
   std::string config = "backend: \"auto\"\n";
   if (std::ifstream in(src / "config.pbtxt"); in) {
-    for (std::string line; std::getline(in, line);) {
-      const size_t at = line.find_first_not_of(" \t");
-      const std::string_view rest = at == std::string::npos ? "" : std::string_view(line).substr(at);
-      if (rest.starts_with("backend") || rest.starts_with("platform") || rest.starts_with("name")) continue;
-      config += line + "\n";
+    std::ostringstream text;
+    text << in.rdbuf();
+    auto proto = quern::ParseModelConfigText(text.str(), (src / "config.pbtxt").string());
+    if (proto) {
+      proto->clear_name();
+      proto->clear_platform();
+      proto->clear_version_policy();
+      proto->clear_instance_group();
+      proto->set_backend("auto");
+      google::protobuf::TextFormat::PrintToString(*proto, &config);
+    } else {
+      config = text.str();
     }
   }
   std::ofstream(model / "config.pbtxt") << config;
   quern::ServerOptions options;
   options.model_repository = tmp.string();
   auto engine = quern::OpenEngine(options, true);
-  int rc = 0;
   if (!engine) {
     std::fprintf(stderr, "quern tune: %s\n", engine.error().ToString().c_str());
-    rc = 1;
-  } else {
-    for (const auto& m : (*engine)->ListModels()) {
-      if (m.state != quern::ModelState::kReady) rc = 1;
-      if (!m.reason.empty()) std::fprintf(stderr, "quern tune: %s\n", m.reason.c_str());
-    }
-    engine->reset();
+    return 1;
   }
-  fs::remove_all(tmp, ec);
+  int rc = 0;
+  for (const auto& m : (*engine)->ListModels()) {
+    if (m.state != quern::ModelState::kReady) rc = 1;
+    if (!m.reason.empty()) std::fprintf(stderr, "quern tune: %s\n", m.reason.c_str());
+  }
   return rc;
 }
 

@@ -90,8 +90,9 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
     for (const ModelStatus& m : engine.ListModels()) {
       if (m.state != ModelState::kReady || m.config.backend.empty()) continue;
       std::string runtime = m.config.backend;
-      if (auto it = m.config.parameters.find("INFERENCE_PRECISION_HINT"); it != m.config.parameters.end()) {
-        runtime += " " + it->second;
+      if (auto it = m.config.parameters.find("INFERENCE_PRECISION_HINT");
+          runtime == "openvino" && it != m.config.parameters.end()) {
+        runtime += " " + it->second;  // OpenVINO's own choice when none is set: "openvino"
       }
       w.Sample("quern_model_runtime",
                {{"model", m.name}, {"version", std::to_string(m.version)}, {"runtime", std::move(runtime)}}, 1);

@@ -104,6 +104,7 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
       decode_cpu_ns_(StageCpuCounter(metrics_, "decode")),
       resize_cpu_ns_(StageCpuCounter(metrics_, "resize")),
       post_cpu_ns_(StageCpuCounter(metrics_, "post")) {
+  lanes_ = std::max(1, options_.stage_threads > 0 ? options_.stage_threads : UsableCores());
   if (!options_.executor) {
     const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
     options_.stage_threads = n;
@@ -173,9 +174,7 @@ int64_t VisionService::Capacity(double ms_per_image) const {
   // each while another runs in the model. Callers with a page each in flight
   // are not refused however slow the pages measure on a busy machine (four
   // OCR callers on two cores were, at a capacity of three).
-  const int lanes = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
-  return std::max<int64_t>(2 * std::max(lanes, 1),
-                           static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
+  return std::max<int64_t>(2 * lanes_, static_cast<int64_t>(static_cast<double>(QueueBudgetMs()) / per_image));
 }
 
 int64_t VisionService::QueueBudgetMs() const {

@@ -262,6 +262,7 @@ class VisionService {
 
   Engine* engine_;
   VisionServiceOptions options_;
+  int lanes_ = 1;  // stage threads, or the cores an executor stands for: the capacity's floor is 2x
   const Clock* clock_;
 
   // Metric handles, in options_.metrics or own_metrics_.

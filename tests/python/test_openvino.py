@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -101,15 +102,16 @@ def test_openvino_answers_as_onnx_runtime_does(server, folder, model):
     # The configuration completed from the file alike (OpenVINO reads the same ONNX names and types).
     assert [(t["name"], t["datatype"]) for t in meta_ov["inputs"]] == [(t["name"], t["datatype"]) for t in meta["inputs"]]
     assert [(t["name"], t["datatype"]) for t in meta_ov["outputs"]] == [(t["name"], t["datatype"]) for t in meta["outputs"]]
-    rng = np.random.default_rng(abs(hash(model)) % (1 << 32))
+    rng = np.random.default_rng(zlib.crc32(model.encode()))  # the same inputs every run
     inputs = inputs_for(meta, rng)
     want, got = infer(port, model, inputs), infer(port, model + OV, inputs)
     assert want.keys() == got.keys()
     # Errors relative to the output's largest value, or to 1e-3 when all are smaller (a text detector's
     # map of random noise is ~1e-7 everywhere). The INT8 twins: OpenVINO and ONNX Runtime round the
-    # requantized activations each their own way, an 8-bit step here and there (measured on random
-    # inputs: 5.9 % of the classifier's largest logit, 7.8 % of the detector's largest output).
-    rtol = 0.12 if model.endswith("_int8") else 2e-3
+    # requantized activations each their own way, an 8-bit step here and there (on these inputs:
+    # 2.3 % of the classifier's largest logit, 7.2 % of the detector's largest output; other random
+    # inputs gave up to 12 %).
+    rtol = 0.15 if model.endswith("_int8") else 2e-3
     for name in want:
         a, b = want[name], got[name]
         assert a.shape == b.shape, (model, name, a.shape, b.shape)
@@ -250,7 +252,7 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     assert not ip, ip[:10]
 
 
-CHOSEN = re.compile(r"runtime chosen by measurement \(batch 1, one instance\): (.*); over (.*) model=(\S+)")
+CHOSEN = re.compile(r"runtime chosen by measurement \(the check input, one instance\): (.*?)(?:; over (.*))? model=(\S+)")
 
 
 def parse_choice(line):
@@ -258,7 +260,7 @@ def parse_choice(line):
     m = CHOSEN.search(line)
     assert m, line
     table, chosen = {}, None
-    for part in [m.group(1)] + m.group(2).split("; "):
+    for part in [m.group(1)] + (m.group(2).split("; ") if m.group(2) else []):
         timed = re.match(r"(.+?): ([\d.e+-]+) ms, outputs within (\S+) of ONNX Runtime's$", part.strip())
         if timed:
             table[timed.group(1)] = (float(timed.group(2)), float(timed.group(3)))

@@ -15,7 +15,7 @@
 
 extern "C" {
 
-#define QUERN_OV_PLUGIN_ABI 1
+#define QUERN_OV_PLUGIN_ABI 2
 
 // A tensor's bytes, dense and row-major; dtype is quern::DataType's value.
 struct QuernOvTensor {
