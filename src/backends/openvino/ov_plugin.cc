@@ -13,27 +13,26 @@
 #include <vector>
 
 #include "backends/openvino/ov_plugin_api.h"
+#include "quern/tensor.h"
 
 namespace {
 
-// quern::DataType's values (include/quern/tensor.h), kept in step by hand:
-// the plugin needs none of Quern's code.
-enum : uint8_t {
-  kInvalid = 0,
-  kBool = 1,
-  kUint8 = 2,
-  kUint16 = 3,
-  kUint32 = 4,
-  kUint64 = 5,
-  kInt8 = 6,
-  kInt16 = 7,
-  kInt32 = 8,
-  kInt64 = 9,
-  kFp16 = 10,
-  kFp32 = 11,
-  kFp64 = 12,
-  kBf16 = 14,
-};
+// quern::DataType's values, from its header only (the plugin links none of
+// Quern's code).
+constexpr uint8_t kInvalid = static_cast<uint8_t>(quern::DataType::kInvalid);
+constexpr uint8_t kBool = static_cast<uint8_t>(quern::DataType::kBool);
+constexpr uint8_t kUint8 = static_cast<uint8_t>(quern::DataType::kUint8);
+constexpr uint8_t kUint16 = static_cast<uint8_t>(quern::DataType::kUint16);
+constexpr uint8_t kUint32 = static_cast<uint8_t>(quern::DataType::kUint32);
+constexpr uint8_t kUint64 = static_cast<uint8_t>(quern::DataType::kUint64);
+constexpr uint8_t kInt8 = static_cast<uint8_t>(quern::DataType::kInt8);
+constexpr uint8_t kInt16 = static_cast<uint8_t>(quern::DataType::kInt16);
+constexpr uint8_t kInt32 = static_cast<uint8_t>(quern::DataType::kInt32);
+constexpr uint8_t kInt64 = static_cast<uint8_t>(quern::DataType::kInt64);
+constexpr uint8_t kFp16 = static_cast<uint8_t>(quern::DataType::kFp16);
+constexpr uint8_t kFp32 = static_cast<uint8_t>(quern::DataType::kFp32);
+constexpr uint8_t kFp64 = static_cast<uint8_t>(quern::DataType::kFp64);
+constexpr uint8_t kBf16 = static_cast<uint8_t>(quern::DataType::kBf16);
 
 uint8_t ToQuern(const ov::element::Type& t) {
   switch (ov::element::Type_t(t)) {
