@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The same detector file through each runtime, side by side in one server: examples/models/objects
-# (YOLOv12-N, 640) run by ONNX Runtime FP32 (`objects`), by OpenVINO at its own precision on this CPU
+# (YOLOv12-N, 640) run by ONNX Runtime FP32 (`objects`), by the runtime backend "auto" measured
+# fastest (`objects_auto`; QUERN_NO_BF16=1 leaves bf16 out, as a CPU without it), by OpenVINO at its own precision on this CPU
 # (`objects_openvino`: bf16 where the CPU has AVX512_BF16 or AMX) and by OpenVINO at f32
 # (`objects_openvino_f32`). POST /v1/vision/custom/<model> with a 640x480 JPEG (examples/data/dog.jpg
 # scaled, quality 90), wrk at 1 and 16 connections; the models take turns, round after round, so
@@ -27,6 +28,13 @@ trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
 mkdir -p "$WORK/repo"
 cp -r "$MODEL_DIR" "$WORK/repo/$MODEL"
+# The file pinned to ONNX Runtime FP32 (`$MODEL`), and as backend "auto" chooses (`${MODEL}_auto`:
+# with QUERN_NO_BF16=1 in the environment, as on a CPU without bf16).
+sed -i -E '/^\s*(backend|platform)\s*:/d' "$WORK/repo/$MODEL/config.pbtxt"
+cp -r "$WORK/repo/$MODEL" "$WORK/repo/${MODEL}_auto"
+sed -i '1i backend: "onnxruntime"' "$WORK/repo/$MODEL/config.pbtxt"
+sed -i -E '/^\s*name\s*:/d' "$WORK/repo/${MODEL}_auto/config.pbtxt"
+sed -i "1i name: \"${MODEL}_auto\"\nbackend: \"auto\"" "$WORK/repo/${MODEL}_auto/config.pbtxt"
 for variant in openvino openvino_f32; do
   cp -r "$MODEL_DIR" "$WORK/repo/${MODEL}_$variant"
   sed -i -E '/^\s*(backend|platform|name)\s*:/d' "$WORK/repo/${MODEL}_$variant/config.pbtxt"
@@ -46,7 +54,7 @@ SERVER=$!
 for _ in $(seq 300); do grep -q "quern: serving" "$WORK/log" && break; sleep 0.2; done
 grep -q "quern: serving" "$WORK/log" || { cat "$WORK/log"; exit 1; }
 PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-grep "OpenVINO compiled" "$WORK/log" || true
+grep "OpenVINO compiled\|runtime chosen" "$WORK/log" || true
 
 build/venv/bin/python - "$WORK/body" "$WORK/type" <<'PY'
 import io, sys
@@ -65,7 +73,7 @@ wrk.method = "POST"
 local f = io.open("$WORK/body", "rb"); wrk.body = f:read("*a"); f:close()
 wrk.headers["Content-Type"] = "$(cat "$WORK/type")"
 LUA
-for m in "$MODEL" "${MODEL}_openvino" "${MODEL}_openvino_f32"; do  # warm-up, and every answer a success
+for m in "$MODEL" "${MODEL}_auto" "${MODEL}_openvino" "${MODEL}_openvino_f32"; do  # warm-up, and every answer a success
   curl -s -H "Content-Type: $(cat "$WORK/type")" --data-binary "@$WORK/body" \
     "127.0.0.1:$PORT/v1/vision/custom/$m" | grep -q '"success":true' || { echo "$m: no successful answer"; exit 1; }
 done
@@ -73,7 +81,7 @@ echo "| round | model | connections | images/s | p50 |"
 echo "|---:|---|---:|---:|---:|"
 for round in $(seq "$ROUNDS"); do
   for c in 1 16; do
-    for m in "$MODEL" "${MODEL}_openvino" "${MODEL}_openvino_f32"; do
+    for m in "$MODEL" "${MODEL}_auto" "${MODEL}_openvino" "${MODEL}_openvino_f32"; do
       out=$(wrk -t 1 -c "$c" -d "${SECS}s" --timeout 20s --latency -s "$WORK/post.lua" \
             "http://127.0.0.1:$PORT/v1/vision/custom/$m")
       rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')

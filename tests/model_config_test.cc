@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include "core/model_config_parser.h"
 
 namespace quern {
@@ -100,6 +102,27 @@ TEST(ModelConfig, ParsesATritonConfig) {
 
   VersionPolicy vp = ConvertVersionPolicy(*proto);
   EXPECT_EQ(vp.Select({1, 5, 3}), (std::vector<int64_t>{3, 5}));
+}
+
+// An ONNX model whose configuration names neither backend nor platform runs
+// on the runtime measured fastest (backend "auto"); naming ONNX Runtime by
+// backend or platform pins it.
+TEST(ModelConfig, AnUnnamedRuntimeIsMeasuredAndANamedOnePinned) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"max_batch_size: 4\n", "auto"},
+      {"backend: \"auto\"\n", "auto"},
+      {"platform: \"onnxruntime_onnx\"\n", "onnxruntime"},
+      {"backend: \"onnxruntime\"\n", "onnxruntime"},
+      {"backend: \"openvino\"\n", "openvino"},
+      {"platform: \"pytorch_libtorch\"\n", "pytorch"},
+  };
+  for (const auto& [text, backend] : cases) {
+    auto proto = ParseModelConfigText(text, "m/config.pbtxt");
+    ASSERT_TRUE(proto.has_value()) << proto.error().ToString();
+    auto c = ConvertModelConfig(*proto, "m/config.pbtxt");
+    ASSERT_TRUE(c.has_value()) << text << c.error().ToString();
+    EXPECT_EQ(c->backend, backend) << text;
+  }
 }
 
 TEST(ModelConfig, SyntaxErrorNamesFileLineAndColumn) {

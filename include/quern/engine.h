@@ -317,6 +317,11 @@ struct EngineOptions {
   // loaded version's status and the model's folder; an error fails that
   // version's load with the error's message. Null = none.
   std::function<Status(const ModelStatus& status, const std::string& model_dir)> check_model;
+  // Where backend "auto" (an ONNX model whose configuration names no
+  // backend) keeps the runtime it measured fastest for each model file, so
+  // that a restart does not measure again: one small file per model file
+  // and machine. "" = measured at every load.
+  std::string runtime_cache_dir;
 };
 
 class ModelRegistry;

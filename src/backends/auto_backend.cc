@@ -9,9 +9,13 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <openssl/evp.h>
+#include <unistd.h>
 
 #include "core/half.h"
 #include "core/log.h"
@@ -249,9 +253,55 @@ std::string Describe(const Candidate& c) {
   return c.label + buf;
 }
 
+// Why a run of ONNX Runtime this short is not measured against the others:
+// what another runtime could save is lost in a request's own cost, and
+// times this short are mostly noise.
+constexpr double kWorthMeasuringMs = 1.0;
+// Another runtime replaces the best so far only when it is this much
+// faster (a share of the best's time), so that measurement noise does not
+// flip the choice between runtimes that are as fast.
+constexpr double kMargin = 0.9;
+
+// The first line of /proc/cpuinfo that starts with `field`, or "".
+std::string CpuInfoLine(const char* field) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind(field, 0) == 0) return line;
+  }
+  return "";
+}
+
+// What a cached choice records.
+struct CachedChoice {
+  std::string label;       // "openvino bf16"
+  std::string openvino;    // OpenVINO's version when it was measured
+  std::string measured;    // the table, as logged then
+};
+
+std::optional<CachedChoice> ReadChoice(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  CachedChoice c;
+  std::string line;
+  int fields = 0;
+  while (std::getline(in, line) && fields < 16) {
+    ++fields;
+    const auto eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
+    if (key == "choice") c.label = value;
+    if (key == "openvino") c.openvino = value;
+    if (key == "measured") c.measured = value;
+  }
+  if (c.label.empty()) return std::nullopt;
+  return c;
+}
+
 class AutoBackend final : public Backend {
  public:
-  AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov) : ort_(std::move(ort)), ov_(std::move(ov)) {}
+  AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov, std::filesystem::path cache_dir)
+      : ort_(std::move(ort)), ov_(std::move(ov)), cache_dir_(std::move(cache_dir)) {}
 
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
@@ -259,17 +309,43 @@ class AutoBackend final : public Backend {
     cs.push_back({"onnxruntime", "onnxruntime", ort_.get(), {}});
     cs.push_back({"openvino f32", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "f32"}}});
     if (CpuHasBf16()) cs.push_back({"openvino bf16", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "bf16"}}});
-    // One candidate open at a time beside the best so far (and the
-    // reference): the load holds at most three copies of the weights.
-    Candidate* best = nullptr;
-    std::vector<NamedTensor> inputs;
-    for (auto& c : cs) {
-      const bool reference = &c == &cs.front();
+    auto open = [&](Candidate& c) {
       c.config = config;
       c.config.backend = c.backend;
       c.config.platform = c.backend == "openvino" ? "openvino" : "onnxruntime_onnx";
       for (const auto& [k, v] : c.parameters) c.config.parameters[k] = v;
-      auto opened = c.runtime->Open(c.config, file, has_config_file, cores, instances);
+      return c.runtime->Open(c.config, file, has_config_file, cores, instances);
+    };
+
+    // A choice measured before for these files, this configuration and
+    // this machine.
+    std::filesystem::path cached_path;
+    if (!cache_dir_.empty()) {
+      if (auto key = ChoiceKey(config, file, cs, cores, instances); !key.empty()) {
+        cached_path = cache_dir_ / (key + ".choice");
+        if (auto cached = ReadChoice(cached_path)) {
+          auto it = std::find_if(cs.begin(), cs.end(), [&](const Candidate& c) { return c.label == cached->label; });
+          if (it != cs.end() && cached->openvino == ov_->RuntimeVersion()) {
+            if (auto opened = open(*it)) {
+              Log(LogLevel::kInfo,
+                  "runtime chosen by measurement (kept in " + cached_path.string() + "): " + cached->measured,
+                  {{"model", config.name}});
+              config = it->config;
+              return std::move(*opened);
+            }
+          }
+        }
+      }
+    }
+
+    // One candidate open at a time beside the best so far (and the
+    // reference): the load holds at most three copies of the weights.
+    Candidate* best = nullptr;
+    std::vector<NamedTensor> inputs;
+    bool compared = false;  // whether another runtime was measured against ONNX Runtime
+    for (auto& c : cs) {
+      const bool reference = &c == &cs.front();
+      auto opened = open(c);
       if (!opened) {
         if (reference) return Err(opened.error());
         c.left_out = "cannot open it: " + opened.error().message();
@@ -294,6 +370,13 @@ class AutoBackend final : public Backend {
         c.opened.reset();
         continue;
       }
+      if (reference && c.ms < kWorthMeasuringMs) {
+        for (auto& other : cs) {
+          if (&other != &c) other.left_out = "not measured: ONNX Runtime's run takes under 1 ms";
+        }
+        break;
+      }
+      compared = compared || !reference;
       c.error = reference ? 0 : Disagreement(cs.front().outputs, c.outputs);
       const auto hint = c.parameters.find("INFERENCE_PRECISION_HINT");
       const bool bf16 = hint != c.parameters.end() && hint->second == "bf16";
@@ -304,7 +387,7 @@ class AutoBackend final : public Backend {
         c.opened.reset();
         continue;
       }
-      if (c.ms < best->ms) {
+      if (c.ms < best->ms * kMargin) {
         if (best != &cs.front()) best->opened.reset();  // the reference stays: its outputs are compared
         best = &c;
       } else if (!reference) {
@@ -319,10 +402,10 @@ class AutoBackend final : public Backend {
     for (const auto& c : cs) {
       if (&c != best) table += (table.empty() ? "" : "; ") + Describe(c);
     }
-    Log(LogLevel::kInfo,
-        "runtime chosen by measurement (the check input, one instance): " + Describe(*best) +
-            (table.empty() ? "" : "; over " + table),
+    const std::string measured = Describe(*best) + (table.empty() ? "" : "; over " + table);
+    Log(LogLevel::kInfo, "runtime chosen by measurement (the check input, one instance): " + measured,
         {{"model", config.name}});
+    if (compared && !cached_path.empty()) Keep(cached_path, best->label, measured, config.name);
     config = best->config;
     return std::move(best->opened);
   }
@@ -331,13 +414,97 @@ class AutoBackend final : public Backend {
   bool RunsOnCallerThreads() const override { return true; }
 
  private:
+  // SHA-256 (hex) of what a measurement depends on: every file of the
+  // model's version folder, the configuration's shapes and parameters, the
+  // cores and instances, the candidates, ONNX Runtime's version and this
+  // CPU. "" when a file cannot be read.
+  std::string ChoiceKey(const ModelConfig& config, const std::filesystem::path& file,
+                        const std::vector<Candidate>& cs, int cores, int instances) const {
+    std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+    if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) return "";
+    auto add = [&](const std::string& s) {
+      const uint64_t n = s.size();
+      EVP_DigestUpdate(ctx.get(), &n, sizeof n);
+      EVP_DigestUpdate(ctx.get(), s.data(), s.size());
+    };
+    add("quern runtime choice 1");
+    add(CpuInfoLine("model name"));
+    add(CpuInfoLine("flags"));
+    add(std::to_string(cores) + " cores, " + std::to_string(instances) + " instances");
+    for (const auto& c : cs) add(c.label);
+    add(ort_->RuntimeVersion());
+    add(file.filename().string());
+    add(std::to_string(config.max_batch_size));
+    for (int64_t b : config.fixed_batch_sizes) add(std::to_string(b));
+    for (const auto& in : config.inputs) {
+      add(in.name + " " + std::string(DataTypeName(in.dtype)));
+      for (int64_t d : in.dims) add(std::to_string(d));
+      if (in.reshape) {
+        add("reshape");
+        for (int64_t d : *in.reshape) add(std::to_string(d));
+      }
+    }
+    for (const auto& [k, v] : config.parameters) add(k + "=" + v);
+    std::error_code ec;
+    std::vector<std::filesystem::path> files;
+    for (const auto& entry : std::filesystem::directory_iterator(file.parent_path(), ec)) {
+      if (entry.is_regular_file(ec)) files.push_back(entry.path());
+    }
+    if (ec) return "";
+    std::sort(files.begin(), files.end());
+    std::vector<char> buf(1 << 20);
+    for (const auto& f : files) {
+      add(f.filename().string());
+      std::ifstream in(f, std::ios::binary);
+      if (!in) return "";
+      while (in) {
+        in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+        if (in.gcount() > 0) EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(in.gcount()));
+      }
+      if (!in.eof()) return "";
+    }
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    if (EVP_DigestFinal_ex(ctx.get(), digest, &len) != 1) return "";
+    std::string hex;
+    for (unsigned int i = 0; i < len; ++i) {
+      char h[3];
+      std::snprintf(h, sizeof h, "%02x", digest[i]);
+      hex += h;
+    }
+    return hex;
+  }
+
+  // Writes a choice (a whole file or none: written aside, then renamed);
+  // a cache that cannot be written is said and otherwise ignored.
+  void Keep(const std::filesystem::path& path, const std::string& label, const std::string& measured,
+            const std::string& model) const {
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    const std::filesystem::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << "choice=" << label << "\nopenvino=" << ov_->RuntimeVersion() << "\nmeasured=" << measured << "\n";
+      out.flush();
+      if (!out) ec = std::make_error_code(std::errc::io_error);
+    }
+    if (!ec) std::filesystem::rename(tmp, path, ec);
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      Log(LogLevel::kWarning, "cannot keep the runtime chosen in " + path.string() + " (measured again at the next load)",
+          {{"model", model}});
+    }
+  }
+
   std::shared_ptr<Backend> ort_, ov_;
+  std::filesystem::path cache_dir_;
 };
 
 }  // namespace
 
-std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino) {
-  return std::make_shared<AutoBackend>(std::move(onnxruntime), std::move(openvino));
+std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino,
+                                        std::filesystem::path cache_dir) {
+  return std::make_shared<AutoBackend>(std::move(onnxruntime), std::move(openvino), std::move(cache_dir));
 }
 
 }  // namespace quern

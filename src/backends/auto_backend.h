@@ -1,13 +1,23 @@
-// Backend "auto": an ONNX model run by the runtime and precision measured
-// fastest on this machine among those whose answers agree with ONNX
-// Runtime's FP32 ones. At load, each candidate (ONNX Runtime FP32, OpenVINO
-// f32, and OpenVINO bf16 where the CPU has AVX512_BF16 or AMX) opens the
-// file, runs a check input of the model's own shapes (batch 1) on one
-// instance for at most 0.6 s, and the fastest whose outputs lie within 0.1 %
-// (f32) or 5 % (bf16) of FP32's largest value, per output, is kept; the
-// others are dropped. The choice and the table behind it are
-// logged; the served configuration names the chosen backend (and its
-// INFERENCE_PRECISION_HINT), so metadata and metrics show it.
+// Backend "auto" (and the default for an ONNX model whose configuration
+// names neither backend nor platform): the model run by the runtime and
+// precision measured fastest on this machine among those whose answers
+// agree with ONNX Runtime's FP32 ones. At load, each candidate (ONNX
+// Runtime FP32, OpenVINO f32, and OpenVINO bf16 where the CPU has
+// AVX512_BF16 or AMX) opens the file, runs a check input of the model's own
+// shapes (batch 1) on one instance for at most 0.6 s, and the fastest whose
+// outputs lie within 0.1 % (f32) or 5 % (bf16) of FP32's largest value, per
+// output, is kept; the others are dropped. Another runtime replaces ONNX
+// Runtime only when at least 10 % faster, and a model whose ONNX Runtime
+// run takes under 1 ms is not measured further (ONNX Runtime serves it).
+// The choice and the table behind it are logged; the served configuration
+// names the chosen backend (and its INFERENCE_PRECISION_HINT), so metadata
+// and metrics show it.
+//
+// With a cache folder, a choice made by comparing runtimes is kept there,
+// named by the SHA-256 of what it depends on (the version folder's files,
+// the configuration's shapes and parameters, cores, instances, the CPU, the
+// runtimes' versions): a restart opens the kept choice without measuring,
+// and a changed model file is measured again.
 //
 // Contract: ONNX Runtime's candidate is the reference: when it cannot open
 // the file, Open fails with its error; a candidate that cannot open (no
@@ -15,12 +25,15 @@
 // QUERN_NO_BF16=1 in the environment leaves bf16 out (a CPU without it).
 #pragma once
 
+#include <filesystem>
 #include <memory>
 
 #include "engine/backend.h"
 
 namespace quern {
 
-std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino);
+// `cache_dir`: where choices are kept ("" = measured at every load).
+std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino,
+                                        std::filesystem::path cache_dir = {});
 
 }  // namespace quern

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include <onnxruntime_c_api.h>
+
 #include "backends/auto_backend.h"
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/onnxruntime/ort_shared_weights.h"
@@ -126,6 +128,9 @@ class OrtBackend final : public Backend {
   bool GpuByDefault() const override { return true; }
   // A session's run is bounded by its inputs and runs no code of the user's.
   bool RunsOnCallerThreads() const override { return true; }
+  std::string RuntimeVersion() const override {
+    return std::string("ONNX Runtime ") + OrtGetApiBase()->GetVersionString();
+  }
 };
 
 // Built-in stages (backend "quern", parameter quern.stage): C++ steps for
@@ -155,13 +160,13 @@ class StageBackend final : public Backend {
 
 }  // namespace
 
-void RegisterBuiltinBackends(BackendRegistry& registry) {
+void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir) {
   registry.Register("quern", std::make_shared<StageBackend>());
   auto onnxruntime = std::make_shared<OrtBackend>();
   auto openvino = NewOpenvinoBackend();
   registry.Register("onnxruntime", onnxruntime);
   registry.Register("openvino", openvino);
-  registry.Register("auto", NewAutoBackend(onnxruntime, openvino));
+  registry.Register("auto", NewAutoBackend(onnxruntime, openvino, runtime_cache_dir));
   registry.Register("python", NewPythonBackend());
   registry.Register("pytorch", NewPytorchBackend());
 }
@@ -169,7 +174,9 @@ void RegisterBuiltinBackends(BackendRegistry& registry) {
 // The engine with the built-in backends: the composition every program
 // that links this library gets.
 Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
-  return EngineFactory::Create(std::move(options), RegisterBuiltinBackends);
+  const std::string cache = options.runtime_cache_dir;
+  return EngineFactory::Create(std::move(options),
+                               [cache](BackendRegistry& registry) { RegisterBuiltinBackends(registry, cache); });
 }
 
 }  // namespace quern

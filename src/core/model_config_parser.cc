@@ -251,7 +251,10 @@ Status ConvertEnsemble(const inference::ModelConfig& p, const std::string& sourc
 // backend and platform: which runs the model (ONNX Runtime unless said).
 Status ConvertBackend(const inference::ModelConfig& p, const std::string& source, ModelConfig& c) {
   const bool ensemble = c.platform == "ensemble";
-  if (c.backend.empty() && (c.platform.empty() || c.platform == "onnxruntime_onnx")) c.backend = "onnxruntime";
+  // An ONNX model that names neither: the runtime measured fastest (backend
+  // "auto"); platform "onnxruntime_onnx" alone pins ONNX Runtime.
+  if (c.backend.empty() && c.platform.empty()) c.backend = "auto";
+  if (c.backend.empty() && c.platform == "onnxruntime_onnx") c.backend = "onnxruntime";
   if (c.backend.empty() && c.platform == "pytorch_libtorch") c.backend = "pytorch";
   if (ensemble && c.backend.empty()) {
     // An ensemble: steps run by the ensemble scheduler (below).

@@ -98,7 +98,8 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
     m.version_policy = ConvertVersionPolicy(*proto);
     m.has_config_file = true;
   } else {
-    m.config.backend = "onnxruntime";
+    // An ONNX model, run by the runtime measured fastest (backend "auto").
+    m.config.backend = "auto";
     m.config.platform = "onnxruntime_onnx";
     m.config.instance_count = 0;  // automatic
   }

@@ -64,6 +64,9 @@ class Backend {
   // run it on its own thread (InferRequest::lend_thread, a lending loop):
   // the engine still lends only small inputs and batches measured short.
   virtual bool RunsOnCallerThreads() const { return false; }
+  // The runtime's name and version ("ONNX Runtime 1.32.0"), or empty when
+  // it has none or cannot be loaded. May load the runtime.
+  virtual std::string RuntimeVersion() const { return ""; }
 };
 
 class BackendRegistry {
@@ -81,6 +84,8 @@ class BackendRegistry {
 };
 
 // Registers every backend this build has (defined by the backends library).
-void RegisterBuiltinBackends(BackendRegistry& registry);
+// Backend "auto" keeps its choices in `runtime_cache_dir` ("" = measures at
+// every load).
+void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir = "");
 
 }  // namespace quern

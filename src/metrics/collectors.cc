@@ -7,6 +7,8 @@
 #include <sstream>
 #include <string>
 
+#include "core/model_runtime.h"
+
 namespace quern {
 namespace {
 
@@ -89,13 +91,8 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
   return registry.AddCollector([&engine](MetricWriter& w) {
     for (const ModelStatus& m : engine.ListModels()) {
       if (m.state != ModelState::kReady || m.config.backend.empty()) continue;
-      std::string runtime = m.config.backend;
-      if (auto it = m.config.parameters.find("INFERENCE_PRECISION_HINT");
-          runtime == "openvino" && it != m.config.parameters.end()) {
-        runtime += " " + it->second;  // OpenVINO's own choice when none is set: "openvino"
-      }
       w.Sample("quern_model_runtime",
-               {{"model", m.name}, {"version", std::to_string(m.version)}, {"runtime", std::move(runtime)}}, 1);
+               {{"model", m.name}, {"version", std::to_string(m.version)}, {"runtime", ModelRuntime(m.config)}}, 1);
     }
     auto stats = engine.GetStatistics();
     if (!stats) return;

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/model_runtime.h"
 #include "server/dashboard_assets.h"  // generated from dashboard/ by CMake
 
 namespace quern {
@@ -85,7 +86,8 @@ HttpResponse DashboardState(const DashboardSources& s) {
     w.Key("reason");
     w.String(m.reason.c_str(), static_cast<rapidjson::SizeType>(m.reason.size()));
     w.Key("platform");
-    const std::string& platform = c.backend.empty() ? c.platform : c.backend;
+    // The runtime (backend and precision, "openvino bf16"), or the platform of an ensemble.
+    const std::string platform = c.backend.empty() ? c.platform : ModelRuntime(c);
     w.String(platform.c_str(), static_cast<rapidjson::SizeType>(platform.size()));
     w.Key("max_batch_size");
     w.Int(c.max_batch_size);

@@ -89,6 +89,10 @@ void AddVisionFlags(CLI::App* serve, ServerOptions& o) {
   serve->add_option("--data-dir", o.data_dir,
                     "Directory for what the server keeps: registered faces (faces.bin; with --redis-url they are "
                     "kept in Redis instead); default: in memory only");
+  serve->add_option("--runtime-cache", o.runtime_cache_dir,
+                    "Directory where the runtime measured fastest for each ONNX model of backend \"auto\" (the "
+                    "default) is kept, so that a restart does not measure again (default: <data-dir>/runtimes with "
+                    "--data-dir, else none: measured at every load)");
   serve->add_option("--vision-port", o.vision_port,
                     "Also serve the vision routes on this port, e.g. CodeProject.AI's 32168 (-1 = off)");
   serve->add_option("--vision-api-key", o.keys.vision_key,

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -71,6 +72,10 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool lo
   o.max_queue_wait_ms = options.max_queue_wait_ms;
   o.allow_links_outside_repository = options.allow_links_outside_repository;
   o.repository_poll_interval_s = options.repository_poll_secs;
+  o.runtime_cache_dir = options.runtime_cache_dir;
+  if (o.runtime_cache_dir.empty() && !options.data_dir.empty()) {
+    o.runtime_cache_dir = (std::filesystem::path(options.data_dir) / "runtimes").string();
+  }
   // A vision model's parameters and label files are checked while it loads,
   // not at its first image.
   o.check_model = [](const ModelStatus& status, const std::string& model_dir) {

@@ -66,6 +66,9 @@ struct ServerOptions {
   // Redis instead when redis_url is set). "" = in memory only (lost when the
   // server stops).
   std::string data_dir;
+  // Where backend "auto" keeps its choices; "" = <data_dir>/runtimes when
+  // data_dir is set, else none.
+  std::string runtime_cache_dir;
 
   MemoryResultStoreOptions store;
   std::string redis_url;  // "" = results in memory

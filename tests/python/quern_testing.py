@@ -2,6 +2,8 @@
 Identity per input), with the KServe datatype name of each."""
 import collections
 import functools
+import os
+import tempfile
 
 import numpy as np
 
@@ -85,6 +87,20 @@ def decode_yolov8(out, width, height, threshold, labels, scale_x, scale_y, offse
             for p, c, box in kept]
 
 
+# The runtime cache the suite's servers share: beside the build's test models.
+RUNTIME_CACHE = os.path.join(os.environ.get("QUERN_TEST_MODELS", tempfile.gettempdir()), "..", "runtime-cache")
+
+
+def pin_runtime(model_dir, backend="onnxruntime"):
+    """Rewrites a copied model's config.pbtxt to run it on `backend` instead of the runtime measured
+    fastest (backend "auto"): for a test whose reference is ONNX Runtime's FP32 arithmetic itself."""
+    import pathlib
+    import re
+    config = pathlib.Path(model_dir) / "config.pbtxt"
+    text = re.sub(r'(?m)^\s*(backend|platform)\s*:.*$', "", config.read_text())
+    config.write_text(f'backend: "{backend}"\n' + text)
+
+
 # Every server start_quern started in this process, (when, process): a failing test's report shows the
 # last LOG_TAIL_LINES lines of each server started during it or still running (conftest.py).
 STARTED = []
@@ -112,6 +128,11 @@ def start_quern(binary, repo, *extra, env=None, cwd=None, log=None, start_timeou
     # QUERN_TEST_SERVE_ARGS: more flags for every server a test file starts (a suite run again with
     # another setting, e.g. two I/O threads).
     more = os.environ.get("QUERN_TEST_SERVE_ARGS", "").split()
+    # Models of backend "auto" (the examples' detectors and classifier, unconfigured ONNX models) are
+    # measured once per build: every server of the suite keeps its choices in one runtime cache, unless
+    # the test names its own (--runtime-cache or --data-dir).
+    if not any(str(a).startswith(("--runtime-cache", "--data-dir")) for a in [*more, *extra]):
+        more += ["--runtime-cache", RUNTIME_CACHE]
     proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0", "--host", "127.0.0.1", *more, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,

@@ -151,6 +151,14 @@ def test_the_page_lists_every_model_with_its_state_and_load_error(server, browse
     shown = {(r["model"], r["version"]): r["state"] for r in rows}
     assert shown == {(m["name"], int(m["version"])): m["state"] for m in index}
     assert shown[(HOSTILE, 1)] == "UNAVAILABLE"
+    # Each model's runtime as /metrics names it: the one backend "auto" measured fastest for the
+    # detector and the classifier ("openvino bf16" on a CPU with AVX512_BF16), ONNX Runtime otherwise.
+    runtimes = {s.labels["model"]: s.labels["runtime"] for s in scrape(server["metrics"])
+                if s.name == "quern_model_runtime"}
+    assert {"objects", "imagenet", "small_cnn"} <= runtimes.keys(), runtimes
+    for r in rows:
+        if r["model"] in runtimes:
+            assert r["layout"].startswith(runtimes[r["model"]] + ","), (r, runtimes)
     reason = browser.execute_script(
         "return document.querySelector('#models tr.reason [data-field=reason]').textContent")
     assert reason == next(m["reason"] for m in index if m["name"] == HOSTILE) and reason

@@ -72,9 +72,10 @@ def make_repo(root, model_path, config):
     repo = os.path.join(root, "repo")
     os.makedirs(os.path.join(repo, "big", "1"))
     shutil.copy(model_path, os.path.join(repo, "big", "1", "model.onnx"))
-    if config is not None:
-        with open(os.path.join(repo, "big", "config.pbtxt"), "w") as f:
-            f.write(config)
+    # Sharing weights is ONNX Runtime's: the runtime pinned (an unconfigured model would run on the one
+    # measured fastest). `config` None: nothing else said, the automatic layout.
+    with open(os.path.join(repo, "big", "config.pbtxt"), "w") as f:
+        f.write('backend: "onnxruntime"\n' + (config or ""))
     return repo
 
 

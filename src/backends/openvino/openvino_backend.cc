@@ -357,6 +357,10 @@ class OpenvinoBackend final : public Backend {
   std::string WhyNoGpu() const override { return "Quern runs OpenVINO models on the CPU only"; }
   // A run is bounded by its inputs and runs no code of the user's.
   bool RunsOnCallerThreads() const override { return true; }
+  std::string RuntimeVersion() const override {
+    auto plugin = Plugin();
+    return plugin ? std::string("OpenVINO ") + (*plugin)->version : "";
+  }
 };
 
 }  // namespace

@@ -271,7 +271,7 @@
       const row = el("tr", {class: "model", data: {model: m.name, version: m.version}, title: "details"},
           el("td", {text: m.name + " v" + m.version}),
           el("td", {}, el("span", {class: "state " + m.state, data: {field: "state"}, text: m.state})),
-          el("td", {class: "muted", text: layout(m)}),
+          el("td", {class: "muted", data: {field: "layout"}, text: layout(m)}),
           cell("requests", requests, fmtCount(requests)),
           cell("errors", failed, fmtCount(failed)),
           cell("rate", okRate === null ? null : okRate + (failRate || 0),
