@@ -1,5 +1,8 @@
 #include "backends/auto_backend.h"
 
+#include <openssl/evp.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,9 +16,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <openssl/evp.h>
-#include <unistd.h>
 
 #include "core/half.h"
 #include "core/log.h"
@@ -274,9 +274,9 @@ std::string CpuInfoLine(const char* field) {
 
 // What a cached choice records.
 struct CachedChoice {
-  std::string label;       // "openvino bf16"
-  std::string openvino;    // OpenVINO's version when it was measured
-  std::string measured;    // the table, as logged then
+  std::string label;     // "openvino bf16"
+  std::string openvino;  // OpenVINO's version when it was measured
+  std::string measured;  // the table, as logged then
 };
 
 std::optional<CachedChoice> ReadChoice(const std::filesystem::path& path) {
@@ -418,8 +418,8 @@ class AutoBackend final : public Backend {
   // model's version folder, the configuration's shapes and parameters, the
   // cores and instances, the candidates, ONNX Runtime's version and this
   // CPU. "" when a file cannot be read.
-  std::string ChoiceKey(const ModelConfig& config, const std::filesystem::path& file,
-                        const std::vector<Candidate>& cs, int cores, int instances) const {
+  std::string ChoiceKey(const ModelConfig& config, const std::filesystem::path& file, const std::vector<Candidate>& cs,
+                        int cores, int instances) const {
     std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
     if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) return "";
     auto add = [&](const std::string& s) {
@@ -491,7 +491,8 @@ class AutoBackend final : public Backend {
     if (!ec) std::filesystem::rename(tmp, path, ec);
     if (ec) {
       std::filesystem::remove(tmp, ec);
-      Log(LogLevel::kWarning, "cannot keep the runtime chosen in " + path.string() + " (measured again at the next load)",
+      Log(LogLevel::kWarning,
+          "cannot keep the runtime chosen in " + path.string() + " (measured again at the next load)",
           {{"model", model}});
     }
   }

@@ -1,10 +1,10 @@
 // The backends this build has, registered with the engine's registry.
+#include <onnxruntime_c_api.h>
+
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <onnxruntime_c_api.h>
 
 #include "backends/auto_backend.h"
 #include "backends/onnxruntime/ort_model.h"
