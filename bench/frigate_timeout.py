@@ -50,7 +50,8 @@ def run(binary, backend, jpegs, fps):
     log = []
     proc, ports = start_quern(binary, repo, "--runtime-cache", os.path.join(repo, "cache"), log=log,
                               start_timeout=300)
-    chosen = next((l.split(": ", 1)[1].split(";")[0] for l in log if "runtime chosen" in l), backend)
+    chosen = next((m.group(1) for m in (re.search(r"runtime chosen by measurement \([^)]*\): ([^:;]+):", l)
+                                        for l in log) if m), backend)
     url = f"http://127.0.0.1:{ports['HTTP']}/v1/vision/detection"
     session = requests.Session()
     ms, timeouts = [], 0
@@ -72,7 +73,7 @@ def run(binary, backend, jpegs, fps):
         stop_quern(proc)
         shutil.rmtree(repo, ignore_errors=True)
     p = np.percentile(ms, [50, 90, 99]) if ms else [float("nan")] * 3
-    print(f"{backend:12s} ({chosen.strip()[:40]}): {len(ms)} of {len(jpegs)} frames in time, {timeouts} timeouts, "
+    print(f"{backend:12s} ({chosen}): {len(ms)} of {len(jpegs)} frames in time, {timeouts} timeouts, "
           f"p50 {p[0]:.1f} ms, p90 {p[1]:.1f} ms, p99 {p[2]:.1f} ms, max {max(ms, default=float('nan')):.1f} ms",
           flush=True)
 

@@ -3,8 +3,10 @@
 // precision measured fastest on this machine among those whose answers
 // agree with ONNX Runtime's FP32 ones. At load, each candidate (ONNX
 // Runtime FP32, OpenVINO f32, and OpenVINO bf16 where the CPU has
-// AVX512_BF16 or AMX) opens the file, runs a check input of the model's own
-// shapes (batch 1) on one instance for at most 0.6 s, and the fastest whose
+// AVX512_BF16 or AMX) opens the file and runs a check input of the model's
+// own shapes (batch 1) as the engine will serve it: on one instance and,
+// where the layout has one, on the wide instance (every core), for at most
+// 0.6 s each; its time is the geometric mean of the two. The fastest whose
 // outputs lie within 0.1 % (f32) or 5 % (bf16) of FP32's largest value, per
 // output, is kept; the others are dropped. Another runtime replaces ONNX
 // Runtime only when at least 10 % faster, and a model whose ONNX Runtime

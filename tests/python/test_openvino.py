@@ -255,7 +255,7 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     assert not ip, ip[:10]
 
 
-CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input, one instance|kept in (?P<kept>\S+))\): "
+CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input|kept in (?P<kept>\S+))\): "
                     r"(?P<chosen>.*?)(?:; over (?P<over>.*))? model=(?P<model>\S+)")
 # Another runtime replaces ONNX Runtime only when this much faster (src/backends/auto_backend.h).
 MARGIN = 0.9
@@ -267,7 +267,8 @@ def parse_choice(line):
     assert m, line
     table, chosen = {}, None
     for part in [m.group("chosen")] + (m.group("over").split("; ") if m.group("over") else []):
-        timed = re.match(r"(.+?): ([\d.e+-]+) ms, outputs within (\S+) of ONNX Runtime's$", part.strip())
+        timed = re.match(r"(.+?): ([\d.e+-]+) ms(?: \(one instance \S+ ms, every core \S+ ms\))?, "
+                         r"outputs within (\S+) of ONNX Runtime's$", part.strip())
         if timed:
             table[timed.group(1)] = (float(timed.group(2)), float(timed.group(3)))
         else:
