@@ -1,6 +1,9 @@
 #include "backends/auto_backend.h"
 
+#include <dlfcn.h>
+#include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -229,7 +233,9 @@ Result<double> MedianMs(Model& model, const std::vector<NamedTensor>& inputs, in
   QUERN_RETURN_IF_ERROR(model.Execute(inputs, batch, first));  // warm-up
   std::vector<double> ms;
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(kMeasureSeconds);
-  while (static_cast<int>(ms.size()) < kMaxRuns && (ms.size() < 3 || std::chrono::steady_clock::now() < until)) {
+  // One timed run at least, then as many as fit in the time (a model that
+  // runs for seconds is timed once).
+  while (static_cast<int>(ms.size()) < kMaxRuns && (ms.empty() || std::chrono::steady_clock::now() < until)) {
     std::vector<NamedTensor> out;
     const auto start = std::chrono::steady_clock::now();
     QUERN_RETURN_IF_ERROR(model.Execute(inputs, batch, out));
@@ -308,14 +314,24 @@ struct CachedChoice {
   std::string measured;  // the table, as logged then
 };
 
+// A kept choice: a regular file of this user's, at most 4 KiB (a link, a
+// FIFO, another user's file or anything larger is not read).
 std::optional<CachedChoice> ReadChoice(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat st {};
+  std::string text(4096, '\0');
+  ssize_t n = -1;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && st.st_size <= 4096) {
+    n = ::read(fd, text.data(), text.size());
+  }
+  ::close(fd);
+  if (n <= 0) return std::nullopt;
+  text.resize(static_cast<size_t>(n));
   CachedChoice c;
+  std::istringstream in(text);
   std::string line;
-  int fields = 0;
-  while (std::getline(in, line) && fields < 16) {
-    ++fields;
+  while (std::getline(in, line)) {
     const auto eq = line.find('=');
     if (eq == std::string::npos) continue;
     const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
@@ -327,6 +343,25 @@ std::optional<CachedChoice> ReadChoice(const std::filesystem::path& path) {
   return c;
 }
 
+// Whether any of the model's instances is placed on a GPU.
+bool AnyOnGpu(const ModelConfig& config) {
+  return std::any_of(config.instance_groups.begin(), config.instance_groups.end(),
+                     [](const InstanceGroup& g) { return g.kind == InstanceGroup::Kind::kGpu; });
+}
+
+// The file holding this code (the quern binary, or libquern): a rebuilt or
+// upgraded Quern measures again.
+std::string OwnBuild() {
+  Dl_info info{};
+  struct stat st {};
+  if (::dladdr(reinterpret_cast<const void*>(&CpuHasBf16), &info) == 0 || !info.dli_fname ||
+      ::stat(info.dli_fname, &st) != 0) {
+    return "";
+  }
+  return std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) + "." +
+         std::to_string(st.st_mtim.tv_nsec) + " " + std::to_string(st.st_ino);
+}
+
 class AutoBackend final : public Backend {
  public:
   AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov, std::filesystem::path cache_dir)
@@ -334,6 +369,12 @@ class AutoBackend final : public Backend {
 
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
+    if (AnyOnGpu(config)) {  // ONNX Runtime's CUDA: the only runtime here that runs on a GPU
+      config.backend = "onnxruntime";
+      config.platform = "onnxruntime_onnx";
+      Log(LogLevel::kInfo, "runtime: onnxruntime, not measured (instances on a GPU)", {{"model", config.name}});
+      return ort_->Open(config, file, has_config_file, cores, instances);
+    }
     std::vector<Candidate> cs;
     cs.push_back({"onnxruntime", "onnxruntime", ort_.get(), {}});
     cs.push_back({"openvino f32", "openvino", ov_.get(), {{"INFERENCE_PRECISION_HINT", "f32"}}});
@@ -355,12 +396,25 @@ class AutoBackend final : public Backend {
         if (auto cached = ReadChoice(cached_path)) {
           auto it = std::find_if(cs.begin(), cs.end(), [&](const Candidate& c) { return c.label == cached->label; });
           if (it != cs.end() && cached->openvino == ov_->RuntimeVersion()) {
-            if (auto opened = open(*it)) {
+            // Opened, and the check input run once: what the measurement
+            // did for it (a failure measures again).
+            auto opened = open(*it);
+            if (opened) {
+              it->opened = std::move(*opened);
+              std::string why;
+              const auto inputs = CheckInputs(it->config, why);
+              const int64_t batch =
+                  it->config.max_batch_size > 0 && !inputs.empty() ? inputs.front().tensor.shape().front() : 1;
+              auto model = it->opened->NewInstance(it->config, InstanceDevice{});
+              std::vector<NamedTensor> out;
+              if (!model || (!inputs.empty() && !(*model)->Execute(inputs, batch, out).ok())) it->opened.reset();
+            }
+            if (it->opened) {
               Log(LogLevel::kInfo,
                   "runtime chosen by measurement (kept in " + cached_path.string() + "): " + cached->measured,
                   {{"model", config.name}});
               config = it->config;
-              return std::move(*opened);
+              return std::move(it->opened);
             }
           }
         }
@@ -439,7 +493,10 @@ class AutoBackend final : public Backend {
     return std::move(best->opened);
   }
 
-  std::string WhyNoGpu() const override { return "backend \"auto\" chooses among CPU runtimes"; }
+  // Instances on a GPU run on ONNX Runtime's CUDA (see Open), as a model
+  // without a configuration always has.
+  std::string WhyNoGpu() const override { return ort_->WhyNoGpu(); }
+  bool GpuByDefault() const override { return ort_->GpuByDefault(); }
   bool RunsOnCallerThreads() const override { return true; }
 
  private:
@@ -457,9 +514,11 @@ class AutoBackend final : public Backend {
       EVP_DigestUpdate(ctx.get(), s.data(), s.size());
     };
     add("quern runtime choice 2");
-    add(CpuInfoLine("model name"));
-    add(CpuInfoLine("flags"));
-    add(std::to_string(cores) + " cores, " + std::to_string(instances) + " instances");
+    add(OwnBuild());
+    for (const char* field : {"model name", "flags", "CPU implementer", "CPU part", "Features"})
+      add(CpuInfoLine(field));
+    add(std::to_string(cores) + " cores, " + std::to_string(instances) + " instances, " +
+        std::to_string(config.instance_count) + " configured");
     for (const auto& c : cs) add(c.label);
     add(ort_->RuntimeVersion());
     add(file.filename().string());
@@ -472,26 +531,43 @@ class AutoBackend final : public Backend {
         add("reshape");
         for (int64_t d : *in.reshape) add(std::to_string(d));
       }
+      add(in.optional ? "optional" : "required");
     }
+    for (const auto& out : config.outputs) add("output " + out.name);
     for (const auto& [k, v] : config.parameters) add(k + "=" + v);
+    // The model file's bytes (the file the runtimes read, inside the
+    // repository), and the other plain files beside it (external weights)
+    // by name, size and time: links are not followed, nothing else read.
+    {
+      const int fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+      struct stat st {};
+      if (fd < 0) return "";
+      if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        ::close(fd);
+        return "";
+      }
+      std::vector<char> buf(1 << 20);
+      ssize_t n;
+      while ((n = ::read(fd, buf.data(), buf.size())) > 0)
+        EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(n));
+      ::close(fd);
+      if (n < 0) return "";
+    }
     std::error_code ec;
-    std::vector<std::filesystem::path> files;
+    std::vector<std::string> beside;
     for (const auto& entry : std::filesystem::directory_iterator(file.parent_path(), ec)) {
-      if (entry.is_regular_file(ec)) files.push_back(entry.path());
+      std::error_code st_ec;
+      const auto status = entry.symlink_status(st_ec);
+      if (st_ec || !std::filesystem::is_regular_file(status) || entry.path().filename() == file.filename()) continue;
+      struct stat st {};
+      if (::lstat(entry.path().c_str(), &st) != 0) continue;
+      beside.push_back(entry.path().filename().string() + " " + std::to_string(st.st_size) + " " +
+                       std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec));
+      if (beside.size() > 1024) return "";  // not a model's folder
     }
     if (ec) return "";
-    std::sort(files.begin(), files.end());
-    std::vector<char> buf(1 << 20);
-    for (const auto& f : files) {
-      add(f.filename().string());
-      std::ifstream in(f, std::ios::binary);
-      if (!in) return "";
-      while (in) {
-        in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-        if (in.gcount() > 0) EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(in.gcount()));
-      }
-      if (!in.eof()) return "";
-    }
+    std::sort(beside.begin(), beside.end());
+    for (const auto& b : beside) add(b);
     unsigned char digest[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
     if (EVP_DigestFinal_ex(ctx.get(), digest, &len) != 1) return "";
@@ -510,16 +586,23 @@ class AutoBackend final : public Backend {
             const std::string& model) const {
     std::error_code ec;
     std::filesystem::create_directories(path.parent_path(), ec);
-    const std::filesystem::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << "choice=" << label << "\nopenvino=" << ov_->RuntimeVersion() << "\nmeasured=" << measured << "\n";
-      out.flush();
-      if (!out) ec = std::make_error_code(std::errc::io_error);
+    // A file of its own (created, never opened through a link), renamed
+    // over the choice when whole.
+    std::string tmp_name = path.string() + ".XXXXXX";
+    const int fd = ec ? -1 : ::mkstemp(tmp_name.data());
+    const std::filesystem::path tmp = tmp_name;
+    if (fd < 0) {
+      ec = std::make_error_code(std::errc::io_error);
+    } else {
+      const std::string text =
+          "choice=" + label + "\nopenvino=" + ov_->RuntimeVersion() + "\nmeasured=" + measured + "\n";
+      const bool whole =
+          ::fchmod(fd, 0644) == 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+      if (::close(fd) != 0 || !whole) ec = std::make_error_code(std::errc::io_error);
     }
     if (!ec) std::filesystem::rename(tmp, path, ec);
     if (ec) {
-      std::filesystem::remove(tmp, ec);
+      if (fd >= 0) std::filesystem::remove(tmp, ec);
       Log(LogLevel::kWarning,
           "cannot keep the runtime chosen in " + path.string() + " (measured again at the next load)",
           {{"model", model}});

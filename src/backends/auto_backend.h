@@ -16,10 +16,14 @@
 // and metrics show it.
 //
 // With a cache folder, a choice made by comparing runtimes is kept there,
-// named by the SHA-256 of what it depends on (the version folder's files,
-// the configuration's shapes and parameters, cores, instances, the CPU, the
-// runtimes' versions): a restart opens the kept choice without measuring,
-// and a changed model file is measured again.
+// named by the SHA-256 of what it depends on (the model file's bytes, the
+// names, sizes and times of the plain files beside it, the configuration's
+// shapes and parameters, cores, instances, the CPU, the runtimes' versions,
+// Quern's own binary): a restart opens the kept choice and runs the check
+// input once (a failure measures again), and a changed model file is
+// measured again. Only a regular file of this user's, at most 4 KiB, is read
+// as a kept choice; a new one is written aside (mkstemp) and renamed.
+// Instances on a GPU run on ONNX Runtime (its CUDA), unmeasured.
 //
 // Contract: ONNX Runtime's candidate is the reference: when it cannot open
 // the file, Open fails with its error; a candidate that cannot open (no

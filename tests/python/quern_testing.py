@@ -88,7 +88,8 @@ def decode_yolov8(out, width, height, threshold, labels, scale_x, scale_y, offse
 
 
 # The runtime cache the suite's servers share: beside the build's test models.
-RUNTIME_CACHE = os.path.join(os.environ.get("QUERN_TEST_MODELS", tempfile.gettempdir()), "..", "runtime-cache")
+RUNTIME_CACHE = (os.path.join(os.environ["QUERN_TEST_MODELS"], "..", "runtime-cache") if "QUERN_TEST_MODELS" in os.environ
+                 else os.path.join(tempfile.gettempdir(), f"quern-runtime-cache-{os.getuid()}"))
 
 
 def pin_runtime(model_dir, backend="onnxruntime"):

@@ -301,12 +301,15 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
     if no_bf16:
         env["QUERN_NO_BF16"] = "1"
     log = []
-    proc, ports = start_quern(QUERN, str(repo), log=log, env=env, start_timeout=300)
+    # A cache of its own: measured here, not read from another test's servers.
+    proc, ports = start_quern(QUERN, str(repo), "--runtime-cache", str(tmp_path / "cache"), log=log, env=env,
+                              start_timeout=300)
     try:
         port = ports["HTTP"]
         choices = {}
         for line in log:
             if "runtime chosen by measurement" in line:
+                assert "kept in" not in line, line
                 chosen, table = parse_choice(line)
                 choices[CHOSEN.search(line).group("model")] = (chosen, table)
         assert set(choices) == set(examples) | {"add_sub"}, "".join(log)
@@ -429,6 +432,21 @@ def test_an_unconfigured_onnx_model_is_measured_once_and_its_choice_kept(tmp_pat
         assert metric_sum(ports["metrics"], "quern_model_runtime", model="classifier", runtime=chosen) == 1
     finally:
         stop_quern(proc)
+
+    # A kept file replaced by a FIFO, then by a link to a file that says otherwise: neither is read
+    # (the load neither hangs nor follows the link), the model is measured again and the file rewritten.
+    for hostile in ("fifo", "link"):
+        kept[0].unlink()
+        if hostile == "fifo":
+            os.mkfifo(kept[0])
+        else:
+            (tmp_path / "elsewhere").write_text("choice=onnxruntime\nopenvino=\nmeasured=planted\n")
+            os.symlink(tmp_path / "elsewhere", kept[0])
+        proc, ports, again = start("--runtime-cache", str(cache))
+        stop_quern(proc)
+        assert CHOSEN.search(again["classifier"]).group("kept") is None, (hostile, again["classifier"])
+        assert kept[0].is_file() and not kept[0].is_symlink() and kept[0].read_text().startswith("choice="), hostile
+    assert (tmp_path / "elsewhere").read_text().endswith("planted\n")  # the link's target untouched
 
     # The model file changed (the same graph, another producer string): measured again, kept apart.
     model = onnx.load(str(repo / "classifier" / "1" / "model.onnx"))
