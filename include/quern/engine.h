@@ -322,6 +322,9 @@ struct EngineOptions {
   // that a restart does not measure again: one small file per model file
   // and machine. "" = measured at every load.
   std::string runtime_cache_dir;
+  // False: backend "auto" opens ONNX Runtime without measuring (a command
+  // that only lists or tries models, such as `quern models`).
+  bool measure_runtimes = true;
 };
 
 class ModelRegistry;

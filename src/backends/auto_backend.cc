@@ -364,15 +364,19 @@ std::string OwnBuild() {
 
 class AutoBackend final : public Backend {
  public:
-  AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov, std::filesystem::path cache_dir)
-      : ort_(std::move(ort)), ov_(std::move(ov)), cache_dir_(std::move(cache_dir)) {}
+  AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov, std::filesystem::path cache_dir, bool measure)
+      : ort_(std::move(ort)), ov_(std::move(ov)), cache_dir_(std::move(cache_dir)), measure_(measure) {}
 
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
-    if (AnyOnGpu(config)) {  // ONNX Runtime's CUDA: the only runtime here that runs on a GPU
+    // ONNX Runtime's CUDA: the only runtime here that runs on a GPU.
+    if (AnyOnGpu(config) || !measure_) {
       config.backend = "onnxruntime";
       config.platform = "onnxruntime_onnx";
-      Log(LogLevel::kInfo, "runtime: onnxruntime, not measured (instances on a GPU)", {{"model", config.name}});
+      Log(LogLevel::kInfo,
+          std::string("runtime: onnxruntime, not measured (") +
+              (measure_ ? "instances on a GPU" : "this command does not measure runtimes") + ")",
+          {{"model", config.name}});
       return ort_->Open(config, file, has_config_file, cores, instances);
     }
     std::vector<Candidate> cs;
@@ -611,13 +615,14 @@ class AutoBackend final : public Backend {
 
   std::shared_ptr<Backend> ort_, ov_;
   std::filesystem::path cache_dir_;
+  bool measure_;
 };
 
 }  // namespace
 
 std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino,
-                                        std::filesystem::path cache_dir) {
-  return std::make_shared<AutoBackend>(std::move(onnxruntime), std::move(openvino), std::move(cache_dir));
+                                        std::filesystem::path cache_dir, bool measure) {
+  return std::make_shared<AutoBackend>(std::move(onnxruntime), std::move(openvino), std::move(cache_dir), measure);
 }
 
 }  // namespace quern

@@ -38,8 +38,9 @@
 
 namespace quern {
 
-// `cache_dir`: where choices are kept ("" = measured at every load).
+// `cache_dir`: where choices are kept ("" = measured at every load);
+// `measure` false: ONNX Runtime opens every model, unmeasured.
 std::shared_ptr<Backend> NewAutoBackend(std::shared_ptr<Backend> onnxruntime, std::shared_ptr<Backend> openvino,
-                                        std::filesystem::path cache_dir = {});
+                                        std::filesystem::path cache_dir = {}, bool measure = true);
 
 }  // namespace quern

@@ -160,13 +160,13 @@ class StageBackend final : public Backend {
 
 }  // namespace
 
-void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir) {
+void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir, bool measure_runtimes) {
   registry.Register("quern", std::make_shared<StageBackend>());
   auto onnxruntime = std::make_shared<OrtBackend>();
   auto openvino = NewOpenvinoBackend();
   registry.Register("onnxruntime", onnxruntime);
   registry.Register("openvino", openvino);
-  registry.Register("auto", NewAutoBackend(onnxruntime, openvino, runtime_cache_dir));
+  registry.Register("auto", NewAutoBackend(onnxruntime, openvino, runtime_cache_dir, measure_runtimes));
   registry.Register("python", NewPythonBackend());
   registry.Register("pytorch", NewPytorchBackend());
 }
@@ -175,8 +175,10 @@ void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runti
 // that links this library gets.
 Result<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
   const std::string cache = options.runtime_cache_dir;
-  return EngineFactory::Create(std::move(options),
-                               [cache](BackendRegistry& registry) { RegisterBuiltinBackends(registry, cache); });
+  const bool measure = options.measure_runtimes;
+  return EngineFactory::Create(std::move(options), [cache, measure](BackendRegistry& registry) {
+    RegisterBuiltinBackends(registry, cache, measure);
+  });
 }
 
 }  // namespace quern

@@ -58,6 +58,9 @@ quern::Result<quern::Tensor> MakeInput(const quern::ModelConfig& c, const quern:
 quern::Result<std::unique_ptr<quern::Engine>> Open(const std::string& repo, bool load_all_models = true) {
   quern::ServerOptions options;
   options.model_repository = repo;
+  // Listing or trying a model: backend "auto" opens ONNX Runtime unmeasured
+  // (`quern serve` and `quern tune` measure).
+  options.measure_runtimes = false;
   auto engine = quern::OpenEngine(options, load_all_models);
   if (!engine) std::fprintf(stderr, "quern: %s\n", engine.error().ToString().c_str());
   return engine;

@@ -86,6 +86,8 @@ class BackendRegistry {
 // Registers every backend this build has (defined by the backends library).
 // Backend "auto" keeps its choices in `runtime_cache_dir` ("" = measures at
 // every load).
-void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir = "");
+// With `measure_runtimes` false it opens ONNX Runtime without measuring.
+void RegisterBuiltinBackends(BackendRegistry& registry, const std::string& runtime_cache_dir = "",
+                             bool measure_runtimes = true);
 
 }  // namespace quern

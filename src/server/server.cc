@@ -73,6 +73,7 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool lo
   o.allow_links_outside_repository = options.allow_links_outside_repository;
   o.repository_poll_interval_s = options.repository_poll_secs;
   o.runtime_cache_dir = options.runtime_cache_dir;
+  o.measure_runtimes = options.measure_runtimes;
   if (o.runtime_cache_dir.empty() && !options.data_dir.empty()) {
     o.runtime_cache_dir = (std::filesystem::path(options.data_dir) / "runtimes").string();
   }

@@ -69,6 +69,8 @@ struct ServerOptions {
   // Where backend "auto" keeps its choices; "" = <data_dir>/runtimes when
   // data_dir is set, else none.
   std::string runtime_cache_dir;
+  // False: backend "auto" opens ONNX Runtime unmeasured (`quern models`).
+  bool measure_runtimes = true;
 
   MemoryResultStoreOptions store;
   std::string redis_url;  // "" = results in memory

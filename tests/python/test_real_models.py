@@ -295,5 +295,7 @@ def test_quern_models_lists_the_real_models_with_their_labels(tmp_path):
     out = subprocess.run([QUERN, "models", str(repo)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "objects_fast v1  READY" in out.stdout and "imagenet v1  READY" in out.stdout, out.stdout
+    # Listing measures no runtime (backend "auto" models open on ONNX Runtime, saying so).
+    assert out.stderr.count("not measured (this command does not measure runtimes)") == 2, out.stderr
     assert "80 labels: person, bicycle, car" in out.stdout, out.stdout
     assert "1000 labels: tench" in out.stdout, out.stdout
