@@ -10,4 +10,6 @@ namespace {
 [[maybe_unused]] const int kTbbBesideSanitizers = setenv("TBB_ENABLE_SANITIZERS", "1", 0);
 }  // namespace
 
-extern "C" const char* __lsan_default_suppressions() { return "leak:libopenvino.so\nleak:libtbb.so\n"; }
+extern "C" const char* __lsan_default_suppressions() {
+  return "leak:libopenvino.so\nleak:libtbb.so\n";
+}
