@@ -435,7 +435,9 @@ def test_models_loaded_over_the_api_do_not_inherit_the_io_threads_scheduling(tmp
         made = {tid: v for tid, v in after.items() if tid not in before}
         assert sum(name == "quern-infer" for name, _ in made.values()) >= 2, made
         assert all(p == 0 for _, p in made.values()), made
-        assert all(after[tid] == v for tid, v in before.items() if tid in after), (before, after)
+        # Their scheduling, not their names: a thread started just before `before` may name itself
+        # after it (quern-jobs-io seen as quern on a busy machine).
+        assert all(after[tid][1] == v[1] for tid, v in before.items() if tid in after), (before, after)
         if main_slice is not None:  # the kernel shows slices: the new threads have the main thread's
             slices = thread_slices(proc.pid)
             assert all(slices[tid] == main_slice for tid in made if tid in slices), (main_slice, slices, made)
