@@ -120,24 +120,34 @@ def iou(a, b):
     return ix * iy / (area(a) + area(b) - ix * iy)
 
 
+def fp32_boxes_and_twins(server, other, min_iou):
+    """On every labelled photograph, each box of `objects_onnxruntime` (FP32) at >= 0.25 with the
+    boxes of model `other` (asked down to 0.1, so that a box whose confidence moved across 0.25 is
+    still seen) of its label at IoU >= min_iou: [(photo, fp32 box, twins, other's boxes)]."""
+    pairs = []
+    for photo in LABELS:
+        with open(os.path.join(PHOTOS, photo), "rb") as f:
+            image = f.read()
+        fp32 = detect(server, image, "/v1/vision/custom/objects_onnxruntime", min_confidence=0.25)
+        found = detect(server, image, f"/v1/vision/custom/{other}", min_confidence=0.1)
+        for p in fp32:
+            pairs.append((photo, p, [q for q in found if q["label"] == p["label"] and iou(p, q) >= min_iou], found))
+    return pairs
+
+
 def test_the_int8_twin_finds_the_fp32_models_boxes(server):
     """objects_int8 (scripts/quantize.py's output) against objects on every labelled photograph: each box
     the FP32 model gives at >= 0.25 is given by the INT8 model too (same label, IoU >= 0.8, confidence
     within 0.15; asked down to 0.1 so that a box whose confidence moved across 0.25 is still seen), and
     at least nine in ten at IoU >= 0.9 (measured: 27 of 29; the two others 0.84 and 0.90, on coffee.png)."""
-    boxes = close = 0
+    pairs = fp32_boxes_and_twins(server, "objects_int8", 0.8)
+    boxes = len(pairs)
+    close = 0
     worst = 0.0
-    for photo in LABELS:
-        with open(os.path.join(PHOTOS, photo), "rb") as f:
-            image = f.read()
-        fp32 = detect(server, image, "/v1/vision/custom/objects_onnxruntime", min_confidence=0.25)
-        int8 = detect(server, image, "/v1/vision/custom/objects_int8", min_confidence=0.1)
-        for p in fp32:
-            boxes += 1
-            twins = [q for q in int8 if q["label"] == p["label"] and iou(p, q) >= 0.8]
-            assert twins, (photo, p, int8)
-            close += any(iou(p, q) >= 0.9 for q in twins)
-            worst = max(worst, min(abs(q["confidence"] - p["confidence"]) for q in twins))
+    for photo, p, twins, int8 in pairs:
+        assert twins, (photo, p, int8)
+        close += any(iou(p, q) >= 0.9 for q in twins)
+        worst = max(worst, min(abs(q["confidence"] - p["confidence"]) for q in twins))
     assert boxes >= 25 and close >= 0.9 * boxes, (boxes, close)
     assert worst <= 0.15, worst
     report = json.load(open(os.path.join(MODELS, "objects_int8", "agreement.json")))
@@ -150,15 +160,8 @@ def test_the_shipped_detector_keeps_onnx_runtimes_boxes_whichever_runtime_serves
     each FP32 box at >= 0.25 is found with the same label at IoU >= 0.9 and a confidence within 0.05
     (asked down to 0.1, so that a box whose confidence moved across 0.25 is still seen). Measured on
     this CPU: 41 of 41 boxes, confidences within 0.03."""
-    boxes = 0
-    for photo in LABELS:
-        with open(os.path.join(PHOTOS, photo), "rb") as f:
-            image = f.read()
-        fp32 = detect(server, image, "/v1/vision/custom/objects_onnxruntime", min_confidence=0.25)
-        shipped = detect(server, image, "/v1/vision/custom/objects", min_confidence=0.1)
-        for p in fp32:
-            boxes += 1
-            twins = [q for q in shipped if q["label"] == p["label"] and iou(p, q) >= 0.9]
-            assert twins, (photo, p, shipped)
-            assert min(abs(q["confidence"] - p["confidence"]) for q in twins) <= 0.05, (photo, p, twins)
-    assert boxes >= 25, boxes
+    pairs = fp32_boxes_and_twins(server, "objects", 0.9)
+    for photo, p, twins, shipped in pairs:
+        assert twins, (photo, p, shipped)
+        assert min(abs(q["confidence"] - p["confidence"]) for q in twins) <= 0.05, (photo, p, twins)
+    assert len(pairs) >= 25, len(pairs)
