@@ -1,6 +1,6 @@
 // The HTTP router without sockets: which route a request reaches, the order
 // of its checks (draining, key, admission), and the answers to paths and
-// methods no route takes; and the server's route table against the README's.
+// methods no route takes; and the server's route table against docs/api/http.md's.
 #include "frontends/http/router.h"
 
 #include <gtest/gtest.h>
@@ -85,7 +85,11 @@ TEST(Router, PathsAndMethodsWithoutARouteGet404405Or501) {
   EXPECT_EQ(post.headers.at(0).second, "GET, HEAD, DELETE");
   EXPECT_EQ(Dispatch(r, "DELETE", "/v2/jobs/abc").body, "cancel id=abc");
   EXPECT_EQ(Dispatch(r, "GET", "/v2/models/m/infer/more").status, 404);
-  EXPECT_EQ(Dispatch(r, "BREW", "/v2/models/m/infer").status, 501);
+  HttpResponse brew = Dispatch(r, "BREW", "/v2/models/m/infer");  // a path with routes: 405, whatever the method
+  EXPECT_EQ(brew.status, 405);
+  EXPECT_EQ(brew.headers.at(0).second, "POST");
+  EXPECT_EQ(Dispatch(r, "TRACE", "/v2/jobs/abc").status, 405);
+  EXPECT_EQ(Dispatch(r, "BREW", "/nowhere").status, 501);
   EXPECT_EQ(Dispatch(r, "GET", "/").status, 404);
 }
 
@@ -148,6 +152,8 @@ TEST(Router, TheKeyIsCheckedOnTheHeadBeforeAdmissionAndOnlyThere) {
   EXPECT_FALSE(Head(r, "POST", "/v2/repository/models/m/load", {{"x-api-key", "admin"}}).has_value());
   EXPECT_EQ(Head(r, "GET", "/v2/nothing/here")->status, 401) << "no route: the key still comes first";
   EXPECT_FALSE(Head(r, "GET", "/open").has_value());
+  EXPECT_FALSE(Head(r, "TRACE", "/open").has_value()) << "an open path: its 405 needs no key";
+  EXPECT_EQ(Head(r, "GET", "/v2/models/m/infer")->status, 401) << "a keyed path: the key before the 405";
   auto query_key = Head(r, "POST", "/v2/models/m/infer?api_key=user");
   ASSERT_TRUE(query_key.has_value()) << "no query keys outside a scope that takes them";
   EXPECT_EQ(query_key->status, 401);
@@ -224,7 +230,7 @@ TEST(Router, DrainingRefusesAllButTheRoutesAnsweredWhileDraining) {
   EXPECT_EQ(Dispatch(r, "GET", "/v2/health/ready").body, "ready");
 }
 
-// The README's "Every HTTP route" table: (methods, path, key) -> ports.
+// The route table of docs/api/http.md: (methods, path, key) -> ports.
 using RouteRows = std::map<std::tuple<std::string, std::string, std::string>, std::set<std::string>>;
 
 std::string Trim(std::string s) {
@@ -245,9 +251,9 @@ std::string Methods(const std::string& s) {
   return out;
 }
 
-RouteRows ReadmeRoutes() {
-  std::ifstream in(QUERN_README);
-  EXPECT_TRUE(in.good()) << QUERN_README;
+RouteRows DocumentedRoutes() {
+  std::ifstream in(QUERN_HTTP_DOC);
+  EXPECT_TRUE(in.good()) << QUERN_HTTP_DOC;
   RouteRows rows;
   bool inside = false;
   for (std::string line; std::getline(in, line);) {
@@ -270,7 +276,7 @@ RouteRows ReadmeRoutes() {
   return rows;
 }
 
-TEST(Routes, TheReadmeListsEveryRouteOfEveryPortAndNoOther) {
+TEST(Routes, TheHttpPageListsEveryRouteOfEveryPortAndNoOther) {
   auto engine = Engine::Create({});
   ASSERT_TRUE(engine.has_value());
   MemoryResultStore store;
@@ -292,17 +298,17 @@ TEST(Routes, TheReadmeListsEveryRouteOfEveryPortAndNoOther) {
       served[{Methods(e.methods), e.pattern, std::string(KeyPolicyName(e.key))}].insert(port);
     }
   }
-  const RouteRows readme = ReadmeRoutes();
+  const RouteRows documented = DocumentedRoutes();
   for (const auto& [route, ports] : served) {
-    auto it = readme.find(route);
-    EXPECT_TRUE(it != readme.end()) << "the README does not list " << std::get<0>(route) << " " << std::get<1>(route)
-                                    << " (key " << std::get<2>(route) << ")";
-    if (it != readme.end()) {
+    auto it = documented.find(route);
+    EXPECT_TRUE(it != documented.end()) << "docs/api/http.md does not list " << std::get<0>(route) << " "
+                                        << std::get<1>(route) << " (key " << std::get<2>(route) << ")";
+    if (it != documented.end()) {
       EXPECT_EQ(it->second, ports) << std::get<1>(route);
     }
   }
-  for (const auto& [route, ports] : readme) {
-    EXPECT_TRUE(served.contains(route)) << "the README lists " << std::get<0>(route) << " " << std::get<1>(route)
+  for (const auto& [route, ports] : documented) {
+    EXPECT_TRUE(served.contains(route)) << "docs/api/http.md lists " << std::get<0>(route) << " " << std::get<1>(route)
                                         << " (key " << std::get<2>(route) << "), which no port serves";
   }
 }

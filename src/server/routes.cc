@@ -1,5 +1,7 @@
 #include "server/routes.h"
 
+#include "server/openapi_spec.h"  // generated from docs/openapi.yaml by CMake
+
 namespace quern {
 namespace {
 
@@ -20,6 +22,14 @@ Status NothingElse(Router& router, KeyPolicy key, std::string body) {
 }  // namespace
 
 Status AddHttpPortRoutes(Router& router, const HttpFrontEnds& f) {
+  // The API's description names routes, not models: open to anyone.
+  QUERN_RETURN_IF_ERROR(router.Add(
+      {"GET", "/openapi.yaml", KeyPolicy::kNone, false, nullptr, [](HttpRequest&&, const RouteMatch&, HttpDone done) {
+         HttpResponse resp;
+         resp.content_type = "application/yaml";
+         resp.body = openapi_spec::Yaml();
+         done(std::move(resp));
+       }}));
   QUERN_RETURN_IF_ERROR(f.kserve->AddRoutes(router));
   QUERN_RETURN_IF_ERROR(f.jobs->AddRoutes(router));
   QUERN_RETURN_IF_ERROR(f.vision->AddRoutes(router));

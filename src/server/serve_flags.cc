@@ -156,6 +156,7 @@ void AddJobFlags(CLI::App* serve, ServerOptions& o) {
           "--stream-retain-secs", [&o](int64_t secs) { o.consumer.stream_retain_ms = secs * 1000; },
           "Keep job stream entries every consumer group acknowledged this long before trimming them (0 = trim "
           "at once)")
+      ->default_str("0")
       ->check(CLI::Range(int64_t{0}, int64_t{10} * 365 * 24 * 3600));
 }
 

@@ -73,13 +73,14 @@ def stats(ports):
             "queue_count": int(q["count"])}
 
 
-def test_an_open_loop_waits_out_the_delay_and_runs_fuller_batches(server):
-    # At 1500 requests/s about six arrive within the 4 ms delay. Before the server has measured which
-    # way pays (about a second), batches leave once every recent client is queued: one at a time here.
-    # Which way it settles on is measured in real time, so a busy machine may tip it: the choice
-    # itself is tested on a fake clock (BatchDelayTuner.AnOpenLoopWaitsOutTheDelayAndSavesRunTime); here,
-    # that the server settled on one way, counted every request, and that while it waits out the
-    # delay its batches hold several requests, each having waited about the delay by its own clock.
+def test_an_open_loop_is_served_whole_and_the_server_settles_on_one_way(server):
+    # At 1500 requests/s about six arrive within the 4 ms delay. Which way batches leave is measured in
+    # real time, and the server probes the other ways now and then, so on a busy machine a window of
+    # a few seconds mixes ways: how full its batches are and how long its requests waited are figures
+    # (printed; bench/latency_target_bench.sh measures them), not assertions. The choice is tested on
+    # a fake clock (BatchDelayTuner.AnOpenLoopWaitsOutTheDelayAndSavesRunTime), and a batch that waits
+    # out the delay in BatchQueue.DelayWaitsForMoreUntilTheOldestHasWaitedLongEnough. Here: every
+    # request answered and counted, and one way reported.
     perf(server, "--rate", "1500", "-s", "4")
     before = stats(server)
     level = perf(server, "--rate", "1500", "-s", "3")
@@ -89,10 +90,8 @@ def test_an_open_loop_waits_out_the_delay_and_runs_fuller_batches(server):
     assert executions > 0 and inferences >= level["ok"], (inferences, executions, level)  # warm-up counted too
     ways = leave_metric(server)
     assert sorted(ways.values()) == [0, 0, 1], ways
-    if ways["after_delay"] == 1:
-        # Even at a third of the asked rate, a 4 ms wait gathers more than one request.
-        assert inferences / executions > 1.5, (inferences, executions)
-        assert queue_ms_per_request(server, before, after) > DELAY_US / 1000 / 4, (before, after)
+    print(f"open loop at 1500/s: way {max(ways, key=ways.get)}, {inferences / executions:.2f} requests per batch, "
+          f"{queue_ms_per_request(server, before, after):.2f} ms in the queue per request (delay {DELAY_US / 1000} ms)")
 
 
 def test_a_lone_closed_loop_client_is_not_held_back_by_the_delay(server):

@@ -746,7 +746,7 @@ std::vector<GrpcMethodSpec> GrpcServer::Impl::Methods() {
   Unary<inf::ServerMetadataRequest, inf::ServerMetadataResponse>(m, "ServerMetadata", Access::kUser,
                                                                  [](auto&, auto* out) {
                                                                    out->set_name("quern");
-                                                                   out->set_version("0.1.0");
+                                                                   out->set_version(Version());
                                                                    for (const std::string_view e : kKServeExtensions) {
                                                                      out->add_extensions(std::string(e));
                                                                    }

@@ -99,7 +99,7 @@ HttpResponse ServerMetadataJson() {
   w.Key("name");
   w.String("quern");
   w.Key("version");
-  w.String("0.1.0");
+  w.String(Version());
   w.Key("extensions");
   w.StartArray();
   for (const std::string_view e : kKServeExtensions) w.String(e.data(), static_cast<rapidjson::SizeType>(e.size()));
@@ -303,11 +303,23 @@ void KServeHandler::Ready(HttpRequest&&, const RouteMatch& m, HttpDone done) {
 }
 
 void KServeHandler::Index(HttpRequest&& req, const RouteMatch&, HttpDone done) {
+  // The body is optional (tritonclient sends none); when present, a JSON object whose "ready", if
+  // any, is a boolean.
   rapidjson::Document doc;
   bool ready_only = false;
-  if (JsonParseError e; !req.body.empty() && ParseJson(doc, req.body.data(), req.body.size(), e) && doc.IsObject() &&
-                        doc.HasMember("ready") && doc["ready"].IsBool()) {
-    ready_only = doc["ready"].GetBool();
+  if (!req.body.empty()) {
+    JsonParseError e;
+    if (!ParseJson(doc, req.body.data(), req.body.size(), e) || !doc.IsObject()) {
+      return done(
+          ErrorResponse(InvalidArgument("repository index: the body must be a JSON object, e.g. {\"ready\": true} (" +
+                                        (e.message.empty() ? "not an object" : e.message) + ")")));
+    }
+    if (doc.HasMember("ready")) {
+      if (!doc["ready"].IsBool()) {
+        return done(ErrorResponse(InvalidArgument("repository index: \"ready\" must be true or false")));
+      }
+      ready_only = doc["ready"].GetBool();
+    }
   }
   done(RepositoryIndex(engine_->ListModels(), ready_only));
 }
@@ -338,7 +350,10 @@ void KServeHandler::Control(bool load, HttpRequest&& req, const RouteMatch& m, c
       }
       for (const auto& p : it->value.GetObject()) {
         const std::string key(p.name.GetString(), p.name.GetStringLength());
-        if (action == "unload" && key == "unload_dependents") continue;
+        if (action == "unload" && key == "unload_dependents") {
+          if (p.value.IsBool()) continue;
+          return done(Error(InvalidArgument("model '" + model + "': 'unload_dependents' must be true or false")));
+        }
         return done(Error(InvalidArgument(
             "model '" + model + "': " + std::string(action) + " parameter '" + key.substr(0, 64) +
             "' is not supported; Quern loads the model's files and config.pbtxt from the repository as they are")));

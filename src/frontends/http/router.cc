@@ -72,6 +72,14 @@ HttpResponse DefaultRefusal(const Status& st) {
 
 void DefaultUnmatched(const HttpRequest& r, std::string_view allowed, const HttpDone& done) {
   const std::string what = r.method.substr(0, 32) + " " + r.target.substr(0, 256);
+  // A path that has routes answers any other method, known or not (TRACE, BREW), with 405 and the
+  // methods it takes; an unknown method elsewhere is 501, as no route takes it.
+  if (!allowed.empty()) {
+    HttpResponse resp = ErrorResponse(InvalidArgument(what + ": this route takes " + std::string(allowed)));
+    resp.status = 405;
+    resp.headers.emplace_back("Allow", std::string(allowed));
+    return done(std::move(resp));
+  }
   if (MethodBit(r.method) == 0) {
     HttpResponse resp =
         ErrorResponse(Status(StatusCode::kUnimplemented, "method " + r.method.substr(0, 32) +
@@ -80,11 +88,7 @@ void DefaultUnmatched(const HttpRequest& r, std::string_view allowed, const Http
     resp.status = 501;
     return done(std::move(resp));
   }
-  if (allowed.empty()) return done(ErrorResponse(NotFound("no route for " + what)));
-  HttpResponse resp = ErrorResponse(InvalidArgument(what + ": this route takes " + std::string(allowed)));
-  resp.status = 405;
-  resp.headers.emplace_back("Allow", std::string(allowed));
-  done(std::move(resp));
+  done(ErrorResponse(NotFound("no route for " + what)));
 }
 
 }  // namespace
@@ -142,6 +146,7 @@ struct Router::Compiled {
 struct Router::Found {
   const Compiled* route = nullptr;  // takes the method; null: none does
   unsigned allowed = 0;             // the methods routes at this path take
+  bool path_open = false;           // routes fit the path and each is open (KeyPolicy::kNone)
   const RouteScope* scope = nullptr;
   RouteMatch match;
 };
@@ -216,6 +221,7 @@ Router::Found Router::Match(unsigned method_bits, std::string_view target) const
   const TargetPath path = SplitTargetPath(target);
   for (const auto& c : compiled_) {
     if (!c->Fits(path)) continue;
+    f.path_open = (f.allowed == 0 || f.path_open) && routes_[c->route].key == KeyPolicy::kNone;
     f.allowed |= c->methods;
     if (!(c->methods & method_bits)) continue;
     if (!f.route || c->MoreSpecificThan(*f.route)) f.route = c.get();
@@ -232,8 +238,10 @@ Router::Found Router::Match(unsigned method_bits, std::string_view target) const
   return f;
 }
 
-KeyPolicy Router::KeyOf(const Route* route, const RouteScope* scope) {
+KeyPolicy Router::KeyOf(const Route* route, const RouteScope* scope, bool path_open) {
   if (route) return route->key;
+  // A method no route at an open path takes (TRACE /) is told so without a key: the path is open.
+  if (path_open) return KeyPolicy::kNone;
   // No handler of a route reads a form's key here.
   if (!scope || scope->key == KeyPolicy::kUserOrForm) return KeyPolicy::kUser;
   return scope->key;
@@ -277,7 +285,7 @@ std::optional<HttpResponse> Router::Head(const HttpRequest& head) const {
   if (Draining() && !(route && route->while_draining)) {
     return ErrorResponse(Unavailable("the server is shutting down"));
   }
-  if (auto refused = Authorize(head, KeyOf(route, f.scope), f.scope)) return refused;
+  if (auto refused = Authorize(head, KeyOf(route, f.scope, f.path_open), f.scope)) return refused;
   // A key still to come in the body: admitted once it is known.
   if (!route || !route->head || KeyInBody(head, route->key, f.scope)) return std::nullopt;
   return route->head(head, f.match);

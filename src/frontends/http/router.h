@@ -177,8 +177,9 @@ class Router {
   bool KeyInBody(const HttpRequest& head, KeyPolicy key, const RouteScope* scope) const;
   std::optional<HttpResponse> Authorize(const HttpRequest& head, KeyPolicy key, const RouteScope* scope) const;
   bool Draining() const;
-  // The key a request needs: its route's, else its scope's.
-  static KeyPolicy KeyOf(const Route* route, const RouteScope* scope);
+  // The key a request needs: its route's; else none at a path whose routes are all open; else its
+  // scope's.
+  static KeyPolicy KeyOf(const Route* route, const RouteScope* scope, bool path_open);
 
   RouterOptions options_;
   std::vector<Route> routes_;                        // as declared

@@ -209,7 +209,11 @@ std::string VisionHandler::CommandOf(std::string_view target) {
 
 HttpResponse VisionHandler::KeyRefusal(const HttpRequest& head, const Status& st, KeyProblem problem,
                                        bool predict) const {
-  if (predict) return JsonError(AuthHttpStatus(st), st.message());
+  if (predict) {
+    HttpResponse resp = JsonError(AuthHttpStatus(st), st.message());
+    if (resp.status == 401) resp.headers.emplace_back("WWW-Authenticate", "Bearer");
+    return resp;
+  }
   Job job;
   job.command = CommandOf(head.target);
   job.received_ns = service_->clock().NowNs();

@@ -141,9 +141,11 @@ Status VisionHandler::AddRoutes(Router& router) {
   predict.refuse = [this](const HttpRequest& head, const Status& st, KeyProblem problem) {
     return KeyRefusal(head, st, problem, /*predict=*/true);
   };
-  predict.unmatched = [](HttpRequest&& r, std::string_view, HttpDone done) {
-    if (r.method != "POST") return done(JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}"));
-    done(JsonError(404, "no such route; use POST /predict/{model}"));
+  predict.unmatched = [](HttpRequest&&, std::string_view allowed, HttpDone done) {
+    if (allowed.empty()) return done(JsonError(404, "no such route; use POST /predict/{model}"));
+    HttpResponse resp = JsonError(405, "use POST /predict/{model} with {\"image\": \"<base64>\"}");
+    resp.headers.emplace_back("Allow", std::string(allowed));
+    done(std::move(resp));
   };
   return router.AddScope(std::move(predict));
 }
