@@ -11,7 +11,9 @@ MODEL_DIR/1/model.onnx). Each calibration image goes through the model's own pre
 `quern.image.*` parameters: resize stretch/letterbox/center_crop, pad value, RGB/BGR, scale, mean,
 std, NCHW/NHWC) and through the FP32 model; onnxruntime's static quantization then writes a QDQ
 model: weights INT8 per output channel, activations UINT8 with ranges from the calibration (min/max).
-Nodes whose names match --keep-fp32 stay in FP32 (e.g. a detector's last layers).
+A detector's head (quern.task detection: the nodes between its last learned layers and its outputs,
+where box coordinates in pixels and probabilities share tensors) stays in FP32; --keep-fp32 REGEX names
+the nodes to keep instead (nodes without a name are named <op>_<index> first; '' keeps none).
 
 The INT8 model goes to OUT_DIR (default: MODEL_DIR's name + "_int8" beside it) as a model of its own:
 OUT_DIR/1/model.onnx, OUT_DIR/config.pbtxt (MODEL_DIR's, renamed), the label files, and
@@ -268,6 +270,48 @@ def classification_agreement(pairs):
 
 # ----------------------------------------------------------------- main
 
+def named(model):
+    """The model with every node named (a node without a name gets "<op>_<index>"), so that nodes can
+    be kept in FP32 by name. Returns how many were named."""
+    names = {n.name for n in model.graph.node if n.name}
+    count = 0
+    for i, n in enumerate(model.graph.node):
+        if not n.name:
+            name = f"{n.op_type}_{i}"
+            while name in names:
+                name += "_"
+            n.name = name
+            names.add(name)
+            count += 1
+    return count
+
+
+def detection_head(graph):
+    """The nodes between a detector's last learned layers and its outputs: walked back from each output
+    until a Conv, ConvTranspose, MatMul or Gemm (not taken). Their tensors mix box coordinates in the
+    input's pixels with probabilities (YOLO heads concatenate both), which one UINT8 scale cannot hold:
+    quantized, every probability reads 0. A Conv of one output channel and a 1x1 kernel is a weighted
+    sum over channels, the distribution focal loss' expectation in a YOLOv8 head: part of the decoding,
+    walked through."""
+    producer = {o: n for n in graph.node for o in n.output}
+    weights = {i.name: i for i in graph.initializer}
+    learned = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+    head, seen, stack = [], set(), [o.name for o in graph.output]
+    while stack:
+        n = producer.get(stack.pop())
+        if n is None or n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op_type in learned:
+            w = weights.get(n.input[1]) if len(n.input) > 1 else None
+            if not (n.op_type == "Conv" and w is not None and len(w.dims) == 4 and w.dims[0] == 1
+                    and list(w.dims[2:]) == [1, 1]):
+                continue
+        head.append(n.name)
+        stack.extend(i for i in n.input if i and i not in weights)
+    return head
+
+
 def session(path, threads):
     import onnxruntime as ort
     so = ort.SessionOptions()
@@ -308,7 +352,9 @@ def main():
                     "and its middle 60 %% (three inputs per image)")
     ap.add_argument("--out", help="the INT8 model's folder (default: MODEL_DIR_int8 beside MODEL_DIR)")
     ap.add_argument("--name", help="the INT8 model's name (default: the folder's name)")
-    ap.add_argument("--keep-fp32", default="", help="regular expression: nodes whose names match stay FP32")
+    ap.add_argument("--keep-fp32", default=None,
+                    help="regular expression: nodes whose names match stay FP32 (nodes without a name are named "
+                         "<op>_<index>); default: a detector's head, none for other models; '' keeps none")
     ap.add_argument("--count", type=int, default=48, help="calibration tensors (default 48)")
     ap.add_argument("--threshold", type=float, default=0.25, help="box confidence for agreement (default 0.25)")
     ap.add_argument("--method", choices=("minmax", "entropy", "percentile"), default="minmax",
@@ -353,13 +399,26 @@ def main():
             x = next(self.it, None)
             return None if x is None else {pre.name: x}
 
-    graph = onnx.load(src).graph
-    keep = [n.name for n in graph.node if args.keep_fp32 and re.search(args.keep_fp32, n.name)]
+    model = onnx.load(src)
+    unnamed = named(model)
+    graph = model.graph
+    task = cfg["parameters"].get("quern.task", "classification")
+    if args.keep_fp32 is not None:
+        keep = [n.name for n in graph.node if args.keep_fp32 and re.search(args.keep_fp32, n.name)]
+        kept_why = f"--keep-fp32 {args.keep_fp32!r}"
+    elif task == "detection":
+        keep = detection_head(graph)
+        kept_why = "the detection head (the nodes between the last learned layers and the outputs)"
+    else:
+        keep, kept_why = [], "none asked for"
     os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
     dst = os.path.join(out_dir, "1", "model.onnx")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("TMPDIR", tmp)
-        quantize_static(src, dst, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+        if unnamed:  # quantize the named copy, so that the nodes kept are the ones named here
+            src_named = os.path.join(tmp, "named.onnx")
+            onnx.save(model, src_named)
+        quantize_static(src_named if unnamed else src, dst, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                                           "percentile": CalibrationMethod.Percentile}[args.method], nodes_to_exclude=keep,
@@ -379,7 +438,7 @@ def main():
 
     report = {"model": cfg["name"], "int8_model": name, "calibration_images": [os.path.basename(f) for f in calibration],
               "calibration_tensors": len(tensors),
-              "nodes_kept_fp32": keep}
+              "nodes_kept_fp32": keep, "nodes_kept_fp32_because": kept_why, "nodes_named_here": unnamed}
     if args.check:
         ref, q = session(src, 1), session(dst, 1)
         pairs = []
@@ -389,7 +448,6 @@ def main():
                 x, _ = pre(view)
                 pairs.append((os.path.basename(f) + suffix, ref.run(None, {pre.name: x})[0],
                               q.run(None, {pre.name: x})[0]))
-        task = cfg["parameters"].get("quern.task", "classification")
         if task == "detection":
             report["detection"] = detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
                                                       args.threshold)

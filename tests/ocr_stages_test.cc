@@ -125,6 +125,23 @@ TEST(OcrLines, WordsOnALineBecomeOneBoxAndFarOnesDoNot) {
   EXPECT_EQ(ordered[2], (std::array<double, 4>{170, 100, 250, 119}));
 }
 
+TEST(OcrLines, ABoxInsideAnotherIsDropped) {
+  // A line 58 px high with a 30 px "letter" inside it (DB found the C of "gRPC" apart): one line.
+  // A small box outside it, and one that pokes out of it, stay; so does a box inside the extent of
+  // a turned line but outside the line itself.
+  std::vector<TextBox> in = {Box(1, 1, 327, 59), Box(92, 16, 125, 46), Box(340, 10, 380, 50), Box(300, 40, 330, 70)};
+  auto got = Extents(JoinLines(in, 0));
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0], (std::array<double, 4>{1, 1, 327, 59}));
+  for (const auto& e : got) EXPECT_NE(e, (std::array<double, 4>{92, 16, 125, 46}));
+  // A line turned 45 degrees across (0,100)-(100,0), 20 px thick, and a box in the corner of its
+  // extent that the line does not cover.
+  TextBox turned{{Point{0, 100}, Point{100, 0}, Point{114, 14}, Point{14, 114}}, 0.9f};
+  got = Extents(JoinLines({turned, Box(80, 80, 110, 100)}, 0));
+  EXPECT_EQ(got.size(), 2u);
+  EXPECT_EQ(Extents(JoinLines({turned, Box(50, 55, 60, 62)}, 0)).size(), 1u) << "inside the turned line";
+}
+
 TEST(OcrLines, ColumnsOfRunningTextAreReadOneAfterTheOther) {
   // A heading over two columns of four 20 px lines, 200 px long, 150 px apart: the left column
   // first. The same with short cells (a table: 40 px) is read row by row.

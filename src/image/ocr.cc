@@ -439,6 +439,13 @@ Extent ExtentOf(const TextBox& b) {
   return e;
 }
 
+// A quadrilateral's area (shoelace).
+double Area(const std::array<Point, 4>& c) {
+  double twice = 0;
+  for (size_t k = 0; k < 4; ++k) twice += c[k].x * c[(k + 1) % 4].y - c[(k + 1) % 4].x * c[k].y;
+  return std::abs(twice) / 2;
+}
+
 bool SameLine(const Extent& a, const Extent& b, double max_gap) {
   if (a.upright || b.upright || a.height <= 0 || b.height <= 0) return false;
   if (std::max(a.height, b.height) > 1.6 * std::min(a.height, b.height)) return false;
@@ -575,6 +582,23 @@ std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap) {
     }
     boxes = std::move(joined);
   }
+  // A box wholly inside a larger one (each corner within it) is the same text found twice: DB
+  // finds a letter whose inside it binarised apart from its line ("gRPC" read as the line and a
+  // "C"). The larger box already holds it.
+  std::vector<bool> inside(boxes.size(), false);
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    for (size_t j = 0; j < boxes.size() && !inside[i]; ++j) {
+      if (i == j || inside[j] || Area(boxes[j].corners) <= Area(boxes[i].corners)) continue;
+      inside[i] = std::all_of(boxes[i].corners.begin(), boxes[i].corners.end(),
+                              [&](const Point& p) { return InsideOrOn(boxes[j].corners, p.x, p.y); });
+    }
+  }
+  std::vector<TextBox> kept;
+  kept.reserve(boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    if (!inside[i]) kept.push_back(boxes[i]);
+  }
+  boxes = std::move(kept);
   std::vector<Extent> ext;
   ext.reserve(boxes.size());
   for (const TextBox& b : boxes) ext.push_back(ExtentOf(b));

@@ -55,6 +55,8 @@ std::vector<TextBox> DetectBoxes(const float* probability, int width, int height
 // than twice as tall as wide) are left alone. The order: lines top to
 // bottom (a box whose middle lies within a line's height is on that line),
 // each line's boxes left to right. `max_gap` 0 joins nothing and only orders.
+// A box lying wholly inside a larger one (its four corners within it) is
+// dropped, joined or not: the larger box holds its text already.
 std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap);
 
 // `box` grown by `margin` times its shorter side on every side, along its

@@ -254,6 +254,18 @@ def test_stages_called_on_their_own_with_hostile_tensors(server):
     assert read(client, render(PAGES["mixed"])[0])[0] == ["Quern", "你好世界", "Receipt"]
 
 
+def test_a_line_is_one_piece_of_text_at_every_height(server):
+    """One line, "gRPC bytes OK" in DejaVu Serif at 40 px on a 420 px wide image, 60 to 90 px high:
+    one prediction, the line (DB found the C of gRPC a second time, inside the line, at 8 of 16
+    heights)."""
+    font = ImageFont.truetype(DEJAVU.replace("DejaVuSans", "DejaVuSerif"), 40)
+    for height in range(60, 91, 2):
+        image = Image.new("RGB", (420, height), "white")
+        ImageDraw.Draw(image).text((10, (height - 46) // 2), "gRPC bytes OK", fill="black", font=font)
+        answer = post_form(server["HTTP"], "/v1/vision/ocr", files=[("upload", encoded(image))])
+        assert [p["label"] for p in answer["predictions"]] == ["gRPC bytes OK"], (height, answer)
+
+
 def test_codeproject_ai_ocr_route(server):
     """CodeProject.AI's OCR module: POST /v1/vision/ocr (and the legacy /v1/image/ocr) with the image in
     the form field 'upload'; predictions with label, confidence and x_min .. y_max."""

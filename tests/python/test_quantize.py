@@ -170,6 +170,87 @@ def test_the_twin_is_served_beside_its_model(quantized, tmp_path):
         proc.wait(timeout=30)
 
 
+def small_detector(path):
+    """A YOLOv8-layout detector whose nodes have no names: Conv(3->8, 3x3, stride 4) -> Relu ->
+    Conv(8->7, 1x1) -> Reshape [n, 7, 256] -> Sigmoid; box centres and sizes (the first four rows)
+    scaled to a 640 px input, three class probabilities after them, concatenated: output0 [n, 7, 256]
+    as YOLOv8's head answers (coordinates in pixels beside probabilities in one tensor)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(a, n) for a, n in (
+        (rng.normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32), "w1"), (np.zeros(8, np.float32), "b1"),
+        (rng.normal(0, 0.6, (7, 8, 1, 1)).astype(np.float32), "w2"), (np.zeros(7, np.float32), "b2"),
+        (np.array([0, 7, 256], np.int64), "shape"), (np.array([640, 640, 160, 160], np.float32).reshape(1, 4, 1), "scale"),
+        (np.array([0], np.int64), "s0"), (np.array([4], np.int64), "s4"), (np.array([7], np.int64), "s7"),
+        (np.array([1], np.int64), "axis"))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[4, 4]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+             helper.make_node("Reshape", ["c2", "shape"], ["flat"]),
+             helper.make_node("Sigmoid", ["flat"], ["s"]),
+             helper.make_node("Slice", ["s", "s0", "s4", "axis"], ["box01"]),
+             helper.make_node("Mul", ["box01", "scale"], ["box"]),
+             helper.make_node("Slice", ["s", "s4", "s7", "axis"], ["cls"]),
+             helper.make_node("Concat", ["box", "cls"], ["output0"], axis=1)]
+    graph = helper.make_graph(nodes, "detector", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                               ["n", 3, 64, 64])],
+                              [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["n", 7, 256])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
+def test_a_detectors_head_stays_fp32_by_default(tmp_path):
+    """Quantized whole, the head's one UINT8 scale spans 0-640 px (a step of 2.5): every probability
+    reads 0 and no box is left. By default the head stays FP32, named though its nodes had no names,
+    and the probabilities stay within a few hundredths of the FP32 model's (computed here)."""
+    import onnx
+    import onnxruntime
+    model = tmp_path / "det"
+    (model / "1").mkdir(parents=True)
+    small_detector(str(model / "1" / "model.onnx"))
+    (model / "labels.txt").write_text("a\nb\nc\n")
+    (model / "config.pbtxt").write_text("""name: "det"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 64, 64 ] } ]
+output [ { name: "output0" data_type: TYPE_FP32 dims: [ 7, 256 ] label_filename: "labels.txt" } ]
+parameters { key: "quern.task" value { string_value: "detection" } }
+parameters { key: "quern.detection.format" value { string_value: "yolov8" } }
+parameters { key: "quern.image.resize" value { string_value: "stretch" } }
+""")
+    twins = {}
+    for label, extra in (("default", []), ("nothing kept", ["--keep-fp32", ""])):
+        out = tmp_path / label.replace(" ", "_")
+        run = subprocess.run([sys.executable, QUANTIZE, str(model), "--out", str(out), "--calibration"] +
+                             [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
+                             [os.path.join(PHOTOS, f) for f in CHECK] + extra, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        twins[label] = out
+    report = json.loads((twins["default"] / "agreement.json").read_text())
+    assert report["nodes_named_here"] == 9, report
+    kept = report["nodes_kept_fp32"]
+    ops = {n.name: n.op_type for n in onnx.load(str(model / "1" / "model.onnx")).graph.node}
+    assert sorted(kept) == sorted(["Reshape_3", "Sigmoid_4", "Slice_5", "Mul_6", "Slice_7", "Concat_8"]), (kept, ops)
+    assert json.loads((twins["nothing kept"] / "agreement.json").read_text())["nodes_kept_fp32"] == []
+    fp32 = onnxruntime.InferenceSession(str(model / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    sessions = {k: onnxruntime.InferenceSession(str(v / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+                for k, v in twins.items()}
+    boxes = 0
+    for f in CHECK:
+        img = Image.open(os.path.join(PHOTOS, f)).convert("RGB").resize((64, 64), Image.BILINEAR)
+        x = np.ascontiguousarray((np.asarray(img, np.float32) / 255).transpose(2, 0, 1)[None])
+        want = fp32.run(None, {"x": x})[0][0]
+        boxes += int((want[4:].max(axis=0) >= 0.25).sum())
+        whole = sessions["nothing kept"].run(None, {"x": x})[0][0]
+        assert whole[4:].max() < 0.25, (f, whole[4:].max())  # no box: every probability reads 0
+        head = sessions["default"].run(None, {"x": x})[0][0]
+        assert np.abs(head[4:] - want[4:]).max() < 0.08, (f, np.abs(head[4:] - want[4:]).max())
+    assert boxes > 100  # the FP32 detector finds boxes in the photographs to keep
+    assert report["detection"]["agreement_iou_0.5"] > 0.5, report["detection"]
+
+
 def test_quern_quantize_says_what_python_lacks(tmp_path):
     # A Python without site packages (-S): none of numpy, Pillow, onnx, onnxruntime.
     bare = tmp_path / "bare-python"
