@@ -1,7 +1,9 @@
 #include "core/model_config_parser.h"
 
 #include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <charconv>
@@ -490,6 +492,11 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   }
 
   if (p.has_dynamic_batching()) QUERN_RETURN_IF_ERROR(ConvertDynamicBatching(p.dynamic_batching(), source, c));
+  if (p.model_transaction_policy().decoupled()) {
+    return Err(Unimplemented(source +
+                             ": model_transaction_policy { decoupled: true } (a model that answers a request "
+                             "with many responses) is not supported yet"));
+  }
 
   QUERN_RETURN_IF_ERROR(ConvertParameters(p, source, c));
   if (p.has_optimization() && p.optimization().has_graph()) {
@@ -636,6 +643,79 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
   if (c.graph_optimization_level != 0) p.mutable_optimization()->mutable_graph()->set_level(c.graph_optimization_level);
   p.set_default_model_filename(c.default_model_filename);
   return p;
+}
+
+}  // namespace quern
+
+namespace quern {
+namespace {
+
+// The fields whose 64-bit integers protobuf's JSON writes as strings.
+bool Int64Field(const std::string& key) {
+  static const std::set<std::string> kFields = {"dims",          "shape",          "versions",
+                                                "model_version", "priority_levels", "default_priority_level",
+                                                "max_queue_delay_microseconds", "default_timeout_microseconds"};
+  return kFields.contains(key);
+}
+
+// A decimal integer string ("-3", "4") as a number, in place.
+void ToNumber(google::protobuf::Value& v) {
+  if (v.kind_case() != google::protobuf::Value::kStringValue) return;
+  const std::string& s = v.string_value();
+  int64_t n = 0;
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), n);
+  if (r.ec == std::errc() && r.ptr == s.data() + s.size()) v.set_number_value(static_cast<double>(n));
+}
+
+void FixInt64s(google::protobuf::Value& v) {
+  if (v.kind_case() == google::protobuf::Value::kListValue) {
+    for (auto& item : *v.mutable_list_value()->mutable_values()) FixInt64s(item);
+    return;
+  }
+  if (v.kind_case() != google::protobuf::Value::kStructValue) return;
+  for (auto& [key, field] : *v.mutable_struct_value()->mutable_fields()) {
+    if (Int64Field(key)) {
+      if (field.kind_case() == google::protobuf::Value::kListValue) {
+        for (auto& item : *field.mutable_list_value()->mutable_values()) ToNumber(item);
+      } else {
+        ToNumber(field);
+      }
+    } else {
+      FixInt64s(field);
+    }
+  }
+}
+
+}  // namespace
+
+Result<std::string> ToTritonJson(const ModelConfig& config) {
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(ToProto(config), &json, opts).ok()) {
+    return Err(Internal("model '" + config.name + "': cannot write its configuration as JSON"));
+  }
+  google::protobuf::Value value;
+  if (!google::protobuf::util::JsonStringToMessage(json, &value).ok()) {
+    return Err(Internal("model '" + config.name + "': cannot read its configuration's JSON back"));
+  }
+  FixInt64s(value);
+  std::string out;
+  google::protobuf::util::JsonPrintOptions plain;
+  if (!google::protobuf::util::MessageToJsonString(value, &out, plain).ok()) {
+    return Err(Internal("model '" + config.name + "': cannot write its configuration as JSON"));
+  }
+  return out;
+}
+
+Result<inference::ModelConfig> ParseModelConfigJson(std::string_view json, const std::string& source) {
+  inference::ModelConfig proto;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  const auto st = google::protobuf::util::JsonStringToMessage(std::string(json), &proto, opts);
+  if (!st.ok()) return Err(InvalidArgument(source + ": " + std::string(st.message().substr(0, 512))));
+  return proto;
 }
 
 }  // namespace quern

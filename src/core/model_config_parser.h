@@ -70,4 +70,14 @@ Status ValidateModelConfig(const ModelConfig& config);
 // The configuration as config.pbtxt text (for `quern models` and the config endpoints).
 inference::ModelConfig ToProto(const ModelConfig& config);
 
+// The configuration as Triton writes it as JSON (the HTTP config endpoint, a Python model's
+// args["model_config"] and auto_complete_config's): Triton's field names, every field printed,
+// defaults included ("max_batch_size": 0, "input": []), and 64-bit integers (dims, shape, queue
+// delays, priority levels, versions) as JSON numbers, where protobuf's own JSON writes strings.
+Result<std::string> ToTritonJson(const ModelConfig& config);
+
+// A configuration as JSON (Triton's field names; integers as numbers or strings) into the
+// message; unknown fields are refused. Errors name `source`.
+Result<inference::ModelConfig> ParseModelConfigJson(std::string_view json, const std::string& source);
+
 }  // namespace quern

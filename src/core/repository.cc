@@ -116,6 +116,16 @@ Result<RepositoryModel> ReadModel(const fs::path& repository, const std::string&
     return Err(
         NotFound("model '" + name + "' has no version folders (expected " + (m.dir / "1").string() + "/model.onnx)"));
   }
+  // Without config.pbtxt, a version folder holding model.py and no model.onnx is a Python model,
+  // whose TritonPythonModel.auto_complete_config names its tensors (as in Triton).
+  if (!m.has_config_file) {
+    const fs::path newest = m.dir / std::to_string(*std::max_element(available.begin(), available.end()));
+    std::error_code onnx_ec, py_ec;
+    if (!fs::exists(newest / "model.onnx", onnx_ec) && fs::is_regular_file(newest / "model.py", py_ec)) {
+      m.config.backend = "python";
+      m.config.platform.clear();
+    }
+  }
   const std::string default_file = m.config.backend == "python"    ? "model.py"
                                    : m.config.backend == "pytorch" ? "model.pt"
                                                                    : "model.onnx";

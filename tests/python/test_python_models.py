@@ -967,3 +967,93 @@ def infer(inputs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Triton's auto-complete example (python_backend/examples/auto_complete) as its README lays it out:
+# a folder holding 1/model.py alone; the model names its tensors and batching.
+AUTO_COMPLETE = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        inputs = [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+                  {"name": "INPUT1", "data_type": "TYPE_FP32", "dims": [4]}]
+        outputs = [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+                   {"name": "OUTPUT1", "data_type": "TYPE_FP32", "dims": [4]}]
+        config = auto_complete_model_config.as_dict()
+        input_names = [i["name"] for i in config["input"]]
+        output_names = [o["name"] for o in config["output"]]
+        for i in inputs:
+            if i["name"] not in input_names:
+                auto_complete_model_config.add_input(i)
+        for o in outputs:
+            if o["name"] not in output_names:
+                auto_complete_model_config.add_output(o)
+        auto_complete_model_config.set_max_batch_size(MAX_BATCH)
+        if MAX_BATCH > 0:
+            auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def initialize(self, args):
+        self.config = json.loads(args["model_config"])
+        assert self.config["input"][0]["dims"] == [4], self.config["input"][0]["dims"]
+        assert self.config["max_batch_size"] == MAX_BATCH, self.config
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+        return out
+'''
+
+
+def test_a_model_py_alone_describes_itself_with_auto_complete_config(tmp_path):
+    for name, max_batch in (("batching", 4), ("nobatching", 0)):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.py").write_text(AUTO_COMPLETE.replace("MAX_BATCH", str(max_batch)))
+    # A configuration that disagrees with what the model says: refused, naming both.
+    write_model(tmp_path, "disagrees", 'backend: "python"\nmax_batch_size: 8\n',
+                AUTO_COMPLETE.replace("MAX_BATCH", "4"))
+    write_model(tmp_path, "wrong_type", 'backend: "python"\ninput [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 4 ] } ]\n',
+                AUTO_COMPLETE.replace("MAX_BATCH", "0").replace('if i["name"] not in input_names:', "if True:"))
+    write_model(tmp_path, "decoupled", 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n',
+                AUTO_COMPLETE.replace("MAX_BATCH", "0"))
+    (tmp_path / "silent" / "1").mkdir(parents=True)
+    (tmp_path / "silent" / "1" / "model.py").write_text(PLAIN)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        # What Triton's auto_complete client checks, over HTTP: the completed configuration, its integers
+        # as numbers and max_batch_size there even when 0.
+        for name, max_batch in (("batching", 4), ("nobatching", 0)):
+            assert index[name]["state"] == "READY", index[name]
+            config = client.get_model_config(name)
+            assert config["max_batch_size"] == max_batch, config
+            assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == \
+                [("INPUT0", "TYPE_FP32", [4]), ("INPUT1", "TYPE_FP32", [4])], config
+            assert [(o["name"], o["data_type"], o["dims"]) for o in config["output"]] == \
+                [("OUTPUT0", "TYPE_FP32", [4]), ("OUTPUT1", "TYPE_FP32", [4])], config
+            assert ("dynamic_batching" in config) == (max_batch > 0), config
+            a = np.arange(4, dtype=np.float32).reshape(1, 4) if max_batch else np.arange(4, dtype=np.float32)
+            inputs = [httpclient.InferInput("INPUT0", list(a.shape), "FP32"), httpclient.InferInput("INPUT1", list(a.shape), "FP32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(a * 10)
+            r = client.infer(name, inputs)
+            np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a * 11)
+            np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a * -9)
+        expect = {"disagrees": "max_batch_size 8, auto_complete_config 4",
+                  "wrong_type": "input 'INPUT0': the configuration says TYPE_INT32, auto_complete_config TYPE_FP32",
+                  "decoupled": "decoupled: true } (a model that answers a request with many responses) is not supported",
+                  "silent": "needs TritonPythonModel.auto_complete_config to name its inputs and outputs"}
+        for name, text in expect.items():
+            assert index[name]["state"] != "READY" and text in index[name]["reason"], (name, index[name])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 
 #include "backends/python/python_process.h"
 #include "core/log.h"
@@ -507,29 +508,76 @@ class PythonOpenedModel final : public OpenedModel {
   int next_instance_ = 0;
 };
 
+// Whether model.py mentions auto_complete_config (the process asked to run it answers the
+// configuration unchanged when it is no TritonPythonModel method after all).
+bool MentionsAutoComplete(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::string text(size_t{4} << 20, '\0');  // a model.py is far smaller; beyond 4 MiB is not looked at
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  return text.find("auto_complete_config") != std::string::npos;
+}
+
+// Triton's auto-complete: the model's TritonPythonModel.auto_complete_config(config) runs in a process
+// of its own (nothing else of the model runs there) and completes `config` with the inputs,
+// outputs, max_batch_size and dynamic batching it sets.
+Status AutoComplete(ModelConfig& config, const PythonModelSpec& spec) {
+  const std::string who = "model '" + config.name + "'";
+  QUERN_ASSIGN_OR_RETURN(const std::string given, ToTritonJson(config));
+  rapidjson::StringBuffer sb;
+  rapidjson::Writer<rapidjson::StringBuffer> w(sb);
+  w.StartObject();
+  const std::pair<const char*, std::string> fields[] = {
+      {"mode", "auto_complete"},
+      {"model_name", config.name},
+      {"model_file", spec.model_file.string()},
+      {"version_dir", spec.version_dir.string()},
+      {"model_config", given},
+  };
+  for (const auto& [k, v] : fields) {
+    w.Key(k);
+    w.String(v.c_str(), static_cast<rapidjson::SizeType>(v.size()));
+  }
+  w.Key("server_pid");
+  w.Int64(::getpid());
+  w.Key("max_memory_mb");
+  w.Int64(spec.max_memory_mb);
+  w.EndObject();
+  PythonLaunch launch;
+  launch.model_name = config.name;
+  launch.python = spec.python;
+  launch.launch_json = sb.GetString();
+  launch.start_timeout_ms = spec.initialize_timeout_ms > 0 ? spec.initialize_timeout_ms : 86400000LL * 365;
+  auto process = PythonProcess::Start(launch);
+  if (!process) {
+    return Status(process.error().code(), who + ": auto_complete_config: " + process.error().message());
+  }
+  auto answer = (*process)->Receive(launch.start_timeout_ms);
+  if (!answer) return Status(answer.error().code(), who + ": auto_complete_config: " + answer.error().message());
+  if (answer->empty() || (*answer)[0] != 'A') {
+    return Err(Internal(who + ": its Python process answered auto_complete_config with an unknown frame"));
+  }
+  QUERN_ASSIGN_OR_RETURN(
+      const inference::ModelConfig proto,
+      ParseModelConfigJson(std::string_view(*answer).substr(1), who + ": the configuration auto_complete_config returned"));
+  QUERN_ASSIGN_OR_RETURN(ModelConfig completed,
+                         ConvertModelConfig(proto, who + ": the configuration auto_complete_config returned"));
+  config.inputs = std::move(completed.inputs);
+  config.outputs = std::move(completed.outputs);
+  config.max_batch_size = completed.max_batch_size;
+  if (completed.batching) config.batching = std::move(completed.batching);
+  return Status::Ok();
+}
+
 class PythonBackend final : public Backend {
  public:
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int /*cores*/, int /*instances*/) override {
     const std::string who = "model '" + config.name + "'";
-    if (!has_config_file) {
-      return Err(InvalidArgument(who + ": a Python model needs a config.pbtxt naming its inputs and outputs"));
-    }
     std::error_code ec;
     if (!std::filesystem::is_regular_file(file, ec)) {
       return Err(NotFound(who + ": " + file.string() + " does not exist (a Python model's code is <version>/" +
                           file.filename().string() + ")"));
-    }
-    if (config.inputs.empty() || config.outputs.empty()) {
-      return Err(InvalidArgument(who + ": a Python model's configuration must list its inputs and outputs"));
-    }
-    for (const auto* list : {&config.inputs, &config.outputs}) {
-      for (const auto& t : *list) {
-        if (t.dtype == DataType::kBf16 || t.dtype == DataType::kInvalid) {
-          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " + std::string(DataTypeName(t.dtype)) +
-                                     ", which numpy (and so a Python model) " + "does not have"));
-        }
-      }
     }
     if (config.parameters.count("EXECUTION_ENV_PATH")) {
       return Err(InvalidArgument(who + ": parameter EXECUTION_ENV_PATH (a packed environment) is not supported; " +
@@ -587,11 +635,24 @@ class PythonBackend final : public Backend {
       }
       spec->same_core_below_ns = us * 1000;
     }
-    google::protobuf::util::JsonPrintOptions opts;
-    opts.preserve_proto_field_names = true;
-    if (!google::protobuf::util::MessageToJsonString(ToProto(config), &spec->config_json, opts).ok()) {
-      return Err(Internal(who + ": cannot write its configuration as JSON"));
+    // As Triton does when a model defines auto_complete_config, with or without config.pbtxt.
+    if (MentionsAutoComplete(file)) QUERN_RETURN_IF_ERROR(AutoComplete(config, *spec));
+    if (config.inputs.empty() || config.outputs.empty()) {
+      return Err(InvalidArgument(who + (has_config_file ? ": a Python model's configuration must list its inputs and "
+                                                          "outputs, or its TritonPythonModel.auto_complete_config add them"
+                                                        : ": a Python model without config.pbtxt needs "
+                                                          "TritonPythonModel.auto_complete_config to name its inputs and "
+                                                          "outputs")));
     }
+    for (const auto* list : {&config.inputs, &config.outputs}) {
+      for (const auto& t : *list) {
+        if (t.dtype == DataType::kBf16 || t.dtype == DataType::kInvalid) {
+          return Err(InvalidArgument(who + ": tensor '" + t.name + "' has type " + std::string(DataTypeName(t.dtype)) +
+                                     ", which numpy (and so a Python model) " + "does not have"));
+        }
+      }
+    }
+    QUERN_ASSIGN_OR_RETURN(spec->config_json, ToTritonJson(config));
     return std::unique_ptr<OpenedModel>(std::make_unique<PythonOpenedModel>(std::move(spec)));
   }
 

@@ -528,6 +528,33 @@ def _count(dims):
     return n
 
 
+def _auto_complete(launch, utils):
+    """The model's TritonPythonModel.auto_complete_config(config), its answer sent as the frame
+    "A" + the configuration's JSON after "R"; then the process waits for the server's "S" and exits.
+    Runs nothing else of the model (no initialize)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("model", launch["model_file"])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model"] = module
+    spec.loader.exec_module(module)
+    triton = getattr(module, "TritonPythonModel", None)
+    fn = getattr(triton, "auto_complete_config", None)
+    config = utils.ModelConfig(launch["model_config"])
+    if callable(fn):  # else model.py only mentions the name: the configuration stays as it is
+        config = fn(config)
+    if not isinstance(config, utils.ModelConfig):
+        raise TypeError("auto_complete_config returned " + type(config).__name__ +
+                        ", not the pb_utils.ModelConfig it was given")
+    answer = json.dumps(config.as_dict())
+    _send(b"R")
+    _send(b"A" + answer.encode("utf-8"))
+    while _next_frame()[:1] != b"S":
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     sys.dont_write_bytecode = True
@@ -549,6 +576,8 @@ def _main():
         exec(compile(utils_source, utils.__file__, "exec"), utils.__dict__)
         sys.modules["triton_python_backend_utils"] = utils
         _bound_memory(launch.get("max_memory_mb", 0))
+        if launch.get("mode") == "auto_complete":
+            _auto_complete(launch, utils)  # answers and exits
         runner = Runner(launch, np, utils)
     except BaseException as e:
         traceback.print_exc()

@@ -12,8 +12,15 @@ __all__ = [
     "Tensor", "InferenceRequest", "InferenceResponse", "TritonError", "TritonModelException", "Logger",
     "get_input_tensor_by_name", "get_output_tensor_by_name", "get_input_config_by_name",
     "get_output_config_by_name", "triton_string_to_numpy", "numpy_to_triton_type", "serialize_byte_tensor",
-    "deserialize_bytes_tensor",
+    "deserialize_bytes_tensor", "ModelConfig", "using_decoupled_model_transaction_policy",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
 ]
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 _TRITON_TO_NUMPY = {
     "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
@@ -242,3 +249,91 @@ class Logger:
     @staticmethod
     def log_verbose(message):
         Logger.log(message, "VERBOSE")
+
+
+def using_decoupled_model_transaction_policy(model_config):
+    """Whether a model configuration (as initialize's args["model_config"] gives it, parsed) asks for
+    decoupled answers (model_transaction_policy { decoupled: true })."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+class ModelConfig:
+    """The configuration TritonPythonModel.auto_complete_config(config) receives and returns, when the
+    model loads: what config.pbtxt says (or nothing but the name, without one), to be completed with
+    the model's inputs, outputs, batch size, dynamic batching and transaction policy. A tensor the
+    configuration already lists must agree with the one added (its type and dims); a max_batch_size
+    below the configuration's is refused; each refusal fails the model's load with its message."""
+
+    def __init__(self, model_config):
+        self._model_config = json.loads(model_config) if isinstance(model_config, (str, bytes)) else model_config
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    def _who(self):
+        return "model '" + str(self._model_config.get("name", "")) + "'"
+
+    def as_dict(self):
+        return self._model_config
+
+    def set_max_batch_size(self, max_batch_size):
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 0:
+            raise ValueError(f"{self._who()}: auto_complete_config: max_batch_size must be a non-negative integer, "
+                             f"got {max_batch_size!r}")
+        if self._model_config["max_batch_size"] > max_batch_size:
+            raise ValueError(f"{self._who()}: the configuration says max_batch_size "
+                             f"{self._model_config['max_batch_size']}, auto_complete_config {max_batch_size}")
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self):
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._model_config:
+                raise ValueError(f"{self._who()}: the configuration schedules it with {other}; auto_complete_config "
+                                 "cannot make that dynamic_batching")
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def _add(self, kind, tensor, allowed):
+        if not isinstance(tensor, dict):
+            raise ValueError(f"{self._who()}: auto_complete_config: an {kind} is a dict, got {type(tensor).__name__}")
+        name = tensor.get("name")
+        extra = sorted(set(tensor) - set(allowed))
+        if extra:
+            raise ValueError(f"{self._who()}: {kind} {name!r} in auto_complete_config has properties other than "
+                             f"{', '.join(allowed)}: {', '.join(extra)}")
+        for key in ("name", "data_type", "dims"):
+            if key not in tensor:
+                raise ValueError(f"{self._who()}: {kind} {name!r} in auto_complete_config lacks {key!r}")
+        for current in self._model_config[kind]:
+            if current.get("name") != name:
+                continue
+            have = current.get("data_type", "TYPE_INVALID")
+            if have not in ("", "TYPE_INVALID") and have != tensor["data_type"]:
+                raise ValueError(f"{self._who()}: {kind} {name!r}: the configuration says {have}, "
+                                 f"auto_complete_config {tensor['data_type']}")
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(f"{self._who()}: {kind} {name!r}: the configuration says dims {current['dims']}, "
+                                 f"auto_complete_config {tensor['dims']}")
+            if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
+                raise ValueError(f"{self._who()}: {kind} {name!r}: the configuration says optional "
+                                 f"{current['optional']}, auto_complete_config {tensor['optional']}")
+            current.update(tensor)
+            return
+        self._model_config[kind].append(dict(tensor))
+
+    def add_input(self, input):  # noqa: A002 - Triton's parameter name
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
+
+    def add_output(self, output):
+        self._add("output", output, ("name", "data_type", "dims"))
+
+    def set_model_transaction_policy(self, transaction_policy_dict):
+        extra = sorted(set(transaction_policy_dict) - {"decoupled"})
+        if extra:
+            raise ValueError(f"{self._who()}: auto_complete_config's transaction policy has properties other than "
+                             f"decoupled: {', '.join(extra)}")
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            if "decoupled" in policy and policy["decoupled"] != transaction_policy_dict["decoupled"]:
+                raise ValueError(f"{self._who()}: the configuration says decoupled {policy['decoupled']}, "
+                                 f"auto_complete_config {transaction_policy_dict['decoupled']}")
+            policy["decoupled"] = transaction_policy_dict["decoupled"]

@@ -395,11 +395,10 @@ void KServeHandler::Metadata(HttpRequest&&, const RouteMatch& m, HttpDone done) 
 void KServeHandler::Config(HttpRequest&&, const RouteMatch& m, HttpDone done) {
   auto model = FindModel(m);
   if (!model) return done(Error(model.error()));
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.preserve_proto_field_names = true;
+  auto json = ToTritonJson(model->config);  // as Triton writes it: every field, integers as numbers
+  if (!json) return done(Error(json.error()));
   HttpResponse r;
-  auto st = google::protobuf::util::MessageToJsonString(ToProto(model->config), &r.body, opts);
-  if (!st.ok()) return done(Error(Internal("cannot write the configuration of '" + model->name + "' as JSON")));
+  r.body = std::move(*json);
   done(std::move(r));
 }
 
