@@ -104,6 +104,43 @@ TEST(ModelConfig, ParsesATritonConfig) {
   EXPECT_EQ(vp.Select({1, 5, 3}), (std::vector<int64_t>{3, 5}));
 }
 
+// As Triton writes a configuration as JSON: every field (max_batch_size 0 included), 64-bit
+// integers as numbers; and it reads back to the same configuration.
+TEST(ModelConfig, TritonJsonPrintsEveryFieldAndIntegersAsNumbers) {
+  auto proto = ParseModelConfigText(kTritonConfig, "densenet/config.pbtxt");
+  ASSERT_TRUE(proto.has_value());
+  auto c = ConvertModelConfig(*proto, "densenet/config.pbtxt");
+  ASSERT_TRUE(c.has_value());
+  auto json = ToTritonJson(*c);
+  ASSERT_TRUE(json.has_value()) << json.error().ToString();
+  EXPECT_NE(json->find("\"dims\":[3,224,224]"), std::string::npos) << *json;
+  EXPECT_EQ(json->find("\"3\""), std::string::npos) << "no integer as a string: " << *json;
+  EXPECT_NE(json->find("\"max_queue_delay_microseconds\":100"), std::string::npos) << *json;
+  auto back = ParseModelConfigJson(*json, "back");
+  ASSERT_TRUE(back.has_value()) << back.error().ToString();
+  auto again = ConvertModelConfig(*back, "back");
+  ASSERT_TRUE(again.has_value()) << again.error().ToString();
+  EXPECT_EQ(again->inputs[0].dims, c->inputs[0].dims);
+  EXPECT_EQ(again->batching->preferred_batch_sizes, c->batching->preferred_batch_sizes);
+
+  ModelConfig none;
+  none.name = "m";
+  none.backend = "python";
+  auto plain = ToTritonJson(none);
+  ASSERT_TRUE(plain.has_value());
+  EXPECT_NE(plain->find("\"max_batch_size\":0"), std::string::npos) << *plain;
+  EXPECT_NE(plain->find("\"input\":[]"), std::string::npos) << *plain;
+  EXPECT_FALSE(ParseModelConfigJson("{\"no_such_field\": 1}", "x").has_value());
+}
+
+TEST(ModelConfig, ADecoupledModelIsRefusedSayingSo) {
+  auto proto = ParseModelConfigText("backend: \"python\"\nmodel_transaction_policy { decoupled: true }\n", "d/config.pbtxt");
+  ASSERT_TRUE(proto.has_value());
+  auto c = ConvertModelConfig(*proto, "d/config.pbtxt");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message().find("decoupled"), std::string::npos) << c.error().ToString();
+}
+
 // An ONNX model whose configuration names neither backend nor platform runs
 // on the runtime measured fastest (backend "auto"); naming ONNX Runtime by
 // backend or platform pins it.

@@ -555,7 +555,7 @@ Status AutoComplete(ModelConfig& config, const PythonModelSpec& spec) {
   auto answer = (*process)->Receive(launch.start_timeout_ms);
   if (!answer) return Status(answer.error().code(), who + ": auto_complete_config: " + answer.error().message());
   if (answer->empty() || (*answer)[0] != 'A') {
-    return Err(Internal(who + ": its Python process answered auto_complete_config with an unknown frame"));
+    return Internal(who + ": its Python process answered auto_complete_config with an unknown frame");
   }
   QUERN_ASSIGN_OR_RETURN(
       const inference::ModelConfig proto,
