@@ -299,9 +299,9 @@ def detection_head(graph):
     head, seen, stack = [], set(), [o.name for o in graph.output]
     while stack:
         n = producer.get(stack.pop())
-        if n is None or n.name in seen:
+        if n is None or id(n) in seen:
             continue
-        seen.add(n.name)
+        seen.add(id(n))
         if n.op_type in learned:
             w = weights.get(n.input[1]) if len(n.input) > 1 else None
             if not (n.op_type == "Conv" and w is not None and len(w.dims) == 4 and w.dims[0] == 1
@@ -409,6 +409,12 @@ def main():
     elif task == "detection":
         keep = detection_head(graph)
         kept_why = "the detection head (the nodes between the last learned layers and the outputs)"
+        if not keep:
+            print("note: the detector's outputs come straight from a learned layer: no head kept in FP32 "
+                  "(--keep-fp32 names nodes to keep)", file=sys.stderr)
+        elif len(keep) > 0.2 * len(graph.node):
+            print(f"note: the detection head found is {len(keep)} of {len(graph.node)} nodes, kept in FP32 "
+                  "(--keep-fp32 names the nodes to keep instead)", file=sys.stderr)
     else:
         keep, kept_why = [], "none asked for"
     os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)

@@ -131,10 +131,27 @@ TEST(ModelConfig, TritonJsonPrintsEveryFieldAndIntegersAsNumbers) {
   EXPECT_NE(plain->find("\"max_batch_size\":0"), std::string::npos) << *plain;
   EXPECT_NE(plain->find("\"input\":[]"), std::string::npos) << *plain;
   EXPECT_FALSE(ParseModelConfigJson("{\"no_such_field\": 1}", "x").has_value());
+
+  // A map of names keeps its values: a step input named "shape" fed from the ensemble tensor "0".
+  auto ensemble = ParseModelConfigText(
+      "name: \"e\"\nplatform: \"ensemble\"\ninput [ { name: \"0\" data_type: TYPE_FP32 dims: [ 2 ] } ]\n"
+      "output [ { name: \"y\" data_type: TYPE_FP32 dims: [ 2 ] } ]\n"
+      "ensemble_scheduling { step [ { model_name: \"m\" model_version: -1 input_map { key: \"shape\" value: \"0\" } "
+      "output_map { key: \"out\" value: \"y\" } } ] }\n",
+      "e/config.pbtxt");
+  ASSERT_TRUE(ensemble.has_value()) << ensemble.error().ToString();
+  auto e = ConvertModelConfig(*ensemble, "e/config.pbtxt");
+  ASSERT_TRUE(e.has_value()) << e.error().ToString();
+  auto ejson = ToTritonJson(*e);
+  ASSERT_TRUE(ejson.has_value());
+  EXPECT_NE(ejson->find("\"shape\":\"0\""), std::string::npos) << *ejson;
+  EXPECT_NE(ejson->find("\"model_version\":-1"), std::string::npos) << *ejson;
+  EXPECT_TRUE(ParseModelConfigJson(*ejson, "e").has_value());
 }
 
 TEST(ModelConfig, ADecoupledModelIsRefusedSayingSo) {
-  auto proto = ParseModelConfigText("backend: \"python\"\nmodel_transaction_policy { decoupled: true }\n", "d/config.pbtxt");
+  auto proto =
+      ParseModelConfigText("backend: \"python\"\nmodel_transaction_policy { decoupled: true }\n", "d/config.pbtxt");
   ASSERT_TRUE(proto.has_value());
   auto c = ConvertModelConfig(*proto, "d/config.pbtxt");
   ASSERT_FALSE(c.has_value());

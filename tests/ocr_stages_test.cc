@@ -140,6 +140,15 @@ TEST(OcrLines, ABoxInsideAnotherIsDropped) {
   got = Extents(JoinLines({turned, Box(80, 80, 110, 100)}, 0));
   EXPECT_EQ(got.size(), 2u);
   EXPECT_EQ(Extents(JoinLines({turned, Box(50, 55, 60, 62)}, 0)).size(), 1u) << "inside the turned line";
+  // "$49" in large type, grown by its margin (its text 40..360 x 40..240, the box 0..400 x 0..280),
+  // and "99" in small type beside it, inside the margin but not the text: both stay.
+  TextBox big = Box(0, 0, 400, 280);
+  big.core = Box(40, 40, 360, 240).corners;
+  TextBox cents = Box(365, 40, 395, 70);
+  cents.core = Box(368, 44, 392, 66).corners;
+  EXPECT_EQ(Extents(JoinLines({big, cents}, 1.0)).size(), 2u) << "small text beside a large line";
+  cents.core = Box(300, 44, 330, 66).corners;  // the same, within the large line's text: the same text
+  EXPECT_EQ(Extents(JoinLines({big, cents}, 1.0)).size(), 1u);
 }
 
 TEST(OcrLines, ColumnsOfRunningTextAreReadOneAfterTheOther) {

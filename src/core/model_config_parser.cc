@@ -493,9 +493,8 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
 
   if (p.has_dynamic_batching()) QUERN_RETURN_IF_ERROR(ConvertDynamicBatching(p.dynamic_batching(), source, c));
   if (p.model_transaction_policy().decoupled()) {
-    return Err(Unimplemented(source +
-                             ": model_transaction_policy { decoupled: true } (a model that answers a request "
-                             "with many responses) is not supported yet"));
+    return Err(Unimplemented(source + ": model_transaction_policy { decoupled: true } (a model that answers a request "
+                                      "with many responses) is not supported yet"));
   }
 
   QUERN_RETURN_IF_ERROR(ConvertParameters(p, source, c));
@@ -652,9 +651,14 @@ namespace {
 
 // The fields whose 64-bit integers protobuf's JSON writes as strings.
 bool Int64Field(const std::string& key) {
-  static const std::set<std::string> kFields = {"dims",          "shape",          "versions",
-                                                "model_version", "priority_levels", "default_priority_level",
-                                                "max_queue_delay_microseconds", "default_timeout_microseconds"};
+  static const std::set<std::string> kFields = {"dims",
+                                                "shape",
+                                                "versions",
+                                                "model_version",
+                                                "priority_levels",
+                                                "default_priority_level",
+                                                "max_queue_delay_microseconds",
+                                                "default_timeout_microseconds"};
   return kFields.contains(key);
 }
 
@@ -664,7 +668,11 @@ void ToNumber(google::protobuf::Value& v) {
   const std::string& s = v.string_value();
   int64_t n = 0;
   const auto r = std::from_chars(s.data(), s.data() + s.size(), n);
-  if (r.ec == std::errc() && r.ptr == s.data() + s.size()) v.set_number_value(static_cast<double>(n));
+  // Beyond 2^53 a JSON number (a double to most readers) would lose digits: left a string.
+  constexpr int64_t kExact = int64_t{1} << 53;
+  if (r.ec == std::errc() && r.ptr == s.data() + s.size() && n <= kExact && n >= -kExact) {
+    v.set_number_value(static_cast<double>(n));
+  }
 }
 
 void FixInt64s(google::protobuf::Value& v) {
@@ -674,6 +682,9 @@ void FixInt64s(google::protobuf::Value& v) {
   }
   if (v.kind_case() != google::protobuf::Value::kStructValue) return;
   for (auto& [key, field] : *v.mutable_struct_value()->mutable_fields()) {
+    // Maps of names (an ensemble step's input_map and output_map, parameters): their keys are
+    // tensor and parameter names, never fields.
+    if (key == "input_map" || key == "output_map" || key == "parameters") continue;
     if (Int64Field(key)) {
       if (field.kind_case() == google::protobuf::Value::kListValue) {
         for (auto& item : *field.mutable_list_value()->mutable_values()) ToNumber(item);

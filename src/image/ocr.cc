@@ -384,6 +384,11 @@ std::vector<TextBox> DetectBoxes(const float* prob, int width, int height, int d
                     p.y + s0 * grow * e0.y / l0 + s1 * grow * e1.y / l1};
       }
       if (std::min(l0, l1) + 2 * grow < 3 + 2) continue;
+      std::array<Point, 4> core = box;  // the text's own rectangle, before unclipping
+      for (Point& p : core) {
+        p.x = std::clamp(p.x / width * dest_width, 0.0, static_cast<double>(dest_width));
+        p.y = std::clamp(p.y / height * dest_height, 0.0, static_cast<double>(dest_height));
+      }
       std::array<Point, 4> out = MiniBoxOrder(grown);
       for (Point& p : out) {
         p.x = std::clamp(std::nearbyint(p.x / width * dest_width), 0.0, static_cast<double>(dest_width));
@@ -396,7 +401,7 @@ std::vector<TextBox> DetectBoxes(const float* prob, int width, int height, int d
         p.y = std::clamp(std::trunc(p.y), 0.0, static_cast<double>(dest_height - 1));
       }
       if (static_cast<int>(Distance(out[0], out[1])) <= 3 || static_cast<int>(Distance(out[0], out[3])) <= 3) continue;
-      boxes.push_back({out, score});
+      boxes.push_back({out, score, core});
     }
   }
   // Reading order: by the top-left corner's y, then x; boxes whose tops lie
@@ -437,6 +442,14 @@ Extent ExtentOf(const TextBox& b) {
   e.height = (Distance(b.corners[0], b.corners[3]) + Distance(b.corners[1], b.corners[2])) / 2;
   e.upright = e.height > 2 * w;
   return e;
+}
+
+// The box's text before it was grown (its corners when it has no core of its own).
+const std::array<Point, 4>& CoreOf(const TextBox& b) {
+  for (const Point& p : b.core) {
+    if (p.x != 0 || p.y != 0) return b.core;
+  }
+  return b.corners;
 }
 
 // A quadrilateral's area (shoelace).
@@ -571,26 +584,44 @@ std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap) {
         joined.push_back(boxes[g[0]]);
         continue;
       }
-      std::vector<Point> points;
+      std::vector<Point> points, cores;
       double score = 0;
       for (size_t i : g) {
         points.insert(points.end(), boxes[i].corners.begin(), boxes[i].corners.end());
+        const std::array<Point, 4>& c = CoreOf(boxes[i]);
+        cores.insert(cores.end(), c.begin(), c.end());
         score += boxes[i].score;
       }
       joined.push_back({ClockwiseOrder(MinAreaRect(std::move(points)).corners),
-                        static_cast<float>(score / static_cast<double>(g.size()))});
+                        static_cast<float>(score / static_cast<double>(g.size())),
+                        ClockwiseOrder(MinAreaRect(std::move(cores)).corners)});
     }
     boxes = std::move(joined);
   }
-  // A box wholly inside a larger one (each corner within it) is the same text found twice: DB
-  // finds a letter whose inside it binarised apart from its line ("gRPC" read as the line and a
-  // "C"). The larger box already holds it.
+  // A box whose text lies wholly inside a larger box's text (each corner of its core within the
+  // other's core) is the same text found twice: DB finds a letter whose inside it binarised apart
+  // from its line ("gRPC" read as the line and a "C"). The larger box holds it already. Cores, not
+  // the grown boxes: small text beside a line, in the margin the line was grown by, is text of its own.
+  std::vector<double> area(boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) area[i] = Area(CoreOf(boxes[i]));
   std::vector<bool> inside(boxes.size(), false);
   for (size_t i = 0; i < boxes.size(); ++i) {
+    // Its corners pulled in by a sixth of its shorter side: a letter as tall as the line's capitals
+    // may reach a pixel past the line's own rectangle.
+    std::array<Point, 4> small = CoreOf(boxes[i]);
+    Point centre{0, 0};
+    for (const Point& p : small) centre.x += p.x / 4, centre.y += p.y / 4;
+    const double shorter = std::min(Distance(small[0], small[1]), Distance(small[0], small[3]));
+    for (Point& p : small) {
+      const double d = Distance(p, centre);
+      if (d > 0)
+        p = {p.x + (centre.x - p.x) * std::min(1.0, shorter / 6 / d),
+             p.y + (centre.y - p.y) * std::min(1.0, shorter / 6 / d)};
+    }
     for (size_t j = 0; j < boxes.size() && !inside[i]; ++j) {
-      if (i == j || inside[j] || Area(boxes[j].corners) <= Area(boxes[i].corners)) continue;
-      inside[i] = std::all_of(boxes[i].corners.begin(), boxes[i].corners.end(),
-                              [&](const Point& p) { return InsideOrOn(boxes[j].corners, p.x, p.y); });
+      if (i == j || inside[j] || area[j] <= area[i]) continue;
+      const std::array<Point, 4>& large = CoreOf(boxes[j]);
+      inside[i] = std::all_of(small.begin(), small.end(), [&](const Point& p) { return InsideOrOn(large, p.x, p.y); });
     }
   }
   std::vector<TextBox> kept;

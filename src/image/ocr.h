@@ -43,6 +43,9 @@ struct DbOptions {
 struct TextBox {
   std::array<Point, 4> corners;
   float score = 0;
+  // The text's own rectangle before it was grown (unclipped) into `corners`, in the same pixels;
+  // all zero: the same as `corners`.
+  std::array<Point, 4> core{};
 };
 std::vector<TextBox> DetectBoxes(const float* probability, int width, int height, int dest_width, int dest_height,
                                  const DbOptions& options);
@@ -55,8 +58,10 @@ std::vector<TextBox> DetectBoxes(const float* probability, int width, int height
 // than twice as tall as wide) are left alone. The order: lines top to
 // bottom (a box whose middle lies within a line's height is on that line),
 // each line's boxes left to right. `max_gap` 0 joins nothing and only orders.
-// A box lying wholly inside a larger one (its four corners within it) is
-// dropped, joined or not: the larger box holds its text already.
+// A box whose text lies wholly inside a larger box's text (its core's four
+// corners within the other's core, before either was grown) is dropped: the
+// larger box holds its text already. Text beside a line, in the margin the
+// line was grown by, stays.
 std::vector<TextBox> JoinLines(std::vector<TextBox> boxes, double max_gap);
 
 // `box` grown by `margin` times its shorter side on every side, along its

@@ -57,9 +57,9 @@ def schemathesis(spec, port, *extra):
     assert st, "schemathesis is not installed beside this Python (scripts/setup.sh installs it)"
     run = subprocess.run([st, "--no-color", "--config-file", os.path.join(os.path.dirname(__file__), "schemathesis.toml"),
                           "run", spec, "--url", f"http://127.0.0.1:{port}", "--checks", "all", "--max-examples", "12",
-                          "--seed", SEED, "--phases", "examples,coverage,fuzzing", "--workers", "2",
-                          "--request-timeout", "30", "--suppress-health-check", "filter_too_much", *extra],
-                         capture_output=True, text=True, timeout=280, env=dict(os.environ, QUERN_OPENAPI_KEY=ADMIN_KEY))
+                          "--seed", SEED, "--phases", "examples,coverage,fuzzing", "--workers", "1",
+                          "--request-timeout", "60", "--suppress-health-check", "filter_too_much", *extra],
+                         capture_output=True, text=True, timeout=250, env=dict(os.environ, QUERN_OPENAPI_KEY=ADMIN_KEY))
     assert run.returncode == 0, f"schemathesis (seed {SEED}) found:\n{run.stdout[-12000:]}\n{run.stderr[-3000:]}"
 
 

@@ -508,14 +508,21 @@ class PythonOpenedModel final : public OpenedModel {
   int next_instance_ = 0;
 };
 
-// Whether model.py mentions auto_complete_config (the process asked to run it answers the
-// configuration unchanged when it is no TritonPythonModel method after all).
-bool MentionsAutoComplete(const std::filesystem::path& file) {
+// Whether model.py defines auto_complete_config: a line "def auto_complete_config" (indented, as a
+// method), not a mention in a comment or a string. (The process asked to run it answers the
+// configuration unchanged when it is no TritonPythonModel method after all.)
+bool DefinesAutoComplete(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
   std::string text(size_t{4} << 20, '\0');  // a model.py is far smaller; beyond 4 MiB is not looked at
   in.read(text.data(), static_cast<std::streamsize>(text.size()));
   text.resize(static_cast<size_t>(in.gcount()));
-  return text.find("auto_complete_config") != std::string::npos;
+  const std::string_view def = "def auto_complete_config";
+  for (size_t at = text.find(def); at != std::string::npos; at = text.find(def, at + 1)) {
+    size_t line = at;
+    while (line > 0 && (text[line - 1] == ' ' || text[line - 1] == '\t')) --line;
+    if (line == 0 || text[line - 1] == '\n') return true;
+  }
+  return false;
 }
 
 // Triton's auto-complete: the model's TritonPythonModel.auto_complete_config(config) runs in a process
@@ -557,9 +564,9 @@ Status AutoComplete(ModelConfig& config, const PythonModelSpec& spec) {
   if (answer->empty() || (*answer)[0] != 'A') {
     return Internal(who + ": its Python process answered auto_complete_config with an unknown frame");
   }
-  QUERN_ASSIGN_OR_RETURN(
-      const inference::ModelConfig proto,
-      ParseModelConfigJson(std::string_view(*answer).substr(1), who + ": the configuration auto_complete_config returned"));
+  QUERN_ASSIGN_OR_RETURN(const inference::ModelConfig proto,
+                         ParseModelConfigJson(std::string_view(*answer).substr(1),
+                                              who + ": the configuration auto_complete_config returned"));
   QUERN_ASSIGN_OR_RETURN(ModelConfig completed,
                          ConvertModelConfig(proto, who + ": the configuration auto_complete_config returned"));
   config.inputs = std::move(completed.inputs);
@@ -635,14 +642,16 @@ class PythonBackend final : public Backend {
       }
       spec->same_core_below_ns = us * 1000;
     }
-    // As Triton does when a model defines auto_complete_config, with or without config.pbtxt.
-    if (MentionsAutoComplete(file)) QUERN_RETURN_IF_ERROR(AutoComplete(config, *spec));
+    // As Triton does: a model's auto_complete_config completes its configuration, with or without
+    // config.pbtxt (without one, it is asked however model.py defines it, a base class included).
+    if (!has_config_file || DefinesAutoComplete(file)) QUERN_RETURN_IF_ERROR(AutoComplete(config, *spec));
     if (config.inputs.empty() || config.outputs.empty()) {
-      return Err(InvalidArgument(who + (has_config_file ? ": a Python model's configuration must list its inputs and "
-                                                          "outputs, or its TritonPythonModel.auto_complete_config add them"
-                                                        : ": a Python model without config.pbtxt needs "
-                                                          "TritonPythonModel.auto_complete_config to name its inputs and "
-                                                          "outputs")));
+      return Err(
+          InvalidArgument(who + (has_config_file ? ": a Python model's configuration must list its inputs and "
+                                                   "outputs, or its TritonPythonModel.auto_complete_config add them"
+                                                 : ": a Python model without config.pbtxt needs "
+                                                   "TritonPythonModel.auto_complete_config to name its inputs and "
+                                                   "outputs")));
     }
     for (const auto* list : {&config.inputs, &config.outputs}) {
       for (const auto& t : *list) {
