@@ -34,13 +34,20 @@ set(CMAKE_BUILD_RPATH "${QUERN_ORT_ROOT}/lib" CACHE INTERNAL "")
 message(STATUS "ONNX Runtime: ${QUERN_ORT_ROOT}")
 
 # Installs the ONNX Runtime library that Quern links against into
-# DESTINATION (a private folder found through RUNPATH), under its soname.
-# Nothing to do for a system ONNX Runtime (a package or pkg-config).
-function(quern_install_onnxruntime destination component)
+# DESTINATION (a private folder found through RUNPATH), under its soname, and
+# its licence and third-party notices (scripts/setup.sh keeps them from the
+# wheel) into NOTICES_DESTINATION. Nothing to do for a system ONNX Runtime (a
+# package or pkg-config), which brings its own.
+function(quern_install_onnxruntime destination notices_destination component)
   get_target_property(soname onnxruntime::onnxruntime IMPORTED_SONAME)
   get_target_property(location onnxruntime::onnxruntime IMPORTED_LOCATION)
   if(soname AND location)
     file(REAL_PATH "${location}" file)
     install(FILES "${file}" DESTINATION "${destination}" RENAME "${soname}" COMPONENT ${component})
+    foreach(notice LICENSE ThirdPartyNotices.txt)
+      if(EXISTS "${QUERN_ORT_ROOT}/${notice}")
+        install(FILES "${QUERN_ORT_ROOT}/${notice}" DESTINATION "${notices_destination}" COMPONENT ${component})
+      endif()
+    endforeach()
   endif()
 endfunction()

@@ -6,7 +6,11 @@
 include(GNUInstallDirs)
 install(FILES ${PROJECT_SOURCE_DIR}/packaging/quern.service DESTINATION lib/systemd/system COMPONENT runtime)
 install(FILES ${PROJECT_SOURCE_DIR}/packaging/quern.toml DESTINATION ${CMAKE_INSTALL_DATADIR}/quern COMPONENT runtime)
-install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT runtime)
+install(FILES ${PROJECT_SOURCE_DIR}/README.md ${PROJECT_SOURCE_DIR}/LICENSE ${PROJECT_SOURCE_DIR}/NOTICE
+        DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT runtime)
+# The Debian package's machine-readable copyright file (/usr/share/doc/quern/copyright).
+install(FILES ${PROJECT_SOURCE_DIR}/packaging/debian/copyright DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT runtime)
+set(CPACK_RESOURCE_FILE_LICENSE ${PROJECT_SOURCE_DIR}/LICENSE)
 
 set(CPACK_GENERATOR DEB)
 set(CPACK_PACKAGE_NAME quern)

@@ -211,7 +211,8 @@ apt_download() { # suite package=version folder
 
 install_onnxruntime() {
   local dest="$TP/onnxruntime"
-  if [ -f "$dest/.complete-$ORT_VERSION" ]; then log "ONNX Runtime $ORT_VERSION present"; return 0; fi
+  # (-notices: the wheel's licence and third-party notices are kept too, for the packages)
+  if [ -f "$dest/.complete-$ORT_VERSION-notices" ]; then log "ONNX Runtime $ORT_VERSION present"; return 0; fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
@@ -227,6 +228,8 @@ install_onnxruntime() {
   zip_member "$tmp/$ORT_WHL" "$so" "$tmp/libonnxruntime.so"
   so=libonnxruntime.so
   check_sha "$tmp/$so" "$ORT_SO_SHA256"
+  zip_member "$tmp/$ORT_WHL" onnxruntime/LICENSE "$tmp/LICENSE"
+  zip_member "$tmp/$ORT_WHL" onnxruntime/ThirdPartyNotices.txt "$tmp/ThirdPartyNotices.txt"
 
   rm -rf "$dest"
   mkdir -p "$dest/include" "$dest/lib"
@@ -234,7 +237,8 @@ install_onnxruntime() {
   cp "$tmp/$so" "$dest/lib/libonnxruntime.so.$ORT_VERSION"
   ln -sf "libonnxruntime.so.$ORT_VERSION" "$dest/lib/libonnxruntime.so.1"
   ln -sf "libonnxruntime.so.1" "$dest/lib/libonnxruntime.so"
-  touch "$dest/.complete-$ORT_VERSION"
+  cp "$tmp/LICENSE" "$tmp/ThirdPartyNotices.txt" "$dest/"
+  touch "$dest/.complete-$ORT_VERSION-notices"
   log "ONNX Runtime installed in $dest"
 }
 

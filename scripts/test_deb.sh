@@ -34,9 +34,14 @@ deb=$(ls "$WORK"/quern_*.deb)
 echo "== dpkg -i $(basename "$deb")"
 $sudo dpkg -i "$deb" >/dev/null
 for f in /usr/bin/quern /usr/bin/quern-perf /usr/bin/quern-quantize /usr/lib/libquern.so.0 /usr/lib/quern/libonnxruntime.so.1 \
-         /usr/lib/systemd/system/quern.service /etc/quern/quern.toml /usr/include/quern/engine.h; do
+         /usr/lib/systemd/system/quern.service /etc/quern/quern.toml /usr/include/quern/engine.h \
+         /usr/share/doc/quern/copyright /usr/share/doc/quern/LICENSE /usr/share/doc/quern/NOTICE \
+         /usr/share/doc/quern/onnxruntime/LICENSE /usr/share/doc/quern/onnxruntime/ThirdPartyNotices.txt; do
   [ -e "$f" ] || { echo "test_deb: $f is missing after installing" >&2; exit 1; }
 done
+grep -q '^License: Apache-2.0$' /usr/share/doc/quern/copyright &&
+  grep -q '^Files: usr/lib/quern/libonnxruntime.so' /usr/share/doc/quern/copyright ||
+  { echo "test_deb: the copyright file does not state the licences" >&2; exit 1; }
 getent passwd quern >/dev/null || { echo "test_deb: no user quern" >&2; exit 1; }
 [ "$(stat -c %U /var/lib/quern/models)" = quern ] || { echo "test_deb: /var/lib/quern/models is not quern's" >&2; exit 1; }
 # Registered faces survive a restart, and nothing listens beyond this machine until keys are set.

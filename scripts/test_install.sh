@@ -21,6 +21,9 @@ cmake --install "$BUILD" --prefix "$PREFIX" >/dev/null
 headers=$(cd "$PREFIX/include" && find . -type f | sort | tr '\n' ' ')
 expected=$(cd "$ROOT/include" && find . -type f -name '*.h' | sort | tr '\n' ' ')
 [ "$headers" = "$expected" ] || { echo "installed headers: $headers; expected the public ones: $expected" >&2; exit 1; }
+for f in LICENSE NOTICE onnxruntime/LICENSE onnxruntime/ThirdPartyNotices.txt; do
+  [ -f "$PREFIX/share/doc/quern/$f" ] || { echo "test_install: share/doc/quern/$f is missing" >&2; exit 1; }
+done
 "$PREFIX/bin/quern" --help >/dev/null
 "$PREFIX/bin/quern" perf --help >/dev/null  # runs quern-perf, installed beside it
 # runs quern-quantize (Python, by its first line), installed beside it; --help needs no packages

@@ -23,6 +23,16 @@ CI_CXX=$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' build/ci/CMakeCache.txt 2>/
 CXX="${CI_CXX:-${CXX:-c++}}" build/venv/bin/pip wheel -q --disable-pip-version-check --no-deps -w "$DIST" \
   --config-settings=cmake.define.QUERN_WERROR=ON --config-settings=build-dir=build/wheel-build .
 wheel=$(ls "$DIST"/quern-*.whl)
+# The licence in the metadata, the licence and notices in the wheel, and ONNX Runtime's beside its library.
+python3 - "$wheel" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+meta = zipfile.ZipFile(sys.argv[1]).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+missing = [f for f in ("LICENSE", "NOTICE", "quern/onnxruntime/LICENSE", "quern/onnxruntime/ThirdPartyNotices.txt")
+           if not any(n == f or n.endswith("/" + f) for n in names)]
+if missing or "Apache-2.0" not in meta:
+    sys.exit(f"test_wheel: the wheel lacks {missing} or its metadata the licence")
+PY
 echo "== installing $(basename "$wheel") into a fresh venv with $NUMPY2"
 /usr/bin/python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check "$wheel" "$NUMPY2" pytest==8.3.3 onnx==1.17.0
