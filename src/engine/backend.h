@@ -9,10 +9,12 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 
+#include "quern/engine.h"
 #include "quern/model.h"
 #include "quern/status.h"
 
@@ -38,9 +40,19 @@ class OpenedModel {
   }
 };
 
+// What a backend's models may ask of the engine that serves them.
+struct ModelServices {
+  // Engine::InferAsync's contract (a refusal is returned and `done` stays with the caller; a request
+  // taken is answered once, on an engine thread): a model calling another model (Python's BLS).
+  std::function<Status(InferRequest&& request, InferCallback& done, const SubmitOptions& options)> submit;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
+
+  // Called once by the engine, before any Open: how the models it opens reach the engine.
+  virtual void SetServices(const ModelServices& /*services*/) {}
 
   // Opens a model version's `file` and fills in what `config` leaves out
   // (inputs, outputs, batch size) from what the file declares.
@@ -77,6 +89,10 @@ class BackendRegistry {
   Backend* Find(const std::string& name) const {
     auto it = backends_.find(name);
     return it == backends_.end() ? nullptr : it->second.get();
+  }
+  // Gives every backend the engine's services.
+  void SetServices(const ModelServices& services) const {
+    for (const auto& [name, backend] : backends_) backend->SetServices(services);
   }
 
  private:

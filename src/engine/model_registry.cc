@@ -37,6 +37,11 @@ ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(Bac
   clock_ = options_.clock ? options_.clock : &RealClockInstance();
   cores_ = options_.cores > 0 ? options_.cores : UsableCores();
   if (install) install(backends_);
+  ModelServices services;
+  services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o) {
+    return Submit(std::move(r), NextId(), done, o);
+  };
+  backends_.SetServices(services);
   std::random_device rd;
   next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
   if (next_id_ == 0) next_id_ = 1;

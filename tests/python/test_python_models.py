@@ -1057,3 +1057,98 @@ def test_a_model_py_alone_describes_itself_with_auto_complete_config(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Triton's BLS example (python_backend/examples/bls), its sync and async forms: a model that calls the
+# model named by its input MODEL_NAME and answers with that model's outputs.
+BLS = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy().reshape(-1)[0]  # bytes
+            inputs = [pb_utils.get_input_tensor_by_name(request, "INPUT0"),
+                      pb_utils.get_input_tensor_by_name(request, "INPUT1")]
+            answer = pb_utils.InferenceRequest(model_name=name, requested_output_names=["OUTPUT0", "OUTPUT1"],
+                                               inputs=inputs).exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            responses.append(pb_utils.InferenceResponse(output_tensors=answer.output_tensors()))
+        return responses
+'''
+
+BLS_ASYNC = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            inputs = [pb_utils.get_input_tensor_by_name(request, "INPUT0"),
+                      pb_utils.get_input_tensor_by_name(request, "INPUT1")]
+            calls = [pb_utils.InferenceRequest(model_name=m, requested_output_names=["OUTPUT0", "OUTPUT1"],
+                                               inputs=inputs).async_exec() for m in ("add_sub", "add_sub_onnx")]
+            first, second = await asyncio.gather(*calls)
+            # OUTPUT0 from the Python add_sub, OUTPUT1 from the ONNX one
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.get_output_tensor_by_name(first, "OUTPUT0"),
+                pb_utils.get_output_tensor_by_name(second, "OUTPUT1")]))
+        return responses
+'''
+
+BLS_CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] },
+        { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+'''
+
+
+def test_a_python_model_calls_other_models_bls_sync_and_async(tmp_path):
+    import shutil
+    write_model(tmp_path, "add_sub", ADD_SUB_CONFIG, ADD_SUB)
+    shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "add_sub"), tmp_path / "add_sub_onnx")
+    write_model(tmp_path, "bls_sync", BLS_CONFIG, BLS)
+    write_model(tmp_path, "bls_async", BLS_CONFIG, BLS_ASYNC)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        a = np.array([[1, 2, 3, 4]], np.float32)
+        b = np.array([[10, 20, 30, 40]], np.float32)
+
+        def call(model, name=None):
+            inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            if name is not None:
+                inputs.append(httpclient.InferInput("MODEL_NAME", [1, 1], "BYTES"))
+                inputs[-1].set_data_from_numpy(np.array([[name.encode()]], dtype=object))
+            return client.infer(model, inputs)
+
+        for target in ("add_sub", "add_sub_onnx"):  # a Python model and an ONNX model, each called
+            r = call("bls_sync", target)
+            np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b)
+            np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a - b)
+        r = call("bls_async")
+        np.testing.assert_allclose(r.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a - b)
+        # The called models counted the calls as their own requests.
+        stats = {s["name"]: s["inference_count"] for s in client.get_inference_statistics()["model_stats"]}
+        assert stats["add_sub"] >= 2 and stats["add_sub_onnx"] >= 2, stats
+        # A model that does not exist, and a model calling itself: the call's error, named.
+        for target, text in (("undefined_model", "undefined_model"), ("bls_sync", "called itself")):
+            with pytest.raises(InferenceServerException) as e:
+                call("bls_sync", target)
+            assert text in str(e.value), str(e.value)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

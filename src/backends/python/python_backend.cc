@@ -18,6 +18,7 @@
 #include "backends/python/python_process.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
+#include "core/mutex.h"
 
 namespace quern {
 namespace {
@@ -121,6 +122,61 @@ Status FromTritonCode(uint8_t code, std::string message) {
   }
 }
 
+// The pb_utils.TritonError code of a status (its message goes with it).
+uint8_t ToTritonCode(StatusCode code) {
+  switch (code) {
+    case StatusCode::kNotFound: return 2;
+    case StatusCode::kInvalidArgument: return 3;
+    case StatusCode::kUnavailable:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kDeadlineExceeded: return 4;
+    case StatusCode::kUnimplemented: return 5;
+    case StatusCode::kAlreadyExists: return 6;
+    case StatusCode::kCancelled: return 7;
+    default: return 1;  // INTERNAL
+  }
+}
+
+// A tensor of a BLS frame: u16 name length, u8 type, u8 rank, the name, rank int64 dims, u64 byte
+// count, the bytes (BYTES elements as 4-byte lengths and their bytes).
+Result<NamedTensor> ReadFrameTensor(FrameReader& r) {
+  uint16_t len = 0;
+  uint8_t type = 0, rank = 0;
+  std::string_view name, bytes;
+  if (!r.Get(len) || !r.Get(type) || !r.Get(rank) || !r.Bytes(len, name) || rank > kMaxTensorRank) {
+    return Err(InvalidArgument("a malformed tensor"));
+  }
+  Shape shape(rank);
+  for (auto& d : shape) {
+    if (!r.Get(d) || d < 0) return Err(InvalidArgument("tensor '" + std::string(name) + "': a malformed shape"));
+  }
+  uint64_t size = 0;
+  if (!r.Get(size) || !r.Bytes(size, bytes)) {
+    return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes are cut short"));
+  }
+  const auto dtype = static_cast<DataType>(type);
+  const size_t element = DataTypeByteSize(dtype);
+  if (type == 0 || type > static_cast<uint8_t>(DataType::kBf16) ||
+      (dtype != DataType::kBytes && ByteCount(shape, element) != static_cast<int64_t>(size)) ||
+      (dtype == DataType::kBytes && ElementCount(shape) < 0)) {
+    return Err(InvalidArgument("tensor '" + std::string(name) + "': its type, shape and byte count disagree"));
+  }
+  Tensor t = Tensor::AllocateUninitialized(dtype, std::move(shape), size);
+  if (size) std::memcpy(t.mutable_data(), bytes.data(), size);
+  return NamedTensor{std::string(name), std::move(t)};
+}
+
+void PutFrameTensor(std::string& out, const NamedTensor& n) {
+  const Tensor& t = n.tensor;
+  Put<uint16_t>(out, static_cast<uint16_t>(std::min<size_t>(n.name.size(), 65535)));
+  Put<uint8_t>(out, static_cast<uint8_t>(t.dtype()));
+  Put<uint8_t>(out, static_cast<uint8_t>(t.shape().size()));
+  out.append(n.name, 0, 65535);
+  for (int64_t d : t.shape()) Put<int64_t>(out, d);
+  Put<uint64_t>(out, t.byte_size());
+  if (t.byte_size()) out.append(reinterpret_cast<const char*>(t.data()), t.byte_size());
+}
+
 Result<int64_t> MillisecondsParameter(const ModelConfig& config, const char* key, int64_t fallback) {
   auto it = config.parameters.find(key);
   if (it == config.parameters.end()) return fallback;
@@ -157,6 +213,8 @@ void WriteTensorList(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::v
 }
 
 struct PythonModelSpec {
+  // The engine's submit, for the model's calls to other models (BLS); empty outside an engine.
+  std::function<Status(InferRequest&&, InferCallback&, const SubmitOptions&)> submit;
   std::string python;
   std::filesystem::path model_file;
   std::filesystem::path version_dir;
@@ -265,7 +323,16 @@ class PythonModel final : public Model {
       process_->YieldForFrame(
           std::min(static_cast<int64_t>(2 * round_trip_ns_) + kYieldSlackNs, spec_->same_core_below_ns));
     }
+    const auto deadline = sent_at + std::chrono::milliseconds(spec_->execute_timeout_ms);
     auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
+    // Calls to other models (BLS) while execute() runs, each answered before the batch's answer.
+    while (reply && !reply->empty() && (*reply)[0] == 'B') {
+      if (Status st = process_->Send(CallModel(*reply, deadline)); !st.ok()) {
+        reply = Err(st);
+        break;
+      }
+      reply = process_->Receive(MsLeft(deadline), abandon_fd_);
+    }
     if (reply) Measure(std::chrono::steady_clock::now() - sent_at);
     if (!reply && reply.error().code() != StatusCode::kCancelled) {
       ++crashes_in_a_row_;
@@ -289,6 +356,99 @@ class PythonModel final : public Model {
   }
 
  private:
+  // What is left of the batch's execute_timeout_ms for Receive (0: no limit).
+  int64_t MsLeft(std::chrono::steady_clock::time_point deadline) const {
+    if (spec_->execute_timeout_ms <= 0) return 0;
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    return std::max<int64_t>(1, left.count());
+  }
+
+  // One call to another model from the process (BLS, its frame "B"): run by the engine like any
+  // request (batched with other callers, queued, counted in that model's statistics); the frame "b"
+  // that answers it: u32 call, u8 failed, u8 TritonError code, u32 message length, the message, then
+  // u16 outputs and each output as the request's tensors are.
+  std::string CallModel(std::string_view frame, std::chrono::steady_clock::time_point deadline) {
+    FrameReader r(frame.substr(1));
+    uint32_t call = 0;
+    int64_t version = -1;
+    uint64_t timeout_us = 0;
+    const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us);
+    auto answer = [&](const Status& st, const std::vector<NamedTensor>* outputs) {
+      std::string out = "b";
+      Put<uint32_t>(out, call);
+      Put<uint8_t>(out, st.ok() ? 0 : 1);
+      Put<uint8_t>(out, ToTritonCode(st.code()));
+      const std::string message = st.ok() ? std::string() : st.message().substr(0, 65536);
+      Put<uint32_t>(out, static_cast<uint32_t>(message.size()));
+      out += message;
+      if (st.ok() && outputs) {
+        Put<uint16_t>(out, static_cast<uint16_t>(outputs->size()));
+        for (const NamedTensor& n : *outputs) PutFrameTensor(out, n);
+      }
+      return out;
+    };
+    InferRequest request;
+    uint16_t len = 0, count = 0;
+    std::string_view model, id;
+    if (!head || !r.Get(len) || !r.Bytes(len, model) || !r.Get(len) || !r.Bytes(len, id) || !r.Get(count)) {
+      return answer(Internal(tag_ + ": a malformed call to another model (BLS)"), nullptr);
+    }
+    for (uint16_t i = 0; i < count; ++i) {
+      std::string_view name;
+      if (!r.Get(len) || !r.Bytes(len, name)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);
+      request.requested_outputs.emplace_back(name);
+    }
+    if (!r.Get(count)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);
+    for (uint16_t i = 0; i < count; ++i) {
+      auto tensor = ReadFrameTensor(r);
+      if (!tensor)
+        return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': " + tensor.error().message()),
+                      nullptr);
+      request.inputs.push_back(std::move(*tensor));
+    }
+    if (model == config_.name) {
+      return answer(InvalidArgument("model '" + config_.name +
+                                    "' called itself (BLS): its execute() would wait for its own instances"),
+                    nullptr);
+    }
+    if (!spec_->submit) return answer(Unavailable(tag_ + ": no engine serves its calls to other models"), nullptr);
+    request.model = std::string(model);
+    request.version = version;
+    request.timeout_us = timeout_us;
+    request.cancel = std::make_shared<CancellationToken>();
+    if (!id.empty()) request.metadata.emplace_back("request_id", std::string(id));
+    struct Pending {
+      Mutex mu;
+      CondVar cv;
+      std::optional<InferResponse> response;
+    };
+    auto pending = std::make_shared<Pending>();
+    auto cancel = request.cancel;
+    InferCallback done = [pending](InferResponse&& response) {
+      MutexLock lock(pending->mu);
+      pending->response = std::move(response);
+      pending->cv.SignalAll();
+    };
+    if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}); !st.ok()) return answer(st, nullptr);
+    const Clock& clock = RealClockInstance();
+    MutexLock lock(pending->mu);
+    while (!pending->response) {
+      if (abandoned_.load(std::memory_order_acquire)) {
+        cancel->Cancel();
+        return answer(Unavailable("the server is stopping"), nullptr);
+      }
+      if (spec_->execute_timeout_ms > 0 && std::chrono::steady_clock::now() >= deadline) {
+        cancel->Cancel();
+        return answer(DeadlineExceeded("model '" + std::string(model) + "' did not answer within the caller's " +
+                                       "quern.execute_timeout_ms"),
+                      nullptr);
+      }
+      pending->cv.WaitUntil(lock, clock, clock.NowNs() + 50'000'000);  // a look at the stop and the timeout
+    }
+    return answer(pending->response->status, &pending->response->outputs);
+  }
+
   PythonLaunch Launch() const {
     rapidjson::StringBuffer sb;
     rapidjson::Writer<rapidjson::StringBuffer> w(sb);
@@ -578,6 +738,8 @@ Status AutoComplete(ModelConfig& config, const PythonModelSpec& spec) {
 
 class PythonBackend final : public Backend {
  public:
+  void SetServices(const ModelServices& services) override { services_ = services; }
+
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int /*cores*/, int /*instances*/) override {
     const std::string who = "model '" + config.name + "'";
@@ -591,6 +753,7 @@ class PythonBackend final : public Backend {
                                  "name a virtual environment or an interpreter with parameter quern.python"));
     }
     auto spec = std::make_shared<PythonModelSpec>();
+    spec->submit = services_.submit;
     spec->model_file = file;
     spec->version_dir = file.parent_path();
     spec->model_dir = spec->version_dir.parent_path();
@@ -668,6 +831,9 @@ class PythonBackend final : public Backend {
   // The model is told its device (args model_instance_kind and
   // model_instance_device_id, as Triton does) and places its work itself.
   std::string WhyNoGpu() const override { return ""; }
+
+ private:
+  ModelServices services_;
 };
 
 }  // namespace

@@ -17,6 +17,7 @@
 #   1, 2  a pipe into the server's log
 # The bootstrap has already defined _read_frame(); this source runs in its
 # globals.
+import inspect
 import json
 import mmap
 import os
@@ -389,7 +390,16 @@ class Runner:
             requests.append(utils.InferenceRequest(tensors, request_id=self.request_ids[i], requested_output_names=names,
                                                    model_name=self.name))
             start += r
-        responses = self.triton.execute(requests)
+        with _bls_lock:
+            _bls_state["open"] = True
+        try:
+            responses = self.triton.execute(requests)
+            if inspect.iscoroutine(responses):  # an `async def execute` (awaiting BLS calls)
+                import asyncio
+                responses = asyncio.run(responses)
+        finally:
+            with _bls_lock:  # a call under way on another thread ends first
+                _bls_state["open"] = False
         if responses is None or len(responses) != len(requests):
             got = "None" if responses is None else f"{len(responses)} responses"
             raise ValueError(f"execute() returned {got} for {len(requests)} requests")
@@ -528,6 +538,80 @@ def _count(dims):
     return n
 
 
+# BLS: a model calling another model while its execute() runs. The request goes to the server as the
+# frame "B" on the reply socket; the server runs it like any request and answers "b" on the control
+# socket. One call at a time (a lock): calls from several threads, or awaited together, run one after
+# another. The answer to the batch waits for a call under way.
+_BLS = struct.Struct("<IqQ")  # call, version, timeout (us)
+_bls_lock = threading.Lock()
+_bls_state = {"next": 0, "open": False}
+_NUMPY_CODES = {v: k for k, v in _NUMPY_TYPES.items()}
+
+
+def _encode_tensor(name, array, np, utils):
+    if array.dtype.kind in "OSU":
+        code, data = BYTES, utils.serialize_byte_tensor(array).tobytes()
+    else:
+        code = _NUMPY_CODES.get(array.dtype.name)
+        if code is None:
+            raise TypeError(f"BLS input '{name}' has numpy type {array.dtype}, which the server has no type for")
+        data = np.ascontiguousarray(array).tobytes()
+    raw = name.encode("utf-8")
+    return (struct.pack("<HBB", len(raw), code, array.ndim) + raw + _int64s(array.ndim).pack(*array.shape) +
+            struct.pack("<Q", len(data)) + data)
+
+
+def _bls_call(request, np, utils):
+    name = request.model_name().encode("utf-8")
+    rid = str(request.request_id() or "").encode("utf-8")[:1024]
+    outs = [str(o).encode("utf-8") for o in request.requested_output_names()]
+    with _bls_lock:
+        if not _bls_state["open"]:
+            raise utils.TritonModelException("calling other models (BLS) works only while execute() runs")
+        _bls_state["next"] += 1
+        call = _bls_state["next"]
+        parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0)),
+                 struct.pack("<H", len(name)), name, struct.pack("<H", len(rid)), rid, struct.pack("<H", len(outs))]
+        for o in outs:
+            parts += [struct.pack("<H", len(o)), o]
+        parts.append(struct.pack("<H", len(request.inputs())))
+        for tensor in request.inputs():
+            parts.append(_encode_tensor(tensor.name(), np.asarray(tensor.as_numpy()), np, utils))
+        _send(b"".join(parts))
+        reply = _next_frame()
+    if reply[:1] != b"b":
+        raise RuntimeError("the server answered a BLS call with an unknown frame")
+    view = memoryview(reply)
+    got, failed, code, length = struct.unpack_from("<IBBI", view, 1)
+    pos = 11
+    message = bytes(view[pos:pos + length]).decode("utf-8", "replace")
+    pos += length
+    if got != call:
+        raise RuntimeError(f"the server answered BLS call {got} for call {call}")
+    if failed:
+        return utils.InferenceResponse(error=utils.TritonError(message, code))
+    (count,) = struct.unpack_from("<H", view, pos)
+    pos += 2
+    tensors = []
+    for _ in range(count):
+        nlen, dtype, rank = struct.unpack_from("<HBB", view, pos)
+        pos += 4
+        out_name = bytes(view[pos:pos + nlen]).decode("utf-8", "replace")
+        pos += nlen
+        dims = list(_int64s(rank).unpack_from(view, pos)) if rank else []
+        pos += 8 * rank
+        (nbytes,) = struct.unpack_from("<Q", view, pos)
+        pos += 8
+        data = view[pos:pos + nbytes]
+        pos += nbytes
+        if dtype == BYTES:
+            array = utils.deserialize_bytes_tensor(np.frombuffer(data, dtype=np.uint8)).reshape(dims)
+        else:
+            array = np.frombuffer(data, dtype=_NUMPY_TYPES[dtype]).reshape(dims)
+        tensors.append(utils.Tensor(out_name, array))
+    return utils.InferenceResponse(output_tensors=tensors)
+
+
 def _auto_complete(launch, utils):
     """The model's TritonPythonModel.auto_complete_config(config), its answer sent as the frame
     "A" + the configuration's JSON after "R"; then the process waits for the server's "S" and exits.
@@ -575,6 +659,7 @@ def _main():
         utils.__file__ = "<quern: triton_python_backend_utils>"
         exec(compile(utils_source, utils.__file__, "exec"), utils.__dict__)
         sys.modules["triton_python_backend_utils"] = utils
+        utils._bls_call = lambda request: _bls_call(request, np, utils)
         _bound_memory(launch.get("max_memory_mb", 0))
         if launch.get("mode") == "auto_complete":
             _auto_complete(launch, utils)  # answers and exits

@@ -46,6 +46,11 @@ def numpy_to_triton_type(data_type):
     return None
 
 
+# Set by the process that runs the model (stub.py): sends a BLS request to the server and returns its
+# InferenceResponse.
+_bls_call = None
+
+
 class TritonError(Exception):
     """An error for one request (InferenceResponse(error=...)); may also be raised."""
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
@@ -105,17 +110,18 @@ class Tensor:
 class InferenceRequest:
     """One request of a batch, as execute() receives it."""
     __slots__ = ("_inputs", "_by_name", "_request_id", "_correlation_id", "_requested_output_names",
-                 "_model_name", "_model_version")
+                 "_model_name", "_model_version", "_timeout")
 
     def __init__(self, inputs=None, request_id="", correlation_id=0, requested_output_names=(), model_name="",
-                 model_version=-1, **_ignored):
+                 model_version=-1, flags=0, timeout=0, **_ignored):
         self._inputs = list(inputs or [])
         self._by_name = None
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._requested_output_names = list(requested_output_names)
-        self._model_name = model_name
+        self._model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self._model_version = model_version
+        self._timeout = timeout
 
     def inputs(self):
         return self._inputs
@@ -149,11 +155,21 @@ class InferenceRequest:
     def get_response_sender(self):
         raise TritonModelException("decoupled models (response senders) are not supported by Quern's Python backend")
 
-    def exec(self, *args, **kwargs):
-        raise TritonModelException("calling other models from a Python model (BLS) is not supported by Quern's "
-                                   "Python backend")
+    def exec(self, decoupled=False):
+        """Runs this request on model_name (BLS: a model calling another model) and returns its
+        InferenceResponse; a failure is the response's error(), not an exception. Served while the
+        calling model's execute() runs (from its thread or any other)."""
+        if decoupled:
+            raise TritonModelException("exec(decoupled=True): decoupled models are not supported yet by Quern's "
+                                       "Python backend")
+        if _bls_call is None:
+            raise TritonModelException("calling other models (BLS) works only inside a served model's execute()")
+        return _bls_call(self)
 
-    async_exec = exec
+    async def async_exec(self, decoupled=False):
+        """exec() for an `async def execute`: awaitable; calls awaited together run one after another."""
+        import asyncio
+        return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
 
 
 class InferenceResponse:
