@@ -33,6 +33,7 @@ CONTROL_FD, REPLY_FD, LIFE_FD = 3, 4, 6
 SHM_FDS = (5, 7, 8, 9)
 ALIGN = 64
 MAX_SHM_BYTES = 1 << 34  # 16 GiB: no batch of outputs is larger
+MAX_FRAME_BYTES = 64 << 20  # as the server's kMaxFrameBytes: a larger frame ends the process
 BYTES = 13
 _NUMPY_TYPES = {1: "bool", 2: "uint8", 3: "uint16", 4: "uint32", 5: "uint64", 6: "int8", 7: "int16", 8: "int32",
                 9: "int64", 10: "float16", 11: "float32", 12: "float64"}
@@ -577,7 +578,11 @@ def _bls_call(request, np, utils):
         parts.append(struct.pack("<H", len(request.inputs())))
         for tensor in request.inputs():
             parts.append(_encode_tensor(tensor.name(), np.asarray(tensor.as_numpy()), np, utils))
-        _send(b"".join(parts))
+        payload = b"".join(parts)
+        if len(payload) > MAX_FRAME_BYTES:
+            raise utils.TritonModelException(f"a call to model '{request.model_name()}' carries {len(payload)} bytes "
+                                             f"of inputs; at most {MAX_FRAME_BYTES} go in one call")
+        _send(payload)
         reply = _next_frame()
     if reply[:1] != b"b":
         raise RuntimeError("the server answered a BLS call with an unknown frame")
