@@ -74,6 +74,8 @@ constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
 constexpr int64_t kSameCoreBelowUs = 250;
 constexpr int kSameCoreAfterBatches = 8;
 constexpr int64_t kYieldSlackNs = 20'000;
+// The most a model's call to another model (BLS) may bring back in one frame.
+constexpr size_t kMaxBlsAnswerBytes = size_t{1} << 30;
 
 size_t AlignUp(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -445,6 +447,13 @@ class PythonModel final : public Model {
                       nullptr);
       }
       pending->cv.WaitUntil(lock, clock, clock.NowNs() + 50'000'000);  // a look at the stop and the timeout
+    }
+    size_t bytes = 0;
+    for (const NamedTensor& n : pending->response->outputs) bytes += n.tensor.byte_size();
+    if (pending->response->status.ok() && bytes > kMaxBlsAnswerBytes) {
+      return answer(ResourceExhausted("model '" + std::string(model) + "' answered " + std::to_string(bytes) +
+                                      " bytes; a call's answer is at most " + std::to_string(kMaxBlsAnswerBytes)),
+                    nullptr);
     }
     return answer(pending->response->status, &pending->response->outputs);
   }
