@@ -545,7 +545,7 @@ def _count(dims):
 # another. The answer to the batch waits for a call under way.
 _BLS = struct.Struct("<IqQ")  # call, version, timeout (us)
 _bls_lock = threading.Lock()
-_bls_state = {"next": 0, "open": False}
+_bls_state = {"next": 0, "open": False, "pid": os.getpid()}
 _NUMPY_CODES = {v: k for k, v in _NUMPY_TYPES.items()}
 
 
@@ -556,7 +556,7 @@ def _encode_tensor(name, array, np, utils):
         code = _NUMPY_CODES.get(array.dtype.name)
         if code is None:
             raise TypeError(f"BLS input '{name}' has numpy type {array.dtype}, which the server has no type for")
-        data = np.ascontiguousarray(array).tobytes()
+        data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False)).tobytes()
     raw = name.encode("utf-8")
     return (struct.pack("<HBB", len(raw), code, array.ndim) + raw + _int64s(array.ndim).pack(*array.shape) +
             struct.pack("<Q", len(data)) + data)
@@ -566,6 +566,8 @@ def _bls_call(request, np, utils):
     name = request.model_name().encode("utf-8")
     rid = str(request.request_id() or "").encode("utf-8")[:1024]
     outs = [str(o).encode("utf-8") for o in request.requested_output_names()]
+    if os.getpid() != _bls_state["pid"]:  # a process the model forked shares the sockets, not the calls
+        raise utils.TritonModelException("calling other models (BLS) works only in the model's own process")
     with _bls_lock:
         if not _bls_state["open"]:
             raise utils.TritonModelException("calling other models (BLS) works only while execute() runs")
@@ -582,8 +584,13 @@ def _bls_call(request, np, utils):
         if len(payload) > MAX_FRAME_BYTES:
             raise utils.TritonModelException(f"a call to model '{request.model_name()}' carries {len(payload)} bytes "
                                              f"of inputs; at most {MAX_FRAME_BYTES} go in one call")
-        _send(payload)
-        reply = _next_frame()
+        try:
+            _send(payload)
+            reply = _next_frame()
+        except BaseException:  # noqa: BLE001 - the frames would be out of step: the server starts a new process
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
     if reply[:1] != b"b":
         raise RuntimeError("the server answered a BLS call with an unknown frame")
     view = memoryview(reply)
@@ -611,8 +618,12 @@ def _bls_call(request, np, utils):
         pos += nbytes
         if dtype == BYTES:
             array = utils.deserialize_bytes_tensor(np.frombuffer(data, dtype=np.uint8)).reshape(dims)
+        elif dtype in _NUMPY_TYPES:  # a copy: writable and aligned, as a model expects its arrays
+            array = np.frombuffer(data, dtype=_NUMPY_TYPES[dtype]).reshape(dims).copy()
         else:
-            array = np.frombuffer(data, dtype=_NUMPY_TYPES[dtype]).reshape(dims)
+            return utils.InferenceResponse(error=utils.TritonError(
+                f"model '{request.model_name()}' answered output '{out_name}' in a type numpy has not (BF16)",
+                utils.TritonError.UNSUPPORTED))
         tensors.append(utils.Tensor(out_name, array))
     return utils.InferenceResponse(output_tensors=tensors)
 

@@ -118,7 +118,8 @@ class InferenceRequest:
         self._by_name = None
         self._request_id = request_id
         self._correlation_id = correlation_id
-        self._requested_output_names = list(requested_output_names)
+        self._requested_output_names = ([requested_output_names] if isinstance(requested_output_names, str)
+                                        else list(requested_output_names))
         self._model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self._model_version = model_version
         self._timeout = timeout
