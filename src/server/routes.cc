@@ -1,5 +1,6 @@
 #include "server/routes.h"
 
+#include "metrics/custom_metrics.h"
 #include "server/openapi_spec.h"  // generated from docs/openapi.yaml by CMake
 
 namespace quern {
@@ -51,6 +52,7 @@ Status AddMetricsPortRoutes(Router& router, const MetricsRegistry* registry, boo
                     HttpResponse resp;
                     resp.content_type = "text/plain; version=0.0.4";
                     resp.body = registry->Render();
+                    CustomMetrics::Global().Render(resp.body);  // the models' own (pb_utils.MetricFamily)
                     done(std::move(resp));
                   }}));
   return NothingElse(router, key, "{\"error\":\"metrics are served at GET /metrics\"}");

@@ -1152,3 +1152,80 @@ def test_a_python_model_calls_other_models_bls_sync_and_async(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Custom metrics as Triton's example (python_backend/examples/custom_metrics) defines them: a family
+# per kind, a series by labels, updated in execute(); three instances add to one series.
+METRICS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.rows = pb_utils.MetricFamily(name="requests_rows", description="Rows this model was asked for",
+                                          kind=pb_utils.MetricFamily.COUNTER).Metric(
+                                              labels={"model": "metered", "version": "1"})
+        self.last = pb_utils.MetricFamily(name="last_row_sum", description="The sum of the last request's row",
+                                          kind=pb_utils.MetricFamily.GAUGE).Metric(labels={"model": "metered"})
+        self.sizes = pb_utils.MetricFamily(name="row_values", description="Values seen",
+                                           kind=pb_utils.MetricFamily.HISTOGRAM).Metric(
+                                               labels={"model": "metered"}, buckets=[1.0, 10.0, 100.0])
+        self.bad = pb_utils.MetricFamily(name="quern_mine", description="not allowed",
+                                         kind=pb_utils.MetricFamily.COUNTER).Metric()
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "x").as_numpy()
+            self.rows.increment(x.shape[0])
+            self.last.set(float(x[-1].sum()))
+            for v in x.reshape(-1):
+                self.sizes.observe(float(v))
+            try:
+                self.rows.increment(-1)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a counter took a negative increment")
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x * 2)]))
+        return out
+'''
+
+
+def test_a_python_models_own_metrics_reach_metrics(tmp_path):
+    write_model(tmp_path, "metered", '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { }
+instance_group [ { count: 3 kind: KIND_CPU } ]
+''', METRICS)
+    log = []
+    proc, ports = start_quern(QUERN, str(tmp_path), log=log)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        sent = []
+        for i in range(6):
+            x = np.full((1 + i % 2, 4), float(i * 7), np.float32)
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            client.infer("metered", [inp])
+            sent.append(x)
+        conn = http_client.HTTPConnection("127.0.0.1", ports["metrics"], timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        assert "# HELP requests_rows Rows this model was asked for\n# TYPE requests_rows counter\n" in text, text[-3000:]
+        rows = sum(x.shape[0] for x in sent)
+        assert f'requests_rows{{model="metered",version="1"}} {rows}\n' in text, text[-3000:]
+        assert f'last_row_sum{{model="metered"}} {int(sent[-1][-1].sum())}\n' in text, text[-3000:]
+        values = np.concatenate([x.reshape(-1) for x in sent])
+        for le, bound in (("1", 1.0), ("10", 10.0), ("100", 100.0), ("+Inf", np.inf)):
+            assert f'row_values_bucket{{model="metered",le="{le}"}} {int((values <= bound).sum())}\n' in text, text[-3000:]
+        assert f'row_values_count{{model="metered"}} {values.size}\n' in text
+        assert "quern_mine" not in text  # the server's prefix: refused, and the log says so
+        assert any("quern_mine" in line and "prefixes" in line for line in log), log[-20:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <set>
 
 #include "backends/python/python_process.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
+#include "metrics/custom_metrics.h"
 
 namespace quern {
 namespace {
@@ -327,9 +329,15 @@ class PythonModel final : public Model {
     }
     const auto deadline = sent_at + std::chrono::milliseconds(spec_->execute_timeout_ms);
     auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
-    // Calls to other models (BLS) while execute() runs, each answered before the batch's answer.
-    while (reply && !reply->empty() && (*reply)[0] == 'B') {
-      if (Status st = process_->Send(CallModel(*reply, deadline)); !st.ok()) {
+    // Calls to other models (BLS) while execute() runs, each answered before the batch's answer; the
+    // model's own metrics (pb_utils.MetricFamily) come just before the answer.
+    while (reply && !reply->empty() && ((*reply)[0] == 'B' || (*reply)[0] == 'M')) {
+      if ((*reply)[0] == 'M') {
+        Status st = CustomMetrics::Global().Apply(config_.name, std::string_view(*reply).substr(1));
+        if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
+          Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
+        }
+      } else if (Status st = process_->Send(CallModel(*reply, deadline)); !st.ok()) {
         reply = Err(st);
         break;
       }
@@ -657,6 +665,7 @@ class PythonModel final : public Model {
   std::chrono::steady_clock::time_point last_crash_;
   // The round trips' moving average, how many were measured, and whether
   // they stay on one core now (SameCore).
+  std::set<std::string> metric_errors_logged_;  // refusals of the model's metrics, each logged once
   double round_trip_ns_ = 0;
   int64_t round_trips_ = 0;
   bool same_core_ = false;

@@ -698,6 +698,9 @@ def _main():
                 traceback.print_exc()
                 sys.stderr.flush()
                 reply = b"X" + bytes([_error_code(e, runner.utils) & 0xFF]) + _last_line(e).encode("utf-8", "replace")
+            ops = runner.utils._take_metric_ops()  # the model's metrics, just before the answer
+            if ops:
+                _send(b"M" + json.dumps(ops).encode("utf-8"))
             _send(reply)
         elif op == b"S":
             try:

@@ -13,7 +13,7 @@ __all__ = [
     "get_input_tensor_by_name", "get_output_tensor_by_name", "get_input_config_by_name",
     "get_output_config_by_name", "triton_string_to_numpy", "numpy_to_triton_type", "serialize_byte_tensor",
     "deserialize_bytes_tensor", "ModelConfig", "using_decoupled_model_transaction_policy",
-    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL", "MetricFamily", "Metric",
 ]
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -354,3 +354,116 @@ class ModelConfig:
                 raise ValueError(f"{self._who()}: the configuration says decoupled {policy['decoupled']}, "
                                  f"auto_complete_config {transaction_policy_dict['decoupled']}")
             policy["decoupled"] = transaction_policy_dict["decoupled"]
+
+
+# Custom metrics: the operations a model's metrics made, sent to the server with each batch's answer
+# (stub.py takes them); the server keeps the values and exports them in /metrics.
+_metric_ops = []
+_metric_lock = None  # a threading.Lock, set on first use
+
+
+def _metric_op(op):
+    global _metric_lock
+    if _metric_lock is None:
+        import threading
+        _metric_lock = threading.Lock()
+    with _metric_lock:
+        _metric_ops.append(op)
+
+
+def _take_metric_ops():
+    """The operations since the last call (stub.py sends them before a batch's answer)."""
+    global _metric_ops
+    if _metric_lock is None or not _metric_ops:
+        return []
+    with _metric_lock:
+        ops, _metric_ops = _metric_ops, []
+    if len(ops) > 100000:  # one answer carries at most this many; a model updating more per batch loses the rest
+        print(f"quern: {len(ops) - 100000} metric updates of one batch dropped (at most 100000 per batch)",
+              file=sys.stderr)
+        ops = ops[:100000]
+    return ops
+
+
+class MetricFamily:
+    """A family of metrics the model defines (Triton's pb_utils.MetricFamily): exported in the server's
+    /metrics under `name` with its description, a COUNTER, GAUGE or HISTOGRAM. Values reach the server
+    with the model's next batch answer (an update made while no batch runs waits for the next)."""
+    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+    _KINDS = {0: "counter", 1: "gauge", 2: "histogram"}
+
+    def __init__(self, name, description, kind):
+        if kind not in self._KINDS:
+            raise ValueError(f"MetricFamily {name!r}: kind must be MetricFamily.COUNTER, GAUGE or HISTOGRAM")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a MetricFamily needs a name")
+        self._name, self._kind = name, kind
+        _metric_op({"op": "declare", "name": name, "help": str(description), "kind": self._KINDS[kind]})
+
+    def Metric(self, labels=None, buckets=None):
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One series of a MetricFamily, by its labels (a dict of str to str)."""
+
+    def __init__(self, family, labels=None, buckets=None):
+        labels = dict(labels or {})
+        for k, v in labels.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(f"metric {family._name!r}: labels are str to str, got {k!r}: {v!r}")
+        if family._kind == MetricFamily.HISTOGRAM:
+            if not buckets:
+                raise ValueError(f"histogram {family._name!r}: a Metric needs its buckets")
+            buckets = [float(b) for b in buckets]
+            if buckets != sorted(set(buckets)):
+                raise ValueError(f"histogram {family._name!r}: buckets must be increasing")
+        elif buckets is not None:
+            raise ValueError(f"metric {family._name!r}: only a histogram has buckets")
+        self._family, self._labels, self._buckets = family, labels, buckets
+        self._value, self._sum, self._count = 0.0, 0.0, 0
+        if family._kind != MetricFamily.HISTOGRAM:
+            self._op("add", 0.0)  # the series exists from now on, at 0
+
+    def _number(self, value):
+        import math
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if isinstance(value, bool) or not math.isfinite(number):
+            raise ValueError(f"metric {self._family._name!r}: a value is a finite number, got {value!r}")
+        return number
+
+    def _op(self, op, value):
+        _metric_op({"op": op, "name": self._family._name, "labels": self._labels, "value": value,
+                    **({"buckets": self._buckets} if self._buckets else {})})
+
+    def increment(self, value):
+        value = self._number(value)
+        if self._family._kind == MetricFamily.HISTOGRAM:
+            raise ValueError("a histogram observes values: observe()")
+        if self._family._kind == MetricFamily.COUNTER and value < 0:
+            raise ValueError("a counter cannot decrease")
+        self._value += value
+        self._op("add", value)
+
+    def set(self, value):
+        value = self._number(value)
+        if self._family._kind != MetricFamily.GAUGE:
+            raise ValueError("only a gauge is set")
+        self._value = value
+        self._op("set", value)
+
+    def observe(self, value):
+        value = self._number(value)
+        if self._family._kind != MetricFamily.HISTOGRAM:
+            raise ValueError("only a histogram observes values")
+        self._sum += value
+        self._count += 1
+        self._op("observe", value)
+
+    def value(self):
+        """The value as this process made it (a series several instances add to sums theirs on the
+        server); a histogram's: its sum."""
+        return self._sum if self._family._kind == MetricFamily.HISTOGRAM else self._value

@@ -1,0 +1,212 @@
+#include "metrics/custom_metrics.h"
+
+#include <rapidjson/document.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace quern {
+namespace {
+
+bool ValidName(std::string_view s, bool label) {
+  if (s.empty() || s.size() > 200) return false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (!label && c == ':');
+    if (!letter && !(i > 0 && c >= '0' && c <= '9')) return false;
+  }
+  return !(label && s.starts_with("__"));
+}
+
+const char* KindName(CustomMetrics::Kind k) {
+  switch (k) {
+    case CustomMetrics::Kind::kCounter: return "counter";
+    case CustomMetrics::Kind::kGauge: return "gauge";
+    case CustomMetrics::Kind::kHistogram: return "histogram";
+  }
+  return "";
+}
+
+}  // namespace
+
+CustomMetrics& CustomMetrics::Global() {
+  static CustomMetrics* store = new CustomMetrics();  // never destroyed: used until the process ends
+  return *store;
+}
+
+Status CustomMetrics::Declare(const std::string& name, const std::string& help, Kind kind) {
+  if (!ValidName(name, false)) {
+    return InvalidArgument("metric family name '" + name.substr(0, 200) + "' is not a Prometheus metric name");
+  }
+  if (name.starts_with("quern_") || name.starts_with("process_")) {
+    return InvalidArgument("metric family name '" + name + "': the prefixes quern_ and process_ are the server's");
+  }
+  MutexLock lock(mu_);
+  auto it = families_.find(name);
+  if (it != families_.end()) {
+    if (it->second.kind != kind) {
+      return InvalidArgument("metric family '" + name + "' is a " + KindName(it->second.kind) + " already, not a " +
+                             KindName(kind));
+    }
+    return Status::Ok();
+  }
+  if (families_.size() >= kMaxFamilies) {
+    return ResourceExhausted("metric family '" + name + "': the models have declared " + std::to_string(kMaxFamilies) +
+                             " families, the most there may be");
+  }
+  families_[name] = Family{help.substr(0, 1024), kind, {}};
+  return Status::Ok();
+}
+
+Result<CustomMetrics::Series*> CustomMetrics::Find(const std::string& name, const MetricLabels& labels, Kind kind) {
+  auto it = families_.find(name);
+  if (it == families_.end()) return Err(NotFound("metric family '" + name.substr(0, 200) + "' was never declared"));
+  Family& f = it->second;
+  if (f.kind != kind) {
+    return Err(InvalidArgument("metric family '" + name + "' is a " + KindName(f.kind) + ", not a " + KindName(kind)));
+  }
+  if (labels.size() > kMaxLabels) {
+    return Err(InvalidArgument("metric '" + name + "': at most " + std::to_string(kMaxLabels) + " labels"));
+  }
+  for (const auto& [k, v] : labels) {
+    if (!ValidName(k, true) || v.size() > 1024) {
+      return Err(InvalidArgument("metric '" + name + "': label '" + k.substr(0, 200) +
+                                 "' is not a Prometheus label name, or its value is over 1 KiB"));
+    }
+  }
+  auto s = f.series.find(labels);
+  if (s == f.series.end()) {
+    if (f.series.size() >= kMaxSeriesPerFamily) {
+      return Err(ResourceExhausted("metric family '" + name + "' has " + std::to_string(kMaxSeriesPerFamily) +
+                                   " series, the most it may have"));
+    }
+    s = f.series.emplace(labels, Series{}).first;
+  }
+  return &s->second;
+}
+
+Status CustomMetrics::Add(const std::string& name, const MetricLabels& labels, double delta) {
+  if (!std::isfinite(delta)) return InvalidArgument("metric '" + name + "': an increment must be a finite number");
+  MutexLock lock(mu_);
+  auto it = families_.find(name);
+  const Kind kind = it != families_.end() && it->second.kind == Kind::kGauge ? Kind::kGauge : Kind::kCounter;
+  if (kind == Kind::kCounter && delta < 0) return InvalidArgument("counter '" + name + "' cannot decrease");
+  QUERN_ASSIGN_OR_RETURN(Series * s, Find(name, labels, kind));
+  s->value += delta;
+  return Status::Ok();
+}
+
+Status CustomMetrics::Set(const std::string& name, const MetricLabels& labels, double value) {
+  MutexLock lock(mu_);
+  QUERN_ASSIGN_OR_RETURN(Series * s, Find(name, labels, Kind::kGauge));
+  s->value = value;
+  return Status::Ok();
+}
+
+Status CustomMetrics::Observe(const std::string& name, const MetricLabels& labels, const std::vector<double>& buckets,
+                              double value) {
+  if (buckets.empty() || buckets.size() > kMaxBuckets || !std::is_sorted(buckets.begin(), buckets.end()) ||
+      std::adjacent_find(buckets.begin(), buckets.end()) != buckets.end()) {
+    return InvalidArgument("histogram '" + name + "': buckets must be 1 to " + std::to_string(kMaxBuckets) +
+                           " increasing upper bounds");
+  }
+  MutexLock lock(mu_);
+  QUERN_ASSIGN_OR_RETURN(Series * s, Find(name, labels, Kind::kHistogram));
+  if (s->buckets.empty()) {
+    s->buckets = buckets;
+    s->counts.assign(buckets.size() + 1, 0);
+  } else if (s->buckets != buckets) {
+    return InvalidArgument("histogram '" + name + "': a series keeps the buckets it was first observed with");
+  }
+  const size_t i =
+      static_cast<size_t>(std::lower_bound(s->buckets.begin(), s->buckets.end(), value) - s->buckets.begin());
+  ++s->counts[i];
+  ++s->count;
+  s->value += value;
+  return Status::Ok();
+}
+
+Status CustomMetrics::Apply(const std::string& model, std::string_view json) {
+  rapidjson::Document doc;
+  doc.Parse(json.data(), json.size());
+  const std::string who = "model '" + model + "': custom metrics: ";
+  if (doc.HasParseError() || !doc.IsArray()) return InvalidArgument(who + "a malformed list of operations");
+  Status first;
+  for (const auto& op : doc.GetArray()) {
+    if (!op.IsObject() || !op.HasMember("op") || !op["op"].IsString() || !op.HasMember("name") ||
+        !op["name"].IsString()) {
+      return InvalidArgument(who + "a malformed operation");
+    }
+    const std::string kind = op["op"].GetString(), name = op["name"].GetString();
+    MetricLabels labels;
+    if (auto l = op.FindMember("labels"); l != op.MemberEnd() && l->value.IsObject()) {
+      for (const auto& kv : l->value.GetObject()) {
+        if (!kv.value.IsString()) return InvalidArgument(who + "metric '" + name + "': label values are strings");
+        labels.emplace_back(kv.name.GetString(), kv.value.GetString());
+      }
+    }
+    std::sort(labels.begin(), labels.end());
+    const double value = op.HasMember("value") && op["value"].IsNumber() ? op["value"].GetDouble() : 0;
+    Status st;
+    if (kind == "declare") {
+      const std::string help = op.HasMember("help") && op["help"].IsString() ? op["help"].GetString() : "";
+      const std::string k = op.HasMember("kind") && op["kind"].IsString() ? op["kind"].GetString() : "";
+      if (k != "counter" && k != "gauge" && k != "histogram") return InvalidArgument(who + "kind '" + k + "'");
+      st = Declare(name, help, k == "counter" ? Kind::kCounter : k == "gauge" ? Kind::kGauge : Kind::kHistogram);
+    } else if (kind == "add") {
+      st = Add(name, labels, value);
+    } else if (kind == "set") {
+      st = Set(name, labels, value);
+    } else if (kind == "observe") {
+      std::vector<double> buckets;
+      if (auto b = op.FindMember("buckets"); b != op.MemberEnd() && b->value.IsArray()) {
+        for (const auto& v : b->value.GetArray()) buckets.push_back(v.IsNumber() ? v.GetDouble() : NAN);
+      }
+      st = Observe(name, labels, buckets, value);
+    } else {
+      return InvalidArgument(who + "operation '" + kind.substr(0, 32) + "'");
+    }
+    if (!st.ok() && first.ok()) first = Status(st.code(), who + st.message());  // the others still apply
+  }
+  return first;
+}
+
+void CustomMetrics::Render(std::string& out) const {
+  MutexLock lock(mu_);
+  for (const auto& [name, f] : families_) {
+    out += "# HELP " + name + " ";
+    for (char c : f.help) out += c == '\n' ? std::string("\\n") : c == '\\' ? std::string("\\\\") : std::string(1, c);
+    out += "\n# TYPE " + name + " " + KindName(f.kind) + "\n";
+    for (const auto& [labels, s] : f.series) {
+      if (f.kind != Kind::kHistogram) {
+        AppendMetricSeries(out, name, labels);
+        out += ' ';
+        AppendMetricValue(out, s.value);
+        out += '\n';
+        continue;
+      }
+      uint64_t cumulative = 0;
+      for (size_t i = 0; i <= s.buckets.size(); ++i) {
+        cumulative += s.counts[i];
+        MetricLabels with = labels;
+        std::string le;
+        if (i < s.buckets.size()) {
+          AppendMetricValue(le, s.buckets[i]);
+        } else {
+          le = "+Inf";
+        }
+        with.emplace_back("le", le);
+        AppendMetricSeries(out, name + "_bucket", with);
+        out += ' ' + std::to_string(cumulative) + '\n';
+      }
+      AppendMetricSeries(out, name + "_sum", labels);
+      out += ' ';
+      AppendMetricValue(out, s.value);
+      out += '\n';
+      AppendMetricSeries(out, name + "_count", labels);
+      out += ' ' + std::to_string(s.count) + '\n';
+    }
+  }
+}
+
+}  // namespace quern
