@@ -206,6 +206,27 @@ TEST_F(VisionServiceTest, AdmissionIsBoundedByCountAndRefusalsLeaveTheCallback) 
   EXPECT_TRUE(s.CheckAdmission("colour", 100).ok());
 }
 
+// A client that sends its next image as soon as it has its answer finds the model's place free:
+// the place is given back before the answer is handed on (the pipeline's count and the bytes
+// after). At a capacity of one, the next image is admitted from inside the answer's callback.
+TEST_F(VisionServiceTest, TheNextImageSentFromTheAnswerIsAdmitted) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 1;
+  VisionService s(engine_.get(), o);
+  std::atomic<int> answers{0};
+  Status next;
+  VisionCallback second = [&](VisionResult&&) { answers.fetch_add(1); };
+  VisionCallback first = [&](VisionResult&&) {
+    answers.fetch_add(1);
+    next = s.Submit(Red(s), second);
+  };
+  ASSERT_TRUE(s.Submit(Red(s), first).ok());
+  ASSERT_TRUE(Drive([&] { return answers.load() >= 2 && s.stats().in_flight == 0; }));
+  EXPECT_TRUE(next.ok()) << next.ToString();
+  EXPECT_EQ(s.stats().rejected_overload, 0u);
+  EXPECT_EQ(s.stats().in_flight_bytes, 0);
+}
+
 TEST_F(VisionServiceTest, ACheapModelIsNotRefusedBehindASlowOne) {
   // Three images of a slow model, each 1.5 s on the fake clock, then 50 of
   // a cheap one at once: each model is admitted by its own time per image
@@ -479,6 +500,24 @@ TEST_F(EncodedImageTest, AnImageItsModelDecodesIsAdmittedLikeEveryOther) {
   ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
   EXPECT_EQ(s.stats().in_flight_bytes, 0) << "its memory is given back";
   EXPECT_EQ(s.stats().requests, 2u) << "the encoded image and the other model's";
+}
+
+TEST_F(EncodedImageTest, TheNextImageSentFromTheAnswerIsAdmitted) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 1;
+  VisionService s(engine_.get(), o);
+  std::promise<Status> next;
+  EncodedImageCallback second = [](InferResponse&&, const VisionTimings&) {};
+  EncodedImageCallback first = [&](InferResponse&&, const VisionTimings&) {
+    next.set_value(s.SubmitEncoded(Image(image_), second));
+  };
+  ASSERT_TRUE(s.SubmitEncoded(Image(image_), first).ok());
+  Open();
+  auto admitted = next.get_future();
+  ASSERT_EQ(admitted.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const Status st = admitted.get();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
 }
 
 TEST_F(EncodedImageTest, ItsMemoryCountsTheImageDecoded) {

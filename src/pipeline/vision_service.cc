@@ -361,7 +361,11 @@ void VisionService::Unclaim(const std::string& model, int64_t bytes, double unit
       it->second.units = it->second.in_flight == 0 ? 0 : std::max(0.0, it->second.units - units);
     }
   }
-  in_flight_bytes_.Add(-bytes);
+  ReleaseHeld(bytes);
+}
+
+void VisionService::ReleaseHeld(int64_t charged_bytes) {
+  in_flight_bytes_.Add(-charged_bytes);
   if (in_flight_.Add(-1) == 1) {
     MutexLock lock(idle_mu_);
     idle_cv_.SignalAll();
@@ -373,7 +377,7 @@ int64_t VisionService::TimeoutNs() const {
   return std::clamp<int64_t>(options_.request_timeout_ms, 0, kMaxMs) * 1'000'000;
 }
 
-void VisionService::Release(const std::string& model, int64_t received_ns, int64_t charged_bytes, double units) {
+void VisionService::ReleaseLoad(const std::string& model, int64_t received_ns, double units) {
   const int64_t now = clock_->NowNs();
   // The time per image behind a model's capacity: the time this image kept
   // the model's pipeline busy (since it arrived or since the model's
@@ -386,12 +390,13 @@ void VisionService::Release(const std::string& model, int64_t received_ns, int64
       const double busy_ms = static_cast<double>(now - std::max(received_ns, load.last_completion_ns)) / 1e6;
       load.ms_per_image = 0.9 * load.ms_per_image + 0.1 * busy_ms;
       load.last_completion_ns = now;
+      --load.in_flight;
+      load.units = load.in_flight == 0 ? 0 : std::max(0.0, load.units - units);
     }
   }
   const int64_t last = last_completion_ns_.exchange(now);
   const double busy_ms = static_cast<double>(now - std::max(received_ns, last)) / 1e6;
   ms_per_image_.store(0.9 * ms_per_image_.load() + 0.1 * busy_ms);
-  Unclaim(model, charged_bytes, units);
 }
 
 Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCallback& done) {
@@ -425,8 +430,9 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
     if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
       dropped_.Increment();
     }
+    ReleaseLoad(model, timings.received_ns, units);
     (*answered)(std::move(r), timings);
-    Release(model, timings.received_ns, bytes, units);
+    ReleaseHeld(bytes);
   };
   // Admitted by Claim, within this service's own bounds.
   if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
@@ -725,11 +731,13 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   result.model = job->request.model;
   result.timings = job->timings;
   VisionCallback done = std::move(job->done);
+  // The model's place given back before the answer goes, so that the client's next image finds it
+  // free; the bytes and the pipeline's count after the callback, so that whoever waits for the
+  // service to be idle (a draining server) finds the answer already handed on.
+  ReleaseLoad(job->request.model->name, job->timings.received_ns, job->units);
   if (done) done(std::move(result));
-  // Given back after the callback: whoever waits for the service to be idle
-  // (a draining server) finds the answer already handed on.
   job->request.owner.reset();
-  Release(job->request.model->name, job->timings.received_ns, job->charged_bytes, job->units);
+  ReleaseHeld(job->charged_bytes);
 }
 
 }  // namespace quern

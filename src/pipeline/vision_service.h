@@ -233,9 +233,14 @@ class VisionService {
   // `model` (the model's queue asked first): OK with the work it counts as
   // in `units`, or the refusal (nothing claimed, not yet counted).
   Status Claim(const std::string& model, int64_t version, int64_t bytes, int64_t pixels, double& units);
-  // Gives back what an image for `model` admitted at `received_ns` claimed,
-  // once its answer is handed on; measures the model's time per image.
-  void Release(const std::string& model, int64_t received_ns, int64_t charged_bytes, double units);
+  // Gives back an image's place in `model`'s load (admitted at
+  // `received_ns`) once its answer is ready, before the answer is handed on
+  // (a client that sends its next image as soon as it has the answer finds
+  // the place free); measures the model's time per image.
+  void ReleaseLoad(const std::string& model, int64_t received_ns, double units);
+  // Gives back the image's bytes and its place in the pipeline, after its
+  // answer was handed on (a draining server waits for these).
+  void ReleaseHeld(int64_t charged_bytes);
   // Gives back a claim without an answer (nothing measured).
   void Unclaim(const std::string& model, int64_t bytes, double units);
   // The request timeout in nanoseconds (bounded: no overflow).
