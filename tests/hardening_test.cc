@@ -15,6 +15,7 @@
 #include "core/model_config_parser.h"
 #include "core/repository.h"
 #include "frontends/http/content_encoding.h"
+#include "frontends/http/http_util.h"
 #include "frontends/http/kserve_handler.h"
 #include "quern/tensor.h"
 
@@ -37,6 +38,19 @@ TEST(ParseJson, DeepNestingIsAnErrorNotACrash) {
   for (int i = 0; i < 100'000; ++i) nested_objects += "{\"a\":";
   EXPECT_FALSE(ParseJson(doc, nested_objects.data(), nested_objects.size(), e));
   EXPECT_EQ(e.message, "nested deeper than 64 levels");
+}
+
+// An error message that quotes a client's bytes cut in the middle of a character is still valid
+// UTF-8 (JSON text): a model version of mathematical letters, cut at 64 bytes.
+TEST(ValidUtf8, ReplacesWhatStartsNoCharacter) {
+  EXPECT_EQ(ValidUtf8("plain"), "plain");
+  EXPECT_EQ(ValidUtf8("\xF0\x9D\x90\x93x"), "\xF0\x9D\x90\x93x") << "a whole four-byte character stays";
+  EXPECT_EQ(ValidUtf8("a\xF0\x9D\x90"), "a\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD") << "a cut one does not";
+  EXPECT_EQ(ValidUtf8("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD") << "an overlong form";
+  std::string version;
+  for (int i = 0; i < 20; ++i) version += "\xF0\x9D\x90\x93";  // 80 bytes: cut at 64 lands inside none
+  HttpResponse r = ErrorResponse(InvalidArgument("model version '" + version.substr(0, 63) + "' is not a number"));
+  EXPECT_TRUE(IsUtf8(r.body)) << r.body;
 }
 
 TEST(ParseJson, NestingUpToTheLimitParses) {

@@ -47,6 +47,23 @@ bool IsUtf8(std::string_view s) {
   }
   return true;
 }
+
+std::string ValidUtf8(std::string_view s) {
+  if (IsUtf8(s)) return std::string(s);
+  std::string out;
+  out.reserve(s.size() + 8);
+  while (!s.empty()) {
+    const size_t n = static_cast<unsigned char>(s[0]) < 0x80 ? 1 : Utf8SequenceLength(s);
+    if (n == 0) {
+      out += "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
+      s.remove_prefix(1);
+    } else {
+      out.append(s.substr(0, n));
+      s.remove_prefix(n);
+    }
+  }
+  return out;
+}
 namespace {
 
 // Forwards SAX events to the document and stops the parse when arrays and

@@ -24,6 +24,9 @@ namespace quern {
 size_t Utf8SequenceLength(std::string_view s);
 // Whether all of `s` is well-formed UTF-8 (a JSON string can carry it as it is).
 bool IsUtf8(std::string_view s);
+// `s` with each byte that starts no well-formed UTF-8 sequence replaced by U+FFFD, so that a
+// message quoting a client's bytes (cut anywhere) is valid JSON text.
+std::string ValidUtf8(std::string_view s);
 
 // Deeper documents are refused. Tensors nest one level per dimension; 64
 // covers any real shape and every request Quern defines.

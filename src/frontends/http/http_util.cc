@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 
+#include "core/json.h"
 #include "protocol/kserve_codec.h"
 
 namespace quern {
@@ -103,7 +104,8 @@ HttpResponse ErrorResponse(const Status& st) {
   rapidjson::Writer<rapidjson::StringBuffer> w(buf);
   w.StartObject();
   w.Key("error");
-  w.String(st.message().c_str(), static_cast<rapidjson::SizeType>(st.message().size()));
+  const std::string message = ValidUtf8(st.message());  // a client's bytes it quotes may be cut anywhere
+  w.String(message.c_str(), static_cast<rapidjson::SizeType>(message.size()));
   w.EndObject();
   HttpResponse r;
   r.status = HttpStatusFor(st);
