@@ -6,15 +6,20 @@
 namespace quern {
 namespace {
 
-// A port that answers nothing but its own routes: 404 with `body`, to a
-// request with the key `key` asks.
+// A port that answers nothing but its own routes: 404 with `body` (405 with
+// Allow for a method its routes' path does not take), to a request with the
+// key `key` asks.
 Status NothingElse(Router& router, KeyPolicy key, std::string body) {
   RouteScope others;
   others.key = key;
-  others.unmatched = [body = std::move(body)](HttpRequest&&, std::string_view, HttpDone done) {
+  others.unmatched = [body = std::move(body)](HttpRequest&&, std::string_view allowed, HttpDone done) {
     HttpResponse resp;
     resp.status = 404;
     resp.body = body;
+    if (!allowed.empty()) {  // its path has routes, not for this method
+      resp.status = 405;
+      resp.headers.emplace_back("Allow", std::string(allowed));
+    }
     done(std::move(resp));
   };
   return router.AddScope(std::move(others));
