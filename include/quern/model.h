@@ -221,6 +221,10 @@ class Model {
     // BatchInterrupt), so that a batch whose every request is cancelled
     // stops instead of computing answers nobody waits for.
     BatchInterrupt* interrupt = nullptr;
+    // Each request's callers: the models whose runs wait for it, one name a
+    // line (InferRequest metadata "quern.callers", set on the requests a
+    // model makes of other models; "" for none), or empty when none has any.
+    std::span<const std::string_view> callers = {};
   };
   virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
                                  std::vector<NamedTensor>& outputs) {

@@ -486,16 +486,26 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   for (size_t i = 0; i < tasks.size(); ++i) rows[i] = tasks[i]->items;
   std::pmr::vector<Status> per_status(tasks.size(), &arena);
   std::pmr::vector<std::string_view> ids(tasks.size(), &arena);
+  std::pmr::vector<std::string_view> callers(tasks.size(), &arena);
+  bool called = false;
   for (size_t i = 0; i < tasks.size(); ++i) {
     for (const auto& [k, v] : tasks[i]->request.metadata) {
-      if (k == "request_id") ids[i] = v;
+      if (k == "request_id") {
+        ids[i] = v;
+      } else if (k == "quern.callers") {
+        callers[i] = v;
+        called = true;
+      }
     }
   }
   std::pmr::vector<CancellationToken*> tokens(tasks.size(), &arena);
   for (size_t i = 0; i < tasks.size(); ++i) tokens[i] = tasks[i]->request.cancel.get();
   BatchCancelWatch watch(tokens);
   Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(
-      inputs, padded, {rows, per_status, ids, watch.watchable() ? &watch : nullptr}, outputs);
+      inputs, padded,
+      {rows, per_status, ids, watch.watchable() ? &watch : nullptr,
+       called ? std::span<const std::string_view>(callers) : std::span<const std::string_view>()},
+      outputs);
   watch.Disarm();  // before the requests (and their tokens) are answered and let go
   if (watch.stopped()) {
     st = Cancelled("model '" + config_.name + "': every request of the batch was cancelled; its run was stopped");

@@ -1119,6 +1119,10 @@ def test_a_python_model_calls_other_models_bls_sync_and_async(tmp_path):
     shutil.copytree(os.path.join(os.environ["QUERN_TEST_MODELS"], "add_sub"), tmp_path / "add_sub_onnx")
     write_model(tmp_path, "bls_sync", BLS_CONFIG, BLS)
     write_model(tmp_path, "bls_async", BLS_CONFIG, BLS_ASYNC)
+    for name, callee in (("loop_a", "loop_b"), ("loop_b", "loop_a")):
+        write_model(tmp_path, name, BLS_CONFIG, BLS.replace(
+            'name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy().reshape(-1)[0]  # bytes',
+            f'name = "{callee}"'))
     proc, ports = start_quern(QUERN, str(tmp_path))
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
@@ -1144,10 +1148,13 @@ def test_a_python_model_calls_other_models_bls_sync_and_async(tmp_path):
         # The called models counted the calls as their own requests.
         stats = {s["name"]: s["inference_count"] for s in client.get_inference_statistics()["model_stats"]}
         assert stats["add_sub"] >= 2 and stats["add_sub_onnx"] >= 2, stats
-        # A model that does not exist, and a model calling itself: the call's error, named.
-        for target, text in (("undefined_model", "undefined_model"), ("bls_sync", "called itself")):
+        # A model that does not exist, a model calling itself, and a loop of calls (loop_a calls
+        # loop_b, which calls loop_a back): the call's error, named, at once.
+        for model, target, text in (("bls_sync", "undefined_model", "undefined_model"),
+                                    ("bls_sync", "bls_sync", "called itself"),
+                                    ("bls_sync", "loop_a", "which is waiting for it already")):
             with pytest.raises(InferenceServerException) as e:
-                call("bls_sync", target)
+                call(model, target)
             assert text in str(e.value), str(e.value)
     finally:
         proc.terminate()

@@ -76,6 +76,8 @@ constexpr auto kMaxCrashBackoff = std::chrono::seconds(30);
 constexpr int64_t kSameCoreBelowUs = 250;
 constexpr int kSameCoreAfterBatches = 8;
 constexpr int64_t kYieldSlackNs = 20'000;
+// The most models a chain of calls (BLS: A calls B calls C ...) may hold.
+constexpr size_t kMaxCallDepth = 16;
 // The most a model's call to another model (BLS) may bring back in one frame.
 constexpr size_t kMaxBlsAnswerBytes = size_t{1} << 30;
 
@@ -337,7 +339,7 @@ class PythonModel final : public Model {
         if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
           Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
         }
-      } else if (Status st = process_->Send(CallModel(*reply, deadline)); !st.ok()) {
+      } else if (Status st = process_->Send(CallModel(*reply, deadline, requests.callers)); !st.ok()) {
         reply = Err(st);
         break;
       }
@@ -378,7 +380,8 @@ class PythonModel final : public Model {
   // request (batched with other callers, queued, counted in that model's statistics); the frame "b"
   // that answers it: u32 call, u8 failed, u8 TritonError code, u32 message length, the message, then
   // u16 outputs and each output as the request's tensors are.
-  std::string CallModel(std::string_view frame, std::chrono::steady_clock::time_point deadline) {
+  std::string CallModel(std::string_view frame, std::chrono::steady_clock::time_point deadline,
+                        std::span<const std::string_view> callers) {
     FrameReader r(frame.substr(1));
     uint32_t call = 0;
     int64_t version = -1;
@@ -422,6 +425,29 @@ class PythonModel final : public Model {
                                     "' called itself (BLS): its execute() would wait for its own instances"),
                     nullptr);
     }
+    // The models whose runs wait for this one's (they called it, and so on up), and this one: a
+    // call to any of them would wait for a run that waits for it (A calls B calls A).
+    std::set<std::string, std::less<>> chain = {config_.name};
+    for (std::string_view c : callers) {
+      for (size_t at = 0; at < c.size();) {
+        const size_t end = std::min(c.find('\n', at), c.size());
+        if (end > at) chain.emplace(c.substr(at, end - at));
+        at = end + 1;
+      }
+    }
+    if (chain.contains(model)) {
+      return answer(InvalidArgument("model '" + config_.name + "' called '" + std::string(model) +
+                                    "', which is waiting for it already (a loop of calls): it would wait for itself"),
+                    nullptr);
+    }
+    if (chain.size() > kMaxCallDepth) {
+      return answer(InvalidArgument("model '" + config_.name + "': calls nested " + std::to_string(chain.size()) +
+                                    " models deep; at most " + std::to_string(kMaxCallDepth)),
+                    nullptr);
+    }
+    std::string chain_text;
+    for (const std::string& c : chain) chain_text += (chain_text.empty() ? "" : "\n") + c;
+    request.metadata.emplace_back("quern.callers", std::move(chain_text));
     if (!spec_->submit) return answer(Unavailable(tag_ + ": no engine serves its calls to other models"), nullptr);
     request.model = std::string(model);
     request.version = version;
