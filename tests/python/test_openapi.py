@@ -19,7 +19,7 @@ import sys
 import pytest
 import yaml
 
-from quern_testing import http_request, start_quern, stop_quern
+from quern_testing import http_request, sanitized, start_quern, stop_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -64,6 +64,10 @@ def schemathesis(spec, port, *extra):
 
 
 def test_every_operation_answers_as_documented_without_keys(repo, tmp_path):
+    if sanitized(QUERN):
+        # The same routes and server code run under the sanitizers with keys (below); the release
+        # stage checks the keyless description too.
+        pytest.skip("the release build checks the keyless description")
     proc, ports = start_quern(QUERN, repo, "--model-control", "explicit")
     try:
         spec = keyless_description(tmp_path)

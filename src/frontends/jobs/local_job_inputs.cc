@@ -80,4 +80,9 @@ size_t LocalJobInputs::size() const {
   return kept_.size();
 }
 
+size_t LocalJobInputs::ordered() const {
+  MutexLock lock(mu_);
+  return order_.size();
+}
+
 }  // namespace quern

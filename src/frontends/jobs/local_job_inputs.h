@@ -52,6 +52,9 @@ class LocalJobInputs {
 
   size_t bytes() const;
   size_t size() const;
+  // Entries in the order of keeping, taken ones not yet forgotten among
+  // them: at most 4 * size() + 1025.
+  size_t ordered() const;
 
  private:
   struct Kept {
