@@ -73,6 +73,8 @@ class CancellationToken {
   std::vector<std::pair<const void*, std::function<void()>>> on_cancel_;
 };
 
+struct InferResponse;
+
 struct InferRequest {
   std::string model;
   int64_t version = -1;  // -1 = the highest ready version
@@ -93,6 +95,16 @@ struct InferRequest {
   // key "request_id" names the request in the engine's log lines (a request
   // the model failed is logged with it; the engine's own number otherwise).
   std::vector<std::pair<std::string, std::string>> metadata;
+  // Decoupled models (ModelConfig::decoupled) answer a request with any
+  // number of responses. Each one but the last is handed here as the model
+  // sends it, in order, on the model's instance thread: it must not wait
+  // long (a slow reader is best held by waiting here a bounded while, which
+  // holds the model's next send). The last one, final, goes to the
+  // request's callback as usual, InferResponse::final_only when the model
+  // closed the request without data. A decoupled model refuses a request
+  // without it (INVALID_ARGUMENT: one answer cannot carry its responses);
+  // other models never call it.
+  std::function<void(InferResponse&&)> on_response;
 };
 
 class CallerLoop;
@@ -188,6 +200,13 @@ struct InferResponse {
   std::vector<std::pair<std::string, std::string>> metadata;
   // Ensembles: each step that answered, in the order they finished.
   std::vector<StepTelemetry> steps;
+  // A decoupled model's last answer to a request that carries no response:
+  // the model only said the request was complete (Triton's send(None,
+  // TRITONSERVER_RESPONSE_COMPLETE_FINAL)). Status OK, no outputs.
+  bool final_only = false;
+  // From a decoupled model: one of the responses of its request (on_response)
+  // or the last (the callback), as Triton's triton_final_response says.
+  bool decoupled = false;
 
   const Tensor* FindOutput(std::string_view name) const;
 };

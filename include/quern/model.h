@@ -109,6 +109,28 @@ struct InstanceDevice {
   int device = -1;
 };
 
+// Where a decoupled model sends its responses while ExecuteRequests runs
+// (the engine's, for one batch). Called on the instance's thread or any
+// other, never after ExecuteRequests has returned.
+class ResponseSink {
+ public:
+  virtual ~ResponseSink() = default;
+  // One response to request `index` of the batch: its own outputs (no batch
+  // rows of others; outputs it did not ask for are dropped), or a failed
+  // `status` (outputs ignored), or, with `has_response` false, none.
+  // `final` closes the request: nothing is sent for it afterwards (later
+  // calls are ignored). A request's non-final responses go to its caller as
+  // they come, and may wait a bounded while for a slow reader.
+  virtual void Send(size_t index, bool has_response, Status status, std::vector<NamedTensor> outputs, bool final) = 0;
+  // Whether request `index`'s caller has gone (cancelled it): the model may
+  // stop sending to it.
+  virtual bool cancelled(size_t index) const = 0;
+  // `wake` (quick, on the cancelling thread) runs each time a request of the
+  // batch is cancelled from now until the run returns (at once for one
+  // cancelled already). Once per run.
+  virtual void OnCancel(std::function<void()> wake) = 0;
+};
+
 struct ModelConfig {
   std::string name;
   std::string platform;  // "onnxruntime_onnx" for ONNX models, "ensemble" for ensembles
@@ -154,6 +176,12 @@ struct ModelConfig {
   // a batch takes no more requests than it can run before the earliest of
   // their arrival + target, and leaves in time for it (see BatchQueueOptions).
   int64_t latency_target_ms = 0;
+  // model_transaction_policy { decoupled: true }: the model answers each
+  // request with any number of responses, zero included, sent as it goes
+  // (BatchRequests::responses), the last marked final. Only callers that
+  // take many answers reach it (InferRequest::on_response: gRPC
+  // ModelStreamInfer, HTTP generate, a Python model's exec(decoupled=True)).
+  bool decoupled = false;
   std::vector<WarmupSample> warmup;
   std::map<std::string, std::string> parameters;
   // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.
@@ -225,6 +253,12 @@ class Model {
     // line (InferRequest metadata "quern.callers", set on the requests a
     // model makes of other models; "" for none), or empty when none has any.
     std::span<const std::string_view> callers = {};
+    // Decoupled models (ModelConfig::decoupled) only, and always for them:
+    // where the model sends each request's responses. Rows, statuses and
+    // outputs returned are then not used: a request's outcome is what was
+    // sent for it (see ResponseSink); one never closed fails when
+    // ExecuteRequests returns (with its error, or INTERNAL).
+    ResponseSink* responses = nullptr;
   };
   virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
                                  std::vector<NamedTensor>& outputs) {

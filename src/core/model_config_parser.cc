@@ -492,9 +492,16 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
   }
 
   if (p.has_dynamic_batching()) QUERN_RETURN_IF_ERROR(ConvertDynamicBatching(p.dynamic_batching(), source, c));
-  if (p.model_transaction_policy().decoupled()) {
-    return Err(Unimplemented(source + ": model_transaction_policy { decoupled: true } (a model that answers a request "
-                                      "with many responses) is not supported yet"));
+  c.decoupled = p.model_transaction_policy().decoupled();
+  if (c.decoupled && ensemble) {
+    return Err(InvalidArgument(source + ": an ensemble cannot be decoupled itself (model_transaction_policy); "
+                                        "its steps pass one answer each to the next"));
+  }
+  if (c.decoupled && c.backend != "python" && c.backend != "custom") {
+    return Err(InvalidArgument(source +
+                               ": model_transaction_policy { decoupled: true } is for Python models (and "
+                               "models registered in code); backend '" +
+                               c.backend + "' answers each request once"));
   }
 
   QUERN_RETURN_IF_ERROR(ConvertParameters(p, source, c));
@@ -641,6 +648,7 @@ inference::ModelConfig ToProto(const ModelConfig& c) {
   for (const auto& [k, v] : c.parameters) (*p.mutable_parameters())[k].set_string_value(v);
   if (c.graph_optimization_level != 0) p.mutable_optimization()->mutable_graph()->set_level(c.graph_optimization_level);
   p.set_default_model_filename(c.default_model_filename);
+  if (c.decoupled) p.mutable_model_transaction_policy()->set_decoupled(true);
   return p;
 }
 

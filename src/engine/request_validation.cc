@@ -20,6 +20,12 @@ Status ValidateRequest(const ModelConfig& config, const InferRequest& r, int64_t
   const bool batched = config.max_batch_size > 0;
   items = -1;
   key = 0;
+  if (config.decoupled && !r.on_response) {
+    return InvalidArgument(m() +
+                           " is decoupled (it answers a request with any number of responses), and this call "
+                           "takes one answer: use gRPC ModelStreamInfer, HTTP POST /v2/models/" +
+                           config.name + "/generate_stream, or exec(decoupled=True) from a Python model");
+  }
   for (const auto& in : r.inputs) {
     if (!config.FindInput(in.name)) {
       std::string names;

@@ -26,8 +26,9 @@ class ServedModel::Task final : public BatchTask {
   std::function<void()> on_start;  // SubmitOptions::on_start
   uint64_t ticket = 0;
   Telemetry telemetry;
-  int64_t input_ns = 0;   // this request's batch: gathering inputs
-  int64_t output_ns = 0;  // this request's batch: splitting outputs
+  int64_t input_ns = 0;     // this request's batch: gathering inputs
+  int64_t output_ns = 0;    // this request's batch: splitting outputs
+  bool final_only = false;  // a decoupled model closed it without data
 
   int64_t size() const override { return items; }
   uint64_t batch_key() const override { return key; }
@@ -344,6 +345,8 @@ void ServedModel::Finish(std::unique_ptr<Task> task, Status status, std::vector<
   r.outputs = std::move(outputs);
   r.metadata = std::move(task->request.metadata);
   r.telemetry = task->telemetry;
+  r.final_only = task->final_only && r.status.ok();
+  r.decoupled = config_.decoupled;
   if (r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded) {
     if (r.status.message().find(config_.name) == std::string::npos) {
       r.status = Status(r.status.code(), "model '" + config_.name + "': " + r.status.message());
@@ -431,6 +434,101 @@ class BatchCancelWatch final : public BatchInterrupt {
   std::atomic<bool> stopped_{false};
 };
 
+// A decoupled model's batch (BatchRequests::responses): each request's
+// responses before the last go to its caller as they are sent; the last,
+// final one is kept to answer the request when the run returns.
+class BatchResponses final : public ResponseSink {
+ public:
+  struct Closed {
+    bool closed = false;
+    bool has_response = false;
+    Status status;
+    std::vector<NamedTensor> outputs;
+  };
+  // `requests[i]` and `wanted[i]` (its output indices, into the configuration's outputs): alive
+  // while the run is.
+  BatchResponses(const ModelConfig& config, int64_t version, std::span<InferRequest* const> requests,
+                 std::span<const uint64_t> ids, std::span<const OutputIndices* const> wanted)
+      : config_(config), version_(version), requests_(requests), ids_(ids), wanted_(wanted), closed_(requests.size()) {}
+
+  void Send(size_t index, bool has_response, Status status, std::vector<NamedTensor> outputs, bool final) override {
+    MutexLock lock(mu_);  // one response at a time, in the order sent
+    if (index >= closed_.size() || closed_[index].closed) return;
+    if (status.ok()) Keep(index, outputs);
+    if (final) {
+      closed_[index] = {true, has_response, std::move(status), std::move(outputs)};
+      return;
+    }
+    if (!has_response) return;
+    InferRequest& request = *requests_[index];
+    InferResponse r;
+    r.status = std::move(status);
+    r.request_id = ids_[index];
+    r.model = config_.name;
+    r.version = version_;
+    r.outputs = std::move(outputs);
+    r.metadata = request.metadata;
+    r.decoupled = true;
+    if (request.on_response) request.on_response(std::move(r));
+  }
+
+  bool cancelled(size_t index) const override {
+    return index < requests_.size() && requests_[index]->cancel && requests_[index]->cancel->cancelled();
+  }
+
+  void OnCancel(std::function<void()> wake) override {
+    MutexLock lock(mu_);
+    if (armed_) return;
+    armed_ = true;
+    wake_ = std::move(wake);
+    for (InferRequest* r : requests_) {
+      if (r->cancel) r->cancel->AddOnCancel(this, [this] { wake_(); });  // (a token twice: replaced)
+    }
+  }
+
+  // After the run, before the requests are answered (and their tokens let go).
+  void Disarm() {
+    for (InferRequest* r : requests_) {
+      if (r->cancel) r->cancel->RemoveOnCancel(this);
+    }
+  }
+
+  // What was sent last for request `index`, once closed.
+  Closed Take(size_t index) {
+    MutexLock lock(mu_);
+    return std::move(closed_[index]);
+  }
+
+ private:
+  // Only the outputs the request asked for, in the order asked.
+  void Keep(size_t index, std::vector<NamedTensor>& outputs) const {
+    const OutputIndices& wanted = *wanted_[index];
+    if (wanted.size() == config_.outputs.size()) {
+      bool all = true;
+      for (size_t i = 0; i < wanted.size(); ++i) all = all && wanted[i] == static_cast<int>(i);
+      if (all) return;
+    }
+    std::vector<NamedTensor> kept;
+    for (int idx : wanted) {
+      const std::string& name = config_.outputs[static_cast<size_t>(idx)].name;
+      for (NamedTensor& n : outputs) {
+        if (n.name == name) kept.push_back(n);
+      }
+    }
+    outputs = std::move(kept);
+  }
+
+  const ModelConfig& config_;
+  const int64_t version_;
+  std::span<InferRequest* const> requests_;
+  std::span<const uint64_t> ids_;
+  std::span<const OutputIndices* const> wanted_;
+  Mutex mu_;
+  std::vector<Closed> closed_ QUERN_GUARDED_BY(mu_);
+  bool armed_ QUERN_GUARDED_BY(mu_) = false;
+  std::function<void()> wake_;  // set once, before any token can call it
+};
+
 }  // namespace
 
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
@@ -501,10 +599,23 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   std::pmr::vector<CancellationToken*> tokens(tasks.size(), &arena);
   for (size_t i = 0; i < tasks.size(); ++i) tokens[i] = tasks[i]->request.cancel.get();
   BatchCancelWatch watch(tokens);
+  std::optional<BatchResponses> responses;
+  std::pmr::vector<InferRequest*> requests(&arena);
+  std::pmr::vector<uint64_t> request_ids(&arena);
+  std::pmr::vector<const OutputIndices*> wanted(&arena);
+  if (config_.decoupled) {
+    for (const auto& task : tasks) {
+      requests.push_back(&task->request);
+      request_ids.push_back(task->id);
+      wanted.push_back(&task->output_indices);
+    }
+    responses.emplace(config_, version_, requests, request_ids, wanted);
+  }
   Status st = instances_[static_cast<size_t>(worker)]->ExecuteRequests(
       inputs, padded,
       {rows, per_status, ids, watch.watchable() ? &watch : nullptr,
-       called ? std::span<const std::string_view>(callers) : std::span<const std::string_view>()},
+       called ? std::span<const std::string_view>(callers) : std::span<const std::string_view>(),
+       responses ? &*responses : nullptr},
       outputs);
   watch.Disarm();  // before the requests (and their tokens) are answered and let go
   if (watch.stopped()) {
@@ -512,6 +623,33 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   }
   const int64_t end = clock_->NowNs();
   inputs.clear();
+  if (responses) {
+    responses->Disarm();
+    // Each request answered with what the model sent last for it; one it never closed fails.
+    stats_.RecordBatch(items, start, gathered, end, end, clock_->WallMs());
+    for (size_t k = 0; k < tasks.size(); ++k) {
+      BatchResponses::Closed last = responses->Take(k);
+      Status status = std::move(last.status);
+      if (!last.closed) {
+        status = !st.ok()              ? st
+                 : !per_status[k].ok() ? per_status[k]
+                                       : Internal("model '" + config_.name +
+                                                  "' returned from its run without closing "
+                                                  "request " +
+                                                  std::to_string(k) + " of the batch (no final response)");
+        last.outputs.clear();
+      }
+      Telemetry& t = tasks[k]->telemetry;
+      t.compute_start_ns = start;
+      t.compute_end_ns = end;
+      t.batch_size = items;
+      t.padded_batch_size = padded;
+      tasks[k]->input_ns = gathered - start;
+      tasks[k]->final_only = last.closed && !last.has_response;
+      Finish(std::move(tasks[k]), std::move(status), std::move(last.outputs));
+    }
+    return;
+  }
 
   if (st.ok()) {
     // Outputs must come back in configuration order and, when batched, with

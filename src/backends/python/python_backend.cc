@@ -244,10 +244,12 @@ class PythonModel final : public Model {
         instance_(instance),
         device_(device),
         tag_("model '" + config_.name + "' instance " + std::to_string(instance)),
-        abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+        abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+        wake_fd_(config_.decoupled ? ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK) : -1) {}
 
   ~PythonModel() override {
     if (abandon_fd_ >= 0) ::close(abandon_fd_);
+    if (wake_fd_ >= 0) ::close(wake_fd_);
   }
 
   // The server stopped waiting (its drain deadline passed): a running
@@ -330,20 +332,51 @@ class PythonModel final : public Model {
           std::min(static_cast<int64_t>(2 * round_trip_ns_) + kYieldSlackNs, spec_->same_core_below_ns));
     }
     const auto deadline = sent_at + std::chrono::milliseconds(spec_->execute_timeout_ms);
-    auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_);
+    // A decoupled model's responses, sent while execute() runs or after it returned (frames "P";
+    // "d" says it returned): the run lasts until every request of the batch is closed.
+    Discard discard;  // a warm-up run's
+    Decoupled streams(config_.decoupled ? (requests.responses ? requests.responses : &discard) : nullptr,
+                      requests.rows.size());
+    if (streams.sink)
+      streams.sink->OnCancel([fd = wake_fd_] {
+        const uint64_t one = 1;
+        (void)!::write(fd, &one, sizeof one);
+      });
+    auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_, wake_fd_);
     // Calls to other models (BLS) while execute() runs, each answered before the batch's answer; the
     // model's own metrics (pb_utils.MetricFamily) come just before the answer.
-    while (reply && !reply->empty() && ((*reply)[0] == 'B' || (*reply)[0] == 'M')) {
-      if ((*reply)[0] == 'M') {
+    for (;;) {
+      if (!reply && streams.sink && reply.error().code() == StatusCode::kUnknown) {  // "woken": a cancellation
+        uint64_t n = 0;
+        (void)!::read(wake_fd_, &n, sizeof n);
+        if (Status st = SendCancellations(streams); !st.ok()) {
+          reply = Err(st);
+          break;
+        }
+      } else if (!reply || reply->empty()) {
+        break;
+      } else if ((*reply)[0] == 'M') {
         Status st = CustomMetrics::Global().Apply(config_.name, std::string_view(*reply).substr(1));
         if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
           Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
         }
-      } else if (Status st = process_->Send(CallModel(*reply, deadline, requests.callers)); !st.ok()) {
-        reply = Err(st);
-        break;
+      } else if ((*reply)[0] == 'B') {
+        if (Status st = process_->Send(CallModel(*reply, deadline, requests.callers)); !st.ok()) {
+          reply = Err(st);
+          break;
+        }
+      } else if (streams.sink && (*reply)[0] == 'P') {
+        if (Status st = Deliver(*reply, streams); !st.ok()) {
+          process_.reset();  // out of step with it: a new one starts
+          return st;
+        }
+      } else if (streams.sink && (*reply)[0] == 'd') {
+        streams.returned = true;
+      } else {
+        break;  // the batch's answer
       }
-      reply = process_->Receive(MsLeft(deadline), abandon_fd_);
+      if (streams.returned && streams.open == 0) break;
+      reply = process_->Receive(MsLeft(deadline), abandon_fd_, wake_fd_);
     }
     if (reply) Measure(std::chrono::steady_clock::now() - sent_at);
     if (!reply && reply.error().code() != StatusCode::kCancelled) {
@@ -364,10 +397,96 @@ class PythonModel final : public Model {
       }
       return Unavailable(reply.error().message() + " while running a batch; it starts again");
     }
+    if (streams.sink && streams.returned) return Status::Ok();  // every request closed
     return ReadReply(*reply, slot, batch_size, requests, outputs);
   }
 
  private:
+  // A warm-up run of a decoupled model: its responses go nowhere.
+  struct Discard final : ResponseSink {
+    void Send(size_t, bool, Status, std::vector<NamedTensor>, bool) override {}
+    bool cancelled(size_t) const override { return false; }
+    void OnCancel(std::function<void()>) override {}
+  };
+  // A decoupled model's batch: which requests are still open, which were told they are cancelled.
+  struct Decoupled {
+    Decoupled(ResponseSink* s, size_t requests)
+        : sink(s), closed(s ? requests : 0), told(s ? requests : 0), open(s ? requests : 0) {}
+    ResponseSink* sink;
+    std::vector<bool> closed, told;
+    size_t open;
+    bool returned = false;  // execute() returned (frame "d")
+  };
+
+  // Tells the process which open requests were cancelled since last time (frames "K": u32 the
+  // request's index): pb_utils' request.is_cancelled() and its sender's turn true.
+  Status SendCancellations(Decoupled& streams) {
+    for (size_t i = 0; i < streams.closed.size(); ++i) {
+      if (streams.closed[i] || streams.told[i] || !streams.sink->cancelled(i)) continue;
+      streams.told[i] = true;
+      std::string frame = "K";
+      Put<uint32_t>(frame, static_cast<uint32_t>(i));
+      QUERN_RETURN_IF_ERROR(process_->Send(frame));
+    }
+    return Status::Ok();
+  }
+
+  // One response of a decoupled model (frame "P"): u32 the request's index, u8 flags (1: final),
+  // u8 what it holds (0 nothing, 1 tensors, 2 an error), then u8 TritonError code, u32 message
+  // length and the message, or u16 tensors and each tensor as a BLS call's are.
+  Status Deliver(std::string_view frame, Decoupled& streams) {
+    auto broken = [&](const std::string& what) {
+      return Internal(tag_ + ": its Python process sent " + what + " (a decoupled response)");
+    };
+    FrameReader r(frame.substr(1));
+    uint32_t index = 0;
+    uint8_t flags = 0, kind = 0;
+    if (!r.Get(index) || !r.Get(flags) || !r.Get(kind) || index >= streams.closed.size() || kind > 2) {
+      return broken("a malformed frame");
+    }
+    if (streams.closed[index]) return broken("a response to a request it had closed");
+    const bool final = (flags & 1) != 0;
+    Status status;
+    std::vector<NamedTensor> outputs;
+    if (kind == 2) {
+      uint8_t code = 0;
+      uint32_t len = 0;
+      std::string_view message;
+      if (!r.Get(code) || !r.Get(len) || !r.Bytes(len, message)) return broken("a malformed error");
+      status = FromTritonCode(code, tag_ + ": " + std::string(message));
+    } else if (kind == 1) {
+      uint16_t count = 0;
+      if (!r.Get(count)) return broken("a malformed frame");
+      for (uint16_t i = 0; i < count; ++i) {
+        auto tensor = ReadFrameTensor(r);
+        if (!tensor) return broken("a malformed tensor: " + tensor.error().message());
+        outputs.push_back(std::move(*tensor));
+      }
+      status = CheckResponse(outputs);
+      if (!status.ok()) outputs.clear();
+    }
+    if (final) {
+      streams.closed[index] = true;
+      --streams.open;
+    }
+    streams.sink->Send(index, kind != 0, std::move(status), std::move(outputs), final);
+    return Status::Ok();
+  }
+
+  // A decoupled response's tensors against the configuration: outputs it names, in its types.
+  Status CheckResponse(const std::vector<NamedTensor>& outputs) const {
+    for (const NamedTensor& n : outputs) {
+      const TensorConfig* oc = config_.FindOutput(n.name);
+      if (!oc) return Internal(tag_ + ": a response holds '" + n.name + "', which is not an output of the model");
+      if (oc->dtype != n.tensor.dtype()) {
+        return Internal(tag_ + ": a response holds output '" + n.name + "' as " +
+                        std::string(DataTypeName(n.tensor.dtype())) + "; the configuration says " +
+                        std::string(DataTypeName(oc->dtype)));
+      }
+    }
+    return Status::Ok();
+  }
+
   // What is left of the batch's execute_timeout_ms for Receive (0: no limit).
   int64_t MsLeft(std::chrono::steady_clock::time_point deadline) const {
     if (spec_->execute_timeout_ms <= 0) return 0;
@@ -386,7 +505,8 @@ class PythonModel final : public Model {
     uint32_t call = 0;
     int64_t version = -1;
     uint64_t timeout_us = 0;
-    const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us);
+    uint8_t decoupled = 0;  // exec(decoupled=True): every response, as a list
+    const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us) && r.Get(decoupled);
     auto answer = [&](const Status& st, const std::vector<NamedTensor>* outputs) {
       std::string out = "b";
       Put<uint32_t>(out, call);
@@ -458,6 +578,8 @@ class PythonModel final : public Model {
       Mutex mu;
       CondVar cv;
       std::optional<InferResponse> response;
+      std::vector<InferResponse> before;  // exec(decoupled=True): the responses before the last
+      size_t bytes = 0;
     };
     auto pending = std::make_shared<Pending>();
     auto cancel = request.cancel;
@@ -466,6 +588,19 @@ class PythonModel final : public Model {
       pending->response = std::move(response);
       pending->cv.SignalAll();
     };
+    if (decoupled) {
+      // Kept until the last (the caller gets them together), at most kMaxBlsAnswerBytes in all: past
+      // that the call is cancelled and fails.
+      request.on_response = [pending, cancel](InferResponse&& response) {
+        MutexLock lock(pending->mu);
+        for (const NamedTensor& n : response.outputs) pending->bytes += n.tensor.byte_size();
+        if (pending->bytes > kMaxBlsAnswerBytes) {
+          cancel->Cancel();
+          return;
+        }
+        pending->before.push_back(std::move(response));
+      };
+    }
     if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}); !st.ok()) return answer(st, nullptr);
     const Clock& clock = RealClockInstance();
     MutexLock lock(pending->mu);
@@ -482,14 +617,38 @@ class PythonModel final : public Model {
       }
       pending->cv.WaitUntil(lock, clock, clock.NowNs() + 50'000'000);  // a look at the stop and the timeout
     }
-    size_t bytes = 0;
+    size_t bytes = pending->bytes;
     for (const NamedTensor& n : pending->response->outputs) bytes += n.tensor.byte_size();
-    if (pending->response->status.ok() && bytes > kMaxBlsAnswerBytes) {
-      return answer(ResourceExhausted("model '" + std::string(model) + "' answered " + std::to_string(bytes) +
-                                      " bytes; a call's answer is at most " + std::to_string(kMaxBlsAnswerBytes)),
-                    nullptr);
+    if ((pending->response->status.ok() || decoupled) && bytes > kMaxBlsAnswerBytes) {
+      return answer(
+          ResourceExhausted("model '" + std::string(model) + "' answered " + std::to_string(bytes) +
+                            " bytes or more; a call's answer is at most " + std::to_string(kMaxBlsAnswerBytes)),
+          nullptr);
     }
-    return answer(pending->response->status, &pending->response->outputs);
+    if (!decoupled) return answer(pending->response->status, &pending->response->outputs);
+    // u32 responses, each u8 final, u8 what it holds (0 nothing, 1 tensors, 2 an error: u8 code,
+    // u32 length, the message), as the stub reads them.
+    std::string out = answer(Status::Ok(), nullptr);
+    pending->before.push_back(std::move(*pending->response));
+    Put<uint32_t>(out, static_cast<uint32_t>(pending->before.size()));
+    for (size_t i = 0; i < pending->before.size(); ++i) {
+      const InferResponse& response = pending->before[i];
+      Put<uint8_t>(out, i + 1 == pending->before.size() ? 1 : 0);
+      if (!response.status.ok()) {
+        const std::string message = response.status.message().substr(0, 65536);
+        Put<uint8_t>(out, 2);
+        Put<uint8_t>(out, ToTritonCode(response.status.code()));
+        Put<uint32_t>(out, static_cast<uint32_t>(message.size()));
+        out += message;
+      } else if (response.final_only) {
+        Put<uint8_t>(out, 0);
+      } else {
+        Put<uint8_t>(out, 1);
+        Put<uint16_t>(out, static_cast<uint16_t>(response.outputs.size()));
+        for (const NamedTensor& n : response.outputs) PutFrameTensor(out, n);
+      }
+    }
+    return out;
   }
 
   PythonLaunch Launch() const {
@@ -504,6 +663,8 @@ class PythonModel final : public Model {
     w.String(spec_->version_dir.c_str());
     w.Key("max_batch_size");
     w.Int(config_.max_batch_size);
+    w.Key("decoupled");
+    w.Bool(config_.decoupled);
     w.Key("server_pid");
     w.Int64(::getpid());
     w.Key("max_memory_mb");
@@ -685,6 +846,7 @@ class PythonModel final : public Model {
   // Abandon(): read by Execute, and the eventfd its wait polls.
   std::atomic<bool> abandoned_{false};
   const int abandon_fd_;
+  const int wake_fd_;  // decoupled models: written when a request of the running batch is cancelled
   std::chrono::steady_clock::time_point last_start_failure_;
   std::string last_start_error_;
   int crashes_in_a_row_ = 0;  // batches whose process died, since the last one answered

@@ -620,7 +620,7 @@ bool PythonProcess::YieldForFrame(int64_t spin_ns) {
   }
 }
 
-Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
+Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd, int wake_fd) {
   if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
   const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
   char buf[65536];
@@ -642,8 +642,9 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
     }
     // The process's pidfd as well: a child of it holding the socket would
     // hide the process's death from the socket.
-    pollfd fds[3] = {{reply_fd_, POLLIN, 0}, {abort_fd, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
-    const nfds_t nfds = pid_fd_ >= 0 ? 3 : 2;  // a negative fd (no abort_fd) is skipped by poll
+    // (a negative fd, no abort_fd or wake_fd, is skipped by poll)
+    pollfd fds[4] = {{reply_fd_, POLLIN, 0}, {abort_fd, POLLIN, 0}, {wake_fd, POLLIN, 0}, {pid_fd_, POLLIN, 0}};
+    const nfds_t nfds = pid_fd_ >= 0 ? 4 : 3;
     const int64_t left = deadline ? deadline - NowMs() : -1;
     int r = 0;
     if (!deadline || left > 0) {
@@ -655,6 +656,8 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd) {
       Reap(true);
       return Err(Cancelled("abandoned"));
     }
+    if (r > 0 && (fds[2].revents & POLLIN) && !(fds[0].revents & POLLIN))
+      return Err(Status(StatusCode::kUnknown, "woken"));
     if (r > 0 && !(fds[0].revents & POLLIN)) {
       inbox_.clear();
       return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));

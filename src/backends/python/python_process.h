@@ -72,8 +72,10 @@ class PythonProcess {
   // process is killed (DEADLINE_EXCEEDED); when it has died, UNAVAILABLE
   // says how. Either way the process is finished afterwards. When
   // `abort_fd` (>= 0) becomes readable the process is killed as well
-  // (CANCELLED).
-  Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1);
+  // (CANCELLED). When `wake_fd` (>= 0) becomes readable before a whole
+  // frame has arrived, UNKNOWN "woken" returns at once and the process runs on (the
+  // caller reads `wake_fd` empty).
+  Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1, int wake_fd = -1);
   // For a process placed on this thread's CPU (RunOn), after Send: gives the
   // CPU up (sched_yield) until a whole frame has arrived or `spin_ns` have
   // passed, so that the process runs and answers without either side

@@ -82,14 +82,18 @@ def _next_frame():
         _inbox += chunk
 
 
+_send_lock = threading.Lock()  # a decoupled model's threads send beside the main thread
+
+
 def _send(payload):
     data = _U32.pack(len(payload)) + payload
     view = memoryview(data)
-    try:
-        while view:
-            view = view[os.write(REPLY_FD, view):]
-    except OSError:
-        _server_gone()
+    with _send_lock:
+        try:
+            while view:
+                view = view[os.write(REPLY_FD, view):]
+        except OSError:
+            _server_gone()
 
 
 def _server_gone():
@@ -220,6 +224,8 @@ class Runner:
         self.shm = self.slots[0]
         self.name = launch["model_name"]
         self.batched = launch["max_batch_size"] > 0
+        self.decoupled = bool(launch.get("decoupled", False))
+        self.senders = {}  # a decoupled model's open requests of the running batch: index -> sender
         self.outputs = [(o["name"], o["dtype"], o["dims"]) for o in launch["outputs"]]
         self.dtypes = {t: np.dtype(n) for t, n in _NUMPY_TYPES.items()}
         # Per output, what a checked array must be when it is already right (the common case, taken
@@ -248,6 +254,9 @@ class Runner:
             raise TypeError(f"{launch['model_file']} defines neither a class TritonPythonModel nor a function "
                             "infer(inputs)")
         self.module = module
+        if self.decoupled and self.triton is None:
+            raise TypeError(f"{launch['model_file']}: a decoupled model (model_transaction_policy) answers through "
+                            "its requests' senders: it defines class TritonPythonModel, not infer(inputs)")
 
     def _import(self, launch):
         import importlib.util
@@ -345,10 +354,7 @@ class Runner:
             if array.dtype != want:
                 # Only casts that keep every value (a float to a narrower float keeps it closely):
                 # int64 -> int8 or uint64 -> int64 would answer wrong numbers.
-                if array.dtype.kind in "OSUV" or not (np.can_cast(array.dtype, want, "safe") or
-                                                      (array.dtype.kind == "f" and want.kind == "f")):
-                    raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want}")
-                array = array.astype(want)
+                array = _cast(np, name, array, want)
         shape = array.shape
         expect = ([rows] if self.batched else []) + list(dims)
         if len(shape) != len(expect) or any(e >= 0 and s != e for s, e in zip(shape, expect)):
@@ -359,6 +365,8 @@ class Runner:
 
     def execute(self, frame):
         rows, padded, inputs, end = self.read_inputs(frame)
+        if self.decoupled:
+            return self._execute_decoupled(rows, inputs)
         failed = {}
         if self.triton is not None:
             columns = self._execute_triton(rows, inputs, failed)
@@ -433,6 +441,105 @@ class Runner:
                 for k in range(len(self.outputs)):
                     columns[k].append(None)
         return columns
+
+    def _execute_decoupled(self, rows, inputs):
+        """execute(requests) of a decoupled model: its responses go out as it sends them (frames "P"),
+        from this thread or any other, during execute() or after; the answer is "d", execute()
+        returned. The inputs are views of the batch's slot, which the server keeps for the batch
+        until every request is closed (the final flag)."""
+        utils = self.utils
+        names = [o[0] for o in self.outputs]
+        ids = self._read_ids()
+        requests = []
+        self.senders = {}
+        start = 0
+        for i, r in enumerate(rows):
+            if self.batched:
+                tensors = [utils.Tensor(n, a[start:start + r]) for n, a in inputs.items()]
+            else:
+                tensors = [utils.Tensor(n, a) for n, a in inputs.items()]
+            start += r
+            request = utils.InferenceRequest(tensors, request_id=ids[i], requested_output_names=names,
+                                             model_name=self.name)
+            sender = ResponseSender(self, i)
+            request._response_sender = sender
+            self.senders[i] = sender
+            requests.append(request)
+        self.placed = {}
+        with _bls_lock:
+            _bls_state["open"] = True
+        error = None
+        try:
+            returned = self.triton.execute(requests)
+            if inspect.iscoroutine(returned):
+                import asyncio
+                returned = asyncio.run(returned)
+            if returned is not None:
+                error = (utils.TritonError.INTERNAL, f"execute() of decoupled model '{self.name}' returned "
+                         f"{type(returned).__name__}: a decoupled model sends its responses through "
+                         "request.get_response_sender() and returns None")
+        except BaseException as e:  # noqa: BLE001 - every request still open fails with it
+            if isinstance(e, SystemExit):
+                raise
+            traceback.print_exc()
+            sys.stderr.flush()
+            error = (_error_code(e, utils), _last_line(e))
+        finally:
+            with _bls_lock:
+                _bls_state["open"] = False
+        if error is not None:
+            for sender in list(self.senders.values()):
+                sender._close_with(error)
+        return b"d"
+
+    def encode_response(self, index, response, final):
+        """The frame "P" of one response (see the server's PythonModel::Deliver)."""
+        np, utils = self.np, self.utils
+        head = b"P" + struct.pack("<IB", index, 1 if final else 0)
+        if response is None:
+            return head + b"\0"
+        try:
+            if not isinstance(response, utils.InferenceResponse):
+                raise TypeError(f"send() got {type(response).__name__}; expected pb_utils.InferenceResponse")
+            if response.has_error():
+                error = response.error()
+                if isinstance(error, utils.TritonError):
+                    raise _RequestError(error.message(), error.code())
+                raise _RequestError(str(error), utils.TritonError.INTERNAL)
+            by_name = {name: (dtype, dims) for name, dtype, dims in self.outputs}
+            parts = []
+            for t in response.output_tensors():
+                name = t.name()
+                if name not in by_name:
+                    raise ValueError(f"the response holds '{name}', which is not an output of the model "
+                                     f"(outputs: {', '.join(sorted(by_name))})")
+                dtype, _ = by_name[name]
+                array = t.as_numpy()
+                if not isinstance(array, np.ndarray):
+                    array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
+                if dtype == BYTES:
+                    if array.dtype.kind not in "OSU":
+                        raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says "
+                                         "TYPE_STRING (bytes or str elements)")
+                elif array.dtype != self.dtypes[dtype]:
+                    array = _cast(np, name, array, self.dtypes[dtype])
+                parts.append(_encode_tensor(name, array, np, utils))
+            payload = head + b"\1" + struct.pack("<H", len(parts)) + b"".join(parts)
+            if len(payload) > MAX_FRAME_BYTES:
+                raise _RequestError(f"a response of {len(payload)} bytes; at most {MAX_FRAME_BYTES} go in one",
+                                    utils.TritonError.UNSUPPORTED)
+            return payload
+        except _RequestError as e:
+            code, message = e.code, str(e)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error as this response
+            code, message = _error_code(e, utils), _last_line(e)
+        m = message[:2000].encode("utf-8", "replace")
+        return head + b"\2" + struct.pack("<BI", code & 0xFF, len(m)) + m
+
+    def cancel(self, index):
+        sender = self.senders.get(index)
+        if sender is not None:
+            sender._cancelled = True
 
     def _write_outputs(self, rows, padded, columns, failed, end):
         """Writes each output's parts after the inputs; returns the reply frame."""
@@ -513,10 +620,113 @@ class Runner:
         return b"".join(reply + described)
 
 
+def _cast(np, name, array, want):
+    """`array` as numpy type `want`, when no value changes: safe casts, a float to a narrower float
+    (kept closely), and integers that fit (int64 -> int32 of small numbers); else ValueError. int64 ->
+    int8 of large numbers or uint64 -> int64 would answer wrong numbers."""
+    kind, to = array.dtype.kind, want.kind
+    if kind not in "OSUV" and (np.can_cast(array.dtype, want, "safe") or (kind == "f" and to == "f")):
+        return array.astype(want)
+    if kind in "biu" and to in "biu":
+        cast = array.astype(want)
+        if np.array_equal(cast.astype(array.dtype), array):
+            return cast
+        raise ValueError(f"output '{name}' has dtype {array.dtype} with values outside {want}, which the "
+                         "configuration says")
+    raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want}")
+
+
 class _RequestError(Exception):
     def __init__(self, message, code):
         super().__init__(message)
         self.code = code
+
+
+class ResponseSender:
+    """request.get_response_sender() of a decoupled model (Triton's InferenceResponseSender): send()
+    from any thread of the model's process, during execute() or after it returned, until the final
+    flag closes the request."""
+
+    def __init__(self, runner, index):
+        self._runner = runner
+        self._index = index
+        self._lock = threading.Lock()
+        self._closed = False
+        self._cancelled = False
+
+    def send(self, response=None, flags=0):
+        utils = self._runner.utils
+        final_flag = utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if flags not in (0, final_flag):
+            raise utils.TritonModelException(f"send(flags={flags!r}): flags is 0 or "
+                                             "TRITONSERVER_RESPONSE_COMPLETE_FINAL")
+        if response is None and flags != final_flag:
+            raise utils.TritonModelException("send() without a response needs flags="
+                                             "TRITONSERVER_RESPONSE_COMPLETE_FINAL")
+        if os.getpid() != _bls_state["pid"]:
+            raise utils.TritonModelException("a response sender works only in the model's own process")
+        final = flags == final_flag
+        with self._lock:  # the frames of one request leave in the order sent
+            if self._closed:
+                raise utils.TritonModelException("Unable to send response. Response sender has been closed.")
+            self._closed = final
+            payload = self._runner.encode_response(self._index, response, final)
+            ops = utils._take_metric_ops()  # the model's metrics before its answer, as for a batch
+            if ops:
+                _send(b"M" + json.dumps(ops).encode("utf-8"))
+            _send(payload)
+            if final:
+                self._runner.senders.pop(self._index, None)
+
+    def is_cancelled(self):
+        if not self._cancelled:
+            _read_cancellations()
+        return self._cancelled
+
+    def _close_with(self, error):
+        """Closes the request with `error` (code, message), unless closed already."""
+        code, message = error
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            m = message[:2000].encode("utf-8", "replace")
+            _send(b"P" + struct.pack("<IB", self._index, 1) + b"\2" + struct.pack("<BI", code & 0xFF, len(m)) + m)
+            self._runner.senders.pop(self._index, None)
+
+
+_runner = None  # the Runner, for cancellations read beside a call to another model
+
+
+def _cancellation(frame):
+    """Applies the frame "K" (a request of the running batch was cancelled: u32 its index)."""
+    if _runner is not None and len(frame) >= 5:
+        _runner.cancel(_U32.unpack_from(frame, 1)[0])
+
+
+def _read_cancellations():
+    """While execute() runs the main thread reads no frames: cancellations sent meanwhile are read
+    here (whole frames "K" at the front of what has arrived), when the model asks."""
+    global _inbox
+    if os.getpid() != _bls_state["pid"]:
+        return
+    with _bls_lock:
+        if not _bls_state["open"]:
+            return  # the main thread reads them itself
+        while select.select([CONTROL_FD], [], [], 0)[0]:
+            try:
+                chunk = os.read(CONTROL_FD, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                _server_gone()
+            _inbox += chunk
+        while len(_inbox) >= 9:
+            (n,) = _U32.unpack_from(_inbox)
+            if len(_inbox) < 4 + n or _inbox[4:5] != b"K":
+                break
+            _cancellation(bytes(_inbox[4:4 + n]))
+            del _inbox[:4 + n]
 
 
 def _error_code(exc, utils):
@@ -543,7 +753,7 @@ def _count(dims):
 # frame "B" on the reply socket; the server runs it like any request and answers "b" on the control
 # socket. One call at a time (a lock): calls from several threads, or awaited together, run one after
 # another. The answer to the batch waits for a call under way.
-_BLS = struct.Struct("<IqQ")  # call, version, timeout (us)
+_BLS = struct.Struct("<IqQB")  # call, version, timeout (us), decoupled (every response, as a list)
 _bls_lock = threading.Lock()
 _bls_state = {"next": 0, "open": False, "pid": os.getpid()}
 _NUMPY_CODES = {v: k for k, v in _NUMPY_TYPES.items()}
@@ -562,7 +772,7 @@ def _encode_tensor(name, array, np, utils):
             struct.pack("<Q", len(data)) + data)
 
 
-def _bls_call(request, np, utils):
+def _bls_call(request, np, utils, decoupled=False):
     name = request.model_name().encode("utf-8")
     rid = str(request.request_id() or "").encode("utf-8")[:1024]
     outs = [str(o).encode("utf-8") for o in request.requested_output_names()]
@@ -573,7 +783,7 @@ def _bls_call(request, np, utils):
             raise utils.TritonModelException("calling other models (BLS) works only while execute() runs")
         _bls_state["next"] += 1
         call = _bls_state["next"]
-        parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0)),
+        parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0), 1 if decoupled else 0),
                  struct.pack("<H", len(name)), name, struct.pack("<H", len(rid)), rid, struct.pack("<H", len(outs))]
         for o in outs:
             parts += [struct.pack("<H", len(o)), o]
@@ -587,6 +797,9 @@ def _bls_call(request, np, utils):
         try:
             _send(payload)
             reply = _next_frame()
+            while reply[:1] == b"K":
+                _cancellation(reply)
+                reply = _next_frame()
         except BaseException:  # noqa: BLE001 - the frames would be out of step: the server starts a new process
             traceback.print_exc()
             sys.stderr.flush()
@@ -601,7 +814,34 @@ def _bls_call(request, np, utils):
     if got != call:
         raise RuntimeError(f"the server answered BLS call {got} for call {call}")
     if failed:
-        return utils.InferenceResponse(error=utils.TritonError(message, code))
+        error = utils.InferenceResponse(error=utils.TritonError(message, code))
+        return utils.ResponseIterator([error]) if decoupled else error
+    if not decoupled:
+        return _bls_response(request, view, pos, np, utils)[0]
+    # exec(decoupled=True): u32 responses, each u8 final, u8 what it holds (0 nothing, 1 tensors, 2 an
+    # error: u8 code, u32 length, the message).
+    (n,) = struct.unpack_from("<I", view, pos)
+    pos += 4
+    responses = []
+    for _ in range(n):
+        final, kind = struct.unpack_from("<BB", view, pos)
+        pos += 2
+        if kind == 2:
+            code, length = struct.unpack_from("<BI", view, pos)
+            pos += 5
+            message = bytes(view[pos:pos + length]).decode("utf-8", "replace")
+            pos += length
+            responses.append(utils.InferenceResponse(error=utils.TritonError(message, code)))
+        elif kind == 1:
+            response, pos = _bls_response(request, view, pos, np, utils)
+            responses.append(response)
+        else:
+            responses.append(utils.InferenceResponse())
+    return utils.ResponseIterator(responses)
+
+
+def _bls_response(request, view, pos, np, utils):
+    """The response whose tensors start at `pos` (u16 count, then each tensor), and where it ends."""
     (count,) = struct.unpack_from("<H", view, pos)
     pos += 2
     tensors = []
@@ -621,11 +861,16 @@ def _bls_call(request, np, utils):
         elif dtype in _NUMPY_TYPES:  # a copy: writable and aligned, as a model expects its arrays
             array = np.frombuffer(data, dtype=_NUMPY_TYPES[dtype]).reshape(dims).copy()
         else:
-            return utils.InferenceResponse(error=utils.TritonError(
+            unsupported = utils.TritonError(
                 f"model '{request.model_name()}' answered output '{out_name}' in a type numpy has not (BF16)",
-                utils.TritonError.UNSUPPORTED))
-        tensors.append(utils.Tensor(out_name, array))
-    return utils.InferenceResponse(output_tensors=tensors)
+                utils.TritonError.UNSUPPORTED)
+            tensors = None
+            continue
+        if tensors is not None:
+            tensors.append(utils.Tensor(out_name, array))
+    if tensors is None:
+        return utils.InferenceResponse(error=unsupported), pos
+    return utils.InferenceResponse(output_tensors=tensors), pos
 
 
 def _auto_complete(launch, utils):
@@ -656,6 +901,7 @@ def _auto_complete(launch, utils):
 
 
 def _main():
+    global _runner
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     sys.dont_write_bytecode = True
     utils_source = _read_frame().decode()
@@ -675,11 +921,11 @@ def _main():
         utils.__file__ = "<quern: triton_python_backend_utils>"
         exec(compile(utils_source, utils.__file__, "exec"), utils.__dict__)
         sys.modules["triton_python_backend_utils"] = utils
-        utils._bls_call = lambda request: _bls_call(request, np, utils)
+        utils._bls_call = lambda request, decoupled=False: _bls_call(request, np, utils, decoupled)
         _bound_memory(launch.get("max_memory_mb", 0))
         if launch.get("mode") == "auto_complete":
             _auto_complete(launch, utils)  # answers and exits
-        runner = Runner(launch, np, utils)
+        runner = _runner = Runner(launch, np, utils)
     except BaseException as e:
         traceback.print_exc()
         sys.stderr.flush()
@@ -702,6 +948,8 @@ def _main():
             if ops:
                 _send(b"M" + json.dumps(ops).encode("utf-8"))
             _send(reply)
+        elif op == b"K":
+            _cancellation(frame)
         elif op == b"S":
             try:
                 runner.finalize()

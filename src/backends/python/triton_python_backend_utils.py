@@ -13,7 +13,7 @@ __all__ = [
     "get_input_tensor_by_name", "get_output_tensor_by_name", "get_input_config_by_name",
     "get_output_config_by_name", "triton_string_to_numpy", "numpy_to_triton_type", "serialize_byte_tensor",
     "deserialize_bytes_tensor", "ModelConfig", "using_decoupled_model_transaction_policy",
-    "TRITONSERVER_RESPONSE_COMPLETE_FINAL", "MetricFamily", "Metric",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL", "MetricFamily", "Metric", "ResponseIterator",
 ]
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -110,7 +110,7 @@ class Tensor:
 class InferenceRequest:
     """One request of a batch, as execute() receives it."""
     __slots__ = ("_inputs", "_by_name", "_request_id", "_correlation_id", "_requested_output_names",
-                 "_model_name", "_model_version", "_timeout")
+                 "_model_name", "_model_version", "_timeout", "_response_sender")
 
     def __init__(self, inputs=None, request_id="", correlation_id=0, requested_output_names=(), model_name="",
                  model_version=-1, flags=0, timeout=0, **_ignored):
@@ -123,6 +123,7 @@ class InferenceRequest:
         self._model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self._model_version = model_version
         self._timeout = timeout
+        self._response_sender = None  # a decoupled model's requests: set by the server's process
 
     def inputs(self):
         return self._inputs
@@ -151,26 +152,51 @@ class InferenceRequest:
         return "{}"
 
     def is_cancelled(self):
-        return False
+        """Whether the caller has gone (a decoupled model's request: it may stop sending)."""
+        return self._response_sender is not None and self._response_sender.is_cancelled()
 
     def get_response_sender(self):
-        raise TritonModelException("decoupled models (response senders) are not supported by Quern's Python backend")
+        """A decoupled model's way to answer this request: send(response, flags) any number of times,
+        from any thread, the last with flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+        if self._response_sender is None:
+            raise TritonModelException("get_response_sender() is for decoupled models (model_transaction_policy "
+                                       "{ decoupled: true }); this model answers with what execute() returns")
+        return self._response_sender
 
     def exec(self, decoupled=False):
         """Runs this request on model_name (BLS: a model calling another model) and returns its
         InferenceResponse; a failure is the response's error(), not an exception. Served while the
-        calling model's execute() runs (from its thread or any other)."""
-        if decoupled:
-            raise TritonModelException("exec(decoupled=True): decoupled models are not supported yet by Quern's "
-                                       "Python backend")
+        calling model's execute() runs (from its thread or any other). decoupled=True (a decoupled
+        model's many responses): a ResponseIterator over every response, the last one included
+        (which may hold no tensors), returned once the called model has sent its last."""
         if _bls_call is None:
             raise TritonModelException("calling other models (BLS) works only inside a served model's execute()")
-        return _bls_call(self)
+        return _bls_call(self, bool(decoupled))
 
     async def async_exec(self, decoupled=False):
         """exec() for an `async def execute`: awaitable; calls awaited together run one after another."""
         import asyncio
         return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
+
+
+class ResponseIterator:
+    """exec(decoupled=True)'s answer: the called model's responses, in the order it sent them."""
+
+    def __init__(self, responses):
+        self._responses = list(responses)
+        self._next = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next >= len(self._responses):
+            raise StopIteration
+        self._next += 1
+        return self._responses[self._next - 1]
+
+    def cancel(self):
+        """Nothing to stop: every response has arrived when the iterator is returned."""
 
 
 class InferenceResponse:

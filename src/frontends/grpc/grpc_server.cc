@@ -194,6 +194,8 @@ class InferHandler final : public GrpcHandler {
 class StreamHandler final : public GrpcHandler {
   static constexpr int kMaxStreamPending = 256;
   static constexpr size_t kMaxStreamUnsentBytes = size_t{16} << 20;
+  // How long a decoupled model's response waits for a slow reader before it is refused.
+  static constexpr int64_t kMaxRoomWaitNs = int64_t{30} * 1'000'000'000;
 
   static google::protobuf::ArenaOptions RequestArena() {
     google::protobuf::ArenaOptions o;
@@ -254,6 +256,7 @@ class StreamHandler final : public GrpcHandler {
     {
       MutexLock lock(mu_);
       read_on = ResumeLocked();
+      room_.SignalAll();
     }
     if (read_on) raw_->Read();
   }
@@ -261,6 +264,7 @@ class StreamHandler final : public GrpcHandler {
   void OnCancel() override {
     MutexLock lock(mu_);
     broken_ = true;
+    room_.SignalAll();
     for (auto& c : cancels_) c->Cancel();
   }
 
@@ -297,11 +301,23 @@ class StreamHandler final : public GrpcHandler {
       if (broken_) cancel->Cancel();
       cancels_.push_back(cancel);
     }
+    // A decoupled model's responses before the last (the last comes to `done`): each sent as it
+    // comes, with triton_final_response false.
+    ir->on_response = [this, call = call_.lock(), request, cancel](InferResponse&& r) {
+      if (r.status.ok()) r.status = ApplyClassifications(*request, *engine_, r);
+      if (!AwaitRoom()) cancel->Cancel();  // not read in time: the model may stop
+      Answer(request->id(), r.status, &r, false);
+    };
     // The request message owns the raw input bytes: it lives in the callback,
     // and so does the call (and this handler).
     InferCallback done = [this, call = call_.lock(), arena = std::move(arena), request, cancel](InferResponse&& r) {
       if (r.status.ok()) r.status = ApplyClassifications(*request, *engine_, r);
-      Answer(request->id(), r.status, &r);
+      // A decoupled model that closed the request without a response: nothing is sent, unless the
+      // client asked for an empty last response (Triton's triton_enable_empty_final_response).
+      const auto empty = request->parameters().find("triton_enable_empty_final_response");
+      if (!r.final_only || (empty != request->parameters().end() && empty->second.bool_param())) {
+        Answer(request->id(), r.status, &r, r.decoupled ? std::optional<bool>(true) : std::nullopt);
+      }
       {
         MutexLock lock(mu_);
         std::erase(cancels_, cancel);
@@ -315,8 +331,23 @@ class StreamHandler final : public GrpcHandler {
     }
   }
 
-  // Queues a response (or an error for this request only) for sending.
-  void Answer(const std::string& id, const Status& status, const InferResponse* r) {
+  // A decoupled model's instance sending to a client that reads slowly: waits (a bounded while,
+  // which holds the model's next send) until the call's unread answers are below the bound again.
+  // False when there is no room still (the answer may then be refused: Answer says so).
+  bool AwaitRoom() {
+    const Clock& clock = RealClockInstance();
+    const int64_t until = clock.NowNs() + kMaxRoomWaitNs;
+    MutexLock lock(mu_);
+    while (!broken_ && raw_->unsent_bytes() > kMaxStreamUnsentBytes) {
+      if (room_.WaitUntil(lock, clock, until)) return raw_->unsent_bytes() <= kMaxStreamUnsentBytes;
+    }
+    return !broken_;
+  }
+
+  // Queues a response (or an error for this request only) for sending; `final`: a decoupled
+  // model's response, with Triton's parameter triton_final_response.
+  void Answer(const std::string& id, const Status& status, const InferResponse* r,
+              std::optional<bool> final = std::nullopt) {
     google::protobuf::Arena arena;
     auto& out = *google::protobuf::Arena::CreateMessage<inference::ModelStreamInferResponse>(&arena);
     if (!status.ok()) {
@@ -324,6 +355,9 @@ class StreamHandler final : public GrpcHandler {
       out.mutable_infer_response()->set_id(id);
     } else {
       ToInferResponse(*r, id, out.mutable_infer_response());
+    }
+    if (final) {
+      (*out.mutable_infer_response()->mutable_parameters())["triton_final_response"].set_bool_param(*final);
     }
     if (out.ByteSizeLong() > max_send_bytes_) {
       const size_t size = out.ByteSizeLong();
@@ -377,6 +411,7 @@ class StreamHandler final : public GrpcHandler {
   uint64_t messages_ = 0;  // the loop thread only
 
   Mutex mu_;
+  CondVar room_;  // signalled when answers were written, or the call ended
   std::vector<std::shared_ptr<CancellationToken>> cancels_ QUERN_GUARDED_BY(mu_);
   int pending_ QUERN_GUARDED_BY(mu_) = 0;
   size_t last_answer_bytes_ QUERN_GUARDED_BY(mu_) = 0;

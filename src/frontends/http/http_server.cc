@@ -23,9 +23,11 @@
 #endif
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <memory_resource>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <thread>
@@ -736,7 +738,11 @@ class Session : public std::enable_shared_from_this<Session> {
       // HEAD: the headers a GET would get (Content-Length included), no body.
       r.headers.emplace_back("Content-Length", std::to_string(r.body.size()));
       r.body.clear();
+      r.stream = nullptr;
     }
+    // A body written as it comes: chunked, or for HTTP/1.0 ended by closing the connection.
+    const bool streamed = static_cast<bool>(r.stream);
+    if (streamed && http10_) keep_alive_ = false;
     // The status line and headers, built in a buffer this thread keeps
     // (nothing below calls back into Respond before the last use of it:
     // Finish only posts).
@@ -760,7 +766,10 @@ class Session : public std::enable_shared_from_this<Session> {
       head += v;
       head += "\r\n";
     }
-    if (!head_) {
+    if (streamed) {
+      if (!http10_) head += "Transfer-Encoding: chunked\r\n";
+      head += "Cache-Control: no-cache\r\n";
+    } else if (!head_) {
       head += "Content-Length: ";
       head += std::to_string(r.body.size());
       head += "\r\n";
@@ -771,6 +780,7 @@ class Session : public std::enable_shared_from_this<Session> {
       head += "Connection: keep-alive\r\n";
     }
     head += "\r\n";
+    if (streamed) return StartStream(head, std::move(r));
 
     if (tls_) {
       // Encryption happens on the loop thread.
@@ -813,6 +823,130 @@ class Session : public std::enable_shared_from_this<Session> {
     out_sent_ = sent;
     shared_.writing.fetch_add(1, std::memory_order_acq_rel);
     asio::post(loop_.io, [self = shared_from_this()] { self->WriteRest(); });
+  }
+
+  // A streamed body (HttpResponse::stream): the writer the handler gets. Pieces go into the
+  // session's queue, which its loop thread writes out in order.
+  class BodyStream final : public HttpBodyStream {
+   public:
+    BodyStream(std::shared_ptr<Session> session, bool chunked) : session_(std::move(session)), chunked_(chunked) {}
+    ~BodyStream() override { session_->CloseStream(/*complete=*/false); }
+    bool Write(std::string piece) override {
+      if (piece.empty()) return true;
+      return session_->QueueStream(Frame(piece, chunked_), /*wait=*/true);
+    }
+    void End() override { session_->CloseStream(/*complete=*/true); }
+    static std::string Frame(std::string_view piece, bool chunked) {
+      if (!chunked) return std::string(piece);
+      char size[24];
+      const int n = std::snprintf(size, sizeof size, "%zx\r\n", piece.size());
+      std::string out;
+      out.reserve(static_cast<size_t>(n) + piece.size() + 2);
+      out.append(size, static_cast<size_t>(n)).append(piece).append("\r\n");
+      return out;
+    }
+
+   private:
+    std::shared_ptr<Session> session_;
+    const bool chunked_;
+  };
+  // At most this many bytes of a streamed body wait for the client at once; a writer past it waits
+  // for the client to read, at most kStreamWaitNs, then is refused.
+  static constexpr size_t kMaxStreamQueued = size_t{4} << 20;
+  static constexpr int64_t kStreamWaitNs = int64_t{30} * 1'000'000'000;
+
+  // The responding thread: the head (and `r.body`, the first piece) queued, the writer handed over.
+  void StartStream(const std::string& head, HttpResponse r) {
+    auto body = std::make_shared<BodyStream>(shared_from_this(), !http10_);
+    {
+      std::lock_guard lock(stream_mu_);
+      stream_queue_ = head;
+      if (!r.body.empty()) stream_queue_ += BodyStream::Frame(r.body, !http10_);
+      stream_queued_ = stream_queue_.size();
+      stream_writing_ = true;
+      stream_ended_ = stream_complete_ = stream_broken_ = false;
+    }
+    shared_.writing.fetch_add(1, std::memory_order_acq_rel);
+    asio::post(loop_.io, [self = shared_from_this()] { self->WriteStream(); });
+    r.stream(std::move(body));
+  }
+
+  // Any thread: `framed` queued (waiting for room when `wait`); false when the client has gone,
+  // the body has ended, or it did not read in time.
+  bool QueueStream(std::string framed, bool wait) {
+    std::unique_lock lock(stream_mu_);
+    if (wait) {
+      stream_room_.wait_for(lock, std::chrono::nanoseconds(kStreamWaitNs),
+                            [this] { return stream_broken_ || stream_ended_ || stream_queued_ < kMaxStreamQueued; });
+    }
+    if (stream_broken_ || stream_ended_ || stream_queued_ >= kMaxStreamQueued) return false;
+    stream_queued_ += framed.size();
+    stream_queue_ += framed;
+    const bool post = !stream_writing_;
+    stream_writing_ = true;
+    lock.unlock();
+    if (post) asio::post(loop_.io, [self = shared_from_this()] { self->WriteStream(); });
+    return true;
+  }
+
+  // Any thread, the first call counting: the body ends (with its last chunk when `complete`; cut
+  // off, the connection closing, when not).
+  void CloseStream(bool complete) {
+    std::unique_lock lock(stream_mu_);
+    if (stream_ended_) return;
+    stream_ended_ = true;
+    stream_complete_ = complete;
+    if (complete && !http10_) stream_queue_ += "0\r\n\r\n";
+    const bool post = !stream_writing_;
+    stream_writing_ = true;
+    lock.unlock();
+    stream_room_.notify_all();
+    if (post) asio::post(loop_.io, [self = shared_from_this()] { self->WriteStream(); });
+  }
+
+  // Loop thread: writes what is queued; once the body has ended and is out, the response is done.
+  void WriteStream() {
+    std::string out;
+    bool ended = false, complete = false, broken = false;
+    {
+      std::lock_guard lock(stream_mu_);
+      out.swap(stream_queue_);
+      ended = stream_ended_;
+      complete = stream_complete_;
+      if (closed_) stream_broken_ = true;
+      broken = stream_broken_;
+      if ((out.empty() && ended) || broken) stream_writing_ = false;
+      if (out.empty() && !ended && !broken) {
+        stream_writing_ = false;  // the next piece posts again
+        return;
+      }
+    }
+    if (broken || (out.empty() && ended)) {
+      stream_room_.notify_all();
+      if (!ended) return;  // the writer ends it; its close finishes the response
+      shared_.writing.fetch_sub(1, std::memory_order_acq_rel);
+      return Finish(/*failed=*/broken || !complete);  // (HTTP/1.0: the close ends the body)
+    }
+    deadline_ns_.store(shared_.NowNs() + int64_t{shared_.options.read_timeout_s} * 1'000'000'000,
+                       std::memory_order_release);
+    stream_out_ = std::move(out);
+    WithStream([&](auto& stream) {
+      asio::async_write(stream, asio::buffer(stream_out_),
+                        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnStreamWritten(ec); });
+    });
+  }
+
+  void OnStreamWritten(beast::error_code ec) {
+    deadline_ns_.store(0, std::memory_order_release);  // a request in flight again, however long
+    {
+      std::lock_guard lock(stream_mu_);
+      stream_queued_ -= std::min(stream_queued_, stream_out_.size());
+      if (ec) stream_broken_ = true;
+    }
+    stream_out_.clear();
+    stream_room_.notify_all();
+    if (ec) cancel_->Cancel();  // the client has gone: the work for it stops
+    WriteStream();
   }
 
   // Loop thread.
@@ -957,6 +1091,16 @@ class Session : public std::enable_shared_from_this<Session> {
   bool http10_ = false;
   bool head_ = false;  // a HEAD request: the response carries no body
   bool pipelined_ = false;
+
+  // A streamed body (StartStream): what waits to be written, by any thread; the loop thread
+  // writes it.
+  std::mutex stream_mu_;
+  std::condition_variable stream_room_;  // room in the queue, or the stream ended or broke
+  std::string stream_queue_;             // guarded by stream_mu_
+  size_t stream_queued_ = 0;             // bytes queued or being written; guarded
+  bool stream_writing_ = false;          // a WriteStream is posted or its write under way; guarded
+  bool stream_ended_ = false, stream_complete_ = false, stream_broken_ = false;  // guarded
+  std::string stream_out_;                                                       // loop thread: the bytes being written
 
   // Response handed to the loop thread when the socket did not take it all.
   std::string out_head_;

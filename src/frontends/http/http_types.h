@@ -49,6 +49,22 @@ struct HttpRequest {
   }
 };
 
+// The rest of a response body written as it comes (HttpResponse::stream):
+// server-sent events, chunked. Any thread; the pieces leave in the order
+// written.
+class HttpBodyStream {
+ public:
+  virtual ~HttpBodyStream() = default;
+  // Queues `piece`. While the client has more than a bound unread, waits
+  // for it to read (which holds the writer, as a slow reader should), at
+  // most a while. False, nothing queued, when the client has gone or did
+  // not read in time: the writer should stop (and End).
+  virtual bool Write(std::string piece) = 0;
+  // The body is complete. A stream let go without End is cut off (the
+  // connection closes: the client sees the body end early).
+  virtual void End() = 0;
+};
+
 struct HttpResponse {
   int status = 200;
   // Content types and header names are literals (static storage): a
@@ -58,6 +74,11 @@ struct HttpResponse {
   // X-Request-ID) without an allocation.
   boost::container::small_vector<std::pair<std::string_view, std::string>, 2> headers;
   std::string body;
+  // A body written as it comes: `body` is its first piece, and the server
+  // hands the rest of it to this (once, on the responding thread, before
+  // the response's done returns). Sent chunked (HTTP/1.0: until the
+  // connection closes). Null: `body` is the whole body.
+  std::function<void(std::shared_ptr<HttpBodyStream>)> stream;
 };
 
 // Receives the response exactly once, from any thread.

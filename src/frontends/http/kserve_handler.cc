@@ -16,6 +16,8 @@
 #include "core/json.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
+#include "core/mutex.h"
+#include "frontends/http/generate.h"
 
 namespace quern {
 namespace {
@@ -263,6 +265,16 @@ Status KServeHandler::AddRoutes(Router& router) {
       {"GET", "/v2/models/{model}[/versions/{version}]/config", K::kUser, false, nullptr, to(&KServeHandler::Config)},
       {"POST", "/v2/models/{model}[/versions/{version}]/infer", K::kUser, false,
        [this](const HttpRequest&, const RouteMatch& m) { return Admission(m); }, to(&KServeHandler::Infer)},
+      {"POST", "/v2/models/{model}[/versions/{version}]/generate", K::kUser, false,
+       [this](const HttpRequest&, const RouteMatch& m) { return Admission(m); },
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         Generate(false, std::move(r), m, std::move(done));
+       }},
+      {"POST", "/v2/models/{model}[/versions/{version}]/generate_stream", K::kUser, false,
+       [this](const HttpRequest&, const RouteMatch& m) { return Admission(m); },
+       [this](HttpRequest&& r, const RouteMatch& m, HttpDone done) {
+         Generate(true, std::move(r), m, std::move(done));
+       }},
   };
   for (const Route& r : routes) QUERN_RETURN_IF_ERROR(router.Add(r));
   return Status::Ok();
@@ -450,6 +462,142 @@ void KServeHandler::Infer(HttpRequest&& req, const RouteMatch& m, HttpDone done)
     InferResponse refused;  // the callback is still ours: it answers
     refused.status = std::move(st);
     respond(std::move(refused));
+  }
+}
+
+namespace {
+
+// One generate request's answers. A request's responses come one after another (a decoupled
+// model's from its instance's thread, the last after them), never two at once.
+class GenerateAnswers : public std::enable_shared_from_this<GenerateAnswers> {
+ public:
+  GenerateAnswers(bool stream, HttpDone done, std::shared_ptr<CancellationToken> cancel)
+      : stream_(stream), done_(std::move(done)), cancel_(std::move(cancel)) {}
+
+  void Response(InferResponse&& r, bool final) { stream_ ? Event(std::move(r), final) : One(std::move(r), final); }
+
+ private:
+  // generate: the one response (a decoupled model's: the only one with data).
+  void One(InferResponse&& r, bool final) {
+    if (!final || !r.final_only) {
+      if (!r.status.ok()) {
+        if (!error_) error_ = r.status;
+      } else if (++answers_ == 1) {
+        kept_ = std::move(r);
+      }
+    }
+    if (!final) return;
+    if (error_) return done_(ErrorResponse(*error_));
+    if (answers_ > 1) {
+      const std::string& model = kept_->model;
+      return done_(ErrorResponse(InvalidArgument("model '" + model + "' answered with " + std::to_string(answers_) +
+                                                 " responses; POST /v2/models/" + model +
+                                                 "/generate_stream returns each of them")));
+    }
+    if (answers_ == 0) {  // a decoupled model that sent nothing: an answer without outputs
+      kept_ = std::move(r);
+      kept_->outputs.clear();
+    }
+    auto json = GenerateAnswerJson(*kept_);
+    if (!json) return done_(ErrorResponse(json.error()));
+    HttpResponse answer;
+    answer.body = std::move(*json);
+    done_(std::move(answer));
+  }
+
+  // generate_stream: an event per response; the first one starts the answer (a request that fails
+  // before any response gets a JSON error with its status instead). The events written in order,
+  // under the lock (a slow reader holds the next response's sender, as it should).
+  void Event(InferResponse&& r, bool final) {
+    std::string event;
+    if (!final || !r.final_only) {
+      if (r.status.ok()) {
+        auto json = GenerateAnswerJson(r);
+        event = json ? std::move(*json) : ErrorResponse(json.error()).body;
+      } else {
+        event = ErrorResponse(r.status).body;
+      }
+      event = "data: " + event + "\n\n";
+    }
+    MutexLock lock(mu_);
+    if (started_) {
+      if (!body_) {  // the answer's head is on its way: the event waits for the body
+        if (!event.empty()) pending_.push_back(std::move(event));
+        end_ = end_ || final;
+        return;
+      }
+      WriteLocked(std::move(event), final);
+      return;
+    }
+    if (final && !r.status.ok()) {
+      lock.Unlock();
+      return done_(ErrorResponse(r.status));
+    }
+    started_ = true;
+    end_ = final;
+    HttpResponse answer;
+    answer.content_type = "text/event-stream; charset=utf-8";
+    answer.body = std::move(event);
+    answer.stream = [self = shared_from_this()](std::shared_ptr<HttpBodyStream> body) {
+      MutexLock held(self->mu_);
+      self->body_ = std::move(body);
+      std::vector<std::string> pending = std::move(self->pending_);
+      for (std::string& e : pending) {
+        if (!self->WriteLocked(std::move(e), false)) return;
+      }
+      if (self->end_) self->WriteLocked({}, true);
+    };
+    lock.Unlock();
+    done_(std::move(answer));
+  }
+
+  // False when the client has gone (or did not read): the rest is dropped, the model told.
+  bool WriteLocked(std::string event, bool final) QUERN_REQUIRES(mu_) {
+    if (!body_) return false;
+    if (!event.empty() && !body_->Write(std::move(event))) {
+      if (cancel_) cancel_->Cancel();
+      body_->End();
+      body_.reset();
+      return false;
+    }
+    if (final) {
+      body_->End();
+      body_.reset();
+    }
+    return true;
+  }
+
+  const bool stream_;
+  HttpDone done_;
+  std::shared_ptr<CancellationToken> cancel_;
+  Mutex mu_;
+  std::shared_ptr<HttpBodyStream> body_ QUERN_GUARDED_BY(mu_);  // generate_stream, once started
+  std::vector<std::string> pending_ QUERN_GUARDED_BY(mu_);      // events before the body came
+  bool started_ QUERN_GUARDED_BY(mu_) = false;
+  bool end_ QUERN_GUARDED_BY(mu_) = false;  // the last event came before the body
+  int answers_ = 0;
+  std::optional<Status> error_;
+  std::optional<InferResponse> kept_;
+};
+
+}  // namespace
+
+void KServeHandler::Generate(bool stream, HttpRequest&& req, const RouteMatch& m, HttpDone done) {
+  auto model = FindModel(m);
+  if (!model) return done(Error(model.error()));
+  int64_t version = -1;
+  (void)ParseModelVersion(m.param("version"), &version);  // (FindModel checked it)
+  auto request = ParseGenerateBody(model->config, version, req.body);
+  if (!request) return done(Error(request.error()));
+  request->cancel = req.cancel;
+  if (!req.request_id.empty()) request->metadata.emplace_back("request_id", std::move(req.request_id));
+  auto answers = std::make_shared<GenerateAnswers>(stream, std::move(done), req.cancel);
+  request->on_response = [answers](InferResponse&& r) { answers->Response(std::move(r), false); };
+  InferCallback last = [answers](InferResponse&& r) { answers->Response(std::move(r), true); };
+  if (Status st = engine_->InferAsync(std::move(*request), last, {}); !st.ok()) {
+    InferResponse refused;
+    refused.status = std::move(st);
+    last(std::move(refused));
   }
 }
 

@@ -55,6 +55,10 @@ class KServeHandler {
   // POST .../infer: JSON tensors and the binary tensor data extension
   // (Inference-Header-Content-Length); binary inputs are used without copying.
   void Infer(HttpRequest&& request, const RouteMatch& match, HttpDone done);
+  // POST .../generate and .../generate_stream (Triton's generate extension,
+  // frontends/http/generate.h): one JSON answer, or server-sent events, one
+  // per response of a decoupled model.
+  void Generate(bool stream, HttpRequest&& request, const RouteMatch& match, HttpDone done);
   // The model version a route's {model} and {version} name.
   Result<ModelStatus> FindModel(const RouteMatch& match) const;
   // Infer's head check: the model's queue.
