@@ -437,7 +437,9 @@ class BatchCancelWatch final : public BatchInterrupt {
 // A decoupled model's batch (BatchRequests::responses): each request's
 // responses before the last go to its caller as they are sent; the last,
 // final one is kept to answer the request when the run returns.
-class BatchResponses final : public ResponseSink {
+}  // namespace
+
+class ServedModel::BatchResponses final : public ResponseSink {
  public:
   struct Closed {
     bool closed = false;
@@ -529,7 +531,57 @@ class BatchResponses final : public ResponseSink {
   std::function<void()> wake_;  // set once, before any token can call it
 };
 
+namespace {
+
+// Outputs come back in configuration order and, when batched, with one row per padded item.
+Status CheckBatchOutputs(const ModelConfig& config, const std::vector<NamedTensor>& outputs, int64_t padded) {
+  if (outputs.size() != config.outputs.size()) {
+    return Internal("model '" + config.name + "' returned " + std::to_string(outputs.size()) + " outputs, expected " +
+                    std::to_string(config.outputs.size()));
+  }
+  for (const NamedTensor& out : outputs) {
+    const Shape& s = out.tensor.shape();
+    if (config.max_batch_size > 0 && (s.empty() || s[0] != padded)) {
+      return Internal("model '" + config.name + "' output '" + out.name + "' has shape " + ShapeToString(s) +
+                      ", expected " + std::to_string(padded) + " rows (the batch size)");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+void ServedModel::AnswerDecoupled(BatchResponses& responses, std::span<std::unique_ptr<Task>> tasks, const Status& st,
+                                  std::span<const Status> per_status, const BatchTimes& times) {
+  responses.Disarm();
+  stats_.RecordBatch(times.items, times.start, times.gathered, times.end, times.end, clock_->WallMs());
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    BatchResponses::Closed last = responses.Take(k);
+    Status status = std::move(last.status);
+    if (!last.closed) {
+      status = !st.ok()              ? st
+               : !per_status[k].ok() ? per_status[k]
+                                     : Internal("model '" + config_.name +
+                                                "' returned from its run without closing "
+                                                "request " +
+                                                std::to_string(k) + " of the batch (no final response)");
+      last.outputs.clear();
+    }
+    Stamp(*tasks[k], times);
+    tasks[k]->final_only = last.closed && !last.has_response;
+    Finish(std::move(tasks[k]), std::move(status), std::move(last.outputs));
+  }
+}
+
+void ServedModel::Stamp(Task& task, const BatchTimes& times) {
+  Telemetry& t = task.telemetry;
+  t.compute_start_ns = times.start;
+  t.compute_end_ns = times.end;
+  t.batch_size = times.items;
+  t.padded_batch_size = times.padded;
+  task.input_ns = times.gathered - times.start;
+  task.output_ns = times.split_end - times.end;
+}
 
 void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
   // The batch's bookkeeping lives on the stack for batches of a few
@@ -599,7 +651,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   std::pmr::vector<CancellationToken*> tokens(tasks.size(), &arena);
   for (size_t i = 0; i < tasks.size(); ++i) tokens[i] = tasks[i]->request.cancel.get();
   BatchCancelWatch watch(tokens);
-  std::optional<BatchResponses> responses;
+  std::optional<BatchResponses> responses;  // a decoupled model's
   std::pmr::vector<InferRequest*> requests(&arena);
   std::pmr::vector<uint64_t> request_ids(&arena);
   std::pmr::vector<const OutputIndices*> wanted(&arena);
@@ -624,48 +676,10 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   const int64_t end = clock_->NowNs();
   inputs.clear();
   if (responses) {
-    responses->Disarm();
-    // Each request answered with what the model sent last for it; one it never closed fails.
-    stats_.RecordBatch(items, start, gathered, end, end, clock_->WallMs());
-    for (size_t k = 0; k < tasks.size(); ++k) {
-      BatchResponses::Closed last = responses->Take(k);
-      Status status = std::move(last.status);
-      if (!last.closed) {
-        status = !st.ok()              ? st
-                 : !per_status[k].ok() ? per_status[k]
-                                       : Internal("model '" + config_.name +
-                                                  "' returned from its run without closing "
-                                                  "request " +
-                                                  std::to_string(k) + " of the batch (no final response)");
-        last.outputs.clear();
-      }
-      Telemetry& t = tasks[k]->telemetry;
-      t.compute_start_ns = start;
-      t.compute_end_ns = end;
-      t.batch_size = items;
-      t.padded_batch_size = padded;
-      tasks[k]->input_ns = gathered - start;
-      tasks[k]->final_only = last.closed && !last.has_response;
-      Finish(std::move(tasks[k]), std::move(status), std::move(last.outputs));
-    }
-    return;
+    return AnswerDecoupled(*responses, tasks, st, per_status, {items, padded, start, gathered, end, end});
   }
 
-  if (st.ok()) {
-    // Outputs must come back in configuration order and, when batched, with
-    // one row per padded item.
-    if (outputs.size() != config_.outputs.size()) {
-      st = Internal("model '" + config_.name + "' returned " + std::to_string(outputs.size()) + " outputs, expected " +
-                    std::to_string(config_.outputs.size()));
-    }
-    for (size_t i = 0; st.ok() && i < outputs.size(); ++i) {
-      const Shape& s = outputs[i].tensor.shape();
-      if (batched && (s.empty() || s[0] != padded)) {
-        st = Internal("model '" + config_.name + "' output '" + outputs[i].name + "' has shape " + ShapeToString(s) +
-                      ", expected " + std::to_string(padded) + " rows (the batch size)");
-      }
-    }
-  }
+  if (st.ok()) st = CheckBatchOutputs(config_, outputs, padded);
 
   // Split the outputs for every request first, then answer them: the split
   // time is measured per batch (compute_output).
@@ -706,14 +720,9 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   }
   const int64_t split_end = clock_->NowNs();
   stats_.RecordBatch(items, start, gathered, end, split_end, clock_->WallMs());
+  const BatchTimes times{items, padded, start, gathered, end, split_end};
   for (size_t k = 0; k < tasks.size(); ++k) {
-    Telemetry& t = tasks[k]->telemetry;
-    t.compute_start_ns = start;
-    t.compute_end_ns = end;
-    t.batch_size = items;
-    t.padded_batch_size = padded;
-    tasks[k]->input_ns = gathered - start;
-    tasks[k]->output_ns = split_end - end;
+    Stamp(*tasks[k], times);
     Finish(std::move(tasks[k]), per_status[k], std::move(per_task[k]));
   }
 }

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -66,10 +67,19 @@ class ServedModel final : public Servable {
 
  private:
   class Task;
+  class BatchResponses;  // a decoupled model's batch: where its responses go
+  // A batch's times (the engine clock) and sizes, stamped on its requests.
+  struct BatchTimes {
+    int64_t items, padded, start, gathered, end, split_end;
+  };
   ServedModel(ModelConfig config, int64_t version, std::vector<std::unique_ptr<Model>> instances, const Clock* clock);
   Status Warmup(const std::filesystem::path& model_dir);
   void ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch);
   void Finish(std::unique_ptr<Task> task, Status status, std::vector<NamedTensor> outputs);
+  // A decoupled model's batch, run: each request answered with what the model sent last for it.
+  void AnswerDecoupled(BatchResponses& responses, std::span<std::unique_ptr<Task>> tasks, const Status& st,
+                       std::span<const Status> per_status, const BatchTimes& times);
+  static void Stamp(Task& task, const BatchTimes& times);
   // A request refused at submission: counted, and its status returned.
   Status Refuse(const Task& task, Status status);
   void RecordOutcome(const Task& task, const Status& status);

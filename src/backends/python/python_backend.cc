@@ -626,14 +626,18 @@ class PythonModel final : public Model {
           nullptr);
     }
     if (!decoupled) return answer(pending->response->status, &pending->response->outputs);
-    // u32 responses, each u8 final, u8 what it holds (0 nothing, 1 tensors, 2 an error: u8 code,
-    // u32 length, the message), as the stub reads them.
-    std::string out = answer(Status::Ok(), nullptr);
     pending->before.push_back(std::move(*pending->response));
-    Put<uint32_t>(out, static_cast<uint32_t>(pending->before.size()));
-    for (size_t i = 0; i < pending->before.size(); ++i) {
-      const InferResponse& response = pending->before[i];
-      Put<uint8_t>(out, i + 1 == pending->before.size() ? 1 : 0);
+    return PutResponses(answer(Status::Ok(), nullptr), pending->before);
+  }
+
+  // After the head of a call's answer, exec(decoupled=True)'s responses as the stub reads them: u32
+  // responses, each u8 final, u8 what it holds (0 nothing, 1 tensors, 2 an error: u8 code, u32
+  // length, the message).
+  static std::string PutResponses(std::string out, const std::vector<InferResponse>& responses) {
+    Put<uint32_t>(out, static_cast<uint32_t>(responses.size()));
+    for (size_t i = 0; i < responses.size(); ++i) {
+      const InferResponse& response = responses[i];
+      Put<uint8_t>(out, i + 1 == responses.size() ? 1 : 0);
       if (!response.status.ok()) {
         const std::string message = response.status.message().substr(0, 65536);
         Put<uint8_t>(out, 2);
