@@ -13,6 +13,15 @@
 // model's Python processes (the stub: reading the batch, calling infer(),
 // writing the outputs), read from /proc. The payload goes both ways: N bytes
 // in, N bytes out.
+//
+//   python_bench --bls 20 --submitters 1 --bytes 16
+//
+// adds two Triton-API models that call a model computing nothing (a C++
+// model registered in code that answers its input) from execute(): calls_0
+// makes no call, calls_N makes N (BLS: pb_utils.InferenceRequest.exec());
+// the CPU of a call (this process and the Python process together) is their
+// difference over N, printed beside the CPU of a process round trip measured
+// in the same run by bench/ipc_floor (its "any cores" line).
 #include <dirent.h>
 #include <unistd.h>
 
@@ -31,6 +40,7 @@
 
 #include "core/cpus.h"
 #include "quern/engine.h"
+#include "quern/model.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -92,6 +102,49 @@ bool Right(const std::string& model, const std::vector<uint8_t>& payload, const 
   return got[payload.size() - 1] == (model == "echo" ? payload.back() : 7);
 }
 
+// A model that computes nothing: its input is its answer (the callee of calls_N).
+class Nothing : public quern::Model {
+ public:
+  quern::Status Execute(const std::vector<quern::NamedTensor>& inputs, int64_t,
+                        std::vector<quern::NamedTensor>& outputs) override {
+    outputs = {{"y", inputs.at(0).tensor}};
+    return quern::Status::Ok();
+  }
+};
+
+// calls_N: execute() calls "nothing" N times per request (BLS), then answers its input.
+std::string CallerCode(int calls) {
+  return "import triton_python_backend_utils as pb_utils\n\n\n"
+         "class TritonPythonModel:\n"
+         "    def execute(self, requests):\n"
+         "        out = []\n"
+         "        for r in requests:\n"
+         "            x = pb_utils.get_input_tensor_by_name(r, \"x\")\n"
+         "            for _ in range(" +
+         std::to_string(calls) +
+         "):\n"
+         "                a = pb_utils.InferenceRequest(model_name=\"nothing\", inputs=[x],\n"
+         "                                              requested_output_names=[\"y\"]).exec()\n"
+         "                if a.has_error():\n"
+         "                    raise pb_utils.TritonModelException(a.error().message())\n"
+         "            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(\"y\", x.as_numpy())]))\n"
+         "        return out\n";
+}
+
+// bench/ipc_floor's "any cores" CPU per round trip (both processes), µs; 0 when it cannot run.
+double IpcFloorCpuUs(const fs::path& self) {
+  const fs::path floor = self.parent_path() / "ipc_floor";
+  FILE* p = popen((floor.string() + " 100000 2>/dev/null").c_str(), "r");
+  if (!p) return 0;
+  char line[256];
+  double wall = 0, one = 0, other = 0, both = 0;
+  while (std::fgets(line, sizeof line, p)) {
+    if (std::sscanf(line, "any cores %lf %lf %lf %lf", &wall, &one, &other, &both) == 4) break;
+  }
+  pclose(p);
+  return both;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,6 +159,8 @@ int main(int argc, char** argv) {
   app.add_option("--bytes", sizes, "payload per request, each way");
   app.add_option("--instances", instances, "Python processes");
   app.add_option("--max-batch", max_batch, "max_batch_size");
+  int bls = 0;
+  app.add_option("--bls", bls, "also measure BLS calls: models making 0 and this many calls per request");
   bool run = false;
   app.add_flag("--run", run,
                "submit through Engine::Run (the caller runs the batch when an instance is free) "
@@ -122,13 +177,39 @@ int main(int argc, char** argv) {
              "    return {\"y\": made[x.shape]}\n",
              instances, max_batch);
   std::vector<std::string> models = {"echo", "constant"};
+  const std::string calls_n = "calls_" + std::to_string(bls);
+  if (bls > 0) {
+    WriteModel(repo, "calls_0", CallerCode(0), instances, max_batch);
+    WriteModel(repo, calls_n, CallerCode(bls), instances, max_batch);
+    models = {"calls_0", calls_n};
+  }
   quern::EngineOptions options;
   options.model_repository = repo.string();
+  options.load_all_models = false;
   auto engine = quern::Engine::Create(options);
   if (!engine) {
     std::fprintf(stderr, "%s\n", engine.error().ToString().c_str());
     return 1;
   }
+  if (bls > 0) {
+    quern::ModelConfig nothing;
+    nothing.name = "nothing";
+    nothing.max_batch_size = max_batch;
+    nothing.inputs = {{.name = "x", .dtype = quern::DataType::kUint8, .dims = {-1}}};
+    nothing.outputs = {{.name = "y", .dtype = quern::DataType::kUint8, .dims = {-1}}};
+    nothing.batching = quern::BatchingConfig{};
+    if (auto st = (*engine)->RegisterModel(nothing, [] { return std::make_unique<Nothing>(); }); !st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
+    }
+  }
+  for (const std::string& model : models) {
+    if (auto st = (*engine)->LoadModel(model); !st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
+    }
+  }
+  std::vector<double> cpu_per_request;  // engine + python, µs, per model, the last setting's
   std::printf("%-9s %-11s %-9s %10s %9s %9s %12s %12s %9s\n", "model", "submitters", "bytes", "req/s", "p50 ms",
               "p99 ms", "engine us/r", "python us/r", "batch");
   for (const std::string& model : models) {
@@ -183,7 +264,19 @@ int main(int argc, char** argv) {
                     static_cast<long long>(size), count / wall, all[all.size() / 2],
                     all[std::min(all.size() - 1, all.size() * 99 / 100)], (self1 - self0) / count * 1e6,
                     (child1 - child0) / count * 1e6, batches / count);
+        cpu_per_request.push_back((self1 - self0 + child1 - child0) / count * 1e6);
       }
+    }
+  }
+  if (bls > 0 && cpu_per_request.size() >= 2) {
+    // The last setting of each model: calls_0's, then calls_N's.
+    const size_t per_model = cpu_per_request.size() / 2;
+    const double call = (cpu_per_request[2 * per_model - 1] - cpu_per_request[per_model - 1]) / bls;
+    const double floor = IpcFloorCpuUs(fs::absolute(argv[0]));
+    std::printf("BLS call to a model computing nothing: %.1f us CPU (server + Python process)\n", call);
+    if (floor > 0) {
+      std::printf("process round trip (bench/ipc_floor, any cores): %.1f us CPU; the call is %.2fx it\n", floor,
+                  call / floor);
     }
   }
   engine->reset();

@@ -244,6 +244,18 @@ def served(tmp_path_factory):
     write_model(repo, "echo_text", ECHO_TEXT_CONFIG, ECHO_TEXT)
     write_model(repo, "bls_square", BLS_CONFIG, BLS_SQUARE.replace("ASYNC", BLS_SYNC))
     write_model(repo, "bls_square_async", BLS_CONFIG, BLS_SQUARE.replace("ASYNC", BLS_ASYNC))
+    # An ensemble whose one step is bls_square (which calls the decoupled square_int32), and one whose
+    # step is square_int32 itself.
+    for name, step, out in (("bls_ensemble", "bls_square", "SUM"), ("decoupled_ensemble", "square_int32", "OUT")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(textwrap.dedent('''
+            platform: "ensemble"
+            max_batch_size: 0
+            input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+            output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+            ensemble_scheduling { step [ { model_name: "%s" model_version: -1
+              input_map { key: "IN" value: "IN" } output_map { key: "%s" value: "OUT" } } ] }
+            ''' % (step, out)))
     proc, ports = start_quern(QUERN, str(repo))
     yield {"ports": ports, "seen": seen, "seen_http": seen_http}
     stop_quern(proc)
@@ -466,3 +478,37 @@ def test_a_generate_stream_client_that_leaves_cancels_its_request(served):
                 break
             time.sleep(0.05)
         assert served["seen_http"].exists() and served["seen_http"].read_text().count("cancelled after ") >= attempt
+
+
+def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
+    """A model that calls the decoupled square_int32 (BLS) serves as an ensemble's step and as a job;
+    the decoupled model itself, as a step or a job, is refused with its reason."""
+    port = served["ports"]["HTTP"]
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def call(method, path, body=None):
+        c.request(method, path, body=None if body is None else json.dumps(body))
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+
+    request = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [3]}]}
+    status, answer = call("POST", "/v2/models/bls_ensemble/infer", request)
+    assert status == 200 and answer["outputs"][0]["data"] == [9], answer
+    status, answer = call("POST", "/v2/models/decoupled_ensemble/infer", request)
+    assert status == 400 and "decoupled" in answer["error"] and "square_int32" in answer["error"], answer
+    for model, expect in (("bls_square", 9), ("bls_ensemble", 9), ("square_int32", None)):
+        status, accepted = call("POST", f"/v2/models/{model}/jobs", request)
+        if expect is None:  # refused at once, never a job id
+            assert status == 400 and "decoupled" in accepted["error"], accepted
+            continue
+        assert status == 202, accepted
+        deadline = time.monotonic() + 30
+        while True:
+            status, job = call("GET", f"/v2/jobs/{accepted['job_id']}")
+            if job["status"] not in ("queued", "running") or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert job["status"] == "done", job
+        sums = [o for o in job["result"]["outputs"] if o["name"] in ("SUM", "OUT")]
+        assert sums[0]["data"] == [expect], job
+    c.close()

@@ -943,6 +943,7 @@ Status AutoComplete(ModelConfig& config, const PythonModelSpec& spec) {
   config.outputs = std::move(completed.outputs);
   config.max_batch_size = completed.max_batch_size;
   if (completed.batching) config.batching = std::move(completed.batching);
+  config.decoupled = completed.decoupled;  // set_model_transaction_policy
   return Status::Ok();
 }
 
