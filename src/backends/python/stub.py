@@ -385,7 +385,8 @@ class Runner:
             columns.append([self._check(name, dtype, dims, result[name], padded, expect)])
         return columns
 
-    def _execute_triton(self, rows, inputs, failed):
+    def _requests(self, rows, inputs):
+        """execute()'s requests: each its rows of the batch's inputs (views of the slot)."""
         utils = self.utils
         names = [o[0] for o in self.outputs]
         self.request_ids = self._read_ids()
@@ -399,6 +400,11 @@ class Runner:
             requests.append(utils.InferenceRequest(tensors, request_id=self.request_ids[i], requested_output_names=names,
                                                    model_name=self.name))
             start += r
+        return requests
+
+    def _execute_triton(self, rows, inputs, failed):
+        utils = self.utils
+        requests = self._requests(rows, inputs)
         with _bls_lock:
             _bls_state["open"] = True
         try:
@@ -448,23 +454,10 @@ class Runner:
         returned. The inputs are views of the batch's slot, which the server keeps for the batch
         until every request is closed (the final flag)."""
         utils = self.utils
-        names = [o[0] for o in self.outputs]
-        ids = self._read_ids()
-        requests = []
+        requests = self._requests(rows, inputs)
         self.senders = {}
-        start = 0
-        for i, r in enumerate(rows):
-            if self.batched:
-                tensors = [utils.Tensor(n, a[start:start + r]) for n, a in inputs.items()]
-            else:
-                tensors = [utils.Tensor(n, a) for n, a in inputs.items()]
-            start += r
-            request = utils.InferenceRequest(tensors, request_id=ids[i], requested_output_names=names,
-                                             model_name=self.name)
-            sender = ResponseSender(self, i)
-            request._response_sender = sender
-            self.senders[i] = sender
-            requests.append(request)
+        for i, request in enumerate(requests):
+            request._response_sender = self.senders[i] = ResponseSender(self, i)
         self.placed = {}
         with _bls_lock:
             _bls_state["open"] = True
