@@ -30,8 +30,8 @@ class Countdown : public Model {
                          std::vector<NamedTensor>&) override {
     if (!requests.responses) return Internal("no sink for a decoupled model");
     auto x = inputs.at(0).tensor.values<float>();
-    std::atomic<int> woken{0};
-    requests.responses->OnCancel([&woken] { woken.fetch_add(1); });
+    auto woken = std::make_shared<std::atomic<int>>(0);  // (wake may run just after this returns)
+    requests.responses->OnCancel([woken] { woken->fetch_add(1); });
     for (size_t i = 0; i < requests.rows.size(); ++i) {
       const int n = static_cast<int>(x[i]);
       if (n < 0) {
@@ -39,7 +39,7 @@ class Countdown : public Model {
       } else if (n == 0) {
         requests.responses->Send(i, false, Status::Ok(), {}, true);
       } else if (n == 50) {
-        if (!testing::Eventually([&] { return woken.load() > 0 && requests.responses->cancelled(i); })) {
+        if (!testing::Eventually([&] { return woken->load() > 0 && requests.responses->cancelled(i); })) {
           return Internal("never cancelled");
         }
         requests.responses->Send(i, false, Status::Ok(), {}, true);

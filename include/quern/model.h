@@ -120,14 +120,17 @@ class ResponseSink {
   // `status` (outputs ignored), or, with `has_response` false, none.
   // `final` closes the request: nothing is sent for it afterwards (later
   // calls are ignored). A request's non-final responses go to its caller as
-  // they come, and may wait a bounded while for a slow reader.
+  // they come (on this thread, one Send at a time), and may wait a bounded
+  // while for a slow reader.
   virtual void Send(size_t index, bool has_response, Status status, std::vector<NamedTensor> outputs, bool final) = 0;
   // Whether request `index`'s caller has gone (cancelled it): the model may
   // stop sending to it.
   virtual bool cancelled(size_t index) const = 0;
   // `wake` (quick, on the cancelling thread) runs each time a request of the
-  // batch is cancelled from now until the run returns (at once for one
-  // cancelled already). Once per run.
+  // batch is cancelled from now until shortly after the run returns (at once
+  // for one cancelled already): it must own what it uses (not refer to the
+  // run's stack), and only wake the model (never Send: it may run while a
+  // Send holds the sink). Once per run.
   virtual void OnCancel(std::function<void()> wake) = 0;
 };
 

@@ -497,6 +497,10 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
     return Err(InvalidArgument(source + ": an ensemble cannot be decoupled itself (model_transaction_policy); "
                                         "its steps pass one answer each to the next"));
   }
+  if (c.decoupled && c.batching && c.batching->preserve_ordering) {
+    return Err(InvalidArgument(source + ": a decoupled model's requests end when it closes them: "
+                                        "dynamic_batching { preserve_ordering: true } cannot hold their order"));
+  }
   if (c.decoupled && c.backend != "python" && c.backend != "custom") {
     return Err(InvalidArgument(source +
                                ": model_transaction_policy { decoupled: true } is for Python models (and "

@@ -137,6 +137,12 @@ Status EnsembleModel::Plan() {
     auto sc = models_.config(s.model_name, s.model_version);
     if (!sc) return Status(StatusCode::kUnavailable, where + ": " + sc.error().message());
     const ModelConfig& c = *sc;
+    if (c.decoupled) {
+      return InvalidArgument(where +
+                             ": the model is decoupled (it may answer with many responses), and a step "
+                             "passes one answer on; call it from a Python model (exec(decoupled=True)) "
+                             "or over gRPC ModelStreamInfer instead");
+    }
     Step step;
     step.model = s.model_name;
     step.version = s.model_version;

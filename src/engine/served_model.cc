@@ -479,10 +479,12 @@ class ServedModel::BatchResponses final : public ResponseSink {
   }
 
   void OnCancel(std::function<void()> wake) override {
-    MutexLock lock(mu_);
-    if (armed_) return;
-    armed_ = true;
-    wake_ = std::move(wake);
+    {
+      MutexLock lock(mu_);
+      if (armed_) return;
+      armed_ = true;
+    }
+    wake_ = std::move(wake);  // set before any token can call it; not under the lock (wake may run at once)
     for (InferRequest* r : requests_) {
       if (r->cancel) r->cancel->AddOnCancel(this, [this] { wake_(); });  // (a token twice: replaced)
     }
@@ -528,7 +530,7 @@ class ServedModel::BatchResponses final : public ResponseSink {
   Mutex mu_;
   std::vector<Closed> closed_ QUERN_GUARDED_BY(mu_);
   bool armed_ QUERN_GUARDED_BY(mu_) = false;
-  std::function<void()> wake_;  // set once, before any token can call it
+  std::function<void()> wake_;  // set once (OnCancel), before any token can call it
 };
 
 namespace {
@@ -553,7 +555,6 @@ Status CheckBatchOutputs(const ModelConfig& config, const std::vector<NamedTenso
 
 void ServedModel::AnswerDecoupled(BatchResponses& responses, std::span<std::unique_ptr<Task>> tasks, const Status& st,
                                   std::span<const Status> per_status, const BatchTimes& times) {
-  responses.Disarm();
   stats_.RecordBatch(times.items, times.start, times.gathered, times.end, times.end, clock_->WallMs());
   for (size_t k = 0; k < tasks.size(); ++k) {
     BatchResponses::Closed last = responses.Take(k);
@@ -669,7 +670,8 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
        called ? std::span<const std::string_view>(callers) : std::span<const std::string_view>(),
        responses ? &*responses : nullptr},
       outputs);
-  watch.Disarm();  // before the requests (and their tokens) are answered and let go
+  if (responses) responses->Disarm();  // wake no more: the model's run is over
+  watch.Disarm();                      // before the requests (and their tokens) are answered and let go
   if (watch.stopped()) {
     st = Cancelled("model '" + config_.name + "': every request of the batch was cancelled; its run was stopped");
   }

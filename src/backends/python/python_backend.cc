@@ -27,6 +27,9 @@ namespace {
 
 constexpr size_t kAlign = 64;
 constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
+// A decoupled model whose every open request was cancelled (and it told) has this long, once its
+// execute() has returned, to close them before the batch is ended for it.
+constexpr int64_t kCancelGraceMs = 2000;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 
 // quern.python.max_memory_mb when a model does not say: half of the memory
@@ -80,6 +83,8 @@ constexpr int64_t kYieldSlackNs = 20'000;
 constexpr size_t kMaxCallDepth = 16;
 // The most a model's call to another model (BLS) may bring back in one frame.
 constexpr size_t kMaxBlsAnswerBytes = size_t{1} << 30;
+// exec(decoupled=True): at most this many responses are gathered for the caller.
+constexpr size_t kMaxBlsResponses = 65536;
 
 size_t AlignUp(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
@@ -264,6 +269,7 @@ class PythonModel final : public Model {
     auto p = PythonProcess::Start(Launch());
     if (!p) return p.error();
     process_ = std::move(*p);
+    batch_ = 0;
     return Status::Ok();
   }
 
@@ -327,6 +333,7 @@ class PythonModel final : public Model {
     }
     const auto sent_at = std::chrono::steady_clock::now();
     QUERN_RETURN_IF_ERROR(process_->Send(frame));
+    ++batch_;  // as the process counts its batches (a decoupled model's frames name theirs)
     if (same_core) {
       process_->YieldForFrame(
           std::min(static_cast<int64_t>(2 * round_trip_ns_) + kYieldSlackNs, spec_->same_core_below_ns));
@@ -342,42 +349,7 @@ class PythonModel final : public Model {
         const uint64_t one = 1;
         (void)!::write(fd, &one, sizeof one);
       });
-    auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_, wake_fd_);
-    // Calls to other models (BLS) while execute() runs, each answered before the batch's answer; the
-    // model's own metrics (pb_utils.MetricFamily) come just before the answer.
-    for (;;) {
-      if (!reply && streams.sink && reply.error().code() == StatusCode::kUnknown) {  // "woken": a cancellation
-        uint64_t n = 0;
-        (void)!::read(wake_fd_, &n, sizeof n);
-        if (Status st = SendCancellations(streams); !st.ok()) {
-          reply = Err(st);
-          break;
-        }
-      } else if (!reply || reply->empty()) {
-        break;
-      } else if ((*reply)[0] == 'M') {
-        Status st = CustomMetrics::Global().Apply(config_.name, std::string_view(*reply).substr(1));
-        if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
-          Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
-        }
-      } else if ((*reply)[0] == 'B') {
-        if (Status st = process_->Send(CallModel(*reply, deadline, requests.callers)); !st.ok()) {
-          reply = Err(st);
-          break;
-        }
-      } else if (streams.sink && (*reply)[0] == 'P') {
-        if (Status st = Deliver(*reply, streams); !st.ok()) {
-          process_.reset();  // out of step with it: a new one starts
-          return st;
-        }
-      } else if (streams.sink && (*reply)[0] == 'd') {
-        streams.returned = true;
-      } else {
-        break;  // the batch's answer
-      }
-      if (streams.returned && streams.open == 0) break;
-      reply = process_->Receive(MsLeft(deadline), abandon_fd_, wake_fd_);
-    }
+    auto reply = AwaitAnswer(streams, deadline, requests.callers);
     if (reply) Measure(std::chrono::steady_clock::now() - sent_at);
     if (!reply && reply.error().code() != StatusCode::kCancelled) {
       ++crashes_in_a_row_;
@@ -418,6 +390,100 @@ class PythonModel final : public Model {
     bool returned = false;  // execute() returned (frame "d")
   };
 
+  // The batch's answer, after the calls to other models (BLS, frames "B") and the model's metrics
+  // ("M") that come before it. A decoupled model's run ends when it has returned ("d") and every
+  // request of the batch is closed ("P" with the final flag): the answer is then its last frame.
+  // Past the batch's execute_timeout_ms, or kCancelGraceMs after every request still open was
+  // cancelled (and the model told), once execute() has returned: the open requests fail, the
+  // process forgets the batch, and runs on.
+  Result<std::string> AwaitAnswer(Decoupled& streams, std::chrono::steady_clock::time_point deadline,
+                                  std::span<const std::string_view> callers) {
+    auto reply = process_->Receive(spec_->execute_timeout_ms, abandon_fd_, wake_fd_);
+    std::optional<std::chrono::steady_clock::time_point> all_cancelled;
+    for (;;) {
+      if (streams.sink) {
+        uint64_t n = 0;  // cancellations, looked at between frames too (a busy stream never waits)
+        if (::read(wake_fd_, &n, sizeof n) == sizeof n || (!reply && reply.error().code() == StatusCode::kUnknown)) {
+          QUERN_RETURN_IF_ERROR(SendCancellations(streams));
+          if (!all_cancelled && streams.open > 0 && AllOpenCancelled(streams)) {
+            all_cancelled = std::chrono::steady_clock::now();
+          }
+        }
+        if (!reply && reply.error().code() == StatusCode::kUnknown) reply = std::string();  // "woken": on
+      }
+      if (!reply) {
+        if (streams.returned && reply.error().code() == StatusCode::kDeadlineExceeded) {
+          return Forget(streams, all_cancelled.has_value());
+        }
+        return reply;
+      }
+      if (reply->empty()) {
+        // (woken)
+      } else if ((*reply)[0] == 'M') {
+        Status st = CustomMetrics::Global().Apply(config_.name, std::string_view(*reply).substr(1));
+        if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
+          Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
+        }
+      } else if ((*reply)[0] == 'B') {
+        QUERN_RETURN_IF_ERROR(process_->Send(CallModel(*reply, deadline, callers)));
+      } else if (streams.sink && (*reply)[0] == 'P') {
+        if (Status st = Deliver(*reply, streams); !st.ok()) {
+          process_.reset();  // out of step with it: a new one starts
+          return Err(st);
+        }
+      } else if (streams.sink && (*reply)[0] == 'd') {
+        uint32_t batch = 0;
+        FrameReader r(std::string_view(*reply).substr(1));
+        if (r.Get(batch) && batch == batch_) streams.returned = true;  // (an earlier batch's: forgotten)
+      } else {
+        return reply;  // the batch's answer
+      }
+      if (streams.returned && streams.open == 0) return reply;
+      if (!streams.returned) {
+        reply = process_->Receive(MsLeft(deadline), abandon_fd_, wake_fd_);
+        continue;
+      }
+      // execute() has returned: the wait for the open requests is bounded without killing.
+      int64_t wait = spec_->execute_timeout_ms > 0 ? MsLeft(deadline) : 0;
+      if (all_cancelled) {
+        const auto grace =
+            *all_cancelled + std::chrono::milliseconds(kCancelGraceMs) - std::chrono::steady_clock::now();
+        const int64_t grace_ms =
+            std::max<int64_t>(1, std::chrono::duration_cast<std::chrono::milliseconds>(grace).count());
+        wait = wait > 0 ? std::min(wait, grace_ms) : grace_ms;
+      }
+      reply = process_->Receive(wait, abandon_fd_, wake_fd_, /*kill_on_timeout=*/false);
+    }
+  }
+
+  bool AllOpenCancelled(const Decoupled& streams) const {
+    for (size_t i = 0; i < streams.closed.size(); ++i) {
+      if (!streams.closed[i] && !streams.told[i]) return false;
+    }
+    return true;
+  }
+
+  // Fails a decoupled batch's open requests (their callers gone, or past execute_timeout_ms) and
+  // has the process forget the batch (frame "Z": u32 the batch): its senders are closed, what they
+  // sent meanwhile is dropped here (an earlier batch's frames). The process is not killed.
+  Result<std::string> Forget(Decoupled& streams, bool cancelled) {
+    const Status st =
+        cancelled ? Cancelled(tag_ + ": the request's caller had gone, and the model did not close it within " +
+                              std::to_string(kCancelGraceMs) + " ms")
+                  : DeadlineExceeded(tag_ + ": the model did not close the request within " +
+                                     std::to_string(spec_->execute_timeout_ms) + " ms (quern.execute_timeout_ms)");
+    for (size_t i = 0; i < streams.closed.size(); ++i) {
+      if (streams.closed[i]) continue;
+      streams.closed[i] = true;
+      streams.sink->Send(i, true, st, {}, true);
+    }
+    streams.open = 0;
+    std::string frame = "Z";
+    Put<uint32_t>(frame, batch_);
+    QUERN_RETURN_IF_ERROR(process_->Send(frame));
+    return std::string("d");
+  }
+
   // Tells the process which open requests were cancelled since last time (frames "K": u32 the
   // request's index): pb_utils' request.is_cancelled() and its sender's turn true.
   Status SendCancellations(Decoupled& streams) {
@@ -431,7 +497,8 @@ class PythonModel final : public Model {
     return Status::Ok();
   }
 
-  // One response of a decoupled model (frame "P"): u32 the request's index, u8 flags (1: final),
+  // One response of a decoupled model (frame "P"): u32 the batch (the process's count of them),
+  // u32 the request's index, u8 flags (1: final),
   // u8 what it holds (0 nothing, 1 tensors, 2 an error), then u8 TritonError code, u32 message
   // length and the message, or u16 tensors and each tensor as a BLS call's are.
   Status Deliver(std::string_view frame, Decoupled& streams) {
@@ -439,11 +506,13 @@ class PythonModel final : public Model {
       return Internal(tag_ + ": its Python process sent " + what + " (a decoupled response)");
     };
     FrameReader r(frame.substr(1));
-    uint32_t index = 0;
+    uint32_t batch = 0, index = 0;
     uint8_t flags = 0, kind = 0;
-    if (!r.Get(index) || !r.Get(flags) || !r.Get(kind) || index >= streams.closed.size() || kind > 2) {
+    if (!r.Get(batch) || !r.Get(index) || !r.Get(flags) || !r.Get(kind) || kind > 2) {
       return broken("a malformed frame");
     }
+    if (batch != batch_) return Status::Ok();  // a batch it was told to forget: dropped
+    if (index >= streams.closed.size()) return broken("a response to no request of the batch");
     if (streams.closed[index]) return broken("a response to a request it had closed");
     const bool final = (flags & 1) != 0;
     Status status;
@@ -473,16 +542,28 @@ class PythonModel final : public Model {
     return Status::Ok();
   }
 
-  // A decoupled response's tensors against the configuration: outputs it names, in its types.
+  // A decoupled response's tensors against the configuration: outputs it names, in their types and
+  // dims (the request's rows first, for a model that batches), BYTES well formed.
   Status CheckResponse(const std::vector<NamedTensor>& outputs) const {
     for (const NamedTensor& n : outputs) {
       const TensorConfig* oc = config_.FindOutput(n.name);
-      if (!oc) return Internal(tag_ + ": a response holds '" + n.name + "', which is not an output of the model");
+      const std::string where = tag_ + ": a response holds ";
+      if (!oc) return Internal(where + "'" + n.name + "', which is not an output of the model");
       if (oc->dtype != n.tensor.dtype()) {
-        return Internal(tag_ + ": a response holds output '" + n.name + "' as " +
-                        std::string(DataTypeName(n.tensor.dtype())) + "; the configuration says " +
-                        std::string(DataTypeName(oc->dtype)));
+        return Internal(where + "output '" + n.name + "' as " + std::string(DataTypeName(n.tensor.dtype())) +
+                        "; the configuration says " + std::string(DataTypeName(oc->dtype)));
       }
+      Shape want = ModelDims(*oc);
+      if (config_.max_batch_size > 0) want.insert(want.begin(), -1);
+      const Shape& got = n.tensor.shape();
+      bool fits = got.size() == want.size();
+      for (size_t d = 0; fits && d < got.size(); ++d) fits = want[d] < 0 || want[d] == got[d];
+      if (!fits) {
+        return Internal(where + "output '" + n.name + "' of shape " + ShapeToString(got) + "; the configuration says " +
+                        ShapeToString(want) + (config_.max_batch_size > 0 ? " (the request's rows first)" : ""));
+      }
+      if (Status st = n.tensor.Validate(); !st.ok())
+        return Internal(where + "output '" + n.name + "': " + st.message());
     }
     return Status::Ok();
   }
@@ -593,8 +674,10 @@ class PythonModel final : public Model {
       // that the call is cancelled and fails.
       request.on_response = [pending, cancel](InferResponse&& response) {
         MutexLock lock(pending->mu);
-        for (const NamedTensor& n : response.outputs) pending->bytes += n.tensor.byte_size();
-        if (pending->bytes > kMaxBlsAnswerBytes) {
+        pending->bytes += 64 + response.status.message().size();  // a response's own bytes, roughly
+        for (const NamedTensor& n : response.outputs) pending->bytes += 64 + n.name.size() + n.tensor.byte_size();
+        if (pending->bytes > kMaxBlsAnswerBytes || pending->before.size() >= kMaxBlsResponses) {
+          pending->bytes = std::max(pending->bytes, kMaxBlsAnswerBytes + 1);  // the call fails, said below
           cancel->Cancel();
           return;
         }
@@ -620,10 +703,10 @@ class PythonModel final : public Model {
     size_t bytes = pending->bytes;
     for (const NamedTensor& n : pending->response->outputs) bytes += n.tensor.byte_size();
     if ((pending->response->status.ok() || decoupled) && bytes > kMaxBlsAnswerBytes) {
-      return answer(
-          ResourceExhausted("model '" + std::string(model) + "' answered " + std::to_string(bytes) +
-                            " bytes or more; a call's answer is at most " + std::to_string(kMaxBlsAnswerBytes)),
-          nullptr);
+      return answer(ResourceExhausted("model '" + std::string(model) + "' answered more than a call takes (" +
+                                      std::to_string(kMaxBlsAnswerBytes) + " bytes, " +
+                                      std::to_string(kMaxBlsResponses) + " responses)"),
+                    nullptr);
     }
     if (!decoupled) return answer(pending->response->status, &pending->response->outputs);
     pending->before.push_back(std::move(*pending->response));
@@ -750,6 +833,7 @@ class PythonModel final : public Model {
     Log(LogLevel::kWarning, tag_ + ": Python process started again (pid " + std::to_string((*p)->pid()) + ")",
         {{"model", config_.name}});
     process_ = std::move(*p);
+    batch_ = 0;
     return Status::Ok();
   }
 
@@ -850,7 +934,8 @@ class PythonModel final : public Model {
   // Abandon(): read by Execute, and the eventfd its wait polls.
   std::atomic<bool> abandoned_{false};
   const int abandon_fd_;
-  const int wake_fd_;  // decoupled models: written when a request of the running batch is cancelled
+  const int wake_fd_;   // decoupled models: written when a request of the running batch is cancelled
+  uint32_t batch_ = 0;  // batches sent to the process now running (it counts them too)
   std::chrono::steady_clock::time_point last_start_failure_;
   std::string last_start_error_;
   int crashes_in_a_row_ = 0;  // batches whose process died, since the last one answered

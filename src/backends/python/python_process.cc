@@ -620,7 +620,7 @@ bool PythonProcess::YieldForFrame(int64_t spin_ns) {
   }
 }
 
-Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd, int wake_fd) {
+Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd, int wake_fd, bool kill_on_timeout) {
   if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
   const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
   char buf[65536];
@@ -663,6 +663,7 @@ Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd, int
       return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
     }
     if (r == 0) {
+      if (!kill_on_timeout) return Err(DeadlineExceeded("timed out"));  // (what has arrived is kept)
       inbox_.clear();
       Reap(true);
       return Err(DeadlineExceeded("timed out"));

@@ -74,8 +74,9 @@ class PythonProcess {
   // `abort_fd` (>= 0) becomes readable the process is killed as well
   // (CANCELLED). When `wake_fd` (>= 0) becomes readable before a whole
   // frame has arrived, UNKNOWN "woken" returns at once and the process runs on (the
-  // caller reads `wake_fd` empty).
-  Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1, int wake_fd = -1);
+  // caller reads `wake_fd` empty). With `kill_on_timeout` false, a timeout
+  // returns DEADLINE_EXCEEDED and the process runs on too.
+  Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1, int wake_fd = -1, bool kill_on_timeout = true);
   // For a process placed on this thread's CPU (RunOn), after Send: gives the
   // CPU up (sched_yield) until a whole frame has arrived or `spin_ns` have
   // passed, so that the process runs and answers without either side

@@ -226,6 +226,7 @@ class Runner:
         self.batched = launch["max_batch_size"] > 0
         self.decoupled = bool(launch.get("decoupled", False))
         self.senders = {}  # a decoupled model's open requests of the running batch: index -> sender
+        self.batch = 0  # batches received, as the server counts them (a decoupled model's frames name theirs)
         self.outputs = [(o["name"], o["dtype"], o["dims"]) for o in launch["outputs"]]
         self.dtypes = {t: np.dtype(n) for t, n in _NUMPY_TYPES.items()}
         # Per output, what a checked array must be when it is already right (the common case, taken
@@ -364,6 +365,7 @@ class Runner:
         return array
 
     def execute(self, frame):
+        self.batch = (self.batch + 1) & 0xFFFFFFFF
         rows, padded, inputs, end = self.read_inputs(frame)
         if self.decoupled:
             return self._execute_decoupled(rows, inputs)
@@ -457,7 +459,7 @@ class Runner:
         requests = self._requests(rows, inputs)
         self.senders = {}
         for i, request in enumerate(requests):
-            request._response_sender = self.senders[i] = ResponseSender(self, i)
+            request._response_sender = self.senders[i] = ResponseSender(self, i, self.batch)
         self.placed = {}
         with _bls_lock:
             _bls_state["open"] = True
@@ -483,12 +485,12 @@ class Runner:
         if error is not None:
             for sender in list(self.senders.values()):
                 sender._close_with(error)
-        return b"d"
+        return b"d" + _U32.pack(self.batch)
 
-    def encode_response(self, index, response, final):
+    def encode_response(self, batch, index, response, final):
         """The frame "P" of one response (see the server's PythonModel::Deliver)."""
         np, utils = self.np, self.utils
-        head = b"P" + struct.pack("<IB", index, 1 if final else 0)
+        head = b"P" + struct.pack("<IIB", batch, index, 1 if final else 0)
         if response is None:
             return head + b"\0"
         try:
@@ -533,6 +535,15 @@ class Runner:
         sender = self.senders.get(index)
         if sender is not None:
             sender._cancelled = True
+
+    def forget(self, batch):
+        """The server ended batch `batch` (its callers gone, or its time up): its senders are closed;
+        what they sent meanwhile the server drops."""
+        if batch == self.batch:
+            for sender in list(self.senders.values()):
+                sender._cancelled = True
+                sender._closed = True
+            self.senders = {}
 
     def _write_outputs(self, rows, padded, columns, failed, end):
         """Writes each output's parts after the inputs; returns the reply frame."""
@@ -640,9 +651,10 @@ class ResponseSender:
     from any thread of the model's process, during execute() or after it returned, until the final
     flag closes the request."""
 
-    def __init__(self, runner, index):
+    def __init__(self, runner, index, batch):
         self._runner = runner
         self._index = index
+        self._batch = batch
         self._lock = threading.Lock()
         self._closed = False
         self._cancelled = False
@@ -662,14 +674,19 @@ class ResponseSender:
         with self._lock:  # the frames of one request leave in the order sent
             if self._closed:
                 raise utils.TritonModelException("Unable to send response. Response sender has been closed.")
-            self._closed = final
-            payload = self._runner.encode_response(self._index, response, final)
+            payload = self._runner.encode_response(self._batch, self._index, response, final)
             ops = utils._take_metric_ops()  # the model's metrics before its answer, as for a batch
             if ops:
                 _send(b"M" + json.dumps(ops).encode("utf-8"))
             _send(payload)
             if final:
-                self._runner.senders.pop(self._index, None)
+                self._closed = True
+                self._forget_me()
+
+    def _forget_me(self):
+        senders = self._runner.senders
+        if senders.get(self._index) is self:  # (not a later batch's sender of the same index)
+            del senders[self._index]
 
     def is_cancelled(self):
         if not self._cancelled:
@@ -684,8 +701,9 @@ class ResponseSender:
                 return
             self._closed = True
             m = message[:2000].encode("utf-8", "replace")
-            _send(b"P" + struct.pack("<IB", self._index, 1) + b"\2" + struct.pack("<BI", code & 0xFF, len(m)) + m)
-            self._runner.senders.pop(self._index, None)
+            _send(b"P" + struct.pack("<IIB", self._batch, self._index, 1) + b"\2" + struct.pack("<BI", code & 0xFF, len(m))
+                  + m)
+            self._forget_me()
 
 
 _runner = None  # the Runner, for cancellations read beside a call to another model
@@ -943,6 +961,8 @@ def _main():
             _send(reply)
         elif op == b"K":
             _cancellation(frame)
+        elif op == b"Z":
+            runner.forget(_U32.unpack_from(frame, 1)[0])
         elif op == b"S":
             try:
                 runner.finalize()

@@ -304,6 +304,7 @@ class StreamHandler final : public GrpcHandler {
     // A decoupled model's responses before the last (the last comes to `done`): each sent as it
     // comes, with triton_final_response false.
     ir->on_response = [this, call = call_.lock(), request, cancel](InferResponse&& r) {
+      if (cancel->cancelled()) return;  // the client has gone, or did not read in time: dropped
       if (r.status.ok()) r.status = ApplyClassifications(*request, *engine_, r);
       if (!AwaitRoom()) cancel->Cancel();  // not read in time: the model may stop
       Answer(request->id(), r.status, &r, false);

@@ -829,13 +829,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // session's queue, which its loop thread writes out in order.
   class BodyStream final : public HttpBodyStream {
    public:
-    BodyStream(std::shared_ptr<Session> session, bool chunked) : session_(std::move(session)), chunked_(chunked) {}
-    ~BodyStream() override { session_->CloseStream(/*complete=*/false); }
+    BodyStream(std::shared_ptr<Session> session, bool chunked, uint64_t generation)
+        : session_(std::move(session)), chunked_(chunked), generation_(generation) {}
+    ~BodyStream() override { session_->CloseStream(generation_, /*complete=*/false); }
     bool Write(std::string piece) override {
       if (piece.empty()) return true;
-      return session_->QueueStream(Frame(piece, chunked_), /*wait=*/true);
+      return session_->QueueStream(generation_, Frame(piece, chunked_));
     }
-    void End() override { session_->CloseStream(/*complete=*/true); }
+    void End() override { session_->CloseStream(generation_, /*complete=*/true); }
     static std::string Frame(std::string_view piece, bool chunked) {
       if (!chunked) return std::string(piece);
       char size[24];
@@ -849,6 +850,9 @@ class Session : public std::enable_shared_from_this<Session> {
    private:
     std::shared_ptr<Session> session_;
     const bool chunked_;
+    // Which of the session's responses it writes: a stream ended and let go late does nothing to
+    // the next response on the connection.
+    const uint64_t generation_;
   };
   // At most this many bytes of a streamed body wait for the client at once; a writer past it waits
   // for the client to read, at most kStreamWaitNs, then is refused.
@@ -857,9 +861,10 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // The responding thread: the head (and `r.body`, the first piece) queued, the writer handed over.
   void StartStream(const std::string& head, HttpResponse r) {
-    auto body = std::make_shared<BodyStream>(shared_from_this(), !http10_);
+    std::shared_ptr<BodyStream> body;
     {
       std::lock_guard lock(stream_mu_);
+      body = std::make_shared<BodyStream>(shared_from_this(), !http10_, ++stream_generation_);
       stream_queue_ = head;
       if (!r.body.empty()) stream_queue_ += BodyStream::Frame(r.body, !http10_);
       stream_queued_ = stream_queue_.size();
@@ -871,15 +876,14 @@ class Session : public std::enable_shared_from_this<Session> {
     r.stream(std::move(body));
   }
 
-  // Any thread: `framed` queued (waiting for room when `wait`); false when the client has gone,
-  // the body has ended, or it did not read in time.
-  bool QueueStream(std::string framed, bool wait) {
+  // Any thread: `framed` queued (waiting for room); false when the client has gone, the body has
+  // ended (or it is not response `generation`'s), or the client did not read in time.
+  bool QueueStream(uint64_t generation, std::string framed) {
     std::unique_lock lock(stream_mu_);
-    if (wait) {
-      stream_room_.wait_for(lock, std::chrono::nanoseconds(kStreamWaitNs),
-                            [this] { return stream_broken_ || stream_ended_ || stream_queued_ < kMaxStreamQueued; });
-    }
-    if (stream_broken_ || stream_ended_ || stream_queued_ >= kMaxStreamQueued) return false;
+    const auto over = [&] { return generation != stream_generation_ || stream_broken_ || stream_ended_; };
+    stream_room_.wait_for(lock, std::chrono::nanoseconds(kStreamWaitNs),
+                          [&] { return over() || stream_queued_ < kMaxStreamQueued; });
+    if (over() || stream_queued_ >= kMaxStreamQueued) return false;
     stream_queued_ += framed.size();
     stream_queue_ += framed;
     const bool post = !stream_writing_;
@@ -891,9 +895,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Any thread, the first call counting: the body ends (with its last chunk when `complete`; cut
   // off, the connection closing, when not).
-  void CloseStream(bool complete) {
+  void CloseStream(uint64_t generation, bool complete) {
     std::unique_lock lock(stream_mu_);
-    if (stream_ended_) return;
+    if (generation != stream_generation_ || stream_ended_) return;
     stream_ended_ = true;
     stream_complete_ = complete;
     if (complete && !http10_) stream_queue_ += "0\r\n\r\n";
@@ -1100,7 +1104,8 @@ class Session : public std::enable_shared_from_this<Session> {
   size_t stream_queued_ = 0;             // bytes queued or being written; guarded
   bool stream_writing_ = false;          // a WriteStream is posted or its write under way; guarded
   bool stream_ended_ = false, stream_complete_ = false, stream_broken_ = false;  // guarded
-  std::string stream_out_;                                                       // loop thread: the bytes being written
+  uint64_t stream_generation_ = 0;  // the streamed response under way (BodyStream); guarded
+  std::string stream_out_;          // loop thread: the bytes being written
 
   // Response handed to the loop thread when the socket did not take it all.
   std::string out_head_;

@@ -509,6 +509,10 @@ class GenerateAnswers : public std::enable_shared_from_this<GenerateAnswers> {
   // before any response gets a JSON error with its status instead). The events written in order,
   // under the lock (a slow reader holds the next response's sender, as it should).
   void Event(InferResponse&& r, bool final) {
+    {
+      MutexLock lock(mu_);
+      if (gone_) return;  // (not encoded for nobody)
+    }
     std::string event;
     if (!final || !r.final_only) {
       if (r.status.ok()) {
@@ -520,6 +524,7 @@ class GenerateAnswers : public std::enable_shared_from_this<GenerateAnswers> {
       event = "data: " + event + "\n\n";
     }
     MutexLock lock(mu_);
+    if (gone_) return;
     if (started_) {
       if (!body_) {  // the answer's head is on its way: the event waits for the body
         if (!event.empty()) pending_.push_back(std::move(event));
@@ -555,12 +560,15 @@ class GenerateAnswers : public std::enable_shared_from_this<GenerateAnswers> {
   bool WriteLocked(std::string event, bool final) QUERN_REQUIRES(mu_) {
     if (!body_) return false;
     if (!event.empty() && !body_->Write(std::move(event))) {
+      gone_ = true;  // later events are dropped
+      pending_.clear();
       if (cancel_) cancel_->Cancel();
       body_->End();
       body_.reset();
       return false;
     }
     if (final) {
+      gone_ = true;
       body_->End();
       body_.reset();
     }
@@ -574,7 +582,8 @@ class GenerateAnswers : public std::enable_shared_from_this<GenerateAnswers> {
   std::shared_ptr<HttpBodyStream> body_ QUERN_GUARDED_BY(mu_);  // generate_stream, once started
   std::vector<std::string> pending_ QUERN_GUARDED_BY(mu_);      // events before the body came
   bool started_ QUERN_GUARDED_BY(mu_) = false;
-  bool end_ QUERN_GUARDED_BY(mu_) = false;  // the last event came before the body
+  bool end_ QUERN_GUARDED_BY(mu_) = false;   // the last event came before the body
+  bool gone_ QUERN_GUARDED_BY(mu_) = false;  // the body has ended: nothing more is written
   int answers_ = 0;
   std::optional<Status> error_;
   std::optional<InferResponse> kept_;
