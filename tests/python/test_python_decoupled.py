@@ -482,7 +482,7 @@ def test_a_generate_stream_client_that_leaves_cancels_its_request(served):
 
 def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
     """A model that calls the decoupled square_int32 (BLS) serves as an ensemble's step and as a job;
-    the decoupled model itself, as a step or a job, is refused with its reason."""
+    the decoupled model itself, as a step (at load) or a job, is refused with its reason."""
     port = served["ports"]["HTTP"]
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
@@ -494,8 +494,12 @@ def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
     request = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [3]}]}
     status, answer = call("POST", "/v2/models/bls_ensemble/infer", request)
     assert status == 200 and answer["outputs"][0]["data"] == [9], answer
+    # An ensemble with the decoupled model as a step does not load, saying why.
     status, answer = call("POST", "/v2/models/decoupled_ensemble/infer", request)
-    assert status == 400 and "decoupled" in answer["error"] and "square_int32" in answer["error"], answer
+    assert status == 503 and "not ready" in answer["error"], answer
+    status, index = call("POST", "/v2/repository/index", {})
+    reason = [m.get("reason", "") for m in index if m["name"] == "decoupled_ensemble"][0]
+    assert "square_int32" in reason and "decoupled" in reason, index
     for model, expect in (("bls_square", 9), ("bls_ensemble", 9), ("square_int32", None)):
         status, accepted = call("POST", f"/v2/models/{model}/jobs", request)
         if expect is None:  # refused at once, never a job id
