@@ -1022,8 +1022,11 @@ def test_a_model_py_alone_describes_itself_with_auto_complete_config(tmp_path):
                 AUTO_COMPLETE.replace("MAX_BATCH", "4"))
     write_model(tmp_path, "wrong_type", 'backend: "python"\ninput [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 4 ] } ]\n',
                 AUTO_COMPLETE.replace("MAX_BATCH", "0").replace('if i["name"] not in input_names:', "if True:"))
-    write_model(tmp_path, "decoupled", 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n',
-                AUTO_COMPLETE.replace("MAX_BATCH", "0"))
+    # auto_complete_config makes the model decoupled (set_model_transaction_policy).
+    write_model(tmp_path, "decoupled", 'backend: "python"\n', AUTO_COMPLETE.replace("MAX_BATCH", "0").replace(
+        "        return auto_complete_model_config",
+        "        auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))\n"
+        "        return auto_complete_model_config"))
     (tmp_path / "silent" / "1").mkdir(parents=True)
     (tmp_path / "silent" / "1" / "model.py").write_text(PLAIN)
     proc, ports = start_quern(QUERN, str(tmp_path))
@@ -1050,10 +1053,11 @@ def test_a_model_py_alone_describes_itself_with_auto_complete_config(tmp_path):
             np.testing.assert_allclose(r.as_numpy("OUTPUT1"), a * -9)
         expect = {"disagrees": "max_batch_size 8, auto_complete_config 4",
                   "wrong_type": "input 'INPUT0': the configuration says TYPE_INT32, auto_complete_config TYPE_FP32",
-                  "decoupled": "decoupled: true } (a model that answers a request with many responses) is not supported",
                   "silent": "needs TritonPythonModel.auto_complete_config to name its inputs and outputs"}
         for name, text in expect.items():
             assert index[name]["state"] != "READY" and text in index[name]["reason"], (name, index[name])
+        assert index["decoupled"]["state"] == "READY", index["decoupled"]
+        assert client.get_model_config("decoupled")["model_transaction_policy"] == {"decoupled": True}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
