@@ -225,6 +225,32 @@ output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }, { name: "le
 '''
 
 
+# Sends every 10 ms for two minutes and never looks at is_cancelled(): its batch must still end
+# once its caller has gone (its sender then raises, which ends the thread).
+IGNORES_CANCEL = '''
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.run, args=(request.get_response_sender(),)).start()
+        return None
+
+    def run(self, sender):
+        try:
+            for i in range(12000):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]))
+                time.sleep(0.01)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except pb_utils.TritonModelException:
+            pass  # closed by the server
+'''
+
+
 def write_model(repo, name, config, code):
     d = repo / name / "1"
     d.mkdir(parents=True, exist_ok=True)
@@ -242,6 +268,8 @@ def served(tmp_path_factory):
     write_model(repo, "until_cancelled", SQUARE_CONFIG, UNTIL_CANCELLED % str(seen))
     write_model(repo, "until_cancelled_http", SQUARE_CONFIG, UNTIL_CANCELLED % str(seen_http))
     write_model(repo, "echo_text", ECHO_TEXT_CONFIG, ECHO_TEXT)
+    write_model(repo, "ignores_cancel", SQUARE_CONFIG + '''
+        parameters { key: "quern.execute_timeout_ms" value: { string_value: "600000" } }''', IGNORES_CANCEL)
     write_model(repo, "bls_square", BLS_CONFIG, BLS_SQUARE.replace("ASYNC", BLS_SYNC))
     write_model(repo, "bls_square_async", BLS_CONFIG, BLS_SQUARE.replace("ASYNC", BLS_ASYNC))
     # An ensemble whose one step is bls_square (which calls the decoupled square_int32), and one whose
@@ -516,3 +544,19 @@ def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
         sums = [o for o in job["result"]["outputs"] if o["name"] in ("SUM", "OUT")]
         assert sums[0]["data"] == [expect], job
     c.close()
+
+
+def test_a_batch_whose_callers_left_ends_even_when_the_model_does_not_look(served):
+    """The model streams for two minutes and never asks is_cancelled(); its one instance serves the next
+    caller soon after the first one leaves (the batch is ended for it), not when it would finish."""
+    for attempt in (1, 2):
+        got = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['ports']['gRPC']}")
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        started = time.monotonic()
+        client.async_stream_infer("ignores_cancel", [int_input("IN", [0], "INT32", [1])], request_id=str(attempt))
+        result, error = got.get(timeout=60)
+        assert error is None and result.as_numpy("OUT").tolist() == [0]
+        assert time.monotonic() - started < 45, "the instance was held by the caller that had left"
+        client.stop_stream(cancel_requests=True)
+        client.close()
