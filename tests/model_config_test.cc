@@ -149,13 +149,35 @@ TEST(ModelConfig, TritonJsonPrintsEveryFieldAndIntegersAsNumbers) {
   EXPECT_TRUE(ParseModelConfigJson(*ejson, "e").has_value());
 }
 
-TEST(ModelConfig, ADecoupledModelIsRefusedSayingSo) {
+// A Python model may be decoupled (model_transaction_policy), and the
+// configuration says so back; a backend that answers once, an ensemble, or
+// an order to preserve are refused, naming why.
+TEST(ModelConfig, OnlyAPythonModelMayBeDecoupled) {
   auto proto =
       ParseModelConfigText("backend: \"python\"\nmodel_transaction_policy { decoupled: true }\n", "d/config.pbtxt");
   ASSERT_TRUE(proto.has_value());
   auto c = ConvertModelConfig(*proto, "d/config.pbtxt");
-  ASSERT_FALSE(c.has_value());
-  EXPECT_NE(c.error().message().find("decoupled"), std::string::npos) << c.error().ToString();
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_TRUE(c->decoupled);
+  EXPECT_TRUE(ToProto(*c).model_transaction_policy().decoupled());
+  const std::pair<const char*, const char*> refused[] = {
+      {"backend: \"onnxruntime\"\nmodel_transaction_policy { decoupled: true }\n", "answers each request once"},
+      {"platform: \"ensemble\"\ninput [ { name: \"x\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
+       "output [ { name: \"y\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
+       "ensemble_scheduling { step [ { model_name: \"m\" model_version: -1 input_map { key: \"a\" value: \"x\" } "
+       "output_map { key: \"b\" value: \"y\" } } ] }\nmodel_transaction_policy { decoupled: true }\n",
+       "ensemble cannot be decoupled"},
+      {"backend: \"python\"\nmax_batch_size: 4\ndynamic_batching { preserve_ordering: true }\n"
+       "model_transaction_policy { decoupled: true }\n",
+       "preserve_ordering"},
+  };
+  for (const auto& [text, why] : refused) {
+    auto p = ParseModelConfigText(text, "d/config.pbtxt");
+    ASSERT_TRUE(p.has_value()) << text;
+    auto r = ConvertModelConfig(*p, "d/config.pbtxt");
+    ASSERT_FALSE(r.has_value()) << text;
+    EXPECT_NE(r.error().message().find(why), std::string::npos) << r.error().ToString();
+  }
 }
 
 // An ONNX model whose configuration names neither backend nor platform runs
