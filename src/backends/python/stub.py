@@ -631,12 +631,12 @@ def _cast(np, name, array, want):
     kind, to = array.dtype.kind, want.kind
     if kind not in "OSUV" and (np.can_cast(array.dtype, want, "safe") or (kind == "f" and to == "f")):
         return array.astype(want)
-    if kind in "biu" and to in "biu":
-        cast = array.astype(want)
-        if np.array_equal(cast.astype(array.dtype), array):
-            return cast
-        raise ValueError(f"output '{name}' has dtype {array.dtype} with values outside {want}, which the "
-                         "configuration says")
+    if kind in "biu" and to in "iu":
+        limits = np.iinfo(want)
+        if array.size == 0 or (int(array.min()) >= limits.min and int(array.max()) <= limits.max):
+            return array.astype(want)
+        raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want} (and a value "
+                         "does not fit it)")
     raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says {want}")
 
 
