@@ -97,9 +97,9 @@ bool Right(const std::string& model, const std::vector<uint8_t>& payload, const 
   const auto* got = reinterpret_cast<const uint8_t*>(resp.outputs[0].tensor.data());
   const size_t step = full ? 1 : std::max<size_t>(1, payload.size() / 61);
   for (size_t i = 0; i < payload.size(); i += step) {
-    if (got[i] != (model == "echo" ? payload[i] : 7)) return false;
+    if (got[i] != (model != "constant" ? payload[i] : 7)) return false;  // the others answer their input
   }
-  return got[payload.size() - 1] == (model == "echo" ? payload.back() : 7);
+  return got[payload.size() - 1] == (model != "constant" ? payload.back() : 7);
 }
 
 // A model that computes nothing: its input is its answer (the callee of calls_N).
