@@ -343,19 +343,7 @@ class Runner:
         if fixed is not None and type(array) is self.ndarray and array.dtype is want:
             if array.shape == (((rows,) + fixed) if self.batched else fixed):
                 return array
-        np = self.np
-        if not isinstance(array, np.ndarray):
-            array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
-        if dtype == BYTES:
-            if array.dtype.kind not in "OSU":
-                raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says TYPE_STRING "
-                                 "(bytes or str elements)")
-        else:
-            want = self.dtypes[dtype]
-            if array.dtype != want:
-                # Only casts that keep every value (a float to a narrower float keeps it closely):
-                # int64 -> int8 or uint64 -> int64 would answer wrong numbers.
-                array = _cast(np, name, array, want)
+        array = _typed(self.np, name, dtype, array, self.dtypes.get(dtype))
         shape = array.shape
         expect = ([rows] if self.batched else []) + list(dims)
         if len(shape) != len(expect) or any(e >= 0 and s != e for s, e in zip(shape, expect)):
@@ -509,15 +497,7 @@ class Runner:
                     raise ValueError(f"the response holds '{name}', which is not an output of the model "
                                      f"(outputs: {', '.join(sorted(by_name))})")
                 dtype, _ = by_name[name]
-                array = t.as_numpy()
-                if not isinstance(array, np.ndarray):
-                    array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
-                if dtype == BYTES:
-                    if array.dtype.kind not in "OSU":
-                        raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says "
-                                         "TYPE_STRING (bytes or str elements)")
-                elif array.dtype != self.dtypes[dtype]:
-                    array = _cast(np, name, array, self.dtypes[dtype])
+                array = _typed(np, name, dtype, t.as_numpy(), self.dtypes.get(dtype))
                 parts.append(_encode_tensor(name, array, np, utils))
             payload = head + b"\1" + struct.pack("<H", len(parts)) + b"".join(parts)
             if len(payload) > MAX_FRAME_BYTES:
@@ -622,6 +602,19 @@ class Runner:
             reply.append(_FAILED.pack(i, code & 0xFF, len(m)) + m)
         reply.append(_U32.pack(len(described)))
         return b"".join(reply + described)
+
+
+def _typed(np, name, dtype, array, want):
+    """`array` (or a list) as output `name` of the configured type `dtype` (numpy type `want`; None for
+    BYTES), converted when no value changes (see _cast); else ValueError saying why."""
+    if not isinstance(array, np.ndarray):
+        array = np.asarray(array, dtype=np.object_ if dtype == BYTES else None)
+    if dtype == BYTES:
+        if array.dtype.kind not in "OSU":
+            raise ValueError(f"output '{name}' has dtype {array.dtype}; the configuration says TYPE_STRING "
+                             "(bytes or str elements)")
+        return array
+    return array if array.dtype == want else _cast(np, name, array, want)
 
 
 def _cast(np, name, array, want):
