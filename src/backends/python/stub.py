@@ -70,12 +70,7 @@ def _next_frame():
                 frame = bytes(_inbox[4:4 + n])
                 del _inbox[:4 + n]
                 return frame
-        try:
-            chunk = os.read(CONTROL_FD, 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            _server_gone()
+        chunk = _read_control()
         # Most reads hold exactly one frame: it is returned without passing through the inbox.
         if not _inbox and len(chunk) >= 4 and _U32.unpack_from(chunk)[0] == len(chunk) - 4:
             return chunk[4:]
@@ -83,6 +78,18 @@ def _next_frame():
 
 
 _send_lock = threading.Lock()  # a decoupled model's threads send beside the main thread
+
+
+def _read_control():
+    """What the control socket holds (at least a byte: blocks until then); the server gone, this
+    process ends."""
+    try:
+        chunk = os.read(CONTROL_FD, 65536)
+    except OSError:
+        chunk = b""
+    if not chunk:
+        _server_gone()
+    return chunk
 
 
 def _send(payload):
@@ -718,13 +725,7 @@ def _read_cancellations():
         if not _bls_state["open"]:
             return  # the main thread reads them itself
         while select.select([CONTROL_FD], [], [], 0)[0]:
-            try:
-                chunk = os.read(CONTROL_FD, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                _server_gone()
-            _inbox += chunk
+            _inbox += _read_control()
         while len(_inbox) >= 9:
             (n,) = _U32.unpack_from(_inbox)
             if len(_inbox) < 4 + n or _inbox[4:5] != b"K":
