@@ -560,3 +560,23 @@ def test_a_batch_whose_callers_left_ends_even_when_the_model_does_not_look(serve
         assert time.monotonic() - started < 45, "the instance was held by the caller that had left"
         client.stop_stream(cancel_requests=True)
         client.close()
+
+
+def test_generate_stream_to_an_http_1_0_client_ends_with_the_connection(served):
+    """HTTP/1.0 has no chunked encoding: the events come as they are, and the body ends when the
+    server closes the connection."""
+    body = json.dumps({"START": 2}).encode()
+    s = socket.create_connection(("127.0.0.1", served["ports"]["HTTP"]), timeout=30)
+    s.sendall(b"POST /v2/models/countdown/generate_stream HTTP/1.0\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head, head
+    assert b"Transfer-Encoding" not in head and b"Content-Length" not in head, head
+    assert [e["LEFT"] for e in events(rest)] == [2, 1, 0]
