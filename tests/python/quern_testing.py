@@ -353,3 +353,14 @@ def python_model_pids(model, parent=None):
             found.append(int(entry))
     return found
 
+
+def write_model(repo, name, config, code, version=1, extra=None):
+    """A model folder in `repo` (a pathlib.Path): config.pbtxt (dedented) and <version>/model.py, with
+    `extra` files ({name: text}) beside model.py."""
+    import textwrap
+    d = repo / name / str(version)
+    d.mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    (d / "model.py").write_text(code)
+    for fname, text in (extra or {}).items():
+        (d / fname).write_text(text)

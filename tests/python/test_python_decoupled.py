@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern, stop_quern
+from quern_testing import start_quern, stop_quern, write_model
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -249,13 +249,6 @@ class TritonPythonModel:
         except pb_utils.TritonModelException:
             pass  # closed by the server
 '''
-
-
-def write_model(repo, name, config, code):
-    d = repo / name / "1"
-    d.mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (d / "model.py").write_text(code)
 
 
 @pytest.fixture(scope="module")

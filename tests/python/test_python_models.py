@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern, wait_until
+from quern_testing import start_quern, wait_until, write_model
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -189,15 +189,6 @@ input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "id" data_type: TYPE_STRING dims: [ 1 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 50000 }
 '''
-
-
-def write_model(repo, name, config, code, version=1, extra=None):
-    d = repo / name / str(version)
-    d.mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (d / "model.py").write_text(code)
-    for fname, text in (extra or {}).items():
-        (d / fname).write_text(text)
 
 
 def snapshot(path):
