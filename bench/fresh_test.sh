@@ -4,6 +4,8 @@
 # prints test.sh's own per-stage seconds (its "== stage: N s" lines) and the total. Needs root.
 # Run it a second time with KEEP=1 for the warm figures (the same root, its caches filled), or with
 # COLD_BUILD=1 to keep the root's packages, venv and downloads but empty its ccache and build trees.
+# STRESS=50: stress-ng (run here, outside the root) keeps 50 % of every core busy meanwhile, as
+# scripts/stress_check.sh does.
 #   bench/fresh_test.sh [ROOT_DIR, default /srv/quern-fresh-test]
 # The root: bench/fresh_root.sh.
 set -uo pipefail
@@ -23,8 +25,16 @@ else
   rm -rf "$R/root/quern" && git clone -q "$SRC" "$R/root/quern"
 fi
 log="$R/root/test.log"
+stress=""
+if [ -n "${STRESS:-}" ]; then
+  command -v stress-ng >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
+  stress-ng --cpu "$(nproc)" --cpu-load "$STRESS" --quiet &
+  stress=$!
+  echo "fresh_test: stress-ng keeps $STRESS % of each of $(nproc) cores busy"
+fi
 in_fresh_root "$R" 'cd /root/quern && scripts/test.sh' > "$log" 2>&1
 rc=$?
+[ -n "$stress" ] && { kill "$stress" 2>/dev/null; wait "$stress" 2>/dev/null; }
 grep -E '^== .*: [0-9]+ s$|^== all tests passed' "$log"
 [ $rc = 0 ] || { echo "fresh_test: scripts/test.sh failed ($rc); the end of its log ($log):"; tail -40 "$log"; }
 exit $rc

@@ -4,14 +4,17 @@
 #
 #   scripts/setup.sh            # Debian packages, ONNX Runtime, example model weights, Python venv
 #   scripts/setup.sh --serve    # only what building and serving the examples needs (scripts/serve.sh)
+#   scripts/setup.sh --build    # only what the build with its tests needs, LibTorch aside (scripts/test.sh
+#                               # builds beside a full run of this script, then once more with LibTorch)
 #   QUERN_SKIP_APT=1 ...        # skip the Debian package step (no root)
 set -euo pipefail
 
 MODE=all
 case "${1:-}" in
   --serve) MODE=serve ;;
+  --build) MODE=build ;;
   "") ;;
-  *) printf 'usage: scripts/setup.sh [--serve]\n' >&2; exit 2 ;;
+  *) printf 'usage: scripts/setup.sh [--serve | --build]\n' >&2; exit 2 ;;
 esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -635,6 +638,23 @@ convert_once() { # out expected-sha256 convert_models.py arguments...
 # (curl, python3-venv; the tests' own packages install beside the venv), ONNX Runtime before its
 # CUDA provider, the venv before what pip fetches, and install_real_models (it replaces
 # third_party/real-models) before what writes into that folder.
+# --build: the build's packages (GoogleTest too: the tests compile), ONNX Runtime, OpenVINO and a venv
+# with pybind11 (the Python package compiles against it); the rest comes from a full run.
+setup_build() {
+  install_apt "${APT_PACKAGES[@]}" python3-dev libgtest-dev libgmock-dev
+  start install_onnxruntime
+  start install_openvino
+  if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pybind11 --cmakedir >/dev/null 2>&1; then
+    log "creating Python venv in $VENV (pybind11 only)"
+    /usr/bin/python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check "$(grep -E '^pybind11==' "$ROOT/scripts/requirements.txt")"
+  fi
+  wait_for install_onnxruntime
+  install_onnxruntime_cuda
+  wait_for
+  log "done (what the build needs)"
+}
+
 JOBS=()
 start() { "$@" & JOBS+=("$!:$1"); }
 wait_for() { # [step]: that step's job, or every job
@@ -655,6 +675,8 @@ wait_for() { # [step]: that step's job, or every job
 # A step that fails in the foreground waits for those in the background too (never killed: an
 # apt-get cut short leaves dpkg half-done).
 trap 'wait' EXIT
+
+[ "$MODE" = build ] && { setup_build; exit 0; }
 
 # curl, python3-venv: what the steps below use; python3-dev (the Python package's headers) too, so
 # that an upgrade of python3.11 it may pull never happens under the running pip.

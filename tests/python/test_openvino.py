@@ -288,9 +288,14 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
     acts as a CPU without bf16."""
     repo = tmp_path / "repo"
     # Every kind once: the detector (bf16 chosen here), the classifier, the INT8 twin (OpenVINO left
-    # out) and a tiny model; a CPU without bf16 and the sanitizer build see the classifier's and the
-    # twin's cases only.
-    examples = ("imagenet", "objects_int8") if no_bf16 or sanitized(QUERN) else ("objects", "imagenet", "objects_int8")
+    # out) and a tiny model; a CPU without bf16 sees the classifier's and the twin's cases only. Under
+    # the sanitizers (where OpenVINO's compiles take 3-5 times as long) each case once: the twin
+    # without bf16 (its bf16 compile alone takes 90 s there), the classifier with (Quern's side of
+    # either is the same).
+    if sanitized(QUERN):
+        examples = ("objects_int8",) if no_bf16 else ("imagenet",)
+    else:
+        examples = ("imagenet", "objects_int8") if no_bf16 else ("objects", "imagenet", "objects_int8")
     for m in examples:
         shutil.copytree(os.path.join(EXAMPLES, m), repo / m)
         config = repo / m / "config.pbtxt"
@@ -330,10 +335,11 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
             # /metrics says it too.
             assert metric_sum(ports["metrics"], "quern_model_runtime", model=model, runtime=chosen) == 1, model
         # OpenVINO's INT8 arithmetic is not ONNX Runtime's: left out, saying so.
-        _, int8 = choices["objects_int8"]
-        assert choices["objects_int8"][0] == "onnxruntime", int8
-        assert all("outputs differ from ONNX Runtime's" in str(note) for label, (t, note) in int8.items()
-                   if label.startswith("openvino")), int8
+        if "objects_int8" in examples:
+            _, int8 = choices["objects_int8"]
+            assert choices["objects_int8"][0] == "onnxruntime", int8
+            assert all("outputs differ from ONNX Runtime's" in str(note) for label, (t, note) in int8.items()
+                       if label.startswith("openvino")), int8
         # Whatever serves answers as FP32 does, within the tolerance its precision was chosen by.
         ort = infer(port, "add_sub", [("INPUT0", "FP32", np.ones((1, 4), np.float32)),
                                       ("INPUT1", "FP32", np.full((1, 4), 2, np.float32))])
