@@ -4,17 +4,14 @@
 #
 #   scripts/setup.sh            # Debian packages, ONNX Runtime, example model weights, Python venv
 #   scripts/setup.sh --serve    # only what building and serving the examples needs (scripts/serve.sh)
-#   scripts/setup.sh --build    # only what the build with its tests needs, LibTorch aside (scripts/test.sh
-#                               # builds beside a full run of this script, then once more with LibTorch)
 #   QUERN_SKIP_APT=1 ...        # skip the Debian package step (no root)
 set -euo pipefail
 
 MODE=all
 case "${1:-}" in
   --serve) MODE=serve ;;
-  --build) MODE=build ;;
   "") ;;
-  *) printf 'usage: scripts/setup.sh [--serve | --build]\n' >&2; exit 2 ;;
+  *) printf 'usage: scripts/setup.sh [--serve]\n' >&2; exit 2 ;;
 esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -250,13 +247,15 @@ install_onnxruntime() {
 # NPU plugins (this project runs OpenVINO on the CPU) or the frontends of other formats' Python tools.
 install_openvino() {
   local dest="$TP/openvino"
-  if [ -f "$dest/.complete-$OV_VERSION" ]; then log "OpenVINO $OV_VERSION present"; return 0; fi
+  # (-notices: the wheel's licence and third-party notices are kept too, for the packages)
+  if [ -f "$dest/.complete-$OV_VERSION-notices" ]; then log "OpenVINO $OV_VERSION present"; return 0; fi
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
   log "fetching OpenVINO $OV_VERSION (PyPI openvino, 59 MB)"
   pypi_fetch openvino "$OV_WHL" "$tmp"
   check_sha "$tmp/$OV_WHL" "$OV_WHL_SHA256"
+  mkdir -p "$tmp/x/licenses"
   python3 - "$tmp/$OV_WHL" "$tmp/x" <<'PY'
 import sys, zipfile
 skip = ("libopenvino_intel_gpu_plugin", "libopenvino_intel_npu_plugin")
@@ -265,11 +264,16 @@ with zipfile.ZipFile(sys.argv[1]) as z:
         if m.startswith(("openvino/libs/", "openvino/include/", "openvino/cmake/")) and \
                 not any(k in m for k in skip):
             z.extract(m, sys.argv[2])
+        elif ".dist-info/licenses/" in m and not m.endswith("/"):
+            # LICENSE and licensing/*-third-party-programs.txt, flat in licenses/
+            with open(sys.argv[2] + "/licenses/" + m.rsplit("/", 1)[1], "wb") as f:
+                f.write(z.read(m))
 PY
   rm -rf "$dest"
   mkdir -p "$TP"
   mv "$tmp/x" "$dest"
-  touch "$dest/.complete-$OV_VERSION"
+  [ -f "$dest/licenses/LICENSE" ] || die "OpenVINO's wheel $OV_WHL has no licence file"
+  touch "$dest/.complete-$OV_VERSION-notices"
   log "OpenVINO installed in $dest"
 }
 
@@ -638,23 +642,6 @@ convert_once() { # out expected-sha256 convert_models.py arguments...
 # (curl, python3-venv; the tests' own packages install beside the venv), ONNX Runtime before its
 # CUDA provider, the venv before what pip fetches, and install_real_models (it replaces
 # third_party/real-models) before what writes into that folder.
-# --build: the build's packages (GoogleTest too: the tests compile), ONNX Runtime, OpenVINO and a venv
-# with pybind11 (the Python package compiles against it); the rest comes from a full run.
-setup_build() {
-  install_apt "${APT_PACKAGES[@]}" python3-dev libgtest-dev libgmock-dev
-  start install_onnxruntime
-  start install_openvino
-  if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pybind11 --cmakedir >/dev/null 2>&1; then
-    log "creating Python venv in $VENV (pybind11 only)"
-    /usr/bin/python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --disable-pip-version-check "$(grep -E '^pybind11==' "$ROOT/scripts/requirements.txt")"
-  fi
-  wait_for install_onnxruntime
-  install_onnxruntime_cuda
-  wait_for
-  log "done (what the build needs)"
-}
-
 JOBS=()
 start() { "$@" & JOBS+=("$!:$1"); }
 wait_for() { # [step]: that step's job, or every job
@@ -675,8 +662,6 @@ wait_for() { # [step]: that step's job, or every job
 # A step that fails in the foreground waits for those in the background too (never killed: an
 # apt-get cut short leaves dpkg half-done).
 trap 'wait' EXIT
-
-[ "$MODE" = build ] && { setup_build; exit 0; }
 
 # curl, python3-venv: what the steps below use; python3-dev (the Python package's headers) too, so
 # that an upgrade of python3.11 it may pull never happens under the running pip.

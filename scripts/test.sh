@@ -32,45 +32,10 @@ step() {  # step NAME: ends the step before (printing its seconds) and names the
   return 0
 }
 
-# What runs in the background when a step fails: the rest of the setup is waited for (an apt-get cut
-# short leaves dpkg half-done), the sanitizer build is stopped.
-setup_rest=""
-asan_build=""
-on_exit() {
-  [ -n "$asan_build" ] && { kill "$asan_build" 2>/dev/null; wait "$asan_build" 2>/dev/null; }
-  [ -n "$setup_rest" ] && wait "$setup_rest" 2>/dev/null
-  true
-}
-trap on_exit EXIT
-
-step "setup of what the build needs"
-scripts/setup.sh --build
+step "setup"
+scripts/setup.sh
 # The scale-out tests fail rather than skip when hosts cannot be built here.
 export QUERN_REQUIRE_NETBED=1
-
-# The rest of the setup (the tests' Debian packages, the venv, the example models: mostly downloads
-# and unpacking) runs beside the release build; LibTorch's plugin is built once it is installed.
-mkdir -p build
-scripts/setup.sh >build/setup.log 2>&1 &
-setup_rest=$!
-
-step "release build (warnings are errors; the rest of the setup beside it)"
-cmake --preset ci >/dev/null
-cmake --build --preset ci
-
-step "the rest of the setup (its log: build/setup.log)"
-rc=0
-wait "$setup_rest" || rc=$?
-setup_rest=""
-grep -E '^\[setup +[0-9]+ s\]' build/setup.log || true
-if [ "$rc" != 0 ]; then
-  tail -60 build/setup.log
-  echo "== the setup failed (rc $rc; build/setup.log)" >&2
-  exit 1
-fi
-# Configured again: LibTorch is found now (its plugin, the PyTorch tests and torch_bench).
-cmake --preset ci >/dev/null
-cmake --build --preset ci
 
 step "format, layer and function-length checks"
 mapfile -t sources < <(git ls-files '*.h' '*.cc' 2>/dev/null || true)
@@ -81,11 +46,16 @@ scripts/check_layers.sh --self-test
 scripts/check_layers.sh
 scripts/check_functions.sh
 
+step "release build (warnings are errors)"
+cmake --preset ci >/dev/null
+cmake --build --preset ci
+
 # The sanitizer build compiles while the release tests run, on CPU time they leave idle (a third of
 # it: they wait on servers, Redis, failovers): SCHED_IDLE runs it only when nothing else wants a core,
 # and idle I/O priority, so the tests see the machine as before. Only compiles and links go there (the
 # asan preset lists its GoogleTest cases when ctest runs, not in the build): anything with a time
 # limit would be starved of time.
+asan_build=""
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   cmake --preset asan >/dev/null
   idle=(chrt --idle 0)
@@ -96,6 +66,7 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   "${idle[@]}" ninja -C build/asan -j2 >build/asan/build.log 2>&1 &
   asan_build=$!
   asan_start=$SECONDS
+  trap '[ -n "$asan_build" ] && { kill "$asan_build" 2>/dev/null; wait "$asan_build" 2>/dev/null; }; true' EXIT
 fi
 
 step "release tests (the sanitizer build compiles meanwhile on idle CPU)"

@@ -23,7 +23,7 @@ cleanup() {
   [ -n "$server" ] && $sudo kill "$server" 2>/dev/null || true
   dpkg -s quern-pytorch >/dev/null 2>&1 && $sudo dpkg --purge quern-pytorch >/dev/null 2>&1 || true
   dpkg -s quern >/dev/null 2>&1 && $sudo dpkg --purge quern >/dev/null 2>&1 || true
-  $sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/pair
+  $sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/add_sub_ov /var/lib/quern/models/pair
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -48,6 +48,21 @@ getent passwd quern >/dev/null || { echo "test_deb: no user quern" >&2; exit 1; 
 [ "$(stat -c %U /var/lib/quern/data)" = quern ] || { echo "test_deb: /var/lib/quern/data is not quern's" >&2; exit 1; }
 grep -qx 'data-dir = "/var/lib/quern/data"' /etc/quern/quern.toml || { echo "test_deb: no data-dir in the settings" >&2; exit 1; }
 grep -qx 'host = "127.0.0.1"' /etc/quern/quern.toml || { echo "test_deb: the settings listen beyond this machine" >&2; exit 1; }
+
+# OpenVINO, where the build found it: its plugin and runtime in the package, serving add_sub_ov.
+openvino=0
+if [ -f "$BUILD/src/backends/libquern_openvino.so" ]; then
+  openvino=1
+  for f in /usr/lib/quern/libquern_openvino.so /usr/lib/quern/openvino/libopenvino_intel_cpu_plugin.so \
+           /usr/lib/quern/openvino/libtbb.so.12 /usr/share/doc/quern/openvino/LICENSE; do
+    [ -e "$f" ] || { echo "test_deb: $f is missing after installing (OpenVINO)" >&2; exit 1; }
+  done
+  grep -q '^Files: usr/lib/quern/openvino/\*' /usr/share/doc/quern/copyright ||
+    { echo "test_deb: the copyright file does not state OpenVINO's licence" >&2; exit 1; }
+  $sudo cp -r "$MODELS/add_sub" /var/lib/quern/models/add_sub_ov
+  printf 'backend: "openvino"\n' | $sudo tee /var/lib/quern/models/add_sub_ov/config.pbtxt >/dev/null
+  $sudo chown -R quern:quern /var/lib/quern/models/add_sub_ov
+fi
 
 torch=0
 if [ -f "$BUILD/src/backends/libquern_pytorch.so" ]; then
@@ -92,6 +107,15 @@ answer=$(curl -s "127.0.0.1:$port/v2/models/add_sub/infer" -d '{"inputs": [
   {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
   {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}')
 echo "$answer" | grep -q '"data":\[11.0,22.0,33.0,44.0\]' || { echo "test_deb: answer $answer" >&2; exit 1; }
+if [ "$openvino" = 1 ]; then
+  answer=$(curl -s "127.0.0.1:$port/v2/models/add_sub_ov/infer" -d '{"inputs": [
+    {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+    {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [10, 20, 30, 40]}]}')
+  echo "$answer" | grep -q '"data":\[11.0,22.0,33.0,44.0\]' ||
+    { echo "test_deb: add_sub_ov answered $answer" >&2; cat "$WORK/log" >&2; exit 1; }
+  grep -q "OpenVINO plugin /usr/lib/quern/libquern_openvino.so" "$WORK/log" ||
+    { echo "test_deb: the packaged OpenVINO plugin was not the one loaded:" >&2; cat "$WORK/log" >&2; exit 1; }
+fi
 if [ "$torch" = 1 ]; then
   answer=$(curl -s "127.0.0.1:$port/v2/models/pair/infer" -d '{"inputs":[
     {"name":"a","datatype":"FP32","shape":[1,2],"data":[0.5,-1.5]},
@@ -111,7 +135,7 @@ for _ in $(seq 100); do pgrep -x -u quern quern >/dev/null || break; sleep 0.1; 
 ! pgrep -x -u quern quern >/dev/null || { echo "test_deb: the server outlived SIGTERM" >&2; exit 1; }
 
 echo "== dpkg -r and --purge"
-$sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/pair
+$sudo rm -rf /var/lib/quern/models/add_sub /var/lib/quern/models/add_sub_ov /var/lib/quern/models/pair
 if [ "$torch" = 1 ]; then
   ! $sudo dpkg -r quern >/dev/null 2>&1 || { echo "test_deb: quern was removed while quern-pytorch needs it" >&2; exit 1; }
   $sudo dpkg -r quern-pytorch >/dev/null

@@ -24,6 +24,12 @@ expected=$(cd "$ROOT/include" && find . -type f -name '*.h' | sort | tr '\n' ' '
 for f in LICENSE NOTICE onnxruntime/LICENSE onnxruntime/ThirdPartyNotices.txt; do
   [ -f "$PREFIX/share/doc/quern/$f" ] || { echo "test_install: share/doc/quern/$f is missing" >&2; exit 1; }
 done
+if [ -f "$BUILD/src/backends/libquern_openvino.so" ]; then
+  # OpenVINO where the build found it: the plugin, the runtime it loads and their notices.
+  for f in lib/quern/libquern_openvino.so lib/quern/openvino/libopenvino_intel_cpu_plugin.so share/doc/quern/openvino/LICENSE; do
+    [ -f "$PREFIX/$f" ] || { echo "test_install: $f is missing" >&2; exit 1; }
+  done
+fi
 "$PREFIX/bin/quern" --help >/dev/null
 "$PREFIX/bin/quern" perf --help >/dev/null  # runs quern-perf, installed beside it
 # runs quern-quantize (Python, by its first line), installed beside it; --help needs no packages

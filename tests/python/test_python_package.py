@@ -520,3 +520,29 @@ ensemble_scheduling { step [
         assert sorted(s["step"] for s in steps) == [0, 1]
         assert all(s["model"] == "add_sub" and s["batch_size"] >= 2 for s in steps)
         assert "steps" not in engine.infer("add_sub", {"INPUT0": a, "INPUT1": b}).telemetry
+
+
+def test_an_openvino_model_runs_with_the_plugin_the_package_carries(tmp_path, capfd):
+    """backend "openvino" inside a Python program: the wheel carries Quern's OpenVINO plugin
+    (quern/quern/libquern_openvino.so) and the OpenVINO libraries it loads (quern/quern/openvino/);
+    the build tree's package uses the build's plugin."""
+    here = os.path.dirname(os.path.realpath(quern.__file__))
+    installed = bool(os.environ.get("QUERN_EXPECT_PACKAGE_IN"))
+    plugin = (os.path.join(here, "quern", "libquern_openvino.so") if installed
+              else os.path.join(here, "..", "..", "src", "backends", "libquern_openvino.so"))
+    if not installed and not os.path.exists(plugin):
+        pytest.skip("this build found no OpenVINO")
+    assert os.path.exists(plugin), plugin
+    if installed:
+        assert os.path.exists(os.path.join(here, "quern", "openvino", "libopenvino_intel_cpu_plugin.so"))
+        assert os.path.exists(os.path.join(here, "openvino-notices", "LICENSE"))
+    shutil.copytree(os.path.join(MODELS, "add_sub"), tmp_path / "add_sub")
+    (tmp_path / "add_sub" / "config.pbtxt").write_text('backend: "openvino"\n')
+    e = quern.Engine(tmp_path)
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    b = np.full((1, 4), 2, np.float32)
+    r = e.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+    np.testing.assert_array_equal(r["OUTPUT0"], a + b)
+    np.testing.assert_array_equal(r["OUTPUT1"], a - b)
+    # The package's own plugin, found beside the extension (not another build's).
+    assert "OpenVINO plugin " + os.path.realpath(plugin) in capfd.readouterr().err
