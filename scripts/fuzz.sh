@@ -7,7 +7,7 @@
 #   scripts/fuzz.sh                    # every target, 60 s each
 #   scripts/fuzz.sh 3600 kserve_infer  # one target for an hour
 #   QUERN_FUZZ_CI=1 scripts/fuzz.sh    # CI: replay the corpora, then every target
-#                                      # for QUERN_FUZZ_CI_SECONDS (8), two at a
+#                                      # for QUERN_FUZZ_CI_SECONDS (5), two at a
 #                                      # time, nothing merged back
 #
 # Environment: QUERN_FUZZ_PRESET (the build to use: fuzz, or asan -- the sanitizer
@@ -31,7 +31,7 @@ ALL_TARGETS=(kserve_infer multipart image_decode image_decode_jpeg image_decode_
 
 CI="${QUERN_FUZZ_CI:-0}"
 if [ "$CI" = 1 ]; then
-  SECONDS_PER_TARGET="${1:-${QUERN_FUZZ_CI_SECONDS:-8}}"
+  SECONDS_PER_TARGET="${1:-${QUERN_FUZZ_CI_SECONDS:-5}}"
   JOBS="${QUERN_FUZZ_JOBS:-2}"
   MERGE=0
 else

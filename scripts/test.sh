@@ -10,11 +10,16 @@
 #                              # (python_scale_out: Redis, HAProxy and three servers in
 #                              # network namespaces, a minute of waiting on health checks
 #                              # and failovers; its server paths, the stream consumer
-#                              # and Redis results, run under the sanitizers in python_redis)
-#                              # and python_batch_delay (it checks which way the delay tuner
+#                              # and Redis results, run under the sanitizers in python_redis),
+#                              # python_batch_delay (it checks which way the delay tuner
 #                              # settles on from measured timings, which ASan's slowdown under a
 #                              # parallel run can tip; its code paths run under the sanitizers in
-#                              # batch_delay_tuner_test and the release stage checks the outcome)
+#                              # batch_delay_tuner_test and the release stage checks the outcome),
+#                              # and the two files that check real models' answers against
+#                              # references: python_detector (the detection route's code runs
+#                              # under the sanitizers in python_vision, python_openvino and
+#                              # vision_service_test) and python_face_recognition (the face
+#                              # routes' in python_face_clients and face_service_test)
 # Each step prints how long it took.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -101,7 +106,7 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   # (here when that step is off).
   skip=()
   [ "${QUERN_TEST_FUZZ:-1}" = 1 ] && skip+=("fuzz_replay_.*")
-  [ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || skip+=(python_scale_out python_batch_delay)
+  [ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || skip+=(python_scale_out python_batch_delay python_detector python_face_recognition)
   exclude=()
   [ ${#skip[@]} -gt 0 ] && exclude=(-E "^($(IFS='|'; echo "${skip[*]}"))$")
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

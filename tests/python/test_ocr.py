@@ -103,6 +103,9 @@ def test_the_rendered_text_comes_back_with_boxes_over_its_lines(server, name):
 def test_rapidocr_reads_the_same_words(server):
     """On pages of one word per line RapidOCR (same models, its own pre- and post-processing) reads
     what Quern reads, and its boxes (the detector's, before any margin) are Quern's."""
+    if sanitized(QUERN):
+        # The same pages go through Quern in the test above; the reference's runs are not Quern's code.
+        pytest.skip("the release stage compares with RapidOCR")
     from rapidocr_onnxruntime import RapidOCR
     reference = RapidOCR()
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
@@ -123,8 +126,9 @@ def test_pages_read_line_by_line_at_least_as_well_as_rapidocr(server, name):
     png, truth = ocr_pages.pages()[name]
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
     text, _, boxes = read(client, png)
-    theirs = [r[1] for r in (RapidOCR()(png)[0] or [])]
-    ours, reference = ocr_pages.accuracy(text, truth), ocr_pages.accuracy(theirs, truth)
+    # Under the sanitizers the page goes through Quern alone (RapidOCR's run is not Quern's code).
+    theirs = [] if sanitized(QUERN) else [r[1] for r in (RapidOCR()(png)[0] or [])]
+    ours, reference = ocr_pages.accuracy(text, truth), ocr_pages.accuracy(theirs, truth) if theirs else 0
     assert ours >= reference and ours >= 0.97, (name, ours, reference, text, theirs)
     assert len(text) == len(truth), (name, text, truth)
     assert all(t and t == t.strip() for t in text), (name, text)  # no blank margin read as spaces
