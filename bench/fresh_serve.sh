@@ -23,7 +23,7 @@ pid=$!
 body='{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]},{"name":"INPUT1","shape":[1,4],"datatype":"FP32","data":[10,20,30,40]}]}'
 setup=0 linked=0
 while kill -0 $pid 2>/dev/null; do
-  if [ $setup = 0 ] && grep -q '^\[setup\] done' "$log"; then setup=1; echo "setup: $((SECONDS - t0)) s, $(( ($(rx) - rx0) / 1000000 )) MB received"; fi
+  if [ $setup = 0 ] && grep -qE '^\[setup +[0-9]+ s\] done' "$log"; then setup=1; echo "setup: $((SECONDS - t0)) s, $(( ($(rx) - rx0) / 1000000 )) MB received"; fi
   if [ $linked = 0 ] && grep -q 'Linking CXX executable src/cli/quern' "$log"; then linked=1; echo "quern linked: $((SECONDS - t0)) s"; fi
   curl -sf -o /dev/null "http://127.0.0.1:18000/v2/models/add_sub/infer" -d "$body" && break
   sleep 1
