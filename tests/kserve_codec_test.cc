@@ -55,6 +55,37 @@ TEST(KServeCodec, BinaryInputsViewTheCallersBytesWithoutCopying) {
   EXPECT_FALSE(parsed->format.WantsBinary("z"));
 }
 
+TEST(KServeCodec, TheModelGetsTheRequestsOwnParametersAsJson) {
+  auto parse = [](const std::string& parameters) {
+    return ParseKServeInfer("m", -1,
+                            R"({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
+                                "parameters": )" +
+                                parameters + "}",
+                            "", nullptr);
+  };
+  auto r = parse(R"({"priority": 1, "timeout": 9, "binary_data_output": true, "sequence_id": 3, "sequence_start": true,
+                     "sequence_end": false, "headers": "h", "triton_enable_empty_final_response": true,
+                     "temperature": 0.5, "n": -3, "stop": "\u00e9\"", "flag": false})");
+  ASSERT_TRUE(r.has_value()) << r.error().ToString();
+  EXPECT_EQ(r->request.parameters, R"({"temperature":0.5,"n":-3,"stop":"é\"","flag":false})");
+  EXPECT_EQ(r->request.priority, 1u);
+  auto none = parse(R"({"priority": 1})");
+  ASSERT_TRUE(none.has_value());
+  EXPECT_EQ(none->request.parameters, "") << "only the server's: the model gets none";
+  for (const char* bad : {R"({"x": [1]})", R"({"x": {"y": 1}})", R"({"x": null})"}) {
+    auto refused = parse(bad);
+    ASSERT_FALSE(refused.has_value()) << bad;
+    EXPECT_NE(refused.error().message().find("parameter 'x' must be a bool, a number or a string"), std::string::npos)
+        << refused.error().message();
+  }
+  auto nan = parse(R"({"x": NaN})");
+  ASSERT_FALSE(nan.has_value());
+  EXPECT_NE(nan.error().message().find("parameter 'x' must be a finite number"), std::string::npos);
+  auto big = parse(R"({"x": ")" + std::string(70000, 'a') + R"("})");
+  ASSERT_FALSE(big.has_value());
+  EXPECT_NE(big.error().message().find("at most 65536"), std::string::npos) << big.error().message();
+}
+
 TEST(KServeCodec, BinaryDataMustBeClaimedExactly) {
   const std::string json =
       R"({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}]})";

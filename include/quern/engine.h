@@ -75,6 +75,9 @@ class CancellationToken {
 
 struct InferResponse;
 
+// The most bytes of InferRequest::parameters a front end accepts.
+inline constexpr size_t kMaxRequestParametersBytes = 64 * 1024;
+
 struct InferRequest {
   std::string model;
   int64_t version = -1;  // -1 = the highest ready version
@@ -95,6 +98,13 @@ struct InferRequest {
   // key "request_id" names the request in the engine's log lines (a request
   // the model failed is logged with it; the engine's own number otherwise).
   std::vector<std::pair<std::string, std::string>> metadata;
+  // The caller's own parameters for the model (KServe's parameters
+  // extension: a request's "parameters" but those the server reads itself),
+  // as a JSON object of bools, numbers and strings; "" = none. A model reads
+  // them per request (ModelInstance::BatchRequests::parameters; a Python
+  // model's request.parameters()); an ensemble passes them to its steps.
+  // The front ends take at most kMaxRequestParametersBytes of them.
+  std::string parameters;
   // Decoupled models (ModelConfig::decoupled) answer a request with any
   // number of responses. Each one but the last is handed here as the model
   // sends it, in order, on the model's instance thread: it must not wait

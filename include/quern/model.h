@@ -262,6 +262,9 @@ class Model {
     // sent for it (see ResponseSink); one never closed fails when
     // ExecuteRequests returns (with its error, or INTERNAL).
     ResponseSink* responses = nullptr;
+    // Each request's parameters (InferRequest::parameters, a JSON object;
+    // "" for none), or empty when no request of the batch has any.
+    std::span<const std::string_view> parameters = {};
   };
   virtual Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests /*requests*/,
                                  std::vector<NamedTensor>& outputs) {

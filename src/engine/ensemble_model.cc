@@ -407,6 +407,7 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       r.timeout_us = run->request.timeout_us;
       r.deadline_ns = run->request.deadline_ns;
       r.cancel = run->request.cancel;
+      r.parameters = run->request.parameters;  // the caller's, to every step
       // A step is the caller's request, under its name (a Python step's
       // request_id()); the first step to run starts the ensemble's request.
       if (!run->request_id.empty()) r.metadata.emplace_back("request_id", run->request_id);

@@ -638,8 +638,12 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   std::pmr::vector<Status> per_status(tasks.size(), &arena);
   std::pmr::vector<std::string_view> ids(tasks.size(), &arena);
   std::pmr::vector<std::string_view> callers(tasks.size(), &arena);
+  std::pmr::vector<std::string_view> parameters(tasks.size(), &arena);
   bool called = false;
+  bool parameterised = false;
   for (size_t i = 0; i < tasks.size(); ++i) {
+    parameters[i] = tasks[i]->request.parameters;
+    parameterised |= !parameters[i].empty();
     for (const auto& [k, v] : tasks[i]->request.metadata) {
       if (k == "request_id") {
         ids[i] = v;
@@ -668,7 +672,8 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
       inputs, padded,
       {rows, per_status, ids, watch.watchable() ? &watch : nullptr,
        called ? std::span<const std::string_view>(callers) : std::span<const std::string_view>(),
-       responses ? &*responses : nullptr},
+       responses ? &*responses : nullptr,
+       parameterised ? std::span<const std::string_view>(parameters) : std::span<const std::string_view>()},
       outputs);
   if (responses) responses->Disarm();  // wake no more: the model's run is over
   watch.Disarm();                      // before the requests (and their tokens) are answered and let go

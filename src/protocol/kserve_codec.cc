@@ -246,6 +246,42 @@ bool KServeOutputFormat::WantsBinary(const std::string& name) const {
   return binary_default;
 }
 
+bool IsServerParameter(std::string_view key) {
+  return key == "priority" || key == "timeout" || key == "binary_data_output" || key == "sequence_id" ||
+         key == "sequence_start" || key == "sequence_end" || key == "headers" || key.starts_with("triton_");
+}
+
+Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::string& model) {
+  rapidjson::StringBuffer buffer;
+  JsonWriter w(buffer);
+  w.StartObject();
+  bool any = false;
+  for (const auto& m : p.GetObject()) {
+    const std::string_view key(m.name.GetString(), m.name.GetStringLength());
+    if (IsServerParameter(key)) continue;
+    const rapidjson::Value& v = m.value;
+    if (!v.IsBool() && !v.IsNumber() && !v.IsString()) {
+      return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) +
+                                 "' must be a bool, a number or a string"));
+    }
+    if (v.IsDouble() && !std::isfinite(v.GetDouble())) {
+      return Err(
+          InvalidArgument("model '" + model + "': parameter '" + std::string(key) + "' must be a finite number"));
+    }
+    w.Key(key.data(), static_cast<rapidjson::SizeType>(key.size()));
+    v.Accept(w);
+    any = true;
+  }
+  w.EndObject();
+  if (!any) return std::string();
+  if (buffer.GetSize() > kMaxRequestParametersBytes) {
+    return Err(InvalidArgument("model '" + model + "': the request's parameters take " +
+                               std::to_string(buffer.GetSize()) + " bytes; at most " +
+                               std::to_string(kMaxRequestParametersBytes) + " are accepted"));
+  }
+  return std::string(buffer.GetString(), buffer.GetSize());
+}
+
 Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, std::string_view json,
                                      std::string_view binary_data, std::shared_ptr<const void> owner) {
   ScratchDocument scratch;
@@ -288,6 +324,7 @@ Result<KServeInfer> ParseKServeInfer(const std::string& model, int64_t version, 
     if (const rapidjson::Value* b = Member(*p, "binary_data_output"); b && b->IsBool()) {
       out.format.binary_default = b->GetBool();
     }
+    QUERN_ASSIGN_OR_RETURN(ir.parameters, KServeModelParameters(*p, model));
   }
   if (const rapidjson::Value* outputs = Member(doc, "outputs"); outputs && outputs->IsArray()) {
     for (const auto& o : outputs->GetArray()) {

@@ -7,6 +7,7 @@
 // KServe messages through it.
 #pragma once
 
+#include <rapidjson/document.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
@@ -41,6 +42,18 @@ struct KServeOutputFormat {
 inline constexpr std::string_view kKServeExtensions[] = {"binary_tensor_data",  "statistics",      "model_repository",
                                                          "model_configuration", "schedule_policy", "parameters",
                                                          "classification"};
+
+// Whether a request parameter is one the server reads itself (priority,
+// timeout, binary_data_output), or reserved by Triton's parameters extension
+// (sequence_id, sequence_start, sequence_end, headers, any "triton_" key):
+// those are not passed to the model (InferRequest::parameters).
+bool IsServerParameter(std::string_view key);
+
+// The parameters object `p` of a request to `model` as the model gets them
+// (InferRequest::parameters): every member but the server's, as JSON; ""
+// when none is left. INVALID_ARGUMENT for a value that is not a bool, a
+// number or a string, or for more than kMaxRequestParametersBytes of them.
+Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::string& model);
 
 // KServe's classification extension: the `count` highest values of each row
 // of `output` (its first dimension is the batch when it has two or more;

@@ -1231,3 +1231,106 @@ instance_group [ { count: 3 kind: KIND_CPU } ]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Answers with request.parameters() (the JSON text); given {"call": ...} it asks model "params" instead
+# (BLS), passing parameters of its own, and answers with what that model saw.
+PARAMS = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            seen = request.parameters()
+            if "call" in json.loads(seen):
+                call = pb_utils.InferenceRequest(model_name="params", requested_output_names=["seen"],
+                                                 inputs=[pb_utils.get_input_tensor_by_name(request, "x")],
+                                                 parameters={"from": "bls", "n": 7})
+                answer = call.exec()
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+                seen = pb_utils.get_output_tensor_by_name(answer, "seen").as_numpy()[0].decode()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("seen", np.array([seen.encode()], dtype=np.object_))]))
+        return out
+'''
+PARAMS_CONFIG = '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "seen" data_type: TYPE_STRING dims: [ 1 ] } ]
+'''
+
+
+def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
+    """Triton's parameters extension: a request's own parameters reach the Python model as
+    request.parameters() (JSON), over HTTP, gRPC and the generate route, through an ensemble's step and
+    from a BLS call; the ones the server reads or reserves (priority, timeout, binary_data_output,
+    sequence_*, headers, triton_*) do not; a value that is not a bool, number or string, and more than
+    64 KiB of them, are refused naming the parameter."""
+    write_model(tmp_path, "params", PARAMS_CONFIG, PARAMS)
+    write_model(tmp_path, "params_caller", PARAMS_CONFIG, PARAMS)
+    (tmp_path / "params_ensemble" / "1").mkdir(parents=True)
+    (tmp_path / "params_ensemble" / "config.pbtxt").write_text(textwrap.dedent('''
+        platform: "ensemble"
+        max_batch_size: 0
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "seen" data_type: TYPE_STRING dims: [ 1 ] } ]
+        ensemble_scheduling { step [ { model_name: "params" model_version: -1
+          input_map { key: "x" value: "x" } output_map { key: "seen" value: "seen" } } ] }
+    '''))
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        x = np.ones((1,), np.float32)
+
+        def http_seen(model, parameters):
+            status, body = http_post(ports["HTTP"], f"/v2/models/{model}/infer", {
+                "parameters": parameters,
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]})
+            return status, (json.loads(json.loads(body)["outputs"][0]["data"][0]) if status == 200 else body)
+
+        # HTTP, with the server's own and the reserved ones left out.
+        assert http_seen("params", {"temperature": 0.5, "n": 3, "stop": "x\u00e9", "flag": True, "priority": 0,
+                                    "timeout": 0, "binary_data_output": False, "sequence_id": 4, "headers": "h",
+                                    "triton_enable_empty_final_response": True}) == (
+            200, {"temperature": 0.5, "n": 3, "stop": "x\u00e9", "flag": True})
+        assert http_seen("params", {}) == (200, {})
+        # tritonclient over HTTP and gRPC.
+        hc = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        hi = httpclient.InferInput("x", [1], "FP32")
+        hi.set_data_from_numpy(x)
+        seen = hc.infer("params", [hi], parameters={"a": 1, "b": "two"}).as_numpy("seen")[0]
+        assert json.loads(seen) == {"a": 1, "b": "two"}
+        assert hc.infer("params", [hi]).as_numpy("seen")[0] == b"{}"
+        gc = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        gi = grpcclient.InferInput("x", [1], "FP32")
+        gi.set_data_from_numpy(x)
+        seen = gc.infer("params", [gi], parameters={"b": "two", "a": 1, "c": True, "d": 0.25}).as_numpy("seen")[0]
+        assert json.loads(seen) == {"a": 1, "b": "two", "c": True, "d": 0.25}
+        # The generate route's "parameters".
+        status, body = http_post(ports["HTTP"], "/v2/models/params/generate",
+                                 {"x": [1.0], "parameters": {"max_tokens": 5}})
+        assert status == 200 and json.loads(json.loads(body)["seen"]) == {"max_tokens": 5}, body
+        # An ensemble's step sees the caller's; a BLS call carries the caller model's own.
+        assert http_seen("params_ensemble", {"e": 1}) == (200, {"e": 1})
+        assert http_seen("params_caller", {"call": True}) == (200, {"from": "bls", "n": 7})
+        # Refused, naming what is wrong.
+        status, body = http_seen("params", {"x": [1, 2]})
+        assert status == 400 and b"parameter 'x' must be a bool, a number or a string" in body, body
+        status, body = http_seen("params", {"big": "a" * 70000})
+        assert status == 400 and b"at most 65536" in body, body
+        with pytest.raises(InferenceServerException, match="at most 65536"):
+            gc.infer("params", [gi], parameters={"big": "a" * 70000})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def http_post(port, path, doc):
+    c = http_client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", path, json.dumps(doc), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read()

@@ -306,11 +306,15 @@ class PythonModel final : public Model {
     Put<int64_t>(frame, batch_size);
     Put<uint64_t>(frame, process_->shm_size(slot));
     for (int64_t r : requests.rows) Put<int64_t>(frame, r);
-    // Each request's id (pb_utils InferenceRequest.request_id()), at most 1 KiB.
+    // Each request's id (pb_utils InferenceRequest.request_id()), at most 1 KiB, and its parameters
+    // (request.parameters(), JSON; the front ends hold them to kMaxRequestParametersBytes).
     for (size_t i = 0; i < requests.rows.size(); ++i) {
       const std::string_view id = i < requests.ids.size() ? requests.ids[i].substr(0, 1024) : std::string_view();
       Put<uint16_t>(frame, static_cast<uint16_t>(id.size()));
       frame += id;
+      const std::string_view parameters = i < requests.parameters.size() ? requests.parameters[i] : std::string_view();
+      Put<uint32_t>(frame, static_cast<uint32_t>(parameters.size()));
+      frame += parameters;
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Tensor& t = inputs[i].tensor;
@@ -604,10 +608,19 @@ class PythonModel final : public Model {
     };
     InferRequest request;
     uint16_t len = 0, count = 0;
-    std::string_view model, id;
-    if (!head || !r.Get(len) || !r.Bytes(len, model) || !r.Get(len) || !r.Bytes(len, id) || !r.Get(count)) {
+    uint32_t parameters_len = 0;
+    std::string_view model, id, parameters;
+    if (!head || !r.Get(len) || !r.Bytes(len, model) || !r.Get(len) || !r.Bytes(len, id) || !r.Get(parameters_len) ||
+        !r.Bytes(parameters_len, parameters) || !r.Get(count)) {
       return answer(Internal(tag_ + ": a malformed call to another model (BLS)"), nullptr);
     }
+    if (parameters.size() > kMaxRequestParametersBytes) {
+      return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': its parameters take " +
+                                    std::to_string(parameters.size()) + " bytes; at most " +
+                                    std::to_string(kMaxRequestParametersBytes)),
+                    nullptr);
+    }
+    request.parameters = parameters;
     for (uint16_t i = 0; i < count; ++i) {
       std::string_view name;
       if (!r.Get(len) || !r.Bytes(len, name)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);

@@ -290,8 +290,9 @@ class Runner:
         rows = _int64s(n_requests).unpack_from(frame, pos)
         pos += 8 * n_requests
         ids_at = pos
-        for _ in range(n_requests):
+        for _ in range(n_requests):  # each request's id, then its parameters
             pos += 2 + _ID_LEN.unpack_from(frame, pos)[0]
+            pos += 4 + _U32.unpack_from(frame, pos)[0]
         self.ids_frame = (frame, ids_at, n_requests)  # decoded only for execute(requests)
         self.shm.ensure(shm_size)
         shm = self.shm.map
@@ -322,13 +323,17 @@ class Runner:
         return rows, padded, inputs, end
 
     def _read_ids(self):
+        """Each request's id and parameters (a JSON object's text, "{}" for none)."""
         frame, pos, n = self.ids_frame
-        ids = []
+        ids, parameters = [], []
         for _ in range(n):
             (id_len,) = _ID_LEN.unpack_from(frame, pos)
             ids.append(frame[pos + 2:pos + 2 + id_len].decode("utf-8", "replace"))
             pos += 2 + id_len
-        return ids
+            (p_len,) = _U32.unpack_from(frame, pos)
+            parameters.append(frame[pos + 4:pos + 4 + p_len].decode("utf-8", "replace") if p_len else "{}")
+            pos += 4 + p_len
+        return ids, parameters
 
     def _decode_bytes(self, view, dims):
         np = self.np
@@ -386,7 +391,7 @@ class Runner:
         """execute()'s requests: each its rows of the batch's inputs (views of the slot)."""
         utils = self.utils
         names = [o[0] for o in self.outputs]
-        self.request_ids = self._read_ids()
+        self.request_ids, parameters = self._read_ids()
         requests = []
         start = 0
         for i, r in enumerate(rows):
@@ -394,8 +399,10 @@ class Runner:
                 tensors = [utils.Tensor(n, a[start:start + r]) for n, a in inputs.items()]
             else:
                 tensors = [utils.Tensor(n, a) for n, a in inputs.items()]
-            requests.append(utils.InferenceRequest(tensors, request_id=self.request_ids[i], requested_output_names=names,
-                                                   model_name=self.name))
+            request = utils.InferenceRequest(tensors, request_id=self.request_ids[i], requested_output_names=names,
+                                             model_name=self.name)
+            request._parameters = parameters[i]  # the server's JSON (its front end checked it)
+            requests.append(request)
             start += r
         return requests
 
@@ -788,8 +795,10 @@ def _bls_call(request, np, utils, decoupled=False):
             raise utils.TritonModelException("calling other models (BLS) works only while execute() runs")
         _bls_state["next"] += 1
         call = _bls_state["next"]
+        parameters = request._parameters.encode("utf-8") if request._parameters != "{}" else b""
         parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0), 1 if decoupled else 0),
-                 struct.pack("<H", len(name)), name, struct.pack("<H", len(rid)), rid, struct.pack("<H", len(outs))]
+                 struct.pack("<H", len(name)), name, struct.pack("<H", len(rid)), rid,
+                 struct.pack("<I", len(parameters)), parameters, struct.pack("<H", len(outs))]
         for o in outs:
             parts += [struct.pack("<H", len(o)), o]
         parts.append(struct.pack("<H", len(request.inputs())))

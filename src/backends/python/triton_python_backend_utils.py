@@ -107,13 +107,25 @@ class Tensor:
         return f"Tensor({self._name!r}, shape={self._array.shape}, dtype={self._array.dtype})"
 
 
+def _parameters_json(parameters):
+    """A request's parameters (None, a dict of str to bool, int, float or str, or such a dict's JSON
+    text) as JSON text."""
+    if parameters is None or parameters == "" or parameters == {}:
+        return "{}"
+    value = json.loads(parameters) if isinstance(parameters, (str, bytes)) else parameters
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, float, str))
+                                              for k, v in value.items()):
+        raise TritonModelException("parameters must be a dict of str to bool, int, float or str (or its JSON)")
+    return parameters if isinstance(parameters, str) else json.dumps(value, separators=(",", ":"))
+
+
 class InferenceRequest:
     """One request of a batch, as execute() receives it."""
     __slots__ = ("_inputs", "_by_name", "_request_id", "_correlation_id", "_requested_output_names",
-                 "_model_name", "_model_version", "_timeout", "_response_sender")
+                 "_model_name", "_model_version", "_timeout", "_response_sender", "_parameters")
 
     def __init__(self, inputs=None, request_id="", correlation_id=0, requested_output_names=(), model_name="",
-                 model_version=-1, flags=0, timeout=0, **_ignored):
+                 model_version=-1, flags=0, timeout=0, parameters=None, **_ignored):
         self._inputs = list(inputs or [])
         self._by_name = None
         self._request_id = request_id
@@ -124,6 +136,7 @@ class InferenceRequest:
         self._model_version = model_version
         self._timeout = timeout
         self._response_sender = None  # a decoupled model's requests: set by the server's process
+        self._parameters = _parameters_json(parameters)
 
     def inputs(self):
         return self._inputs
@@ -149,7 +162,9 @@ class InferenceRequest:
         return 0
 
     def parameters(self):
-        return "{}"
+        """The request's parameters (its caller's `parameters`, those the server reads left out) as a
+        JSON object's text; "{}" when it has none."""
+        return self._parameters
 
     def is_cancelled(self):
         """Whether the caller has gone (a decoupled model's request: it may stop sending)."""

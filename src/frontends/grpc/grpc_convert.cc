@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 
 #include "core/model_config_parser.h"
@@ -22,6 +23,42 @@ Result<uint64_t> UnsignedParameter(const inference::InferParameter& p, const cha
   }
   return std::unexpected(
       InvalidArgument(std::string("parameter '") + name + "' must be " + what + " as a non-negative integer"));
+}
+
+// The model's parameters of a request (InferRequest::parameters) as a JSON
+// object, in key order; INVALID_ARGUMENT past kMaxRequestParametersBytes.
+Result<std::string> ModelParameters(std::vector<std::pair<std::string_view, const inference::InferParameter*>>& own,
+                                    const std::string& model) {
+  std::sort(own.begin(), own.end());
+  rapidjson::StringBuffer buffer;
+  JsonWriter w(buffer);
+  w.StartObject();
+  for (const auto& [key, p] : own) {
+    w.Key(key.data(), static_cast<rapidjson::SizeType>(key.size()));
+    switch (p->parameter_choice_case()) {
+      case inference::InferParameter::kBoolParam: w.Bool(p->bool_param()); break;
+      case inference::InferParameter::kInt64Param: w.Int64(p->int64_param()); break;
+      case inference::InferParameter::kUint64Param: w.Uint64(p->uint64_param()); break;
+      case inference::InferParameter::kDoubleParam:
+        if (!std::isfinite(p->double_param())) {
+          return std::unexpected(
+              InvalidArgument("model '" + model + "': parameter '" + std::string(key) + "' must be a finite number"));
+        }
+        w.Double(p->double_param());
+        break;
+      case inference::InferParameter::kStringParam:
+        w.String(p->string_param().data(), static_cast<rapidjson::SizeType>(p->string_param().size()));
+        break;
+      default: w.Null(); break;  // set to nothing
+    }
+  }
+  w.EndObject();
+  if (buffer.GetSize() > kMaxRequestParametersBytes) {
+    return std::unexpected(InvalidArgument("model '" + model + "': the request's parameters take " +
+                                           std::to_string(buffer.GetSize()) + " bytes; at most " +
+                                           std::to_string(kMaxRequestParametersBytes) + " are accepted"));
+  }
+  return std::string(buffer.GetString(), buffer.GetSize());
 }
 
 // Copies typed contents into a tensor after checking the element count.
@@ -145,13 +182,19 @@ Result<InferRequest> ToInferRequest(const inference::ModelInferRequest& msg) {
       }
     }
   }
+  std::vector<std::pair<std::string_view, const inference::InferParameter*>> own;  // the model's
   for (const auto& [key, value] : msg.parameters()) {
     if (key == "priority") {
       QUERN_ASSIGN_OR_RETURN(uint64_t p, UnsignedParameter(value, "priority", "a priority level"));
       ir.priority = static_cast<uint32_t>(std::min<uint64_t>(p, UINT32_MAX));
     } else if (key == "timeout") {
       QUERN_ASSIGN_OR_RETURN(ir.timeout_us, UnsignedParameter(value, "timeout", "microseconds"));
+    } else if (!IsServerParameter(key)) {
+      own.emplace_back(key, &value);
     }
+  }
+  if (!own.empty()) {
+    QUERN_ASSIGN_OR_RETURN(ir.parameters, ModelParameters(own, ir.model));
   }
   return ir;
 }

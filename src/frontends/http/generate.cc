@@ -155,7 +155,11 @@ Result<InferRequest> ParseGenerateBody(const ModelConfig& config, int64_t versio
   for (const auto& m : doc.GetObject()) {
     const std::string name(m.name.GetString(), m.name.GetStringLength());
     const TensorConfig* tc = config.FindInput(name);
-    if (!tc) continue;  // "parameters", and members that name no input
+    if (!tc && name == "parameters" && m.value.IsObject()) {  // the model's (request.parameters())
+      QUERN_ASSIGN_OR_RETURN(request.parameters, KServeModelParameters(m.value, config.name));
+      continue;
+    }
+    if (!tc) continue;  // members that name no input
     auto tensor = ToTensor(config.name, *tc, m.value, config.max_batch_size > 0);
     if (!tensor) return Err(tensor.error());
     request.inputs.push_back({name, std::move(*tensor)});
