@@ -271,11 +271,12 @@ Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::
     w.Key(key.data(), static_cast<rapidjson::SizeType>(key.size()));
     v.Accept(w);
     any = true;
+    if (buffer.GetSize() > kMaxRequestParametersBytes) break;  // refused below, however many follow
   }
   w.EndObject();
   if (!any) return std::string();
   if (buffer.GetSize() > kMaxRequestParametersBytes) {
-    return Err(InvalidArgument("model '" + model + "': the request's parameters take " +
+    return Err(InvalidArgument("model '" + model + "': the request's parameters take at least " +
                                std::to_string(buffer.GetSize()) + " bytes; at most " +
                                std::to_string(kMaxRequestParametersBytes) + " are accepted"));
   }

@@ -354,6 +354,24 @@ def python_model_pids(model, parent=None):
     return found
 
 
+def write_one_step_ensemble(repo, name, step, tensor_in, in_type, tensor_out, out_type, max_batch_size=0,
+                            step_out=None):
+    """An ensemble `name` in `repo` whose one step is model `step`: input `tensor_in` ([1] of `in_type`,
+    e.g. "TYPE_FP32") passed to the step under that name, and output `tensor_out` ([1] of `out_type`),
+    the step's output of that name (or of `step_out`)."""
+    import textwrap
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(f'''
+        platform: "ensemble"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "{tensor_in}" data_type: {in_type} dims: [ 1 ] }} ]
+        output [ {{ name: "{tensor_out}" data_type: {out_type} dims: [ 1 ] }} ]
+        ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: -1
+          input_map {{ key: "{tensor_in}" value: "{tensor_in}" }}
+          output_map {{ key: "{step_out or tensor_out}" value: "{tensor_out}" }} }} ] }}
+        '''))
+
+
 def write_model(repo, name, config, code, version=1, extra=None):
     """A model folder in `repo` (a pathlib.Path): config.pbtxt (dedented) and <version>/model.py, with
     `extra` files ({name: text}) beside model.py."""

@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import socket
-import textwrap
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern, stop_quern, write_model
+from quern_testing import start_quern, stop_quern, write_model, write_one_step_ensemble
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -268,15 +267,7 @@ def served(tmp_path_factory):
     # An ensemble whose one step is bls_square (which calls the decoupled square_int32), and one whose
     # step is square_int32 itself.
     for name, step, out in (("bls_ensemble", "bls_square", "SUM"), ("decoupled_ensemble", "square_int32", "OUT")):
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(textwrap.dedent('''
-            platform: "ensemble"
-            max_batch_size: 0
-            input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-            output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-            ensemble_scheduling { step [ { model_name: "%s" model_version: -1
-              input_map { key: "IN" value: "IN" } output_map { key: "%s" value: "OUT" } } ] }
-            ''' % (step, out)))
+        write_one_step_ensemble(repo, name, step, "IN", "TYPE_INT32", "OUT", "TYPE_INT32", step_out=out)
     proc, ports = start_quern(QUERN, str(repo))
     yield {"ports": ports, "seen": seen, "seen_http": seen_http}
     stop_quern(proc)

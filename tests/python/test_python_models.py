@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -17,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern, wait_until, write_model
+from quern_testing import start_quern, wait_until, write_model, write_one_step_ensemble
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -204,15 +203,7 @@ def served(tmp_path_factory):
     write_model(repo, "mirror", MIRROR_CONFIG, MIRROR)
     write_model(repo, "ids", IDS_CONFIG, IDS)
     # An ensemble whose one step is "ids": its request's id reaches the step.
-    os.makedirs(repo / "ids_ensemble" / "1", exist_ok=True)
-    (repo / "ids_ensemble" / "config.pbtxt").write_text(textwrap.dedent('''
-        platform: "ensemble"
-        max_batch_size: 8
-        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        output [ { name: "id" data_type: TYPE_STRING dims: [ 1 ] } ]
-        ensemble_scheduling { step [ { model_name: "ids" model_version: -1
-          input_map { key: "x" value: "x" } output_map { key: "id" value: "id" } } ] }
-        '''))
+    write_one_step_ensemble(repo, "ids_ensemble", "ids", "x", "TYPE_FP32", "id", "TYPE_STRING", max_batch_size=8)
     # A model importing a module beside model.py, run by the test's own interpreter (a venv).
     write_model(repo, "venv", '''
         backend: "python"
@@ -1273,15 +1264,7 @@ def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
     64 KiB of them, are refused naming the parameter."""
     write_model(tmp_path, "params", PARAMS_CONFIG, PARAMS)
     write_model(tmp_path, "params_caller", PARAMS_CONFIG, PARAMS)
-    (tmp_path / "params_ensemble" / "1").mkdir(parents=True)
-    (tmp_path / "params_ensemble" / "config.pbtxt").write_text(textwrap.dedent('''
-        platform: "ensemble"
-        max_batch_size: 0
-        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        output [ { name: "seen" data_type: TYPE_STRING dims: [ 1 ] } ]
-        ensemble_scheduling { step [ { model_name: "params" model_version: -1
-          input_map { key: "x" value: "x" } output_map { key: "seen" value: "seen" } } ] }
-    '''))
+    write_one_step_ensemble(tmp_path, "params_ensemble", "params", "x", "TYPE_FP32", "seen", "TYPE_STRING")
     proc, ports = start_quern(QUERN, str(tmp_path))
     try:
         x = np.ones((1,), np.float32)
