@@ -13,7 +13,8 @@ SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 R=${1:-/srv/quern-fresh-test}
 source "$SRC/bench/fresh_root.sh"
 fresh_root_prepare "$R"
-cleanup() { fresh_root_release "$R"; }
+stress=""
+cleanup() { [ -n "$stress" ] && kill "$stress" 2>/dev/null; fresh_root_release "$R"; }
 trap cleanup EXIT
 if [ "${KEEP:-0}" = 1 ] || [ "${COLD_BUILD:-0}" = 1 ] && [ -d "$R/root/quern" ]; then
   (cd "$R/root/quern" && git pull -q "$SRC" HEAD)
@@ -25,7 +26,6 @@ else
   rm -rf "$R/root/quern" && git clone -q "$SRC" "$R/root/quern"
 fi
 log="$R/root/test.log"
-stress=""
 if [ -n "${STRESS:-}" ]; then
   command -v stress-ng >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
   stress-ng --cpu "$(nproc)" --cpu-load "$STRESS" --quiet &
@@ -34,7 +34,7 @@ if [ -n "${STRESS:-}" ]; then
 fi
 in_fresh_root "$R" 'cd /root/quern && scripts/test.sh' > "$log" 2>&1
 rc=$?
-[ -n "$stress" ] && { kill "$stress" 2>/dev/null; wait "$stress" 2>/dev/null; }
+[ -n "$stress" ] && { kill "$stress" 2>/dev/null; wait "$stress" 2>/dev/null; stress=""; }
 grep -E '^== .*: [0-9]+ s$|^== all tests passed' "$log"
 [ $rc = 0 ] || { echo "fresh_test: scripts/test.sh failed ($rc); the end of its log ($log):"; tail -40 "$log"; }
 exit $rc
