@@ -78,6 +78,9 @@ TEST(KServeCodec, TheModelGetsTheRequestsOwnParametersAsJson) {
     EXPECT_NE(refused.error().message().find("parameter 'x' must be a bool, a number or a string"), std::string::npos)
         << refused.error().message();
   }
+  auto twice = parse(R"({"t": 1, "t": 2})");
+  ASSERT_FALSE(twice.has_value());
+  EXPECT_NE(twice.error().message().find("parameter 't' is given twice"), std::string::npos);
   auto nan = parse(R"({"x": NaN})");
   ASSERT_FALSE(nan.has_value());
   EXPECT_NE(nan.error().message().find("parameter 'x' must be a finite number"), std::string::npos);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <set>
 #include <type_traits>
 
 #include "core/json.h"
@@ -256,9 +257,13 @@ Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::
   JsonWriter w(buffer);
   w.StartObject();
   bool any = false;
+  std::set<std::string_view> seen;
   for (const auto& m : p.GetObject()) {
     const std::string_view key(m.name.GetString(), m.name.GetStringLength());
     if (IsServerParameter(key)) continue;
+    if (!seen.insert(key).second) {
+      return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) + "' is given twice"));
+    }
     const rapidjson::Value& v = m.value;
     if (!v.IsBool() && !v.IsNumber() && !v.IsString()) {
       return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) +

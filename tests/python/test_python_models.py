@@ -1237,7 +1237,16 @@ class TritonPythonModel:
         out = []
         for request in requests:
             seen = request.parameters()
-            if "call" in json.loads(seen):
+            if "bad" in json.loads(seen):  # a BLS request's parameters that are no JSON object of scalars
+                refused = []
+                for bad in ({"x": float("nan")}, '{"x": NaN}', {"x": [1]}, "[1]"):
+                    try:
+                        pb_utils.InferenceRequest(model_name="params", requested_output_names=["seen"],
+                                                  inputs=[], parameters=bad)
+                    except pb_utils.TritonModelException:
+                        refused.append(True)
+                seen = json.dumps({"refused": len(refused)})
+            elif "call" in json.loads(seen):
                 call = pb_utils.InferenceRequest(model_name="params", requested_output_names=["seen"],
                                                  inputs=[pb_utils.get_input_tensor_by_name(request, "x")],
                                                  parameters={"from": "bls", "n": 7})
@@ -1300,6 +1309,7 @@ def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
         # An ensemble's step sees the caller's; a BLS call carries the caller model's own.
         assert http_seen("params_ensemble", {"e": 1}) == (200, {"e": 1})
         assert http_seen("params_caller", {"call": True}) == (200, {"from": "bls", "n": 7})
+        assert http_seen("params", {"bad": True}) == (200, {"refused": 4})
         # Refused, naming what is wrong.
         status, body = http_seen("params", {"x": [1, 2]})
         assert status == 400 and b"parameter 'x' must be a bool, a number or a string" in body, body

@@ -568,6 +568,12 @@ Status PythonProcess::Remap(int slot, size_t bytes) {
 
 Status PythonProcess::Send(std::string_view payload) {
   if (pid_ <= 0) return Unavailable(tag_ + ": its Python process is not running");
+  // The process reads frames up to the same bound (and a length must fit its 32 bits).
+  if (payload.size() > kMaxFrameBytes) {
+    return ResourceExhausted(tag_ + ": a frame of " + std::to_string(payload.size()) +
+                             " bytes for its Python process (a batch's request ids and parameters); at most " +
+                             std::to_string(kMaxFrameBytes));
+  }
   const uint32_t n = static_cast<uint32_t>(payload.size());
   const unsigned char head[4] = {static_cast<unsigned char>(n), static_cast<unsigned char>(n >> 8),
                                  static_cast<unsigned char>(n >> 16), static_cast<unsigned char>(n >> 24)};

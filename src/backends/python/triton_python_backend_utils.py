@@ -112,11 +112,15 @@ def _parameters_json(parameters):
     text) as JSON text."""
     if parameters is None or parameters == "" or parameters == {}:
         return "{}"
-    value = json.loads(parameters) if isinstance(parameters, (str, bytes)) else parameters
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, float, str))
-                                              for k, v in value.items()):
-        raise TritonModelException("parameters must be a dict of str to bool, int, float or str (or its JSON)")
-    return parameters if isinstance(parameters, str) else json.dumps(value, separators=(",", ":"))
+    try:
+        value = json.loads(parameters) if isinstance(parameters, (str, bytes)) else parameters
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, float, str))
+                                                  for k, v in value.items()):
+            raise ValueError("not a dict of str to bool, int, float or str")
+        # Written again: valid JSON whatever was given (a NaN refused, a key given twice once).
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:
+        raise TritonModelException(f"parameters must be a dict of str to bool, int, float or str (or its JSON): {e}")
 
 
 class InferenceRequest:

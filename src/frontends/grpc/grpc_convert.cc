@@ -49,7 +49,9 @@ Result<std::string> ModelParameters(std::vector<std::pair<std::string_view, cons
       case inference::InferParameter::kStringParam:
         w.String(p->string_param().data(), static_cast<rapidjson::SizeType>(p->string_param().size()));
         break;
-      default: w.Null(); break;  // set to nothing
+      default:  // set to nothing: refused, as HTTP refuses null
+        return std::unexpected(InvalidArgument("model '" + model + "': parameter '" + std::string(key) +
+                                               "' must be a bool, a number or a string"));
     }
   }
   w.EndObject();
