@@ -13,9 +13,9 @@ SECS="${2:-4}"
 INFLIGHT="${3:-1}"
 scripts/setup.sh
 build/venv/bin/python scripts/gen_models.py --bench bench/models --quiet
-cmake --preset ci >/dev/null
-cmake --build --preset ci --target engine_bench >/dev/null
-B=build/ci/bench/engine_bench
+cmake --preset release >/dev/null
+cmake --build --preset release --target engine_bench >/dev/null
+B=build/release/bench/engine_bench
 for model in resnet50 detect_v5n; do
   echo "### $model, $INFLIGHT in flight: raw layout, raw items/s, engine items/s, engine / raw"
   ratios=()

@@ -4,7 +4,7 @@
 // grew by, or was rewritten with, and wall time each), while another thread
 // asks for the faces (FaceGallery::Current, what every recognition does
 // first) in a loop and records its slowest answer.
-//   build/ci/bench/face_gallery_bench --dir /tmp [--users 1000 --faces 16 --dim 1024 --registrations 10]
+//   build/release/bench/face_gallery_bench --dir /tmp [--users 1000 --faces 16 --dim 1024 --registrations 10]
 #include <sys/stat.h>
 
 #include <CLI/CLI.hpp>

@@ -18,17 +18,17 @@ TEST(OrtRunMemory, ARunsLargeOutputIsABlockOfTheCache) {
   OrtModel model("linear", testing::TestModels() / "linear" / "1" / "model.onnx", OrtSessionOptions{}, {});
   ASSERT_TRUE(model.Load().ok());
   // 40000 rows of 8 in, 3 out: a 480 KB output, over the cache's 256 KiB.
-  constexpr int64_t kRows = 40000;
-  std::vector<float> x(kRows * 8, 0.5f);
-  std::vector<NamedTensor> inputs{{"x", Tensor::From<float>(DataType::kFp32, {kRows, 8}, x)}};
+  constexpr int64_t kLargeRows = 40000;
+  std::vector<float> x(kLargeRows * 8, 0.5f);
+  std::vector<NamedTensor> inputs{{"x", Tensor::From<float>(DataType::kFp32, {kLargeRows, 8}, x)}};
   const BlockCache::Use before = OrtRunMemory().InUse();
   std::vector<NamedTensor> outputs;
-  Status st = model.Execute(inputs, kRows, outputs);
+  Status st = model.Execute(inputs, kLargeRows, outputs);
   ASSERT_TRUE(st.ok()) << st.message();
   ASSERT_EQ(outputs.size(), 1u);
-  EXPECT_EQ(outputs[0].tensor.byte_size(), size_t{kRows} * 3 * sizeof(float));
+  EXPECT_EQ(outputs[0].tensor.byte_size(), size_t{kLargeRows} * 3 * sizeof(float));
   const BlockCache::Use held = OrtRunMemory().InUse();
-  EXPECT_GE(held.in_use_bytes, before.in_use_bytes + OrtRunMemory().ClassBytes(kRows * 3 * sizeof(float)))
+  EXPECT_GE(held.in_use_bytes, before.in_use_bytes + OrtRunMemory().ClassBytes(kLargeRows * 3 * sizeof(float)))
       << "the output is not in a block of the cache: sessions do not allocate from it";
   outputs.clear();
   const BlockCache::Use after = OrtRunMemory().InUse();

@@ -5,17 +5,15 @@
 #include <algorithm>
 #include <cmath>
 
+#include "metrics/registry.h"
+
 namespace quern {
 namespace {
 
-bool ValidName(std::string_view s, bool label) {
-  if (s.empty() || s.size() > 200) return false;
-  for (size_t i = 0; i < s.size(); ++i) {
-    const char c = s[i];
-    const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (!label && c == ':');
-    if (!letter && !(i > 0 && c >= '0' && c <= '9')) return false;
-  }
-  return !(label && s.starts_with("__"));
+// Prometheus' grammar (no ':' in a label name), at most 200 bytes, and no label name of the
+// reserved "__" prefix.
+bool ValidCustomName(std::string_view s, bool label) {
+  return s.size() <= 200 && IsPrometheusName(s, !label) && !(label && s.starts_with("__"));
 }
 
 const char* KindName(CustomMetrics::Kind k) {
@@ -35,7 +33,7 @@ CustomMetrics& CustomMetrics::Global() {
 }
 
 Status CustomMetrics::Declare(const std::string& name, const std::string& help, Kind kind) {
-  if (!ValidName(name, false)) {
+  if (!ValidCustomName(name, false)) {
     return InvalidArgument("metric family name '" + name.substr(0, 200) + "' is not a Prometheus metric name");
   }
   if (name.starts_with("quern_") || name.starts_with("process_")) {
@@ -69,7 +67,7 @@ Result<CustomMetrics::Series*> CustomMetrics::Find(const std::string& name, cons
     return Err(InvalidArgument("metric '" + name + "': at most " + std::to_string(kMaxLabels) + " labels"));
   }
   for (const auto& [k, v] : labels) {
-    if (!ValidName(k, true) || v.size() > 1024) {
+    if (!ValidCustomName(k, true) || v.size() > 1024) {
       return Err(InvalidArgument("metric '" + name + "': label '" + k.substr(0, 200) +
                                  "' is not a Prometheus label name, or its value is over 1 KiB"));
     }

@@ -26,17 +26,7 @@ struct Family {
 
 }  // namespace metrics_internal
 
-namespace {
-
-using metrics_internal::Family;
-using metrics_internal::Series;
-
-[[noreturn]] void Fatal(const std::string& message) {
-  std::fprintf(stderr, "quern: metrics: %s\n", message.c_str());
-  std::abort();
-}
-
-bool ValidName(std::string_view name, bool colons) {
+bool IsPrometheusName(std::string_view name, bool colons) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
@@ -45,6 +35,16 @@ bool ValidName(std::string_view name, bool colons) {
     if (!ok) return false;
   }
   return true;
+}
+
+namespace {
+
+using metrics_internal::Family;
+using metrics_internal::Series;
+
+[[noreturn]] void Fatal(const std::string& message) {
+  std::fprintf(stderr, "quern: metrics: %s\n", message.c_str());
+  std::abort();
 }
 
 const char* TypeName(MetricType type) {
@@ -58,7 +58,7 @@ const char* TypeName(MetricType type) {
 
 void CheckLabels(std::string_view metric, const MetricLabels& labels) {
   for (const auto& [name, value] : labels) {
-    if (!ValidName(name, false) || name.rfind("__", 0) == 0 || name == "le") {
+    if (!IsPrometheusName(name, false) || name.rfind("__", 0) == 0 || name == "le") {
       Fatal("label name '" + name + "' of " + std::string(metric) + " is not a valid Prometheus label name");
     }
   }
@@ -247,7 +247,7 @@ MetricsRegistry::Family& MetricsRegistry::Declare(std::string_view name, MetricT
     }
     return *f;
   }
-  if (!ValidName(name, true)) Fatal("'" + std::string(name) + "' is not a valid Prometheus metric name");
+  if (!IsPrometheusName(name, true)) Fatal("'" + std::string(name) + "' is not a valid Prometheus metric name");
   auto f = std::make_unique<Family>();
   f->name = name;
   f->help = help;

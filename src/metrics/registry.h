@@ -41,6 +41,10 @@ using MetricLabels = std::vector<std::pair<std::string, std::string>>;
 
 enum class MetricType { kCounter, kGauge, kHistogram };
 
+// Whether `name` is in Prometheus' grammar: [a-zA-Z_][a-zA-Z0-9_]*, and ':' too where `colons`
+// (metric names; label names take none).
+bool IsPrometheusName(std::string_view name, bool colons);
+
 namespace metrics_internal {
 struct Family;
 }  // namespace metrics_internal

@@ -86,7 +86,7 @@ constexpr size_t kMaxBlsAnswerBytes = size_t{1} << 30;
 // exec(decoupled=True): at most this many responses are gathered for the caller.
 constexpr size_t kMaxBlsResponses = 65536;
 
-size_t AlignUp(size_t n) {
+size_t AlignShmOffset(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
 
@@ -292,7 +292,7 @@ class PythonModel final : public Model {
     std::vector<size_t> offsets(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       offsets[i] = end;
-      end = AlignUp(end + inputs[i].tensor.byte_size());
+      end = AlignShmOffset(end + inputs[i].tensor.byte_size());
     }
     // One slot always stays free (ReadOutputs copies rather than borrow the last one).
     const int slot = process_->FreeSlot();
