@@ -406,6 +406,23 @@ def gen_examples(d, quiet):
     os.makedirs(data, exist_ok=True)
     np.save(f"{data}/text_upright.npy", text_line("Quern grinds", False))
     np.save(f"{data}/text_flipped.npy", text_line("Quern grinds", True))
+    # The detector's warm-up sample, which backend "auto" also takes for its check input (boxes to
+    # compare between runtimes): darknet's dog.jpg (scripts/setup.sh copies it here) letterboxed into
+    # 640x640 as examples/models/objects/config.pbtxt says, FP32 CHW, raw.
+    if os.path.exists(f"{data}/dog.jpg"):
+        os.makedirs(f"{d}/objects/warmup", exist_ok=True)
+        letterboxed(f"{data}/dog.jpg", 640).tofile(f"{d}/objects/warmup/dog.fp32")
+
+
+def letterboxed(path, size):
+    """The image scaled to fit size x size (bilinear), centred on grey 114, RGB / 255, CHW float32."""
+    from PIL import Image
+    img = Image.open(path).convert("RGB")
+    scale = min(size / img.width, size / img.height)
+    w, h = max(1, round(img.width * scale)), max(1, round(img.height * scale))
+    canvas = Image.new("RGB", (size, size), (114, 114, 114))
+    canvas.paste(img.resize((w, h), Image.BILINEAR), ((size - w) // 2, (size - h) // 2))
+    return (np.asarray(canvas, dtype=np.float32) / 255.0).transpose(2, 0, 1).copy()
 
 
 def identity(name, n):

@@ -87,6 +87,17 @@ TEST(KServeCodec, TheModelGetsTheRequestsOwnParametersAsJson) {
   auto big = parse(R"({"x": ")" + std::string(70000, 'a') + R"("})");
   ASSERT_FALSE(big.has_value());
   EXPECT_NE(big.error().message().find("at most 65536"), std::string::npos) << big.error().message();
+  // Bytes that are no UTF-8 (a lone continuation byte, a cut sequence, an encoded surrogate) in a
+  // value or a name: refused, not handed to a model whose JSON reader would fail on them. The
+  // error does not quote them.
+  for (const std::string& bad : {std::string("\x80"), std::string("ab\xC3"), std::string("\xED\xA0\x80")}) {
+    auto value = parse(R"({"stop": ")" + bad + R"("})");
+    ASSERT_FALSE(value.has_value()) << bad;
+    EXPECT_EQ(value.error().message(), "model 'm': parameter 'stop' is not valid UTF-8");
+    auto name = parse(R"({")" + bad + R"(": 1})");
+    ASSERT_FALSE(name.has_value()) << bad;
+    EXPECT_EQ(name.error().message(), "model 'm': a parameter's name is not valid UTF-8");
+  }
 }
 
 TEST(KServeCodec, BinaryDataMustBeClaimedExactly) {

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
@@ -317,6 +318,13 @@ struct ModelStatistics {
   std::vector<BatchSizeStats> batch_stats;  // by batch size, ascending
 };
 
+// What EngineOptions::compare_answers found: whether a candidate runtime's answers mean what the
+// reference's do, and in words what was compared ("its 3 boxes ...") or what differs.
+struct AnswerAgreement {
+  bool agree = true;
+  std::string detail;
+};
+
 struct EngineOptions {
   // Triton-style model repository; empty = no repository (models registered in code).
   std::string model_repository;
@@ -346,6 +354,13 @@ struct EngineOptions {
   // loaded version's status and the model's folder; an error fails that
   // version's load with the error's message. Null = none.
   std::function<Status(const ModelStatus& status, const std::string& model_dir)> check_model;
+  // How backend "auto" compares another runtime's answers to ONNX Runtime's on the check input
+  // beyond their numbers (e.g. a detector's boxes: `quern serve` compares a vision model's so):
+  // called with the candidate's configuration, the model's folder and both runtimes' outputs for
+  // the check input; a candidate whose answers disagree is left out. Null = the numbers only.
+  std::function<AnswerAgreement(const ModelConfig& config, const std::filesystem::path& model_dir,
+                                const std::vector<NamedTensor>& reference, const std::vector<NamedTensor>& candidate)>
+      compare_answers;
   // Where backend "auto" (an ONNX model whose configuration names no
   // backend) keeps the runtime it measured fastest for each model file, so
   // that a restart does not measure again: one small file per model file

@@ -23,6 +23,7 @@
 
 #include "core/half.h"
 #include "core/log.h"
+#include "engine/warmup.h"
 
 namespace quern {
 namespace {
@@ -66,6 +67,7 @@ struct Candidate {
   double ms = std::numeric_limits<double>::infinity();  // what is compared (see Measure)
   double instance_ms = 0, wide_ms = 0;
   double error = 0;      // against FP32
+  std::string meaning;   // what EngineOptions::compare_answers compared ("" = nothing)
   std::string left_out;  // why it was not a choice
 };
 
@@ -267,7 +269,7 @@ Status Measure(Candidate& c, const std::vector<NamedTensor>& inputs, bool with_w
   return Status::Ok();
 }
 
-std::string Describe(const Candidate& c) {
+std::string DescribeCandidate(const Candidate& c) {
   char buf[96];
   if (!c.left_out.empty()) {
     // One line, and no "; " (the table's separator): runtimes' messages span lines.
@@ -285,7 +287,15 @@ std::string Describe(const Candidate& c) {
     out += buf;
   }
   std::snprintf(buf, sizeof buf, ", outputs within %.2g of ONNX Runtime's", c.error);
-  return out + buf;
+  out += buf;
+  if (!c.meaning.empty()) {
+    std::string what = c.meaning;
+    for (char& ch : what) {
+      if (ch == '\n' || ch == '\r' || ch == ';') ch = ' ';
+    }
+    out += ", " + what;
+  }
+  return out;
 }
 
 // Why a run of ONNX Runtime this short is not measured against the others:
@@ -362,13 +372,37 @@ std::string OwnBuild() {
          std::to_string(st.st_mtim.tv_nsec) + " " + std::to_string(st.st_ino);
 }
 
+// The check input: the configuration's first warm-up sample (Triton's model_warmup: an input its
+// author chose, such as a real photograph's tensor) when it has one, else one made up (CheckInputs).
+// `rows` is the batch it holds (0 when the model does not batch); `source` names it for the log.
+std::vector<NamedTensor> CheckInputsFor(const ModelConfig& config, const std::filesystem::path& model_dir,
+                                        int64_t& rows, std::string& why, std::string& source) {
+  if (!config.warmup.empty()) {
+    auto sample = WarmupInputs(config, config.warmup.front(), model_dir, rows);
+    if (!sample) {
+      why = sample.error().message();
+      return {};
+    }
+    source = "its warm-up sample '" + config.warmup.front().name + "'";
+    return std::move(*sample);
+  }
+  source = "the check input";
+  auto inputs = CheckInputs(config, why);
+  rows = config.max_batch_size > 0 && !inputs.empty() ? inputs.front().tensor.shape().front() : 0;
+  return inputs;
+}
+
 class AutoBackend final : public Backend {
  public:
   AutoBackend(std::shared_ptr<Backend> ort, std::shared_ptr<Backend> ov, std::filesystem::path cache_dir, bool measure)
       : ort_(std::move(ort)), ov_(std::move(ov)), cache_dir_(std::move(cache_dir)), measure_(measure) {}
 
+  void SetServices(const ModelServices& services) override { compare_answers_ = services.compare_answers; }
+
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
+    // The model's folder (file is <folder>/<version>/model.onnx): its warm-up files.
+    const std::filesystem::path model_dir = file.parent_path().parent_path();
     // ONNX Runtime's CUDA: the only runtime here that runs on a GPU.
     if (AnyOnGpu(config) || !measure_) {
       config.backend = "onnxruntime";
@@ -405,13 +439,14 @@ class AutoBackend final : public Backend {
             auto opened = open(*it);
             if (opened) {
               it->opened = std::move(*opened);
-              std::string why;
-              const auto inputs = CheckInputs(it->config, why);
-              const int64_t batch =
-                  it->config.max_batch_size > 0 && !inputs.empty() ? inputs.front().tensor.shape().front() : 1;
+              std::string why, source;
+              int64_t rows = 0;
+              const auto inputs = CheckInputsFor(it->config, model_dir, rows, why, source);
               auto model = it->opened->NewInstance(it->config, InstanceDevice{});
               std::vector<NamedTensor> out;
-              if (!model || (!inputs.empty() && !(*model)->Execute(inputs, batch, out).ok())) it->opened.reset();
+              if (!model || (!inputs.empty() && !(*model)->Execute(inputs, std::max<int64_t>(rows, 1), out).ok())) {
+                it->opened.reset();
+              }
             }
             if (it->opened) {
               Log(LogLevel::kInfo,
@@ -429,6 +464,7 @@ class AutoBackend final : public Backend {
     // reference): the load holds at most three copies of the weights.
     Candidate* best = nullptr;
     std::vector<NamedTensor> inputs;
+    std::string source = "the check input";
     bool compared = false;  // whether another runtime was measured against ONNX Runtime
     for (auto& c : cs) {
       const bool reference = &c == &cs.front();
@@ -442,7 +478,8 @@ class AutoBackend final : public Backend {
       if (reference) {
         best = &c;
         std::string why;
-        inputs = CheckInputs(c.config, why);
+        int64_t rows = 0;
+        inputs = CheckInputsFor(c.config, model_dir, rows, why, source);
         if (inputs.empty() && !c.config.inputs.empty()) {
           c.left_out = "served without a measurement: " + why;
           break;  // nothing to compare the others on
@@ -475,6 +512,15 @@ class AutoBackend final : public Backend {
         c.opened.reset();
         continue;
       }
+      if (!reference && compare_answers_) {
+        const AnswerAgreement same = compare_answers_(c.config, model_dir, cs.front().outputs, c.outputs);
+        if (!same.agree) {
+          c.left_out = "answers differ from ONNX Runtime's: " + same.detail;
+          c.opened.reset();
+          continue;
+        }
+        c.meaning = same.detail;
+      }
       if (c.ms < best->ms * kMargin) {
         if (best != &cs.front()) best->opened.reset();  // the reference stays: its outputs are compared
         best = &c;
@@ -488,10 +534,10 @@ class AutoBackend final : public Backend {
     }
     std::string table;
     for (const auto& c : cs) {
-      if (&c != best) table += (table.empty() ? "" : "; ") + Describe(c);
+      if (&c != best) table += (table.empty() ? "" : "; ") + DescribeCandidate(c);
     }
-    const std::string measured = Describe(*best) + (table.empty() ? "" : "; over " + table);
-    Log(LogLevel::kInfo, "runtime chosen by measurement (the check input): " + measured, {{"model", config.name}});
+    const std::string measured = DescribeCandidate(*best) + (table.empty() ? "" : "; over " + table);
+    Log(LogLevel::kInfo, "runtime chosen by measurement (" + source + "): " + measured, {{"model", config.name}});
     if (compared && !cached_path.empty()) Keep(cached_path, best->label, measured, config.name);
     config = best->config;
     return std::move(best->opened);
@@ -517,7 +563,7 @@ class AutoBackend final : public Backend {
       EVP_DigestUpdate(ctx.get(), &n, sizeof n);
       EVP_DigestUpdate(ctx.get(), s.data(), s.size());
     };
-    add("quern runtime choice 2");
+    add("quern runtime choice 3");  // 3: a detector's boxes compared too
     add(OwnBuild());
     for (const char* field : {"model name", "flags", "CPU implementer", "CPU part", "Features"})
       add(CpuInfoLine(field));
@@ -539,6 +585,16 @@ class AutoBackend final : public Backend {
     }
     for (const auto& out : config.outputs) add("output " + out.name);
     for (const auto& [k, v] : config.parameters) add(k + "=" + v);
+    // The check input's sample, when the configuration names one (what it is, not its bytes).
+    if (!config.warmup.empty()) {
+      const WarmupSample& w = config.warmup.front();
+      add("warm-up " + w.name + " " + std::to_string(w.batch_size));
+      for (const auto& [name, in] : w.inputs) {
+        add(name + " " + std::string(DataTypeName(in.dtype)) + " " + std::to_string(static_cast<int>(in.fill)) + " " +
+            in.file);
+        for (int64_t d : in.dims) add(std::to_string(d));
+      }
+    }
     // The model file's bytes (the file the runtimes read, inside the
     // repository), and the other plain files beside it (external weights)
     // by name, size and time: links are not followed, nothing else read.
@@ -613,6 +669,7 @@ class AutoBackend final : public Backend {
     }
   }
 
+  decltype(ModelServices::compare_answers) compare_answers_;
   std::shared_ptr<Backend> ort_, ov_;
   std::filesystem::path cache_dir_;
   bool measure_;

@@ -3,12 +3,15 @@
 // precision measured fastest on this machine among those whose answers
 // agree with ONNX Runtime's FP32 ones. At load, each candidate (ONNX
 // Runtime FP32, OpenVINO f32, and OpenVINO bf16 where the CPU has
-// AVX512_BF16 or AMX) opens the file and runs a check input of the model's
-// own shapes (batch 1) as the engine will serve it: on one instance and,
+// AVX512_BF16 or AMX) opens the file and runs a check input as the engine
+// will serve it (the configuration's first model_warmup sample when there
+// is one, else one made up of the model's own shapes, batch 1): on one instance and,
 // where the layout has one, on the wide instance (every core), for at most
 // 0.6 s each; its time is the geometric mean of the two. The fastest whose
 // outputs lie within 0.1 % (f32) or 5 % (bf16) of FP32's largest value, per
-// output, is kept; the others are dropped. Another runtime replaces ONNX
+// output, and whose answers mean the same (ModelServices::compare_answers,
+// when the engine has one: a detector's boxes), is kept; the others are
+// dropped. Another runtime replaces ONNX
 // Runtime only when at least 10 % faster, and a model whose ONNX Runtime
 // run takes under 1 ms is not measured further (ONNX Runtime serves it).
 // The choice and the table behind it are logged; the served configuration

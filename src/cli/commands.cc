@@ -225,6 +225,11 @@ int Tune(const std::string& model_dir) {
     return !list_ec;
   };
   if (!place_files(src, model) || !place_files(version_dir, model / "1")) return 1;
+  // Its warm-up files (model_warmup's input_data_file): the check input when there is a sample.
+  if (std::error_code dir_ec; fs::is_directory(src / "warmup", dir_ec)) {
+    fs::create_directories(model / "warmup", ec);
+    if (!place_files(src / "warmup", model / "warmup")) return 1;
+  }
   // Its configuration as parsed, with backend "auto" and the automatic
   // layout of one version (a file that does not parse: its load says why).
   std::string config = "backend: \"auto\"\n";

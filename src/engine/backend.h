@@ -45,6 +45,8 @@ struct ModelServices {
   // Engine::InferAsync's contract (a refusal is returned and `done` stays with the caller; a request
   // taken is answered once, on an engine thread): a model calling another model (Python's BLS).
   std::function<Status(InferRequest&& request, InferCallback& done, const SubmitOptions& options)> submit;
+  // EngineOptions::compare_answers (may be null).
+  decltype(EngineOptions::compare_answers) compare_answers;
 };
 
 class Backend {

@@ -41,6 +41,7 @@ ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(Bac
   services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o) {
     return Submit(std::move(r), NextId(), done, o);
   };
+  services.compare_answers = options_.compare_answers;
   backends_.SetServices(services);
   std::random_device rd;
   next_id_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;

@@ -260,6 +260,8 @@ Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::
   std::set<std::string_view> seen;
   for (const auto& m : p.GetObject()) {
     const std::string_view key(m.name.GetString(), m.name.GetStringLength());
+    // The reader takes any bytes in a string; a model's JSON reader refuses what is not UTF-8.
+    if (!IsUtf8(key)) return Err(InvalidArgument("model '" + model + "': a parameter's name is not valid UTF-8"));
     if (IsServerParameter(key)) continue;
     if (!seen.insert(key).second) {
       return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) + "' is given twice"));
@@ -268,6 +270,9 @@ Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::
     if (!v.IsBool() && !v.IsNumber() && !v.IsString()) {
       return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) +
                                  "' must be a bool, a number or a string"));
+    }
+    if (v.IsString() && !IsUtf8(std::string_view(v.GetString(), v.GetStringLength()))) {
+      return Err(InvalidArgument("model '" + model + "': parameter '" + std::string(key) + "' is not valid UTF-8"));
     }
     if (v.IsDouble() && !std::isfinite(v.GetDouble())) {
       return Err(

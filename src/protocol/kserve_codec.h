@@ -52,7 +52,8 @@ bool IsServerParameter(std::string_view key);
 // The parameters object `p` of a request to `model` as the model gets them
 // (InferRequest::parameters): every member but the server's, as JSON; ""
 // when none is left. INVALID_ARGUMENT for a value that is not a bool, a
-// number or a string, or for more than kMaxRequestParametersBytes of them.
+// number or a string, a name or string that is not UTF-8, or for more than
+// kMaxRequestParametersBytes of them.
 Result<std::string> KServeModelParameters(const rapidjson::Value& p, const std::string& model);
 
 // KServe's classification extension: the `count` highest values of each row

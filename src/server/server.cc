@@ -19,6 +19,7 @@
 #include "frontends/jobs/job_handler.h"
 #include "metrics/collectors.h"
 #include "metrics/registry.h"
+#include "pipeline/answer_agreement.h"
 #include "pipeline/vision_model.h"
 #include "server/dashboard.h"
 #include "server/routes.h"
@@ -84,6 +85,8 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool lo
     auto vision = VisionModelFromStatus(status, model_dir);
     return vision ? Status::Ok() : vision.error();
   };
+  // Backend "auto" compares a detector's boxes too, not only its numbers.
+  o.compare_answers = CompareVisionAnswers;
   return Engine::Create(o);
 }
 

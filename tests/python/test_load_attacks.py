@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import cpu_seconds, rss_mb, sanitized, start_quern
+from quern_testing import cpu_seconds, rss_mb, sanitized, start_quern, stop_quern
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -358,41 +358,58 @@ def png16(width, height):
 
 
 def test_images_slow_to_decode_are_answered_within_the_timeout(tmp_path):
+    """Images that take long to decode (7000 x 7000 16-bit PNGs, 49 Mpx from 442 KB) sent at once:
+    each is answered by its timeout and one decode's time at most (an image whose decode would end
+    past its deadline is not begun, one that waited past it is dropped), as a detection or as a
+    refusal that says why. Whether a given image makes it in time depends on how fast this machine
+    decodes right now: that a lone image is answered is checked on a server whose timeout is far
+    above it, and the bound is set by that image's measured time."""
     if sanitized(QUERN):
         pytest.skip("its sizes are chosen for the release build's decoding speed")
     repo = tmp_path / "repo"
     shutil.copytree(os.path.join(MODELS, "detect_yolov8"), repo / "detect_yolov8")
-    proc, ports = start_quern(QUERN, str(repo), "--vision-timeout-ms", "1500", "--detection-model", "detect_yolov8")
+    image = png16(7000, 7000)
+    body, headers = detection_form(image)
+
+    def one(port, took):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        start = time.monotonic()
+        conn.request("POST", "/v1/vision/detection", body=body, headers=headers)
+        r = conn.getresponse()
+        doc = json.loads(r.read())
+        took.append((time.monotonic() - start, doc.get("success"), doc.get("error")))
+        conn.close()
+
+    solo = []
+    proc, ports = start_quern(QUERN, str(repo), "--vision-timeout-ms", "60000", "--detection-model", "detect_yolov8")
     try:
-        image = png16(7000, 7000)
-        body, headers = detection_form(image)
+        one(ports["HTTP"], solo)
+    finally:
+        stop_quern(proc)
+    assert solo[0][1] is True, solo
+    decode_s = solo[0][0]
+    timeout_s = 1.5
+    proc, ports = start_quern(QUERN, str(repo), "--vision-timeout-ms", str(int(timeout_s * 1000)),
+                              "--detection-model", "detect_yolov8")
+    try:
         took = []
-
-        def one():
-            conn = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
-            start = time.monotonic()
-            conn.request("POST", "/v1/vision/detection", body=body, headers=headers)
-            r = conn.getresponse()
-            doc = json.loads(r.read())
-            took.append((time.monotonic() - start, doc.get("success"), doc.get("error")))
-            conn.close()
-
-        one()  # the first decode is measured
-        threads = [threading.Thread(target=one) for _ in range(12)]
+        one(ports["HTTP"], took)  # the first decode is measured by the server
+        threads = [threading.Thread(target=one, args=(ports["HTTP"], took)) for _ in range(12)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        print(f"{len(image)} B 16-bit PNGs: answered after " + ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + " s")
+        print(f"{len(image)} B 16-bit PNGs: alone {decode_s:.2f} s; with a {timeout_s} s timeout answered after " +
+              ", ".join(f"{s:.1f}" for s, _, _ in sorted(took)) + f" s, {sum(1 for _, ok, _ in took if ok)} detected")
         assert len(took) == 13
-        # The timeout (1.5 s), and an answer's way out on a machine busy with other work (2.08 s was
-        # seen beside a compile on both cores); decoding the 12 images sent at once takes 6 decodes'
-        # time on two cores (the first one's figure is printed above: over 1 s each).
-        assert max(s for s, _, _ in took) < 4.5, sorted(took)
-        assert any(ok for _, ok, _ in took), took
+        # Decoding them all takes six decodes' time on two cores: the deadline cuts that short. A decode
+        # begun in time may run its course (two sharing a core: twice a lone one's time), then the answer.
+        assert max(s for s, _, _ in took) < timeout_s + 2 * decode_s + 1.0, (decode_s, sorted(took))
+        # Each one detected, or refused saying why: its deadline, or the memory its decoding would take.
+        reasons = ("deadline passed", "past the request timeout", "over the request timeout", "--vision-max-memory-mb")
+        assert all(ok or (err and any(r in err for r in reasons)) for _, ok, err in took), took
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_quern(proc)
 
 
 def test_admission_counts_what_an_image_decodes_to(tmp_path):

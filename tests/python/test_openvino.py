@@ -255,22 +255,26 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     assert not ip, ip[:10]
 
 
-CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input|kept in (?P<kept>\S+))\): "
+CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input|its warm-up sample '(?P<sample>[^']+)'|"
+                    r"kept in (?P<kept>\S+))\): "
                     r"(?P<chosen>.*?)(?:; over (?P<over>.*))? model=(?P<model>\S+)")
 # Another runtime replaces ONNX Runtime only when this much faster (src/backends/auto_backend.h).
 MARGIN = 0.9
 
 
-def parse_choice(line):
-    """(chosen label, {label: (ms or None, agreement or why left out)}) from the load's log line."""
+def parse_choice(line, meanings=None):
+    """(chosen label, {label: (ms or None, agreement or why left out)}) from the load's log line;
+    `meanings`, when given, gets each timed runtime's comparison by meaning (its boxes), if any."""
     m = CHOSEN.search(line)
     assert m, line
     table, chosen = {}, None
     for part in [m.group("chosen")] + (m.group("over").split("; ") if m.group("over") else []):
         timed = re.match(r"(.+?): ([\d.e+-]+) ms(?: \(one instance \S+ ms, every core \S+ ms\))?, "
-                         r"outputs within (\S+) of ONNX Runtime's$", part.strip())
+                         r"outputs within (\S+) of ONNX Runtime's(?:, (.+))?$", part.strip())
         if timed:
             table[timed.group(1)] = (float(timed.group(2)), float(timed.group(3)))
+            if meanings is not None and timed.group(4):
+                meanings[timed.group(1)] = timed.group(4)
         else:
             left = re.match(r"(.+?): (.*)$", part.strip())
             assert left, part
@@ -307,13 +311,27 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
                               start_timeout=300)
     try:
         port = ports["HTTP"]
-        choices = {}
+        choices, meanings, samples = {}, {}, {}
         for line in log:
             if "runtime chosen by measurement" in line:
                 assert "kept in" not in line, line
-                chosen, table = parse_choice(line)
-                choices[CHOSEN.search(line).group("model")] = (chosen, table)
+                model = CHOSEN.search(line).group("model")
+                meanings[model] = {}
+                chosen, table = parse_choice(line, meanings[model])
+                choices[model] = (chosen, table)
+                samples[model] = CHOSEN.search(line).group("sample")
         assert set(choices) == set(examples) | {"add_sub"}, "".join(log)
+        # The detector is checked on its warm-up sample (dog.jpg, examples/models/objects/config.pbtxt),
+        # and every other runtime measured against ONNX Runtime on it by its boxes too: the dog, the
+        # bicycle and the car of the photograph, the same at IoU >= 0.9.
+        if "objects" in examples:
+            assert samples["objects"] == "dog", samples
+            compared = {k for k, (ms, _) in choices["objects"][1].items() if ms is not None and k != "onnxruntime"}
+            assert compared and compared == meanings["objects"].keys(), (choices["objects"], meanings["objects"])
+            for label, said in meanings["objects"].items():
+                found = re.match(r"its (\d+) boxes at IoU >= 0\.9 \((.+)\)$", said)
+                assert found and {"dog", "bicycle"} <= set(found.group(2).split(", ")), (label, said)
+        assert all(s is None for m, s in samples.items() if m != "objects"), samples
         for model, (chosen, table) in choices.items():
             print(model, chosen, table)
             assert ("openvino bf16" in table) == (not no_bf16), (model, table)

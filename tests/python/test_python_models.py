@@ -1,6 +1,7 @@
 """Python models (backend "python") served by a real `quern serve`, driven by the real tritonclient
 (HTTP and gRPC). Every model.py is written by the test; expected values are computed here with numpy.
 A Triton Python-backend model runs unchanged; crashes, hangs and exceptions stay inside their batch."""
+import concurrent.futures
 import http.client as http_client
 import json
 import os
@@ -1254,8 +1255,17 @@ class TritonPythonModel:
                 if answer.has_error():
                     raise pb_utils.TritonModelException(answer.error().message())
                 seen = pb_utils.get_output_tensor_by_name(answer, "seen").as_numpy()[0].decode()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("seen", np.array([seen.encode()], dtype=np.object_))]))
+            # One answer per row of x: [1] unbatched, [1, 1] when the model batches.
+            shape = pb_utils.get_input_tensor_by_name(request, "x").as_numpy().shape
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("seen", np.full(shape, seen.encode(), dtype=np.object_))]))
+        self.executes.append(len(requests))
         return out
+
+    def initialize(self, args):
+        self.executes = []  # requests per execute(), printed by finalize: how the batches mixed
+
+    def finalize(self):
+        print("params: requests per execute", self.executes, flush=True)
 '''
 PARAMS_CONFIG = '''
 backend: "python"
@@ -1274,6 +1284,9 @@ def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
     write_model(tmp_path, "params", PARAMS_CONFIG, PARAMS)
     write_model(tmp_path, "params_caller", PARAMS_CONFIG, PARAMS)
     write_one_step_ensemble(tmp_path, "params_ensemble", "params", "x", "TYPE_FP32", "seen", "TYPE_STRING")
+    # Batched: requests queued together (up to 100 ms) reach one execute(), each with its own.
+    write_model(tmp_path, "params_batched", PARAMS_CONFIG.replace("max_batch_size: 0", "max_batch_size: 8") +
+                "dynamic_batching { max_queue_delay_microseconds: 100000 }\n", PARAMS)
     proc, ports = start_quern(QUERN, str(tmp_path))
     try:
         x = np.ones((1,), np.float32)
@@ -1302,6 +1315,19 @@ def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
         gi.set_data_from_numpy(x)
         seen = gc.infer("params", [gi], parameters={"b": "two", "a": 1, "c": True, "d": 0.25}).as_numpy("seen")[0]
         assert json.loads(seen) == {"a": 1, "b": "two", "c": True, "d": 0.25}
+        assert gc.infer("params", [gi]).as_numpy("seen")[0] == b"{}"  # none set over gRPC: none seen
+        # Requests of different parameters in one batch: each caller's own reach the model for it.
+        bi = grpcclient.InferInput("x", [1, 1], "FP32")
+        bi.set_data_from_numpy(np.ones((1, 1), np.float32))
+
+        def batched(i):
+            call = {} if i % 4 == 0 else {"caller": i, "word": f"w{i}"}
+            got = gc.infer("params_batched", [bi], parameters=call).as_numpy("seen")
+            return got.shape, json.loads(got[0][0]), call
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for shape, got, call in pool.map(batched, range(24)):
+                assert shape == (1, 1) and got == call, (got, call)
         # The generate route's "parameters".
         status, body = http_post(ports["HTTP"], "/v2/models/params/generate",
                                  {"x": [1.0], "parameters": {"max_tokens": 5}})
@@ -1315,6 +1341,13 @@ def test_request_parameters_reach_the_model_over_every_way_in(tmp_path):
         assert status == 400 and b"parameter 'x' must be a bool, a number or a string" in body, body
         status, body = http_seen("params", {"big": "a" * 70000})
         assert status == 400 and b"at most 65536" in body, body
+        # Bytes that are no UTF-8 in a value: refused, the model never sees them.
+        c = http_client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=60)
+        c.request("POST", "/v2/models/params/infer", b'{"parameters": {"stop": "ab\xc3"}, "inputs": [{"name": "x", '
+                  b'"datatype": "FP32", "shape": [1], "data": [1.0]}]}', {"Content-Type": "application/json"})
+        r = c.getresponse()
+        body = r.read()
+        assert r.status == 400 and b"parameter 'stop' is not valid UTF-8" in body, body
         with pytest.raises(InferenceServerException, match="at most 65536"):
             gc.infer("params", [gi], parameters={"big": "a" * 70000})
     finally:

@@ -19,7 +19,7 @@ namespace {
 
 // The plugin, loaded once per process (never unloaded: OpenVINO's CPU
 // plugin and TBB threads outlive any model).
-Result<const QuernOvApi*> Plugin() {
+Result<const QuernOvApi*> OpenvinoPlugin() {
   static std::once_flag once;
   static const QuernOvApi* api = nullptr;
   static std::string error;
@@ -315,7 +315,7 @@ class OpenvinoBackend final : public Backend {
     // A configured batch over 1: the first dimension of every input made
     // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
     spec.batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
-    auto plugin = Plugin();
+    auto plugin = OpenvinoPlugin();
     if (!plugin) return Err(Unavailable(who + ": " + plugin.error().message()));
     const QuernOvApi* api = *plugin;
     for (const auto& in : config.inputs) {
@@ -358,7 +358,7 @@ class OpenvinoBackend final : public Backend {
   // A run is bounded by its inputs and runs no code of the user's.
   bool RunsOnCallerThreads() const override { return true; }
   std::string RuntimeVersion() const override {
-    auto plugin = Plugin();
+    auto plugin = OpenvinoPlugin();
     return plugin ? std::string("OpenVINO ") + (*plugin)->version : "";
   }
 };
@@ -370,7 +370,7 @@ std::shared_ptr<Backend> NewOpenvinoBackend() {
 }
 
 Status SaveOpenvinoIr(const std::filesystem::path& model_file, const std::filesystem::path& xml_file, bool f16) {
-  QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, Plugin());
+  QUERN_ASSIGN_OR_RETURN(const QuernOvApi* api, OpenvinoPlugin());
   char* error = nullptr;
   if (api->save_ir(model_file.c_str(), xml_file.c_str(), f16 ? 1 : 0, &error) != 0) {
     return InvalidArgument("OpenVINO cannot write " + model_file.string() + " as " + xml_file.string() + ": " +

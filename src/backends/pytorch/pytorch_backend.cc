@@ -18,7 +18,7 @@ namespace {
 
 // The plugin, loaded once per process (never unloaded: LibTorch's threads
 // and static state outlive any model).
-Result<const QuernTorchApi*> Plugin() {
+Result<const QuernTorchApi*> TorchPlugin() {
   static std::once_flag once;
   static const QuernTorchApi* api = nullptr;
   static std::string error;
@@ -310,7 +310,7 @@ class PytorchBackend final : public Backend {
                                    v + "\""));
       }
     }
-    QUERN_ASSIGN_OR_RETURN(const QuernTorchApi* api, Plugin());
+    QUERN_ASSIGN_OR_RETURN(const QuernTorchApi* api, TorchPlugin());
     const int in_force = api->set_threads(threads);
     if (in_force != threads) {
       Log(LogLevel::kInfo,

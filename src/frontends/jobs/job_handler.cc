@@ -99,7 +99,7 @@ Status NoJob(const std::string& id) {
   return NotFound("no job '" + id + "'");
 }
 
-enum PendingState : int { kQueued = 0, kRunning = 1, kCancelRequested = 2 };
+enum PendingState : int { kPendingQueued = 0, kPendingRunning = 1, kPendingCancelRequested = 2 };
 
 }  // namespace
 
@@ -111,7 +111,7 @@ struct JobHandler::Pending {
   int64_t submitted_ms = 0;
   std::atomic<int64_t> started_ms{0};
   std::atomic<int64_t> cancelled_ms{0};
-  std::atomic<int> state{kQueued};
+  std::atomic<int> state{kPendingQueued};
   std::shared_ptr<CancellationToken> cancel = std::make_shared<CancellationToken>();
   bool binary_default = false;
   std::vector<std::pair<std::string, bool>> binary_outputs;
@@ -209,8 +209,8 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   ir.cancel = job->cancel;                          // the job outlives the connection that submitted it
   SubmitOptions options;
   options.on_start = [job, clock = &engine_->clock()] {
-    int queued = kQueued;
-    if (job->state.compare_exchange_strong(queued, kRunning)) job->started_ms.store(clock->WallMs());
+    int queued = kPendingQueued;
+    if (job->state.compare_exchange_strong(queued, kPendingRunning)) job->started_ms.store(clock->WallMs());
   };
   options.loop = req.loop;
   {
@@ -308,7 +308,7 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
   record->finished_ms = engine_->clock().WallMs();
   record->binary_default = job->binary_default;
   record->binary_outputs = job->binary_outputs;
-  if (job->state.load() == kCancelRequested) {
+  if (job->state.load() == kPendingCancelRequested) {
     record->state = JobState::kCancelled;
     record->error = Cancelled(CancelledMessage(job->id));
     record->finished_ms = job->cancelled_ms.load();
@@ -348,8 +348,10 @@ void JobHandler::Get(const std::string& id, const std::string& owner, std::strin
     rec.submitted_ms = pending->submitted_ms;
     rec.started_ms = pending->started_ms.load();
     const int state = pending->state.load();
-    rec.state = state == kQueued ? JobState::kQueued : state == kRunning ? JobState::kRunning : JobState::kCancelled;
-    if (state == kCancelRequested) {
+    rec.state = state == kPendingQueued    ? JobState::kQueued
+                : state == kPendingRunning ? JobState::kRunning
+                                           : JobState::kCancelled;
+    if (state == kPendingCancelRequested) {
       rec.finished_ms = pending->cancelled_ms.load();
       rec.error = Cancelled(CancelledMessage(id));
     }
@@ -458,9 +460,9 @@ void JobHandler::Cancel(const std::string& id, const std::string& owner, HttpDon
   if (!pending) {
     return Lookup(std::move(done), [this, id, owner](HttpDone d) { CancelStored(id, owner, std::move(d)); });
   }
-  int queued = kQueued;
-  if (!pending->state.compare_exchange_strong(queued, kCancelRequested)) {
-    if (queued == kCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));
+  int queued = kPendingQueued;
+  if (!pending->state.compare_exchange_strong(queued, kPendingCancelRequested)) {
+    if (queued == kPendingCancelRequested) return done(Conflict("job '" + id + "' is already cancelled"));
     return done(Conflict("job '" + id + "' is running; only a queued job can be cancelled"));
   }
   pending->cancelled_ms.store(engine_->clock().WallMs());

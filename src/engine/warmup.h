@@ -1,0 +1,26 @@
+// Triton's model_warmup samples as tensors: what a configured warm-up runs, and what backend "auto"
+// takes for its check input when the configuration names one (a real input of the user's choosing).
+//
+// WarmupInputs builds one sample's inputs: each input's dims with the batch dimension in front when
+// the model batches (`rows`: the sample's batch_size padded to the model's fixed batch sizes, 0 when
+// it does not batch), zeros, random values (seeded: the same every load) or the bytes of
+// `input_data_file`, a file under the model's `warmup/` folder (resolved as the repository resolves
+// files: no way out of the model's folder), reshaped where the input's configuration reshapes.
+// Errors name the model, the sample and what is wrong (a file of the wrong size, a sample of over
+// 1 GiB). Thread-compatible: it reads files only.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <vector>
+
+#include "quern/model.h"
+#include "quern/status.h"
+#include "quern/tensor.h"
+
+namespace quern {
+
+Result<std::vector<NamedTensor>> WarmupInputs(const ModelConfig& config, const WarmupSample& sample,
+                                              const std::filesystem::path& model_dir, int64_t& rows);
+
+}  // namespace quern
