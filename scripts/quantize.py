@@ -441,6 +441,9 @@ def main():
     for f in os.listdir(model_dir):
         if f.endswith((".txt", ".labels", ".names")) and f != "config.pbtxt":
             shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
+    # The configuration's model_warmup samples read their files from warmup/: the twin takes the same.
+    if os.path.isdir(os.path.join(model_dir, "warmup")):
+        shutil.copytree(os.path.join(model_dir, "warmup"), os.path.join(out_dir, "warmup"), dirs_exist_ok=True)
 
     report = {"model": cfg["name"], "int8_model": name, "calibration_images": [os.path.basename(f) for f in calibration],
               "calibration_tensors": len(tensors),

@@ -113,6 +113,13 @@ TEST_F(AnswerAgreementTest, OutputsThatAreNoBoxesDisagree) {
   EXPECT_NE(a.detail.find("do not read as boxes"), std::string::npos) << a.detail;
 }
 
+TEST_F(AnswerAgreementTest, AReferenceThatIsNoBoxesLeavesTheNumbersToDecideSayingSo) {
+  const AnswerAgreement a = CompareVisionAnswers(
+      config_, dir_.path(), {{"output0", testing::Floats({1, 3, 4}, std::vector<float>(12))}}, Outputs({kCat}));
+  EXPECT_TRUE(a.agree);
+  EXPECT_EQ(a.detail, "boxes not compared: ONNX Runtime's outputs do not read as one image's boxes");
+}
+
 TEST_F(AnswerAgreementTest, ModelsThatAreNoDetectorsAreLeftToTheNumbers) {
   ModelConfig plain = config_;
   plain.parameters.clear();

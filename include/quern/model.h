@@ -186,6 +186,9 @@ struct ModelConfig {
   // ModelStreamInfer, HTTP generate, a Python model's exec(decoupled=True)).
   bool decoupled = false;
   std::vector<WarmupSample> warmup;
+  // The model's folder in the repository (its warmup/ files, its labels), as the repository names
+  // it (not a link's target); set when a repository model loads, empty for models made in code.
+  std::string model_dir;
   std::map<std::string, std::string> parameters;
   // ONNX graph optimisation level: -1 off, 0 default (all), 1 basic, 2 extended.
   int graph_optimization_level = 0;

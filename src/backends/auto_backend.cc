@@ -372,24 +372,65 @@ std::string OwnBuild() {
          std::to_string(st.st_mtim.tv_nsec) + " " + std::to_string(st.st_ino);
 }
 
+// Why the configuration's first warm-up sample cannot be the check input ("" when it can): it must
+// hold a file's data (a sample of zeros or noise says less than the made-up input), be of batch 1
+// (the measurement's), give every input the model requires and none other, each of its configured
+// type and dims, and stay under kMaxCheckElements per input.
+std::string UnsuitableSample(const ModelConfig& config, const WarmupSample& w) {
+  if (w.batch_size != 1 && config.max_batch_size > 0) return "its batch_size is not 1";
+  bool from_file = false;
+  for (const auto& [name, in] : w.inputs) {
+    const TensorConfig* tc = config.FindInput(name);
+    if (!tc) return "it names '" + name + "', which is no input of the model";
+    if (in.dtype != tc->dtype || in.dims != tc->dims)
+      return "its input '" + name + "' is not the configured type and dims";
+    int64_t n = 1;
+    for (int64_t d : in.dims) n = d >= 0 && (d == 0 || n <= kMaxCheckElements / d) ? n * d : kMaxCheckElements + 1;
+    if (n > kMaxCheckElements || DataTypeByteSize(in.dtype) == 0)
+      return "its input '" + name + "' is too large or of strings";
+    from_file = from_file || in.fill == WarmupInput::Fill::kFile;
+  }
+  for (const TensorConfig& tc : config.inputs) {
+    if (!tc.optional && !w.inputs.contains(tc.name)) return "it lacks input '" + tc.name + "'";
+  }
+  return from_file ? "" : "it holds no file's data";
+}
+
 // The check input: the configuration's first warm-up sample (Triton's model_warmup: an input its
-// author chose, such as a real photograph's tensor) when it has one, else one made up (CheckInputs).
-// `rows` is the batch it holds (0 when the model does not batch); `source` names it for the log.
+// author chose, such as a real photograph's tensor) when it suits (UnsuitableSample), else one made
+// up (CheckInputs). `rows` is the batch it holds (0 when the model does not batch); `source` names
+// it for the log.
 std::vector<NamedTensor> CheckInputsFor(const ModelConfig& config, const std::filesystem::path& model_dir,
                                         int64_t& rows, std::string& why, std::string& source) {
-  if (!config.warmup.empty()) {
-    auto sample = WarmupInputs(config, config.warmup.front(), model_dir, rows);
-    if (!sample) {
-      why = sample.error().message();
-      return {};
-    }
-    source = "its warm-up sample '" + config.warmup.front().name + "'";
-    return std::move(*sample);
-  }
   source = "the check input";
+  if (!config.warmup.empty()) {
+    const WarmupSample& w = config.warmup.front();
+    if (const std::string unsuitable = UnsuitableSample(config, w); !unsuitable.empty()) {
+      source += ", not warm-up sample '" + w.name + "': " + unsuitable;
+    } else if (auto sample = WarmupInputs(config, w, model_dir, rows); !sample) {
+      source += ", not warm-up sample '" + w.name + "': " + sample.error().message();
+    } else {
+      source = "its warm-up sample '" + w.name + "'";
+      return std::move(*sample);
+    }
+    for (char& ch : source) {
+      if (ch == '(' || ch == ')') ch = ' ';  // the log line's parentheses enclose it
+    }
+  }
   auto inputs = CheckInputs(config, why);
   rows = config.max_batch_size > 0 && !inputs.empty() ? inputs.front().tensor.shape().front() : 0;
   return inputs;
+}
+
+// Whether the opened candidate `c` runs its check input once (a kept choice is opened so: what
+// the measurement did for it).
+bool RunsTheCheckInput(Candidate& c, const std::filesystem::path& model_dir) {
+  std::string why, source;
+  int64_t rows = 0;
+  const auto inputs = CheckInputsFor(c.config, model_dir, rows, why, source);
+  auto model = c.opened->NewInstance(c.config, InstanceDevice{});
+  std::vector<NamedTensor> out;
+  return model && (inputs.empty() || (*model)->Execute(inputs, std::max<int64_t>(rows, 1), out).ok());
 }
 
 class AutoBackend final : public Backend {
@@ -401,8 +442,10 @@ class AutoBackend final : public Backend {
 
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
-    // The model's folder (file is <folder>/<version>/model.onnx): its warm-up files.
-    const std::filesystem::path model_dir = file.parent_path().parent_path();
+    // The model's folder (its warm-up files): the repository's name for it; else the file's
+    // (<folder>/<version>/model.onnx).
+    const std::filesystem::path model_dir =
+        !config.model_dir.empty() ? std::filesystem::path(config.model_dir) : file.parent_path().parent_path();
     // ONNX Runtime's CUDA: the only runtime here that runs on a GPU.
     if (AnyOnGpu(config) || !measure_) {
       config.backend = "onnxruntime";
@@ -429,24 +472,16 @@ class AutoBackend final : public Backend {
     // this machine.
     std::filesystem::path cached_path;
     if (!cache_dir_.empty()) {
-      if (auto key = ChoiceKey(config, file, cs, cores, instances); !key.empty()) {
+      if (auto key = ChoiceKey(config, file, model_dir, cs, cores, instances); !key.empty()) {
         cached_path = cache_dir_ / (key + ".choice");
         if (auto cached = ReadChoice(cached_path)) {
           auto it = std::find_if(cs.begin(), cs.end(), [&](const Candidate& c) { return c.label == cached->label; });
           if (it != cs.end() && cached->openvino == ov_->RuntimeVersion()) {
             // Opened, and the check input run once: what the measurement
             // did for it (a failure measures again).
-            auto opened = open(*it);
-            if (opened) {
+            if (auto opened = open(*it); opened) {
               it->opened = std::move(*opened);
-              std::string why, source;
-              int64_t rows = 0;
-              const auto inputs = CheckInputsFor(it->config, model_dir, rows, why, source);
-              auto model = it->opened->NewInstance(it->config, InstanceDevice{});
-              std::vector<NamedTensor> out;
-              if (!model || (!inputs.empty() && !(*model)->Execute(inputs, std::max<int64_t>(rows, 1), out).ok())) {
-                it->opened.reset();
-              }
+              if (!RunsTheCheckInput(*it, model_dir)) it->opened.reset();
             }
             if (it->opened) {
               Log(LogLevel::kInfo,
@@ -488,11 +523,12 @@ class AutoBackend final : public Backend {
       // The engine adds a wide instance to an automatic layout of several.
       if (Status st = Measure(c, inputs, instances > c.config.instance_count); !st.ok()) {
         if (reference) {  // the made-up input does not suit the model: ONNX Runtime serves it
-          c.left_out = "served without a measurement: the check input failed: " + st.message();
+          c.left_out = "served without a measurement: " + source + " failed: " + st.message();
           break;
         }
         c.left_out = "cannot run it: " + st.message();
         c.opened.reset();
+        c.outputs.clear();
         continue;
       }
       if (reference && c.ms < kWorthMeasuringMs) {
@@ -510,6 +546,7 @@ class AutoBackend final : public Backend {
         std::snprintf(buf, sizeof buf, "outputs differ from ONNX Runtime's by %.2g", c.error);
         c.left_out = buf;
         c.opened.reset();
+        c.outputs.clear();
         continue;
       }
       if (!reference && compare_answers_) {
@@ -517,15 +554,20 @@ class AutoBackend final : public Backend {
         if (!same.agree) {
           c.left_out = "answers differ from ONNX Runtime's: " + same.detail;
           c.opened.reset();
+          c.outputs.clear();
           continue;
         }
         c.meaning = same.detail;
       }
       if (c.ms < best->ms * kMargin) {
-        if (best != &cs.front()) best->opened.reset();  // the reference stays: its outputs are compared
+        if (best != &cs.front()) {  // the reference stays: its outputs are compared
+          best->opened.reset();
+          best->outputs.clear();
+        }
         best = &c;
       } else if (!reference) {
         c.opened.reset();
+        c.outputs.clear();
       }
     }
     if (best != &cs.front()) cs.front().opened.reset();
@@ -554,8 +596,9 @@ class AutoBackend final : public Backend {
   // model's version folder, the configuration's shapes and parameters, the
   // cores and instances, the candidates, ONNX Runtime's version and this
   // CPU. "" when a file cannot be read.
-  std::string ChoiceKey(const ModelConfig& config, const std::filesystem::path& file, const std::vector<Candidate>& cs,
-                        int cores, int instances) const {
+  std::string ChoiceKey(const ModelConfig& config, const std::filesystem::path& file,
+                        const std::filesystem::path& model_dir, const std::vector<Candidate>& cs, int cores,
+                        int instances) const {
     std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
     if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) return "";
     auto add = [&](const std::string& s) {
@@ -585,7 +628,9 @@ class AutoBackend final : public Backend {
     }
     for (const auto& out : config.outputs) add("output " + out.name);
     for (const auto& [k, v] : config.parameters) add(k + "=" + v);
-    // The check input's sample, when the configuration names one (what it is, not its bytes).
+    // Whether answers are compared by meaning too, and the check input's sample, when the
+    // configuration names one (what it is, and its files' sizes and times, not their bytes).
+    add(compare_answers_ ? "answers compared" : "numbers compared");
     if (!config.warmup.empty()) {
       const WarmupSample& w = config.warmup.front();
       add("warm-up " + w.name + " " + std::to_string(w.batch_size));
@@ -593,6 +638,11 @@ class AutoBackend final : public Backend {
         add(name + " " + std::string(DataTypeName(in.dtype)) + " " + std::to_string(static_cast<int>(in.fill)) + " " +
             in.file);
         for (int64_t d : in.dims) add(std::to_string(d));
+        struct stat st {};
+        if (in.fill == WarmupInput::Fill::kFile && ::lstat((model_dir / "warmup" / in.file).c_str(), &st) == 0) {
+          add(std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) + "." +
+              std::to_string(st.st_mtim.tv_nsec));
+        }
       }
     }
     // The model file's bytes (the file the runtimes read, inside the

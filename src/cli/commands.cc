@@ -206,13 +206,14 @@ int Tune(const std::string& model_dir) {
   fs::create_directories(model / "1", ec);
   // The folder's files as they are (labels; the version's model.onnx and
   // its external data), linked to the files links point at, else copied.
-  const auto place_files = [&](const fs::path& from_dir, const fs::path& to_dir) -> bool {
+  const auto place_files = [&](const fs::path& from_dir, const fs::path& to_dir, bool follow_links = true) -> bool {
     std::error_code list_ec;
     for (auto it = fs::directory_iterator(from_dir, list_ec); !list_ec && it != fs::directory_iterator();
          it.increment(list_ec)) {
       std::error_code file_ec;
       const std::string n = it->path().filename().string();
       if (n == "config.pbtxt" || !fs::is_regular_file(it->path(), file_ec)) continue;
+      if (!follow_links && it->is_symlink(file_ec)) continue;
       const fs::path from = fs::canonical(it->path(), file_ec);
       std::error_code link_ec;
       if (!file_ec) fs::create_hard_link(from, to_dir / n, link_ec);
@@ -226,9 +227,10 @@ int Tune(const std::string& model_dir) {
   };
   if (!place_files(src, model) || !place_files(version_dir, model / "1")) return 1;
   // Its warm-up files (model_warmup's input_data_file): the check input when there is a sample.
-  if (std::error_code dir_ec; fs::is_directory(src / "warmup", dir_ec)) {
+  // Plain files only, as serving resolves them inside the model's folder (a link is left out).
+  if (std::error_code dir_ec; fs::is_directory(fs::symlink_status(src / "warmup", dir_ec))) {
     fs::create_directories(model / "warmup", ec);
-    if (!place_files(src / "warmup", model / "warmup")) return 1;
+    if (!place_files(src / "warmup", model / "warmup", false)) return 1;
   }
   // Its configuration as parsed, with backend "auto" and the automatic
   // layout of one version (a file that does not parse: its load says why).

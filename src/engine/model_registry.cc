@@ -501,6 +501,7 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadInstances(const RepositoryM
     placed.assign(config.instance_count, InstanceDevice{});
   }
   const bool want_wide = automatic && config.instance_count > 1 && config.wide_instance.value_or(true);
+  config.model_dir = m.dir.string();
   // Opening the file completes the configuration (the model's own inputs
   // and outputs fill what it leaves out) before it is validated.
   QUERN_ASSIGN_OR_RETURN(auto opened, backend.Open(config, v.model_file, m.has_config_file, cores_,

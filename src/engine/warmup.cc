@@ -1,6 +1,9 @@
 #include "engine/warmup.h"
 
-#include <fstream>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <random>
 #include <string>
 
@@ -10,18 +13,46 @@
 namespace quern {
 namespace {
 
-// Warm-up tensors larger than this are refused (a typo in dims must not
-// exhaust memory while loading).
+// A warm-up sample larger than this, all its inputs together, is refused (a
+// typo in dims must not exhaust memory while loading).
 constexpr int64_t kMaxWarmupBytes = int64_t{1} << 30;
 
-Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesystem::path& dir, Status& error) {
+// Reads `bytes` bytes of the regular file `path` into `out` (a FIFO, a device
+// or a folder is refused, not waited on; a longer file's rest is not read).
+Status ReadSampleFile(const std::filesystem::path& path, std::byte* out, size_t bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return NotFound("warm-up data file " + path.string() + " cannot be opened");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return InvalidArgument("warm-up data file " + path.string() + " is not a regular file");
+  }
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::read(fd, out + got, bytes - got);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (got != bytes) {
+    return InvalidArgument("warm-up data file " + path.string() + " holds " + std::to_string(got) +
+                           " bytes, the input needs " + std::to_string(bytes));
+  }
+  return Status::Ok();
+}
+
+Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesystem::path& dir, int64_t& budget,
+                        Status& error) {
   const int64_t n = ElementCount(shape);
-  const int64_t total = ByteCount(shape, in.dtype == DataType::kBytes ? 4 : DataTypeByteSize(in.dtype));
-  if (n < 0 || total < 0 || total > kMaxWarmupBytes) {
-    error = InvalidArgument("warm-up input of shape " + ShapeToString(shape) + " would take more than " +
+  // A string element costs its std::string whatever its length.
+  const int64_t total = ByteCount(
+      shape, in.dtype == DataType::kBytes ? static_cast<int64_t>(sizeof(std::string)) : DataTypeByteSize(in.dtype));
+  if (n < 0 || total < 0 || total > budget) {
+    error = InvalidArgument("warm-up input of shape " + ShapeToString(shape) + " would take the sample past " +
                             std::to_string(kMaxWarmupBytes) + " bytes");
     return Tensor();
   }
+  budget -= total;
   if (in.dtype == DataType::kBytes) {
     return Tensor::FromStrings(std::move(shape), std::vector<std::string>(static_cast<size_t>(n)));
   }
@@ -42,17 +73,7 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
       error = resolved.error();
       return t;
     }
-    const auto& path = *resolved;
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-      error = NotFound("warm-up data file " + path.string() + " cannot be opened");
-      return t;
-    }
-    f.read(reinterpret_cast<char*>(t.mutable_data()), static_cast<std::streamsize>(bytes));
-    if (static_cast<size_t>(f.gcount()) != bytes) {
-      error = InvalidArgument("warm-up data file " + path.string() + " holds " + std::to_string(f.gcount()) +
-                              " bytes, the input needs " + std::to_string(bytes));
-    }
+    error = ReadSampleFile(*resolved, t.mutable_data(), bytes);
   }
   return t;
 }
@@ -62,12 +83,13 @@ Tensor MakeWarmupTensor(const WarmupInput& in, Shape shape, const std::filesyste
 Result<std::vector<NamedTensor>> WarmupInputs(const ModelConfig& config, const WarmupSample& sample,
                                               const std::filesystem::path& model_dir, int64_t& rows) {
   std::vector<NamedTensor> inputs;
+  int64_t budget = kMaxWarmupBytes;
   rows = config.max_batch_size > 0 ? PaddedBatchSize(config.fixed_batch_sizes, sample.batch_size) : 0;
   for (const auto& [name, in] : sample.inputs) {
     Shape shape = in.dims;
     if (rows > 0) shape.insert(shape.begin(), rows);
     Status error;
-    Tensor t = MakeWarmupTensor(in, std::move(shape), model_dir, error);
+    Tensor t = MakeWarmupTensor(in, std::move(shape), model_dir, budget, error);
     if (!error.ok()) {
       return Err(Status(error.code(), "model '" + config.name + "' warm-up '" + sample.name + "': " + error.message()));
     }

@@ -4,10 +4,12 @@
 // WarmupInputs builds one sample's inputs: each input's dims with the batch dimension in front when
 // the model batches (`rows`: the sample's batch_size padded to the model's fixed batch sizes, 0 when
 // it does not batch), zeros, random values (seeded: the same every load) or the bytes of
-// `input_data_file`, a file under the model's `warmup/` folder (resolved as the repository resolves
-// files: no way out of the model's folder), reshaped where the input's configuration reshapes.
-// Errors name the model, the sample and what is wrong (a file of the wrong size, a sample of over
-// 1 GiB). Thread-compatible: it reads files only.
+// `input_data_file`, a regular file under the model's `warmup/` folder (resolved as the repository
+// resolves files: no way out of the model's folder; a FIFO or a device is refused, not waited on; a
+// file longer than the input is read as far as the input needs), reshaped where the input's
+// configuration reshapes (strings: empty). Errors name the model, the sample and what is wrong (a
+// file too short, a sample of over 1 GiB in all, string elements counted at their std::string's
+// size). Thread-compatible: it reads files only.
 #pragma once
 
 #include <cstdint>

@@ -8,9 +8,10 @@
 // class at IoU >= 0.9, and every box the candidate finds at >= 0.3 must be the reference's in the
 // same way (the margin keeps a box whose confidence moves across a threshold from counting as
 // lost). Agreement says how many boxes were compared ("its 3 boxes at IoU >= 0.9 (dog, truck,
-// bicycle)"; "no box at confidence >= 0.3" when the check input has none, as a made-up input
-// usually has: then only the numbers were compared). Disagreement names the box, its class and
-// confidence, and the best IoU the other runtime has for it.
+// bicycle)", eight classes named at most; "no box at confidence >= 0.3" when the check input has
+// none, as a made-up input usually has: then only the numbers were compared; "boxes not compared"
+// when ONNX Runtime's outputs do not read as one image's boxes). Disagreement names the box, its
+// class and confidence, and the best IoU the other runtime has for it.
 //
 // Other models (classifiers, embeddings, models without a vision pipeline): agreement, with no
 // detail; the numbers decide. So does a configuration whose vision parameters do not read (the

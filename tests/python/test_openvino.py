@@ -255,7 +255,8 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     assert not ip, ip[:10]
 
 
-CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input|its warm-up sample '(?P<sample>[^']+)'|"
+CHOSEN = re.compile(r"runtime chosen by measurement \((?:the check input(?:, not warm-up sample [^)]*)?|"
+                    r"its warm-up sample '(?P<sample>[^']+)'|"
                     r"kept in (?P<kept>\S+))\): "
                     r"(?P<chosen>.*?)(?:; over (?P<over>.*))? model=(?P<model>\S+)")
 # Another runtime replaces ONNX Runtime only when this much faster (src/backends/auto_backend.h).
@@ -411,6 +412,55 @@ def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_pat
         assert metadata(ports["HTTP"], "lookup")["platform"] == "onnxruntime_onnx"
         got = infer(ports["HTTP"], "lookup", [("ids", "INT64", np.array([[0, 2, 1, 0]], np.int64))])["rows"]
         assert got.tolist() == [[[1, 2], [5, 6], [3, 4], [1, 2]]], got
+    finally:
+        stop_quern(proc)
+
+
+def test_a_warm_up_sample_of_the_models_own_data_is_the_check_input(tmp_path):
+    """The lookup model above, whose made-up check input is out of its table's range, given a
+    model_warmup sample read from a file of valid ids: measured on that sample, the log naming it. A
+    sample of zeros is not taken (a made-up input says more), the log saying why; a FIFO in the
+    sample file's place fails the model's load saying so, it does not hang the server."""
+    import onnx
+    from onnx import TensorProto, helper
+    table = helper.make_tensor("table", TensorProto.FLOAT, [3, 2], [1, 2, 3, 4, 5, 6])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0)], "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [-1, 4])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [-1, 4, 2])], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    repo = tmp_path / "repo"
+    samples = {
+        "from_file": 'input_data_file: "ids.bin"',
+        "zeros": "zero_data: true",
+        "fifo": 'input_data_file: "ids.bin"',
+    }
+    for name, fill in samples.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "warmup").mkdir()
+        onnx.save(model, str(repo / name / "1" / "model.onnx"))
+        (repo / name / "config.pbtxt").write_text(
+            'backend: "auto"\nmax_batch_size: 4\nmodel_warmup [ { name: "ids" batch_size: 1 inputs { key: "ids" '
+            'value { data_type: TYPE_INT64 dims: [ 4 ] ' + fill + ' } } } ]\n')
+    (repo / "from_file" / "warmup" / "ids.bin").write_bytes(np.array([0, 2, 1, 0], np.int64).tobytes())
+    os.mkfifo(repo / "fifo" / "warmup" / "ids.bin")  # nothing ever writes it
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    try:
+        lines = {CHOSEN.search(l).group("model"): l for l in log if "runtime chosen by measurement" in l}
+        assert CHOSEN.search(lines["from_file"]).group("sample") == "ids", lines["from_file"]
+        _, table_ = parse_choice(lines["from_file"])
+        assert table_["onnxruntime"][0] is not None, lines["from_file"]  # timed on the sample
+        assert "(the check input, not warm-up sample 'ids': it holds no file's data)" in lines["zeros"], lines["zeros"]
+        assert "not a regular file" in lines["fifo"], lines["fifo"]
+        got = infer(ports["HTTP"], "from_file", [("ids", "INT64", np.array([[2, 2, 0, 1]], np.int64))])["rows"]
+        assert got.tolist() == [[[5, 6], [5, 6], [1, 2], [3, 4]]], got
+        status, _, body = http_request(ports["HTTP"], "GET", "/v2/models/fifo/ready")
+        assert status != 200, body
+        status, _, body = http_request(ports["HTTP"], "POST", "/v2/repository/index", b"{}")
+        fifo = next(m for m in json.loads(body) if m["name"] == "fifo")
+        assert fifo["state"] != "READY" and "is not a regular file" in fifo.get("reason", ""), fifo
     finally:
         stop_quern(proc)
 
