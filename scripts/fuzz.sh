@@ -17,7 +17,9 @@
 # QUERN_FUZZ_RESULTS (file a line per target is appended to;
 # build/<preset>/results.txt), QUERN_FUZZ_MERGE=0 (do not merge back),
 # QUERN_FUZZ_RUNS (stop a target after this many executions, or at the time
-# given, whichever comes first).
+# given, whichever comes first), QUERN_FUZZ_BUILT=1 (the build is done: neither
+# configured nor built again), QUERN_FUZZ_REPLAYED=1 (CI: the corpora are
+# replayed by the caller's ctest run: not here).
 # Prints the executions per target and exits non-zero on any crash, leak,
 # timeout, out-of-memory or undefined behaviour; the input that caused it is
 # kept in build/<preset>/artifacts/<target>/ (run the target on that file to
@@ -53,9 +55,11 @@ RESULTS="${QUERN_FUZZ_RESULTS:-$BUILD/results.txt}"
 
 log() { printf '[fuzz] %s\n' "$*"; }
 
-log "building (preset $PRESET)"
-cmake --preset "$PRESET" >/dev/null
-cmake --build --preset "$PRESET"
+if [ "${QUERN_FUZZ_BUILT:-0}" != 1 ]; then
+  log "building (preset $PRESET)"
+  cmake --preset "$PRESET" >/dev/null
+  cmake --build --preset "$PRESET"
+fi
 
 # Readable stacks: llvm-symbolizer when installed, else binutils' addr2line.
 SYMBOLIZER="$(command -v llvm-symbolizer-16 || command -v llvm-symbolizer || command -v addr2line || true)"
@@ -64,7 +68,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:external_symbolizer_pat
 # What ONNX Runtime allocates inside itself is not judged by the per-input leak check (see the file).
 export LSAN_OPTIONS="suppressions=$ROOT/tests/fuzz/lsan.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
 
-if [ "$CI" = 1 ]; then
+if [ "$CI" = 1 ] && [ "${QUERN_FUZZ_REPLAYED:-0}" != 1 ]; then
   log "replaying every corpus (ctest)"
   ctest --preset "$PRESET" -j"$JOBS" -R '^fuzz_replay_'
 fi

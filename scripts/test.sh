@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite: a release build with warnings
 # as errors (gcc), then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer
-# (clang), then every fuzz target for a short time (scripts/fuzz.sh in its CI mode, on
-# the sanitizer build's objects: the project is compiled once per compiler).
+# (clang), with every fuzz target fuzzing for a short time beside them (scripts/fuzz.sh in its
+# CI mode, on the sanitizer build's objects: the project is compiled once per compiler).
 #   scripts/test.sh            # all three
 #   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
 #   QUERN_TEST_FUZZ=0 ...      # skip the fuzzing step (libFuzzer, every target briefly)
@@ -100,22 +100,36 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   else
     echo "== (the sanitizer build, started $((SECONDS - asan_start)) s ago beside the release tests, had ended)"
   fi
-  step "AddressSanitizer + UndefinedBehaviorSanitizer tests"
-  # Three at a time: the tests here leave CPU time, RSS and latency bounds to the release stage,
-  # and a fifth of the cores' time idle at two. The corpora are replayed by the fuzzing step
-  # (here when that step is off).
+  step "AddressSanitizer + UndefinedBehaviorSanitizer tests (every fuzz target fuzzes beside them)"
+  # The fuzzing step's targets are this build's: each fuzzes for a fixed time (5 s, two at a time),
+  # so beside the tests it takes no longer, it runs fewer inputs; at nice 10 the tests keep most of
+  # the cores. The corpora are replayed here, among the tests. Its report follows the tests'.
+  fuzz=""
+  if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
+    QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET=asan QUERN_FUZZ_BUILT=1 QUERN_FUZZ_REPLAYED=1 nice -n 10 \
+      scripts/fuzz.sh >build/asan/fuzz.log 2>&1 &
+    fuzz=$!
+    trap '[ -n "$fuzz" ] && { kill "$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }; true' EXIT
+  fi
+  # Three at a time: the tests here leave CPU time, RSS and latency bounds to the release stage.
   skip=()
-  [ "${QUERN_TEST_FUZZ:-1}" = 1 ] && skip+=("fuzz_replay_.*")
   [ "${QUERN_TEST_ASAN_ALL:-0}" = 1 ] || skip+=(python_scale_out python_batch_delay python_detector python_face_recognition)
   exclude=()
   [ ${#skip[@]} -gt 0 ] && exclude=(-E "^($(IFS='|'; echo "${skip[*]}"))$")
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan -j3 "${exclude[@]}"
-fi
-if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
+  if [ -n "$fuzz" ]; then
+    step "fuzzing (libFuzzer under ASan + UBSan, every target briefly, begun beside the tests; scripts/fuzz.sh runs long)"
+    rc=0
+    wait "$fuzz" || rc=$?
+    fuzz=""
+    cat build/asan/fuzz.log
+    [ "$rc" = 0 ] || { echo "== fuzzing failed (rc $rc; build/asan/fuzz.log)" >&2; exit 1; }
+  fi
+elif [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
   step "fuzzing (libFuzzer under ASan + UBSan, every target briefly; scripts/fuzz.sh runs long)"
-  # On the sanitizer build's objects when that step ran, else on the fuzz preset's own build.
-  QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET="$([ "${QUERN_TEST_ASAN:-1}" = 1 ] && echo asan || echo fuzz)" scripts/fuzz.sh
+  # The fuzz preset's own build (the sanitizer build is off).
+  QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET=fuzz scripts/fuzz.sh
 fi
 step ""
 echo "== all tests passed in $((SECONDS - START)) s"

@@ -123,6 +123,10 @@ def test_pages_read_line_by_line_at_least_as_well_as_rapidocr(server, name):
     as the truth): each line of text is one prediction, word spaces kept, in reading order, and the
     reading scores at least RapidOCR's character accuracy (spaces included)."""
     from rapidocr_onnxruntime import RapidOCR
+    if sanitized(QUERN) and sorted(ocr_pages.BUILDERS).index(name) % 3 != 0:
+        # Every third page under the sanitizers: the same stages run on each (the release stage reads
+        # them all, against RapidOCR).
+        pytest.skip("every third page under the sanitizers")
     png, truth = ocr_pages.pages()[name]
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
     text, _, boxes = read(client, png)

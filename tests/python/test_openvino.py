@@ -128,6 +128,10 @@ def test_the_detector_at_openvinos_own_precision_keeps_onnx_runtimes_boxes(serve
     FP32, the same file and photographs through POST /v1/vision/custom/<model>: every FP32 box at
     confidence >= 0.25 is found by the other run with the same label at IoU >= 0.9 (allowing one
     miss in a hundred), and confidences move by less than 0.05."""
+    if sanitized(QUERN):
+        # OpenVINO's arithmetic is not Quern's code; the route and the backend run under the
+        # sanitizers in test_openvino_answers_as_onnx_runtime_does[objects].
+        pytest.skip("the release stage compares OpenVINO's boxes with ONNX Runtime's")
     ports, log = server
     port = ports["HTTP"]
     said = [line for line in log if "OpenVINO compiled" in line and "model=objects_bf16" in line]
@@ -238,6 +242,8 @@ def test_an_openvino_model_runs_without_a_network_and_opens_no_socket(tmp_path):
     """No telemetry and no download at run time: `quern infer` loads and runs the detector through
     OpenVINO in a network namespace of its own (no interface at all), under strace, and no process
     of it opens an IP socket."""
+    if sanitized(QUERN):
+        pytest.skip("what the runtime opens is the same in every build: the release stage traces it")
     import subprocess
     repo = tmp_path / "repo"
     as_openvino(os.path.join(EXAMPLES, "objects"), repo / "objects_ov", "objects_ov")
@@ -291,6 +297,8 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
     serves, the log says which and why, the metadata names its platform. The INT8 twin's OpenVINO
     runs round differently from ONNX Runtime's (8-14 %): ONNX Runtime serves it. QUERN_NO_BF16=1
     acts as a CPU without bf16."""
+    if no_bf16 and sanitized(QUERN):
+        pytest.skip("the release stage runs the choice without bf16 (one flag apart from this CPU's)")
     repo = tmp_path / "repo"
     # Every kind once: the detector (bf16 chosen here), the classifier, the INT8 twin (OpenVINO left
     # out) and a tiny model; a CPU without bf16 sees the classifier's case only (the choice among the
