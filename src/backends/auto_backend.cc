@@ -375,15 +375,17 @@ std::string OwnBuild() {
 // Why the configuration's first warm-up sample cannot be the check input ("" when it can): it must
 // hold a file's data (a sample of zeros or noise says less than the made-up input), be of batch 1
 // (the measurement's), give every input the model requires and none other, each of its configured
-// type and dims, and stay under kMaxCheckElements per input.
+// type and dims (any size where a dimension is open), and stay under kMaxCheckElements per input.
 std::string UnsuitableSample(const ModelConfig& config, const WarmupSample& w) {
   if (w.batch_size != 1 && config.max_batch_size > 0) return "its batch_size is not 1";
   bool from_file = false;
   for (const auto& [name, in] : w.inputs) {
     const TensorConfig* tc = config.FindInput(name);
     if (!tc) return "it names '" + name + "', which is no input of the model";
-    if (in.dtype != tc->dtype || in.dims != tc->dims)
-      return "its input '" + name + "' is not the configured type and dims";
+    // Its dims are the configured ones, a number where the configuration leaves one open.
+    bool fits = in.dtype == tc->dtype && in.dims.size() == tc->dims.size();
+    for (size_t i = 0; fits && i < in.dims.size(); ++i) fits = tc->dims[i] < 0 || tc->dims[i] == in.dims[i];
+    if (!fits) return "its input '" + name + "' is not of the configured type and dims";
     int64_t n = 1;
     for (int64_t d : in.dims) n = d >= 0 && (d == 0 || n <= kMaxCheckElements / d) ? n * d : kMaxCheckElements + 1;
     if (n > kMaxCheckElements || DataTypeByteSize(in.dtype) == 0)
