@@ -394,11 +394,9 @@ def test_quern_tune_prints_the_measured_choice(tmp_path):
     assert bad.returncode == 1 and "has no <version>/model.onnx" in bad.stderr, bad.stderr
 
 
-def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_path):
-    """A model whose input is an index into a table of three rows: the made-up check input (whole
-    numbers 0-9) is out of range, so there is nothing to measure on; the model loads anyway, on ONNX
-    Runtime, the log saying why, and answers its own requests."""
-    import onnx
+def lookup_model():
+    """An ONNX model whose input `ids` [N, 4] (INT64) indexes a table of three rows [[1, 2], [3, 4],
+    [5, 6]]: `rows` [N, 4, 2]."""
     from onnx import TensorProto, helper
     table = helper.make_tensor("table", TensorProto.FLOAT, [3, 2], [1, 2, 3, 4, 5, 6])
     graph = helper.make_graph(
@@ -407,6 +405,15 @@ def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_pat
         [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [-1, 4, 2])], [table])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
+    return model
+
+
+def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_path):
+    """A model whose input is an index into a table of three rows: the made-up check input (whole
+    numbers 0-9) is out of range, so there is nothing to measure on; the model loads anyway, on ONNX
+    Runtime, the log saying why, and answers its own requests."""
+    import onnx
+    model = lookup_model()
     repo = tmp_path / "repo"
     (repo / "lookup" / "1").mkdir(parents=True)
     onnx.save(model, str(repo / "lookup" / "1" / "model.onnx"))
@@ -430,14 +437,7 @@ def test_a_warm_up_sample_of_the_models_own_data_is_the_check_input(tmp_path):
     sample of zeros is not taken (a made-up input says more), the log saying why; a FIFO in the
     sample file's place fails the model's load saying so, it does not hang the server."""
     import onnx
-    from onnx import TensorProto, helper
-    table = helper.make_tensor("table", TensorProto.FLOAT, [3, 2], [1, 2, 3, 4, 5, 6])
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0)], "lookup",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, [-1, 4])],
-        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [-1, 4, 2])], [table])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
+    model = lookup_model()
     repo = tmp_path / "repo"
     samples = {
         "from_file": 'input_data_file: "ids.bin"',
