@@ -15,9 +15,14 @@ constexpr float kCountFrom = 0.3f;
 constexpr float kMatchFrom = 0.2f;
 constexpr float kSameBoxIou = 0.9f;
 
-std::string Named(const VisionModel& m, const Detection& d) {
+// A box's class: its label, or its number when the model has no label for it.
+std::string ClassOf(const VisionModel& m, const Detection& d) {
   const std::string& label = m.Label(d.class_id);
-  return label.empty() ? "class " + std::to_string(d.class_id) : "'" + label + "'";
+  return label.empty() ? std::to_string(d.class_id) : label;
+}
+
+std::string Named(const VisionModel& m, const Detection& d) {
+  return m.Label(d.class_id).empty() ? "class " + ClassOf(m, d) : "'" + ClassOf(m, d) + "'";
 }
 
 // The first box of `want` (at kCountFrom or more) that `have` lacks, described; "" when none.
@@ -67,8 +72,7 @@ AnswerAgreement CompareVisionAnswers(const ModelConfig& config, const std::files
   int counted = 0;
   for (const Detection& d : *ref) {
     if (d.confidence < kCountFrom || ++counted > kNamed) continue;
-    names +=
-        (names.empty() ? "" : ", ") + (m.Label(d.class_id).empty() ? std::to_string(d.class_id) : m.Label(d.class_id));
+    names += (names.empty() ? "" : ", ") + ClassOf(m, d);
   }
   if (counted == 0) return {true, "no box at confidence >= 0.3 on it"};
   if (counted > kNamed) names += ", ...";
