@@ -19,7 +19,8 @@
 # QUERN_FUZZ_RUNS (stop a target after this many executions, or at the time
 # given, whichever comes first), QUERN_FUZZ_BUILT=1 (the build is done: neither
 # configured nor built again), QUERN_FUZZ_REPLAYED=1 (CI: the corpora are
-# replayed by the caller's ctest run: not here).
+# replayed by the caller's ctest run: not here), QUERN_FUZZ_TIMEOUT (seconds of wall
+# time an input may take before it counts as a hang; 10).
 # Prints the executions per target and exits non-zero on any crash, leak,
 # timeout, out-of-memory or undefined behaviour; the input that caused it is
 # kept in build/<preset>/artifacts/<target>/ (run the target on that file to
@@ -87,7 +88,7 @@ run_target() {
   rm -rf "$corpus"
   mkdir -p "$corpus" "$artifacts"
   cp -r "tests/fuzz/corpus/$t/." "$corpus/"
-  local args=(-max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+  local args=(-max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout="${QUERN_FUZZ_TIMEOUT:-10}" -print_final_stats=1
               -artifact_prefix="$artifacts/")
   [ -f "$dict" ] && args+=(-dict="$dict")
   [ -n "${QUERN_FUZZ_RUNS:-}" ] && args+=(-runs="$QUERN_FUZZ_RUNS")

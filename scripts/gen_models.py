@@ -409,9 +409,10 @@ def gen_examples(d, quiet):
     # The detector's warm-up sample, which backend "auto" also takes for its check input (boxes to
     # compare between runtimes): darknet's dog.jpg (scripts/setup.sh copies it here) letterboxed into
     # 640x640 as examples/models/objects/config.pbtxt says, FP32 CHW, raw.
-    if os.path.exists(f"{data}/dog.jpg"):
-        os.makedirs(f"{d}/objects/warmup", exist_ok=True)
-        letterboxed(f"{data}/dog.jpg", 640).tofile(f"{d}/objects/warmup/dog.fp32")
+    if not os.path.exists(f"{data}/dog.jpg"):
+        sys.exit(f"gen_models: {data}/dog.jpg is missing (scripts/setup.sh copies it): objects' warm-up sample needs it")
+    os.makedirs(f"{d}/objects/warmup", exist_ok=True)
+    letterboxed(f"{data}/dog.jpg", 640).tofile(f"{d}/objects/warmup/dog.fp32")
 
 
 def letterboxed(path, size):

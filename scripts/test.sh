@@ -106,10 +106,12 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   # the cores. The corpora are replayed here, among the tests. Its report follows the tests'.
   fuzz=""
   if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
-    QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET=asan QUERN_FUZZ_BUILT=1 QUERN_FUZZ_REPLAYED=1 nice -n 10 \
-      scripts/fuzz.sh >build/asan/fuzz.log 2>&1 &
+    # A hang is an input past 60 s of wall time here (a tenth of a core, not 10 s alone); in a
+    # session of its own (setsid), so that a way out stops its fuzzers too.
+    QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET=asan QUERN_FUZZ_BUILT=1 QUERN_FUZZ_REPLAYED=1 QUERN_FUZZ_TIMEOUT=60 \
+      setsid -w nice -n 10 scripts/fuzz.sh >build/asan/fuzz.log 2>&1 &
     fuzz=$!
-    trap '[ -n "$fuzz" ] && { kill "$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }; true' EXIT
+    trap '[ -n "$fuzz" ] && { kill -- -"$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }; true' EXIT
   fi
   # Three at a time: the tests here leave CPU time, RSS and latency bounds to the release stage.
   skip=()

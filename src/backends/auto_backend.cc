@@ -404,19 +404,23 @@ std::string UnsuitableSample(const ModelConfig& config, const WarmupSample& w) {
 // it for the log.
 std::vector<NamedTensor> CheckInputsFor(const ModelConfig& config, const std::filesystem::path& model_dir,
                                         int64_t& rows, std::string& why, std::string& source) {
+  // The log line's parentheses enclose `source`: none inside it.
+  auto unparenthesized = [](std::string text) {
+    for (char& ch : text) {
+      if (ch == '(' || ch == ')') ch = ' ';
+    }
+    return text;
+  };
   source = "the check input";
   if (!config.warmup.empty()) {
     const WarmupSample& w = config.warmup.front();
     if (const std::string unsuitable = UnsuitableSample(config, w); !unsuitable.empty()) {
-      source += ", not warm-up sample '" + w.name + "': " + unsuitable;
+      source = unparenthesized(source + ", not warm-up sample '" + w.name + "': " + unsuitable);
     } else if (auto sample = WarmupInputs(config, w, model_dir, rows); !sample) {
-      source += ", not warm-up sample '" + w.name + "': " + sample.error().message();
+      source = unparenthesized(source + ", not warm-up sample '" + w.name + "': " + sample.error().message());
     } else {
-      source = "its warm-up sample '" + w.name + "'";
+      source = unparenthesized("its warm-up sample '" + w.name + "'");
       return std::move(*sample);
-    }
-    for (char& ch : source) {
-      if (ch == '(' || ch == ')') ch = ' ';  // the log line's parentheses enclose it
     }
   }
   auto inputs = CheckInputs(config, why);
@@ -641,7 +645,7 @@ class AutoBackend final : public Backend {
             in.file);
         for (int64_t d : in.dims) add(std::to_string(d));
         struct stat st {};
-        if (in.fill == WarmupInput::Fill::kFile && ::lstat((model_dir / "warmup" / in.file).c_str(), &st) == 0) {
+        if (in.fill == WarmupInput::Fill::kFile && ::stat((model_dir / "warmup" / in.file).c_str(), &st) == 0) {
           add(std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) + "." +
               std::to_string(st.st_mtim.tv_nsec));
         }

@@ -227,7 +227,8 @@ int Tune(const std::string& model_dir) {
   };
   if (!place_files(src, model) || !place_files(version_dir, model / "1")) return 1;
   // Its warm-up files (model_warmup's input_data_file): the check input when there is a sample.
-  // Plain files only, as serving resolves them inside the model's folder (a link is left out).
+  // Its plain files only: a link or a subfolder there is left out, though serving would follow one
+  // that stays inside the model's folder.
   if (std::error_code dir_ec; fs::is_directory(fs::symlink_status(src / "warmup", dir_ec))) {
     fs::create_directories(model / "warmup", ec);
     if (!place_files(src / "warmup", model / "warmup", false)) return 1;
