@@ -328,6 +328,53 @@ def seconds_per_run(sess, name, x, budget=2.0):
     return (time.perf_counter() - t) / n
 
 
+def cpu_has_vnni():
+    """True when this CPU multiplies 8-bit integers with VNNI (AVX512_VNNI, AVX_VNNI or AMX): ONNX
+    Runtime's UINT8 x INT8 kernels then sum in 32 bits. Without it they use VPMADDUBSW, whose pairs of
+    products saturate at 16 bits when weights use all 8 bits (ONNX Runtime's documentation,
+    "quantization on x86-64 with AVX2 and AVX512")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return True  # not known: 8-bit weights, the precise choice where VNNI is the norm
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+def check_inputs(paths, pre, with_views):
+    """[(name, input tensor)] of the check images (each also mirrored and its middle, with_views)."""
+    out = []
+    for f in images_in(paths):
+        img = ImageOps.exif_transpose(Image.open(f)).convert("RGB")
+        for suffix, view in views_of(img) if with_views else [("", img)]:
+            out.append((os.path.basename(f) + suffix, pre(view)[0]))
+    return out
+
+
+def agreement(src, dst, check, task, cfg, threshold):
+    """How the INT8 model dst answers the check inputs against the FP32 model src: {"detection": ...}
+    or {"classification": ...} (nothing for another task)."""
+    ref, q = session(src, 1), session(dst, 1)
+    name = ref.get_inputs()[0].name
+    pairs = [(label, ref.run(None, {name: x})[0], q.run(None, {name: x})[0]) for label, x in check]
+    if task == "detection":
+        return {"detection": detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
+                                                 threshold)}
+    if task == "classification":
+        return {"classification": classification_agreement(pairs)}
+    return {}
+
+
+def agreement_score(report):
+    """What ranks two quantizations: boxes kept at IoU 0.9, then 0.5 (a detector); top-1, then top-5
+    agreement (a classifier)."""
+    if "detection" in report:
+        return (report["detection"]["agreement_iou_0.9"], report["detection"]["agreement_iou_0.5"])
+    if "classification" in report:
+        return (report["classification"]["top1_agreement"], report["classification"]["top5_agreement"])
+    return (0.0, 0.0)
+
+
 def require_packages():
     missing = []
     for module, package in (("numpy", "numpy"), ("PIL.Image", "Pillow"), ("onnx", "onnx"),
@@ -363,6 +410,11 @@ def main():
                     "onnxruntime can), e.g. Conv to leave attention's MatMuls in FP32")
     ap.add_argument("--moving-average", action="store_true",
                     help="minmax: each activation's range averaged over the calibration tensors, not their extremes")
+    ap.add_argument("--reduce-range", choices=("auto", "on", "off"), default="auto",
+                    help="weights in 7 bits instead of 8: on a CPU without VNNI ONNX Runtime's INT8 kernels sum "
+                    "in 16 bits, which 8-bit weights can saturate; auto (the default): 8 bits where this CPU "
+                    "has VNNI, else both measured on the --check images and the one that agrees better kept "
+                    "(7 bits without --check)")
     ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
     args = ap.parse_args()
     require_packages()
@@ -417,6 +469,22 @@ def main():
                   "(--keep-fp32 names the nodes to keep instead)", file=sys.stderr)
     else:
         keep, kept_why = [], "none asked for"
+    quant_options = dict(quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
+                         weight_type=QuantType.QInt8,
+                         calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                                           "percentile": CalibrationMethod.Percentile}[args.method],
+                         nodes_to_exclude=keep, op_types_to_quantize=[o for o in args.ops.split(",") if o] or None,
+                         extra_options={"ActivationSymmetric": False, "WeightSymmetric": True,
+                                        "CalibMovingAverage": args.moving_average})
+    check = check_inputs(args.check, pre, args.check_views) if args.check else None
+    # Weights in 8 bits, or 7 (reduce_range): without VNNI ONNX Runtime's UINT8 x INT8 kernels sum
+    # pairs of products in 16 bits, which 8-bit weights can saturate (a detector lost a box so), and 7
+    # bits cost precision instead (a classifier's top-1 moved so). auto, on such a CPU: both, and the
+    # one that agrees better with the FP32 model on the check images (7 bits without them).
+    if args.reduce_range != "auto" or cpu_has_vnni():
+        candidates = [7 if args.reduce_range == "on" else 8]
+    else:
+        candidates = [8, 7] if check else [7]
     os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
     dst = os.path.join(out_dir, "1", "model.onnx")
     with tempfile.TemporaryDirectory() as tmp:
@@ -424,15 +492,17 @@ def main():
         if unnamed:  # quantize the named copy, so that the nodes kept are the ones named here
             src_named = os.path.join(tmp, "named.onnx")
             onnx.save(model, src_named)
-        quantize_static(src_named if unnamed else src, dst, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                                          "percentile": CalibrationMethod.Percentile}[args.method], nodes_to_exclude=keep,
-                        op_types_to_quantize=[o for o in args.ops.split(",") if o] or None,
-                        extra_options={"ActivationSymmetric": False, "WeightSymmetric": True,
-                                       "CalibMovingAverage": args.moving_average})
+        measured = {}
+        for bits in candidates:
+            out = os.path.join(tmp, f"int8_{bits}.onnx")
+            reader = Reader()
+            quantize_static(src_named if unnamed else src, out, reader, reduce_range=bits == 7, **quant_options)
+            measured[bits] = (out, agreement(src, out, check, task, cfg, args.threshold) if check else {})
+        weight_bits = max(candidates, key=lambda b: (agreement_score(measured[b][1]), b))
+        shutil.copy(measured[weight_bits][0], dst)
 
-    header = (f"# INT8 twin of '{cfg['name']}' (scripts/quantize.py: QDQ, weights INT8 per channel, activations\n"
+    header = (f"# INT8 twin of '{cfg['name']}' (scripts/quantize.py: QDQ, weights INT8 per channel"
+              f"{' in 7 bits' if weight_bits == 7 else ''}, activations\n"
               f"# UINT8 calibrated on {len(tensors)} views of {len(calibration)} images;"
               f" {len(keep)} nodes kept in FP32).\n# agreement.json: how its answers compare with the FP32 model's.\n")
     text = re.sub(r'^(name\s*:\s*)"[^"]*"', lambda m: m.group(1) + f'"{name}"', config_text, count=1, flags=re.M)
@@ -447,24 +517,16 @@ def main():
 
     report = {"model": cfg["name"], "int8_model": name, "calibration_images": [os.path.basename(f) for f in calibration],
               "calibration_tensors": len(tensors),
-              "nodes_kept_fp32": keep, "nodes_kept_fp32_because": kept_why, "nodes_named_here": unnamed}
-    if args.check:
+              "nodes_kept_fp32": keep, "nodes_kept_fp32_because": kept_why, "nodes_named_here": unnamed,
+              "weight_bits": weight_bits}
+    report.update(measured[weight_bits][1])
+    if len(measured) > 1:
+        report["weight_bits_measured"] = {str(b): agreement_score(r) for b, (_, r) in measured.items()}
+    if args.time and check:
         ref, q = session(src, 1), session(dst, 1)
-        pairs = []
-        for f in images_in(args.check):
-            img = ImageOps.exif_transpose(Image.open(f)).convert("RGB")
-            for suffix, view in views_of(img) if args.check_views else [("", img)]:
-                x, _ = pre(view)
-                pairs.append((os.path.basename(f) + suffix, ref.run(None, {pre.name: x})[0],
-                              q.run(None, {pre.name: x})[0]))
-        if task == "detection":
-            report["detection"] = detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
-                                                      args.threshold)
-        elif task == "classification":
-            report["classification"] = classification_agreement(pairs)
-        if args.time:
-            report["ms_per_run_one_thread"] = {"fp32": 1e3 * seconds_per_run(ref, pre.name, x),
-                                               "int8": 1e3 * seconds_per_run(q, pre.name, x)}
+        x = check[-1][1]
+        report["ms_per_run_one_thread"] = {"fp32": 1e3 * seconds_per_run(ref, pre.name, x),
+                                           "int8": 1e3 * seconds_per_run(q, pre.name, x)}
     with open(os.path.join(out_dir, "agreement.json"), "w") as f:
         json.dump(report, f, indent=1)
     summary = {k: v for k, v in report.items() if k != "nodes_kept_fp32"}

@@ -603,11 +603,13 @@ quantize_once() {
   mkdir -p "$models/${name}_int8/1"
   find "$models/$name" -maxdepth 1 \( -name '*.txt' -o -name '*.labels' -o -name '*.names' \) \
     -exec cp {} "$models/${name}_int8/" \;  # the label files, as the FP32 model's are now
-  # Done again when the model, the tool or the command changes (the stamp records them), not when
+  # Done again when the model, the tool or the command changes (the stamp records them), or the CPU
+  # gains or loses VNNI (without it the weights take 7 bits: quantize.py --reduce-range), not when
   # the output only differs from the pinned one (another CPU's rounding).
-  local want
+  local want vnni=no
+  grep -qwE 'avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo 2>/dev/null && vnni=yes
   want=$( (sha256sum "$models/$name/1/model.onnx" "$ROOT/scripts/quantize.py" | cut -d' ' -f1
-           printf '%s\n' "${args[@]#"$ROOT"/}") | sha256sum | cut -d' ' -f1)
+           printf '%s\n' "${args[@]#"$ROOT"/}" "vnni=$vnni") | sha256sum | cut -d' ' -f1)
   if [ -f "$int8" ] && [ -f "$models/${name}_int8/agreement.json" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi

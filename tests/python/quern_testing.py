@@ -272,6 +272,18 @@ def sanitized(binary):
         return m.find(b"__asan_init") >= 0
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16():
+    """True when this CPU computes bf16 natively (the kernel lists avx512_bf16 or amx_bf16 among its
+    flags), the CPUs where OpenVINO's default precision is bf16 and backend "auto" measures it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def free_port():
     import socket
     with socket.socket() as s:

@@ -138,8 +138,11 @@ def fp32_boxes_and_twins(server, other, min_iou):
 def test_the_int8_twin_finds_the_fp32_models_boxes(server):
     """objects_int8 (scripts/quantize.py's output) against objects on every labelled photograph: each box
     the FP32 model gives at >= 0.25 is given by the INT8 model too (same label, IoU >= 0.8, confidence
-    within 0.15; asked down to 0.1 so that a box whose confidence moved across 0.25 is still seen), and
-    at least nine in ten at IoU >= 0.9 (measured: 27 of 29; the two others 0.84 and 0.90, on coffee.png)."""
+    within 0.25; asked down to 0.1 so that a box whose confidence moved across 0.25 is still seen), and
+    at least nine in ten at IoU >= 0.9 (measured: 27 of 29; the two others 0.84 and 0.90, on coffee.png).
+    Confidences moved by at most 0.15 on a CPU with VNNI (8-bit weights), 0.23 on one without (AVX2:
+    quantize.py gives the weights 7 bits there; with 8, ONNX Runtime's 16-bit sums saturate and lose a
+    box outright)."""
     pairs = fp32_boxes_and_twins(server, "objects_int8", 0.8)
     boxes = len(pairs)
     close = 0
@@ -149,7 +152,7 @@ def test_the_int8_twin_finds_the_fp32_models_boxes(server):
         close += any(iou(p, q) >= 0.9 for q in twins)
         worst = max(worst, min(abs(q["confidence"] - p["confidence"]) for q in twins))
     assert boxes >= 25 and close >= 0.9 * boxes, (boxes, close)
-    assert worst <= 0.15, worst
+    assert worst <= 0.25, worst
     report = json.load(open(os.path.join(MODELS, "objects_int8", "agreement.json")))
     assert report["detection"]["computed"] and report["detection"]["fp32_boxes"] >= 25, report
 

@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from detection_labels import LABELS, PHOTOS, iou
-from quern_testing import http_request, metric_sum, pin_runtime, post_form, sanitized, start_quern, stop_quern
+from quern_testing import (cpu_has_bf16, http_request, metric_sum, pin_runtime, post_form, sanitized, start_quern,
+                           stop_quern)
 
 QUERN = os.environ["QUERN_BIN"]
 TEST_MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -112,8 +113,8 @@ def test_openvino_answers_as_onnx_runtime_does(server, folder, model):
     # map of random noise is ~1e-7 everywhere). The INT8 twins: OpenVINO and ONNX Runtime round the
     # requantized activations each their own way, an 8-bit step here and there (on these inputs:
     # 2.3 % of the classifier's largest logit, 7.2 % of the detector's largest output; other random
-    # inputs gave up to 12 %).
-    rtol = 0.15 if model.endswith("_int8") else 2e-3
+    # inputs gave up to 12 %; the detector's twin made with 7-bit weights on a CPU without VNNI, 17 %).
+    rtol = 0.2 if model.endswith("_int8") else 2e-3
     for name in want:
         a, b = want[name], got[name]
         assert a.shape == b.shape, (model, name, a.shape, b.shape)
@@ -343,7 +344,8 @@ def test_backend_auto_keeps_the_fastest_runtime_whose_answers_agree(tmp_path, no
         assert all(s is None for m, s in samples.items() if m != "objects"), samples
         for model, (chosen, table) in choices.items():
             print(model, chosen, table)
-            assert ("openvino bf16" in table) == (not no_bf16), (model, table)
+            # bf16 is measured where the CPU has it (/proc/cpuinfo's flags), and not where told not to.
+            assert ("openvino bf16" in table) == (cpu_has_bf16() and not no_bf16), (model, table)
             assert {"onnxruntime", "openvino f32"} <= table.keys(), (model, table)
             ms, _ = table[chosen]
             assert ms is not None, (model, table)

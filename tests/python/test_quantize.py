@@ -142,6 +142,52 @@ def test_the_report_states_the_agreement_computed_here(quantized):
     assert (twin / "labels.txt").read_text() == (quantized / "small" / "labels.txt").read_text()
 
 
+def int8_weight_range(model_path):
+    """The smallest and largest value of the INT8 weight initializers of a QDQ model (read with onnx)."""
+    import onnx
+    from onnx import numpy_helper
+    weights = [numpy_helper.to_array(t) for t in onnx.load(model_path).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8 and len(t.dims) >= 2]
+    assert weights, model_path
+    return min(int(w.min()) for w in weights), max(int(w.max()) for w in weights)
+
+
+def cpu_has_vnni():
+    with open("/proc/cpuinfo") as f:
+        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+@pytest.mark.parametrize("reduce_range", ["on", "off", "auto"])
+def test_the_weights_take_7_bits_where_the_cpu_would_saturate_8(quantized, tmp_path, reduce_range):
+    """--reduce-range on: every INT8 weight within [-64, 64] (7 bits, symmetric: a pair of products with
+    UINT8 activations is at most 2 x 255 x 64 = 32,640, which ONNX Runtime's 16-bit sums hold on a CPU
+    without VNNI); off: the full 8 bits (the largest weight of each channel
+    at -127 or 127, symmetric); auto: 8 bits where this CPU has VNNI, else both made and measured on
+    the check images, the report naming both scores and the one kept."""
+    out = tmp_path / "twin"
+    run = subprocess.run([sys.executable, QUANTIZE, str(quantized / "small"), "--out", str(out), "--reduce-range",
+                          reduce_range, "--count", "8", "--calibration"] +
+                         [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
+                         [os.path.join(PHOTOS, f) for f in CHECK[:3]], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "agreement.json").read_text())
+    low, high = int8_weight_range(str(out / "1" / "model.onnx"))
+    if reduce_range == "auto" and not cpu_has_vnni():
+        measured = report["weight_bits_measured"]
+        assert set(measured) == {"7", "8"}, report
+        best = max((tuple(v), int(b)) for b, v in measured.items())[1]
+        assert report["weight_bits"] == best, report
+    bits = {"on": 7, "off": 8}.get(reduce_range, report["weight_bits"])
+    if reduce_range == "auto" and cpu_has_vnni():
+        assert bits == 8 and "weight_bits_measured" not in report, report
+    assert report["weight_bits"] == bits, report
+    if bits == 7:
+        assert -64 <= low and high <= 64, (low, high)
+    else:
+        assert low == -127 or high == 127, (low, high)
+
+
 def test_check_images_may_not_be_calibration_images(quantized, tmp_path):
     run = subprocess.run([sys.executable, QUANTIZE, str(quantized / "small"), "--out", str(tmp_path / "again"),
                           "--calibration", os.path.join(PHOTOS, "kite.jpg"), "--check", os.path.join(PHOTOS, "kite.jpg")],
