@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -158,6 +160,182 @@ TEST_F(DecoupledTest, TheModelIsWokenWhenARequestIsCancelled) {
   // The model saw the cancellation (woken, cancelled(i) true) and closed the request.
   EXPECT_TRUE(last.status.ok()) << last.status.message();
   EXPECT_TRUE(last.final_only);
+}
+
+// y = 2x, any width: the step after the decoupled one.
+class Doubler : public Model {
+ public:
+  Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
+    const Tensor& x = inputs.at(0).tensor;
+    std::vector<float> v = ToFloats(x);
+    for (float& f : v) f *= 2;
+    outputs.push_back({"y", Floats(x.shape(), v)});
+    return Status::Ok();
+  }
+};
+
+ModelConfig DoublerConfig(const std::string& name, int64_t width) {
+  ModelConfig c;
+  c.name = name;
+  c.max_batch_size = 8;
+  c.inputs = {{.name = "x", .dtype = DataType::kFp32, .dims = {width}}};
+  c.outputs = {{.name = "y", .dtype = DataType::kFp32, .dims = {width}}};
+  c.instance_count = 1;
+  return c;
+}
+
+// n -> countdown (c = [n, k], k = 0..n-1) -> double2 (z = 2c); beside it, n -> double1 (w = 2n), which
+// does not read the decoupled step's answers: it runs once, and every response carries it.
+constexpr char kStreamEnsemble[] = R"(
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "n" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "z" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "w" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "double2" input_map { key: "x" value: "c" } output_map { key: "y" value: "z" } },
+    { model_name: "countdown" input_map { key: "x" value: "n" } output_map { key: "y" value: "c" } },
+    { model_name: "double1" input_map { key: "x" value: "n" } output_map { key: "y" value: "w" } }
+  ]
+}
+)";
+
+// The ensemble above as a step: decoupled too.
+constexpr char kOuterEnsemble[] = R"(
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "m" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "out" data_type: TYPE_FP32 dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [ { model_name: "stream" input_map { key: "n" value: "m" } output_map { key: "z" value: "out" } } ]
+}
+)";
+
+// Two decoupled steps side by side: their responses cannot be paired.
+constexpr char kTwoStreams[] = R"(
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "n" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "a" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "countdown" input_map { key: "x" value: "n" } output_map { key: "y" value: "a" } },
+    { model_name: "countdown" input_map { key: "x" value: "n" } output_map { key: "y" value: "b" } }
+  ]
+}
+)";
+
+class DecoupledEnsembleTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [name, text] : {std::pair{"stream", kStreamEnsemble}, std::pair{"outer", kOuterEnsemble},
+                                     std::pair{"two_streams", kTwoStreams}}) {
+      testing::WriteFile(dir_.path() / name / "config.pbtxt", text);
+      std::filesystem::create_directories(dir_.path() / name / "1");
+    }
+    EngineOptions o;
+    o.model_repository = dir_.path().string();
+    o.load_all_models = false;
+    auto e = Engine::Create(o);
+    ASSERT_TRUE(e.has_value()) << e.error().ToString();
+    engine_ = std::move(*e);
+    ASSERT_TRUE(engine_->RegisterModel(CountdownConfig(), [] { return std::make_unique<Countdown>(); }).ok());
+    for (const auto& [name, width] : {std::pair{"double1", 1}, std::pair{"double2", 2}}) {
+      ASSERT_TRUE(engine_->RegisterModel(DoublerConfig(name, width), [] { return std::make_unique<Doubler>(); }).ok());
+    }
+  }
+
+  // Every response of a request for `n` to `model` (its outputs by name, flattened), and the last.
+  std::pair<std::vector<std::map<std::string, std::vector<float>>>, InferResponse> Stream(const std::string& model,
+                                                                                          const std::string& input,
+                                                                                          std::vector<float> n) {
+    struct Got {
+      std::mutex mu;
+      std::vector<std::map<std::string, std::vector<float>>> responses;
+      std::promise<InferResponse> last;
+    };
+    auto got = std::make_shared<Got>();
+    InferRequest r;
+    r.model = model;
+    const auto rows = static_cast<int64_t>(n.size());
+    r.inputs = {{input, Floats({rows, 1}, std::move(n))}};
+    r.on_response = [got](InferResponse&& response) {
+      EXPECT_TRUE(response.decoupled);
+      std::map<std::string, std::vector<float>> outputs;
+      for (const auto& o : response.outputs) outputs[o.name] = ToFloats(o.tensor);
+      std::lock_guard lock(got->mu);
+      got->responses.push_back(std::move(outputs));
+    };
+    InferCallback done = [got](InferResponse&& response) { got->last.set_value(std::move(response)); };
+    auto future = got->last.get_future();
+    Status st = engine_->InferAsync(std::move(r), done);
+    if (!st.ok()) {
+      InferResponse refused;
+      refused.status = st;
+      return {{}, std::move(refused)};
+    }
+    InferResponse last = future.get();
+    std::lock_guard lock(got->mu);
+    return {got->responses, std::move(last)};
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST_F(DecoupledEnsembleTest, EachResponseOfTheStepRunsTheStepsAfterItAndAnswersInOrder) {
+  ASSERT_TRUE(engine_->LoadModel("stream").ok());
+  auto status = engine_->GetModel("stream");
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->config.decoupled);  // a decoupled step makes it so
+  auto [responses, last] = Stream("stream", "n", {3});
+  ASSERT_TRUE(last.status.ok()) << last.status.ToString();
+  EXPECT_TRUE(last.decoupled);
+  EXPECT_TRUE(last.final_only);
+  EXPECT_TRUE(last.outputs.empty());
+  using Outputs = std::map<std::string, std::vector<float>>;
+  EXPECT_EQ(responses, (std::vector<Outputs>{
+                           {{"z", {6, 0}}, {"w", {6}}}, {{"z", {6, 2}}, {"w", {6}}}, {{"z", {6, 4}}, {"w", {6}}}}));
+  // No response: only the final answer. The step's error: the request's, naming the step.
+  auto [none, closed] = Stream("stream", "n", {0});
+  EXPECT_TRUE(none.empty());
+  EXPECT_TRUE(closed.status.ok() && closed.final_only) << closed.status.ToString();
+  auto [before, failed] = Stream("stream", "n", {-1});
+  EXPECT_EQ(failed.status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(failed.status.message().find("step 1 (model 'countdown')"), std::string::npos) << failed.status.ToString();
+  // Rows the step model would take in several requests: refused, saying why.
+  auto [split, refused] = Stream("stream", "n", {1, 1, 1, 1, 1});
+  EXPECT_EQ(refused.status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status.message().find("a decoupled step takes its rows in one request"), std::string::npos)
+      << refused.status.ToString();
+  // A call that takes one answer is refused, as for the decoupled model itself.
+  InferRequest one;
+  one.model = "stream";
+  one.inputs = {{"n", Floats({1, 1}, {2})}};
+  const InferResponse answer = engine_->Infer(std::move(one)).get();
+  EXPECT_EQ(answer.status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(answer.status.message().find("decoupled"), std::string::npos) << answer.status.ToString();
+  // The models serve on.
+  auto [again, end] = Stream("stream", "n", {2});
+  EXPECT_TRUE(end.status.ok());
+  EXPECT_EQ(again.size(), 2u);
+}
+
+TEST_F(DecoupledEnsembleTest, AnEnsembleOfADecoupledEnsembleStreamsToo) {
+  ASSERT_TRUE(engine_->LoadModel("stream").ok());
+  ASSERT_TRUE(engine_->LoadModel("outer").ok());
+  auto [responses, last] = Stream("outer", "m", {2});
+  ASSERT_TRUE(last.status.ok()) << last.status.ToString();
+  EXPECT_TRUE(last.final_only);
+  using Outputs = std::map<std::string, std::vector<float>>;
+  EXPECT_EQ(responses, (std::vector<Outputs>{{{"out", {4, 0}}}, {{"out", {4, 2}}}}));
+}
+
+TEST_F(DecoupledEnsembleTest, TwoDecoupledStepsThatCannotBePairedAreRefusedAtLoad) {
+  const Status st = engine_->LoadModel("two_streams");
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("steps 0 (model 'countdown') and 1 (model 'countdown') are decoupled"), std::string::npos)
+      << st.ToString();
 }
 
 }  // namespace

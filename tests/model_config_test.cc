@@ -162,15 +162,21 @@ TEST(ModelConfig, OnlyAPythonModelMayBeDecoupled) {
   EXPECT_TRUE(ToProto(*c).model_transaction_policy().decoupled());
   const std::pair<const char*, const char*> refused[] = {
       {"backend: \"onnxruntime\"\nmodel_transaction_policy { decoupled: true }\n", "answers each request once"},
-      {"platform: \"ensemble\"\ninput [ { name: \"x\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
-       "output [ { name: \"y\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
-       "ensemble_scheduling { step [ { model_name: \"m\" model_version: -1 input_map { key: \"a\" value: \"x\" } "
-       "output_map { key: \"b\" value: \"y\" } } ] }\nmodel_transaction_policy { decoupled: true }\n",
-       "ensemble cannot be decoupled"},
       {"backend: \"python\"\nmax_batch_size: 4\ndynamic_batching { preserve_ordering: true }\n"
        "model_transaction_policy { decoupled: true }\n",
        "preserve_ordering"},
   };
+  // An ensemble may say so (its steps decide: EnsembleModel).
+  auto ensemble = ParseModelConfigText(
+      "platform: \"ensemble\"\ninput [ { name: \"x\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
+      "output [ { name: \"y\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n"
+      "ensemble_scheduling { step [ { model_name: \"m\" model_version: -1 input_map { key: \"a\" value: \"x\" } "
+      "output_map { key: \"b\" value: \"y\" } } ] }\nmodel_transaction_policy { decoupled: true }\n",
+      "e/config.pbtxt");
+  ASSERT_TRUE(ensemble.has_value());
+  auto e = ConvertModelConfig(*ensemble, "e/config.pbtxt");
+  ASSERT_TRUE(e.has_value()) << e.error().ToString();
+  EXPECT_TRUE(e->decoupled);
   for (const auto& [text, why] : refused) {
     auto p = ParseModelConfigText(text, "d/config.pbtxt");
     ASSERT_TRUE(p.has_value()) << text;

@@ -260,6 +260,50 @@ TEST(RedisResultStore, RecordRoundTripsThroughJsonAndBinaryValues) {
   EXPECT_FALSE(RedisResultStore::Decode(enc->json, {}).has_value());
 }
 
+TEST(RedisResultStore, ADecoupledModelsResponsesRoundTripInOrderWithTheirBinaryValues) {
+  JobRecord rec;
+  rec.id = NewJobId(1'700'000'000'123);
+  rec.model = "stream";
+  rec.version = 1;
+  rec.state = JobState::kDone;
+  rec.decoupled = true;
+  // Response k: "y", k * 1000 + i; the first 3 values, the others k + 1 rows of 300 (past the inline
+  // bound): an output name is a binary value in every response once one needs it.
+  std::vector<std::vector<int32_t>> values;
+  for (int k = 0; k < 3; ++k) {
+    std::vector<int32_t> v(static_cast<size_t>(k == 0 ? 3 : (k + 1) * 300));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(k * 1000 + static_cast<int>(i));
+    const int64_t rows = k == 0 ? 1 : k + 1;
+    rec.responses.push_back({{"y", Tensor::From(DataType::kInt32, Shape{rows, static_cast<int64_t>(v.size()) / rows},
+                                                std::span<const int32_t>(v))}});
+    values.push_back(std::move(v));
+  }
+  rec.responses.push_back({});  // a response without outputs
+  RedisResultStoreOptions o;
+  o.inline_max_bytes = 1024;
+  auto enc = RedisResultStore::Encode(rec, o);
+  ASSERT_TRUE(enc.has_value()) << enc.error().ToString();
+  EXPECT_EQ(enc->json.find("\"result\""), std::string::npos) << enc->json;
+  ASSERT_EQ(enc->binary.size(), 3u);
+  std::vector<std::string> binary;
+  for (const auto& [key, bytes] : enc->binary) binary.emplace_back(bytes);
+  auto dec = RedisResultStore::Decode(enc->json, binary);
+  ASSERT_TRUE(dec.has_value()) << dec.error().ToString();
+  const JobRecord& back = **dec;
+  EXPECT_TRUE(back.decoupled);
+  EXPECT_TRUE(back.outputs.empty());
+  ASSERT_EQ(back.responses.size(), 4u);
+  for (size_t k = 0; k < 3; ++k) {
+    ASSERT_EQ(back.responses[k].size(), 1u) << k;
+    const Tensor& t = back.responses[k][0].tensor;
+    EXPECT_EQ(t.shape(), rec.responses[k][0].tensor.shape()) << k;
+    EXPECT_EQ(std::vector<int32_t>(t.values<int32_t>().begin(), t.values<int32_t>().end()), values[k]) << k;
+  }
+  EXPECT_TRUE(back.responses[3].empty());
+  // A binary value missing: damage, reported as such.
+  EXPECT_FALSE(RedisResultStore::Decode(enc->json, {binary[0]}).has_value());
+}
+
 TEST(RedisResultStore, SmallUtf8BytesOutputsAreJsonStrings) {
   // Labels and OCR text: read with any Redis client as JSON strings. Bytes
   // that are not UTF-8, and large BYTES outputs, stay binary values.

@@ -493,15 +493,13 @@ Result<ModelConfig> ConvertModelConfig(const inference::ModelConfig& p, const st
 
   if (p.has_dynamic_batching()) QUERN_RETURN_IF_ERROR(ConvertDynamicBatching(p.dynamic_batching(), source, c));
   c.decoupled = p.model_transaction_policy().decoupled();
-  if (c.decoupled && ensemble) {
-    return Err(InvalidArgument(source + ": an ensemble cannot be decoupled itself (model_transaction_policy); "
-                                        "its steps pass one answer each to the next"));
-  }
+  // An ensemble may say it is decoupled; one with a decoupled step is, whatever it says
+  // (EnsembleModel).
   if (c.decoupled && c.batching && c.batching->preserve_ordering) {
     return Err(InvalidArgument(source + ": a decoupled model's requests end when it closes them: "
                                         "dynamic_batching { preserve_ordering: true } cannot hold their order"));
   }
-  if (c.decoupled && c.backend != "python" && c.backend != "custom") {
+  if (c.decoupled && !ensemble && c.backend != "python" && c.backend != "custom") {
     return Err(InvalidArgument(source +
                                ": model_transaction_policy { decoupled: true } is for Python models (and "
                                "models registered in code); backend '" +

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <map>
 #include <optional>
 
@@ -39,6 +40,20 @@ class EnsembleModel::Run {
     std::vector<InferResponse> parts;
   };
   std::map<int, Gather> gathers QUERN_GUARDED_BY(mu);
+
+  // Decoupled ensembles. A branch is a run made from its parent's state and
+  // one response of the parent's decoupled step; `root` is the request's own
+  // run (null in it), which holds the caller's callback and answers last.
+  std::shared_ptr<Run> root, parent;
+  size_t chain_pos = 0;  // chain_[chain_pos]: this run's decoupled step (none past the end)
+  std::deque<InferResponse> queued QUERN_GUARDED_BY(mu);  // its responses not yet branched
+  bool step_closed QUERN_GUARDED_BY(mu) = false;          // it sent its final response
+  bool branch_running QUERN_GUARDED_BY(mu) = false;
+  // The root's: held while a branch hands its response to the caller, so
+  // that the last answer (or an error) never overtakes one.
+  Mutex emit;
+
+  Run& top() { return root ? *root : *this; }
 };
 
 namespace {
@@ -137,13 +152,8 @@ Status EnsembleModel::Plan() {
     auto sc = models_.config(s.model_name, s.model_version);
     if (!sc) return Status(StatusCode::kUnavailable, where + ": " + sc.error().message());
     const ModelConfig& c = *sc;
-    if (c.decoupled) {
-      return InvalidArgument(where +
-                             ": the model is decoupled (it may answer with many responses), and a step "
-                             "passes one answer on; call it from a Python model (exec(decoupled=True)) "
-                             "or over gRPC ModelStreamInfer instead");
-    }
     Step step;
+    step.decoupled = c.decoupled;
     step.model = s.model_name;
     step.version = s.model_version;
     step.max_batch = c.max_batch_size;
@@ -242,7 +252,58 @@ Status EnsembleModel::Plan() {
 
   std::vector<int> writer(tensors_.size());
   for (size_t t = 0; t < tensors_.size(); ++t) writer[t] = source[t].step;
-  return OrderSteps(writer);
+  QUERN_RETURN_IF_ERROR(OrderSteps(writer));
+  return PlanDecoupled();
+}
+
+Status EnsembleModel::PlanDecoupled() {
+  // Each decoupled step's tail: itself and every step reading its answers.
+  std::vector<std::vector<char>> in_tail;  // by chain candidate
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    if (!steps_[i].decoupled) continue;
+    std::vector<char> reached(steps_.size(), 0);
+    std::vector<int> todo{static_cast<int>(i)};
+    reached[i] = 1;
+    while (!todo.empty()) {
+      const int s = todo.back();
+      todo.pop_back();
+      for (const auto& [name, t] : steps_[static_cast<size_t>(s)].outputs) {
+        for (int r : readers_[static_cast<size_t>(t)]) {
+          if (!reached[static_cast<size_t>(r)]) {
+            reached[static_cast<size_t>(r)] = 1;
+            todo.push_back(r);
+          }
+        }
+      }
+    }
+    steps_[i].tail = static_cast<int>(std::count(reached.begin(), reached.end(), 1));
+    chain_.push_back(static_cast<int>(i));
+    in_tail.push_back(std::move(reached));
+  }
+  if (chain_.empty()) return Status::Ok();
+  // The longest tail first: each next step must be in the tail before it.
+  std::vector<size_t> order(chain_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return steps_[static_cast<size_t>(chain_[a])].tail > steps_[static_cast<size_t>(chain_[b])].tail;
+  });
+  std::vector<int> chain;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int s = chain_[order[k]];
+    if (k > 0 && !in_tail[order[k - 1]][static_cast<size_t>(s)]) {
+      const int before = chain.back();
+      return InvalidArgument("ensemble '" + config_.name + "': steps " + std::to_string(std::min(before, s)) +
+                             " (model '" + steps_[static_cast<size_t>(std::min(before, s))].model + "') and " +
+                             std::to_string(std::max(before, s)) + " (model '" +
+                             steps_[static_cast<size_t>(std::max(before, s))].model +
+                             "') are decoupled and neither reads the other's answers: their responses cannot be "
+                             "paired (decoupled steps must each read, through the steps between, the one before)");
+    }
+    chain.push_back(s);
+  }
+  chain_ = std::move(chain);
+  config_.decoupled = true;  // its caller takes many responses, as from any decoupled model
+  return Status::Ok();
 }
 
 // Every step becomes ready: no cycles (Kahn's order from the inputs).
@@ -375,7 +436,11 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       }
     }
     if (rows == 0) {
-      StepDone(run, s, 0, 1, NoRows(s));
+      if (step.decoupled && run->chain_pos < chain_.size() && chain_[run->chain_pos] == s) {
+        StepResponse(run, s, NoRows(s), /*last=*/true);  // not run: one response of zero rows
+      } else {
+        StepDone(run, s, 0, 1, NoRows(s));
+      }
       continue;
     }
     const int64_t chunk_rows = rows > step.max_batch ? step.max_batch : std::max<int64_t>(rows, 1);
@@ -387,6 +452,16 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
           s, InvalidArgument(std::to_string(rows) + " rows would take " + std::to_string(split) +
                              " requests of at most " + std::to_string(step.max_batch) +
                              " rows (the model's max_batch_size); at most " + std::to_string(kMaxStepRequests)));
+      if (first_launch && k == 0) return st;
+      Finish(run, std::move(st));
+      return Status::Ok();
+    }
+    const bool streams = step.decoupled && run->chain_pos < chain_.size() && chain_[run->chain_pos] == s;
+    if (streams && split > 1) {
+      // Each part would send its own responses: there is no pairing them.
+      Status st = StepError(
+          s, InvalidArgument(std::to_string(rows) + " rows exceed the model's max_batch_size (" +
+                             std::to_string(step.max_batch) + "), and a decoupled step takes its rows in one request"));
       if (first_launch && k == 0) return st;
       Finish(run, std::move(st));
       return Status::Ok();
@@ -403,25 +478,26 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       r.model = step.model;
       r.version = step.version;
       r.requested_outputs = step.requested;
-      r.priority = run->request.priority;
-      r.timeout_us = run->request.timeout_us;
-      r.deadline_ns = run->request.deadline_ns;
-      r.cancel = run->request.cancel;
-      r.parameters = run->request.parameters;  // the caller's, to every step
+      Run& top = run->top();
+      r.priority = top.request.priority;
+      r.timeout_us = top.request.timeout_us;
+      r.deadline_ns = top.request.deadline_ns;
+      r.cancel = top.request.cancel;
+      r.parameters = top.request.parameters;  // the caller's, to every step
       // A step is the caller's request, under its name (a Python step's
       // request_id()); the first step to run starts the ensemble's request.
-      if (!run->request_id.empty()) r.metadata.emplace_back("request_id", run->request_id);
+      if (!top.request_id.empty()) r.metadata.emplace_back("request_id", top.request_id);
       SubmitOptions o;
-      if (run->on_start) {
-        o.on_start = [run] {
-          if (!run->started.exchange(true, std::memory_order_relaxed)) run->on_start();
+      if (top.on_start) {
+        o.on_start = [root = run->root ? run->root : run] {
+          if (!root->started.exchange(true, std::memory_order_relaxed)) root->on_start();
         };
       }
       // Admission is decided at the first steps: a request inside the
       // ensemble is not refused later for the queue's length (that would
       // throw away the work done), though queue sizes, timeouts and
       // deadlines still apply.
-      o.admitted = run->admitted || !first_launch;
+      o.admitted = top.admitted || !first_launch;
       o.loop = loop;
       Status st;
       if (chunks == 1) {
@@ -439,9 +515,19 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       }
       if (st.ok() && r.cancel && r.cancel->cancelled()) st = Cancelled("the request was cancelled");
       if (st.ok()) {
-        InferCallback done = [self = shared_from_this(), run, s, c, chunks](InferResponse&& response) {
-          self->StepDone(run, s, c, chunks, std::move(response));
-        };
+        InferCallback done;
+        if (streams) {
+          r.on_response = [self = shared_from_this(), run, s](InferResponse&& response) {
+            self->StepResponse(run, s, std::move(response), /*last=*/false);
+          };
+          done = [self = shared_from_this(), run, s](InferResponse&& response) {
+            self->StepResponse(run, s, std::move(response), /*last=*/true);
+          };
+        } else {
+          done = [self = shared_from_this(), run, s, c, chunks](InferResponse&& response) {
+            self->StepDone(run, s, c, chunks, std::move(response));
+          };
+        }
         st = models_.submit(std::move(r), done, o);
       }
       if (!st.ok()) {
@@ -547,22 +633,152 @@ void EnsembleModel::StepDone(const std::shared_ptr<Run>& run, int step, int chun
   }
   if (complete) {
     Finish(run, Status::Ok());
-  } else if (!ready.empty()) {
-    (void)Launch(run, ready, /*first_launch=*/false);
+    return;
   }
+  if (!ready.empty()) (void)Launch(run, ready, /*first_launch=*/false);
+  if (run->chain_pos < chain_.size()) NextBranch(run);  // the steps before a branch may all have answered
+}
+
+void EnsembleModel::StepResponse(const std::shared_ptr<Run>& run, int step, InferResponse&& response, bool last) {
+  if (!response.status.ok()) {
+    Finish(run, StepError(step, response.status));
+    return;
+  }
+  {
+    MutexLock lock(run->mu);
+    if (run->finished || run->step_closed) return;
+    if (!(last && response.final_only)) {
+      if (run->queued.size() >= kMaxQueuedResponses) {
+        lock.Unlock();
+        Finish(run,
+               StepError(step, ResourceExhausted("the model sent more than " + std::to_string(kMaxQueuedResponses) +
+                                                 " responses that the steps after it have not taken yet")));
+        return;
+      }
+      run->queued.push_back(std::move(response));
+    }
+    if (last) run->step_closed = true;
+  }
+  NextBranch(run);
+}
+
+void EnsembleModel::NextBranch(const std::shared_ptr<Run>& run) {
+  const int s = chain_[run->chain_pos];
+  auto branch = std::make_shared<Run>();
+  InferResponse response;
+  {
+    MutexLock lock(run->mu);
+    if (run->finished || run->branch_running) return;
+    // The steps that do not read the decoupled step's answers have all
+    // answered (their tensors go to every branch).
+    if (run->steps_left != steps_[static_cast<size_t>(s)].tail) return;
+    if (run->queued.empty()) {
+      if (!run->step_closed) return;
+      lock.Unlock();
+      EndRun(run);
+      return;
+    }
+    response = std::move(run->queued.front());
+    run->queued.pop_front();
+    run->branch_running = true;
+    branch->root = run->root ? run->root : run;
+    branch->parent = run;
+    branch->chain_pos = run->chain_pos + 1;
+    branch->id = run->id;
+    branch->output_indices = run->output_indices;
+    MutexLock b(branch->mu);
+    branch->values = run->values;
+    branch->state = run->state;
+    branch->waiting = run->waiting;
+    branch->steps_left = run->steps_left;
+    branch->telemetry = run->telemetry;
+    branch->steps = run->steps;
+  }
+  // In the branch the step has answered, with this response.
+  StepDone(branch, s, 0, 1, std::move(response));
+}
+
+void EnsembleModel::EndRun(const std::shared_ptr<Run>& run) {
+  if (!run->parent) {
+    Finish(run, Status::Ok());  // the request's own run: the last answer
+    return;
+  }
+  {
+    MutexLock lock(run->mu);
+    if (run->finished) return;
+    run->finished = true;
+    run->values.clear();
+  }
+  {
+    MutexLock lock(run->parent->mu);
+    run->parent->branch_running = false;
+  }
+  NextBranch(run->parent);
+}
+
+void EnsembleModel::FinishBranch(const std::shared_ptr<Run>& run, Status status) {
+  if (!status.ok()) {
+    {
+      MutexLock lock(run->mu);
+      if (run->finished) return;
+      run->finished = true;
+      run->values.clear();
+    }
+    Finish(run->root, std::move(status));  // the request fails, with its branches
+    return;
+  }
+  InferResponse r;
+  {
+    MutexLock lock(run->mu);
+    if (run->finished) return;
+    for (int idx : run->output_indices) {
+      const size_t t = static_cast<size_t>(output_tensor_[static_cast<size_t>(idx)]);
+      r.outputs.push_back({config_.outputs[static_cast<size_t>(idx)].name, run->values[t]});
+    }
+    r.telemetry = run->telemetry;
+    r.steps = run->steps;
+  }
+  Run& top = *run->root;
+  MutexLock emitting(top.emit);
+  bool over = false;
+  {
+    MutexLock lock(top.mu);
+    over = top.finished;
+  }
+  if (!over && top.request.on_response) {
+    r.request_id = run->id;
+    r.model = config_.name;
+    r.version = version_;
+    r.metadata = top.request.metadata;
+    r.decoupled = true;
+    r.telemetry.response_ns = clock_->NowNs();
+    top.request.on_response(std::move(r));
+  }
+  emitting.Unlock();
+  EndRun(run);
 }
 
 void EnsembleModel::Finish(const std::shared_ptr<Run>& run, Status status) {
+  if (run->root) {
+    FinishBranch(run, std::move(status));
+    return;
+  }
   InferResponse r;
   {
     MutexLock lock(run->mu);
     if (run->finished) return;
     run->finished = true;
-    if (status.ok()) {
+    run->queued.clear();
+    if (status.ok() && !chain_.empty()) {
+      // Every branch has answered (on_response): the last answer says only that.
+      r.final_only = true;
+      r.decoupled = true;
+    } else if (status.ok()) {
       for (int idx : run->output_indices) {
         const size_t t = static_cast<size_t>(output_tensor_[static_cast<size_t>(idx)]);
         r.outputs.push_back({config_.outputs[static_cast<size_t>(idx)].name, std::move(run->values[t])});
       }
+      r.decoupled = config_.decoupled;  // said so in its configuration: one response, the last
     }
     run->values.clear();
     r.telemetry = run->telemetry;
@@ -577,12 +793,14 @@ void EnsembleModel::Finish(const std::shared_ptr<Run>& run, Status status) {
   r.request_id = run->id;
   r.model = config_.name;
   r.version = version_;
-  r.metadata = std::move(run->request.metadata);
+  // (A decoupled ensemble's branches may still read it: copied.)
+  r.metadata = chain_.empty() ? std::move(run->request.metadata) : run->request.metadata;
   const int64_t now = clock_->NowNs();
   if (r.telemetry.compute_start_ns == 0) r.telemetry.compute_start_ns = now;
   if (r.telemetry.compute_end_ns == 0) r.telemetry.compute_end_ns = now;
   r.telemetry.response_ns = now;
   stats_.RecordRequest(r.status, r.telemetry, 0, 0, now);
+  if (!chain_.empty()) MutexLock emitted(run->emit);  // a branch's response under way goes first
   InferCallback done = std::move(run->done);
   done(std::move(r));
   Release();

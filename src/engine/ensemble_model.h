@@ -13,6 +13,21 @@
 // several requests whose answers are joined in order; zero rows skip the
 // step (its outputs have zero rows).
 //
+// Decoupled steps (a step model with model_transaction_policy { decoupled:
+// true }, answering with any number of responses) make the ensemble
+// decoupled itself: each response of the step runs the steps that read its
+// answers (a branch, with the tensors the other steps wrote), and each branch
+// that reaches the ensemble's outputs is one response to the caller
+// (InferRequest::on_response), in the order the step sent them; the caller's
+// callback gets the last, final_only, once every branch has ended. Branches
+// of one request run one after another (the next response waits, at most
+// kMaxQueuedResponses of them); the steps that do not read the decoupled
+// step's answers run once, before the first branch. Several decoupled steps
+// must form a chain (each reads the one before, transitively): two that do
+// not are refused at load, as their responses cannot be paired. A call that
+// takes one answer is refused (request_validation.h), as for any decoupled
+// model.
+//
 // Load-time checks (Create) name the step and the model: unknown or unready
 // step models, names that are not the step model's inputs or outputs,
 // tensors read but never written, written twice or written and never read,
@@ -92,6 +107,11 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // (rows beyond the step model's max_batch_size); more fail the request.
   static constexpr int64_t kMaxStepRequests = 4096;
 
+  // The most responses of a decoupled step one request holds while a branch
+  // runs; more fail the request (RESOURCE_EXHAUSTED), so that a step that
+  // sends faster than the steps after it keeps no unbounded memory.
+  static constexpr size_t kMaxQueuedResponses = 4096;
+
  private:
   struct Step {
     std::string model;
@@ -103,6 +123,10 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
     // beyond it are sent as several requests (0 = it does not batch).
     int64_t max_batch = 0;
     std::vector<TensorConfig> output_configs;  // the requested outputs' (for zero rows)
+    // A decoupled step model; `tail`: this step and the steps that read its
+    // answers, transitively (those a branch runs).
+    bool decoupled = false;
+    int tail = 0;
   };
   class Run;
 
@@ -112,6 +136,9 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // start (first_steps_), and no cycle among them. `writer`: the step that
   // writes each tensor (-1 an ensemble input).
   Status OrderSteps(const std::vector<int>& writer);
+  // Plan's end for decoupled steps: their tails, and the chain they form
+  // (chain_), or why they cannot.
+  Status PlanDecoupled();
   // Submits `steps` of `run`. A refusal of the first of them while nothing
   // of the run was submitted before (`first_launch`) is returned instead of
   // answered, so that Submit can refuse the request; any other refusal
@@ -121,13 +148,25 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // A step's answer; with `chunks` > 1, that of rows chunk `chunk` of it,
   // kept until every chunk has answered and then joined in order.
   void StepDone(const std::shared_ptr<Run>& run, int step, int chunk, int chunks, InferResponse&& response);
+  // A response of run's decoupled step (`last`: the step's final one, to
+  // its callback): queued for a branch, or the request failed.
+  void StepResponse(const std::shared_ptr<Run>& run, int step, InferResponse&& response, bool last);
+  // Starts run's next branch, once the steps that do not wait for its
+  // decoupled step have answered and no branch of it runs; ends the run when
+  // its step is closed and nothing is left.
+  void NextBranch(const std::shared_ptr<Run>& run);
+  // A run whose work is done: its parent goes on; the request's own run
+  // answers the caller last.
+  void EndRun(const std::shared_ptr<Run>& run);
+  // A branch that failed or reached the ensemble's outputs (one response).
+  void FinishBranch(const std::shared_ptr<Run>& run, Status status);
   // The answer of a batching step given zero rows (it is not run).
   InferResponse NoRows(int step) const;
   void Finish(const std::shared_ptr<Run>& run, Status status);
   Status StepError(int step, const Status& status) const;
   void Release();
 
-  const ModelConfig config_;
+  ModelConfig config_;     // set by Create (decoupled when a step is), constant after
   OutputLabelSet labels_;  // read by Create
   const int64_t version_;
   const StepModels models_;
@@ -143,6 +182,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   std::vector<std::vector<int>> readers_;
   std::vector<int> waits_for_;
   std::vector<int> first_steps_;
+  std::vector<int> chain_;  // the decoupled steps, each reading the one before
 
   mutable Mutex mu_;
   CondVar idle_;

@@ -85,8 +85,17 @@ Status WriteJobJson(JsonWriter& w, const JobRecord& rec, JobJsonForm form, const
   }
   if (rec.state == JobState::kDone) {
     const size_t first = binary_parts.size();
-    w.Key("result");
-    QUERN_RETURN_IF_ERROR(WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, binary_parts));
+    if (rec.decoupled) {
+      w.Key("responses");
+      w.StartArray();
+      for (const auto& outputs : rec.responses) {
+        QUERN_RETURN_IF_ERROR(WriteKServeResult(w, "", rec.model, rec.version, outputs, format, binary_parts));
+      }
+      w.EndArray();
+    } else {
+      w.Key("result");
+      QUERN_RETURN_IF_ERROR(WriteKServeResult(w, "", rec.model, rec.version, rec.outputs, format, binary_parts));
+    }
     if (stored) {
       w.Key("binary_keys");
       w.StartArray();
@@ -111,6 +120,56 @@ Status WriteJobJson(JsonWriter& w, const JobRecord& rec, JobJsonForm form, const
   w.EndObject();
   return Status::Ok();
 }
+
+namespace {
+
+// The outputs of one stored KServe result (`result`), its binary parts the
+// next of `binary` from `next_part` on (one per output sent as binary data).
+Result<std::vector<NamedTensor>> ReadStoredOutputs(const JobRecord& rec, const rapidjson::Value& result,
+                                                   const std::vector<std::string>& binary, size_t& next_part) {
+  if (!result.IsObject() || !result.HasMember("outputs") || !result["outputs"].IsArray()) {
+    return Err(Internal("stored job '" + rec.id + "' has no result.outputs"));
+  }
+  // The outputs are in KServe's tensor format: read them back with the
+  // infer request parser, as the "inputs" of a request.
+  rapidjson::StringBuffer buf;
+  // NaN and infinities are stored as NaN / Infinity (see WriteKServeOutputs).
+  rapidjson::Writer<rapidjson::StringBuffer, rapidjson::UTF8<>, rapidjson::UTF8<>, rapidjson::CrtAllocator,
+                    rapidjson::kWriteNanAndInfFlag>
+      w(buf);
+  w.StartObject();
+  w.Key("inputs");
+  if (!result["outputs"].Accept(w)) {
+    return Err(Internal("stored result of job '" + rec.id + "' is damaged: its outputs cannot be read"));
+  }
+  w.EndObject();
+  std::string joined;
+  for (const auto& o : result["outputs"].GetArray()) {
+    const auto params = o.IsObject() ? o.FindMember("parameters") : o.MemberEnd();
+    if (params == o.MemberEnd() || !params->value.IsObject() || !params->value.HasMember("binary_data_size")) continue;
+    if (next_part >= binary.size()) {
+      return Err(Internal("stored result of job '" + rec.id + "' is damaged: a binary part is missing"));
+    }
+    joined += binary[next_part++];
+  }
+  auto parsed = ParseKServeInfer(rec.model, rec.version, std::string_view(buf.GetString(), buf.GetSize()), joined,
+                                 nullptr);  // the outputs are copied out below, while `joined` lives
+  if (!parsed) return Err(Internal("stored result of job '" + rec.id + "' is damaged: " + parsed.error().message()));
+  // Binary parts sit at arbitrary offsets of the body: copy each into its
+  // own (aligned) buffer, which also frees the body.
+  std::vector<NamedTensor> outputs;
+  outputs.reserve(parsed->request.inputs.size());
+  for (const auto& t : parsed->request.inputs) {
+    if (Status st = t.tensor.Validate(); !st.ok()) {
+      return Err(
+          Internal("stored result of job '" + rec.id + "' is damaged: output '" + t.name + "': " + st.message()));
+    }
+    outputs.push_back({t.name, OwnedCopy(t.tensor)});
+  }
+  return outputs;
+}
+
+}  // namespace
 
 Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json,
                                                            const std::vector<std::string>& binary) {
@@ -159,39 +218,20 @@ Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json
                         Str(it->value, "message"));
     return std::shared_ptr<const JobRecord>(std::move(rec));
   }
-  auto result = doc.FindMember("result");
-  if (result == doc.MemberEnd() || !result->value.IsObject() || !result->value.HasMember("outputs") ||
-      !result->value["outputs"].IsArray()) {
-    return Err(Internal("stored job '" + rec->id + "' has no result.outputs"));
-  }
-  // The outputs are in KServe's tensor format: read them back with the
-  // infer request parser, as the "inputs" of a request.
-  rapidjson::StringBuffer buf;
-  // NaN and infinities are stored as NaN / Infinity (see WriteKServeOutputs).
-  rapidjson::Writer<rapidjson::StringBuffer, rapidjson::UTF8<>, rapidjson::UTF8<>, rapidjson::CrtAllocator,
-                    rapidjson::kWriteNanAndInfFlag>
-      w(buf);
-  w.StartObject();
-  w.Key("inputs");
-  if (!result->value["outputs"].Accept(w)) {
-    return Err(Internal("stored result of job '" + rec->id + "' is damaged: its outputs cannot be read"));
-  }
-  w.EndObject();
-  std::string joined;
-  for (const auto& b : binary) joined += b;
-  auto parsed = ParseKServeInfer(rec->model, rec->version, std::string_view(buf.GetString(), buf.GetSize()), joined,
-                                 nullptr);  // the outputs are copied out below, while `joined` lives
-  if (!parsed) return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + parsed.error().message()));
-  // Binary parts sit at arbitrary offsets of the body: copy each into its
-  // own (aligned) buffer, which also frees the body.
-  rec->outputs.reserve(parsed->request.inputs.size());
-  for (const auto& t : parsed->request.inputs) {
-    if (Status st = t.tensor.Validate(); !st.ok()) {
-      return Err(
-          Internal("stored result of job '" + rec->id + "' is damaged: output '" + t.name + "': " + st.message()));
+  size_t next_part = 0;
+  if (auto responses = doc.FindMember("responses"); responses != doc.MemberEnd()) {
+    if (!responses->value.IsArray())
+      return Err(Internal("stored job '" + rec->id + "' has responses that are not a list"));
+    rec->decoupled = true;
+    for (const auto& response : responses->value.GetArray()) {
+      QUERN_ASSIGN_OR_RETURN(auto outputs, ReadStoredOutputs(*rec, response, binary, next_part));
+      rec->responses.push_back(std::move(outputs));
     }
-    rec->outputs.push_back({t.name, OwnedCopy(t.tensor)});
+    return std::shared_ptr<const JobRecord>(std::move(rec));
   }
+  auto result = doc.FindMember("result");
+  if (result == doc.MemberEnd()) return Err(Internal("stored job '" + rec->id + "' has no result"));
+  QUERN_ASSIGN_OR_RETURN(rec->outputs, ReadStoredOutputs(*rec, result->value, binary, next_part));
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 

@@ -31,6 +31,10 @@ Tensor OwnedCopy(const Tensor& t) {
 size_t JobRecord::ByteSize() const {
   size_t n = sizeof(JobRecord) + id.size() + model.size() + error.message().size();
   for (const auto& o : outputs) n += sizeof(NamedTensor) + o.name.size() + o.tensor.byte_size();
+  for (const auto& r : responses) {
+    n += sizeof(r);
+    for (const auto& o : r) n += sizeof(NamedTensor) + o.name.size() + o.tensor.byte_size();
+  }
   for (const auto& [name, _] : binary_outputs) n += name.size() + sizeof(std::pair<std::string, bool>);
   return n;
 }

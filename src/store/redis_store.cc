@@ -46,8 +46,20 @@ std::string BinaryKey(const RedisResultStoreOptions& o, const std::string& id, s
 
 Result<RedisResultStore::Encoded> RedisResultStore::Encode(const JobRecord& rec, const RedisResultStoreOptions& o) {
   KServeOutputFormat format;  // binary: what JSON cannot carry exactly, or would bloat
-  for (const auto& t : rec.outputs) {
-    format.binary_outputs.emplace_back(t.name, t.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(t.tensor));
+  auto choose = [&](const NamedTensor& t) {
+    const bool binary = t.tensor.byte_size() > o.inline_max_bytes || !JsonFriendly(t.tensor);
+    // A decoupled model's responses share names: binary when any of them needs it.
+    for (auto& [name, b] : format.binary_outputs) {
+      if (name == t.name) {
+        b = b || binary;
+        return;
+      }
+    }
+    format.binary_outputs.emplace_back(t.name, binary);
+  };
+  for (const auto& t : rec.outputs) choose(t);
+  for (const auto& response : rec.responses) {
+    for (const auto& t : response) choose(t);
   }
   rapidjson::StringBuffer buf;
   JsonWriter w(buf);

@@ -43,6 +43,10 @@ struct JobRecord {
   int64_t submitted_ms = 0, started_ms = 0, finished_ms = 0;
   Status error;                      // kFailed and kCancelled: why
   std::vector<NamedTensor> outputs;  // kDone: the results (owned)
+  // A decoupled model's job (kDone): every response it sent, in order, each
+  // its outputs (owned; `outputs` is then empty). The JSON's "responses".
+  bool decoupled = false;
+  std::vector<std::vector<NamedTensor>> responses;
   // How the submitter wants the outputs back: names sent as binary data,
   // or every output when binary_default (KServe's binary_data_output).
   bool binary_default = false;

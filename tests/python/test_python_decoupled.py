@@ -199,6 +199,42 @@ output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "RESPONSES" 
 '''
 
 
+# Y = X + 1 (INT32), the step after square_int32 in the ensemble squares_plus_one.
+ADD_ONE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy().astype(np.int32) + 1)]) for r in requests]
+'''
+
+ADD_ONE_CONFIG = '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+'''
+
+# IN -> square_int32 (IN responses of [IN]) -> add_one: a decoupled ensemble, each of the step's responses
+# one answer, [IN + 1]; beside it IN -> add_one (runs once; every answer carries it).
+SQUARES_PLUS_ONE = '''
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "NEXT" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "IN_PLUS_ONE" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "square_int32" input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "sq" } },
+    { model_name: "add_one" input_map { key: "X" value: "sq" } output_map { key: "Y" value: "NEXT" } },
+    { model_name: "add_one" input_map { key: "X" value: "IN" } output_map { key: "Y" value: "IN_PLUS_ONE" } }
+  ]
+}
+'''
+
+
 # A model that is not decoupled, for generate: text in, text out.
 ECHO_TEXT = '''
 import numpy as np
@@ -260,6 +296,9 @@ def served(tmp_path_factory):
     write_model(repo, "until_cancelled", SQUARE_CONFIG, UNTIL_CANCELLED % str(seen))
     write_model(repo, "until_cancelled_http", SQUARE_CONFIG, UNTIL_CANCELLED % str(seen_http))
     write_model(repo, "echo_text", ECHO_TEXT_CONFIG, ECHO_TEXT)
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE)
+    (repo / "squares_plus_one" / "1").mkdir(parents=True)
+    (repo / "squares_plus_one" / "config.pbtxt").write_text(SQUARES_PLUS_ONE)
     write_model(repo, "ignores_cancel", SQUARE_CONFIG + '''
         parameters { key: "quern.execute_timeout_ms" value: { string_value: "600000" } }''', IGNORES_CANCEL)
     write_model(repo, "bls_square", BLS_CONFIG, BLS_SQUARE.replace("ASYNC", BLS_SYNC))
@@ -494,7 +533,9 @@ def test_a_generate_stream_client_that_leaves_cancels_its_request(served):
 
 def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
     """A model that calls the decoupled square_int32 (BLS) serves as an ensemble's step and as a job;
-    the decoupled model itself, as a step (at load) or a job, is refused with its reason."""
+    an ensemble with the decoupled model as a step is decoupled (one answer refused, saying why); a
+    job of either keeps every response, in order ("responses" instead of "result"), also as binary
+    data; a job whose model sends only the final flag has none."""
     port = served["ports"]["HTTP"]
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
@@ -503,31 +544,72 @@ def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
         r = c.getresponse()
         return r.status, json.loads(r.read())
 
-    request = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [3]}]}
-    status, answer = call("POST", "/v2/models/bls_ensemble/infer", request)
-    assert status == 200 and answer["outputs"][0]["data"] == [9], answer
-    # An ensemble with the decoupled model as a step does not load, saying why.
-    status, answer = call("POST", "/v2/models/decoupled_ensemble/infer", request)
-    assert status == 503 and "not ready" in answer["error"], answer
-    status, index = call("POST", "/v2/repository/index", {})
-    reason = [m.get("reason", "") for m in index if m["name"] == "decoupled_ensemble"][0]
-    assert "square_int32" in reason and "decoupled" in reason, index
-    for model, expect in (("bls_square", 9), ("bls_ensemble", 9), ("square_int32", None)):
+    def job(model, n, binary=False):
+        request = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [n]}]}
+        if binary:
+            request["parameters"] = {"binary_data_output": True}
         status, accepted = call("POST", f"/v2/models/{model}/jobs", request)
-        if expect is None:  # refused at once, never a job id
-            assert status == 400 and "decoupled" in accepted["error"], accepted
-            continue
         assert status == 202, accepted
         deadline = time.monotonic() + 30
         while True:
-            status, job = call("GET", f"/v2/jobs/{accepted['job_id']}")
-            if job["status"] not in ("queued", "running") or time.monotonic() > deadline:
-                break
+            c.request("GET", f"/v2/jobs/{accepted['job_id']}")
+            r = c.getresponse()
+            body = r.read()
+            header = r.getheader("Inference-Header-Content-Length")
+            got = json.loads(body[:int(header)] if header else body)
+            if got["status"] not in ("queued", "running") or time.monotonic() > deadline:
+                return got, body[int(header):] if header else b""
             time.sleep(0.02)
-        assert job["status"] == "done", job
-        sums = [o for o in job["result"]["outputs"] if o["name"] in ("SUM", "OUT")]
-        assert sums[0]["data"] == [expect], job
+
+    request = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [3]}]}
+    status, answer = call("POST", "/v2/models/bls_ensemble/infer", request)
+    assert status == 200 and answer["outputs"][0]["data"] == [9], answer
+    # An ensemble with the decoupled model as a step is decoupled: one answer is refused, saying why.
+    status, answer = call("POST", "/v2/models/decoupled_ensemble/infer", request)
+    assert status == 400 and "decoupled" in answer["error"] and "generate_stream" in answer["error"], answer
+    for model in ("bls_square", "bls_ensemble"):
+        done, _ = job(model, 3)
+        assert done["status"] == "done" and "responses" not in done, done
+        assert [o for o in done["result"]["outputs"] if o["name"] in ("SUM", "OUT")][0]["data"] == [9], done
+    for model, name in (("square_int32", "OUT"), ("decoupled_ensemble", "OUT"), ("squares_plus_one", "NEXT")):
+        done, _ = job(model, 3)
+        assert done["status"] == "done" and "result" not in done, done
+        want = 4 if name == "NEXT" else 3
+        assert [[o["data"] for o in r["outputs"] if o["name"] == name] for r in done["responses"]] == [[[want]]] * 3, done
+        none, _ = job(model, 0)
+        assert none["status"] == "done" and none["responses"] == [], none
+    # As binary data: each response's part in order after the JSON.
+    done, parts = job("square_int32", 2, binary=True)
+    sizes = [o["parameters"]["binary_data_size"] for r in done["responses"] for o in r["outputs"]]
+    assert sizes == [4, 4] and np.frombuffer(parts, np.int32).tolist() == [2, 2], (done, parts)
     c.close()
+
+
+def test_a_decoupled_step_makes_its_ensemble_stream_each_response_through_the_steps_after_it(served):
+    """squares_plus_one: each of square_int32's responses to IN = n runs add_one, one answer [n + 1]
+    each, in order, every one with IN_PLUS_ONE (a step that does not read the decoupled one's answers,
+    run once); over gRPC ModelStreamInfer (the empty final response when asked), HTTP generate_stream
+    and generate (one response); n = 0: no answer but the final flag. Its configuration says it is
+    decoupled."""
+    starts = [3, 0, 2]
+    got = stream(served, "squares_plus_one", [(str(i), [int_input("IN", [n], "INT32", [1])])
+                                               for i, n in enumerate(starts)], enable_empty_final_response=True)
+    for i, n in enumerate(starts):
+        mine = [(result, final) for rid, result, final in got if rid == str(i)]
+        assert [final for _, final in mine] == [False] * n + [True], (n, got)
+        for result, _ in mine[:-1]:
+            assert result.as_numpy("NEXT").tolist() == [n + 1] and result.as_numpy("IN_PLUS_ONE").tolist() == [n + 1]
+        assert mine[-1][0].as_numpy("NEXT") is None
+    assert not [g for g in got if g[0] is None], got  # no error
+    status, _, data = post(served, "/v2/models/squares_plus_one/generate_stream", {"IN": 4})
+    assert status == 200 and [(e["NEXT"], e["IN_PLUS_ONE"]) for e in events(data)] == [(5, 5)] * 4, data
+    status, _, data = post(served, "/v2/models/squares_plus_one/generate", {"IN": 1})
+    assert status == 200 and json.loads(data)["NEXT"] == 2, data
+    c = http.client.HTTPConnection("127.0.0.1", served["ports"]["HTTP"], timeout=30)
+    c.request("GET", "/v2/models/squares_plus_one/config")
+    config = json.loads(c.getresponse().read())
+    c.close()
+    assert config.get("model_transaction_policy", {}).get("decoupled") is True, config
 
 
 def test_a_batch_whose_callers_left_ends_even_when_the_model_does_not_look(served):

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "frontends/http/http_util.h"
+#include "frontends/jobs/job_responses.h"
 #include "frontends/jobs/stream_consumer.h"
 #include "store/job_json.h"
 
@@ -115,6 +116,7 @@ struct JobHandler::Pending {
   std::shared_ptr<CancellationToken> cancel = std::make_shared<CancellationToken>();
   bool binary_default = false;
   std::vector<std::pair<std::string, bool>> binary_outputs;
+  std::shared_ptr<JobResponses> responses;  // set before it is submitted
 };
 
 namespace {
@@ -207,6 +209,7 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
   InferRequest ir = std::move(parsed->request);
   ir.metadata.emplace_back("request_id", job->id);  // the engine's log lines name the job
   ir.cancel = job->cancel;                          // the job outlives the connection that submitted it
+  job->responses = JobResponses::Attach(ir);        // a decoupled model's, all kept
   SubmitOptions options;
   options.on_start = [job, clock = &engine_->clock()] {
     int queued = kPendingQueued;
@@ -253,7 +256,10 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
   // Refused as infer would refuse it (unknown model, bad input); a full
   // queue is not a refusal: the stream is the queue, and any instance may
   // take it.
+  // (A decoupled model's responses are all kept: the consumer attaches a JobResponses.)
+  parsed->request.on_response = [](InferResponse&&) {};
   if (Status st = engine_->Validate(parsed->request); !st.ok()) return refuse(st);
+  parsed->request.on_response = nullptr;
   auto record = std::make_shared<JobRecord>();
   record->submitted_ms = engine_->clock().WallMs();
   record->id = NewJobId(record->submitted_ms);
@@ -312,13 +318,8 @@ void JobHandler::Complete(const std::shared_ptr<Pending>& job, InferResponse&& r
     record->state = JobState::kCancelled;
     record->error = Cancelled(CancelledMessage(job->id));
     record->finished_ms = job->cancelled_ms.load();
-  } else if (r.status.ok()) {
-    record->state = JobState::kDone;
-    record->outputs.reserve(r.outputs.size());
-    for (const auto& o : r.outputs) record->outputs.push_back({o.name, OwnedCopy(o.tensor)});
   } else {
-    record->state = r.status.code() == StatusCode::kCancelled ? JobState::kCancelled : JobState::kFailed;
-    record->error = r.status;
+    job->responses->Fill(std::move(r), *record);
   }
   const JobState state = record->state;
   // Stored before it leaves the pending map, so a poll always finds it.

@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
+#include "frontends/jobs/job_responses.h"
 
 namespace quern {
 
@@ -915,19 +916,14 @@ class StreamConsumer::Impl : public std::enable_shared_from_this<Impl> {
     auto started = std::make_shared<std::atomic<int64_t>>(0);
     SubmitOptions options;
     options.on_start = [started, clock = &engine_->clock()] { started->store(clock->WallMs()); };
-    InferCallback done = [self = shared_from_this(), group, i, rec, started](InferResponse&& r) {
+    auto responses = JobResponses::Attach(ir);  // a decoupled model's, all kept
+    InferCallback done = [self = shared_from_this(), group, i, rec, started, responses](InferResponse&& r) {
       rec->started_ms = started->load();
       rec->finished_ms = self->engine_->clock().WallMs();
       rec->version = r.version;
-      if (r.status.ok()) {
-        rec->state = JobState::kDone;
-        rec->outputs.reserve(r.outputs.size());
-        for (const auto& o : r.outputs) rec->outputs.push_back({o.name, OwnedCopy(o.tensor)});
-      } else {
-        rec->state = JobState::kFailed;
-        rec->error = r.status;
-      }
-      Status status = r.status;
+      responses->Fill(std::move(r), *rec);
+      if (rec->state == JobState::kCancelled) rec->state = JobState::kFailed;  // (not by its owner)
+      Status status = rec->state == JobState::kDone ? Status::Ok() : rec->error;
       self->Finish(group, i, rec, std::move(status));
     };
     if (Status st = engine_->InferAsync(std::move(ir), done, options); !st.ok()) fail(std::move(st));
