@@ -351,12 +351,19 @@ def check_inputs(paths, pre, with_views):
     return out
 
 
-def agreement(src, dst, check, task, cfg, threshold):
-    """How the INT8 model dst answers the check inputs against the FP32 model src: {"detection": ...}
-    or {"classification": ...} (nothing for another task)."""
-    ref, q = session(src, 1), session(dst, 1)
+def reference_outputs(src, check):
+    """The FP32 model's first output for each check input, in order."""
+    ref = session(src, 1)
     name = ref.get_inputs()[0].name
-    pairs = [(label, ref.run(None, {name: x})[0], q.run(None, {name: x})[0]) for label, x in check]
+    return [ref.run(None, {name: x})[0] for _, x in check]
+
+
+def agreement(reference, dst, check, task, cfg, threshold):
+    """How the INT8 model dst answers the check inputs against the FP32 model's answers `reference`:
+    {"detection": ...} or {"classification": ...} (nothing for another task)."""
+    q = session(dst, 1)
+    name = q.get_inputs()[0].name
+    pairs = [(label, want, q.run(None, {name: x})[0]) for (label, x), want in zip(check, reference)]
     if task == "detection":
         return {"detection": detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
                                                  threshold)}
@@ -493,11 +500,12 @@ def main():
             src_named = os.path.join(tmp, "named.onnx")
             onnx.save(model, src_named)
         measured = {}
+        reference = reference_outputs(src, check) if check else None
         for bits in candidates:
             out = os.path.join(tmp, f"int8_{bits}.onnx")
             reader = Reader()
             quantize_static(src_named if unnamed else src, out, reader, reduce_range=bits == 7, **quant_options)
-            measured[bits] = (out, agreement(src, out, check, task, cfg, args.threshold) if check else {})
+            measured[bits] = (out, agreement(reference, out, check, task, cfg, args.threshold) if check else {})
         weight_bits = max(candidates, key=lambda b: (agreement_score(measured[b][1]), b))
         shutil.copy(measured[weight_bits][0], dst)
 

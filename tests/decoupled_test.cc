@@ -44,6 +44,7 @@ class Countdown : public Model {
         if (!testing::Eventually([&] { return woken->load() > 0 && requests.responses->cancelled(i); })) {
           return Internal("never cancelled");
         }
+        ++closed_when_cancelled;
         requests.responses->Send(i, false, Status::Ok(), {}, true);
       } else if (n != 99) {
         for (int k = 0; k < n; ++k) {
@@ -54,6 +55,7 @@ class Countdown : public Model {
     }
     return Status::Ok();
   }
+  static inline std::atomic<int> closed_when_cancelled{0};  // requests for 50 that saw their cancellation
 };
 
 ModelConfig CountdownConfig() {
@@ -162,16 +164,23 @@ TEST_F(DecoupledTest, TheModelIsWokenWhenARequestIsCancelled) {
   EXPECT_TRUE(last.final_only);
 }
 
-// y = 2x, any width: the step after the decoupled one.
+// y = 2x, any width: the step after the decoupled one (`delay`: slept first; `fail`: refuses instead).
 class Doubler : public Model {
  public:
+  explicit Doubler(std::chrono::milliseconds delay = {}, bool fail = false) : delay_(delay), fail_(fail) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
+    std::this_thread::sleep_for(delay_);
+    if (fail_) return InvalidArgument("fails on purpose");
     const Tensor& x = inputs.at(0).tensor;
     std::vector<float> v = ToFloats(x);
     for (float& f : v) f *= 2;
     outputs.push_back({"y", Floats(x.shape(), v)});
     return Status::Ok();
   }
+
+ private:
+  std::chrono::milliseconds delay_;
+  bool fail_;
 };
 
 ModelConfig DoublerConfig(const std::string& name, int64_t width) {
@@ -211,6 +220,22 @@ ensemble_scheduling {
 }
 )";
 
+// countdown's responses are the ensemble's answers themselves, beside a step that takes 300 ms
+// (every response waits for it: they are branched together) or one that fails (the request fails,
+// and countdown's request is cancelled).
+constexpr char kBesideSlow[] = R"(
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "n" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "c" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "w" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "countdown" input_map { key: "x" value: "n" } output_map { key: "y" value: "c" } },
+    { model_name: "STEP" input_map { key: "x" value: "n" } output_map { key: "y" value: "w" } }
+  ]
+}
+)";
+
 // Two decoupled steps side by side: their responses cannot be paired.
 constexpr char kTwoStreams[] = R"(
 platform: "ensemble"
@@ -228,8 +253,14 @@ ensemble_scheduling {
 class DecoupledEnsembleTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const auto& [name, text] : {std::pair{"stream", kStreamEnsemble}, std::pair{"outer", kOuterEnsemble},
-                                     std::pair{"two_streams", kTwoStreams}}) {
+    std::string beside_slow = kBesideSlow, beside_failing = kBesideSlow;
+    beside_slow.replace(beside_slow.find("STEP"), 4, "slow1");
+    beside_failing.replace(beside_failing.find("STEP"), 4, "failing1");
+    for (const auto& [name, text] : {std::pair<std::string, std::string>{"stream", kStreamEnsemble},
+                                     {"outer", kOuterEnsemble},
+                                     {"two_streams", kTwoStreams},
+                                     {"beside_slow", beside_slow},
+                                     {"beside_failing", beside_failing}}) {
       testing::WriteFile(dir_.path() / name / "config.pbtxt", text);
       std::filesystem::create_directories(dir_.path() / name / "1");
     }
@@ -243,6 +274,14 @@ class DecoupledEnsembleTest : public ::testing::Test {
     for (const auto& [name, width] : {std::pair{"double1", 1}, std::pair{"double2", 2}}) {
       ASSERT_TRUE(engine_->RegisterModel(DoublerConfig(name, width), [] { return std::make_unique<Doubler>(); }).ok());
     }
+    ASSERT_TRUE(engine_
+                    ->RegisterModel(DoublerConfig("slow1", 1),
+                                    [] { return std::make_unique<Doubler>(std::chrono::milliseconds(300)); })
+                    .ok());
+    ASSERT_TRUE(engine_
+                    ->RegisterModel(DoublerConfig("failing1", 1),
+                                    [] { return std::make_unique<Doubler>(std::chrono::milliseconds(0), true); })
+                    .ok());
   }
 
   // Every response of a request for `n` to `model` (its outputs by name, flattened), and the last.
@@ -329,6 +368,33 @@ TEST_F(DecoupledEnsembleTest, AnEnsembleOfADecoupledEnsembleStreamsToo) {
   EXPECT_TRUE(last.final_only);
   using Outputs = std::map<std::string, std::vector<float>>;
   EXPECT_EQ(responses, (std::vector<Outputs>{{{"out", {4, 0}}}, {{"out", {4, 2}}}}));
+}
+
+TEST_F(DecoupledEnsembleTest, ResponsesQueuedBehindASlowStepAllComeInOrder) {
+  // countdown sends its 1,000 responses while slow1 sleeps; each becomes an answer once it has
+  // answered, one after another (not a frame deeper each).
+  ASSERT_TRUE(engine_->LoadModel("beside_slow").ok());
+  auto [responses, last] = Stream("beside_slow", "n", {1000});
+  ASSERT_TRUE(last.status.ok()) << last.status.ToString();
+  ASSERT_EQ(responses.size(), 1000u);
+  for (size_t k = 0; k < responses.size(); ++k) {
+    EXPECT_EQ(responses[k]["c"], (std::vector<float>{1000, static_cast<float>(k)})) << k;
+    EXPECT_EQ(responses[k]["w"], (std::vector<float>{2000})) << k;
+  }
+}
+
+TEST_F(DecoupledEnsembleTest, AFailedStepFailsTheRequestAndCancelsTheDecoupledStep) {
+  ASSERT_TRUE(engine_->LoadModel("beside_failing").ok());
+  const int before = Countdown::closed_when_cancelled.load();
+  // countdown, given 50, sends nothing until its request is cancelled.
+  auto [responses, last] = Stream("beside_failing", "n", {50});
+  EXPECT_EQ(last.status.code(), StatusCode::kInvalidArgument) << last.status.ToString();
+  EXPECT_NE(last.status.message().find("step 1 (model 'failing1'): fails on purpose"), std::string::npos)
+      << last.status.ToString();
+  EXPECT_TRUE(last.decoupled);  // a decoupled request's last answer, an error too
+  EXPECT_TRUE(responses.empty());
+  EXPECT_TRUE(testing::Eventually([&] { return Countdown::closed_when_cancelled.load() > before; }))
+      << "the decoupled step's request was never cancelled";
 }
 
 TEST_F(DecoupledEnsembleTest, TwoDecoupledStepsThatCannotBePairedAreRefusedAtLoad) {

@@ -52,6 +52,18 @@ class EnsembleModel::Run {
   // The root's: held while a branch hands its response to the caller, so
   // that the last answer (or an error) never overtakes one.
   Mutex emit;
+  // The root's, in a decoupled ensemble: the caller's token, which cancels
+  // the request's own (request.cancel, given to every step) and which the
+  // request's failure cancels too, ending the decoupled steps and branches.
+  std::shared_ptr<CancellationToken> caller_cancel;
+
+  // Whether the request has been answered (the root finished): nothing more
+  // of it is started.
+  bool over() {
+    Run& t = top();
+    MutexLock lock(t.mu);
+    return t.finished;
+  }
 
   Run& top() { return root ? *root : *this; }
 };
@@ -69,6 +81,11 @@ class NestingScope {
   NestingScope& operator=(const NestingScope&) = delete;
   bool too_deep() const { return stack_nesting > EnsembleModel::kMaxNesting; }
 };
+
+// The runs whose next branch NextBranch on this thread is to look at (a
+// branch that ends at once would otherwise start its parent's next one a
+// frame deeper, for every response queued); null when none runs here.
+thread_local void* branch_queue = nullptr;
 
 Status TooDeep(const std::string& name) {
   return FailedPrecondition("ensemble '" + name + "': ensembles nested more than " +
@@ -376,6 +393,14 @@ Status EnsembleModel::Submit(InferRequest&& request, uint64_t request_id, InferC
   std::vector<NamedTensor> inputs = std::move(request.inputs);
   request.inputs.clear();
   run->request = std::move(request);
+  if (!chain_.empty()) {
+    // The request's own token: the caller's cancels it, and so does the
+    // request's failure (its decoupled steps would send on otherwise).
+    auto own = std::make_shared<CancellationToken>();
+    run->caller_cancel = std::move(run->request.cancel);
+    if (run->caller_cancel) run->caller_cancel->AddOnCancel(run.get(), [own] { own->Cancel(); });
+    run->request.cancel = std::move(own);
+  }
   {
     MutexLock lock(run->mu);
     run->values.resize(tensors_.size());
@@ -419,6 +444,7 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
     const int s = steps[k];
     const Step& step = steps_[static_cast<size_t>(s)];
     std::vector<NamedTensor> inputs;
+    if (run->root && run->over()) return Status::Ok();  // a branch of a request already answered
     {
       MutexLock lock(run->mu);
       if (run->finished) return Status::Ok();
@@ -644,11 +670,12 @@ void EnsembleModel::StepResponse(const std::shared_ptr<Run>& run, int step, Infe
     Finish(run, StepError(step, response.status));
     return;
   }
+  if (run->over()) return;
   {
     MutexLock lock(run->mu);
     if (run->finished || run->step_closed) return;
     if (!(last && response.final_only)) {
-      if (run->queued.size() >= kMaxQueuedResponses) {
+      if (!last && run->queued.size() >= kMaxQueuedResponses) {
         lock.Unlock();
         Finish(run,
                StepError(step, ResourceExhausted("the model sent more than " + std::to_string(kMaxQueuedResponses) +
@@ -663,6 +690,25 @@ void EnsembleModel::StepResponse(const std::shared_ptr<Run>& run, int step, Infe
 }
 
 void EnsembleModel::NextBranch(const std::shared_ptr<Run>& run) {
+  // (Several ensembles' runs: an ensemble's branch may answer a step of another.)
+  using Queue = std::deque<std::pair<EnsembleModel*, std::shared_ptr<Run>>>;
+  if (branch_queue) {  // an outer call on this thread takes it (a loop, not a recursion)
+    static_cast<Queue*>(branch_queue)->emplace_back(this, run);
+    return;
+  }
+  Queue queue;
+  queue.emplace_back(this, run);
+  branch_queue = &queue;
+  while (!queue.empty()) {
+    auto [model, next] = std::move(queue.front());
+    queue.pop_front();
+    model->StartBranch(next);
+  }
+  branch_queue = nullptr;
+}
+
+void EnsembleModel::StartBranch(const std::shared_ptr<Run>& run) {
+  if (run->over()) return;
   const int s = chain_[run->chain_pos];
   auto branch = std::make_shared<Run>();
   InferResponse response;
@@ -778,7 +824,6 @@ void EnsembleModel::Finish(const std::shared_ptr<Run>& run, Status status) {
         const size_t t = static_cast<size_t>(output_tensor_[static_cast<size_t>(idx)]);
         r.outputs.push_back({config_.outputs[static_cast<size_t>(idx)].name, std::move(run->values[t])});
       }
-      r.decoupled = config_.decoupled;  // said so in its configuration: one response, the last
     }
     run->values.clear();
     r.telemetry = run->telemetry;
@@ -800,7 +845,15 @@ void EnsembleModel::Finish(const std::shared_ptr<Run>& run, Status status) {
   if (r.telemetry.compute_end_ns == 0) r.telemetry.compute_end_ns = now;
   r.telemetry.response_ns = now;
   stats_.RecordRequest(r.status, r.telemetry, 0, 0, now);
-  if (!chain_.empty()) MutexLock emitted(run->emit);  // a branch's response under way goes first
+  if (config_.decoupled) r.decoupled = true;  // its last answer, an error too (triton_final_response)
+  if (!chain_.empty()) {
+    // (Once cancelled, the caller's token runs its functions, this one's
+    // perhaps on this very thread, and never again: nothing to remove.)
+    if (run->caller_cancel && !run->caller_cancel->cancelled()) run->caller_cancel->RemoveOnCancel(run.get());
+    if (!r.status.ok()) run->request.cancel->Cancel();  // its steps and branches end
+    run->emit.Lock();                                   // a branch's response under way goes first
+    run->emit.Unlock();
+  }
   InferCallback done = std::move(run->done);
   done(std::move(r));
   Release();

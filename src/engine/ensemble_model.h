@@ -155,6 +155,7 @@ class EnsembleModel final : public Servable, public std::enable_shared_from_this
   // decoupled step have answered and no branch of it runs; ends the run when
   // its step is closed and nothing is left.
   void NextBranch(const std::shared_ptr<Run>& run);
+  void StartBranch(const std::shared_ptr<Run>& run);  // NextBranch's work for one run
   // A run whose work is done: its parent goes on; the request's own run
   // answers the caller last.
   void EndRun(const std::shared_ptr<Run>& run);

@@ -227,11 +227,15 @@ Result<std::shared_ptr<const JobRecord>> ReadStoredJobJson(std::string_view json
       QUERN_ASSIGN_OR_RETURN(auto outputs, ReadStoredOutputs(*rec, response, binary, next_part));
       rec->responses.push_back(std::move(outputs));
     }
-    return std::shared_ptr<const JobRecord>(std::move(rec));
+  } else {
+    auto result = doc.FindMember("result");
+    if (result == doc.MemberEnd()) return Err(Internal("stored job '" + rec->id + "' has no result"));
+    QUERN_ASSIGN_OR_RETURN(rec->outputs, ReadStoredOutputs(*rec, result->value, binary, next_part));
   }
-  auto result = doc.FindMember("result");
-  if (result == doc.MemberEnd()) return Err(Internal("stored job '" + rec->id + "' has no result"));
-  QUERN_ASSIGN_OR_RETURN(rec->outputs, ReadStoredOutputs(*rec, result->value, binary, next_part));
+  if (next_part != binary.size()) {
+    return Err(Internal("stored result of job '" + rec->id + "' is damaged: " + std::to_string(binary.size()) +
+                        " binary parts for " + std::to_string(next_part) + " binary outputs"));
+  }
   return std::shared_ptr<const JobRecord>(std::move(rec));
 }
 

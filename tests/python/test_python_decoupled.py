@@ -578,6 +578,17 @@ def test_calls_to_a_decoupled_model_through_an_ensemble_and_a_job(served):
         assert [[o["data"] for o in r["outputs"] if o["name"] == name] for r in done["responses"]] == [[[want]]] * 3, done
         none, _ = job(model, 0)
         assert none["status"] == "done" and none["responses"] == [], none
+    # An error among the responses (countdown from 7 raises at 3, after four responses) fails the job.
+    status, accepted = call("POST", "/v2/models/countdown/jobs",
+                            {"inputs": [{"name": "START", "shape": [1, 1], "datatype": "INT64", "data": [7]}]})
+    assert status == 202, accepted
+    deadline = time.monotonic() + 30
+    while True:
+        status, failed = call("GET", f"/v2/jobs/{accepted['job_id']}")
+        if failed["status"] not in ("queued", "running") or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert failed["status"] == "failed" and "seven fails at three" in failed["error"], failed
     # As binary data: each response's part in order after the JSON.
     done, parts = job("square_int32", 2, binary=True)
     sizes = [o["parameters"]["binary_data_size"] for r in done["responses"] for o in r["outputs"]]

@@ -25,7 +25,14 @@ std::shared_ptr<JobResponses> JobResponses::Attach(InferRequest& request) {
   request.on_response = [self](InferResponse&& r) {
     MutexLock lock(self->mu_);
     if (!self->exceeded_.ok()) return;
-    if (!r.status.ok()) return;  // (an error ends the request: it comes last)
+    if (!r.status.ok()) {
+      // An error among the responses fails the job (as it fails an ensemble's request).
+      self->exceeded_ = r.status;
+      self->responses_.clear();
+      self->bytes_ = 0;
+      self->cancel_->Cancel();
+      return;
+    }
     size_t bytes = 0;
     for (const auto& o : r.outputs) bytes += o.tensor.byte_size();
     if (self->responses_.size() >= kMaxResponses || self->bytes_ + bytes > kMaxBytes) {
@@ -60,7 +67,17 @@ void JobResponses::Fill(InferResponse&& r, JobRecord& record) {
   }
   record.decoupled = true;
   record.responses = std::move(responses_);
-  if (!r.final_only) record.responses.push_back(Owned(r.outputs, bytes));  // the last, with data
+  if (!r.final_only) {
+    record.responses.push_back(Owned(r.outputs, bytes));  // the last, with data
+    if (bytes_ + bytes > kMaxBytes) {
+      record.responses.clear();
+      record.decoupled = false;
+      record.state = JobState::kFailed;
+      record.error = ResourceExhausted("model '" + r.model + "' sent more than " + std::to_string(kMaxBytes >> 20) +
+                                       " MiB of responses, the most a job keeps; stream them instead (gRPC "
+                                       "ModelStreamInfer, HTTP generate_stream)");
+    }
+  }
 }
 
 }  // namespace quern

@@ -6,7 +6,8 @@
 //
 // Bounded: at most kMaxResponses responses and kMaxBytes of their tensors per
 // job; past either the request is cancelled (the model sees is_cancelled())
-// and the job fails with RESOURCE_EXHAUSTED saying which bound.
+// and the job fails with RESOURCE_EXHAUSTED saying which bound. A response
+// that is an error fails the job with it (the request cancelled likewise).
 //
 // Thread safety: the responses may come on any thread, one at a time (a
 // request's responses are sent in order); Fill after the last answer.
@@ -26,7 +27,7 @@ namespace quern {
 class JobResponses {
  public:
   static constexpr size_t kMaxResponses = 4096;
-  static constexpr size_t kMaxBytes = size_t{256} << 20;
+  static constexpr size_t kMaxBytes = size_t{64} << 20;
 
   // Sets `request`'s on_response (and a cancellation token, if it has none)
   // to collect into the returned object.
