@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from quern_testing import start_quern, wait_until, write_model, write_one_step_ensemble
+from quern_testing import start_quern, stop_quern, wait_until, write_model, write_one_step_ensemble
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -1146,6 +1146,113 @@ def test_a_python_model_calls_other_models_bls_sync_and_async(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# A model that calls `echo_bytes` (a Python model answering its UINT8 input and its sum) twice, with
+# N and then N // 3 bytes, and answers both sums and whether the first answer's array still holds
+# what it held once the second call had answered (the calls' tensors share one shared memory).
+BLS_LARGE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call(data, name):
+    return pb_utils.InferenceRequest(model_name="echo_bytes", inputs=[pb_utils.Tensor("data", data)],
+                                     requested_output_names=["same", "total"]).exec()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "n").as_numpy().reshape(-1)[0])
+            first = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
+            second = (np.arange(n // 3, dtype=np.int64) % 13).astype(np.uint8)
+            a, b = call(first, "first"), call(second, "second")
+            for r in (a, b):
+                if r.has_error():
+                    raise pb_utils.TritonModelException(r.error().message())
+            same_a = pb_utils.get_output_tensor_by_name(a, "same").as_numpy()
+            kept = bool(np.array_equal(same_a, first))
+            sums = [int(pb_utils.get_output_tensor_by_name(r, "total").as_numpy()[0]) for r in (a, b)]
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("sums", np.array(sums, np.int64)),
+                                                   pb_utils.Tensor("kept", np.array([kept]))]))
+        return out
+'''
+
+# Eight calls awaited together (async_exec runs each on a thread of its own, and they take turns):
+# how many came back with their own data, not another call's.
+BLS_GATHER = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        out = []
+        for request in requests:
+            arrays = [np.full(4096 + 64 * k, k + 1, np.uint8) for k in range(8)]
+            answers = await asyncio.gather(*[pb_utils.InferenceRequest(
+                model_name="echo_bytes", inputs=[pb_utils.Tensor("data", a)],
+                requested_output_names=["same", "total"]).async_exec() for a in arrays])
+            own = sum(int(np.array_equal(pb_utils.get_output_tensor_by_name(r, "same").as_numpy(), a))
+                      for r, a in zip(answers, arrays))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("sums", np.array([own, 0], np.int64)),
+                                                   pb_utils.Tensor("kept", np.array([own == 8]))]))
+        return out
+'''
+
+ECHO_BYTES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "data").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("same", data.copy()),
+                                                   pb_utils.Tensor("total", np.array([int(data.sum(dtype=np.int64))]))]))
+        return out
+'''
+
+
+def test_a_call_to_another_model_takes_tensors_larger_than_a_frame_through_shared_memory(tmp_path):
+    """80 MiB to a called model and back (a frame holds at most 64 MiB: the tensors go through the
+    BLS shared memory), then a smaller call: both sums as numpy computes them, and the first call's
+    answer unchanged by the second (the arrays the caller gets are its own); eight calls awaited
+    together each get their own answer."""
+    write_model(tmp_path, "echo_bytes", '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "data" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+output [ { name: "same" data_type: TYPE_UINT8 dims: [ -1 ] }, { name: "total" data_type: TYPE_INT64 dims: [ 1 ] } ]
+''', ECHO_BYTES)
+    write_model(tmp_path, "bls_large", '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "n" data_type: TYPE_INT64 dims: [ 1 ] } ]
+output [ { name: "sums" data_type: TYPE_INT64 dims: [ 2 ] }, { name: "kept" data_type: TYPE_BOOL dims: [ 1 ] } ]
+''', BLS_LARGE)
+    write_model(tmp_path, "bls_gather", (tmp_path / "bls_large" / "config.pbtxt").read_text(), BLS_GATHER)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
+        for n in (80 << 20, 1000, 0):
+            x = httpclient.InferInput("n", [1], "INT64")
+            x.set_data_from_numpy(np.array([n], np.int64))
+            r = client.infer("bls_large", [x])
+            want = [int(((np.arange(n, dtype=np.int64) % 251)).sum()), int((np.arange(n // 3, dtype=np.int64) % 13).sum())]
+            assert r.as_numpy("sums").tolist() == want, (n, r.as_numpy("sums"), want)
+            assert r.as_numpy("kept").tolist() == [True], n
+        for _ in range(5):
+            x = httpclient.InferInput("n", [1], "INT64")
+            x.set_data_from_numpy(np.array([0], np.int64))
+            assert client.infer("bls_gather", [x]).as_numpy("sums").tolist() == [8, 0]
+    finally:
+        stop_quern(proc)
 
 
 # Custom metrics as Triton's example (python_backend/examples/custom_metrics) defines them: a family

@@ -148,12 +148,14 @@ uint8_t ToTritonCode(StatusCode code) {
   }
 }
 
-// A tensor of a BLS frame: u16 name length, u8 type, u8 rank, the name, rank int64 dims, u64 byte
-// count, the bytes (BYTES elements as 4-byte lengths and their bytes).
-Result<NamedTensor> ReadFrameTensor(FrameReader& r) {
+// A tensor of a frame: u16 name length, u8 type, u8 rank, the name, rank int64 dims, u64 byte count,
+// then its bytes: in the frame (`shm` null), or (a BLS call's) u64 offset, its place in the BLS slot
+// `shm` (`shm_size` long). BYTES elements as 4-byte lengths and their bytes. Copied out either way:
+// the process writes its next call into the slot.
+Result<NamedTensor> ReadFrameTensor(FrameReader& r, const std::byte* shm = nullptr, size_t shm_size = 0) {
   uint16_t len = 0;
   uint8_t type = 0, rank = 0;
-  std::string_view name, bytes;
+  std::string_view name;
   if (!r.Get(len) || !r.Get(type) || !r.Get(rank) || !r.Bytes(len, name) || rank > kMaxTensorRank) {
     return Err(InvalidArgument("a malformed tensor"));
   }
@@ -161,9 +163,18 @@ Result<NamedTensor> ReadFrameTensor(FrameReader& r) {
   for (auto& d : shape) {
     if (!r.Get(d) || d < 0) return Err(InvalidArgument("tensor '" + std::string(name) + "': a malformed shape"));
   }
-  uint64_t size = 0;
-  if (!r.Get(size) || !r.Bytes(size, bytes)) {
-    return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes are cut short"));
+  uint64_t size = 0, offset = 0;
+  const std::byte* data = nullptr;
+  if (!shm) {
+    std::string_view bytes;
+    if (!r.Get(size) || !r.Bytes(size, bytes)) {
+      return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes are cut short"));
+    }
+    data = reinterpret_cast<const std::byte*>(bytes.data());
+  } else if (!r.Get(size) || !r.Get(offset) || offset > shm_size || size > shm_size - offset) {
+    return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes lie outside the shared memory"));
+  } else {
+    data = shm + offset;
   }
   const auto dtype = static_cast<DataType>(type);
   const size_t element = DataTypeByteSize(dtype);
@@ -173,11 +184,20 @@ Result<NamedTensor> ReadFrameTensor(FrameReader& r) {
     return Err(InvalidArgument("tensor '" + std::string(name) + "': its type, shape and byte count disagree"));
   }
   Tensor t = Tensor::AllocateUninitialized(dtype, std::move(shape), size);
-  if (size) std::memcpy(t.mutable_data(), bytes.data(), size);
+  if (size) std::memcpy(t.mutable_data(), data, size);
   return NamedTensor{std::string(name), std::move(t)};
 }
 
-void PutFrameTensor(std::string& out, const NamedTensor& n) {
+// The bytes `tensors` take in the BLS slot, each at an aligned offset.
+size_t SlotBytes(const std::vector<NamedTensor>& tensors) {
+  size_t n = 0;
+  for (const NamedTensor& t : tensors) n += AlignShmOffset(t.tensor.byte_size());
+  return n;
+}
+
+// A tensor of a BLS answer, as ReadFrameTensor reads one from the slot: its bytes copied into the BLS slot `shm` at
+// `offset`, which moves past them.
+void PutSlotTensor(std::string& out, const NamedTensor& n, std::byte* shm, size_t& offset) {
   const Tensor& t = n.tensor;
   Put<uint16_t>(out, static_cast<uint16_t>(std::min<size_t>(n.name.size(), 65535)));
   Put<uint8_t>(out, static_cast<uint8_t>(t.dtype()));
@@ -185,7 +205,9 @@ void PutFrameTensor(std::string& out, const NamedTensor& n) {
   out.append(n.name, 0, 65535);
   for (int64_t d : t.shape()) Put<int64_t>(out, d);
   Put<uint64_t>(out, t.byte_size());
-  if (t.byte_size()) out.append(reinterpret_cast<const char*>(t.data()), t.byte_size());
+  Put<uint64_t>(out, offset);
+  if (t.byte_size()) std::memcpy(shm + offset, t.data(), t.byte_size());
+  offset += AlignShmOffset(t.byte_size());
 }
 
 Result<int64_t> MillisecondsParameter(const ModelConfig& config, const char* key, int64_t fallback) {
@@ -582,19 +604,25 @@ class PythonModel final : public Model {
 
   // One call to another model from the process (BLS, its frame "B"): run by the engine like any
   // request (batched with other callers, queued, counted in that model's statistics); the frame "b"
-  // that answers it: u32 call, u8 failed, u8 TritonError code, u32 message length, the message, then
-  // u16 outputs and each output as the request's tensors are.
+  // that answers it: u32 call, u64 the BLS slot's size, u8 failed, u8 TritonError code, u32 message
+  // length, the message, then u16 outputs and each output as the request's tensors are. The
+  // tensors both ways lie in the BLS slot (PythonProcess::kBlsSlot): the call's inputs as the
+  // process wrote them, the answer's outputs written there once they are read.
   std::string CallModel(std::string_view frame, std::chrono::steady_clock::time_point deadline,
                         std::span<const std::string_view> callers) {
     FrameReader r(frame.substr(1));
     uint32_t call = 0;
     int64_t version = -1;
-    uint64_t timeout_us = 0;
+    uint64_t timeout_us = 0, slot_size = 0;
     uint8_t decoupled = 0;  // exec(decoupled=True): every response, as a list
-    const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us) && r.Get(decoupled);
-    auto answer = [&](const Status& st, const std::vector<NamedTensor>* outputs) {
+    const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us) && r.Get(decoupled) && r.Get(slot_size);
+    constexpr int kSlot = PythonProcess::kBlsSlot;
+    auto answer = [&](Status st, const std::vector<NamedTensor>* outputs) {
+      size_t offset = 0;
+      if (st.ok() && outputs) st = process_->Reserve(kSlot, std::max<size_t>(SlotBytes(*outputs), 1));
       std::string out = "b";
       Put<uint32_t>(out, call);
+      Put<uint64_t>(out, process_->shm_size(kSlot));
       Put<uint8_t>(out, st.ok() ? 0 : 1);
       Put<uint8_t>(out, ToTritonCode(st.code()));
       const std::string message = st.ok() ? std::string() : st.message().substr(0, 65536);
@@ -602,7 +630,7 @@ class PythonModel final : public Model {
       out += message;
       if (st.ok() && outputs) {
         Put<uint16_t>(out, static_cast<uint16_t>(outputs->size()));
-        for (const NamedTensor& n : *outputs) PutFrameTensor(out, n);
+        for (const NamedTensor& n : *outputs) PutSlotTensor(out, n, process_->shm(kSlot), offset);
       }
       return out;
     };
@@ -627,8 +655,15 @@ class PythonModel final : public Model {
       request.requested_outputs.emplace_back(name);
     }
     if (!r.Get(count)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);
+    if (slot_size > kMaxBlsAnswerBytes) {
+      return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': its inputs take " +
+                                    std::to_string(slot_size) + " bytes of shared memory; at most " +
+                                    std::to_string(kMaxBlsAnswerBytes)),
+                    nullptr);
+    }
+    if (Status st = process_->Remap(kSlot, slot_size); !st.ok()) return answer(st, nullptr);
     for (uint16_t i = 0; i < count; ++i) {
-      auto tensor = ReadFrameTensor(r);
+      auto tensor = ReadFrameTensor(r, process_->shm(kSlot), process_->shm_size(kSlot));
       if (!tensor)
         return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': " + tensor.error().message()),
                       nullptr);
@@ -723,13 +758,19 @@ class PythonModel final : public Model {
     }
     if (!decoupled) return answer(pending->response->status, &pending->response->outputs);
     pending->before.push_back(std::move(*pending->response));
-    return PutResponses(answer(Status::Ok(), nullptr), pending->before);
+    size_t bytes_in_slot = 1;
+    for (const InferResponse& response : pending->before) {
+      if (response.status.ok() && !response.final_only) bytes_in_slot += SlotBytes(response.outputs);
+    }
+    if (Status st = process_->Reserve(kSlot, bytes_in_slot); !st.ok()) return answer(st, nullptr);
+    return PutResponses(answer(Status::Ok(), nullptr), pending->before, process_->shm(kSlot));
   }
 
   // After the head of a call's answer, exec(decoupled=True)'s responses as the stub reads them: u32
   // responses, each u8 final, u8 what it holds (0 nothing, 1 tensors, 2 an error: u8 code, u32
   // length, the message).
-  static std::string PutResponses(std::string out, const std::vector<InferResponse>& responses) {
+  static std::string PutResponses(std::string out, const std::vector<InferResponse>& responses, std::byte* shm) {
+    size_t offset = 0;
     Put<uint32_t>(out, static_cast<uint32_t>(responses.size()));
     for (size_t i = 0; i < responses.size(); ++i) {
       const InferResponse& response = responses[i];
@@ -745,7 +786,7 @@ class PythonModel final : public Model {
       } else {
         Put<uint8_t>(out, 1);
         Put<uint16_t>(out, static_cast<uint16_t>(response.outputs.size()));
-        for (const NamedTensor& n : response.outputs) PutFrameTensor(out, n);
+        for (const NamedTensor& n : response.outputs) PutSlotTensor(out, n, shm, offset);
       }
     }
     return out;

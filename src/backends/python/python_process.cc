@@ -39,7 +39,7 @@ namespace {
 constexpr int kChildControlFd = 3;
 constexpr int kChildReplyFd = 4;
 constexpr int kChildLifeFd = 6;
-constexpr int kChildShmFds[PythonProcess::kSlots] = {5, 7, 8, 9};
+constexpr int kChildShmFds[PythonProcess::kSlots + 1] = {5, 7, 8, 9, 10};  // the last: kBlsSlot
 // Frames are descriptions of tensors, never the tensors: a larger one is a
 // broken process.
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
@@ -223,7 +223,7 @@ int64_t NowMs() {
 // The descriptors the child gets (each becomes its kChild*Fd).
 struct ChildFds {
   int control, reply, life, log;
-  const int* shm;  // PythonProcess::kSlots of them
+  const int* shm;  // PythonProcess::kSlots + 1 of them
 };
 
 // Starts the interpreter with the bootstrap, its descriptors in place and
@@ -237,9 +237,9 @@ int SpawnInterpreter(const PythonLaunch& launch, const ChildFds& fds, pid_t* pid
   posix_spawn_file_actions_adddup2(&actions, fds.control, kChildControlFd);
   posix_spawn_file_actions_adddup2(&actions, fds.reply, kChildReplyFd);
   posix_spawn_file_actions_adddup2(&actions, fds.life, kChildLifeFd);
-  for (int i = 0; i < PythonProcess::kSlots; ++i)
+  for (int i = 0; i <= PythonProcess::kSlots; ++i)
     posix_spawn_file_actions_adddup2(&actions, fds.shm[i], kChildShmFds[i]);
-  posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[PythonProcess::kSlots - 1] + 1);
+  posix_spawn_file_actions_addclosefrom_np(&actions, kChildShmFds[PythonProcess::kSlots] + 1);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   sigset_t none, defaults;
@@ -306,7 +306,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   int child_reply = reply[1];
   // Slots start at one granule (memory is only used where written); no
   // side can shrink them under the other's mapping.
-  for (int i = 0; i < kSlots; ++i) {
+  for (int i = 0; i <= kSlots; ++i) {
     int& fd = p->slots_[i].fd;
     fd = ::memfd_create(("quern:" + launch.model_name).substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ::ftruncate(fd, kShmGranule) != 0 || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
@@ -344,7 +344,7 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   // The child's descriptors, moved above the ones they become so that no
   // dup2 is a no-op that would leave close-on-exec set.
   auto high = [](int fd) {
-    const int moved = ::fcntl(fd, F_DUPFD_CLOEXEC, 10);
+    const int moved = ::fcntl(fd, F_DUPFD_CLOEXEC, 11);  // above every kChild*Fd
     ::close(fd);
     return moved;
   };
@@ -352,8 +352,8 @@ Result<std::unique_ptr<PythonProcess>> PythonProcess::Start(const PythonLaunch& 
   child_reply = high(child_reply);
   const int child_life = high(life[0]);
   const int child_log = high(log[1]);
-  int child_shm[kSlots];
-  for (int i = 0; i < kSlots; ++i) child_shm[i] = ::fcntl(p->slots_[i].fd, F_DUPFD_CLOEXEC, 10);
+  int child_shm[kSlots + 1];
+  for (int i = 0; i <= kSlots; ++i) child_shm[i] = ::fcntl(p->slots_[i].fd, F_DUPFD_CLOEXEC, 11);
 
   pid_t pid = -1;
   const ChildFds fds{child_control, child_reply, child_life, child_log, child_shm};

@@ -53,6 +53,11 @@ class PythonProcess {
   // borrow the slot's bytes (no copy out) until they are released; a slot is
   // free while nothing borrows it.
   static constexpr int kSlots = 4;
+  // One more, slot kBlsSlot: the tensors of the process's calls to other
+  // models (BLS), both ways. The process writes a call's inputs there, this
+  // side the answer's outputs (after reading the inputs); either side grows
+  // it. Never borrowed: what is read from it is copied.
+  static constexpr int kBlsSlot = kSlots;
   // A free slot, or -1 when every slot is borrowed.
   int FreeSlot() const;
   // Free slots besides `slot`.
@@ -122,7 +127,7 @@ class PythonProcess {
   int life_fd_ = -1;      // write end of the pipe the process watches
   int log_stop_fd_ = -1;  // written when the process is reaped: the log reader ends
   int log_stop_read_fd_ = -1;
-  Slot slots_[kSlots];
+  Slot slots_[kSlots + 1];
   int held_cpu_ = -1;
   bool have_start_cpus_ = false;
   cpu_set_t start_cpus_;  // what it was allowed when it started

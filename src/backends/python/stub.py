@@ -12,6 +12,8 @@
 #      into the same slot by this process (either side may grow it); the
 #      server may keep a slot's outputs while it answers, using another slot
 #      for the next batch
+#   10 a memfd shared with the server, the BLS slot: the input tensors of this process's calls to
+#      other models (written here), then the outputs of their answers (written by the server)
 #   6  the read end of a pipe the server holds open: when the server exits,
 #      it reports a hang-up and this process exits too
 #   1, 2  a pipe into the server's log
@@ -31,6 +33,7 @@ import types
 
 CONTROL_FD, REPLY_FD, LIFE_FD = 3, 4, 6
 SHM_FDS = (5, 7, 8, 9)
+BLS_FD = 10
 ALIGN = 64
 MAX_SHM_BYTES = 1 << 34  # 16 GiB: no batch of outputs is larger
 MAX_FRAME_BYTES = 64 << 20  # as the server's kMaxFrameBytes: a larger frame ends the process
@@ -764,24 +767,65 @@ def _count(dims):
 # BLS: a model calling another model while its execute() runs. The request goes to the server as the
 # frame "B" on the reply socket; the server runs it like any request and answers "b" on the control
 # socket. One call at a time (a lock): calls from several threads, or awaited together, run one after
-# another. The answer to the batch waits for a call under way.
-_BLS = struct.Struct("<IqQB")  # call, version, timeout (us), decoupled (every response, as a list)
+# another. The answer to the batch waits for a call under way. The tensors, both ways, go through the
+# BLS slot (shared memory, fd 10): the frames say where they lie; what is read from it is copied, as
+# the next call writes there again.
+_BLS = struct.Struct("<IqQBQ")  # call, version, timeout (us), decoupled (every response, as a list), slot size
+MAX_BLS_BYTES = 1 << 30  # as the server's kMaxBlsAnswerBytes: a call's inputs, and an answer's outputs
 _bls_lock = threading.Lock()
 _bls_state = {"next": 0, "open": False, "pid": os.getpid()}
 _NUMPY_CODES = {v: k for k, v in _NUMPY_TYPES.items()}
 
 
 def _encode_tensor(name, array, np, utils):
+    """A tensor of a frame with its bytes in it (a decoupled model's response, frame "P")."""
     if array.dtype.kind in "OSU":
         code, data = BYTES, utils.serialize_byte_tensor(array).tobytes()
     else:
         code = _NUMPY_CODES.get(array.dtype.name)
         if code is None:
-            raise TypeError(f"BLS input '{name}' has numpy type {array.dtype}, which the server has no type for")
+            raise TypeError(f"output '{name}' has numpy type {array.dtype}, which the server has no type for")
         data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False)).tobytes()
     raw = name.encode("utf-8")
     return (struct.pack("<HBB", len(raw), code, array.ndim) + raw + _int64s(array.ndim).pack(*array.shape) +
             struct.pack("<Q", len(data)) + data)
+
+
+def _bls_inputs(request, np, utils):
+    """The call's inputs placed in the BLS slot: the frame's part that describes them (u16 count, then
+    each tensor's head, byte count and offset) and the slot's size."""
+    placed, end = [], 0
+    for tensor in request.inputs():
+        name, array = tensor.name(), np.asarray(tensor.as_numpy())
+        if array.dtype.kind in "OSU":
+            code, data = BYTES, utils.serialize_byte_tensor(array)
+        else:
+            code = _NUMPY_CODES.get(array.dtype.name)
+            if code is None:
+                raise TypeError(f"BLS input '{name}' has numpy type {array.dtype}, which the server has no type for")
+            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False))
+        placed.append((name, code, array.shape, data, end))
+        end += (data.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    if end > MAX_BLS_BYTES:
+        raise utils.TritonModelException(f"a call to model '{request.model_name()}' carries {end} bytes of inputs; "
+                                         f"at most {MAX_BLS_BYTES} go in one call")
+    slot = _bls_slot()
+    slot.grow(max(end, 1))
+    parts = [struct.pack("<H", len(placed))]
+    for name, code, shape, data, offset in placed:
+        if data.nbytes:
+            np.frombuffer(slot.map, np.uint8, data.nbytes, offset)[:] = data.reshape(-1).view(np.uint8)
+        raw = name.encode("utf-8")
+        parts.append(struct.pack("<HBB", len(raw), code, len(shape)) + raw + _int64s(len(shape)).pack(*shape) +
+                     struct.pack("<QQ", data.nbytes, offset))
+    return b"".join(parts), slot.size
+
+
+def _bls_slot():
+    slot = _bls_state.get("slot")
+    if slot is None:
+        slot = _bls_state["slot"] = Shm(BLS_FD)
+    return slot
 
 
 def _bls_call(request, np, utils, decoupled=False):
@@ -796,18 +840,18 @@ def _bls_call(request, np, utils, decoupled=False):
         _bls_state["next"] += 1
         call = _bls_state["next"]
         parameters = request._parameters.encode("utf-8") if request._parameters != "{}" else b""
-        parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0), 1 if decoupled else 0),
+        tensors, slot_size = _bls_inputs(request, np, utils)
+        parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0), 1 if decoupled else 0,
+                                 slot_size),
                  struct.pack("<H", len(name)), name, struct.pack("<H", len(rid)), rid,
                  struct.pack("<I", len(parameters)), parameters, struct.pack("<H", len(outs))]
         for o in outs:
             parts += [struct.pack("<H", len(o)), o]
-        parts.append(struct.pack("<H", len(request.inputs())))
-        for tensor in request.inputs():
-            parts.append(_encode_tensor(tensor.name(), np.asarray(tensor.as_numpy()), np, utils))
+        parts.append(tensors)
         payload = b"".join(parts)
         if len(payload) > MAX_FRAME_BYTES:
-            raise utils.TritonModelException(f"a call to model '{request.model_name()}' carries {len(payload)} bytes "
-                                             f"of inputs; at most {MAX_FRAME_BYTES} go in one call")
+            raise utils.TritonModelException(f"a call to model '{request.model_name()}' has a frame of "
+                                             f"{len(payload)} bytes; at most {MAX_FRAME_BYTES}")
         try:
             _send(payload)
             reply = _next_frame()
@@ -818,11 +862,19 @@ def _bls_call(request, np, utils, decoupled=False):
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)
+        # Read while the lock is held: the next call (another thread's) writes into the BLS slot.
+        return _bls_answer(request, reply, call, decoupled, np, utils)
+
+
+def _bls_answer(request, reply, call, decoupled, np, utils):
+    """The answer "b" to call `call`: its response (or exec(decoupled=True)'s iterator), the tensors
+    copied out of the BLS slot."""
     if reply[:1] != b"b":
         raise RuntimeError("the server answered a BLS call with an unknown frame")
     view = memoryview(reply)
-    got, failed, code, length = struct.unpack_from("<IBBI", view, 1)
-    pos = 11
+    got, slot_size, failed, code, length = struct.unpack_from("<IQBBI", view, 1)
+    pos = 19
+    _bls_slot().ensure(slot_size)  # (the server may have grown it for the answer)
     message = bytes(view[pos:pos + length]).decode("utf-8", "replace")
     pos += length
     if got != call:
@@ -866,14 +918,17 @@ def _bls_response(request, view, pos, np, utils):
         pos += nlen
         dims = list(_int64s(rank).unpack_from(view, pos)) if rank else []
         pos += 8 * rank
-        (nbytes,) = struct.unpack_from("<Q", view, pos)
-        pos += 8
-        data = view[pos:pos + nbytes]
-        pos += nbytes
+        nbytes, offset = struct.unpack_from("<QQ", view, pos)
+        pos += 16
+        slot = _bls_slot()
+        if offset + nbytes > slot.size:
+            raise RuntimeError(f"the server answered output '{out_name}' outside the shared memory")
+        # (From the BLS slot: the next call writes there, so every array is a copy.)
+        data = np.frombuffer(slot.map, np.uint8, nbytes, offset) if nbytes else np.empty(0, np.uint8)
         if dtype == BYTES:
-            array = utils.deserialize_bytes_tensor(np.frombuffer(data, dtype=np.uint8)).reshape(dims)
+            array = utils.deserialize_bytes_tensor(data).reshape(dims)
         elif dtype in _NUMPY_TYPES:  # a copy: writable and aligned, as a model expects its arrays
-            array = np.frombuffer(data, dtype=_NUMPY_TYPES[dtype]).reshape(dims).copy()
+            array = data.view(_NUMPY_TYPES[dtype]).reshape(dims).copy()
         else:
             unsupported = utils.TritonError(
                 f"model '{request.model_name()}' answered output '{out_name}' in a type numpy has not (BF16)",
