@@ -1203,6 +1203,43 @@ class TritonPythonModel:
         return out
 '''
 
+# A model that writes BLS frames itself (through the stub's own functions, as model code can): inputs
+# of the same 1 MiB of the slot twice, and an input past the bytes the call says its inputs take.
+BLS_FORGED = '''
+import struct
+import __main__ as stub
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def forged(call, slot_bytes, tensors):
+    name = b"echo_bytes"
+    frame = (b"B" + stub._BLS.pack(call, -1, 0, 0, slot_bytes) + struct.pack("<H", len(name)) + name +
+             struct.pack("<H", 0) + struct.pack("<I", 0) + struct.pack("<H", 0) + struct.pack("<H", len(tensors)))
+    for size, offset in tensors:
+        frame += struct.pack("<HBB", 4, 2, 1) + b"data" + struct.pack("<q", size) + struct.pack("<QQ", size, offset)
+    with stub._bls_lock:
+        stub._bls_slot().grow(2 << 20)
+        stub._send(frame)
+        reply = stub._next_frame()
+    call_back, _, failed, code, length = struct.unpack_from("<IQBBI", reply, 1)
+    return call_back == call and failed == 1, reply[19:19 + length].decode()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            a = forged(90001, 1 << 20, [(1 << 20, 0), (1 << 20, 0)])
+            b = forged(90002, 1 << 20, [(4096, (1 << 20) - 1024)])
+            ok = a[0] and b[0] and "over another input" in a[1] and "outside the call" in b[1]
+            if not ok:
+                raise pb_utils.TritonModelException(repr((a, b)))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("sums", np.array([1, 1], np.int64)),
+                                                   pb_utils.Tensor("kept", np.array([True]))]))
+        return out
+'''
+
 ECHO_BYTES = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -1223,7 +1260,7 @@ def test_a_call_to_another_model_takes_tensors_larger_than_a_frame_through_share
     """80 MiB to a called model and back (a frame holds at most 64 MiB: the tensors go through the
     BLS shared memory), then a smaller call: both sums as numpy computes them, and the first call's
     answer unchanged by the second (the arrays the caller gets are its own); eight calls awaited
-    together each get their own answer."""
+    together each get their own answer; forged call frames are refused."""
     write_model(tmp_path, "echo_bytes", '''
 backend: "python"
 max_batch_size: 0
@@ -1237,6 +1274,7 @@ input [ { name: "n" data_type: TYPE_INT64 dims: [ 1 ] } ]
 output [ { name: "sums" data_type: TYPE_INT64 dims: [ 2 ] }, { name: "kept" data_type: TYPE_BOOL dims: [ 1 ] } ]
 ''', BLS_LARGE)
     write_model(tmp_path, "bls_gather", (tmp_path / "bls_large" / "config.pbtxt").read_text(), BLS_GATHER)
+    write_model(tmp_path, "bls_forged", (tmp_path / "bls_large" / "config.pbtxt").read_text(), BLS_FORGED)
     proc, ports = start_quern(QUERN, str(tmp_path))
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
@@ -1251,6 +1289,10 @@ output [ { name: "sums" data_type: TYPE_INT64 dims: [ 2 ] }, { name: "kept" data
             x = httpclient.InferInput("n", [1], "INT64")
             x.set_data_from_numpy(np.array([0], np.int64))
             assert client.infer("bls_gather", [x]).as_numpy("sums").tolist() == [8, 0]
+        # Frames a model forges: inputs over one another, or past the bytes the call declared, are
+        # refused, the call's own error; the model and the server go on.
+        assert client.infer("bls_forged", [x]).as_numpy("kept").tolist() == [True]
+        assert client.infer("bls_large", [x]).as_numpy("kept").tolist() == [True]
     finally:
         stop_quern(proc)
 

@@ -148,11 +148,19 @@ uint8_t ToTritonCode(StatusCode code) {
   }
 }
 
+// Where a BLS call's input tensors lie: the first `size` bytes of the BLS slot at `shm`, each after
+// the one before (`next`: where the next may start), so that together they take at most `size`.
+struct SlotInputs {
+  const std::byte* shm = nullptr;
+  size_t size = 0;
+  size_t next = 0;
+};
+
 // A tensor of a frame: u16 name length, u8 type, u8 rank, the name, rank int64 dims, u64 byte count,
-// then its bytes: in the frame (`shm` null), or (a BLS call's) u64 offset, its place in the BLS slot
-// `shm` (`shm_size` long). BYTES elements as 4-byte lengths and their bytes. Copied out either way:
-// the process writes its next call into the slot.
-Result<NamedTensor> ReadFrameTensor(FrameReader& r, const std::byte* shm = nullptr, size_t shm_size = 0) {
+// then its bytes: in the frame (`slot` null), or (a BLS call's) u64 offset, its place in the BLS slot
+// (`slot`). BYTES elements as 4-byte lengths and their bytes. Copied out either way: the process
+// writes its next call into the slot.
+Result<NamedTensor> ReadFrameTensor(FrameReader& r, SlotInputs* slot = nullptr) {
   uint16_t len = 0;
   uint8_t type = 0, rank = 0;
   std::string_view name;
@@ -165,16 +173,19 @@ Result<NamedTensor> ReadFrameTensor(FrameReader& r, const std::byte* shm = nullp
   }
   uint64_t size = 0, offset = 0;
   const std::byte* data = nullptr;
-  if (!shm) {
+  if (!slot) {
     std::string_view bytes;
     if (!r.Get(size) || !r.Bytes(size, bytes)) {
       return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes are cut short"));
     }
     data = reinterpret_cast<const std::byte*>(bytes.data());
-  } else if (!r.Get(size) || !r.Get(offset) || offset > shm_size || size > shm_size - offset) {
-    return Err(InvalidArgument("tensor '" + std::string(name) + "': its bytes lie outside the shared memory"));
+  } else if (!r.Get(size) || !r.Get(offset) || offset < slot->next || offset > slot->size ||
+             size > slot->size - offset || !slot->shm) {
+    return Err(InvalidArgument("tensor '" + std::string(name) +
+                               "': its bytes lie outside the call's shared memory, or over another input's"));
   } else {
-    data = shm + offset;
+    data = slot->shm + offset;
+    slot->next = offset + size;
   }
   const auto dtype = static_cast<DataType>(type);
   const size_t element = DataTypeByteSize(dtype);
@@ -617,22 +628,8 @@ class PythonModel final : public Model {
     uint8_t decoupled = 0;  // exec(decoupled=True): every response, as a list
     const bool head = r.Get(call) && r.Get(version) && r.Get(timeout_us) && r.Get(decoupled) && r.Get(slot_size);
     constexpr int kSlot = PythonProcess::kBlsSlot;
-    auto answer = [&](Status st, const std::vector<NamedTensor>* outputs) {
-      size_t offset = 0;
-      if (st.ok() && outputs) st = process_->Reserve(kSlot, std::max<size_t>(SlotBytes(*outputs), 1));
-      std::string out = "b";
-      Put<uint32_t>(out, call);
-      Put<uint64_t>(out, process_->shm_size(kSlot));
-      Put<uint8_t>(out, st.ok() ? 0 : 1);
-      Put<uint8_t>(out, ToTritonCode(st.code()));
-      const std::string message = st.ok() ? std::string() : st.message().substr(0, 65536);
-      Put<uint32_t>(out, static_cast<uint32_t>(message.size()));
-      out += message;
-      if (st.ok() && outputs) {
-        Put<uint16_t>(out, static_cast<uint16_t>(outputs->size()));
-        for (const NamedTensor& n : *outputs) PutSlotTensor(out, n, process_->shm(kSlot), offset);
-      }
-      return out;
+    auto answer = [&](Status st, const std::vector<NamedTensor>* outputs, size_t written = 0) {
+      return CallAnswer(call, std::move(st), outputs, written);
     };
     InferRequest request;
     uint16_t len = 0, count = 0;
@@ -654,21 +651,7 @@ class PythonModel final : public Model {
       if (!r.Get(len) || !r.Bytes(len, name)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);
       request.requested_outputs.emplace_back(name);
     }
-    if (!r.Get(count)) return answer(Internal(tag_ + ": a malformed BLS call"), nullptr);
-    if (slot_size > kMaxBlsAnswerBytes) {
-      return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': its inputs take " +
-                                    std::to_string(slot_size) + " bytes of shared memory; at most " +
-                                    std::to_string(kMaxBlsAnswerBytes)),
-                    nullptr);
-    }
-    if (Status st = process_->Remap(kSlot, slot_size); !st.ok()) return answer(st, nullptr);
-    for (uint16_t i = 0; i < count; ++i) {
-      auto tensor = ReadFrameTensor(r, process_->shm(kSlot), process_->shm_size(kSlot));
-      if (!tensor)
-        return answer(InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': " + tensor.error().message()),
-                      nullptr);
-      request.inputs.push_back(std::move(*tensor));
-    }
+    if (Status st = ReadCallInputs(r, model, slot_size, request); !st.ok()) return answer(st, nullptr);
     if (model == config_.name) {
       return answer(InvalidArgument("model '" + config_.name +
                                     "' called itself (BLS): its execute() would wait for its own instances"),
@@ -763,7 +746,55 @@ class PythonModel final : public Model {
       if (response.status.ok() && !response.final_only) bytes_in_slot += SlotBytes(response.outputs);
     }
     if (Status st = process_->Reserve(kSlot, bytes_in_slot); !st.ok()) return answer(st, nullptr);
-    return PutResponses(answer(Status::Ok(), nullptr), pending->before, process_->shm(kSlot));
+    return PutResponses(answer(Status::Ok(), nullptr, bytes_in_slot), pending->before, process_->shm(kSlot));
+  }
+
+  // The frame "b" answering call `call` (CallModel's), its outputs written into the BLS slot;
+  // `written`: the bytes of the slot the answer's outputs take (computed here when `outputs` are
+  // given), for the process to map.
+  std::string CallAnswer(uint32_t call, Status st, const std::vector<NamedTensor>* outputs, size_t written) {
+    constexpr int kSlot = PythonProcess::kBlsSlot;
+    size_t offset = 0;
+    if (st.ok() && outputs) {
+      written = SlotBytes(*outputs);
+      st = process_->Reserve(kSlot, std::max<size_t>(written, 1));
+    }
+    std::string out = "b";
+    Put<uint32_t>(out, call);
+    Put<uint64_t>(out, st.ok() ? written : 0);
+    Put<uint8_t>(out, st.ok() ? 0 : 1);
+    Put<uint8_t>(out, ToTritonCode(st.code()));
+    const std::string message = st.ok() ? std::string() : st.message().substr(0, 65536);
+    Put<uint32_t>(out, static_cast<uint32_t>(message.size()));
+    out += message;
+    if (st.ok() && outputs) {
+      Put<uint16_t>(out, static_cast<uint16_t>(outputs->size()));
+      for (const NamedTensor& n : *outputs) PutSlotTensor(out, n, process_->shm(kSlot), offset);
+    }
+    return out;
+  }
+
+  // A call's inputs (u16 count, then each tensor) into `request`, their bytes from the BLS slot,
+  // where they take the first `slot_size` bytes, one after another.
+  Status ReadCallInputs(FrameReader& r, std::string_view model, uint64_t slot_size, InferRequest& request) {
+    constexpr int kSlot = PythonProcess::kBlsSlot;
+    uint16_t count = 0;
+    if (!r.Get(count)) return Internal(tag_ + ": a malformed BLS call");
+    if (slot_size > kMaxBlsAnswerBytes) {
+      return InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': its inputs take " +
+                             std::to_string(slot_size) + " bytes of shared memory; at most " +
+                             std::to_string(kMaxBlsAnswerBytes));
+    }
+    QUERN_RETURN_IF_ERROR(process_->Remap(kSlot, std::max<uint64_t>(slot_size, 1)));
+    SlotInputs slot{process_->shm(kSlot), static_cast<size_t>(slot_size), 0};
+    for (uint16_t i = 0; i < count; ++i) {
+      auto tensor = ReadFrameTensor(r, &slot);
+      if (!tensor) {
+        return InvalidArgument(tag_ + ": BLS call to '" + std::string(model) + "': " + tensor.error().message());
+      }
+      request.inputs.push_back(std::move(*tensor));
+    }
+    return Status::Ok();
   }
 
   // After the head of a call's answer, exec(decoupled=True)'s responses as the stub reads them: u32

@@ -545,6 +545,11 @@ Status PythonProcess::Reserve(int slot, size_t bytes) {
   struct stat st {};
   if (::fstat(slots_[slot].fd, &st) != 0) return Unavailable(tag_ + ": cannot read the shared memory's size");
   size_t size = static_cast<size_t>(st.st_size);
+  if (size > kMaxShmBytes) {
+    // Only the process could have made it so: the whole file is not mapped.
+    return ResourceExhausted(tag_ + ": its shared memory was grown to " + std::to_string(size) + " bytes; at most " +
+                             std::to_string(kMaxShmBytes));
+  }
   if (size < bytes) {
     size = std::min(std::max(bytes, size * 2), kMaxShmBytes);
     size = (size + kShmGranule - 1) / kShmGranule * kShmGranule;

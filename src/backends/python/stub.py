@@ -770,7 +770,7 @@ def _count(dims):
 # another. The answer to the batch waits for a call under way. The tensors, both ways, go through the
 # BLS slot (shared memory, fd 10): the frames say where they lie; what is read from it is copied, as
 # the next call writes there again.
-_BLS = struct.Struct("<IqQBQ")  # call, version, timeout (us), decoupled (every response, as a list), slot size
+_BLS = struct.Struct("<IqQBQ")  # call, version, timeout (us), decoupled (all responses), input bytes in the slot
 MAX_BLS_BYTES = 1 << 30  # as the server's kMaxBlsAnswerBytes: a call's inputs, and an answer's outputs
 _bls_lock = threading.Lock()
 _bls_state = {"next": 0, "open": False, "pid": os.getpid()}
@@ -792,8 +792,8 @@ def _encode_tensor(name, array, np, utils):
 
 
 def _bls_inputs(request, np, utils):
-    """The call's inputs placed in the BLS slot: the frame's part that describes them (u16 count, then
-    each tensor's head, byte count and offset) and the slot's size."""
+    """The call's inputs placed in the BLS slot, one after another: the frame's part that describes
+    them (u16 count, then each tensor's head, byte count and offset) and the bytes they take."""
     placed, end = [], 0
     for tensor in request.inputs():
         name, array = tensor.name(), np.asarray(tensor.as_numpy())
@@ -810,7 +810,11 @@ def _bls_inputs(request, np, utils):
         raise utils.TritonModelException(f"a call to model '{request.model_name()}' carries {end} bytes of inputs; "
                                          f"at most {MAX_BLS_BYTES} go in one call")
     slot = _bls_slot()
-    slot.grow(max(end, 1))
+    try:
+        slot.grow(max(end, 1))
+    except (OSError, MemoryError) as e:  # e.g. past the model's memory bound
+        raise utils.TritonModelException(f"a call to model '{request.model_name()}': {end} bytes of shared "
+                                         f"memory for its inputs: {e}") from None
     parts = [struct.pack("<H", len(placed))]
     for name, code, shape, data, offset in placed:
         if data.nbytes:
@@ -818,7 +822,7 @@ def _bls_inputs(request, np, utils):
         raw = name.encode("utf-8")
         parts.append(struct.pack("<HBB", len(raw), code, len(shape)) + raw + _int64s(len(shape)).pack(*shape) +
                      struct.pack("<QQ", data.nbytes, offset))
-    return b"".join(parts), slot.size
+    return b"".join(parts), end
 
 
 def _bls_slot():
@@ -874,7 +878,7 @@ def _bls_answer(request, reply, call, decoupled, np, utils):
     view = memoryview(reply)
     got, slot_size, failed, code, length = struct.unpack_from("<IQBBI", view, 1)
     pos = 19
-    _bls_slot().ensure(slot_size)  # (the server may have grown it for the answer)
+    _bls_slot().ensure(slot_size)  # the bytes the answer's outputs take (the server may have grown it)
     message = bytes(view[pos:pos + length]).decode("utf-8", "replace")
     pos += length
     if got != call:
