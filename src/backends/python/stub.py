@@ -811,7 +811,8 @@ def _bls_inputs(request, np, utils):
                                          f"at most {MAX_BLS_BYTES} go in one call")
     slot = _bls_slot()
     try:
-        slot.grow(max(end, 1))
+        if end > slot.size or slot.map is None:  # (mapped large enough already: no system call)
+            slot.grow(max(end, 1))
     except (OSError, MemoryError) as e:  # e.g. past the model's memory bound
         raise utils.TritonModelException(f"a call to model '{request.model_name()}': {end} bytes of shared "
                                          f"memory for its inputs: {e}") from None
