@@ -26,7 +26,10 @@
 // must form a chain (each reads the one before, transitively): two that do
 // not are refused at load, as their responses cannot be paired. A call that
 // takes one answer is refused (request_validation.h), as for any decoupled
-// model.
+// model. A failed request cancels its own token (the caller's cancels it
+// too), which every step request carries: its decoupled steps stop sending
+// and its branches start nothing more; steps already in their models end
+// there (Shutdown waits for answers, not for those).
 //
 // Load-time checks (Create) name the step and the model: unknown or unready
 // step models, names that are not the step model's inputs or outputs,
