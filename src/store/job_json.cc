@@ -145,7 +145,8 @@ Result<std::vector<NamedTensor>> ReadStoredOutputs(const JobRecord& rec, const r
   w.EndObject();
   std::string joined;
   for (const auto& o : result["outputs"].GetArray()) {
-    const auto params = o.IsObject() ? o.FindMember("parameters") : o.MemberEnd();
+    if (!o.IsObject()) continue;  // (the parser below refuses it)
+    const auto params = o.FindMember("parameters");
     if (params == o.MemberEnd() || !params->value.IsObject() || !params->value.HasMember("binary_data_size")) continue;
     if (next_part >= binary.size()) {
       return Err(Internal("stored result of job '" + rec.id + "' is damaged: a binary part is missing"));

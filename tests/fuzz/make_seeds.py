@@ -598,6 +598,32 @@ def http_handlers(o, imgs):
     o.put(c, "bare_target", b"/v2/health/ready")
 
 
+def job_record(o):
+    """Stored job records (the JSON, then binary parts each after "\\n--part--\\n")."""
+    c = "job_record"
+    sep = b"\n--part--\n"
+    base = {"job_id": "019000000000-" + "0" * 32, "model_name": "m", "model_version": "1", "submitted_ms": 1,
+            "started_ms": 2, "finished_ms": 3, "binary_data_output": False, "binary_outputs": {}}
+    small = {"name": "y", "datatype": "FP32", "shape": [1, 3], "data": [1.5, -2.25, 3.0]}
+    binary = {"name": "z", "datatype": "INT32", "shape": [2], "parameters": {"binary_data_size": 8}}
+    o.put(c, "done", j(dict(base, status="done", result={"model_name": "m", "model_version": "1",
+                                                          "outputs": [small, binary]}, binary_keys=["k0"]))
+          + sep + struct.pack("<ii", 7, -7))
+    o.put(c, "decoupled", j(dict(base, status="done", responses=[
+        {"model_name": "m", "model_version": "1", "outputs": [small]},
+        {"model_name": "m", "model_version": "1", "outputs": [binary]},
+        {"model_name": "m", "model_version": "1", "outputs": []}], binary_keys=["k0"]))
+          + sep + struct.pack("<ii", 1, 2))
+    o.put(c, "decoupled_strings", j(dict(base, status="done", responses=[
+        {"outputs": [{"name": "t", "datatype": "BYTES", "shape": [2], "data": ["a", "\u00e9"]}]}])))
+    o.put(c, "failed", j(dict(base, status="failed", error={"code": "INVALID_ARGUMENT", "grpc_code": 3,
+                                                            "message": "bad"})))
+    o.put(c, "queued", j(dict(base, status="queued")))
+    o.put(c, "parts_left_over", j(dict(base, status="done", result={"outputs": []})) + sep + b"x" + sep + b"y")
+    o.put(c, "nan", b'{"job_id":"x","status":"done","model_name":"m","result":{"outputs":[{"name":"y",'
+                    b'"datatype":"FP64","shape":[2],"data":[NaN,Infinity]}]}}')
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus"))
@@ -610,6 +636,7 @@ def main():
     model_config(o)
     resp(o)
     stream_entry(o)
+    job_record(o)
     grpc_convert(o)
     http_handlers(o, imgs)
 
