@@ -23,28 +23,23 @@ constexpr std::string_view kSeparator = "\n--part--\n";
 // JSON reader parses decimals in rapidjson's normal precision, not its full
 // one: a long decimal in a record may read back that far from the shortest
 // form the writer gives the same value).
+// Element `i` of x and y as F (float or double), compared as Close says.
+template <typename F, typename I>
+bool CloseAs(const quern::Tensor& x, const quern::Tensor& y, size_t i) {
+  constexpr I kUlps = 4;
+  F a, b;
+  I ia, ib;
+  std::memcpy(&a, x.data() + sizeof(F) * i, sizeof(F));
+  std::memcpy(&b, y.data() + sizeof(F) * i, sizeof(F));
+  std::memcpy(&ia, &a, sizeof(F));
+  std::memcpy(&ib, &b, sizeof(F));
+  return (std::isnan(a) && std::isnan(b)) || ((ia < 0) == (ib < 0) && (ia > ib ? ia - ib : ib - ia) <= kUlps);
+}
+
 bool Close(const quern::Tensor& x, const quern::Tensor& y, size_t i) {
-  constexpr int64_t kUlps = 4;
   switch (x.dtype()) {
-    case quern::DataType::kFp32: {
-      float a, b;
-      int32_t ia, ib;
-      std::memcpy(&a, x.data() + 4 * i, 4);
-      std::memcpy(&b, y.data() + 4 * i, 4);
-      std::memcpy(&ia, &a, 4);
-      std::memcpy(&ib, &b, 4);
-      return (std::isnan(a) && std::isnan(b)) ||
-             ((ia < 0) == (ib < 0) && std::llabs(static_cast<int64_t>(ia) - ib) <= kUlps);
-    }
-    case quern::DataType::kFp64: {
-      double a, b;
-      int64_t ia, ib;
-      std::memcpy(&a, x.data() + 8 * i, 8);
-      std::memcpy(&b, y.data() + 8 * i, 8);
-      std::memcpy(&ia, &a, 8);
-      std::memcpy(&ib, &b, 8);
-      return (std::isnan(a) && std::isnan(b)) || ((ia < 0) == (ib < 0) && (ia > ib ? ia - ib : ib - ia) <= kUlps);
-    }
+    case quern::DataType::kFp32: return CloseAs<float, int32_t>(x, y, i);
+    case quern::DataType::kFp64: return CloseAs<double, int64_t>(x, y, i);
     case quern::DataType::kFp16:
     case quern::DataType::kBf16: {
       uint16_t a, b;
