@@ -23,30 +23,28 @@ std::shared_ptr<JobResponses> JobResponses::Attach(InferRequest& request) {
   if (!request.cancel) request.cancel = std::make_shared<CancellationToken>();
   self->cancel_ = request.cancel;
   request.on_response = [self](InferResponse&& r) {
-    MutexLock lock(self->mu_);
-    if (!self->exceeded_.ok()) return;
-    if (!r.status.ok()) {
-      // An error among the responses fails the job (as it fails an ensemble's request).
-      self->exceeded_ = r.status;
+    {
+      MutexLock lock(self->mu_);
+      if (!self->exceeded_.ok()) return;
+      size_t bytes = 0;
+      for (const auto& o : r.outputs) bytes += o.tensor.byte_size();
+      if (!r.status.ok()) {
+        // An error among the responses fails the job (as it fails an ensemble's request).
+        self->exceeded_ = r.status;
+      } else if (self->responses_.size() >= kMaxResponses || self->bytes_ + bytes > kMaxBytes) {
+        self->exceeded_ = ResourceExhausted(
+            "model '" + r.model + "' sent more than " +
+            (self->responses_.size() >= kMaxResponses ? std::to_string(kMaxResponses) + " responses"
+                                                      : std::to_string(kMaxBytes >> 20) + " MiB of responses") +
+            ", the most a job keeps; stream them instead (gRPC ModelStreamInfer, HTTP generate_stream)");
+      } else {
+        self->responses_.push_back(Owned(r.outputs, self->bytes_));
+        return;
+      }
       self->responses_.clear();
       self->bytes_ = 0;
-      self->cancel_->Cancel();
-      return;
     }
-    size_t bytes = 0;
-    for (const auto& o : r.outputs) bytes += o.tensor.byte_size();
-    if (self->responses_.size() >= kMaxResponses || self->bytes_ + bytes > kMaxBytes) {
-      self->exceeded_ = ResourceExhausted(
-          "model '" + r.model + "' sent more than " +
-          (self->responses_.size() >= kMaxResponses ? std::to_string(kMaxResponses) + " responses"
-                                                    : std::to_string(kMaxBytes >> 20) + " MiB of responses") +
-          ", the most a job keeps; stream them instead (gRPC ModelStreamInfer, HTTP generate_stream)");
-      self->responses_.clear();
-      self->bytes_ = 0;
-      self->cancel_->Cancel();
-      return;
-    }
-    self->responses_.push_back(Owned(r.outputs, self->bytes_));
+    self->cancel_->Cancel();  // (outside the lock: it runs the engine's cancellation functions)
   };
   return self;
 }
