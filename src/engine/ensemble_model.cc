@@ -461,8 +461,10 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
         rows = rows == -1 || rows == r ? r : -2;
       }
     }
+    // This run's decoupled step: its responses come to StepResponse.
+    const bool streams = step.decoupled && run->chain_pos < chain_.size() && chain_[run->chain_pos] == s;
     if (rows == 0) {
-      if (step.decoupled && run->chain_pos < chain_.size() && chain_[run->chain_pos] == s) {
+      if (streams) {
         StepResponse(run, s, NoRows(s), /*last=*/true);  // not run: one response of zero rows
       } else {
         StepDone(run, s, 0, 1, NoRows(s));
@@ -482,7 +484,6 @@ Status EnsembleModel::Launch(const std::shared_ptr<Run>& run, const std::vector<
       Finish(run, std::move(st));
       return Status::Ok();
     }
-    const bool streams = step.decoupled && run->chain_pos < chain_.size() && chain_[run->chain_pos] == s;
     if (streams && split > 1) {
       // Each part would send its own responses: there is no pairing them.
       Status st = StepError(

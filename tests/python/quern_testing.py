@@ -273,15 +273,19 @@ def sanitized(binary):
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_bf16():
-    """True when this CPU computes bf16 natively (the kernel lists avx512_bf16 or amx_bf16 among its
-    flags), the CPUs where OpenVINO's default precision is bf16 and backend "auto" measures it."""
+def cpu_flags():
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo); empty when unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def cpu_has_bf16():
+    """True when this CPU computes bf16 natively (avx512_bf16 or amx_bf16 among its flags), the CPUs
+    where OpenVINO's default precision is bf16 and backend "auto" measures it."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def free_port():

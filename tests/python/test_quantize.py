@@ -153,9 +153,8 @@ def int8_weight_range(model_path):
 
 
 def cpu_has_vnni():
-    with open("/proc/cpuinfo") as f:
-        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+    from quern_testing import cpu_flags
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 
 
 @pytest.mark.parametrize("reduce_range", ["on", "off", "auto"])
