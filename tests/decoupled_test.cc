@@ -41,6 +41,7 @@ class Countdown : public Model {
       } else if (n == 0) {
         requests.responses->Send(i, false, Status::Ok(), {}, true);
       } else if (n == 50) {
+        ++waiting_for_cancel;
         if (!testing::Eventually([&] { return woken->load() > 0 && requests.responses->cancelled(i); })) {
           return Internal("never cancelled");
         }
@@ -55,6 +56,7 @@ class Countdown : public Model {
     }
     return Status::Ok();
   }
+  static inline std::atomic<int> waiting_for_cancel{0};     // requests for 50 that began to wait
   static inline std::atomic<int> closed_when_cancelled{0};  // requests for 50 that saw their cancellation
 };
 
@@ -164,13 +166,21 @@ TEST_F(DecoupledTest, TheModelIsWokenWhenARequestIsCancelled) {
   EXPECT_TRUE(last.final_only);
 }
 
-// y = 2x, any width: the step after the decoupled one (`delay`: slept first; `fail`: refuses instead).
+// y = 2x, any width: the step after the decoupled one (`delay`: slept first; `fail`: refuses instead,
+// once a countdown request waits for its cancellation, so that it is cancelled while it runs rather
+// than in its queue).
 class Doubler : public Model {
  public:
   explicit Doubler(std::chrono::milliseconds delay = {}, bool fail = false) : delay_(delay), fail_(fail) {}
   Status Execute(const std::vector<NamedTensor>& inputs, int64_t, std::vector<NamedTensor>& outputs) override {
     std::this_thread::sleep_for(delay_);
-    if (fail_) return InvalidArgument("fails on purpose");
+    if (fail_) {
+      if (!testing::Eventually(
+              [] { return Countdown::waiting_for_cancel.load() > Countdown::closed_when_cancelled.load(); })) {
+        return Internal("no countdown request waited for its cancellation");
+      }
+      return InvalidArgument("fails on purpose");
+    }
     const Tensor& x = inputs.at(0).tensor;
     std::vector<float> v = ToFloats(x);
     for (float& f : v) f *= 2;
