@@ -169,7 +169,21 @@ Status CustomMetrics::Apply(const std::string& model, std::string_view json) {
   return first;
 }
 
-void CustomMetrics::Render(std::string& out) const {
+void CustomMetrics::AddRefresher(const void* key, std::function<void()> f) {
+  MutexLock lock(refresh_mu_);
+  refreshers_[key] = std::move(f);
+}
+
+void CustomMetrics::RemoveRefresher(const void* key) {
+  MutexLock lock(refresh_mu_);
+  refreshers_.erase(key);
+}
+
+void CustomMetrics::Render(std::string& out) {
+  {
+    MutexLock refresh(refresh_mu_);
+    for (auto& [key, f] : refreshers_) f();
+  }
   MutexLock lock(mu_);
   for (const auto& [name, f] : families_) {
     out += "# HELP " + name + " ";

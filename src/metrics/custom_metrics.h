@@ -6,10 +6,14 @@
 // kMaxLabels labels per series, names of the Prometheus grammar that do not take the server's own
 // prefixes (quern_, process_); what a model asks beyond is refused with a message.
 //
+// A model whose values may arrive while it runs no batch (a Python model's process sends what
+// changed since its last batch on its own) adds a refresher: Render runs every refresher first.
+//
 // Thread-safe. One store per process (Global()).
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -44,8 +48,14 @@ class CustomMetrics {
   // Applies a model's operations, a JSON list of {"op": "declare"|"add"|"set"|"observe", ...}: each
   // one the store takes; the first refusal is returned, naming `model`.
   Status Apply(const std::string& model, std::string_view json);
-  // The families in Prometheus text, appended to `out`.
-  void Render(std::string& out) const;
+  // `f` runs at the start of each Render, on the rendering thread, one refresher at a time; it
+  // must not block (a model that is busy skips its turn). `key` names it for RemoveRefresher;
+  // adding a key again replaces its function.
+  void AddRefresher(const void* key, std::function<void()> f);
+  // The function added under `key` is not running and will not run once this returns.
+  void RemoveRefresher(const void* key);
+  // The refreshers run, then the families in Prometheus text, appended to `out`.
+  void Render(std::string& out);
 
  private:
   struct Series {
@@ -63,6 +73,9 @@ class CustomMetrics {
 
   mutable Mutex mu_;
   std::map<std::string, Family> families_ QUERN_GUARDED_BY(mu_);
+  // Taken before mu_ (a refresher applies what it gathers).
+  Mutex refresh_mu_;
+  std::map<const void*, std::function<void()>> refreshers_ QUERN_GUARDED_BY(refresh_mu_);
 };
 
 }  // namespace quern

@@ -1374,6 +1374,100 @@ instance_group [ { count: 3 kind: KIND_CPU } ]
         proc.wait(timeout=30)
 
 
+# Metrics changed while no batch runs: in initialize(), and by a thread of the model's own that ticks
+# 200 times (a counter incremented and a gauge set each time), with no request ever sent.
+IDLE_METRICS = '''
+import threading
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        pb_utils.MetricFamily(name="initialized", description="Processes that initialized",
+                              kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": "idle"}).increment(5)
+        self.ticks = pb_utils.MetricFamily(name="ticks", description="Ticks of the model's own thread",
+                                           kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": "idle"})
+        self.last = pb_utils.MetricFamily(name="last_tick", description="The last tick",
+                                          kind=pb_utils.MetricFamily.GAUGE).Metric(labels={"model": "idle"})
+        threading.Thread(target=self.tick, daemon=True).start()
+
+    def tick(self):
+        for k in range(1, 201):
+            self.ticks.increment(1)
+            self.last.set(k)
+            if k % 20 == 0:
+                time.sleep(0.01)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+'''
+
+
+def test_metrics_changed_while_no_batch_runs_reach_metrics(tmp_path):
+    write_model(tmp_path, "idle", '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+''', IDLE_METRICS)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+
+    def scrape():
+        conn = http_client.HTTPConnection("127.0.0.1", ports["metrics"], timeout=30)
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+
+    # Each of the two processes: initialized +5, ticks +200, last_tick set to 1..200 in order.
+    want = ['initialized{model="idle"} 10\n', 'ticks{model="idle"} 400\n', 'last_tick{model="idle"} 200\n']
+    try:
+        text = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = scrape()
+            if all(w in text for w in want):
+                break
+            time.sleep(0.1)
+        assert all(w in text for w in want), f"without a batch /metrics shows: {text[-1500:]}"
+        # A batch after it changes none of them.
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        x = httpclient.InferInput("x", [1, 1], "FP32")
+        x.set_data_from_numpy(np.ones((1, 1), np.float32))
+        assert client.infer("idle", [x]).as_numpy("x").tolist() == [[1.0]]
+        text = scrape()
+        assert all(w in text for w in want), text[-1500:]
+    finally:
+        stop_quern(proc)
+
+
+def test_metric_updates_waiting_to_be_sent_are_bounded(capfd):
+    """What a model's metrics wait to send, read from pb_utils itself (no server): one operation per
+    counter or gauge series however often it changes, and at most 100,000 operations."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "backends", "python",
+                        "triton_python_backend_utils.py")
+    spec = importlib.util.spec_from_file_location("pb_utils_alone", path)
+    pb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb)
+    counter = pb.MetricFamily("c", "a counter", pb.MetricFamily.COUNTER).Metric(labels={"k": "1"})
+    gauge = pb.MetricFamily("g", "a gauge", pb.MetricFamily.GAUGE).Metric()
+    for k in range(250000):
+        counter.increment(2)
+        gauge.set(k)
+    gauge.increment(0.5)
+    ops = pb._take_metric_ops()
+    assert [(o["op"], o["name"], o.get("value")) for o in ops] == [
+        ("declare", "c", None), ("add", "c", 500000.0), ("declare", "g", None), ("set", "g", 249999.5)]
+    histogram = pb.MetricFamily("h", "a histogram", pb.MetricFamily.HISTOGRAM).Metric(buckets=[1.0])
+    for k in range(100005):
+        histogram.observe(k)
+    ops = pb._take_metric_ops()
+    assert len(ops) == 100000 and ops[0]["op"] == "declare" and ops[-1]["value"] == 99998
+    assert "6 metric updates dropped" in capfd.readouterr().err  # 100,005 - (the declaration + 99,999 kept)
+    assert pb._take_metric_ops() == []
+
+
 # Answers with request.parameters() (the JSON text); given {"call": ...} it asks model "params" instead
 # (BLS), passing parameters of its own, and answers with what that model saw.
 PARAMS = '''

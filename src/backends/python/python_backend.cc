@@ -30,6 +30,8 @@ constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 // A decoupled model whose every open request was cancelled (and it told) has this long, once its
 // execute() has returned, to close them before the batch is ended for it.
 constexpr int64_t kCancelGraceMs = 2000;
+// The most frames one scrape of /metrics reads from an idle process (each at most 64 MiB).
+constexpr int kGatheredFramesMax = 16;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 
 // quern.python.max_memory_mb when a model does not say: half of the memory
@@ -283,9 +285,12 @@ class PythonModel final : public Model {
         device_(device),
         tag_("model '" + config_.name + "' instance " + std::to_string(instance)),
         abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
-        wake_fd_(config_.decoupled ? ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK) : -1) {}
+        wake_fd_(config_.decoupled ? ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK) : -1) {
+    CustomMetrics::Global().AddRefresher(this, [this] { GatherMetrics(); });
+  }
 
   ~PythonModel() override {
+    CustomMetrics::Global().RemoveRefresher(this);
     if (abandon_fd_ >= 0) ::close(abandon_fd_);
     if (wake_fd_ >= 0) ::close(wake_fd_);
   }
@@ -299,6 +304,7 @@ class PythonModel final : public Model {
   }
 
   Status Load() override {
+    MutexLock lock(run_mu_);
     auto p = PythonProcess::Start(Launch());
     if (!p) return p.error();
     process_ = std::move(*p);
@@ -316,6 +322,13 @@ class PythonModel final : public Model {
 
   Status ExecuteRequests(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests requests,
                          std::vector<NamedTensor>& outputs) override {
+    MutexLock lock(run_mu_);
+    return RunBatch(inputs, batch_size, requests, outputs);
+  }
+
+ private:
+  Status RunBatch(const std::vector<NamedTensor>& inputs, int64_t batch_size, BatchRequests requests,
+                  std::vector<NamedTensor>& outputs) QUERN_REQUIRES(run_mu_) {
     if (abandoned_.load(std::memory_order_acquire)) {
       return Unavailable(tag_ + ": the server is stopping; the batch was not run");
     }
@@ -410,7 +423,34 @@ class PythonModel final : public Model {
     return ReadReply(*reply, slot, batch_size, requests, outputs);
   }
 
- private:
+  // At a scrape of /metrics, while no batch runs: the metrics the process sent since its last batch
+  // (frames "M": what the model changed while it ran no batch, which the process sends on its own
+  // within a fraction of a second). A running batch reads them itself. Besides them only a forgotten
+  // batch's responses ("P", "d") may come between batches; they are dropped as the next batch would.
+  void GatherMetrics() {
+    if (!run_mu_.TryLock()) return;  // a batch runs (or the process starts): it reads them
+    for (int i = 0; process_ && i < kGatheredFramesMax; ++i) {
+      auto frame = process_->ReceiveReady();
+      if (!frame || !*frame) break;  // none more (a process that died starts again with the next batch)
+      const std::string& f = **frame;
+      if (!f.empty() && f[0] == 'M') {
+        ApplyMetrics(std::string_view(f).substr(1));
+      } else if (f.empty() || (f[0] != 'P' && f[0] != 'd')) {
+        Log(LogLevel::kWarning, tag_ + ": its Python process sent a frame while it ran no batch; it starts again",
+            {{"model", config_.name}});
+        process_.reset();
+      }
+    }
+    run_mu_.Unlock();
+  }
+
+  void ApplyMetrics(std::string_view json) {
+    Status st = CustomMetrics::Global().Apply(config_.name, json);
+    if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
+      Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
+    }
+  }
+
   // A warm-up run of a decoupled model: its responses go nowhere.
   struct Discard final : ResponseSink {
     void Send(size_t, bool, Status, std::vector<NamedTensor>, bool) override {}
@@ -457,10 +497,7 @@ class PythonModel final : public Model {
       if (reply->empty()) {
         // (woken)
       } else if ((*reply)[0] == 'M') {
-        Status st = CustomMetrics::Global().Apply(config_.name, std::string_view(*reply).substr(1));
-        if (!st.ok() && metric_errors_logged_.size() < 64 && metric_errors_logged_.insert(st.message()).second) {
-          Log(LogLevel::kWarning, st.message(), {{"model", config_.name}});  // once per distinct refusal
-        }
+        ApplyMetrics(std::string_view(*reply).substr(1));
       } else if ((*reply)[0] == 'B') {
         QUERN_RETURN_IF_ERROR(process_->Send(CallModel(*reply, deadline, callers)));
       } else if (streams.sink && (*reply)[0] == 'P') {
@@ -1015,6 +1052,8 @@ class PythonModel final : public Model {
   const int instance_;
   const InstanceDevice device_;  // told to the model, which places its own work
   const std::string tag_;
+  // Held by a batch (and Load) while it uses the process; a scrape takes it only when free.
+  Mutex run_mu_;
   std::unique_ptr<PythonProcess> process_;
   // Abandon(): read by Execute, and the eventfd its wait polls.
   std::atomic<bool> abandoned_{false};

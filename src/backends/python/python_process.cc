@@ -43,6 +43,8 @@ constexpr int kChildShmFds[PythonProcess::kSlots + 1] = {5, 7, 8, 9, 10};  // th
 // Frames are descriptions of tensors, never the tensors: a larger one is a
 // broken process.
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
+// The most bytes one ReceiveReady reads (what a frame has beyond waits for the next call).
+constexpr size_t kReadyBytes = 1u << 20;
 constexpr size_t kMaxShmBytes = size_t{1} << 34;  // as stub.py's MAX_SHM_BYTES
 constexpr size_t kShmGranule = size_t{1} << 20;
 
@@ -631,26 +633,55 @@ bool PythonProcess::YieldForFrame(int64_t spin_ns) {
   }
 }
 
+Result<bool> PythonProcess::PopFrame(std::string& frame) {
+  if (inbox_.size() < 4) return false;
+  const auto* h = reinterpret_cast<const unsigned char*>(inbox_.data());
+  const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (uint32_t{h[3]} << 24);
+  if (n > kMaxFrameBytes) {
+    inbox_.clear();
+    Reap(true);
+    return Err(Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) + " bytes; it was killed"));
+  }
+  if (inbox_.size() - 4 < n) return false;
+  frame = inbox_.substr(4, n);
+  inbox_.erase(0, 4 + size_t{n});
+  return true;
+}
+
+Result<std::optional<std::string>> PythonProcess::ReceiveReady() {
+  if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
+  char buf[65536];
+  for (size_t read = 0;;) {
+    std::string frame;
+    auto popped = PopFrame(frame);
+    if (!popped) return Err(popped.error());
+    if (*popped) return std::optional<std::string>(std::move(frame));
+    if (read >= kReadyBytes) return std::optional<std::string>();  // the rest of a long frame: next time
+    pollfd fd = {reply_fd_, POLLIN, 0};
+    const int r = ::poll(&fd, 1, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return std::optional<std::string>();
+    const ssize_t n = ::read(reply_fd_, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return std::optional<std::string>();
+    if (n <= 0) {
+      inbox_.clear();
+      return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
+    }
+    inbox_.append(buf, static_cast<size_t>(n));
+    read += static_cast<size_t>(n);
+  }
+}
+
 Result<std::string> PythonProcess::Receive(int64_t timeout_ms, int abort_fd, int wake_fd, bool kill_on_timeout) {
   if (pid_ <= 0) return Err(Unavailable(tag_ + ": its Python process is not running"));
   const int64_t deadline = timeout_ms > 0 ? NowMs() + timeout_ms : 0;
   char buf[65536];
   for (;;) {
-    if (inbox_.size() >= 4) {
-      const auto* h = reinterpret_cast<const unsigned char*>(inbox_.data());
-      const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (uint32_t{h[3]} << 24);
-      if (n > kMaxFrameBytes) {
-        inbox_.clear();
-        Reap(true);
-        return Err(
-            Internal(tag_ + ": its Python process sent a frame of " + std::to_string(n) + " bytes; it was killed"));
-      }
-      if (inbox_.size() - 4 >= n) {
-        std::string frame = inbox_.substr(4, n);
-        inbox_.erase(0, 4 + size_t{n});
-        return frame;
-      }
-    }
+    std::string frame;
+    auto popped = PopFrame(frame);
+    if (!popped) return Err(popped.error());
+    if (*popped) return frame;
     // The process's pidfd as well: a child of it holding the socket would
     // hide the process's death from the socket.
     // (a negative fd, no abort_fd or wake_fd, is skipped by poll)

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -82,6 +83,10 @@ class PythonProcess {
   // caller reads `wake_fd` empty). With `kill_on_timeout` false, a timeout
   // returns DEADLINE_EXCEEDED and the process runs on too.
   Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1, int wake_fd = -1, bool kill_on_timeout = true);
+  // A frame that has arrived, without waiting: nullopt when no whole frame
+  // has (what part of one has is kept; at most 1 MiB is read per call).
+  // UNAVAILABLE when the process has died (it is finished afterwards).
+  Result<std::optional<std::string>> ReceiveReady();
   // For a process placed on this thread's CPU (RunOn), after Send: gives the
   // CPU up (sched_yield) until a whole frame has arrived or `spin_ns` have
   // passed, so that the process runs and answers without either side
@@ -118,6 +123,9 @@ class PythonProcess {
   // Kills the process (when `kill`), reaps it and says how it ended.
   std::string Reap(bool kill);
   Status MapSlot(int slot, size_t bytes);
+  // Takes the first whole frame of inbox_ into `frame` (false: none whole yet); a frame over the
+  // limit kills the process.
+  Result<bool> PopFrame(std::string& frame);
 
   std::string tag_;  // "model 'x' instance 0"
   pid_t pid_ = -1;

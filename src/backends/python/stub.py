@@ -106,6 +106,47 @@ def _send(payload):
             _server_gone()
 
 
+_metric_send_lock = threading.Lock()
+METRIC_FLUSH_S = 0.05  # how long the flusher lets a model's metric changes gather before it sends them
+
+
+def _send_metrics(utils):
+    """The model's metric operations waiting, as one frame "M" (one sender at a time: the server
+    applies them in the order they were made)."""
+    with _metric_send_lock:
+        ops = utils._take_metric_ops()
+        if ops:
+            _send(b"M" + json.dumps(ops).encode("utf-8"))
+
+
+def _start_metric_flusher(utils):
+    """Sends what the model's metrics changed while no batch runs (in initialize(), from its own
+    threads), within METRIC_FLUSH_S of the change: a batch's answer takes them first otherwise. Its
+    thread starts with the model's first metric."""
+    import time
+    wake = threading.Event()
+    started = threading.Lock()
+
+    def run():
+        while True:
+            wake.wait()
+            time.sleep(METRIC_FLUSH_S)  # what else changes meanwhile goes in the same frame
+            wake.clear()
+            _send_metrics(utils)
+
+    def changed():
+        if os.getpid() != _bls_state["pid"]:
+            return  # a process the model forked: its metrics are its own
+        if not wake.is_set():
+            wake.set()
+        if started.acquire(blocking=False):  # (never released: the first change starts it)
+            threading.Thread(target=run, daemon=True, name="quern-metrics").start()
+
+    utils._metric_wake = changed
+    if utils._metric_ops:
+        changed()  # what initialize() did
+
+
 def _server_gone():
     """The server is gone, killed perhaps, and cannot end this process group
     itself: workers model.py forked share it and end with it, this process
@@ -685,9 +726,7 @@ class ResponseSender:
             if self._closed:
                 raise utils.TritonModelException("Unable to send response. Response sender has been closed.")
             payload = self._runner.encode_response(self._batch, self._index, response, final)
-            ops = utils._take_metric_ops()  # the model's metrics before its answer, as for a batch
-            if ops:
-                _send(b"M" + json.dumps(ops).encode("utf-8"))
+            _send_metrics(utils)  # the model's metrics before its answer, as for a batch
             _send(payload)
             if final:
                 self._closed = True
@@ -1006,6 +1045,7 @@ def _main():
         _send(b"F" + _last_line(e).encode("utf-8", "replace"))
         os._exit(1)
     _send(b"R")
+    _start_metric_flusher(utils)
     while True:
         frame = _next_frame()
         op = frame[:1]
@@ -1018,9 +1058,7 @@ def _main():
                 traceback.print_exc()
                 sys.stderr.flush()
                 reply = b"X" + bytes([_error_code(e, runner.utils) & 0xFF]) + _last_line(e).encode("utf-8", "replace")
-            ops = runner.utils._take_metric_ops()  # the model's metrics, just before the answer
-            if ops:
-                _send(b"M" + json.dumps(ops).encode("utf-8"))
+            _send_metrics(runner.utils)  # the model's metrics, just before the answer
             _send(reply)
         elif op == b"K":
             _cancellation(frame)

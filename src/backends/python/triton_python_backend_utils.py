@@ -401,39 +401,60 @@ class ModelConfig:
             policy["decoupled"] = transaction_policy_dict["decoupled"]
 
 
-# Custom metrics: the operations a model's metrics made, sent to the server with each batch's answer
-# (stub.py takes them); the server keeps the values and exports them in /metrics.
+# Custom metrics: the operations a model's metrics made, sent to the server before each batch's
+# answer and, while no batch runs, by stub.py's flusher on its own (it sets _metric_wake); the server
+# keeps the values and exports them in /metrics. What waits to be sent is bounded: a counter's or
+# gauge's changes to one series become one operation (adds summed, a set taking their place), and at
+# most _METRIC_OPS_MAX operations wait (beyond: dropped, and said on stderr when they are sent).
+_METRIC_OPS_MAX = 100000
 _metric_ops = []
+_metric_series = {}  # (name, labels) -> the index in _metric_ops of the series' waiting add or set
+_metric_dropped = 0
 _metric_lock = None  # a threading.Lock, set on first use
+_metric_wake = None  # stub.py's flusher: called after each operation
 
 
 def _metric_op(op):
-    global _metric_lock
+    global _metric_lock, _metric_dropped
     if _metric_lock is None:
         import threading
         _metric_lock = threading.Lock()
     with _metric_lock:
-        _metric_ops.append(op)
+        kind = op["op"]
+        key = (op["name"], tuple(sorted(op["labels"].items()))) if kind in ("add", "set") else None
+        waiting = _metric_series.get(key) if key else None
+        if waiting is not None:
+            if kind == "set":
+                _metric_ops[waiting] = op
+            else:
+                _metric_ops[waiting]["value"] += op["value"]  # (an add after a set: the set's value moves)
+        elif len(_metric_ops) < _METRIC_OPS_MAX:
+            if key:
+                _metric_series[key] = len(_metric_ops)
+            _metric_ops.append(op)
+        else:
+            _metric_dropped += 1
+    if _metric_wake is not None:
+        _metric_wake()
 
 
 def _take_metric_ops():
-    """The operations since the last call (stub.py sends them before a batch's answer)."""
-    global _metric_ops
+    """The operations since the last call (stub.py sends them)."""
+    global _metric_ops, _metric_series, _metric_dropped
     if _metric_lock is None or not _metric_ops:
         return []
     with _metric_lock:
-        ops, _metric_ops = _metric_ops, []
-    if len(ops) > 100000:  # one answer carries at most this many; a model updating more per batch loses the rest
-        print(f"quern: {len(ops) - 100000} metric updates of one batch dropped (at most 100000 per batch)",
-              file=sys.stderr)
-        ops = ops[:100000]
+        ops, dropped = _metric_ops, _metric_dropped
+        _metric_ops, _metric_series, _metric_dropped = [], {}, 0
+    if dropped:
+        print(f"quern: {dropped} metric updates dropped (at most {_METRIC_OPS_MAX} wait to be sent)", file=sys.stderr)
     return ops
 
 
 class MetricFamily:
     """A family of metrics the model defines (Triton's pb_utils.MetricFamily): exported in the server's
     /metrics under `name` with its description, a COUNTER, GAUGE or HISTOGRAM. Values reach the server
-    with the model's next batch answer (an update made while no batch runs waits for the next)."""
+    with the batch's answer, or, made while no batch runs, within a tenth of a second."""
     COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
     _KINDS = {0: "counter", 1: "gauge", 2: "histogram"}
 
