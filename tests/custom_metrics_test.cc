@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 namespace quern {
 namespace {
@@ -35,6 +36,38 @@ TEST(CustomMetricsTest, RefreshersRunAtEachRenderUntilRemoved) {
   store.Render(fourth);
   EXPECT_EQ(runs, 12);
   EXPECT_NE(fourth.find("gathered{model=\"m\"} 4\n"), std::string::npos) << fourth;
+}
+
+// A histogram's observations gathered by the model's process (counts per bucket, +Inf last, and
+// their sum) count as the same observations one by one.
+TEST(CustomMetricsTest, GatheredObservationsCountAsObservedOneByOne) {
+  CustomMetrics gathered, one_by_one;
+  const std::vector<double> values = {0.5, 1, 2, 7, 10, 11, 250};
+  ASSERT_TRUE(gathered
+                  .Apply("m", R"([{"op":"declare","name":"h","help":"","kind":"histogram"},
+                                  {"op":"observe","name":"h","labels":{"a":"b"},"buckets":[1,10],
+                                   "counts":[2,3,2],"value":281.5}])")
+                  .ok());
+  ASSERT_TRUE(one_by_one.Declare("h", "", CustomMetrics::Kind::kHistogram).ok());
+  for (double v : values) ASSERT_TRUE(one_by_one.Observe("h", {{"a", "b"}}, {1, 10}, v).ok());
+  std::string a, b;
+  gathered.Render(a);
+  one_by_one.Render(b);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a.find("h_bucket{a=\"b\",le=\"10\"} 5\n"), std::string::npos) << a;
+  EXPECT_NE(a.find("h_count{a=\"b\"} 7\n"), std::string::npos) << a;
+  // Counts that do not fit the buckets, or are not whole numbers: refused, saying why; nothing counted.
+  for (const char* bad : {R"([{"op":"observe","name":"h","labels":{"a":"b"},"buckets":[1,10],"counts":[1,1]}])",
+                          R"([{"op":"observe","name":"h","labels":{"a":"b"},"buckets":[1,10],"counts":[1,-1,0]}])",
+                          R"([{"op":"observe","name":"h","labels":{"a":"b"},"buckets":[1,10],"counts":[1,0.5,0]}])",
+                          R"([{"op":"observe","name":"h","labels":{"a":"b"},"buckets":[1,10],"counts":3}])"}) {
+    const Status st = gathered.Apply("m", bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("histogram 'h'"), std::string::npos) << st.ToString();
+  }
+  std::string after;
+  gathered.Render(after);
+  EXPECT_EQ(after, a);
 }
 
 }  // namespace

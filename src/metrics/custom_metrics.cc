@@ -103,10 +103,23 @@ Status CustomMetrics::Set(const std::string& name, const MetricLabels& labels, d
 
 Status CustomMetrics::Observe(const std::string& name, const MetricLabels& labels, const std::vector<double>& buckets,
                               double value) {
+  std::vector<uint64_t> counts(buckets.size() + 1, 0);
+  counts[static_cast<size_t>(std::lower_bound(buckets.begin(), buckets.end(), value) - buckets.begin())] = 1;
+  return ObserveCounts(name, labels, buckets, counts, value);
+}
+
+Status CustomMetrics::ObserveCounts(const std::string& name, const MetricLabels& labels,
+                                    const std::vector<double>& buckets, const std::vector<uint64_t>& counts,
+                                    double sum) {
   if (buckets.empty() || buckets.size() > kMaxBuckets || !std::is_sorted(buckets.begin(), buckets.end()) ||
-      std::adjacent_find(buckets.begin(), buckets.end()) != buckets.end()) {
+      std::adjacent_find(buckets.begin(), buckets.end()) != buckets.end() ||
+      std::any_of(buckets.begin(), buckets.end(), [](double b) { return std::isnan(b); })) {
     return InvalidArgument("histogram '" + name + "': buckets must be 1 to " + std::to_string(kMaxBuckets) +
                            " increasing upper bounds");
+  }
+  if (counts.size() != buckets.size() + 1) {
+    return InvalidArgument("histogram '" + name + "': " + std::to_string(counts.size()) + " counts for " +
+                           std::to_string(buckets.size()) + " buckets (one more: +Inf)");
   }
   MutexLock lock(mu_);
   QUERN_ASSIGN_OR_RETURN(Series * s, Find(name, labels, Kind::kHistogram));
@@ -116,11 +129,11 @@ Status CustomMetrics::Observe(const std::string& name, const MetricLabels& label
   } else if (s->buckets != buckets) {
     return InvalidArgument("histogram '" + name + "': a series keeps the buckets it was first observed with");
   }
-  const size_t i =
-      static_cast<size_t>(std::lower_bound(s->buckets.begin(), s->buckets.end(), value) - s->buckets.begin());
-  ++s->counts[i];
-  ++s->count;
-  s->value += value;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    s->counts[i] += counts[i];
+    s->count += counts[i];
+  }
+  s->value += sum;
   return Status::Ok();
 }
 
@@ -160,7 +173,20 @@ Status CustomMetrics::Apply(const std::string& model, std::string_view json) {
       if (auto b = op.FindMember("buckets"); b != op.MemberEnd() && b->value.IsArray()) {
         for (const auto& v : b->value.GetArray()) buckets.push_back(v.IsNumber() ? v.GetDouble() : NAN);
       }
-      st = Observe(name, labels, buckets, value);
+      if (auto c = op.FindMember("counts"); c != op.MemberEnd()) {  // observations gathered: per bucket, +Inf last
+        std::vector<uint64_t> counts;
+        bool whole = c->value.IsArray() && c->value.Size() <= kMaxBuckets + 1;
+        if (whole) {
+          for (const auto& v : c->value.GetArray()) {
+            whole = whole && v.IsUint64();
+            counts.push_back(whole ? v.GetUint64() : 0);
+          }
+        }
+        st = whole ? ObserveCounts(name, labels, buckets, counts, value)
+                   : InvalidArgument("histogram '" + name + "': counts are whole numbers, one per bucket and +Inf");
+      } else {
+        st = Observe(name, labels, buckets, value);
+      }
     } else {
       return InvalidArgument(who + "operation '" + kind.substr(0, 32) + "'");
     }

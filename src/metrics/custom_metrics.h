@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
@@ -45,8 +46,12 @@ class CustomMetrics {
   // A histogram's series observes value; its buckets (upper bounds, increasing) are fixed by the
   // first observation of the series.
   Status Observe(const std::string& name, const MetricLabels& labels, const std::vector<double>& buckets, double value);
-  // Applies a model's operations, a JSON list of {"op": "declare"|"add"|"set"|"observe", ...}: each
-  // one the store takes; the first refusal is returned, naming `model`.
+  // Observations gathered: `counts` per bucket (one more than `buckets`: +Inf last), `sum` their sum.
+  Status ObserveCounts(const std::string& name, const MetricLabels& labels, const std::vector<double>& buckets,
+                       const std::vector<uint64_t>& counts, double sum);
+  // Applies a model's operations, a JSON list of {"op": "declare"|"add"|"set"|"observe", ...} (an
+  // "observe" with "counts": observations gathered, "value" their sum): each one the store takes;
+  // the first refusal is returned, naming `model`.
   Status Apply(const std::string& model, std::string_view json);
   // `f` runs at the start of each Render, on the rendering thread, one refresher at a time; it
   // must not block (a model that is busy skips its turn). `key` names it for RemoveRefresher;

@@ -1459,12 +1459,24 @@ def test_metric_updates_waiting_to_be_sent_are_bounded(capfd):
     ops = pb._take_metric_ops()
     assert [(o["op"], o["name"], o.get("value")) for o in ops] == [
         ("declare", "c", None), ("add", "c", 500000.0), ("declare", "g", None), ("set", "g", 249999.5)]
-    histogram = pb.MetricFamily("h", "a histogram", pb.MetricFamily.HISTOGRAM).Metric(buckets=[1.0])
+    histogram = pb.MetricFamily("h", "a histogram", pb.MetricFamily.HISTOGRAM).Metric(buckets=[1.0, 10.0])
     for k in range(100005):
         histogram.observe(k)
+    histogram.observe(0.5)
     ops = pb._take_metric_ops()
-    assert len(ops) == 100000 and ops[0]["op"] == "declare" and ops[-1]["value"] == 99998
+    assert [(o["op"], o["name"]) for o in ops] == [("declare", "h"), ("observe", "h")]
+    # values 0..100004 and 0.5: <= 1: 0, 0.5, 1; <= 10: 2..10; the rest above
+    assert ops[1]["counts"] == [3, 9, 100005 - 11] and ops[1]["value"] == sum(range(100005)) + 0.5
+    many = pb.MetricFamily("many", "a counter of many series", pb.MetricFamily.COUNTER)
+    for k in range(100005):
+        many.Metric(labels={"k": str(k)})  # each series exists from its Metric(): one operation each
+    ops = pb._take_metric_ops()
+    assert len(ops) == 100000 and ops[0]["op"] == "declare" and ops[-1]["labels"] == {"k": "99998"}
     assert "6 metric updates dropped" in capfd.readouterr().err  # 100,005 - (the declaration + 99,999 kept)
+    # A sum past the floats is not merged: the server gets each finite value.
+    gauge.set(1e308)
+    gauge.increment(1e308)
+    assert [o["value"] for o in pb._take_metric_ops()] == [1e308, 1e308]
     assert pb._take_metric_ops() == []
 
 

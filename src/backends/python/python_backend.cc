@@ -30,8 +30,8 @@ constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 // A decoupled model whose every open request was cancelled (and it told) has this long, once its
 // execute() has returned, to close them before the batch is ended for it.
 constexpr int64_t kCancelGraceMs = 2000;
-// The most frames one scrape of /metrics reads from an idle process (each at most 64 MiB).
-constexpr int kGatheredFramesMax = 16;
+// The most bytes one scrape of /metrics reads from an idle process (what is left: the next one).
+constexpr size_t kGatheredBytesMax = 16u << 20;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 
 // quern.python.max_memory_mb when a model does not say: half of the memory
@@ -429,16 +429,23 @@ class PythonModel final : public Model {
   // batch's responses ("P", "d") may come between batches; they are dropped as the next batch would.
   void GatherMetrics() {
     if (!run_mu_.TryLock()) return;  // a batch runs (or the process starts): it reads them
-    for (int i = 0; process_ && i < kGatheredFramesMax; ++i) {
+    for (size_t bytes = 0; process_ && !broken_ && bytes < kGatheredBytesMax;) {
       auto frame = process_->ReceiveReady();
-      if (!frame || !*frame) break;  // none more (a process that died starts again with the next batch)
+      if (!frame) {  // it died: the next batch starts it again
+        Log(LogLevel::kWarning, frame.error().message() + " while it ran no batch", {{"model", config_.name}});
+        broken_ = true;
+        break;
+      }
+      if (!*frame) break;  // none more
       const std::string& f = **frame;
+      bytes += 4 + f.size();
       if (!f.empty() && f[0] == 'M') {
         ApplyMetrics(std::string_view(f).substr(1));
       } else if (f.empty() || (f[0] != 'P' && f[0] != 'd')) {
+        // Out of step: replaced before the next batch (not here, where a scrape would wait for it).
         Log(LogLevel::kWarning, tag_ + ": its Python process sent a frame while it ran no batch; it starts again",
             {{"model", config_.name}});
-        process_.reset();
+        broken_ = true;
       }
     }
     run_mu_.Unlock();
@@ -927,8 +934,9 @@ class PythonModel final : public Model {
   // fails to start is not tried again for a second (batches fail at once
   // meanwhile, with the reason).
   Status EnsureProcess() {
-    if (process_ && !process_->finished()) return Status::Ok();
+    if (process_ && !broken_ && !process_->finished()) return Status::Ok();
     process_.reset();
+    broken_ = false;
     const auto now = std::chrono::steady_clock::now();
     if (crashes_in_a_row_ >= kCrashesBeforeBackoff) {
       const auto pause = std::min<std::chrono::steady_clock::duration>(
@@ -1055,6 +1063,7 @@ class PythonModel final : public Model {
   // Held by a batch (and Load) while it uses the process; a scrape takes it only when free.
   Mutex run_mu_;
   std::unique_ptr<PythonProcess> process_;
+  bool broken_ = false;  // out of step with this side (seen between batches): replaced before the next
   // Abandon(): read by Execute, and the eventfd its wait polls.
   std::atomic<bool> abandoned_{false};
   const int abandon_fd_;

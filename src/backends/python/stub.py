@@ -108,26 +108,40 @@ def _send(payload):
 
 _metric_send_lock = threading.Lock()
 METRIC_FLUSH_S = 0.05  # how long the flusher lets a model's metric changes gather before it sends them
+METRIC_FRAME_BYTES = 1 << 20  # the most JSON one frame "M" carries
 
 
 def _send_metrics(utils):
-    """The model's metric operations waiting, as one frame "M" (one sender at a time: the server
-    applies them in the order they were made)."""
+    """The model's metric operations waiting, in frames "M" of at most METRIC_FRAME_BYTES (one sender
+    at a time: the server applies them in the order they were made)."""
     with _metric_send_lock:
         ops = utils._take_metric_ops()
-        if ops:
-            _send(b"M" + json.dumps(ops).encode("utf-8"))
+        part, size = [], 0
+        for op in ops:
+            text = json.dumps(op)
+            if part and size + len(text) > METRIC_FRAME_BYTES:
+                _send(b"M[" + ",".join(part).encode("utf-8") + b"]")
+                part, size = [], 0
+            part.append(text)
+            size += len(text) + 1
+        if part:
+            _send(b"M[" + ",".join(part).encode("utf-8") + b"]")
 
 
 def _start_metric_flusher(utils):
     """Sends what the model's metrics changed while no batch runs (in initialize(), from its own
     threads), within METRIC_FLUSH_S of the change: a batch's answer takes them first otherwise. Its
-    thread starts with the model's first metric."""
+    thread starts with the model's first metric, on the CPUs the process started with."""
     import time
     wake = threading.Event()
     started = threading.Lock()
+    cpus = os.sched_getaffinity(0)
 
     def run():
+        try:
+            os.sched_setaffinity(0, cpus)  # (not the one CPU a batch's thread may be held on)
+        except OSError:
+            pass
         while True:
             wake.wait()
             time.sleep(METRIC_FLUSH_S)  # what else changes meanwhile goes in the same frame
@@ -139,8 +153,11 @@ def _start_metric_flusher(utils):
             return  # a process the model forked: its metrics are its own
         if not wake.is_set():
             wake.set()
-        if started.acquire(blocking=False):  # (never released: the first change starts it)
-            threading.Thread(target=run, daemon=True, name="quern-metrics").start()
+        if started.acquire(blocking=False):  # (kept: the first change starts it)
+            try:
+                threading.Thread(target=run, daemon=True, name="quern-metrics").start()
+            except RuntimeError:  # no thread now (e.g. the model's memory bound): the next change tries again
+                started.release()
 
     utils._metric_wake = changed
     if utils._metric_ops:

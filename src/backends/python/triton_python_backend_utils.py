@@ -3,7 +3,9 @@
 # model.py written for Triton runs unchanged. Tensors are numpy arrays; an
 # input tensor's array views the shared memory the server wrote the batch
 # into and is valid while execute() runs (copy it to keep it).
+import bisect
 import json
+import os
 import sys
 
 import numpy as np
@@ -403,49 +405,86 @@ class ModelConfig:
 
 # Custom metrics: the operations a model's metrics made, sent to the server before each batch's
 # answer and, while no batch runs, by stub.py's flusher on its own (it sets _metric_wake); the server
-# keeps the values and exports them in /metrics. What waits to be sent is bounded: a counter's or
-# gauge's changes to one series become one operation (adds summed, a set taking their place), and at
-# most _METRIC_OPS_MAX operations wait (beyond: dropped, and said on stderr when they are sent).
+# keeps the values and exports them in /metrics. What waits to be sent is bounded: the changes to one
+# series become one operation (a counter's or gauge's additions summed, a set taking their place; a
+# histogram's observations counted per bucket), and at most _METRIC_OPS_MAX operations wait (beyond:
+# dropped, and said on stderr when they are sent). A process the model forks has no metrics.
 _METRIC_OPS_MAX = 100000
 _metric_ops = []
-_metric_series = {}  # (name, labels) -> the index in _metric_ops of the series' waiting add or set
+_metric_series = {}  # a series' key -> the index in _metric_ops of its waiting operation
+_metric_declared = set()  # families whose declaration waits to be sent
 _metric_dropped = 0
 _metric_lock = None  # a threading.Lock, set on first use
 _metric_wake = None  # stub.py's flusher: called after each operation
+_metric_pid = os.getpid()
+
+
+def _metric_merge(waiting, op):
+    """`op` folded into the series' waiting operation; False when it cannot be (a sum past the
+    floats: `op` waits on its own)."""
+    import math
+    kind = op["op"]
+    if kind == "set":
+        waiting.clear()
+        waiting.update(op)
+        return True
+    if kind == "observe":
+        if "counts" not in waiting:
+            waiting["counts"] = [0] * (len(waiting["buckets"]) + 1)
+            waiting["counts"][bisect.bisect_left(waiting["buckets"], waiting["value"])] = 1
+        total = waiting["value"] + op["value"]
+        if not math.isfinite(total):
+            return False
+        waiting["counts"][bisect.bisect_left(waiting["buckets"], op["value"])] += 1
+        waiting["value"] = total
+        return True
+    total = waiting["value"] + op["value"]  # an add (after an add or a set: the set's value moves)
+    if not math.isfinite(total):
+        return False
+    waiting["value"] = total
+    return True
 
 
 def _metric_op(op):
     global _metric_lock, _metric_dropped
+    if os.getpid() != _metric_pid:
+        return
     if _metric_lock is None:
         import threading
         _metric_lock = threading.Lock()
     with _metric_lock:
         kind = op["op"]
-        key = (op["name"], tuple(sorted(op["labels"].items()))) if kind in ("add", "set") else None
-        waiting = _metric_series.get(key) if key else None
-        if waiting is not None:
-            if kind == "set":
-                _metric_ops[waiting] = op
-            else:
-                _metric_ops[waiting]["value"] += op["value"]  # (an add after a set: the set's value moves)
-        elif len(_metric_ops) < _METRIC_OPS_MAX:
-            if key:
-                _metric_series[key] = len(_metric_ops)
-            _metric_ops.append(op)
+        if kind == "declare":
+            key = None
+            if op["name"] in _metric_declared:
+                return
+            if len(_metric_declared) >= 10000:  # (the server takes 256 families)
+                _metric_dropped += 1
+                return
+            _metric_declared.add(op["name"])
         else:
+            key = (op["name"], tuple(sorted(op["labels"].items())), tuple(op.get("buckets") or ()))
+            waiting = _metric_series.get(key)
+            if waiting is not None and _metric_merge(_metric_ops[waiting], op):
+                return
+        if len(_metric_ops) >= _METRIC_OPS_MAX and kind != "declare":
             _metric_dropped += 1
+            return
+        if key:
+            _metric_series[key] = len(_metric_ops)
+        _metric_ops.append(op)
     if _metric_wake is not None:
         _metric_wake()
 
 
 def _take_metric_ops():
     """The operations since the last call (stub.py sends them)."""
-    global _metric_ops, _metric_series, _metric_dropped
+    global _metric_ops, _metric_series, _metric_declared, _metric_dropped
     if _metric_lock is None or not _metric_ops:
         return []
     with _metric_lock:
         ops, dropped = _metric_ops, _metric_dropped
-        _metric_ops, _metric_series, _metric_dropped = [], {}, 0
+        _metric_ops, _metric_series, _metric_declared, _metric_dropped = [], {}, set(), 0
     if dropped:
         print(f"quern: {dropped} metric updates dropped (at most {_METRIC_OPS_MAX} wait to be sent)", file=sys.stderr)
     return ops
