@@ -38,8 +38,8 @@ ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(Bac
   cores_ = options_.cores > 0 ? options_.cores : UsableCores();
   if (install) install(backends_);
   ModelServices services;
-  services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o) {
-    return Submit(std::move(r), NextId(), done, o);
+  services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o, bool run_here) {
+    return Submit(std::move(r), NextId(), done, o, run_here);
   };
   services.compare_answers = options_.compare_answers;
   backends_.SetServices(services);

@@ -260,7 +260,7 @@ void WriteTensorList(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::v
 
 struct PythonModelSpec {
   // The engine's submit, for the model's calls to other models (BLS); empty outside an engine.
-  std::function<Status(InferRequest&&, InferCallback&, const SubmitOptions&)> submit;
+  std::function<Status(InferRequest&&, InferCallback&, const SubmitOptions&, bool)> submit;
   std::string python;
   std::filesystem::path model_file;
   std::filesystem::path version_dir;
@@ -759,7 +759,11 @@ class PythonModel final : public Model {
         pending->before.push_back(std::move(response));
       };
     }
-    if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}); !st.ok()) return answer(st, nullptr);
+    // This thread waits for the answer anyway: a free instance of the model runs the batch here, without
+    // a hand-off to an engine thread and back (a decoupled model's stream is left to its own threads).
+    if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}, /*run_here=*/!decoupled); !st.ok()) {
+      return answer(st, nullptr);
+    }
     const Clock& clock = RealClockInstance();
     MutexLock lock(pending->mu);
     while (!pending->response) {
