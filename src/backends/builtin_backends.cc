@@ -21,14 +21,19 @@
 namespace quern {
 namespace {
 
-// One ONNX model version: its instances' sessions share one copy of the
-// weights when there are two or more (SharedOnnxWeights), or the first
-// instance, loaded while opening, is handed out as is.
+// One ONNX model version: CPU instances on one intra-op thread each share
+// one session (OrtModel::Share); otherwise its instances' sessions share
+// one copy of the weights when there are two or more (SharedOnnxWeights),
+// or the first instance, loaded while opening, is handed out as is.
 class OrtOpenedModel final : public OpenedModel {
  public:
   OrtOpenedModel(std::filesystem::path file, int cores, std::unique_ptr<OrtModel> first,
-                 std::shared_ptr<SharedOnnxWeights> weights)
-      : file_(std::move(file)), cores_(cores), first_(std::move(first)), weights_(std::move(weights)) {}
+                 std::shared_ptr<SharedOnnxWeights> weights, std::unique_ptr<OrtModel> one_session = nullptr)
+      : file_(std::move(file)),
+        cores_(cores),
+        first_(std::move(first)),
+        weights_(std::move(weights)),
+        one_session_(std::move(one_session)) {}
   // The temporary files go; the instances keep the weights.
   ~OrtOpenedModel() override {
     if (weights_) weights_->RemoveFiles();
@@ -41,6 +46,7 @@ class OrtOpenedModel final : public OpenedModel {
       QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsForGpu(config, device.device));
       return Load(config, options, nullptr);
     }
+    if (one_session_) return std::unique_ptr<Model>(one_session_->Share());
     if (first_) return std::unique_ptr<Model>(std::move(first_));
     ModelConfig layout = config;
     layout.instance_count = CpuInstances(config);
@@ -72,6 +78,7 @@ class OrtOpenedModel final : public OpenedModel {
   int cores_;
   std::unique_ptr<OrtModel> first_;
   std::shared_ptr<SharedOnnxWeights> weights_;
+  std::unique_ptr<OrtModel> one_session_;  // every CPU instance's (and the wide one's) session
 };
 
 // ONNX Runtime: one session per instance, threads divided between instances
@@ -84,6 +91,25 @@ class OrtBackend final : public Backend {
     std::unique_ptr<OrtModel> first;
     std::shared_ptr<SharedOnnxWeights> weights;
     std::string not_shared;  // why sharing failed
+    // CPU instances on one intra-op thread each share one session: their runs go beside one another
+    // on their own threads as on sessions of their own, and the session holds the weights once, with
+    // the forms its kernels packed them into (separate sessions keep a packed matrix beside its
+    // original). Instances on several threads keep sessions of their own: runs beside one another
+    // on one session share its thread pool, and were measured a third slower.
+    ModelConfig layout = config;
+    layout.instance_count = CpuInstances(config);
+    QUERN_ASSIGN_OR_RETURN(OrtSessionOptions narrow, SessionOptionsFor(layout, cores));
+    const bool one_session = layout.instance_count > 1 && narrow.intra_op_threads == 1;
+    const bool wide_too = instances > layout.instance_count;  // the wide instance: a session of its own
+    if (one_session && !wide_too) {
+      std::vector<std::string> outputs;
+      for (const auto& o : config.outputs) outputs.push_back(o.name);
+      auto session = std::make_unique<OrtModel>(config.name, file, narrow, std::move(outputs));
+      QUERN_RETURN_IF_ERROR(session->Load());
+      QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, session->io(), has_config_file));
+      return std::unique_ptr<OpenedModel>(
+          std::make_unique<OrtOpenedModel>(file, cores, nullptr, nullptr, std::move(session)));
+    }
     if (instances > 1) {
       auto shared = SharedOnnxWeights::Create(config.name, file, config.graph_optimization_level);
       if (shared) {
@@ -100,9 +126,7 @@ class OrtBackend final : public Backend {
       // failed (a model that cannot load fails here with its own error).
       // Outputs the configuration does not list are derived in the model's
       // order, which is what an instance created without a list returns.
-      ModelConfig layout = config;
-      layout.instance_count = CpuInstances(config);
-      QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(layout, cores));
+      OrtSessionOptions options = narrow;
       if (layout.instance_count == 0) {
         // Every instance is on a GPU: this session only reads what the
         // model declares (one thread, no optimization) and is dropped.
@@ -120,8 +144,15 @@ class OrtBackend final : public Backend {
       }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, *io, has_config_file));
+    std::unique_ptr<OrtModel> narrow_session;
+    if (one_session && weights) {  // beside the wide instance: the narrow ones' session shares its weights
+      std::vector<std::string> outputs;
+      for (const auto& o : config.outputs) outputs.push_back(o.name);
+      narrow_session = std::make_unique<OrtModel>(config.name, file, narrow, std::move(outputs), weights);
+      QUERN_RETURN_IF_ERROR(narrow_session->Load());
+    }
     return std::unique_ptr<OpenedModel>(
-        std::make_unique<OrtOpenedModel>(file, cores, std::move(first), std::move(weights)));
+        std::make_unique<OrtOpenedModel>(file, cores, std::move(first), std::move(weights), std::move(narrow_session)));
   }
 
   std::string WhyNoGpu() const override { return OrtWhyNoCuda(); }

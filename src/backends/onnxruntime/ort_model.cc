@@ -398,7 +398,15 @@ Status AppendCuda(Ort::SessionOptions& so, int device) {
 
 }  // namespace
 
+std::unique_ptr<OrtModel> OrtModel::Share() const {
+  auto other = std::make_unique<OrtModel>(model_name_, file_, options_, output_names_, weights_);
+  other->io_ = io_;
+  other->session_ = session_;
+  return other;
+}
+
 Status OrtModel::Load() {
+  if (session_) return Status::Ok();  // a session shared (Share)
   std::error_code ec;
   if (!weights_ && !std::filesystem::is_regular_file(file_, ec)) {
     return NotFound("model '" + model_name_ + "': model file " + file_.string() + " does not exist");

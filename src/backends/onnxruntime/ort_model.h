@@ -90,6 +90,12 @@ class OrtModel final : public Model {
   // an instance on one intra-op thread (no pool to share).
   bool ExecutesConcurrently() const override { return options_.intra_op_threads == 1; }
 
+  // Another instance on this one's session (after a successful Load): its
+  // runs go beside this one's and every other sharer's (ONNX Runtime's Run
+  // is thread-safe; concurrent runs share the session's intra-op pool), and
+  // the weights, with the forms its kernels packed them into, exist once.
+  std::unique_ptr<OrtModel> Share() const;
+
  private:
   Status Run(const std::vector<NamedTensor>& inputs, std::vector<NamedTensor>& outputs, BatchInterrupt* interrupt);
 
@@ -105,7 +111,7 @@ class OrtModel final : public Model {
   std::vector<std::string> output_names_;  // empty = every model output
   OnnxModelIO io_;
   std::shared_ptr<const SharedOnnxWeights> weights_;  // outlives session_
-  std::unique_ptr<Session> session_;
+  std::shared_ptr<Session> session_;                  // shared by the instances Share() made
 };
 
 }  // namespace quern
