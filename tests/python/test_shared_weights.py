@@ -90,6 +90,26 @@ def infer(port, x):
     return np.array(out["data"], np.float64).reshape(out["shape"])
 
 
+def eight_then_two(port, shape):
+    """Ten random inputs of `shape` and the server's answers: eight sent at once, then two alone (so
+    that every instance runs)."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(10)]
+    got = [None] * len(xs)
+
+    def run(i):
+        got[i] = infer(port, xs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run(8)
+    run(9)
+    return xs, got
+
+
 def serve_and_check(tmp_path, model, config, env_extra=None):
     """Serves the model, checks 8 concurrent and 2 sequential answers against numpy; returns the
     server's resident memory (MB) after them and the temporary directory's contents."""
@@ -99,20 +119,7 @@ def serve_and_check(tmp_path, model, config, env_extra=None):
     repo = make_repo(str(tmp_path), path, config)
     proc, ports = start_quern(QUERN, repo, env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        rng = np.random.default_rng(5)
-        xs = [rng.standard_normal((1, C, HW, HW)).astype(np.float32) for _ in range(10)]
-        results = [None] * len(xs)
-
-        def run(i):
-            results[i] = infer(ports["HTTP"], xs[i])
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        run(8)
-        run(9)
+        xs, results = eight_then_two(ports["HTTP"], (1, C, HW, HW))
         for x, got in zip(xs, results):
             np.testing.assert_allclose(got, reference(x, w, b, m), rtol=1e-3, atol=1e-3)
         left = sorted(os.listdir(tmp))
@@ -221,20 +228,7 @@ def serve_rss(tmp_path, path, shape, reference, config):
     repo = make_repo(str(tmp_path), path, config)
     proc, ports = start_quern(QUERN, repo)
     try:
-        rng = np.random.default_rng(5)
-        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(10)]
-        got = [None] * len(xs)
-
-        def run(i):
-            got[i] = infer(ports["HTTP"], xs[i])
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        run(8)
-        run(9)
+        xs, got = eight_then_two(ports["HTTP"], shape)
         for x, y in zip(xs, got):
             np.testing.assert_allclose(y.reshape(y.shape[0], -1), reference(x), rtol=1e-3, atol=2e-3)
         return rss_mb(proc.pid)
