@@ -16,8 +16,8 @@
 //
 //   python_bench --bls 20 --submitters 1 --bytes 16
 //
-// adds two Triton-API models that call a model computing nothing (a C++
-// model registered in code that answers its input) from execute(): calls_0
+// adds two Triton-API models that call a model computing nothing (an ONNX
+// model of one Identity node, run by ONNX Runtime) from execute(): calls_0
 // makes no call, calls_N makes N (BLS: pb_utils.InferenceRequest.exec());
 // the CPU of a call (this process and the Python process together) is their
 // difference over N, printed beside the CPU of a process round trip measured
@@ -102,15 +102,23 @@ bool Right(const std::string& model, const std::vector<uint8_t>& payload, const 
   return got[payload.size() - 1] == (model != "constant" ? payload.back() : 7);
 }
 
-// A model that computes nothing: its input is its answer (the callee of calls_N).
-class Nothing : public quern::Model {
- public:
-  quern::Status Execute(const std::vector<quern::NamedTensor>& inputs, int64_t,
-                        std::vector<quern::NamedTensor>& outputs) override {
-    outputs = {{"y", inputs.at(0).tensor}};
-    return quern::Status::Ok();
-  }
-};
+// A model that computes nothing, the callee of calls_N: one ONNX Identity node, x -> y, UINT8 [N, L]
+// (ONNX IR 8, opset 13; written by onnx.helper and checked by onnx.checker).
+constexpr unsigned char kIdentityOnnx[] = {
+    0x08, 0x08, 0x12, 0x00, 0x3a, 0x49, 0x0a, 0x10, 0x0a, 0x01, 0x78, 0x12, 0x01, 0x79, 0x22, 0x08, 0x49,
+    0x64, 0x65, 0x6e, 0x74, 0x69, 0x74, 0x79, 0x12, 0x07, 0x6e, 0x6f, 0x74, 0x68, 0x69, 0x6e, 0x67, 0x5a,
+    0x15, 0x0a, 0x01, 0x78, 0x12, 0x10, 0x0a, 0x0e, 0x08, 0x02, 0x12, 0x0a, 0x0a, 0x03, 0x12, 0x01, 0x4e,
+    0x0a, 0x03, 0x12, 0x01, 0x4c, 0x62, 0x15, 0x0a, 0x01, 0x79, 0x12, 0x10, 0x0a, 0x0e, 0x08, 0x02, 0x12,
+    0x0a, 0x0a, 0x03, 0x12, 0x01, 0x4e, 0x0a, 0x03, 0x12, 0x01, 0x4c, 0x42, 0x04, 0x0a, 0x00, 0x10, 0x0d};
+
+void WriteNothing(const fs::path& repo, int max_batch) {
+  fs::create_directories(repo / "nothing" / "1");
+  std::ofstream(repo / "nothing" / "config.pbtxt") << "backend: \"onnxruntime\"\n"
+                                                   << "max_batch_size: " << max_batch << "\n"
+                                                   << "dynamic_batching { }\n";
+  std::ofstream(repo / "nothing" / "1" / "model.onnx", std::ios::binary)
+      .write(reinterpret_cast<const char*>(kIdentityOnnx), sizeof kIdentityOnnx);
+}
 
 // calls_N: execute() calls "nothing" N times per request (BLS), then answers its input.
 std::string CallerCode(int calls) {
@@ -181,6 +189,7 @@ int main(int argc, char** argv) {
   if (bls > 0) {
     WriteModel(repo, "calls_0", CallerCode(0), instances, max_batch);
     WriteModel(repo, calls_n, CallerCode(bls), instances, max_batch);
+    WriteNothing(repo, max_batch);
     models = {"calls_0", calls_n};
   }
   quern::EngineOptions options;
@@ -192,13 +201,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (bls > 0) {
-    quern::ModelConfig nothing;
-    nothing.name = "nothing";
-    nothing.max_batch_size = max_batch;
-    nothing.inputs = {{.name = "x", .dtype = quern::DataType::kUint8, .dims = {-1}}};
-    nothing.outputs = {{.name = "y", .dtype = quern::DataType::kUint8, .dims = {-1}}};
-    nothing.batching = quern::BatchingConfig{};
-    if (auto st = (*engine)->RegisterModel(nothing, [] { return std::make_unique<Nothing>(); }); !st.ok()) {
+    if (auto st = (*engine)->LoadModel("nothing"); !st.ok()) {
       std::fprintf(stderr, "%s\n", st.ToString().c_str());
       return 1;
     }

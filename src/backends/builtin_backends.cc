@@ -78,11 +78,12 @@ class OrtOpenedModel final : public OpenedModel {
   int cores_;
   std::unique_ptr<OrtModel> first_;
   std::shared_ptr<SharedOnnxWeights> weights_;
-  std::unique_ptr<OrtModel> one_session_;  // every CPU instance's (and the wide one's) session
+  std::unique_ptr<OrtModel> one_session_;  // every CPU instance's session (not the wide one's)
 };
 
-// ONNX Runtime: one session per instance, threads divided between instances
-// (SessionOptionsFor), and a wide instance with every core's thread; the
+// ONNX Runtime: threads divided between instances (SessionOptionsFor), one
+// session for the CPU instances on one thread each, else one per instance,
+// and a wide instance with every core's thread (a session of its own); the
 // configuration completed from the ONNX file.
 class OrtBackend final : public Backend {
  public:
@@ -100,7 +101,9 @@ class OrtBackend final : public Backend {
     layout.instance_count = CpuInstances(config);
     QUERN_ASSIGN_OR_RETURN(OrtSessionOptions narrow, SessionOptionsFor(layout, cores));
     const bool one_session = layout.instance_count > 1 && narrow.intra_op_threads == 1;
-    const bool wide_too = instances > layout.instance_count;  // the wide instance: a session of its own
+    // The wide instance, a session of its own (as NewWideInstance decides).
+    const bool wide_too =
+        instances > layout.instance_count && !config.parameters.count("intra_op_thread_count") && cores >= 2;
     if (one_session && !wide_too) {
       std::vector<std::string> outputs;
       for (const auto& o : config.outputs) outputs.push_back(o.name);
@@ -139,13 +142,15 @@ class OrtBackend final : public Backend {
       QUERN_RETURN_IF_ERROR(first->Load());
       io = &first->io();
       if (!not_shared.empty()) {
-        Log(LogLevel::kWarning, not_shared + "; each instance holds its own copy of the weights",
+        Log(LogLevel::kWarning, not_shared + "; each session loads its own copy of the weights",
             {{"model", config.name}});
       }
     }
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, *io, has_config_file));
     std::unique_ptr<OrtModel> narrow_session;
-    if (one_session && weights) {  // beside the wide instance: the narrow ones' session shares its weights
+    if (one_session && !weights && first) {
+      narrow_session = std::move(first);  // sharing with the wide one failed: the narrow ones still share this
+    } else if (one_session && weights) {  // beside the wide instance: the narrow ones' session shares its weights
       std::vector<std::string> outputs;
       for (const auto& o : config.outputs) outputs.push_back(o.name);
       narrow_session = std::make_unique<OrtModel>(config.name, file, narrow, std::move(outputs), weights);

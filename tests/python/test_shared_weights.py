@@ -271,15 +271,22 @@ def test_weights_listed_as_inputs_and_unoptimized_graphs_still_serve(tmp_path):
 
 
 def test_a_temporary_directory_that_cannot_be_used_still_serves(tmp_path, model):
-    """Sharing weights between sessions (instances on two threads each) needs a private folder in
-    TMPDIR; without one each instance loads its own copy and the answers stay right."""
+    """Sharing weights between sessions (instances on two threads each; the automatic layout's wide
+    instance beside the others) needs a private folder in TMPDIR; without one each session loads its
+    own copy and the answers stay right."""
     path, (w, b, m) = model
-    repo = make_repo(str(tmp_path), path, 'instance_group [ { count: 2 } ]\n'
-                     'parameters { key: "intra_op_thread_count" value { string_value: "2" } }\n')
-    proc, ports = start_quern(QUERN, repo, env={**os.environ, "TMPDIR": str(tmp_path / "no" / "such" / "dir")})
-    try:
-        x = np.random.default_rng(9).standard_normal((1, C, HW, HW)).astype(np.float32)
-        np.testing.assert_allclose(infer(ports["HTTP"], x), reference(x, w, b, m), rtol=1e-3, atol=1e-3)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    two_threads = ('instance_group [ { count: 2 } ]\n'
+                   'parameters { key: "intra_op_thread_count" value { string_value: "2" } }\n')
+    for name, config in (("two", two_threads), ("auto", None)):
+        repo = make_repo(str(tmp_path / name), path, config)
+        proc, ports = start_quern(QUERN, repo, env={**os.environ, "TMPDIR": str(tmp_path / "no" / "such" / "dir")})
+        try:
+            x = np.random.default_rng(9).standard_normal((1, C, HW, HW)).astype(np.float32)
+            for _ in range(3):  # the wide instance (a lone request) and the others
+                np.testing.assert_allclose(infer(ports["HTTP"], x), reference(x, w, b, m), rtol=1e-3, atol=1e-3)
+            xs, got = eight_then_two(ports["HTTP"], (1, C, HW, HW))
+            for x, y in zip(xs, got):
+                np.testing.assert_allclose(y, reference(x, w, b, m), rtol=1e-3, atol=1e-3)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

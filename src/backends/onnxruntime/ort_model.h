@@ -1,6 +1,7 @@
 // ONNX Runtime backend: one OrtModel per model instance, each with its own
-// Ort::Session; the sessions of a model's instances may share one copy of
-// its weights (SharedOnnxWeights). The process shares one Ort::Env.
+// Ort::Session or sharing one (Share: instances on one intra-op thread); the
+// sessions of a model's instances may share one copy of its weights
+// (SharedOnnxWeights). The process shares one Ort::Env.
 //
 // Lifecycle (the quern::Model contract): the constructor only records what to
 // load; Load() creates the session (expensive); Execute() runs one batch,
@@ -92,8 +93,8 @@ class OrtModel final : public Model {
 
   // Another instance on this one's session (after a successful Load): its
   // runs go beside this one's and every other sharer's (ONNX Runtime's Run
-  // is thread-safe; concurrent runs share the session's intra-op pool), and
-  // the weights, with the forms its kernels packed them into, exist once.
+  // is thread-safe; on one intra-op thread each runs on its caller's thread),
+  // and the weights, with the forms its kernels packed them into, exist once.
   std::unique_ptr<OrtModel> Share() const;
 
  private:

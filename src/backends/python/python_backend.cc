@@ -759,8 +759,9 @@ class PythonModel final : public Model {
         pending->before.push_back(std::move(response));
       };
     }
-    // This thread waits for the answer anyway: a free instance of the model runs the batch here, without
-    // a hand-off to an engine thread and back (a decoupled model's stream is left to its own threads).
+    // This thread waits for the answer anyway: a free instance of a model whose runs are bounded (ONNX
+    // Runtime's, say) runs the batch here, without a hand-off to an engine thread and back; the wait
+    // below then finds the answer at once. (Not for exec(decoupled=True), whose responses come one by one.)
     if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}, /*run_here=*/!decoupled); !st.ok()) {
       return answer(st, nullptr);
     }
