@@ -43,6 +43,7 @@ _NUMPY_TYPES = {1: "bool", 2: "uint8", 3: "uint16", 4: "uint32", 5: "uint64", 6:
 
 # The frames' fields, compiled once (a format string is looked up on every call otherwise).
 _U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
 _BATCH = struct.Struct("<BIIqQ")  # after the op: slot, requests, inputs, padded rows, slot size
 _ID_LEN = struct.Struct("<H")
 _TENSOR = struct.Struct("<HBB")  # name length, type, rank
@@ -831,6 +832,17 @@ MAX_BLS_BYTES = 1 << 30  # as the server's kMaxBlsAnswerBytes: a call's inputs, 
 _bls_lock = threading.Lock()
 _bls_state = {"next": 0, "open": False, "pid": os.getpid()}
 _NUMPY_CODES = {v: k for k, v in _NUMPY_TYPES.items()}
+_DTYPE_CODES = {}  # numpy dtype (native byte order) -> its code, filled by _dtype_codes on first use
+
+
+_DTYPES = {}  # code -> numpy dtype, likewise
+
+
+def _dtype_codes(np):
+    if not _DTYPE_CODES:
+        _DTYPE_CODES.update({np.dtype(v): k for k, v in _NUMPY_TYPES.items()})
+        _DTYPES.update({k: np.dtype(v) for k, v in _NUMPY_TYPES.items()})
+    return _DTYPE_CODES
 
 
 def _encode_tensor(name, array, np, utils):
@@ -852,14 +864,20 @@ def _bls_inputs(request, np, utils):
     them (u16 count, then each tensor's head, byte count and offset) and the bytes they take."""
     placed, end = [], 0
     for tensor in request.inputs():
-        name, array = tensor.name(), np.asarray(tensor.as_numpy())
-        if array.dtype.kind in "OSU":
+        name, array = tensor.name(), tensor.as_numpy()
+        if type(array) is not np.ndarray:
+            array = np.asarray(array)
+        dtype = array.dtype
+        code = _DTYPE_CODES.get(dtype)  # (native byte order, a type the server has: the common case)
+        if code is not None:
+            data = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        elif dtype.kind in "OSU":
             code, data = BYTES, utils.serialize_byte_tensor(array)
         else:
-            code = _NUMPY_CODES.get(array.dtype.name)
+            code = _NUMPY_CODES.get(dtype.name)
             if code is None:
-                raise TypeError(f"BLS input '{name}' has numpy type {array.dtype}, which the server has no type for")
-            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False))
+                raise TypeError(f"BLS input '{name}' has numpy type {dtype}, which the server has no type for")
+            data = np.ascontiguousarray(array.astype(dtype.newbyteorder("="), copy=False))
         placed.append((name, code, array.shape, data, end))
         end += (data.nbytes + ALIGN - 1) // ALIGN * ALIGN
     if end > MAX_BLS_BYTES:
@@ -872,13 +890,17 @@ def _bls_inputs(request, np, utils):
     except (OSError, MemoryError) as e:  # e.g. past the model's memory bound
         raise utils.TritonModelException(f"a call to model '{request.model_name()}': {end} bytes of shared "
                                          f"memory for its inputs: {e}") from None
-    parts = [struct.pack("<H", len(placed))]
+    parts = [_U16.pack(len(placed))]
     for name, code, shape, data, offset in placed:
-        if data.nbytes:
-            np.frombuffer(slot.map, np.uint8, data.nbytes, offset)[:] = data.reshape(-1).view(np.uint8)
+        nbytes = data.nbytes
+        if nbytes:
+            if nbytes <= 4096:  # a small copy: through a memoryview, without making arrays
+                slot.map[offset:offset + nbytes] = data.data.cast("B") if data.ndim else data.tobytes()
+            else:
+                np.frombuffer(slot.map, np.uint8, nbytes, offset)[:] = data.reshape(-1).view(np.uint8)
         raw = name.encode("utf-8")
-        parts.append(struct.pack("<HBB", len(raw), code, len(shape)) + raw + _int64s(len(shape)).pack(*shape) +
-                     struct.pack("<QQ", data.nbytes, offset))
+        parts.append(_TENSOR.pack(len(raw), code, len(shape)) + raw + _int64s(len(shape)).pack(*shape) +
+                     _PLACE.pack(nbytes, offset))
     return b"".join(parts), end
 
 
@@ -901,6 +923,7 @@ def _bls_call(request, np, utils, decoupled=False):
         _bls_state["next"] += 1
         call = _bls_state["next"]
         parameters = request._parameters.encode("utf-8") if request._parameters != "{}" else b""
+        _dtype_codes(np)
         tensors, slot_size = _bls_inputs(request, np, utils)
         parts = [b"B", _BLS.pack(call, int(request._model_version), int(request._timeout or 0), 1 if decoupled else 0,
                                  slot_size),
@@ -969,26 +992,35 @@ def _bls_answer(request, reply, call, decoupled, np, utils):
 
 def _bls_response(request, view, pos, np, utils):
     """The response whose tensors start at `pos` (u16 count, then each tensor), and where it ends."""
-    (count,) = struct.unpack_from("<H", view, pos)
+    (count,) = _U16.unpack_from(view, pos)
     pos += 2
     tensors = []
+    slot = _bls_slot()
     for _ in range(count):
-        nlen, dtype, rank = struct.unpack_from("<HBB", view, pos)
+        nlen, dtype, rank = _TENSOR.unpack_from(view, pos)
         pos += 4
         out_name = bytes(view[pos:pos + nlen]).decode("utf-8", "replace")
         pos += nlen
-        dims = list(_int64s(rank).unpack_from(view, pos)) if rank else []
+        dims = _int64s(rank).unpack_from(view, pos) if rank else ()
         pos += 8 * rank
-        nbytes, offset = struct.unpack_from("<QQ", view, pos)
+        nbytes, offset = _PLACE.unpack_from(view, pos)
         pos += 16
-        slot = _bls_slot()
         if offset + nbytes > slot.size:
             raise RuntimeError(f"the server answered output '{out_name}' outside the shared memory")
         # (From the BLS slot: the next call writes there, so every array is a copy.)
+        numpy_type = _DTYPES.get(dtype)
+        if numpy_type is not None:  # a copy: writable and aligned, as a model expects its arrays
+            if nbytes % numpy_type.itemsize:
+                raise RuntimeError(f"the server answered output '{out_name}' of {nbytes} bytes, not whole "
+                                   f"{numpy_type} items")
+            array = np.frombuffer(slot.map, numpy_type, nbytes // numpy_type.itemsize, offset).reshape(dims).copy()
+            if tensors is not None:
+                tensors.append(utils.Tensor(out_name, array))
+            continue
         data = np.frombuffer(slot.map, np.uint8, nbytes, offset) if nbytes else np.empty(0, np.uint8)
         if dtype == BYTES:
             array = utils.deserialize_bytes_tensor(data).reshape(dims)
-        elif dtype in _NUMPY_TYPES:  # a copy: writable and aligned, as a model expects its arrays
+        elif dtype in _NUMPY_TYPES:
             array = data.view(_NUMPY_TYPES[dtype]).reshape(dims).copy()
         else:
             unsupported = utils.TritonError(
