@@ -1256,6 +1256,79 @@ class TritonPythonModel:
 '''
 
 
+# Arrays of each kind a model may pass (big-endian, strided, empty, bool, float16, strings) to a model
+# answering them unchanged: kept is whether every one came back equal, in value, type and shape.
+BLS_TYPES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            cases = [
+                {"a": np.arange(6, dtype=">f4").reshape(2, 3), "b": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+                 "c": np.array([True, False, True]), "d": np.arange(3, dtype=np.float16) / 3,
+                 "e": np.array([b"ab", b"", "\u00e9t\u00e9".encode()], dtype=np.object_)},
+                {"a": np.zeros((0, 3), np.float32), "b": np.zeros((2, 0), np.int64), "c": np.zeros(0, bool),
+                 "d": np.zeros(0, np.float16), "e": np.array([], dtype=np.object_)},
+            ]
+            kept = []
+            for case in cases:
+                answer = pb_utils.InferenceRequest(model_name="echo_types",
+                                                   inputs=[pb_utils.Tensor(k, v) for k, v in case.items()],
+                                                   requested_output_names=list(case)).exec()
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+                for k, v in case.items():
+                    got = pb_utils.get_output_tensor_by_name(answer, k).as_numpy()
+                    want = v.astype(v.dtype.newbyteorder("=")) if v.dtype.kind != "O" else v
+                    kept.append(got.shape == v.shape and got.dtype == want.dtype and np.array_equal(got, want))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("sums", np.array([sum(kept), len(kept)], np.int64)),
+                                                   pb_utils.Tensor("kept", np.array([all(kept)]))]))
+        return out
+'''
+
+ECHO_TYPES = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(k, pb_utils.get_input_tensor_by_name(r, k).as_numpy())
+                                            for k in "abcde"]) for r in requests]
+'''
+
+
+def test_a_call_passes_arrays_of_every_kind_unchanged(tmp_path):
+    write_model(tmp_path, "echo_types", '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "a" data_type: TYPE_FP32 dims: [ -1, -1 ] }, { name: "b" data_type: TYPE_INT64 dims: [ -1, -1 ] },
+        { name: "c" data_type: TYPE_BOOL dims: [ -1 ] }, { name: "d" data_type: TYPE_FP16 dims: [ -1 ] },
+        { name: "e" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "a" data_type: TYPE_FP32 dims: [ -1, -1 ] }, { name: "b" data_type: TYPE_INT64 dims: [ -1, -1 ] },
+         { name: "c" data_type: TYPE_BOOL dims: [ -1 ] }, { name: "d" data_type: TYPE_FP16 dims: [ -1 ] },
+         { name: "e" data_type: TYPE_STRING dims: [ -1 ] } ]
+''', ECHO_TYPES)
+    write_model(tmp_path, "bls_types", '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "n" data_type: TYPE_INT64 dims: [ 1 ] } ]
+output [ { name: "sums" data_type: TYPE_INT64 dims: [ 2 ] }, { name: "kept" data_type: TYPE_BOOL dims: [ 1 ] } ]
+''', BLS_TYPES)
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        x = httpclient.InferInput("n", [1], "INT64")
+        x.set_data_from_numpy(np.array([0], np.int64))
+        r = client.infer("bls_types", [x])
+        assert r.as_numpy("sums").tolist() == [10, 10] and r.as_numpy("kept").tolist() == [True], r.as_numpy("sums")
+    finally:
+        stop_quern(proc)
+
+
 def test_a_call_to_another_model_takes_tensors_larger_than_a_frame_through_shared_memory(tmp_path):
     """80 MiB to a called model and back (a frame holds at most 64 MiB: the tensors go through the
     BLS shared memory), then a smaller call: both sums as numpy computes them, and the first call's
