@@ -644,7 +644,8 @@ TEST(EngineRepository, CancelledAndExpiredRequestsAreNeverComputed) {
   TempDir repo;
   CopyModel("linear", repo.path(), "slow_batch");
   WriteFile(repo.path() / "slow_batch" / "config.pbtxt",
-            "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 200000 }\n");
+            // (2 s: the cancellation below must come while the request still waits, on a busy machine too)
+            "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 2000000 }\n");
   auto engine = Open(repo.path());
   auto req = [] {
     InferRequest r;
@@ -657,7 +658,7 @@ TEST(EngineRepository, CancelledAndExpiredRequestsAreNeverComputed) {
   auto token = cancelled.cancel;
   auto f1 = engine->Infer(std::move(cancelled));
   InferRequest expiring = req();
-  expiring.timeout_us = 1000;  // expires long before the 200 ms batching delay
+  expiring.timeout_us = 1000;  // expires long before the 2 s batching delay
   auto f2 = engine->Infer(std::move(expiring));
   token->Cancel();
   InferResponse r1 = f1.get();

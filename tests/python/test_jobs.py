@@ -28,9 +28,15 @@ def repo(tmp_path_factory):
     # slow_batch with a queue of two: a third queued request is refused at once.
     os.makedirs(d / "small_queue" / "1")
     shutil.copy(os.path.join(MODELS, "slow_batch", "1", "model.onnx"), d / "small_queue" / "1" / "model.onnx")
+    # (Batches that wait up to 30 s for company: what the tests do meanwhile cannot be too late, on a
+    # busy machine too; they fill the batch, or cancel, rather than wait the delay out.)
     (d / "small_queue" / "config.pbtxt").write_text(
-        "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 1000000 "
+        "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 30000000 "
         "default_queue_policy { max_queue_size: 2 } }\n")
+    os.makedirs(d / "slow_cancel" / "1")
+    shutil.copy(os.path.join(MODELS, "slow_batch", "1", "model.onnx"), d / "slow_cancel" / "1" / "model.onnx")
+    (d / "slow_cancel" / "config.pbtxt").write_text(
+        "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 30000000 }\n")
     return str(d)
 
 
@@ -222,9 +228,9 @@ def test_failed_job_keeps_its_error(server):
 def test_cancel_a_queued_job_is_never_computed(server, store_kind):
     if store_kind == "redis":
         pytest.skip("with Redis a job waits in the stream until an instance takes it: test_redis.py cancels there")
-    before = stats(server, "slow_batch")["execution_count"]
+    before = stats(server, "slow_cancel")
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
-    job = submit(server, "slow_batch", body)  # waits up to 1 s for a batch to fill
+    job = submit(server, "slow_cancel", body)  # waits up to 30 s for a batch of 4 to fill
     j = json.loads(request(server, "GET", f"/v2/jobs/{job}")[2])
     assert j["status"] == "queued" and j["started"] is None and j["finished"] is None
     status, _, data = request(server, "DELETE", f"/v2/jobs/{job}")
@@ -233,8 +239,13 @@ def test_cancel_a_queued_job_is_never_computed(server, store_kind):
     assert status == 409 and "cancelled" in json.loads(data)["error"]
     j = json.loads(wait_finished(server, job)[1])
     assert j["status"] == "cancelled" and "cancelled" in j["error"] and j["started"] is None
-    time.sleep(1.2)  # past the batching delay: had it stayed queued, it would have run by now
-    assert stats(server, "slow_batch")["execution_count"] == before
+    # Four more fill a batch at once: it holds those four, not the cancelled one.
+    full = [submit(server, "slow_cancel", body) for _ in range(4)]
+    for other in full:
+        assert json.loads(wait_finished(server, other)[1])["status"] == "done"
+    after = stats(server, "slow_cancel")
+    assert after["execution_count"] - before["execution_count"] == 1, after
+    assert after["inference_count"] - before["inference_count"] == 4, after
     # A finished job cannot be cancelled.
     done = submit(server, "add_sub", add_sub_body(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32)))
     wait_finished(server, done)
@@ -247,13 +258,13 @@ def test_full_queue_refuses_the_submission_at_once(server, store_kind):
         pytest.skip("with Redis the stream is the queue: a submission waits there for an instance to take it")
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     jobs = [submit(server, "small_queue", body) for _ in range(2)]
-    # Refused, not held until there is room: the two wait out their 1 s batching delay.
+    # Refused, not held until there is room: the two wait for company (up to 30 s).
     status, _, data = request(server, "POST", "/v2/models/small_queue/jobs", body)
     assert status == 503 and "queue" in json.loads(data)["error"], data
-    for job in jobs:
-        j = json.loads(wait_finished(server, job)[1])
-        assert j["status"] == "done"
-        assert j["result"]["outputs"][0]["data"] == [2.0, 4.0, 6.0]
+    for job in jobs:  # (cancelled: the delay is not waited out)
+        status, _, data = request(server, "DELETE", f"/v2/jobs/{job}")
+        assert status == 200, data
+        assert json.loads(wait_finished(server, job)[1])["status"] == "cancelled"
 
 
 def test_many_concurrent_jobs_each_get_their_own_result(server):

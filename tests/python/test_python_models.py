@@ -203,6 +203,12 @@ def served(tmp_path_factory):
     write_model(repo, "strings", STRINGS_CONFIG, STRINGS)
     write_model(repo, "mirror", MIRROR_CONFIG, MIRROR)
     write_model(repo, "ids", IDS_CONFIG, IDS)
+    # The same, whose batches wait (up to 30 s) until they hold 6 requests, on one instance: the six
+    # requests of test_each_request_in_a_batch_has_its_own_request_id meet in one batch however
+    # slowly a busy machine sends them.
+    write_model(repo, "ids_six", IDS_CONFIG.replace("max_batch_size: 8", "max_batch_size: 6").replace(
+        "max_queue_delay_microseconds: 50000", "max_queue_delay_microseconds: 30000000") +
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n", IDS)
     # An ensemble whose one step is "ids": its request's id reaches the step.
     write_one_step_ensemble(repo, "ids_ensemble", "ids", "x", "TYPE_FP32", "id", "TYPE_STRING", max_batch_size=8)
     # A model importing a module beside model.py, run by the test's own interpreter (a venv).
@@ -354,7 +360,15 @@ def test_a_process_that_dies_at_every_batch_is_started_again_only_after_a_pause(
 def test_process_killed_while_idle_is_replaced_without_failing_a_request(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     os.kill(pid, signal.SIGKILL)
-    time.sleep(0.3)
+    # Dead (a zombie until the server reaps it, or gone) before the next request comes.
+    def dead():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_until(dead, what=f"process {pid} to die")
     r = plain_http(served, 2)
     np.testing.assert_array_equal(r.as_numpy("y"), [[4, 2, 4]])
     assert int(r.as_numpy("pid")[0, 0]) != pid
@@ -425,11 +439,11 @@ def test_each_request_in_a_batch_has_its_own_request_id(served):
         return [i]
 
     client = http(served)
-    before = client.get_inference_statistics("ids")["model_stats"][0]["execution_count"]
+    before = client.get_inference_statistics("ids_six")["model_stats"][0]["execution_count"]
     results = {}
 
     def call(n):
-        r = http(served).infer("ids", x(httpclient), request_id=f"req-{n}")
+        r = http(served).infer("ids_six", x(httpclient), request_id=f"req-{n}")
         results[n] = r.as_numpy("id").ravel()[0]
 
     threads = [threading.Thread(target=call, args=(n,)) for n in range(6)]
@@ -438,7 +452,7 @@ def test_each_request_in_a_batch_has_its_own_request_id(served):
     for t in threads:
         t.join()
     assert results == {n: f"req-{n}".encode() for n in range(6)}
-    assert client.get_inference_statistics("ids")["model_stats"][0]["execution_count"] - before < 6  # batched
+    assert client.get_inference_statistics("ids_six")["model_stats"][0]["execution_count"] - before == 1  # batched
     # gRPC: ModelInferRequest.id; HTTP with no id in the body: the X-Request-ID header; neither: "".
     assert grpc(served).infer("ids", x(grpcclient), request_id="g-1").as_numpy("id").ravel()[0] == b"g-1"
     assert client.infer("ids", x(httpclient), headers={"X-Request-ID": "hdr-2"}).as_numpy("id").ravel()[0] == b"hdr-2"
