@@ -360,11 +360,12 @@ def test_a_process_that_dies_at_every_batch_is_started_again_only_after_a_pause(
 def test_process_killed_while_idle_is_replaced_without_failing_a_request(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     os.kill(pid, signal.SIGKILL)
-    # Dead (a zombie until the server reaps it, or gone) before the next request comes.
+    # Dead before the next request comes: every thread of it gone (a zombie whose other threads still
+    # exit is not yet dead to its parent), or reaped.
     def dead():
         try:
             with open(f"/proc/{pid}/stat") as f:
-                return f.read().split()[2] == "Z"
+                return f.read().split()[2] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
         except FileNotFoundError:
             return True
 
