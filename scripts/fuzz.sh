@@ -30,7 +30,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 ALL_TARGETS=(kserve_infer multipart image_decode image_decode_jpeg image_decode_png image_decode_bmp image_decode_webp
-             model_config resp stream_entry job_record grpc_convert http_handlers content_encoding)
+             model_config resp stream_entry job_record grpc_convert http_handlers content_encoding custom_metrics)
 
 CI="${QUERN_FUZZ_CI:-0}"
 if [ "$CI" = 1 ]; then
