@@ -6,12 +6,13 @@
 // comment (# HELP, # TYPE) or a sample `name[{labels}] value`, no line empty,
 // label values quoted and escaped, and at most the store's bounds of families
 // and series.
+#include "metrics/custom_metrics.h"
+
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 #include "fuzz_util.h"
-#include "metrics/custom_metrics.h"
 
 namespace {
 
