@@ -43,13 +43,8 @@ class OpenedModel {
 // What a backend's models may ask of the engine that serves them.
 struct ModelServices {
   // Engine::InferAsync's contract (a refusal is returned and `done` stays with the caller; a request
-  // taken is answered once): a model calling another model (Python's BLS). `run_here`: the caller
-  // waits for the answer at once anyway, so the batch of a model whose runs are bounded by their
-  // inputs (its backend runs no user code: Backend::RunsOnCallerThreads) may run on its thread, as
-  // Engine::Run's, and `done` may then be called before submit returns; otherwise it is answered on
-  // an engine thread (a called model of the user's code cannot hold the caller past its own limits).
-  std::function<Status(InferRequest&& request, InferCallback& done, const SubmitOptions& options, bool run_here)>
-      submit;
+  // taken is answered once, on an engine thread): a model calling another model (Python's BLS).
+  std::function<Status(InferRequest&& request, InferCallback& done, const SubmitOptions& options)> submit;
   // EngineOptions::compare_answers (may be null).
   decltype(EngineOptions::compare_answers) compare_answers;
 };

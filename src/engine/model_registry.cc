@@ -38,12 +38,8 @@ ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(Bac
   cores_ = options_.cores > 0 ? options_.cores : UsableCores();
   if (install) install(backends_);
   ModelServices services;
-  services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o, bool run_here) {
-    if (run_here) {  // only a batch bounded by its inputs: user code could hang the caller past its own limits
-      auto served = Resolve(r.model, r.version);
-      run_here = served && (*served)->RunsOnCallerThreads();
-    }
-    return Submit(std::move(r), NextId(), done, o, run_here);
+  services.submit = [this](InferRequest&& r, InferCallback& done, const SubmitOptions& o) {
+    return Submit(std::move(r), NextId(), done, o);
   };
   services.compare_answers = options_.compare_answers;
   backends_.SetServices(services);

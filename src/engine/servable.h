@@ -34,9 +34,6 @@ class Servable {
                         bool run_here) = 0;
   // Whether Shutdown has begun.
   virtual bool stopping() const = 0;
-  // Whether its batches are bounded by their inputs and run no code of the user's (its backend's
-  // RunsOnCallerThreads): a batch a caller may run on its own thread without waiting on user code.
-  virtual bool RunsOnCallerThreads() const { return false; }
 
   // OK, or the UNAVAILABLE a request would get now (counted as refused: the
   // caller answers it without submitting it).

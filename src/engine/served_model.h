@@ -58,7 +58,6 @@ class ServedModel final : public Servable {
   void CountRefused(const Status& status) override;
   void Shutdown() override;
   bool stopping() const override;
-  bool RunsOnCallerThreads() const override { return on_caller_threads_; }
   const ModelConfig& config() const override { return config_; }
   ModelStatistics Statistics() const override;
   // Queued, running or waiting for their turn to be answered.

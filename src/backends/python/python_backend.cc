@@ -260,7 +260,7 @@ void WriteTensorList(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::v
 
 struct PythonModelSpec {
   // The engine's submit, for the model's calls to other models (BLS); empty outside an engine.
-  std::function<Status(InferRequest&&, InferCallback&, const SubmitOptions&, bool)> submit;
+  std::function<Status(InferRequest&&, InferCallback&, const SubmitOptions&)> submit;
   std::string python;
   std::filesystem::path model_file;
   std::filesystem::path version_dir;
@@ -759,10 +759,11 @@ class PythonModel final : public Model {
         pending->before.push_back(std::move(response));
       };
     }
-    // This thread waits for the answer anyway: a free instance of a model whose runs are bounded (ONNX
-    // Runtime's, say) runs the batch here, without a hand-off to an engine thread and back; the wait
-    // below then finds the answer at once. (Not for exec(decoupled=True), whose responses come one by one.)
-    if (Status st = spec_->submit(std::move(request), done, SubmitOptions{}, /*run_here=*/!decoupled); !st.ok()) {
+    // This thread waits for the answer anyway: it is lent to a short batch (SubmitOptions::lend_thread:
+    // a model whose runs are bounded by their inputs, ONNX Runtime's say, measured under a millisecond,
+    // small inputs, an instance free), which then runs here without a hand-off to an engine thread and
+    // back; anything longer keeps the wait below, with its timeout. (Not for exec(decoupled=True).)
+    if (Status st = spec_->submit(std::move(request), done, SubmitOptions{.lend_thread = !decoupled}); !st.ok()) {
       return answer(st, nullptr);
     }
     const Clock& clock = RealClockInstance();
