@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -68,6 +70,30 @@ TEST(CustomMetricsTest, GatheredObservationsCountAsObservedOneByOne) {
   std::string after;
   gathered.Render(after);
   EXPECT_EQ(after, a);
+}
+
+// What Prometheus could not read, refused with the reason: a histogram labelled 'le' (its buckets'
+// own label), a label name twice, a bucket at infinity (+Inf is every histogram's last), counts past
+// 2^64; nothing of a refused operation is counted.
+TEST(CustomMetricsTest, LabelsAndBucketsPrometheusCannotReadAreRefused) {
+  CustomMetrics store;
+  ASSERT_TRUE(store.Declare("h", "", CustomMetrics::Kind::kHistogram).ok());
+  ASSERT_TRUE(store.Declare("c", "", CustomMetrics::Kind::kCounter).ok());
+  const Status le = store.Observe("h", {{"le", "x"}}, {1}, 0.5);
+  EXPECT_EQ(le.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(le.message().find("'le'"), std::string::npos) << le.ToString();
+  const Status twice = store.Apply("m", R"([{"op":"add","name":"c","labels":{"a":"1","a":"2"},"value":1}])");
+  EXPECT_NE(twice.message().find("label 'a' given twice"), std::string::npos) << twice.ToString();
+  const Status inf = store.Observe("h", {}, {1, std::numeric_limits<double>::infinity()}, 1);
+  EXPECT_NE(inf.message().find("finite"), std::string::npos) << inf.ToString();
+  ASSERT_TRUE(store.ObserveCounts("h", {}, {1}, {1, 0}, 0.5).ok());
+  const Status past = store.ObserveCounts("h", {}, {1}, {0, UINT64_MAX}, 1);
+  EXPECT_NE(past.message().find("2^64"), std::string::npos) << past.ToString();
+  std::string text;
+  store.Render(text);
+  EXPECT_NE(text.find("h_count 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("h_bucket{le=\"+Inf\"} 1\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("c{"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -66,10 +66,18 @@ Result<CustomMetrics::Series*> CustomMetrics::Find(const std::string& name, cons
   if (labels.size() > kMaxLabels) {
     return Err(InvalidArgument("metric '" + name + "': at most " + std::to_string(kMaxLabels) + " labels"));
   }
-  for (const auto& [k, v] : labels) {
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const auto& [k, v] = labels[i];
     if (!ValidCustomName(k, true) || v.size() > 1024) {
       return Err(InvalidArgument("metric '" + name + "': label '" + k.substr(0, 200) +
                                  "' is not a Prometheus label name, or its value is over 1 KiB"));
+    }
+    // (labels come sorted: a name twice is side by side)
+    if (i > 0 && labels[i - 1].first == k) {
+      return Err(InvalidArgument("metric '" + name + "': label '" + k + "' given twice"));
+    }
+    if (kind == Kind::kHistogram && k == "le") {
+      return Err(InvalidArgument("histogram '" + name + "': the label 'le' is its buckets' own"));
     }
   }
   auto s = f.series.find(labels);
@@ -113,9 +121,9 @@ Status CustomMetrics::ObserveCounts(const std::string& name, const MetricLabels&
                                     double sum) {
   if (buckets.empty() || buckets.size() > kMaxBuckets || !std::is_sorted(buckets.begin(), buckets.end()) ||
       std::adjacent_find(buckets.begin(), buckets.end()) != buckets.end() ||
-      std::any_of(buckets.begin(), buckets.end(), [](double b) { return std::isnan(b); })) {
+      std::any_of(buckets.begin(), buckets.end(), [](double b) { return !std::isfinite(b); })) {
     return InvalidArgument("histogram '" + name + "': buckets must be 1 to " + std::to_string(kMaxBuckets) +
-                           " increasing upper bounds");
+                           " increasing finite upper bounds");
   }
   if (counts.size() != buckets.size() + 1) {
     return InvalidArgument("histogram '" + name + "': " + std::to_string(counts.size()) + " counts for " +
@@ -129,10 +137,15 @@ Status CustomMetrics::ObserveCounts(const std::string& name, const MetricLabels&
   } else if (s->buckets != buckets) {
     return InvalidArgument("histogram '" + name + "': a series keeps the buckets it was first observed with");
   }
+  uint64_t count = s->count;
   for (size_t i = 0; i < counts.size(); ++i) {
-    s->counts[i] += counts[i];
-    s->count += counts[i];
+    uint64_t bucket = 0;
+    if (__builtin_add_overflow(count, counts[i], &count) || __builtin_add_overflow(s->counts[i], counts[i], &bucket)) {
+      return InvalidArgument("histogram '" + name + "': counts past 2^64 observations");
+    }
   }
+  for (size_t i = 0; i < counts.size(); ++i) s->counts[i] += counts[i];
+  s->count = count;
   s->value += sum;
   return Status::Ok();
 }

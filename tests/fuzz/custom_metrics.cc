@@ -4,11 +4,12 @@
 // the first time is refused again, what was taken is taken again), then
 // Render, whose text must be Prometheus' exposition lines: every line a
 // comment (# HELP, # TYPE) or a sample `name[{labels}] value`, no line empty,
-// label values quoted and escaped, and at most the store's bounds of families
-// and series.
+// label values quoted and escaped, no label name twice in a sample, and at most
+// the store's bounds of families and series.
 #include "metrics/custom_metrics.h"
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -27,9 +28,12 @@ bool SampleLine(std::string_view line) {
   while (i < line.size() && name_char(line[i], false)) ++i;
   if (i < line.size() && line[i] == '{') {
     ++i;
+    std::set<std::string_view> names;  // a label name twice: Prometheus refuses the scrape
     while (i < line.size() && line[i] != '}') {
       if (!name_char(line[i], true)) return false;
+      const size_t start = i;
       while (i < line.size() && name_char(line[i], false)) ++i;
+      if (!names.insert(line.substr(start, i - start)).second) return false;
       if (line.substr(i, 2) != "=\"") return false;
       i += 2;
       for (;; ++i) {

@@ -1561,6 +1561,11 @@ def test_metric_updates_waiting_to_be_sent_are_bounded(capfd):
     ops = pb._take_metric_ops()
     assert len(ops) == 100000 and ops[0]["op"] == "declare" and ops[-1]["labels"] == {"k": "99998"}
     assert "6 metric updates dropped" in capfd.readouterr().err  # 100,005 - (the declaration + 99,999 kept)
+    # What Prometheus could not read is refused where the model makes it.
+    for labels, buckets in (({"le": "x"}, [1.0]), ({}, [1.0, float("inf")]), ({}, [float("nan")])):
+        with pytest.raises(ValueError):
+            pb.MetricFamily("h2", "", pb.MetricFamily.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+    pb._take_metric_ops()
     # A sum past the floats is not merged: the server gets each finite value.
     gauge.set(1e308)
     gauge.increment(1e308)

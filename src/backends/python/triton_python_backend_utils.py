@@ -518,11 +518,14 @@ class Metric:
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ValueError(f"metric {family._name!r}: labels are str to str, got {k!r}: {v!r}")
         if family._kind == MetricFamily.HISTOGRAM:
+            import math
             if not buckets:
                 raise ValueError(f"histogram {family._name!r}: a Metric needs its buckets")
+            if "le" in labels:
+                raise ValueError(f"histogram {family._name!r}: the label 'le' is its buckets' own")
             buckets = [float(b) for b in buckets]
-            if buckets != sorted(set(buckets)):
-                raise ValueError(f"histogram {family._name!r}: buckets must be increasing")
+            if buckets != sorted(set(buckets)) or not all(math.isfinite(b) for b in buckets):
+                raise ValueError(f"histogram {family._name!r}: buckets must be increasing finite numbers")
         elif buckets is not None:
             raise ValueError(f"metric {family._name!r}: only a histogram has buckets")
         self._family, self._labels, self._buckets = family, labels, buckets
