@@ -1525,6 +1525,28 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
         assert client.infer("idle", [x]).as_numpy("x").tolist() == [[1.0]]
         text = scrape()
         assert all(w in text for w in want), text[-1500:]
+        # A process killed while idle, seen first by a scrape: the scrape answers, and the next
+        # requests are served by a process started again.
+        def read(path):
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError:  # (a process that ended meanwhile)
+                return b""
+
+        def threads_left(pid):
+            try:
+                return len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                return 0
+
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and b"quern-python:idle:" in read(f"/proc/{p}/cmdline")]
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until(lambda: threads_left(pids[0]) <= 1, what="the killed process's threads to end")
+        assert "last_tick" in scrape()
+        for _ in range(4):
+            assert client.infer("idle", [x]).as_numpy("x").tolist() == [[1.0]]
     finally:
         stop_quern(proc)
 

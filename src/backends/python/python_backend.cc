@@ -31,7 +31,7 @@ constexpr int64_t kDefaultExecuteTimeoutMs = 60000;
 // execute() has returned, to close them before the batch is ended for it.
 constexpr int64_t kCancelGraceMs = 2000;
 // The most bytes one scrape of /metrics reads from an idle process (what is left: the next one).
-constexpr size_t kGatheredBytesMax = 16u << 20;
+constexpr size_t kGatheredBytesMax = 4u << 20;
 constexpr int64_t kDefaultInitializeTimeoutMs = 120000;
 
 // quern.python.max_memory_mb when a model does not say: half of the memory

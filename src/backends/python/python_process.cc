@@ -664,9 +664,9 @@ Result<std::optional<std::string>> PythonProcess::ReceiveReady() {
     const ssize_t n = ::read(reply_fd_, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) return std::optional<std::string>();
-    if (n <= 0) {
+    if (n <= 0) {  // (not reaped here, where a scrape would wait for it: finished() or the destructor does)
       inbox_.clear();
-      return Err(Unavailable(tag_ + ": its Python process " + Reap(false)));
+      return Err(Unavailable(tag_ + ": its Python process closed its socket"));
     }
     inbox_.append(buf, static_cast<size_t>(n));
     read += static_cast<size_t>(n);

@@ -85,7 +85,8 @@ class PythonProcess {
   Result<std::string> Receive(int64_t timeout_ms, int abort_fd = -1, int wake_fd = -1, bool kill_on_timeout = true);
   // A frame that has arrived, without waiting: nullopt when no whole frame
   // has (what part of one has is kept; at most 1 MiB is read per call).
-  // UNAVAILABLE when the process has died (it is finished afterwards).
+  // UNAVAILABLE when the process has closed its socket (it is not waited
+  // for here: finished() or the destructor reaps it).
   Result<std::optional<std::string>> ReceiveReady();
   // For a process placed on this thread's CPU (RunOn), after Send: gives the
   // CPU up (sched_yield) until a whole frame has arrived or `spin_ns` have
