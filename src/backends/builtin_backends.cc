@@ -21,6 +21,12 @@
 namespace quern {
 namespace {
 
+// Whether an ONNX model gets the wide instance it is offered (every core's intra-op thread, a session
+// of its own): not when the configuration sets the threads itself, nor on one core.
+bool TakesWideInstance(const ModelConfig& config, int cores) {
+  return !config.parameters.count("intra_op_thread_count") && cores >= 2;
+}
+
 // One ONNX model version: CPU instances on one intra-op thread each share
 // one session (OrtModel::Share); otherwise its instances' sessions share
 // one copy of the weights when there are two or more (SharedOnnxWeights),
@@ -57,7 +63,7 @@ class OrtOpenedModel final : public OpenedModel {
   // A session with every core's intra-op thread, unless the configuration
   // sets the threads itself.
   Result<std::unique_ptr<Model>> NewWideInstance(const ModelConfig& config) override {
-    if (config.parameters.count("intra_op_thread_count") || cores_ < 2) return std::unique_ptr<Model>();
+    if (!TakesWideInstance(config, cores_)) return std::unique_ptr<Model>();
     ModelConfig one = config;
     one.instance_count = 1;
     QUERN_ASSIGN_OR_RETURN(OrtSessionOptions options, SessionOptionsFor(one, cores_));
@@ -102,8 +108,7 @@ class OrtBackend final : public Backend {
     QUERN_ASSIGN_OR_RETURN(OrtSessionOptions narrow, SessionOptionsFor(layout, cores));
     const bool one_session = layout.instance_count > 1 && narrow.intra_op_threads == 1;
     // The wide instance, a session of its own (as NewWideInstance decides).
-    const bool wide_too =
-        instances > layout.instance_count && !config.parameters.count("intra_op_thread_count") && cores >= 2;
+    const bool wide_too = instances > layout.instance_count && TakesWideInstance(config, cores);
     if (one_session && !wide_too) {
       std::vector<std::string> outputs;
       for (const auto& o : config.outputs) outputs.push_back(o.name);
