@@ -79,6 +79,54 @@ TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
   EXPECT_EQ(rec.batches[0], (std::vector<int>{0, 1, 2}));
 }
 
+// A task whose caller may withdraw it.
+class Withdrawable : public Item {
+ public:
+  explicit Withdrawable(int i, std::shared_ptr<std::atomic<bool>> flag) : Item(i), flag_(std::move(flag)) {}
+  bool cancelled() const override { return flag_->load(); }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> flag_;
+};
+
+TEST(DynamicBatcher, ACancelledTaskHoldsNoPlaceInAFullQueue) {
+  // Fake time stands still: no worker looks at the queue on its own. A
+  // task cancelled while queued leaves room for the next arrival at once,
+  // and its caller hears before that arrival's Schedule returns.
+  FakeClock clock;
+  Recorder rec;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.queue.max_queue_delay_ns = 5'000'000;
+  o.queue.level_policies = {{.max_queue_size = 1}};
+  o.clock = &clock;
+  std::mutex mu;
+  std::vector<std::pair<int, StatusCode>> dropped;
+  auto b = DynamicBatcher::Create(
+      o, [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
+      [&](std::unique_ptr<BatchTask> t, const Status& st) {
+        std::lock_guard lock(mu);
+        dropped.emplace_back(static_cast<Item&>(*t).id, st.code());
+      });
+  ASSERT_TRUE(b.has_value());
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  std::unique_ptr<BatchTask> first = std::make_unique<Withdrawable>(0, flag);
+  ASSERT_TRUE((*b)->Schedule(first, {}).ok());
+  std::unique_ptr<BatchTask> refused = std::make_unique<Item>(1);
+  EXPECT_EQ((*b)->Schedule(refused, {}).code(), StatusCode::kUnavailable) << "the queue holds one";
+  flag->store(true);
+  std::unique_ptr<BatchTask> second = std::make_unique<Item>(2);
+  ASSERT_TRUE((*b)->Schedule(second, {}).ok()) << "the cancelled task's place is free";
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(dropped, (std::vector<std::pair<int, StatusCode>>{{0, StatusCode::kCancelled}}));
+  }
+  clock.AdvanceUs(5000);
+  rec.Wait(1);
+  std::lock_guard lock(rec.mu);
+  EXPECT_EQ(rec.batches, (std::vector<std::vector<int>>{{2}}));
+}
+
 TEST(DynamicBatcher, WithALatencyTargetABatchLeavesOnceEveryRecentClientIsQueued) {
   // A batching delay of an hour of fake time, a latency target: a batch
   // leaves once the model holds as many requests as it has on average

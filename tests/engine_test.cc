@@ -670,6 +670,44 @@ TEST(EngineRepository, CancelledAndExpiredRequestsAreNeverComputed) {
   EXPECT_NE(r2.status.message().find("slow_batch"), std::string::npos) << r2.status.message();
 }
 
+TEST(EngineRepository, ACancelledQueuedRequestLeavesItsQueueAtOnce) {
+  TempDir repo;
+  CopyModel("linear", repo.path(), "slow_batch");
+  // A batching delay far longer than the test waits, and room for one
+  // request: the cancelled one must not wait the delay out, nor hold the
+  // place of the next.
+  WriteFile(repo.path() / "slow_batch" / "config.pbtxt",
+            "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 600000000 "
+            "default_queue_policy { max_queue_size: 1 } }\n");
+  auto engine = Open(repo.path());
+  auto req = [] {
+    InferRequest r;
+    r.model = "slow_batch";
+    r.inputs = {{"x", Floats({1, 8}, std::vector<float>(8, 1.f))}};
+    r.cancel = std::make_shared<CancellationToken>();
+    return r;
+  };
+  for (int round = 0; round < 3; ++round) {
+    InferRequest first = req();
+    auto token = first.cancel;
+    auto f = engine->Infer(std::move(first));
+    ASSERT_EQ(f.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout) << "waits for company";
+    token->Cancel();
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready)
+        << "round " << round << ": still queued a minute after its cancellation (the delay is 10 minutes)";
+    EXPECT_EQ(f.get().status.code(), StatusCode::kCancelled);
+  }
+  // Its place is free: the next request is queued, not refused (and leaves,
+  // cancelled, the same way).
+  InferRequest next = req();
+  auto token = next.cancel;
+  auto f = engine->Infer(std::move(next));
+  ASSERT_EQ(f.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout) << "queued, not refused";
+  token->Cancel();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_EQ(f.get().status.code(), StatusCode::kCancelled);
+}
+
 }  // namespace
 }  // namespace quern
 

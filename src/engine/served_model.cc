@@ -27,6 +27,23 @@ class ServedModel::Task final : public BatchTask {
   int64_t input_ns = 0;     // this request's batch: gathering inputs
   int64_t output_ns = 0;    // this request's batch: splitting outputs
   bool final_only = false;  // a decoupled model closed it without data
+  // The token whose cancellation wakes the batcher while this task waits in
+  // its queue (so that it leaves the queue at once, not when a batching
+  // delay ends); watched from Submit until the task leaves the queue.
+  CancellationToken* queued_watch = nullptr;
+
+  ~Task() override { UnwatchQueue(); }
+  void WatchQueue(DynamicBatcher* batcher) {
+    if (!request.cancel) return;
+    queued_watch = request.cancel.get();
+    queued_watch->AddOnCancel(this, [batcher] { batcher->Kick(); });
+  }
+  // Before the task leaves its queue (into a batch, dropped, or refused).
+  void UnwatchQueue() {
+    if (queued_watch == nullptr) return;
+    queued_watch->RemoveOnCancel(this);
+    queued_watch = nullptr;
+  }
 
   int64_t size() const override { return items; }
   uint64_t batch_key() const override { return key; }
@@ -122,7 +139,9 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
         raw->ExecuteBatch(worker, std::move(batch));
       },
       [raw](std::unique_ptr<BatchTask> task, const Status& status) {
-        raw->Finish(std::unique_ptr<Task>(static_cast<Task*>(task.release())), status, {});
+        std::unique_ptr<Task> t(static_cast<Task*>(task.release()));
+        t->UnwatchQueue();
+        raw->Finish(std::move(t), status, {});
       });
   if (!batcher) return Err(Status(batcher.error().code(), "model '" + c.name + "': " + batcher.error().message()));
   m->batcher_ = std::move(*batcher);
@@ -205,12 +224,17 @@ Status ServedModel::Submit(InferRequest&& request, uint64_t request_id, InferCal
   }
   so.run_here = so.run_here || run_here;
   task->done = std::move(done);
+  // A cancellation while the task waits wakes the batcher to drop it: the
+  // caller hears at once and its place in the queue (max_queue_size) is
+  // free again, rather than when the batching delay ends.
+  task->WatchQueue(batcher_.get());
   std::unique_ptr<BatchTask> base(task.release());
   st = batcher_->Schedule(base, so);
   if (st.ok()) return st;
   // Schedule left ownership with us: the callback goes back to the caller,
   // and the ticket is given up so that later responses are not held back.
   std::unique_ptr<Task> back(static_cast<Task*>(base.release()));
+  back->UnwatchQueue();
   done = std::move(back->done);
   if (batcher_->stopping()) request = std::move(back->request);  // for the version that replaced this one
   if (ordered_) sequencer_.Complete(back->ticket, [] {});
@@ -532,6 +556,7 @@ void ServedModel::ExecuteBatch(int worker, std::vector<std::unique_ptr<BatchTask
   int64_t items = 0;
   for (auto& b : batch) {
     tasks.emplace_back(static_cast<Task*>(b.release()));
+    tasks.back()->UnwatchQueue();
     items += tasks.back()->items;
   }
   const bool batched = config_.max_batch_size > 0;

@@ -76,6 +76,14 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
   int claimed = -1;
   bool shared = false;
   BatchQueue::Decision here;
+  // Dead tasks found by a full queue, answered once the lock is released.
+  struct Dead {
+    DynamicBatcher* b;
+    std::vector<BatchQueue::Dropped> tasks;
+    ~Dead() {
+      for (auto& d : tasks) b->on_drop_(std::move(d.task), d.status);
+    }
+  } dead{this, {}};
   {
     MutexLock lock(mu_);
     QUERN_RETURN_IF_ERROR(AdmissionLocked(!options.admitted));
@@ -83,7 +91,14 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
     QUERN_RETURN_IF_ERROR(DeadlineAdmissionLocked(task->size(), options, now));
     if (queue_.empty()) foreign_queued_ = false;
     TrackLoadLocked(now);
-    QUERN_RETURN_IF_ERROR(queue_.Enqueue(task, options, now));
+    Status queued = queue_.Enqueue(task, options, now);
+    if (queued.code() == StatusCode::kUnavailable) {
+      // A full queue: tasks cancelled (or past their deadlines) while they
+      // waited hold no place in it, whether or not a worker has looked yet.
+      queue_.Reap(now, dead.tasks);
+      if (!dead.tasks.empty()) queued = queue_.Enqueue(task, options, now);
+    }
+    QUERN_RETURN_IF_ERROR(queued);
     const double present = options.in_model >= 0
                                ? static_cast<double>(options.in_model)
                                : static_cast<double>(queue_.size()) + static_cast<double>(running_tasks_);

@@ -126,7 +126,9 @@ class DynamicBatcher {
   ~DynamicBatcher();
 
   // Takes ownership of `task` only on OK (see BatchQueue::Enqueue); after
-  // Shutdown returns UNAVAILABLE.
+  // Shutdown returns UNAVAILABLE. A full queue first drops its dead tasks
+  // (cancelled, past a deadline) through the DropHandler, on this thread:
+  // they hold no place in it.
   Status Schedule(std::unique_ptr<BatchTask>& task, const ScheduleOptions& options);
 
   // What Schedule would answer now for admission alone (without a task):
@@ -135,7 +137,8 @@ class DynamicBatcher {
   Status CheckAdmission() const;
 
   // Wakes the idle workers to look at the queue now, as a worker that ends
-  // a batch does. (Time passing wakes only workers waiting for a time: a
+  // a batch does (a queued task was cancelled: it leaves at once rather
+  // than when the batching delay ends). (Time passing wakes only workers waiting for a time: a
   // batching delay, a deadline, a lending loop's grace once a worker is
   // awake; a worker asleep while a loop has the queue stays asleep.)
   void Kick();

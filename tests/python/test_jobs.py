@@ -265,6 +265,12 @@ def test_full_queue_refuses_the_submission_at_once(server, store_kind):
         status, _, data = request(server, "DELETE", f"/v2/jobs/{job}")
         assert status == 200, data
         assert json.loads(wait_finished(server, job)[1])["status"] == "cancelled"
+    # The cancelled ones left the queue: two more are taken (and cancelled, so
+    # that nothing waits out the delay, a stop neither).
+    for _ in range(2):
+        again = submit(server, "small_queue", body)
+        status, _, data = request(server, "DELETE", f"/v2/jobs/{again}")
+        assert status == 200, data
 
 
 def test_many_concurrent_jobs_each_get_their_own_result(server):
