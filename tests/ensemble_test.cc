@@ -263,8 +263,9 @@ TEST_F(EnsembleTest, CancellationAndDeadlinesReachTheSteps) {
   cancel->Cancel();
   InferResponse resp = f.get();
   EXPECT_EQ(resp.status.code(), StatusCode::kCancelled) << resp.status.ToString();
-  // The step model dropped it (an idle model notices cancellation when the
-  // batch it waits for would form), so it never ran.
+  // The step model dropped it (the cancellation wakes its batcher: the
+  // request leaves the queue then, not when its batch would form), so it
+  // never ran.
   EXPECT_NE(resp.status.message().find("ensemble 'slow' step 0 (model 'slow_batch')"), std::string::npos)
       << resp.status.message();
   EXPECT_TRUE(resp.steps.empty());

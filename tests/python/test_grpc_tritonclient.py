@@ -444,21 +444,41 @@ def test_deadline_expiry_removes_the_request_before_it_runs(server):
     assert after.execution_count == before.execution_count, "the expired request was computed"
 
 
-def test_cancelled_call_is_not_computed(server):
-    c = grpcclient.InferenceServerClient(server)
-    before = stats(c, "slow_batch")
-    x = grpcclient.InferInput("x", [1, 3], "FP32")
-    x.set_data_from_numpy(np.ones((1, 3), np.float32))
-    done = queue.Queue()
-    future = c.async_infer("slow_batch", [x], lambda result, error: done.put(error))
-    wait_until(lambda: pending("slow_batch") == 1, timeout=30, what="the call queued (slow_batch waits 1 s for company)")
-    future.cancel()
-    wait_until(lambda: stats(c, "slow_batch").inference_stats.fail.count == before.inference_stats.fail.count + 1,
-               timeout=30, what="the cancelled call counted as failed")
-    time.sleep(1.5)  # past the batching delay: had it stayed queued, its batch would have run by now
-    after = stats(c, "slow_batch")
-    assert after.execution_count == before.execution_count, "the cancelled request was computed"
-    assert after.inference_stats.fail.count == before.inference_stats.fail.count + 1
+def test_cancelled_call_leaves_the_queue_at_once_and_is_not_computed(tmp_path):
+    """A call cancelled while it waits for company leaves the queue then, not when the batching
+    delay ends (here ten minutes), and is never computed: the next full batch holds the others only."""
+    import quern_testing
+    os.makedirs(tmp_path / "slow_cancel" / "1")
+    shutil.copy(os.path.join(MODELS, "slow_batch", "1", "model.onnx"), tmp_path / "slow_cancel" / "1" / "model.onnx")
+    (tmp_path / "slow_cancel" / "config.pbtxt").write_text(
+        "max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: 600000000 }\n")
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    try:
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+        before = stats(c, "slow_cancel")
+        x = grpcclient.InferInput("x", [1, 3], "FP32")
+        x.set_data_from_numpy(np.ones((1, 3), np.float32))
+        future = c.async_infer("slow_cancel", [x], lambda result, error: None)
+        wait_until(lambda: quern_testing.pending(ports["metrics"], "slow_cancel") == 1, timeout=30,
+                   what="the call queued (slow_cancel waits 10 minutes for company)")
+        future.cancel()
+        wait_until(lambda: stats(c, "slow_cancel").inference_stats.fail.count == before.inference_stats.fail.count + 1,
+                   timeout=30, what="the cancelled call to leave the queue, counted as failed")
+        assert quern_testing.pending(ports["metrics"], "slow_cancel") == 0
+        # Four more fill a batch at once: it holds those four, not the cancelled one.
+        done = queue.Queue()
+        for k in range(4):
+            y = grpcclient.InferInput("x", [1, 3], "FP32")
+            y.set_data_from_numpy(np.full((1, 3), k, np.float32))
+            c.async_infer("slow_cancel", [y], lambda result, error: done.put(error))
+        assert [done.get(timeout=60) for _ in range(4)] == [None] * 4
+        after = stats(c, "slow_cancel")
+        assert after.execution_count == before.execution_count + 1, after
+        assert after.inference_count == before.inference_count + 4, after
+        assert after.inference_stats.fail.count == before.inference_stats.fail.count + 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_classification_extension_unary_and_stream(server):
