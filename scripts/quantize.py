@@ -3,7 +3,7 @@
 how far its answers agree with the FP32 model's.
 
     quern quantize MODEL_DIR --calibration IMAGES [--check IMAGES] [--out OUT_DIR] [--name NAME]
-                        [--keep-fp32 REGEX] [--count N] [--threshold T]
+                        [--keep-fp32 REGEX] [--count N] [--threshold T] [--runtime onnxruntime|openvino]
     (or scripts/quantize.py ..., the same program: `quern quantize` runs it with $QUERN_PYTHON or python3)
 
 MODEL_DIR is a model of a Quern repository (MODEL_DIR/config.pbtxt with its `quern.image.*` parameters,
@@ -23,7 +23,10 @@ INT8 model are run on the same tensors and compared:
     confidence >= --threshold matched by an INT8 box of the same label with IoU >= 0.9 (and >= 0.5),
     the INT8 boxes matching none, and the confidence differences of the matched boxes;
   - classification: top-1 and top-5 agreement (the FP32 top-1 within the INT8 top-5).
-Needs numpy, Pillow, onnx and onnxruntime (the Python packages).
+--runtime openvino: the twin is for Quern's OpenVINO backend (its config.pbtxt says backend "openvino"):
+the same QDQ file, which OpenVINO runs with its own INT8 kernels; the agreement that decides (and the
+weight width, see --reduce-range) is measured on OpenVINO, and ONNX Runtime's is reported beside it.
+Needs numpy, Pillow, onnx and onnxruntime (the Python packages), and openvino for --runtime openvino.
 """
 import argparse
 import importlib
@@ -319,11 +322,28 @@ def session(path, threads):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def seconds_per_run(sess, name, x, budget=2.0):
-    sess.run(None, {name: x})
+RUNTIMES = ("onnxruntime", "openvino")
+
+
+def runner(path, runtime, threads=1):
+    """A function that runs the model at `path` on `runtime` (one thread) and returns its first output.
+    OpenVINO compiles it as Quern's backend does by default: its own choice of precision for this CPU
+    (bf16 where the CPU has it) around the INT8 layers."""
+    if runtime == "openvino":
+        import openvino as ov
+        compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1})
+        request = compiled.create_infer_request()
+        return lambda x: np.array(request.infer({0: x})[0])
+    sess = session(path, threads)
+    name = sess.get_inputs()[0].name
+    return lambda x: sess.run(None, {name: x})[0]
+
+
+def seconds_per_run(run, x, budget=2.0):
+    run(x)
     t, n = time.perf_counter(), 0
     while time.perf_counter() - t < budget:
-        sess.run(None, {name: x})
+        run(x)
         n += 1
     return (time.perf_counter() - t) / n
 
@@ -352,18 +372,17 @@ def check_inputs(paths, pre, with_views):
 
 
 def reference_outputs(src, check):
-    """The FP32 model's first output for each check input, in order."""
-    ref = session(src, 1)
-    name = ref.get_inputs()[0].name
-    return [ref.run(None, {name: x})[0] for _, x in check]
+    """The FP32 model's first output for each check input, in order (ONNX Runtime's: the reference
+    for every runtime's twin)."""
+    ref = runner(src, "onnxruntime")
+    return [ref(x) for _, x in check]
 
 
-def agreement(reference, dst, check, task, cfg, threshold):
-    """How the INT8 model dst answers the check inputs against the FP32 model's answers `reference`:
-    {"detection": ...} or {"classification": ...} (nothing for another task)."""
-    q = session(dst, 1)
-    name = q.get_inputs()[0].name
-    pairs = [(label, want, q.run(None, {name: x})[0]) for (label, x), want in zip(check, reference)]
+def agreement(reference, dst, check, task, cfg, threshold, runtime="onnxruntime"):
+    """How the INT8 model dst, run on `runtime`, answers the check inputs against the FP32 model's
+    answers `reference`: {"detection": ...} or {"classification": ...} (nothing for another task)."""
+    q = runner(dst, runtime)
+    pairs = [(label, want, q(x)) for (label, x), want in zip(check, reference)]
     if task == "detection":
         return {"detection": detection_agreement(pairs, cfg["parameters"].get("quern.detection.format", ""),
                                                  threshold)}
@@ -382,16 +401,19 @@ def agreement_score(report):
     return (0.0, 0.0)
 
 
-def require_packages():
+def require_packages(runtime):
     missing = []
-    for module, package in (("numpy", "numpy"), ("PIL.Image", "Pillow"), ("onnx", "onnx"),
-                            ("onnxruntime", "onnxruntime")):
+    needed = [("numpy", "numpy"), ("PIL.Image", "Pillow"), ("onnx", "onnx"), ("onnxruntime", "onnxruntime")]
+    if runtime == "openvino":
+        needed.append(("openvino", "openvino"))
+    for module, package in needed:
         try:
             importlib.import_module(module)
         except ImportError:
             missing.append(package)
     if missing:
-        sys.exit(f"quern quantize: needs the Python packages numpy, Pillow, onnx and onnxruntime; {sys.executable} "
+        names = ", ".join(p for _, p in needed[:-1]) + " and " + needed[-1][1]
+        sys.exit(f"quern quantize: needs the Python packages {names}; {sys.executable} "
                  f"lacks {', '.join(missing)}: pip install {' '.join(missing)}, or name a Python that has them "
                  f"with QUERN_PYTHON=/path/to/python")
 
@@ -422,9 +444,12 @@ def main():
                     "in 16 bits, which 8-bit weights can saturate; auto (the default): 8 bits where this CPU "
                     "has VNNI, else both measured on the --check images and the one that agrees better kept "
                     "(7 bits without --check)")
+    ap.add_argument("--runtime", choices=RUNTIMES, default="onnxruntime",
+                    help="the runtime the twin is for (default onnxruntime): its config names that backend, and "
+                    "its agreement decides; with openvino, ONNX Runtime's agreement is reported beside it")
     ap.add_argument("--time", action="store_true", help="also time one run of each model on one thread")
     args = ap.parse_args()
-    require_packages()
+    require_packages(args.runtime)
 
     import onnx
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
@@ -505,15 +530,23 @@ def main():
             out = os.path.join(tmp, f"int8_{bits}.onnx")
             reader = Reader()
             quantize_static(src_named if unnamed else src, out, reader, reduce_range=bits == 7, **quant_options)
-            measured[bits] = (out, agreement(reference, out, check, task, cfg, args.threshold) if check else {})
+            measured[bits] = (out, agreement(reference, out, check, task, cfg, args.threshold, args.runtime)
+                              if check else {})
         weight_bits = max(candidates, key=lambda b: (agreement_score(measured[b][1]), b))
         shutil.copy(measured[weight_bits][0], dst)
+        # The other runtime's agreement on the same file, beside the one that decided.
+        beside = {r: agreement(reference, dst, check, task, cfg, args.threshold, r)
+                  for r in RUNTIMES if r != args.runtime} if check and args.runtime != "onnxruntime" else {}
 
     header = (f"# INT8 twin of '{cfg['name']}' (scripts/quantize.py: QDQ, weights INT8 per channel"
               f"{' in 7 bits' if weight_bits == 7 else ''}, activations\n"
               f"# UINT8 calibrated on {len(tensors)} views of {len(calibration)} images;"
               f" {len(keep)} nodes kept in FP32).\n# agreement.json: how its answers compare with the FP32 model's.\n")
     text = re.sub(r'^(name\s*:\s*)"[^"]*"', lambda m: m.group(1) + f'"{name}"', config_text, count=1, flags=re.M)
+    if args.runtime == "openvino":
+        # The backend the twin was measured on (a platform line would name ONNX Runtime's).
+        text = re.sub(r'(?m)^\s*(backend|platform)\s*:.*\n?', "", text)
+        header += '# For OpenVINO (quern quantize --runtime openvino).\nbackend: "openvino"\n'
     with open(os.path.join(out_dir, "config.pbtxt"), "w") as f:
         f.write(header + text)
     for f in os.listdir(model_dir):
@@ -526,21 +559,29 @@ def main():
     report = {"model": cfg["name"], "int8_model": name, "calibration_images": [os.path.basename(f) for f in calibration],
               "calibration_tensors": len(tensors),
               "nodes_kept_fp32": keep, "nodes_kept_fp32_because": kept_why, "nodes_named_here": unnamed,
-              "weight_bits": weight_bits}
+              "weight_bits": weight_bits, "runtime": args.runtime}
     report.update(measured[weight_bits][1])
+    if beside:
+        report["by_runtime"] = {args.runtime: measured[weight_bits][1], **beside}
     if len(measured) > 1:
         report["weight_bits_measured"] = {str(b): agreement_score(r) for b, (_, r) in measured.items()}
     if args.time and check:
-        ref, q = session(src, 1), session(dst, 1)
         x = check[-1][1]
-        report["ms_per_run_one_thread"] = {"fp32": 1e3 * seconds_per_run(ref, pre.name, x),
-                                           "int8": 1e3 * seconds_per_run(q, pre.name, x)}
+        report["ms_per_run_one_thread"] = {"fp32": 1e3 * seconds_per_run(runner(src, "onnxruntime"), x),
+                                           "int8": 1e3 * seconds_per_run(runner(dst, args.runtime), x)}
+        if args.runtime != "onnxruntime":
+            report["ms_per_run_one_thread"][f"fp32 {args.runtime}"] = 1e3 * seconds_per_run(runner(src, args.runtime), x)
     with open(os.path.join(out_dir, "agreement.json"), "w") as f:
         json.dump(report, f, indent=1)
+    def brief(r):  # the figures, without the lists of images
+        return {k: {a: b for a, b in r[k].items() if not isinstance(b, list)} for k in r}
+
     summary = {k: v for k, v in report.items() if k != "nodes_kept_fp32"}
     for k in ("detection", "classification"):
         if k in summary:
-            summary[k] = {a: b for a, b in summary[k].items() if not isinstance(b, list)}
+            summary.update(brief({k: summary[k]}))
+    if "by_runtime" in summary:
+        summary["by_runtime"] = {r: brief(a) for r, a in summary["by_runtime"].items()}
     print(json.dumps(summary, indent=1))
 
 

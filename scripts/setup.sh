@@ -269,12 +269,35 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             with open(sys.argv[2] + "/licenses/" + m.rsplit("/", 1)[1], "wb") as f:
                 f.write(z.read(m))
 PY
+  mkdir -p "$tmp/x/wheel"
+  mv "$tmp/$OV_WHL" "$tmp/x/wheel/"  # for the venv's openvino module (install_openvino_python)
   rm -rf "$dest"
   mkdir -p "$TP"
   mv "$tmp/x" "$dest"
   [ -f "$dest/licenses/LICENSE" ] || die "OpenVINO's wheel $OV_WHL has no licence file"
   touch "$dest/.complete-$OV_VERSION-notices"
   log "OpenVINO installed in $dest"
+}
+
+# The same wheel's Python module in the venv (the tests, and `quern quantize --runtime openvino`, which
+# runs a twin through OpenVINO): --no-deps, as its one other requirement is OpenVINO's telemetry
+# package, which its runtime does not import.
+install_openvino_python() {
+  [ "$MODE" = all ] || return 0
+  if [ "$("$VENV/bin/python" -c 'import openvino; print(openvino.__version__.split("-")[0])' 2>/dev/null)" = "$OV_VERSION" ]; then
+    log "OpenVINO's Python module present"
+    return 0
+  fi
+  local whl="$TP/openvino/wheel/$OV_WHL" tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  if [ ! -f "$whl" ]; then  # an installation from before the wheel was kept
+    pypi_fetch openvino "$OV_WHL" "$tmp"
+    whl="$tmp/$OV_WHL"
+  fi
+  check_sha "$whl" "$OV_WHL_SHA256"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-index "$whl"
+  log "OpenVINO's Python module installed in the venv"
 }
 
 # QUERN_WITH_CUDA=1 (see the top): the onnxruntime-gpu wheel's library and CUDA provider replace the
@@ -682,6 +705,7 @@ start install_nanodet
 start install_yolo
 install_labelled_photos
 wait_for install_openvino
+start install_openvino_python
 wait_for install_ocr_models
 wait_for install_nanodet
 wait_for install_yolo

@@ -4,6 +4,7 @@ independently (onnxruntime runs both files on the check photographs, pre-process
 numpy); calibration and check images may not overlap; the twin is served by Quern."""
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -210,6 +211,70 @@ def test_the_twin_is_served_beside_its_model(quantized, tmp_path):
             outs[m] = client.infer(m, [inp]).as_numpy("probabilities")[0]
         assert abs(outs["small"].sum() - 1) < 1e-4 and abs(outs["small_int8"].sum() - 1) < 1e-2, outs
         assert np.abs(outs["small"] - outs["small_int8"]).max() < 0.1, outs
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_twin_for_openvino_is_measured_and_served_there(quantized, tmp_path):
+    """--runtime openvino: the same QDQ file, its config naming the openvino backend; the agreement
+    that decides is OpenVINO's running the twin, ONNX Runtime's beside it, both as computed here (the
+    FP32 reference from onnxruntime, the twin run by each runtime's own Python package); and Quern
+    serves it on OpenVINO with the answers OpenVINO gives here."""
+    import onnxruntime
+    import openvino as ov
+    import tritonclient.http as httpclient
+    repo = tmp_path / "repo"
+    shutil.copytree(quantized / "small", repo / "small")
+    out = repo / "small_ov"
+    run = subprocess.run([sys.executable, QUANTIZE, str(repo / "small"), "--out", str(out), "--runtime", "openvino",
+                          "--reduce-range", "off", "--count", "8", "--calibration"] +
+                         [os.path.join(PHOTOS, f) for f in CALIBRATION] + ["--check"] +
+                         [os.path.join(PHOTOS, f) for f in CHECK] + ["--check-views"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "agreement.json").read_text())
+    config = (out / "config.pbtxt").read_text()
+    assert re.findall(r'(?m)^\s*backend\s*:\s*"([^"]*)"', config) == ["openvino"], config
+    assert 'name: "small_ov"' in config, config
+    fp32 = onnxruntime.InferenceSession(str(repo / "small" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    twin = {"onnxruntime": onnxruntime.InferenceSession(str(out / "1" / "model.onnx"),
+                                                        providers=["CPUExecutionProvider"]).run,
+            "openvino": ov.Core().compile_model(str(out / "1" / "model.onnx"), "CPU")}
+    answer = {"onnxruntime": lambda x: twin["onnxruntime"](None, {"x": x})[0][0],
+              "openvino": lambda x: np.array(twin["openvino"]({0: x})[0])[0]}
+    agree = {r: [0, 0] for r in answer}
+    inputs = []
+    for f in CHECK:
+        for view in views(Image.open(os.path.join(PHOTOS, f)).convert("RGB")).values():
+            img = view.resize((SIZE, SIZE), Image.BILINEAR)
+            x = np.ascontiguousarray((np.asarray(img, np.float32) / 255).transpose(2, 0, 1)[None])
+            inputs.append(x)
+            want = int(np.argmax(fp32.run(None, {"x": x})[0][0]))
+            for r, f_ in answer.items():
+                p = f_(x)
+                agree[r][0] += want == int(np.argmax(p))
+                agree[r][1] += want in list(np.argsort(-p)[:5])
+    n = len(inputs)
+    assert report["runtime"] == "openvino" and report["weight_bits"] == 8, report
+    assert set(report["by_runtime"]) == {"openvino", "onnxruntime"}, report
+    assert report["classification"] == report["by_runtime"]["openvino"]["classification"], report
+    for r, (top1, top5) in agree.items():
+        got = report["by_runtime"][r]["classification"]
+        assert got["images"] == n, got
+        assert got["top1_agreement"] == pytest.approx(top1 / n), (r, got, top1)
+        assert got["top5_agreement"] == pytest.approx(top5 / n), (r, got, top5)
+    # Served: backend openvino, the answers OpenVINO gives the same file here.
+    proc, ports = start_quern(os.environ["QUERN_BIN"], str(repo))
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}")
+        assert client.get_model_metadata("small_ov")["platform"].startswith("openvino"), \
+            client.get_model_metadata("small_ov")
+        for x in inputs[:6]:
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            got = client.infer("small_ov", [inp]).as_numpy("probabilities")[0]
+            np.testing.assert_allclose(got, answer["openvino"](x), atol=2e-3)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
