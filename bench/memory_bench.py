@@ -9,11 +9,17 @@ its resident memory (VmRSS) is read: after loading; after --steady seconds of re
 time (the steady state at batch 1); after 12 requests sent 4 at a time and 3 one at a time (so every instance, the
 wide one included, has run); right after --seconds of --load requests in flight (binary KServe
 bodies from quern-perf: large batches); and after --quiet seconds without requests. Prints one line per layout
-with the answers per second of the load phase.
+with the answers per second of the load phase, and the peak (VmHWM) by its end.
+
+--vision JPEG: every request is that photograph posted to the CodeProject.AI detection route
+(/v1/vision/detection, multipart; the model must be a detector), the load phase as --load Python
+client threads, each sending its next request when its answer arrives.
 
     build/venv/bin/python bench/memory_bench.py bench/models/resnet50 [--counts 1 2 4]
     build/venv/bin/python bench/memory_bench.py examples/models/objects --counts --load 16
     build/venv/bin/python bench/memory_bench.py examples/models/objects --keep-config --backend openvino
+    build/venv/bin/python bench/memory_bench.py examples/models/objects --keep-config --counts --load 16 \
+        --vision examples/data/dog.jpg
 """
 import argparse
 import concurrent.futures
@@ -38,10 +44,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def rss_mb(pid):
+def rss_mb(pid, field="VmRSS"):
+    """VmRSS (resident now) or VmHWM (the most resident so far) of `pid`, in MB."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -73,7 +80,15 @@ def request_body(base):
     return header + struct.pack(f"<{n}f", *([0.5] * n)), len(header)
 
 
-def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet, backend=None):
+def multipart(jpeg):
+    """(body, content type) of a CodeProject.AI request carrying `jpeg` as its image."""
+    boundary = "quernmemorybench"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"frame.jpg\"\r\n"
+            f"Content-Type: image/jpeg\r\n\r\n").encode() + jpeg + f"\r\n--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet, backend=None, vision=None):
     repo = tempfile.mkdtemp(prefix="quern-memory-")
     try:
         own = os.path.join(model_dir, "config.pbtxt")
@@ -100,14 +115,19 @@ def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, 
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc)
             row = {"after load": rss_mb(proc.pid)}
-            body, header_len = request_body(base)
+            if vision:
+                with open(vision, "rb") as f:
+                    body, content_type = multipart(f.read())
+                path, headers = "/v1/vision/detection", {"Content-Type": content_type}
+            else:
+                body, header_len = request_body(base)
+                path, headers = "/v2/models/m/infer", {"Content-Type": "application/octet-stream",
+                                                       "Inference-Header-Content-Length": str(header_len)}
 
             def infer(conn=None):
                 own_conn = conn is None
                 conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-                conn.request("POST", "/v2/models/m/infer", body,
-                             {"Content-Type": "application/octet-stream",
-                              "Inference-Header-Content-Length": str(header_len)})
+                conn.request("POST", path, body, headers)
                 r = conn.getresponse()
                 r.read()
                 if own_conn:
@@ -124,16 +144,37 @@ def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, 
             for _ in range(3):
                 infer()
             row["after requests"] = rss_mb(proc.pid)
-            # The load: quern-perf (binary tensors, one connection per request in flight).
-            out = subprocess.run([perf, "--url", base, "-m", "m", "-c", str(load), "-s", str(seconds),
-                                  "--warmup", "1", "--format", "json"], capture_output=True, text=True, timeout=600)
-            if out.returncode != 0:
-                raise SystemExit(f"quern-perf failed: {out.stderr}")
-            row["load"] = rss_mb(proc.pid)
-            level = json.loads(out.stdout)["levels"][0]
-            if level["errors"]:
-                raise SystemExit(f"quern-perf: {level['errors']} requests failed: {level['error_kinds']}")
-            row["answers/s"] = level["requests_per_s"]
+            if vision:
+                # The load: `load` clients, each on its own connection, one request in flight each.
+                end = time.time() + seconds
+
+                def client(_):
+                    conn, n = http.client.HTTPConnection("127.0.0.1", port, timeout=300), 0
+                    while time.time() < end:
+                        infer(conn)
+                        n += 1
+                    conn.close()
+                    return n
+
+                start = time.time()
+                with concurrent.futures.ThreadPoolExecutor(load) as ex:
+                    answered = sum(ex.map(client, range(load)))
+                row["load"] = rss_mb(proc.pid)
+                row["peak"] = rss_mb(proc.pid, "VmHWM")
+                row["answers/s"] = answered / (time.time() - start)
+            else:
+                # The load: quern-perf (binary tensors, one connection per request in flight).
+                out = subprocess.run([perf, "--url", base, "-m", "m", "-c", str(load), "-s", str(seconds),
+                                      "--warmup", "1", "--format", "json"], capture_output=True, text=True,
+                                     timeout=600)
+                if out.returncode != 0:
+                    raise SystemExit(f"quern-perf failed: {out.stderr}")
+                row["load"] = rss_mb(proc.pid)
+                row["peak"] = rss_mb(proc.pid, "VmHWM")
+                level = json.loads(out.stdout)["levels"][0]
+                if level["errors"]:
+                    raise SystemExit(f"quern-perf: {level['errors']} requests failed: {level['error_kinds']}")
+                row["answers/s"] = level["requests_per_s"]
             time.sleep(quiet)
             row["quiet"] = rss_mb(proc.pid)
             return row
@@ -154,17 +195,18 @@ def main():
     ap.add_argument("--load", type=int, default=16, help="requests in flight in the load phase")
     ap.add_argument("--seconds", type=float, default=10, help="length of the load phase")
     ap.add_argument("--quiet", type=float, default=7, help="seconds without requests before the last reading")
+    ap.add_argument("--vision", help="a JPEG: requests go to /v1/vision/detection (see above)")
     ap.add_argument("--quern", default=os.path.join(ROOT, "build", "ci", "src", "cli", "quern"))
     ap.add_argument("--perf", default=os.path.join(ROOT, "build", "ci", "src", "cli", "quern-perf"),
                     help="the load generator (quern perf)")
     a = ap.parse_args()
     print(f"{a.model}: resident memory (VmRSS) of quern serve, MB; {a.load} in flight for {a.seconds:g} s, "
           f"then {a.quiet:g} s quiet")
-    cols = ["after load", "batch 1", "after requests", "load", "quiet", "answers/s"]
+    cols = ["after load", "batch 1", "after requests", "load", "peak", "quiet", "answers/s"]
     print(f"{'layout':<24} " + " ".join(f"{c:>14}" for c in cols))
     for count in [0] + a.counts:
         row = measure(a.quern, a.perf, a.model, count, a.keep_config, a.steady, a.load, a.seconds, a.quiet,
-                      a.backend)
+                      a.backend, a.vision)
         label = "automatic (cores + wide)" if count == 0 else f"count {count}"
         print(f"{label:<24} " + " ".join(f"{row[c]:>14.1f}" if c == "answers/s" else f"{row[c]:>14.0f}"
                                          for c in cols), flush=True)

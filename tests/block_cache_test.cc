@@ -163,6 +163,33 @@ TEST(BlockCache, AKeptBlockGoesBackToTheSystemAfterTheIdleTimeAndNotBefore) {
   ASSERT_TRUE(Eventually([&] { return cache.InUse().returned == 4; }));
 }
 
+TEST(BlockCache, ReturnKeptGivesBackEveryKeptBlockAtOnceAndNoneInUse) {
+  FakeClock clock;  // never advanced: only ReturnKept returns a block here
+  BlockCache cache({kMin, kIdle}, clock);
+  const size_t n = size_t{2} << 20;
+  void* a = cache.Alloc(n);
+  void* b = cache.Alloc(n * 3);
+  void* in_use = cache.Alloc(n);
+  static_cast<char*>(in_use)[n - 1] = 7;
+  cache.Free(a);
+  cache.Free(b);
+  ASSERT_EQ(cache.InUse().kept_bytes, cache.ClassBytes(n) + cache.ClassBytes(n * 3));
+  cache.ReturnKept();
+  EXPECT_EQ(cache.InUse().kept_bytes, 0u);
+  EXPECT_EQ(cache.InUse().returned, 2);
+  EXPECT_EQ(cache.InUse().in_use_bytes, cache.ClassBytes(n)) << "a block in use is not returned";
+  EXPECT_EQ(static_cast<char*>(in_use)[n - 1], 7);
+  // The next request maps a new block (none kept), and the one in use is kept once freed.
+  void* c = cache.Alloc(n);
+  EXPECT_EQ(cache.InUse().mapped, 4);
+  cache.Free(in_use);
+  cache.Free(c);
+  EXPECT_EQ(cache.InUse().kept_bytes, 2 * cache.ClassBytes(n));
+  cache.ReturnKept();
+  EXPECT_EQ(cache.InUse().kept_bytes, 0u);
+  EXPECT_EQ(cache.InUse().returned, 4);
+}
+
 TEST(BlockCache, TheLoadIsOverWhenNothingIsKeptOrInUse) {
   FakeClock clock;
   std::atomic<int> idle{0};

@@ -11,7 +11,10 @@
 // outputs lie within 0.1 % (f32) or 5 % (bf16) of FP32's largest value, per
 // output, and whose answers mean the same (ModelServices::compare_answers,
 // when the engine has one: a detector's boxes), is kept; the others are
-// dropped. Another runtime replaces ONNX
+// dropped. One runtime's model is open at a time: ONNX Runtime's is closed
+// while the others are measured (its outputs kept to compare with, its
+// runs' buffers returned: Backend::ReturnIdleMemory) and opened again when
+// it stays the choice, so the load's peak is about the largest candidate's. Another runtime replaces ONNX
 // Runtime only when at least 10 % faster, and a model whose ONNX Runtime
 // run takes under 1 ms is not measured further (ONNX Runtime serves it).
 // The choice and the table behind it are logged; the served configuration

@@ -172,6 +172,7 @@ class OrtBackend final : public Backend {
   std::string RuntimeVersion() const override {
     return std::string("ONNX Runtime ") + OrtGetApiBase()->GetVersionString();
   }
+  void ReturnIdleMemory() override { OrtReturnIdleMemory(); }
 };
 
 // Built-in stages (backend "quern", parameter quern.stage): C++ steps for

@@ -193,6 +193,20 @@ BlockCache::Use BlockCache::InUse() const {
   return use_;
 }
 
+void BlockCache::ReturnKept() {
+  std::vector<std::pair<void*, size_t>> kept;
+  {
+    MutexLock lock(mu_);
+    for (auto& [bytes, blocks] : kept_) {
+      for (const Kept& k : blocks) kept.emplace_back(k.base, bytes);
+      use_.kept_bytes -= bytes * blocks.size();
+    }
+    kept_.clear();
+    use_.returned += static_cast<int64_t>(kept.size());
+  }
+  for (const auto& [base, bytes] : kept) Unmap(base, bytes);  // outside the lock, as the release loop does
+}
+
 void BlockCache::ReleaseLoop() {
   std::vector<std::pair<void*, size_t>> expired;
   MutexLock lock(mu_);

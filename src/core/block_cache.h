@@ -81,6 +81,10 @@ class BlockCache {
 
   Use InUse() const;
 
+  // Returns every kept block to the system now, as if each had been idle
+  // long enough (a model's load is done with what it measured, say).
+  void ReturnKept();
+
   // The mapped size of a large request of `size` bytes (its class, header
   // included); 0 for a request below min_cached_bytes.
   size_t ClassBytes(size_t size) const;

@@ -81,6 +81,10 @@ class Backend {
   // The runtime's name and version ("ONNX Runtime 1.32.0"), or empty when
   // it has none or cannot be loaded. May load the runtime.
   virtual std::string RuntimeVersion() const { return ""; }
+  // Returns to the system what the runtime keeps for later runs and no
+  // model uses now (its runs' buffers), and the C library's free pages.
+  // Called at a load's rare moments (a measurement closed a candidate).
+  virtual void ReturnIdleMemory() {}
 };
 
 class BackendRegistry {

@@ -433,6 +433,48 @@ def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_pat
         stop_quern(proc)
 
 
+def test_onnx_runtime_closed_while_openvino_is_measured_serves_once_opened_again(tmp_path):
+    """ONNX Runtime is measured first, then closed while OpenVINO is measured (the load holds one
+    runtime's model at a time), and opened again when it stays the choice. A convolution plus noise
+    (RandomUniformLike, which each runtime draws its own way): OpenVINO's outputs differ, so ONNX
+    Runtime serves, from the session opened again, what numpy computes within the noise's [0, 1)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(11)
+    w = rng.normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("RandomUniformLike", ["c"], ["noise"], low=0.0, high=1.0),
+         helper.make_node("Add", ["c", "noise"], ["y"])], "noisy",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, 256, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 8, 256, 256])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    repo = tmp_path / "repo"
+    (repo / "noisy" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "noisy" / "1" / "model.onnx"))
+    (repo / "noisy" / "config.pbtxt").write_text('backend: "auto"\nmax_batch_size: 2\n')
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    try:
+        line = next(line for line in log if "runtime chosen by measurement" in line)
+        chosen, table_ = parse_choice(line)
+        assert chosen == "onnxruntime" and table_["onnxruntime"][0] is not None, line
+        assert "outputs differ" in str(table_["openvino f32"][1]), line
+        x = rng.random((1, 3, 256, 256), dtype=np.float32)
+        got = infer(ports["HTTP"], "noisy", [("x", "FP32", x)])["y"]
+        # The convolution, in numpy: 3x3, padding 1.
+        padded = np.pad(x[0], ((0, 0), (1, 1), (1, 1)))
+        want = np.zeros((8, 256, 256), np.float32)
+        for dy in range(3):
+            for dx in range(3):
+                want += np.einsum("oc,chw->ohw", w[:, :, dy, dx], padded[:, dy:dy + 256, dx:dx + 256])
+        noise = got[0] - want
+        assert noise.min() > -1e-3 and noise.max() < 1 + 1e-3 and 0.4 < noise.mean() < 0.6, (noise.min(), noise.max())
+    finally:
+        stop_quern(proc)
+
+
 def test_a_warm_up_sample_of_the_models_own_data_is_the_check_input(tmp_path):
     """The lookup model above, whose made-up check input is out of its table's range, given a
     model_warmup sample read from a file of valid ids: measured on that sample, the log naming it. A

@@ -152,6 +152,11 @@ BlockCache& OrtRunMemory() {
   return *cache;
 }
 
+void OrtReturnIdleMemory() {
+  OrtRunMemory().ReturnKept();
+  ReturnFreedMemory();
+}
+
 Ort::Env& OrtEnv() {
   static Ort::Env* env = [] {
     // ONNX Runtime 1.29 and later start Microsoft's telemetry on Linux when

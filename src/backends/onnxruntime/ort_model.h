@@ -60,6 +60,10 @@ Result<OrtSessionOptions> SessionOptionsForGpu(const ModelConfig& config, int de
 // provider library is not installed beside libonnxruntime), or empty.
 std::string OrtWhyNoCuda();
 
+// Returns the runs' kept buffers (OrtRunMemory) and the C library's free
+// pages to the system now.
+void OrtReturnIdleMemory();
+
 // Default max_batch_size for a bare model.onnx whose first dimension is dynamic.
 inline constexpr int kDefaultMaxBatchSize = 16;
 
