@@ -447,6 +447,26 @@ class AutoBackend final : public Backend {
 
   void SetServices(const ModelServices& services) override { compare_answers_ = services.compare_answers; }
 
+  // The candidate a choice kept at `path` names, opened with `open` and
+  // its check input run once (what the measurement did for it), or null:
+  // no such choice, another OpenVINO, or a failure (measured again then).
+  template <typename OpenFn>
+  Candidate* OpenKept(const std::filesystem::path& path, std::vector<Candidate>& cs, OpenFn& open,
+                      const std::filesystem::path& model_dir, const std::string& model) {
+    auto cached = ReadChoice(path);
+    if (!cached) return nullptr;
+    auto it = std::find_if(cs.begin(), cs.end(), [&](const Candidate& c) { return c.label == cached->label; });
+    if (it == cs.end() || cached->openvino != ov_->RuntimeVersion()) return nullptr;
+    if (auto opened = open(*it); opened) {
+      it->opened = std::move(*opened);
+      if (!RunsTheCheckInput(*it, model_dir)) it->opened.reset();
+    }
+    if (!it->opened) return nullptr;
+    Log(LogLevel::kInfo, "runtime chosen by measurement (kept in " + path.string() + "): " + cached->measured,
+        {{"model", model}});
+    return &*it;
+  }
+
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
                                             bool has_config_file, int cores, int instances) override {
     // The model's folder (its warm-up files): the repository's name for it; else the file's
@@ -481,23 +501,9 @@ class AutoBackend final : public Backend {
     if (!cache_dir_.empty()) {
       if (auto key = ChoiceKey(config, file, model_dir, cs, cores, instances); !key.empty()) {
         cached_path = cache_dir_ / (key + ".choice");
-        if (auto cached = ReadChoice(cached_path)) {
-          auto it = std::find_if(cs.begin(), cs.end(), [&](const Candidate& c) { return c.label == cached->label; });
-          if (it != cs.end() && cached->openvino == ov_->RuntimeVersion()) {
-            // Opened, and the check input run once: what the measurement
-            // did for it (a failure measures again).
-            if (auto opened = open(*it); opened) {
-              it->opened = std::move(*opened);
-              if (!RunsTheCheckInput(*it, model_dir)) it->opened.reset();
-            }
-            if (it->opened) {
-              Log(LogLevel::kInfo,
-                  "runtime chosen by measurement (kept in " + cached_path.string() + "): " + cached->measured,
-                  {{"model", config.name}});
-              config = it->config;
-              return std::move(it->opened);
-            }
-          }
+        if (Candidate* kept = OpenKept(cached_path, cs, open, model_dir, config.name)) {
+          config = kept->config;
+          return std::move(kept->opened);
         }
       }
     }
