@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpus.h"
 #include "frontends/vision/vision_handler.h"
 #include "test_util.h"
 
@@ -333,6 +334,34 @@ TEST_F(VisionServiceTest, ALargeImageCountsAsManyAsItsPixels) {
   ASSERT_TRUE(Drive([&] { return answered.load() == 2 && s.stats().in_flight == 0; }));
   for (int i = 0; i < 8; ++i) ASSERT_TRUE(submit(image_).ok()) << "usual image " << i;
   ASSERT_TRUE(Drive([&] { return answered.load() == 10; }));
+}
+
+// A burst is admitted whole but decoded only as fast as the model can take it: at most one image
+// per stage lane and one batch per instance (the cores', and the wide one) begin at once, the rest
+// waiting as their encoded files; each answer begins the next, and every image is answered once.
+TEST_F(VisionServiceTest, ABurstIsDecodedOnlyAsTheModelCanTakeIt) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 64;
+  o.stage_threads = 1;  // one lane (the test's executor runs the tasks)
+  VisionService s(engine_.get(), o);
+  const int ahead = 1 + (UsableCores() + 1) * 1;  // colour: max_batch_size 1
+  const int images = ahead + 3;
+  std::atomic<int> answers{0}, ok{0};
+  for (int i = 0; i < images; ++i) {
+    VisionCallback done = [&](VisionResult&& r) {
+      ok.fetch_add(r.status.ok() ? 1 : 0);
+      answers.fetch_add(1);
+    };
+    ASSERT_TRUE(s.Submit(Red(s), done).ok()) << i;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    EXPECT_EQ(static_cast<int>(tasks_.size()), ahead) << "decodings posted for a burst of " << images;
+  }
+  EXPECT_EQ(s.stats().in_flight, images) << "every image admitted";
+  ASSERT_TRUE(Drive([&] { return answers.load() == images && s.stats().in_flight == 0; }));
+  EXPECT_EQ(ok.load(), images);
+  EXPECT_EQ(s.stats().requests, static_cast<uint64_t>(images));
 }
 
 TEST_F(VisionServiceTest, AdmissionIsBoundedByMemory) {

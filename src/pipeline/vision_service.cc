@@ -75,6 +75,7 @@ struct VisionService::Job {
   VisionTimings timings;
   int64_t post_start_ns = 0;
   std::optional<DecodedImage> decoded;  // kept for the descriptor's crops
+  bool begun = false;                   // counted in its model's ModelLoad::begun
 };
 
 VisionService::VisionService(Engine* engine, VisionServiceOptions options)
@@ -140,6 +141,16 @@ VisionService::~VisionService() {
   }
   pool_cv_.SignalAll();
   for (auto& t : threads_) t.join();
+  // Images still waiting to begin after the wait above: answered, not lost.
+  std::vector<std::shared_ptr<Job>> left;
+  {
+    MutexLock lock(load_mu_);
+    for (auto& [model, load] : loads_) {
+      for (auto& job : load.waiting) left.push_back(std::move(job));
+      load.waiting.clear();
+    }
+  }
+  for (const auto& job : left) Fail(job, Unavailable("the server stopped before the image was decoded"), false);
 }
 
 VisionStats VisionService::stats() const {
@@ -483,8 +494,45 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
   job->timings.received_ns = clock_->NowNs();
   job->deadline_ns = job->timings.received_ns + TimeoutNs();
   requests_.Increment();
-  Post([this, job] { Process(job); }, false);
+  Begin(job);
   return Status::Ok();
+}
+
+int64_t VisionService::DecodeAhead(const VisionModel& m) const {
+  return lanes_ + (UsableCores() + 1) * std::max(1, m.max_batch_size);
+}
+
+void VisionService::Begin(const std::shared_ptr<Job>& job) {
+  const int64_t ahead = DecodeAhead(*job->request.model);
+  {
+    MutexLock lock(load_mu_);
+    ModelLoad& load = loads_[job->request.model->name];
+    if (load.begun >= ahead) {
+      load.waiting.push_back(job);
+      return;
+    }
+    ++load.begun;
+    job->begun = true;
+  }
+  Post([this, job] { Process(job); }, false);
+}
+
+void VisionService::Ended(const Job& job) {
+  if (!job.begun) return;
+  std::shared_ptr<Job> next;
+  {
+    MutexLock lock(load_mu_);
+    auto it = loads_.find(job.request.model->name);
+    if (it == loads_.end()) return;
+    ModelLoad& load = it->second;
+    --load.begun;
+    if (load.waiting.empty()) return;
+    next = std::move(load.waiting.front());
+    load.waiting.pop_front();
+    ++load.begun;
+    next->begun = true;
+  }
+  Post([this, next] { Process(next); }, false);
 }
 
 void VisionService::Process(const std::shared_ptr<Job>& job) {
@@ -735,6 +783,7 @@ void VisionService::Deliver(const std::shared_ptr<Job>& job, VisionResult&& resu
   // free; the bytes and the pipeline's count after the callback, so that whoever waits for the
   // service to be idle (a draining server) finds the answer already handed on.
   ReleaseLoad(job->request.model->name, job->timings.received_ns, job->units);
+  Ended(*job);
   if (done) done(std::move(result));
   job->request.owner.reset();
   ReleaseHeld(job->charged_bytes);

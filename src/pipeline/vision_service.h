@@ -217,6 +217,12 @@ class VisionService {
     double avg_pixels = 0;       // EWMA of the admitted images' pixels (0 = none yet)
     double ms_per_image = 20.0;  // EWMA of busy time per image
     int64_t last_completion_ns = 0;
+    // Images begun (decoding, decoded, in the engine, post-processed) and
+    // not yet answered, and those admitted that wait to begin: an image is
+    // decoded only when it can soon reach an instance (DecodeAhead), so
+    // that a burst waits as its small encoded files, not as model inputs.
+    int64_t begun = 0;
+    std::deque<std::shared_ptr<Job>> waiting;
   };
   // Whether `load` has no room for an image of `units` (one always fits).
   bool Full(const ModelLoad& load, double units) const;
@@ -238,6 +244,14 @@ class VisionService {
   // (a client that sends its next image as soon as it has the answer finds
   // the place free); measures the model's time per image.
   void ReleaseLoad(const std::string& model, int64_t received_ns, double units);
+  // The most images of model `m` begun at once: those its instances can
+  // take (one batch each, the wide instance's too) and one per stage lane.
+  int64_t DecodeAhead(const VisionModel& m) const;
+  // Begins `job` (its decoding posted) when its model has room for it
+  // (DecodeAhead), else keeps it waiting for an answered image's place.
+  void Begin(const std::shared_ptr<Job>& job);
+  // An answered image's place: the next waiting image of its model begins.
+  void Ended(const Job& job);
   // Gives back the image's bytes and its place in the pipeline, after its
   // answer was handed on (a draining server waits for these).
   void ReleaseHeld(int64_t charged_bytes);
