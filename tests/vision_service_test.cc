@@ -364,6 +364,53 @@ TEST_F(VisionServiceTest, ABurstIsDecodedOnlyAsTheModelCanTakeIt) {
   EXPECT_EQ(s.stats().requests, static_cast<uint64_t>(images));
 }
 
+// An image waiting to begin whose caller leaves, or whose timeout passes, holds no place: the next
+// arrival answers it (CANCELLED, DEADLINE_EXCEEDED) before its turn, with nothing run for it.
+TEST_F(VisionServiceTest, AWaitingImageWhoseCallerLeftOrTimeRanOutIsAnsweredBeforeItsTurn) {
+  VisionServiceOptions o = Options();
+  o.queue_capacity = 64;
+  o.stage_threads = 1;
+  o.request_timeout_ms = 1000;
+  VisionService s(engine_.get(), o);
+  const int ahead = 1 + (UsableCores() + 1) * 1;
+  std::atomic<int> answers{0};
+  for (int i = 0; i < ahead; ++i) {  // they fill the model's places (their tasks not run yet)
+    VisionCallback done = [&](VisionResult&&) { answers.fetch_add(1); };
+    ASSERT_TRUE(s.Submit(Red(s), done).ok());
+  }
+  std::promise<VisionResult> left, late;
+  VisionRequest leaving = Red(s);
+  leaving.cancel = std::make_shared<CancellationToken>();
+  auto token = leaving.cancel;
+  VisionCallback left_done = [&](VisionResult&& r) { left.set_value(std::move(r)); };
+  ASSERT_TRUE(s.Submit(leaving, left_done).ok());
+  VisionCallback late_done = [&](VisionResult&& r) { late.set_value(std::move(r)); };
+  ASSERT_TRUE(s.Submit(Red(s), late_done).ok());  // waits; its timeout passes below
+  token->Cancel();
+  clock_.AdvanceNs(500'000'000);
+  VisionCallback next = [&](VisionResult&&) { answers.fetch_add(1); };
+  ASSERT_TRUE(s.Submit(Red(s), next).ok());  // the arrival that looks: one gone, one still in time
+  auto f = left.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "answered on the arrival";
+  EXPECT_EQ(f.get().status.code(), StatusCode::kCancelled);
+  EXPECT_EQ(s.stats().in_flight, ahead + 2);
+  clock_.AdvanceNs(600'000'000);  // past the second one's timeout (1 s), not the last arrival's
+  VisionCallback another = [&](VisionResult&&) { answers.fetch_add(1); };
+  ASSERT_TRUE(s.Submit(Red(s), another).ok());
+  auto g = late.get_future();
+  ASSERT_EQ(g.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  const VisionResult r = g.get();
+  EXPECT_EQ(r.status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(r.status.message().find("waited 1100 ms for its model"), std::string::npos) << r.status.message();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    EXPECT_EQ(static_cast<int>(tasks_.size()), ahead) << "nothing begun for the two";
+  }
+  EXPECT_EQ(s.stats().dropped, 2u);
+  ASSERT_TRUE(Drive([&] { return s.stats().in_flight == 0; }));
+  EXPECT_EQ(answers.load(), ahead + 2);
+}
+
 TEST_F(VisionServiceTest, AdmissionIsBoundedByMemory) {
   VisionServiceOptions o = Options();
   // A 3x4x4 FP32 input is 192 bytes; the first image always gets in.

@@ -105,7 +105,8 @@ VisionService::VisionService(Engine* engine, VisionServiceOptions options)
       decode_cpu_ns_(StageCpuCounter(metrics_, "decode")),
       resize_cpu_ns_(StageCpuCounter(metrics_, "resize")),
       post_cpu_ns_(StageCpuCounter(metrics_, "post")) {
-  lanes_ = std::max(1, options_.stage_threads > 0 ? options_.stage_threads : UsableCores());
+  cores_ = std::max(1, UsableCores());
+  lanes_ = std::max(1, options_.stage_threads > 0 ? options_.stage_threads : cores_);
   if (!options_.executor) {
     const int n = options_.stage_threads > 0 ? options_.stage_threads : UsableCores();
     options_.stage_threads = n;
@@ -135,6 +136,7 @@ VisionService::~VisionService() {
     MutexLock lock(idle_mu_);
     idle_cv_.WaitFor(lock, RealClockInstance(), std::chrono::seconds(30), [this] { return in_flight_.value() == 0; });
   }
+  closing_.store(true);
   {
     MutexLock lock(pool_mu_);
     stopping_ = true;
@@ -499,40 +501,65 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
 }
 
 int64_t VisionService::DecodeAhead(const VisionModel& m) const {
-  return lanes_ + (UsableCores() + 1) * std::max(1, m.max_batch_size);
+  return lanes_ + (cores_ + 1) * std::max(1, m.max_batch_size);
 }
 
 void VisionService::Begin(const std::shared_ptr<Job>& job) {
-  const int64_t ahead = DecodeAhead(*job->request.model);
   {
     MutexLock lock(load_mu_);
-    ModelLoad& load = loads_[job->request.model->name];
-    if (load.begun >= ahead) {
-      load.waiting.push_back(job);
-      return;
-    }
-    ++load.begun;
-    job->begun = true;
+    loads_[job->request.model->name].waiting.push_back(job);
   }
-  Post([this, job] { Process(job); }, false);
+  BeginWaiting(job->request.model->name, DecodeAhead(*job->request.model));
 }
 
 void VisionService::Ended(const Job& job) {
   if (!job.begun) return;
-  std::shared_ptr<Job> next;
   {
     MutexLock lock(load_mu_);
     auto it = loads_.find(job.request.model->name);
     if (it == loads_.end()) return;
-    ModelLoad& load = it->second;
-    --load.begun;
-    if (load.waiting.empty()) return;
-    next = std::move(load.waiting.front());
-    load.waiting.pop_front();
-    ++load.begun;
-    next->begun = true;
+    --it->second.begun;
   }
-  Post([this, next] { Process(next); }, false);
+  BeginWaiting(job.request.model->name, DecodeAhead(*job.request.model));
+}
+
+void VisionService::BeginWaiting(const std::string& model, int64_t ahead) {
+  const bool closing = closing_.load();
+  const int64_t now = clock_->NowNs();
+  std::vector<std::shared_ptr<Job>> begin, gone;
+  {
+    MutexLock lock(load_mu_);
+    auto it = loads_.find(model);
+    if (it == loads_.end()) return;
+    ModelLoad& load = it->second;
+    // The dead ones first, wherever they wait: they would hold their place
+    // (and the model's capacity) until their turn.
+    std::erase_if(load.waiting, [&](std::shared_ptr<Job>& j) {
+      const bool dead = closing || (j->request.cancel && j->request.cancel->cancelled()) || now > j->deadline_ns;
+      if (dead) gone.push_back(std::move(j));
+      return dead;
+    });
+    while (load.begun < ahead && !load.waiting.empty()) {
+      begin.push_back(std::move(load.waiting.front()));
+      load.waiting.pop_front();
+      begin.back()->begun = true;
+      ++load.begun;
+    }
+  }
+  for (auto& job : begin) Post([this, job] { Process(job); }, false);
+  for (auto& job : gone) {
+    if (closing) {
+      Fail(job, Unavailable("the server stopped before the image was decoded"), false);
+    } else if (job->request.cancel && job->request.cancel->cancelled()) {
+      Fail(job, Cancelled("the client closed the request"), /*dropped=*/true);
+    } else {
+      Fail(job,
+           DeadlineExceeded("the image waited " + std::to_string((now - job->timings.received_ns) / 1'000'000) +
+                            " ms for its model, over the request timeout of " +
+                            std::to_string(options_.request_timeout_ms) + " ms"),
+           /*dropped=*/true);
+    }
+  }
 }
 
 void VisionService::Process(const std::shared_ptr<Job>& job) {

@@ -248,10 +248,15 @@ class VisionService {
   // take (one batch each, the wide instance's too) and one per stage lane.
   int64_t DecodeAhead(const VisionModel& m) const;
   // Begins `job` (its decoding posted) when its model has room for it
-  // (DecodeAhead), else keeps it waiting for an answered image's place.
+  // (DecodeAhead) and no older image of it waits, else keeps it waiting for
+  // an answered image's place.
   void Begin(const std::shared_ptr<Job>& job);
-  // An answered image's place: the next waiting image of its model begins.
+  // An answered image's place: the next waiting images of its model begin.
   void Ended(const Job& job);
+  // Begins `model`'s waiting images while it has room, oldest first; those
+  // whose caller left or whose timeout passed are answered instead (they
+  // hold no place). Called without load_mu_.
+  void BeginWaiting(const std::string& model, int64_t ahead);
   // Gives back the image's bytes and its place in the pipeline, after its
   // answer was handed on (a draining server waits for these).
   void ReleaseHeld(int64_t charged_bytes);
@@ -282,6 +287,10 @@ class VisionService {
   Engine* engine_;
   VisionServiceOptions options_;
   int lanes_ = 1;  // stage threads, or the cores an executor stands for: the capacity's floor is 2x
+  int cores_ = 1;  // UsableCores() at construction (DecodeAhead)
+  // Set once the destructor's wait for admitted images ends: waiting images
+  // are answered UNAVAILABLE instead of begun.
+  std::atomic<bool> closing_{false};
   const Clock* clock_;
 
   // Metric handles, in options_.metrics or own_metrics_.

@@ -2,7 +2,8 @@
 call's deadline) or queue timeout (the KServe `timeout` parameter) cannot be met behind the work already
 in the model is refused at once (HTTP 503 with Retry-After, gRPC UNAVAILABLE) instead of failing after
 waiting; one that can be met is served. The model is a Python model that sleeps, so the work ahead of a
-request is known: 0.4 s per request, one at a time."""
+request is known: 0.4 s per request, one at a time; while a gate file exists its run waits for it, so
+that the work ahead stays queued for as long as the test looks at it (on a busy machine too)."""
 import os
 import textwrap
 import threading
@@ -20,11 +21,14 @@ from quern_testing import start_quern, wait_until
 QUERN = os.environ["QUERN_BIN"]
 STEP_S = 0.4
 
-SLOW = f'''
+SLOW = '''
+import os
 import time
 
 def infer(inputs):
-    time.sleep({STEP_S})
+    while os.path.exists({gate!r}):
+        time.sleep(0.01)
+    time.sleep({step})
     return {{"y": inputs["x"] + 1}}
 '''
 
@@ -58,11 +62,16 @@ parameters { key: "quern.latency_target_ms" value: { string_value: "300" } }
 '''
 
 
+GATE = {}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
+    GATE["path"] = str(tmp_path_factory.mktemp("gate") / "closed")
     untargeted = "\n".join(line for line in TARGETED_CONFIG.splitlines() if "latency_target" not in line)
-    for name, config, code in (("slow", SLOW_CONFIG, SLOW), ("targeted", TARGETED_CONFIG, TARGETED),
+    slow = SLOW.format(gate=GATE["path"], step=STEP_S)
+    for name, config, code in (("slow", SLOW_CONFIG, slow), ("targeted", TARGETED_CONFIG, TARGETED),
                                ("untargeted", untargeted, TARGETED)):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
@@ -111,28 +120,33 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server):
     # One request alone: the model's time per request is measured (0.4 s).
     assert http.infer("slow", http_inputs(1)).as_numpy("y")[0, 0] == 2
     done_before = runs_done(server)
-    threads, answers = queue_work(server, 4)
-    # Wait until the four are in the model: one running, three queued (about 1.6 s of work).
-    wait_until(lambda: _queued(server) >= 3, timeout=10, what="three requests queued behind a running one")
+    open(GATE["path"], "w").close()  # the next run waits for the gate: the queue stays as it is
+    try:
+        threads, answers = queue_work(server, 4)
+        # Wait until the four are in the model: one running (held), three queued (1.2 s of work and more).
+        wait_until(lambda: _queued(server) >= 3, timeout=30, what="three requests queued behind a running one")
 
-    # gRPC: a deadline of 0.6 s cannot be met behind ~1.2-1.6 s of work: UNAVAILABLE, at once. (Had
-    # it waited, the client's own deadline would have ended the call first: DEADLINE_EXCEEDED.)
-    with pytest.raises(InferenceServerException) as e:
-        grpc.infer("slow", grpc_inputs(5), client_timeout=0.6)
-    assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), e.value.message())
-    assert "after its deadline" in e.value.message() and "refused at once" in e.value.message()
+        # gRPC: a deadline of 0.6 s cannot be met behind ~1.2-1.6 s of work: UNAVAILABLE, at once. (Had
+        # it waited, the client's own deadline would have ended the call first: DEADLINE_EXCEEDED.)
+        with pytest.raises(InferenceServerException) as e:
+            grpc.infer("slow", grpc_inputs(5), client_timeout=0.6)
+        assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), e.value.message())
+        assert "after its deadline" in e.value.message() and "refused at once" in e.value.message()
 
-    # HTTP: the KServe `timeout` parameter (the most it may wait in the queue) of 0.3 s: 503 with
-    # Retry-After, refused on arrival (a request that waited out its timeout says so otherwise).
-    with pytest.raises(InferenceServerException) as e:
-        http.infer("slow", http_inputs(6), timeout=300_000)
-    assert e.value.status() == "503", (e.value.status(), e.value.message())
-    assert "longer than its queue timeout of 300 ms" in e.value.message(), e.value.message()
-    raw = _raw_post(server["HTTP"], "/v2/models/slow/infer",
-                    b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[7]}],'
-                    b'"parameters":{"timeout":300000}}')
-    assert raw[0] == 503 and raw[1].get("retry-after") == "1", raw
-
+        # HTTP: the KServe `timeout` parameter (the most it may wait in the queue) of 0.3 s: 503 with
+        # Retry-After, refused on arrival (a request that waited out its timeout says so otherwise).
+        with pytest.raises(InferenceServerException) as e:
+            http.infer("slow", http_inputs(6), timeout=300_000)
+        assert e.value.status() == "503", (e.value.status(), e.value.message())
+        assert "longer than its queue timeout of 300 ms" in e.value.message(), e.value.message()
+        raw = _raw_post(server["HTTP"], "/v2/models/slow/infer",
+                        b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[7]}],'
+                        b'"parameters":{"timeout":300000}}')
+        assert raw[0] == 503 and raw[1].get("retry-after") == "1", raw
+        assert _queued(server) >= 3, "the work ahead was still queued while the refusals were checked"
+    finally:
+        if os.path.exists(GATE["path"]):
+            os.unlink(GATE["path"])  # the held run goes on
     # A deadline that leaves room for the work ahead is served, with its own answer.
     assert grpc.infer("slow", grpc_inputs(8), client_timeout=20).as_numpy("y")[0, 0] == 9
     for t in threads:
