@@ -746,17 +746,24 @@ TEST(CancellationTokenTest, EveryBatchWatchingATokenHearsItsCancelOnce) {
   // request's face crops): each watch hears the cancel, once; one removed
   // hears nothing; one added after the cancel hears it at once.
   CancellationToken token;
-  int a = 0, b = 0, c = 0;
-  const int key_a = 0, key_b = 0, key_c = 0;
+  int a = 0, b = 0, c = 0, d = 0, e = 0;
+  const int key_a = 0, key_b = 0, key_c = 0, key_d = 0, key_e = 0;
   token.AddOnCancel(&key_a, [&] { ++a; });
   token.AddOnCancel(&key_b, [&] { ++b; });
   token.AddOnCancel(&key_c, [&] { ++c; });
-  token.RemoveOnCancel(&key_c);
+  token.AddOnCancel(&key_d, [&] { ++d; });
+  token.AddOnCancel(&key_e, [&] { ++e; });
+  token.RemoveOnCancel(&key_c);  // from the end, the middle and the start
+  token.RemoveOnCancel(&key_e);
+  token.RemoveOnCancel(&key_a);
+  token.RemoveOnCancel(&key_a);  // again: nothing
   token.Cancel();
   token.Cancel();
-  EXPECT_EQ(a, 1);
+  EXPECT_EQ(a, 0);
   EXPECT_EQ(b, 1);
   EXPECT_EQ(c, 0);
+  EXPECT_EQ(d, 1);
+  EXPECT_EQ(e, 0);
   int late = 0;
   token.AddOnCancel(&key_c, [&] { ++late; });
   EXPECT_EQ(late, 1);
