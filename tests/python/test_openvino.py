@@ -410,20 +410,29 @@ def lookup_model():
     return model
 
 
+def serve_alone(tmp_path, name, model, config):
+    """A server of one ONNX model `model` (an onnx ModelProto) with `config`: (process, ports, the
+    load's "runtime chosen by measurement" line)."""
+    import onnx
+    repo = tmp_path / "repo"
+    (repo / name / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / name / "1" / "model.onnx"))
+    (repo / name / "config.pbtxt").write_text(config)
+    log = []
+    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    line = next((line for line in log if "runtime chosen by measurement" in line), None)
+    if line is None:
+        stop_quern(proc)
+        raise AssertionError("no runtime chosen in the log: " + "".join(log))
+    return proc, ports, line
+
+
 def test_a_model_the_check_input_does_not_suit_is_served_by_onnx_runtime(tmp_path):
     """A model whose input is an index into a table of three rows: the made-up check input (whole
     numbers 0-9) is out of range, so there is nothing to measure on; the model loads anyway, on ONNX
     Runtime, the log saying why, and answers its own requests."""
-    import onnx
-    model = lookup_model()
-    repo = tmp_path / "repo"
-    (repo / "lookup" / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / "lookup" / "1" / "model.onnx"))
-    (repo / "lookup" / "config.pbtxt").write_text('backend: "auto"\nmax_batch_size: 4\n')
-    log = []
-    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    proc, ports, line = serve_alone(tmp_path, "lookup", lookup_model(), 'backend: "auto"\nmax_batch_size: 4\n')
     try:
-        line = next(line for line in log if "runtime chosen by measurement" in line)
         chosen, table_ = parse_choice(line)
         assert chosen == "onnxruntime" and "served without a measurement" in str(table_["onnxruntime"][1]), line
         assert metadata(ports["HTTP"], "lookup")["platform"] == "onnxruntime_onnx"
@@ -438,7 +447,6 @@ def test_onnx_runtime_closed_while_openvino_is_measured_serves_once_opened_again
     runtime's model at a time), and opened again when it stays the choice. A convolution plus noise
     (RandomUniformLike, which each runtime draws its own way): OpenVINO's outputs differ, so ONNX
     Runtime serves, from the session opened again, what numpy computes within the noise's [0, 1)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
     rng = np.random.default_rng(11)
     w = rng.normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32)
@@ -450,14 +458,8 @@ def test_onnx_runtime_closed_while_openvino_is_measured_serves_once_opened_again
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 8, 256, 256])], [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    repo = tmp_path / "repo"
-    (repo / "noisy" / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / "noisy" / "1" / "model.onnx"))
-    (repo / "noisy" / "config.pbtxt").write_text('backend: "auto"\nmax_batch_size: 2\n')
-    log = []
-    proc, ports = start_quern(QUERN, str(repo), log=log, start_timeout=120)
+    proc, ports, line = serve_alone(tmp_path, "noisy", model, 'backend: "auto"\nmax_batch_size: 2\n')
     try:
-        line = next(line for line in log if "runtime chosen by measurement" in line)
         chosen, table_ = parse_choice(line)
         assert chosen == "onnxruntime" and table_["onnxruntime"][0] is not None, line
         assert "outputs differ" in str(table_["openvino f32"][1]), line
