@@ -36,8 +36,14 @@ build/$PRESET/bench/image_bench --iterations 30 --out-dir "$WORK"
 
 echo
 echo "== the model alone: raw ONNX Runtime ceiling X* and Engine-direct (engine_bench, random tensors)"
-build/$PRESET/bench/engine_bench --model "$MODEL_DIR/1/model.onnx" --seconds "$SECS" --max-batch 8 \
-  --raw-batches 1 2 4 --submitters 16 --gain-submitters 0 | grep -E "ceiling|^ *16 "
+# (a model exported at a fixed batch of 1, as the default detector is, runs at batch 1)
+MAXB=$(sed -n 's/^max_batch_size:[[:space:]]*\([0-9]*\).*/\1/p' "$MODEL_DIR/config.pbtxt" 2>/dev/null | head -1)
+MAXB=${MAXB:-8}
+RAWB="1 2 4"
+[ "$MAXB" -le 1 ] && RAWB="1"
+# shellcheck disable=SC2086
+build/$PRESET/bench/engine_bench --model "$MODEL_DIR/1/model.onnx" --seconds "$SECS" --max-batch "$MAXB" \
+  --raw-batches $RAWB --submitters 16 --gain-submitters 0 | grep -E "ceiling|^ *16 "
 
 mkdir -p "$WORK/repo"
 ln -s "$(cd "$MODEL_DIR" && pwd)" "$WORK/repo/$MODEL"
