@@ -532,13 +532,16 @@ void VisionService::BeginWaiting(const std::string& model, int64_t ahead) {
     auto it = loads_.find(model);
     if (it == loads_.end()) return;
     ModelLoad& load = it->second;
-    // The dead ones first, wherever they wait: they would hold their place
-    // (and the model's capacity) until their turn.
-    std::erase_if(load.waiting, [&](std::shared_ptr<Job>& j) {
-      const bool dead = closing || (j->request.cancel && j->request.cancel->cancelled()) || now > j->deadline_ns;
-      if (dead) gone.push_back(std::move(j));
-      return dead;
-    });
+    // The dead ones at the front first, up to the first live one (the
+    // waiting images' deadlines come in their order: one timeout for all),
+    // so that what waits costs nothing per arrival; one whose caller left
+    // further back is answered once it reaches the front.
+    while (!load.waiting.empty()) {
+      const Job& j = *load.waiting.front();
+      if (!closing && !(j.request.cancel && j.request.cancel->cancelled()) && now <= j.deadline_ns) break;
+      gone.push_back(std::move(load.waiting.front()));
+      load.waiting.pop_front();
+    }
     while (load.begun < ahead && !load.waiting.empty()) {
       begin.push_back(std::move(load.waiting.front()));
       load.waiting.pop_front();

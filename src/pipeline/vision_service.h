@@ -254,8 +254,8 @@ class VisionService {
   // An answered image's place: the next waiting images of its model begin.
   void Ended(const Job& job);
   // Begins `model`'s waiting images while it has room, oldest first; those
-  // whose caller left or whose timeout passed are answered instead (they
-  // hold no place). Called without load_mu_.
+  // at the front whose caller left or whose timeout passed are answered
+  // instead (they hold no place). Called without load_mu_.
   void BeginWaiting(const std::string& model, int64_t ahead);
   // Gives back the image's bytes and its place in the pipeline, after its
   // answer was handed on (a draining server waits for these).
