@@ -19,28 +19,17 @@ ROUNDS="${3:-2}"
 PHOTO="${QUERN_BENCH_VISION_PHOTO:-examples/data/dog.jpg}"
 SIZES="${QUERN_BENCH_VISION_SIZES:-640x480 1920x1080 3840x2160}"
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk"; exit 1; }
-cmake --preset release >/dev/null
-cmake --build --preset release --target quern engine_bench >/dev/null
-WORK=$(mktemp -d)
-SERVER=""
-trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
+# The server on every core, as raw's best single-frame layout runs (a wide session on both).
+export QUERN_BENCH_SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0-$(($(nproc) - 1))}"
+source bench/serve_lib.sh
+source bench/vision_stages.sh
+cmake --build --preset "$PRESET" --target engine_bench >/dev/null
 NAME=$(basename "$MODEL_DIR")
 mkdir -p "$WORK/repo"
 cp -r "$MODEL_DIR" "$WORK/repo/$NAME"
 sed -i -E 's/^(backend|platform)[[:space:]]*:.*$//' "$WORK/repo/$NAME/config.pbtxt"
 echo 'backend: "onnxruntime"' >> "$WORK/repo/$NAME/config.pbtxt"
-build/release/src/cli/quern serve --model-repository "$WORK/repo" --http-port 0 --metrics-port 0 --grpc-port -1 \
-  --host 127.0.0.1 --detection-model "$NAME" > "$WORK/log" 2>&1 &
-SERVER=$!
-for _ in $(seq 300); do grep -q "metrics listening" "$WORK/log" && break; sleep 0.2; done
-PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-MPORT=$(grep -o 'metrics listening on [^ ]*' "$WORK/log" | sed 's/.*://')
-stages() {
-  curl -s "127.0.0.1:$MPORT/metrics" | awk '
-    /^quern_vision_timed_images_total / {n = $2}
-    /^quern_vision_stage_seconds_total/ {split($1, a, "\""); s[a[2]] = $2}
-    END {printf "%s %s %s %s %s %s\n", n, s["decode"] + 0, s["resize"] + 0, s["queue"] + 0, s["infer"] + 0, s["post"] + 0}'
-}
+start_server "$WORK/repo" --detection-model "$NAME"
 for size in $SIZES; do
   build/venv/bin/python - "$PHOTO" "$size" "$WORK/$size" <<'PY'
 import io, sys
@@ -63,11 +52,11 @@ echo "$MODEL_DIR (ONNX Runtime), one frame in flight, $SECS s per run; ms per fr
 echo "round size       raw      quern   | decode resize  queue   infer   post  | raw/(quern-decode-resize)  (raw+decode+resize)/quern"
 for ((r = 1; r <= ROUNDS; r++)); do
   for size in $SIZES; do
-    raw_rate=$(build/release/bench/engine_bench --model "$MODEL_DIR/1/model.onnx" --seconds "$SECS" --warmup 2 \
+    raw_rate=$(build/$PRESET/bench/engine_bench --model "$MODEL_DIR/1/model.onnx" --seconds "$SECS" --warmup 2 \
       --max-batch 1 --submitters 1 --raw-per-concurrency 2>/dev/null | tail -1 | awk '{print $3}')
-    read -r n0 d0 z0 q0 i0 p0 < <(stages)
+    read -r n0 d0 z0 q0 i0 p0 _ < <(vision_stages)
     out=$(wrk -t 1 -c 1 -d "${SECS}s" --timeout 20s -s "$WORK/$size.lua" "http://127.0.0.1:$PORT/v1/vision/detection")
-    read -r n1 d1 z1 q1 i1 p1 < <(stages)
+    read -r n1 d1 z1 q1 i1 p1 _ < <(vision_stages)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     awk -v r="$r" -v s="$size" -v raw="$raw_rate" -v rps="$rps" -v n="$n0 $n1" -v d="$d0 $d1" -v z="$z0 $z1" \
         -v q="$q0 $q1" -v i="$i0 $i1" -v p="$p0 $p1" 'function per(x,  a) { split(x, a, " "); return (a[2] - a[1]) * 1000 / cnt }

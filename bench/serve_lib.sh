@@ -1,6 +1,6 @@
 # Sourced by the benchmarks that load one `quern serve`
 # (deadline_bench.sh, latency_target_bench.sh, request_cost.sh, grpc_bench.sh,
-# overload_bench.sh). Generates the benchmark
+# overload_bench.sh, camera_e2e.sh). Generates the benchmark
 # models, builds `quern` with QUERN_BENCH_PRESET (default release), and sets:
 #   SERVER_CPUS, CLIENT_CPUS   QUERN_BENCH_SERVER_CPUS (default CPU 0) and
 #                              QUERN_BENCH_CLIENT_CPUS (default the others)

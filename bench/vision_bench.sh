@@ -55,13 +55,8 @@ PORT=$(grep -o 'HTTP listening on [^ ]*' "$WORK/log" | sed 's/.*://')
 MPORT=$(grep -o 'metrics listening on [^ ]*' "$WORK/log" | sed 's/.*://')
 
 # stage sums (seconds) and timed image count, space separated
-stages() {
-  curl -s "127.0.0.1:$MPORT/metrics" | awk '
-    /^quern_vision_timed_images_total / {n = $2}
-    /^quern_vision_stage_seconds_total/ {split($1, a, "\""); s[a[2]] = $2}
-    /^quern_vision_stage_cpu_seconds_total/ {c += $2}
-    END {printf "%s %s %s %s %s %s %s\n", n, s["decode"], s["resize"], s["queue"], s["infer"], s["post"], c + 0}'
-}
+source bench/vision_stages.sh
+stages() { vision_stages "$MPORT"; }
 
 # the server's user + system CPU time, in clock ticks
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER/stat"; }
