@@ -52,6 +52,7 @@ struct VisionModel {
   std::string input_name;
   Shape input_shape;       // of one request: the batch dimension of 1 included when the model batches
   int max_batch_size = 0;  // the configuration's: rows one request may hold
+  int instances = 0;       // the loaded model's instances (groups as placed); 0 = not known
   ImageSpec image;
   SoftmaxMode softmax = SoftmaxMode::kAuto;
   int top_k = 5;

@@ -501,7 +501,9 @@ Status VisionService::Submit(VisionRequest request, VisionCallback& done) {
 }
 
 int64_t VisionService::DecodeAhead(const VisionModel& m) const {
-  return lanes_ + (cores_ + 1) * std::max(1, m.max_batch_size);
+  // Its instances (one per core when not known) and a wide one it may have.
+  const int64_t instances = m.instances > 0 ? m.instances : cores_;
+  return lanes_ + (instances + 1) * std::max(1, m.max_batch_size);
 }
 
 void VisionService::Begin(const std::shared_ptr<Job>& job) {

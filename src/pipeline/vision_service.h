@@ -245,7 +245,8 @@ class VisionService {
   // the place free); measures the model's time per image.
   void ReleaseLoad(const std::string& model, int64_t received_ns, double units);
   // The most images of model `m` begun at once: those its instances can
-  // take (one batch each, the wide instance's too) and one per stage lane.
+  // take (one batch each, and one more for a wide instance) and one per
+  // stage lane.
   int64_t DecodeAhead(const VisionModel& m) const;
   // Begins `job` (its decoding posted) when its model has room for it
   // (DecodeAhead) and no older image of it waits, else keeps it waiting for
