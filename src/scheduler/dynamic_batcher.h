@@ -137,10 +137,11 @@ class DynamicBatcher {
   Status CheckAdmission() const;
 
   // Wakes the idle workers to look at the queue now, as a worker that ends
-  // a batch does (a queued task was cancelled: it leaves at once rather
-  // than when the batching delay ends). (Time passing wakes only workers waiting for a time: a
-  // batching delay, a deadline, a lending loop's grace once a worker is
-  // awake; a worker asleep while a loop has the queue stays asleep.)
+  // a batch does; a queued task's cancellation calls it, so that the task
+  // leaves at once rather than when the batching delay ends. (Time passing
+  // wakes only workers waiting for a time: a batching delay, a deadline, a
+  // lending loop's grace once a worker is awake; a worker asleep while a
+  // loop has the queue stays asleep.)
   void Kick();
 
   // Stops intake, drains the queue through the processor and joins workers. Idempotent.
