@@ -507,6 +507,41 @@ TEST_F(VisionServiceTest, UndecodableImagesFailWithTheDecodersReason) {
   EXPECT_EQ(s.stats().failed, 1u);
 }
 
+// A model whose run ends past its deadline (as the engine reports it: the
+// batch queue's drop, or a backend that stops at the deadline).
+class PastItsDeadline : public Model {
+ public:
+  Status Execute(const std::vector<NamedTensor>&, int64_t, std::vector<NamedTensor>&) override {
+    return DeadlineExceeded("request deadline passed while queued");
+  }
+};
+
+TEST_F(VisionServiceTest, AModelsMissedDeadlineNamesTheModelAndTheRequestTimeout) {
+  ModelConfig c;
+  c.name = "late";
+  c.max_batch_size = 1;
+  c.inputs = {{.name = "image", .dtype = DataType::kFp32, .dims = {3, 4, 4}}};
+  c.outputs = {{.name = "scores", .dtype = DataType::kFp32, .dims = {3}}};
+  c.parameters = {{"quern.task", "classification"}};
+  ASSERT_TRUE(engine_->RegisterModel(c, [] { return std::make_unique<PastItsDeadline>(); }).ok());
+  VisionServiceOptions o = Options();
+  o.request_timeout_ms = 1500;
+  VisionService s(engine_.get(), o);
+  auto m = s.Model("late");
+  ASSERT_TRUE(m.has_value()) << m.error().ToString();
+  VisionRequest r = Red(s);
+  r.model = *m;
+  std::promise<VisionResult> got;
+  VisionCallback done = [&](VisionResult&& res) { got.set_value(std::move(res)); };
+  ASSERT_TRUE(s.Submit(r, done).ok());
+  const VisionResult out = Await(got);
+  EXPECT_EQ(out.status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(out.status.message(),
+            "model 'late': request deadline passed while queued (the request timeout is 1500 ms, "
+            "--vision-timeout-ms)");
+  EXPECT_EQ(s.stats().dropped, 1u);
+}
+
 TEST_F(VisionServiceTest, ModelsAreLookedUpAgainOnlyWhenTheEnginesModelsChange) {
   VisionService s(engine_.get(), Options());
   auto first = s.Model("colour");

@@ -444,6 +444,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
       dropped_.Increment();
     }
     ReleaseLoad(model, timings.received_ns, units);
+    if (!r.status.ok()) r.status = ModelFailed(r.status);
     (*answered)(std::move(r), timings);
     ReleaseHeld(bytes);
   };
@@ -656,7 +657,15 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
     Post([this, job, response] { PostProcess(job, std::move(*response)); }, true);
   };
   // Admitted by Submit, within this service's own bounds.
-  if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) Fail(job, st, false);
+  if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
+    Fail(job, ModelFailed(st), false);
+  }
+}
+
+Status VisionService::ModelFailed(const Status& st) const {
+  if (st.code() != StatusCode::kDeadlineExceeded) return st;
+  return Status(st.code(), st.message() + " (the request timeout is " + std::to_string(options_.request_timeout_ms) +
+                               " ms, --vision-timeout-ms)");
 }
 
 void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&& r) {
@@ -666,7 +675,7 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
   job->timings.queue_ns = r.telemetry.queue_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, r.status, dropped);
+    return Fail(job, ModelFailed(r.status), dropped);
   }
   const VisionModel& m = *job->request.model;
   VisionResult result;
@@ -719,7 +728,7 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
     Post([this, job, shared, response] { Described(job, shared, std::move(*response)); }, true);
   };
   if (Status st = engine_->InferAsync(std::move(ir), done, {.admitted = true}); !st.ok()) {  // charged by Submit
-    Fail(job, Status(st.code(), "face descriptor '" + d.name + "': " + st.message()), false);
+    Fail(job, ModelFailed(Status(st.code(), "face descriptor '" + d.name + "': " + st.message())), false);
   }
 }
 
@@ -731,7 +740,7 @@ void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared
   job->timings.infer_ns += r.telemetry.compute_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, r.status, dropped);
+    return Fail(job, ModelFailed(r.status), dropped);
   }
   const NamedTensor* out = nullptr;
   for (const auto& o : r.outputs) {

@@ -284,6 +284,9 @@ class VisionService {
   void Deliver(const std::shared_ptr<Job>& job, VisionResult&& result);
   // An error result; `dropped`: the caller left or the timeout passed.
   void Fail(const std::shared_ptr<Job>& job, Status status, bool dropped);
+  // A model's failure as the engine reports it (the model named), a missed
+  // deadline tied to the request timeout that set it.
+  Status ModelFailed(const Status& st) const;
 
   Engine* engine_;
   VisionServiceOptions options_;
