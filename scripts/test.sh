@@ -37,8 +37,37 @@ step() {  # step NAME: ends the step before (printing its seconds) and names the
   return 0
 }
 
-step "setup"
-scripts/setup.sh
+# The setup runs on beside the checks and the release build once what they need is in place (the
+# Debian packages, ONNX Runtime, OpenVINO, pybind11): from cold, the rest of it (the venv's other
+# packages, the models, their quantization) waits mostly on downloads, the build on the CPU.
+step "setup (what the build needs)"
+mkdir -p build
+ready="$ROOT/build/.setup-build-ready"
+rm -f "$ready"
+QUERN_SETUP_BUILD_READY="$ready" scripts/setup.sh &
+setup=$!
+asan_build="" bench_build="" fuzz=""
+on_exit() {  # what runs in the background is stopped on the way out (a package install waited for)
+  [ -n "$setup" ] && wait "$setup" 2>/dev/null
+  for job in "$asan_build" "$bench_build"; do
+    [ -n "$job" ] && { kill "$job" 2>/dev/null; wait "$job" 2>/dev/null; }
+  done
+  [ -n "$fuzz" ] && { kill -- -"$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }
+  true
+}
+trap on_exit EXIT
+until [ -e "$ready" ]; do
+  if ! kill -0 "$setup" 2>/dev/null; then
+    rc=0
+    wait "$setup" || rc=$?
+    setup=""
+    # A setup with nothing left to do ends before the loop looks.
+    [ "$rc" = 0 ] && [ -e "$ready" ] && break
+    echo "== the setup failed (rc $rc; its lines above)" >&2
+    exit 1
+  fi
+  sleep 1
+done
 # The scale-out tests fail rather than skip when hosts cannot be built here.
 export QUERN_REQUIRE_NETBED=1
 
@@ -55,12 +84,20 @@ step "release build (warnings are errors)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci
 
+step "the rest of the setup (begun beside the build)"
+if [ -n "$setup" ]; then
+  rc=0
+  wait "$setup" || rc=$?
+  setup=""
+  [ "$rc" = 0 ] || { echo "== the setup failed (rc $rc; its lines above)" >&2; exit 1; }
+fi
+
 # The sanitizer build compiles while the release tests run, on CPU time they leave idle (a third of
 # it: they wait on servers, Redis, failovers): SCHED_IDLE runs it only when nothing else wants a core,
 # and idle I/O priority, so the tests see the machine as before. Only compiles and links go there (the
 # asan preset lists its GoogleTest cases when ctest runs, not in the build): anything with a time
-# limit would be starved of time.
-asan_build=""
+# limit would be starved of time. The benchmarks (they only compile here: bench/ runs the release
+# preset's) come after the tests' targets, beside the sanitizer tests.
 if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   cmake --preset asan >/dev/null
   idle=(chrt --idle 0)
@@ -68,10 +105,9 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   ionice -c3 true 2>/dev/null && idle=(ionice -c3 "${idle[@]}")
   mkdir -p build/asan
   # ninja itself (the preset's two jobs), so that a kill on the way out stops its compilers too.
-  "${idle[@]}" ninja -C build/asan -j2 >build/asan/build.log 2>&1 &
+  "${idle[@]}" ninja -C build/asan -j2 proto/all src/all tests/all >build/asan/build.log 2>&1 &
   asan_build=$!
   asan_start=$SECONDS
-  trap '[ -n "$asan_build" ] && { kill "$asan_build" 2>/dev/null; wait "$asan_build" 2>/dev/null; }; true' EXIT
 fi
 
 step "release tests (the sanitizer build compiles meanwhile on idle CPU)"
@@ -100,18 +136,18 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   else
     echo "== (the sanitizer build, started $((SECONDS - asan_start)) s ago beside the release tests, had ended)"
   fi
-  step "AddressSanitizer + UndefinedBehaviorSanitizer tests (every fuzz target fuzzes beside them)"
+  "${idle[@]}" ninja -C build/asan -j2 >build/asan/bench-build.log 2>&1 &
+  bench_build=$!
+  step "AddressSanitizer + UndefinedBehaviorSanitizer tests (every fuzz target fuzzes and the benchmarks compile beside them)"
   # The fuzzing step's targets are this build's: each fuzzes for a fixed time (5 s, two at a time),
   # so beside the tests it takes no longer, it runs fewer inputs; at nice 10 the tests keep most of
   # the cores. The corpora are replayed here, among the tests. Its report follows the tests'.
-  fuzz=""
   if [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
     # A hang is an input past 60 s of wall time here (a tenth of a core, not 10 s alone); in a
     # session of its own (setsid), so that a way out stops its fuzzers too.
     QUERN_FUZZ_CI=1 QUERN_FUZZ_PRESET=asan QUERN_FUZZ_BUILT=1 QUERN_FUZZ_REPLAYED=1 QUERN_FUZZ_TIMEOUT=60 \
       setsid -w nice -n 10 scripts/fuzz.sh >build/asan/fuzz.log 2>&1 &
     fuzz=$!
-    trap '[ -n "$fuzz" ] && { kill -- -"$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }; true' EXIT
   fi
   # Three at a time: the tests here leave CPU time, RSS and latency bounds to the release stage.
   skip=()
@@ -127,6 +163,15 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
     fuzz=""
     cat build/asan/fuzz.log
     [ "$rc" = 0 ] || { echo "== fuzzing failed (rc $rc; build/asan/fuzz.log)" >&2; exit 1; }
+  fi
+  step "the benchmarks' sanitizer build (begun beside the tests): its end"
+  rc=0
+  wait "$bench_build" || rc=$?
+  bench_build=""
+  if [ "$rc" != 0 ]; then
+    tail -60 build/asan/bench-build.log
+    echo "== the benchmarks' sanitizer build failed (rc $rc; build/asan/bench-build.log)" >&2
+    exit 1
   fi
 elif [ "${QUERN_TEST_FUZZ:-1}" = 1 ]; then
   step "fuzzing (libFuzzer under ASan + UBSan, every target briefly; scripts/fuzz.sh runs long)"
