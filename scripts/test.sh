@@ -105,7 +105,7 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   ionice -c3 true 2>/dev/null && idle=(ionice -c3 "${idle[@]}")
   mkdir -p build/asan
   # ninja itself (the preset's two jobs), so that a kill on the way out stops its compilers too.
-  "${idle[@]}" ninja -C build/asan -j2 proto/all src/all tests/all >build/asan/build.log 2>&1 &
+  "${idle[@]}" ninja -C build/asan -j2 proto/all src/all tests/all tests/fuzz/all >build/asan/build.log 2>&1 &
   asan_build=$!
   asan_start=$SECONDS
 fi
