@@ -88,7 +88,8 @@ def multipart(jpeg):
     return body, f"multipart/form-data; boundary={boundary}"
 
 
-def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet, backend=None, vision=None):
+def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, quiet, backend=None, vision=None,
+            serve_args=()):
     repo = tempfile.mkdtemp(prefix="quern-memory-")
     try:
         own = os.path.join(model_dir, "config.pbtxt")
@@ -109,7 +110,7 @@ def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, 
             f.write(config)
         port = free_port()
         proc = subprocess.Popen([binary, "serve", "--model-repository", repo, "--host", "127.0.0.1", "--http-port",
-                                 str(port), "--grpc-port", "-1", "--metrics-port", "0"],
+                                 str(port), "--grpc-port", "-1", "--metrics-port", "0", *serve_args],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             base = f"http://127.0.0.1:{port}"
@@ -196,6 +197,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=10, help="length of the load phase")
     ap.add_argument("--quiet", type=float, default=7, help="seconds without requests before the last reading")
     ap.add_argument("--vision", help="a JPEG: requests go to /v1/vision/detection (see above)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more argument for quern serve (repeat it: --serve-arg=--memory-budget-mb --serve-arg=200)")
     ap.add_argument("--quern", default=os.path.join(ROOT, "build", "ci", "src", "cli", "quern"))
     ap.add_argument("--perf", default=os.path.join(ROOT, "build", "ci", "src", "cli", "quern-perf"),
                     help="the load generator (quern perf)")
@@ -206,7 +209,7 @@ def main():
     print(f"{'layout':<24} " + " ".join(f"{c:>14}" for c in cols))
     for count in [0] + a.counts:
         row = measure(a.quern, a.perf, a.model, count, a.keep_config, a.steady, a.load, a.seconds, a.quiet,
-                      a.backend, a.vision)
+                      a.backend, a.vision, a.serve_arg)
         label = "automatic (cores + wide)" if count == 0 else f"count {count}"
         print(f"{label:<24} " + " ".join(f"{row[c]:>14.1f}" if c == "answers/s" else f"{row[c]:>14.0f}"
                                          for c in cols), flush=True)

@@ -242,3 +242,45 @@ TEST(BatchSizeTuner, ASingleCandidateNeverChanges) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(BatchSizeTuner, ACeilingHoldsTheLimitAndProbesBelowIt) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8, 16}));
+  EXPECT_TRUE(t.SetCeiling(5));
+  EXPECT_EQ(t.limit(), 4) << "the largest candidate within it";
+  EXPECT_FALSE(t.SetCeiling(4)) << "the same limit";
+  // Smaller is cheaper: it walks down below the ceiling as without one.
+  RunSaturated(t, 400, [](int64_t n) { return 10.0 * static_cast<double>(n); });
+  EXPECT_EQ(t.settled_limit(), 1);
+  // Larger is cheaper now: it climbs back, to the ceiling and no further.
+  auto used = RunSaturated(t, 2000, [](int64_t n) { return 1000.0 / static_cast<double>(n); });
+  EXPECT_EQ(t.settled_limit(), 4);
+  EXPECT_EQ(used.count(8) + used.count(16), 0u) << "never probed above the ceiling";
+  // A lone request above the ceiling (larger than any limit) starts nothing there.
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(t.Observe(16, 1000, /*capped=*/false));
+  EXPECT_EQ(t.limit(), 4);
+  EXPECT_TRUE(t.SetCeiling(0));
+  EXPECT_EQ(t.limit(), 1) << "below every candidate: the smallest";
+}
+
+TEST(BatchSizeTuner, ALoweredCeilingEndsAProbeAboveItAndARaisedOneGivesTheLimitBack) {
+  BatchSizeTuner t(Fast({1, 2, 4, 8}));
+  EXPECT_TRUE(t.SetCeiling(1));
+  EXPECT_EQ(t.limit(), 1);
+  EXPECT_TRUE(t.SetCeiling(INT64_MAX));
+  EXPECT_EQ(t.limit(), 8) << "the settled limit, held at the ceiling meanwhile";
+  // Batches of 8 measured, then a probe of 4 begins; a ceiling of 2 ends it.
+  bool probing = false;
+  for (int i = 0; i < 200 && !probing; ++i) {
+    probing = t.Observe(t.limit(), 1000 * t.limit(), /*capped=*/true) && t.limit() == 4;
+  }
+  ASSERT_TRUE(probing);
+  EXPECT_TRUE(t.SetCeiling(2));
+  EXPECT_EQ(t.limit(), 2);
+  EXPECT_EQ(t.settled_limit(), 2);
+}
+
+}  // namespace
+}  // namespace quern

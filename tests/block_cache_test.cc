@@ -246,3 +246,55 @@ TEST(BlockCache, ThreadsNeverShareABlock) {
 
 }  // namespace
 }  // namespace quern
+
+namespace quern {
+namespace {
+
+TEST(BlockCache, AThreadScopeCountsWhatItsBlocksHeldAtOnceAsAsked) {
+  FakeClock clock;
+  BlockCache cache({size_t{256} << 10, 5'000'000'000}, clock);
+  constexpr size_t kMiB = size_t{1} << 20;
+  auto mib = [](size_t n) { return n * kMiB - BlockCache::kAlignment; };  // a class of exactly n MiB
+  void* before = cache.Alloc(mib(2));                                     // taken before the scope
+  void* kept = cache.Alloc(mib(2));
+  cache.Free(kept);  // kept for reuse: the next 1.5 MiB request takes this 2 MiB block
+  {
+    BlockCache::ThreadScope run;
+    EXPECT_EQ(run.peak(), 0u);
+    void* a = cache.Alloc(kMiB + kMiB / 2 - BlockCache::kAlignment);  // served by the kept 2 MiB block
+    EXPECT_EQ(cache.InUse().mapped, 2) << "no new block: the kept one reused";
+    EXPECT_EQ(run.peak(), kMiB + kMiB / 2) << "counted as asked, not as the block that served it";
+    void* small = cache.Alloc(1000);  // the C library's: not counted
+    cache.Free(a);
+    cache.Free(before);  // taken before the scope: frees nothing of the scope's
+    void* b = cache.Alloc(mib(1));
+    void* c = cache.Alloc(mib(1));
+    EXPECT_EQ(run.peak(), 2 * kMiB) << "b and c at once";
+    {
+      BlockCache::ThreadScope inner;  // a run inside the run: counted in both
+      void* d = cache.Alloc(mib(3));
+      EXPECT_EQ(inner.peak(), 3 * kMiB);
+      cache.Free(d);
+    }
+    EXPECT_EQ(run.peak(), 5 * kMiB) << "b, c and the inner run's 3 MiB at once";
+    cache.Free(b);
+    cache.Free(c);
+    cache.Free(small);
+    // Another thread's blocks are its own.
+    size_t other = 1;
+    std::thread t([&] {
+      BlockCache::ThreadScope there;
+      void* p = cache.Alloc(mib(4));
+      cache.Free(p);
+      other = there.peak();
+    });
+    t.join();
+    EXPECT_EQ(other, 4 * kMiB);
+    EXPECT_EQ(run.peak(), 5 * kMiB);
+  }
+  BlockCache::ThreadScope after;
+  EXPECT_EQ(after.peak(), 0u);
+}
+
+}  // namespace
+}  // namespace quern

@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "core/block_cache.h"
 #include "eventually.h"
 
 namespace quern {
@@ -632,6 +633,104 @@ TEST(DynamicBatcher, AdmissionNeverLocksAModelOut) {
     rec.Wait(i + 1);
   }
   EXPECT_GT((*b)->ns_per_item(), 5e9);
+}
+
+// A model whose run needs 1 MiB of run memory per row, taken from a
+// BlockCache (as ONNX Runtime's runs take it); a batch runs padded up to the
+// next of `pad` (fixed batch sizes) when given.
+struct MemoryHarness {
+  FakeClock clock;
+  BlockCache cache{{size_t{256} << 10, 5'000'000'000}, clock};
+  Recorder rec;
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  bool allocate = true;
+  std::vector<int64_t> pad;
+
+  Result<std::unique_ptr<DynamicBatcher>> Create(DynamicBatcherOptions o) {
+    o.clock = &clock;
+    o.run_sizes = pad;
+    return DynamicBatcher::Create(
+        o,
+        [this](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+          gate.wait();
+          auto rows = static_cast<int64_t>(batch.size());
+          for (int64_t p : pad) {
+            if (p >= rows) {
+              rows = p;
+              break;
+            }
+          }
+          // (1 MiB - the block's header) per row: a class of exactly that many MiB.
+          void* run = allocate ? cache.Alloc((static_cast<size_t>(rows) << 20) - BlockCache::kAlignment) : nullptr;
+          cache.Free(run);
+          rec.Record(worker, batch);
+        },
+        [](std::unique_ptr<BatchTask>, const Status&) {});
+  }
+
+  // Queues `n` tasks, opens the gate and waits for them all; the batch sizes in order.
+  std::vector<size_t> Run(DynamicBatcher& b, int n) {
+    for (int i = 0; i < n; ++i) {
+      std::unique_ptr<BatchTask> task = std::make_unique<Item>(i);
+      EXPECT_TRUE(b.Schedule(task, {}).ok());
+    }
+    go.set_value();
+    rec.Wait(n);
+    std::lock_guard lock(rec.mu);
+    std::vector<size_t> sizes;
+    for (const auto& batch : rec.batches) sizes.push_back(batch.size());
+    return sizes;
+  }
+};
+
+TEST(DynamicBatcher, AMemoryBudgetKeepsBatchesWhereTheirMeasuredRunMemoryFits) {
+  MemoryHarness h;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 16;
+  o.num_workers = 2;
+  o.memory_budget_bytes = int64_t{8} << 20;  // two instances: 4 MiB, 4 items, each
+  BatchSizeTunerOptions t;
+  t.candidates = {1, 2, 4, 8, 16};
+  o.tuner = t;
+  auto b = h.Create(o);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)->memory_limit(), 1) << "nothing measured yet: batches of one";
+  EXPECT_EQ((*b)->batch_limit(), 1);
+  const std::vector<size_t> sizes = h.Run(**b, 200);
+  EXPECT_EQ((*b)->memory_limit(), 4);
+  EXPECT_EQ((*b)->batch_limit(), 4) << "the tuner's limit (16, its largest size) within the budget";
+  EXPECT_EQ(sizes.front(), 1u) << "the first batch, before any was measured";
+  EXPECT_EQ(*std::max_element(sizes.begin(), sizes.end()), 4u) << "as large as the budget allows, never larger";
+}
+
+TEST(DynamicBatcher, WithABudgetTheLimitGrowsOnlyAsLargerBatchesAreMeasured) {
+  MemoryHarness h;
+  h.allocate = false;  // runs that take nothing from the allocator: in the end, no bound
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 16;
+  o.memory_budget_bytes = int64_t{1} << 20;
+  auto b = h.Create(o);
+  ASSERT_TRUE(b.has_value());
+  const std::vector<size_t> sizes = h.Run(**b, 100);
+  ASSERT_GE(sizes.size(), 5u);
+  // One worker: each batch formed after the one before was measured, at most twice its size.
+  EXPECT_EQ(std::vector<size_t>(sizes.begin(), sizes.begin() + 5), (std::vector<size_t>{1, 2, 4, 8, 16}));
+  EXPECT_EQ((*b)->memory_limit(), 16);
+}
+
+TEST(DynamicBatcher, ABudgetMeasuresABatchAtTheSizeItIsPaddedTo) {
+  MemoryHarness h;
+  h.pad = {4, 8};  // fixed batch sizes: a batch of 1 runs 4 rows
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.memory_budget_bytes = int64_t{4} << 20;  // 4 rows
+  auto b = h.Create(o);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)->memory_limit(), 4) << "a batch of 4 runs as many rows as a batch of 1";
+  const std::vector<size_t> sizes = h.Run(**b, 40);
+  EXPECT_EQ((*b)->memory_limit(), 4) << "4 rows measured at 4 MiB, not at 1 item";
+  EXPECT_EQ(*std::max_element(sizes.begin(), sizes.end()), 4u);
 }
 
 TEST(DynamicBatcher, WithoutATunerTheLimitIsMaxBatchSize) {

@@ -306,6 +306,31 @@ TEST(ModelConfig, LatencyTargetParameter) {
   }
 }
 
+TEST(ModelConfig, MemoryBudgetParameter) {
+  auto convert = [](const std::string& value) {
+    auto p = ParseModelConfigText(
+        "max_batch_size: 4 parameters { key: \"quern.memory_budget_mb\" value { string_value: \"" + value + "\" } }",
+        "m/config.pbtxt");
+    EXPECT_TRUE(p.has_value());
+    return ConvertModelConfig(*p, "m/config.pbtxt");
+  };
+  auto set = convert("256");
+  ASSERT_TRUE(set.has_value()) << set.error().ToString();
+  EXPECT_EQ(set->memory_budget_mb, 256);
+  EXPECT_EQ(convert("0")->memory_budget_mb, 0) << "no bound, over the engine's default";
+  EXPECT_FALSE(ConvertModelConfig(*ParseModelConfigText("max_batch_size: 4", "f"), "f")->memory_budget_mb.has_value());
+  for (const std::string bad : {"-1", "1e3", "256MB", "1073741825", ""}) {
+    auto c = convert(bad);
+    ASSERT_FALSE(c.has_value()) << bad;
+    const std::string msg = c.error().message();
+    EXPECT_NE(msg.find("m/config.pbtxt: parameter quern.memory_budget_mb must be MiB in [0, 1073741824] (0: no "
+                       "bound), got \"" +
+                       bad + "\""),
+              std::string::npos)
+        << msg;
+  }
+}
+
 TEST(ModelConfig, BatchSizeTuningParameter) {
   auto convert = [](const std::string& value) {
     auto p = ParseModelConfigText(

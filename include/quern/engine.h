@@ -351,6 +351,9 @@ struct EngineOptions {
   // (estimated from measured batch times). 0 = queues are not bounded by
   // time.
   int64_t max_queue_wait_ms = 0;
+  // The run memory budget, in MiB, of models that do not set
+  // quern.memory_budget_mb (ModelConfig::memory_budget_mb); 0 = none.
+  int64_t memory_budget_mb = 0;
   // Cores the engine may use in total; 0 = UsableCores() (the affinity mask
   // and cgroup CPU quota of the process, not every CPU of the host).
   // Default thread counts divide these among instances so they do not

@@ -179,6 +179,14 @@ struct ModelConfig {
   // a batch takes no more requests than it can run before the earliest of
   // their arrival + target, and leaves in time for it (see BatchQueueOptions).
   int64_t latency_target_ms = 0;
+  // A budget for the run memory the model's batches hold at once, in MiB
+  // (Quern-specific, parameter quern.memory_budget_mb): the batch limit is
+  // kept where the measured run memory of a batch, times the instances that
+  // run side by side, is expected to fit (see
+  // DynamicBatcherOptions::memory_budget_bytes; models with max_batch_size
+  // above 1). Unset = the engine's default (EngineOptions::memory_budget_mb);
+  // 0 = none.
+  std::optional<int64_t> memory_budget_mb;
   // model_transaction_policy { decoupled: true }: the model answers each
   // request with any number of responses, zero included, sent as it goes
   // (BatchRequests::responses), the last marked final. Only callers that

@@ -62,6 +62,7 @@ void Unmap(void* base, size_t bytes) {
 // one from the C library.
 struct Header {
   size_t class_bytes;
+  size_t asked_bytes = 0;  // the class the request asked for (BlockCache::ThreadScope), <= class_bytes
 };
 constexpr size_t kHeader = BlockCache::kAlignment;
 constexpr size_t kPage = 4096;
@@ -73,7 +74,36 @@ void* UserOf(void* base) {
   return static_cast<std::byte*>(base) + kHeader;
 }
 
+// The calling thread's large blocks in its innermost BlockCache::ThreadScope.
+struct ThreadBlocks {
+  int64_t held = 0;
+  int64_t peak = 0;
+};
+thread_local ThreadBlocks t_blocks;
+
+// A block of `base` handed out for a request of class `asked`.
+void* HandOut(void* base, size_t asked) {
+  HeaderOf(UserOf(base))->asked_bytes = asked;
+  t_blocks.held += static_cast<int64_t>(asked);
+  t_blocks.peak = std::max(t_blocks.peak, t_blocks.held);
+  return UserOf(base);
+}
+
 }  // namespace
+
+BlockCache::ThreadScope::ThreadScope() : outer_held_(t_blocks.held), outer_peak_(t_blocks.peak) {
+  t_blocks = {};
+}
+
+BlockCache::ThreadScope::~ThreadScope() {
+  const ThreadBlocks inner = t_blocks;
+  t_blocks.held = outer_held_ + inner.held;
+  t_blocks.peak = std::max(outer_peak_, outer_held_ + inner.peak);
+}
+
+size_t BlockCache::ThreadScope::peak() const {
+  return static_cast<size_t>(t_blocks.peak);
+}
 
 BlockCache::BlockCache(Options options, const Clock& clock)
     : options_(std::move(options)), clock_(clock), releaser_([this] { ReleaseLoop(); }) {}
@@ -129,7 +159,7 @@ void* BlockCache::Alloc(size_t size) {
       void* base = TakeKept(it);
       use_.in_use_bytes += got;
       ShowToLsan(base, got);
-      return UserOf(base);
+      return HandOut(base, bytes);
     }
     if (!kept_.empty()) {
       // None fits: the nearest kept block larger (else the largest) is resized to this class
@@ -143,7 +173,7 @@ void* BlockCache::Alloc(size_t size) {
       if (void* base = Remap(old, had, bytes)) {
         new (base) Header{bytes};
         ShowToLsan(base, bytes);
-        return UserOf(base);
+        return HandOut(base, bytes);
       }
       Unmap(old, had);  // it could not be resized: a new block instead
       lock.Lock();
@@ -164,7 +194,7 @@ void* BlockCache::Alloc(size_t size) {
   }
   new (base) Header{bytes};
   ShowToLsan(base, bytes);
-  return UserOf(base);
+  return HandOut(base, bytes);
 }
 
 void BlockCache::Free(void* p) {
@@ -176,6 +206,8 @@ void BlockCache::Free(void* p) {
     return;
   }
   HideFromLsan(base, bytes);
+  // (A block taken before the scope frees nothing of the scope's.)
+  t_blocks.held = std::max<int64_t>(t_blocks.held - static_cast<int64_t>(HeaderOf(p)->asked_bytes), 0);
   bool wake = false;
   {
     MutexLock lock(mu_);

@@ -81,6 +81,30 @@ class BlockCache {
 
   Use InUse() const;
 
+  // The large blocks the calling thread takes from any BlockCache while the
+  // scope is open: opened around a model's run on its thread, the run memory
+  // the run needed at once (its activations and outputs; small buffers, from
+  // the C library, are not counted). A block counts as the class its request
+  // asked for (not the larger kept block that may serve it, which depends on
+  // what other runs freed before), from when it is taken until this thread
+  // frees it (a block another thread frees stays counted; one taken before
+  // the scope and freed in it counts nothing). A scope opened inside
+  // another (a run that runs another model's batch on its thread) counts in
+  // the outer one too.
+  class ThreadScope {
+   public:
+    ThreadScope();
+    ~ThreadScope();
+    ThreadScope(const ThreadScope&) = delete;
+    ThreadScope& operator=(const ThreadScope&) = delete;
+    // The most this scope's blocks held at once so far.
+    size_t peak() const;
+
+   private:
+    int64_t outer_held_;
+    int64_t outer_peak_;
+  };
+
   // Returns every kept block to the system now, as if each had been idle
   // long enough (a model's load is done with what it measured, say).
   void ReturnKept();

@@ -395,7 +395,8 @@ Status ConvertParameters(const inference::ModelConfig& p, const std::string& sou
   for (const auto& [key, value] : p.parameters()) {
     c.parameters[key] = value.string_value();
     if (key.starts_with("quern.") && key != kFixedBatchSizesParam && key != kBatchSizeTuningParam &&
-        key != kMaxQueueWaitParam && key != kLatencyTargetParam && key != kWideInstanceParam && key != "quern.task" &&
+        key != kMaxQueueWaitParam && key != kLatencyTargetParam && key != kWideInstanceParam &&
+        key != kMemoryBudgetParam && key != "quern.task" &&
         !(c.backend == "quern" && (key == "quern.stage" || key.starts_with("quern.ocr."))) &&
         !(c.backend == "python" &&
           (key == "quern.python" || key == "quern.execute_timeout_ms" || key == "quern.initialize_timeout_ms" ||
@@ -416,6 +417,15 @@ Status ConvertParameters(const inference::ModelConfig& p, const std::string& sou
   std::optional<int64_t> target_ms;
   QUERN_RETURN_IF_ERROR(MillisecondsParameter(c, kLatencyTargetParam, source, target_ms));
   c.latency_target_ms = target_ms.value_or(0);
+  if (auto it = c.parameters.find(std::string(kMemoryBudgetParam)); it != c.parameters.end()) {
+    int64_t mb = -1;
+    auto [ptr, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), mb);
+    if (ec != std::errc() || ptr != it->second.data() + it->second.size() || mb < 0 || mb > kMaxMemoryBudgetMb) {
+      return InvalidArgument(source + ": parameter " + it->first + " must be MiB in [0, " +
+                             std::to_string(kMaxMemoryBudgetMb) + "] (0: no bound), got \"" + it->second + "\"");
+    }
+    c.memory_budget_mb = mb;
+  }
   return Status::Ok();
 }
 
@@ -533,6 +543,10 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.instance_count < 0 || c.instance_count > kMaxInstances) {
     return InvalidArgument(m + "instance count must be in [0, " + std::to_string(kMaxInstances) +
                            "] (0 = one per core)");
+  }
+  if (c.memory_budget_mb && (*c.memory_budget_mb < 0 || *c.memory_budget_mb > kMaxMemoryBudgetMb)) {
+    return InvalidArgument(m + "the memory budget must be MiB in [0, " + std::to_string(kMaxMemoryBudgetMb) +
+                           "] (0: no bound)");
   }
   if (c.batching) {
     const BatchingConfig& b = *c.batching;

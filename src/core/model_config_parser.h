@@ -31,6 +31,10 @@ inline constexpr std::string_view kWideInstanceParam = "quern.wide_instance";
 //   parameters { key: "quern.max_queue_wait_ms" value { string_value: "2000" } }
 inline constexpr std::string_view kMaxQueueWaitParam = "quern.max_queue_wait_ms";
 inline constexpr std::string_view kLatencyTargetParam = "quern.latency_target_ms";
+// A budget for the run memory the model's batches hold at once, in MiB (0 =
+// none; see DynamicBatcherOptions::memory_budget_bytes):
+//   parameters { key: "quern.memory_budget_mb" value { string_value: "256" } }
+inline constexpr std::string_view kMemoryBudgetParam = "quern.memory_budget_mb";
 
 // Bounds on configured numbers, checked at load so that a typo fails that
 // model's load with an error naming the file and field instead of taking
@@ -45,6 +49,7 @@ inline constexpr uint64_t kMaxQueueTimeoutUs = 2'592'000'000'000;  // default_ti
 inline constexpr uint32_t kMaxWarmupCount = 1000;                  // model_warmup count
 inline constexpr size_t kMaxConfigTensors = 1024;                  // inputs or outputs
 inline constexpr size_t kMaxEnsembleSteps = 256;                   // ensemble_scheduling steps
+inline constexpr int64_t kMaxMemoryBudgetMb = int64_t{1} << 30;    // quern.memory_budget_mb: 1 PiB
 
 struct VersionPolicy {
   enum class Kind { kLatest, kAll, kSpecific };

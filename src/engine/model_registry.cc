@@ -449,6 +449,7 @@ Result<std::shared_ptr<Servable>> ModelRegistry::LoadVersion(const RepositoryMod
     return std::shared_ptr<Servable>(std::move(ensemble));
   }
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
+  if (!config.memory_budget_mb) config.memory_budget_mb = options_.memory_budget_mb;
   Backend* backend = backends_.Find(config.backend);
   if (!backend) {
     return Err(InvalidArgument("model '" + m.name + "': backend '" + config.backend + "' is not in this build"));
@@ -536,6 +537,7 @@ Status ModelRegistry::RegisterModel(ModelConfig config, ModelFactory factory) {
   if (config.backend.empty()) config.backend = "custom";
   if (config.instance_count == 0) config.instance_count = std::min(cores_, kMaxInstances);
   if (!config.max_queue_wait_ms) config.max_queue_wait_ms = options_.max_queue_wait_ms;
+  if (!config.memory_budget_mb) config.memory_budget_mb = options_.memory_budget_mb;
   QUERN_RETURN_IF_ERROR(ValidateModelConfig(config));
   std::vector<std::unique_ptr<Model>> instances;
   for (int i = 0; i < config.instance_count; ++i) {

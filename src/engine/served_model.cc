@@ -95,6 +95,10 @@ Result<std::shared_ptr<ServedModel>> ServedModel::Create(ModelConfig config, int
   const ModelConfig& c = m->config_;
   opts.queue.max_batch_size = std::max(c.max_batch_size, 1);
   opts.max_queue_wait_ns = c.max_queue_wait_ms.value_or(0) * 1'000'000;
+  // (A model that does not batch has no limit to keep: its budget would only turn shared runs off.)
+  if (c.max_batch_size > 1)
+    opts.memory_budget_bytes = std::clamp<int64_t>(c.memory_budget_mb.value_or(0), 0, 1 << 30) << 20;
+  opts.run_sizes.assign(c.fixed_batch_sizes.begin(), c.fixed_batch_sizes.end());
   if (c.batching && c.max_batch_size > 0) {
     const BatchingConfig& b = *c.batching;
     opts.queue.preferred_batch_sizes.assign(b.preferred_batch_sizes.begin(), b.preferred_batch_sizes.end());

@@ -29,6 +29,7 @@ BatchSizeTuner::BatchSizeTuner(BatchSizeTunerOptions options) : options_(std::mo
   options_.interval = std::max(options_.interval, 1);
   options_.max_interval = std::max(options_.max_interval, options_.interval);
   current_ = static_cast<int>(candidates_.size()) - 1;
+  top_ = current_;
   interval_ = options_.interval;
   landed_.assign(candidates_.size(), 0);
   landed_ns_.assign(candidates_.size(), 0);
@@ -63,9 +64,18 @@ int BatchSizeTuner::Bucket(int64_t items) const {
 }
 
 bool BatchSizeTuner::CanProbeFrom(int b, bool capped_at_limit) const {
-  if (b > current_) return false;  // a lone request larger than the limit
-  if (b > 0) return true;          // a smaller limit would cut these batches
-  return b == current_ && capped_at_limit && current_ + 1 < static_cast<int>(candidates_.size());
+  if (b > std::min(current_, top_)) return false;  // a lone request larger than the limit
+  if (b > 0) return true;                          // a smaller limit would cut these batches
+  return b == current_ && capped_at_limit && current_ + 1 <= top_;
+}
+
+bool BatchSizeTuner::SetCeiling(int64_t max_items) {
+  const int64_t before = limit();
+  const auto within = std::upper_bound(candidates_.begin(), candidates_.end(), max_items) - candidates_.begin();
+  top_ = std::max(static_cast<int>(within) - 1, 0);
+  // A phase measuring above the ceiling ends (its batches can no longer form).
+  if ((phase_ == Phase::kProbe && probe_ > top_) || (phase_ == Phase::kBaseline && operating_ > top_)) ToSteady();
+  return limit() != before;
 }
 
 void BatchSizeTuner::ToSteady() {
@@ -124,8 +134,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       // Down: a smaller limit cuts these batches. Up: only when the limit
       // itself cut most of them short.
       const int down = operating_ - 1;
-      const bool up_ok =
-          operating_ == current_ && current_ + 1 < static_cast<int>(candidates_.size()) && baseline_.MostlyCapped();
+      const bool up_ok = operating_ == current_ && current_ + 1 <= top_ && baseline_.MostlyCapped();
       int pick = -1;
       for (int dir : {direction_, -direction_}) {
         if (dir < 0 && down >= 0) pick = down;
@@ -165,8 +174,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
         interval_ = options_.interval;
         baseline_cost_ = cost;
         const int next = current_ + direction_;
-        const bool next_ok =
-            direction_ < 0 ? next >= 0 : next < static_cast<int>(candidates_.size()) && probe_sample_.MostlyCapped();
+        const bool next_ok = direction_ < 0 ? next >= 0 : next <= top_ && probe_sample_.MostlyCapped();
         if (next_ok) {
           StartProbe(next);
           return true;
@@ -178,9 +186,7 @@ bool BatchSizeTuner::Observe(int64_t items, int64_t ns, bool capped) {
       // A plateau (within the margin of the baseline): try the next size the
       // same way, against the same baseline.
       const int further = probe_ + direction_;
-      const bool further_ok = direction_ < 0
-                                  ? further >= 0
-                                  : further < static_cast<int>(candidates_.size()) && probe_sample_.MostlyCapped();
+      const bool further_ok = direction_ < 0 ? further >= 0 : further <= top_ && probe_sample_.MostlyCapped();
       if (cost <= baseline_cost_ * (1.0 + options_.margin) && further_ok) {
         StartProbe(further);
         return true;

@@ -57,9 +57,16 @@ class BatchSizeTuner {
   explicit BatchSizeTuner(BatchSizeTunerOptions options);
 
   // The limit to form batches with now (a probe's size while one runs).
-  int64_t limit() const { return candidates_[static_cast<std::size_t>(phase_ == Phase::kProbe ? probe_ : current_)]; }
+  int64_t limit() const { return candidates_[Capped(phase_ == Phase::kProbe ? probe_ : current_)]; }
   // The limit the tuner has settled on.
-  int64_t settled_limit() const { return candidates_[static_cast<std::size_t>(current_)]; }
+  int64_t settled_limit() const { return candidates_[Capped(current_)]; }
+
+  // Candidates above `max_items` are left out (the largest candidate within
+  // it stays, the smallest if none is) until another ceiling is set: a
+  // settled limit above it is held at it, a probe above it abandoned, and
+  // none is started there. INT64_MAX: every candidate. Returns true when
+  // limit() changed.
+  bool SetCeiling(int64_t max_items);
 
   // Reports one executed batch: `items` in it, `ns` it took, `capped` when
   // the limit cut it short (more was waiting). Returns true when limit()
@@ -94,10 +101,13 @@ class BatchSizeTuner {
   void NoteFailure();
   // Batches outside the measured bucket before a phase is given up.
   int MissBudget() const;
+  // Index `i` within the ceiling.
+  std::size_t Capped(int i) const { return static_cast<std::size_t>(i < top_ ? i : top_); }
 
   BatchSizeTunerOptions options_;
   std::vector<int64_t> candidates_;
-  int current_ = 0;    // index into candidates_: the settled limit
+  int current_ = 0;    // index into candidates_: the settled limit (held at top_)
+  int top_ = 0;        // the largest index within the ceiling (SetCeiling)
   int operating_ = 0;  // the bucket being measured (baseline)
   int probe_ = 0;
   Phase phase_ = Phase::kSteady;

@@ -56,14 +56,9 @@ DynamicBatcher::LendOutcome DynamicBatcher::LendRun(LendSlot& slot) {
   lock.Unlock();
   slot_lock.Unlock();
   for (auto& dropped : d.dropped) b->on_drop_(std::move(dropped.task), dropped.status);
-  int64_t ran_ns = 0;
-  if (!d.batch.empty()) {
-    const int64_t start = b->clock_->NowNs();
-    b->processor_(claimed, std::move(d.batch));
-    ran_ns = b->clock_->NowNs() - start;
-  }
+  const Ran ran = b->Process(claimed, std::move(d.batch));
   lock.Lock();
-  b->EndLocked(claimed, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
+  b->EndLocked(claimed, tasks, d, ran, /*shared=*/false, /*tune=*/true);
   out.ran = true;
   if (b->stopping_ || b->queue_.empty()) {
     // Stopping: the workers drain the queue (Shutdown woke them).
@@ -128,14 +123,9 @@ int DynamicBatcher::ClaimLocked(bool wide_ok) const {
 void DynamicBatcher::RunHere(int worker, BatchQueue::Decision d, bool shared, bool tune) {
   for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
   const auto tasks = static_cast<int64_t>(d.batch.size());
-  int64_t ran_ns = 0;
-  if (!d.batch.empty()) {
-    const int64_t start = clock_->NowNs();
-    processor_(worker, std::move(d.batch));
-    ran_ns = clock_->NowNs() - start;
-  }
+  const Ran ran = Process(worker, std::move(d.batch));
   MutexLock lock(mu_);
-  EndLocked(worker, tasks, d, ran_ns, shared, tune);
+  EndLocked(worker, tasks, d, ran, shared, tune);
   if (--callers_running_ == 0) callers_cv_.SignalAll();
   // The instance's own worker may have waited for it (work queued, or the
   // batcher stopping); it or another that may take the work looks now.

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/block_cache.h"
 #include "core/cpus.h"
 
 namespace quern {
@@ -29,12 +30,22 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   b->worker_cv_ = std::make_unique<CondVar[]>(static_cast<size_t>(options.num_workers));
   b->wide_ = options.wide_worker;
   b->max_queue_wait_ns_ = options.max_queue_wait_ns;
-  b->max_shared_runs_ = options.shared_runs;
+  b->memory_budget_ = std::max<int64_t>(options.memory_budget_bytes, 0);
+  b->run_sizes_ = options.run_sizes;
+  std::sort(b->run_sizes_.begin(), b->run_sizes_.end());
+  b->max_shared_runs_ = b->memory_budget_ > 0 ? 0 : options.shared_runs;
   b->latency_target_ = latency_target;
-  if (options.tuner) {
+  {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
-    b->tuner_.emplace(std::move(*options.tuner));
-    b->queue_.set_batch_limit(b->tuner_->limit());
+    if (options.tuner) b->tuner_.emplace(std::move(*options.tuner));
+    if (b->memory_budget_ > 0) {
+      // Until a batch is measured: batches of one, or as many as run at the same padded size.
+      int64_t free = 1;
+      while (free < b->queue_.options().max_batch_size && b->RunRows(free + 1) == b->RunRows(1)) ++free;
+      b->memory_limit_ = free;
+      if (b->tuner_) b->tuner_->SetCeiling(free);
+    }
+    b->ApplyBatchLimitLocked();
   }
   if (options.delay_tuner && latency_target) {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
@@ -207,9 +218,75 @@ void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int6
       ns_per_item_ > 0 ? now_ns + static_cast<int64_t>(ns_per_item_ * static_cast<double>(d.items)) : INT64_MAX;
 }
 
-void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, int64_t ran_ns, bool shared,
+DynamicBatcher::Ran DynamicBatcher::Process(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+  Ran ran;
+  if (batch.empty()) return ran;
+  BlockCache::ThreadScope memory;
+  const int64_t start = clock_->NowNs();
+  processor_(worker, std::move(batch));
+  ran.ns = clock_->NowNs() - start;
+  ran.bytes = static_cast<int64_t>(memory.peak());
+  return ran;
+}
+
+void DynamicBatcher::ApplyBatchLimitLocked() {
+  int64_t limit = tuner_ ? tuner_->limit() : queue_.options().max_batch_size;
+  if (memory_limit_ > 0) limit = std::min(limit, memory_limit_);
+  queue_.set_batch_limit(limit);
+}
+
+int64_t DynamicBatcher::RunRows(int64_t items) const {
+  auto at = std::lower_bound(run_sizes_.begin(), run_sizes_.end(), items);
+  return at == run_sizes_.end() ? items : *at;
+}
+
+double DynamicBatcher::ExpectedRunBytesLocked(int64_t rows) const {
+  // Measured sizes hold at least what smaller ones measured (run_bytes_ keeps them so).
+  auto above = run_bytes_.lower_bound(rows);
+  if (above != run_bytes_.end() && above->first == rows) return static_cast<double>(above->second);
+  if (above == run_bytes_.end()) {  // beyond the largest measured: in proportion (an upper bound)
+    const auto& [largest, bytes] = *run_bytes_.rbegin();
+    return static_cast<double>(bytes) * static_cast<double>(rows) / static_cast<double>(largest);
+  }
+  if (above == run_bytes_.begin()) return static_cast<double>(above->second);  // below the smallest: as it
+  const auto below = std::prev(above);
+  const double f = static_cast<double>(rows - below->first) / static_cast<double>(above->first - below->first);
+  return static_cast<double>(below->second) + f * static_cast<double>(above->second - below->second);
+}
+
+void DynamicBatcher::NoteRunMemoryLocked(int64_t items, int64_t bytes) {
+  const int64_t rows = RunRows(items);
+  auto [at, fresh] = run_bytes_.try_emplace(rows, bytes);
+  if (!fresh) {
+    if (bytes <= at->second) return;  // nothing new
+    at->second = bytes;
+  }
+  // Larger sizes hold at least as much as this one.
+  for (auto it = std::next(at); it != run_bytes_.end(); ++it) it->second = std::max(it->second, at->second);
+  // The largest limit whose batches fit: never beyond twice the largest size measured (the next
+  // size up is measured before one further), and never below the sizes that run as many rows as a
+  // batch of one (a smaller limit would save nothing).
+  const int64_t most = std::min(queue_.options().max_batch_size, 2 * run_bytes_.rbegin()->first);
+  const double budget = static_cast<double>(memory_budget_) / static_cast<double>(narrow_workers());
+  int64_t lo = 1, hi = most;
+  while (lo < hi) {  // the estimate grows with the size
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (RunRows(mid) == RunRows(1) || ExpectedRunBytesLocked(RunRows(mid)) <= budget) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  if (lo == memory_limit_) return;
+  memory_limit_ = lo;
+  if (tuner_) tuner_->SetCeiling(lo);
+  ApplyBatchLimitLocked();
+}
+
+void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, Ran ran, bool shared,
                                bool tune) {
   const int64_t items = d.items;
+  const int64_t ran_ns = ran.ns;
   const bool capped = d.capped;
   const bool wide = wide_ && worker == num_workers_ - 1;
   const int64_t now = clock_->NowNs();
@@ -218,6 +295,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Deci
   // Every batch counts for the delay tuner: it compares the answers' rate
   // (shared and caller's runs included) under each mode.
   if (delay_tuner_ && items > 0 && !stopping_) delay_tuner_->Observe(now, items, ran_ns, now - d.oldest_enqueue_ns);
+  if (memory_budget_ > 0 && items > 0 && !stopping_) NoteRunMemoryLocked(items, ran.bytes);
   if (shared) {  // its time shared the cores: it feeds no estimate
     --shared_running_;
     --shared_on_[static_cast<size_t>(worker)];
@@ -259,7 +337,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Deci
     }
   }
   if (tuner_ && tune && items > 0 && !wide && !stopping_ && tuner_->Observe(items, ran_ns, capped)) {
-    queue_.set_batch_limit(tuner_->limit());
+    ApplyBatchLimitLocked();
   }
 }
 
@@ -408,6 +486,11 @@ double DynamicBatcher::ns_per_item() const {
   return ns_per_item_;
 }
 
+int64_t DynamicBatcher::memory_limit() const {
+  MutexLock lock(mu_);
+  return memory_limit_;
+}
+
 int64_t DynamicBatcher::batch_limit() const {
   MutexLock lock(mu_);
   return queue_.batch_limit();
@@ -489,14 +572,9 @@ void DynamicBatcher::WorkerLoop(int worker) {
         if (more && !wide) WakeNarrowLocked();  // let another free instance take the next batch
         lock.Unlock();
         for (auto& dropped : d.dropped) on_drop_(std::move(dropped.task), dropped.status);
-        int64_t ran_ns = 0;
-        if (!d.batch.empty()) {
-          const int64_t start = clock_->NowNs();
-          processor_(worker, std::move(d.batch));
-          ran_ns = clock_->NowNs() - start;
-        }
+        const Ran ran = Process(worker, std::move(d.batch));
         lock.Lock();
-        EndLocked(worker, tasks, d, ran_ns, /*shared=*/false, /*tune=*/true);
+        EndLocked(worker, tasks, d, ran, /*shared=*/false, /*tune=*/true);
         if (wide) {
           if (!queue_.empty() && MayTake(false)) {
             for (int i = 0; i < narrow_workers(); ++i) WakeNarrowLocked();  // the others may take batches again

@@ -68,6 +68,7 @@
 
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -112,6 +113,25 @@ struct DynamicBatcherOptions {
   // Shared runs callers may add beside busy instances (see above); 0 =
   // none. Only for instances whose batches may run concurrently.
   int shared_runs = 0;
+  // A budget for the run memory the model's batches hold at once, all
+  // instances running together (0 = none). Each batch's run memory is
+  // measured on the thread that runs it (BlockCache::ThreadScope: the large
+  // buffers a backend takes from Quern's allocator, as ONNX Runtime's runs
+  // do), and the batch limit is kept at the largest size whose estimate,
+  // times the instances that run side by side (not the wide one, which runs
+  // alone), fits. The estimate for a size: the most measured at it, else
+  // interpolated between the nearest sizes measured around it, else the
+  // largest measured scaled up in proportion (an upper bound), every size
+  // at least what a smaller one measured. The limit starts at one and grows
+  // at most to twice the largest size measured, so a size is measured
+  // before one twice as large runs. A batch of one may exceed the budget
+  // (it runs all the same); a backend whose runs take nothing from the
+  // allocator is not bounded. With a budget there are no shared runs
+  // (their memory would come on top of one run per instance).
+  int64_t memory_budget_bytes = 0;
+  // The sizes batches run at, padded up to the next (fixed batch sizes;
+  // empty: as formed): their memory is that of the padded size.
+  std::vector<int64_t> run_sizes;
 };
 
 class DynamicBatcher {
@@ -156,8 +176,12 @@ class DynamicBatcher {
   // The measured run time per item (ns, a moving average over recent
   // batches); 0 before the first batch.
   double ns_per_item() const;
-  // The largest batch formed now (max_batch_size unless a tuner lowered it).
+  // The largest batch formed now (max_batch_size unless a tuner or the
+  // memory budget lowered it).
   int64_t batch_limit() const;
+  // The largest batch the memory budget allows now (options.memory_budget_bytes;
+  // 0 = no bound).
+  int64_t memory_limit() const;
   // The way the delay tuner settled on (options.delay_tuner), if it runs.
   std::optional<BatchLeave> batch_leave() const;
 
@@ -243,8 +267,26 @@ class DynamicBatcher {
   // Marks `worker`'s instance busy with `d` / free again after `ran_ns`;
   // `shared`: a shared run beside the instance's own batch (counted apart).
   void BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) QUERN_REQUIRES(mu_);
-  void EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, int64_t ran_ns, bool shared, bool tune)
+  // What running one batch took: its wall time and the run memory its thread
+  // held at most (BlockCache::ThreadPeak).
+  struct Ran {
+    int64_t ns = 0;
+    int64_t bytes = 0;
+  };
+  // Runs `batch` on the calling thread through the processor, measured.
+  Ran Process(int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) QUERN_EXCLUDES(mu_);
+  void EndLocked(int worker, int64_t tasks, const BatchQueue::Decision& d, Ran ran, bool shared, bool tune)
       QUERN_REQUIRES(mu_);
+  // The memory budget: records a batch of `items` that held `bytes`, and
+  // lowers or raises the limit it allows.
+  void NoteRunMemoryLocked(int64_t items, int64_t bytes) QUERN_REQUIRES(mu_);
+  // The run memory a batch run at `rows` (a run size) is expected to hold
+  // (see memory_budget_bytes); needs one measured batch.
+  double ExpectedRunBytesLocked(int64_t rows) const QUERN_REQUIRES(mu_);
+  // The rows a batch of `items` runs at (options.run_sizes).
+  int64_t RunRows(int64_t items) const;
+  // The queue's limit: the tuner's (else max_batch_size) within the memory limit.
+  void ApplyBatchLimitLocked() QUERN_REQUIRES(mu_);
   // Wakes one waiting worker (not the wide one) whose instance is free.
   void WakeNarrowLocked() QUERN_REQUIRES(mu_);
   void SignalAllLocked() QUERN_REQUIRES(mu_);
@@ -316,7 +358,13 @@ class DynamicBatcher {
   // Shared runs now, in all and per instance, and the bound.
   int shared_running_ QUERN_GUARDED_BY(mu_) = 0;
   std::vector<int> shared_on_ QUERN_GUARDED_BY(mu_);
-  int max_shared_runs_ = 0;  // set before any thread starts
+  int max_shared_runs_ = 0;         // set before any thread starts
+  int64_t memory_budget_ = 0;       // set before any thread starts
+  std::vector<int64_t> run_sizes_;  // set before any thread starts, sorted
+  // The most run memory measured per run size (each at least a smaller
+  // one's), and the limit it allows (0 = none).
+  std::map<int64_t, int64_t> run_bytes_ QUERN_GUARDED_BY(mu_);
+  int64_t memory_limit_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t shared_batches_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t caller_batches_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t worker_batches_ QUERN_GUARDED_BY(mu_) = 0;

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "core/model_config_parser.h"
+
 namespace quern {
 namespace {
 
@@ -182,6 +184,12 @@ void AddOperationFlags(CLI::App* serve, ServerOptions& o) {
                    "Refuse a request (503 / UNAVAILABLE) when the work queued for its model would take longer "
                    "than this to run (per model: parameter quern.max_queue_wait_ms); 0 = no bound")
       ->check(CLI::Range(int64_t{0}, int64_t{3'600'000}));
+  serve
+      ->add_option("--memory-budget-mb", o.memory_budget_mb,
+                   "Run memory each batching model's batches may hold at once (MiB, its instances together): "
+                   "batches are kept as large as the measured memory of its runs lets fit (ONNX Runtime models; "
+                   "per model: parameter quern.memory_budget_mb); 0 = no budget")
+      ->check(CLI::Range(int64_t{0}, kMaxMemoryBudgetMb));
   serve->add_option("--log-level", o.log_level, "Log lines at this level and above: debug, info, warning, error")
       ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}));
   serve

@@ -71,6 +71,7 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ServerOptions& options, bool lo
   o.model_repository = options.model_repository;
   o.load_all_models = load_all_models;
   o.max_queue_wait_ms = options.max_queue_wait_ms;
+  o.memory_budget_mb = options.memory_budget_mb;
   o.allow_links_outside_repository = options.allow_links_outside_repository;
   o.repository_poll_interval_s = options.repository_poll_secs;
   o.runtime_cache_dir = options.runtime_cache_dir;

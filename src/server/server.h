@@ -46,6 +46,7 @@ struct ServerOptions {
   // by polling; "explicit": models load and unload over the API as well.
   std::string model_control = "none";
   int64_t max_queue_wait_ms = 5000;
+  int64_t memory_budget_mb = 0;  // EngineOptions::memory_budget_mb
   double drain_timeout_s = 30;
 
   HttpServerOptions http;
