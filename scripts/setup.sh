@@ -704,15 +704,9 @@ wait_for() { # [step]: that step's job, or every job
 trap 'wait' EXIT
 
 # curl, python3-venv: what the steps below use; python3-dev (the Python package's headers) too, so
-# that an upgrade of python3.11 it may pull never happens under the running pip; and of the tests'
-# packages, what the test build compiles against (GoogleTest, LibTorch) or its checks run.
-APT_TEST_BUILD_PACKAGES=(libgtest-dev libgmock-dev libtorch-dev clang-format)
-if [ "$MODE" = all ]; then
-  install_apt "${APT_PACKAGES[@]}" python3-dev "${APT_TEST_BUILD_PACKAGES[@]}"
-else
-  install_apt "${APT_PACKAGES[@]}"
-fi
-# The tests' other packages (Chromium, clang, ...) install while the venv fills (and the build runs).
+# that an upgrade of python3.11 it may pull never happens under the running pip.
+if [ "$MODE" = all ]; then install_apt "${APT_PACKAGES[@]}" python3-dev; else install_apt "${APT_PACKAGES[@]}"; fi
+# The tests' packages (Chromium, LibTorch, clang, ...) install while the venv fills.
 [ "$MODE" = all ] && start install_apt "${APT_TEST_PACKAGES[@]}"
 start install_onnxruntime
 start install_openvino
@@ -723,9 +717,9 @@ start install_venv
 wait_for install_onnxruntime  # its CUDA provider goes into the same folder
 install_onnxruntime_cuda
 # QUERN_SETUP_BUILD_READY=FILE: the file is made once what the build needs is in place (the Debian
-# packages it compiles against, ONNX Runtime, OpenVINO, pybind11), so that scripts/test.sh compiles
-# while the rest installs.
+# packages, ONNX Runtime, OpenVINO, pybind11), so that scripts/test.sh compiles while the rest installs.
 if [ -n "${QUERN_SETUP_BUILD_READY:-}" ]; then
+  wait_for install_apt
   wait_for install_openvino
   touch "$QUERN_SETUP_BUILD_READY"
   log "what the build needs is in place; the rest follows"
