@@ -700,6 +700,7 @@ TEST(DynamicBatcher, AMemoryBudgetKeepsBatchesWhereTheirMeasuredRunMemoryFits) {
   const std::vector<size_t> sizes = h.Run(**b, 200);
   EXPECT_EQ((*b)->memory_limit(), 4);
   EXPECT_EQ((*b)->batch_limit(), 4) << "the tuner's limit (16, its largest size) within the budget";
+  EXPECT_EQ((*b)->batch_memory_bytes(), int64_t{4} << 20) << "a batch of 4, measured";
   EXPECT_EQ(sizes.front(), 1u) << "the first batch, before any was measured";
   EXPECT_EQ(*std::max_element(sizes.begin(), sizes.end()), 4u) << "as large as the budget allows, never larger";
 }
@@ -717,6 +718,25 @@ TEST(DynamicBatcher, WithABudgetTheLimitGrowsOnlyAsLargerBatchesAreMeasured) {
   // One worker: each batch formed after the one before was measured, at most twice its size.
   EXPECT_EQ(std::vector<size_t>(sizes.begin(), sizes.begin() + 5), (std::vector<size_t>{1, 2, 4, 8, 16}));
   EXPECT_EQ((*b)->memory_limit(), 16);
+}
+
+TEST(DynamicBatcher, WithoutABudgetRunMemoryIsMeasuredAndNothingBounded) {
+  MemoryHarness h;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  auto b = h.Create(o);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)->memory_limit(), 0);
+  EXPECT_EQ((*b)->batch_memory_bytes(), 0) << "nothing measured yet";
+  std::unique_ptr<BatchTask> first = std::make_unique<Item>(0);
+  ASSERT_TRUE((*b)->Schedule(first, {}).ok());
+  h.go.set_value();
+  h.rec.Wait(1);
+  // A batch of one measured at 1 MiB: one of 8 (the limit) expected at 8 MiB.
+  EXPECT_TRUE(testing::Eventually([&] { return (*b)->batch_memory_bytes() == int64_t{8} << 20; }))
+      << (*b)->batch_memory_bytes();
+  EXPECT_EQ((*b)->batch_limit(), 8);
+  EXPECT_EQ((*b)->memory_limit(), 0);
 }
 
 TEST(DynamicBatcher, ABudgetMeasuresABatchAtTheSizeItIsPaddedTo) {

@@ -306,8 +306,15 @@ struct ModelStatistics {
   uint64_t fail_rejected = 0, fail_cancelled = 0, fail_timeout = 0, fail_invalid = 0, fail_backend = 0;
   uint64_t pending = 0;  // requests queued now
   // Largest batch formed now: max_batch_size, or less where the batch size
-  // tuner found a smaller batch faster (0 = the model does not batch).
+  // tuner found a smaller batch faster or the memory budget holds it (0 =
+  // the model does not batch).
   int64_t batch_limit = 0;
+  // The run memory a batch at batch_limit is expected to hold, in bytes, as
+  // measured on the batches run (the large buffers their runs take from
+  // Quern's allocator: ONNX Runtime's; see the memory budget,
+  // ModelConfig::memory_budget_mb); 0 before a batch ran, or where runs take
+  // none.
+  int64_t batch_memory_bytes = 0;
   // With a latency target and a batching delay, how batches that could take
   // more requests leave, as measured online: "at_once", "everyone_here" or
   // "after_delay" (empty: the model has no such choice).

@@ -707,6 +707,7 @@ ModelStatistics ServedModel::Statistics() const {
   s.version = version_;
   s.pending = batcher_ ? batcher_->queued() : 0;
   s.batch_limit = batcher_ && config_.max_batch_size > 0 ? batcher_->batch_limit() : 0;
+  s.batch_memory_bytes = batcher_ ? batcher_->batch_memory_bytes() : 0;
   if (batcher_) {
     s.engine_batches = static_cast<uint64_t>(batcher_->worker_batches());
     s.caller_batches = static_cast<uint64_t>(batcher_->caller_batches());

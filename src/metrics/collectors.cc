@@ -79,7 +79,11 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
   registry.DeclareFamily("quern_pending_requests", MetricType::kGauge, "Requests waiting in the model's queue.");
   registry.DeclareFamily("quern_batch_size_limit", MetricType::kGauge,
                          "Largest batch formed now: max_batch_size, or less where the batch size tuner found a "
-                         "smaller batch faster.");
+                         "smaller batch faster or the memory budget holds it.");
+  registry.DeclareFamily("quern_batch_memory_bytes", MetricType::kGauge,
+                         "Run memory a batch at the limit is expected to hold, as measured on the batches run (the "
+                         "large buffers ONNX Runtime's runs take from Quern's allocator); 0 before a batch ran or "
+                         "where runs take none.");
   registry.DeclareFamily("quern_batch_leave", MetricType::kGauge,
                          "1 for the way batches leave, as measured online (models with a latency target and a "
                          "batching delay): at_once, everyone_here or after_delay.");
@@ -112,6 +116,7 @@ MetricsRegistry::Collection AddEngineMetrics(MetricsRegistry& registry, const En
       }
       w.Sample("quern_pending_requests", labels, static_cast<double>(s.pending));
       w.Sample("quern_batch_size_limit", labels, static_cast<double>(s.batch_limit));
+      w.Sample("quern_batch_memory_bytes", labels, static_cast<double>(s.batch_memory_bytes));
       if (!s.batch_leave.empty()) {
         for (const char* way : {"at_once", "everyone_here", "after_delay"}) {
           w.Sample("quern_batch_leave", Labels(s, "way", way), s.batch_leave == way ? 1 : 0);

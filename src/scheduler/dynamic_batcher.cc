@@ -263,6 +263,7 @@ void DynamicBatcher::NoteRunMemoryLocked(int64_t items, int64_t bytes) {
   }
   // Larger sizes hold at least as much as this one.
   for (auto it = std::next(at); it != run_bytes_.end(); ++it) it->second = std::max(it->second, at->second);
+  if (memory_budget_ == 0) return;  // measured for batch_memory_bytes() only
   // The largest limit whose batches fit: never beyond twice the largest size measured (the next
   // size up is measured before one further), and never below the sizes that run as many rows as a
   // batch of one (a smaller limit would save nothing).
@@ -295,7 +296,7 @@ void DynamicBatcher::EndLocked(int worker, int64_t tasks, const BatchQueue::Deci
   // Every batch counts for the delay tuner: it compares the answers' rate
   // (shared and caller's runs included) under each mode.
   if (delay_tuner_ && items > 0 && !stopping_) delay_tuner_->Observe(now, items, ran_ns, now - d.oldest_enqueue_ns);
-  if (memory_budget_ > 0 && items > 0 && !stopping_) NoteRunMemoryLocked(items, ran.bytes);
+  if (items > 0 && !stopping_) NoteRunMemoryLocked(items, ran.bytes);
   if (shared) {  // its time shared the cores: it feeds no estimate
     --shared_running_;
     --shared_on_[static_cast<size_t>(worker)];
@@ -484,6 +485,12 @@ int64_t DynamicBatcher::running_tasks() const {
 double DynamicBatcher::ns_per_item() const {
   MutexLock lock(mu_);
   return ns_per_item_;
+}
+
+int64_t DynamicBatcher::batch_memory_bytes() const {
+  MutexLock lock(mu_);
+  if (run_bytes_.empty()) return 0;
+  return static_cast<int64_t>(ExpectedRunBytesLocked(RunRows(queue_.batch_limit())));
 }
 
 int64_t DynamicBatcher::memory_limit() const {

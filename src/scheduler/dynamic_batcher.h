@@ -182,6 +182,10 @@ class DynamicBatcher {
   // The largest batch the memory budget allows now (options.memory_budget_bytes;
   // 0 = no bound).
   int64_t memory_limit() const;
+  // The run memory a batch at batch_limit() is expected to hold, as measured
+  // (with or without a budget; see memory_budget_bytes); 0 before a batch is
+  // measured.
+  int64_t batch_memory_bytes() const;
   // The way the delay tuner settled on (options.delay_tuner), if it runs.
   std::optional<BatchLeave> batch_leave() const;
 

@@ -89,8 +89,11 @@ def test_a_budget_keeps_batches_where_their_run_memory_fits(tmp_path, model_file
     write(repo, "server_bounded", path)  # the server's --memory-budget-mb
     proc, ports = start_quern(QUERN, repo, "--memory-budget-mb", "4")
     try:
-        # Without a budget the burst runs in batches of 16 (max_batch_size): larger than any below.
+        # Without a budget the burst runs in batches of 16 (max_batch_size): larger than any below. Their
+        # run memory is measured all the same: a batch of 16 holds a 16 MiB product at least.
         assert max(burst(ports["HTTP"], "free", w)) == 16
+        free_bytes = metric_sum(ports["metrics"], "quern_batch_memory_bytes", model="free")
+        assert 16 * MiB <= free_bytes < 32 * MiB, free_bytes
         for name, budget in (("bounded", 6), ("server_bounded", 4)):
             sizes = burst(ports["HTTP"], name, w)
             limit = metric_sum(ports["metrics"], "quern_batch_size_limit", model=name)
@@ -100,6 +103,9 @@ def test_a_budget_keeps_batches_where_their_run_memory_fits(tmp_path, model_file
             # budget leaves room for more than one.
             assert 2 <= limit <= budget, (name, limit, sizes)
             assert sizes[0] == 1 and 2 <= max(sizes) <= budget, (name, limit, sizes)
+            # What a batch at the limit is expected to hold fits the budget, and holds its product.
+            held = metric_sum(ports["metrics"], "quern_batch_memory_bytes", model=name)
+            assert limit * MiB <= held <= budget * MiB, (name, limit, held)
     finally:
         stop_quern(proc)
 
