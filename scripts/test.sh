@@ -37,18 +37,10 @@ step() {  # step NAME: ends the step before (printing its seconds) and names the
   return 0
 }
 
-# The setup runs on beside the checks and the release build once what they need is in place (the
-# Debian packages, ONNX Runtime, OpenVINO, pybind11): from cold, the rest of it (the venv's other
-# packages, the models, their quantization) waits mostly on downloads, the build on the CPU.
-step "setup (what the build needs)"
-mkdir -p build
-ready="$ROOT/build/.setup-build-ready"
-rm -f "$ready"
-QUERN_SETUP_BUILD_READY="$ready" scripts/setup.sh &
-setup=$!
+step "setup"
+scripts/setup.sh
 asan_build="" bench_build="" fuzz=""
-on_exit() {  # what runs in the background is stopped on the way out (a package install waited for)
-  [ -n "$setup" ] && wait "$setup" 2>/dev/null
+on_exit() {  # what runs in the background is stopped on the way out
   for job in "$asan_build" "$bench_build"; do
     [ -n "$job" ] && { kill "$job" 2>/dev/null; wait "$job" 2>/dev/null; }
   done
@@ -56,41 +48,21 @@ on_exit() {  # what runs in the background is stopped on the way out (a package 
   true
 }
 trap on_exit EXIT
-until [ -e "$ready" ]; do
-  if ! kill -0 "$setup" 2>/dev/null; then
-    rc=0
-    wait "$setup" || rc=$?
-    setup=""
-    # A setup with nothing left to do ends before the loop looks.
-    [ "$rc" = 0 ] && [ -e "$ready" ] && break
-    echo "== the setup failed (rc $rc; its lines above)" >&2
-    exit 1
-  fi
-  sleep 1
-done
 # The scale-out tests fail rather than skip when hosts cannot be built here.
 export QUERN_REQUIRE_NETBED=1
 
-step "format and layer checks"
+step "format, layer and function-length checks"
 mapfile -t sources < <(git ls-files '*.h' '*.cc' 2>/dev/null || true)
 if [ ${#sources[@]} -gt 0 ]; then
   clang-format --dry-run --Werror "${sources[@]}"
 fi
 scripts/check_layers.sh --self-test
 scripts/check_layers.sh
+scripts/check_functions.sh
 
 step "release build (warnings are errors)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci
-
-step "the rest of the setup (begun beside the build), then the function-length check"
-if [ -n "$setup" ]; then
-  rc=0
-  wait "$setup" || rc=$?
-  setup=""
-  [ "$rc" = 0 ] || { echo "== the setup failed (rc $rc; its lines above)" >&2; exit 1; }
-fi
-scripts/check_functions.sh  # lizard, from the venv the setup has now filled
 
 # The sanitizer build compiles while the release tests run, on CPU time they leave idle (a third of
 # it: they wait on servers, Redis, failovers): SCHED_IDLE runs it only when nothing else wants a core,
