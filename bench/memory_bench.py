@@ -9,7 +9,8 @@ its resident memory (VmRSS) is read: after loading; after --steady seconds of re
 time (the steady state at batch 1); after 12 requests sent 4 at a time and 3 one at a time (so every instance, the
 wide one included, has run); right after --seconds of --load requests in flight (binary KServe
 bodies from quern-perf: large batches); and after --quiet seconds without requests. Prints one line per layout
-with the answers per second of the load phase, and the peak (VmHWM) by its end.
+with the answers per second of the load phase, the peak (VmHWM) by its end, and the median time of a
+request in the one-at-a-time phase (a lone request, on a new connection).
 
 --vision JPEG: every request is that photograph posted to the CodeProject.AI detection route
 (/v1/vision/detection, multipart; the model must be a detector), the load phase as --load Python
@@ -137,9 +138,13 @@ def measure(binary, perf, model_dir, count, keep_config, steady, load, seconds, 
                     raise SystemExit(f"a request failed: HTTP {r.status}")
 
             until = time.time() + steady  # one at a time for longer than a kept block's idle time
+            lone = []
             while time.time() < until:
+                t = time.monotonic()
                 infer()
+                lone.append(time.monotonic() - t)
             row["batch 1"] = rss_mb(proc.pid)
+            row["lone ms"] = 1000 * sorted(lone[1:] or lone)[len(lone[1:] or lone) // 2]
             with concurrent.futures.ThreadPoolExecutor(4) as ex:
                 list(ex.map(lambda _: infer(), range(12)))
             for _ in range(3):
@@ -205,13 +210,13 @@ def main():
     a = ap.parse_args()
     print(f"{a.model}: resident memory (VmRSS) of quern serve, MB; {a.load} in flight for {a.seconds:g} s, "
           f"then {a.quiet:g} s quiet")
-    cols = ["after load", "batch 1", "after requests", "load", "peak", "quiet", "answers/s"]
+    cols = ["after load", "batch 1", "after requests", "load", "peak", "quiet", "answers/s", "lone ms"]
     print(f"{'layout':<24} " + " ".join(f"{c:>14}" for c in cols))
     for count in [0] + a.counts:
         row = measure(a.quern, a.perf, a.model, count, a.keep_config, a.steady, a.load, a.seconds, a.quiet,
                       a.backend, a.vision, a.serve_arg)
         label = "automatic (cores + wide)" if count == 0 else f"count {count}"
-        print(f"{label:<24} " + " ".join(f"{row[c]:>14.1f}" if c == "answers/s" else f"{row[c]:>14.0f}"
+        print(f"{label:<24} " + " ".join(f"{row[c]:>14.1f}" if c in ("answers/s", "lone ms") else f"{row[c]:>14.0f}"
                                          for c in cols), flush=True)
     return 0
 
