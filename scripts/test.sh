@@ -40,12 +40,14 @@ step() {  # step NAME: ends the step before (printing its seconds) and names the
 step "setup"
 scripts/setup.sh
 asan_build="" bench_build="" fuzz=""
-on_exit() {  # what runs in the background is stopped on the way out
+on_exit() {  # what runs in the background is stopped on the way out; the exit status stays the script's
+  local rc=$?
+  set +e
   for job in "$asan_build" "$bench_build"; do
     [ -n "$job" ] && { kill "$job" 2>/dev/null; wait "$job" 2>/dev/null; }
   done
   [ -n "$fuzz" ] && { kill -- -"$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }
-  true
+  exit "$rc"
 }
 trap on_exit EXIT
 # The scale-out tests fail rather than skip when hosts cannot be built here.
