@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # scripts/test.sh (what CI runs) on a fresh Debian 12 root: a debootstrap'd bookworm (minbase + git
-# + ca-certificates: empty package caches, no ccache, no venv), this checkout cloned into it;
+# + ca-certificates: no packages of the project's, no ccache, no venv), this checkout cloned into it;
 # prints test.sh's own per-stage seconds (its "== stage: N s" lines) and the total. Needs root.
+# The root is made only when ROOT_DIR does not exist: a later run in the same directory clones the
+# project anew but finds the Debian packages and ccache of the runs before (name a new directory for
+# a run from an empty root).
 # Run it a second time with KEEP=1 for the warm figures (the same root, its caches filled), or with
 # COLD_BUILD=1 to keep the root's packages, venv and downloads but empty its ccache and build trees.
 # STRESS=50: stress-ng (run here, outside the root) keeps 50 % of every core busy meanwhile, as

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
@@ -63,6 +64,7 @@ void Unmap(void* base, size_t bytes) {
 struct Header {
   size_t class_bytes;
   size_t asked_bytes = 0;  // the class the request asked for (BlockCache::ThreadScope), <= class_bytes
+  uint64_t scope = 0;      // the ThreadScope it was taken in (0: none)
 };
 constexpr size_t kHeader = BlockCache::kAlignment;
 constexpr size_t kPage = 4096;
@@ -74,16 +76,21 @@ void* UserOf(void* base) {
   return static_cast<std::byte*>(base) + kHeader;
 }
 
-// The calling thread's large blocks in its innermost BlockCache::ThreadScope.
+// The calling thread's large blocks in its innermost BlockCache::ThreadScope,
+// which every scope of the process numbers apart.
 struct ThreadBlocks {
   int64_t held = 0;
   int64_t peak = 0;
+  uint64_t scope = 0;
 };
 thread_local ThreadBlocks t_blocks;
+std::atomic<uint64_t> g_scopes{0};
 
 // A block of `base` handed out for a request of class `asked`.
 void* HandOut(void* base, size_t asked) {
-  HeaderOf(UserOf(base))->asked_bytes = asked;
+  Header* h = HeaderOf(UserOf(base));
+  h->asked_bytes = asked;
+  h->scope = t_blocks.scope;
   t_blocks.held += static_cast<int64_t>(asked);
   t_blocks.peak = std::max(t_blocks.peak, t_blocks.held);
   return UserOf(base);
@@ -91,12 +98,14 @@ void* HandOut(void* base, size_t asked) {
 
 }  // namespace
 
-BlockCache::ThreadScope::ThreadScope() : outer_held_(t_blocks.held), outer_peak_(t_blocks.peak) {
-  t_blocks = {};
+BlockCache::ThreadScope::ThreadScope()
+    : outer_held_(t_blocks.held), outer_peak_(t_blocks.peak), outer_scope_(t_blocks.scope) {
+  t_blocks = {0, 0, g_scopes.fetch_add(1, std::memory_order_relaxed) + 1};
 }
 
 BlockCache::ThreadScope::~ThreadScope() {
   const ThreadBlocks inner = t_blocks;
+  t_blocks.scope = outer_scope_;
   t_blocks.held = outer_held_ + inner.held;
   t_blocks.peak = std::max(outer_peak_, outer_held_ + inner.peak);
 }
@@ -206,8 +215,8 @@ void BlockCache::Free(void* p) {
     return;
   }
   HideFromLsan(base, bytes);
-  // (A block taken before the scope frees nothing of the scope's.)
-  t_blocks.held = std::max<int64_t>(t_blocks.held - static_cast<int64_t>(HeaderOf(p)->asked_bytes), 0);
+  // Only a block this thread's open scope took is its to give back.
+  if (HeaderOf(p)->scope == t_blocks.scope) t_blocks.held -= static_cast<int64_t>(HeaderOf(p)->asked_bytes);
   bool wake = false;
   {
     MutexLock lock(mu_);

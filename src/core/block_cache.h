@@ -87,10 +87,11 @@ class BlockCache {
   // the C library, are not counted). A block counts as the class its request
   // asked for (not the larger kept block that may serve it, which depends on
   // what other runs freed before), from when it is taken until this thread
-  // frees it (a block another thread frees stays counted; one taken before
-  // the scope and freed in it counts nothing). A scope opened inside
-  // another (a run that runs another model's batch on its thread) counts in
-  // the outer one too.
+  // frees it within the scope (a block another thread frees, or freed after
+  // the scope it was taken in ended, stays counted; one taken before the
+  // scope and freed in it counts nothing). A scope opened inside another (a
+  // run that runs another model's batch on its thread) counts in the outer
+  // one too.
   class ThreadScope {
    public:
     ThreadScope();
@@ -103,6 +104,7 @@ class BlockCache {
    private:
     int64_t outer_held_;
     int64_t outer_peak_;
+    uint64_t outer_scope_;
   };
 
   // Returns every kept block to the system now, as if each had been idle

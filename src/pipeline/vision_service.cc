@@ -436,7 +436,8 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
   ir.deadline_ns = engine_->clock().NowNs() + TimeoutNs();
   request.owner.reset();  // the image is copied into the request
   auto answered = std::make_shared<EncodedImageCallback>(std::move(done));
-  InferCallback infer_done = [this, answered, timings, bytes, units, model = request.model](InferResponse&& r) mutable {
+  InferCallback infer_done = [this, answered, timings, bytes, units, model = request.model,
+                              deadline = ir.deadline_ns](InferResponse&& r) mutable {
     const auto& tm = r.telemetry;
     timings.infer_ns = tm.compute_end_ns > tm.compute_start_ns ? tm.compute_ns() : 0;
     timings.queue_ns = tm.compute_start_ns > tm.queue_start_ns ? tm.queue_ns() : 0;
@@ -444,7 +445,7 @@ Status VisionService::SubmitEncoded(EncodedImageRequest request, EncodedImageCal
       dropped_.Increment();
     }
     ReleaseLoad(model, timings.received_ns, units);
-    if (!r.status.ok()) r.status = ModelFailed(r.status);
+    if (!r.status.ok()) r.status = ModelFailed(r.status, engine_->clock().NowNs() >= deadline);
     (*answered)(std::move(r), timings);
     ReleaseHeld(bytes);
   };
@@ -658,12 +659,15 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   };
   // Admitted by Submit, within this service's own bounds.
   if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
-    Fail(job, ModelFailed(st), false);
+    Fail(job, ModelFailed(st, clock_->NowNs() >= job->deadline_ns), false);
   }
 }
 
-Status VisionService::ModelFailed(const Status& st) const {
+Status VisionService::ModelFailed(const Status& st, bool past_deadline) const {
+  // The engine's own drops for the request's deadline say "deadline"; a queue policy's timeout or a
+  // backend's run time limit are other settings.
   if (st.code() != StatusCode::kDeadlineExceeded) return st;
+  if (!past_deadline && st.message().find("deadline") == std::string::npos) return st;
   return Status(st.code(), st.message() + " (the request timeout is " + std::to_string(options_.request_timeout_ms) +
                                " ms, --vision-timeout-ms)");
 }
@@ -675,7 +679,7 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
   job->timings.queue_ns = r.telemetry.queue_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, ModelFailed(r.status), dropped);
+    return Fail(job, ModelFailed(r.status, clock_->NowNs() >= job->deadline_ns), dropped);
   }
   const VisionModel& m = *job->request.model;
   VisionResult result;
@@ -728,7 +732,10 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
     Post([this, job, shared, response] { Described(job, shared, std::move(*response)); }, true);
   };
   if (Status st = engine_->InferAsync(std::move(ir), done, {.admitted = true}); !st.ok()) {  // charged by Submit
-    Fail(job, ModelFailed(Status(st.code(), "face descriptor '" + d.name + "': " + st.message())), false);
+    Fail(job,
+         ModelFailed(Status(st.code(), "face descriptor '" + d.name + "': " + st.message()),
+                     clock_->NowNs() >= job->deadline_ns),
+         false);
   }
 }
 
@@ -740,7 +747,7 @@ void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared
   job->timings.infer_ns += r.telemetry.compute_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, ModelFailed(r.status), dropped);
+    return Fail(job, ModelFailed(r.status, clock_->NowNs() >= job->deadline_ns), dropped);
   }
   const NamedTensor* out = nullptr;
   for (const auto& o : r.outputs) {

@@ -285,8 +285,9 @@ class VisionService {
   // An error result; `dropped`: the caller left or the timeout passed.
   void Fail(const std::shared_ptr<Job>& job, Status status, bool dropped);
   // A model's failure as the engine reports it (the model named), a missed
-  // deadline tied to the request timeout that set it.
-  Status ModelFailed(const Status& st) const;
+  // deadline tied to the request timeout that set it (`past_deadline`: the
+  // request's deadline has passed; else the engine's words say "deadline").
+  Status ModelFailed(const Status& st, bool past_deadline) const;
 
   Engine* engine_;
   VisionServiceOptions options_;

@@ -260,6 +260,9 @@ void DynamicBatcher::NoteRunMemoryLocked(int64_t items, int64_t bytes) {
   if (!fresh) {
     if (bytes <= at->second) return;  // nothing new
     at->second = bytes;
+  } else if (at != run_bytes_.begin()) {
+    // A new size holds at least what a smaller one measured (a run that failed early measures little).
+    at->second = std::max(at->second, std::prev(at)->second);
   }
   // Larger sizes hold at least as much as this one.
   for (auto it = std::next(at); it != run_bytes_.end(); ++it) it->second = std::max(it->second, at->second);
