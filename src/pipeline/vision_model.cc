@@ -188,11 +188,7 @@ Result<VisionModel> VisionModelFromStatus(const ModelStatus& status, const std::
   m.input_shape = m.image.layout == TensorLayout::kNchw ? Shape{3, h, w} : Shape{h, w, 3};
   if (batched || input->dims.size() == 4) m.input_shape.insert(m.input_shape.begin(), 1);
   m.max_batch_size = c.max_batch_size;
-  for (const InstanceGroup& g : c.instance_groups) {
-    m.instances +=
-        g.count * (g.kind == InstanceGroup::Kind::kGpu ? std::max<int>(1, static_cast<int>(g.gpus.size())) : 1);
-  }
-  if (c.instance_groups.empty()) m.instances = c.instance_count;
+  m.instances = c.instance_count;  // the groups' instances as placed (0: one per core, not known here)
   if (m.task == VisionTask::kEmbedding && m.input_shape.size() != 4) {
     return std::unexpected(InvalidArgument(where + ": an embedding model takes its crops in a batch; give it "
                                                    "max_batch_size (or a 4-dimensional image input)"));
