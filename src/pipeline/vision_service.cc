@@ -659,8 +659,12 @@ void VisionService::Process(const std::shared_ptr<Job>& job) {
   };
   // Admitted by Submit, within this service's own bounds.
   if (Status st = engine_->InferAsync(std::move(ir), infer_done, {.admitted = true}); !st.ok()) {
-    Fail(job, ModelFailed(st, clock_->NowNs() >= job->deadline_ns), false);
+    Fail(job, ModelFailed(*job, st), false);
   }
+}
+
+Status VisionService::ModelFailed(const Job& job, const Status& st) const {
+  return ModelFailed(st, clock_->NowNs() >= job.deadline_ns);
 }
 
 Status VisionService::ModelFailed(const Status& st, bool past_deadline) const {
@@ -679,7 +683,7 @@ void VisionService::PostProcess(const std::shared_ptr<Job>& job, InferResponse&&
   job->timings.queue_ns = r.telemetry.queue_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, ModelFailed(r.status, clock_->NowNs() >= job->deadline_ns), dropped);
+    return Fail(job, ModelFailed(*job, r.status), dropped);
   }
   const VisionModel& m = *job->request.model;
   VisionResult result;
@@ -732,10 +736,7 @@ void VisionService::Describe(const std::shared_ptr<Job>& job, VisionResult&& res
     Post([this, job, shared, response] { Described(job, shared, std::move(*response)); }, true);
   };
   if (Status st = engine_->InferAsync(std::move(ir), done, {.admitted = true}); !st.ok()) {  // charged by Submit
-    Fail(job,
-         ModelFailed(Status(st.code(), "face descriptor '" + d.name + "': " + st.message()),
-                     clock_->NowNs() >= job->deadline_ns),
-         false);
+    Fail(job, ModelFailed(*job, Status(st.code(), "face descriptor '" + d.name + "': " + st.message())), false);
   }
 }
 
@@ -747,7 +748,7 @@ void VisionService::Described(const std::shared_ptr<Job>& job, const std::shared
   job->timings.infer_ns += r.telemetry.compute_ns();
   if (!r.status.ok()) {
     const bool dropped = r.status.code() == StatusCode::kCancelled || r.status.code() == StatusCode::kDeadlineExceeded;
-    return Fail(job, ModelFailed(r.status, clock_->NowNs() >= job->deadline_ns), dropped);
+    return Fail(job, ModelFailed(*job, r.status), dropped);
   }
   const NamedTensor* out = nullptr;
   for (const auto& o : r.outputs) {

@@ -288,6 +288,8 @@ class VisionService {
   // deadline tied to the request timeout that set it (`past_deadline`: the
   // request's deadline has passed; else the engine's words say "deadline").
   Status ModelFailed(const Status& st, bool past_deadline) const;
+  // The same for an image's job: past its deadline now?
+  Status ModelFailed(const Job& job, const Status& st) const;
 
   Engine* engine_;
   VisionServiceOptions options_;
