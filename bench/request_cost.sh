@@ -35,6 +35,8 @@
 #   QUERN_BENCH_PRESET=ci ...   # another optimised build (default: release)
 #   QUERN_BENCH_ROUNDS=3 ...    # rounds (default 1)
 #   QUERN_BENCH_MODELS="small_cnn" QUERN_BENCH_PROTOCOLS="http" ...   # a part of the table (default: all)
+#   QUERN_BENCH_SERVE_ARGS="--http-threads 2" ...   # flags for quern serve (bench/serve_lib.sh)
+#   QUERN_BENCH_SERVER_CPUS=0-1 QUERN_BENCH_CLIENT_CPUS=0-1 ...   # nothing pinned apart
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

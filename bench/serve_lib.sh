@@ -8,7 +8,8 @@
 #   WORK                       a temporary folder, removed on exit
 #   PORT, GRPC_PORT, METRICS_PORT   free ports on 127.0.0.1
 # start_server REPO [FLAGS...] starts the server on SERVER_CPUS (SERVER is its
-# pid, its log $WORK/log) and waits until it serves; stop_server stops it.
+# pid, its log $WORK/log) and waits until it serves, with the flags of
+# QUERN_BENCH_SERVE_ARGS after its own; stop_server stops it.
 NCPU=$(nproc)
 SERVER_CPUS="${QUERN_BENCH_SERVER_CPUS:-0}"
 CLIENT_CPUS="${QUERN_BENCH_CLIENT_CPUS:-1-$((NCPU - 1))}"
@@ -35,7 +36,8 @@ read -r PORT GRPC_PORT METRICS_PORT <<< "$(free_ports 3)"
 start_server() {
   local repo="$1"
   shift
-  taskset -c "$SERVER_CPUS" "$QUERN" serve --model-repository "$repo" "$@" --http-port "$PORT" \
+  # shellcheck disable=SC2086
+  taskset -c "$SERVER_CPUS" "$QUERN" serve --model-repository "$repo" "$@" ${QUERN_BENCH_SERVE_ARGS:-} --http-port "$PORT" \
     --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" --host 127.0.0.1 > "$WORK/log" 2>&1 &
   SERVER=$!
   for _ in $(seq 150); do grep -q "metrics listening" "$WORK/log" && return; sleep 0.2; done

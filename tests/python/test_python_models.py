@@ -433,6 +433,63 @@ def infer(inputs):
         proc.wait(timeout=30)
 
 
+def _rss_shmem_kb(pid):
+    """The shared memory pages process `pid` has resident (its Python models' slots), in KiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/status has no RssShmem line")
+
+
+def test_a_large_batchs_shared_memory_goes_back_after_it_whether_the_load_pauses_or_goes_on(tmp_path):
+    """A batch of 32 MiB in and out grows its slot of shared memory to 64 MiB. Its pages go back to
+    the system within two idle times (5 s each) of the batch: when nothing follows it, and when
+    small batches go on using the same slot (they keep only what they use). Answers stay right
+    throughout, a large batch after the release included (its pages fault in again, zeroed)."""
+    write_model(tmp_path, "big", """
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
+        """, "def infer(inputs):\n    return {'y': inputs['x'] + 1}\n")
+    proc, ports = start_quern(QUERN, str(tmp_path))
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP']}", network_timeout=120)
+
+    def infer(x):
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        out = httpclient.InferRequestedOutput("y", binary_data=True)
+        y = client.infer("big", [inp], outputs=[out]).as_numpy("y")
+        np.testing.assert_array_equal(y, x + 1)
+
+    try:
+        small = np.arange(16, dtype=np.float32)
+        infer(small)
+        base = _rss_shmem_kb(proc.pid)
+        large = np.random.default_rng(7).random(8 << 20, dtype=np.float32)  # 32 MiB
+        grown = 24 << 10  # KiB: most of the 32 MiB input this side wrote (the process wrote the output)
+        for phase in ("a pause", "small batches going on"):
+            infer(large)
+            held = _rss_shmem_kb(proc.pid) - base
+            assert held > grown, f"the large batch left only {held} KiB of shared memory resident"
+            start = time.monotonic()
+            if phase == "a pause":
+                wait_until(lambda: _rss_shmem_kb(proc.pid) - base < 4096, timeout=60,
+                           what="the large batch's shared memory to go back after a pause")
+            else:
+                def small_and_back():
+                    infer(small)
+                    return _rss_shmem_kb(proc.pid) - base < 4096
+                wait_until(small_and_back, timeout=60, every=0.25,
+                           what="the large batch's shared memory to go back while small batches go on")
+            print(f"after {phase}: {held} KiB went back within {time.monotonic() - start:.1f} s")
+        infer(large)
+        infer(small)
+    finally:
+        stop_quern(proc)
+
+
 def test_hung_execute_is_killed_after_the_timeout(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     start = time.monotonic()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from quern_testing import start_quern
+from quern_testing import start_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 MODELS = os.environ["QUERN_TEST_MODELS"]
@@ -493,7 +493,10 @@ def test_ocr_is_admitted_like_every_image(tmp_path):
         assert results["first"]["success"] is True, results["first"]
         assert [p["label"] for p in results["first"]["predictions"]] == [f"len={len(img)}"]
         assert metric(metrics, "quern_vision_rejected_overload_total") == 2
-        assert metric(metrics, "quern_vision_in_flight") == 0
+        # The page leaves the pipeline's count once its request has ended, which on a busy machine
+        # may be a moment after its answer reached the client.
+        wait_until(lambda: metric(metrics, "quern_vision_in_flight") == 0, timeout=30,
+                   what="the answered page to leave quern_vision_in_flight")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -543,7 +546,7 @@ def test_admitted_images_are_bounded_by_memory(repo):
         t.join()
         assert results["slow"]["success"] is True
         # The answer may reach the client a moment before its memory is counted free.
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         while metric(metrics, "quern_vision_in_flight_bytes") != 0 and time.time() < deadline:
             time.sleep(0.01)
         assert metric(metrics, "quern_vision_in_flight_bytes") == 0

@@ -8,15 +8,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <set>
 
 #include "backends/python/python_process.h"
+#include "core/idle_release.h"
 #include "core/log.h"
 #include "core/model_config_parser.h"
 #include "core/mutex.h"
@@ -273,6 +276,9 @@ struct PythonModelSpec {
   bool max_memory_given = false;                         // set by the model (else not for GPU instances)
   bool same_core = true;                                 // quern.same_core
   int64_t same_core_below_ns = kSameCoreBelowUs * 1000;  // quern.same_core_below_us
+  // Gives back the pages of the instances' shared memory slots that their last batches did not
+  // need (the backend's, shared by its models; null: kept until the process ends).
+  std::shared_ptr<IdleRelease> shm_release;
 };
 
 // One instance: one Python process, started again after it dies.
@@ -287,9 +293,11 @@ class PythonModel final : public Model {
         abandon_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
         wake_fd_(config_.decoupled ? ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK) : -1) {
     CustomMetrics::Global().AddRefresher(this, [this] { GatherMetrics(); });
+    if (spec_->shm_release) spec_->shm_release->Add(this, [this] { return ReleaseIdleShm(); });
   }
 
   ~PythonModel() override {
+    if (spec_->shm_release) spec_->shm_release->Remove(this);
     CustomMetrics::Global().RemoveRefresher(this);
     if (abandon_fd_ >= 0) ::close(abandon_fd_);
     if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -344,6 +352,7 @@ class PythonModel final : public Model {
     const int slot = process_->FreeSlot();
     if (slot < 0) return Internal(tag_ + ": no free shared memory slot");
     QUERN_RETURN_IF_ERROR(process_->Reserve(slot, std::max<size_t>(end, 1)));
+    NoteSlotUse(slot, end);
     std::byte* shm = process_->shm(slot);
     std::string frame = "E";
     Put<uint8_t>(frame, static_cast<uint8_t>(slot));
@@ -449,6 +458,40 @@ class PythonModel final : public Model {
       }
     }
     run_mu_.Unlock();
+  }
+
+  // A batch used slot `slot` up to `end` bytes: kept at the next look (ReleaseIdleShm), which
+  // this use arms.
+  void NoteSlotUse(int slot, size_t end) QUERN_REQUIRES(run_mu_) {
+    auto& need = slot_need_[static_cast<size_t>(slot)];
+    need = std::max(need, end);
+    if (spec_->shm_release) spec_->shm_release->Touch(this);
+  }
+
+  // IdleRelease's thread, an idle time after a batch armed it: each free slot keeps what batches
+  // used since the last look and gives the rest of its pages back (all of them when no batch used
+  // it: the load is over). While a batch runs (it holds run_mu_) nothing is given back and the next
+  // look comes an idle time later. The BLS slot is left as it is: the process may write a call's
+  // inputs there whenever its code calls another model.
+  IdleRelease::Outcome ReleaseIdleShm() {
+    if (!run_mu_.TryLock()) return IdleRelease::Outcome::kHeld;
+    bool kept = false;
+    for (int i = 0; i < PythonProcess::kSlots; ++i) {
+      auto& need = slot_need_[static_cast<size_t>(i)];
+      if (!process_) {
+        need = 0;
+        continue;
+      }
+      if (!process_->SlotFree(i)) {  // its outputs are still being answered: the next look
+        kept = true;
+        continue;
+      }
+      process_->Punch(i, need);
+      kept = kept || need > 0;
+      need = 0;
+    }
+    run_mu_.Unlock();
+    return kept ? IdleRelease::Outcome::kHeld : IdleRelease::Outcome::kReleased;
   }
 
   void ApplyMetrics(std::string_view json) {
@@ -976,7 +1019,7 @@ class PythonModel final : public Model {
   // A reply the process sent; anything malformed fails the batch and ends
   // the process (it is started again).
   Status ReadReply(std::string_view reply, int slot, int64_t batch_size, BatchRequests requests,
-                   std::vector<NamedTensor>& outputs) {
+                   std::vector<NamedTensor>& outputs) QUERN_REQUIRES(run_mu_) {
     if (reply.size() >= 2 && reply[0] == 'X') {
       return FromTritonCode(static_cast<uint8_t>(reply[1]), tag_ + ": " + std::string(reply.substr(2)));
     }
@@ -991,7 +1034,7 @@ class PythonModel final : public Model {
   // Outputs borrow the slot's bytes while another slot stays free for the
   // next batch; otherwise they are copied out.
   Status ReadOutputs(std::string_view reply, int slot, int64_t batch_size, BatchRequests requests,
-                     std::vector<NamedTensor>& outputs) {
+                     std::vector<NamedTensor>& outputs) QUERN_REQUIRES(run_mu_) {
     auto broken = [&](const std::string& what) { return Internal(tag_ + ": its Python process sent " + what); };
     if (reply.empty() || reply[0] != 'D') return broken("an unknown reply");
     FrameReader r(reply.substr(1));
@@ -1044,6 +1087,7 @@ class PythonModel final : public Model {
       if (offset > mapped || nbytes > mapped - offset || (element && offset % element)) {
         return broken("output '" + oc.name + "' outside the shared memory");
       }
+      NoteSlotUse(slot, offset + nbytes);
       if (element && ByteCount(shape, element) != static_cast<int64_t>(nbytes)) {
         return broken("output '" + oc.name + "' of " + std::to_string(nbytes) + " bytes for shape " +
                       ShapeToString(shape));
@@ -1085,6 +1129,8 @@ class PythonModel final : public Model {
   double round_trip_ns_ = 0;
   int64_t round_trips_ = 0;
   bool same_core_ = false;
+  // Bytes of each slot the batches since the last ReleaseIdleShm used.
+  std::array<size_t, PythonProcess::kSlots> slot_need_ QUERN_GUARDED_BY(run_mu_){};
 };
 
 class PythonOpenedModel final : public OpenedModel {
@@ -1189,6 +1235,9 @@ class PythonBackend final : public Backend {
     }
     auto spec = std::make_shared<PythonModelSpec>();
     spec->submit = services_.submit;
+    std::call_once(shm_release_once_,
+                   [this] { shm_release_ = std::make_shared<IdleRelease>(RealClockInstance(), kShmIdleNs); });
+    spec->shm_release = shm_release_;
     spec->model_file = file;
     spec->version_dir = file.parent_path();
     spec->model_dir = spec->version_dir.parent_path();
@@ -1269,6 +1318,12 @@ class PythonBackend final : public Backend {
 
  private:
   ModelServices services_;
+  // Shared by the models it opens (each holds it through its spec): what their slots' last
+  // batches did not use goes back after kShmIdleNs, as the engine's kept run memory does. Made
+  // (its thread started) by the first Open.
+  static constexpr int64_t kShmIdleNs = 5'000'000'000;
+  std::once_flag shm_release_once_;
+  std::shared_ptr<IdleRelease> shm_release_;
 };
 
 }  // namespace

@@ -573,6 +573,20 @@ Status PythonProcess::Remap(int slot, size_t bytes) {
   return MapSlot(slot, bytes);
 }
 
+size_t PythonProcess::Punch(int slot, size_t keep) {
+  struct stat st {};
+  if (slots_[slot].fd < 0 || ::fstat(slots_[slot].fd, &st) != 0) return 0;
+  const auto size = static_cast<size_t>(st.st_size);
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t from = (keep + page - 1) / page * page;
+  if (from >= size) return 0;
+  if (::fallocate(slots_[slot].fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(from),
+                  static_cast<off_t>(size - from)) != 0) {
+    return 0;
+  }
+  return size - from;
+}
+
 Status PythonProcess::Send(std::string_view payload) {
   if (pid_ <= 0) return Unavailable(tag_ + ": its Python process is not running");
   // The process reads frames up to the same bound (and a length must fit its 32 bits).

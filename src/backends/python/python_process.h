@@ -61,6 +61,8 @@ class PythonProcess {
   static constexpr int kBlsSlot = kSlots;
   // A free slot, or -1 when every slot is borrowed.
   int FreeSlot() const;
+  // Whether slot `slot` is free (nothing borrows its bytes).
+  bool SlotFree(int slot) const { return !slots_[slot].map || slots_[slot].map.use_count() == 1; }
   // Free slots besides `slot`.
   int FreeSlotsBesides(int slot) const;
   // Slot `slot` at least `bytes` long (grown when needed; the slot is free).
@@ -72,6 +74,12 @@ class PythonProcess {
   // Maps slot `slot` again after the process grew it to `bytes` (checked
   // against the file's real size).
   Status Remap(int slot, size_t bytes);
+  // Gives the pages of slot `slot` from `keep` bytes on back to the system
+  // (the file keeps its size, so both sides' mappings stay valid: a page
+  // written again is a new zeroed page). Only for a slot that is free while
+  // no batch runs (neither side touches it meanwhile). Returns the bytes of
+  // the range given back (pages that held nothing count too); 0 on failure.
+  size_t Punch(int slot, size_t keep);
 
   Status Send(std::string_view payload);
   // The next frame; `timeout_ms` <= 0 waits without limit. On a timeout the
