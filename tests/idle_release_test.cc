@@ -106,10 +106,16 @@ TEST(IdleRelease, KeysAreDueEachByItsOwnTouches) {
 }
 
 TEST(IdleRelease, RemoveWaitsForARunningCallAndNoCallFollowsIt) {
-  FakeClock clock;
-  IdleRelease idle(clock, kIdleNs);
+  // Declared before the IdleRelease, so that they outlive its thread (a failed assertion below
+  // must not leave it spinning on a freed flag).
   std::atomic<bool> entered{false}, leave{false}, after_remove{false};
   std::atomic<int> calls{0};
+  FakeClock clock;
+  IdleRelease idle(clock, kIdleNs);
+  struct LetGo {  // before the IdleRelease's thread is joined, however the test ends
+    std::atomic<bool>& leave;
+    ~LetGo() { leave = true; }
+  } let_go{leave};
   int key = 0;
   idle.Add(&key, [&] {
     calls.fetch_add(1);

@@ -77,7 +77,10 @@ void IdleRelease::Loop() {
       out = release();
     } catch (const std::exception& ex) {
       Log(LogLevel::kWarning, std::string("releasing idle memory failed: ") + ex.what());
+    } catch (...) {
+      Log(LogLevel::kWarning, "releasing idle memory failed");
     }
+    release = nullptr;  // what it captured goes without the lock held
     lock.Lock();
     running_ = nullptr;
     ran_.SignalAll();

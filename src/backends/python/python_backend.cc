@@ -341,6 +341,8 @@ class PythonModel final : public Model {
       return Unavailable(tag_ + ": the server is stopping; the batch was not run");
     }
     QUERN_RETURN_IF_ERROR(EnsureProcess());
+    // A look at the slots that found batches running back to back is done here, between them.
+    if (shm_look_due_.exchange(false, std::memory_order_acq_rel)) GiveBackUnusedShm();
     // Inputs go into shared memory one after another, each aligned.
     size_t end = 0;
     std::vector<size_t> offsets(inputs.size());
@@ -353,6 +355,7 @@ class PythonModel final : public Model {
     if (slot < 0) return Internal(tag_ + ": no free shared memory slot");
     QUERN_RETURN_IF_ERROR(process_->Reserve(slot, std::max<size_t>(end, 1)));
     NoteSlotUse(slot, end);
+    if (spec_->shm_release) spec_->shm_release->Touch(this);  // arms the next look
     std::byte* shm = process_->shm(slot);
     std::string frame = "E";
     Put<uint8_t>(frame, static_cast<uint8_t>(slot));
@@ -460,21 +463,29 @@ class PythonModel final : public Model {
     run_mu_.Unlock();
   }
 
-  // A batch used slot `slot` up to `end` bytes: kept at the next look (ReleaseIdleShm), which
-  // this use arms.
+  // A batch used slot `slot` up to `end` bytes: kept at the next look (GiveBackUnusedShm).
   void NoteSlotUse(int slot, size_t end) QUERN_REQUIRES(run_mu_) {
     auto& need = slot_need_[static_cast<size_t>(slot)];
     need = std::max(need, end);
-    if (spec_->shm_release) spec_->shm_release->Touch(this);
   }
 
-  // IdleRelease's thread, an idle time after a batch armed it: each free slot keeps what batches
-  // used since the last look and gives the rest of its pages back (all of them when no batch used
-  // it: the load is over). While a batch runs (it holds run_mu_) nothing is given back and the next
-  // look comes an idle time later. The BLS slot is left as it is: the process may write a call's
-  // inputs there whenever its code calls another model.
+  // IdleRelease's thread, an idle time after a batch armed it: the look below, or, while a batch
+  // runs (it holds run_mu_), a note that the next batch does it before it starts.
   IdleRelease::Outcome ReleaseIdleShm() {
-    if (!run_mu_.TryLock()) return IdleRelease::Outcome::kHeld;
+    if (!run_mu_.TryLock()) {
+      shm_look_due_.store(true, std::memory_order_release);
+      return IdleRelease::Outcome::kHeld;
+    }
+    const bool kept = GiveBackUnusedShm();
+    run_mu_.Unlock();
+    return kept ? IdleRelease::Outcome::kHeld : IdleRelease::Outcome::kReleased;
+  }
+
+  // Each free slot keeps what batches used since the last look and gives the rest of its pages
+  // back (all of them when no batch used it: the load is over). A slot whose outputs are still
+  // being answered is left to the next look. The BLS slot is left as it is: the process may write
+  // a call's inputs there whenever its code calls another model. Whether anything is still kept.
+  bool GiveBackUnusedShm() QUERN_REQUIRES(run_mu_) {
     bool kept = false;
     for (int i = 0; i < PythonProcess::kSlots; ++i) {
       auto& need = slot_need_[static_cast<size_t>(i)];
@@ -482,7 +493,7 @@ class PythonModel final : public Model {
         need = 0;
         continue;
       }
-      if (!process_->SlotFree(i)) {  // its outputs are still being answered: the next look
+      if (!process_->SlotFree(i)) {
         kept = true;
         continue;
       }
@@ -490,8 +501,7 @@ class PythonModel final : public Model {
       kept = kept || need > 0;
       need = 0;
     }
-    run_mu_.Unlock();
-    return kept ? IdleRelease::Outcome::kHeld : IdleRelease::Outcome::kReleased;
+    return kept;
   }
 
   void ApplyMetrics(std::string_view json) {
@@ -1129,8 +1139,10 @@ class PythonModel final : public Model {
   double round_trip_ns_ = 0;
   int64_t round_trips_ = 0;
   bool same_core_ = false;
-  // Bytes of each slot the batches since the last ReleaseIdleShm used.
+  // Bytes of each slot the batches since the last look (GiveBackUnusedShm) used, and whether a
+  // look that found a batch running is due before the next one.
   std::array<size_t, PythonProcess::kSlots> slot_need_ QUERN_GUARDED_BY(run_mu_){};
+  std::atomic<bool> shm_look_due_{false};
 };
 
 class PythonOpenedModel final : public OpenedModel {
