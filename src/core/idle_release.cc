@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "core/cpus.h"
 #include "core/log.h"
 
 namespace quern {
@@ -45,6 +46,7 @@ int64_t IdleRelease::calls() const {
 }
 
 void IdleRelease::Loop() {
+  NameThisThread("quern-release");
   MutexLock lock(mu_);
   while (!stop_) {
     const int64_t now = clock_.NowNs();
