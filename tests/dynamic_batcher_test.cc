@@ -55,6 +55,13 @@ struct Recorder {
   }
 };
 
+// A batcher whose batches `rec` records (no task is expected to be dropped).
+Result<std::unique_ptr<DynamicBatcher>> RecordedBatcher(const DynamicBatcherOptions& o, Recorder& rec) {
+  return DynamicBatcher::Create(
+      o, [&rec](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
+      [](std::unique_ptr<BatchTask>, const Status&) {});
+}
+
 TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
   FakeClock clock;
   Recorder rec;
@@ -62,9 +69,7 @@ TEST(DynamicBatcher, BatchLeavesWhenTheFakeClockPassesTheDelay) {
   o.queue.max_batch_size = 8;
   o.queue.max_queue_delay_ns = 5'000'000;  // 5 ms of fake time
   o.clock = &clock;
-  auto b = DynamicBatcher::Create(
-      o, [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
-      [](std::unique_ptr<BatchTask>, const Status&) {});
+  auto b = RecordedBatcher(o, rec);
   ASSERT_TRUE(b.has_value());
   for (int i = 0; i < 3; ++i) {
     std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
@@ -213,9 +218,7 @@ TEST(DynamicBatcher, WhenTheLoadHandsTheQueueToTheOtherWorkersTheyAreWoken) {
   o.wide_worker = true;
   o.clock = &clock;
   Recorder rec;
-  auto b = DynamicBatcher::Create(
-      o, [&](int worker, std::vector<std::unique_ptr<BatchTask>>&& batch) { rec.Record(worker, batch); },
-      [](std::unique_ptr<BatchTask>, const Status&) {});
+  auto b = RecordedBatcher(o, rec);
   ASSERT_TRUE(b.has_value());
   for (int id = 1; id <= 2; ++id) {
     std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
@@ -255,6 +258,40 @@ TEST(DynamicBatcher, ShutdownRunsEveryQueuedTask) {
   EXPECT_EQ(ran.load(), 10);
   std::unique_ptr<BatchTask> late = std::make_unique<Item>(99);
   EXPECT_EQ((*b)->Schedule(late, {}).code(), StatusCode::kUnavailable);
+}
+
+TEST(DynamicBatcher, SendQueuedNowSendsWhatWaitsForCompanyAndWhatComesAfter) {
+  // A draining server: nothing will arrive to keep a queued task company.
+  FakeClock clock;  // never advanced: only SendQueuedNow lets the batches leave
+  Recorder rec;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.queue.max_queue_delay_ns = 1'000'000'000'000;  // would wait "forever"
+  o.clock = &clock;
+  auto b = RecordedBatcher(o, rec);
+  ASSERT_TRUE(b.has_value());
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(i);
+    ASSERT_TRUE((*b)->Schedule(t, {}).ok());
+  }
+  ASSERT_TRUE(quern::testing::Eventually([&] { return clock.waiters() >= 1; })) << "the worker waits out the delay";
+  {
+    std::lock_guard lock(rec.mu);
+    EXPECT_TRUE(rec.batches.empty()) << "sent before its delay, with nothing asking for it";
+  }
+  auto items = [&rec] {
+    std::lock_guard lock(rec.mu);
+    return rec.items;
+  };
+  (*b)->SendQueuedNow();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return items() == 3; })) << "still waiting for company";
+  std::unique_ptr<BatchTask> later = std::make_unique<Item>(3);
+  ASSERT_TRUE((*b)->Schedule(later, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return items() == 4; })) << "a later arrival waits for company";
+  std::lock_guard lock(rec.mu);
+  ASSERT_EQ(rec.batches.size(), 2u);
+  EXPECT_EQ(rec.batches[0], (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(rec.batches[1], (std::vector<int>{3}));
 }
 
 TEST(DynamicBatcher, AFreeInstanceTakesTheNextBatchWhileAnotherIsBusy) {

@@ -496,6 +496,10 @@ class Engine {
   // (queued or running, in versions being replaced or unloaded too); 0 once
   // a draining server may stop.
   int64_t InFlight() const;
+  // For a draining server: every model's queued requests leave in the next
+  // batch an instance can take, without waiting for company (a batching
+  // delay, preferred batch sizes), and so do those queued later. Idempotent.
+  void SendQueuedNow();
   // For a server past its drain deadline: asks every model's backend to end
   // its running batches and fail the rest at once (Model::Abandon: a Python
   // model's process is killed; ONNX Runtime runs finish), so that stopping

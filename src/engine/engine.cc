@@ -213,6 +213,9 @@ void Engine::StopRepositoryPolling() {
 int64_t Engine::InFlight() const {
   return impl_->InFlight();
 }
+void Engine::SendQueuedNow() {
+  impl_->SendQueuedNow();
+}
 void Engine::Abandon() {
   impl_->Abandon();
 }

@@ -711,18 +711,24 @@ void ModelRegistry::StopPolling() {
   poll_cv_.SignalAll();  // the thread is joined at destruction
 }
 
-void ModelRegistry::Abandon() {
+std::vector<std::shared_ptr<Servable>> ModelRegistry::EveryServed() const {
   std::vector<std::shared_ptr<Servable>> all;
-  {
-    ReaderLock lock(mu_);
-    for (const auto& [name, e] : models_) {
-      for (const auto& [v, slot] : e.versions) {
-        if (slot.served) all.push_back(slot.served);
-      }
+  ReaderLock lock(mu_);
+  for (const auto& [name, e] : models_) {
+    for (const auto& [v, slot] : e.versions) {
+      if (slot.served) all.push_back(slot.served);
     }
-    all.insert(all.end(), retiring_.begin(), retiring_.end());
   }
-  for (const auto& served : all) served->Abandon();
+  all.insert(all.end(), retiring_.begin(), retiring_.end());
+  return all;
+}
+
+void ModelRegistry::Abandon() {
+  for (const auto& served : EveryServed()) served->Abandon();
+}
+
+void ModelRegistry::SendQueuedNow() {
+  for (const auto& served : EveryServed()) served->SendQueuedNow();
 }
 
 int64_t ModelRegistry::InFlight() const {

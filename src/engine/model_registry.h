@@ -76,11 +76,15 @@ class ModelRegistry {
   Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const;
   // Model::Abandon on every instance of every version (retiring ones too).
   void Abandon();
+  // Servable::SendQueuedNow on every version (retiring ones too).
+  void SendQueuedNow();
   // Requests submitted and not answered, in every version (retiring ones too).
   int64_t InFlight() const;
   const Clock& clock() const { return *clock_; }
 
  private:
+  // Every version served now (retiring ones too), taken under the lock.
+  std::vector<std::shared_ptr<Servable>> EveryServed() const;
   // LoadVersion, with anything thrown on the way (threads or memory running
   // out, ONNX Runtime errors outside its own checks) made that version's
   // load error, and the optional extra check applied.

@@ -46,6 +46,10 @@ class Servable {
   // Model::Abandon); once, from any thread.
   virtual void Abandon() = 0;
 
+  // Queued requests leave without waiting for company (a draining server:
+  // DynamicBatcher::SendQueuedNow). Any thread.
+  virtual void SendQueuedNow() {}
+
   // Stops intake and finishes every accepted request. Idempotent.
   virtual void Shutdown() = 0;
 

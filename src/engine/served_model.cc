@@ -256,6 +256,8 @@ void ServedModel::Abandon() {
   for (auto& instance : instances_) instance->Abandon();
 }
 
+void ServedModel::SendQueuedNow() { batcher_->SendQueuedNow(); }
+
 Status ServedModel::CheckAdmission() {
   Status st = batcher_->CheckAdmission();
   if (st.ok()) return st;

@@ -54,6 +54,7 @@ class ServedModel final : public Servable {
   Status Submit(InferRequest&& request, uint64_t request_id, InferCallback& done, const SubmitOptions& options,
                 bool run_here) override;
   void Abandon() override;
+  void SendQueuedNow() override;
   Status CheckAdmission() override;
   void CountRefused(const Status& status) override;
   void Shutdown() override;

@@ -177,7 +177,9 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
 }
 
 bool DynamicBatcher::SendNowLocked() const {
-  if (!latency_target_ || queue_.empty()) return false;
+  if (queue_.empty()) return false;
+  if (send_now_) return true;
+  if (!latency_target_) return false;
   if (delay_tuner_) {
     switch (delay_tuner_->leave()) {
       case BatchLeave::kAtOnce: return true;
@@ -450,6 +452,13 @@ Status DynamicBatcher::CheckAdmission() const {
 void DynamicBatcher::Kick() {
   MutexLock lock(mu_);
   SignalAllLocked();
+}
+
+void DynamicBatcher::SendQueuedNow() {
+  MutexLock lock(mu_);
+  if (send_now_) return;
+  send_now_ = true;
+  SignalAllLocked();  // workers waiting out a delay look again
 }
 
 void DynamicBatcher::Shutdown() {

@@ -164,6 +164,12 @@ class DynamicBatcher {
   // loop has the queue stays asleep.)
   void Kick();
 
+  // From now on every queued task leaves in the next batch an instance can
+  // take, without waiting for company (the batching delay, preferred sizes,
+  // "everyone here"): for a draining server, whose callers should not wait
+  // for arrivals that will not come. Intake goes on. Idempotent.
+  void SendQueuedNow();
+
   // Stops intake, drains the queue through the processor and joins workers. Idempotent.
   void Shutdown();
 
@@ -338,8 +344,9 @@ class DynamicBatcher {
   std::optional<BatchSizeTuner> tuner_ QUERN_GUARDED_BY(mu_);
   std::optional<BatchDelayTuner> delay_tuner_ QUERN_GUARDED_BY(mu_);
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
-  int64_t max_queue_wait_ns_ = 0;  // set before any thread starts
-  bool latency_target_ = false;    // set before any thread starts
+  bool send_now_ QUERN_GUARDED_BY(mu_) = false;  // SendQueuedNow
+  int64_t max_queue_wait_ns_ = 0;                // set before any thread starts
+  bool latency_target_ = false;                  // set before any thread starts
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   // The same, each run's time scaled by its share of the cores while shared
   // runs ran beside it: what a run takes alone (decides shared runs, whose

@@ -201,7 +201,8 @@ void AddOperationFlags(CLI::App* serve, ServerOptions& o) {
                     "in the log format: '-' = stdout, else a file appended to (default: none)");
   serve->add_option("--drain-timeout-secs", o.drain_timeout_s,
                     "On SIGTERM/SIGINT: readiness turns false, new requests get 503 / UNAVAILABLE, and requests "
-                    "already taken finish for up to this long before the server exits");
+                    "already taken finish for up to this long before the server exits (queued ones leave at once, "
+                    "without waiting out a batching delay)");
   serve->add_flag("--metrics-need-key", o.metrics_need_key, "With API keys, /metrics needs a key too");
   serve->add_option("--tls-cert-file", o.http.tls_cert_file,
                     "TLS for HTTP (and the vision port) and gRPC: PEM certificate chain");

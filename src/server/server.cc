@@ -552,6 +552,7 @@ void Server::Shutdown() {
   (void)NotifySystemd("STOPPING=1");
   p.draining.store(true, std::memory_order_release);
   p.engine->StopRepositoryPolling();   // the models in service stay as they are
+  p.engine->SendQueuedNow();           // no arrival will keep a queued request company now
   if (p.consumer) p.consumer->Stop();  // takes no more stream jobs; those taken finish below
   const Clock& clock = p.engine->clock();
   // A timeout too large for the clock (or infinite) waits until done.

@@ -35,8 +35,8 @@ def make_repo(root, *models):
 
 
 class Server:
-    def __init__(self, repo, *extra):
-        self.proc, self.ports = start_quern(QUERN, str(repo), *extra)
+    def __init__(self, repo, *extra, log=None):
+        self.proc, self.ports = start_quern(QUERN, str(repo), *extra, log=log)
         self.http = self.ports["HTTP"]
         self.grpc = f"127.0.0.1:{self.ports['gRPC']}"
 
@@ -594,27 +594,79 @@ def test_sigterm_right_after_start_drains_instead_of_killing(tmp_path):
     assert codes == [0] * 20, codes
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path):
-    """SIGTERM: readiness false first, requests already queued finish with their results, new ones
-    get 503 / UNAVAILABLE, exit 0 within --drain-timeout-secs."""
+def test_a_drain_sends_what_waits_for_company_at_once(tmp_path):
+    """Requests queued for company (a batching delay of two minutes, longer than the drain's
+    minute) leave as soon as the server drains: nothing will arrive to join them. They are answered
+    with their results and the server stops without reaching the drain's deadline (it waited the
+    whole minute for them, then ran them as the engine stopped)."""
     import signal
     import threading
-    repo = make_repo(tmp_path / "repo", "slow_batch", "add_sub")
+    repo = make_repo(tmp_path / "repo", "slow_batch")
+    config = repo / "slow_batch" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_queue_delay_microseconds: 1000000",
+                                                 "max_queue_delay_microseconds: 120000000"))
+    log = []
+    s = Server(repo, "--drain-timeout-secs", "60", log=log)
+    results = {}
+
+    def infer(k):
+        x = np.full((1, 3), k, np.float32).tolist()
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]}).encode()
+        results[k] = s.request("POST", "/v2/models/slow_batch/infer", body=body, timeout=120)
+
+    threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: pending(s.ports["metrics"], "slow_batch") == 2, timeout=30,
+               what="two requests queued for slow_batch")
+    assert not results, "answered before their two-minute delay"
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=120)
+    for k in (1, 2):
+        status, _, body = results[k]
+        assert status == 200, body
+        assert json.loads(body)["outputs"][0]["data"] == [2.0 * k] * 3
+    assert s.proc.wait(timeout=60) == 0
+    s.proc.quern_log_reader.join(timeout=30)
+    assert not [line for line in log if "drain timeout" in line], log[-5:]
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    """SIGTERM: readiness false first, requests already taken (one running, two queued) finish with
+    their results, new ones get 503 / UNAVAILABLE, exit 0 within --drain-timeout-secs. The running
+    batch holds the drain open until the test has checked it: its model waits for a file."""
+    import signal
+    import threading
+    repo = make_repo(tmp_path / "repo", "add_sub")
+    release, started_file = tmp_path / "release", tmp_path / "started"
+    (repo / "held" / "1").mkdir(parents=True)
+    (repo / "held" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\ndynamic_batching { }\n'
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 3 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 3 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    (repo / "held" / "1" / "model.py").write_text(
+        "import os, time\n\n"
+        "def infer(inputs):\n"
+        f"    open({str(started_file)!r}, 'a').close()\n"
+        f"    while not os.path.exists({str(release)!r}):\n"
+        "        time.sleep(0.01)\n"
+        "    return {'y': inputs['x'] * 2}\n")
     s = Server(repo, "--drain-timeout-secs", "20")
     results = {}
 
     def infer(k):
         x = np.full((1, 3), k, np.float32).tolist()
         body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]}).encode()
-        results[k] = s.request("POST", "/v2/models/slow_batch/infer", body=body, timeout=60)
+        results[k] = s.request("POST", "/v2/models/held/infer", body=body, timeout=60)
 
-    # slow_batch holds up to 4 requests for 1 s: three requests wait in its queue.
     threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2, 3)]
-    for t in threads:
+    threads[0].start()
+    wait_until(started_file.exists, timeout=30, what="the first request's batch to run")
+    for t in threads[1:]:
         t.start()
-    # The three requests wait in the batcher (its delay is 1 s; a batch that left already finishes too).
-    wait_until(lambda: pending(s.ports["metrics"], "slow_batch") == 3 or results, timeout=30,
-               what="three requests queued for slow_batch")
+    wait_until(lambda: pending(s.ports["metrics"], "held") == 2, timeout=30, what="two requests queued behind it")
     started = time.time()
     s.proc.send_signal(signal.SIGTERM)
     status, _, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(s.request("GET", "/v2/health/ready")),
@@ -631,6 +683,8 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     with pytest.raises(InferenceServerException) as e:
         g.infer("add_sub", [x, y])
     assert "UNAVAILABLE" in str(e.value.status())
+    assert s.proc.poll() is None and not results, "the drain ended while a batch ran"
+    release.touch()
     for t in threads:
         t.join(timeout=30)
     for k in (1, 2, 3):
