@@ -711,9 +711,8 @@ void ModelRegistry::StopPolling() {
   poll_cv_.SignalAll();  // the thread is joined at destruction
 }
 
-std::vector<std::shared_ptr<Servable>> ModelRegistry::EveryServed() const {
+std::vector<std::shared_ptr<Servable>> ModelRegistry::EveryServedLocked() const {
   std::vector<std::shared_ptr<Servable>> all;
-  ReaderLock lock(mu_);
   for (const auto& [name, e] : models_) {
     for (const auto& [v, slot] : e.versions) {
       if (slot.served) all.push_back(slot.served);
@@ -724,11 +723,24 @@ std::vector<std::shared_ptr<Servable>> ModelRegistry::EveryServed() const {
 }
 
 void ModelRegistry::Abandon() {
-  for (const auto& served : EveryServed()) served->Abandon();
+  std::vector<std::shared_ptr<Servable>> all;
+  {
+    ReaderLock lock(mu_);
+    all = EveryServedLocked();
+  }
+  for (const auto& served : all) served->Abandon();
 }
 
 void ModelRegistry::SendQueuedNow() {
-  for (const auto& served : EveryServed()) served->SendQueuedNow();
+  std::vector<std::shared_ptr<Servable>> all;
+  {
+    // With the flag set under the same lock as the list is taken, a version published later
+    // (Replace) is told by its publisher.
+    WriterLock lock(mu_);
+    send_queued_now_ = true;
+    all = EveryServedLocked();
+  }
+  for (const auto& served : all) served->SendQueuedNow();
 }
 
 int64_t ModelRegistry::InFlight() const {
@@ -757,6 +769,12 @@ void ModelRegistry::Replace(const std::string& name, Entry entry) {
     old.swap(e.versions);
     e = std::move(entry);
     generation_.fetch_add(1, std::memory_order_acq_rel);
+    // Published after SendQueuedNow (a load it overtook): sends at once too.
+    if (send_queued_now_) {
+      for (const auto& [v, slot] : e.versions) {
+        if (slot.served) slot.served->SendQueuedNow();
+      }
+    }
     // Versions the new entry keeps serving (a reload that failed) go on.
     std::erase_if(old, [&](const auto& v) {
       auto kept = e.versions.find(v.first);

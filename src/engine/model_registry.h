@@ -83,8 +83,8 @@ class ModelRegistry {
   const Clock& clock() const { return *clock_; }
 
  private:
-  // Every version served now (retiring ones too), taken under the lock.
-  std::vector<std::shared_ptr<Servable>> EveryServed() const;
+  // Every version served now (retiring ones too).
+  std::vector<std::shared_ptr<Servable>> EveryServedLocked() const QUERN_REQUIRES_SHARED(mu_);
   // LoadVersion, with anything thrown on the way (threads or memory running
   // out, ONNX Runtime errors outside its own checks) made that version's
   // load error, and the optional extra check applied.
@@ -150,7 +150,8 @@ class ModelRegistry {
   std::atomic<uint64_t> generation_{0};
   // Versions out of service whose requests are finishing.
   std::vector<std::shared_ptr<Servable>> retiring_ QUERN_GUARDED_BY(mu_);
-  Mutex load_mu_;  // serialises loads, reloads and unloads
+  bool send_queued_now_ QUERN_GUARDED_BY(mu_) = false;  // SendQueuedNow was called
+  Mutex load_mu_;                                       // serialises loads, reloads and unloads
 
   Mutex poll_mu_;
   CondVar poll_cv_;

@@ -256,7 +256,9 @@ void ServedModel::Abandon() {
   for (auto& instance : instances_) instance->Abandon();
 }
 
-void ServedModel::SendQueuedNow() { batcher_->SendQueuedNow(); }
+void ServedModel::SendQueuedNow() {
+  if (batcher_) batcher_->SendQueuedNow();
+}
 
 Status ServedModel::CheckAdmission() {
   Status st = batcher_->CheckAdmission();

@@ -35,6 +35,9 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   std::sort(b->run_sizes_.begin(), b->run_sizes_.end());
   b->max_shared_runs_ = b->memory_budget_ > 0 ? 0 : options.shared_runs;
   b->latency_target_ = latency_target;
+  b->waits_for_company_ = b->queue_.options().max_queue_delay_ns > 0 ||
+                          !b->queue_.options().preferred_batch_sizes.empty() || latency_target ||
+                          options.delay_tuner.has_value();
   {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
     if (options.tuner) b->tuner_.emplace(std::move(*options.tuner));
@@ -178,7 +181,9 @@ Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>& task, const Schedule
 
 bool DynamicBatcher::SendNowLocked() const {
   if (queue_.empty()) return false;
-  if (send_now_) return true;
+  // After SendQueuedNow, a queue that would wait for company sends at once; one that never waits
+  // keeps its way of sharing a backlog among free instances (which a flush would give to one).
+  if (send_now_ && waits_for_company_) return true;
   if (!latency_target_) return false;
   if (delay_tuner_) {
     switch (delay_tuner_->leave()) {

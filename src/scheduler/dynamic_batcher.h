@@ -345,6 +345,7 @@ class DynamicBatcher {
   std::optional<BatchDelayTuner> delay_tuner_ QUERN_GUARDED_BY(mu_);
   bool stopping_ QUERN_GUARDED_BY(mu_) = false;
   bool send_now_ QUERN_GUARDED_BY(mu_) = false;  // SendQueuedNow
+  bool waits_for_company_ = false;               // a delay or preferred sizes; set before any thread starts
   int64_t max_queue_wait_ns_ = 0;                // set before any thread starts
   bool latency_target_ = false;                  // set before any thread starts
   double ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;

@@ -654,42 +654,48 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         "        time.sleep(0.01)\n"
         "    return {'y': inputs['x'] * 2}\n")
     s = Server(repo, "--drain-timeout-secs", "20")
-    results = {}
+    try:
+        results = {}
 
-    def infer(k):
-        x = np.full((1, 3), k, np.float32).tolist()
-        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]}).encode()
-        results[k] = s.request("POST", "/v2/models/held/infer", body=body, timeout=60)
+        def infer(k):
+            x = np.full((1, 3), k, np.float32).tolist()
+            body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]}).encode()
+            results[k] = s.request("POST", "/v2/models/held/infer", body=body, timeout=60)
 
-    threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2, 3)]
-    threads[0].start()
-    wait_until(started_file.exists, timeout=30, what="the first request's batch to run")
-    for t in threads[1:]:
-        t.start()
-    wait_until(lambda: pending(s.ports["metrics"], "held") == 2, timeout=30, what="two requests queued behind it")
-    started = time.time()
-    s.proc.send_signal(signal.SIGTERM)
-    status, _, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(s.request("GET", "/v2/health/ready")),
-                                 timeout=10, what="readiness to turn false after SIGTERM")
-    assert json.loads(body)["ready"] is False
-    status, _, body = s.request("POST", "/v2/models/add_sub/infer", body=add_sub_body())
-    assert status == 503 and "shutting down" in json.loads(body)["error"]
-    g = grpcclient.InferenceServerClient(s.grpc)
-    assert not g.is_server_ready()
-    x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
-    x.set_data_from_numpy(np.ones((1, 4), np.float32))
-    y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
-    y.set_data_from_numpy(np.ones((1, 4), np.float32))
-    with pytest.raises(InferenceServerException) as e:
-        g.infer("add_sub", [x, y])
-    assert "UNAVAILABLE" in str(e.value.status())
-    assert s.proc.poll() is None and not results, "the drain ended while a batch ran"
-    release.touch()
-    for t in threads:
-        t.join(timeout=30)
-    for k in (1, 2, 3):
-        status, _, body = results[k]
-        assert status == 200, body
-        assert json.loads(body)["outputs"][0]["data"] == [2.0 * k] * 3
-    assert s.proc.wait(timeout=20) == 0
-    assert time.time() - started < 20
+        threads = [threading.Thread(target=infer, args=(k,)) for k in (1, 2, 3)]
+        threads[0].start()
+        wait_until(started_file.exists, timeout=30, what="the first request's batch to run")
+        for t in threads[1:]:
+            t.start()
+        wait_until(lambda: pending(s.ports["metrics"], "held") == 2, timeout=30, what="two requests queued behind it")
+        started = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        status, _, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(s.request("GET", "/v2/health/ready")),
+                                     timeout=10, what="readiness to turn false after SIGTERM")
+        assert json.loads(body)["ready"] is False
+        status, _, body = s.request("POST", "/v2/models/add_sub/infer", body=add_sub_body())
+        assert status == 503 and "shutting down" in json.loads(body)["error"]
+        g = grpcclient.InferenceServerClient(s.grpc)
+        assert not g.is_server_ready()
+        x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
+        y.set_data_from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(InferenceServerException) as e:
+            g.infer("add_sub", [x, y])
+        assert "UNAVAILABLE" in str(e.value.status())
+        assert s.proc.poll() is None and not results, "the drain ended while a batch ran"
+        release.touch()
+        for t in threads:
+            t.join(timeout=30)
+        for k in (1, 2, 3):
+            status, _, body = results[k]
+            assert status == 200, body
+            assert json.loads(body)["outputs"][0]["data"] == [2.0 * k] * 3
+        assert s.proc.wait(timeout=20) == 0
+        assert time.time() - started < 20
+    finally:  # a failed check must not leave the model spinning or the server running
+        release.touch()
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(timeout=30)
