@@ -35,11 +35,11 @@ Result<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(DynamicBatcherOpt
   std::sort(b->run_sizes_.begin(), b->run_sizes_.end());
   b->max_shared_runs_ = b->memory_budget_ > 0 ? 0 : options.shared_runs;
   b->latency_target_ = latency_target;
-  b->waits_for_company_ = b->queue_.options().max_queue_delay_ns > 0 ||
-                          !b->queue_.options().preferred_batch_sizes.empty() || latency_target ||
-                          options.delay_tuner.has_value();
   {
     MutexLock lock(b->mu_);  // no thread runs yet; taken for the analysis
+    b->waits_for_company_ = b->queue_.options().max_queue_delay_ns > 0 ||
+                            !b->queue_.options().preferred_batch_sizes.empty() || latency_target ||
+                            options.delay_tuner.has_value();
     if (options.tuner) b->tuner_.emplace(std::move(*options.tuner));
     if (b->memory_budget_ > 0) {
       // Until a batch is measured: batches of one, or as many as run at the same padded size.
