@@ -178,6 +178,45 @@ TEST(CustomModel, RunComputesOnTheCallersThreadWhenAnInstanceIsFree) {
   EXPECT_EQ(engine->Run(std::move(unknown)).status.code(), StatusCode::kNotFound);
 }
 
+TEST(CustomModel, SendQueuedNowReachesQueuedRequestsAndModelsRegisteredAfterIt) {
+  // A draining server's call: requests waiting for company leave at once, in the models served now
+  // and in one whose version is published afterwards (a load the drain overtook). The fake clock
+  // never moves: only the call lets a batch leave before its delay of an hour.
+  FakeClock clock;
+  EngineOptions options;
+  options.clock = &clock;
+  auto created = Engine::Create(options);
+  ASSERT_TRUE(created.has_value());
+  auto engine = std::move(*created);
+  std::atomic<int> max_batch{0};
+  ModelConfig c = RowSumConfig("before", 1, false);
+  c.batching->max_queue_delay_us = uint64_t{3600} * 1'000'000;
+  ASSERT_TRUE(engine->RegisterModel(c, [&] { return std::make_unique<RowSum>(&max_batch); }).ok());
+  auto request = [](const std::string& model, float first) {
+    InferRequest r;
+    r.model = model;
+    r.inputs = {{"x", Floats({1, 4}, {first + 1000, 0, 0, 1})}};
+    return r;
+  };
+  auto waiting = engine->Infer(request("before", 0));
+  ASSERT_TRUE(testing::Eventually([&] { return clock.waiters() >= 1; })) << "the worker waits out the delay";
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  engine->SendQueuedNow();
+  ASSERT_EQ(waiting.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "still waiting for company";
+  InferResponse r = waiting.get();
+  ASSERT_TRUE(r.status.ok()) << r.status.message();
+  EXPECT_EQ(ToFloats(r.outputs[0].tensor), std::vector<float>{1001});
+
+  c.name = "after";
+  ASSERT_TRUE(engine->RegisterModel(c, [&] { return std::make_unique<RowSum>(&max_batch); }).ok());
+  auto later = engine->Infer(request("after", 1));
+  ASSERT_EQ(later.wait_for(std::chrono::seconds(60)), std::future_status::ready)
+      << "a model published after the call waits for company";
+  r = later.get();
+  ASSERT_TRUE(r.status.ok()) << r.status.message();
+  EXPECT_EQ(ToFloats(r.outputs[0].tensor), std::vector<float>{1002});
+}
+
 TEST(CustomModel, ErrorInOneBatchKeepsServing) {
   auto engine = EmptyEngine();
   std::atomic<int> max_batch{0};
