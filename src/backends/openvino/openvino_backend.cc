@@ -11,7 +11,10 @@
 #include "backends/onnxruntime/ort_model.h"
 #include "backends/openvino/ov_plugin_api.h"
 #include "backends/plugin_loader.h"
+#include "core/idle_release.h"
 #include "core/log.h"
+#include "core/memory.h"
+#include "core/mutex.h"
 #include "engine/instance_placement.h"
 
 namespace quern {
@@ -63,13 +66,79 @@ std::string Take(const QuernOvApi* api, char* s) {
   return out;
 }
 
+// How long a compiled model's runs must rest before the memory they keep
+// between runs is given back (as BlockCache and a Python model's slots do).
+constexpr int64_t kRunMemoryIdleNs = 5'000'000'000;
+
+// A file as OpenVINO read it: the compiles of one model (its instances' and
+// the wide instance's) share its weights.
+struct ReadModel {
+  const QuernOvApi* api = nullptr;
+  void* read = nullptr;
+  ~ReadModel() {
+    if (read) api->release_read(read);
+  }
+};
+
 // A compiled model, released when its last instance and opener let go.
+//
+// Its streams keep their intermediate buffers between runs (tens of MB for a
+// detector at 640x640, each stream its own). Once a whole idle time has gone
+// by without a run (between one and two idle times after the last) they are
+// given back (OpenVINO's release_memory, then the C library's free pages);
+// the next run allocates them again, so a steady load keeps them. OpenVINO
+// may release them only while no request of the model runs: a run holds `mu`
+// only to count itself in and out, and the release holds it throughout, so a
+// run that starts meanwhile waits for the release.
 struct Compiled {
   const QuernOvApi* api = nullptr;
   void* model = nullptr;
+  std::string model_name;                 // the configuration's, for the log
   std::vector<std::string> output_names;  // the compiled model's, in its order
+  std::shared_ptr<IdleRelease> idle;      // null: its memory is kept
+  mutable Mutex mu;
+  mutable int running QUERN_GUARDED_BY(mu) = 0;   // requests between run and their last output
+  mutable bool ran QUERN_GUARDED_BY(mu) = false;  // a run began since the last look
+  mutable bool release_failed QUERN_GUARDED_BY(mu) = false;
+
   ~Compiled() {
+    if (idle) idle->Remove(this);  // no release of it runs once this returns
     if (model) api->release_model(model);
+  }
+
+  void Enter() const {
+    MutexLock lock(mu);
+    ++running;
+    ran = true;
+  }
+  void Leave() const {
+    {
+      MutexLock lock(mu);
+      --running;
+    }
+    if (idle) idle->Touch(this);  // arms the next look
+  }
+
+  // IdleRelease's thread, an idle time after a run armed it.
+  IdleRelease::Outcome ReleaseIdle() const {
+    {
+      MutexLock lock(mu);
+      if (running > 0 || ran) {  // not idle for a whole idle time: looked at again later
+        ran = false;
+        return IdleRelease::Outcome::kHeld;
+      }
+      char* error = nullptr;
+      if (api->release_memory(model, &error) != 0) {
+        const std::string why = error ? error : "unknown error";
+        if (error) api->free_string(error);
+        if (!release_failed) Log(LogLevel::kWarning, "OpenVINO kept its run memory: " + why, {{"model", model_name}});
+        release_failed = true;
+        return IdleRelease::Outcome::kReleased;  // tried again after the next run's idle time
+      }
+    }
+    ReturnFreedMemory();
+    Log(LogLevel::kDebug, "OpenVINO's run memory given back (idle)", {{"model", model_name}});
+    return IdleRelease::Outcome::kReleased;
   }
 };
 
@@ -139,6 +208,13 @@ class OvModel final : public Model {
       // (OpenVINO's cancel acts only on a running request).
       if (interrupt->stopped()) return Cancelled(Who() + ": every request of the batch was cancelled before it ran");
     }
+    // Counted in from the run to the last output copied: the outputs may
+    // lie in the memory an idle release frees.
+    struct Running {
+      const Compiled& compiled;
+      explicit Running(const Compiled& c) : compiled(c) { compiled.Enter(); }
+      ~Running() { compiled.Leave(); }
+    } running(*compiled_);
     char* error = nullptr;
     const int rc = api->run(request_, names.data(), args.data(), static_cast<int>(args.size()), &error);
     if (rc == 1 || (interrupt && interrupt->stopped())) {
@@ -171,13 +247,14 @@ class OvModel final : public Model {
   void* request_ = nullptr;
 };
 
-// What one compile needs: the file, OpenVINO's properties, whether the
-// batch dimension is made dynamic.
+// What one compile needs: the file as read (its name for the log),
+// OpenVINO's properties, where idle run memory is given back.
 struct CompileSpec {
   std::string model_name;
   std::filesystem::path file;
+  std::shared_ptr<const ReadModel> read;
   std::map<std::string, std::string> props;
-  int batch_dynamic = 0;
+  std::shared_ptr<IdleRelease> idle;
 };
 
 // Compiles `spec` and logs what OpenVINO chose (precision, streams, threads).
@@ -191,10 +268,15 @@ Result<std::shared_ptr<Compiled>> CompileModel(const QuernOvApi* api, const Comp
   char* error = nullptr;
   auto compiled = std::make_shared<Compiled>();
   compiled->api = api;
-  compiled->model = api->compile(spec.file.c_str(), keys.data(), values.data(), static_cast<int>(keys.size()),
-                                 spec.batch_dynamic, &error);
+  compiled->model_name = spec.model_name;
+  compiled->model = api->compile(spec.read->read, keys.data(), values.data(), static_cast<int>(keys.size()), &error);
   if (!compiled->model) {
     return Err(InvalidArgument(who + ": OpenVINO cannot compile " + spec.file.string() + ": " + Take(api, error)));
+  }
+  if (spec.idle) {
+    compiled->idle = spec.idle;
+    const Compiled* c = compiled.get();
+    spec.idle->Add(c, [c] { return c->ReleaseIdle(); });
   }
   const QuernOvPort* ports = nullptr;
   const int n = api->ports(compiled->model, 1, &ports);
@@ -214,7 +296,9 @@ Result<std::shared_ptr<Compiled>> CompileModel(const QuernOvApi* api, const Comp
 class OvOpenedModel final : public OpenedModel {
  public:
   OvOpenedModel(std::shared_ptr<const Compiled> compiled, CompileSpec spec, int cores, bool wide)
-      : compiled_(std::move(compiled)), spec_(std::move(spec)), cores_(cores), wide_(wide) {}
+      : compiled_(std::move(compiled)), spec_(std::move(spec)), cores_(cores), wide_(wide) {
+    if (!wide_ || cores_ < 2) spec_.read.reset();  // no other compile to share it with
+  }
   Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
     if (device.gpu) return Err(InvalidArgument("model '" + config.name + "': OpenVINO runs it on the CPU only"));
     return Instance(config, compiled_);
@@ -235,6 +319,7 @@ class OvOpenedModel final : public OpenedModel {
       } else {  // optional: the instances serve without it
         Log(LogLevel::kWarning, "no wide instance: " + compiled.error().message(), {{"model", config.name}});
       }
+      spec_.read.reset();
     });
     if (!wide_compiled_) return std::unique_ptr<Model>();
     return Instance(config, wide_compiled_);
@@ -312,9 +397,6 @@ class OpenvinoBackend final : public Backend {
     spec.model_name = config.name;
     spec.file = file;
     QUERN_ASSIGN_OR_RETURN(spec.props, Properties(config, cores));
-    // A configured batch over 1: the first dimension of every input made
-    // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
-    spec.batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
     auto plugin = OpenvinoPlugin();
     if (!plugin) return Err(Unavailable(who + ": " + plugin.error().message()));
     const QuernOvApi* api = *plugin;
@@ -323,6 +405,20 @@ class OpenvinoBackend final : public Backend {
         return Err(InvalidArgument(who + ": input '" + in.name + "' is optional; OpenVINO models take every input"));
       }
     }
+    // A configured batch over 1: the first dimension of every input made
+    // dynamic (a file exported at batch 1 serves max_batch_size 1 as it is).
+    const int batch_dynamic = has_config_file && config.max_batch_size > 1 ? 1 : 0;
+    char* error = nullptr;
+    auto read = std::make_shared<ReadModel>();
+    read->api = api;
+    read->read = api->read(file.c_str(), batch_dynamic, &error);
+    if (!read->read) {
+      return Err(InvalidArgument(who + ": OpenVINO cannot read " + file.string() + ": " + Take(api, error)));
+    }
+    spec.read = std::move(read);
+    std::call_once(idle_once_,
+                   [this] { idle_ = std::make_shared<IdleRelease>(RealClockInstance(), kRunMemoryIdleNs); });
+    spec.idle = idle_;
     const int streams = std::max(1, CpuInstances(config));
     QUERN_ASSIGN_OR_RETURN(
         std::shared_ptr<Compiled> compiled,
@@ -361,6 +457,10 @@ class OpenvinoBackend final : public Backend {
     auto plugin = OpenvinoPlugin();
     return plugin ? std::string("OpenVINO ") + (*plugin)->version : "";
   }
+
+ private:
+  std::once_flag idle_once_;
+  std::shared_ptr<IdleRelease> idle_;  // gives idle compiled models' run memory back
 };
 
 }  // namespace

@@ -138,25 +138,44 @@ void Describe(Model& m) {
   }
 }
 
-void* Compile(const char* path, const char* const* keys, const char* const* values, int n, int batch_dynamic,
-              char** error) {
+struct Read {
+  std::shared_ptr<ov::Model> model;
+};
+
+void* ReadModel(const char* path, int batch_dynamic, char** error) {
   try {
-    std::shared_ptr<ov::Model> model = TheCore().read_model(path);
+    auto read = std::make_unique<Read>();
+    read->model = TheCore().read_model(path);
     if (batch_dynamic) {
       std::map<ov::Output<ov::Node>, ov::PartialShape> shapes;
-      for (auto& input : model->inputs()) {
+      for (auto& input : read->model->inputs()) {
         ov::PartialShape shape = input.get_partial_shape();
         if (shape.rank().is_static() && shape.rank().get_length() >= 1 && shape[0].is_static()) {
           shape[0] = ov::Dimension::dynamic();
           shapes[input] = shape;
         }
       }
-      if (!shapes.empty()) model->reshape(shapes);
+      if (!shapes.empty()) read->model->reshape(shapes);
     }
+    return read.release();
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return nullptr;
+}
+
+void ReleaseRead(void* read) {
+  delete static_cast<Read*>(read);
+}
+
+void* Compile(void* read, const char* const* keys, const char* const* values, int n, char** error) {
+  try {
     ov::AnyMap properties;
     for (int i = 0; i < n; ++i) properties[keys[i]] = std::string(values[i]);
     auto m = std::make_unique<Model>();
-    m->compiled = TheCore().compile_model(model, "CPU", properties);
+    m->compiled = TheCore().compile_model(static_cast<Read*>(read)->model, "CPU", properties);
     Describe(*m);
     return m.release();
   } catch (const std::exception& e) {
@@ -304,24 +323,25 @@ int SaveIr(const char* path, const char* xml_path, int compress_f16, char** erro
   return -1;
 }
 
+int ReleaseMemory(void* model, char** error) {
+  try {
+    static_cast<Model*>(model)->compiled.release_memory();
+    return 0;
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return -1;
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const QuernOvApi* quern_openvino_api(void) {
   static const std::string version = ov::get_openvino_version().buildNumber;
   static const QuernOvApi api = {
-      QUERN_OV_PLUGIN_ABI,
-      version.c_str(),
-      Compile,
-      ReleaseModel,
-      Ports,
-      Property,
-      NewRequest,
-      ReleaseRequest,
-      Run,
-      Output,
-      Cancel,
-      FreeString,
-      SaveIr,
+      QUERN_OV_PLUGIN_ABI, version.c_str(), ReadModel, ReleaseRead, Compile, ReleaseModel, Ports,  Property,
+      NewRequest,          ReleaseRequest,  Run,       Output,      Cancel,  FreeString,   SaveIr, ReleaseMemory,
   };
   return &api;
 }

@@ -8,6 +8,8 @@
 // Thread safety: compile, ports, property and new_request may be called
 // from any thread; one request runs one inference at a time (run, then
 // output), and cancel may be called from another thread while it runs.
+// release_memory only while none of the model's requests is between run and
+// its last output.
 #pragma once
 
 #include <stddef.h>
@@ -15,7 +17,7 @@
 
 extern "C" {
 
-#define QUERN_OV_PLUGIN_ABI 2
+#define QUERN_OV_PLUGIN_ABI 3
 
 // A tensor's bytes, dense and row-major; dtype is quern::DataType's value.
 struct QuernOvTensor {
@@ -40,13 +42,17 @@ struct QuernOvApi {
   uint32_t abi;  // QUERN_OV_PLUGIN_ABI
   // OpenVINO's version, "2026.4.1-...".
   const char* version;
-  // Reads `path` (an ONNX file or OpenVINO IR's .xml beside its .bin) and
-  // compiles it for the CPU with `n` properties, OpenVINO's names and values
-  // as strings ("PERFORMANCE_HINT" = "LATENCY", "NUM_STREAMS" = "2", ...).
-  // With batch_dynamic, the first dimension of every input is made dynamic
-  // first (the batch). Null on failure, with *error set.
-  void* (*compile)(const char* path, const char* const* keys, const char* const* values, int n, int batch_dynamic,
-                   char** error);
+  // Reads `path` (an ONNX file or OpenVINO IR's .xml beside its .bin). With
+  // batch_dynamic, the first dimension of every input is made dynamic (the
+  // batch). Null on failure, with *error set.
+  void* (*read)(const char* path, int batch_dynamic, char** error);
+  void (*release_read)(void* read);
+  // Compiles what `read` read for the CPU with `n` properties, OpenVINO's
+  // names and values as strings ("PERFORMANCE_HINT" = "LATENCY",
+  // "NUM_STREAMS" = "2", ...). Compiles of one read share its weights where
+  // they keep them as read. The read may be released afterwards. Null on
+  // failure, with *error set.
+  void* (*compile)(void* read, const char* const* keys, const char* const* values, int n, char** error);
   void (*release_model)(void* model);
   // The compiled model's inputs (outputs = 0) or outputs (1): their count,
   // *ports pointing at them for as long as the model lives.
@@ -72,6 +78,11 @@ struct QuernOvApi {
   // the .bin beside it, the weights as f16 when compress_f16 (OpenVINO's
   // save_model). 0 on success, -1 with *error set.
   int (*save_ir)(const char* path, const char* xml_path, int compress_f16, char** error);
+  // Frees what the compiled model's runs keep between runs (its streams'
+  // intermediate buffers and scratch: OpenVINO's release_memory); the next
+  // run allocates them again. The caller makes sure none of its requests
+  // runs meanwhile. 0 on success, -1 with *error set.
+  int (*release_memory)(void* model, char** error);
 };
 
 // The plugin's one exported symbol.
