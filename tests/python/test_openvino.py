@@ -654,6 +654,7 @@ def test_an_idle_openvino_model_gives_its_run_memory_back(tmp_path):
             t.start()
         for t in callers:
             t.join(timeout=300)
+        assert not any(t.is_alive() for t in callers), "a caller still waits for its answer after 300 s"
         assert not errors, errors
         busy = rss_mb(proc.pid)
         # A batch of two holds at least 2 x 37.7 MB in one stream while it runs; the streams keep it.

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/onnxruntime/ort_model.h"
@@ -69,6 +70,9 @@ std::string Take(const QuernOvApi* api, char* s) {
 // How long a compiled model's runs must rest before the memory they keep
 // between runs is given back (as BlockCache and a Python model's slots do).
 constexpr int64_t kRunMemoryIdleNs = 5'000'000'000;
+// Looks at a compiled model whose release OpenVINO refused before it waits
+// for its next run.
+constexpr int kReleaseTries = 3;
 
 // A file as OpenVINO read it: the compiles of one model (its instances' and
 // the wide instance's) share its weights.
@@ -97,19 +101,32 @@ struct Compiled {
   std::vector<std::string> output_names;  // the compiled model's, in its order
   std::shared_ptr<IdleRelease> idle;      // null: its memory is kept
   mutable Mutex mu;
-  mutable int running QUERN_GUARDED_BY(mu) = 0;   // requests between run and their last output
-  mutable bool ran QUERN_GUARDED_BY(mu) = false;  // a run began since the last look
-  mutable bool release_failed QUERN_GUARDED_BY(mu) = false;
+  mutable int running QUERN_GUARDED_BY(mu) = 0;          // requests between run and their last output
+  mutable bool ran QUERN_GUARDED_BY(mu) = false;         // a run began since the last look
+  mutable int failed_releases QUERN_GUARDED_BY(mu) = 0;  // since the last run
+  mutable bool warned QUERN_GUARDED_BY(mu) = false;      // a refused release logged
 
   ~Compiled() {
     if (idle) idle->Remove(this);  // no release of it runs once this returns
     if (model) api->release_model(model);
   }
 
+  // A request created or released: OpenVINO reads the graph meanwhile, so
+  // no release may run.
+  void* NewRequest(char** error) const {
+    MutexLock lock(mu);
+    return api->new_request(model, error);
+  }
+  void ReleaseRequest(void* request) const {
+    MutexLock lock(mu);
+    api->release_request(request);
+  }
+
   void Enter() const {
     MutexLock lock(mu);
     ++running;
     ran = true;
+    failed_releases = 0;
   }
   void Leave() const {
     {
@@ -131,9 +148,12 @@ struct Compiled {
       if (api->release_memory(model, &error) != 0) {
         const std::string why = error ? error : "unknown error";
         if (error) api->free_string(error);
-        if (!release_failed) Log(LogLevel::kWarning, "OpenVINO kept its run memory: " + why, {{"model", model_name}});
-        release_failed = true;
-        return IdleRelease::Outcome::kReleased;  // tried again after the next run's idle time
+        // A few more looks, then none until a run arms it again.
+        if (!std::exchange(warned, true)) {
+          Log(LogLevel::kWarning, "OpenVINO kept its run memory: " + why, {{"model", model_name}});
+        }
+        ++failed_releases;
+        return failed_releases < kReleaseTries ? IdleRelease::Outcome::kHeld : IdleRelease::Outcome::kReleased;
       }
     }
     ReturnFreedMemory();
@@ -147,12 +167,12 @@ class OvModel final : public Model {
   OvModel(std::string name, std::shared_ptr<const Compiled> compiled, std::vector<std::string> outputs)
       : name_(std::move(name)), compiled_(std::move(compiled)), wanted_(std::move(outputs)) {}
   ~OvModel() override {
-    if (request_) compiled_->api->release_request(request_);
+    if (request_) compiled_->ReleaseRequest(request_);
   }
 
   Status Load() override {
     char* error = nullptr;
-    request_ = compiled_->api->new_request(compiled_->model, &error);
+    request_ = compiled_->NewRequest(&error);
     if (!request_)
       return Unavailable(Who() + ": OpenVINO cannot create an infer request: " + Take(compiled_->api, error));
     for (const auto& name : wanted_) {
@@ -295,9 +315,11 @@ Result<std::shared_ptr<Compiled>> CompileModel(const QuernOvApi* api, const Comp
 
 class OvOpenedModel final : public OpenedModel {
  public:
-  OvOpenedModel(std::shared_ptr<const Compiled> compiled, CompileSpec spec, int cores, bool wide)
+  // `widened`: the caller will ask for a wide instance (it counted one in
+  // the instances it opened the model for).
+  OvOpenedModel(std::shared_ptr<const Compiled> compiled, CompileSpec spec, int cores, bool wide, bool widened)
       : compiled_(std::move(compiled)), spec_(std::move(spec)), cores_(cores), wide_(wide) {
-    if (!wide_ || cores_ < 2) spec_.read.reset();  // no other compile to share it with
+    if (!wide_ || !widened || cores_ < 2) spec_.read.reset();  // no other compile to share it with
   }
   Result<std::unique_ptr<Model>> NewInstance(const ModelConfig& config, const InstanceDevice& device) override {
     if (device.gpu) return Err(InvalidArgument("model '" + config.name + "': OpenVINO runs it on the CPU only"));
@@ -385,8 +407,9 @@ Result<std::map<std::string, std::string>> Properties(const ModelConfig& config,
 class OpenvinoBackend final : public Backend {
  public:
   Result<std::unique_ptr<OpenedModel>> Open(ModelConfig& config, const std::filesystem::path& file,
-                                            bool has_config_file, int cores, int /*instances*/) override {
+                                            bool has_config_file, int cores, int instances) override {
     const std::string who = "model '" + config.name + "'";
+    const bool widened = instances > CpuInstances(config);
     std::error_code ec;
     if (!std::filesystem::is_regular_file(file, ec)) {
       return Err(NotFound(who + ": " + file.string() +
@@ -447,7 +470,8 @@ class OpenvinoBackend final : public Backend {
     QUERN_RETURN_IF_ERROR(CompleteConfigFromOnnx(config, io, has_config_file));
     const bool wide = !config.parameters.count("NUM_STREAMS") && !config.parameters.count("PERFORMANCE_HINT") &&
                       !config.parameters.count("INFERENCE_NUM_THREADS");
-    return std::unique_ptr<OpenedModel>(std::make_unique<OvOpenedModel>(std::move(compiled), spec, cores, wide));
+    return std::unique_ptr<OpenedModel>(
+        std::make_unique<OvOpenedModel>(std::move(compiled), spec, cores, wide, widened));
   }
 
   std::string WhyNoGpu() const override { return "Quern runs OpenVINO models on the CPU only"; }
