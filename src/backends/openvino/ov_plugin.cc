@@ -82,6 +82,20 @@ void SetError(char** error, const std::string& message) {
   if (error) *error = Copy(message);
 }
 
+// body()'s value, or `failed` with *error set when it throws (no exception
+// crosses the plugin's C interface).
+template <typename T, typename Body>
+T Guarded(char** error, T failed, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    SetError(error, e.what());
+  } catch (...) {
+    SetError(error, "an unknown OpenVINO error");
+  }
+  return failed;
+}
+
 // One process-wide Core: it holds the CPU plugin, loaded once.
 ov::Core& TheCore() {
   static ov::Core* core = [] {
@@ -143,7 +157,7 @@ struct Read {
 };
 
 void* ReadModel(const char* path, int batch_dynamic, char** error) {
-  try {
+  return Guarded<void*>(error, nullptr, [&] {
     auto read = std::make_unique<Read>();
     read->model = TheCore().read_model(path);
     if (batch_dynamic) {
@@ -157,13 +171,8 @@ void* ReadModel(const char* path, int batch_dynamic, char** error) {
       }
       if (!shapes.empty()) read->model->reshape(shapes);
     }
-    return read.release();
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return nullptr;
+    return static_cast<void*>(read.release());
+  });
 }
 
 void ReleaseRead(void* read) {
@@ -171,19 +180,14 @@ void ReleaseRead(void* read) {
 }
 
 void* Compile(void* read, const char* const* keys, const char* const* values, int n, char** error) {
-  try {
+  return Guarded<void*>(error, nullptr, [&] {
     ov::AnyMap properties;
     for (int i = 0; i < n; ++i) properties[keys[i]] = std::string(values[i]);
     auto m = std::make_unique<Model>();
     m->compiled = TheCore().compile_model(static_cast<Read*>(read)->model, "CPU", properties);
     Describe(*m);
-    return m.release();
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return nullptr;
+    return static_cast<void*>(m.release());
+  });
 }
 
 void ReleaseModel(void* model) {
@@ -205,15 +209,10 @@ char* Property(void* model, const char* key) {
 }
 
 void* NewRequest(void* model, char** error) {
-  try {
+  return Guarded<void*>(error, nullptr, [&] {
     auto* m = static_cast<Model*>(model);
-    return new Request{m->compiled.create_infer_request(), m};
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return nullptr;
+    return static_cast<void*>(new Request{m->compiled.create_infer_request(), m});
+  });
 }
 
 void ReleaseRequest(void* request) {
@@ -279,7 +278,7 @@ int Run(void* request, const char* const* names, const QuernOvTensor* inputs, in
 
 int Output(void* request, int index, QuernOvTensor* out, char** error) {
   auto* r = static_cast<Request*>(request);
-  try {
+  return Guarded(error, -1, [&] {
     ov::Tensor t = r->request.get_output_tensor(static_cast<size_t>(index));
     const ov::Shape shape = t.get_shape();
     if (shape.size() > 8) {
@@ -292,12 +291,7 @@ int Output(void* request, int index, QuernOvTensor* out, char** error) {
     out->data = t.data();
     out->bytes = t.get_byte_size();
     return 0;
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return -1;
+  });
 }
 
 void Cancel(void* request) {
@@ -312,27 +306,17 @@ void FreeString(char* s) {
 }
 
 int SaveIr(const char* path, const char* xml_path, int compress_f16, char** error) {
-  try {
+  return Guarded(error, -1, [&] {
     ov::save_model(TheCore().read_model(path), xml_path, compress_f16 != 0);
     return 0;
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return -1;
+  });
 }
 
 int ReleaseMemory(void* model, char** error) {
-  try {
+  return Guarded(error, -1, [&] {
     static_cast<Model*>(model)->compiled.release_memory();
     return 0;
-  } catch (const std::exception& e) {
-    SetError(error, e.what());
-  } catch (...) {
-    SetError(error, "an unknown OpenVINO error");
-  }
-  return -1;
+  });
 }
 
 }  // namespace
