@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "core/memory.h"
 #include "quern/engine.h"
 #include "server/serve_flags.h"
 #include "server/server.h"
@@ -99,6 +100,8 @@ int main(int argc, char** argv) {
   // inherit the mask) and waited for here: one that comes right after the
   // server says it serves drains it rather than killing it, and an idle
   // server's main thread sleeps until then instead of polling a flag.
+  // The C library's heaps limited before any thread starts (core/memory.h).
+  quern::LimitMallocArenas();
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);

@@ -1,6 +1,7 @@
 #include "core/memory.h"
 
 #include <cstdlib>  // defines __GLIBC__ on glibc
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,18 @@ void ReturnFreedMemory() {
   kept = {};
 #if defined(__GLIBC__)
   malloc_trim(0);
+#endif
+}
+
+bool LimitMallocArenas() {
+#if defined(__GLIBC__)
+  if (std::getenv("MALLOC_ARENA_MAX")) return false;
+  if (const char* tunables = std::getenv("GLIBC_TUNABLES"); tunables && std::strstr(tunables, "arena_max")) {
+    return false;
+  }
+  return mallopt(M_ARENA_MAX, kServeMallocArenas) == 1;
+#else
+  return false;
 #endif
 }
 

@@ -13,6 +13,18 @@ namespace quern {
 // call it after rare, large events such as loading a model.
 void ReturnFreedMemory();
 
+// For a serving process, called before its threads start (`quern serve` does;
+// an embedder decides for its own process): the C library's allocator keeps
+// at most kServeMallocArenas heaps. glibc gives threads that allocate at
+// once heaps of their own (up to eight per core); the large buffers a burst
+// of images frees (decoded images, outputs, a runtime's temporaries) stay in
+// each of them, and the resident peak is their sum (on the default detector
+// served by OpenVINO, 16 clients: about 50 MB of it). A setting of the user's
+// own (MALLOC_ARENA_MAX, or arena_max in GLIBC_TUNABLES) is kept. Whether it
+// changed the limit.
+bool LimitMallocArenas();
+inline constexpr int kServeMallocArenas = 2;
+
 // Request bodies of a known length are received into strings of this pool:
 // once a request is done with its body, the string is kept for the next
 // body of a similar size instead of freed. A body of 4 KiB to 1 MiB costs

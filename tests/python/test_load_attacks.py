@@ -805,3 +805,69 @@ def test_bodies_that_trickle_in_make_room_and_are_closed(tmp_path):
             s.close()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def c_library_heaps(pid):
+    """The C library's heaps besides its main one: glibc maps each as 64 MiB at a 64 MiB boundary,
+    its used part read-write and the rest without access."""
+    heap = 64 << 20
+    regions = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            regions.append((lo, hi, parts[1], parts[5] if len(parts) > 5 else ""))
+    after = {lo: (hi, perms, path) for lo, hi, perms, path in regions}
+    count = 0
+    for lo, hi, perms, path in regions:
+        if path or lo % heap or not perms.startswith("rw"):
+            continue
+        end = hi
+        if end in after and after[end][1].startswith("---") and not after[end][2]:
+            end = after[end][0]
+        count += end - lo == heap
+    return count
+
+
+@pytest.mark.parametrize("arena_max", [None, "8"], ids=["default", "MALLOC_ARENA_MAX=8"])
+def test_a_burst_of_images_shares_two_heaps_of_the_c_library(tmp_path, arena_max):
+    """64 photographs from 16 clients through the detection route: the threads that decode, run
+    and answer them allocate at once, and glibc would give each its own heap (a burst's large
+    buffers then stay behind in each, adding to the resident peak). `quern serve` keeps the C
+    library to two heaps (its main one and one more); a MALLOC_ARENA_MAX of the user's own is
+    kept, which the same count shows: more heaps with 8 allowed."""
+    if sanitized(QUERN):
+        pytest.skip("the sanitizers' own allocator replaces the C library's")
+    import concurrent.futures
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models", "objects"),
+                    repo / "objects")
+    config = repo / "objects" / "config.pbtxt"
+    config.write_text(config.read_text().replace('backend: "auto"', 'backend: "onnxruntime"'))
+    env = dict(os.environ)
+    env.pop("MALLOC_ARENA_MAX", None)
+    if arena_max:
+        env["MALLOC_ARENA_MAX"] = arena_max
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "dog.jpg"), "rb") as f:
+        body, headers = detection_form(f.read())
+    proc, ports = start_quern(QUERN, str(repo), env=env)
+    try:
+        def detect(_):
+            c = http.client.HTTPConnection("127.0.0.1", ports["HTTP"], timeout=300)
+            try:
+                c.request("POST", "/v1/vision/detection", body, headers)
+                r = c.getresponse()
+                return r.status, json.loads(r.read()).get("success")
+            finally:
+                c.close()
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            answers = list(ex.map(detect, range(64)))
+        assert answers == [(200, True)] * 64, answers
+        heaps = c_library_heaps(proc.pid)
+        print(f"MALLOC_ARENA_MAX {arena_max or 'unset'}: {heaps} heaps besides the main one")
+        if arena_max:
+            assert heaps > 1, heaps
+        else:
+            assert heaps <= 1, heaps
+    finally:
+        stop_quern(proc)
