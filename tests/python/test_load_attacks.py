@@ -834,8 +834,9 @@ def test_a_burst_of_images_shares_two_heaps_of_the_c_library(tmp_path, arena_max
     """64 photographs from 16 clients through the detection route: the threads that decode, run
     and answer them allocate at once, and glibc would give each its own heap (a burst's large
     buffers then stay behind in each, adding to the resident peak). `quern serve` keeps the C
-    library to two heaps (its main one and one more); a MALLOC_ARENA_MAX of the user's own is
-    kept, which the same count shows: more heaps with 8 allowed."""
+    library to two heaps (its main one and one more, itself at most two 64 MiB mappings); a
+    MALLOC_ARENA_MAX of the user's own is kept, which the same count shows: more heaps with 8
+    allowed."""
     if sanitized(QUERN):
         pytest.skip("the sanitizers' own allocator replaces the C library's")
     import concurrent.futures
@@ -865,9 +866,11 @@ def test_a_burst_of_images_shares_two_heaps_of_the_c_library(tmp_path, arena_max
         assert answers == [(200, True)] * 64, answers
         heaps = c_library_heaps(proc.pid)
         print(f"MALLOC_ARENA_MAX {arena_max or 'unset'}: {heaps} heaps besides the main one")
+        # One heap holds 64 MiB: a second one of the same arena is allowed for; glibc's own limit
+        # (eight per core) let the same burst take 7 on 2 cores.
         if arena_max:
-            assert heaps > 1, heaps
+            assert heaps >= 3, heaps
         else:
-            assert heaps <= 1, heaps
+            assert heaps <= 2, heaps
     finally:
         stop_quern(proc)
