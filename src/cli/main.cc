@@ -96,12 +96,12 @@ int main(int argc, char** argv) {
   if (*openvino_ir) return quern::cli::OpenvinoIr(ir_in, ir_out, ir_f16);
   if (*tune) return quern::cli::Tune(tune_dir);
 
+  // The C library's heaps limited before any thread starts (core/memory.h).
+  quern::LimitMallocArenas();
   // SIGINT and SIGTERM are blocked before the server starts (its threads
   // inherit the mask) and waited for here: one that comes right after the
   // server says it serves drains it rather than killing it, and an idle
   // server's main thread sleeps until then instead of polling a flag.
-  // The C library's heaps limited before any thread starts (core/memory.h).
-  quern::LimitMallocArenas();
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
