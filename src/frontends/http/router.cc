@@ -3,6 +3,7 @@
 #include <strings.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "auth/api_keys.h"
 
@@ -129,8 +130,14 @@ struct Router::Compiled {
   // True when this pattern fits `path`.
   bool Fits(const TargetPath& path) const {
     if (path.size() != segments.size()) return false;
-    for (size_t i = 0; i < segments.size(); ++i) {
-      if (!segments[i].param && segments[i].text != path[i]) return false;
+    // From the last segment: patterns of one length mostly share their first segments
+    // ("/v2/models/{model}/...") and differ in their last. Lengths first: most literals differ there.
+    for (size_t i = segments.size(); i-- > 0;) {
+      const Segment& s = segments[i];
+      if (!s.param &&
+          (s.text.size() != path[i].size() || std::memcmp(s.text.data(), path[i].data(), s.text.size()) != 0)) {
+        return false;
+      }
     }
     return true;
   }
@@ -204,7 +211,11 @@ Status Router::Add(Route route) {
     compiled.push_back(std::move(c));
   }
   routes_.push_back(std::move(route));
-  for (auto& c : compiled) compiled_.push_back(std::move(c));
+  for (auto& c : compiled) {
+    if (by_length_.size() <= c->segments.size()) by_length_.resize(c->segments.size() + 1);
+    by_length_[c->segments.size()].push_back(c.get());
+    compiled_.push_back(std::move(c));
+  }
   return Status::Ok();
 }
 
@@ -219,12 +230,13 @@ Status Router::AddScope(RouteScope scope) {
 Router::Found Router::Match(unsigned method_bits, std::string_view target) const {
   Found f;
   const TargetPath path = SplitTargetPath(target);
-  for (const auto& c : compiled_) {
+  static const std::vector<const Compiled*> kNone;
+  for (const Compiled* c : path.size() < by_length_.size() ? by_length_[path.size()] : kNone) {
     if (!c->Fits(path)) continue;
     f.path_open = (f.allowed == 0 || f.path_open) && routes_[c->route].key == KeyPolicy::kNone;
     f.allowed |= c->methods;
     if (!(c->methods & method_bits)) continue;
-    if (!f.route || c->MoreSpecificThan(*f.route)) f.route = c.get();
+    if (!f.route || c->MoreSpecificThan(*f.route)) f.route = c;
   }
   const std::string_view first = path.empty() ? std::string_view() : path[0];
   for (const auto& s : scopes_) {

@@ -184,6 +184,9 @@ class Router {
   RouterOptions options_;
   std::vector<Route> routes_;                        // as declared
   std::vector<std::unique_ptr<Compiled>> compiled_;  // one or two per route (an optional group)
+  // compiled_ by number of segments, in declaration order: a path is matched against the patterns of
+  // its own length only (each request's path is matched twice: its head, then its dispatch).
+  std::vector<std::vector<const Compiled*>> by_length_;
   std::vector<RouteScope> scopes_;
 };
 
