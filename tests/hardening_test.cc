@@ -79,6 +79,26 @@ TEST(ParseJson, ReadsOnlyTheGivenBytesAndReportsSyntaxErrors) {
   EXPECT_FALSE(e.message.empty());
 }
 
+// RapidJSON's streams read a NUL byte as the end of the text: a document
+// followed by one (as a KServe JSON header is by binary data whose first
+// byte is 0 when the split is not given) would parse with the rest
+// ignored. What follows a document is refused, a NUL as any other byte.
+TEST(ParseJson, ANulByteAfterTheDocumentIsNotItsEnd) {
+  for (const std::string& text :
+       {std::string("{\"a\": [1, 2]}\0garbage", 21), std::string("{\"a\": [1, 2]}  \0", 16), std::string("7\0", 2)}) {
+    rapidjson::Document doc;
+    JsonParseError e;
+    EXPECT_FALSE(ParseJson(doc, text.data(), text.size(), e)) << text.size();
+    EXPECT_EQ(e.offset, text.find('\0')) << text.size();
+    EXPECT_NE(e.message.find("followed"), std::string::npos) << e.message;
+    EXPECT_TRUE(doc.IsNull());
+  }
+  const std::string spaced = "{\"a\": 1} \r\n\t";
+  rapidjson::Document doc;
+  JsonParseError e;
+  EXPECT_TRUE(ParseJson(doc, spaced.data(), spaced.size(), e)) << e.message;
+}
+
 TEST(BodyPool, AStringGivenBackReceivesTheNextAlikeBody) {
   if (!kBodyPoolOn) GTEST_SKIP() << "the pool is off under AddressSanitizer";
   ReturnFreedMemory();  // empty, whatever ran before in this process

@@ -161,6 +161,11 @@ bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonPars
     // bounded (a few KiB at 64 levels).
     result = reader.Parse<rapidjson::kParseNanAndInfFlag>(ms, handler);
     too_deep = handler.too_deep();
+    // The stream reads a NUL byte as the text's end: bytes from one on
+    // (after the document and its spaces) are refused like any others.
+    if (!result.IsError() && ms.Tell() < size) {
+      result.Set(rapidjson::kParseErrorDocumentRootNotSingular, ms.Tell());
+    }
     return !result.IsError();
   };
   doc.Populate(generate);

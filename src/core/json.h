@@ -61,7 +61,8 @@ rapidjson::CrtAllocator* SharedCrtAllocator();
 
 // Parses `size` bytes at `data` into `doc`. On failure returns false and
 // fills `error`; `doc` is then null. Never reads past `size` (no terminator
-// needed).
+// needed), and all `size` bytes are the text: anything after the document
+// but spaces is an error, a NUL byte too.
 bool ParseJson(rapidjson::Document& doc, const char* data, size_t size, JsonParseError& error,
                int max_depth = kMaxJsonDepth);
 

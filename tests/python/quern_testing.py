@@ -108,10 +108,12 @@ STARTED = []
 LOG_TAIL_LINES = 40
 
 
-def start_quern(binary, repo, *extra, env=None, cwd=None, log=None, start_timeout=60):
+def start_quern(binary, repo, *extra, env=None, cwd=None, log=None, start_timeout=180):
     """Starts `quern serve` on free ports (HTTP, gRPC, metrics) and waits until it serves, with
     `env` as its environment and `cwd` as its working directory when given, allowing it
-    `start_timeout` seconds to load its models.
+    `start_timeout` seconds to load its models (a bound for a hang: models of backend "auto" are
+    measured at load, OpenVINO compiles included, several times slower under the sanitizers beside
+    other tests).
     Returns (process, {"HTTP": port, "gRPC": port, "metrics": port[, "vision": port]}); its log is drained in the background
     (its lines appended to `log` when that is a list)."""
     import re

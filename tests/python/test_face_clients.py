@@ -88,14 +88,16 @@ def test_deepstack_sdk(server):
 def test_deepstack_python(server):
     import deepstack.core as ds
     port, key = server
-    face = ds.DeepstackFace(ip="127.0.0.1", port=port, api_key=key or "", min_confidence=0.6)
+    # timeout: the client's own setting (10 s unless set; Home Assistant's integration lets the user
+    # set it), here generous for the sanitizer build on a busy machine.
+    face = ds.DeepstackFace(ip="127.0.0.1", port=port, api_key=key or "", timeout=60, min_confidence=0.6)
     assert "face" in face.register("obama", photo("obama.jpg")).lower()
     assert held_faces(port, key) == ["obama"]
     assert face.get_registered_faces() == ["obama"]  # its key in a url-encoded form
     assert recognised(face.recognize(photo("obama2.jpg"))) == ["obama"]
     assert recognised(face.recognize(photo("biden.jpg"))) == ["unknown"]
     if key:
-        stranger = ds.DeepstackFace(ip="127.0.0.1", port=port, api_key="wrong", min_confidence=0.6)
+        stranger = ds.DeepstackFace(ip="127.0.0.1", port=port, api_key="wrong", timeout=60, min_confidence=0.6)
         with pytest.raises(ds.DeepstackException, match="api_key"):
             stranger.register("mallory", photo("biden.jpg"))
         assert held_faces(port, key) == ["obama"]
@@ -106,7 +108,7 @@ def test_codeproject_ai_api(server):
     port, key = server
     if key:
         pytest.skip("codeproject-ai-api sends no key")
-    face = cpai.CodeProjectAIFace(ip="127.0.0.1", port=port, min_confidence=0.6)
+    face = cpai.CodeProjectAIFace(ip="127.0.0.1", port=port, timeout=60, min_confidence=0.6)
     assert "face" in face.register("obama", photo("obama.jpg")).lower()
     assert face.get_registered_faces() == ["obama"]  # an empty POST
     assert recognised(face.recognize(photo("obama2.jpg"))) == ["obama"]

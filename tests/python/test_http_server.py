@@ -5,6 +5,7 @@ limit (503), idle and read timeouts, malformed requests.
 The server runs with small limits so that each one can be reached."""
 import json
 import os
+import re
 import socket
 import time
 
@@ -520,3 +521,34 @@ def test_ready_only_once_every_port_listens(tmp_path, ask_http):
         if started == 5:
             break
     assert started == 5, "ports taken by other tests on most starts"
+
+
+def test_an_inference_header_length_that_is_empty_or_sent_twice_is_refused(port):
+    """Inference-Header-Content-Length splits a body into its JSON header and binary data. Sent with no
+    value, or twice with two values (a proxy in front may have kept either), the split is not known:
+    400 naming the field and the model, on /infer and on /jobs alike, and no job is made. Twice with one
+    value splits the body one way and is served."""
+    a, b = np.array([[1, 2, 3, 4]], np.float32), np.array([[4, 3, 2, 1]], np.float32)
+    head, body = binary_add_sub_request(a, b, pad=10)
+    n = re.search(rb"Inference-Header-Content-Length: (\d+)\r\n", head).group(1)
+    other = str(int(n) - 4).encode()
+    for route in (b"/v2/models/add_sub/infer", b"/v2/models/add_sub/jobs"):
+        for field in (b"Inference-Header-Content-Length:\r\n", b"Inference-Header-Content-Length:   \r\n",
+                      b"Inference-Header-Content-Length: " + other + b"\r\n"):
+            c = Conn(port)
+            c.send(head.replace(b"/v2/models/add_sub/infer", route).replace(b"Host: t\r\n", b"Host: t\r\n" + field) +
+                   body)
+            status, _, resp = c.response()
+            error = json.loads(resp).get("error", "")
+            assert status == 400 and "Inference-Header-Content-Length" in error and "add_sub" in error, \
+                (route, field, status, resp)
+            assert b"job_id" not in resp
+            c.close()
+        c = Conn(port)
+        c.send(head.replace(b"/v2/models/add_sub/infer", route).replace(
+            b"Host: t\r\n", b"Host: t\r\nInference-Header-Content-Length: " + n + b"\r\n") + body)
+        status, _, resp = c.response()
+        assert status == (200 if route.endswith(b"infer") else 202), (route, resp)
+        if route.endswith(b"infer"):
+            np.testing.assert_allclose(outputs(resp)["OUTPUT0"], (a + b).ravel())
+        c.close()

@@ -172,7 +172,10 @@ def test_grpc_and_concurrent_pages(server):
     wrong, errors = [], []
 
     def caller(i):
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}")
+        # Four callers' pages through a detector that reads one page at a time: the last one waits
+        # behind the others (seconds each under the sanitizers), past the client's default 60 s on
+        # a busy machine.
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}", network_timeout=300)
         names = sorted(pages)
         for k in range(3):
             name = names[(i + k) % len(names)]

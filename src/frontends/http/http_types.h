@@ -42,10 +42,15 @@ struct HttpRequest {
 
   // The value of header `name` (lower case), or "" when absent.
   std::string_view Header(std::string_view name) const {
+    const std::string* v = FindHeader(name);
+    return v ? std::string_view(*v) : std::string_view();
+  }
+  // The value of the first header `name` (lower case), or null when absent.
+  const std::string* FindHeader(std::string_view name) const {
     for (const auto& [k, v] : headers) {
-      if (k == name) return v;
+      if (k == name) return &v;
     }
-    return {};
+    return nullptr;
   }
 };
 

@@ -58,6 +58,24 @@ TargetPath SplitTargetPath(std::string_view target) {
   return parts;
 }
 
+Result<std::string_view> InferenceHeaderLength(const HttpRequest& req, const std::string& model) {
+  constexpr std::string_view kName = "inference-header-content-length";
+  const std::string* first = req.FindHeader(kName);
+  if (first == nullptr) return std::string_view();
+  if (first->empty()) {
+    return Err(InvalidArgument("model '" + model +
+                               "': Inference-Header-Content-Length has no value (expected the JSON header's "
+                               "length in bytes, or no such field when the whole body is JSON)"));
+  }
+  for (const auto& [k, v] : req.headers) {
+    if (k == kName && v != *first) {
+      return Err(InvalidArgument("model '" + model + "': Inference-Header-Content-Length sent twice, as '" +
+                                 first->substr(0, 32) + "' and '" + v.substr(0, 32) + "'"));
+    }
+  }
+  return std::string_view(*first);
+}
+
 Status ParseModelVersion(std::string_view segment, int64_t* version) {
   *version = -1;
   if (segment.empty()) return Status::Ok();

@@ -55,6 +55,12 @@ TargetPath SplitTargetPath(std::string_view target);
 // `s` with %XX sequences decoded (others kept as they are).
 std::string PercentDecode(std::string_view s);
 
+// The Inference-Header-Content-Length of a request to `model` as sent
+// (its JSON header's length; "" when absent: the whole body is JSON). The
+// field sent with no value, or twice with two values, leaves the body's
+// split unknown: INVALID_ARGUMENT naming the field and the model.
+Result<std::string_view> InferenceHeaderLength(const HttpRequest& req, const std::string& model);
+
 // A {version} path segment: "" = -1 (the model's latest), else a
 // non-negative integer; INVALID_ARGUMENT naming the segment otherwise.
 Status ParseModelVersion(std::string_view segment, int64_t* version);

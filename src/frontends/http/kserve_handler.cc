@@ -426,8 +426,9 @@ void KServeHandler::Infer(HttpRequest&& req, const RouteMatch& m, HttpDone done)
   int64_t version = -1;
   if (Status st = ParseModelVersion(m.param("version"), &version); !st.ok()) return done(Error(st));
   const std::string& model = m.param("model");
-  auto parsed =
-      ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
+  auto json_length = InferenceHeaderLength(req, model);
+  if (!json_length) return done(Error(json_length.error()));
+  auto parsed = ParseKServeInferBody(model, version, std::move(req.body), *json_length);
   if (!parsed) return done(Error(parsed.error()));
   parsed->request.cancel = std::move(req.cancel);
   // A lone client's batch may run on this I/O thread (the engine decides

@@ -185,8 +185,12 @@ void JobHandler::Submit(const std::string& model, int64_t version, HttpRequest&&
     rejected_.Increment();
     return done(ErrorResponse(s));
   }
-  auto parsed =
-      ParseKServeInferBody(model, version, std::move(req.body), req.Header("inference-header-content-length"));
+  auto json_length = InferenceHeaderLength(req, model);
+  if (!json_length) {
+    rejected_.Increment();
+    return done(ErrorResponse(json_length.error()));
+  }
+  auto parsed = ParseKServeInferBody(model, version, std::move(req.body), *json_length);
   if (!parsed) {
     rejected_.Increment();
     return done(ErrorResponse(parsed.error()));
@@ -243,7 +247,9 @@ void JobHandler::SubmitToStream(const std::string& model, int64_t version, HttpR
     done(ErrorResponse(st));
   };
   if (Status s = store_->CanAccept(); !s.ok()) return refuse(s);
-  const std::string header_length(req.Header("inference-header-content-length"));
+  auto json_length = InferenceHeaderLength(req, model);
+  if (!json_length) return refuse(json_length.error());
+  const std::string header_length(*json_length);
   // Shared: the request's inputs view it, and it is written to Redis.
   std::shared_ptr<const std::string> body = ShareBody(std::move(req.body));
   auto parsed = ParseKServeInferBody(model, version, body, header_length);
