@@ -3,7 +3,6 @@
 #include <strings.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "auth/api_keys.h"
 
@@ -131,13 +130,9 @@ struct Router::Compiled {
   bool Fits(const TargetPath& path) const {
     if (path.size() != segments.size()) return false;
     // From the last segment: patterns of one length mostly share their first segments
-    // ("/v2/models/{model}/...") and differ in their last. Lengths first: most literals differ there.
+    // ("/v2/models/{model}/...") and differ in their last.
     for (size_t i = segments.size(); i-- > 0;) {
-      const Segment& s = segments[i];
-      if (!s.param &&
-          (s.text.size() != path[i].size() || std::memcmp(s.text.data(), path[i].data(), s.text.size()) != 0)) {
-        return false;
-      }
+      if (!segments[i].param && segments[i].text != path[i]) return false;
     }
     return true;
   }
