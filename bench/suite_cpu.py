@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """CPU time of each test of a ctest build, each run alone: the commands ctest lists
-(`ctest -N --show-only=json-v1`), the Python files one by one and each GoogleTest program once,
+(`ctest -N --show-only=json-v1`), the Python files and the fuzz targets' corpus replays one by one
+and each GoogleTest program once,
 each under getrusage of its children (servers a test starts and waits for count; processes it
 leaves behind do not). Prints one line per test (wall s, CPU s, exit status) and the totals.
 
@@ -25,7 +26,7 @@ def main():
             continue
         props = {p["name"]: p["value"] for p in test.get("properties", [])}
         name = test["name"]
-        if not name.startswith("python_"):  # a GoogleTest case: its program, once
+        if not name.startswith(("python_", "fuzz_replay_")):  # a GoogleTest case: its program, once
             if command[0] in seen:
                 continue
             seen.add(command[0])
