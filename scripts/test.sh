@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite: a release build with warnings
-# as errors (gcc), then the same tests under AddressSanitizer + UndefinedBehaviorSanitizer
-# (clang), with every fuzz target fuzzing for a short time beside them (scripts/fuzz.sh in its
+# as errors (gcc) and its black-box tests, then those again and the GoogleTest programs under
+# AddressSanitizer + UndefinedBehaviorSanitizer (clang), with every fuzz target fuzzing for a short time beside them (scripts/fuzz.sh in its
 # CI mode, on the sanitizer build's objects: the project is compiled once per compiler).
 #   scripts/test.sh            # all three
 #   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
@@ -63,7 +63,11 @@ scripts/check_layers.sh
 scripts/check_functions.sh
 
 step "release build (warnings are errors)"
-cmake --preset ci >/dev/null
+# The GoogleTest programs compile and run in the sanitizer build, which runs them all (but the few
+# that only a build without the sanitizers can run): one compile of them instead of one per compiler.
+unit_tests=ON
+[ "${QUERN_TEST_ASAN:-1}" = 1 ] && unit_tests=OFF
+cmake --preset ci -DQUERN_BUILD_UNIT_TESTS=$unit_tests >/dev/null
 cmake --build --preset ci
 
 # The sanitizer build compiles while the release tests run, on CPU time they leave idle (a third of
