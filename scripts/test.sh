@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite: a release build with warnings
 # as errors (gcc) and its black-box tests, then those again and the GoogleTest programs under
-# AddressSanitizer + UndefinedBehaviorSanitizer (clang), with every fuzz target fuzzing for a short time beside them (scripts/fuzz.sh in its
-# CI mode, on the sanitizer build's objects: the project is compiled once per compiler).
+# AddressSanitizer + UndefinedBehaviorSanitizer (clang), with every fuzz target fuzzing for a
+# short time beside them (scripts/fuzz.sh in its CI mode, on the sanitizer build's objects: the
+# project is compiled once per compiler).
 #   scripts/test.sh            # all three
-#   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build
+#   QUERN_TEST_ASAN=0 ...      # skip the sanitizer build (the release build then runs the GoogleTest programs)
 #   QUERN_TEST_FUZZ=0 ...      # skip the fuzzing step (libFuzzer, every target briefly)
 #   QUERN_TEST_ASAN_ALL=1 ...  # the sanitizer build also runs the multi-host suite
 #                              # (python_scale_out: Redis, HAProxy and three servers in
