@@ -23,6 +23,7 @@ VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
 # onnxruntime-node's tarball of every platform; the same release, the same C API). The headers: Debian
 # trixie's libonnxruntime-dev 1.21.0: ONNX Runtime's C API is versioned, and a newer library serves
 # every older API version (the 1.21 C++ wrapper asks for API 21 at run time).
+UV_VERSION=0.13.10  # fills the venv (install_venv)
 ORT_VERSION=1.32.0
 ORT_WHL=onnxruntime-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
 ORT_WHL_SHA256=5a34fc4dfeb5a7b4a74c95dcba1e773d722abda720b474edf1b0c419dc6d163d
@@ -373,7 +374,18 @@ install_venv() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then log "Python venv present"; return 0; fi
   log "creating Python venv in $VENV"
   /usr/bin/python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req"
+  # uv (PyPI's uv, pinned) fills it from the same requirements: it downloads side by side and
+  # unpacks and byte-compiles on every core, where pip takes one package after another. Files are
+  # copied from uv's cache, not linked (nothing in the venv shares an inode with the cache). Where
+  # uv cannot run (no wheel for this machine, a TLS setup it does not take), pip does it as before.
+  if "$VENV/bin/pip" install -q --disable-pip-version-check "uv==$UV_VERSION" &&
+    "$VENV/bin/uv" pip install -q --native-tls --python "$VENV/bin/python" --link-mode copy \
+      --compile-bytecode -r "$req"; then
+    "$VENV/bin/pip" uninstall -q -y uv
+  else
+    log "uv could not fill the venv: pip does"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req"
+  fi
   echo "$want" > "$stamp"
   log "Python venv ready"
 }
