@@ -378,9 +378,13 @@ install_venv() {
   # unpacks and byte-compiles on every core, where pip takes one package after another. Files are
   # copied from uv's cache, not linked (nothing in the venv shares an inode with the cache). Where
   # uv cannot run (no wheel for this machine, a TLS setup it does not take), pip does it as before.
+  # pip's index settings, when the environment gives them, are uv's too (uv reads no pip.conf).
+  local index=()
+  [ -n "${PIP_INDEX_URL:-}" ] && index+=(--index-url "$PIP_INDEX_URL")
+  [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && index+=(--extra-index-url "$PIP_EXTRA_INDEX_URL")
   if "$VENV/bin/pip" install -q --disable-pip-version-check "uv==$UV_VERSION" &&
     "$VENV/bin/uv" pip install -q --native-tls --python "$VENV/bin/python" --link-mode copy \
-      --compile-bytecode -r "$req"; then
+      --compile-bytecode "${index[@]}" -r "$req"; then
     "$VENV/bin/pip" uninstall -q -y uv
   else
     log "uv could not fill the venv: pip does"
