@@ -18,12 +18,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TP="$ROOT/third_party"
 BUILD_DIR="${QUERN_BUILD_DIR:-$ROOT/build}"
 VENV="${QUERN_VENV:-$BUILD_DIR/venv}"
+UV_VERSION=0.13.10  # PyPI uv: fills the venv (install_venv)
 
 # The library: libonnxruntime.so from PyPI's onnxruntime wheel (23.6 MB, against 113.5 MB for npm
 # onnxruntime-node's tarball of every platform; the same release, the same C API). The headers: Debian
 # trixie's libonnxruntime-dev 1.21.0: ONNX Runtime's C API is versioned, and a newer library serves
 # every older API version (the 1.21 C++ wrapper asks for API 21 at run time).
-UV_VERSION=0.13.10  # fills the venv (install_venv)
 ORT_VERSION=1.32.0
 ORT_WHL=onnxruntime-$ORT_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl
 ORT_WHL_SHA256=5a34fc4dfeb5a7b4a74c95dcba1e773d722abda720b474edf1b0c419dc6d163d
