@@ -652,6 +652,20 @@ quantize_once() {
   if [ -f "$int8" ] && [ -f "$models/${name}_int8/agreement.json" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
+  # A twin this machine made before from the same inputs (the stamp's, and the requirements: the
+  # quantizer's ONNX Runtime) comes from the user's cache, as ccache serves a compile: a new clone
+  # does not calibrate again. Written whole or not at all (a folder renamed into place).
+  local cache="" base="${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}"
+  [ -n "$base" ] && cache="$base/quern/int8/$name-$( (echo "$want"
+    sha256sum "$ROOT/scripts/requirements.txt" | cut -d' ' -f1) | sha256sum | cut -d' ' -f1)"
+  if [ -n "$cache" ] && [ -f "$cache/model.onnx" ] && [ -f "$cache/agreement.json" ]; then
+    cp "$cache/agreement.json" "$models/${name}_int8/agreement.json"
+    cp "$cache/model.onnx" "$int8.tmp"
+    mv "$int8.tmp" "$int8"
+    echo "$want" > "$stamp"
+    log "examples/models/${name}_int8 as quantized before on this machine ($cache)"
+    return 0
+  fi
   local q got
   q=$(mktemp -d)
   log "quantizing examples/models/$name to INT8 (scripts/quantize.py)"
@@ -666,6 +680,11 @@ quantize_once() {
   cp "$q/${name}_int8/1/model.onnx" "$int8.tmp"
   mv "$int8.tmp" "$int8"
   echo "$want" > "$stamp"
+  # Into the cache (a machine whose home cannot take it only loses the cache).
+  if [ -n "$cache" ] && mkdir -p "$(dirname "$cache")" 2>/dev/null && rm -rf "$cache.tmp" &&
+    mkdir "$cache.tmp" && cp "$q/${name}_int8/agreement.json" "$q/${name}_int8/1/model.onnx" "$cache.tmp/"; then
+    rm -rf "$cache" && mv "$cache.tmp" "$cache" || true
+  fi
   rm -rf "$q"
 }
 
