@@ -371,6 +371,61 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
   release.set_value();
 }
 
+// A task queued while the only instance's batch is expected to end within
+// moments still hears of its deadline when that batch overruns (a model
+// that hangs): the worker it waited for never comes to look.
+TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) {
+  FakeClock clock;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> started{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<int, StatusCode>> dropped;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        ++started;
+        // The first batch takes 2 ms of the clock: the batches are expected
+        // to take that long. The second one hangs.
+        if (static_cast<const Item&>(*batch[0]).id == 0) {
+          clock.AdvanceNs(2'000'000);
+        } else {
+          released.wait();
+        }
+      },
+      [&](std::unique_ptr<BatchTask> task, const Status& st) {
+        std::lock_guard lock(mu);
+        dropped.emplace_back(static_cast<Item&>(*task).id, st.code());
+        cv.notify_all();
+      });
+  ASSERT_TRUE(b.has_value());
+  std::unique_ptr<BatchTask> measured = std::make_unique<Item>(0);
+  ASSERT_TRUE((*b)->Schedule(measured, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
+  std::unique_ptr<BatchTask> hangs = std::make_unique<Item>(1);
+  ASSERT_TRUE((*b)->Schedule(hangs, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 2; }));
+  // Queued at the moment the hanging batch began (the clock has not moved):
+  // it is expected to end 2 ms from now, 18 ms before this task's timeout.
+  std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(2);
+  ASSERT_TRUE((*b)->Schedule(waiting, {.timeout_ns = 20'000'000}).ok());
+  clock.AdvanceNs(50'000'000);
+  bool heard = false;
+  {
+    std::unique_lock lock(mu);
+    heard = cv.wait_for(lock, std::chrono::seconds(10), [&] { return !dropped.empty(); });
+  }
+  release.set_value();
+  ASSERT_TRUE(heard) << "the task waited for the hanging batch past its timeout";
+  std::lock_guard lock(mu);
+  EXPECT_EQ(dropped[0], (std::pair<int, StatusCode>{2, StatusCode::kDeadlineExceeded}));
+  EXPECT_EQ(started.load(), 2) << "the expired task never ran";
+}
+
 TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
   // Each batch "runs" by moving the fake clock by its cost: 50 us per item at
   // batch 2, more at every other size. The tuner measures those times.

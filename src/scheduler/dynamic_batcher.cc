@@ -207,6 +207,7 @@ void DynamicBatcher::TrackLoadLocked(int64_t now_ns) {
 void DynamicBatcher::BeginLocked(int worker, const BatchQueue::Decision& d, int64_t now_ns, bool shared) {
   TrackLoadLocked(now_ns);  // dropped tasks leave
   running_tasks_ += static_cast<int64_t>(d.batch.size());
+  ++begun_;
   if (shared) {  // beside the instance's own batch, which keeps its state
     ++shared_running_;
     ++shared_on_[static_cast<size_t>(worker)];
@@ -632,19 +633,19 @@ void DynamicBatcher::WorkerLoop(int worker) {
 }
 
 bool DynamicBatcher::ReaperNeedsWake(int64_t due_ns, int64_t now_ns) const {
-  if (reaper_wake_ns_ == 0) {  // asleep until told
-    // Not while a batch is expected to end within the reaper's poll period
-    // (and before the task's deadline): its worker takes the queue then,
-    // sooner than the reaper would look. A batch that overran its expected
-    // time no longer counts.
-    int64_t soonest = INT64_MAX;
-    for (const int64_t end : expected_end_ns_) {
-      if (end > 0) soonest = std::min(soonest, end);
-    }
-    const bool freed_soon = soonest > now_ns && soonest - now_ns <= int64_t{kReapPollMs} * 1'000'000;
-    return !freed_soon || (due_ns > 0 && due_ns <= soonest);
+  if (reaper_wake_ns_ < 0) return false;  // awake: it looks at the queue before it sleeps
+  if (reaper_wake_ns_ == 0) return true;  // asleep until told: nobody else would notice an overrun
+  // It must look by the task's deadline, and within kReapPollMs for a cancellation.
+  int64_t look_by = now_ns + int64_t{kReapPollMs} * 1'000'000;
+  if (due_ns > 0) look_by = std::min(look_by, due_ns);
+  if (reaper_wake_ns_ <= look_by) return false;
+  // Not while a batch is expected to end by then: its worker takes the
+  // queue sooner. One that overruns is caught at the reaper's own wake
+  // (kReapWatchMs at most). A batch past its expected end no longer counts.
+  for (const int64_t end : expected_end_ns_) {
+    if (end > now_ns && end <= look_by) return false;
   }
-  return due_ns > 0 && reaper_wake_ns_ > 0 && due_ns < reaper_wake_ns_;
+  return true;
 }
 
 void DynamicBatcher::ReaperLoop() {
@@ -652,8 +653,17 @@ void DynamicBatcher::ReaperLoop() {
   while (!stopping_) {
     // Idle workers sweep the queue themselves; the reaper covers the time when none is free.
     if (AnyTaker() || queue_.empty()) {
-      reaper_wake_ns_ = 0;
-      reaper_cv_.Wait(lock);
+      if (begun_ != reaper_saw_begun_) {
+        // Batches ran since it last looked: it keeps watch, for one that
+        // overruns while a task queued behind it did not wake it.
+        reaper_saw_begun_ = begun_;
+        const int64_t until = clock_->NowNs() + int64_t{kReapWatchMs} * 1'000'000;
+        reaper_wake_ns_ = until;
+        reaper_cv_.WaitUntil(lock, *clock_, until);
+      } else {
+        reaper_wake_ns_ = 0;
+        reaper_cv_.Wait(lock);
+      }
       reaper_wake_ns_ = -1;
       continue;
     }

@@ -11,10 +11,14 @@
 // tasks through the DropHandler. While every worker is busy, a reaper thread
 // drops tasks that pass their deadline or are cancelled, so their callers
 // hear at once rather than when an instance frees up (cancellation is
-// noticed within kReapPollMs). It is not woken while a batch is expected to
-// end within kReapPollMs (its worker looks at the queue sooner): a request
-// that arrives while a lone caller's previous one finishes costs no
-// wake-up of it.
+// noticed within kReapPollMs). While batches run it keeps watch, waking
+// every kReapWatchMs, and a task queued then does not wake it while a batch
+// is expected to end before the reaper would have to look (its worker looks
+// at the queue sooner): a request that arrives while a lone caller's
+// previous one finishes costs no wake-up. A batch that overruns its expected
+// time (a model that hangs) is caught at the next watch, so such a task
+// hears of its deadline or cancellation at most kReapWatchMs late. Asleep
+// without a watch (nothing ran since it last looked), it is always woken.
 //
 // A wide worker (options.wide_worker): the last worker runs its batches on
 // every core, alone. While the load is light (on average fewer than
@@ -220,6 +224,8 @@ class DynamicBatcher {
 
   // How often the reaper looks for cancelled tasks while every worker is busy.
   static constexpr int kReapPollMs = 5;
+  // How often it looks while batches run (see above).
+  static constexpr int kReapWatchMs = 20;
   // The wide worker takes batches while the average number of requests in
   // the model, seen by arriving requests, stays under this.
   static constexpr double kWideBelow = 1.5;
@@ -404,6 +410,10 @@ class DynamicBatcher {
   // running. Schedule notifies it only when a new task could need it sooner,
   // so a saturated model does not wake it once per request.
   int64_t reaper_wake_ns_ QUERN_GUARDED_BY(mu_) = -1;
+  // Batches begun (BeginLocked), and how many had begun when the reaper
+  // last looked: it keeps watch while the count moves.
+  int64_t begun_ QUERN_GUARDED_BY(mu_) = 0;
+  int64_t reaper_saw_begun_ QUERN_GUARDED_BY(mu_) = 0;
   CondVar reaper_cv_;
   // Lending loops that list this model, until when the workers leave its
   // queue to them (kLendGraceNs after one last looked at it; 0 = work from
