@@ -658,15 +658,20 @@ quantize_once() {
   local cache="" base="${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}"
   [ -n "$base" ] && cache="$base/quern/int8/$name-$( (echo "$want"
     sha256sum "$ROOT/scripts/requirements.txt" | cut -d' ' -f1) | sha256sum | cut -d' ' -f1)"
+  # Checked against the SHA-256 written beside it: a damaged copy (or one without it) is made again.
   if [ -n "$cache" ] && [ -f "$cache/model.onnx" ] && [ -f "$cache/agreement.json" ]; then
-    cp "$cache/agreement.json" "$models/${name}_int8/agreement.json"
     cp "$cache/model.onnx" "$int8.tmp"
-    mv "$int8.tmp" "$int8"
-    echo "$want" > "$stamp"
-    log "examples/models/${name}_int8 as quantized before on this machine ($cache)"
-    [ "$(sha256sum "$int8" | cut -d' ' -f1)" = "$sha" ] ||
-      log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md"
-    return 0
+    if [ "$(sha256sum "$int8.tmp" | cut -d' ' -f1)" = "$(cat "$cache/model.onnx.sha256" 2>/dev/null)" ]; then
+      cp "$cache/agreement.json" "$models/${name}_int8/agreement.json"
+      mv "$int8.tmp" "$int8"
+      echo "$want" > "$stamp"
+      log "examples/models/${name}_int8 as quantized before on this machine ($cache)"
+      [ "$(sha256sum "$int8" | cut -d' ' -f1)" = "$sha" ] ||
+        log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md"
+      return 0
+    fi
+    rm -f "$int8.tmp"
+    log "the INT8 twin cached in $cache does not match its SHA-256: quantizing again"
   fi
   local q got
   q=$(mktemp -d)
@@ -684,7 +689,8 @@ quantize_once() {
   echo "$want" > "$stamp"
   # Into the cache (a machine whose home cannot take it only loses the cache).
   if [ -n "$cache" ] && mkdir -p "$(dirname "$cache")" 2>/dev/null && rm -rf "$cache.tmp" &&
-    mkdir "$cache.tmp" && cp "$q/${name}_int8/agreement.json" "$q/${name}_int8/1/model.onnx" "$cache.tmp/"; then
+    mkdir "$cache.tmp" && cp "$q/${name}_int8/agreement.json" "$q/${name}_int8/1/model.onnx" "$cache.tmp/" &&
+    echo "$got" > "$cache.tmp/model.onnx.sha256"; then
     rm -rf "$cache" && mv "$cache.tmp" "$cache" || true
   fi
   rm -rf "$q"
