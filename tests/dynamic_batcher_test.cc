@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -53,6 +54,41 @@ struct Recorder {
     items += static_cast<int>(ids.size());
     cv.notify_all();
   }
+};
+
+// A batcher's DropHandler that keeps each dropped task's id and status.
+struct Drops {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<int, StatusCode>> list;
+
+  DynamicBatcher::DropHandler Handler() {
+    return [this](std::unique_ptr<BatchTask> task, const Status& st) {
+      std::lock_guard lock(mu);
+      list.emplace_back(static_cast<const Item&>(*task).id, st.code());
+      cv.notify_all();
+    };
+  }
+  // The first task dropped, once one is (waiting up to 10 s); nullopt if none was.
+  std::optional<std::pair<int, StatusCode>> First() {
+    std::unique_lock lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return !list.empty(); })) return std::nullopt;
+    return list[0];
+  }
+};
+
+// Opens a gate (a promise the test's batches wait on) when the test ends,
+// whichever way: a failed assertion must not leave a worker waiting on it
+// while the batcher's destructor waits for the worker. Declare it after the
+// batcher, so that it is destroyed first.
+struct OpenAtExit {
+  std::promise<void>& gate;
+  bool opened = false;
+  void Open() {
+    if (!opened) gate.set_value();
+    opened = true;
+  }
+  ~OpenAtExit() { Open(); }
 };
 
 // A batcher whose batches `rec` records (no task is expected to be dropped).
@@ -338,9 +374,7 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<int> started{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::pair<int, StatusCode>> dropped;
+  Drops drops;
   DynamicBatcherOptions o;
   o.queue.max_batch_size = 1;
   o.clock = &clock;
@@ -350,25 +384,20 @@ TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
         ++started;
         released.wait();  // the only instance stays busy
       },
-      [&](std::unique_ptr<BatchTask> task, const Status& st) {
-        std::lock_guard lock(mu);
-        dropped.emplace_back(static_cast<Item&>(*task).id, st.code());
-        cv.notify_all();
-      });
+      drops.Handler());
   ASSERT_TRUE(b.has_value());
+  OpenAtExit opener{release};
   std::unique_ptr<BatchTask> busy = std::make_unique<Item>(0);
   ASSERT_TRUE((*b)->Schedule(busy, {}).ok());
   ASSERT_TRUE(quern::testing::Eventually([&] { return !(started.load() == 0); }));
   std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(1);
   ASSERT_TRUE((*b)->Schedule(waiting, {.deadline_ns = clock.NowNs() + 1'000'000}).ok());
   clock.AdvanceUs(1000);
-  {
-    std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return !dropped.empty(); });
-    EXPECT_EQ(dropped[0], (std::pair<int, StatusCode>{1, StatusCode::kDeadlineExceeded}));
-  }
+  const auto first = drops.First();
+  opener.Open();
+  ASSERT_TRUE(first.has_value()) << "the task waited for the busy instance past its deadline";
+  EXPECT_EQ(*first, (std::pair<int, StatusCode>{1, StatusCode::kDeadlineExceeded}));
   EXPECT_EQ(started.load(), 1) << "the expired task never ran";
-  release.set_value();
 }
 
 // A task queued while the only instance's batch is expected to end within
@@ -379,9 +408,7 @@ TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) 
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<int> started{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::pair<int, StatusCode>> dropped;
+  Drops drops;
   DynamicBatcherOptions o;
   o.queue.max_batch_size = 8;
   o.clock = &clock;
@@ -397,12 +424,9 @@ TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) 
           released.wait();
         }
       },
-      [&](std::unique_ptr<BatchTask> task, const Status& st) {
-        std::lock_guard lock(mu);
-        dropped.emplace_back(static_cast<Item&>(*task).id, st.code());
-        cv.notify_all();
-      });
+      drops.Handler());
   ASSERT_TRUE(b.has_value());
+  OpenAtExit opener{release};
   std::unique_ptr<BatchTask> measured = std::make_unique<Item>(0);
   ASSERT_TRUE((*b)->Schedule(measured, {}).ok());
   ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
@@ -414,16 +438,81 @@ TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) 
   std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(2);
   ASSERT_TRUE((*b)->Schedule(waiting, {.timeout_ns = 20'000'000}).ok());
   clock.AdvanceNs(50'000'000);
-  bool heard = false;
-  {
-    std::unique_lock lock(mu);
-    heard = cv.wait_for(lock, std::chrono::seconds(10), [&] { return !dropped.empty(); });
-  }
-  release.set_value();
-  ASSERT_TRUE(heard) << "the task waited for the hanging batch past its timeout";
-  std::lock_guard lock(mu);
-  EXPECT_EQ(dropped[0], (std::pair<int, StatusCode>{2, StatusCode::kDeadlineExceeded}));
+  const auto first = drops.First();
+  opener.Open();
+  ASSERT_TRUE(first.has_value()) << "the task waited for the hanging batch past its timeout";
+  EXPECT_EQ(*first, (std::pair<int, StatusCode>{2, StatusCode::kDeadlineExceeded}));
   EXPECT_EQ(started.load(), 2) << "the expired task never ran";
+}
+
+// While batches keep beginning, the reaper keeps watch (a timed sleep), and
+// a task queued behind a batch expected to end before the task's deadline
+// does not wake it. When that batch overruns, the watch's end catches the
+// task.
+TEST(DynamicBatcher, AWatchingReaperCatchesATaskWhoseBatchOverran) {
+  FakeClock clock;
+  std::promise<void> first_gate;
+  std::promise<void> last_gate;
+  std::shared_future<void> first_open = first_gate.get_future().share();
+  std::shared_future<void> last_open = last_gate.get_future().share();
+  std::atomic<int> started{0};
+  Drops drops;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 8;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        ++started;
+        switch (static_cast<const Item&>(*batch[0]).id) {
+          case 0: clock.AdvanceNs(2'000'000); break;  // batches are expected to take 2 ms
+          case 1: first_open.wait(); break;
+          case 3: last_open.wait(); break;  // overruns
+          default: break;
+        }
+      },
+      drops.Handler());
+  ASSERT_TRUE(b.has_value());
+  OpenAtExit first_opener{first_gate};
+  OpenAtExit last_opener{last_gate};
+  auto schedule = [&](int id, ScheduleOptions so) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    return (*b)->Schedule(t, so);
+  };
+  ASSERT_TRUE(schedule(0, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
+  // 2 waits behind 1: the reaper looks after it until 1 ends and 2 runs.
+  ASSERT_TRUE(schedule(1, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 2; }));
+  ASSERT_TRUE(schedule(2, {}).ok());
+  first_opener.Open();
+  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 3 && (*b)->queued() == 0; }));
+  // Its next look finds the queue empty after batches began: it keeps watch
+  // (a timed sleep longer than a poll). Its polls are let come meanwhile.
+  constexpr int64_t kPollNs = int64_t{DynamicBatcher::kReapPollMs} * 1'000'000;
+  int64_t watch_until = 0;
+  ASSERT_TRUE(quern::testing::Eventually([&] {
+    const int64_t at = (*b)->reaper_wake_at_ns();
+    const int64_t now = clock.NowNs();
+    if (at > now + kPollNs) {
+      watch_until = at;
+      return true;
+    }
+    if (at > 0) clock.AdvanceNs(std::max<int64_t>(at - now, 0));
+    return false;
+  })) << "the reaper does not keep watch: its next look is at "
+      << (*b)->reaper_wake_at_ns();
+  // 3 takes the instance and hangs; 4, due 3 ms from now, is queued while 3
+  // is expected to end in 2 ms: the reaper is left to its watch.
+  ASSERT_TRUE(schedule(3, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 4; }));
+  ASSERT_TRUE(schedule(4, {.timeout_ns = 3'000'000}).ok());
+  clock.AdvanceNs(watch_until - clock.NowNs() + 1'000'000);
+  const auto dropped = drops.First();
+  last_opener.Open();
+  ASSERT_TRUE(dropped.has_value()) << "the task waited for the overrunning batch past its timeout";
+  EXPECT_EQ(*dropped, (std::pair<int, StatusCode>{4, StatusCode::kDeadlineExceeded}));
+  EXPECT_EQ(started.load(), 4) << "the expired task never ran";
 }
 
 TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
@@ -1818,6 +1907,63 @@ TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
   b->Shutdown();
   ASSERT_TRUE(timed_out) << "the task waited for the busy instance past its timeout";
   EXPECT_EQ(dropped[0], std::make_pair(1, StatusCode::kDeadlineExceeded));
+}
+
+// Tasks a loop's batch leaves queued (more than one batch holds) still
+// hear of their deadlines when that batch hangs on the loop's thread: the
+// reaper is told, as when a worker's batch leaves some behind.
+TEST(LoopLender, WhatALentBatchLeavesQueuedTimesOutWhenTheBatchHangs) {
+  FakeClock clock;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> started{0};
+  Drops drops;
+  DynamicBatcherOptions o;
+  o.queue.max_batch_size = 2;
+  o.clock = &clock;
+  auto b = DynamicBatcher::Create(
+      o,
+      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+        ++started;
+        if (static_cast<const Item&>(*batch[0]).id == 0) {
+          clock.AdvanceNs(100'000);  // measured: 0.1 ms an item, short enough to lend
+        } else {
+          released.wait();  // the loop's batch hangs
+        }
+      },
+      drops.Handler());
+  ASSERT_TRUE(b.has_value());
+  OpenAtExit opener{release};
+  std::unique_ptr<BatchTask> measured = std::make_unique<Item>(0);
+  ASSERT_TRUE((*b)->Schedule(measured, {}).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
+  // The loop's thread: queues three tasks with timeouts (no worker is woken
+  // for them), then runs the batch of the first two, which hangs.
+  std::atomic<bool> queued{false};
+  std::thread loop([&] {
+    LoopLender lender;
+    for (int id = 1; id <= 3; ++id) {
+      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+      ScheduleOptions so;
+      so.timeout_ns = 20'000'000;
+      so.loop_may_run = true;
+      so.loop = LoopLender::Lending(&lender);
+      EXPECT_TRUE((*b)->Schedule(t, so).ok());
+    }
+    queued = true;
+    int64_t wait_ns = 0;
+    lender.RunDue(&wait_ns);
+  });
+  const bool hung = quern::testing::Eventually([&] { return started.load() == 2; });
+  clock.AdvanceNs(50'000'000);
+  const auto first = drops.First();
+  opener.Open();
+  loop.join();
+  ASSERT_TRUE(queued.load());
+  ASSERT_TRUE(hung) << "the loop did not run the first two";
+  ASSERT_TRUE(first.has_value()) << "the task left queued waited for the hanging batch past its timeout";
+  EXPECT_EQ(*first, (std::pair<int, StatusCode>{3, StatusCode::kDeadlineExceeded}));
+  EXPECT_EQ((*b)->lent_batches(), 1);
 }
 
 // A task the loop may not run (a large input; another thread's) that is

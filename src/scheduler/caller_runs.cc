@@ -53,6 +53,8 @@ DynamicBatcher::LendOutcome DynamicBatcher::LendRun(LendSlot& slot) {
   b->BeginLocked(claimed, d, now, /*shared=*/false);
   ++b->callers_running_;
   if (!d.batch.empty()) ++b->lent_batches_;
+  // What the batch leaves queued waits on the reaper while no worker may take it (as a worker's does).
+  if (!b->queue_.empty() && !b->AnyTaker() && b->ReaperNeedsWake(0, now)) b->reaper_cv_.Signal();
   lock.Unlock();
   slot_lock.Unlock();
   for (auto& dropped : d.dropped) b->on_drop_(std::move(dropped.task), dropped.status);

@@ -542,6 +542,11 @@ int64_t DynamicBatcher::caller_batches() const {
   return caller_batches_;
 }
 
+int64_t DynamicBatcher::reaper_wake_at_ns() const {
+  MutexLock lock(mu_);
+  return reaper_wake_ns_;
+}
+
 int64_t DynamicBatcher::shared_batches() const {
   MutexLock lock(mu_);
   return shared_batches_;

@@ -10,15 +10,16 @@
 // BatchProcessor callback (run on the worker that took the batch) and dead
 // tasks through the DropHandler. While every worker is busy, a reaper thread
 // drops tasks that pass their deadline or are cancelled, so their callers
-// hear at once rather than when an instance frees up (cancellation is
-// noticed within kReapPollMs). While batches run it keeps watch, waking
-// every kReapWatchMs, and a task queued then does not wake it while a batch
-// is expected to end before the reaper would have to look (its worker looks
-// at the queue sooner): a request that arrives while a lone caller's
-// previous one finishes costs no wake-up. A batch that overruns its expected
-// time (a model that hangs) is caught at the next watch, so such a task
-// hears of its deadline or cancellation at most kReapWatchMs late. Asleep
-// without a watch (nothing ran since it last looked), it is always woken.
+// hear at once rather than when an instance frees up (it looks every
+// kReapPollMs while tasks wait). A reaper asleep without a time limit is
+// woken by any task left queued with no worker free. Once woken, it keeps
+// watch for as long as batches keep beginning, waking every kReapWatchMs;
+// while it watches, a task queued behind a batch expected to end before the
+// reaper would have to look does not wake it (the worker looks at the queue
+// sooner): a request that arrives while a lone caller's previous one
+// finishes costs no wake-up. If that batch overruns (a model that hangs),
+// the watch catches it: such a task hears of its deadline or cancellation
+// at most kReapWatchMs late.
 //
 // A wide worker (options.wide_worker): the last worker runs its batches on
 // every core, alone. While the load is light (on average fewer than
@@ -251,6 +252,9 @@ class DynamicBatcher {
   int64_t wide_batches() const;
   // Batches callers ran beside busy instances (shared runs) so far.
   int64_t shared_batches() const;
+  // When the reaper next looks at the queue by itself (a NowNs time; 0 =
+  // only when told, -1 = it is looking now).
+  int64_t reaper_wake_at_ns() const;
   // Batches callers ran on their own threads on an idle instance so far
   // (ScheduleOptions::run_here: a front end's thread lent for a short batch,
   // Engine::Run's blocking caller).
@@ -406,12 +410,14 @@ class DynamicBatcher {
   double light_ns_per_item_ QUERN_GUARDED_BY(mu_) = 0;
   int light_samples_ QUERN_GUARDED_BY(mu_) = 0;
   bool wide_off_ QUERN_GUARDED_BY(mu_) = false;
-  // When the reaper wakes by itself: 0 = only when notified, -1 = it is
-  // running. Schedule notifies it only when a new task could need it sooner,
-  // so a saturated model does not wake it once per request.
+  // When the reaper wakes by itself: 0 = only when notified (it is, for
+  // any task left queued with no worker free), -1 = it is running. Else the
+  // threads that queue or begin batches notify it only when a task could
+  // need it sooner, so a saturated model does not wake it once per request.
   int64_t reaper_wake_ns_ QUERN_GUARDED_BY(mu_) = -1;
   // Batches begun (BeginLocked), and how many had begun when the reaper
-  // last looked: it keeps watch while the count moves.
+  // last went to sleep with nothing to do: it keeps watch while the count
+  // moves.
   int64_t begun_ QUERN_GUARDED_BY(mu_) = 0;
   int64_t reaper_saw_begun_ QUERN_GUARDED_BY(mu_) = 0;
   CondVar reaper_cv_;
