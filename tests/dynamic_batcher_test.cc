@@ -77,18 +77,57 @@ struct Drops {
   }
 };
 
-// Opens a gate (a promise the test's batches wait on) when the test ends,
-// whichever way: a failed assertion must not leave a worker waiting on it
-// while the batcher's destructor waits for the worker. Declare it after the
-// batcher, so that it is destroyed first.
-struct OpenAtExit {
-  std::promise<void>& gate;
-  bool opened = false;
-  void Open() {
-    if (!opened) gate.set_value();
-    opened = true;
+// A batcher on a FakeClock for tests of what happens to queued tasks while
+// batches hang. A batch whose first task is 0 takes `measured_ns` of the
+// clock (so that batches are expected to take that long); one whose first
+// task is among `hanging` waits until the test opens that task's gate; any
+// other ends at once. Every gate opens when the model goes, before its
+// batcher (a failed assertion must not leave the batcher's destructor
+// waiting for a worker that waits on a gate).
+struct HangingModel {
+  FakeClock clock;
+  std::atomic<int> started{0};
+  Drops drops;
+  std::unique_ptr<DynamicBatcher> batcher;
+
+  HangingModel(int64_t max_batch_size, int64_t measured_ns, const std::vector<int>& hanging) {
+    std::map<int, std::shared_future<void>> waits;
+    for (int id : hanging) waits[id] = gates_[id].get_future().share();
+    DynamicBatcherOptions o;
+    o.queue.max_batch_size = max_batch_size;
+    o.clock = &clock;
+    batcher = std::move(*DynamicBatcher::Create(
+        o,
+        [this, measured_ns, waits](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
+          ++started;
+          const int id = static_cast<const Item&>(*batch[0]).id;
+          if (id == 0) clock.AdvanceNs(measured_ns);
+          if (auto it = waits.find(id); it != waits.end()) it->second.wait();
+        },
+        drops.Handler()));
   }
-  ~OpenAtExit() { Open(); }
+  ~HangingModel() {
+    for (auto& [id, gate] : gates_) Open(id);
+    batcher.reset();
+  }
+  void Open(int id) {
+    if (opened_.insert(id).second) gates_.at(id).set_value();
+  }
+  Status Schedule(int id, ScheduleOptions so = {}) {
+    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
+    return batcher->Schedule(t, so);
+  }
+  // Runs task 0 and waits until its time per item is measured, once the
+  // reaper sleeps with nothing to watch (nothing has run yet): the tests
+  // start from that state, whenever its thread started.
+  bool Measure() {
+    return quern::testing::Eventually([&] { return batcher->reaper_wake_at_ns() == 0; }) && Schedule(0).ok() &&
+           quern::testing::Eventually([&] { return batcher->ns_per_item() > 0; });
+  }
+
+ private:
+  std::map<int, std::promise<void>> gates_;
+  std::set<int> opened_;
 };
 
 // A batcher whose batches `rec` records (no task is expected to be dropped).
@@ -370,79 +409,34 @@ TEST(DynamicBatcher, AFreeInstanceTakesTheNextBatchWhileAnotherIsBusy) {
 }
 
 TEST(DynamicBatcher, ExpiredTasksAreDroppedWhileEveryInstanceIsBusy) {
-  FakeClock clock;
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<int> started{0};
-  Drops drops;
-  DynamicBatcherOptions o;
-  o.queue.max_batch_size = 1;
-  o.clock = &clock;
-  auto b = DynamicBatcher::Create(
-      o,
-      [&](int, std::vector<std::unique_ptr<BatchTask>>&&) {
-        ++started;
-        released.wait();  // the only instance stays busy
-      },
-      drops.Handler());
-  ASSERT_TRUE(b.has_value());
-  OpenAtExit opener{release};
-  std::unique_ptr<BatchTask> busy = std::make_unique<Item>(0);
-  ASSERT_TRUE((*b)->Schedule(busy, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return !(started.load() == 0); }));
-  std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(1);
-  ASSERT_TRUE((*b)->Schedule(waiting, {.deadline_ns = clock.NowNs() + 1'000'000}).ok());
-  clock.AdvanceUs(1000);
-  const auto first = drops.First();
-  opener.Open();
+  HangingModel m(/*max_batch_size=*/1, /*measured_ns=*/0, /*hanging=*/{0});  // the only instance stays busy
+  ASSERT_TRUE(m.Schedule(0).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return m.started.load() == 1; }));
+  ASSERT_TRUE(m.Schedule(1, {.deadline_ns = m.clock.NowNs() + 1'000'000}).ok());
+  m.clock.AdvanceUs(1000);
+  const auto first = m.drops.First();
   ASSERT_TRUE(first.has_value()) << "the task waited for the busy instance past its deadline";
   EXPECT_EQ(*first, (std::pair<int, StatusCode>{1, StatusCode::kDeadlineExceeded}));
-  EXPECT_EQ(started.load(), 1) << "the expired task never ran";
+  EXPECT_EQ(m.started.load(), 1) << "the expired task never ran";
 }
 
 // A task queued while the only instance's batch is expected to end within
 // moments still hears of its deadline when that batch overruns (a model
 // that hangs): the worker it waited for never comes to look.
 TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) {
-  FakeClock clock;
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<int> started{0};
-  Drops drops;
-  DynamicBatcherOptions o;
-  o.queue.max_batch_size = 8;
-  o.clock = &clock;
-  auto b = DynamicBatcher::Create(
-      o,
-      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-        ++started;
-        // The first batch takes 2 ms of the clock: the batches are expected
-        // to take that long. The second one hangs.
-        if (static_cast<const Item&>(*batch[0]).id == 0) {
-          clock.AdvanceNs(2'000'000);
-        } else {
-          released.wait();
-        }
-      },
-      drops.Handler());
-  ASSERT_TRUE(b.has_value());
-  OpenAtExit opener{release};
-  std::unique_ptr<BatchTask> measured = std::make_unique<Item>(0);
-  ASSERT_TRUE((*b)->Schedule(measured, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
-  std::unique_ptr<BatchTask> hangs = std::make_unique<Item>(1);
-  ASSERT_TRUE((*b)->Schedule(hangs, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 2; }));
+  // Batches are expected to take 2 ms; the one of task 1 hangs.
+  HangingModel m(/*max_batch_size=*/8, /*measured_ns=*/2'000'000, /*hanging=*/{1});
+  ASSERT_TRUE(m.Measure());
+  ASSERT_TRUE(m.Schedule(1).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return m.started.load() == 2; }));
   // Queued at the moment the hanging batch began (the clock has not moved):
   // it is expected to end 2 ms from now, 18 ms before this task's timeout.
-  std::unique_ptr<BatchTask> waiting = std::make_unique<Item>(2);
-  ASSERT_TRUE((*b)->Schedule(waiting, {.timeout_ns = 20'000'000}).ok());
-  clock.AdvanceNs(50'000'000);
-  const auto first = drops.First();
-  opener.Open();
+  ASSERT_TRUE(m.Schedule(2, {.timeout_ns = 20'000'000}).ok());
+  m.clock.AdvanceNs(50'000'000);
+  const auto first = m.drops.First();
   ASSERT_TRUE(first.has_value()) << "the task waited for the hanging batch past its timeout";
   EXPECT_EQ(*first, (std::pair<int, StatusCode>{2, StatusCode::kDeadlineExceeded}));
-  EXPECT_EQ(started.load(), 2) << "the expired task never ran";
+  EXPECT_EQ(m.started.load(), 2) << "the expired task never ran";
 }
 
 // While batches keep beginning, the reaper keeps watch (a timed sleep), and
@@ -450,69 +444,40 @@ TEST(DynamicBatcher, ATaskQueuedAsABatchIsDueToEndTimesOutWhenTheBatchOverruns) 
 // does not wake it. When that batch overruns, the watch's end catches the
 // task.
 TEST(DynamicBatcher, AWatchingReaperCatchesATaskWhoseBatchOverran) {
-  FakeClock clock;
-  std::promise<void> first_gate;
-  std::promise<void> last_gate;
-  std::shared_future<void> first_open = first_gate.get_future().share();
-  std::shared_future<void> last_open = last_gate.get_future().share();
-  std::atomic<int> started{0};
-  Drops drops;
-  DynamicBatcherOptions o;
-  o.queue.max_batch_size = 8;
-  o.clock = &clock;
-  auto b = DynamicBatcher::Create(
-      o,
-      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-        ++started;
-        switch (static_cast<const Item&>(*batch[0]).id) {
-          case 0: clock.AdvanceNs(2'000'000); break;  // batches are expected to take 2 ms
-          case 1: first_open.wait(); break;
-          case 3: last_open.wait(); break;  // overruns
-          default: break;
-        }
-      },
-      drops.Handler());
-  ASSERT_TRUE(b.has_value());
-  OpenAtExit first_opener{first_gate};
-  OpenAtExit last_opener{last_gate};
-  auto schedule = [&](int id, ScheduleOptions so) {
-    std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
-    return (*b)->Schedule(t, so);
-  };
-  ASSERT_TRUE(schedule(0, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
+  // Batches are expected to take 2 ms; those of tasks 1 and 3 hang.
+  HangingModel m(/*max_batch_size=*/8, /*measured_ns=*/2'000'000, /*hanging=*/{1, 3});
+  ASSERT_TRUE(m.Measure());
   // 2 waits behind 1: the reaper looks after it until 1 ends and 2 runs.
-  ASSERT_TRUE(schedule(1, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 2; }));
-  ASSERT_TRUE(schedule(2, {}).ok());
-  first_opener.Open();
-  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 3 && (*b)->queued() == 0; }));
+  ASSERT_TRUE(m.Schedule(1).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return m.started.load() == 2; }));
+  ASSERT_TRUE(m.Schedule(2).ok());
+  m.Open(1);
+  ASSERT_TRUE(quern::testing::Eventually([&] { return m.started.load() == 3 && m.batcher->queued() == 0; }));
   // Its next look finds the queue empty after batches began: it keeps watch
   // (a timed sleep longer than a poll). Its polls are let come meanwhile.
   constexpr int64_t kPollNs = int64_t{DynamicBatcher::kReapPollMs} * 1'000'000;
   int64_t watch_until = 0;
   ASSERT_TRUE(quern::testing::Eventually([&] {
-    const int64_t at = (*b)->reaper_wake_at_ns();
-    const int64_t now = clock.NowNs();
+    const int64_t at = m.batcher->reaper_wake_at_ns();
+    const int64_t now = m.clock.NowNs();
     if (at > now + kPollNs) {
       watch_until = at;
       return true;
     }
-    if (at > 0) clock.AdvanceNs(std::max<int64_t>(at - now, 0));
+    if (at > 0) m.clock.AdvanceNs(std::max<int64_t>(at - now, 0));
     return false;
   })) << "the reaper does not keep watch: its next look is at "
-      << (*b)->reaper_wake_at_ns();
+      << m.batcher->reaper_wake_at_ns();
   // 3 takes the instance and hangs; 4, due 3 ms from now, is queued while 3
   // is expected to end in 2 ms: the reaper is left to its watch.
-  ASSERT_TRUE(schedule(3, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return started.load() == 4; }));
-  ASSERT_TRUE(schedule(4, {.timeout_ns = 3'000'000}).ok());
-  clock.AdvanceNs(watch_until - clock.NowNs() + 1'000'000);
-  const auto dropped = drops.First();
-  last_opener.Open();
-  ASSERT_TRUE(dropped.has_value()) << "the task waited for the overrunning batch past its timeout";
-  EXPECT_EQ(*dropped, (std::pair<int, StatusCode>{4, StatusCode::kDeadlineExceeded}));
-  EXPECT_EQ(started.load(), 4) << "the expired task never ran";
+  ASSERT_TRUE(m.Schedule(3).ok());
+  ASSERT_TRUE(quern::testing::Eventually([&] { return m.started.load() == 4; }));
+  ASSERT_TRUE(m.Schedule(4, {.timeout_ns = 3'000'000}).ok());
+  m.clock.AdvanceNs(watch_until - m.clock.NowNs() + 1'000'000);
+  const auto first = m.drops.First();
+  ASSERT_TRUE(first.has_value()) << "the task waited for the overrunning batch past its timeout";
+  EXPECT_EQ(*first, (std::pair<int, StatusCode>{4, StatusCode::kDeadlineExceeded}));
+  EXPECT_EQ(m.started.load(), 4) << "the expired task never ran";
 }
 
 TEST(DynamicBatcher, TunerLowersTheBatchLimitToTheFastestSize) {
@@ -1913,57 +1878,35 @@ TEST(LoopLender, ALentTaskStillTimesOutWhileTheInstanceIsBusy) {
 // hear of their deadlines when that batch hangs on the loop's thread: the
 // reaper is told, as when a worker's batch leaves some behind.
 TEST(LoopLender, WhatALentBatchLeavesQueuedTimesOutWhenTheBatchHangs) {
-  FakeClock clock;
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<int> started{0};
-  Drops drops;
-  DynamicBatcherOptions o;
-  o.queue.max_batch_size = 2;
-  o.clock = &clock;
-  auto b = DynamicBatcher::Create(
-      o,
-      [&](int, std::vector<std::unique_ptr<BatchTask>>&& batch) {
-        ++started;
-        if (static_cast<const Item&>(*batch[0]).id == 0) {
-          clock.AdvanceNs(100'000);  // measured: 0.1 ms an item, short enough to lend
-        } else {
-          released.wait();  // the loop's batch hangs
-        }
-      },
-      drops.Handler());
-  ASSERT_TRUE(b.has_value());
-  OpenAtExit opener{release};
-  std::unique_ptr<BatchTask> measured = std::make_unique<Item>(0);
-  ASSERT_TRUE((*b)->Schedule(measured, {}).ok());
-  ASSERT_TRUE(quern::testing::Eventually([&] { return (*b)->ns_per_item() > 0; }));
+  // 0.1 ms an item (short enough to lend); the batch of tasks 1 and 2 hangs.
+  HangingModel m(/*max_batch_size=*/2, /*measured_ns=*/100'000, /*hanging=*/{1});
+  ASSERT_TRUE(m.Measure());
   // The loop's thread: queues three tasks with timeouts (no worker is woken
   // for them), then runs the batch of the first two, which hangs.
   std::atomic<bool> queued{false};
   std::thread loop([&] {
     LoopLender lender;
     for (int id = 1; id <= 3; ++id) {
-      std::unique_ptr<BatchTask> t = std::make_unique<Item>(id);
       ScheduleOptions so;
       so.timeout_ns = 20'000'000;
       so.loop_may_run = true;
       so.loop = LoopLender::Lending(&lender);
-      EXPECT_TRUE((*b)->Schedule(t, so).ok());
+      EXPECT_TRUE(m.Schedule(id, so).ok());
     }
     queued = true;
     int64_t wait_ns = 0;
     lender.RunDue(&wait_ns);
   });
-  const bool hung = quern::testing::Eventually([&] { return started.load() == 2; });
-  clock.AdvanceNs(50'000'000);
-  const auto first = drops.First();
-  opener.Open();
+  const bool hung = quern::testing::Eventually([&] { return m.started.load() == 2; });
+  m.clock.AdvanceNs(50'000'000);
+  const auto first = m.drops.First();
+  m.Open(1);
   loop.join();
   ASSERT_TRUE(queued.load());
   ASSERT_TRUE(hung) << "the loop did not run the first two";
   ASSERT_TRUE(first.has_value()) << "the task left queued waited for the hanging batch past its timeout";
   EXPECT_EQ(*first, (std::pair<int, StatusCode>{3, StatusCode::kDeadlineExceeded}));
-  EXPECT_EQ((*b)->lent_batches(), 1);
+  EXPECT_EQ(m.batcher->lent_batches(), 1);
 }
 
 // A task the loop may not run (a large input; another thread's) that is
