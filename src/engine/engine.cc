@@ -183,10 +183,7 @@ bool Engine::ModelReady(const std::string& name, int64_t version) const {
   return impl_->Resolve(name, version).has_value();
 }
 bool Engine::AllModelsReady() const {
-  for (const auto& m : impl_->ListModels()) {
-    if (m.state != ModelState::kReady) return false;
-  }
-  return true;
+  return impl_->AllReady();
 }
 Status Engine::CheckAdmission(const std::string& name, int64_t version) const {
   auto served = impl_->Resolve(name, version);

@@ -668,6 +668,16 @@ std::vector<ModelStatus> ModelRegistry::ListModels() const {
   return out;
 }
 
+bool ModelRegistry::AllReady() const {
+  ReaderLock lock(mu_);
+  for (const auto& [n, e] : models_) {
+    for (const auto& [v, slot] : e.versions) {
+      if (slot.status.state != ModelState::kReady) return false;
+    }
+  }
+  return true;
+}
+
 Result<ModelStatus> ModelRegistry::GetModel(const std::string& name, int64_t version) const {
   ReaderLock lock(mu_);
   auto it = models_.find(name);

@@ -71,6 +71,9 @@ class ModelRegistry {
   void StopPolling();
 
   std::vector<ModelStatus> ListModels() const;
+  // Whether every version of every model is READY; copies nothing (the
+  // readiness probes and the gRPC health service ask it often).
+  bool AllReady() const;
   Result<ModelStatus> GetModel(const std::string& name, int64_t version) const;
   uint64_t Generation() const { return generation_.load(std::memory_order_acquire); }
   Result<std::vector<ModelStatistics>> GetStatistics(const std::string& name, int64_t version) const;
