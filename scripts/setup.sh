@@ -661,12 +661,14 @@ quantize_once() {
   # Checked against the SHA-256 written beside it: a damaged copy (or one without it) is made again.
   if [ -n "$cache" ] && [ -f "$cache/model.onnx" ] && [ -f "$cache/agreement.json" ]; then
     cp "$cache/model.onnx" "$int8.tmp"
-    if [ "$(sha256sum "$int8.tmp" | cut -d' ' -f1)" = "$(cat "$cache/model.onnx.sha256" 2>/dev/null)" ]; then
+    local cached
+    cached=$(sha256sum "$int8.tmp" | cut -d' ' -f1)
+    if [ "$cached" = "$(cat "$cache/model.onnx.sha256" 2>/dev/null)" ]; then
       cp "$cache/agreement.json" "$models/${name}_int8/agreement.json"
       mv "$int8.tmp" "$int8"
       echo "$want" > "$stamp"
       log "examples/models/${name}_int8 as quantized before on this machine ($cache)"
-      [ "$(sha256sum "$int8" | cut -d' ' -f1)" = "$sha" ] ||
+      [ "$cached" = "$sha" ] ||
         log "note: examples/models/${name}_int8 differs from the one measured in docs/benchmarks.md"
       return 0
     fi
