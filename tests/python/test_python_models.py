@@ -371,19 +371,21 @@ def test_a_process_that_dies_at_every_batch_is_started_again_only_after_a_pause(
     np.testing.assert_array_equal(plain_http(served, 6).as_numpy("y"), [[12, 2, 4]])  # one death: no pause
 
 
+def dead(pid):
+    """Dead to its parent: a zombie whose every thread is gone, or reaped. (Only the main thread left
+    is not enough: it may still be exiting, its sockets open; and a zombie main thread may still have
+    other threads exiting.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except FileNotFoundError:
+        return True
+
+
 def test_process_killed_while_idle_is_replaced_without_failing_a_request(served):
     pid = int(plain_http(served, 1).as_numpy("pid")[0, 0])
     os.kill(pid, signal.SIGKILL)
-    # Dead before the next request comes: every thread of it gone (a zombie whose other threads still
-    # exit is not yet dead to its parent), or reaped.
-    def dead():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split()[2] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
-        except FileNotFoundError:
-            return True
-
-    wait_until(dead, what=f"process {pid} to die")
+    wait_until(lambda: dead(pid), what=f"process {pid} to die")
     r = plain_http(served, 2)
     np.testing.assert_array_equal(r.as_numpy("y"), [[4, 2, 4]])
     assert int(r.as_numpy("pid")[0, 0]) != pid
@@ -1548,16 +1550,10 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
             except OSError:  # (a process that ended meanwhile)
                 return b""
 
-        def threads_left(pid):
-            try:
-                return len(os.listdir(f"/proc/{pid}/task"))
-            except OSError:
-                return 0
-
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and b"quern-python:idle:" in read(f"/proc/{p}/cmdline")]
         assert len(pids) == 2, pids
         os.kill(pids[0], signal.SIGKILL)
-        wait_until(lambda: threads_left(pids[0]) <= 1, what="the killed process's threads to end")
+        wait_until(lambda: dead(pids[0]), what="the killed process to die")
         assert "last_tick" in scrape()
         for _ in range(4):
             assert client.infer("idle", [x]).as_numpy("x").tolist() == [[1.0]]
