@@ -64,11 +64,12 @@ class H2Client:
     """One HTTP/2 connection driven by hand (h2), with a thread that reads what the server sends
     (so the socket drains) and records stream ends, resets and GOAWAY."""
 
-    def __init__(self, port, window=None, source="127.0.0.1", tls_context=None):
+    def __init__(self, port, window=None, source="127.0.0.1", tls_context=None, hello_after=0.0):
         import h2.config
         import h2.connection
         import h2.settings
         sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+        time.sleep(hello_after)  # (a client on a slow link: its TLS hello comes late)
         if tls_context:
             sock = tls_context.wrap_socket(sock, server_hostname="localhost")
         self.sock = sock
@@ -340,6 +341,41 @@ def test_calls_whose_message_never_comes_end_and_one_address_cannot_hold_every_c
     finally:
         for c in held:
             c.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def make_cert(tmp_path):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+                    "server.pem", "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True, cwd=tmp_path)
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "server.pem"))
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def test_a_tls_handshake_that_spans_the_servers_sweeps_is_served(tmp_path):
+    """Issue: the server's sweep (every 250 ms) sent a connection's first bytes while its TLS handshake
+    still ran, beside the handshake on the same TLS stream: the handshake was cancelled and the client's
+    first call failed ("Stream removed"). Clients whose hello comes 0.6 s late, and one whose handshake is
+    done at once, are each served, one after the other, on the same connection."""
+    ctx = make_cert(tmp_path)
+    repo = tmp_path / "repo"
+    write_spread(repo)
+    proc, ports = start_quern(QUERN, str(repo), "--grpc-tls-cert-file", str(tmp_path / "server.pem"),
+                              "--grpc-tls-key-file", str(tmp_path / "server.key"))
+    port = ports["gRPC"]
+    try:
+        for late in (0.6, 0.0, 0.6, 0.6):
+            c = H2Client(port, tls_context=ctx, hello_after=late)
+            try:
+                sid = c.call(LIVE, port, b"")
+                wait_until(lambda: sid in c.ended or c.closed.is_set(), timeout=15, what="ServerLive to end")
+                assert c.ended.get(sid) == "0", (f"hello {late} s late: the call ended with {c.ended.get(sid)!r}, "
+                                                 f"connection closed: {c.closed.is_set()}, error: {c.error!r}")
+            finally:
+                c.close()
+    finally:
         proc.terminate()
         proc.wait(timeout=30)
 

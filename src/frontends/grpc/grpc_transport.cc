@@ -354,10 +354,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   // Makes room for a new connection: GOAWAY when no call is open, else
-  // (watches, or a call that began since it was picked) closed now, so the
-  // count never passes the bound.
+  // (watches, or a call that began since it was picked, or a TLS handshake
+  // not yet done) closed now, so the count never passes the bound.
   void Evict() {
-    if (calls_.empty()) {
+    if (calls_.empty() && handshaken_) {
       GoAway(NGHTTP2_NO_ERROR);
     } else {
       Close();
@@ -572,6 +572,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (!told || closed_) break;
     }
     if (closed_) return;
+    // Nothing is written while a TLS handshake runs (a sweep or an eviction
+    // may flush then): a write beside the handshake on the same stream
+    // breaks it. Its end flushes what waits.
+    if (!handshaken_) return;
     if (!writing_ && !next_.empty()) StartWrite();
     if (!writing_ && next_.empty() &&
         (closing_ || (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)))) {
