@@ -83,6 +83,7 @@ class H2Client:
         self.goaway = None
         self.error = None
         self.closed = threading.Event()
+        self.pinged = threading.Event()
         self.flush()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -116,6 +117,8 @@ class H2Client:
                             self.ended.setdefault(e.stream_id, "reset")
                         elif isinstance(e, h2.events.ConnectionTerminated):
                             self.goaway = e.error_code
+                        elif isinstance(e, h2.events.PingAckReceived):
+                            self.pinged.set()
                     out = self.conn.data_to_send()
                 if out:
                     self.sock.sendall(out)
@@ -132,6 +135,14 @@ class H2Client:
                 self.conn.send_data(sid, grpc_frame(message), end_stream=end)
         self.flush()
         return sid
+
+    def ping(self, timeout=15):
+        """PING, and its ACK awaited: the server has read every frame sent before it."""
+        self.pinged.clear()
+        with self.lock:
+            self.conn.ping(b"12345678")
+        self.flush()
+        assert self.pinged.wait(timeout), "no PING ACK"
 
     def reset(self, sid):
         with self.lock:
@@ -345,6 +356,47 @@ def test_calls_whose_message_never_comes_end_and_one_address_cannot_hold_every_c
         proc.wait(timeout=30)
 
 
+def test_a_client_at_both_bounds_makes_room_once(tmp_path):
+    """Issue: a new connection from a client at its own bound and at the server's closed that client's
+    longest idle connection, then, counting it still, looked for another to close: with only one idle
+    connection it found none and refused the new one too (the idle one closed for nothing). Bounds 4
+    and 4, one address: 3 connections each with a call open and 1 idle; a fifth connection is served,
+    the idle one goes, the 3 with calls stay."""
+    repo = tmp_path / "repo"
+    write_spread(repo)
+    proc, ports = start_quern(QUERN, str(repo), "--grpc-max-connections", "4",
+                              "--grpc-max-connections-per-client", "4")
+    port = ports["gRPC"]
+    busy, clients = [], []
+    try:
+        for _ in range(3):
+            c = H2Client(port)
+            clients.append(c)
+            c.call(INFER, port, message=None, end=False)  # a call open: its message has not come
+            c.ping()  # (the server has begun the call: a call not yet begun leaves its connection idle)
+            busy.append(c)
+        idle = H2Client(port)
+        clients.append(idle)
+        idle.ping()
+        new = H2Client(port)
+        clients.append(new)
+        try:
+            sid = new.call(LIVE, port, b"")
+        except OSError as e:
+            raise AssertionError(f"the fifth connection was closed at once: {e!r}") from None
+        wait_until(lambda: sid in new.ended or new.closed.is_set(), timeout=15, what="the fifth connection's call")
+        assert new.ended.get(sid) == "0", f"the fifth connection: call {new.ended.get(sid)!r}, error {new.error!r}"
+        wait_until(lambda: idle.closed.is_set() or idle.goaway is not None, timeout=15,
+                   what="the idle connection to be told to go")
+        assert not any(c.closed.is_set() or c.goaway is not None for c in busy), \
+            f"a connection with a call was closed: {[(c.closed.is_set(), c.goaway, c.ended, c.error) for c in busy]}"
+    finally:
+        for c in clients:
+            c.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def make_cert(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
                     "server.pem", "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
@@ -358,7 +410,7 @@ def test_a_tls_handshake_that_spans_the_servers_sweeps_is_served(tmp_path):
     """Issue: the server's sweep (every 250 ms) sent a connection's first bytes while its TLS handshake
     still ran, beside the handshake on the same TLS stream: the handshake was cancelled and the client's
     first call failed ("Stream removed"). Clients whose hello comes 0.6 s late, and one whose handshake is
-    done at once, are each served, one after the other, on the same connection."""
+    done at once, are each served, one after the other, each on its own connection."""
     ctx = make_cert(tmp_path)
     repo = tmp_path / "repo"
     write_spread(repo)
@@ -385,17 +437,13 @@ def test_tls_connections_are_counted_and_idle_ones_make_room(tmp_path):
     connections count too: 120 idle TLS connections against a bound of 30 leave at most 30 open,
     and a real TLS client is served."""
     import tritonclient.grpc as grpcclient
-    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.pem",
-                  "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+    ctx = make_cert(tmp_path)
     repo = tmp_path / "repo"
     write_spread(repo)
     proc, ports = start_quern(QUERN, str(repo), "--grpc-tls-cert-file", str(tmp_path / "server.pem"),
                               "--grpc-tls-key-file", str(tmp_path / "server.key"), "--grpc-max-connections", "30",
                               "--grpc-max-connections-per-client", "30")
     port = ports["gRPC"]
-    ctx = ssl.create_default_context(cafile=str(tmp_path / "server.pem"))
-    ctx.set_alpn_protocols(["h2"])
     held = []
     try:
         for _ in range(120):

@@ -1283,7 +1283,10 @@ class GrpcTransport::Impl {
       }
       // At a bound, the connection longest without a call goes (of this
       // client's, at its own bound); none such: this one is refused.
-      if (same >= per_client && !EvictLocked(&slot->client)) return Refuse("per client", per_client, slot->peer);
+      if (same >= per_client) {
+        if (!EvictLocked(&slot->client)) return Refuse("per client", per_client, slot->peer);
+        --all;  // the one closed counted among all too
+      }
       if (all >= limit && !EvictLocked(nullptr)) return Refuse("", limit, slot->peer);
       shared_.slots.push_back(slot);
     }
