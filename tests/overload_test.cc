@@ -181,8 +181,7 @@ TEST(Draining, NoRepositoryPollAfterPollingStops) {
   testing::CopyModel("add_sub", repo.path(), "b");
   EXPECT_TRUE(WaitFor([&] { return e.ModelReady("b"); }));
   // ...until it stops: then nothing loads or unloads.
-  e.StopRepositoryPolling();
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a poll in progress ends
+  e.StopRepositoryPolling();  // returns once a poll in progress has ended
   testing::CopyModel("add_sub", repo.path(), "c");
   std::filesystem::remove_all(repo.path() / "a");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -489,8 +489,8 @@ class Engine {
   // every loaded or failed model version is ready.
   bool AllModelsReady() const;
   // Ends repository polling (a draining server loads and unloads nothing
-  // more): no poll starts after this returns (one in progress finishes).
-  // Idempotent.
+  // more): a poll in progress finishes before this returns (its loads and
+  // unloads done), and none starts after. Idempotent.
   void StopRepositoryPolling();
   // Requests submitted to the models in service and not yet answered
   // (queued or running, in versions being replaced or unloaded too); 0 once

@@ -714,11 +714,13 @@ Result<std::vector<ModelStatistics>> ModelRegistry::GetStatistics(const std::str
 }
 
 void ModelRegistry::StopPolling() {
-  {
-    MutexLock lock(poll_mu_);
-    stopping_ = true;
-  }
+  MutexLock lock(poll_mu_);
+  stopping_ = true;
   poll_cv_.SignalAll();  // the thread is joined at destruction
+  // A poll in progress finishes first (what it loads or unloads is done when
+  // this returns), unless this is that poll's own thread.
+  if (std::this_thread::get_id() == poll_thread_.get_id()) return;
+  poll_cv_.Wait(lock, [this]() QUERN_REQUIRES(poll_mu_) { return !polling_; });
 }
 
 std::vector<std::shared_ptr<Servable>> ModelRegistry::EveryServedLocked() const {
@@ -845,6 +847,7 @@ void ModelRegistry::PollLoop() {
   while (!stopping_) {
     poll_cv_.WaitFor(lock, *clock_, interval, [this]() QUERN_REQUIRES(poll_mu_) { return stopping_; });
     if (stopping_) break;
+    polling_ = true;
     lock.Unlock();
     const int64_t now = clock_->NowNs();
     RepositoryWatch::Changes changes;
@@ -872,6 +875,8 @@ void ModelRegistry::PollLoop() {
       }
     }
     lock.Lock();
+    polling_ = false;
+    poll_cv_.SignalAll();
   }
 }
 

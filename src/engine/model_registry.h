@@ -159,6 +159,7 @@ class ModelRegistry {
   Mutex poll_mu_;
   CondVar poll_cv_;
   bool stopping_ QUERN_GUARDED_BY(poll_mu_) = false;
+  bool polling_ QUERN_GUARDED_BY(poll_mu_) = false;  // a poll runs (StopPolling waits it out)
   std::thread poll_thread_;
 };
 

@@ -117,6 +117,7 @@ def runs_done(ports):
 def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server):
     http = httpclient.InferenceServerClient(f"127.0.0.1:{server['HTTP']}", network_timeout=60)
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server['gRPC']}")
+    assert grpc.is_server_live()  # (the channel connected: the deadline below is the call's alone)
     # One request alone: the model's time per request is measured (0.4 s).
     assert http.infer("slow", http_inputs(1)).as_numpy("y")[0, 0] == 2
     done_before = runs_done(server)
@@ -126,10 +127,10 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server):
         # Wait until the four are in the model: one running (held), three queued (1.2 s of work and more).
         wait_until(lambda: _queued(server) >= 3, timeout=30, what="three requests queued behind a running one")
 
-        # gRPC: a deadline of 0.6 s cannot be met behind ~1.2-1.6 s of work: UNAVAILABLE, at once. (Had
+        # gRPC: a deadline of 1 s cannot be met behind ~1.2-1.6 s of work: UNAVAILABLE, at once. (Had
         # it waited, the client's own deadline would have ended the call first: DEADLINE_EXCEEDED.)
         with pytest.raises(InferenceServerException) as e:
-            grpc.infer("slow", grpc_inputs(5), client_timeout=0.6)
+            grpc.infer("slow", grpc_inputs(5), client_timeout=1.0)
         assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), e.value.message())
         assert "after its deadline" in e.value.message() and "refused at once" in e.value.message()
 

@@ -98,7 +98,10 @@ class H2Client:
         import h2.events
         try:
             while True:
-                data = self.sock.recv(65536)
+                try:
+                    data = self.sock.recv(65536)
+                except TimeoutError:  # the server silent for the socket's timeout: still open
+                    continue
                 if not data:
                     break
                 with self.lock:

@@ -342,9 +342,18 @@ def test_auth_and_tls(repo, tmp_path):
                               (["--redis-url", url, "--redis-tls-ca-file", str(tmp_path / "server.pem")], "TLS")):
             q = Quern(repo, *extra)
             try:
-                time.sleep(0.5)
-                status, _, data = q.ready()
-                assert status == 503 and needle in json.loads(data)["error"], data
+                # Until its first try at Redis ends (a TLS handshake), readiness says "not connected yet".
+                last = []
+
+                def refused():
+                    status, _, data = q.ready()
+                    last[:] = [status, data]
+                    return status == 503 and needle in json.loads(data).get("error", "")
+
+                try:
+                    wait_until(refused, timeout=30, what=f"readiness to say why ({needle})")
+                except AssertionError as e:
+                    raise AssertionError(f"{e}; the last answer: {last}") from None
             finally:
                 q.stop()
     finally:

@@ -72,8 +72,9 @@ def test_a_host_killed_mid_batch_loses_no_job_and_the_balancer_routes_around_it(
     reclaimed = sum(cluster.metric(h, 'quern_stream_entries_total{outcome="reclaimed"}') for h in ("Q1", "Q3"))
     assert reclaimed > 0
     assert len(list(r.scan_iter("results:kill-*", count=1000))) == 1500
-    # HAProxy stopped routing to Q2 within its checks (2 failures at 300 ms, and one in flight).
-    assert down - killed < 3 * CHECK_INTER_MS / 1000 + 0.5, down - killed
+    # HAProxy stopped routing to Q2 within a few of its checks (2 failures at 300 ms, and one in
+    # flight: about 0.9 s; seen by this poller, itself on a loaded machine, with room to spare).
+    assert down - killed < 10 * CHECK_INTER_MS / 1000, down - killed
     # Synchronous requests failed only inside the kill window, and after it Q2 answered none.
     failed = [rec for rec in i["requests"] if rec[2] != 200]
     assert all(killed - 0.5 <= rec[1] and rec[0] <= down + 0.5 for rec in failed), failed

@@ -379,12 +379,17 @@ def test_keys_have_their_own_rate_limits(tmp_path):
         x.set_data_from_numpy(np.ones((1, 4), np.float32))
         y = grpcclient.InferInput("INPUT1", [1, 4], "FP32")
         y.set_data_from_numpy(np.ones((1, 4), np.float32))
+        began = time.monotonic()
         for _ in range(20):
             c.async_stream_infer("add_sub", [x, y])
         errors = [results.get(timeout=10) for _ in range(20)]
+        took = time.monotonic() - began
         c.stop_stream()
         limited = [e for e in errors if e is not None and "rate limit" in str(e)]
-        assert 10 <= len(limited) <= 16, [str(e) for e in errors]
+        # At most the burst (5) and what refilled while the stream ran (5 a second) pass: 10 or more
+        # are refused when it took under a second, fewer on a machine slow enough to take longer.
+        served = 20 - len(limited)
+        assert 4 <= served <= 5 + 5 * took + 1, (took, [str(e) for e in errors])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -398,13 +398,23 @@ def metric(port, name):
     return float(m.group(1)) if m else None
 
 
-def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
-    proc, port, metrics = start(repo, "--vision-queue-capacity", "1", "--vision-timeout-ms", "400")
+def test_overload_refuses_at_once_and_timeouts_drop_before_inference(tmp_path):
+    # detect_slow here waits up to 60 s for a batch: its image is in flight until the 4 s timeout
+    # drops it, time enough for the steps below on a loaded machine (with 400 ms it expired before
+    # them now and then, and the head sent last was then admitted).
+    repo = tmp_path / "repo"
+    for m in ("detect_yolov8", "detect_slow"):
+        shutil.copytree(os.path.join(MODELS, m), repo / m)
+    config = repo / "detect_slow" / "config.pbtxt"
+    text = config.read_text()
+    assert "max_queue_delay_microseconds: 1000000" in text
+    config.write_text(text.replace("max_queue_delay_microseconds: 1000000", "max_queue_delay_microseconds: 60000000"))
+    proc, port, metrics = start(str(repo), "--vision-queue-capacity", "1", "--vision-timeout-ms", "4000")
     try:
         img = encode(painted(128, 96, SQUARES), "PNG")
         results = {}
 
-        def slow():  # detect_slow waits up to 1 s for a batch: past the 400 ms timeout
+        def slow():  # detect_slow waits up to 60 s for a batch: past the 4 s timeout
             results["slow"] = detect(port, img, path="/v1/vision/custom/detect_slow")
 
         t = threading.Thread(target=slow)
@@ -414,7 +424,7 @@ def test_overload_refuses_at_once_and_timeouts_drop_before_inference(repo):
             time.sleep(0.02)
         assert metric(metrics, "quern_vision_in_flight") == 1, "the first image never got in flight"
         busy = detect(port, img, path="/v1/vision/custom/detect_slow")
-        # Refused at once: while the first is still in flight (it waits out its 400 ms), not after it.
+        # Refused at once: while the first is still in flight (it waits out its 4 s), not after it.
         assert t.is_alive() and "slow" not in results, "an over-capacity request must be refused at once"
         assert busy["success"] is False and "busy" in busy["error"]
         # The capacity is the model's own: another model's image is taken meanwhile.
