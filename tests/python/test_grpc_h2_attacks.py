@@ -359,28 +359,31 @@ def test_calls_whose_message_never_comes_end_and_one_address_cannot_hold_every_c
         proc.wait(timeout=30)
 
 
-def test_a_client_at_both_bounds_makes_room_once(tmp_path):
+@pytest.mark.parametrize("with_calls", [3, 2])
+def test_a_client_at_both_bounds_makes_room_once(tmp_path, with_calls):
     """Issue: a new connection from a client at its own bound and at the server's closed that client's
-    longest idle connection, then, counting it still, looked for another to close: with only one idle
-    connection it found none and refused the new one too (the idle one closed for nothing). Bounds 4
-    and 4, one address: 3 connections each with a call open and 1 idle; a fifth connection is served,
-    the idle one goes, the 3 with calls stay."""
+    longest idle connection, then, counting it still, looked for another to close: with one idle
+    connection it found none and refused the new one too (the idle one closed for nothing); with two,
+    it closed both. Bounds 4 and 4, one address: 3 (or 2) connections each with a call open, the rest
+    idle; a fifth connection is served, the oldest idle one is told to go, the others stay."""
     repo = tmp_path / "repo"
     write_spread(repo)
     proc, ports = start_quern(QUERN, str(repo), "--grpc-max-connections", "4",
                               "--grpc-max-connections-per-client", "4")
     port = ports["gRPC"]
-    busy, clients = [], []
+    busy, idle, clients = [], [], []
     try:
-        for _ in range(3):
+        for _ in range(with_calls):
             c = H2Client(port)
             clients.append(c)
             c.call(INFER, port, message=None, end=False)  # a call open: its message has not come
             c.ping()  # (the server has begun the call: a call not yet begun leaves its connection idle)
             busy.append(c)
-        idle = H2Client(port)
-        clients.append(idle)
-        idle.ping()
+        for _ in range(4 - with_calls):
+            c = H2Client(port)
+            clients.append(c)
+            c.ping()  # (admitted and counted before the next comes)
+            idle.append(c)
         new = H2Client(port)
         clients.append(new)
         try:
@@ -389,10 +392,11 @@ def test_a_client_at_both_bounds_makes_room_once(tmp_path):
             raise AssertionError(f"the fifth connection was closed at once: {e!r}") from None
         wait_until(lambda: sid in new.ended or new.closed.is_set(), timeout=15, what="the fifth connection's call")
         assert new.ended.get(sid) == "0", f"the fifth connection: call {new.ended.get(sid)!r}, error {new.error!r}"
-        wait_until(lambda: idle.closed.is_set() or idle.goaway is not None, timeout=15,
-                   what="the idle connection to be told to go")
-        assert not any(c.closed.is_set() or c.goaway is not None for c in busy), \
-            f"a connection with a call was closed: {[(c.closed.is_set(), c.goaway, c.ended, c.error) for c in busy]}"
+        wait_until(lambda: idle[0].goaway is not None, timeout=15, what="the oldest idle connection to be told to go")
+        for c in idle[1:] + busy:  # (a GOAWAY sent them before their PING's ACK would be seen by now)
+            c.ping()
+        assert not any(c.closed.is_set() or c.goaway is not None for c in idle[1:] + busy), \
+            [(c.closed.is_set(), c.goaway, c.ended, c.error) for c in idle[1:] + busy]
     finally:
         for c in clients:
             c.close()

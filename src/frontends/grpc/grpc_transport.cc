@@ -283,7 +283,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (tls_) {
       tls_->async_handshake(ssl::stream_base::server, [self = shared_from_this()](boost::system::error_code ec) {
         if (ec) {
-          TransportLog(LogLevel::kInfo, "gRPC: TLS handshake failed: " + ec.message(), self->peer_);
+          // (Closed here meanwhile: evicted, or timed out, which is no failure of the handshake.)
+          if (!self->closed_) TransportLog(LogLevel::kInfo, "gRPC: TLS handshake failed: " + ec.message(), self->peer_);
           return self->Close();
         }
         self->handshaken_ = true;
