@@ -297,6 +297,10 @@ def free_port():
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """A server could not bind the port it was given."""
+
+
 class RedisServer:
     """A real redis-server for one test: its own port and data directory, append-only file on
     (fsync on every write), so a restart keeps what was acknowledged. Extra arguments go to
@@ -308,7 +312,16 @@ class RedisServer:
         self.extra = list(extra)
         self.tls = tls
         self.proc = None
-        self.start()
+        # A port found free may be taken by another process (tests run side by side) before
+        # redis-server binds it: then another port, when the test let this class choose.
+        for attempt in range(3):
+            try:
+                self.start()
+                return
+            except PortTaken:
+                if port is not None or attempt == 2:
+                    raise
+                self.port = free_port()
 
     def start(self):
         import subprocess
@@ -317,18 +330,40 @@ class RedisServer:
         self.proc = subprocess.Popen(
             ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", self.dir, "--appendonly", "yes",
              "--appendfsync", "always", "--save", "", "--daemonize", "no", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         import socket
         deadline = time.time() + 20
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"redis-server exited with {self.proc.returncode}")
+                said = self.proc.stdout.read().decode(errors="replace")
+                if "Address already in use" in said:
+                    raise PortTaken(self.port)
+                raise AssertionError(f"redis-server exited with {self.proc.returncode}: {said[-2000:]}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    if not self.tls:
+                        # Redis itself, not another process on the port: any RESP answer (+PONG,
+                        # -NOAUTH with a password set).
+                        s.settimeout(5)
+                        s.sendall(b"PING\r\n")
+                        if s.recv(64)[:1] not in (b"+", b"-"):
+                            raise OSError("not redis")
+                self._drain_output()
                 return
             except OSError:
                 time.sleep(0.05)
         raise AssertionError("redis-server did not start")
+
+    def _drain_output(self):
+        """Its output read on (and dropped) so that a full pipe never blocks it."""
+        import threading
+        out = self.proc.stdout
+
+        def drain():
+            while out.read(65536):
+                pass
+
+        threading.Thread(target=drain, daemon=True).start()
 
     def client(self, **kwargs):
         import redis
