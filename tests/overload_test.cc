@@ -62,9 +62,12 @@ ModelConfig GatedConfig() {
   return c;
 }
 
+// Polls `cond` for up to 30 s (a model load under the sanitizers on a loaded
+// machine may take seconds).
 template <typename F>
 bool WaitFor(F cond) {
-  for (int i = 0; i < 5000 && !cond(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!cond() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return cond();
 }
 
