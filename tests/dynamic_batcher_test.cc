@@ -1034,11 +1034,9 @@ TEST(DynamicBatcher, ALoneRequestRunsWideAndConcurrentOnesNarrowNeverTogether) {
     EXPECT_EQ(h.workers.back(), 2) << "request " << i;
   }
   // Four in flight: the narrow workers take them, two at a time, and the
-  // wide one waits. (Each says eight are in the model, as a server with
-  // more behind them would: the load is heavy from the first arrival, so a
-  // worker woken between two of these finds no light load to run wide.)
+  // wide one waits.
   h.Close();
-  for (int i = 0; i < 4; ++i) h.Send(8);
+  for (int i = 0; i < 4; ++i) h.Send(4);
   ASSERT_TRUE(h.WaitStarted(5));
   {
     std::unique_lock lock(h.mu);
