@@ -20,7 +20,10 @@ MODELS = os.environ["QUERN_TEST_MODELS"]
 MAX_BODY = 4096
 MAX_HEADER = 1024
 MAX_CONNECTIONS = 4
-IDLE_S = 2
+# The read timeout closes a stalled request within about 2 s (its deadline is looked at by a sweep
+# every 0.5 s); the idle timeout is far enough beyond it that a loaded machine's late sweeps cannot
+# make the test mistake one for the other.
+IDLE_S = 4
 READ_S = 1
 
 
