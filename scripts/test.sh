@@ -40,14 +40,16 @@ step() {  # step NAME: ends the step before (printing its seconds) and names the
 
 step "setup"
 scripts/setup.sh
-asan_build="" bench_build="" fuzz=""
+asan_build="" bench_build="" fuzz="" packaging=""
 on_exit() {  # what runs in the background is stopped on the way out; the exit status stays the script's
   local rc=$?
   set +e
   for job in "$asan_build" "$bench_build"; do
     [ -n "$job" ] && { kill "$job" 2>/dev/null; wait "$job" 2>/dev/null; }
   done
-  [ -n "$fuzz" ] && { kill -- -"$fuzz" 2>/dev/null; wait "$fuzz" 2>/dev/null; }
+  for group in "$fuzz" "$packaging"; do
+    [ -n "$group" ] && { kill -- -"$group" 2>/dev/null; wait "$group" 2>/dev/null; }
+  done
   exit "$rc"
 }
 trap on_exit EXIT
@@ -89,12 +91,31 @@ if [ "${QUERN_TEST_ASAN:-1}" = 1 ]; then
   asan_start=$SECONDS
 fi
 
-step "release tests (the sanitizer build compiles meanwhile on idle CPU)"
+# The wheel and the installation need only the release build: they run beside the release tests
+# (at normal priority: each starts a server with a time limit), one after the other, in a session of
+# their own (setsid, so that a way out stops what they started), their output kept for after the
+# tests. (Alone, after the tests, they took 58 s on this machine's kind.) The Debian package, which
+# installs into /usr and adds a user, waits for the tests.
+packaging_log="$ROOT/build/ci/packaging.log"
+QUERN_TEST_MODELS="$ROOT/build/ci/test_models" setsid -w bash -c '
+  set -euo pipefail
+  t=$SECONDS
+  echo "== the Python wheel (pip wheel ., a fresh venv with numpy 2)"
+  scripts/test_wheel.sh
+  echo "== the Python wheel: $((SECONDS - t)) s"; t=$SECONDS
+  echo "== the installation (cmake --install; examples/embed built against it)"
+  scripts/test_install.sh "$1"
+  echo "== the installation: $((SECONDS - t)) s"' packaging "$ROOT/build/ci" >"$packaging_log" 2>&1 &
+packaging=$!
+
+step "release tests (the sanitizer build compiles meanwhile on idle CPU; the wheel and the installation beside them)"
 ctest --preset ci -j2
-step "the Python wheel (pip wheel ., a fresh venv with numpy 2)"
-QUERN_TEST_MODELS="$ROOT/build/ci/test_models" scripts/test_wheel.sh
-step "the installation (cmake --install; examples/embed built against it)"
-scripts/test_install.sh "$ROOT/build/ci"
+step "the Python wheel and the installation (begun beside the release tests): their end"
+rc=0
+wait "$packaging" || rc=$?
+packaging=""
+cat "$packaging_log"
+[ "$rc" = 0 ] || { echo "== the wheel or the installation failed (rc $rc; build/ci/packaging.log)" >&2; exit 1; }
 step "the Debian package (cpack; dpkg -i, started as its unit starts it, dpkg -r and --purge)"
 scripts/test_deb.sh "$ROOT/build/ci"
 
