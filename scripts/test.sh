@@ -96,10 +96,14 @@ fi
 # their own (setsid, so that a way out stops what they started), their output kept for after the
 # tests. (Alone, after the tests, they took 58 s on this machine's kind.) The Debian package, which
 # installs into /usr and adds a user, waits for the tests.
+# Their test models are their own (made in half a second), not the ones ctest makes and may remake.
 packaging_log="$ROOT/build/ci/packaging.log"
-QUERN_TEST_MODELS="$ROOT/build/ci/test_models" setsid -w bash -c '
+setsid -w bash -c '
   set -euo pipefail
   t=$SECONDS
+  export QUERN_TEST_MODELS="$1/packaging_models"
+  rm -rf "$QUERN_TEST_MODELS"
+  build/venv/bin/python scripts/gen_models.py --tests "$QUERN_TEST_MODELS" --quiet
   echo "== the Python wheel (pip wheel ., a fresh venv with numpy 2)"
   scripts/test_wheel.sh
   echo "== the Python wheel: $((SECONDS - t)) s"; t=$SECONDS
