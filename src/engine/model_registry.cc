@@ -49,11 +49,7 @@ ModelRegistry::ModelRegistry(EngineOptions options, const std::function<void(Bac
 }
 
 ModelRegistry::~ModelRegistry() {
-  {
-    MutexLock lock(poll_mu_);
-    stopping_ = true;
-  }
-  poll_cv_.SignalAll();
+  StopPolling();
   if (poll_thread_.joinable()) poll_thread_.join();
   std::map<std::string, Entry> models;
   {

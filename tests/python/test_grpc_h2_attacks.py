@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from quern_testing import rss_mb, sanitized, start_quern, wait_until
+from quern_testing import rss_mb, sanitized, start_quern, stop_quern, wait_until
 
 QUERN = os.environ["QUERN_BIN"]
 
@@ -400,8 +400,7 @@ def test_a_client_at_both_bounds_makes_room_once(tmp_path, with_calls):
     finally:
         for c in clients:
             c.close()
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_quern(proc)
 
 
 def make_cert(tmp_path):
@@ -435,8 +434,7 @@ def test_a_tls_handshake_that_spans_the_servers_sweeps_is_served(tmp_path):
             finally:
                 c.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_quern(proc)
 
 
 def test_tls_connections_are_counted_and_idle_ones_make_room(tmp_path):
